@@ -1,0 +1,29 @@
+"""specdec_kernels: fused kernels for speculative decoding.
+
+Public ops (contract: docs/API.md): ``verify_greedy``, ``verify_tree_greedy``,
+``rejection_sample``, ``tree_rejection_sample``, ``sampling_probs``, ``tree_attention``,
+``compact_kv_cache``; token-tree helpers in ``specdec_kernels.tree``; plain-PyTorch
+references in ``specdec_kernels.reference``.  Nothing here touches a GPU at import.
+"""
+from specdec_kernels import reference, tree
+from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
+from specdec_kernels.ops.rejection_sample import rejection_sample
+from specdec_kernels.ops.sampling_probs import sampling_probs
+from specdec_kernels.ops.tree_attention import tree_attention
+from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
+from specdec_kernels.ops.verify_greedy import verify_greedy
+from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "compact_kv_cache",
+    "reference",
+    "rejection_sample",
+    "sampling_probs",
+    "tree",
+    "tree_attention",
+    "tree_rejection_sample",
+    "verify_greedy",
+    "verify_tree_greedy",
+]

@@ -1,0 +1,113 @@
+"""Argument checks shared by the references and the public ops.
+
+Every check raises ``ValueError`` or ``TypeError`` whose message names the argument and
+what it got, so a caller sees at once which input is wrong.  Value checks (ranges of
+indices and parents) read tensor contents: they are cheap on CPU tensors and cost a device
+synchronisation on CUDA, so the public ops run them by default only on CPU tensors.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    ndim: Optional[int | Sequence[int]] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor of the given rank, dtype and device; return it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
+    """Raise ValueError unless ``t.shape == expected``."""
+    if tuple(t.shape) != tuple(expected):
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
+
+
+def want_value_checks(validate: Optional[bool], *tensors: torch.Tensor) -> bool:
+    """Value checks default to on for CPU tensors and off elsewhere (they need a sync)."""
+    if validate is not None:
+        return bool(validate)
+    return all(t.device.type == "cpu" for t in tensors if isinstance(t, torch.Tensor))
+
+
+def check_counts(name: str, counts, batch: int, upper: int, device, validate: Optional[bool]) -> torch.Tensor:
+    """Check a per-sequence count tensor [B] with values in 0..upper; None means ``upper``.
+
+    Returns an int64 tensor on ``device``.
+    """
+    if counts is None:
+        return torch.full((batch,), upper, dtype=torch.int64, device=device)
+    check_tensor(name, counts, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape(name, counts, (batch,), "one count per sequence")
+    if want_value_checks(validate, counts) and counts.numel() > 0:
+        lo, hi = int(counts.min()), int(counts.max())
+        if lo < 0 or hi > upper:
+            raise ValueError(f"{name} must lie in 0..{upper}, got values in {lo}..{hi}")
+    return counts.to(torch.int64)
+
+
+def check_parents(name: str, parents, batch: int, num_nodes: int, device, validate: Optional[bool]) -> torch.Tensor:
+    """Check a parent list [N] or [B, N]: parents[0] == -1 and 0 <= parents[i] < i.
+
+    Returns int64 parents of shape [B, N] (a shared tree is expanded, not copied).
+    """
+    check_tensor(name, parents, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device)
+    if parents.dim() == 1:
+        check_shape(name, parents, (num_nodes,), "one parent per tree node")
+    else:
+        check_shape(name, parents, (batch, num_nodes), "one parent list per sequence")
+    if want_value_checks(validate, parents) and parents.numel() > 0:
+        p = parents.reshape(-1, num_nodes).to(torch.int64)
+        if (p[:, 0] != -1).any():
+            raise ValueError(f"{name}[..., 0] must be -1 (node 0 is the root), got {p[:, 0].tolist()[:8]}")
+        if num_nodes > 1:
+            idx = torch.arange(num_nodes, device=p.device)
+            bad = (p[:, 1:] < 0) | (p[:, 1:] >= idx[1:])
+            if bad.any():
+                row, col = (int(v) for v in bad.nonzero()[0])
+                raise ValueError(
+                    f"{name} must satisfy 0 <= parents[i] < i (topological order); "
+                    f"node {col + 1} has parent {int(p[row, col + 1])}"
+                )
+    return parents.to(torch.int64).expand(batch, num_nodes) if parents.dim() == 1 else parents.to(torch.int64)
+
+
+def check_probs(name: str, t, ndim: int, device=None) -> torch.Tensor:
+    return check_tensor(name, t, ndim=ndim, dtypes=FLOAT_DTYPES, device=device)
+
+
+def check_uniforms(name: str, u, expected: Sequence[int], device) -> torch.Tensor:
+    """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)."""
+    check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
+    check_shape(name, u, expected)
+    if u.device.type == "cpu" and u.numel() > 0:
+        lo, hi = float(u.min()), float(u.max())
+        if not (lo >= 0.0 and hi < 1.0):
+            raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
+    return u.to(torch.float32)

@@ -1,0 +1,111 @@
+"""Reference KV-cache compaction after verification (plain PyTorch)."""
+from __future__ import annotations
+
+from typing import List, Sequence, Union
+
+import torch
+
+from specdec_kernels._checks import INDEX_DTYPES, check_counts, check_shape, check_tensor, want_value_checks
+
+KVCache = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[Sequence[torch.Tensor]]]
+
+
+def cache_views(kv_cache: KVCache) -> List[torch.Tensor]:
+    """The cache as a list of [B, Hkv, S, D] tensors (views, nothing copied).
+
+    Accepts one [L, 2, B, Hkv, S, D] tensor, a flat sequence of [B, Hkv, S, D] tensors, or a
+    sequence of (key, value) pairs of them.
+    """
+    if isinstance(kv_cache, torch.Tensor):
+        check_tensor("kv_cache", kv_cache, ndim=6)
+        return list(kv_cache.flatten(0, 1).unbind(0))
+    if not isinstance(kv_cache, (list, tuple)):
+        raise TypeError(f"kv_cache must be a tensor or a sequence of tensors, got {type(kv_cache).__name__}")
+    flat = []
+    for i, item in enumerate(kv_cache):
+        if isinstance(item, (list, tuple)):
+            flat.extend(item)
+        else:
+            flat.append(item)
+    for i, t in enumerate(flat):
+        check_tensor(f"kv_cache[{i}]", t, ndim=4)
+    return flat
+
+
+def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=None):
+    """Validate ``compact_kv_cache``'s arguments; return (views, B, S, M, num_accepted int64)."""
+    views = cache_views(kv_cache)
+    if not views:
+        raise ValueError("kv_cache must hold at least one layer")
+    first = views[0]
+    B, Hkv, S, D = first.shape
+    for i, t in enumerate(views[1:], start=1):
+        check_tensor(f"kv_cache[{i}]", t, dtypes=(first.dtype,), device=first.device)
+        check_shape(f"kv_cache[{i}]", t, (B, Hkv, S, D), "every layer's keys and values alike")
+    device = first.device
+    check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("cache_seqlens", cache_seqlens, (B,))
+    check_tensor("accepted_indices", accepted_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if accepted_indices.shape[0] != B:
+        raise ValueError(f"accepted_indices must have shape ({B}, M), got {tuple(accepted_indices.shape)}")
+    M = accepted_indices.shape[1]
+    n = check_counts("num_accepted", num_accepted, B, M, device, validate)
+    if want_value_checks(validate, accepted_indices, cache_seqlens) and B and M:
+        idx = accepted_indices.to(torch.int64)
+        counted = torch.arange(M, device=device)[None, :] < n[:, None]
+        if (counted & (idx < torch.arange(M, device=device)[None, :])).any():
+            raise ValueError("accepted_indices[b, i] must be >= i (a token never moves to a later slot)")
+        if M > 1 and (counted[:, 1:] & (idx[:, 1:] <= idx[:, :-1])).any():
+            raise ValueError("accepted_indices must be strictly increasing within num_accepted")
+        slot = cache_seqlens.to(torch.int64)[:, None] + idx
+        if (counted & ((slot >= S) | (cache_seqlens[:, None] < 0))).any():
+            raise ValueError(f"cache_seqlens + accepted_indices must be below the capacity S={S}")
+    return views, B, S, M, n
+
+
+def _compact_kv_cache(views, cache_seqlens, accepted_indices, num_accepted) -> None:
+    for b in range(cache_seqlens.shape[0]):
+        n = int(num_accepted[b])
+        if n == 0:
+            continue
+        start = int(cache_seqlens[b])
+        source = start + accepted_indices[b, :n].to(torch.int64)
+        for cache in views:
+            rows = cache[b].index_select(1, source.to(cache.device))  # a copy: safe although slots overlap
+            cache[b, :, start : start + n] = rows
+
+
+def compact_kv_cache(
+    kv_cache: KVCache,
+    cache_seqlens: torch.Tensor,
+    accepted_indices: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move the accepted tokens' keys and values into place after verification (reference).
+
+    After tree (or chain) verification the accepted nodes' K/V sit at scattered slots
+    cache_seqlens[b] + accepted_indices[b, i]; they must become contiguous after the prefix.
+    For every layer, K and V, head and i < num_accepted[b]: slot cache_seqlens[b] + i receives
+    slot cache_seqlens[b] + accepted_indices[b, i].  Nothing else changes.  (The KV "path
+    compaction" step of SpecInfer / Medusa / EAGLE implementations.)
+
+    Args:
+        kv_cache: one tensor of shape (L, 2, batch, kv_heads, S, head_dim), or a sequence of
+            (batch, kv_heads, S, head_dim) tensors (flat, or (key, value) pairs); any dtype.
+            Modified in place.
+        cache_seqlens: Shape (batch,), int32/int64: committed tokens before the new block.
+        accepted_indices: Shape (batch, M), int32/int64: node indices of the accepted path
+            relative to cache_seqlens[b], strictly increasing, accepted_indices[b, i] >= i,
+            cache_seqlens[b] + index < S.  Entries at or past num_accepted[b] are ignored.
+        num_accepted: Shape (batch,), int in 0..M: how many slots to fill.
+
+    Returns:
+        None; ``kv_cache`` is modified in place.
+
+    Raises:
+        TypeError: not tensors, wrong dtypes, mixed cache dtypes.
+        ValueError: wrong ranks or shapes, layers of different shapes or devices, indices not
+            increasing, index below its own position, slot >= S (value checks on CPU).
+    """
+    views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted)
+    _compact_kv_cache(views, cache_seqlens, accepted_indices, n)

@@ -1,0 +1,54 @@
+"""Test harness: device choice, the Triton interpreter on CPU, markers.
+
+Without CUDA the Triton kernels run in the interpreter on CPU tensors; TRITON_INTERPRET
+must be set before the kernels are imported, so it is set here, before anything imports
+specdec_kernels.  With CUDA the same tests run on the GPU (and SPECDEC_TEST_LARGE=1, set by
+scripts/gpu_check.sh, selects larger shapes).
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+LARGE = os.environ.get("SPECDEC_TEST_LARGE") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_cuda: needs a CUDA device")
+    config.addinivalue_line("markers", "requires_native_op(name): needs torch.ops.specdec.<name> on the test device")
+    config.addinivalue_line("markers", "requires_sm(major): needs a CUDA device of at least this compute capability")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("requires_cuda") and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        sm = item.get_closest_marker("requires_sm")
+        if sm is not None and (not HAS_CUDA or torch.cuda.get_device_capability()[0] < sm.args[0]):
+            item.add_marker(pytest.mark.skip(reason=f"needs sm_{sm.args[0]}0 or newer"))
+
+
+@pytest.fixture(autouse=True)
+def _native_op_marker(request):
+    marker = request.node.get_closest_marker("requires_native_op")
+    if marker is not None:
+        from specdec_kernels import _native
+
+        device = "cuda" if HAS_CUDA else "cpu"
+        if not _native.has_kernel(marker.args[0], device):
+            pytest.skip(f"specdec_kernels._C has no {device} kernel for {marker.args[0]} (extension not built)")
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel tests run: the GPU when there is one, else CPU (Triton interpreter)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="session")
+def large() -> bool:
+    return LARGE
