@@ -2,11 +2,13 @@
 
 Backends: ``"reference"`` (plain PyTorch, everywhere), ``"triton"`` (Triton kernels on CUDA
 tensors, or on CPU tensors in the interpreter when ``TRITON_INTERPRET=1`` was set before
-the kernels were imported) and ``"native"`` (the C++/CUDA extension).
+the kernels were imported), ``"native"`` (the C++/CUDA extension) and ``"torch"`` (a fast
+path composed of PyTorch's own fused CPU/CUDA kernels, for ops where that beats the
+reference on CPU, e.g. attention through ``scaled_dot_product_attention``).
 
 Each public op takes ``backend=None``; ``None`` reads the ``SPECDEC_BACKEND`` environment
 variable and otherwise chooses automatically: Triton or native on CUDA, native on CPU where
-the extension has the op, else the reference.  An explicit ``backend=`` that the op or the
+the extension has the op, then the "torch" fast path where the op has one, else the reference.  An explicit ``backend=`` that the op or the
 device cannot serve is an error; ``SPECDEC_BACKEND`` names a preference and ops without that
 backend choose automatically.  The Triton interpreter is never chosen automatically.
 """
@@ -19,7 +21,7 @@ import torch
 
 from specdec_kernels import _native
 
-BACKENDS = ("reference", "triton", "native")
+BACKENDS = ("reference", "triton", "native", "torch")
 ENV_VAR = "SPECDEC_BACKEND"
 
 
@@ -37,7 +39,7 @@ def interpreter_on() -> bool:
 
 def _can_run(backend: str, op: str, device: torch.device) -> Optional[str]:
     """None when ``backend`` can run ``op`` on ``device``; otherwise the reason it cannot."""
-    if backend == "reference":
+    if backend in ("reference", "torch"):
         return None
     if backend == "triton":
         if not triton_available():
@@ -84,17 +86,21 @@ def resolve(op: str, device: torch.device, backend: Optional[str], implemented: 
         for fast in ("native", "triton"):
             if fast in implemented and _can_run(fast, op, device) is None:
                 return fast
-    elif "native" in implemented:
-        if _can_run("native", op, device) is None:
-            return "native"
-        _native.warn_fallback(op, device.type)
+    else:
+        if "native" in implemented:
+            if _can_run("native", op, device) is None:
+                return "native"
+            if "torch" not in implemented:
+                _native.warn_fallback(op, device.type)
+        if "torch" in implemented:
+            return "torch"
     return "reference"
 
 
 BACKEND_DOC = """
     Backend (public op only):
-        backend: None (automatic; see ``specdec_kernels._backend``), "reference", "triton" or
-            "native".  ValueError if the op or device cannot serve an explicit choice.
+        backend: None (automatic; see ``specdec_kernels._backend``), "reference", "triton",
+            "native" or "torch".  ValueError if the op or device cannot serve an explicit choice.
         validate: run value checks (index ranges, parent order) that need the tensor
             contents; None means on for CPU tensors and off on CUDA (they would synchronise).
 """

@@ -50,3 +50,14 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     if len(obs) < 2:
         return 1.0
     return float(stats.chisquare(np.array(obs), np.array(exp)).pvalue)
+
+
+def runnable_backends(op_module, op_name: str, device: torch.device):
+    """The backends of an op (its module's IMPLEMENTED) that can run on ``device`` here.
+
+    Tests parametrise over these, so every golden case and invariant runs on every fast path
+    (Triton in the interpreter on CPU, the native extension when built).
+    """
+    from specdec_kernels import _backend
+
+    return [b for b in op_module.IMPLEMENTED if _backend._can_run(b, op_name, device) is None]
