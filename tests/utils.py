@@ -40,6 +40,8 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     observed = torch.bincount(samples.cpu(), minlength=probs.numel()).double()
     if (observed[probs == 0] > 0).any():
         return 0.0
+    support = probs > 0
+    observed, probs = observed[support], probs[support]
     expected = probs * n
     big = expected >= 5
     obs = observed[big].tolist()
@@ -52,12 +54,45 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(stats.chisquare(np.array(obs), np.array(exp)).pvalue)
 
 
-def runnable_backends(op_module, op_name: str, device: torch.device):
-    """The backends of an op (its module's IMPLEMENTED) that can run on ``device`` here.
+def runnable_backends(op_name: str, device=None):
+    """The backends of an op (``specdec_kernels.ops.<op>.IMPLEMENTED``) that can run here.
 
     Tests parametrise over these, so every golden case and invariant runs on every fast path
-    (Triton in the interpreter on CPU, the native extension when built).
+    (Triton in the interpreter on CPU, the native extension when built).  ``device`` defaults
+    to CUDA when present, else CPU.
     """
+    import importlib
+
     from specdec_kernels import _backend
 
-    return [b for b in op_module.IMPLEMENTED if _backend._can_run(b, op_name, device) is None]
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    module = importlib.import_module(f"specdec_kernels.ops.{op_name}")
+    return [b for b in module.IMPLEMENTED if _backend._can_run(b, op_name, torch.device(device)) is None]
+
+
+def on_device(fn, device, **fixed):
+    """Wrap an op so tensor arguments go to ``device`` and tensor results come back to CPU.
+
+    Lets one hand-worked test run on the interpreter (CPU) and on CUDA alike.
+    """
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if isinstance(x, (list, tuple)):
+            return type(x)(move(v) for v in x)
+        return x
+
+    def back(x):
+        if isinstance(x, torch.Tensor):
+            return x.cpu()
+        if isinstance(x, tuple):
+            return tuple(back(v) for v in x)
+        return x
+
+    def wrapped(*args, **kwargs):
+        kwargs = {k: move(v) for k, v in kwargs.items()}
+        return back(fn(*(move(a) for a in args), **fixed, **kwargs))
+
+    return wrapped

@@ -1,0 +1,66 @@
+"""specdec_kernels.tree: masks, depths, Medusa choices and trie merging, worked by hand."""
+import pytest
+import torch
+
+from specdec_kernels import tree
+
+
+def test_ancestor_mask_by_hand():
+    mask = tree.ancestor_mask([-1, 0, 0, 1, 2])
+    assert mask.int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 0, 1, 0, 1],
+    ]
+
+
+def test_batched_masks_and_depths():
+    parents = torch.tensor([[-1, 0, 1], [-1, 0, 0]])
+    assert tree.ancestor_mask(parents).shape == (2, 3, 3)
+    assert tree.tree_depths(parents).tolist() == [[0, 1, 2], [0, 1, 1]]
+
+
+def test_chain_mask_is_lower_triangular():
+    assert torch.equal(tree.ancestor_mask(list(range(-1, 5))), torch.ones(6, 6, dtype=torch.bool).tril())
+
+
+def test_path_to():
+    assert tree.path_to([-1, 0, 0, 1, 3], 4) == [0, 1, 3, 4]
+    with pytest.raises(ValueError, match="node"):
+        tree.path_to([-1, 0], 5)
+
+
+def test_medusa_choices():
+    t = tree.medusa_choices_to_tree([[0], [0, 0], [1], [0, 1]])
+    assert t.parents.tolist() == [-1, 0, 0, 1, 1]
+    assert t.depths.tolist() == [0, 1, 1, 2, 2]
+    assert t.topk_index.tolist() == [-1, 0, 1, 0, 1]
+    assert t.choices == [(0,), (1,), (0, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("choices,match", [([[0, 1]], "prefix"), ([[0], [0]], "repeat"), ([[]], "non-empty")])
+def test_medusa_choices_bad(choices, match):
+    with pytest.raises(ValueError, match=match):
+        tree.medusa_choices_to_tree(choices)
+
+
+def test_merge_chains_deduplicates_shared_prefixes():
+    t = tree.merge_chains(5, [[1, 2, 3], [1, 4], [7]])
+    assert t.tokens == [5, 1, 2, 3, 4, 7]
+    assert t.parents == [-1, 0, 1, 2, 1, 0]
+    assert t.sources[1] == {0, 1} and t.sources[4] == {1} and t.sources[5] == {2}
+
+
+def test_merge_respects_max_nodes_and_drops_orphans():
+    t = tree.merge_chains(5, [[1, 2, 3], [4, 6]], max_nodes=4)
+    assert t.tokens == [5, 1, 2, 3]
+    t = tree.merge_trees(0, [([0, 1, 2, 3], [-1, 0, 0, 1])], max_nodes=3)
+    assert t.tokens == [0, 1, 2] and t.parents == [-1, 0, 0]
+
+
+@pytest.mark.parametrize("parents", [[0, 0], [-1, 1], [-1, 0, 3]], ids=["root", "self", "forward"])
+def test_bad_parent_lists(parents):
+    with pytest.raises(ValueError, match="parents"):
+        tree.ancestor_mask(parents)
