@@ -1,0 +1,93 @@
+"""Timing, environment capture and output (table, JSON lines, PNG) shared by the benchmarks."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+
+def environment() -> Dict[str, str]:
+    """Device, library versions, git commit and time: stamped on every JSON line."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": commit or "unknown",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, min_run_time: float = 0.2) -> Dict[str, float]:
+    """Median and 20th/80th percentiles of one call, in microseconds.
+
+    GPU: ``triton.testing.do_bench`` (it flushes the L2 cache between calls).  CPU:
+    ``torch.utils.benchmark.Timer.adaptive_autorange``.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        median, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+        return {"median_us": median * 1e3, "p20_us": p20 * 1e3, "p80_us": p80 * 1e3}
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    m = timer.adaptive_autorange(threshold=0.1, min_run_time=min_run_time, max_run_time=max(2.0, 5 * min_run_time))
+    times = sorted(m.times)
+    pick = lambda q: times[min(len(times) - 1, int(q * (len(times) - 1) + 0.5))]  # noqa: E731
+    return {"median_us": m.median * 1e6, "p20_us": pick(0.2) * 1e6, "p80_us": pick(0.8) * 1e6}
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Achieved device-to-device copy bandwidth (read + write), GB/s, measured now."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (t["median_us"] * 1e-6) / 1e9
+
+
+def format_table(rows: Sequence[Dict], columns: Sequence[tuple]) -> str:
+    """An aligned text table; ``columns`` are (header, key, format) triples."""
+    cells = [[h for h, _, _ in columns]]
+    for r in rows:
+        cells.append([("" if r.get(k) is None else f.format(r[k])) for _, k, f in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_jsonl(path: Path, rows: List[Dict], env: Dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({**env, **r}) + "\n")
+
+
+def out_dir(arg: str | None, default: str) -> Path:
+    path = Path(arg or os.environ.get("SPECDEC_BENCH_OUT", default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
