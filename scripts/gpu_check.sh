@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU check: on a machine with an NVIDIA GPU and no internet (torch, triton, nvcc and ninja
+# installed; our other Python dependencies may be missing), build the CUDA extension, run the
+# whole test suite on CUDA with larger shapes, run the kernel benchmarks, and write logs and a
+# summary to OUT_DIR.  Budget: under 8 minutes.
+#
+#   bash scripts/gpu_check.sh OUT_DIR
+#
+# Missing pure-Python dependencies (pytest, scipy, tqdm, matplotlib, ...) can travel as wheels
+# in .whl/ (see scripts/fetch_gpu_wheels.sh); they are installed into /tmp/specdec_site.
+set -uo pipefail
+OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 SPECDEC_TEST_LARGE=1
+unset TRITON_INTERPRET
+PY="${PYTHON:-python3}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, record status
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")"
+  return $rc
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specdec_site .whl/*.whl \
+    && export PYTHONPATH="/tmp/specdec_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+note "== $(date -u +%FT%TZ) $("$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name())' 2>&1)"
+
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
+step build 240 "$PY" setup.py build_ext --inplace
+"$PY" -c "import specdec_kernels._native as n, torch; print('native cuda compact_kv_cache:', n.has_kernel('compact_kv_cache', 'cuda'))" 2>&1 | tee -a "$SUMMARY"
+
+if [ -x scripts/compute_sanitizer.sh ] && command -v compute-sanitizer >/dev/null; then
+  step sanitizer 90 bash scripts/compute_sanitizer.sh "$OUT"
+fi
+step pytest 300 "$PY" -m pytest -q -x --junitxml="$OUT/pytest.xml" -p no:cacheprovider
+tail -n 3 "$OUT/pytest.log" | tee -a "$SUMMARY"
+step bench_kernels 150 "$PY" -m bench.kernels --out "$OUT"
+grep -v '^#' "$OUT/bench_kernels.log" | tail -n 80 >>"$SUMMARY"
+note "== done in ${SECONDS}s"
