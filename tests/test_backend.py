@@ -1,0 +1,82 @@
+"""Backend choice: explicit choices, the environment variable, fallback with one warning."""
+import warnings
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels import _backend, _native
+
+CPU = torch.device("cpu")
+
+
+def test_reference_is_always_available():
+    assert _backend.resolve("verify_greedy", CPU, "reference", ("reference",)) == "reference"
+
+
+def test_explicit_backend_the_op_lacks_is_an_error():
+    with pytest.raises(ValueError, match="no such backend"):
+        _backend.resolve("verify_greedy", CPU, "native", ("reference", "triton"))
+
+
+def test_unknown_backend_name_is_an_error():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        _backend.resolve("verify_greedy", CPU, "fast", ("reference",))
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        _backend.resolve("verify_greedy", CPU, "triton", ("reference", "triton"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _backend.resolve("verify_greedy", CPU, "triton", ("reference", "triton")) == "triton"
+
+
+def test_interpreter_is_never_chosen_automatically(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    assert _backend.resolve("verify_greedy", CPU, None, ("reference", "triton")) == "reference"
+
+
+def test_environment_variable_is_a_preference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    assert _backend.resolve("verify_greedy", CPU, None, ("reference", "triton")) == "triton"
+    assert _backend.resolve("other_op", CPU, None, ("reference",)) == "reference"  # op without it
+    monkeypatch.setenv("SPECDEC_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="SPECDEC_BACKEND"):
+        _backend.resolve("verify_greedy", CPU, None, ("reference",))
+
+
+def test_torch_fast_path_is_chosen_on_cpu(monkeypatch):
+    monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    assert _backend.resolve("tree_attention", CPU, None, ("reference", "torch")) == "torch"
+
+
+def test_missing_native_op_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    monkeypatch.setitem(_native._state, "loaded", False)
+    monkeypatch.setitem(_native._state, "error", ImportError("no compiler"))
+    monkeypatch.setattr(_native, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="falling back to the PyTorch reference"):
+        assert _backend.resolve("compact_kv_cache", CPU, None, ("reference", "native")) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        assert _backend.resolve("compact_kv_cache", CPU, None, ("reference", "native")) == "reference"
+    cache = torch.arange(16.0).reshape(1, 2, 1, 1, 8, 1)
+    sk.compact_kv_cache(cache, torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]))
+    assert cache[0, 0, 0, 0, 0, 0] == 1.0
+    with pytest.raises(ValueError, match="extension"):
+        _backend.resolve("compact_kv_cache", CPU, "native", ("reference", "native"))
+
+
+def test_importing_the_package_touches_no_gpu_and_no_extension():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, specdec_kernels; "
+        "assert 'specdec_kernels._C' not in sys.modules, 'extension loaded at import'; "
+        "import torch; assert not torch.cuda.is_initialized(), 'CUDA initialised at import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
