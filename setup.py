@@ -51,7 +51,8 @@ def _extensions():
             + ")"
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    cxx = ["-O3", "-std=c++17"]
+    # OpenMP in both builds: at::parallel_for in the CPU kernels is serial without it.
+    cxx = ["-O3", "-std=c++17", "-fopenmp"]
     if with_cuda:
         ext = CUDAExtension(
             "specdec_kernels._C",
@@ -59,13 +60,14 @@ def _extensions():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
+            extra_link_args=["-fopenmp"],
         )
     else:
         ext = CppExtension(
             "specdec_kernels._C",
             cpu_sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
-            extra_compile_args={"cxx": cxx + ["-fopenmp"]},
+            extra_compile_args={"cxx": cxx},
             extra_link_args=["-fopenmp"],
         )
 
