@@ -29,7 +29,7 @@ def tile_sizes(vocab: int, rows: int, on_cuda: bool, max_tile_cuda: int = 1024) 
     """(BLOCK_B, BLOCK_V) for a launch over ``rows`` rows of ``vocab`` entries.
 
     CUDA: up to ``max_tile_cuda`` elements per tile, one row per program unless the vocabulary
-    is small.  Interpreter: up to 4096 columns and 2**15 elements per tile (numpy-vectorised),
+    is small.  Interpreter: up to 4096 columns and 2**17 elements per tile (numpy-vectorised),
     so that a batch of 20,000 rows runs in a few dozen programs.
     """
     if on_cuda:
@@ -37,7 +37,7 @@ def tile_sizes(vocab: int, rows: int, on_cuda: bool, max_tile_cuda: int = 1024) 
         block_b = max(1, min(next_pow2(max(rows, 1)), max_tile_cuda // block_v, 16))
     else:
         block_v = max(16, min(next_pow2(vocab), 4096))
-        block_b = max(1, min(next_pow2(max(rows, 1)), (1 << 15) // block_v))
+        block_b = max(1, min(next_pow2(max(rows, 1)), (1 << 17) // block_v))
     return block_b, block_v
 
 
