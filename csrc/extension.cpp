@@ -12,6 +12,11 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(specdec, m) {
-  // compact_kv_cache: one [L, 2, B, Hkv, S, D] buffer or a list of [B, Hkv, S, D] tensors.
-  m.def("compact_kv_cache(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, Tensor num_accepted) -> ()");
+  // compact_kv_cache: `caches` holds [B, Hkv, S, D] tensors and/or [L, 2, B, Hkv, S, D]
+  // buffers (each expanded into its 2L slices), all of one dtype and shape; modified in place.
+  // validate=true runs the value checks of the Python op (a device sync on CUDA); with it off
+  // the kernels skip out-of-range slots and never touch memory outside the caches.
+  m.def(
+      "compact_kv_cache(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, "
+      "Tensor num_accepted, bool validate=False) -> ()");
 }

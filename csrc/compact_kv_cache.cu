@@ -1,0 +1,315 @@
+// compact_kv_cache: CUDA kernel (torch-free; the torch binding is compact_kv_cache_cuda.cpp).
+//
+// One thread block owns one (cache, sequence b, head h) slice, where a cache is one layer's
+// keys or values; all layers, keys and values go in ONE launch (grid-stride over slices).
+// Within a slice the block fills destination slots start + i, i = 0 .. n-1 (start =
+// cache_seqlens[b], n = num_accepted[b]) from source slots start + accepted_indices[b, i].
+//
+// The n destination rows, seen as one array of n * row_words words (row-major: row i, word
+// col), are processed in chunks of blockDim.x * kWords consecutive words, in ascending
+// order.  For each chunk every thread first LOADS its words into registers, the block
+// synchronises, then every thread STORES them (and the block synchronises again before the
+// next chunk).
+//
+// Why this is correct in place although sources and destinations overlap (valid inputs:
+// a[i] = accepted_indices[b, i] strictly increasing and a[i] >= i):
+//   Word (r, col) of the slice is written once, by destination word (r, col) (row r = i).
+//   It is read by destination word (j, col) exactly when a[j] = r.  If j = r the copy is the
+//   identity and is skipped.  Otherwise j < r (a[j] >= j and a[j] != j), so the reading word
+//   j * row_words + col comes BEFORE the writing word r * row_words + col in the ascending
+//   order: it lies in the same chunk (read before the barrier, write after it) or in an
+//   earlier chunk (separated by that chunk's barriers).  So every source word is read before
+//   it is overwritten, by whichever thread does either.  Conversely a destination word is
+//   never read after it was written, because a[j] = r with j > r is impossible (a[j] >= j).
+//   This is the same argument that makes the sequential ascending loop of the CPU kernel
+//   safe; the barriers make it hold across threads.
+// For invalid inputs (validation off) the result differs from the reference but there is
+// still no data race: within a chunk loads precede the barrier and stores follow it, and the
+// closing barrier orders a chunk's stores before the next chunk's loads.
+//
+// Bounds: source or destination slots outside [0, capacity) are skipped, the count is
+// clamped to [0, max_accepted] and accepted_indices is read only below it.  Slot arithmetic
+// is done in unsigned 64-bit (wrapping, defined) and compared unsigned, so negative or huge
+// values fall outside [0, capacity) and are skipped.
+//
+// Words: 16-byte (uint4) moves when row_bytes, every base and every stride are multiples of
+// 16 bytes; otherwise the widest of 8, 4, 2, 1 bytes that divides them all.
+//
+// The per-slice and per-chunk steps are __host__ __device__ functions: built with
+// -DSPECDEC_COMPACT_KV_HOST_EMULATION this file also exports specdec_compact_kv_cache_emulate,
+// which runs the same code on the host (all loads of a chunk, then all stores: the barrier)
+// so that tests/test_compact_kv_cache_kernel.py checks the kernel's logic without a GPU.
+#include "compact_kv_cache.cuh"
+
+#include <climits>
+#include <cstdint>
+#ifdef SPECDEC_COMPACT_KV_HOST_EMULATION
+#include <vector>
+#endif
+
+namespace {
+
+constexpr int kMaxThreads = 128;
+
+// What one block needs to know about its (cache, b, h) slice.
+struct SliceWork {
+  char* slice;       // slot 0 of this head
+  int64_t stride_s;  // bytes between slots
+  uint64_t start;    // cache_seqlens[b] (wrapping arithmetic)
+  int64_t n;         // rows to fill, clamped to [0, M]
+  int64_t b;
+};
+
+__host__ __device__ __forceinline__ int64_t load_index(const void* p, int64_t offset, int is_int64) {
+  return is_int64 ? static_cast<const int64_t*>(p)[offset] : static_cast<int64_t>(static_cast<const int32_t*>(p)[offset]);
+}
+
+// Slice s = (c * batch + b) * heads + h.  False when it has nothing to move.
+template <bool kTable>
+__host__ __device__ __forceinline__ bool slice_work(const SpecdecCompactKVArgs& a, int64_t s, SliceWork& w) {
+  const int64_t h = s % a.heads;
+  const int64_t b = (s / a.heads) % a.batch;
+  const int64_t c = s / (a.heads * a.batch);
+  int64_t n = load_index(a.num_accepted, b * a.counts_stride, a.counts_int64);
+  n = n < 0 ? 0 : (n > a.max_accepted ? a.max_accepted : n);
+  if (n == 0) return false;
+  w.n = n;
+  w.b = b;
+  w.start = static_cast<uint64_t>(load_index(a.cache_seqlens, b * a.seqlens_stride, a.seqlens_int64));
+  if constexpr (kTable) {
+    const SpecdecKVSlice t = a.table[c];
+    w.slice = t.base + b * t.stride_b + h * t.stride_h;
+    w.stride_s = t.stride_s;
+  } else {
+    w.slice = a.base + (c / a.inner) * a.stride_outer + (c % a.inner) * a.stride_inner + b * a.stride_b + h * a.stride_h;
+    w.stride_s = a.stride_s;
+  }
+  return true;
+}
+
+// Thread `tid` of `threads`: load its words of the chunk starting at destination word
+// `chunk` into registers, and where each goes (nullptr: nothing to store).
+template <typename Word, int kWords>
+__host__ __device__ __forceinline__ void load_chunk(const SpecdecCompactKVArgs& a, const SliceWork& w, int64_t row_words,
+                                                    int64_t chunk, int64_t tid, int64_t threads, Word* word, Word** dst) {
+  const int64_t total = w.n * row_words;
+  const uint64_t capacity = static_cast<uint64_t>(a.capacity);
+#pragma unroll
+  for (int r = 0; r < kWords; ++r) {
+    word[r] = Word{};
+    dst[r] = nullptr;
+    const int64_t k = chunk + r * threads + tid;
+    if (k < total) {
+      const int64_t i = k / row_words;
+      const int64_t col = k - i * row_words;
+      const int64_t idx = load_index(a.accepted_indices, w.b * a.indices_stride_b + i * a.indices_stride_m, a.indices_int64);
+      const uint64_t from = w.start + static_cast<uint64_t>(idx);
+      const uint64_t to = w.start + static_cast<uint64_t>(i);
+      if (from != to && from < capacity && to < capacity) {
+        word[r] = reinterpret_cast<const Word*>(w.slice + static_cast<int64_t>(from) * w.stride_s)[col];
+        dst[r] = reinterpret_cast<Word*>(w.slice + static_cast<int64_t>(to) * w.stride_s) + col;
+      }
+    }
+  }
+}
+
+template <typename Word, int kWords>
+__host__ __device__ __forceinline__ void store_chunk(const Word* word, Word* const* dst) {
+#pragma unroll
+  for (int r = 0; r < kWords; ++r) {
+    if (dst[r] != nullptr) *dst[r] = word[r];
+  }
+}
+
+template <typename Word, int kWords, bool kTable>
+__global__ void __launch_bounds__(kMaxThreads) compact_kv_cache_kernel(const SpecdecCompactKVArgs a) {
+  const int64_t num_slices = a.num_caches * a.batch * a.heads;
+  const int64_t row_words = a.row_bytes / static_cast<int64_t>(sizeof(Word));
+  const int64_t threads = blockDim.x;
+  const int64_t step = threads * kWords;
+  for (int64_t s = blockIdx.x; s < num_slices; s += gridDim.x) {  // uniform over the block
+    SliceWork w;
+    if (!slice_work<kTable>(a, s, w)) continue;
+    const int64_t total = w.n * row_words;
+    for (int64_t chunk = 0; chunk < total; chunk += step) {
+      Word word[kWords];
+      Word* dst[kWords];
+      load_chunk<Word, kWords>(a, w, row_words, chunk, threadIdx.x, threads, word, dst);
+      __syncthreads();  // every load of this chunk before any store of it
+      store_chunk<Word, kWords>(word, dst);
+      if (chunk + step < total) __syncthreads();  // this chunk's stores before the next loads
+    }
+  }
+}
+
+bool is_pow2(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+int word_bytes(const SpecdecCompactKVArgs& a) {
+  int64_t w = a.alignment < 16 ? a.alignment : 16;
+  if (!is_pow2(w)) return 1;
+  while (w > 1 && a.row_bytes % w != 0) w /= 2;
+  return static_cast<int>(w);
+}
+
+struct LaunchConfig {
+  int64_t blocks, threads;
+};
+
+// Enough threads for the longest slice's first chunk, in whole warps, at most kMaxThreads;
+// one block per slice (grid-stride beyond INT_MAX slices).
+template <typename Word, int kWords>
+LaunchConfig launch_config(const SpecdecCompactKVArgs& a) {
+  const int64_t num_slices = a.num_caches * a.batch * a.heads;
+  const int64_t words = a.max_accepted * (a.row_bytes / static_cast<int64_t>(sizeof(Word)));
+  int64_t threads = (words + kWords - 1) / kWords;
+  threads = (threads + 31) / 32 * 32;
+  threads = threads < 32 ? 32 : (threads > kMaxThreads ? kMaxThreads : threads);
+  return {num_slices < INT_MAX ? num_slices : INT_MAX, threads};
+}
+
+template <typename Word, int kWords>
+cudaError_t launch(const SpecdecCompactKVArgs& a, cudaStream_t stream) {
+  const LaunchConfig cfg = launch_config<Word, kWords>(a);
+  const dim3 grid(static_cast<unsigned>(cfg.blocks)), block(static_cast<unsigned>(cfg.threads));
+  if (a.table != nullptr) {
+    compact_kv_cache_kernel<Word, kWords, true><<<grid, block, 0, stream>>>(a);
+  } else {
+    compact_kv_cache_kernel<Word, kWords, false><<<grid, block, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+// 0: nothing to do, 1: work, -1: malformed.
+int check_args(const SpecdecCompactKVArgs& a) {
+  if (a.num_caches < 0 || a.batch < 0 || a.heads < 0 || a.capacity < 0 || a.row_bytes < 0 || a.max_accepted < 0 ||
+      !is_pow2(a.alignment)) {
+    return -1;
+  }
+  if (a.num_caches == 0 || a.batch == 0 || a.heads == 0 || a.capacity == 0 || a.row_bytes == 0 || a.max_accepted == 0) {
+    return 0;
+  }
+  if (a.cache_seqlens == nullptr || a.accepted_indices == nullptr || a.num_accepted == nullptr) return -1;
+  if (a.table == nullptr && (a.base == nullptr || a.inner < 1)) return -1;
+  return 1;
+}
+
+int64_t address(const char* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
+
+// Whether every slice c starts at base0 + (c / inner) * outer + (c % inner) * step.
+bool evenly_spaced(const SpecdecKVSlice* s, int64_t num, int64_t inner, int64_t outer, int64_t step) {
+  for (int64_t c = 0; c < num; ++c) {
+    if (address(s[c].base) != address(s[0].base) + (c / inner) * outer + (c % inner) * step) return false;
+  }
+  return true;
+}
+
+#ifdef SPECDEC_COMPACT_KV_HOST_EMULATION
+template <typename Word, int kWords, bool kTable>
+void emulate(const SpecdecCompactKVArgs& a, LaunchConfig cfg) {
+  const int64_t num_slices = a.num_caches * a.batch * a.heads;
+  const int64_t row_words = a.row_bytes / static_cast<int64_t>(sizeof(Word));
+  const int64_t step = cfg.threads * kWords;
+  std::vector<Word> word(cfg.threads * kWords);
+  std::vector<Word*> dst(cfg.threads * kWords);
+  for (int64_t block = 0; block < cfg.blocks; ++block) {
+    for (int64_t s = block; s < num_slices; s += cfg.blocks) {
+      SliceWork w;
+      if (!slice_work<kTable>(a, s, w)) continue;
+      for (int64_t chunk = 0; chunk < w.n * row_words; chunk += step) {
+        for (int64_t t = 0; t < cfg.threads; ++t) {
+          load_chunk<Word, kWords>(a, w, row_words, chunk, t, cfg.threads, &word[t * kWords], &dst[t * kWords]);
+        }
+        for (int64_t t = 0; t < cfg.threads; ++t) store_chunk<Word, kWords>(&word[t * kWords], &dst[t * kWords]);
+      }
+    }
+  }
+}
+
+template <typename Word, int kWords>
+void emulate(const SpecdecCompactKVArgs& a, int64_t threads, int64_t blocks) {
+  LaunchConfig cfg = launch_config<Word, kWords>(a);
+  if (threads > 0) cfg.threads = threads;
+  if (blocks > 0) cfg.blocks = blocks;
+  if (a.table != nullptr) {
+    emulate<Word, kWords, true>(a, cfg);
+  } else {
+    emulate<Word, kWords, false>(a, cfg);
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" int specdec_compact_kv_cache_word_bytes(const SpecdecCompactKVArgs* args) {
+  return args == nullptr ? 1 : word_bytes(*args);
+}
+
+extern "C" int specdec_compact_kv_cache_describe(SpecdecCompactKVArgs* args, const SpecdecKVSlice* s, int64_t num_caches,
+                                                 int64_t row_bytes) {
+  if (args == nullptr || s == nullptr || num_caches < 1 || row_bytes < 0) return -1;
+  SpecdecCompactKVArgs& a = *args;
+  a.num_caches = num_caches;
+  a.row_bytes = row_bytes;
+  a.table = nullptr;
+  a.base = nullptr;
+  a.inner = 1;
+  a.stride_outer = a.stride_inner = a.stride_b = a.stride_h = a.stride_s = 0;
+
+  bool same_strides = true;
+  for (int64_t c = 0; c < num_caches; ++c) {
+    same_strides = same_strides && s[c].stride_b == s[0].stride_b && s[c].stride_h == s[0].stride_h &&
+                   s[c].stride_s == s[0].stride_s;
+  }
+  bool strided = false;
+  if (same_strides) {
+    const int64_t d1 = num_caches > 1 ? address(s[1].base) - address(s[0].base) : 0;
+    const int64_t d2 = num_caches > 2 ? address(s[2].base) - address(s[0].base) : 0;
+    if (evenly_spaced(s, num_caches, 1, d1, 0)) {  // a list of equally spaced caches
+      strided = true;
+      a.stride_outer = d1;
+    } else if (num_caches % 2 == 0 && evenly_spaced(s, num_caches, 2, d2, d1)) {  // [L, 2, ...] not mergeable
+      strided = true;
+      a.inner = 2;
+      a.stride_outer = d2;
+      a.stride_inner = d1;
+    }
+  }
+  int64_t bits = row_bytes | a.stride_outer | a.stride_inner;
+  for (int64_t c = 0; c < num_caches; ++c) bits |= address(s[c].base) | s[c].stride_b | s[c].stride_h | s[c].stride_s;
+  a.alignment = bits == 0 ? 16 : ((bits & -bits) < 16 ? (bits & -bits) : 16);
+  if (!strided) return 0;
+  a.base = s[0].base;
+  a.stride_b = s[0].stride_b;
+  a.stride_h = s[0].stride_h;
+  a.stride_s = s[0].stride_s;
+  return 1;
+}
+
+extern "C" cudaError_t specdec_compact_kv_cache(const SpecdecCompactKVArgs* args, cudaStream_t stream) {
+  if (args == nullptr) return cudaErrorInvalidValue;
+  const int status = check_args(*args);
+  if (status <= 0) return status == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  switch (word_bytes(*args)) {
+    case 16: return launch<uint4, 4>(*args, stream);
+    case 8: return launch<uint2, 4>(*args, stream);
+    case 4: return launch<uint32_t, 8>(*args, stream);
+    case 2: return launch<uint16_t, 8>(*args, stream);
+    default: return launch<uint8_t, 8>(*args, stream);
+  }
+}
+
+#ifdef SPECDEC_COMPACT_KV_HOST_EMULATION
+extern "C" int specdec_compact_kv_cache_emulate(const SpecdecCompactKVArgs* args, int64_t threads, int64_t blocks) {
+  if (args == nullptr) return -1;
+  const int status = check_args(*args);
+  if (status <= 0) return status;
+  switch (word_bytes(*args)) {
+    case 16: emulate<uint4, 4>(*args, threads, blocks); break;
+    case 8: emulate<uint2, 4>(*args, threads, blocks); break;
+    case 4: emulate<uint32_t, 8>(*args, threads, blocks); break;
+    case 2: emulate<uint16_t, 8>(*args, threads, blocks); break;
+    default: emulate<uint8_t, 8>(*args, threads, blocks); break;
+  }
+  return 0;
+}
+#endif

@@ -1,0 +1,91 @@
+// compact_kv_cache: CUDA binding (thin): checks, then one launch of the torch-free kernel in
+// compact_kv_cache.cu on the current stream.
+//
+// The caches are handed to the kernel in its strided form (one base pointer and strides) when
+// they are evenly spaced in memory with equal strides, which is the case for one
+// [L, 2, B, Hkv, S, D] buffer (or the list of its 2L views): no host-to-device copy, CUDA
+// graph capture works.  Separately allocated layers go through a table of per-cache base
+// pointers and strides, copied to the device asynchronously from pinned memory; that form
+// refuses stream capture (the captured copy would replay a stale host buffer).
+#include "compact_kv_cache.cuh"
+#include "compact_kv_cache.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+static_assert(sizeof(SpecdecKVSlice) == 4 * sizeof(int64_t), "SpecdecKVSlice is packed as 4 int64 in the table");
+
+void compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_seqlens, const at::Tensor& accepted_indices,
+                           const at::Tensor& num_accepted, bool validate) {
+  const CompactKVPlan plan =
+      plan_compact_kv_cache(caches, cache_seqlens, accepted_indices, num_accepted, validate, c10::DeviceType::CUDA);
+  const std::vector<KVCacheSlice>& s = plan.slices;
+  const int64_t num_caches = static_cast<int64_t>(s.size());
+  const int64_t row_bytes = plan.head_dim * plan.element_size;
+  if (num_caches == 0 || plan.batch == 0 || plan.heads == 0 || plan.capacity == 0 || plan.max_accepted == 0 ||
+      row_bytes == 0) {
+    return;
+  }
+  for (int64_t c = 0; c < num_caches; ++c) {
+    TORCH_CHECK_VALUE(s[c].stride_d == plan.element_size || plan.head_dim == 1,
+                      "compact_kv_cache on CUDA needs the last dimension (head_dim) of every cache contiguous; "
+                      "cache ", c, " has an element stride of ", s[c].stride_d / plan.element_size);
+  }
+
+  const c10::cuda::CUDAGuard guard(caches[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+
+  std::vector<SpecdecKVSlice> host(num_caches);
+  for (int64_t c = 0; c < num_caches; ++c) host[c] = {s[c].base, s[c].stride_b, s[c].stride_h, s[c].stride_s};
+  SpecdecCompactKVArgs a{};
+  const int form = specdec_compact_kv_cache_describe(&a, host.data(), num_caches, row_bytes);
+  TORCH_CHECK(form >= 0, "compact_kv_cache: malformed cache description");
+  a.batch = plan.batch;
+  a.heads = plan.heads;
+  a.capacity = plan.capacity;
+  a.cache_seqlens = cache_seqlens.data_ptr();
+  a.seqlens_stride = cache_seqlens.stride(0);
+  a.seqlens_int64 = cache_seqlens.scalar_type() == at::kLong;
+  a.accepted_indices = accepted_indices.data_ptr();
+  a.indices_stride_b = accepted_indices.stride(0);
+  a.indices_stride_m = accepted_indices.stride(1);
+  a.indices_int64 = accepted_indices.scalar_type() == at::kLong;
+  a.max_accepted = plan.max_accepted;
+  a.num_accepted = num_accepted.data_ptr();
+  a.counts_stride = num_accepted.stride(0);
+  a.counts_int64 = num_accepted.scalar_type() == at::kLong;
+
+  at::Tensor table;  // keeps the device table alive until the launch is enqueued
+  if (form == 0) {  // table form
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+                "compact_kv_cache: caches that are not one evenly spaced buffer need a host-to-device copy of "
+                "their addresses, which cannot be captured in a CUDA graph; pass one [L, 2, B, Hkv, S, D] buffer");
+    at::Tensor pinned = at::empty({num_caches * 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    std::memcpy(pinned.data_ptr<int64_t>(), host.data(), static_cast<size_t>(num_caches) * sizeof(SpecdecKVSlice));
+    // Pinned + non_blocking: a stream-ordered copy; the host block is recycled only after it.
+    table = pinned.to(caches[0].device(), /*non_blocking=*/true);
+    a.table = reinterpret_cast<const SpecdecKVSlice*>(table.data_ptr<int64_t>());
+  }
+
+  const cudaError_t err = specdec_compact_kv_cache(&a, stream);
+  TORCH_CHECK(err == cudaSuccess, "compact_kv_cache: the CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("compact_kv_cache", &specdec::compact_kv_cache_cuda);
+}
