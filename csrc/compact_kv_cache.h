@@ -22,8 +22,8 @@ struct CompactKVPlan {
 
 // Check the op's arguments (types, ranks, shapes, devices, one dtype and shape for all caches,
 // no two caches at the same address, no cache that at::has_internal_overlap finds overlapping
-// itself) and, when `validate`, the
-// index values (a device sync on CUDA).  Raises TypeError/ValueError naming the argument.
+// itself) and, when `validate`, the index values (a device sync on CUDA).  Raises
+// TypeError/ValueError naming the argument.
 CompactKVPlan plan_compact_kv_cache(
     c10::ArrayRef<at::Tensor> caches,
     const at::Tensor& cache_seqlens,
