@@ -38,8 +38,8 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:
 step build 240 "$PY" setup.py build_ext --inplace
 "$PY" -c "import specdec_kernels._native as n, torch; print('native cuda compact_kv_cache:', n.has_kernel('compact_kv_cache', 'cuda'))" 2>&1 | tee -a "$SUMMARY"
 
-if [ -x scripts/compute_sanitizer.sh ] && command -v compute-sanitizer >/dev/null; then
-  step sanitizer 90 bash scripts/compute_sanitizer.sh "$OUT"
+if [ -x scripts/compute_sanitizer.sh ] && { command -v compute-sanitizer >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ]; }; then
+  step sanitizer 120 bash scripts/compute_sanitizer.sh "$OUT"
 fi
 step pytest 300 "$PY" -m pytest -q -x --junitxml="$OUT/pytest.xml" -p no:cacheprovider
 tail -n 3 "$OUT/pytest.log" | tee -a "$SUMMARY"

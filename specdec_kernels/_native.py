@@ -21,6 +21,10 @@ def load() -> bool:
             from specdec_kernels import _C  # noqa: F401  (registers torch.ops.specdec.*)
 
             _state["loaded"] = True
+            # fake (meta) kernels, so torch.compile traces direct calls of the native ops
+            from specdec_kernels.ops import compact_kv_cache
+
+            compact_kv_cache.register_fake()
         except (ImportError, OSError) as e:
             _state["loaded"], _state["error"] = False, e
     return bool(_state["loaded"])

@@ -111,3 +111,14 @@ def test_bad_input(fn, case):
         fn(**args)
     if snapshot is not None:  # a rejected call changes nothing
         assert torch.equal(args["kv_cache"], snapshot)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permuted_buffer_is_written_in_place(backend):
+    """A [2, L, ...] allocation seen as [L, 2, ...] cannot be flattened without a copy."""
+    storage = torch.arange(2 * 3 * 1 * 1 * 6 * 2, dtype=torch.float32).reshape(2, 3, 1, 1, 6, 2)
+    cache = storage.transpose(0, 1)  # [L=3, 2, B=1, Hkv=1, S=6, D=2], a view
+    args = (torch.tensor([1]), torch.tensor([[2]]), torch.tensor([1]))
+    want = snapshot_oracle(cache.contiguous(), *args)
+    sk.compact_kv_cache(cache, *args, backend=backend)
+    assert torch.equal(cache, want) and torch.equal(storage.transpose(0, 1), want)

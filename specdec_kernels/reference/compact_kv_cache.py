@@ -18,7 +18,9 @@ def cache_views(kv_cache: KVCache) -> List[torch.Tensor]:
     """
     if isinstance(kv_cache, torch.Tensor):
         check_tensor("kv_cache", kv_cache, ndim=6)
-        return list(kv_cache.flatten(0, 1).unbind(0))
+        # index, never flatten: flatten copies a buffer whose first two dims do not merge
+        # (e.g. a [2, L, ...] allocation permuted to [L, 2, ...]), and the copy would be written
+        return [kv_cache[layer, kv] for layer in range(kv_cache.shape[0]) for kv in range(kv_cache.shape[1])]
     if not isinstance(kv_cache, (list, tuple)):
         raise TypeError(f"kv_cache must be a tensor or a sequence of tensors, got {type(kv_cache).__name__}")
     flat = []
