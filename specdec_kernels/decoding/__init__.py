@@ -1,0 +1,44 @@
+"""Speculative decoding on a real model: a Llama-family forward over a static KV cache,
+drafters (n-gram / prompt lookup, layer-skip self-drafting, a separate draft model), chain
+and tree verification, statistics.  The CLI is ``python -m specdec_kernels.generate``.
+
+Quick start::
+
+    from specdec_kernels.decoding import NgramDrafter, SpeculativeDecoder, load_smollm2
+
+    model, tok = load_smollm2()                      # SmolLM2-135M-Instruct, float32
+    ids = tok.apply_chat_template([{"role": "user", "content": "..."}],
+                                  add_generation_prompt=True, return_dict=False)
+    decoder = SpeculativeDecoder(model, NgramDrafter(), stop_token_ids=[tok.eos_token_id])
+    result = decoder.generate([ids], max_new_tokens=128, num_draft_tokens=6)
+    print(tok.decode(result.tokens[0]))
+    print(result.stats.summary())
+"""
+from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
+from specdec_kernels.decoding.engine import DecodeState, GenerationResult, SpeculativeDecoder
+from specdec_kernels.decoding.loading import have_smollm2, load_hf_smollm2, load_smollm2
+from specdec_kernels.decoding.model import ModelArgs, Transformer
+from specdec_kernels.decoding.model_drafter import DraftModelDrafter, LayerSkipDrafter, ModelDrafter
+from specdec_kernels.decoding.ngram import NgramDrafter, ngram_continuations
+from specdec_kernels.decoding.stats import DecodeStats
+
+__all__ = [
+    "DecodeState",
+    "DecodeStats",
+    "Draft",
+    "DraftModelDrafter",
+    "Drafter",
+    "GenerationResult",
+    "LayerSkipDrafter",
+    "ModelArgs",
+    "ModelDrafter",
+    "NgramDrafter",
+    "NoDrafter",
+    "SamplingParams",
+    "SpeculativeDecoder",
+    "Transformer",
+    "have_smollm2",
+    "load_hf_smollm2",
+    "load_smollm2",
+    "ngram_continuations",
+]

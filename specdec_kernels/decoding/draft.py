@@ -1,0 +1,158 @@
+"""The drafter interface: propose a chain or a token tree per sequence, observe the result.
+
+A step of speculative decoding (Leviathan et al. 2023; Chen et al. 2023; tree drafts as in
+SpecInfer, Miao et al. 2024):
+
+1. ``drafter.propose(histories, num_draft_tokens, active)`` returns a ``Draft``: for each
+   sequence a token tree whose node 0 is the root (its last committed token) and whose other
+   nodes are draft tokens, in topological order.  A chain is the tree with parents
+   ``[-1, 0, 1, ...]``.
+2. The engine feeds the whole block to the target model once and verifies it.
+3. ``drafter.observe(accepted_nodes, num_accepted)`` tells the drafter which nodes were
+   accepted (e.g. to compact its own KV cache).
+
+Drafters that pick tokens deterministically (n-gram lookup, greedy drafting) hand over no
+distribution (``Draft.probs is None``; the verifier treats q as one-hot).  A drafter that
+samples passes the distribution it sampled from (``sampling_probs`` of its logits, with the
+same temperature / top-k / top-p as the target).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from specdec_kernels.tree import ancestor_mask
+
+
+@dataclass
+class SamplingParams:
+    """Temperature, top-k and top-p, applied to target and drafter alike (``sampling_probs``).
+
+    temperature 0 is greedy decoding (verified with ``verify_greedy`` / ``verify_tree_greedy``).
+    """
+
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Draft:
+    """Token trees for a batch, padded to N nodes.
+
+    Attributes:
+        tokens: (B, N) int64; tokens[b, 0] is the root (last committed token); entries at or
+            past num_nodes[b] are padding (0).
+        parents: (B, N) int64 parent lists (parents[b, 0] = -1, 0 <= parents[b, i] < i); a
+            padding node's parent is 0.
+        num_nodes: (B,) int64 in 1..N: the root plus the sequence's draft tokens.
+        probs: (B, N, V) float32 or None.  Row i is the distribution node i's children were
+            sampled from (for a chain: row j is the distribution of draft j + 1); None when
+            the drafts were chosen deterministically.
+        is_chain: every sequence's tree is a chain (parents[b, i] = i - 1).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    probs: Optional[torch.Tensor] = None
+    is_chain: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def depths(self) -> torch.Tensor:
+        """(B, N) int64 depth of every node (root 0)."""
+        if self.is_chain:
+            return torch.arange(self.width, device=self.tokens.device).expand(self.batch_size, -1)
+        depth = torch.zeros_like(self.parents)
+        for i in range(1, self.width):
+            depth[:, i] = depth.gather(1, self.parents[:, i : i + 1]).squeeze(1) + 1
+        return depth
+
+    def mask(self) -> Optional[torch.Tensor]:
+        """The ancestor mask (B, N, N) for ``tree_attention``, or None for chains."""
+        return None if self.is_chain else ancestor_mask(self.parents)
+
+    def truncate(self, max_nodes: Sequence[int]) -> "Draft":
+        """Keep at most max_nodes[b] nodes (>= 1) per sequence (a prefix of a topological
+        order is a subtree); probs and tokens are kept as they are."""
+        limit = torch.tensor(list(max_nodes), dtype=torch.int64, device=self.num_nodes.device).clamp(min=1)
+        return Draft(self.tokens, self.parents, torch.minimum(self.num_nodes, limit), self.probs, self.is_chain)
+
+    @staticmethod
+    def from_lists(trees: Sequence[tuple], device="cpu", is_chain: Optional[bool] = None) -> "Draft":
+        """From per-sequence (tokens, parents) lists (each with its root first)."""
+        B = len(trees)
+        N = max(len(t) for t, _ in trees)
+        tokens = torch.zeros(B, N, dtype=torch.int64)
+        parents = torch.zeros(B, N, dtype=torch.int64)
+        parents[:, 0] = -1
+        num = torch.empty(B, dtype=torch.int64)
+        chain = True
+        for b, (t, p) in enumerate(trees):
+            n = len(t)
+            tokens[b, :n] = torch.tensor(t, dtype=torch.int64)
+            parents[b, :n] = torch.tensor(p, dtype=torch.int64)
+            num[b] = n
+            chain = chain and list(p) == list(range(-1, n - 1))
+        return Draft(tokens.to(device), parents.to(device), num.to(device), None, chain if is_chain is None else is_chain)
+
+
+def chain_parents(n: int) -> List[int]:
+    """Parent list of a chain of n nodes (root included)."""
+    return list(range(-1, n - 1))
+
+
+class Drafter:
+    """Base class of drafters.  Subclasses implement ``propose`` and may use the hooks.
+
+    The engine calls ``start`` once per generation, then ``propose`` / ``observe`` once per
+    step.  ``histories[b]`` is sequence b's committed tokens (prompt and generated), whose
+    last element is the root.  ``num_draft_tokens[b]`` is the most draft tokens the sequence
+    may get this step (the depth of a tree); it may change from step to step, and 0 asks for
+    no drafts (the draft is the root alone).
+    """
+
+    name = "drafter"
+
+    def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
+        """Reset for a new batch: ``capacity`` cache slots per sequence; ``generators`` one
+        ``torch.Generator`` per sequence for the drafter's own sampling."""
+        self.sampling = sampling
+        self.generators = generators
+
+    def propose(self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]) -> Draft:
+        raise NotImplementedError
+
+    def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
+        """``accepted_nodes`` (B, N) int64: the accepted path (root first, then -1);
+        ``num_accepted`` (B,): accepted drafts (root not counted)."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: the draft is the root alone (one token per target pass)."""
+
+    name = "none"
+
+    def propose(self, histories, num_draft_tokens, active):
+        return Draft.from_lists([([h[-1]], [-1]) for h in histories])

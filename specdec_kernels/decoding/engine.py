@@ -1,0 +1,384 @@
+"""The speculative decoding loop: prefill, draft, verify, accept, compact.
+
+One step per target forward pass (see ``model.py`` for the position convention):
+
+1. the drafter proposes a chain or a token tree per sequence (root = last committed token);
+2. the target model scores the whole block in one pass through ``tree_attention``;
+3. verification: ``verify_greedy`` / ``verify_tree_greedy`` at temperature 0, lossless
+   ``rejection_sample`` / ``tree_rejection_sample`` otherwise (Leviathan et al. 2023, Chen
+   et al. 2023, SpecInfer), with ``sampling_probs`` giving the target's distribution;
+4. the accepted drafts and the bonus token are emitted (cut at a stop token and at
+   ``max_new_tokens``); the accepted nodes' K/V are moved into place with
+   ``compact_kv_cache``; ``cache_seqlens`` advances by the accepted drafts plus the root.
+
+Sequences of a batch accept different numbers of tokens and finish independently.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
+from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.stats import DecodeStats
+from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
+from specdec_kernels.ops.rejection_sample import rejection_sample
+from specdec_kernels.ops.sampling_probs import sampling_probs
+from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
+from specdec_kernels.ops.verify_greedy import verify_greedy
+from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
+
+DraftSchedule = Union[int, Sequence[int], Callable[[int, "DecodeState"], Union[int, Sequence[int]]]]
+_DRAFT_SEED_OFFSET = 0x5DEECE66D
+
+
+def make_generators(seeds, batch: int, offset: int = 0) -> List[torch.Generator]:
+    """One CPU ``torch.Generator`` per sequence: seeds[b] (a list), or seed + b (an int), or
+    seeds drawn from torch's global generator (None)."""
+    if seeds is None:
+        seeds = [int(torch.randint(0, 2**62, ()).item()) for _ in range(batch)]
+    elif isinstance(seeds, int):
+        seeds = [seeds + b for b in range(batch)]
+    else:
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != batch:
+            raise ValueError(f"seeds must hold one seed per prompt ({batch}), got {len(seeds)}")
+    return [torch.Generator().manual_seed((s + offset) % 2**63) for s in seeds]
+
+
+@dataclass
+class DecodeState:
+    """The state of a batch being decoded (see ``SpeculativeDecoder.start``).
+
+    Attributes:
+        histories: per sequence, the committed tokens (prompt then generated); the last one
+            is the root of the next draft and is not yet in the KV cache.
+        prompt_lengths: per sequence.
+        max_new_tokens: per sequence.
+        kv_cache: (L, 2, B, Hkv, S, D) the target's KV cache.
+        cache_seqlens: (B,) int32, tokens in the cache per sequence (= len(history) - 1 while
+            the sequence is unfinished).
+        done: per sequence, finished (stop token or max_new_tokens).
+        generators: one torch.Generator per sequence for verification (sampling).
+        stats: the run's ``DecodeStats``.
+    """
+
+    histories: List[List[int]]
+    prompt_lengths: List[int]
+    max_new_tokens: List[int]
+    kv_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    done: List[bool]
+    generators: List[torch.Generator]
+    sampling: SamplingParams
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.histories)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv_cache.shape[-2]
+
+    def generated(self, b: int) -> List[int]:
+        return self.histories[b][self.prompt_lengths[b] :]
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done)
+
+
+@dataclass
+class GenerationResult:
+    """tokens[b]: the generated tokens of prompt b (a final stop token included)."""
+
+    tokens: List[List[int]]
+    stats: DecodeStats
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of a Llama-family ``Transformer`` with any ``Drafter``.
+
+    Args:
+        model: the target model.
+        drafter: a ``Drafter`` (n-gram, layer-skip, draft model, ...); None decodes plainly,
+            one token per target pass.
+        stop_token_ids: tokens that end a sequence (emitted, then the sequence stops), e.g.
+            the tokenizer's EOS.
+        prefill_chunk: prompt tokens fed per prefill pass.
+        max_draft_nodes: the most tree nodes (root included) one step may feed; drafts are
+            cut to it (and to the cache's capacity).
+
+    Example::
+
+        model, tok = load_smollm2()
+        decoder = SpeculativeDecoder(model, NgramDrafter(), stop_token_ids=[tok.eos_token_id])
+        result = decoder.generate([prompt_ids], max_new_tokens=128, num_draft_tokens=6)
+        print(tok.decode(result.tokens[0]), result.stats.summary())
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        drafter: Optional[Drafter] = None,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        prefill_chunk: int = 512,
+        max_draft_nodes: int = 128,
+    ):
+        self.model = model
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_draft_nodes < 1:
+            raise ValueError(f"max_draft_nodes must be >= 1, got {max_draft_nodes}")
+        self.prefill_chunk = prefill_chunk
+        self.max_draft_nodes = max_draft_nodes
+        vocab = getattr(self.drafter, "vocab_size", None)
+        if vocab is not None and vocab != model.args.vocab_size:
+            raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({model.args.vocab_size})")
+
+    # ------------------------------------------------------------------ public loop
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Union[int, Sequence[int]] = 128,
+        num_draft_tokens: DraftSchedule = 4,
+        sampling: Optional[SamplingParams] = None,
+        seeds=None,
+    ) -> GenerationResult:
+        """Generate for a batch of prompts until every sequence stops.
+
+        Args:
+            prompts: token ids per sequence (non-empty lists; lengths may differ).
+            max_new_tokens: an int, or one per prompt.
+            num_draft_tokens: the draft depth K per step: an int, a list (one per sequence),
+                or ``schedule(step, state)`` returning either, so K may change every step.
+            sampling: temperature / top-k / top-p; default greedy.
+            seeds: per-sequence seeds (list), a base seed (int; sequence b uses seed + b) or
+                None; sequence b's tokens depend only on its own seed.
+
+        Returns:
+            GenerationResult(tokens, stats).
+        """
+        t0 = time.perf_counter()
+        state = self.start(prompts, max_new_tokens, sampling, seeds)
+        step = 0
+        while not state.finished:
+            k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
+            self.step(state, k)
+            step += 1
+        state.stats.total_time = time.perf_counter() - t0
+        return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
+
+    @torch.inference_mode()
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Union[int, Sequence[int]] = 128,
+        sampling: Optional[SamplingParams] = None,
+        seeds=None,
+    ) -> DecodeState:
+        """Allocate the KV cache, prefill the prompts (all but their last token) and reset the
+        drafter.  Step the returned state with ``step``.
+
+        Raises:
+            ValueError: no prompts, an empty prompt, token ids outside the vocabulary,
+                max_new_tokens < 0, or prompts longer than the model's positions.
+        """
+        histories = [[int(t) for t in p] for p in prompts]
+        B = len(histories)
+        if B == 0:
+            raise ValueError("prompts must hold at least one prompt")
+        V = self.model.args.vocab_size
+        for b, h in enumerate(histories):
+            if not h:
+                raise ValueError(f"prompts[{b}] is empty (a prompt needs at least one token)")
+            if min(h) < 0 or max(h) >= V:
+                raise ValueError(f"prompts[{b}] holds token ids outside [0, {V})")
+        limits = [int(max_new_tokens)] * B if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+        if len(limits) != B or min(limits) < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, an int or one per prompt, got {max_new_tokens}")
+        sampling = sampling or SamplingParams()
+        lengths = [len(h) for h in histories]
+        capacity = max(lengths) + max(limits) + self.max_draft_nodes + 1
+        if capacity > self.model.args.max_position + self.max_draft_nodes + 1:
+            raise ValueError(f"prompt plus max_new_tokens exceed the model's {self.model.args.max_position} positions")
+        state = DecodeState(
+            histories=histories,
+            prompt_lengths=lengths,
+            max_new_tokens=limits,
+            kv_cache=self.model.new_kv_cache(B, capacity),
+            cache_seqlens=torch.zeros(B, dtype=torch.int32, device=self.model.device),
+            done=[m == 0 for m in limits],
+            generators=make_generators(seeds, B),
+            sampling=sampling,
+        )
+        t = time.perf_counter()
+        self._prefill(state)
+        state.stats.prefill_time = time.perf_counter() - t
+        t = time.perf_counter()
+        self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
+        state.stats.draft_time += time.perf_counter() - t
+        return state
+
+    def _prefill(self, state: DecodeState) -> None:
+        """Feed every prompt but its last token (the first root), in chunks, as chains."""
+        device = self.model.device
+        fed = [n - 1 for n in state.prompt_lengths]
+        longest = max(fed)
+        B = state.batch_size
+        for c in range(0, longest, self.prefill_chunk):
+            n = min(self.prefill_chunk, longest - c)
+            block = torch.zeros(B, n, dtype=torch.int64)
+            for b, h in enumerate(state.histories):
+                part = h[c : min(c + n, fed[b])]
+                block[b, : len(part)] = torch.tensor(part, dtype=torch.int64)
+            positions = (c + torch.arange(n)).expand(B, n)
+            seqlens = torch.full((B,), c, dtype=torch.int32, device=device)
+            no_rows = torch.zeros(B, 0, dtype=torch.int64, device=device)
+            self.model(block.to(device), positions.to(device), state.kv_cache, seqlens, None, logit_rows=no_rows)
+            state.stats.prefill_passes += 1
+        state.cache_seqlens = torch.tensor(fed, dtype=torch.int32, device=device)
+
+    @torch.inference_mode()
+    def step(self, state: DecodeState, num_draft_tokens: Union[int, Sequence[int]] = 4) -> List[List[int]]:
+        """One target forward pass for every unfinished sequence.
+
+        Args:
+            state: from ``start``.
+            num_draft_tokens: K for this step, an int or one per sequence (0 = no drafts).
+
+        Returns:
+            The tokens each sequence emitted in this step ([] for finished sequences).
+        """
+        B = state.batch_size
+        stats = state.stats
+        ks = [int(num_draft_tokens)] * B if isinstance(num_draft_tokens, int) else [int(k) for k in num_draft_tokens]
+        if len(ks) != B or min(ks) < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, an int or one per sequence, got {num_draft_tokens}")
+        active = [not d for d in state.done]
+        if not any(active):
+            return [[] for _ in range(B)]
+        # Never draft past what max_new_tokens leaves (the bonus token covers one).
+        ks = [
+            max(0, min(k, state.max_new_tokens[b] - len(state.generated(b)) - 1)) if active[b] else 0
+            for b, k in enumerate(ks)
+        ]
+
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(state.histories, ks, active)
+        room = [min(self.max_draft_nodes, state.capacity - int(s)) for s in state.cache_seqlens.tolist()]
+        draft = draft.truncate([r if a else 1 for r, a in zip(room, active)])
+        t1 = time.perf_counter()
+        stats.draft_time += t1 - t0
+
+        out, accepted_nodes, num_accepted, depth = self._verify(state, draft)
+        stats.target_passes += 1
+        stats.draft_tokens += int((draft.num_nodes - 1)[torch.tensor(active)].sum())
+        t2 = time.perf_counter()
+        stats.verify_time += t2 - t1
+
+        emitted = self._emit(state, out, num_accepted, depth, active)
+        keep = [a and not d for a, d in zip(active, state.done)]  # still running after this step
+        advance = torch.tensor([n + 1 if k else 0 for n, k in zip(num_accepted.tolist(), keep)], dtype=torch.int64)
+        if not draft.is_chain and any(keep):
+            compact_kv_cache(state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
+        state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
+        t3 = time.perf_counter()
+        self.drafter.observe(accepted_nodes, num_accepted, keep)
+        t4 = time.perf_counter()
+        stats.draft_time += t4 - t3
+        stats.bookkeeping_time += t3 - t2
+        return emitted
+
+    # ------------------------------------------------------------------ internals
+    def _verify(self, state: DecodeState, draft: Draft):
+        """Target pass over the block and verification; returns (output_tokens, accepted_nodes,
+        num_accepted, depth of each sequence's draft), all on CPU."""
+        device = self.model.device
+        n = int(draft.num_nodes.max())
+        tokens = draft.tokens[:, :n].to(device)
+        parents = draft.parents[:, :n].to(device)
+        num_nodes = draft.num_nodes.to(device)
+        probs = draft.probs[:, :n].to(device) if draft.probs is not None else None
+        trimmed = Draft(tokens, parents, num_nodes, probs, draft.is_chain)
+        depths = trimmed.depths()
+        positions = state.cache_seqlens.to(torch.int64)[:, None] + depths
+        logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]
+
+        sp = state.sampling
+        if sp.greedy:
+            if draft.is_chain:
+                out, num_accepted = verify_greedy(logits, tokens[:, 1:], num_nodes - 1)
+            else:
+                out, accepted_nodes, num_accepted = verify_tree_greedy(logits, tokens, parents, num_nodes)
+        else:
+            target_probs = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+            coins, finals = self._uniforms(state, draft.num_nodes.tolist(), n)
+            if draft.is_chain:
+                out, num_accepted = rejection_sample(
+                    target_probs,
+                    probs[:, : n - 1] if probs is not None else None,
+                    tokens[:, 1:],
+                    num_nodes - 1,
+                    uniform_samples=coins.to(device),
+                    sample_uniforms=finals.to(device),
+                )
+            else:
+                out, accepted_nodes, num_accepted = tree_rejection_sample(
+                    target_probs,
+                    tokens,
+                    parents,
+                    probs,
+                    num_nodes,
+                    uniform_samples=coins.to(device),
+                    sample_uniforms=finals.to(device),
+                )
+        if draft.is_chain:
+            index = torch.arange(n, device=device).expand(tokens.shape[0], n)
+            accepted_nodes = torch.where(index <= num_accepted[:, None], index, -1)
+        valid = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
+        depth = torch.where(valid, depths, 0).max(dim=1).values
+        return out.cpu(), accepted_nodes.cpu(), num_accepted.cpu(), depth.cpu()
+
+    @staticmethod
+    def _uniforms(state: DecodeState, num_nodes: List[int], n: int):
+        """Each sequence draws its own coins (one per draft node) then its sample uniform from
+        its own generator, so its tokens do not depend on the rest of the batch."""
+        B = state.batch_size
+        coins = torch.zeros(B, n - 1)
+        finals = torch.zeros(B)
+        for b, g in enumerate(state.generators):
+            if state.done[b]:
+                continue
+            coins[b, : num_nodes[b] - 1] = torch.rand(num_nodes[b] - 1, generator=g)
+            finals[b] = torch.rand(1, generator=g)[0]
+        return coins, finals
+
+    def _emit(self, state: DecodeState, out, num_accepted, depth, active) -> List[List[int]]:
+        emitted: List[List[int]] = []
+        out_rows, accepted, depths = out.tolist(), num_accepted.tolist(), depth.tolist()
+        for b in range(state.batch_size):
+            if not active[b]:
+                emitted.append([])
+                continue
+            new = out_rows[b][: accepted[b] + 1]
+            new = new[: state.max_new_tokens[b] - len(state.generated(b))]
+            for i, t in enumerate(new):
+                if t in self.stop_token_ids:
+                    new = new[: i + 1]
+                    state.done[b] = True
+                    break
+            state.histories[b].extend(new)
+            if len(state.generated(b)) >= state.max_new_tokens[b]:
+                state.done[b] = True
+            state.stats.record(depths[b], accepted[b], len(new))
+            emitted.append(new)
+        return emitted

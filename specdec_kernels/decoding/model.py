@@ -1,0 +1,297 @@
+"""A Llama-family forward pass written for speculative decoding.
+
+Every forward feeds a block of N new tokens per sequence whose keys and values are
+written into a static KV cache (layout ``[L, 2, B, Hkv, S, D]``, the layout of
+``compact_kv_cache``) and attends through ``specdec_kernels.tree_attention``:
+
+* prefill: the prompt as a chain (``tree_mask=None``);
+* plain decoding: N = 1;
+* verification: the root plus the draft tokens, with the token tree's ancestor mask (or
+  ``None`` for a chain).
+
+Position convention (used by the engine and the drafters): ``cache_seqlens[b]`` counts the
+tokens of sequence b whose K/V are in the cache; the last committed token (the *root*) is
+*not* yet in the cache.  A block is ``[root, draft nodes...]``, written at slots
+``cache_seqlens[b] + i``; node i has the rotary position ``cache_seqlens[b] + depth_i``
+(root depth 0), so siblings share a position.  After verification the root and the
+accepted drafts are compacted to ``cache_seqlens[b] .. cache_seqlens[b] + m`` and
+``cache_seqlens[b] += m + 1``; the emitted bonus token becomes the next root.
+
+Weights come from any transformers ``LlamaForCausalLM`` (its config and state dict), see
+``Transformer.from_hf``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec_kernels.ops.tree_attention import tree_attention
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a Llama-family decoder (names follow transformers' LlamaConfig)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 8192
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelArgs":
+        """From a transformers ``LlamaConfig`` (or anything with the same attributes)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021) in the half-split layout of transformers' Llama.
+
+    x: (B, N, heads, D); cos, sin: (B, N, 1, D).
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    """One decoder layer: pre-norm attention (GQA, fused QKV) and a SwiGLU MLP (fused gate/up)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        H, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.wqkv = nn.Linear(args.hidden_size, (H + 2 * Hkv) * D, bias=False)
+        self.wo = nn.Linear(H * D, args.hidden_size, bias=False)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend):
+        B, N, _ = x.shape
+        H, Hkv, D = self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
+        qkv = self.wqkv(self.attention_norm(x))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = rotate(q.view(B, N, H, D), cos, sin)
+        k = rotate(k.view(B, N, Hkv, D), cos, sin)
+        v = v.view(B, N, Hkv, D)
+        k_cache, v_cache = layer_cache[0], layer_cache[1]  # [B, Hkv, S, D] views
+        write(k_cache, k)
+        write(v_cache, v)
+        attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
+        x = x + self.wo(attn.reshape(B, N, H * D))
+        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM over a static KV cache (see the module docstring).
+
+    Build it with ``Transformer.from_hf(config, state_dict)`` or ``Transformer.from_hf_model``.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = 1.0
+        self.attention_backend: Optional[str] = None  # tree_attention's backend=; None: automatic
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_hf(cls, config, state_dict, *, dtype: torch.dtype = torch.float32) -> "Transformer":
+        """From a transformers ``LlamaConfig`` and a ``LlamaForCausalLM`` state dict.
+
+        Plain RoPE is computed here; scaled variants (``rope_type`` llama3, yarn, ...) take
+        their frequencies from transformers' ``LlamaRotaryEmbedding``; q/k/v and gate/up
+        weights are concatenated.  Weights may share memory with ``state_dict`` (never modified).
+
+        Raises:
+            KeyError: a weight missing from ``state_dict``.
+        """
+        args = ModelArgs.from_hf_config(config)
+        with torch.device("meta"):
+            model = cls(args)
+        sd = {}
+        sd["tok_embeddings.weight"] = state_dict["model.embed_tokens.weight"]
+        for i in range(args.num_layers):
+            p = f"model.layers.{i}."
+            sd[f"layers.{i}.attention_norm.weight"] = state_dict[p + "input_layernorm.weight"]
+            sd[f"layers.{i}.wqkv.weight"] = torch.cat(
+                [state_dict[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0
+            )
+            sd[f"layers.{i}.wo.weight"] = state_dict[p + "self_attn.o_proj.weight"]
+            sd[f"layers.{i}.ffn_norm.weight"] = state_dict[p + "post_attention_layernorm.weight"]
+            sd[f"layers.{i}.w13.weight"] = torch.cat(
+                [state_dict[p + "mlp.gate_proj.weight"], state_dict[p + "mlp.up_proj.weight"]], dim=0
+            )
+            sd[f"layers.{i}.w2.weight"] = state_dict[p + "mlp.down_proj.weight"]
+        sd["norm.weight"] = state_dict["model.norm.weight"]
+        head = state_dict.get("lm_head.weight")
+        sd["output.weight"] = head if head is not None else state_dict["model.embed_tokens.weight"]
+        sd = {k: v.detach().to(dtype=dtype) for k, v in sd.items()}
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+        if missing or unexpected:
+            raise KeyError(f"state dict does not fit the model: missing {missing}, unexpected {unexpected}")
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            exponent = torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim
+            inv_freq, scaling = 1.0 / (args.rope_theta**exponent), 1.0
+        else:  # scaled variants (llama3, yarn, ...): transformers computes the frequencies
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            rotary = LlamaRotaryEmbedding(config)
+            inv_freq, scaling = rotary.inv_freq.float(), float(rotary.attention_scaling)
+        model.inv_freq = inv_freq
+        model.attention_scaling = scaling
+        return model.eval()
+
+    @classmethod
+    def from_hf_model(cls, hf_model, *, dtype: torch.dtype = torch.float32) -> "Transformer":
+        """From a loaded transformers ``LlamaForCausalLM``."""
+        return cls.from_hf(hf_model.config, hf_model.state_dict(), dtype=dtype)
+
+    def truncated(self, num_layers: int) -> "Transformer":
+        """A separate model made of this one's first ``num_layers`` layers and its head.
+
+        The weights are shared (no copy); the result is a model of its own, e.g. a small
+        draft model for tests or a layer-skip style draft model with its own KV cache.
+
+        Raises:
+            ValueError: ``num_layers`` outside 1..num_layers.
+        """
+        if not 1 <= num_layers <= self.args.num_layers:
+            raise ValueError(f"num_layers must lie in 1..{self.args.num_layers}, got {num_layers}")
+        args = ModelArgs(**{**asdict(self.args), "num_layers": num_layers})
+        with torch.device("meta"):
+            small = Transformer(args)
+        small.tok_embeddings = self.tok_embeddings
+        small.layers = nn.ModuleList(list(self.layers[:num_layers]))
+        small.norm, small.output = self.norm, self.output
+        small.inv_freq, small.attention_scaling = self.inv_freq, self.attention_scaling
+        small.attention_backend = self.attention_backend
+        return small.eval()
+
+    # ------------------------------------------------------------------ inference
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    def new_kv_cache(self, batch: int, capacity: int, num_layers: Optional[int] = None) -> torch.Tensor:
+        """A zeroed KV cache ``[L, 2, batch, Hkv, capacity, D]`` in the model's dtype and device."""
+        a = self.args
+        L = a.num_layers if num_layers is None else num_layers
+        return torch.zeros(L, 2, batch, a.num_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        tree_mask: Optional[torch.Tensor] = None,
+        *,
+        num_layers: Optional[int] = None,
+        logit_rows: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """Feed a block of N new tokens per sequence; return their next-token logits.
+
+        Args:
+            tokens: Shape (B, N), int64: the block (for verification: root then drafts).
+            positions: Shape (B, N), int64: rotary positions (``cache_seqlens + depth``).
+            kv_cache: Shape (L', 2, B, Hkv, S, D), the model's dtype, L' >= the layers run.
+                The block's keys and values are written at slots cache_seqlens[b] + i.
+            cache_seqlens: Shape (B,), int32: tokens already in the cache per sequence;
+                cache_seqlens + N <= S.
+            tree_mask: bool (N, N) or (B, N, N) ancestor mask of the block, None = chain.
+            num_layers: run only the first layers (layer-skip drafting); the final norm and
+                the head are applied after them.  None runs all.
+            logit_rows: Shape (B, R), int64: compute logits only for these block rows (e.g.
+                the last prompt token, or a tree's frontier).  None: all N rows.  R = 0 skips
+                the head and returns None.
+
+        Returns:
+            logits: Shape (B, N or R, vocab), float32, or None when R = 0.
+        """
+        B, N = tokens.shape
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        seqlens = cache_seqlens.to(torch.int32)
+
+        # Slot writes: one slice when every sequence starts at the same slot, else a scatter.
+        starts = cache_seqlens.tolist() if cache_seqlens.device.type == "cpu" else None
+        if starts is not None and min(starts) == max(starts):
+            s = starts[0]
+
+            def write(cache, new):  # cache [B, Hkv, S, D], new [B, N, Hkv, D]
+                cache[:, :, s : s + N] = new.transpose(1, 2)
+
+        else:
+            b_idx = torch.arange(B, device=tokens.device)[:, None]
+            slots = cache_seqlens.to(torch.int64)[:, None] + torch.arange(N, device=tokens.device)
+
+            def write(cache, new):
+                cache[b_idx, :, slots] = new
+
+        # On CPU, attend over the used part of the cache only (the reference is dense in S).
+        if starts is not None:
+            kv_cache = kv_cache[..., : max(starts, default=0) + N, :]
+
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, kv_cache[i], write, seqlens, tree_mask, self.attention_backend)
+        if logit_rows is not None:
+            if logit_rows.shape[1] == 0:
+                return None
+            x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
+        return self.output(self.norm(x)).float()

@@ -1,0 +1,217 @@
+"""Drafting with a model: a separate small draft model, or the target's own first layers.
+
+``ModelDrafter`` runs a ``Transformer`` (optionally only its first layers, then its final
+norm and head) over its own KV cache, in the position convention of ``model.py``.  Its cache
+holds the committed tokens it has seen; at each ``propose`` it first feeds the committed
+tokens it has not seen yet (the prompt on the first step, then the bonus token and any
+accepted drafts it did not feed) as a chain ending at the root, then drafts:
+
+* a chain: one token per pass, each fed at the next slot;
+* a tree of static shape ``tree_widths`` (children per node at each depth, 1 past the
+  list's end): each pass re-feeds the tree built so far, below the root, with its ancestor
+  mask, and expands the deepest level.
+
+At temperature 0 (or with ``deterministic=True``) the children are the argmax / top-w tokens
+(distinct) and no distribution is handed over; otherwise they are sampled i.i.d. from
+``sampling_probs`` of the drafter's logits with each sequence's own generator, and that
+distribution is returned as ``Draft.probs``.
+
+``observe`` compacts the drafter's cache to the accepted path (``compact_kv_cache``), so
+the accepted drafts it had fed need not be fed again.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
+from specdec_kernels.ops.sampling_probs import sampling_probs
+from specdec_kernels.tree import ancestor_mask
+
+
+def tree_shape(widths: Sequence[int], depth: int, max_nodes: int):
+    """Parent list and depths of the static tree: widths[d] children per node at depth d
+    (1 past the list), ``depth`` levels below the root, nodes breadth-first, cut at max_nodes."""
+    parents, depths, level = [-1], [0], [0]
+    for d in range(depth):
+        w = widths[d] if d < len(widths) else 1
+        nxt = []
+        for node in level:
+            for _ in range(w):
+                if len(parents) >= max_nodes:
+                    return parents, depths
+                nxt.append(len(parents))
+                parents.append(node)
+                depths.append(d + 1)
+        level = nxt
+    return parents, depths
+
+
+class ModelDrafter(Drafter):
+    """Draft with a causal LM that shares the target's tokenizer.
+
+    Args:
+        model: the draft model (our ``Transformer``).
+        num_layers: run only its first layers (layer-skip self-drafting); None runs all.
+        tree_widths: None drafts a chain; else the static tree's children per node by depth,
+            e.g. (2, 2) (4 leaves at depth 2, chains below).
+        max_nodes: the most tree nodes, root included.
+        deterministic: draft the top tokens even when sampling (the verifier then treats q as
+            one-hot); by default a sampling run samples the drafts.
+
+    Raises:
+        ValueError: num_layers outside 1..model layers, a width < 1, max_nodes < 2.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model: Transformer, *, num_layers: Optional[int] = None, tree_widths: Optional[Sequence[int]] = None, max_nodes: int = 64, deterministic: bool = False):
+        L = model.args.num_layers
+        if num_layers is not None and not 1 <= num_layers <= L:
+            raise ValueError(f"num_layers must lie in 1..{L}, got {num_layers}")
+        if tree_widths is not None and (len(tree_widths) == 0 or min(tree_widths) < 1):
+            raise ValueError(f"tree_widths must be positive ints, got {tree_widths}")
+        if max_nodes < 2:
+            raise ValueError(f"max_nodes must be >= 2, got {max_nodes}")
+        self.model = model
+        self.num_layers = num_layers if num_layers is not None else L
+        self.tree_widths = tuple(tree_widths) if tree_widths is not None else None
+        self.max_nodes = max_nodes
+        self.deterministic = deterministic
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    def start(self, histories, capacity, sampling, generators) -> None:
+        super().start(histories, capacity, sampling, generators)
+        self.cache = self.model.new_kv_cache(len(histories), capacity, self.num_layers)
+        self.seqlens = [0] * len(histories)  # committed tokens in the drafter's cache
+        self.capacity = capacity
+        self._root_slot: Optional[List[int]] = None
+        self._fed_depth = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _forward(self, tokens, positions, seqlens, mask=None, rows=None):
+        device = self.model.device
+        as_t = lambda x: torch.as_tensor(x, dtype=torch.int64).to(device)  # noqa: E731
+        return self.model(
+            as_t(tokens),
+            as_t(positions),
+            self.cache,
+            as_t(seqlens).to(torch.int32),
+            mask,
+            num_layers=self.num_layers,
+            logit_rows=None if rows is None else as_t(rows),
+        )
+
+    def _children(self, logits: torch.Tensor, width: int, active):
+        """Children of R nodes per sequence: logits (B, R, V) -> tokens (B, R, width) and the
+        distribution they were drawn from (B, R, V), or None when greedy."""
+        sp = self.sampling
+        if sp.greedy or self.deterministic:
+            return logits.topk(width, dim=-1).indices.cpu(), None
+        B, R, V = logits.shape
+        q = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+        picks = torch.zeros(B, R, width, dtype=torch.int64)
+        q_cpu = q.cpu()
+        for b in range(B):
+            if active[b]:
+                picks[b] = torch.multinomial(q_cpu[b], width, replacement=True, generator=self.generators[b])
+        return picks, q
+
+    # ------------------------------------------------------------------ interface
+    @torch.inference_mode()
+    def propose(self, histories, num_draft_tokens, active) -> Draft:
+        B = len(histories)
+        depth = max(k for k, a in zip(num_draft_tokens, active) if a) if any(active) else 0
+        if depth == 0:
+            self._root_slot = None
+            return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+
+        # 1) feed the committed tokens the drafter has not seen, ending at the root
+        pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
+        P = max(len(p) for p in pending)
+        block = [p + [0] * (P - len(p)) for p in pending]
+        positions = [[self.seqlens[b] + j for j in range(P)] for b in range(B)]
+        logits = self._forward(block, positions, self.seqlens, None, [[len(p) - 1] for p in pending])
+        root_slot = [self.seqlens[b] + len(pending[b]) - 1 for b in range(B)]  # = position of the root
+        self._root_slot = root_slot
+
+        room = self.capacity - max(root_slot)
+        parents, depths = tree_shape(self.tree_widths or (), depth, min(self.max_nodes, room))
+        N = len(parents)
+        anc = ancestor_mask(parents)
+        tokens = torch.zeros(B, N, dtype=torch.int64)
+        tokens[:, 0] = torch.tensor([h[-1] for h in histories])
+        probs = None
+        if not (self.sampling.greedy or self.deterministic):
+            probs = torch.zeros(B, N, self.model.args.vocab_size, dtype=torch.float32)
+
+        # 2) expand level by level; node i's K/V go to slot root_slot + i
+        level = [0]
+        for d in range(1, max(depths) + 1):
+            children = [i for i in range(N) if depths[i] == d]
+            if d > 1:
+                # feed from the first node that is not an ancestor of every node of the level
+                # (those before it are in the cache already and visible as prefix)
+                first = 1
+                while first < level[0] and bool(anc[level][:, first].all()):
+                    first += 1
+                end = level[-1] + 1
+                mask = anc[first:end, first:end].to(self.model.device)
+                pos = [[root_slot[b] + depths[i] for i in range(first, end)] for b in range(B)]
+                rows = [[i - first for i in level]] * B
+                logits = self._forward(tokens[:, first:end], pos, [s + first for s in root_slot], mask, rows)
+            width = max(sum(1 for c in children if parents[c] == level[0]), 1)
+            # a sequence draws only for the depths it asked for: its randomness never depends
+            # on the rest of the batch
+            wanted = [a and k >= d for a, k in zip(active, num_draft_tokens)]
+            picks, q = self._children(logits, width, wanted)  # (B, len(level), width)
+            for r, node in enumerate(level):
+                kids = [c for c in children if parents[c] == node]
+                tokens[:, kids] = picks[:, r, : len(kids)]
+                if q is not None:
+                    probs[:, node] = q[:, r].cpu()
+            level = children
+        self._fed_depth = max(depths) - 1
+        self._is_chain = max(depths) == N - 1
+
+        max_depth = torch.tensor(depths)
+        num_nodes = [int((max_depth <= k).sum()) if a else 1 for k, a in zip(num_draft_tokens, active)]
+        parents_t = torch.tensor(parents, dtype=torch.int64).expand(B, N).clone()
+        return Draft(tokens, parents_t, torch.tensor(num_nodes), probs, is_chain=self._is_chain)
+
+    @torch.inference_mode()
+    def observe(self, accepted_nodes, num_accepted, active) -> None:
+        if self._root_slot is None:
+            return
+        fed = num_accepted.clamp(max=self._fed_depth)  # accepted drafts whose K/V the drafter wrote
+        count = torch.where(torch.tensor(list(active), dtype=torch.bool), fed + 1, 0)
+        root = torch.tensor(self._root_slot, dtype=torch.int64)
+        if not self._is_chain and bool(count.gt(1).any()):
+            compact_kv_cache(self.cache, root.to(self.cache.device), accepted_nodes.to(self.cache.device), count.to(self.cache.device))
+        for b, a in enumerate(active):
+            if a:
+                self.seqlens[b] = self._root_slot[b] + 1 + int(fed[b])
+        self._root_slot = None
+
+
+class LayerSkipDrafter(ModelDrafter):
+    """Self-speculative drafting: the target's first ``num_layers`` layers, then its own final
+    norm and head (as in LayerSkip, Elhoushi et al. 2024, and Draft & Verify, Zhang et al.
+    2024), with a KV cache of its own."""
+
+    name = "layerskip"
+
+    def __init__(self, target: Transformer, num_layers: int, *, tree_widths=None, max_nodes: int = 64, deterministic: bool = False):
+        super().__init__(target, num_layers=num_layers, tree_widths=tree_widths, max_nodes=max_nodes, deterministic=deterministic)
+
+
+class DraftModelDrafter(ModelDrafter):
+    """A separate small causal LM with the target's tokenizer (Leviathan et al. 2023)."""
+
+    name = "draft-model"

@@ -1,0 +1,335 @@
+"""Decoding engine on a tiny random-weight Llama (vocab 111): forward vs transformers,
+greedy equivalence of every drafter, stop tokens, max_new_tokens, ragged batches, changing
+K, and the output distribution at temperature > 0 (chi-square)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import (
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    LayerSkipDrafter,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeDecoder,
+    Transformer,
+    ngram_continuations,
+)
+from specdec_kernels.decoding.draft import chain_parents
+from specdec_kernels.ops import tree_attention as tree_attention_module
+from specdec_kernels.ops.sampling_probs import sampling_probs
+from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
+from tests.utils import chi_square_pvalue
+
+transformers = pytest.importorskip("transformers")
+
+V = 111
+P_THRESHOLD = 1e-3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one intra-op thread avoids OpenMP synchronisation on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(transformers model, our Transformer): 3 layers, hidden 64, H=4, Hkv=2, D=16, peaked logits."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5,
+        rope_theta=10000.0,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    return hf, Transformer.from_hf_model(hf)
+
+
+def hf_greedy(hf, prompt, n):
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+class OracleDrafter(Drafter):
+    """Proposes a fixed continuation (e.g. the known greedy output plus extra tokens),
+    ignoring num_draft_tokens: to test what the engine does with long accepted blocks."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_len, future, depth):
+        self.prompt_len, self.future, self.depth = prompt_len, future, depth
+
+    def propose(self, histories, num_draft_tokens, active):
+        trees = []
+        for h, f in zip(histories, self.future):
+            done = len(h) - self.prompt_len
+            chain = [h[-1]] + f[done : done + self.depth]
+            trees.append((chain, chain_parents(len(chain))))
+        return Draft.from_lists(trees)
+
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
+
+
+# ---------------------------------------------------------------------------- the forward
+@pytest.mark.parametrize("backend", [None, "reference"], ids=["auto", "reference"])
+def test_forward_matches_transformers(tiny, backend):
+    hf, model = tiny
+    model.attention_backend = backend
+    try:
+        x = torch.tensor([PROMPTS[0] + [1, 2], PROMPTS[2][:9]])
+        with torch.inference_mode():
+            ref = hf(x).logits
+            cache = model.new_kv_cache(2, 16)
+            prefill = model(x[:, :5], torch.arange(5).expand(2, 5), cache, torch.zeros(2, dtype=torch.int32))
+            rest = model(x[:, 5:], torch.arange(5, 9).expand(2, 4), cache, torch.full((2,), 5, dtype=torch.int32))
+        out = torch.cat([prefill, rest], dim=1)
+        torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    finally:
+        model.attention_backend = None
+
+
+def test_tree_step_matches_transformers_paths(tiny):
+    """A tree verify step on ragged cache lengths equals transformers on every root-to-node path."""
+    hf, model = tiny
+    parents = [-1, 0, 0, 1, 1, 3, 2]
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    trees = torch.tensor([[7, 3, 50, 3, 60, 61, 9], [11, 4, 5, 6, 7, 8, 9]])
+    cache = model.new_kv_cache(2, 32)
+    seqlens = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32)
+    with torch.inference_mode():
+        for b, p in enumerate(prompts):  # prefill each sequence to its own length
+            one = model.new_kv_cache(1, 32)
+            model(torch.tensor([p[:-1]]), torch.arange(len(p) - 1)[None], one, torch.zeros(1, dtype=torch.int32))
+            cache[:, :, b] = one[:, :, 0]
+        trees[:, 0] = torch.tensor([p[-1] for p in prompts])
+        depth = tree_depths(parents)
+        logits = model(trees, seqlens.long()[:, None] + depth, cache, seqlens, ancestor_mask(parents))
+        for b, p in enumerate(prompts):
+            for node in range(len(parents)):
+                path = [int(trees[b, i]) for i in path_to(parents, node)]
+                ref = hf(torch.tensor([p[:-1] + path])).logits[0, -1]
+                torch.testing.assert_close(logits[b, node], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+
+
+def test_truncated_model_is_first_layers(tiny):
+    hf, model = tiny
+    small = model.truncated(1)
+    x = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(x.shape[1])[None]
+    with torch.inference_mode():
+        a = small(x, pos, small.new_kv_cache(1, 16), torch.zeros(1, dtype=torch.int32))
+        b = model(x, pos, model.new_kv_cache(1, 16), torch.zeros(1, dtype=torch.int32), num_layers=1)
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="num_layers"):
+        model.truncated(0)
+
+
+# ---------------------------------------------------------------------------- greedy equivalence
+def drafters(model):
+    return {
+        "ngram-chain": NgramDrafter(),
+        "ngram-tree": NgramDrafter(tree=True),
+        "layerskip-chain": LayerSkipDrafter(model, 2),
+        "layerskip-tree": LayerSkipDrafter(model, 2, tree_widths=(2, 2)),
+        "draftmodel-chain": DraftModelDrafter(model.truncated(1)),
+        "draftmodel-tree": DraftModelDrafter(model.truncated(1), tree_widths=(3, 1, 2)),
+    }
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(tiny):
+    hf, model = tiny
+    out = SpeculativeDecoder(model).generate(PROMPTS, 20).tokens
+    return out
+
+
+def test_plain_greedy_matches_transformers(tiny, greedy_outputs):
+    hf, model = tiny
+    for p, ours in zip(PROMPTS, greedy_outputs):
+        assert ours == hf_greedy(hf, p, 20)
+
+
+DRAFTERS = ["ngram-chain", "ngram-tree", "layerskip-chain", "layerskip-tree", "draftmodel-chain", "draftmodel-tree"]
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+@pytest.mark.parametrize("k", [1, 3, 6], ids=lambda k: f"K{k}")
+def test_drafters_match_plain_greedy_batched(tiny, greedy_outputs, name, k):
+    """A ragged batch through every drafter, chain and tree, returns the plain greedy tokens."""
+    _, model = tiny
+    result = SpeculativeDecoder(model, drafters(model)[name]).generate(PROMPTS, 20, num_draft_tokens=k)
+    assert result.tokens == greedy_outputs
+    assert result.stats.tokens == sum(len(t) for t in greedy_outputs)
+    assert result.stats.target_passes <= 20
+
+
+def test_k_changes_between_steps(tiny, greedy_outputs):
+    _, model = tiny
+    for drafter in (LayerSkipDrafter(model, 2), LayerSkipDrafter(model, 1, tree_widths=(2,)), NgramDrafter(tree=True)):
+        decoder = SpeculativeDecoder(model, drafter)
+        state = decoder.start(PROMPTS, 20)
+        schedule = [0, 5, 1, 3, 7, 2, 0, 4]
+        i = 0
+        while not state.finished:
+            decoder.step(state, schedule[i % len(schedule)])
+            i += 1
+        assert [state.generated(b) for b in range(len(PROMPTS))] == greedy_outputs
+        # a schedule callable, per-sequence K
+        result = decoder.generate(PROMPTS, 20, num_draft_tokens=lambda step, st: [step % 4, 1, 5])
+        assert result.tokens == greedy_outputs
+
+
+def test_prefill_in_chunks(tiny, greedy_outputs):
+    _, model = tiny
+    result = SpeculativeDecoder(model, NgramDrafter(), prefill_chunk=2).generate(PROMPTS, 20)
+    assert result.tokens == greedy_outputs
+    assert result.stats.prefill_passes == 5  # the longest prompt feeds 10 tokens
+
+
+# ---------------------------------------------------------------------------- stops and limits
+def test_stop_token_inside_accepted_block(tiny, greedy_outputs):
+    """The oracle's whole block is accepted; the sequence ends at the stop token within it."""
+    _, model = tiny
+    future = [g + [1, 2, 3] for g in greedy_outputs]
+    stop = greedy_outputs[0][5]
+    cut = greedy_outputs[0].index(stop)
+    decoder = SpeculativeDecoder(model, OracleDrafter(len(PROMPTS[0]), future[:1], depth=8), stop_token_ids=[stop])
+    result = decoder.generate(PROMPTS[:1], 20)
+    assert result.tokens[0] == greedy_outputs[0][: cut + 1]
+    assert result.stats.target_passes == -(-(cut + 1) // 9)  # 9 tokens per pass (8 drafts + bonus)
+
+
+def test_max_new_tokens_smaller_than_a_block(tiny, greedy_outputs):
+    _, model = tiny
+    for n in (1, 3):
+        oracle = OracleDrafter(len(PROMPTS[0]), [greedy_outputs[0]], depth=8)  # ignores K
+        result = SpeculativeDecoder(model, oracle).generate(PROMPTS[:1], n)
+        assert result.tokens[0] == greedy_outputs[0][:n]
+        assert result.stats.target_passes == 1
+        ngram = SpeculativeDecoder(model, NgramDrafter()).generate(PROMPTS, n, num_draft_tokens=8)
+        assert ngram.tokens == [g[:n] for g in greedy_outputs]
+    per_seq = SpeculativeDecoder(model, LayerSkipDrafter(model, 2)).generate(PROMPTS, [2, 0, 7], num_draft_tokens=4)
+    assert per_seq.tokens == [greedy_outputs[0][:2], [], greedy_outputs[2][:7]]
+
+
+def test_bad_arguments(tiny):
+    _, model = tiny
+    decoder = SpeculativeDecoder(model)
+    with pytest.raises(ValueError, match="empty"):
+        decoder.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="outside"):
+        decoder.generate([[1, V]], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoder.generate([[1, 2]], -1)
+    with pytest.raises(ValueError, match="seeds"):
+        decoder.generate([[1, 2]], 4, seeds=[1, 2])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    other = Transformer.from_hf_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V + 1, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeDecoder(model, DraftModelDrafter(other))
+
+
+def test_statistics_are_consistent(tiny, greedy_outputs):
+    _, model = tiny
+    result = SpeculativeDecoder(model, LayerSkipDrafter(model, 2)).generate(PROMPTS, 20, num_draft_tokens=4)
+    s = result.stats
+    assert s.tokens == 60 and s.sequence_steps >= s.target_passes
+    assert s.mean_accepted_length == pytest.approx(s.tokens / s.sequence_steps)
+    assert len(s.acceptance_rates) == 4 and all(0 <= r <= 1 for r in s.acceptance_rates)
+    assert s.accepted_draft_tokens <= s.draft_tokens
+    assert s.total_time >= s.draft_time + s.verify_time
+    plain = SpeculativeDecoder(model).generate(PROMPTS, 20).stats
+    assert plain.mean_accepted_length == 1.0 and plain.target_passes == 20 and plain.draft_tokens == 0
+
+
+# ---------------------------------------------------------------------------- sampling
+def exact_marginals(model, prompt, sp, positions):
+    """Marginal distributions of the next ``positions`` tokens under the target, exactly."""
+    with torch.inference_mode():
+        def dist(ctx):  # ctx [R, T] -> [R, V]
+            R, T = ctx.shape
+            logits = model(ctx, torch.arange(T).expand(R, T), model.new_kv_cache(R, T), torch.zeros(R, dtype=torch.int32))
+            return sampling_probs(logits[:, -1], sp.temperature, sp.top_k, sp.top_p).double()
+
+        ctx = torch.tensor([prompt])
+        weight = torch.ones(1, dtype=torch.float64)
+        marginals = []
+        for _ in range(positions):
+            p = dist(ctx)  # [R, V]
+            joint = weight[:, None] * p
+            marginals.append(joint.sum(0))
+            keep = joint > 1e-9
+            r, x = keep.nonzero(as_tuple=True)
+            ctx = torch.cat([ctx[r], x[:, None]], dim=1)
+            weight = joint[r, x]
+    return marginals
+
+
+def ngram_friendly_prompt(model, sp):
+    """A random prompt whose n-gram draft's first token the target samples with p > 0.3 (a
+    random-weight model does not repeat itself, so the prompt is searched for)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for _ in range(1000):
+            q = torch.randint(0, V, (12,), generator=g).tolist()
+            prompt = q + [q[3]]
+            logits = model(torch.tensor([prompt]), torch.arange(13)[None], model.new_kv_cache(1, 13), torch.zeros(1, dtype=torch.int32))
+            p = sampling_probs(logits[:, -1], sp.temperature, sp.top_k, sp.top_p)[0]
+            if p[ngram_continuations(prompt, 1)[0][0]] > 0.3:
+                return prompt
+    raise AssertionError("no prompt found")
+
+
+SAMPLING_CASES = {
+    "ngram-chain": lambda m: NgramDrafter(),
+    "ngram-tree": lambda m: NgramDrafter(tree=True),
+    "layerskip-chain-sampled": lambda m: LayerSkipDrafter(m, 2),
+    "layerskip-tree-sampled": lambda m: LayerSkipDrafter(m, 2, tree_widths=(2, 2)),
+    "draftmodel-tree-greedy": lambda m: DraftModelDrafter(m.truncated(2), tree_widths=(3, 1, 2), deterministic=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+def test_sampling_keeps_the_target_distribution(tiny, name):
+    """Over many seeds, each of the first 3 emitted tokens follows the target's marginal
+    (temperature, top-k and top-p applied to both sides)."""
+    _, model = tiny
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    prompt = ngram_friendly_prompt(model, sp)
+    B = 4000
+    decoder = SpeculativeDecoder(model, SAMPLING_CASES[name](model))
+    result = decoder.generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
+    out = torch.tensor(result.tokens)
+    assert out.shape == (B, 3)
+    s = result.stats
+    assert s.accepted_draft_tokens > 0.1 * s.sequence_steps  # drafts do get accepted
+    for j, marginal in enumerate(exact_marginals(model, prompt, sp, 3)):
+        assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
+
+
+def test_sampling_depends_only_on_each_sequence_seed(tiny):
+    _, model = tiny
+    sp = SamplingParams(temperature=1.0)
+    decoder = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,)))
+    batch = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[7, 8, 9]).tokens
+    alone = [decoder.generate([p], 12, num_draft_tokens=3, sampling=sp, seeds=[s]).tokens[0] for p, s in zip(PROMPTS, [7, 8, 9])]
+    assert batch == alone
+    again = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[7, 8, 9]).tokens
+    assert again == batch
+    other = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[1, 2, 3]).tokens
+    assert other != batch
