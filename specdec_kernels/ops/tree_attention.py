@@ -552,8 +552,8 @@ tree_attention.__doc__ = (
 # --------------------------------------------------------------------------------------
 
 
-def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32"):
-    block_m, block_n, block_d, num_warps = _block_sizes(64, head_dim, True)
+def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32", rows: int = 64):
+    block_m, block_n, block_d, num_warps = _block_sizes(rows, head_dim, True)
     mask_ty = {MASK_CAUSAL: "*" + seqlen_dtype, MASK_BOOL: "*u8", MASK_PACKED: "*i32"}[mask_kind]
     sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}", "MASK": mask_ty,
            "OUT": f"*{dtype}", "OPART": "*fp32" if split else f"*{dtype}", "LSE": "*fp32" if split else f"*{dtype}",
@@ -569,7 +569,7 @@ def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dty
         sig[name] = "constexpr"
     return dict(kernel=_tree_attention_fwd_kernel, signature=sig, constexprs=constexprs,
                 options=dict(num_warps=num_warps, num_stages=2),
-                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)}]")
+                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},BLOCK_M={block_m}]")
 
 
 def _combine_spec(dtype: str, head_dim: int):
@@ -586,5 +586,8 @@ AOT_SPECS = (
     + [_fwd_spec("fp16", 64, MASK_CAUSAL, False), _fwd_spec("bf16", 128, MASK_PACKED, False),
        _fwd_spec("fp16", 96, MASK_PACKED, True), _fwd_spec("bf16", 64, MASK_CAUSAL, True, "i64"),
        _fwd_spec("fp32", 128, MASK_BOOL, True)]
+    # plain decoding (N = 1, G = 3 or 8 rows): the smallest row tile
+    + [_fwd_spec("fp16", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 128, MASK_CAUSAL, False, rows=8),
+       _fwd_spec("fp32", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 256, MASK_CAUSAL, True, rows=8)]
     + [_combine_spec(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
 )
