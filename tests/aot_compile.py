@@ -31,6 +31,7 @@ def main() -> int:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
     import specdec_kernels.ops as ops_pkg
 
     results, missing = [], []

@@ -80,3 +80,32 @@ def test_importing_the_package_touches_no_gpu_and_no_extension():
         "import torch; assert not torch.cuda.is_initialized(), 'CUDA initialised at import'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_package_works_without_triton():
+    """triton is optional: with it unimportable the ops run on the reference / torch paths."""
+    import subprocess
+    import sys
+
+    code = """
+import builtins
+real = builtins.__import__
+def blocked(name, *a, **k):
+    if name == "triton" or name.startswith("triton."):
+        raise ImportError("triton blocked for this test")
+    return real(name, *a, **k)
+builtins.__import__ = blocked
+import torch, specdec_kernels as sk
+out, acc = sk.verify_greedy(torch.tensor([[[0.0, 1.0], [1.0, 0.0]]]), torch.tensor([[1]]))
+assert out.tolist() == [[1, 0]], out
+attn = sk.tree_attention(torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 4, 16), torch.ones(1, 1, 4, 16),
+                         torch.tensor([1], dtype=torch.int32))
+assert torch.allclose(attn, torch.ones_like(attn))
+try:
+    sk.verify_greedy(torch.zeros(1, 2, 3), torch.zeros(1, 1, dtype=torch.long), backend="triton")
+except ValueError as e:
+    assert "triton is not installed" in str(e)
+else:
+    raise AssertionError("backend='triton' without triton did not raise")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

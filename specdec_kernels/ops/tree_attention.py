@@ -36,8 +36,12 @@ import math
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the reference and torch backends work without it
+    triton = tl = None
 
 from specdec_kernels import _backend
 from specdec_kernels._checks import check_shape, check_tensor
@@ -54,6 +58,11 @@ _LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------------------
 # Bit-packed masks
 # --------------------------------------------------------------------------------------
+
+
+def _jit(fn):
+    """``triton.jit`` when Triton is installed; the plain function otherwise (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
 
 
 def packed_mask_words(num_nodes: int) -> int:
@@ -116,7 +125,7 @@ def _check_packed_mask(tree_mask: torch.Tensor, B: int, N: int, device) -> None:
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@_jit
 def _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_ok,
                  stride_ks, stride_kd, stride_vs, stride_vd, qk_scale,
                  IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
@@ -154,7 +163,7 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_
     return acc, m_new, l_i
 
 
-@triton.jit
+@_jit
 def _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok, offs_d, d_ok,
                stride_ks, stride_kd, stride_vs, stride_vd, stride_mi, stride_mj, qk_scale,
                BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
@@ -174,7 +183,7 @@ def _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi
                         stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, True)
 
 
-@triton.jit
+@_jit
 def _tree_attention_fwd_kernel(
     Q, K, V, SEQLENS, MASK, OUT, OPART, LSE,
     N, G, Hkv, num_splits, qk_scale,
@@ -274,7 +283,7 @@ def _tree_attention_fwd_kernel(
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@_jit
 def _tree_attention_combine_kernel(
     OPART, LSE, OUT,
     num_rows, N, G, Hkv, num_splits,
