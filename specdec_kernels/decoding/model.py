@@ -69,6 +69,31 @@ class ModelArgs:
         )
 
 
+SKINNY_ROWS = 16  # on CPU, up to this many rows take the weight @ x.T path of ``linear``
+SKINNY_CHUNK = 8
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (no bias).
+
+    On CPU a decode or verify step multiplies a few rows by a large weight; MKL streams the
+    weight several times faster as ``weight @ x.T`` (a skinny right operand), in chunks of at
+    most 8 rows, than as ``x @ weight.T``, and a single row is faster doubled than as a
+    matrix-vector product.  Measured on the 2-core development machine (2 threads): the
+    49152 x 576 head takes 3.7 ms for 1 row against 10.6 ms, 7.7 ms for 7 rows against
+    36.7 ms.  Elsewhere (CUDA) and for more than 16 rows it is ``F.linear``.
+    """
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0:
+        return F.linear(x, weight)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        out = (weight @ torch.cat([flat, flat]).T)[:, :1].T
+    else:
+        out = torch.cat([(weight @ flat[i : i + SKINNY_CHUNK].T).T for i in range(0, rows, SKINNY_CHUNK)])
+    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -108,7 +133,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend):
         B, N, _ = x.shape
         H, Hkv, D = self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
-        qkv = self.wqkv(self.attention_norm(x))
+        qkv = linear(self.attention_norm(x), self.wqkv.weight)
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = rotate(q.view(B, N, H, D), cos, sin)
         k = rotate(k.view(B, N, Hkv, D), cos, sin)
@@ -117,9 +142,9 @@ class Block(nn.Module):
         write(k_cache, k)
         write(v_cache, v)
         attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
-        x = x + self.wo(attn.reshape(B, N, H * D))
-        gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        x = x + linear(attn.reshape(B, N, H * D), self.wo.weight)
+        gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w2.weight)
 
 
 class Transformer(nn.Module):
@@ -294,4 +319,4 @@ class Transformer(nn.Module):
             if logit_rows.shape[1] == 0:
                 return None
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
-        return self.output(self.norm(x)).float()
+        return linear(self.norm(x), self.output.weight).float()

@@ -1,0 +1,144 @@
+"""Speculative decoding from the command line, on SmolLM2-135M-Instruct (CPU or GPU).
+
+    python -m specdec_kernels.generate --prompt "Rename x to count in: ..." --drafter ngram
+    python -m specdec_kernels.generate --question-id 121 --drafter layerskip --tree --compare
+    python -m specdec_kernels.generate --prompt "Tell a story" --drafter ngram --temperature 0.8 --top-p 0.9
+
+The prompt goes through the model's chat template; the answer and the run's statistics are
+printed (target passes, mean accepted length, acceptance by draft position, tokens/s, time
+split).  ``--compare`` also runs our plain greedy decoding and transformers' greedy
+``generate`` on the same prompt and reports whether the greedy outputs are identical, with
+the tokens/s of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+DRAFTERS = ("ngram", "layerskip", "draft-model", "none")
+DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "none": 0}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specdec_kernels.generate", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the user message")
+    src.add_argument("--question-id", type=int, help="a Spec-Bench question (81..560), first turn")
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (none: plain decoding)")
+    p.add_argument("--tree", action="store_true", help="draft token trees instead of chains")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="draft depth K (default 8 for ngram, 4 otherwise)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare", action="store_true", help="also run plain greedy and transformers' generate")
+    p.add_argument("--layers", type=int, default=None, help="layers of the layer-skip / cut draft model (default half)")
+    p.add_argument("--draft-model", default=None, help="a transformers Llama checkpoint directory with the target's tokenizer")
+    p.add_argument("--tree-widths", default="2,2", help="children per node by depth for model drafters' trees")
+    p.add_argument("--max-ngram", type=int, default=3, help="longest suffix the n-gram drafter matches")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
+    p.add_argument("--json", action="store_true", help="print the statistics as one JSON line too")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
+        p.error("--num-draft-tokens must be >= 0")
+    try:
+        args.widths = tuple(int(w) for w in args.tree_widths.split(",") if w.strip())
+    except ValueError:
+        p.error(f"--tree-widths must be comma-separated ints, got {args.tree_widths!r}")
+    return args
+
+
+def build_drafter(args, model):
+    from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, Transformer
+
+    widths = args.widths if args.tree else None
+    layers = args.layers or model.args.num_layers // 2
+    if args.drafter == "ngram":
+        return NgramDrafter(args.max_ngram, tree=args.tree)
+    if args.drafter == "layerskip":
+        return LayerSkipDrafter(model, layers, tree_widths=widths)
+    if args.drafter == "draft-model":
+        if args.draft_model:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32)
+            draft = Transformer.from_hf_model(hf).to(model.device)
+        else:
+            print(f"(no --draft-model given: the target's first {layers} layers serve as a separate draft model)", file=sys.stderr)
+            draft = model.truncated(layers)
+        return DraftModelDrafter(draft, tree_widths=widths)
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, load_smollm2
+    from specdec_kernels.decoding.loading import INSTALL_HINT
+
+    text = args.prompt
+    if args.question_id is not None:
+        from specdec_kernels.decoding.prompts import spec_bench_prompt
+
+        text = spec_bench_prompt(args.question_id)
+    t = time.perf_counter()
+    try:
+        model, tok = load_smollm2(device=args.device)
+    except ModuleNotFoundError as e:
+        print(f"error: {e}\n(install the model with `{INSTALL_HINT}`)", file=sys.stderr)
+        return 2
+    print(f"(model loaded in {time.perf_counter() - t:.1f} s)", file=sys.stderr)
+    if args.no_chat_template:
+        ids = tok(text)["input_ids"]
+    else:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    k = args.num_draft_tokens if args.num_draft_tokens is not None else DEFAULT_K[args.drafter]
+    stops = [tok.eos_token_id]
+
+    decoder = SpeculativeDecoder(model, build_drafter(args, model), stop_token_ids=stops)
+    result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=k, sampling=sampling, seeds=[args.seed])
+    mode = "tree" if args.tree else "chain"
+    print(tok.decode(result.tokens[0], skip_special_tokens=True))
+    print(f"\n--- {args.drafter} ({mode}, K={k}, temperature {args.temperature}), prompt {len(ids)} tokens")
+    print(result.stats.summary())
+    if args.json:
+        print(json.dumps({"drafter": args.drafter, "tree": args.tree, "K": k, **result.stats.to_dict()}))
+
+    if args.compare:
+        plain = SpeculativeDecoder(model, None, stop_token_ids=stops).generate([ids], args.max_new_tokens)
+        from specdec_kernels.decoding.loading import load_hf_smollm2
+
+        hf, _ = load_hf_smollm2()
+        hf.to(args.device)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = hf.generate(torch.tensor([ids], device=args.device), max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops[0])
+            hf_time = time.perf_counter() - t
+        hf_tokens = out[0, len(ids) :].tolist()
+        print("\n--- compare (greedy)")
+        print(f"ours, plain greedy:        {plain.stats.tokens_per_second:7.1f} tokens/s ({plain.stats.tokens} tokens)")
+        print(f"transformers generate:     {len(hf_tokens) / hf_time:7.1f} tokens/s ({len(hf_tokens)} tokens)")
+        print(f"ours, {args.drafter} ({mode}): {result.stats.tokens_per_second:7.1f} tokens/s, "
+              f"{result.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x plain")
+        print(f"plain greedy == transformers greedy: {plain.tokens[0] == hf_tokens}")
+        if sampling.greedy:
+            print(f"{args.drafter} greedy == plain greedy:       {result.tokens[0] == plain.tokens[0]}")
+        else:
+            print(f"({args.drafter} sampled at temperature {args.temperature}: not comparable token for token)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
