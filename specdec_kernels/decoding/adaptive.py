@@ -1,0 +1,431 @@
+"""Adaptive draft length: choose K (draft tokens per sequence) every step.
+
+A policy is consulted by ``SpeculativeDecoder.generate`` before each step (``choose``) and
+told what happened after it (``update``, with the engine's ``StepRecord``):
+
+* ``HeuristicPolicy``: the classic schedule (as in transformers' assisted generation,
+  "heuristic" ``num_assistant_tokens``): raise K by ``up`` after a step whose K drafts
+  were all accepted, lower it by ``down`` after a rejection, within [k_min, k_max].
+* ``CostModelPolicy``: from the running acceptance rate per draft position and the draft
+  and verify costs measured online (seconds of a draft step of K tokens, of a target
+  verify pass over N nodes), choose the K that maximises the expected tokens per second
+  (the speed-up analysis of Leviathan et al. 2023, §3.4, with measured per-position rates
+  instead of one i.i.d. acceptance rate, and measured rather than assumed costs).
+* ``FixedPolicy``: a constant K (for comparison and statistics).
+
+``default_policy(drafter)`` is the per-drafter default used when ``generate`` is given no
+``num_draft_tokens`` (see its docstring for the measurements behind it).
+
+Model of a step (one sequence): with K requested draft tokens the expected emitted tokens
+are ``E(K) = 1 + sum_{j<=K} r_j`` where ``r_j`` is the probability that the accepted path
+reaches depth j given that depth j was requested (this folds in drafts that come out
+shorter than K, e.g. an n-gram lookup without a match), and the step takes
+``T(K) = t_draft(K) + t_verify(nodes(K))``.  The policy picks ``argmax_K E(K) / T(K)``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+#: name -> K used by ``default_policy`` as the fixed K, and the cap of adaptive policies
+DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "multi": 6, "medusa": 4, "none": 0}
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """E(K) = 1 + r_1 + ... + r_K: expected tokens emitted by a step with K draft tokens.
+
+    Args:
+        rates: rates[j - 1] = P(the accepted path reaches depth j | K >= j), non-increasing
+            in j for a chain; positions past the list count 0.
+        k: the draft length K >= 0.
+    """
+    return 1.0 + float(sum(rates[: max(k, 0)]))
+
+
+def best_draft_length(rates: Sequence[float], step_time: Sequence[float], k_min: int = 0) -> int:
+    """The K in [k_min, len(step_time) - 1] that maximises E(K) / step_time[K].
+
+    Args:
+        rates: per-position rates (see ``expected_tokens``).
+        step_time: step_time[K] > 0, the time of a step drafting K tokens (any unit), e.g.
+            ``1 + c * K`` for a draft/verify cost ratio c and a verify cost flat in K.
+        k_min: the smallest K allowed.
+
+    Returns:
+        The best K; ties go to the smaller K.
+
+    Raises:
+        ValueError: k_min outside the range of step_time, or a step time <= 0.
+
+    Example: rates (0.8, 0.6, 0.4, 0.2) and c = 0.1 give E = 1, 1.8, 2.4, 2.8, 3.0 and
+    T = 1, 1.1, 1.2, 1.3, 1.4, so E/T = 1, 1.64, 2.0, 2.15, 2.14: K = 3.
+    """
+    if not 0 <= k_min < len(step_time):
+        raise ValueError(f"k_min must lie in 0..{len(step_time) - 1}, got {k_min}")
+    if min(step_time) <= 0:
+        raise ValueError(f"step_time must be > 0, got {list(step_time)}")
+    best, best_rate = k_min, -1.0
+    for k in range(k_min, len(step_time)):
+        rate = expected_tokens(rates, k) / step_time[k]
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+class DraftLengthPolicy:
+    """Base class: chooses the draft length K per sequence each step.
+
+    ``start(state)`` is called once a batch is prefilled, ``choose(state)`` before every
+    step (returns one K >= 0 per sequence), ``update(state, record)`` after it with the
+    engine's ``StepRecord`` (K used, draft depth, accepted drafts per sequence, timings).
+    """
+
+    name = "policy"
+
+    def start(self, state) -> None:
+        self.batch_size = state.batch_size
+
+    def choose(self, state) -> List[int]:
+        raise NotImplementedError
+
+    def update(self, state, record) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+class FixedPolicy(DraftLengthPolicy):
+    """A constant K (the engine's plain ``num_draft_tokens=k``, as a policy)."""
+
+    name = "fixed"
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.k = int(k)
+
+    def choose(self, state) -> List[int]:
+        return [self.k] * state.batch_size
+
+    def describe(self) -> str:
+        return f"fixed(K={self.k})"
+
+
+class HeuristicPolicy(DraftLengthPolicy):
+    """The classic schedule: K += up after full acceptance, K -= down after a rejection.
+
+    Per sequence: a step that accepted all of its K requested drafts raises K to
+    ``min(K + up, k_max)``; a step that rejected a draft token lowers it to
+    ``max(K - down, k_min)``; a step whose draft came out shorter than K (an n-gram lookup
+    with a short or no match) and was accepted whole leaves K as it is.
+
+    Args:
+        k_init: K of the first step (default: k_max // 2, at least k_min).
+        k_min, k_max: the range (0 <= k_min <= k_max).
+        up, down: steps (>= 0); transformers' assisted generation uses +2 / -1.
+
+    Raises:
+        ValueError: a bound or a step out of range.
+    """
+
+    name = "heuristic"
+
+    def __init__(self, k_init: Optional[int] = None, k_min: int = 1, k_max: int = 8, up: int = 2, down: int = 1):
+        if not 0 <= k_min <= k_max:
+            raise ValueError(f"need 0 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
+        if up < 0 or down < 0:
+            raise ValueError(f"up and down must be >= 0, got up={up}, down={down}")
+        k_init = max(k_max // 2, k_min) if k_init is None else k_init
+        if not k_min <= k_init <= k_max:
+            raise ValueError(f"k_init must lie in [{k_min}, {k_max}], got {k_init}")
+        self.k_init, self.k_min, self.k_max, self.up, self.down = k_init, k_min, k_max, up, down
+
+    def start(self, state) -> None:
+        super().start(state)
+        self.ks = [self.k_init] * state.batch_size
+
+    def choose(self, state) -> List[int]:
+        return list(self.ks)
+
+    def next_k(self, k: int, depth: int, accepted: int) -> int:
+        """K after a step that requested k, drafted ``depth`` tokens and accepted ``accepted``."""
+        if accepted >= k:
+            return min(k + self.up, self.k_max)
+        if accepted < depth:
+            return max(k - self.down, self.k_min)
+        return k
+
+    def update(self, state, record) -> None:
+        for b in range(len(self.ks)):
+            if record.active[b]:
+                # from the policy's own K: a K the engine cut (max_new_tokens) and accepted
+                # whole is a short draft accepted whole, which leaves K as it is
+                self.ks[b] = self.next_k(self.ks[b], record.depths[b], record.num_accepted[b])
+
+    def describe(self) -> str:
+        return f"heuristic(K0={self.k_init}, [{self.k_min}, {self.k_max}], +{self.up}/-{self.down})"
+
+
+class LinearCost:
+    """A cost ``a + b * x`` (seconds) fitted online to (x, seconds) observations.
+
+    Observations are averaged per x with an exponential moving average (weight
+    ``1 / count``, at least ``decay``), and the line is the least-squares fit through the
+    per-x means weighted by their counts (a >= 0, b >= 0).  With one distinct x only, the
+    cost is flat (``proportional=False``) or proportional to x (``proportional=True``).
+    Fixed coefficients can be given instead (``a``, ``b``).
+    """
+
+    def __init__(self, a: Optional[float] = None, b: Optional[float] = None, *, proportional: bool = False, decay: float = 0.1):
+        self.fixed = (a, b) if a is not None and b is not None else None
+        self.proportional = proportional
+        self.decay = decay
+        self.points: Dict[int, List[float]] = {}  # x -> [count, mean seconds]
+
+    def add(self, x: int, seconds: float) -> None:
+        c, m = self.points.get(x, [0, 0.0])
+        c += 1
+        w = max(1.0 / c, self.decay)
+        self.points[x] = [c, m + w * (seconds - m)]
+
+    @property
+    def known(self) -> bool:
+        return self.fixed is not None or bool(self.points)
+
+    def coefficients(self):
+        """(a, b), or None when nothing was observed."""
+        if self.fixed is not None:
+            return self.fixed
+        if not self.points:
+            return None
+        xs = list(self.points)
+        w = [min(self.points[x][0], 20) for x in xs]
+        ys = [self.points[x][1] for x in xs]
+        sw = sum(w)
+        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+        my = sum(wi * y for wi, y in zip(w, ys)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+        if sxx == 0:
+            x = xs[0]
+            return (0.0, my / x) if self.proportional and x > 0 else (my, 0.0)
+        b = max(sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx, 0.0)
+        a = max(my - b * mx, 0.0)
+        return a, b
+
+    def __call__(self, x: float) -> float:
+        coef = self.coefficients()
+        if coef is None:
+            return 0.0
+        return coef[0] + coef[1] * x
+
+
+class CostModelPolicy(DraftLengthPolicy):
+    """Choose K maximising expected tokens per second from measured rates and costs.
+
+    Acceptance: for each sequence and position j it counts the steps that requested depth
+    j (K >= j) and those whose accepted path reached it; the rate r_j is estimated with
+    pseudo-counts: the batch's rate (strength ``seq_prior``) for a sequence, and for the
+    batch ``prior_ratio * r_{j-1}`` (strength ``prior_strength``; r_0 = 1), so unseen
+    positions are expected to accept geometrically less; rates are made non-increasing.
+
+    Cost: ``t_draft(K)`` (0 for K = 0) is a line fitted to the batch's measured draft time
+    (the drafter's propose and observe) against the largest K of the step, proportional
+    to K while one K was seen; ``t_verify(n)`` a line fitted to the measured verify time
+    (target pass plus verification) against the nodes fed per sequence n, flat while one n
+    was seen; the nodes a K yields are the running mean of the nodes the drafter made for
+    that K (K + 1 before any).  Costs can be fixed instead of measured (``draft_cost``,
+    ``verify_cost`` as (a, b) pairs, seconds), e.g. for a ratio c: draft (0, c), verify (1, 0).
+    Every choice is ``best_draft_length(rates, [t_draft(K) + t_verify(nodes(K))])``.
+
+    Exploration: the first ``warmup`` steps follow ``HeuristicPolicy`` (which varies K and
+    so the points the costs are fitted to); afterwards, every ``explore_every`` steps a
+    sequence drafts one token more than its choice (at most k_max), so that the rate of
+    the next position keeps being measured (a sequence that chose K = 0 would otherwise
+    never learn that drafting pays again).
+
+    The costs are per batch step while the rates are per sequence: each sequence's K is
+    chosen as if its step cost the whole batch's (exact for batch 1).
+
+    Args:
+        k_min, k_max: the range of K (0 <= k_min <= k_max); k_min = 0 lets a sequence stop
+            drafting when drafts do not pay.
+        k_init: K of the warm-up's first step (default: min(4, k_max)).
+        warmup: steps driven by the heuristic before the cost model decides.
+        explore_every: probe one position deeper every this many steps (0: never).
+        prior_ratio, prior_strength, seq_prior: the pseudo-counts above.
+        draft_cost, verify_cost: fixed (a, b) cost lines instead of measured ones.
+
+    Raises:
+        ValueError: bounds out of range, a negative warm-up or exploration period,
+            prior_ratio outside [0, 1], a negative prior strength.
+    """
+
+    name = "cost-model"
+
+    def __init__(
+        self,
+        k_min: int = 0,
+        k_max: int = 8,
+        *,
+        k_init: Optional[int] = None,
+        warmup: int = 6,
+        explore_every: int = 8,
+        prior_ratio: float = 0.5,
+        prior_strength: float = 2.0,
+        seq_prior: float = 4.0,
+        draft_cost=None,
+        verify_cost=None,
+    ):
+        if not 0 <= k_min <= k_max:
+            raise ValueError(f"need 0 <= k_min <= k_max, got k_min={k_min}, k_max={k_max}")
+        k_init = min(max(4, k_min), k_max) if k_init is None else k_init
+        if not k_min <= k_init <= k_max:
+            raise ValueError(f"k_init must lie in [{k_min}, {k_max}], got {k_init}")
+        if warmup < 0 or explore_every < 0:
+            raise ValueError(f"warmup and explore_every must be >= 0, got {warmup}, {explore_every}")
+        if not 0 <= prior_ratio <= 1:
+            raise ValueError(f"prior_ratio must lie in [0, 1], got {prior_ratio}")
+        if prior_strength < 0 or seq_prior < 0:
+            raise ValueError(f"prior strengths must be >= 0, got {prior_strength}, {seq_prior}")
+        self.k_min, self.k_max, self.k_init = k_min, k_max, k_init
+        self.warmup, self.explore_every = warmup, explore_every
+        self.prior_ratio, self.prior_strength, self.seq_prior = prior_ratio, prior_strength, seq_prior
+        self._draft_cost_arg, self._verify_cost_arg = draft_cost, verify_cost
+        for name, c in (("draft_cost", draft_cost), ("verify_cost", verify_cost)):
+            if c is not None and (len(c) != 2 or min(c) < 0):
+                raise ValueError(f"{name} must be an (a, b) pair of seconds >= 0, got {c}")
+
+    # ------------------------------------------------------------------ state
+    def start(self, state) -> None:
+        super().start(state)
+        B = state.batch_size
+        self.steps = 0
+        self.requested = [[0] * (self.k_max + 1) for _ in range(B)]  # [b][j]: steps with K >= j
+        self.reached = [[0] * (self.k_max + 1) for _ in range(B)]  # [b][j]: accepted path >= j
+        d, v = self._draft_cost_arg, self._verify_cost_arg
+        self.draft_cost = LinearCost(*(d or (None, None)), proportional=True)
+        self.verify_cost = LinearCost(*(v or (None, None)))
+        self.nodes: Dict[int, List[float]] = {}  # K -> [count, mean nodes per sequence]
+        self.heuristic = HeuristicPolicy(self.k_init, self.k_min, self.k_max)
+        self.heuristic.start(state)
+        self.last_choice = [self.k_init] * B
+
+    # ------------------------------------------------------------------ estimates
+    def batch_rates(self) -> List[float]:
+        """r_1..r_kmax estimated over the whole batch."""
+        rates, prev = [], 1.0
+        for j in range(1, self.k_max + 1):
+            req = sum(r[j] for r in self.requested)
+            hit = sum(r[j] for r in self.reached)
+            prior = self.prior_ratio * prev
+            r = (hit + self.prior_strength * prior) / (req + self.prior_strength) if req + self.prior_strength > 0 else prior
+            prev = min(r, prev)
+            rates.append(prev)
+        return rates
+
+    def sequence_rates(self, b: int, batch: Optional[List[float]] = None) -> List[float]:
+        """r_1..r_kmax of sequence b, shrunk towards the batch's rates."""
+        batch = self.batch_rates() if batch is None else batch
+        rates, prev = [], 1.0
+        for j in range(1, self.k_max + 1):
+            req, hit = self.requested[b][j], self.reached[b][j]
+            prior = batch[j - 1]
+            r = (hit + self.seq_prior * prior) / (req + self.seq_prior) if req + self.seq_prior > 0 else prior
+            prev = min(r, prev)
+            rates.append(prev)
+        return rates
+
+    def nodes_for(self, k: int) -> float:
+        """Mean nodes per sequence (root included) that a step requesting K yielded."""
+        if k in self.nodes:
+            return self.nodes[k][1]
+        return k + 1.0
+
+    def step_times(self) -> List[float]:
+        """Estimated seconds of a step for K = 0..k_max (a floor of 1e-9)."""
+        out = []
+        for k in range(self.k_max + 1):
+            t = (self.draft_cost(k) if k > 0 else 0.0) + self.verify_cost(self.nodes_for(k))
+            out.append(max(t, 1e-9))
+        return out
+
+    # ------------------------------------------------------------------ interface
+    def choose(self, state) -> List[int]:
+        if self.steps < self.warmup or not self.verify_cost.known:
+            choice = self.heuristic.choose(state)
+        else:
+            times = self.step_times()
+            batch = self.batch_rates()
+            choice = [best_draft_length(self.sequence_rates(b, batch), times, self.k_min) for b in range(state.batch_size)]
+            if self.explore_every and self.steps % self.explore_every == 0:
+                choice = [min(k + 1, self.k_max) for k in choice]
+        self.last_choice = choice
+        return list(choice)
+
+    def update(self, state, record) -> None:
+        self.steps += 1
+        self.heuristic.update(state, record)
+        for b, a in enumerate(record.active):
+            if not a:
+                continue
+            k = min(record.ks[b], self.k_max)
+            for j in range(1, k + 1):
+                self.requested[b][j] += 1
+                self.reached[b][j] += int(record.num_accepted[b] >= j)
+            c, m = self.nodes.get(k, [0, 0.0])
+            c += 1
+            self.nodes[k] = [c, m + max(1.0 / c, 0.1) * (record.num_nodes[b] - m)]
+        if any(record.active):
+            k_step = max(k for k, a in zip(record.ks, record.active) if a)
+            if k_step > 0:
+                self.draft_cost.add(k_step, record.draft_time)
+            self.verify_cost.add(record.block_width, record.verify_time)
+
+    def describe(self) -> str:
+        return f"cost-model(K in [{self.k_min}, {self.k_max}])"
+
+
+def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
+    """The draft-length policy ``generate`` uses when it is given no ``num_draft_tokens``.
+
+    Args:
+        drafter: the engine's drafter (its ``name`` selects the default).
+        k_max: the largest K (default ``DEFAULT_K`` of the drafter's name, else 4).
+
+    Returns:
+        A fresh policy: ``CostModelPolicy(0, k_max)`` for drafters whose steps cost
+        model passes (layer-skip, draft model, multi-draft with a model drafter), where
+        choosing K from measured costs pays most; ``FixedPolicy(k_max)`` for the free
+        n-gram lookup and plain decoding.
+    """
+    name = getattr(drafter, "name", "none")
+    k = DEFAULT_K.get(name, 4) if k_max is None else k_max
+    if name in ("none", "ngram"):
+        return FixedPolicy(k)
+    if name == "multi" and all(getattr(d, "name", "") == "ngram" for d in getattr(drafter, "drafters", [])):
+        return FixedPolicy(k)
+    return CostModelPolicy(0, k)
+
+
+def resolve_policy(policy, drafter) -> Optional[DraftLengthPolicy]:
+    """A policy from the engine's ``policy=`` argument: None, "auto" (``default_policy``),
+    "heuristic", "cost-model", "fixed", or a ``DraftLengthPolicy``.
+
+    Raises:
+        ValueError: an unknown name.  TypeError: anything else.
+    """
+    if policy is None or isinstance(policy, DraftLengthPolicy):
+        return policy
+    if isinstance(policy, str):
+        k = DEFAULT_K.get(getattr(drafter, "name", "none"), 4)
+        makers: Dict[str, Callable[[], DraftLengthPolicy]] = {
+            "auto": lambda: default_policy(drafter),
+            "heuristic": lambda: HeuristicPolicy(k_max=max(k, 1)),
+            "cost-model": lambda: CostModelPolicy(0, k),
+            "fixed": lambda: FixedPolicy(k),
+        }
+        if policy not in makers:
+            raise ValueError(f"policy must be None, a DraftLengthPolicy or one of {sorted(makers)}, got {policy!r}")
+        return makers[policy]()
+    raise TypeError(f"policy must be None, a name or a DraftLengthPolicy, got {type(policy).__name__}")
+

@@ -1,0 +1,249 @@
+"""Multi-draft speculation: several drafters' chains and trees merged into one token tree.
+
+Each step every sub-drafter (n-gram lookup, layer-skip, a draft model, Medusa heads, any
+``Drafter``) proposes its own chain or tree below the same root; the drafts are merged per
+sequence into one trie with ``specdec_kernels.tree.merge_trees`` (a prefix that several
+drafters proposed is fed once), and the target model verifies the whole trie in one pass
+(the tree verification of SpecInfer, Miao et al. 2024; the "multiple drafters, one tree"
+idea of e.g. Lookahead decoding's n-gram pool merged with a draft model's chain).
+
+Each sub-drafter then observes the accepted path *in its own node indices*: the merged
+tree's accepted nodes are mapped back to the deepest node of the sub-drafter's draft that
+lies on the accepted path (and its ancestors), so a model drafter compacts its own KV cache
+exactly as if it had been verified alone (with fewer accepted drafts when another drafter
+went further; the committed tokens it did not propose are fed at its next ``propose``).
+
+The merged draft carries no distribution (``Draft.probs`` is None, q one-hot): at
+temperature > 0, recursive rejection sampling with one-hot q keeps the target distribution
+exactly for any drafts chosen independently of the verification coins, whatever the
+sub-drafters sampled from (a sampling sub-drafter's own q is dropped, which can lower its
+acceptance; ``deterministic=True`` on model drafters drafts their top tokens instead).
+
+Per-drafter statistics (``DecodeStats.drafters``) record which sources proposed the
+accepted nodes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.tree import merge_trees
+
+#: counters kept per sub-drafter in ``DecodeStats.drafters[name]``
+DRAFTER_COUNTERS = (
+    "steps",  # sequence steps in which the drafter proposed at least one draft token
+    "proposed",  # its draft tokens that made it into the merged tree (shared ones counted)
+    "accepted",  # accepted nodes of the merged tree that it had proposed
+    "only_accepted",  # accepted nodes that it alone had proposed
+    "propose_time",  # seconds in its propose
+    "observe_time",  # seconds in its observe
+)
+
+
+def map_to_merged(merged_tokens: Sequence[int], merged_parents: Sequence[int], tokens: Sequence[int], parents: Sequence[int]) -> List[int]:
+    """Merged-tree index of every node of one draft (-1 where ``max_nodes`` cut it).
+
+    The merged tree is a trie (siblings never share a token), so a draft node is the child
+    of its parent's merged node that carries its token.
+
+    Args:
+        merged_tokens, merged_parents: the trie (``merge_trees``' output), root first.
+        tokens, parents: one draft merged into it (root first).
+
+    Returns:
+        list of len(tokens) ints; entry 0 is 0 (the roots are identified).
+    """
+    child = {(p, t): i for i, (t, p) in enumerate(zip(merged_tokens, merged_parents)) if i > 0}
+    out = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        parent = out[parents[i]]
+        out[i] = -1 if parent < 0 else child.get((parent, int(tokens[i])), -1)
+    return out
+
+
+def own_accepted_path(merged_ids: Sequence[int], parents: Sequence[int], accepted: Sequence[int]) -> List[int]:
+    """The accepted path in one draft's own node indices.
+
+    Args:
+        merged_ids: ``map_to_merged`` of the draft.
+        parents: the draft's parent list.
+        accepted: the merged tree's accepted path (root first, no padding).
+
+    Returns:
+        Node indices of the draft, root first: the path to its deepest node that lies on the
+        accepted path (its ancestors lie on it too).  With duplicate siblings in the draft the
+        first deepest such node is taken.
+    """
+    on_path = set(int(a) for a in accepted)
+    depth = [0] * len(parents)
+    best, best_depth = 0, 0
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+        if merged_ids[i] in on_path and depth[i] > best_depth:
+            best, best_depth = i, depth[i]
+    path = [best]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+class MultiDrafter(Drafter):
+    """Merge several drafters' chains / trees into one token tree verified in one pass.
+
+    Args:
+        drafters: the sub-drafters, in priority order (earlier drafts keep their nodes when
+            ``max_nodes`` cuts the merged tree).
+        max_nodes: the most nodes (root included) of a merged tree; None for no limit (the
+            engine still cuts at its ``max_draft_nodes``).
+        max_depths: optional per-sub-drafter caps on K (None entries: no cap), e.g.
+            ``(None, 3)`` to give a costly model drafter at most 3 draft tokens while the
+            free n-gram lookup gets the full K.
+        names: statistics keys per sub-drafter (default: each drafter's ``name``, made unique
+            with a suffix).
+
+    Raises:
+        ValueError: no drafters, max_nodes < 1, a max_depths / names list of the wrong
+            length or a negative cap, duplicate names, sub-drafters with different
+            vocabularies.
+        TypeError: a sub-drafter that is not a ``Drafter``.
+
+    Example::
+
+        drafter = MultiDrafter([NgramDrafter(), LayerSkipDrafter(model, 24)], max_nodes=32)
+        result = SpeculativeDecoder(model, drafter).generate([ids], 128, num_draft_tokens=4)
+        print(result.stats.drafters)   # {'ngram': {...}, 'layerskip': {...}}
+    """
+
+    name = "multi"
+
+    def __init__(
+        self,
+        drafters: Sequence[Drafter],
+        *,
+        max_nodes: Optional[int] = 64,
+        max_depths: Optional[Sequence[Optional[int]]] = None,
+        names: Optional[Sequence[str]] = None,
+    ):
+        drafters = list(drafters)
+        if not drafters:
+            raise ValueError("drafters must hold at least one Drafter")
+        for i, d in enumerate(drafters):
+            if not isinstance(d, Drafter):
+                raise TypeError(f"drafters[{i}] must be a Drafter, got {type(d).__name__}")
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1 or None, got {max_nodes}")
+        if max_depths is not None:
+            max_depths = list(max_depths)
+            if len(max_depths) != len(drafters):
+                raise ValueError(f"max_depths must hold one cap per drafter ({len(drafters)}), got {len(max_depths)}")
+            if any(c is not None and c < 0 for c in max_depths):
+                raise ValueError(f"max_depths must be >= 0 or None, got {max_depths}")
+        if names is None:
+            names, seen = [], {}
+            for d in drafters:
+                base = getattr(d, "name", type(d).__name__)
+                seen[base] = seen.get(base, 0) + 1
+                names.append(base if seen[base] == 1 else f"{base}-{seen[base]}")
+        names = [str(n) for n in names]
+        if len(names) != len(drafters) or len(set(names)) != len(names):
+            raise ValueError(f"names must be one distinct name per drafter, got {names}")
+        vocabs = {getattr(d, "vocab_size", None) for d in drafters} - {None}
+        if len(vocabs) > 1:
+            raise ValueError(f"the drafters' vocabularies differ: {sorted(vocabs)}")
+        self.drafters = drafters
+        self.max_nodes = max_nodes
+        self.max_depths = max_depths
+        self.names = names
+        self.vocab_size = vocabs.pop() if vocabs else None
+        self.counters: Dict[str, Dict[str, float]] = {}
+        self._last = None
+
+    # ------------------------------------------------------------------ statistics
+    def bind_stats(self, stats) -> None:
+        """Record per-drafter counters into ``stats.drafters`` (the engine calls this in
+        ``start`` with the run's ``DecodeStats``)."""
+        stats.drafters = self.counters
+
+    def _new_counters(self) -> None:
+        self.counters.clear()
+        for n in self.names:
+            self.counters[n] = {c: (0.0 if c.endswith("_time") else 0) for c in DRAFTER_COUNTERS}
+
+    # ------------------------------------------------------------------ interface
+    def start(self, histories, capacity, sampling, generators) -> None:
+        super().start(histories, capacity, sampling, generators)
+        self._new_counters()
+        self._last = None
+        for i, (d, name) in enumerate(zip(self.drafters, self.names)):
+            # each sub-drafter draws from generators of its own, derived per sequence
+            own = [torch.Generator().manual_seed((g.initial_seed() + 7919 * (i + 1)) % 2**63) for g in generators]
+            t = time.perf_counter()
+            d.start(histories, capacity, sampling, own)
+            self.counters[name]["propose_time"] += time.perf_counter() - t
+
+    def propose(self, histories, num_draft_tokens, active) -> Draft:
+        B = len(histories)
+        drafts: List[Draft] = []
+        for i, (d, name) in enumerate(zip(self.drafters, self.names)):
+            cap = self.max_depths[i] if self.max_depths is not None else None
+            ks = [min(k, cap) if cap is not None else k for k in num_draft_tokens]
+            t = time.perf_counter()
+            drafts.append(d.propose(histories, ks, active))
+            self.counters[name]["propose_time"] += time.perf_counter() - t
+
+        trees, per_seq = [], []
+        for b in range(B):
+            root = histories[b][-1]
+            own = []
+            for draft in drafts:
+                n = int(draft.num_nodes[b]) if active[b] else 1
+                own.append((draft.tokens[b, :n].tolist(), draft.parents[b, :n].tolist()))
+            merged = merge_trees(root, own, self.max_nodes)
+            maps = [map_to_merged(merged.tokens, merged.parents, t, p) for t, p in own]
+            trees.append((merged.tokens, merged.parents))
+            per_seq.append((own, maps, merged.sources))
+            if active[b]:
+                for (t, _), m, name in zip(own, maps, self.names):
+                    kept = sum(1 for x in m[1:] if x >= 0)
+                    self.counters[name]["proposed"] += kept
+                    self.counters[name]["steps"] += int(kept > 0)
+        self._last = (list(active), per_seq, [d.tokens.shape[1] for d in drafts])
+        return Draft.from_lists(trees, device=drafts[0].tokens.device, is_chain=None)
+
+    def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active) -> None:
+        if self._last is None:
+            for d, name in zip(self.drafters, self.names):
+                t = time.perf_counter()
+                d.observe(accepted_nodes, num_accepted, active)
+                self.counters[name]["observe_time"] += time.perf_counter() - t
+            return
+        proposed_active, per_seq, widths = self._last
+        self._last = None
+        rows = accepted_nodes.tolist()
+        counts = num_accepted.tolist()
+        paths = [rows[b][: counts[b] + 1] for b in range(len(rows))]
+        # which sources proposed the accepted nodes (every sequence that drafted this step,
+        # including one that finished in it)
+        for b, path in enumerate(paths):
+            if not proposed_active[b]:
+                continue
+            sources = per_seq[b][2]
+            for node in path[1:]:
+                for s in sources[node]:
+                    self.counters[self.names[s]]["accepted"] += 1
+                if len(sources[node]) == 1:
+                    self.counters[self.names[next(iter(sources[node]))]]["only_accepted"] += 1
+        for i, (d, name) in enumerate(zip(self.drafters, self.names)):
+            own_nodes = torch.full((len(paths), max(widths[i], 1)), -1, dtype=torch.int64)
+            own_count = torch.zeros(len(paths), dtype=torch.int64)
+            for b, path in enumerate(paths):
+                own, maps, _ = per_seq[b]
+                p = own_accepted_path(maps[i], own[i][1], path)
+                own_nodes[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
+                own_count[b] = len(p) - 1
+            t = time.perf_counter()
+            d.observe(own_nodes.to(accepted_nodes.device), own_count.to(num_accepted.device), active)
+            self.counters[name]["observe_time"] += time.perf_counter() - t
