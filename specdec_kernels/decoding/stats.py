@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import List
+from typing import Dict, List
 
 
 @dataclass
@@ -19,6 +19,11 @@ class DecodeStats:
             max_new_tokens).
         proposed_at[j]: sequence steps whose draft reached depth j + 1.
         accepted_at[j]: sequence steps whose accepted path reached depth j + 1.
+        draft_lengths: the draft length K requested for every sequence step (step order,
+            after the cut at max_new_tokens): fixed, or chosen by a draft-length policy.
+        policy: the draft-length policy that chose K ("" for a fixed K or a schedule).
+        drafters: per sub-drafter counters of a ``MultiDrafter`` (which sources proposed
+            the accepted nodes: see ``multi.DRAFTER_COUNTERS``); empty otherwise.
         prefill_time, draft_time, verify_time, bookkeeping_time, total_time: seconds.
             draft = the drafter's propose and observe; verify = the target forward pass and
             the verification op; bookkeeping = the rest of the loop (emitting tokens, stop
@@ -33,6 +38,9 @@ class DecodeStats:
     accepted_draft_tokens: int = 0
     proposed_at: List[int] = field(default_factory=list)
     accepted_at: List[int] = field(default_factory=list)
+    draft_lengths: List[int] = field(default_factory=list)
+    policy: str = ""
+    drafters: Dict[str, Dict[str, float]] = field(default_factory=dict)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -64,6 +72,11 @@ class DecodeStats:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
 
     @property
+    def mean_draft_length(self) -> float:
+        """Mean K requested per sequence step."""
+        return sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.total_time if self.total_time > 0 else 0.0
 
@@ -72,6 +85,7 @@ class DecodeStats:
         d.update(
             mean_accepted_length=self.mean_accepted_length,
             acceptance_rates=self.acceptance_rates,
+            mean_draft_length=self.mean_draft_length,
             tokens_per_second=self.tokens_per_second,
         )
         return d
@@ -79,6 +93,13 @@ class DecodeStats:
     def summary(self) -> str:
         """A few human-readable lines."""
         rates = " ".join(f"{r:.2f}" for r in self.acceptance_rates) or "-"
+        policy = f" ({self.policy})" if self.policy else ""
+        extra = [f"draft length K: mean {self.mean_draft_length:.2f}{policy}"] if self.draft_lengths else []
+        for name, c in self.drafters.items():
+            extra.append(
+                f"  {name}: proposed {c.get('proposed', 0)}, accepted {c.get('accepted', 0)} "
+                f"({c.get('only_accepted', 0)} by it alone), {c.get('propose_time', 0.0) + c.get('observe_time', 0.0):.2f} s"
+            )
         other = self.total_time - self.prefill_time - self.draft_time - self.verify_time - self.bookkeeping_time
         return "\n".join(
             [
@@ -89,4 +110,5 @@ class DecodeStats:
                 f"time: prefill {self.prefill_time:.2f} s, draft {self.draft_time:.2f} s, verify "
                 f"{self.verify_time:.2f} s, bookkeeping {self.bookkeeping_time:.2f} s, other {max(other, 0):.2f} s",
             ]
+            + extra
         )
