@@ -265,7 +265,9 @@ class Transformer(nn.Module):
         *,
         num_layers: Optional[int] = None,
         logit_rows: Optional[torch.Tensor] = None,
-    ) -> Optional[torch.Tensor]:
+        return_hidden: bool = False,
+        compute_logits: bool = True,
+    ):
         """Feed a block of N new tokens per sequence; return their next-token logits.
 
         Args:
@@ -281,9 +283,15 @@ class Transformer(nn.Module):
             logit_rows: Shape (B, R), int64: compute logits only for these block rows (e.g.
                 the last prompt token, or a tree's frontier).  None: all N rows.  R = 0 skips
                 the head and returns None.
+            return_hidden: also return the final hidden states of those rows (after the
+                final norm, the head's input), e.g. for Medusa heads.
+            compute_logits: False skips the head (logits None), e.g. when only the hidden
+                states are wanted.
 
         Returns:
-            logits: Shape (B, N or R, vocab), float32, or None when R = 0.
+            logits: Shape (B, N or R, vocab), float32, or None when R = 0 or
+            ``compute_logits`` is False.  With ``return_hidden`` a pair ``(logits, hidden)``,
+            hidden of shape (B, N or R, hidden_size) in the model's dtype (None when R = 0).
         """
         B, N = tokens.shape
         layers = self.layers if num_layers is None else self.layers[:num_layers]
@@ -317,6 +325,9 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv_cache[i], write, seqlens, tree_mask, self.attention_backend)
         if logit_rows is not None:
             if logit_rows.shape[1] == 0:
-                return None
+                return (None, None) if return_hidden else None
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
-        return linear(self.norm(x), self.output.weight).float()
+        if not return_hidden:
+            return linear(self.norm(x), self.output.weight).float() if compute_logits else None
+        hidden = self.norm(x)
+        return (linear(hidden, self.output.weight).float() if compute_logits else None), hidden
