@@ -134,6 +134,7 @@ class Drafter:
     """
 
     name = "drafter"
+    wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
 
     def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
         """Reset for a new batch: ``capacity`` cache slots per sequence; ``generators`` one
@@ -147,6 +148,13 @@ class Drafter:
     def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
         """``accepted_nodes`` (B, N) int64: the accepted path (root first, then -1);
         ``num_accepted`` (B,): accepted drafts (root not counted)."""
+
+    def observe_hidden(self, hidden: torch.Tensor, active: Sequence[bool]) -> None:
+        """Called only when ``wants_hidden`` is true: ``hidden`` (B, hidden_size), the
+        target's final hidden state (after its final norm) at the position just before the
+        next root, i.e. of the last accepted node (after ``observe``), or of the prompt's
+        second-to-last token (after ``start``, for the first root); rows where ``active[b]``
+        is false are meaningless (finished sequences, or a one-token prompt)."""
 
 
 class NoDrafter(Drafter):
