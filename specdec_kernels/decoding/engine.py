@@ -11,7 +11,10 @@ One step per target forward pass (see ``model.py`` for the position convention):
    ``max_new_tokens``); the accepted nodes' K/V are moved into place with
    ``compact_kv_cache``; ``cache_seqlens`` advances by the accepted drafts plus the root.
 
-Sequences of a batch accept different numbers of tokens and finish independently.
+Sequences of a batch accept different numbers of tokens and finish independently.  The
+draft length K may come from a draft-length policy consulted every step (``adaptive.py``);
+``typical=`` replaces lossless rejection sampling by Medusa's typical acceptance (LOSSY,
+``typical.py``).
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from specdec_kernels.decoding.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.stats import DecodeStats
+from specdec_kernels.decoding.typical import typical_acceptance
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
 from specdec_kernels.ops.rejection_sample import rejection_sample
 from specdec_kernels.ops.sampling_probs import sampling_probs
@@ -50,6 +55,32 @@ def make_generators(seeds, batch: int, offset: int = 0) -> List[torch.Generator]
 
 
 @dataclass
+class StepRecord:
+    """What one ``step`` did, per sequence (``DecodeState.last_step``; draft-length policies
+    learn from it).
+
+    Attributes:
+        ks: K requested (after the cut at max_new_tokens; 0 for finished sequences).
+        depths: depth of the draft the drafter made (<= K).
+        num_nodes: nodes fed, root included.
+        num_accepted: accepted draft tokens.
+        active: the sequence was unfinished at the start of the step.
+        block_width: nodes fed per sequence in the target pass (the batch's widest draft).
+        draft_time, verify_time: seconds of the drafter (propose and observe) and of the
+            target pass with verification, for the whole batch.
+    """
+
+    ks: List[int]
+    depths: List[int]
+    num_nodes: List[int]
+    num_accepted: List[int]
+    active: List[bool]
+    block_width: int
+    draft_time: float
+    verify_time: float
+
+
+@dataclass
 class DecodeState:
     """The state of a batch being decoded (see ``SpeculativeDecoder.start``).
 
@@ -64,6 +95,7 @@ class DecodeState:
         done: per sequence, finished (stop token or max_new_tokens).
         generators: one torch.Generator per sequence for verification (sampling).
         stats: the run's ``DecodeStats``.
+        last_step: the ``StepRecord`` of the latest step (None before the first).
     """
 
     histories: List[List[int]]
@@ -75,6 +107,7 @@ class DecodeState:
     generators: List[torch.Generator]
     sampling: SamplingParams
     stats: DecodeStats = field(default_factory=DecodeStats)
+    last_step: Optional[StepRecord] = None
 
     @property
     def batch_size(self) -> int:
@@ -112,6 +145,15 @@ class SpeculativeDecoder:
         prefill_chunk: prompt tokens fed per prefill pass.
         max_draft_nodes: the most tree nodes (root included) one step may feed; drafts are
             cut to it (and to the cache's capacity).
+        policy: the draft-length policy ``generate`` uses when it is given no
+            ``num_draft_tokens``: None (a fixed K of 4), "auto" (``adaptive.default_policy``
+            of the drafter), "heuristic", "cost-model", "fixed", or a ``DraftLengthPolicy``.
+        typical: None (default): lossless verification.  A float epsilon in (0, 1]: at
+            temperature > 0 use typical acceptance (Medusa, Cai et al. 2024, §2.3.1: accept
+            x when p(x) > min(epsilon, delta * exp(-H(p)))) for chains and trees.  LOSSY:
+            the output no longer follows the target distribution exactly.  Greedy runs are
+            unaffected.  Medusa's default is 0.09.
+        typical_alpha: delta of typical acceptance (default sqrt(epsilon)).
 
     Example::
 
@@ -129,6 +171,9 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] = (),
         prefill_chunk: int = 512,
         max_draft_nodes: int = 128,
+        policy=None,
+        typical: Optional[float] = None,
+        typical_alpha: Optional[float] = None,
     ):
         self.model = model
         self.drafter = drafter if drafter is not None else NoDrafter()
@@ -139,6 +184,14 @@ class SpeculativeDecoder:
             raise ValueError(f"max_draft_nodes must be >= 1, got {max_draft_nodes}")
         self.prefill_chunk = prefill_chunk
         self.max_draft_nodes = max_draft_nodes
+        resolve_policy(policy, self.drafter)  # raises on a bad policy now rather than later
+        self.policy = policy
+        if typical is not None and not 0 < typical <= 1:
+            raise ValueError(f"typical (the posterior threshold epsilon) must lie in (0, 1] or be None, got {typical}")
+        if typical_alpha is not None and (typical is None or typical_alpha <= 0):
+            raise ValueError(f"typical_alpha must be > 0 and needs typical, got {typical_alpha}")
+        self.typical = typical
+        self.typical_alpha = typical_alpha
         vocab = getattr(self.drafter, "vocab_size", None)
         if vocab is not None and vocab != model.args.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({model.args.vocab_size})")
@@ -149,7 +202,7 @@ class SpeculativeDecoder:
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: Union[int, Sequence[int]] = 128,
-        num_draft_tokens: DraftSchedule = 4,
+        num_draft_tokens: Union[DraftSchedule, DraftLengthPolicy, None] = None,
         sampling: Optional[SamplingParams] = None,
         seeds=None,
     ) -> GenerationResult:
@@ -159,7 +212,9 @@ class SpeculativeDecoder:
             prompts: token ids per sequence (non-empty lists; lengths may differ).
             max_new_tokens: an int, or one per prompt.
             num_draft_tokens: the draft depth K per step: an int, a list (one per sequence),
-                or ``schedule(step, state)`` returning either, so K may change every step.
+                ``schedule(step, state)`` returning either, or a ``DraftLengthPolicy``
+                (``adaptive.py``) consulted every step.  None: the decoder's ``policy``,
+                or K = 4 when it has none.
             sampling: temperature / top-k / top-p; default greedy.
             seeds: per-sequence seeds (list), a base seed (int; sequence b uses seed + b) or
                 None; sequence b's tokens depend only on its own seed.
@@ -169,10 +224,21 @@ class SpeculativeDecoder:
         """
         t0 = time.perf_counter()
         state = self.start(prompts, max_new_tokens, sampling, seeds)
+        if num_draft_tokens is None:
+            num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
+        policy = num_draft_tokens if isinstance(num_draft_tokens, DraftLengthPolicy) else None
+        if policy is not None:
+            policy.start(state)
+            state.stats.policy = policy.describe()
         step = 0
         while not state.finished:
-            k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
+            if policy is not None:
+                k = policy.choose(state)
+            else:
+                k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
             self.step(state, k)
+            if policy is not None:
+                policy.update(state, state.last_step)
             step += 1
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
@@ -224,6 +290,8 @@ class SpeculativeDecoder:
         self._prefill(state)
         state.stats.prefill_time = time.perf_counter() - t
         t = time.perf_counter()
+        if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters
+            self.drafter.bind_stats(state.stats)
         self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
         state.stats.draft_time += time.perf_counter() - t
         return state
@@ -296,6 +364,17 @@ class SpeculativeDecoder:
         t4 = time.perf_counter()
         stats.draft_time += t4 - t3
         stats.bookkeeping_time += t3 - t2
+        stats.draft_lengths.extend(k for k, a in zip(ks, active) if a)
+        state.last_step = StepRecord(
+            ks=ks,
+            depths=depth.tolist(),
+            num_nodes=draft.num_nodes.tolist(),
+            num_accepted=num_accepted.tolist(),
+            active=active,
+            block_width=int(draft.num_nodes.max()),
+            draft_time=(t1 - t0) + (t4 - t3),
+            verify_time=t2 - t1,
+        )
         return emitted
 
     # ------------------------------------------------------------------ internals
@@ -322,7 +401,17 @@ class SpeculativeDecoder:
         else:
             target_probs = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
             coins, finals = self._uniforms(state, draft.num_nodes.tolist(), n)
-            if draft.is_chain:
+            if self.typical is not None:  # lossy: Medusa's typical acceptance
+                out, accepted_nodes, num_accepted = typical_acceptance(
+                    target_probs,
+                    tokens,
+                    parents,
+                    num_nodes,
+                    posterior_threshold=self.typical,
+                    posterior_alpha=self.typical_alpha,
+                    sample_uniforms=finals.to(device),
+                )
+            elif draft.is_chain:
                 out, num_accepted = rejection_sample(
                     target_probs,
                     probs[:, : n - 1] if probs is not None else None,
