@@ -41,7 +41,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="layers of the layer-skip / cut draft model (default half)")
     p.add_argument("--draft-model", default=None, help="a transformers Llama checkpoint directory with the target's tokenizer")
     p.add_argument("--tree-widths", default="2,2", help="children per node by depth for model drafters' trees")
-    p.add_argument("--max-ngram", type=int, default=3, help="longest suffix the n-gram drafter matches")
+    p.add_argument("--max-ngram", type=int, default=5, help="longest suffix the n-gram drafter matches")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")

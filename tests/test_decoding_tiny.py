@@ -18,7 +18,6 @@ from specdec_kernels.decoding import (
     ngram_continuations,
 )
 from specdec_kernels.decoding.draft import chain_parents
-from specdec_kernels.ops import tree_attention as tree_attention_module
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
 from tests.utils import chi_square_pvalue

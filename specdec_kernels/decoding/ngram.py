@@ -1,7 +1,7 @@
 """N-gram drafting: prompt lookup decoding (Saxena 2023) over the prompt and the generated text."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -9,18 +9,27 @@ from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
 from specdec_kernels.tree import merge_chains
 
 
-def ngram_continuations(history: Sequence[int], max_tokens: int, max_ngram: int = 3, min_ngram: int = 1, limit: int = 1) -> List[List[int]]:
+def ngram_continuations(
+    history: Sequence[int],
+    max_tokens: int,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    limit: int = 1,
+    tokens_per_match: Optional[int] = None,
+) -> List[List[int]]:
     """Continuations of the history's suffix found earlier in the history.
 
     For n from ``max_ngram`` down to ``min_ngram``, every earlier occurrence of the last n
-    tokens (most recent first) proposes the up to ``max_tokens`` tokens that followed it.
-    Distinct continuations are collected until ``limit`` are found.
+    tokens (most recent first) proposes the up to ``max_tokens`` tokens that followed it
+    (at most ``tokens_per_match * n`` when that is given: a short match is trusted for a
+    short way).  Distinct continuations are collected until ``limit`` are found.
 
     Args:
         history: token ids; its last token is the root of the draft.
         max_tokens: the most tokens per continuation (K).
         max_ngram, min_ngram: the suffix lengths tried, longest first (1 <= min <= max).
         limit: how many distinct continuations to return at most.
+        tokens_per_match: cap on a continuation's length per matched token, None for none.
 
     Returns:
         A list of token lists (each non-empty, at most ``max_tokens`` long), best first.
@@ -36,7 +45,8 @@ def ngram_continuations(history: Sequence[int], max_tokens: int, max_ngram: int 
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         for start in hits[::-1]:
-            cont = arr[start + n : start + n + max_tokens].tolist()
+            take = max_tokens if tokens_per_match is None else min(max_tokens, tokens_per_match * n)
+            cont = arr[start + n : start + n + take].tolist()
             key = tuple(cont)
             if key in seen:
                 continue
@@ -57,31 +67,54 @@ class NgramDrafter(Drafter):
     ``tree=True`` up to ``max_chains`` distinct continuations (different matches, longer
     n-grams first) are merged into one token tree with ``specdec_kernels.tree.merge_chains``.
 
+    The defaults suit a CPU, where every verified node costs about an eighth of a target
+    pass (SmolLM2-135M on 2 cores): matches up to 5 tokens, a continuation of at most 2 tokens
+    per matched token, trees of 2 continuations and 8 nodes.  On a GPU, where a pass costs
+    about the same for a few dozen nodes, wider trees and longer continuations pay.
+
     Args:
         max_ngram, min_ngram: suffix lengths tried, longest first.
         tree: merge several matches into a tree instead of proposing one chain.
         max_chains: continuations merged in tree mode.
         max_nodes: tree nodes at most (root included), None for no limit.
+        tokens_per_match: a continuation found with an n-token match is cut to
+            ``tokens_per_match * n`` tokens (besides K); None proposes K tokens.
 
     Raises:
-        ValueError: min_ngram < 1, max_ngram < min_ngram, max_chains < 1.
+        ValueError: min_ngram < 1, max_ngram < min_ngram, max_chains < 1, max_nodes < 2,
+            tokens_per_match < 1.
     """
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, *, tree: bool = False, max_chains: int = 4, max_nodes=None):
+    def __init__(
+        self,
+        max_ngram: int = 5,
+        min_ngram: int = 1,
+        *,
+        tree: bool = False,
+        max_chains: int = 2,
+        max_nodes: Optional[int] = 8,
+        tokens_per_match: Optional[int] = 2,
+    ):
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         if max_chains < 1:
             raise ValueError(f"max_chains must be >= 1, got {max_chains}")
+        if max_nodes is not None and max_nodes < 2:
+            raise ValueError(f"max_nodes must be >= 2 or None, got {max_nodes}")
+        if tokens_per_match is not None and tokens_per_match < 1:
+            raise ValueError(f"tokens_per_match must be >= 1 or None, got {tokens_per_match}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tree, self.max_chains, self.max_nodes = tree, max_chains, max_nodes
+        self.tokens_per_match = tokens_per_match
 
     def propose(self, histories, num_draft_tokens, active) -> Draft:
         trees = []
         for h, k, a in zip(histories, num_draft_tokens, active):
             root = h[-1]
-            chains = ngram_continuations(h, k, self.max_ngram, self.min_ngram, self.max_chains if self.tree else 1) if a else []
+            limit = self.max_chains if self.tree else 1
+            chains = ngram_continuations(h, k, self.max_ngram, self.min_ngram, limit, self.tokens_per_match) if a else []
             if not chains:
                 trees.append(([root], [-1]))
             elif not self.tree:

@@ -1,0 +1,98 @@
+"""Pieces of the decoding engine without a model: n-gram lookup, the n-gram drafter's drafts,
+static draft trees, Draft helpers, statistics."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import DecodeStats, Draft, NgramDrafter, ngram_continuations
+from specdec_kernels.decoding.draft import chain_parents
+from specdec_kernels.decoding.model_drafter import tree_shape
+from specdec_kernels.tree import ancestor_mask
+
+#               0  1  2  3  4  5  6  7  8  9 10 11
+HISTORY = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6, 7, 2, 5, 6]
+
+
+def test_longest_then_most_recent_match():
+    # suffix (5, 6): occurrences at 0, 4, 8 -> most recent first: continuations after 8, 4, 0
+    assert ngram_continuations(HISTORY, 3, max_ngram=2) == [[7, 2, 5]]
+    assert ngram_continuations(HISTORY, 3, max_ngram=2, limit=3) == [[7, 2, 5], [9, 1, 5], [7, 8, 5]]
+    # a 3-gram (2, 5, 6) never occurred before: the 2-gram decides
+    assert ngram_continuations(HISTORY, 2, max_ngram=3) == [[7, 2]]
+    # the 1-gram (6,) adds matches only after all 2-gram ones
+    assert ngram_continuations(HISTORY, 1, max_ngram=2, limit=5) == [[7], [9]]  # [7] again is dropped
+
+
+def test_continuation_limits():
+    assert ngram_continuations(HISTORY, 8, max_ngram=2)[0] == [7, 2, 5, 6]  # stops at the end of the history
+    assert ngram_continuations(HISTORY, 8, max_ngram=2, tokens_per_match=1) == [[7, 2]]
+    assert ngram_continuations(HISTORY, 0, max_ngram=2) == []
+    assert ngram_continuations([1, 2, 3], 4) == []  # no earlier occurrence of 3
+    assert ngram_continuations([4], 4) == []
+    # a continuation that is a prefix of one already found adds nothing
+    assert ngram_continuations([1, 2, 1, 2, 3, 1], 2, max_ngram=1, limit=4) == [[2, 3], [2, 1]]
+
+
+def test_ngram_drafter_chain_and_tree():
+    histories = [HISTORY, [1, 2, 3], HISTORY]
+    chain = NgramDrafter(2, tokens_per_match=None).propose(histories, [3, 3, 0], [True, True, True])
+    assert chain.is_chain and chain.probs is None
+    assert chain.num_nodes.tolist() == [4, 1, 1]
+    assert chain.tokens[0].tolist() == [6, 7, 2, 5] and chain.tokens[1, 0] == 3
+    tree = NgramDrafter(2, tree=True, max_chains=3, max_nodes=None, tokens_per_match=None).propose(histories, [3, 3, 3], [True, True, False])
+    assert not tree.is_chain
+    # root 6; chains [7, 2, 5], [9, 1, 5], [7, 8, 5] share the first 7
+    n = int(tree.num_nodes[0])
+    assert tree.tokens[0, :n].tolist() == [6, 7, 2, 5, 9, 1, 5, 8, 5]
+    assert tree.parents[0, :n].tolist() == [-1, 0, 1, 2, 0, 4, 5, 1, 7]
+    assert tree.num_nodes[1:].tolist() == [1, 1]  # no match; inactive
+    capped = NgramDrafter(2, tree=True, max_chains=3, max_nodes=5, tokens_per_match=None).propose(histories[:1], [3], [True])
+    assert capped.num_nodes.tolist() == [5]
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramDrafter(2, 3)
+    with pytest.raises(ValueError, match="max_nodes"):
+        NgramDrafter(max_nodes=1)
+
+
+@pytest.mark.parametrize("widths,depth,max_nodes,parents", [
+    ((), 3, 64, [-1, 0, 1, 2]),
+    ((2,), 3, 64, [-1, 0, 0, 1, 2, 3, 4]),
+    ((2, 2), 2, 64, [-1, 0, 0, 1, 1, 2, 2]),
+    ((3, 1, 2), 3, 64, [-1, 0, 0, 0, 1, 2, 3, 4, 4, 5, 5, 6, 6]),
+    ((2, 2), 3, 5, [-1, 0, 0, 1, 1]),
+], ids=["chain", "w2", "w2-2", "w3-1-2", "cut"])
+def test_tree_shape(widths, depth, max_nodes, parents):
+    got, depths = tree_shape(widths, depth, max_nodes)
+    assert got == parents
+    assert depths == [0] + [depths[p] + 1 for p in got[1:]]
+
+
+def test_draft_helpers():
+    d = Draft.from_lists([([4, 5, 6], chain_parents(3)), ([7], [-1])])
+    assert d.is_chain and d.mask() is None and d.depths()[0].tolist() == [0, 1, 2]
+    assert d.tokens.tolist() == [[4, 5, 6], [7, 0, 0]] and d.parents[1].tolist() == [-1, 0, 0]
+    t = Draft.from_lists([([4, 5, 6, 7], [-1, 0, 0, 1]), ([7, 8], [-1, 0])])
+    assert not t.is_chain
+    assert t.depths()[0].tolist() == [0, 1, 1, 2]
+    assert torch.equal(t.mask()[0], ancestor_mask([-1, 0, 0, 1]))
+    assert t.truncate([2, 9]).num_nodes.tolist() == [2, 2]
+    assert t.truncate([0, 1]).num_nodes.tolist() == [1, 1]
+
+
+def test_stats():
+    s = DecodeStats()
+    s.record(depth=3, num_accepted=2, emitted=3)
+    s.record(depth=3, num_accepted=0, emitted=1)
+    s.record(depth=1, num_accepted=1, emitted=2)
+    s.record(depth=0, num_accepted=0, emitted=1)
+    assert s.sequence_steps == 4 and s.tokens == 7 and s.accepted_draft_tokens == 3
+    assert s.mean_accepted_length == pytest.approx(7 / 4)
+    assert s.proposed_at == [3, 2, 2] and s.accepted_at == [2, 1, 0]
+    assert s.acceptance_rates == pytest.approx([2 / 3, 1 / 2, 0.0])
+    s.total_time = 2.0
+    assert s.tokens_per_second == pytest.approx(3.5)
+    d = s.to_dict()
+    assert d["mean_accepted_length"] == pytest.approx(1.75) and d["acceptance_rates"] == s.acceptance_rates
+    assert "1.75 tokens/pass" in s.summary()
+    assert DecodeStats().mean_accepted_length == 0.0 and DecodeStats().tokens_per_second == 0.0
