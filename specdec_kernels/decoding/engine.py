@@ -184,6 +184,7 @@ class SpeculativeDecoder:
             raise ValueError(f"max_draft_nodes must be >= 1, got {max_draft_nodes}")
         self.prefill_chunk = prefill_chunk
         self.max_draft_nodes = max_draft_nodes
+        self._hidden: Optional[torch.Tensor] = None  # the verified block's hidden states, for wants_hidden
         resolve_policy(policy, self.drafter)  # raises on a bad policy now rather than later
         self.policy = policy
         if typical is not None and not 0 < typical <= 1:
@@ -287,21 +288,28 @@ class SpeculativeDecoder:
             sampling=sampling,
         )
         t = time.perf_counter()
-        self._prefill(state)
+        prefill_hidden = self._prefill(state)
         state.stats.prefill_time = time.perf_counter() - t
         t = time.perf_counter()
         if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters
             self.drafter.bind_stats(state.stats)
         self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
+        if prefill_hidden is not None:
+            self.drafter.observe_hidden(*prefill_hidden)
         state.stats.draft_time += time.perf_counter() - t
         return state
 
-    def _prefill(self, state: DecodeState) -> None:
-        """Feed every prompt but its last token (the first root), in chunks, as chains."""
+    def _prefill(self, state: DecodeState):
+        """Feed every prompt but its last token (the first root), in chunks, as chains.
+
+        For a drafter that ``wants_hidden`` returns (hidden (B, hidden_size) of each prompt's
+        last fed token, has_hidden per sequence), else None."""
         device = self.model.device
         fed = [n - 1 for n in state.prompt_lengths]
         longest = max(fed)
         B = state.batch_size
+        wants = getattr(self.drafter, "wants_hidden", False)
+        last = torch.zeros(B, self.model.args.hidden_size, dtype=self.model.dtype, device=device) if wants else None
         for c in range(0, longest, self.prefill_chunk):
             n = min(self.prefill_chunk, longest - c)
             block = torch.zeros(B, n, dtype=torch.int64)
@@ -311,9 +319,20 @@ class SpeculativeDecoder:
             positions = (c + torch.arange(n)).expand(B, n)
             seqlens = torch.full((B,), c, dtype=torch.int32, device=device)
             no_rows = torch.zeros(B, 0, dtype=torch.int64, device=device)
-            self.model(block.to(device), positions.to(device), state.kv_cache, seqlens, None, logit_rows=no_rows)
+            if not wants:
+                self.model(block.to(device), positions.to(device), state.kv_cache, seqlens, None, logit_rows=no_rows)
+            else:  # the hidden state of each prompt's last fed token, no head
+                rows = torch.tensor([[min(max(f - 1 - c, 0), n - 1)] for f in fed], dtype=torch.int64, device=device)
+                _, hidden = self.model(
+                    block.to(device), positions.to(device), state.kv_cache, seqlens, None,
+                    logit_rows=rows, return_hidden=True, compute_logits=False,
+                )
+                for b, f in enumerate(fed):
+                    if c <= f - 1 < c + n:
+                        last[b] = hidden[b, 0]
             state.stats.prefill_passes += 1
         state.cache_seqlens = torch.tensor(fed, dtype=torch.int32, device=device)
+        return (last, [f > 0 for f in fed]) if wants else None
 
     @torch.inference_mode()
     def step(self, state: DecodeState, num_draft_tokens: Union[int, Sequence[int]] = 4) -> List[List[int]]:
@@ -361,6 +380,11 @@ class SpeculativeDecoder:
         state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
         t3 = time.perf_counter()
         self.drafter.observe(accepted_nodes, num_accepted, keep)
+        if self._hidden is not None:  # the hidden state of each sequence's last accepted node
+            last = accepted_nodes.gather(1, num_accepted[:, None].to(accepted_nodes.dtype)).clamp(min=0)[:, 0]
+            rows = torch.arange(B, device=self._hidden.device)
+            self.drafter.observe_hidden(self._hidden[rows, last.to(self._hidden.device)], keep)
+            self._hidden = None
         t4 = time.perf_counter()
         stats.draft_time += t4 - t3
         stats.bookkeeping_time += t3 - t2
@@ -390,7 +414,13 @@ class SpeculativeDecoder:
         trimmed = Draft(tokens, parents, num_nodes, probs, draft.is_chain)
         depths = trimmed.depths()
         positions = state.cache_seqlens.to(torch.int64)[:, None] + depths
-        logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]
+        self._hidden = None
+        if getattr(self.drafter, "wants_hidden", False):  # final hidden states for the drafter
+            logits, self._hidden = self.model(
+                tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask(), return_hidden=True
+            )
+        else:
+            logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]
 
         sp = state.sampling
         if sp.greedy:
