@@ -78,7 +78,7 @@ def typical_acceptance(
     """Typical acceptance over token trees (chains are trees): LOSSY, see the module docstring.
 
     Args:
-        target_probs: Shape (B, N, V), float32/float64: row i is the target's sampling
+        target_probs: Shape (B, N, V), float32/float16/bfloat16: row i is the target's sampling
             distribution after node i (``sampling_probs`` of the verify pass's logits).
         tree_tokens: Shape (B, N), int32/int64: node 0 is the root, nodes 1.. are draft tokens.
         tree_parents: Shape (N,) or (B, N), int: parents[0] = -1, 0 <= parents[i] < i.
