@@ -28,6 +28,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specdec_kernels.generate", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the user message")
+    src.add_argument("--prompt-file", help="read the user message from this file")
     src.add_argument("--question-id", type=int, help="a Spec-Bench question (81..560), first turn")
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (none: plain decoding)")
     p.add_argument("--tree", action="store_true", help="draft token trees instead of chains")
@@ -88,6 +89,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from specdec_kernels.decoding.loading import INSTALL_HINT
 
     text = args.prompt
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
     if args.question_id is not None:
         from specdec_kernels.decoding.prompts import spec_bench_prompt
 
@@ -108,6 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     stops = [tok.eos_token_id]
 
     decoder = SpeculativeDecoder(model, build_drafter(args, model), stop_token_ids=stops)
+    SpeculativeDecoder(model).generate([ids[-8:]], 2)  # warm-up (first-call costs stay out of the timings)
     result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=k, sampling=sampling, seeds=[args.seed])
     mode = "tree" if args.tree else "chain"
     print(tok.decode(result.tokens[0], skip_special_tokens=True))

@@ -177,7 +177,7 @@ class ModelDrafter(Drafter):
                 if q is not None:
                     probs[:, node] = q[:, r].cpu()
             level = children
-        self._fed_depth = max(depths) - 1
+        self._fed_depth = max(max(depths) - 1, 0)
         self._is_chain = max(depths) == N - 1
 
         max_depth = torch.tensor(depths)
