@@ -208,3 +208,33 @@ def test_real_model_multi_draft_is_greedy(real):
     assert result.tokens == greedy
     c = result.stats.drafters
     assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
+
+
+class HiddenRecorder(Drafter):
+    """Wants the target's hidden state (as Medusa heads do), records it, drafts nothing."""
+
+    name = "hidden"
+    wants_hidden = True
+
+    def __init__(self):
+        self.seen = []
+
+    def propose(self, histories, num_draft_tokens, active):
+        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+
+    def observe_hidden(self, hidden, active):
+        self.seen.append((hidden.clone(), list(active)))
+
+
+def test_hidden_states_reach_the_sub_drafters_that_want_them(tiny):
+    _, model = tiny
+    alone = HiddenRecorder()
+    SpeculativeDecoder(model, alone).generate(PROMPTS, 6)
+    inner = HiddenRecorder()
+    multi = MultiDrafter([FixedDrafter("none", [0], [-1]), inner])
+    assert multi.wants_hidden and not MultiDrafter([NgramDrafter()]).wants_hidden
+    SpeculativeDecoder(model, multi).generate(PROMPTS, 6)
+    assert len(inner.seen) == len(alone.seen) == 7  # after the prefill, then after each step
+    for (h1, a1), (h2, a2) in zip(inner.seen, alone.seen):
+        assert a1 == a2
+        torch.testing.assert_close(h1, h2)

@@ -172,6 +172,21 @@ class MultiDrafter(Drafter):
         for n in self.names:
             self.counters[n] = {c: (0.0 if c.endswith("_time") else 0) for c in DRAFTER_COUNTERS}
 
+    # ------------------------------------------------------------------ hidden states
+    @property
+    def wants_hidden(self) -> bool:
+        """True when a sub-drafter (e.g. ``MedusaDrafter``) wants the target's hidden state."""
+        return any(getattr(d, "wants_hidden", False) for d in self.drafters)
+
+    def observe_hidden(self, hidden: torch.Tensor, active) -> None:
+        """Forward the target's hidden state of each sequence's last accepted node (the same
+        for every sub-drafter: it does not depend on who proposed the node)."""
+        for d, name in zip(self.drafters, self.names):
+            if getattr(d, "wants_hidden", False):
+                t = time.perf_counter()
+                d.observe_hidden(hidden, active)
+                self.counters[name]["observe_time"] += time.perf_counter() - t
+
     # ------------------------------------------------------------------ interface
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
