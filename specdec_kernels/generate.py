@@ -3,12 +3,19 @@
     python -m specdec_kernels.generate --prompt "Rename x to count in: ..." --drafter ngram
     python -m specdec_kernels.generate --question-id 121 --drafter layerskip --tree --compare
     python -m specdec_kernels.generate --prompt "Tell a story" --drafter ngram --temperature 0.8 --top-p 0.9
+    python -m specdec_kernels.generate --question-id 245 --drafter multi --drafters ngram,layerskip
+    python -m specdec_kernels.generate --question-id 245 --drafter layerskip --temperature 0.7 --typical 0.09
 
 The prompt goes through the model's chat template; the answer and the run's statistics are
 printed (target passes, mean accepted length, acceptance by draft position, tokens/s, time
 split).  ``--compare`` also runs our plain greedy decoding and transformers' greedy
 ``generate`` on the same prompt and reports whether the greedy outputs are identical, with
 the tokens/s of each.
+
+The draft length K is adaptive by default where it helps (``--adaptive/--no-adaptive``;
+``adaptive.default_policy``: a cost model for model drafters, a fixed K for the free
+n-gram lookup); ``--num-draft-tokens`` is then the largest K.  ``--typical EPS`` replaces
+lossless rejection sampling by Medusa's typical acceptance at temperature > 0: LOSSY.
 """
 from __future__ import annotations
 
@@ -20,8 +27,9 @@ from typing import List, Optional
 
 import torch
 
-DRAFTERS = ("ngram", "layerskip", "draft-model", "none")
-DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "none": 0}
+DRAFTERS = ("ngram", "layerskip", "draft-model", "multi", "none")
+DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "multi": 4, "none": 0}
+SUB_DRAFTERS = ("ngram", "layerskip", "draft-model")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -30,7 +38,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--prompt-file", help="read the user message from this file")
     src.add_argument("--question-id", type=int, help="a Spec-Bench question (81..560), first turn")
-    p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (none: plain decoding)")
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (none: plain decoding; multi: see --drafters)")
+    p.add_argument("--drafters", default="ngram,layerskip",
+                   help=f"with --drafter multi: the drafters whose drafts are merged into one tree, comma-separated from {', '.join(SUB_DRAFTERS)}")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="choose K every step (--num-draft-tokens is then the largest K); default: on where it helps "
+                        "(a cost model for model drafters, fixed K for n-gram lookup)")
+    p.add_argument("--policy", choices=("cost-model", "heuristic"), default="cost-model", help="the adaptive policy with --adaptive")
+    p.add_argument("--typical", type=float, default=None, metavar="EPS",
+                   help="LOSSY: typical acceptance (Medusa) with posterior threshold EPS (e.g. 0.09) instead of lossless "
+                        "rejection sampling, at temperature > 0 only; the output no longer follows the model's distribution exactly")
     p.add_argument("--tree", action="store_true", help="draft token trees instead of chains")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
@@ -56,19 +73,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.widths = tuple(int(w) for w in args.tree_widths.split(",") if w.strip())
     except ValueError:
         p.error(f"--tree-widths must be comma-separated ints, got {args.tree_widths!r}")
+    args.sub_drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    bad = [d for d in args.sub_drafters if d not in SUB_DRAFTERS]
+    if args.drafter == "multi" and (bad or not args.sub_drafters):
+        p.error(f"--drafters must name drafters from {', '.join(SUB_DRAFTERS)}, got {args.drafters!r}")
+    if args.typical is not None and not 0 < args.typical <= 1:
+        p.error("--typical must lie in (0, 1]")
+    if args.typical is not None and args.temperature == 0:
+        print("(--typical has no effect at temperature 0: greedy verification is exact)", file=sys.stderr)
     return args
 
 
-def build_drafter(args, model):
+def build_drafter(args, model, name=None):
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter, Transformer
 
+    name = name or args.drafter
+    if name == "multi":
+        from specdec_kernels.decoding.multi import MultiDrafter
+
+        return MultiDrafter([build_drafter(args, model, d) for d in args.sub_drafters])
     widths = args.widths if args.tree else None
     layers = args.layers or model.args.num_layers // 2
-    if args.drafter == "ngram":
+    if name == "ngram":
         return NgramDrafter(args.max_ngram, tree=args.tree)
-    if args.drafter == "layerskip":
+    if name == "layerskip":
         return LayerSkipDrafter(model, layers, tree_widths=widths)
-    if args.drafter == "draft-model":
+    if name == "draft-model":
         if args.draft_model:
             from transformers import AutoModelForCausalLM
 
@@ -111,12 +141,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     k = args.num_draft_tokens if args.num_draft_tokens is not None else DEFAULT_K[args.drafter]
     stops = [tok.eos_token_id]
 
-    decoder = SpeculativeDecoder(model, build_drafter(args, model), stop_token_ids=stops)
+    drafter = build_drafter(args, model)
+    from specdec_kernels.decoding.adaptive import CostModelPolicy, HeuristicPolicy, default_policy
+
+    if args.adaptive is None:
+        schedule = default_policy(drafter, k)
+    elif args.adaptive and k > 0:
+        schedule = CostModelPolicy(0, k) if args.policy == "cost-model" else HeuristicPolicy(k_max=k)
+    else:
+        schedule = k
+    decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stops, typical=args.typical if not sampling.greedy else None)
     SpeculativeDecoder(model).generate([ids[-8:]], 2)  # warm-up (first-call costs stay out of the timings)
-    result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=k, sampling=sampling, seeds=[args.seed])
+    result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=schedule, sampling=sampling, seeds=[args.seed])
     mode = "tree" if args.tree else "chain"
     print(tok.decode(result.tokens[0], skip_special_tokens=True))
-    print(f"\n--- {args.drafter} ({mode}, K={k}, temperature {args.temperature}), prompt {len(ids)} tokens")
+    how = result.stats.policy or f"K={k}"
+    lossy = f", typical acceptance eps {args.typical} (LOSSY)" if decoder.typical is not None else ""
+    print(f"\n--- {args.drafter} ({mode}, {how}, temperature {args.temperature}{lossy}), prompt {len(ids)} tokens")
     print(result.stats.summary())
     if args.json:
         print(json.dumps({"drafter": args.drafter, "tree": args.tree, "K": k, **result.stats.to_dict()}))

@@ -238,3 +238,19 @@ def test_hidden_states_reach_the_sub_drafters_that_want_them(tiny):
     for (h1, a1), (h2, a2) in zip(inner.seen, alone.seen):
         assert a1 == a2
         torch.testing.assert_close(h1, h2)
+
+
+def test_cli_builds_a_multi_drafter(tiny):
+    from specdec_kernels import generate
+
+    _, model = tiny
+    args = generate.parse_args(["--prompt", "hi", "--drafter", "multi", "--drafters", "ngram,layerskip", "--tree"])
+    assert args.sub_drafters == ["ngram", "layerskip"] and args.adaptive is None and args.typical is None
+    drafter = generate.build_drafter(args, model)
+    assert isinstance(drafter, MultiDrafter) and drafter.names == ["ngram", "layerskip"]
+    assert drafter.drafters[0].tree and drafter.drafters[1].tree_widths == (2, 2)
+    assert generate.parse_args(["--prompt", "x", "--no-adaptive", "--typical", "0.09", "--temperature", "0.7"]).adaptive is False
+    for bad in (["--prompt", "x", "--drafter", "multi", "--drafters", "ngram,nope"], ["--prompt", "x", "--typical", "0"],
+                ["--prompt", "x", "--drafter", "multi", "--drafters", ""]):
+        with pytest.raises(SystemExit):
+            generate.parse_args(bad)

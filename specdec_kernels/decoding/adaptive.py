@@ -229,7 +229,8 @@ class CostModelPolicy(DraftLengthPolicy):
     positions are expected to accept geometrically less; rates are made non-increasing.
 
     Cost: ``t_draft(K)`` (0 for K = 0) is a line fitted to the batch's measured draft time
-    (the drafter's propose and observe) against the largest K of the step, proportional
+    (the drafter's propose and observe; the first step's is left out, as it includes a
+    model drafter's own prefill of the prompt) against the largest K of the step, proportional
     to K while one K was seen; ``t_verify(n)`` a line fitted to the measured verify time
     (target pass plus verification) against the nodes fed per sequence n, flat while one n
     was seen; the nodes a K yields are the running mean of the nodes the drafter made for
@@ -377,7 +378,7 @@ class CostModelPolicy(DraftLengthPolicy):
             self.nodes[k] = [c, m + max(1.0 / c, 0.1) * (record.num_nodes[b] - m)]
         if any(record.active):
             k_step = max(k for k, a in zip(record.ks, record.active) if a)
-            if k_step > 0:
+            if k_step > 0 and self.steps > 1:  # the first step's includes the drafter's prompt prefill
                 self.draft_cost.add(k_step, record.draft_time)
             self.verify_cost.add(record.block_width, record.verify_time)
 
