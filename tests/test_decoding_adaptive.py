@@ -228,3 +228,15 @@ def test_real_model_adaptive_is_greedy():
         result = SpeculativeDecoder(model, drafter, stop_token_ids=stops).generate(prompts, 16, num_draft_tokens=policy)
         assert result.tokens == greedy
         assert len(set(result.stats.draft_lengths)) > 1  # K did change
+
+
+def test_measured_cost_keeps_steps():
+    """Well-observed widths cost their own mean (a step at 2 nodes), others the line."""
+    c = LinearCost()
+    for _ in range(3):
+        c.add(1, 1.0)
+        c.add(2, 1.5)
+        c.add(8, 1.5)
+    assert c(1) == pytest.approx(1.0) and c(2) == pytest.approx(1.5) and c(8) == pytest.approx(1.5)
+    a, b = c.coefficients()
+    assert c(5) == pytest.approx(a + 5 * b)

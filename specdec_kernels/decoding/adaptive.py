@@ -170,16 +170,21 @@ class LinearCost:
     """A cost ``a + b * x`` (seconds) fitted online to (x, seconds) observations.
 
     Observations are averaged per x with an exponential moving average (weight
-    ``1 / count``, at least ``decay``), and the line is the least-squares fit through the
-    per-x means weighted by their counts (a >= 0, b >= 0).  With one distinct x only, the
-    cost is flat (``proportional=False``) or proportional to x (``proportional=True``).
-    Fixed coefficients can be given instead (``a``, ``b``).
+    ``1 / count``, at least ``decay``).  An x seen at least ``min_count`` times costs its
+    own mean (so steps are captured: on CPU a verify pass of 2..8 nodes costs about the
+    same and one node less); any other x the least-squares line through the per-x means
+    weighted by their counts (a >= 0, b >= 0).  With one distinct x only, the line is flat
+    (``proportional=False``) or proportional to x (``proportional=True``).  Fixed
+    coefficients can be given instead (``a``, ``b``).
     """
 
-    def __init__(self, a: Optional[float] = None, b: Optional[float] = None, *, proportional: bool = False, decay: float = 0.1):
+    def __init__(
+        self, a: Optional[float] = None, b: Optional[float] = None, *, proportional: bool = False, decay: float = 0.1, min_count: int = 3
+    ):
         self.fixed = (a, b) if a is not None and b is not None else None
         self.proportional = proportional
         self.decay = decay
+        self.min_count = min_count
         self.points: Dict[int, List[float]] = {}  # x -> [count, mean seconds]
 
     def add(self, x: int, seconds: float) -> None:
@@ -213,6 +218,8 @@ class LinearCost:
         return a, b
 
     def __call__(self, x: float) -> float:
+        if self.fixed is None and x in self.points and self.points[x][0] >= self.min_count:
+            return self.points[x][1]
         coef = self.coefficients()
         if coef is None:
             return 0.0
@@ -234,7 +241,9 @@ class CostModelPolicy(DraftLengthPolicy):
     to K while one K was seen; ``t_verify(n)`` a line fitted to the measured verify time
     (target pass plus verification) against the nodes fed per sequence n, flat while one n
     was seen; the nodes a K yields are the running mean of the nodes the drafter made for
-    that K (K + 1 before any).  Costs can be fixed instead of measured (``draft_cost``,
+    that K (K + 1 before any), and a K seen at least 3 times costs its own mean verify
+    time (a drafter that often drafts less than K, and steps in the cost, are captured
+    so).  Costs can be fixed instead of measured (``draft_cost``,
     ``verify_cost`` as (a, b) pairs, seconds), e.g. for a ratio c: draft (0, c), verify (1, 0).
     Every choice is ``best_draft_length(rates, [t_draft(K) + t_verify(nodes(K))])``.
 
@@ -306,6 +315,7 @@ class CostModelPolicy(DraftLengthPolicy):
         d, v = self._draft_cost_arg, self._verify_cost_arg
         self.draft_cost = LinearCost(*(d or (None, None)), proportional=True)
         self.verify_cost = LinearCost(*(v or (None, None)))
+        self.verify_by_k = LinearCost()  # verify seconds per K requested (a K seen often enough)
         self.nodes: Dict[int, List[float]] = {}  # K -> [count, mean nodes per sequence]
         self.heuristic = HeuristicPolicy(self.k_init, self.k_min, self.k_max)
         self.heuristic.start(state)
@@ -346,7 +356,12 @@ class CostModelPolicy(DraftLengthPolicy):
         """Estimated seconds of a step for K = 0..k_max (a floor of 1e-9)."""
         out = []
         for k in range(self.k_max + 1):
-            t = (self.draft_cost(k) if k > 0 else 0.0) + self.verify_cost(self.nodes_for(k))
+            seen = self.verify_by_k.points.get(k)
+            if self.verify_cost.fixed is None and seen is not None and seen[0] >= self.verify_by_k.min_count:
+                verify = seen[1]
+            else:
+                verify = self.verify_cost(self.nodes_for(k))
+            t = (self.draft_cost(k) if k > 0 else 0.0) + verify
             out.append(max(t, 1e-9))
         return out
 
@@ -381,6 +396,7 @@ class CostModelPolicy(DraftLengthPolicy):
             if k_step > 0 and self.steps > 1:  # the first step's includes the drafter's prompt prefill
                 self.draft_cost.add(k_step, record.draft_time)
             self.verify_cost.add(record.block_width, record.verify_time)
+            self.verify_by_k.add(k_step, record.verify_time)
 
     def describe(self) -> str:
         return f"cost-model(K in [{self.k_min}, {self.k_max}])"
