@@ -4,6 +4,7 @@
     python -m specdec_kernels.generate --question-id 121 --drafter layerskip --tree --compare
     python -m specdec_kernels.generate --prompt "Tell a story" --drafter ngram --temperature 0.8 --top-p 0.9
     python -m specdec_kernels.generate --question-id 245 --drafter multi --drafters ngram,layerskip
+    python -m specdec_kernels.generate --question-id 121 --drafter medusa-tree --compare
     python -m specdec_kernels.generate --question-id 245 --drafter layerskip --temperature 0.7 --typical 0.09
 
 The prompt goes through the model's chat template; the answer and the run's statistics are
@@ -27,9 +28,9 @@ from typing import List, Optional
 
 import torch
 
-DRAFTERS = ("ngram", "layerskip", "draft-model", "multi", "none")
-DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "multi": 4, "none": 0}
-SUB_DRAFTERS = ("ngram", "layerskip", "draft-model")
+DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "medusa-tree", "multi", "none")
+DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "medusa": 4, "medusa-tree": 4, "multi": 4, "none": 0}
+SUB_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -59,6 +60,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="layers of the layer-skip / cut draft model (default half)")
     p.add_argument("--draft-model", default=None, help="a transformers Llama checkpoint directory with the target's tokenizer")
     p.add_argument("--tree-widths", default="2,2", help="children per node by depth for model drafters' trees")
+    p.add_argument("--medusa-heads", default=None, help="a Medusa heads file (default: the shipped SmolLM2 heads); "
+                   "--drafter medusa-tree (or medusa --tree) drafts the tree stored with them")
     p.add_argument("--max-ngram", type=int, default=5, help="longest suffix the n-gram drafter matches")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
@@ -96,6 +99,10 @@ def build_drafter(args, model, name=None):
     layers = args.layers or model.args.num_layers // 2
     if name == "ngram":
         return NgramDrafter(args.max_ngram, tree=args.tree)
+    if name in ("medusa", "medusa-tree"):
+        from specdec_kernels.decoding.medusa import MedusaDrafter
+
+        return MedusaDrafter(model, args.medusa_heads, tree=args.tree or name == "medusa-tree")
     if name == "layerskip":
         return LayerSkipDrafter(model, layers, tree_widths=widths)
     if name == "draft-model":
@@ -153,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stops, typical=args.typical if not sampling.greedy else None)
     SpeculativeDecoder(model).generate([ids[-8:]], 2)  # warm-up (first-call costs stay out of the timings)
     result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=schedule, sampling=sampling, seeds=[args.seed])
-    mode = "tree" if args.tree else "chain"
+    mode = "tree" if args.tree or args.drafter == "medusa-tree" else "chain"
     print(tok.decode(result.tokens[0], skip_special_tokens=True))
     how = result.stats.policy or f"K={k}"
     lossy = f", typical acceptance eps {args.typical} (LOSSY)" if decoder.typical is not None else ""

@@ -1,0 +1,303 @@
+"""Medusa heads: draft tokens from the target's own last hidden state (Cai et al. 2024,
+"Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads").
+
+Head i (0-based) maps the target's final hidden state h_t (after its final norm: the
+input of the output head) at position t to a distribution over the token at t + i + 2:
+
+    logits_i = W_out (h_t + SiLU(W_i h_t))
+
+with W_i (hidden x hidden, zero-initialised, so that a fresh head equals the base head) and
+W_out the target's frozen output head, shared rather than copied, so that each head adds
+only hidden^2 weights (SmolLM2-135M: 576^2, 0.66 MB in fp16).  The target itself predicts
+t + 1 (the bonus token, the next root), head 0 the first draft below that root, head 1 the
+second, and so on: no extra target pass and no draft model.
+
+The engine hands over h_t through the ``Drafter.wants_hidden`` / ``observe_hidden`` hook:
+after each step the hidden state of the last accepted node, and after the prefill that of
+the prompt's second-to-last token (the node before the first root).  ``MedusaDrafter`` then
+drafts
+
+* a chain: each head's argmax (depth d from head d - 1);
+* a static token tree from Medusa-style choice paths (``specdec_kernels.tree.
+  medusa_choices_to_tree``): node (r_1, ..., r_d) is head d - 1's r_d-th best token under
+  its parent.  The default tree is the one stored with the weights, chosen on held-out
+  prompts (see ``train_medusa``).
+
+Drafts are deterministic (``Draft.probs`` is None): greedy verification, and lossless
+rejection sampling with q one-hot (tree_rejection_sample handles deterministic sibling
+sets exactly), keep the target's output exact.
+
+Weights for SmolLM2-135M-Instruct ship in ``specdec_kernels/data/medusa/
+smollm2-135m-instruct.pt`` (``load_medusa_heads()``); they were trained by
+self-distillation with ``python -m specdec_kernels.decoding.train_medusa`` (the exact
+command is in that module's docstring and in the file's ``config["training"]``).
+
+Example::
+
+    model, tok = load_smollm2()
+    drafter = MedusaDrafter(model, tree=True)            # shipped heads, stored tree
+    decoder = SpeculativeDecoder(model, drafter, stop_token_ids=[tok.eos_token_id])
+    result = decoder.generate([ids], max_new_tokens=128, num_draft_tokens=4)
+"""
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
+from specdec_kernels.decoding.model import Transformer, linear
+from specdec_kernels.tree import medusa_choices_to_tree
+
+FORMAT = 1
+SHIPPED = Path(__file__).resolve().parent.parent / "data" / "medusa" / "smollm2-135m-instruct.pt"
+BASE_MODEL = "SmolLM2-135M-Instruct"
+
+# Fallback tree (27 nodes with the root) for heads stored without a tuned tree: top ranks of
+# the first heads, in the spirit of Medusa's sparse trees.
+GENERIC_CHOICES = (
+    (0,), (1,), (2,), (3,), (4,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 2), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 0, 0),
+)
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """A short content hash of a target model: its shape (``ModelArgs``) and a sample of its
+    final-norm and output-head weights (float32 bytes); 16 hex digits.  Heads trained on one
+    model are meant for that model (they work with another, only with fewer accepted drafts)."""
+    h = hashlib.sha256(repr(sorted(asdict(model.args).items())).encode())
+    h.update(model.norm.weight.detach().float().cpu().contiguous().numpy().tobytes())
+    rows = model.output.weight.detach()[:: max(1, model.args.vocab_size // 64)]
+    h.update(rows.float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class MedusaHeads(nn.Module):
+    """``num_heads`` residual blocks ``h + SiLU(W_i h)`` on the target's final hidden state,
+    read out by the target's own (frozen, shared) output head.
+
+    Args:
+        hidden_size: the target's hidden size.
+        num_heads: k, the most draft tokens per step (head i predicts t + i + 2).
+        config: free-form metadata kept with the weights (base model, fingerprint,
+            training command, tuned tree ``tree_choices``).
+
+    Attributes:
+        weight: Parameter of shape (num_heads, hidden_size, hidden_size), zero at creation.
+
+    Raises:
+        ValueError: hidden_size < 1 or num_heads < 1.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int = 4, *, config: Optional[dict] = None):
+        super().__init__()
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.config: Dict = dict(config or {})
+
+    def forward(self, hidden: torch.Tensor, num_heads: Optional[int] = None) -> torch.Tensor:
+        """The heads' hidden states ``h + SiLU(W_i h)``.
+
+        Args:
+            hidden: Shape (..., hidden_size), any float dtype: final hidden states.
+            num_heads: use the first heads only (None: all).
+
+        Returns:
+            Shape (..., num_heads, hidden_size), the weights' dtype.
+
+        Raises:
+            ValueError: hidden's last dimension is not hidden_size, or num_heads out of range.
+        """
+        if hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden must have last dimension {self.hidden_size}, got shape {tuple(hidden.shape)}")
+        k = self.num_heads if num_heads is None else num_heads
+        if not 1 <= k <= self.num_heads:
+            raise ValueError(f"num_heads must lie in 1..{self.num_heads}, got {num_heads}")
+        h = hidden.to(self.weight.dtype)
+        proj = torch.einsum("...j,kij->...ki", h, self.weight[:k])
+        return h.unsqueeze(-2) + F.silu(proj)
+
+    def logits(self, hidden: torch.Tensor, output_weight: torch.Tensor, num_heads: Optional[int] = None) -> torch.Tensor:
+        """Each head's next-token logits through the shared output head.
+
+        Args:
+            hidden: Shape (..., hidden_size): final hidden states at positions t.
+            output_weight: Shape (vocab, hidden_size): the target's output head (``model.output.weight``).
+            num_heads: the first heads only (None: all).
+
+        Returns:
+            Shape (..., num_heads, vocab), float32; head i scores the token at t + i + 2.
+        """
+        states = self.forward(hidden, num_heads).to(output_weight.dtype)
+        return linear(states, output_weight).float()
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the heads (fp16 weights) and their config to ``path`` (``torch.save``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config = {**self.config, "format": FORMAT, "hidden_size": self.hidden_size, "num_heads": self.num_heads}
+        payload = {"config": config, "state_dict": {"weight": self.weight.detach().to(torch.float16).cpu().contiguous()}}
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "MedusaHeads":
+        """Read heads written by ``save``.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a Medusa heads file, or a format this version cannot read.
+        """
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
+            raise ValueError(f"{path} is not a Medusa heads file (no config / state_dict)")
+        config = dict(payload["config"])
+        if config.get("format") != FORMAT:
+            raise ValueError(f"{path}: Medusa heads format {config.get('format')}, this version reads {FORMAT}")
+        heads = cls(int(config["hidden_size"]), int(config["num_heads"]), config=config)
+        heads.weight.data = payload["state_dict"]["weight"].to(dtype=dtype)
+        return heads.to(device).eval()
+
+    @property
+    def tree_choices(self) -> Optional[List[tuple]]:
+        """The tuned tree stored with the weights (choice paths), or None."""
+        c = self.config.get("tree_choices")
+        return [tuple(p) for p in c] if c else None
+
+
+def load_medusa_heads(path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu") -> MedusaHeads:
+    """The shipped SmolLM2-135M-Instruct heads (``path`` None) or heads from a file.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+    """
+    return MedusaHeads.load(SHIPPED if path is None else path, dtype=dtype, device=device)
+
+
+class MedusaDrafter(Drafter):
+    """Draft with Medusa heads on the hidden state the engine hands over (no extra pass).
+
+    Args:
+        model: the target model (its output head is shared with the heads).
+        heads: ``MedusaHeads``, a path to a heads file, or None for the shipped
+            SmolLM2-135M-Instruct heads.
+        tree: draft a static token tree instead of a chain.
+        choices: the tree as Medusa choice paths (each a tuple of top-k ranks by depth);
+            None takes the tree stored with the heads (else ``GENERIC_CHOICES``).  Paths
+            deeper than the heads are dropped.
+        max_nodes: keep at most this many tree nodes (root included), in the tree's order
+            (by depth, then ranks); None keeps all.
+        check_fingerprint: warn when the heads were trained on another model.
+
+    The depth of a draft is min(K, number of heads); a tree keeps its nodes of depth <= K.
+    A sequence whose hidden state is unknown (a one-token prompt's first step) gets no drafts.
+
+    Raises:
+        ValueError: heads whose hidden size differs from the model's, an empty choice list,
+            max_nodes < 1.
+    """
+
+    name = "medusa"
+    wants_hidden = True
+
+    def __init__(
+        self,
+        model: Transformer,
+        heads: Union[MedusaHeads, str, Path, None] = None,
+        *,
+        tree: bool = False,
+        choices: Optional[Sequence[Sequence[int]]] = None,
+        max_nodes: Optional[int] = None,
+        check_fingerprint: bool = True,
+    ):
+        if heads is None or isinstance(heads, (str, Path)):
+            heads = load_medusa_heads(heads, dtype=model.dtype, device=model.device)
+        if heads.hidden_size != model.args.hidden_size:
+            raise ValueError(f"the heads' hidden size ({heads.hidden_size}) differs from the model's ({model.args.hidden_size})")
+        if check_fingerprint and heads.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
+            warnings.warn(
+                f"Medusa heads trained on {heads.config.get('base_model', 'another model')} "
+                f"(fingerprint {heads.config.get('base_fingerprint')}) are used with a different model: "
+                "decoding stays exact, but fewer drafts will be accepted",
+                stacklevel=2,
+            )
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.model = model
+        self.heads = heads.to(device=model.device, dtype=model.dtype).eval()
+        self.tree = tree
+        if tree:
+            paths = choices if choices is not None else (heads.tree_choices or GENERIC_CHOICES)
+            paths = [tuple(int(r) for r in p) for p in paths if len(p) <= heads.num_heads]
+            if not paths:
+                raise ValueError("choices must hold at least one path no deeper than the heads")
+            t = medusa_choices_to_tree(paths)
+            n = len(t.parents) if max_nodes is None else min(max_nodes, len(t.parents))
+            self.tree_parents = t.parents[:n].tolist()
+            self.tree_depths = t.depths[:n].tolist()
+            self.tree_ranks = t.topk_index[:n].tolist()
+            self.choices = list(t.choices[: n - 1])
+            self.name = "medusa-tree"
+        self._hidden: Optional[torch.Tensor] = None
+        self._known: List[bool] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads.num_heads
+
+    def start(self, histories, capacity, sampling, generators) -> None:
+        super().start(histories, capacity, sampling, generators)
+        self._hidden = None
+        self._known = [False] * len(histories)
+
+    def observe_hidden(self, hidden: torch.Tensor, active) -> None:
+        self._hidden = hidden
+        self._known = [bool(a) for a in active]
+
+    @torch.inference_mode()
+    def propose(self, histories, num_draft_tokens, active) -> Draft:
+        B = len(histories)
+        roots = [h[-1] for h in histories]
+        if self._hidden is None:
+            return Draft.from_lists([([r], [-1]) for r in roots])
+        limit = max(self.tree_depths) if self.tree else self.num_heads
+        depth = [min(int(k), limit) if a and known else 0 for k, a, known in zip(num_draft_tokens, active, self._known)]
+        D = max(depth)
+        if D == 0:
+            return Draft.from_lists([([r], [-1]) for r in roots])
+        logits = self.heads.logits(self._hidden, self.model.output.weight, D)  # (B, D, V)
+        if not self.tree:
+            best = logits.argmax(dim=-1).cpu().tolist()
+            return Draft.from_lists(
+                [([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True
+            )
+        N = sum(1 for d in self.tree_depths if d <= D)
+        parents, depths, ranks = self.tree_parents[:N], self.tree_depths[:N], self.tree_ranks[:N]
+        width = max(ranks) + 1
+        top = logits.topk(width, dim=-1).indices.cpu()  # (B, D, width)
+        d_idx = torch.tensor([max(d - 1, 0) for d in depths])
+        r_idx = torch.tensor([max(r, 0) for r in ranks])
+        tokens = top[:, d_idx, r_idx]  # (B, N)
+        tokens[:, 0] = torch.tensor(roots, dtype=torch.int64)
+        num_nodes = torch.tensor([sum(1 for x in depths if x <= d) for d in depth], dtype=torch.int64)
+        par = torch.tensor(parents, dtype=torch.int64).expand(B, N).clone()
+        return Draft(tokens, par, num_nodes, None, is_chain=all(p == i - 1 for i, p in enumerate(parents)))
