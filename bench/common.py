@@ -91,3 +91,15 @@ def out_dir(arg: str | None, default: str) -> Path:
     path = Path(arg or os.environ.get("SPECDEC_BENCH_OUT", default))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def uncommitted_changes(paths: Sequence[str] = ("specdec_kernels", "bench")) -> List[str]:
+    """Tracked files under ``paths`` (relative to the repository root) that differ from the
+    commit ``environment()`` records, so that a result measured on a modified tree says so."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *paths], capture_output=True,
+                             text=True, cwd=root, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line[3:] for line in out.splitlines() if line.strip()]

