@@ -13,9 +13,9 @@ split).  ``--compare`` also runs our plain greedy decoding and transformers' gre
 ``generate`` on the same prompt and reports whether the greedy outputs are identical, with
 the tokens/s of each.
 
-The draft length K is adaptive by default where it helps (``--adaptive/--no-adaptive``;
-``adaptive.default_policy``: a cost model for model drafters, a fixed K for the free
-n-gram lookup); ``--num-draft-tokens`` is then the largest K.  ``--typical EPS`` replaces
+The draft length K is adaptive by default (``--adaptive/--no-adaptive``;
+``adaptive.default_policy``: a cost model of measured acceptance and costs, which beat a
+fixed K for every drafter measured); ``--num-draft-tokens`` is then the largest K.  ``--typical EPS`` replaces
 lossless rejection sampling by Medusa's typical acceptance at temperature > 0: LOSSY.
 """
 from __future__ import annotations
@@ -43,8 +43,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--drafters", default="ngram,layerskip",
                    help=f"with --drafter multi: the drafters whose drafts are merged into one tree, comma-separated from {', '.join(SUB_DRAFTERS)}")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="choose K every step (--num-draft-tokens is then the largest K); default: on where it helps "
-                        "(a cost model for model drafters, fixed K for n-gram lookup)")
+                   help="choose K every step (--num-draft-tokens is then the largest K); default: on "
+                        "(adaptive.default_policy: a cost model for every drafter)")
     p.add_argument("--policy", choices=("cost-model", "heuristic"), default="cost-model", help="the adaptive policy with --adaptive")
     p.add_argument("--typical", type=float, default=None, metavar="EPS",
                    help="LOSSY: typical acceptance (Medusa) with posterior threshold EPS (e.g. 0.09) instead of lossless "

@@ -189,7 +189,7 @@ def test_policy_resolution_and_bad_arguments(tiny):
     assert isinstance(resolve_policy("heuristic", ngram), HeuristicPolicy)
     assert isinstance(resolve_policy("cost-model", layerskip), CostModelPolicy)
     assert isinstance(default_policy(layerskip), CostModelPolicy)
-    assert isinstance(default_policy(ngram), FixedPolicy)
+    assert isinstance(default_policy(ngram), CostModelPolicy) and isinstance(default_policy(None), FixedPolicy)
     with pytest.raises(ValueError, match="policy"):
         SpeculativeDecoder(model, ngram, policy="fastest")
     with pytest.raises(TypeError, match="policy"):

@@ -13,8 +13,8 @@ told what happened after it (``update``, with the engine's ``StepRecord``):
   instead of one i.i.d. acceptance rate, and measured rather than assumed costs).
 * ``FixedPolicy``: a constant K (for comparison and statistics).
 
-``default_policy(drafter)`` is the per-drafter default used when ``generate`` is given no
-``num_draft_tokens`` (see its docstring for the measurements behind it).
+``default_policy(drafter)`` is the per-drafter default chosen from measurements (see its
+docstring), used by the CLI and by ``SpeculativeDecoder(policy="auto")``.
 
 Model of a step (one sequence): with K requested draft tokens the expected emitted tokens
 are ``E(K) = 1 + sum_{j<=K} r_j`` where ``r_j`` is the probability that the accepted path
@@ -403,31 +403,29 @@ class CostModelPolicy(DraftLengthPolicy):
 
 
 def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
-    """The draft-length policy ``generate`` uses when it is given no ``num_draft_tokens``.
+    """The draft-length policy chosen from measurements for a drafter (the CLI's default,
+    and ``SpeculativeDecoder(policy="auto")``).
 
     Args:
         drafter: the engine's drafter (its ``name`` selects the default).
         k_max: the largest K (default ``DEFAULT_K`` of the drafter's name, else 4).
 
     Returns:
-        A fresh policy: ``CostModelPolicy(0, k_max)`` for drafters whose steps cost
-        model passes (layer-skip, draft model, Medusa, multi-draft with a model drafter),
-        where choosing K from measured costs pays most; ``FixedPolicy(k_max)`` for the free
-        n-gram lookup and plain decoding.
+        A fresh policy: ``FixedPolicy(0)`` for plain decoding, ``CostModelPolicy(0, k_max)``
+        for every drafter.
 
     Measured with ``python -m bench.policies`` (6 Spec-Bench prompts, ids 125 165 245 325
-    405 485, 64 new tokens, greedy, CPU, 1 thread, a machine shared with other jobs):
-    layer-skip (24 of 30 layers) 4.09 tokens/s at K = 4, 6.03 at K = 2, 6.36 heuristic,
-    7.85 cost model (mean K 0.40; plain 7.79); n-gram + layer-skip multi-draft 4.53 at
-    K = 4, 6.63 cost model; n-gram 7.57 at K = 8, 7.63 heuristic, 6.44 cost model (on this
-    CPU a verify pass of 2..8 nodes costs about the same, one node less: a line fitted to
-    the costs misjudges it), so the n-gram default stays a fixed K.
+    405 485, 64 new tokens, greedy, CPU, 1 thread, on a machine shared with other jobs, so
+    only figures of one run compare).  Run 1: plain 7.79 tokens/s; layer-skip (24 of 30
+    layers) 4.09 at K = 4, 6.03 at K = 2, 6.36 heuristic, 7.85 cost model (mean K 0.40);
+    n-gram + layer-skip multi-draft 4.53 at K = 4, 6.63 cost model; n-gram 7.57 at K = 8,
+    7.63 heuristic.  Run 2 (after the cost model learnt per-K verify costs: on this CPU a
+    verify pass of 2..8 nodes costs about the same, one node less): plain 18.23, n-gram
+    18.07 at K = 8 and 19.73 cost model (mean K 1.66).
     """
-    name = getattr(drafter, "name", "none")
+    name = getattr(drafter, "name", "none") if drafter is not None else "none"
     k = DEFAULT_K.get(name, 4) if k_max is None else k_max
-    if name in ("none", "ngram"):
-        return FixedPolicy(k)
-    if name == "multi" and all(getattr(d, "name", "") == "ngram" for d in getattr(drafter, "drafters", [])):
+    if name == "none" or k == 0:
         return FixedPolicy(k)
     return CostModelPolicy(0, k)
 
