@@ -37,7 +37,7 @@ def test_parse_args():
     args = generate.parse_args(["--prompt", "hi", "--drafter", "layerskip", "--tree", "--tree-widths", "3,1", "--top-k", "5"])
     assert args.drafter == "layerskip" and args.tree and args.widths == (3, 1) and args.top_k == 5
     assert args.temperature == 0.0 and args.max_new_tokens == 128
-    for bad in (["--drafter", "ngram"], ["--prompt", "x", "--drafter", "medusa"], ["--prompt", "x", "--max-new-tokens", "0"],
+    for bad in (["--drafter", "ngram"], ["--prompt", "x", "--drafter", "no-such-drafter"], ["--prompt", "x", "--max-new-tokens", "0"],
                 ["--prompt", "x", "--tree-widths", "a,b"], ["--prompt", "x", "--question-id", "90"]):
         with pytest.raises(SystemExit):
             generate.parse_args(bad)
