@@ -14,15 +14,35 @@ Quick start::
     print(tok.decode(result.tokens[0]))
     print(result.stats.summary())
 """
+from specdec_kernels.decoding.adaptive import (
+    CostModelPolicy,
+    DraftLengthPolicy,
+    FixedPolicy,
+    HeuristicPolicy,
+    default_policy,
+)
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.engine import DecodeState, GenerationResult, SpeculativeDecoder
 from specdec_kernels.decoding.loading import have_smollm2, load_hf_smollm2, load_smollm2
+from specdec_kernels.decoding.medusa import MedusaDrafter, MedusaHeads, load_medusa_heads
 from specdec_kernels.decoding.model import ModelArgs, Transformer
 from specdec_kernels.decoding.model_drafter import DraftModelDrafter, LayerSkipDrafter, ModelDrafter
+from specdec_kernels.decoding.multi import MultiDrafter
 from specdec_kernels.decoding.ngram import NgramDrafter, ngram_continuations
 from specdec_kernels.decoding.stats import DecodeStats
+from specdec_kernels.decoding.typical import typical_acceptance
 
 __all__ = [
+    "CostModelPolicy",
+    "DraftLengthPolicy",
+    "FixedPolicy",
+    "HeuristicPolicy",
+    "MedusaDrafter",
+    "MedusaHeads",
+    "MultiDrafter",
+    "default_policy",
+    "load_medusa_heads",
+    "typical_acceptance",
     "DecodeState",
     "DecodeStats",
     "Draft",
