@@ -332,3 +332,13 @@ def test_sampling_depends_only_on_each_sequence_seed(tiny):
     assert again == batch
     other = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[1, 2, 3]).tokens
     assert other != batch
+
+
+def test_one_token_prompt(tiny):
+    """A prompt of one token has nothing to prefill: its first step feeds it as the root."""
+    hf, model = tiny
+    result = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,))).generate([[64], PROMPTS[0]], 6, num_draft_tokens=3)
+    assert result.tokens[0] == hf_greedy(hf, [64], 6)
+    assert result.stats.prefill_passes == 1  # the longer prompt still prefills
+    alone = SpeculativeDecoder(model, NgramDrafter()).generate([[64]], 6)
+    assert alone.tokens[0] == result.tokens[0] and alone.stats.prefill_passes == 0
