@@ -41,7 +41,8 @@ def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_a
         raise ValueError("kv_cache must hold at least one layer")
     first = views[0]
     B, Hkv, S, D = first.shape
-    for i, t in enumerate(views[1:], start=1):
+    # the slices of one [L, 2, B, Hkv, S, D] buffer agree by construction; lists are checked
+    for i, t in enumerate([] if isinstance(kv_cache, torch.Tensor) else views[1:], start=1):
         check_tensor(f"kv_cache[{i}]", t, dtypes=(first.dtype,), device=first.device)
         check_shape(f"kv_cache[{i}]", t, (B, Hkv, S, D), "every layer's keys and values alike")
     device = first.device
