@@ -20,12 +20,23 @@ category and overall (means over prompts).  Writes an aligned table to stdout an
 reproduce our greedy tokens (transformers' speculative methods are reported, not failed:
 their verification may break exact fp ties differently).
 
-    python -m bench.e2e [--prompts FILE] [--per-category N] [--max-new-tokens N]
-                        [--methods a,b,...] [--device cpu|cuda] [--dtype fp32|bf16|fp16]
-                        [--out DIR] [--demo]
+    python -m bench.e2e [--prompts FILE] [--per-category N] [--categories a,b] [--max-new-tokens N]
+                        [--methods a,b,...] [--num-draft-tokens K] [--device cpu|cuda]
+                        [--dtype fp32|bf16|fp16] [--threads N] [--out DIR] [--demo]
 
-Methods are a registry (``METHODS``): add one with ``register(ours(...))`` or
-``register(transformers_method(...))``, see those functions.
+On a CPU shared with other work, ``--threads 1`` avoids OpenMP threads waiting on each
+other (on the 2-core development machine, busy with other jobs, 2 threads ran plain
+decoding 2.6x slower than 1 in a trial: 9.3 against 24.0 tokens/s).
+
+Methods are a registry (``METHODS``, name -> ``Method``); add one with, e.g.::
+
+    register(ours("medusa", lambda ctx: MedusaDrafter(ctx.model, heads), "Medusa heads, K<=4",
+                  adaptive=True, k_max=4))
+    register(transformers_method("hf-assisted", lambda ctx: {"assistant_model": small}, "..."))
+
+``ours`` wraps any ``Drafter`` of the engine (fixed K, a schedule, or the engine's adaptive
+policy); ``transformers_method`` any ``generate`` arguments; a ``Method`` with its own
+``run(ctx, prompt_ids, max_new_tokens) -> Run`` covers anything else.
 """
 from __future__ import annotations
 
@@ -54,10 +65,12 @@ LAYERSKIP_TREE = (2, 2)
 DRAFT_MODEL_LAYERS = 20
 HF_PROMPT_LOOKUP = 10  # prompt_lookup_num_tokens
 HF_EARLY_EXIT = LAYERSKIP_LAYERS  # assistant_early_exit (same layers as our layer-skip drafter)
-HF_EARLY_EXIT_TOKENS = 4  # num_assistant_tokens: our layer-skip k_max (transformers' default 20 is 4x slower here)
+HF_EARLY_EXIT_TOKENS = 4  # num_assistant_tokens: our layer-skip k_max (with the default, 20, a trial here ran at 0.22x hf-greedy)
 
-DEMO = dict(categories=["writing", "summarization", "coding"], per_category=1, max_new_tokens=64,
-            methods=["greedy", "ngram-chain", "ngram-tree", "hf-greedy", "hf-prompt-lookup"])
+# --demo: one prompt each of a task with little overlap between prompt and answer (writing),
+# code, and one with much (extraction); the full default run is the figure to quote
+DEMO = dict(categories=["writing", "coding", "extraction"], per_category=1, max_new_tokens=64,
+            methods=["greedy", "ngram-chain", "ngram-tree", "hf-greedy", "hf-prompt-lookup"], threads=1)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -428,7 +441,7 @@ def run(args) -> int:
     except ImportError:  # pragma: no cover
         tqdm = None
     jobs = [(i, m) for i in range(len(prompts)) for m in needed]
-    bar = tqdm(total=len(jobs), desc="bench.e2e", file=sys.stderr, disable=None) if tqdm else None
+    bar = tqdm(total=len(jobs), desc="bench.e2e", file=sys.stderr, mininterval=1.0) if tqdm else None
     rows: List[Dict] = []
     greedy_tokens: Dict[int, List[int]] = {}
     for i, q in enumerate(questions):  # methods interleaved per prompt: load drift hits all alike
@@ -572,11 +585,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda when present, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), help="weights and KV cache (default fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--num-draft-tokens", type=int, help="override the draft depth K of every drafter of ours")
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --demo)")
     p.add_argument("--out", help="output folder (default bench_out/)")
     p.add_argument("--demo", action="store_true",
                    help=f"a short run: first prompt of {', '.join(DEMO['categories'])}, {DEMO['max_new_tokens']} new "
-                        f"tokens, methods {', '.join(DEMO['methods'])} (explicit options override)")
+                        f"tokens, methods {', '.join(DEMO['methods'])}, {DEMO['threads']} thread (explicit options "
+                        f"override)")
     args = p.parse_args(argv)
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--"))
     if args.demo:
@@ -588,6 +602,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             args.max_new_tokens = DEMO["max_new_tokens"]
         if "--methods" not in given:
             args.methods = ",".join(DEMO["methods"])
+        if "--threads" not in given:
+            args.threads = DEMO["threads"]
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
     if args.per_category < 1:

@@ -72,7 +72,9 @@ def test_demo_options_and_overrides():
     args = e2e.parse_args(["--demo"])
     assert args.max_new_tokens == e2e.DEMO["max_new_tokens"] and args.categories == e2e.DEMO["categories"]
     assert args.methods.split(",") == e2e.DEMO["methods"]
+    assert args.threads == 1
     assert e2e.parse_args(["--demo", "--max-new-tokens", "8"]).max_new_tokens == 8
+    assert e2e.parse_args(["--demo", "--threads", "2"]).threads == 2
 
 
 @needs_model
