@@ -1,0 +1,561 @@
+"""Train Medusa heads by self-distillation on CPU (Cai et al. 2024, Medusa, self-distillation).
+
+    python -m specdec_kernels.decoding.train_medusa [--heads 4] [--steps N] [--out PATH] [--seed S]
+
+1. Data.  Spec-Bench prompts (``specdec_kernels/data/spec_bench/question.jsonl``) through
+   the chat template.  The first 4 questions of every category (in file order) are never
+   trained on: ``bench.e2e`` evaluates the first 2 of each category (question_ids 81, 82 for
+   writing, ...), and the 3rd and 4th of each category are the *tuning* set on which the
+   tree is chosen.  Training uses up to ``--per-category`` (76, i.e. all) of the remaining
+   questions of each category (first turns, file order; ``--long-per-category`` (12) for
+   summarization and rag, whose prompts of ~800 tokens cost the most to prefill): 300
+   prompts with the defaults.  The target continues every prompt with ``--new-tokens``
+   (128) tokens of its own greedy text (batched plain decoding with the engine, batches of
+   similar prompt lengths).  A recording drafter keeps the target's final hidden state of
+   every position: the prompt's (a forward hook on the last decoder layer during the
+   engine's prefill) and each step's root (handed over by the engine's ``observe_hidden``
+   hook, exactly as ``MedusaDrafter`` gets them).  Token ids and hidden states (fp16) are
+   cached under ``--cache-dir`` (finished batches too, so an interrupted run resumes).
+2. Labels are the target's own predictions: head i at position t learns the token at
+   t + i + 2 of the greedy text (the target's argmax given the text before it), and inside
+   the prompt the target's argmax at t + i + 1 (``--no-prompt-positions`` trains on the
+   generated part only).  Only the heads train (the target and its output head are frozen),
+   on the cached hidden states.  Loss: cross-entropy through the frozen output head, as a
+   sampled softmax (the ``--frequent`` most frequent labels, the batch's labels and
+   ``--negatives`` uniformly drawn tokens with the usual correction: the full 49152-way
+   softmax costs about 5 s a step on this CPU), bfloat16 logits, AdamW, cosine decay,
+   minibatches of ``--batch`` positions drawn with ``--seed``.
+3. Tree.  On the tuning set's cached hidden states, every position gives the rank of the
+   true token in each head's ranking; a node (r_1..r_d) is accepted exactly when the true
+   ranks start with r_1..r_d.  The ``--tree-nodes`` most frequent rank prefixes (a
+   prefix-closed set, since a prefix is at least as frequent) form the tree that maximises the
+   expected accepted length on that set; it is stored with the weights as ``tree_choices``.
+4. ``--evaluate`` decodes the held-out bench prompts (the first 2 of each category) with the
+   engine at temperature 0, chain and tree, and prints the mean accepted length.
+
+The shipped ``specdec_kernels/data/medusa/smollm2-135m-instruct.pt`` was made with
+
+    python -m specdec_kernels.decoding.train_medusa --seed 0   (all other options default)
+
+(the file's ``config["training"]`` records every option).  Hidden states come from float32
+CPU matmuls; another BLAS or thread count may change their last bits, and with them the
+trained weights slightly, but not the recipe.
+
+``--random-model`` trains on a tiny random-weight Llama with random prompts instead (a smoke
+test of the whole pipeline, in seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.engine import SpeculativeDecoder
+from specdec_kernels.decoding.medusa import BASE_MODEL, SHIPPED, MedusaDrafter, MedusaHeads, model_fingerprint
+from specdec_kernels.decoding.model import Transformer
+
+HELD_OUT_PER_CATEGORY = 4  # never trained on: 2 evaluated by bench.e2e, 2 for tuning the tree
+BENCH_PER_CATEGORY = 2
+
+
+# ---------------------------------------------------------------------- prompts
+def split_questions(questions: Sequence[dict], per_category: int, long_per_category: Optional[int] = None, long_categories: Sequence[str] = ()) -> Tuple[List[dict], List[dict], List[dict]]:
+    """(train, tune, bench) Spec-Bench questions, each list in file order.
+
+    bench: the first 2 questions of each category (those ``bench.e2e`` evaluates); tune: the
+    3rd and 4th; train: up to ``per_category`` of the rest of each category
+    (``long_per_category`` for the ``long_categories``, whose long prompts cost the most).
+    """
+    seen: Dict[str, int] = defaultdict(int)
+    train, tune, bench = [], [], []
+    for q in questions:
+        c = q["category"]
+        i = seen[c]
+        seen[c] += 1
+        cap = long_per_category if long_per_category is not None and c in long_categories else per_category
+        if i < BENCH_PER_CATEGORY:
+            bench.append(q)
+        elif i < HELD_OUT_PER_CATEGORY:
+            tune.append(q)
+        elif i < HELD_OUT_PER_CATEGORY + cap:
+            train.append(q)
+    return train, tune, bench
+
+
+def chat_ids(tokenizer, text: str) -> List[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+
+
+# ---------------------------------------------------------------------- data
+class HiddenRecorder(Drafter):
+    """Plain decoding (no drafts) that keeps the target's final hidden states.
+
+    ``hidden[b]`` collects the final hidden state of consecutive positions from 0: those of
+    the prompt tokens the prefill feeds (all but the last), read by a forward hook on the
+    target's last decoder layer while the engine prefills (the final norm applied here, as
+    ``Transformer.forward`` does), then the root of every step, handed over by the engine
+    through ``observe_hidden`` (the last accepted node: the root, in plain decoding).  Call
+    ``prepare(model, prompts)`` before each ``generate``.
+    """
+
+    name = "record-hidden"
+    wants_hidden = True
+
+    def prepare(self, model: Transformer, prompts: Sequence[Sequence[int]]) -> None:
+        self.model = model
+        self.fed = [len(p) - 1 for p in prompts]
+        self.hidden: List[List[torch.Tensor]] = [[] for _ in prompts]
+        self._prefilling = True
+        self._hook = model.layers[-1].register_forward_hook(self._prefill_hook)
+
+    def _prefill_hook(self, module, args, output) -> None:
+        # Block.forward(x, cos, sin, layer_cache, write, cache_seqlens, ...): a prefill chunk
+        # starts at cache_seqlens (the same for every sequence) and holds output.shape[1] rows
+        if not self._prefilling:
+            return
+        start = int(args[5][0])
+        rows = self.model.norm(output).detach().to(torch.float16).cpu()
+        for b, f in enumerate(self.fed):
+            n = min(rows.shape[1], f - start)
+            if n > 0:
+                self.hidden[b].extend(rows[b, :n])
+
+    def start(self, histories, capacity, sampling, generators) -> None:
+        super().start(histories, capacity, sampling, generators)
+        self._prefilling = False  # the engine prefills before it starts the drafter
+        self._hook.remove()
+        self._skip_prefill_hidden = True
+
+    def propose(self, histories, num_draft_tokens, active) -> Draft:
+        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+
+    def observe_hidden(self, hidden, active) -> None:
+        if self._skip_prefill_hidden:  # the prefill's last fed token: recorded by the hook
+            self._skip_prefill_hidden = False
+            return
+        for b, a in enumerate(active):
+            if a:
+                self.hidden[b].append(hidden[b].detach().to(torch.float16).cpu())
+
+
+@dataclass
+class SelfDistilled:
+    """Greedy continuations and the target's hidden states.
+
+    tokens[s]: prompt + generated ids; prompt_lengths[s]; first[s]: the position of
+    hidden[s][0]; hidden[s]: (T_s, hidden_size) fp16, consecutive positions.
+    """
+
+    tokens: List[List[int]]
+    prompt_lengths: List[int]
+    first: List[int]
+    hidden: List[torch.Tensor]
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "prompt_lengths": self.prompt_lengths, "first": self.first, "hidden": self.hidden}
+
+
+def length_batches(lengths: Sequence[int], max_batch: int, max_tokens: int) -> List[List[int]]:
+    """Indices grouped into batches of similar lengths (shortest first): at most ``max_batch``
+    prompts and, beyond the first prompt, at most ``max_tokens`` padded prompt tokens each
+    (the prefill pads every prompt to the batch's longest)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: List[List[int]] = []
+    for i in order:
+        b = batches[-1] if batches else None
+        if b is None or len(b) >= max_batch or (len(b) + 1) * lengths[i] > max_tokens:
+            batches.append([i])
+        else:
+            b.append(i)
+    return batches
+
+
+def generate_data(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int, stop_ids: Sequence[int], desc: str = "generate", partial: Optional[Path] = None, max_tokens: int = 4096) -> SelfDistilled:
+    """Greedy continuations of every prompt and the hidden states, in batches of similar
+    lengths (``length_batches(lengths, batch, max_tokens)``).
+
+    ``partial``: a file where finished batches are kept, so that an interrupted run resumes
+    where it stopped (same batches, so the same numbers)."""
+    from tqdm import tqdm
+
+    recorder = HiddenRecorder()
+    decoder = SpeculativeDecoder(model, recorder, stop_token_ids=stop_ids)
+    out: Dict[int, tuple] = {}
+    if partial is not None and partial.exists():
+        out = {int(i): tuple(v) for i, v in torch.load(partial, map_location="cpu", weights_only=True).items()}
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
+        for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
+            if all(i in out for i in idx):
+                continue
+            recorder.prepare(model, [prompts[i] for i in idx])
+            result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
+            for j, i in enumerate(idx):
+                h = torch.stack(recorder.hidden[j]) if recorder.hidden[j] else torch.zeros(0, model.args.hidden_size, dtype=torch.float16)
+                out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
+            bar.update(len(idx))
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({i: list(v) for i, v in out.items()}, partial.with_suffix(".tmp"))
+                os.replace(partial.with_suffix(".tmp"), partial)
+    return SelfDistilled(
+        tokens=[out[i][0] for i in range(len(prompts))],
+        prompt_lengths=[len(p) for p in prompts],
+        first=[out[i][1] for i in range(len(prompts))],
+        hidden=[out[i][2] for i in range(len(prompts))],
+    )
+
+
+def cached_data(path: Optional[Path], make) -> SelfDistilled:
+    if path is not None and path.exists():
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        print(f"(self-distilled data from the cache {path})", file=sys.stderr)
+        return SelfDistilled(d["tokens"], d["prompt_lengths"], d["first"], d["hidden"])
+    data = make(None if path is None else path.with_suffix(".partial"))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(data.to_dict(), tmp)
+        os.replace(tmp, path)
+        path.with_suffix(".partial").unlink(missing_ok=True)
+    return data
+
+
+def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_weight: Optional[torch.Tensor] = None, chunk: int = 2048):
+    """Training pairs: X (M, hidden) fp16 hidden states at positions t and labels (M, k)
+    int64: labels[:, i] is the target's prediction of the token at t + i + 2 (-100 where
+    the text ends first).
+
+    Past the prompt the text is the target's greedy output, so the label is the token there.
+    Inside the prompt (``prompt`` True) the label is the target's own argmax at t + i + 1
+    (from the cached hidden state there, through ``output_weight``), not the prompt's text:
+    self-distillation throughout.  ``prompt`` False keeps only the positions the drafter
+    sees while decoding, from the prompt's second-to-last token on.
+    """
+    xs, ys = [], []
+    W_out = None if output_weight is None else output_weight.detach().float()
+    for s, toks in enumerate(data.tokens):
+        h = data.hidden[s]
+        first, P = data.first[s], data.prompt_lengths[s]
+        if not prompt:
+            skip = max(0, P - 2 - first)
+            h, first = h[skip:], first + skip
+        T = h.shape[0]
+        if T == 0:
+            continue
+        seq = torch.tensor(toks, dtype=torch.int64)
+        # rows 1..n-1 (positions first+1..P-2) predict prompt tokens that serve as labels
+        # (positions >= first + 2): replace those tokens by the target's argmax
+        n_prompt = max(0, min(T, P - 1 - first))
+        if n_prompt > 1:
+            if W_out is None:
+                raise ValueError("examples over prompt positions need output_weight (the target's head)")
+            pred = torch.cat([(h[j : min(j + chunk, n_prompt)].float() @ W_out.T).argmax(-1) for j in range(1, n_prompt, chunk)])
+            seq[first + 2 : first + 1 + n_prompt] = pred
+        pos = first + torch.arange(T)
+        lab = torch.full((T, num_heads), -100, dtype=torch.int64)
+        for i in range(num_heads):
+            target = pos + i + 2
+            ok = target < len(toks)
+            lab[ok, i] = seq[target[ok]]
+        keep = lab[:, 0] >= 0
+        xs.append(h[keep])
+        ys.append(lab[keep])
+    return torch.cat(xs), torch.cat(ys)
+
+
+# ---------------------------------------------------------------------- training
+def train_heads(
+    heads: MedusaHeads,
+    output_weight: torch.Tensor,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    weight_decay: float = 0.0,
+    frequent: int = 4096,
+    negatives: int = 2048,
+    desc: str = "train",
+) -> List[float]:
+    """Cross-entropy of every head against its labels through the frozen output head, with a
+    sampled softmax (the full 49152-token softmax costs too much on a CPU).
+
+    Each step's softmax runs over the ``frequent`` most frequent labels of the data, the
+    batch's other labels, and ``negatives`` tokens drawn uniformly from the rest of the
+    vocabulary whose logits get + log(rest / negatives) (the mass of the tokens not drawn,
+    as in sampled softmax, Jean et al. 2015); with a vocabulary that small, the full softmax.
+    The logits are computed in bfloat16.  AdamW with linear warm-up (5 % of the steps) and
+    cosine decay; minibatches and negatives drawn from ``seed``.
+
+    Args:
+        X: (M, hidden) hidden states; Y: (M, k) labels (-100 ignored).
+
+    Returns:
+        The loss of every step.
+    """
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(seed)
+    W_out = output_weight.detach().float()
+    V = W_out.shape[0]
+    counts = torch.bincount(Y[Y >= 0], minlength=V)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    common = order[: min(frequent, int((counts > 0).sum()))].sort().values
+    in_common = torch.zeros(V, dtype=torch.bool)
+    in_common[common] = True
+    rest = (~in_common).nonzero()[:, 0]
+    sampled = rest.numel() > negatives
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    W_bf = W_out.to(torch.bfloat16)
+    losses = []
+    heads.train()
+    with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
+        for step in bar:
+            idx = torch.randint(0, X.shape[0], (batch,), generator=g)
+            y = Y[idx]
+            if sampled:
+                labels = torch.unique(y[y >= 0])
+                extra = labels[~in_common[labels]]
+                draw = rest[torch.randperm(rest.numel(), generator=g)[:negatives]]
+                draw = draw[~torch.isin(draw, extra)]
+                cands = torch.cat([common, extra, draw])
+                bias = torch.zeros(cands.numel())
+                bias[common.numel() + extra.numel() :] = math.log((rest.numel() - extra.numel()) / max(1, draw.numel()))
+            else:
+                cands, bias = torch.arange(V), torch.zeros(V)
+            remap = torch.full((V,), -100, dtype=torch.int64)
+            remap[cands] = torch.arange(cands.numel())
+            target = torch.where(y >= 0, remap[y.clamp(min=0)], -100)
+            states = heads(X[idx].float())  # (batch, k, hidden)
+            logits = (states.to(torch.bfloat16) @ W_bf[cands].T).float() + bias
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    heads.eval()
+    return losses
+
+
+@torch.no_grad()
+def true_ranks(heads: MedusaHeads, output_weight: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """(M, k) int64: the rank of each label in its head's ranking (0 = argmax), -1 where
+    the label is missing."""
+    W_out = output_weight.detach().float()
+    out = []
+    for s in range(0, X.shape[0], chunk):
+        logits = heads(X[s : s + chunk].float()) @ W_out.T  # (m, k, V)
+        y = Y[s : s + chunk]
+        lab = logits.gather(-1, y.clamp(min=0)[..., None])
+        r = (logits > lab).sum(-1)
+        out.append(torch.where(y >= 0, r, -1))
+    return torch.cat(out)
+
+
+def best_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int = 10) -> Tuple[List[Tuple[int, ...]], float]:
+    """The token tree of at most ``max_nodes`` nodes (root included) that maximises the
+    expected accepted length on these positions, and that expectation (bonus included).
+
+    ranks: (M, k) from ``true_ranks``.  Node (r_1..r_d) is accepted at a position when the
+    true ranks there start with r_1..r_d; the expected accepted length of a tree is 1 plus
+    the sum of its nodes' frequencies, and the most frequent prefixes form a subtree.
+    """
+    counts: Counter = Counter()
+    M, k = ranks.shape
+    for row in ranks.tolist():
+        prefix: Tuple[int, ...] = ()
+        for r in row:
+            if r < 0 or r >= max_rank:
+                break
+            prefix = prefix + (r,)
+            counts[prefix] += 1
+    # frequency first, then shorter, then lexicographic: a prefix always precedes its extensions
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))
+    chosen = [p for p, _ in ranked[: max(0, max_nodes - 1)]]
+    expected = 1.0 + sum(counts[p] for p in chosen) / max(M, 1)
+    return sorted(chosen, key=lambda p: (len(p), p)), expected
+
+
+# ---------------------------------------------------------------------- evaluation
+def evaluate(model, heads, prompts, new_tokens: int, stop_ids, tree_choices=None, batch: int = 8) -> Dict[str, dict]:
+    """Mean accepted length of Medusa chain and tree decoding at temperature 0 on the prompts,
+    and whether the outputs equal plain greedy decoding."""
+    results = {}
+    plain = SpeculativeDecoder(model, None, stop_token_ids=stop_ids)
+    ref = []
+    for s in range(0, len(prompts), batch):
+        ref += plain.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=0).tokens
+    for name, tree in (("medusa", False), ("medusa-tree", True)):
+        drafter = MedusaDrafter(model, heads, tree=tree, choices=tree_choices if tree else None)
+        decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stop_ids)
+        tokens, steps, passes, t = [], 0, 0, time.perf_counter()
+        for s in range(0, len(prompts), batch):
+            r = decoder.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=heads.num_heads)
+            tokens += r.tokens
+            steps += r.stats.sequence_steps
+            passes += r.stats.target_passes
+        emitted = sum(len(x) for x in tokens)
+        results[name] = {
+            "mean_accepted_length": emitted / steps,
+            "tokens": emitted,
+            "target_passes": passes,
+            "seconds": time.perf_counter() - t,
+            "equals_plain_greedy": tokens == ref,
+        }
+    return results
+
+
+# ---------------------------------------------------------------------- CLI
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.train_medusa", description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
+    p.add_argument("--steps", type=int, default=600, help="optimiser steps")
+    p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
+    p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
+    p.add_argument("--prompt-positions", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train on prompt positions (labels: the target's argmax there)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
+    p.add_argument("--long-per-category", type=int, default=12, help="training questions at most in the long-prompt categories")
+    p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per training prompt")
+    p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
+    p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
+    p.add_argument("--tree-nodes", type=int, default=24, help="nodes of the tuned tree, root included")
+    p.add_argument("--out", default=str(SHIPPED), help="where the heads go")
+    p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length")
+    p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
+    p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
+    args = p.parse_args(argv)
+    for name in ("heads", "steps", "batch", "per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "tree_nodes"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def tiny_random_model(seed: int = 0):
+    """A 2-layer random Llama (vocab 111, hidden 64, head dim 16) as our Transformer, for smoke tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=111, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5)
+    return Transformer.from_hf_model(LlamaForCausalLM(cfg).eval())
+
+
+def load_target(args):
+    """(model, train prompts, tune prompts, bench prompts, stop ids, base-model name)."""
+    if args.random_model:
+        model = tiny_random_model(args.seed)
+        g = torch.Generator().manual_seed(args.seed)
+        rand = lambda n: [torch.randint(0, 111, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]  # noqa: E731
+        return model, rand(6), rand(3), rand(2), [], "tiny-random-llama"
+    from specdec_kernels.decoding.loading import load_smollm2
+    from specdec_kernels.decoding.prompts import spec_bench_questions
+
+    model, tok = load_smollm2()
+    longs = [c.strip() for c in args.long_categories.split(",") if c.strip()]
+    train, tune, bench = split_questions(spec_bench_questions(), args.per_category, args.long_per_category, longs)
+    ids = lambda qs: [chat_ids(tok, q["turns"][0]) for q in qs]  # noqa: E731
+    return model, ids(train), ids(tune), ids(bench), [tok.eos_token_id], BASE_MODEL
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, train_p, tune_p, bench_p, stops, base = load_target(args)
+    fingerprint = model_fingerprint(model)
+    print(f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)", file=sys.stderr)
+
+    cache = None
+    if not args.random_model:
+        cache = Path(args.cache_dir or os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec_kernels") / "medusa"
+
+    def cache_file(prompts, tag):
+        """The cache file of one prompt set: named by a hash of everything the data depends on."""
+        if cache is None:
+            return None
+        key = hashlib.sha256(json.dumps([fingerprint, args.new_tokens, args.gen_batch, args.gen_max_tokens, prompts]).encode()).hexdigest()[:16]
+        return cache / f"{tag}-{key}.pt"
+
+    with torch.inference_mode():
+        tune_d = cached_data(cache_file(tune_p, "tune"), lambda part: generate_data(model, tune_p, args.new_tokens, args.gen_batch, stops, "generate (tune)", part, args.gen_max_tokens))
+        train_d = cached_data(cache_file(train_p, "train"), lambda part: generate_data(model, train_p, args.new_tokens, args.gen_batch, stops, "generate (train)", part, args.gen_max_tokens))
+    t_data = time.perf_counter() - t0
+
+    X, Y = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
+    Xt, Yt = examples(tune_d, args.heads, prompt=False)
+    print(f"{X.shape[0]} training positions, {Xt.shape[0]} tuning positions", file=sys.stderr)
+    heads = MedusaHeads(model.args.hidden_size, args.heads)
+    t1 = time.perf_counter()
+    losses = train_heads(heads, model.output.weight, X, Y, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
+                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives)
+    t_train = time.perf_counter() - t1
+
+    ranks = true_ranks(heads, model.output.weight, Xt, Yt)
+    top1 = [(ranks[:, i] == 0).float()[ranks[:, i] >= 0].mean().item() for i in range(args.heads)]
+    choices, expected = best_tree(ranks, args.tree_nodes)
+    chain_expected = 1.0 + sum(
+        (ranks[:, : i + 1] == 0).all(dim=1).float().mean().item() for i in range(args.heads)
+    )
+    print(f"tuning set: top-1 accuracy by head {[round(a, 3) for a in top1]}; expected accepted length "
+          f"chain {chain_expected:.2f}, tree ({len(choices) + 1} nodes) {expected:.2f}", file=sys.stderr)
+
+    heads.config = {
+        "base_model": base,
+        "base_fingerprint": fingerprint,
+        "tree_choices": [list(c) for c in choices],
+        "training": {
+            "command": "python -m specdec_kernels.decoding.train_medusa " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")},
+            "train_positions": int(X.shape[0]),
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "tune_top1": top1,
+            "tune_expected_accepted_length": {"chain": chain_expected, "tree": expected},
+        },
+    }
+    heads.save(args.out)
+    print(f"saved {args.out} (data {t_data:.0f} s, training {t_train:.0f} s)", file=sys.stderr)
+
+    if args.evaluate:
+        heads = MedusaHeads.load(args.out)
+        with torch.inference_mode():
+            res = evaluate(model, heads, bench_p, args.eval_tokens, stops)
+        for name, r in res.items():
+            print(f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, "
+                  f"{r['target_passes']} target passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}")
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
