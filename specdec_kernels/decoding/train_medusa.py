@@ -430,7 +430,7 @@ def evaluate(model, heads, prompts, new_tokens: int, stop_ids, tree_choices=None
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.train_medusa", description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
-    p.add_argument("--steps", type=int, default=600, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
