@@ -30,7 +30,7 @@ decoding 2.6x slower than 1 in a trial: 9.3 against 24.0 tokens/s).
 
 Methods are a registry (``METHODS``, name -> ``Method``); add one with, e.g.::
 
-    register(ours("medusa", lambda ctx: MedusaDrafter(ctx.model, heads), "Medusa heads, K<=4",
+    register(ours("medusa-mine", lambda ctx: MedusaDrafter(ctx.model, "my_heads.pt"), "my Medusa heads, K<=4",
                   adaptive=True, k_max=4))
     register(transformers_method("hf-assisted", lambda ctx: {"assistant_model": small}, "..."))
 
@@ -244,6 +244,7 @@ def transformers_method(name: str, generate_kwargs: Union[Dict[str, Any], Callab
 def _register_builtin() -> None:
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
     from specdec_kernels.decoding.adaptive import DEFAULT_K
+    from specdec_kernels.decoding.medusa import SHIPPED, MedusaDrafter
     from specdec_kernels.decoding.multi import MultiDrafter
 
     ngram_k, model_k, multi_k = DEFAULT_K["ngram"], DEFAULT_K["layerskip"], DEFAULT_K["multi"]
@@ -259,6 +260,13 @@ def _register_builtin() -> None:
     register(ours("layerskip-tree", lambda ctx: LayerSkipDrafter(ctx.model, L, tree_widths=LAYERSKIP_TREE),
                   f"layer-skip tree {LAYERSKIP_TREE}, {L} layers, adaptive K<={model_k}", adaptive=True, k_max=model_k,
                   layers=L, tree_widths=list(LAYERSKIP_TREE)))
+    # the shipped Medusa heads (a fixed K: all heads come out of one head pass); the tree is
+    # the one tuned with the weights (held-out prompts)
+    medusa_k = DEFAULT_K["medusa"]
+    register(ours("medusa-chain", lambda ctx: MedusaDrafter(ctx.model), f"Medusa heads chain, K={medusa_k}",
+                  num_draft_tokens=medusa_k, heads=SHIPPED.name))
+    register(ours("medusa-tree", lambda ctx: MedusaDrafter(ctx.model, tree=True),
+                  f"Medusa heads, tuned static tree, K={medusa_k}", num_draft_tokens=medusa_k, heads=SHIPPED.name))
     register(ours("multi", lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
                   f"n-gram + layer-skip ({L} layers) merged tree, adaptive K<={multi_k}", adaptive=True, k_max=multi_k,
                   layers=L))
