@@ -254,6 +254,8 @@ def _register_builtin() -> None:
     register(ours("ngram-chain", lambda ctx: NgramDrafter(), f"prompt lookup chain, K={ngram_k}", num_draft_tokens=ngram_k))
     register(ours("ngram-tree", lambda ctx: NgramDrafter(tree=True), f"prompt lookup tree, K={ngram_k}",
                   num_draft_tokens=ngram_k))
+    register(ours("ngram-adaptive", lambda ctx: NgramDrafter(tree=True), f"prompt lookup tree, cost-model K<={ngram_k}",
+                  adaptive=True, k_max=ngram_k))
     # model drafters with the engine's default adaptive draft length (cost model, K <= k_max)
     register(ours("layerskip-chain", lambda ctx: LayerSkipDrafter(ctx.model, L),
                   f"layer-skip chain, {L} layers, adaptive K<={model_k}", adaptive=True, k_max=model_k, layers=L))
