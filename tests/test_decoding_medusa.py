@@ -21,8 +21,8 @@ from specdec_kernels.decoding.medusa import (
 )
 from specdec_kernels.decoding import train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
-from tests.test_decoding_tiny import exact_marginals
-from tests.utils import chi_square_pvalue
+from tests.test_decoding_tiny import exact_marginals, tiny_llama
+from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,23 +32,10 @@ P_THRESHOLD = 1e-3
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12], [3, 1]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    """Our Transformer: 3 layers, hidden 64, H=4, Hkv=2, D=16, vocab 111, peaked logits."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5,
-    )
-    return Transformer.from_hf_model(transformers.LlamaForCausalLM(cfg).eval())
+    """Our Transformer of ``tiny_llama()`` (3 layers, hidden 64, H=4, Hkv=2, D=16, vocab 111)."""
+    return Transformer.from_hf_model(tiny_llama())
 
 
 def random_heads(k=3, seed=0, scale=0.3):

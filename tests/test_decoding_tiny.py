@@ -20,7 +20,7 @@ from specdec_kernels.decoding import (
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.utils import chi_square_pvalue
+from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,25 +28,22 @@ V = 111
 P_THRESHOLD = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one intra-op thread avoids OpenMP synchronisation on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """(transformers model, our Transformer): 3 layers, hidden 64, H=4, Hkv=2, D=16, peaked logits."""
-    torch.manual_seed(0)
+def tiny_llama(seed: int = 0):
+    """A random-weight transformers Llama: 3 layers, hidden 64, H=4, Hkv=2, D=16, vocab 111,
+    large initial weights (peaked logits, so that drafts get accepted and rejected)."""
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5,
         rope_theta=10000.0,
     )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(transformers model, our Transformer) of ``tiny_llama()``, sharing its weights."""
+    hf = tiny_llama()
     return hf, Transformer.from_hf_model(hf)
 
 

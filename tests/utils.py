@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from scipy import stats
 
@@ -96,3 +97,14 @@ def on_device(fn, device, **fixed):
         return back(fn(*(move(a) for a in args), **fixed, **kwargs))
 
     return wrapped
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread in every test module that imports this fixture (autouse applies
+    where the name is imported): the decoding tests multiply small matrices, where OpenMP
+    synchronisation on a shared 2-core CPU costs more than it gains."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
