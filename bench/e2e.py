@@ -270,6 +270,8 @@ def _register_builtin() -> None:
     medusa_k = DEFAULT_K["medusa"]
     register(ours("medusa-chain", lambda ctx: MedusaDrafter(ctx.model), f"Medusa heads chain, K={medusa_k}",
                   num_draft_tokens=medusa_k, heads=SHIPPED.name))
+    register(ours("medusa-adaptive", lambda ctx: MedusaDrafter(ctx.model), f"Medusa heads chain, cost-model K<={medusa_k}",
+                  adaptive=True, k_max=medusa_k, heads=SHIPPED.name))
     register(ours("medusa-tree", lambda ctx: MedusaDrafter(ctx.model, tree=True),
                   f"Medusa heads, tuned static tree, K={medusa_k}", num_draft_tokens=medusa_k, heads=SHIPPED.name))
     register(ours("multi", lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
