@@ -293,6 +293,7 @@ BAD = {
     "head_dim_24": (lambda a: dict(q=torch.zeros(1, 2, 4, 24), k_cache=torch.zeros(1, 2, 8, 24), v_cache=torch.zeros(1, 2, 8, 24)), ValueError, "head dim"),
     "head_dim_272": (lambda a: dict(q=torch.zeros(1, 2, 4, 272), k_cache=torch.zeros(1, 2, 8, 272), v_cache=torch.zeros(1, 2, 8, 272)), ValueError, "head dim"),
     "heads_not_multiple": (lambda a: dict(q=torch.zeros(1, 2, 3, 16)), ValueError, "multiple"),
+    "capacity_below_n": (lambda a: dict(q=torch.zeros(1, 9, 4, 16), tree_mask=None), ValueError, "capacity"),
     "num_splits_zero": (lambda a: dict(num_splits=0), ValueError, "num_splits"),
     "num_splits_float": (lambda a: dict(num_splits=2.0), TypeError, "num_splits"),
 }
@@ -306,3 +307,26 @@ def test_bad_input_raises_through_the_public_op(device, backend, case):
     args.update({key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in override(args).items()})
     with pytest.raises(err, match=re.escape(name)):
         tree_attention(**args, backend=backend)
+
+
+@pytest.mark.parametrize("seqlens", [[100_000_000, 2], [-100_000_000, 7], [7, -1]], ids=["huge", "very_negative", "one_past"])
+@pytest.mark.parametrize("backend", [b for b in FAST if b == "triton"] or [pytest.param("triton", marks=pytest.mark.skip(reason="no triton"))])
+def test_unvalidated_bad_seqlens_never_read_outside_the_cache(device, backend, seqlens):
+    """validate=False (the default on CUDA, no host sync) with cache_seqlens outside
+    [0, S - N]: the kernel clamps them to that range, so it never loads a key or value outside
+    the cache.  The cache is a view into a NaN-filled buffer: any load past it shows up as a
+    NaN, and the result equals the reference on the clamped lengths."""
+    B, N, H, Hkv, S, D = 2, 2, 4, 2, 8, 16
+    q, k, v, _ = make_inputs(B, N, H, Hkv, S, D, [0] * B, torch.float32, device)
+    bufs = []
+    for t in (k, v):
+        buf = torch.full((B, Hkv, 3 * S, D), float("nan"), device=device)
+        buf[:, :, S : 2 * S] = t
+        bufs.append(buf[:, :, S : 2 * S])
+    k_view, v_view = bufs
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    mask = ancestor_mask([-1, 0]).to(device)
+    out = tree_attention(q, k_view, v_view, lens, mask, backend=backend, validate=False)
+    clamped = lens.clamp(0, S - N)
+    assert not out.isnan().any()
+    assert_close(out.float().cpu(), expected(q, k_view, v_view, clamped, mask), torch.float32)

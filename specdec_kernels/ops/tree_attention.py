@@ -186,7 +186,7 @@ def _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi
 @_jit
 def _tree_attention_fwd_kernel(
     Q, K, V, SEQLENS, MASK, OUT, OPART, LSE,
-    N, G, Hkv, num_splits, qk_scale,
+    N, S_CAP, G, Hkv, num_splits, qk_scale,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -218,7 +218,9 @@ def _tree_attention_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
-    seqlen = tl.load(SEQLENS + b).to(tl.int32)
+    # Clamped to [0, S - N] (S >= N is checked on the host): with validate=False an invalid
+    # cache_seqlens gives an unspecified result but never a key or value read outside the cache.
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), S_CAP - N).to(tl.int32)
     q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = K + b64 * stride_kb + kvh64 * stride_kh
@@ -393,7 +395,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
     grid = (B * Hkv, triton.cdiv(M, block_m), num_splits)
     wrap(_tree_attention_fwd_kernel)[grid](
         q, k_cache, v_cache, cache_seqlens, mask, out, opart, lse,
-        N, G, Hkv, num_splits, sm_scale * _LOG2E,
+        N, k_cache.shape[2], G, Hkv, num_splits, sm_scale * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), smb, smi, smj, *out.stride(),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
@@ -566,7 +568,7 @@ def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dty
     mask_ty = {MASK_CAUSAL: "*" + seqlen_dtype, MASK_BOOL: "*u8", MASK_PACKED: "*i32"}[mask_kind]
     sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}", "MASK": mask_ty,
            "OUT": f"*{dtype}", "OPART": "*fp32" if split else f"*{dtype}", "LSE": "*fp32" if split else f"*{dtype}",
-           "N": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "qk_scale": "fp32"}
+           "N": "i32", "S_CAP": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "qk_scale": "fp32"}
     for prefix in ("q", "k", "v"):
         for dim in ("b", "h" if prefix != "q" else "n", "s" if prefix != "q" else "h", "d"):
             sig[f"stride_{prefix}{dim}"] = "i32"

@@ -32,6 +32,8 @@ def check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mask, val
             check_shape("tree_mask", tree_mask, (N, N), "one ancestor mask for the batch")
         else:
             check_shape("tree_mask", tree_mask, (B, N, N), "one ancestor mask per sequence")
+    if N > S:
+        raise ValueError(f"k_cache's capacity S={S} is smaller than the N={N} new keys it must hold (q's dim 1)")
     if want_value_checks(validate, cache_seqlens) and B:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0 or hi + N > S:
