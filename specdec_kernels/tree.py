@@ -6,6 +6,7 @@ accepted; tensors come back as int64 (or bool for masks) on the input's device.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -16,14 +17,32 @@ from specdec_kernels._checks import check_parents
 Parents = Union[torch.Tensor, Sequence[int]]
 
 
+def _int_list(name: str, values) -> List[int]:
+    """``values`` (a sequence of ints, or an integer tensor) as a list of Python ints; floats and
+    other non-integers raise TypeError instead of being truncated."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
+        values = values.tolist()
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError as e:
+        raise TypeError(f"{name} must be a sequence of ints or an integer tensor: {e}") from None
+
+
 def _as_parents(parents: Parents, device=None) -> torch.Tensor:
     if not isinstance(parents, torch.Tensor):
-        try:
-            parents = torch.tensor(list(parents), dtype=torch.int64, device=device)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"parents must be a sequence of ints or an int tensor: {e}") from None
-    if parents.dim() == 0:
+        rows = list(parents)
+        if rows and all(isinstance(r, (list, tuple)) for r in rows):  # (batch, N) as nested lists
+            parents = torch.tensor([_int_list("parents", r) for r in rows], dtype=torch.int64, device=device)
+        else:
+            parents = torch.tensor(_int_list("parents", rows), dtype=torch.int64, device=device)
+    elif parents.is_floating_point() or parents.is_complex() or parents.dtype == torch.bool:
+        raise TypeError(f"parents must hold integers, got a {parents.dtype} tensor")
+    if parents.dim() not in (1, 2):
         raise ValueError(f"parents must have shape (N,) or (batch, N), got {tuple(parents.shape)}")
+    if parents.shape[-1] == 0:
+        raise ValueError("parents must hold at least the root (parents[0] = -1), got an empty list")
     batch = parents.shape[0] if parents.dim() == 2 else 1
     return check_parents("parents", parents, batch, parents.shape[-1], parents.device, True).reshape(parents.shape)
 
@@ -67,8 +86,17 @@ def ancestor_mask(parents: Parents) -> torch.Tensor:
 
 
 def path_to(parents: Parents, node: int) -> List[int]:
-    """Node indices from the root to ``node`` inclusive, for one (N,) parent list."""
-    p = _as_parents(parents).tolist()
+    """Node indices from the root to ``node`` inclusive, for one (N,) parent list.
+
+    Raises:
+        ValueError/TypeError: parents not one topologically ordered (N,) parent list, or node
+            outside 0..N-1.
+    """
+    t = _as_parents(parents)
+    if t.dim() != 1:
+        raise ValueError(f"path_to takes one (N,) parent list, got shape {tuple(t.shape)}")
+    p = t.tolist()
+    node = operator.index(node)
     if not 0 <= node < len(p):
         raise ValueError(f"node must lie in 0..{len(p) - 1}, got {node}")
     path = [node]
@@ -105,7 +133,7 @@ def medusa_choices_to_tree(choices: Sequence[Sequence[int]]) -> MedusaTree:
     """
     paths = []
     for c in choices:
-        path = tuple(int(x) for x in c)
+        path = tuple(_int_list("choices", c))
         if not path or min(path) < 0:
             raise ValueError(f"choices must be non-empty paths of non-negative ranks, got {list(c)}")
         paths.append(path)
@@ -161,12 +189,24 @@ def merge_trees(root_token: int, trees: Sequence[Tuple[Sequence[int], Sequence[i
         TokenTree; siblings never share a token.
 
     Raises:
-        ValueError: a draft with a malformed parent list or mismatched lengths.
+        ValueError: a draft with a malformed parent list or mismatched lengths, a negative
+            token, max_nodes < 1.
+        TypeError: non-integer tokens, parents or max_nodes.
     """
-    out = TokenTree([int(root_token)], [-1], [set(range(len(trees)))])
+    if max_nodes is not None:
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
+            raise TypeError(f"max_nodes must be an int or None, got {type(max_nodes).__name__}")
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1 (the root) or None, got {max_nodes}")
+    root_token = _int_list("root_token", [root_token])[0]
+    if root_token < 0:
+        raise ValueError(f"root_token must be a token id >= 0, got {root_token}")
+    out = TokenTree([root_token], [-1], [set(range(len(trees)))])
     child_of: Dict[Tuple[int, int], int] = {}
     for d, (tokens, parents) in enumerate(trees):
-        tokens, parents = list(tokens), list(parents)
+        tokens, parents = _int_list(f"trees[{d}] tokens", tokens), _int_list(f"trees[{d}] parents", parents)
+        if min(tokens[1:], default=0) < 0:
+            raise ValueError(f"trees[{d}]: draft tokens must be ids >= 0, got {min(tokens[1:])}")
         if len(tokens) != len(parents):
             raise ValueError(f"trees[{d}]: tokens and parents differ in length ({len(tokens)} vs {len(parents)})")
         if not tokens:
@@ -197,6 +237,15 @@ def merge_chains(root_token: int, chains: Sequence[Sequence[int]], max_nodes: Op
 
     Example: root 5 with chains [1, 2, 3] and [1, 4] gives tokens [5, 1, 2, 3, 4] and parents
     [-1, 0, 1, 2, 1].  See ``merge_trees`` for max_nodes and the sources of each node.
+
+    Args:
+        root_token: the last committed token (int >= 0).
+        chains: each a sequence (or 1-D integer tensor) of draft token ids following the root.
+        max_nodes: keep at most this many nodes, root included (None: all).
+
+    Raises:
+        ValueError: a negative token id, max_nodes < 1.
+        TypeError: non-integer tokens or max_nodes.
     """
-    trees = [([root_token] + list(c), list(range(-1, len(c)))) for c in chains]
+    trees = [([root_token] + _int_list("chains", c), list(range(-1, len(c)))) for c in chains]
     return merge_trees(root_token, trees, max_nodes)

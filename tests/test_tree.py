@@ -64,3 +64,36 @@ def test_merge_respects_max_nodes_and_drops_orphans():
 def test_bad_parent_lists(parents):
     with pytest.raises(ValueError, match="parents"):
         tree.ancestor_mask(parents)
+
+
+def test_merge_accepts_tensors_like_lists():
+    """Tensors hash by identity: parents given as a tensor once dropped every node."""
+    as_lists = tree.merge_trees(5, [([5, 1, 2, 9], [-1, 0, 1, 0])])
+    as_tensors = tree.merge_trees(5, [(torch.tensor([5, 1, 2, 9]), torch.tensor([-1, 0, 1, 0]))])
+    assert as_tensors.tokens == as_lists.tokens == [5, 1, 2, 9]
+    assert as_tensors.parents == as_lists.parents == [-1, 0, 1, 0]
+    assert tree.merge_chains(torch.tensor(5), [torch.tensor([1, 2]), [1, 4]]).tokens == [5, 1, 2, 4]
+
+
+BAD_HELPER_CALLS = {
+    "float_parents": (lambda: tree.ancestor_mask([-1, 0.7, 1.2]), TypeError, "parents"),
+    "float_parent_tensor": (lambda: tree.tree_depths(torch.tensor([-1.0, 0.0])), TypeError, "parents"),
+    "empty_parents": (lambda: tree.ancestor_mask([]), ValueError, "root"),
+    "empty_depths": (lambda: tree.tree_depths([]), ValueError, "root"),
+    "three_dim_parents": (lambda: tree.ancestor_mask(torch.full((1, 1, 1), -1)), ValueError, "shape"),
+    "float_choices": (lambda: tree.medusa_choices_to_tree([[0.5], [1.9]]), TypeError, "choices"),
+    "path_to_batched": (lambda: tree.path_to([[-1, 0], [-1, 0]], 1), ValueError, "one"),
+    "max_nodes_zero": (lambda: tree.merge_chains(5, [[1]], max_nodes=0), ValueError, "max_nodes"),
+    "max_nodes_negative": (lambda: tree.merge_chains(5, [[1]], max_nodes=-3), ValueError, "max_nodes"),
+    "max_nodes_float": (lambda: tree.merge_chains(5, [[1]], max_nodes=2.5), TypeError, "max_nodes"),
+    "negative_token": (lambda: tree.merge_chains(5, [[1, -1]]), ValueError, "tokens"),
+    "negative_root": (lambda: tree.merge_chains(-1, [[1]]), ValueError, "root_token"),
+    "float_tokens": (lambda: tree.merge_chains(5, [[1.5]]), TypeError, "chains"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HELPER_CALLS), ids=list(BAD_HELPER_CALLS))
+def test_helpers_reject_bad_input_by_name(case):
+    call, err, name = BAD_HELPER_CALLS[case]
+    with pytest.raises(err, match=name):
+        call()
