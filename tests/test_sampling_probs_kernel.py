@@ -124,6 +124,18 @@ def test_special_rows(device):
     assert greedy.argmax(-1).tolist() == [1, 0, 0, 1, 0]
 
 
+@pytest.mark.parametrize("V", [16, 17, 111], ids=lambda v: f"V{v}")
+def test_infinite_temperature_is_uniform(device, V):
+    """temperature inf: every finite logit becomes 0, a uniform row, as in the reference; with
+    V not a multiple of the tile the padding lanes must not turn the row into NaN."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(V))
+    got = check(logits, device, float("inf"))
+    torch.testing.assert_close(got, torch.full_like(got, 1.0 / V), **FP32)
+    per_row = torch.tensor([float("inf"), 1.0, float("inf")])
+    got = check(logits, device, per_row)
+    torch.testing.assert_close(got[[0, 2]], torch.full((2, V), 1.0 / V), **FP32)
+
+
 def test_empty_batch(device):
     out = kernel(torch.zeros(0, 17, device=device), 0.7, 3, 0.9)
     assert out.shape == (0, 17) and out.dtype == torch.float32

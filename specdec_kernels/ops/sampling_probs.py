@@ -64,7 +64,8 @@ if _HAS_TRITON:
         """Logits / temperature in float32 (IEEE division), -inf outside the vocabulary."""
         m2 = rmask[:, None] & (offs < V)[None, :]
         x = tl.load(l_rows[:, None] + offs[None, :], mask=m2, other=float("-inf")).to(tl.float32)
-        return tl.math.div_rn(x, tdiv[:, None]), m2
+        # padding lanes stay -inf (with temperature inf, -inf / inf would be NaN there)
+        return tl.where(m2, tl.math.div_rn(x, tdiv[:, None]), float("-inf")), m2
 
     @triton.jit
     def _order_key(y):
