@@ -85,6 +85,7 @@ def test_per_layer_list_layout_matches_the_single_buffer():
     assert torch.equal(torch.stack([torch.stack(p) for p in as_pairs]), cache)
 
 
+_SHARED = torch.zeros(1, 1, 8, 4)
 BAD = {
     "not_increasing": (dict(accepted_indices=torch.tensor([[2, 2]])), ValueError, "increasing"),
     "index_below_position": (dict(accepted_indices=torch.tensor([[0, 0]]), num_accepted=torch.tensor([2])), ValueError, ">= i"),
@@ -96,6 +97,10 @@ BAD = {
     "layer_dtypes": (dict(kv_cache=[torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4, dtype=torch.float16)]), TypeError, "kv_cache[1]"),
     "cache_rank": (dict(kv_cache=torch.zeros(1, 1, 8, 4)), ValueError, "kv_cache"),
     "cache_type": (dict(kv_cache="cache"), TypeError, "kv_cache"),
+    # in-place compaction must write every element once: no self-overlap, no aliasing
+    "expanded_heads": (dict(kv_cache=torch.zeros(1, 2, 1, 1, 8, 4).expand(1, 2, 1, 3, 8, 4)), ValueError, "overlaps itself"),
+    "same_tensor_twice": (dict(kv_cache=[_SHARED, _SHARED]), ValueError, "alias"),
+    "six_dims_not_kv": (dict(kv_cache=torch.zeros(1, 3, 1, 1, 8, 4)), ValueError, "[L, 2"),
 }
 
 

@@ -18,6 +18,8 @@ def cache_views(kv_cache: KVCache) -> List[torch.Tensor]:
     """
     if isinstance(kv_cache, torch.Tensor):
         check_tensor("kv_cache", kv_cache, ndim=6)
+        if kv_cache.shape[1] != 2:
+            raise ValueError(f"kv_cache must be [L, 2, B, Hkv, S, D] (keys and values), got shape {tuple(kv_cache.shape)}")
         # index, never flatten: flatten copies a buffer whose first two dims do not merge
         # (e.g. a [2, L, ...] allocation permuted to [L, 2, ...]), and the copy would be written
         return [kv_cache[layer, kv] for layer in range(kv_cache.shape[0]) for kv in range(kv_cache.shape[1])]
@@ -34,6 +36,22 @@ def cache_views(kv_cache: KVCache) -> List[torch.Tensor]:
     return flat
 
 
+def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
+    """In-place compaction needs every element written once: no cache may overlap itself (an
+    expanded tensor, stride 0) and no two caches may start at the same address (the same
+    tensor twice would be compacted twice).  The checks of the native op, without a sync."""
+    starts = set()
+    for i, t in enumerate(views):
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            raise ValueError(f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension) and cannot be written in place")
+        if t.numel() == 0:
+            continue
+        key = (t.device, t.data_ptr())
+        if key in starts:
+            raise ValueError(f"kv_cache[{i}] aliases another cache (same start address): it would be compacted twice")
+        starts.add(key)
+
+
 def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=None):
     """Validate ``compact_kv_cache``'s arguments; return (views, B, S, M, num_accepted int64)."""
     views = cache_views(kv_cache)
@@ -45,6 +63,7 @@ def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_a
     for i, t in enumerate([] if isinstance(kv_cache, torch.Tensor) else views[1:], start=1):
         check_tensor(f"kv_cache[{i}]", t, dtypes=(first.dtype,), device=first.device)
         check_shape(f"kv_cache[{i}]", t, (B, Hkv, S, D), "every layer's keys and values alike")
+    _check_no_aliasing(views)
     device = first.device
     check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_shape("cache_seqlens", cache_seqlens, (B,))
