@@ -78,6 +78,8 @@ def check_parents(name: str, parents, batch: int, num_nodes: int, device, valida
     Returns int64 parents of shape [B, N] (a shared tree is expanded, not copied).
     """
     check_tensor(name, parents, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device)
+    if parents.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: walking a token tree needs its parent values")
     if parents.dim() == 1:
         check_shape(name, parents, (num_nodes,), "one parent per tree node")
     else:

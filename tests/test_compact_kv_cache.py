@@ -127,3 +127,14 @@ def test_permuted_buffer_is_written_in_place(backend):
     want = snapshot_oracle(cache.contiguous(), *args)
     sk.compact_kv_cache(cache, *args, backend=backend)
     assert torch.equal(cache, want) and torch.equal(storage.transpose(0, 1), want)
+
+
+def test_meta_cache_is_a_shape_only_no_op():
+    """On the meta device (shapes without data) the reference checks the arguments and moves nothing."""
+    m = "meta"
+    out = reference.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
+                                     torch.tensor([[0, 2]], device=m), torch.tensor([2], device=m))
+    assert out is None
+    with pytest.raises(ValueError, match="accepted_indices"):
+        reference.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
+                                   torch.tensor([[0, 2]], device=m)[0], torch.tensor([2], device=m))

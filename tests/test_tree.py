@@ -97,3 +97,8 @@ def test_helpers_reject_bad_input_by_name(case):
     call, err, name = BAD_HELPER_CALLS[case]
     with pytest.raises(err, match=name):
         call()
+
+
+def test_meta_parents_raise_a_clear_error():
+    with pytest.raises(ValueError, match="meta"):
+        tree.ancestor_mask(torch.tensor([-1, 0, 0], device="meta"))

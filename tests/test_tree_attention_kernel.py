@@ -330,3 +330,12 @@ def test_unvalidated_bad_seqlens_never_read_outside_the_cache(device, backend, s
     clamped = lens.clamp(0, S - N)
     assert not out.isnan().any()
     assert_close(out.float().cpu(), expected(q, k_view, v_view, clamped, mask), torch.float32)
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL if b != "triton"])
+def test_meta_tensors_give_meta_outputs(backend):
+    """Shape propagation without data (the meta device): the output's shape and dtype, no error."""
+    m = "meta"
+    q, k = torch.zeros(1, 2, 4, 16, device=m), torch.zeros(1, 2, 8, 16, device=m)
+    out = tree_attention(q, k, k, torch.tensor([3], dtype=torch.int32, device=m), backend=backend)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype

@@ -538,7 +538,7 @@ def tree_attention(
         splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
         return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
-    if name == "torch":
+    if name == "torch" and q.device.type != "meta":  # it slices by cache_seqlens' values; meta has none
         return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, scale)
     return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, scale)
 

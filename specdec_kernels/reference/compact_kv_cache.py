@@ -86,6 +86,8 @@ def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_a
 
 
 def _compact_kv_cache(views, cache_seqlens, accepted_indices, num_accepted) -> None:
+    if cache_seqlens.device.type == "meta":  # shapes only, no data: nothing to move
+        return
     for b in range(cache_seqlens.shape[0]):
         n = int(num_accepted[b])
         if n == 0:
