@@ -81,6 +81,8 @@ BAD = {
     "top_p_above_one": (dict(top_p=1.5), ValueError, "top_p"),
     "top_k_float": (dict(top_k=2.5), TypeError, "top_k"),
     "per_sequence_shape": (dict(temperature=torch.ones(3)), ValueError, "temperature"),
+    "bool_temperature_tensor": (dict(temperature=torch.tensor([False, True])), TypeError, "temperature"),
+    "bool_top_p_tensor": (dict(top_p=torch.tensor([True, True])), TypeError, "top_p"),
     "logits_rank": (dict(logits=torch.zeros(4)), ValueError, "logits"),
     "logits_dtype": (dict(logits=torch.zeros(1, 4, dtype=torch.long)), TypeError, "logits"),
 }

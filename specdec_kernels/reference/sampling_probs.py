@@ -16,6 +16,8 @@ def _per_row(name: str, value, batch: int, ndim: int, device, dtype, default):
         value = default
     if isinstance(value, torch.Tensor):
         check_tensor(name, value, ndim=1, device=device)
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number tensor, got {value.dtype}")
         check_shape(name, value, (batch,), "one value per sequence (the first dimension of logits)")
         t = value.to(dtype)
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
