@@ -63,8 +63,8 @@ if _HAS_TRITON:
     def _scaled_logits(l_rows, tdiv, rmask, offs, V):
         """Logits / temperature in float32 (IEEE division), -inf outside the vocabulary."""
         m2 = rmask[:, None] & (offs < V)[None, :]
-        x = tl.load(l_rows[:, None] + offs[None, :], mask=m2, other=float("-inf")).to(tl.float32)
-        # padding lanes stay -inf (with temperature inf, -inf / inf would be NaN there)
+        x = tl.load(l_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        # padding lanes: loaded as 0 (with temperature inf, -inf / inf would be NaN), then -inf
         return tl.where(m2, tl.math.div_rn(x, tdiv[:, None]), float("-inf")), m2
 
     @triton.jit
