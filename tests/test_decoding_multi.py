@@ -254,3 +254,16 @@ def test_cli_builds_a_multi_drafter(tiny):
                 ["--prompt", "x", "--drafter", "multi", "--drafters", ""]):
         with pytest.raises(SystemExit):
             generate.parse_args(bad)
+
+
+def test_each_run_keeps_its_own_per_drafter_statistics(tiny):
+    """A second generate() on the same decoder once overwrote the first result's per-drafter
+    counters (both pointed at the drafter's one dict)."""
+    _, model = tiny
+    decoder = SpeculativeDecoder(model, MultiDrafter([NgramDrafter(), LayerSkipDrafter(model, 2)]))
+    first = decoder.generate(PROMPTS, 20, num_draft_tokens=4).stats
+    snapshot = {name: dict(c) for name, c in first.drafters.items()}
+    second = decoder.generate([[1, 2]], 2, num_draft_tokens=4).stats
+    assert first.drafters is not second.drafters
+    assert first.drafters == snapshot
+    assert sum(c["proposed"] for c in snapshot.values()) > sum(c["proposed"] for c in second.drafters.values())

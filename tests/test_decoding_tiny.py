@@ -339,3 +339,93 @@ def test_one_token_prompt(tiny):
     assert result.stats.prefill_passes == 1  # the longer prompt still prefills
     alone = SpeculativeDecoder(model, NgramDrafter()).generate([[64]], 6)
     assert alone.tokens[0] == result.tokens[0] and alone.stats.prefill_passes == 0
+
+
+# ---------------------------------------------------------------------------- hostile input
+class ScriptedDrafter(Drafter):
+    """Returns whatever ``make(histories)`` builds: to test the engine's checks of a drafter's output."""
+
+    name = "scripted"
+
+    def __init__(self, make):
+        self.make = make
+
+    def propose(self, histories, num_draft_tokens, active):
+        return self.make(histories)
+
+
+BAD_DRAFTS = {
+    "wrong_root": (lambda hs: Draft.from_lists([([h[-1] + 1, 3], [-1, 0]) for h in hs]), ValueError, "root"),
+    "token_outside_vocab": (lambda hs: Draft.from_lists([([h[-1], V + 7], [-1, 0]) for h in hs]), ValueError, "vocabulary"),
+    "negative_token": (lambda hs: Draft.from_lists([([h[-1], -2], [-1, 0]) for h in hs]), ValueError, "vocabulary"),
+    "no_root": (lambda hs: Draft(torch.zeros(len(hs), 1, dtype=torch.long), torch.full((len(hs), 1), -1),
+                                 torch.zeros(len(hs), dtype=torch.long)), ValueError, "num_nodes"),
+    "wrong_batch": (lambda hs: Draft.from_lists([([hs[0][-1]], [-1])]), ValueError, "B="),
+    "not_a_draft": (lambda hs: None, TypeError, "Draft"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DRAFTS), ids=list(BAD_DRAFTS))
+def test_a_broken_drafter_is_named_not_obeyed(tiny, case):
+    """A custom drafter's bad output raises an error naming the drafter instead of an embedding
+    index error or, worse, a silently different output (a draft whose root is not the last
+    committed token)."""
+    _, model = tiny
+    make, err, match = BAD_DRAFTS[case]
+    decoder = SpeculativeDecoder(model, ScriptedDrafter(make))
+    with pytest.raises(err, match=match) as info:
+        decoder.generate(PROMPTS[:2], 4, num_draft_tokens=1)
+    assert "scripted" in str(info.value)
+
+
+BAD_ARGUMENTS = {
+    "float_k": (lambda d: d.generate(PROMPTS, 4, num_draft_tokens=2.5), TypeError, "num_draft_tokens"),
+    "none_in_k_list": (lambda d: d.generate(PROMPTS, 4, num_draft_tokens=[1, None, 1]), TypeError, "num_draft_tokens"),
+    "float_max_new": (lambda d: d.generate(PROMPTS, 2.5), TypeError, "max_new_tokens"),
+    "float_prompt_token": (lambda d: d.generate([[1.5, 2]], 4), TypeError, "prompts"),
+    "sampling_dict": (lambda d: d.generate(PROMPTS, 4, sampling={"temperature": 1.0}), TypeError, "sampling"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS), ids=list(BAD_ARGUMENTS))
+def test_bad_generate_arguments_are_named(tiny, case):
+    _, model = tiny
+    call, err, match = BAD_ARGUMENTS[case]
+    with pytest.raises(err, match=match):
+        call(SpeculativeDecoder(model, NgramDrafter()))
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(drafter="ngram"), TypeError, "drafter"),
+    (dict(stop_token_ids="12"), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
+    (dict(stop_token_ids=[3, V]), ValueError, "stop_token_ids"),
+    (dict(stop_token_ids=[-5]), ValueError, "stop_token_ids"),
+], ids=["drafter_string", "stop_string", "stop_int", "stop_past_vocab", "stop_negative"])
+def test_bad_constructor_arguments_are_named(tiny, kwargs, err, match):
+    _, model = tiny
+    with pytest.raises(err, match=match):
+        SpeculativeDecoder(model, **kwargs)
+
+
+def test_numpy_and_tensor_integers_are_accepted(tiny):
+    np = pytest.importorskip("numpy")
+    _, model = tiny
+    decoder = SpeculativeDecoder(model, NgramDrafter(), stop_token_ids=np.array([3]))
+    want = decoder.generate(PROMPTS, 6, num_draft_tokens=2).tokens
+    assert decoder.generate(PROMPTS, np.int64(6), num_draft_tokens=np.int64(2)).tokens == want
+    assert decoder.generate(PROMPTS, torch.tensor([6, 6, 6]), num_draft_tokens=torch.tensor(2)).tokens == want
+
+
+def test_ragged_limits_need_only_each_sequence_to_fit(tiny):
+    """The position limit is per sequence (prompt + its max_new_tokens), not the longest prompt
+    plus the largest limit of another sequence."""
+    _, model = tiny
+    positions = model.args.max_position
+    long_prompt, short_prompt = [7] * (positions - 100), [1, 2]
+    decoder = SpeculativeDecoder(model, NgramDrafter())
+    result = decoder.generate([long_prompt, short_prompt], [1, positions - 100], num_draft_tokens=3)
+    alone = decoder.generate([short_prompt], positions - 100, num_draft_tokens=3).tokens[0]
+    assert len(result.tokens[0]) == 1 and result.tokens[1] == alone
+    with pytest.raises(ValueError, match="positions"):
+        decoder.generate([long_prompt], 101)

@@ -18,6 +18,7 @@ draft length K may come from a draft-length policy consulted every step (``adapt
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
@@ -35,6 +36,29 @@ from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
 from specdec_kernels.ops.verify_greedy import verify_greedy
 from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
+
+
+def _as_int(name: str, value) -> int:
+    """An int from an int, a numpy integer or a 0-d integer tensor; anything else (floats,
+    bools, None) raises TypeError naming the argument."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int (or one int per sequence), got {type(value).__name__} {value!r}") from None
+
+
+def _per_sequence(name: str, value, batch: int) -> List[int]:
+    """An int for every sequence, or a sequence (list, tuple, 1-D tensor) of ``batch`` ints."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        out = [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        if len(out) != batch:
+            raise ValueError(f"{name} must be an int or one per sequence ({batch}), got {len(out)} values")
+        return out
+    return [_as_int(name, value)] * batch
 
 DraftSchedule = Union[int, Sequence[int], Callable[[int, "DecodeState"], Union[int, Sequence[int]]]]
 _DRAFT_SEED_OFFSET = 0x5DEECE66D
@@ -175,9 +199,18 @@ class SpeculativeDecoder:
         typical: Optional[float] = None,
         typical_alpha: Optional[float] = None,
     ):
+        if not isinstance(model, Transformer):
+            raise TypeError(f"model must be a specdec_kernels.decoding.Transformer, got {type(model).__name__}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a Drafter (e.g. NgramDrafter()) or None, got {type(drafter).__name__} {drafter!r}")
         self.model = model
         self.drafter = drafter if drafter is not None else NoDrafter()
-        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
+        stops = [_as_int("stop_token_ids[...]", t) for t in stop_token_ids]
+        if stops and (min(stops) < 0 or max(stops) >= model.args.vocab_size):
+            raise ValueError(f"stop_token_ids must lie in [0, {model.args.vocab_size}), got {sorted(stops)}")
+        self.stop_token_ids = frozenset(stops)
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_draft_nodes < 1:
@@ -257,9 +290,11 @@ class SpeculativeDecoder:
 
         Raises:
             ValueError: no prompts, an empty prompt, token ids outside the vocabulary,
-                max_new_tokens < 0, or prompts longer than the model's positions.
+                max_new_tokens < 0 or not one per prompt, or a prompt plus its
+                max_new_tokens longer than the model's positions.
+            TypeError: non-integer token ids or max_new_tokens, sampling not a SamplingParams.
         """
-        histories = [[int(t) for t in p] for p in prompts]
+        histories = [[_as_int(f"prompts[{b}][{i}]", t) for i, t in enumerate(p)] for b, p in enumerate(prompts)]
         B = len(histories)
         if B == 0:
             raise ValueError("prompts must hold at least one prompt")
@@ -269,12 +304,15 @@ class SpeculativeDecoder:
                 raise ValueError(f"prompts[{b}] is empty (a prompt needs at least one token)")
             if min(h) < 0 or max(h) >= V:
                 raise ValueError(f"prompts[{b}] holds token ids outside [0, {V})")
-        limits = [int(max_new_tokens)] * B if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
-        if len(limits) != B or min(limits) < 0:
+        limits = _per_sequence("max_new_tokens", max_new_tokens, B)
+        if min(limits) < 0:
             raise ValueError(f"max_new_tokens must be >= 0, an int or one per prompt, got {max_new_tokens}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
         sampling = sampling or SamplingParams()
         lengths = [len(h) for h in histories]
-        capacity = max(lengths) + max(limits) + self.max_draft_nodes + 1
+        # the longest sequence this batch can reach (per sequence: its prompt plus its limit)
+        capacity = max(n + m for n, m in zip(lengths, limits)) + self.max_draft_nodes + 1
         if capacity > self.model.args.max_position + self.max_draft_nodes + 1:
             raise ValueError(f"prompt plus max_new_tokens exceed the model's {self.model.args.max_position} positions")
         state = DecodeState(
@@ -291,9 +329,9 @@ class SpeculativeDecoder:
         prefill_hidden = self._prefill(state)
         state.stats.prefill_time = time.perf_counter() - t
         t = time.perf_counter()
-        if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters
-            self.drafter.bind_stats(state.stats)
         self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
+        if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters, fresh each run
+            self.drafter.bind_stats(state.stats)
         if prefill_hidden is not None:
             self.drafter.observe_hidden(*prefill_hidden)
         state.stats.draft_time += time.perf_counter() - t
@@ -347,8 +385,8 @@ class SpeculativeDecoder:
         """
         B = state.batch_size
         stats = state.stats
-        ks = [int(num_draft_tokens)] * B if isinstance(num_draft_tokens, int) else [int(k) for k in num_draft_tokens]
-        if len(ks) != B or min(ks) < 0:
+        ks = _per_sequence("num_draft_tokens", num_draft_tokens, B)
+        if min(ks) < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, an int or one per sequence, got {num_draft_tokens}")
         active = [not d for d in state.done]
         if not any(active):
@@ -360,7 +398,7 @@ class SpeculativeDecoder:
         ]
 
         t0 = time.perf_counter()
-        draft = self.drafter.propose(state.histories, ks, active)
+        draft = self._checked(self.drafter.propose(state.histories, ks, active), state, active)
         room = [min(self.max_draft_nodes, state.capacity - int(s)) for s in state.cache_seqlens.tolist()]
         draft = draft.truncate([r if a else 1 for r, a in zip(room, active)])
         t1 = time.perf_counter()
@@ -402,6 +440,34 @@ class SpeculativeDecoder:
         return emitted
 
     # ------------------------------------------------------------------ internals
+    def _checked(self, draft, state: DecodeState, active: List[bool]) -> Draft:
+        """A drafter's proposal, checked before the target sees it (a custom drafter's bug
+        should name the drafter, not surface as an embedding index error or a wrong output):
+        a ``Draft`` with one row per sequence, at least the root, the root equal to the last
+        committed token of every running sequence, draft tokens inside the vocabulary."""
+        name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        if not isinstance(draft, Draft):
+            raise TypeError(f"drafter {name!r}: propose must return a Draft, got {type(draft).__name__}")
+        B, V = state.batch_size, self.model.args.vocab_size
+        if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or draft.num_nodes.shape != (B,):
+            raise ValueError(f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
+                             f"{tuple(draft.tokens.shape)} and {tuple(draft.num_nodes.shape)}")
+        n = draft.num_nodes.tolist()
+        if min(n) < 1 or max(n) > draft.tokens.shape[1]:
+            raise ValueError(f"drafter {name!r}: num_nodes must lie in 1..{draft.tokens.shape[1]} (the root counts), got {n}")
+        roots = draft.tokens[:, 0].tolist()
+        for b in range(B):
+            if active[b] and roots[b] != state.histories[b][-1]:
+                raise ValueError(f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
+                                 f"token {state.histories[b][-1]}")
+        used = torch.arange(draft.tokens.shape[1]) < draft.num_nodes.cpu()[:, None]
+        bad = used & ((draft.tokens.cpu() < 0) | (draft.tokens.cpu() >= V))
+        if bad.any():
+            b, i = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"drafter {name!r}: draft token {int(draft.tokens[b, i])} (sequence {b}, node {i}) "
+                             f"is outside the vocabulary [0, {V})")
+        return draft
+
     def _verify(self, state: DecodeState, draft: Draft):
         """Target pass over the block and verification; returns (output_tokens, accepted_nodes,
         num_accepted, depth of each sequence's draft), all on CPU."""

@@ -168,9 +168,8 @@ class MultiDrafter(Drafter):
         stats.drafters = self.counters
 
     def _new_counters(self) -> None:
-        self.counters.clear()
-        for n in self.names:
-            self.counters[n] = {c: (0.0 if c.endswith("_time") else 0) for c in DRAFTER_COUNTERS}
+        # a new dict every run: an earlier run's statistics keep their own (bind_stats)
+        self.counters = {n: {c: (0.0 if c.endswith("_time") else 0) for c in DRAFTER_COUNTERS} for n in self.names}
 
     # ------------------------------------------------------------------ hidden states
     @property
