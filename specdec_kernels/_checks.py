@@ -7,7 +7,8 @@ synchronisation on CUDA, so the public ops run them by default only on CPU tenso
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+import operator
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
@@ -17,6 +18,27 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as a Python int: an int, a numpy integer or a 0-d integer tensor.  Floats,
+    bools and anything else raise TypeError naming the argument (never truncated)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def as_int_list(name: str, values) -> List[int]:
+    """``values`` (a sequence of ints, or an integer tensor) as a list of Python ints, each
+    checked by ``as_int`` (``name[i]`` in the message)."""
+    if isinstance(values, torch.Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
+        values = values.tolist()
+    return [as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
 
 
 def check_tensor(

@@ -6,39 +6,23 @@ accepted; tensors come back as int64 (or bool for masks) on the input's device.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from specdec_kernels._checks import check_parents
+from specdec_kernels._checks import as_int, as_int_list, check_parents
 
 Parents = Union[torch.Tensor, Sequence[int]]
-
-
-def _int_list(name: str, values) -> List[int]:
-    """``values`` (a sequence of ints, or an integer tensor) as a list of Python ints; floats and
-    other non-integers raise TypeError instead of being truncated."""
-    if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
-        values = values.tolist()
-    try:
-        return [operator.index(v) for v in values]
-    except TypeError as e:
-        raise TypeError(f"{name} must be a sequence of ints or an integer tensor: {e}") from None
 
 
 def _as_parents(parents: Parents, device=None) -> torch.Tensor:
     if not isinstance(parents, torch.Tensor):
         rows = list(parents)
         if rows and all(isinstance(r, (list, tuple)) for r in rows):  # (batch, N) as nested lists
-            parents = torch.tensor([_int_list("parents", r) for r in rows], dtype=torch.int64, device=device)
+            parents = torch.tensor([as_int_list(f"parents[{b}]", r) for b, r in enumerate(rows)], dtype=torch.int64, device=device)
         else:
-            parents = torch.tensor(_int_list("parents", rows), dtype=torch.int64, device=device)
-    elif parents.is_floating_point() or parents.is_complex() or parents.dtype == torch.bool:
-        raise TypeError(f"parents must hold integers, got a {parents.dtype} tensor")
+            parents = torch.tensor(as_int_list("parents", rows), dtype=torch.int64, device=device)
     if parents.dim() not in (1, 2):
         raise ValueError(f"parents must have shape (N,) or (batch, N), got {tuple(parents.shape)}")
     if parents.shape[-1] == 0:
@@ -96,7 +80,7 @@ def path_to(parents: Parents, node: int) -> List[int]:
     if t.dim() != 1:
         raise ValueError(f"path_to takes one (N,) parent list, got shape {tuple(t.shape)}")
     p = t.tolist()
-    node = operator.index(node)
+    node = as_int("node", node)
     if not 0 <= node < len(p):
         raise ValueError(f"node must lie in 0..{len(p) - 1}, got {node}")
     path = [node]
@@ -133,7 +117,7 @@ def medusa_choices_to_tree(choices: Sequence[Sequence[int]]) -> MedusaTree:
     """
     paths = []
     for c in choices:
-        path = tuple(_int_list("choices", c))
+        path = tuple(as_int_list("choices", c))
         if not path or min(path) < 0:
             raise ValueError(f"choices must be non-empty paths of non-negative ranks, got {list(c)}")
         paths.append(path)
@@ -194,17 +178,16 @@ def merge_trees(root_token: int, trees: Sequence[Tuple[Sequence[int], Sequence[i
         TypeError: non-integer tokens, parents or max_nodes.
     """
     if max_nodes is not None:
-        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int):
-            raise TypeError(f"max_nodes must be an int or None, got {type(max_nodes).__name__}")
+        max_nodes = as_int("max_nodes", max_nodes)
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1 (the root) or None, got {max_nodes}")
-    root_token = _int_list("root_token", [root_token])[0]
+    root_token = as_int("root_token", root_token)
     if root_token < 0:
         raise ValueError(f"root_token must be a token id >= 0, got {root_token}")
     out = TokenTree([root_token], [-1], [set(range(len(trees)))])
     child_of: Dict[Tuple[int, int], int] = {}
     for d, (tokens, parents) in enumerate(trees):
-        tokens, parents = _int_list(f"trees[{d}] tokens", tokens), _int_list(f"trees[{d}] parents", parents)
+        tokens, parents = as_int_list(f"trees[{d}] tokens", tokens), as_int_list(f"trees[{d}] parents", parents)
         if min(tokens[1:], default=0) < 0:
             raise ValueError(f"trees[{d}]: draft tokens must be ids >= 0, got {min(tokens[1:])}")
         if len(tokens) != len(parents):
@@ -247,5 +230,5 @@ def merge_chains(root_token: int, chains: Sequence[Sequence[int]], max_nodes: Op
         ValueError: a negative token id, max_nodes < 1.
         TypeError: non-integer tokens or max_nodes.
     """
-    trees = [([root_token] + _int_list("chains", c), list(range(-1, len(c)))) for c in chains]
+    trees = [([root_token] + as_int_list(f"chains[{i}]", c), list(range(-1, len(c)))) for i, c in enumerate(chains)]
     return merge_trees(root_token, trees, max_nodes)

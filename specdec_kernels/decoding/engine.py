@@ -18,13 +18,13 @@ draft length K may come from a draft-length policy consulted every step (``adapt
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from specdec_kernels._checks import as_int, as_int_list
 from specdec_kernels.decoding.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.model import Transformer
@@ -38,27 +38,14 @@ from specdec_kernels.ops.verify_greedy import verify_greedy
 from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
 
 
-def _as_int(name: str, value) -> int:
-    """An int from an int, a numpy integer or a 0-d integer tensor; anything else (floats,
-    bools, None) raises TypeError naming the argument."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int (or one int per sequence), got {type(value).__name__} {value!r}") from None
-
-
 def _per_sequence(name: str, value, batch: int) -> List[int]:
     """An int for every sequence, or a sequence (list, tuple, 1-D tensor) of ``batch`` ints."""
-    if isinstance(value, torch.Tensor) and value.dim() == 1:
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        out = [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() == 1):
+        out = as_int_list(name, value)
         if len(out) != batch:
             raise ValueError(f"{name} must be an int or one per sequence ({batch}), got {len(out)} values")
         return out
-    return [_as_int(name, value)] * batch
+    return [as_int(name, value)] * batch
 
 DraftSchedule = Union[int, Sequence[int], Callable[[int, "DecodeState"], Union[int, Sequence[int]]]]
 _DRAFT_SEED_OFFSET = 0x5DEECE66D
@@ -207,7 +194,7 @@ class SpeculativeDecoder:
         self.drafter = drafter if drafter is not None else NoDrafter()
         if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
-        stops = [_as_int("stop_token_ids[...]", t) for t in stop_token_ids]
+        stops = as_int_list("stop_token_ids", stop_token_ids)
         if stops and (min(stops) < 0 or max(stops) >= model.args.vocab_size):
             raise ValueError(f"stop_token_ids must lie in [0, {model.args.vocab_size}), got {sorted(stops)}")
         self.stop_token_ids = frozenset(stops)
@@ -294,7 +281,7 @@ class SpeculativeDecoder:
                 max_new_tokens longer than the model's positions.
             TypeError: non-integer token ids or max_new_tokens, sampling not a SamplingParams.
         """
-        histories = [[_as_int(f"prompts[{b}][{i}]", t) for i, t in enumerate(p)] for b, p in enumerate(prompts)]
+        histories = [as_int_list(f"prompts[{b}]", p) for b, p in enumerate(prompts)]
         B = len(histories)
         if B == 0:
             raise ValueError("prompts must hold at least one prompt")
@@ -455,16 +442,17 @@ class SpeculativeDecoder:
         n = draft.num_nodes.tolist()
         if min(n) < 1 or max(n) > draft.tokens.shape[1]:
             raise ValueError(f"drafter {name!r}: num_nodes must lie in 1..{draft.tokens.shape[1]} (the root counts), got {n}")
-        roots = draft.tokens[:, 0].tolist()
+        tokens = draft.tokens.cpu()
+        roots = tokens[:, 0].tolist()
         for b in range(B):
             if active[b] and roots[b] != state.histories[b][-1]:
                 raise ValueError(f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
                                  f"token {state.histories[b][-1]}")
-        used = torch.arange(draft.tokens.shape[1]) < draft.num_nodes.cpu()[:, None]
-        bad = used & ((draft.tokens.cpu() < 0) | (draft.tokens.cpu() >= V))
+        used = torch.arange(tokens.shape[1]) < torch.tensor(n)[:, None]
+        bad = used & ((tokens < 0) | (tokens >= V))
         if bad.any():
             b, i = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"drafter {name!r}: draft token {int(draft.tokens[b, i])} (sequence {b}, node {i}) "
+            raise ValueError(f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
                              f"is outside the vocabulary [0, {V})")
         return draft
 
