@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from bisect import bisect_right
 from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
@@ -243,14 +244,20 @@ class MedusaDrafter(Drafter):
         self.tree = tree
         if tree:
             paths = choices if choices is not None else (heads.tree_choices or GENERIC_CHOICES)
-            paths = [tuple(int(r) for r in p) for p in paths if len(p) <= heads.num_heads]
+            paths = [tuple(p) for p in paths if len(p) <= heads.num_heads]
             if not paths:
                 raise ValueError("choices must hold at least one path no deeper than the heads")
-            t = medusa_choices_to_tree(paths)
+            t = medusa_choices_to_tree(paths)  # nodes by depth, so every depth limit keeps a prefix
             n = len(t.parents) if max_nodes is None else min(max_nodes, len(t.parents))
-            self.tree_parents = t.parents[:n].tolist()
+            self.tree_parents = t.parents[:n]
             self.tree_depths = t.depths[:n].tolist()
-            self.tree_ranks = t.topk_index[:n].tolist()
+            # node i is the rank_of_node[i]-th best token of head head_of_node[i] (root: any)
+            self._head_of_node = (t.depths[:n] - 1).clamp(min=0)
+            self._rank_of_node = t.topk_index[:n].clamp(min=0)
+            self._width = int(self._rank_of_node.max()) + 1
+            # _is_chain[N - 1]: the first N nodes form a chain (parents[i] = i - 1)
+            continues = (t.parents[1:n] == torch.arange(n - 1)).tolist()
+            self._is_chain = [all(continues[:m]) for m in range(n)]
             self.choices = list(t.choices[: n - 1])
             self.name = "medusa-tree"
         self._hidden: Optional[torch.Tensor] = None
@@ -279,7 +286,7 @@ class MedusaDrafter(Drafter):
         roots = [h[-1] for h in histories]
         if self._hidden is None:
             return Draft.from_lists([([r], [-1]) for r in roots])
-        limit = max(self.tree_depths) if self.tree else self.num_heads
+        limit = self.tree_depths[-1] if self.tree else self.num_heads
         depth = [min(int(k), limit) if a and known else 0 for k, a, known in zip(num_draft_tokens, active, self._known)]
         D = max(depth)
         if D == 0:
@@ -290,14 +297,10 @@ class MedusaDrafter(Drafter):
             return Draft.from_lists(
                 [([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True
             )
-        N = sum(1 for d in self.tree_depths if d <= D)
-        parents, depths, ranks = self.tree_parents[:N], self.tree_depths[:N], self.tree_ranks[:N]
-        width = max(ranks) + 1
-        top = logits.topk(width, dim=-1).indices.cpu()  # (B, D, width)
-        d_idx = torch.tensor([max(d - 1, 0) for d in depths])
-        r_idx = torch.tensor([max(r, 0) for r in ranks])
-        tokens = top[:, d_idx, r_idx]  # (B, N)
+        N = bisect_right(self.tree_depths, D)
+        top = logits.topk(self._width, dim=-1).indices.cpu()  # (B, D, width)
+        tokens = top[:, self._head_of_node[:N], self._rank_of_node[:N]]  # (B, N)
         tokens[:, 0] = torch.tensor(roots, dtype=torch.int64)
-        num_nodes = torch.tensor([sum(1 for x in depths if x <= d) for d in depth], dtype=torch.int64)
-        par = torch.tensor(parents, dtype=torch.int64).expand(B, N).clone()
-        return Draft(tokens, par, num_nodes, None, is_chain=all(p == i - 1 for i, p in enumerate(parents)))
+        num_nodes = torch.tensor([bisect_right(self.tree_depths, d) for d in depth], dtype=torch.int64)
+        par = self.tree_parents[:N].expand(B, N).clone()
+        return Draft(tokens, par, num_nodes, None, is_chain=self._is_chain[N - 1])
