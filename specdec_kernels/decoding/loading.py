@@ -12,6 +12,7 @@ import glob
 import importlib.util
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -92,12 +93,17 @@ def load_checkpoint(root: Optional[str] = None):
     config_dict.pop("quantization_config", None)
     state_dict = {k: v.detach().clone() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not hf.config.tie_word_embeddings}
     where.mkdir(parents=True, exist_ok=True)
-    tmp = where / "state_dict.pt.tmp"
-    torch.save(state_dict, tmp)
-    os.replace(tmp, where / "state_dict.pt")
-    (where / "config.json").write_text(json.dumps(config_dict))
-    tokenizer.save_pretrained(str(where))
-    meta_file.write_text(json.dumps(stamp))
+    # Several processes may convert at once (parallel test workers, two jobs on one
+    # machine): each writes into its own temporary folder and moves every file into place
+    # atomically, the stamp last, so a reader never sees a half-written cache.
+    with tempfile.TemporaryDirectory(dir=where, prefix=".convert-") as tmp:
+        tmp = Path(tmp)
+        torch.save(state_dict, tmp / "state_dict.pt")
+        (tmp / "config.json").write_text(json.dumps(config_dict))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "source.json").write_text(json.dumps(stamp))
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "source.json"):
+            os.replace(f, where / f.name)
     return LlamaConfig.from_dict(config_dict), state_dict, tokenizer
 
 
