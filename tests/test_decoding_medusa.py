@@ -38,11 +38,21 @@ def tiny():
     return Transformer.from_hf_model(tiny_llama())
 
 
-def random_heads(k=3, seed=0, scale=0.3):
-    heads = MedusaHeads(HIDDEN, k)
+def random_heads(k=3, seed=0, scale=0.3, conditioned=False):
+    heads = MedusaHeads(HIDDEN, k, token_conditioned=conditioned)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        heads.weight.copy_(torch.randn(k, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(seed)) * scale)
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
     return heads
+
+
+def path_embeddings(model, ids, k):
+    """(T, k, hidden): for every position t of ids, the input embeddings of ids[t + 1 ..
+    t + k] (the root and the path below it; the last token repeated past the end)."""
+    T = len(ids)
+    idx = (torch.arange(T)[:, None] + 1 + torch.arange(k)).clamp(max=T - 1)
+    return model.tok_embeddings.weight.detach()[torch.tensor(ids)[idx]]
 
 
 def teacher_forced_hidden(model, ids):
@@ -59,15 +69,21 @@ def train_prompts():
 
 
 @pytest.fixture(scope="module")
-def trained_heads(tiny):
-    """Heads self-distilled on the tiny model's greedy continuations of ``train_prompts()``
-    (a random-weight model has nothing to generalise: the tests that need accepted drafts
-    decode these same prompts)."""
+def tiny_data(tiny):
     with torch.inference_mode():
         data = train_medusa.generate_data(tiny, train_prompts(), 24, 16, [], "tiny")
-    X, Y = train_medusa.examples(data, 3, output_weight=tiny.output.weight)
-    heads = MedusaHeads(HIDDEN, 3)
-    train_medusa.train_heads(heads, tiny.output.weight, X, Y, steps=300, batch=128, lr=1e-2, seed=0)
+    return train_medusa.examples(data, 3, output_weight=tiny.output.weight)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["medusa", "conditioned"])
+def trained_heads(tiny, tiny_data, request):
+    """Heads (plain Medusa, or token-conditioned) self-distilled on the tiny model's greedy
+    continuations of ``train_prompts()`` (a random-weight model has nothing to generalise:
+    the tests that need accepted drafts decode these same prompts)."""
+    X, Y, T = tiny_data
+    heads = MedusaHeads(HIDDEN, 3, token_conditioned=request.param)
+    train_medusa.train_heads(heads, tiny.output.weight, X, Y, steps=300, batch=128, lr=1e-2, seed=0,
+                             tokens=T, embedding=tiny.tok_embeddings.weight)
     return heads
 
 
@@ -84,17 +100,41 @@ def test_heads_by_hand(k):
     torch.testing.assert_close(heads.logits(h, W_out, num_heads=min(k, 2)), out[:, :, : min(k, 2)] @ W_out.T, rtol=1e-5, atol=1e-4)
 
 
-def test_zero_heads_equal_the_base_head(tiny):
+@pytest.mark.parametrize("k", [1, 3, 5], ids=lambda k: f"k{k}")
+def test_conditioned_heads_by_hand(k):
+    """s_{i+1} = s_i + SiLU(W_i s_i + U_i e_i + b_i) from s_0 = h; ``forward`` chains the
+    steps over the given path embeddings, ``logits`` reads every state out."""
+    heads = random_heads(k, seed=k, conditioned=True)
+    h, emb = torch.randn(2, 7, HIDDEN), torch.randn(2, 7, k, HIDDEN)
+    out = heads(h, embeddings=emb)
+    assert out.shape == (2, 7, k, HIDDEN)
+    s = h
+    for i in range(k):
+        s = s + F.silu(s @ heads.weight[i].T + emb[:, :, i] @ heads.token_weight[i].T + heads.bias[i])
+        torch.testing.assert_close(out[:, :, i], s, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(heads.step(i, out[:, :, i - 1] if i else h, emb[:, :, i]), s, rtol=1e-4, atol=1e-4)
+    W_out = torch.randn(V, HIDDEN)
+    m = min(k, 2)
+    torch.testing.assert_close(heads.logits(h, W_out, num_heads=m, embeddings=emb), out[:, :, :m] @ W_out.T, rtol=1e-5, atol=1e-4)
+    # a head only sees the path up to its own token: later embeddings do not change it
+    emb2 = emb.clone()
+    emb2[:, :, k - 1] += 1.0
+    torch.testing.assert_close(heads(h, embeddings=emb2)[:, :, : k - 1], out[:, :, : k - 1])
+
+
+@pytest.mark.parametrize("conditioned", [False, True], ids=["medusa", "conditioned"])
+def test_zero_heads_equal_the_base_head(tiny, conditioned):
     """A fresh head is the base head: on the hidden state of position t its argmax is the
     target's own next token (t + 1), i.e. the token head i should predict i + 1 positions
     later: untrained heads lag by i + 1."""
-    heads = MedusaHeads(HIDDEN, 4)
-    assert torch.count_nonzero(heads.weight) == 0
+    heads = MedusaHeads(HIDDEN, 4, token_conditioned=conditioned)
+    assert all(torch.count_nonzero(p) == 0 for p in heads.parameters())
     ids = [5, 17, 33, 2, 90, 41, 7, 8]
     h = teacher_forced_hidden(tiny, ids)
+    emb = path_embeddings(tiny, ids, 4) if conditioned else None
     with torch.inference_mode():
         base = tiny(torch.tensor([ids]), torch.arange(len(ids))[None], tiny.new_kv_cache(1, len(ids)), torch.zeros(1, dtype=torch.int32))[0]
-        logits = heads.logits(h, tiny.output.weight)  # (T, 4, V)
+        logits = heads.logits(h, tiny.output.weight, embeddings=emb)  # (T, 4, V)
     for i in range(4):
         torch.testing.assert_close(logits[:, i], base, rtol=1e-5, atol=1e-4)
         assert torch.equal(logits[:, i].argmax(-1), base.argmax(-1))
@@ -110,7 +150,32 @@ def test_save_load_round_trip(tmp_path, tiny):
     assert back.config["base_fingerprint"] == model_fingerprint(tiny)
     assert back.tree_choices == [(0,), (1,), (0, 0)]
     torch.testing.assert_close(back.weight, heads.weight.detach().half().float())
+    assert not back.token_conditioned
     assert path.stat().st_size < 2 * 3 * HIDDEN * HIDDEN + 4096  # fp16
+
+
+def test_conditioned_save_load_round_trip(tmp_path):
+    heads = random_heads(2, seed=4, conditioned=True)
+    heads.save(tmp_path / "c.pt")
+    back = MedusaHeads.load(tmp_path / "c.pt")
+    assert back.token_conditioned and back.num_heads == 2
+    for name, p in heads.named_parameters():
+        torch.testing.assert_close(getattr(back, name), p.detach().half().float())
+    h, emb = torch.randn(3, HIDDEN), torch.randn(3, 2, HIDDEN)
+    torch.testing.assert_close(back(h, embeddings=emb), heads(h, embeddings=emb), rtol=1e-2, atol=1e-2)
+
+
+def test_format_1_files_still_load(tmp_path):
+    """Files written before token-conditioned heads (format 1: one 'weight' tensor)."""
+    w = torch.randn(2, HIDDEN, HIDDEN).half()
+    torch.save({"config": {"format": 1, "hidden_size": HIDDEN, "num_heads": 2, "tree_choices": [[0]]},
+                "state_dict": {"weight": w}}, tmp_path / "old.pt")
+    back = MedusaHeads.load(tmp_path / "old.pt")
+    assert not back.token_conditioned and back.tree_choices == [(0,)]
+    torch.testing.assert_close(back.weight, w.float())
+    torch.save({"config": {"format": 99, "hidden_size": HIDDEN, "num_heads": 2}, "state_dict": {"weight": w}}, tmp_path / "new.pt")
+    with pytest.raises(ValueError, match="format 99"):
+        MedusaHeads.load(tmp_path / "new.pt")
 
 
 def test_bad_arguments(tmp_path, tiny):
@@ -120,6 +185,21 @@ def test_bad_arguments(tmp_path, tiny):
         MedusaHeads(HIDDEN, 2)(torch.zeros(3, HIDDEN + 1))
     with pytest.raises(ValueError, match="num_heads"):
         MedusaHeads(HIDDEN, 2)(torch.zeros(3, HIDDEN), num_heads=3)
+    conditioned = MedusaHeads(HIDDEN, 2, token_conditioned=True)
+    with pytest.raises(ValueError, match="need embeddings"):
+        conditioned(torch.zeros(3, HIDDEN))
+    with pytest.raises(ValueError, match="embeddings must have shape"):
+        conditioned(torch.zeros(3, HIDDEN), embeddings=torch.zeros(3, 1, HIDDEN))
+    with pytest.raises(ValueError, match="embeddings must have shape"):
+        conditioned(torch.zeros(3, HIDDEN), embeddings=torch.zeros(4, 2, HIDDEN))
+    with pytest.raises(ValueError, match="only for token-conditioned"):
+        MedusaHeads(HIDDEN, 2)(torch.zeros(3, HIDDEN), embeddings=torch.zeros(3, 2, HIDDEN))
+    with pytest.raises(ValueError, match="token-conditioned"):
+        MedusaHeads(HIDDEN, 2).step(0, torch.zeros(HIDDEN), torch.zeros(HIDDEN))
+    with pytest.raises(ValueError, match="i must lie"):
+        conditioned.step(2, torch.zeros(HIDDEN), torch.zeros(HIDDEN))
+    with pytest.raises(ValueError, match="tokens"):
+        train_medusa.train_heads(conditioned, tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0)
     with pytest.raises(ValueError, match="hidden size"):
         MedusaDrafter(tiny, MedusaHeads(HIDDEN * 2, 2))
     with pytest.raises(ValueError, match="choices"):
@@ -176,6 +256,46 @@ def test_drafts_are_the_heads_top_tokens(tiny, tree):
     # a sequence without a hidden state, or inactive, gets no drafts
     drafter.observe_hidden(hidden, [True, False])
     assert drafter.propose(prompts, [3, 3], [True, True]).num_nodes.tolist() == [9, 1]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_conditioned_drafts_follow_each_path(tiny, tree):
+    """Token-conditioned heads: a node's children are the ranked tokens of the head state
+    reached along the path to that node (root included), recomputed here node by node."""
+    heads = random_heads(3, seed=2, conditioned=True)
+    choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0]]
+    drafter = MedusaDrafter(tiny, heads, tree=tree, choices=choices)
+    prompts = [[5, 17, 33, 2, 90, 41, 7], [64, 3, 9], [8]]
+    drafter.start(prompts, 64, SamplingParams(), None)
+    hidden = torch.randn(3, HIDDEN)
+    drafter.observe_hidden(hidden, [True, True, True])
+    draft = drafter.propose(prompts, [3, 2, 1], [True, True, True])
+    E, W_out = tiny.tok_embeddings.weight.detach(), tiny.output.weight.detach()
+
+    def ranked(b, path):  # the head state after the path (root first), then its ranking
+        state = hidden[b]
+        for i, tok in enumerate(path):
+            state = heads.step(i, state, E[tok])
+        return (W_out @ state.float()).argsort(descending=True)
+
+    assert draft.tokens[:, 0].tolist() == [7, 9, 8]
+    if not tree:
+        assert draft.is_chain and draft.num_nodes.tolist() == [4, 3, 2]
+        for b in range(3):
+            path = [prompts[b][-1]]
+            for j in range(1, int(draft.num_nodes[b])):
+                assert int(draft.tokens[b, j]) == int(ranked(b, path)[0])
+                path.append(int(draft.tokens[b, j]))
+        return
+    t = medusa_choices_to_tree(choices)
+    assert draft.num_nodes.tolist() == [11, 8, 4]
+    for b in range(3):
+        for i in range(1, int(draft.num_nodes[b])):
+            path, p = [], int(t.parents[i])
+            while p >= 0:
+                path.insert(0, int(draft.tokens[b, p]))
+                p = int(t.parents[p])
+            assert int(draft.tokens[b, i]) == int(ranked(b, path)[int(t.topk_index[i])]), (b, i)
 
 
 class TreeOracle(Drafter):
@@ -298,12 +418,14 @@ def test_examples_labels_by_hand():
     argmax = [9, 10, 11, 12, 6, 7, 8]  # what the target predicts after positions 0..6
     hidden = F.one_hot(torch.tensor(argmax), Vh).half()  # positions 0..6 (the last token's is never recorded)
     data = train_medusa.SelfDistilled([prompt + gen], [len(prompt)], [0], [hidden])
-    X, Y = train_medusa.examples(data, 2, prompt=True, output_weight=W_out)
+    X, Y, T = train_medusa.examples(data, 2, prompt=True, output_weight=W_out)
     # position t: head 0 -> the prediction of token t + 2 = argmax after t + 1 (prompt) or the token
     expected = [[10, 11], [11, 12], [12, 6], [6, 7], [7, 8], [8, -100]]
     assert Y.tolist() == expected and torch.equal(X, hidden[:6])
-    X, Y = train_medusa.examples(data, 2, prompt=False)  # from the prompt's second-to-last token on
-    assert Y.tolist() == expected[3:] and torch.equal(X, hidden[3:6])
+    # the path tokens (what token-conditioned heads read) are the text itself: t + 1, t + 2
+    assert T.tolist() == [[2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 8]]
+    X, Y, T = train_medusa.examples(data, 2, prompt=False)  # from the prompt's second-to-last token on
+    assert Y.tolist() == expected[3:] and torch.equal(X, hidden[3:6]) and T.tolist() == [[5, 6], [6, 7], [7, 8]]
     with pytest.raises(ValueError, match="output_weight"):
         train_medusa.examples(data, 2, prompt=True)
 
@@ -340,12 +462,15 @@ def test_split_keeps_the_bench_prompts_out():
         assert sum(q["category"] == c for q in train) <= 40
 
 
-def test_training_command_end_to_end(tmp_path):
+@pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "medusa"])
+def test_training_command_end_to_end(tmp_path, conditioned):
     out = tmp_path / "heads.pt"
+    flag = [] if conditioned else ["--no-token-conditioned"]  # token-conditioned heads by default
     assert train_medusa.main(["--random-model", "--steps", "2", "--batch", "8", "--heads", "2", "--new-tokens", "6",
-                              "--tree-nodes", "5", "--out", str(out), "--seed", "1"]) == 0
+                              "--tree-nodes", "5", "--out", str(out), "--seed", "1"] + flag) == 0
     heads = load_medusa_heads(out)
     assert heads.num_heads == 2 and torch.count_nonzero(heads.weight) > 0
+    assert heads.token_conditioned == conditioned and heads.config["training"]["token_conditioned"] == conditioned
     cfg = heads.config
     assert cfg["base_model"] == "tiny-random-llama" and cfg["training"]["steps"] == 2 and cfg["training"]["seed"] == 1
     assert 1 <= len(heads.tree_choices) <= 4 and all(len(c) <= 2 for c in heads.tree_choices)
@@ -406,8 +531,9 @@ def test_shipped_heads_predict_the_greedy_text(real):
         full = p + g
         h = teacher_forced_hidden(model, full)
         with torch.inference_mode():
+            emb = path_embeddings(model, full, heads.num_heads) if heads.token_conditioned else None
             for name, hd in (("trained", heads), ("zero", MedusaHeads(heads.hidden_size, heads.num_heads))):
-                best = hd.logits(h, model.output.weight).argmax(-1)  # (T, k)
+                best = hd.logits(h, model.output.weight, embeddings=emb if hd.token_conditioned else None).argmax(-1)  # (T, k)
                 for i in range(heads.num_heads):
                     ts = range(len(p) - 2, len(full) - i - 2)
                     hits[name][i] += sum(int(best[t, i]) == full[t + i + 2] for t in ts)

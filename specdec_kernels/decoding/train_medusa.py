@@ -19,8 +19,11 @@
 2. Labels are the target's own predictions: head i at position t learns the token at
    t + i + 2 of the greedy text (the target's argmax given the text before it), and inside
    the prompt the target's argmax at t + i + 1 (``--no-prompt-positions`` trains on the
-   generated part only).  Only the heads train (the target and its output head are frozen),
-   on the cached hidden states.  Loss: cross-entropy through the frozen output head, as a
+   generated part only).  Token-conditioned heads (the default; ``--no-token-conditioned``
+   trains plain Medusa heads) also read the path tokens by teacher forcing: the text's
+   tokens at t + 1 .. t + k through the target's frozen input embedding (past the prompt
+   these are exactly the draft path that must be accepted).  Only the heads train (the
+   target, its embedding and its output head are frozen), on the cached hidden states.  Loss: cross-entropy through the frozen output head, as a
    sampled softmax (the ``--frequent`` most frequent labels, the batch's labels and
    ``--negatives`` uniformly drawn tokens with the usual correction: the full 49152-way
    softmax costs about 5 s a step on this CPU), bfloat16 logits, AdamW, cosine decay,
@@ -233,9 +236,11 @@ def cached_data(path: Optional[Path], make) -> SelfDistilled:
 
 
 def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_weight: Optional[torch.Tensor] = None, chunk: int = 2048):
-    """Training pairs: X (M, hidden) fp16 hidden states at positions t and labels (M, k)
-    int64: labels[:, i] is the target's prediction of the token at t + i + 2 (-100 where
-    the text ends first).
+    """Training examples: X (M, hidden) fp16 hidden states at positions t, labels Y (M, k)
+    int64: Y[:, i] is the target's prediction of the token at t + i + 2 (-100 where the
+    text ends first), and the path tokens T (M, k) int64: T[:, i] is the text's token at
+    t + i + 1 (T[:, 0] the root; what token-conditioned heads read, by teacher forcing;
+    the last token where the text ends first).
 
     Past the prompt the text is the target's greedy output, so the label is the token there.
     Inside the prompt (``prompt`` True) the label is the target's own argmax at t + i + 1
@@ -243,7 +248,7 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
     self-distillation throughout.  ``prompt`` False keeps only the positions the drafter
     sees while decoding, from the prompt's second-to-last token on.
     """
-    xs, ys = [], []
+    xs, ys, ts = [], [], []
     W_out = None if output_weight is None else output_weight.detach().float()
     for s, toks in enumerate(data.tokens):
         h = data.hidden[s]
@@ -265,14 +270,18 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
             seq[first + 2 : first + 1 + n_prompt] = pred
         pos = first + torch.arange(T)
         lab = torch.full((T, num_heads), -100, dtype=torch.int64)
+        path = torch.empty((T, num_heads), dtype=torch.int64)
+        text = torch.tensor(toks, dtype=torch.int64)  # the inputs are the text, the labels the target's predictions
         for i in range(num_heads):
             target = pos + i + 2
             ok = target < len(toks)
             lab[ok, i] = seq[target[ok]]
+            path[:, i] = text[(pos + i + 1).clamp(max=len(toks) - 1)]
         keep = lab[:, 0] >= 0
         xs.append(h[keep])
         ys.append(lab[keep])
-    return torch.cat(xs), torch.cat(ys)
+        ts.append(path[keep])
+    return torch.cat(xs), torch.cat(ys), torch.cat(ts)
 
 
 # ---------------------------------------------------------------------- training
@@ -289,6 +298,8 @@ def train_heads(
     weight_decay: float = 0.0,
     frequent: int = 4096,
     negatives: int = 2048,
+    tokens: Optional[torch.Tensor] = None,
+    embedding: Optional[torch.Tensor] = None,
     desc: str = "train",
 ) -> List[float]:
     """Cross-entropy of every head against its labels through the frozen output head, with a
@@ -303,10 +314,18 @@ def train_heads(
 
     Args:
         X: (M, hidden) hidden states; Y: (M, k) labels (-100 ignored).
+        tokens, embedding: token-conditioned heads only: the path tokens T (M, k) from
+            ``examples`` and the target's input embedding (vocab, hidden), frozen.
 
     Returns:
         The loss of every step.
+
+    Raises:
+        ValueError: token-conditioned heads without tokens and embedding.
     """
+    if heads.token_conditioned and (tokens is None or embedding is None):
+        raise ValueError("token-conditioned heads train on tokens (the path tokens) and embedding (the target's)")
+    E = None if embedding is None else embedding.detach().float()
     from tqdm import tqdm
 
     g = torch.Generator().manual_seed(seed)
@@ -344,7 +363,8 @@ def train_heads(
             remap = torch.full((V,), -100, dtype=torch.int64)
             remap[cands] = torch.arange(cands.numel())
             target = torch.where(y >= 0, remap[y.clamp(min=0)], -100)
-            states = heads(X[idx].float())  # (batch, k, hidden)
+            emb = E[tokens[idx]] if heads.token_conditioned else None
+            states = heads(X[idx].float(), embeddings=emb)  # (batch, k, hidden)
             logits = (states.to(torch.bfloat16) @ W_bf[cands].T).float() + bias
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
             opt.zero_grad(set_to_none=True)
@@ -359,13 +379,16 @@ def train_heads(
 
 
 @torch.no_grad()
-def true_ranks(heads: MedusaHeads, output_weight: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+def true_ranks(heads: MedusaHeads, output_weight: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, chunk: int = 512,
+               tokens: Optional[torch.Tensor] = None, embedding: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(M, k) int64: the rank of each label in its head's ranking (0 = argmax), -1 where
-    the label is missing."""
+    the label is missing.  Token-conditioned heads read the true path (``tokens``, through
+    ``embedding``): the ranking a tree node sees when the path to it is the right one."""
     W_out = output_weight.detach().float()
     out = []
     for s in range(0, X.shape[0], chunk):
-        logits = heads(X[s : s + chunk].float()) @ W_out.T  # (m, k, V)
+        emb = embedding.detach().float()[tokens[s : s + chunk]] if heads.token_conditioned else None
+        logits = heads(X[s : s + chunk].float(), embeddings=emb) @ W_out.T  # (m, k, V)
         y = Y[s : s + chunk]
         lab = logits.gather(-1, y.clamp(min=0)[..., None])
         r = (logits > lab).sum(-1)
@@ -430,6 +453,8 @@ def evaluate(model, heads, prompts, new_tokens: int, stop_ids, tree_choices=None
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.train_medusa", description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
+    p.add_argument("--token-conditioned", action=argparse.BooleanOptionalAction, default=True,
+                   help="heads that also read the draft path's tokens (Hydra); --no-token-conditioned: plain Medusa heads")
     p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -512,16 +537,17 @@ def main(argv=None) -> int:
         train_d = cached_data(cache_file(train_p, "train"), lambda part: generate_data(model, train_p, args.new_tokens, args.gen_batch, stops, "generate (train)", part, args.gen_max_tokens))
     t_data = time.perf_counter() - t0
 
-    X, Y = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
-    Xt, Yt = examples(tune_d, args.heads, prompt=False)
+    X, Y, T = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
+    Xt, Yt, Tt = examples(tune_d, args.heads, prompt=False)
     print(f"{X.shape[0]} training positions, {Xt.shape[0]} tuning positions", file=sys.stderr)
-    heads = MedusaHeads(model.args.hidden_size, args.heads)
+    heads = MedusaHeads(model.args.hidden_size, args.heads, token_conditioned=args.token_conditioned)
+    E = model.tok_embeddings.weight
     t1 = time.perf_counter()
     losses = train_heads(heads, model.output.weight, X, Y, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives)
+                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives, tokens=T, embedding=E)
     t_train = time.perf_counter() - t1
 
-    ranks = true_ranks(heads, model.output.weight, Xt, Yt)
+    ranks = true_ranks(heads, model.output.weight, Xt, Yt, tokens=Tt, embedding=E)
     top1 = [(ranks[:, i] == 0).float()[ranks[:, i] >= 0].mean().item() for i in range(args.heads)]
     choices, expected = best_tree(ranks, args.tree_nodes)
     chain_expected = 1.0 + sum(
