@@ -80,11 +80,31 @@ def trained_heads(tiny, tiny_data, request):
     """Heads (plain Medusa, or token-conditioned) self-distilled on the tiny model's greedy
     continuations of ``train_prompts()`` (a random-weight model has nothing to generalise:
     the tests that need accepted drafts decode these same prompts)."""
-    X, Y, T = tiny_data
+    ex = tiny_data
     heads = MedusaHeads(HIDDEN, 3, token_conditioned=request.param)
-    train_medusa.train_heads(heads, tiny.output.weight, X, Y, steps=300, batch=128, lr=1e-2, seed=0,
-                             tokens=T, embedding=tiny.tok_embeddings.weight)
+    train_medusa.train_heads(heads, tiny.output.weight, ex.hidden, ex.labels, steps=300, batch=128, lr=1e-2, seed=0,
+                             tokens=ex.path, embedding=tiny.tok_embeddings.weight,
+                             teacher=ex.teacher, teacher_states=ex.states, distill=0.0)
     return heads
+
+
+def test_distillation_fits_the_target_distribution(tiny, tiny_data):
+    """Soft labels (distill=1) bring the heads' distributions closer to the target's own
+    (KL on the training positions) than its argmax alone (distill=0), with the same steps."""
+    ex = tiny_data
+    W_out = tiny.output.weight.detach()
+    kl = {}
+    for distill in (0.0, 1.0):
+        heads = MedusaHeads(HIDDEN, 3, token_conditioned=True)
+        train_medusa.train_heads(heads, W_out, ex.hidden, ex.labels, steps=200, batch=128, lr=1e-2, seed=0,
+                                 tokens=ex.path, embedding=tiny.tok_embeddings.weight,
+                                 teacher=ex.teacher, teacher_states=ex.states, distill=distill)
+        with torch.no_grad():
+            logp = heads.logits(ex.hidden.float(), W_out, embeddings=tiny.tok_embeddings.weight[ex.path]).log_softmax(-1)
+            has = ex.teacher >= 0
+            target = (ex.states[ex.teacher.clamp(min=0)].float() @ W_out.T).log_softmax(-1)
+            kl[distill] = ((target.exp() * (target - logp)).sum(-1) * has).sum().item() / has.sum().item()
+    assert kl[1.0] < 0.8 * kl[0.0], kl
 
 
 # ---------------------------------------------------------------------------- the heads
@@ -198,6 +218,10 @@ def test_bad_arguments(tmp_path, tiny):
         MedusaHeads(HIDDEN, 2).step(0, torch.zeros(HIDDEN), torch.zeros(HIDDEN))
     with pytest.raises(ValueError, match="i must lie"):
         conditioned.step(2, torch.zeros(HIDDEN), torch.zeros(HIDDEN))
+    with pytest.raises(ValueError, match="distill"):
+        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0, distill=0.5)
+    with pytest.raises(ValueError, match="distill must lie"):
+        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0, distill=1.5)
     with pytest.raises(ValueError, match="tokens"):
         train_medusa.train_heads(conditioned, tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0)
     with pytest.raises(ValueError, match="hidden size"):
@@ -418,14 +442,21 @@ def test_examples_labels_by_hand():
     argmax = [9, 10, 11, 12, 6, 7, 8]  # what the target predicts after positions 0..6
     hidden = F.one_hot(torch.tensor(argmax), Vh).half()  # positions 0..6 (the last token's is never recorded)
     data = train_medusa.SelfDistilled([prompt + gen], [len(prompt)], [0], [hidden])
-    X, Y, T = train_medusa.examples(data, 2, prompt=True, output_weight=W_out)
+    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=True, output_weight=W_out)
     # position t: head 0 -> the prediction of token t + 2 = argmax after t + 1 (prompt) or the token
     expected = [[10, 11], [11, 12], [12, 6], [6, 7], [7, 8], [8, -100]]
     assert Y.tolist() == expected and torch.equal(X, hidden[:6])
     # the path tokens (what token-conditioned heads read) are the text itself: t + 1, t + 2
     assert T.tolist() == [[2, 3], [3, 4], [4, 5], [5, 6], [6, 7], [7, 8]]
-    X, Y, T = train_medusa.examples(data, 2, prompt=False)  # from the prompt's second-to-last token on
+    # soft labels: head i at t reads the target's distribution at t + i + 1, whose argmax is the label
+    assert teacher.tolist() == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, -1]] and torch.equal(states, hidden)
+    assert torch.equal((states[teacher[:, :1]].float() @ W_out.T).argmax(-1), Y[:, :1])
+    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=False)  # from the prompt's second-to-last token on
     assert Y.tolist() == expected[3:] and torch.equal(X, hidden[3:6]) and T.tolist() == [[5, 6], [6, 7], [7, 8]]
+    assert teacher.tolist() == [[4, 5], [5, 6], [6, -1]]
+    # two sequences: the second's rows are offset by the first's recorded states
+    two = train_medusa.SelfDistilled([prompt + gen] * 2, [len(prompt)] * 2, [0, 0], [hidden, hidden])
+    assert train_medusa.examples(two, 2, prompt=False).teacher[3:].tolist() == [[11, 12], [12, 13], [13, -1]]
     with pytest.raises(ValueError, match="output_weight"):
         train_medusa.examples(data, 2, prompt=True)
 

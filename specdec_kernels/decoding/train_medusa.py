@@ -22,7 +22,9 @@
    generated part only).  Token-conditioned heads (the default; ``--no-token-conditioned``
    trains plain Medusa heads) also read the path tokens by teacher forcing: the text's
    tokens at t + 1 .. t + k through the target's frozen input embedding (past the prompt
-   these are exactly the draft path that must be accepted).  Only the heads train (the
+   these are exactly the draft path that must be accepted).  Soft labels too
+   (``--distill``, default 1: only them): the target's whole distribution over the label,
+   its output head on the cached hidden state one position earlier.  Only the heads train (the
    target, its embedding and its output head are frozen), on the cached hidden states.  Loss: cross-entropy through the frozen output head, as a
    sampled softmax (the ``--frequent`` most frequent labels, the batch's labels and
    ``--negatives`` uniformly drawn tokens with the usual correction: the full 49152-way
@@ -59,7 +61,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -235,12 +237,32 @@ def cached_data(path: Optional[Path], make) -> SelfDistilled:
     return data
 
 
-def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_weight: Optional[torch.Tensor] = None, chunk: int = 2048):
-    """Training examples: X (M, hidden) fp16 hidden states at positions t, labels Y (M, k)
-    int64: Y[:, i] is the target's prediction of the token at t + i + 2 (-100 where the
-    text ends first), and the path tokens T (M, k) int64: T[:, i] is the text's token at
-    t + i + 1 (T[:, 0] the root; what token-conditioned heads read, by teacher forcing;
-    the last token where the text ends first).
+class Examples(NamedTuple):
+    """Training examples (see ``examples``).
+
+    hidden: (M, hidden) fp16, the target's final hidden state h_t at each example's position t.
+    labels: (M, k) int64, labels[:, i] the target's prediction of the token at t + i + 2 (-100: none).
+    path: (M, k) int64, path[:, i] the text's token at t + i + 1 (path[:, 0] the root).
+    teacher: (M, k) int64, teacher[:, i] the row of ``states`` holding h_{t+i+1}, whose
+        output-head distribution is the target's own distribution over the token at
+        t + i + 2 (the soft label of head i); -1 where labels[:, i] is -100.
+    states: (N, hidden) fp16, every recorded hidden state of the data.
+    """
+
+    hidden: torch.Tensor
+    labels: torch.Tensor
+    path: torch.Tensor
+    teacher: torch.Tensor
+    states: torch.Tensor
+
+
+def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_weight: Optional[torch.Tensor] = None, chunk: int = 2048) -> Examples:
+    """Training examples (``Examples``): hidden states X (M, hidden) fp16 at positions t;
+    labels Y (M, k) int64: Y[:, i] is the target's prediction of the token at t + i + 2
+    (-100 where the text ends first); the path tokens T (M, k) int64: T[:, i] is the text's
+    token at t + i + 1 (T[:, 0] the root; what token-conditioned heads read, by teacher
+    forcing; the last token where the text ends first); and where the target's own
+    distribution over each label lies (``teacher`` rows of ``states``), for distillation.
 
     Past the prompt the text is the target's greedy output, so the label is the token there.
     Inside the prompt (``prompt`` True) the label is the target's own argmax at t + i + 1
@@ -248,11 +270,15 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
     self-distillation throughout.  ``prompt`` False keeps only the positions the drafter
     sees while decoding, from the prompt's second-to-last token on.
     """
-    xs, ys, ts = [], [], []
+    xs, ys, ts, teach = [], [], [], []
+    offset = 0  # of data.hidden[s] in the concatenated states
     W_out = None if output_weight is None else output_weight.detach().float()
     for s, toks in enumerate(data.tokens):
         h = data.hidden[s]
         first, P = data.first[s], data.prompt_lengths[s]
+        start, rows = offset, h.shape[0]
+        offset += rows
+        first0 = first
         if not prompt:
             skip = max(0, P - 2 - first)
             h, first = h[skip:], first + skip
@@ -277,11 +303,18 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
             ok = target < len(toks)
             lab[ok, i] = seq[target[ok]]
             path[:, i] = text[(pos + i + 1).clamp(max=len(toks) - 1)]
+        tea = torch.full((T, num_heads), -1, dtype=torch.int64)
+        for i in range(num_heads):
+            row = pos + i + 1 - first0  # h_{t+i+1} in this sequence's states
+            ok = (lab[:, i] >= 0) & (row < rows)
+            tea[ok, i] = start + row[ok]
         keep = lab[:, 0] >= 0
         xs.append(h[keep])
         ys.append(lab[keep])
         ts.append(path[keep])
-    return torch.cat(xs), torch.cat(ys), torch.cat(ts)
+        teach.append(tea[keep])
+    states = torch.cat(list(data.hidden)) if data.hidden else torch.zeros(0, 0, dtype=torch.float16)
+    return Examples(torch.cat(xs), torch.cat(ys), torch.cat(ts), torch.cat(teach), states)
 
 
 # ---------------------------------------------------------------------- training
@@ -300,6 +333,9 @@ def train_heads(
     negatives: int = 2048,
     tokens: Optional[torch.Tensor] = None,
     embedding: Optional[torch.Tensor] = None,
+    teacher: Optional[torch.Tensor] = None,
+    teacher_states: Optional[torch.Tensor] = None,
+    distill: float = 0.0,
     desc: str = "train",
 ) -> List[float]:
     """Cross-entropy of every head against its labels through the frozen output head, with a
@@ -312,19 +348,33 @@ def train_heads(
     The logits are computed in bfloat16.  AdamW with linear warm-up (5 % of the steps) and
     cosine decay; minibatches and negatives drawn from ``seed``.
 
+    With ``distill`` > 0 the loss is (1 - distill) x that cross-entropy + distill x the
+    cross-entropy against the target's own distribution over the same candidate tokens
+    (soft labels: the output head applied to h_{t+i+1}, the ``teacher`` rows of
+    ``teacher_states``), as in Medusa-2's self-distillation and Hydra's teacher
+    distillation: the whole distribution is a richer signal than its argmax.
+
     Args:
         X: (M, hidden) hidden states; Y: (M, k) labels (-100 ignored).
         tokens, embedding: token-conditioned heads only: the path tokens T (M, k) from
             ``examples`` and the target's input embedding (vocab, hidden), frozen.
+        teacher, teacher_states: for ``distill`` > 0: ``Examples.teacher`` (M, k) and
+            ``Examples.states`` (N, hidden).
+        distill: weight of the soft-label term, in [0, 1].
 
     Returns:
         The loss of every step.
 
     Raises:
-        ValueError: token-conditioned heads without tokens and embedding.
+        ValueError: token-conditioned heads without tokens and embedding; distill outside
+            [0, 1], or > 0 without teacher and teacher_states.
     """
     if heads.token_conditioned and (tokens is None or embedding is None):
         raise ValueError("token-conditioned heads train on tokens (the path tokens) and embedding (the target's)")
+    if not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill must lie in [0, 1], got {distill}")
+    if distill > 0 and (teacher is None or teacher_states is None):
+        raise ValueError("distill > 0 needs teacher and teacher_states (from examples())")
     E = None if embedding is None else embedding.detach().float()
     from tqdm import tqdm
 
@@ -365,8 +415,16 @@ def train_heads(
             target = torch.where(y >= 0, remap[y.clamp(min=0)], -100)
             emb = E[tokens[idx]] if heads.token_conditioned else None
             states = heads(X[idx].float(), embeddings=emb)  # (batch, k, hidden)
-            logits = (states.to(torch.bfloat16) @ W_bf[cands].T).float() + bias
+            W_c = W_bf[cands].T
+            logits = (states.to(torch.bfloat16) @ W_c).float() + bias
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+            if distill > 0:
+                ti = teacher[idx]
+                has = ti >= 0
+                with torch.no_grad():
+                    soft = torch.softmax((teacher_states[ti.clamp(min=0)].to(torch.bfloat16) @ W_c).float() + bias, dim=-1)
+                per = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1)
+                loss = (1 - distill) * loss + distill * (per * has).sum() / has.sum().clamp(min=1)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -459,6 +517,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--distill", type=float, default=1.0,
+                   help="weight of the soft labels (the target's own distribution) against its argmax, in [0, 1]")
     p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
     p.add_argument("--prompt-positions", action=argparse.BooleanOptionalAction, default=True,
@@ -478,6 +538,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
     p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
     args = p.parse_args(argv)
+    if not 0.0 <= args.distill <= 1.0:
+        p.error("--distill must lie in [0, 1]")
     for name in ("heads", "steps", "batch", "per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "tree_nodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -537,14 +599,15 @@ def main(argv=None) -> int:
         train_d = cached_data(cache_file(train_p, "train"), lambda part: generate_data(model, train_p, args.new_tokens, args.gen_batch, stops, "generate (train)", part, args.gen_max_tokens))
     t_data = time.perf_counter() - t0
 
-    X, Y, T = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
-    Xt, Yt, Tt = examples(tune_d, args.heads, prompt=False)
+    X, Y, T, teacher, states = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
+    Xt, Yt, Tt, _, _ = examples(tune_d, args.heads, prompt=False)
     print(f"{X.shape[0]} training positions, {Xt.shape[0]} tuning positions", file=sys.stderr)
     heads = MedusaHeads(model.args.hidden_size, args.heads, token_conditioned=args.token_conditioned)
     E = model.tok_embeddings.weight
     t1 = time.perf_counter()
     losses = train_heads(heads, model.output.weight, X, Y, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives, tokens=T, embedding=E)
+                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives, tokens=T, embedding=E,
+                         teacher=teacher, teacher_states=states, distill=args.distill)
     t_train = time.perf_counter() - t1
 
     ranks = true_ranks(heads, model.output.weight, Xt, Yt, tokens=Tt, embedding=E)
