@@ -218,6 +218,22 @@ def test_bad_arguments(tmp_path, tiny):
         MedusaHeads(HIDDEN, 2).step(0, torch.zeros(HIDDEN), torch.zeros(HIDDEN))
     with pytest.raises(ValueError, match="i must lie"):
         conditioned.step(2, torch.zeros(HIDDEN), torch.zeros(HIDDEN))
+    with pytest.raises(ValueError, match="last dimension"):
+        conditioned.step(0, torch.zeros(HIDDEN), torch.zeros(HIDDEN + 1))
+    X, Y = torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64)
+    kw = dict(steps=1, batch=2, lr=1e-3, seed=0)
+    with pytest.raises(ValueError, match="Y"):
+        train_medusa.train_heads(MedusaHeads(HIDDEN, 3), tiny.output.weight, X, Y, **kw)
+    with pytest.raises(ValueError, match="tokens must have"):
+        train_medusa.train_heads(conditioned, tiny.output.weight, X, Y, tokens=Y[:, :1], embedding=tiny.tok_embeddings.weight, **kw)
+    with pytest.raises(ValueError, match="teacher must have"):
+        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y[:3], teacher_states=X, distill=1.0, **kw)
+    with pytest.raises(ValueError, match="teacher rows"):
+        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y + 4, teacher_states=X, distill=1.0, **kw)
+    torch.save({"config": {"format": 2, "hidden_size": HIDDEN, "num_heads": 2, "token_conditioned": True},
+                "state_dict": {"weight": torch.zeros(2, HIDDEN, HIDDEN)}}, tmp_path / "half.pt")
+    with pytest.raises(ValueError, match="do not fit"):
+        MedusaHeads.load(tmp_path / "half.pt")
     with pytest.raises(ValueError, match="distill"):
         train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0, distill=0.5)
     with pytest.raises(ValueError, match="distill must lie"):

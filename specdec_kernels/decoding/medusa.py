@@ -157,12 +157,15 @@ class MedusaHeads(nn.Module):
             s_{i+1}, shape (..., hidden_size), the weights' dtype.
 
         Raises:
-            ValueError: the heads are not token-conditioned, or i out of range.
+            ValueError: the heads are not token-conditioned, i out of range, or a last
+                dimension other than hidden_size.
         """
         if not self.token_conditioned:
             raise ValueError("step() needs token-conditioned heads (token_conditioned=True)")
         if not 0 <= i < self.num_heads:
             raise ValueError(f"i must lie in 0..{self.num_heads - 1}, got {i}")
+        if state.shape[-1] != self.hidden_size or embedding.shape[-1] != self.hidden_size:
+            raise ValueError(f"state and embedding must have last dimension {self.hidden_size}, got {tuple(state.shape)} and {tuple(embedding.shape)}")
         state = state.to(self.weight.dtype)
         pre = linear(state, self.weight[i]) + linear(embedding.to(self.weight.dtype), self.token_weight[i]) + self.bias[i]
         return state + F.silu(pre)
@@ -237,7 +240,8 @@ class MedusaHeads(nn.Module):
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not a Medusa heads file, or a format this version cannot read.
+            ValueError: not a Medusa heads file, a format this version cannot read, or
+                weights that do not fit the config.
         """
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
         if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
@@ -246,7 +250,10 @@ class MedusaHeads(nn.Module):
         if config.get("format") not in READABLE_FORMATS:
             raise ValueError(f"{path}: Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}")
         heads = cls(int(config["hidden_size"]), int(config["num_heads"]), token_conditioned=bool(config.get("token_conditioned", False)), config=config)
-        heads.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
+        try:
+            heads.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
+        except (RuntimeError, AttributeError) as e:
+            raise ValueError(f"{path}: the weights do not fit the config ({e})") from None
         return heads.to(device=device, dtype=dtype).eval()
 
     @property
@@ -346,12 +353,12 @@ class MedusaDrafter(Drafter):
                 by_depth = [[p for p in expand if self.tree_depths[p] == d] for d in range(self.tree_depths[-1])]
                 slot = {p: j for nodes in by_depth for j, p in enumerate(nodes)}
                 kids = [[i for i in range(1, n) if self.tree_depths[i] == d + 1] for d in range(self.tree_depths[-1])]
-                as_t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+                as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=model.device)  # noqa: E731
                 self._expand_idx = [as_t(nodes) for nodes in by_depth]
                 self._expand_parent_slot = [as_t([0] if d == 0 else [slot[par[p]] for p in nodes]) for d, nodes in enumerate(by_depth)]
                 self._child_idx = [as_t(c) for c in kids]
                 self._child_slot = [as_t([slot[par[i]] for i in c]) for c in kids]
-                self._child_rank = [self._rank_of_node[c] for c in self._child_idx]
+                self._child_rank = [self._rank_of_node.to(model.device)[c] for c in self._child_idx]
                 self._child_width = [int(r.max()) + 1 for r in self._child_rank]
         self._hidden: Optional[torch.Tensor] = None
         self._known: List[bool] = []

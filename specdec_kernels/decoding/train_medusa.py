@@ -245,7 +245,8 @@ class Examples(NamedTuple):
     path: (M, k) int64, path[:, i] the text's token at t + i + 1 (path[:, 0] the root).
     teacher: (M, k) int64, teacher[:, i] the row of ``states`` holding h_{t+i+1}, whose
         output-head distribution is the target's own distribution over the token at
-        t + i + 2 (the soft label of head i); -1 where labels[:, i] is -100.
+        t + i + 2 (the soft label of head i); -1 where labels[:, i] is -100 and for a
+        sequence's last label (the hidden state of its last fed token is not recorded).
     states: (N, hidden) fp16, every recorded hidden state of the data.
     """
 
@@ -375,6 +376,15 @@ def train_heads(
         raise ValueError(f"distill must lie in [0, 1], got {distill}")
     if distill > 0 and (teacher is None or teacher_states is None):
         raise ValueError("distill > 0 needs teacher and teacher_states (from examples())")
+    if X.ndim != 2 or Y.ndim != 2 or Y.shape[0] != X.shape[0] or Y.shape[1] != heads.num_heads:
+        raise ValueError(f"X must be (M, hidden) and Y (M, {heads.num_heads}), got {tuple(X.shape)} and {tuple(Y.shape)}")
+    if heads.token_conditioned and tokens.shape != Y.shape:
+        raise ValueError(f"tokens must have Y's shape {tuple(Y.shape)}, got {tuple(tokens.shape)}")
+    if distill > 0:
+        if teacher.shape != Y.shape:
+            raise ValueError(f"teacher must have Y's shape {tuple(Y.shape)}, got {tuple(teacher.shape)}")
+        if teacher.numel() and int(teacher.max()) >= teacher_states.shape[0]:
+            raise ValueError(f"teacher rows must lie below teacher_states' {teacher_states.shape[0]} rows")
     E = None if embedding is None else embedding.detach().float()
     from tqdm import tqdm
 
@@ -417,14 +427,20 @@ def train_heads(
             states = heads(X[idx].float(), embeddings=emb)  # (batch, k, hidden)
             W_c = W_bf[cands].T
             logits = (states.to(torch.bfloat16) @ W_c).float() + bias
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
             if distill > 0:
+                # per label: (1 - distill) hard + distill soft; hard alone where the target's
+                # distribution was not recorded (a sequence's last label)
+                hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")  # (batch, k)
                 ti = teacher[idx]
                 has = ti >= 0
                 with torch.no_grad():
-                    soft = torch.softmax((teacher_states[ti.clamp(min=0)].to(torch.bfloat16) @ W_c).float() + bias, dim=-1)
-                per = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1)
-                loss = (1 - distill) * loss + distill * (per * has).sum() / has.sum().clamp(min=1)
+                    soft_p = torch.softmax((teacher_states[ti.clamp(min=0)].to(torch.bfloat16) @ W_c).float() + bias, dim=-1)
+                soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+                per = torch.where(has, (1 - distill) * hard + distill * soft, hard)
+                valid = target >= 0
+                loss = (per * valid).sum() / valid.sum().clamp(min=1)
+            else:
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
