@@ -22,8 +22,9 @@ where E is the target's (frozen, shared) input embedding.  Head 0 then knows the
 1 the root and the first draft token below it, and so on; a tree drafts each node's
 children from the state of the path to that node (one head step per expanded node).  This
 doubles the weights (2 hidden^2 + hidden per head) and lifts the accuracy of the deeper
-heads the most (SmolLM2-135M, held-out prompts: top-1 of heads 2-4 from 0.05-0.08 to
-about 0.17-0.21).
+heads the most: SmolLM2-135M, the same 69k self-distilled positions and 2000 steps, top-1
+accuracy of heads 1-4 on held-out prompts 0.21 / 0.08 / 0.06 / 0.05 for plain heads,
+0.29 / 0.21 / 0.19 / 0.17 token-conditioned.
 
 The engine hands over h_t through the ``Drafter.wants_hidden`` / ``observe_hidden`` hook:
 after each step the hidden state of the last accepted node, and after the prefill that of

@@ -7,11 +7,12 @@
    trained on: ``bench.e2e`` evaluates the first 2 of each category (question_ids 81, 82 for
    writing, ...), and the 3rd and 4th of each category are the *tuning* set on which the
    tree is chosen.  Training uses up to ``--per-category`` (76, i.e. all) of the remaining
-   questions of each category (first turns, file order; ``--long-per-category`` (12) for
-   summarization and rag, whose prompts of ~800 tokens cost the most to prefill): 300
-   prompts with the defaults.  The target continues every prompt with ``--new-tokens``
-   (128) tokens of its own greedy text (batched plain decoding with the engine, batches of
-   similar prompt lengths).  A recording drafter keeps the target's final hidden state of
+   questions of each category (first turns, file order; ``--long-per-category`` (also 76)
+   for summarization and rag, whose prompts of ~800 tokens cost the most to prefill: lower
+   it for a quicker run): 428 prompts with the defaults.  The target continues every
+   prompt with ``--new-tokens`` (384) tokens of its own greedy text (batched plain decoding
+   with the engine, batches of similar prompt lengths; about 50 minutes on 2 CPU cores,
+   230k training positions).  A recording drafter keeps the target's final hidden state of
    every position: the prompt's (a forward hook on the last decoder layer during the
    engine's prefill) and each step's root (handed over by the engine's ``observe_hidden``
    hook, exactly as ``MedusaDrafter`` gets them).  Token ids and hidden states (fp16) are
@@ -35,6 +36,9 @@
    ranks start with r_1..r_d.  The ``--tree-nodes`` most frequent rank prefixes (a
    prefix-closed set, since a prefix is at least as frequent) form the tree that maximises the
    expected accepted length on that set; it is stored with the weights as ``tree_choices``.
+   64 nodes by default, the size of Medusa's own tree for Vicuna-7B (63 choices and the
+   root); token-conditioned heads rank each node's children along its own path, so the
+   ranks are those of the true path (``true_ranks`` by teacher forcing).
 4. ``--evaluate`` decodes the held-out bench prompts (the first 2 of each category) with the
    engine at temperature 0, chain and tree, and prints the mean accepted length.
 
@@ -529,7 +533,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
     p.add_argument("--token-conditioned", action=argparse.BooleanOptionalAction, default=True,
                    help="heads that also read the draft path's tokens (Hydra); --no-token-conditioned: plain Medusa heads")
-    p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=4000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -541,12 +545,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also train on prompt positions (labels: the target's argmax there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
-    p.add_argument("--long-per-category", type=int, default=12, help="training questions at most in the long-prompt categories")
+    p.add_argument("--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories")
     p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
-    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per training prompt")
+    p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
     p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
     p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
-    p.add_argument("--tree-nodes", type=int, default=24, help="nodes of the tuned tree, root included")
+    p.add_argument("--tree-nodes", type=int, default=64, help="nodes of the tuned tree, root included")
     p.add_argument("--out", default=str(SHIPPED), help="where the heads go")
     p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
