@@ -383,7 +383,6 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, histories, num_draft_tokens, active) -> Draft:
-        B = len(histories)
         roots = [h[-1] for h in histories]
         if self._hidden is None:
             return Draft.from_lists([([r], [-1]) for r in roots])
@@ -396,17 +395,26 @@ class MedusaDrafter(Drafter):
             return self._propose_conditioned(roots, depth, D)
         logits = self.heads.logits(self._hidden, self.model.output.weight, D)  # (B, D, V)
         if not self.tree:
-            best = logits.argmax(dim=-1).cpu().tolist()
-            return Draft.from_lists(
-                [([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True
-            )
+            return self._chain_draft(roots, logits.argmax(dim=-1), depth)
         N = bisect_right(self.tree_depths, D)
         top = logits.topk(self._width, dim=-1).indices.cpu()  # (B, D, width)
         tokens = top[:, self._head_of_node[:N], self._rank_of_node[:N]]  # (B, N)
         tokens[:, 0] = torch.tensor(roots, dtype=torch.int64)
+        return self._tree_draft(tokens, depth)
+
+    @staticmethod
+    def _chain_draft(roots: List[int], best: torch.Tensor, depth: List[int]) -> Draft:
+        """A chain draft: each root followed by the first depth[b] of best[b] (B, D)."""
+        best = best.cpu().tolist()
+        return Draft.from_lists([([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True)
+
+    def _tree_draft(self, tokens: torch.Tensor, depth: List[int]) -> Draft:
+        """The static tree's first N nodes with these tokens (B, N); each sequence keeps
+        the nodes no deeper than its depth[b]."""
+        B, N = tokens.shape
         num_nodes = torch.tensor([bisect_right(self.tree_depths, d) for d in depth], dtype=torch.int64)
         par = self.tree_parents[:N].expand(B, N).clone()
-        return Draft(tokens, par, num_nodes, None, is_chain=self._is_chain[N - 1])
+        return Draft(tokens.cpu(), par, num_nodes, None, is_chain=self._is_chain[N - 1])
 
     def _propose_conditioned(self, roots: List[int], depth: List[int], D: int) -> Draft:
         """Token-conditioned heads: every node's children come from the head state of the
@@ -420,10 +428,7 @@ class MedusaDrafter(Drafter):
                 state = self.heads.step(i, state, E[token])
                 token = linear(state.to(W_out.dtype), W_out).argmax(dim=-1)
                 best.append(token)
-            best = torch.stack(best, dim=1).cpu().tolist()  # (B, D)
-            return Draft.from_lists(
-                [([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True
-            )
+            return self._chain_draft(roots, torch.stack(best, dim=1), depth)
         N = bisect_right(self.tree_depths, D)
         tokens = torch.empty(B, N, dtype=torch.int64, device=E.device)
         tokens[:, 0] = root_t
@@ -432,6 +437,4 @@ class MedusaDrafter(Drafter):
             states = self.heads.step(d, states[:, self._expand_parent_slot[d]], E[tokens[:, self._expand_idx[d]]])  # (B, n_d, hidden)
             top = linear(states.to(W_out.dtype), W_out).topk(self._child_width[d], dim=-1).indices  # (B, n_d, width)
             tokens[:, self._child_idx[d]] = top[:, self._child_slot[d], self._child_rank[d]]
-        num_nodes = torch.tensor([bisect_right(self.tree_depths, d) for d in depth], dtype=torch.int64)
-        par = self.tree_parents[:N].expand(B, N).clone()
-        return Draft(tokens.cpu(), par, num_nodes, None, is_chain=self._is_chain[N - 1])
+        return self._tree_draft(tokens, depth)

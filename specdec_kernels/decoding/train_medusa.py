@@ -25,11 +25,12 @@
    tokens at t + 1 .. t + k through the target's frozen input embedding (past the prompt
    these are exactly the draft path that must be accepted).  Soft labels too
    (``--distill``, default 1: only them): the target's whole distribution over the label,
-   its output head on the cached hidden state one position earlier.  Only the heads train (the
-   target, its embedding and its output head are frozen), on the cached hidden states.  Loss: cross-entropy through the frozen output head, as a
-   sampled softmax (the ``--frequent`` most frequent labels, the batch's labels and
-   ``--negatives`` uniformly drawn tokens with the usual correction: the full 49152-way
-   softmax costs about 5 s a step on this CPU), bfloat16 logits, AdamW, cosine decay,
+   its output head on the cached hidden state one position earlier.  Only the heads train
+   (the target, its embedding and its output head are frozen), on the cached hidden states.
+   Loss: cross-entropy through the frozen output head, as a sampled softmax (the
+   ``--frequent`` most frequent labels, the batch's labels and ``--negatives`` uniformly
+   drawn tokens with the usual correction: the full 49152-way softmax costs about 5 s a
+   step on this CPU), bfloat16 logits, AdamW, cosine decay,
    minibatches of ``--batch`` positions drawn with ``--seed``.
 3. Tree.  On the tuning set's cached hidden states, every position gives the rank of the
    true token in each head's ranking; a node (r_1..r_d) is accepted exactly when the true
@@ -283,7 +284,6 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
         first, P = data.first[s], data.prompt_lengths[s]
         start, rows = offset, h.shape[0]
         offset += rows
-        first0 = first
         if not prompt:
             skip = max(0, P - 2 - first)
             h, first = h[skip:], first + skip
@@ -303,16 +303,15 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
         lab = torch.full((T, num_heads), -100, dtype=torch.int64)
         path = torch.empty((T, num_heads), dtype=torch.int64)
         text = torch.tensor(toks, dtype=torch.int64)  # the inputs are the text, the labels the target's predictions
+        tea = torch.full((T, num_heads), -1, dtype=torch.int64)
         for i in range(num_heads):
             target = pos + i + 2
             ok = target < len(toks)
             lab[ok, i] = seq[target[ok]]
             path[:, i] = text[(pos + i + 1).clamp(max=len(toks) - 1)]
-        tea = torch.full((T, num_heads), -1, dtype=torch.int64)
-        for i in range(num_heads):
-            row = pos + i + 1 - first0  # h_{t+i+1} in this sequence's states
-            ok = (lab[:, i] >= 0) & (row < rows)
-            tea[ok, i] = start + row[ok]
+            row = pos + i + 1 - data.first[s]  # h_{t+i+1} in this sequence's states
+            has = ok & (row < rows)
+            tea[has, i] = start + row[has]
         keep = lab[:, 0] >= 0
         xs.append(h[keep])
         ys.append(lab[keep])
@@ -463,9 +462,10 @@ def true_ranks(heads: MedusaHeads, output_weight: torch.Tensor, X: torch.Tensor,
     the label is missing.  Token-conditioned heads read the true path (``tokens``, through
     ``embedding``): the ranking a tree node sees when the path to it is the right one."""
     W_out = output_weight.detach().float()
+    E = embedding.detach().float() if heads.token_conditioned else None
     out = []
     for s in range(0, X.shape[0], chunk):
-        emb = embedding.detach().float()[tokens[s : s + chunk]] if heads.token_conditioned else None
+        emb = E[tokens[s : s + chunk]] if heads.token_conditioned else None
         logits = heads(X[s : s + chunk].float(), embeddings=emb) @ W_out.T  # (m, k, V)
         y = Y[s : s + chunk]
         lab = logits.gather(-1, y.clamp(min=0)[..., None])
