@@ -38,8 +38,8 @@ def tiny():
     return Transformer.from_hf_model(tiny_llama())
 
 
-def random_heads(k=3, seed=0, scale=0.3, conditioned=False):
-    heads = MedusaHeads(HIDDEN, k, token_conditioned=conditioned)
+def random_heads(k=3, seed=0, scale=0.3, conditioned=False, context=0):
+    heads = MedusaHeads(HIDDEN, k, token_conditioned=conditioned, context_window=context)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -75,16 +75,18 @@ def tiny_data(tiny):
     return train_medusa.examples(data, 3, output_weight=tiny.output.weight)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["medusa", "conditioned"])
+@pytest.fixture(scope="module", params=["medusa", "conditioned", "context"])
 def trained_heads(tiny, tiny_data, request):
-    """Heads (plain Medusa, or token-conditioned) self-distilled on the tiny model's greedy
-    continuations of ``train_prompts()`` (a random-weight model has nothing to generalise:
-    the tests that need accepted drafts decode these same prompts)."""
+    """Heads (plain Medusa, token-conditioned, or token-conditioned with a context layer of
+    window 6) self-distilled on the tiny model's greedy continuations of ``train_prompts()``
+    (a random-weight model has nothing to generalise: the tests that need accepted drafts
+    decode these same prompts)."""
     ex = tiny_data
-    heads = MedusaHeads(HIDDEN, 3, token_conditioned=request.param)
+    heads = MedusaHeads(HIDDEN, 3, token_conditioned=request.param != "medusa", context_window=6 if request.param == "context" else 0)
     train_medusa.train_heads(heads, tiny.output.weight, ex.hidden, ex.labels, steps=300, batch=128, lr=1e-2, seed=0,
                              tokens=ex.path, embedding=tiny.tok_embeddings.weight,
-                             teacher=ex.teacher, teacher_states=ex.states, distill=0.0)
+                             teacher=ex.teacher, teacher_states=ex.states, distill=0.0,
+                             context=ex if request.param == "context" else None, segment=8)
     return heads
 
 
@@ -437,6 +439,231 @@ def test_sampling_keeps_the_target_distribution(tiny, trained_heads, tree):
         assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
 
 
+# ---------------------------------------------------------------------------- context layer
+def rope_by_hand(x, pos, theta=10000.0):
+    """Rotary embedding of one vector x (head_dim,) at position pos: the pair (j, j + d/2)
+    rotated by pos * theta^(-2j/d)."""
+    d = x.shape[0]
+    out = x.clone()
+    for j in range(d // 2):
+        a = pos * theta ** (-2 * j / d)
+        c, s_ = torch.cos(torch.tensor(a)), torch.sin(torch.tensor(a))
+        out[j] = x[j] * c - x[j + d // 2] * s_
+        out[j + d // 2] = x[j + d // 2] * c + x[j] * s_
+    return out
+
+
+def context_by_hand(heads, hidden, nxt, valid, t):
+    """s_0 at row t from the formula in ``MedusaHeads.contextualize``, loop by loop."""
+    H, nh, hd, W = heads.hidden_size, heads.context_heads, heads.context_head_dim, heads.context_window
+    rms = lambda v: v / torch.sqrt((v * v).mean() + 1e-6)  # noqa: E731
+    C, O = heads.context_qkv.detach(), heads.context_out.detach()
+    qkv = [C @ torch.cat([rms(hidden[j]), rms(nxt[j])]) for j in range(hidden.shape[0])]
+    A = nh * hd
+    out = torch.zeros(A)
+    for n in range(nh):
+        sl = slice(n * hd, (n + 1) * hd)
+        q = rope_by_hand(qkv[t][:A][sl], t)
+        keys = [j for j in range(hidden.shape[0]) if j <= t and t - j < W and (valid[j] or j == t)]
+        scores = torch.stack([q @ rope_by_hand(qkv[j][A : 2 * A][sl], j) / hd**0.5 for j in keys])
+        w = torch.softmax(scores, 0)
+        out[sl] = sum(w[i] * qkv[j][2 * A :][sl] for i, j in enumerate(keys))
+    return hidden[t] + O @ out
+
+
+def test_context_layer_by_hand():
+    """Window 3, 2 heads of dimension 4 on hidden size 6: the last 2 of 5 rows as queries,
+    one padding row; rows outside the window or invalid do not matter; a shifted start
+    position gives the same result (relative positions only)."""
+    g = torch.Generator().manual_seed(7)
+    heads = MedusaHeads(6, 2, context_window=3, context_heads=2, context_head_dim=4)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    assert heads.context_qkv.shape == (24, 12) and heads.context_out.shape == (6, 8)
+    hidden, nxt = torch.randn(1, 5, 6, generator=g), torch.randn(1, 5, 6, generator=g)
+    valid = torch.tensor([[True, True, False, True, True]])
+    out = heads.contextualize(hidden, nxt, valid, num_queries=2)
+    assert out.shape == (1, 2, 6)
+    for i, t in enumerate((3, 4)):
+        torch.testing.assert_close(out[0, i], context_by_hand(heads, hidden[0], nxt[0], valid[0], t), rtol=1e-4, atol=1e-4)
+    # row 0 is outside both windows, row 2 invalid: changing them changes nothing
+    h2, n2 = hidden.clone(), nxt.clone()
+    h2[0, 0] += 5
+    h2[0, 2] -= 3
+    n2[0, 2] += 1
+    torch.testing.assert_close(heads.contextualize(h2, n2, valid, num_queries=2), out)
+    # three invalid rows in front (a later start): the same queries
+    pad = torch.randn(1, 3, 6, generator=g)
+    shifted = heads.contextualize(torch.cat([pad, hidden], 1), torch.cat([pad, nxt], 1),
+                                  torch.cat([torch.zeros(1, 3, dtype=torch.bool), valid], 1), num_queries=2)
+    torch.testing.assert_close(shifted, out, rtol=1e-4, atol=1e-5)
+
+
+def test_fresh_context_layer_is_the_identity():
+    heads = MedusaHeads(HIDDEN, 2, token_conditioned=True, context_window=4)
+    assert torch.count_nonzero(heads.context_qkv) > 0 and torch.count_nonzero(heads.context_out) == 0
+    h = torch.randn(3, 5, HIDDEN)
+    torch.testing.assert_close(heads.contextualize(h, torch.randn(3, 5, HIDDEN), num_queries=5), h)
+
+
+def test_context_save_load_round_trip(tmp_path):
+    heads = random_heads(2, seed=5, conditioned=True, context=4)
+    heads.save(tmp_path / "ctx.pt")
+    back = MedusaHeads.load(tmp_path / "ctx.pt")
+    assert (back.context_window, back.context_heads, back.context_head_dim) == (4, 1, 64)
+    for name, p in heads.named_parameters():
+        torch.testing.assert_close(getattr(back, name), p.detach().half().float())
+    # a format-2 file (no context layer) still loads
+    state = {k: v.half() for k, v in random_heads(2, seed=6, conditioned=True).state_dict().items()}
+    torch.save({"config": {"format": 2, "hidden_size": HIDDEN, "num_heads": 2, "token_conditioned": True},
+                "state_dict": state}, tmp_path / "f2.pt")
+    old = MedusaHeads.load(tmp_path / "f2.pt")
+    assert old.token_conditioned and old.context_window == 0
+
+
+def test_context_bad_arguments(tiny):
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="context_window"):
+            MedusaHeads(HIDDEN, 2, context_window=bad)
+    with pytest.raises(ValueError, match="context_heads"):
+        MedusaHeads(HIDDEN, 2, context_window=2, context_heads=0)
+    with pytest.raises(ValueError, match="context_head_dim"):
+        MedusaHeads(HIDDEN, 2, context_window=2, context_head_dim=5)
+    with pytest.raises(ValueError, match="context layer"):
+        MedusaHeads(HIDDEN, 2).contextualize(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 2, HIDDEN))
+    heads = MedusaHeads(HIDDEN, 2, token_conditioned=True, context_window=3)
+    with pytest.raises(ValueError, match="next_embeddings"):
+        heads.contextualize(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 3, HIDDEN))
+    with pytest.raises(ValueError, match="num_queries"):
+        heads.contextualize(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 2, HIDDEN), num_queries=3)
+    with pytest.raises(ValueError, match="valid"):
+        heads.contextualize(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 2, HIDDEN), torch.ones(1, 2))
+    X, Y = torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="context"):
+        train_medusa.train_heads(heads, tiny.output.weight, X, Y, steps=1, batch=2, lr=1e-3, seed=0,
+                                 tokens=Y, embedding=tiny.tok_embeddings.weight)
+
+
+def test_context_states_stay_inside_each_sequence(tiny, tiny_data):
+    """Training and tuning windows (``context_batch`` / ``context_states``) on the data
+    layout of ``generate_data`` (example rows run on from one sequence into the next): each
+    example's s_0 equals the context layer over its own sequence's rows alone, and a run of
+    queries drawn across a sequence boundary does not count past it."""
+    ex, W = tiny_data, 6
+    heads = random_heads(3, seed=8, conditioned=True, context=W)
+    E = tiny.tok_embeddings.weight.detach()
+    seq = ex.seq_start[ex.rows]
+    b = int((seq != seq[0]).nonzero()[0])  # the first example of the second sequence
+    assert int(ex.rows[b]) == int(ex.rows[b - 1]) + 1  # no gap in the rows: the case to get right
+    Z = train_medusa.context_states(heads, E, ex, segment=5)
+    for m in range(ex.rows.shape[0]):
+        r = int(ex.rows[m])
+        lo = max(int(ex.seq_start[r]), r - W + 1)
+        z = heads.contextualize(ex.states[lo : r + 1].float()[None], E[ex.next_tokens[lo : r + 1]][None])[0, 0]
+        torch.testing.assert_close(Z[m], z, rtol=1e-4, atol=1e-4)
+    z, cont = train_medusa.context_batch(heads, E, ex, ex.rows[b - 2 : b + 2][None])
+    assert cont.tolist() == [[True, True, False, False]]
+    torch.testing.assert_close(z[0, :2], Z[b - 2 : b], rtol=1e-4, atol=1e-4)
+    assert train_medusa.run_starts(ex)[b] and not train_medusa.run_starts(ex)[b + 1]
+
+
+class ContextOracle(TreeOracle):
+    """TreeOracle (the last accepted node's index differs from its depth) that also takes
+    the committed positions' hidden states (``observe_context``)."""
+
+    context_window = 4
+
+    def start(self, histories, *a):
+        super().start(histories, *a)
+        self.context = []
+
+    def observe_context(self, hidden, first_positions, active):
+        for b, (rows, first, a) in enumerate(zip(hidden, first_positions, active)):
+            if a and rows is not None:
+                self.context.append((b, int(first), rows.clone()))
+
+
+@pytest.mark.parametrize("chunk", [3, 512], ids=["chunked-prefill", "one-prefill"])
+def test_engine_hands_over_the_context(tiny, chunk):
+    """observe_context gets the last 4 fed prompt positions after the prefill (fewer for
+    short prompts, none for a one-token prompt), then every step's accepted path (root
+    first), consecutive with no gap, each row the target's hidden state as a teacher-forced
+    pass over the final text gives it."""
+    plain = SpeculativeDecoder(tiny).generate(PROMPTS, 14).tokens
+    drafter = ContextOracle(PROMPTS, [g + [0] * 8 for g in plain])
+    result = SpeculativeDecoder(tiny, drafter, prefill_chunk=chunk).generate(PROMPTS, 14, num_draft_tokens=3)
+    assert result.tokens == plain and result.stats.accepted_draft_tokens > 0
+    for b, p in enumerate(PROMPTS):
+        calls = [(first, rows) for bb, first, rows in drafter.context if bb == b]
+        full = p + plain[b]
+        ref = teacher_forced_hidden(tiny, full)
+        if len(p) == 1:
+            assert all(first >= 0 for first, _ in calls) and (not calls or calls[0][0] == 0)
+        else:
+            assert calls[0][0] == max(0, len(p) - 1 - 4) and calls[0][0] + calls[0][1].shape[0] == len(p) - 1
+        for (f1, r1), (f2, _) in zip(calls, calls[1:]):
+            assert f1 + r1.shape[0] == f2  # consecutive, no gap, no overlap
+        end = calls[-1][0] + calls[-1][1].shape[0]
+        assert end >= len(full) - 2 - 3  # up to the last step's path
+        for first, rows in calls:
+            torch.testing.assert_close(rows, ref[first : first + rows.shape[0]], rtol=1e-4, atol=1e-4)
+
+
+class ContextStepDrafter(MedusaDrafter):
+    """Records each s_0 the context layer gives and the position it belongs to (root - 1)."""
+
+    def start(self, *a):
+        super().start(*a)
+        self.seen = []
+
+    def _context_state(self, histories, depth):
+        out = super()._context_state(histories, depth)
+        for b, h in enumerate(histories):
+            if depth[b] > 0:
+                self.seen.append((b, len(h) - 2, out[b].clone()))
+        return out
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_context_drafts_use_the_recent_hidden_states(tiny, tree):
+    """While decoding, s_0 is the context layer over the hidden states of the last W
+    positions (teacher-forced over the final text) and the tokens that followed them; the
+    output stays the greedy output."""
+    W = 5
+    heads = random_heads(3, seed=3, conditioned=True, context=W)
+    plain = SpeculativeDecoder(tiny).generate(PROMPTS, 16).tokens
+    drafter = ContextStepDrafter(tiny, heads, tree=tree, choices=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    result = SpeculativeDecoder(tiny, drafter, prefill_chunk=4).generate(PROMPTS, 16, num_draft_tokens=3)
+    assert result.tokens == plain
+    E = tiny.tok_embeddings.weight.detach()
+    counted = set()
+    for b, pos, s0 in drafter.seen:
+        full = PROMPTS[b] + plain[b]
+        lo = max(0, pos - W + 1)
+        h = teacher_forced_hidden(tiny, full)[lo : pos + 1]
+        nxt = E[torch.tensor(full[lo + 1 : pos + 2])]
+        # fp32; the hidden states differ by ~1e-5 between chunked and one-pass prefills, which
+        # the random (scale 0.3) context weights amplify
+        torch.testing.assert_close(s0, heads.contextualize(h[None], nxt[None])[0, 0], rtol=1e-3, atol=1e-3)
+        counted.add(b)
+    assert counted == {0, 1, 2, 3}
+    # the one-token prompt has no context for its first step (nothing was fed), then does
+    assert min(pos for b, pos, _ in drafter.seen if b == 1) == 0
+
+
+def test_multi_draft_forwards_the_context(tiny):
+    from specdec_kernels.decoding import MultiDrafter, NgramDrafter
+
+    heads = random_heads(3, seed=3, conditioned=True, context=5)
+    medusa = ContextStepDrafter(tiny, heads, tree=True, choices=[[0], [1], [0, 0]])
+    multi = MultiDrafter([NgramDrafter(), medusa])
+    assert multi.context_window == 5 and multi.wants_hidden
+    plain = SpeculativeDecoder(tiny).generate(PROMPTS, 16).tokens
+    assert SpeculativeDecoder(tiny, multi).generate(PROMPTS, 16, num_draft_tokens=3).tokens == plain
+    assert len(medusa.seen) > 10
+
+
 # ---------------------------------------------------------------------------- training
 def test_best_tree_by_hand():
     # true ranks of 4 positions for 2 heads (-1: missing label)
@@ -458,7 +685,11 @@ def test_examples_labels_by_hand():
     argmax = [9, 10, 11, 12, 6, 7, 8]  # what the target predicts after positions 0..6
     hidden = F.one_hot(torch.tensor(argmax), Vh).half()  # positions 0..6 (the last token's is never recorded)
     data = train_medusa.SelfDistilled([prompt + gen], [len(prompt)], [0], [hidden])
-    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=True, output_weight=W_out)
+    ex = train_medusa.examples(data, 2, prompt=True, output_weight=W_out)
+    X, Y, T, teacher, states = ex[:5]
+    # where each example's h_t lies, the token after each recorded position, its sequence's first row
+    assert ex.rows.tolist() == [0, 1, 2, 3, 4, 5] and torch.equal(states[ex.rows], X)
+    assert ex.next_tokens.tolist() == [2, 3, 4, 5, 6, 7, 8] and ex.seq_start.tolist() == [0] * 7
     # position t: head 0 -> the prediction of token t + 2 = argmax after t + 1 (prompt) or the token
     expected = [[10, 11], [11, 12], [12, 6], [6, 7], [7, 8], [8, -100]]
     assert Y.tolist() == expected and torch.equal(X, hidden[:6])
@@ -467,12 +698,14 @@ def test_examples_labels_by_hand():
     # soft labels: head i at t reads the target's distribution at t + i + 1, whose argmax is the label
     assert teacher.tolist() == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, -1]] and torch.equal(states, hidden)
     assert torch.equal((states[teacher[:, :1]].float() @ W_out.T).argmax(-1), Y[:, :1])
-    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=False)  # from the prompt's second-to-last token on
+    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=False)[:5]  # from the prompt's second-to-last token on
     assert Y.tolist() == expected[3:] and torch.equal(X, hidden[3:6]) and T.tolist() == [[5, 6], [6, 7], [7, 8]]
     assert teacher.tolist() == [[4, 5], [5, 6], [6, -1]]
     # two sequences: the second's rows are offset by the first's recorded states
     two = train_medusa.SelfDistilled([prompt + gen] * 2, [len(prompt)] * 2, [0, 0], [hidden, hidden])
-    assert train_medusa.examples(two, 2, prompt=False).teacher[3:].tolist() == [[11, 12], [12, 13], [13, -1]]
+    ex2 = train_medusa.examples(two, 2, prompt=False)
+    assert ex2.teacher[3:].tolist() == [[11, 12], [12, 13], [13, -1]]
+    assert ex2.rows.tolist() == [3, 4, 5, 10, 11, 12] and ex2.seq_start.tolist() == [0] * 7 + [7] * 7
     with pytest.raises(ValueError, match="output_weight"):
         train_medusa.examples(data, 2, prompt=True)
 
@@ -509,15 +742,20 @@ def test_split_keeps_the_bench_prompts_out():
         assert sum(q["category"] == c for q in train) <= 40
 
 
-@pytest.mark.parametrize("conditioned", [True, False], ids=["conditioned", "medusa"])
-def test_training_command_end_to_end(tmp_path, conditioned):
+@pytest.mark.parametrize("kind", ["context", "conditioned", "medusa"])
+def test_training_command_end_to_end(tmp_path, kind):
     out = tmp_path / "heads.pt"
-    flag = [] if conditioned else ["--no-token-conditioned"]  # token-conditioned heads by default
+    # token-conditioned heads with a context layer of window 32 by default
+    flag = {"context": [], "conditioned": ["--context-window", "0"], "medusa": ["--no-token-conditioned", "--context-window", "0"]}[kind]
     assert train_medusa.main(["--random-model", "--steps", "2", "--batch", "8", "--heads", "2", "--new-tokens", "6",
                               "--tree-nodes", "5", "--out", str(out), "--seed", "1"] + flag) == 0
     heads = load_medusa_heads(out)
+    conditioned = kind != "medusa"
     assert heads.num_heads == 2 and torch.count_nonzero(heads.weight) > 0
     assert heads.token_conditioned == conditioned and heads.config["training"]["token_conditioned"] == conditioned
+    assert heads.context_window == (32 if kind == "context" else 0)
+    if kind == "context":
+        assert torch.count_nonzero(heads.context_out) > 0  # trained together with the heads
     cfg = heads.config
     assert cfg["base_model"] == "tiny-random-llama" and cfg["training"]["steps"] == 2 and cfg["training"]["seed"] == 1
     assert 1 <= len(heads.tree_choices) <= 4 and all(len(c) <= 2 for c in heads.tree_choices)
@@ -555,11 +793,15 @@ def test_shipped_heads_load_and_draft(real):
     assert heads.hidden_size == model.args.hidden_size and heads.num_heads >= 2
     assert heads.config["base_fingerprint"] == model_fingerprint(model)
     assert heads.tree_choices and len(heads.tree_choices) >= 4
-    assert SHIPPED.stat().st_size < 8 * 2**20
+    assert SHIPPED.stat().st_size < 12 * 2**20  # a few MB: 4 heads and the context layer in fp16
     drafter = MedusaDrafter(model, tree=True)
     ids = prompts[1] + greedy[1][:10]
     drafter.start([ids], 256, SamplingParams(), None)
-    drafter.observe_hidden(teacher_forced_hidden(model, ids)[-2:-1], [True])
+    h = teacher_forced_hidden(model, ids)
+    if heads.context_window:  # the committed positions before the root, as the engine hands them over
+        first = max(0, len(ids) - 1 - heads.context_window)
+        drafter.observe_context([h[first : len(ids) - 1]], [first], [True])
+    drafter.observe_hidden(h[-2:-1], [True])
     draft = drafter.propose([ids], [heads.num_heads], [True])
     assert draft.num_nodes.item() == len(heads.tree_choices) + 1
     assert draft.tokens[0, 0] == ids[-1]
@@ -579,8 +821,14 @@ def test_shipped_heads_predict_the_greedy_text(real):
         h = teacher_forced_hidden(model, full)
         with torch.inference_mode():
             emb = path_embeddings(model, full, heads.num_heads) if heads.token_conditioned else None
+            s0 = h
+            if heads.context_window:  # every position's s_0 over its window (the last has no next token)
+                nxt = model.tok_embeddings.weight[torch.tensor(full[1:])]
+                s0 = heads.contextualize(h[None, :-1], nxt[None], num_queries=len(full) - 1)[0]
+                s0 = torch.cat([s0, h[-1:]])  # (the last row is never scored)
             for name, hd in (("trained", heads), ("zero", MedusaHeads(heads.hidden_size, heads.num_heads))):
-                best = hd.logits(h, model.output.weight, embeddings=emb if hd.token_conditioned else None).argmax(-1)  # (T, k)
+                x = s0 if hd is heads else h
+                best = hd.logits(x, model.output.weight, embeddings=emb if hd.token_conditioned else None).argmax(-1)  # (T, k)
                 for i in range(heads.num_heads):
                     ts = range(len(p) - 2, len(full) - i - 2)
                     hits[name][i] += sum(int(best[t, i]) == full[t + i + 2] for t in ts)

@@ -135,6 +135,7 @@ class Drafter:
 
     name = "drafter"
     wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
+    context_window = 0  # > 0 (with wants_hidden): the engine also calls observe_context
 
     def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
         """Reset for a new batch: ``capacity`` cache slots per sequence; ``generators`` one
@@ -155,6 +156,15 @@ class Drafter:
         next root, i.e. of the last accepted node (after ``observe``), or of the prompt's
         second-to-last token (after ``start``, for the first root); rows where ``active[b]``
         is false are meaningless (finished sequences, or a one-token prompt)."""
+
+    def observe_context(self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]) -> None:
+        """Called only when ``wants_hidden`` is true and ``context_window`` > 0, before
+        ``observe_hidden``: ``hidden[b]`` (n_b, hidden_size), the target's final hidden
+        states of sequence b's positions ``first_positions[b]`` .. + n_b - 1 (consecutive;
+        None or n_b = 0: none), newly committed: after ``start`` the last
+        ``context_window`` fed prompt positions (all but the last prompt token, the first
+        root), after each step the accepted path (root first).  Entries where
+        ``active[b]`` is false are meaningless."""
 
 
 class NoDrafter(Drafter):

@@ -320,7 +320,10 @@ class SpeculativeDecoder:
         if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters, fresh each run
             self.drafter.bind_stats(state.stats)
         if prefill_hidden is not None:
-            self.drafter.observe_hidden(*prefill_hidden)
+            last, has, context, first = prefill_hidden
+            if context is not None:
+                self.drafter.observe_context(context, first, has)
+            self.drafter.observe_hidden(last, has)
         state.stats.draft_time += time.perf_counter() - t
         return state
 
@@ -328,13 +331,18 @@ class SpeculativeDecoder:
         """Feed every prompt but its last token (the first root), in chunks, as chains.
 
         For a drafter that ``wants_hidden`` returns (hidden (B, hidden_size) of each prompt's
-        last fed token, has_hidden per sequence), else None."""
+        last fed token, has_hidden per sequence, context, first): with a ``context_window``
+        W > 0, context[b] holds the hidden states of the last W fed positions of sequence b
+        (from position first[b]), else context is None; for other drafters None."""
         device = self.model.device
         fed = [n - 1 for n in state.prompt_lengths]
         longest = max(fed)
         B = state.batch_size
         wants = getattr(self.drafter, "wants_hidden", False)
+        window = int(getattr(self.drafter, "context_window", 0) or 0) if wants else 0
         last = torch.zeros(B, self.model.args.hidden_size, dtype=self.model.dtype, device=device) if wants else None
+        first = [max(0, f - max(window, 1)) for f in fed]  # the fed positions whose hidden states are kept
+        kept: List[List[torch.Tensor]] = [[] for _ in range(B)]
         for c in range(0, longest, self.prefill_chunk):
             n = min(self.prefill_chunk, longest - c)
             block = torch.zeros(B, n, dtype=torch.int64)
@@ -346,18 +354,27 @@ class SpeculativeDecoder:
             no_rows = torch.zeros(B, 0, dtype=torch.int64, device=device)
             if not wants:
                 self.model(block.to(device), positions.to(device), state.kv_cache, seqlens, None, logit_rows=no_rows)
-            else:  # the hidden state of each prompt's last fed token, no head
-                rows = torch.tensor([[min(max(f - 1 - c, 0), n - 1)] for f in fed], dtype=torch.int64, device=device)
+            else:  # the hidden states of each prompt's kept positions in this chunk, no head
+                want = [range(max(first[b], c), min(fed[b], c + n)) for b in range(B)]
+                m = max(1, max(len(w) for w in want))
+                rows = torch.tensor([[(w[min(i, len(w) - 1)] - c) if len(w) else 0 for i in range(m)] for w in want],
+                                    dtype=torch.int64, device=device)
                 _, hidden = self.model(
                     block.to(device), positions.to(device), state.kv_cache, seqlens, None,
                     logit_rows=rows, return_hidden=True, compute_logits=False,
                 )
-                for b, f in enumerate(fed):
-                    if c <= f - 1 < c + n:
-                        last[b] = hidden[b, 0]
+                for b, w in enumerate(want):
+                    if len(w):
+                        kept[b].append(hidden[b, : len(w)])
             state.stats.prefill_passes += 1
         state.cache_seqlens = torch.tensor(fed, dtype=torch.int32, device=device)
-        return (last, [f > 0 for f in fed]) if wants else None
+        if not wants:
+            return None
+        context = [torch.cat(k) if k else None for k in kept]
+        for b, rows in enumerate(context):
+            if rows is not None:
+                last[b] = rows[-1]
+        return last, [f > 0 for f in fed], (context if window else None), first
 
     @torch.inference_mode()
     def step(self, state: DecodeState, num_draft_tokens: Union[int, Sequence[int]] = 4) -> List[List[int]]:
@@ -406,6 +423,11 @@ class SpeculativeDecoder:
         t3 = time.perf_counter()
         self.drafter.observe(accepted_nodes, num_accepted, keep)
         if self._hidden is not None:  # the hidden state of each sequence's last accepted node
+            if getattr(self.drafter, "context_window", 0):  # and of the whole accepted path
+                nodes = accepted_nodes.to(self._hidden.device)
+                first = (state.cache_seqlens.cpu() - advance.to(torch.int32)).tolist()
+                path = [self._hidden[b, nodes[b, : int(num_accepted[b]) + 1]] if keep[b] else None for b in range(B)]
+                self.drafter.observe_context(path, first, keep)
             last = accepted_nodes.gather(1, num_accepted[:, None].to(accepted_nodes.dtype)).clamp(min=0)[:, 0]
             rows = torch.arange(B, device=self._hidden.device)
             self.drafter.observe_hidden(self._hidden[rows, last.to(self._hidden.device)], keep)

@@ -177,6 +177,20 @@ class MultiDrafter(Drafter):
         """True when a sub-drafter (e.g. ``MedusaDrafter``) wants the target's hidden state."""
         return any(getattr(d, "wants_hidden", False) for d in self.drafters)
 
+    @property
+    def context_window(self) -> int:
+        """The longest ``context_window`` of the sub-drafters that want hidden states."""
+        return max([int(getattr(d, "context_window", 0) or 0) for d in self.drafters if getattr(d, "wants_hidden", False)] or [0])
+
+    def observe_context(self, hidden, first_positions, active) -> None:
+        """Forward the committed positions' hidden states to the sub-drafters with a context
+        window (each keeps as many as it needs)."""
+        for d, name in zip(self.drafters, self.names):
+            if getattr(d, "wants_hidden", False) and getattr(d, "context_window", 0):
+                t = time.perf_counter()
+                d.observe_context(hidden, first_positions, active)
+                self.counters[name]["observe_time"] += time.perf_counter() - t
+
     def observe_hidden(self, hidden: torch.Tensor, active) -> None:
         """Forward the target's hidden state of each sequence's last accepted node (the same
         for every sub-drafter: it does not depend on who proposed the node)."""

@@ -25,7 +25,12 @@
    tokens at t + 1 .. t + k through the target's frozen input embedding (past the prompt
    these are exactly the draft path that must be accepted).  Soft labels too
    (``--distill``, default 1: only them): the target's whole distribution over the label,
-   its output head on the cached hidden state one position earlier.  Only the heads train
+   its output head on the cached hidden state one position earlier.  With
+   ``--context-window`` W (default 32; 0: none) the heads start from a causal attention
+   layer over the target's hidden states of the last W positions and the tokens that
+   followed them (Hydra++'s prefix attention, ``MedusaHeads.contextualize``), trained with
+   the heads on minibatches of ``--batch / --segment`` runs of ``--segment`` (16)
+   consecutive positions, so that a run shares its window's rows.  Only the heads train
    (the target, its embedding and its output head are frozen), on the cached hidden states.
    Loss: cross-entropy through the frozen output head, as a sampled softmax (the
    ``--frequent`` most frequent labels, the batch's labels and ``--negatives`` uniformly
@@ -252,7 +257,12 @@ class Examples(NamedTuple):
         output-head distribution is the target's own distribution over the token at
         t + i + 2 (the soft label of head i); -1 where labels[:, i] is -100 and for a
         sequence's last label (the hidden state of its last fed token is not recorded).
-    states: (N, hidden) fp16, every recorded hidden state of the data.
+    states: (N, hidden) fp16, every recorded hidden state of the data (sequence after
+        sequence, consecutive positions).
+    rows: (M,) int64, the row of ``states`` holding each example's h_t (hidden == states[rows]).
+    next_tokens: (N,) int64, the text's token after each row's position (what the context
+        layer reads with that row, ``MedusaHeads.contextualize``).
+    seq_start: (N,) int64, the first row of each row's sequence.
     """
 
     hidden: torch.Tensor
@@ -260,6 +270,9 @@ class Examples(NamedTuple):
     path: torch.Tensor
     teacher: torch.Tensor
     states: torch.Tensor
+    rows: torch.Tensor
+    next_tokens: torch.Tensor
+    seq_start: torch.Tensor
 
 
 def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_weight: Optional[torch.Tensor] = None, chunk: int = 2048) -> Examples:
@@ -276,7 +289,7 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
     self-distillation throughout.  ``prompt`` False keeps only the positions the drafter
     sees while decoding, from the prompt's second-to-last token on.
     """
-    xs, ys, ts, teach = [], [], [], []
+    xs, ys, ts, teach, where, nexts, starts = [], [], [], [], [], [], []
     offset = 0  # of data.hidden[s] in the concatenated states
     W_out = None if output_weight is None else output_weight.detach().float()
     for s, toks in enumerate(data.tokens):
@@ -284,6 +297,9 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
         first, P = data.first[s], data.prompt_lengths[s]
         start, rows = offset, h.shape[0]
         offset += rows
+        nexts.append(torch.tensor(toks[first + 1 : first + 1 + rows], dtype=torch.int64))
+        starts.append(torch.full((rows,), start, dtype=torch.int64))
+        skip = 0
         if not prompt:
             skip = max(0, P - 2 - first)
             h, first = h[skip:], first + skip
@@ -317,8 +333,75 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
         ys.append(lab[keep])
         ts.append(path[keep])
         teach.append(tea[keep])
+        where.append(start + skip + keep.nonzero()[:, 0])
     states = torch.cat(list(data.hidden)) if data.hidden else torch.zeros(0, 0, dtype=torch.float16)
-    return Examples(torch.cat(xs), torch.cat(ys), torch.cat(ts), torch.cat(teach), states)
+    return Examples(torch.cat(xs), torch.cat(ys), torch.cat(ts), torch.cat(teach), states, torch.cat(where),
+                    torch.cat(nexts), torch.cat(starts))
+
+
+def context_batch(heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, query_rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """s_0 from the context layer (``MedusaHeads.contextualize``) for segments of
+    consecutive positions.
+
+    Args:
+        query_rows: (S, L) int64 rows of ``ex.states``; segment s holds the positions
+            query_rows[s, 0] + 0..L-1 as far as its rows run on consecutively.
+        embedding: the target's input embedding (vocab, hidden).
+
+    Returns:
+        (S, L, hidden) s_0 in the heads' dtype, and (S, L) bool: the queries that continue
+        their segment's first row in its sequence (the others are meaningless).  Each valid
+        query sees the rows of its own sequence within the window, as the drafter does
+        while decoding.
+    """
+    S, L = query_rows.shape
+    W, N = heads.context_window, ex.states.shape[0]
+    first = query_rows[:, :1]
+    seq = ex.seq_start[first.clamp(max=N - 1)]
+    # consecutive rows of the first query's own sequence (rows run on into the next sequence
+    # when its first position is an example); once broken, a run stays broken
+    continues = (query_rows == first + torch.arange(L)) & (ex.seq_start[query_rows.clamp(max=N - 1)] == seq)
+    continues = continues.cumprod(dim=1).bool()
+    keys = first - (W - 1) + torch.arange(W - 1 + L)  # (S, W - 1 + L): the window before the first query, then the queries
+    valid = (keys >= seq) & (keys < N)
+    keys = keys.clamp(0, N - 1)
+    valid &= ex.seq_start[keys] == seq
+    hidden = ex.states[keys].float()
+    nxt = embedding[ex.next_tokens[keys]].float()
+    return heads.contextualize(hidden, nxt, valid, num_queries=L), continues
+
+
+def run_starts(ex: Examples) -> torch.Tensor:
+    """(M,) bool: the examples that do not continue the one before them (a gap in the rows,
+    or another sequence)."""
+    rows = ex.rows
+    brk = torch.ones(rows.shape[0], dtype=torch.bool)
+    brk[1:] = (rows[1:] != rows[:-1] + 1) | (ex.seq_start[rows[1:]] != ex.seq_start[rows[:-1]])
+    return brk
+
+
+@torch.no_grad()
+def context_states(heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, segment: int = 64, chunk: int = 64) -> torch.Tensor:
+    """(M, hidden) float32: s_0 of every example of ``ex`` through the context layer (the
+    examples' h_t when the heads have none)."""
+    if not heads.context_window:
+        return ex.hidden.float()
+    rows = ex.rows
+    M = rows.shape[0]
+    brk = run_starts(ex)
+    starts = []
+    for run, end in zip(brk.nonzero()[:, 0].tolist(), brk.nonzero()[:, 0].tolist()[1:] + [M]):
+        starts += list(range(run, end, segment))
+    lens = [min(segment, e - s) for s, e in zip(starts, starts[1:] + [M])]
+    out = torch.empty(M, heads.hidden_size)
+    E = embedding.detach()
+    ar = torch.arange(segment)
+    for c in range(0, len(starts), chunk):
+        st = torch.tensor(starts[c : c + chunk])
+        z, _ = context_batch(heads, E, ex, rows[st][:, None] + ar)
+        for j, (s0, n) in enumerate(zip(starts[c : c + chunk], lens[c : c + chunk])):
+            out[s0 : s0 + n] = z[j, :n].float()
+    return out
 
 
 # ---------------------------------------------------------------------- training
@@ -340,6 +423,8 @@ def train_heads(
     teacher: Optional[torch.Tensor] = None,
     teacher_states: Optional[torch.Tensor] = None,
     distill: float = 0.0,
+    context: Optional[Examples] = None,
+    segment: int = 16,
     desc: str = "train",
 ) -> List[float]:
     """Cross-entropy of every head against its labels through the frozen output head, with a
@@ -365,13 +450,19 @@ def train_heads(
         teacher, teacher_states: for ``distill`` > 0: ``Examples.teacher`` (M, k) and
             ``Examples.states`` (N, hidden).
         distill: weight of the soft-label term, in [0, 1].
+        context: heads with a context layer only: the ``Examples`` that X and Y come from
+            (X is then only counted: s_0 comes from their states, rows, next tokens and
+            sequence starts); each minibatch is batch // segment runs of ``segment`` (at
+            most batch) consecutive examples of one sequence, whose s_0 comes from the
+            context layer (``context_batch``), trained together with the heads.
 
     Returns:
         The loss of every step.
 
     Raises:
         ValueError: token-conditioned heads without tokens and embedding; distill outside
-            [0, 1], or > 0 without teacher and teacher_states.
+            [0, 1], or > 0 without teacher and teacher_states; heads with a context layer
+            without context or embedding; segment < 1; shapes that do not match.
     """
     if heads.token_conditioned and (tokens is None or embedding is None):
         raise ValueError("token-conditioned heads train on tokens (the path tokens) and embedding (the target's)")
@@ -379,6 +470,12 @@ def train_heads(
         raise ValueError(f"distill must lie in [0, 1], got {distill}")
     if distill > 0 and (teacher is None or teacher_states is None):
         raise ValueError("distill > 0 needs teacher and teacher_states (from examples())")
+    if heads.context_window and context is None:
+        raise ValueError("heads with a context layer train on context (the Examples of X and Y)")
+    if segment < 1:
+        raise ValueError(f"segment must be >= 1, got {segment}")
+    if context is not None and context.rows.shape[0] != X.shape[0]:
+        raise ValueError(f"context must be the Examples of X ({X.shape[0]} rows), got {context.rows.shape[0]}")
     if X.ndim != 2 or Y.ndim != 2 or Y.shape[0] != X.shape[0] or Y.shape[1] != heads.num_heads:
         raise ValueError(f"X must be (M, hidden) and Y (M, {heads.num_heads}), got {tuple(X.shape)} and {tuple(Y.shape)}")
     if heads.token_conditioned and tokens.shape != Y.shape:
@@ -388,7 +485,13 @@ def train_heads(
             raise ValueError(f"teacher must have Y's shape {tuple(Y.shape)}, got {tuple(teacher.shape)}")
         if teacher.numel() and int(teacher.max()) >= teacher_states.shape[0]:
             raise ValueError(f"teacher rows must lie below teacher_states' {teacher_states.shape[0]} rows")
+    if heads.context_window and embedding is None:
+        raise ValueError("heads with a context layer need embedding (the target's input embedding)")
     E = None if embedding is None else embedding.detach().float()
+    if heads.context_window:
+        L = min(segment, batch)
+        brk = run_starts(context)
+        run_first = torch.cummax(torch.where(brk, torch.arange(brk.numel()), 0), dim=0).values  # each example's run's first
     from tqdm import tqdm
 
     g = torch.Generator().manual_seed(seed)
@@ -411,8 +514,20 @@ def train_heads(
     heads.train()
     with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
         for step in bar:
-            idx = torch.randint(0, X.shape[0], (batch,), generator=g)
-            y = Y[idx]
+            if heads.context_window:
+                # a run of L examples starts up to L - 1 before a uniformly drawn one (not
+                # before its run's first), so that a run's first examples are drawn too
+                m = torch.randint(0, X.shape[0], (batch // L,), generator=g)
+                back = torch.randint(0, L, (batch // L,), generator=g)
+                first = torch.maximum(run_first[m], m - back)
+                seg = (first[:, None] + torch.arange(L)).clamp(max=X.shape[0] - 1)
+                s0, continues = context_batch(heads, E, context, context.rows[seg])
+                idx, s0 = seg.reshape(-1), s0.reshape(-1, s0.shape[-1])
+                y = torch.where(continues.reshape(-1, 1), Y[idx], -100)
+            else:
+                idx = torch.randint(0, X.shape[0], (batch,), generator=g)
+                s0 = X[idx].float()
+                y = Y[idx]
             if sampled:
                 labels = torch.unique(y[y >= 0])
                 extra = labels[~in_common[labels]]
@@ -427,7 +542,7 @@ def train_heads(
             remap[cands] = torch.arange(cands.numel())
             target = torch.where(y >= 0, remap[y.clamp(min=0)], -100)
             emb = E[tokens[idx]] if heads.token_conditioned else None
-            states = heads(X[idx].float(), embeddings=emb)  # (batch, k, hidden)
+            states = heads(s0, embeddings=emb)  # (batch, k, hidden)
             W_c = W_bf[cands].T
             logits = (states.to(torch.bfloat16) @ W_c).float() + bias
             if distill > 0:
@@ -533,6 +648,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
     p.add_argument("--token-conditioned", action=argparse.BooleanOptionalAction, default=True,
                    help="heads that also read the draft path's tokens (Hydra); --no-token-conditioned: plain Medusa heads")
+    p.add_argument("--context-window", type=int, default=32,
+                   help="positions the heads' context attention layer sees (Hydra++ prefix attention); 0: none")
+    p.add_argument("--context-heads", type=int, default=None, help="attention heads of the context layer (head dimension 64; default hidden / 64)")
+    p.add_argument("--segment", type=int, default=16, help="consecutive positions per minibatch run (context layer only)")
     p.add_argument("--steps", type=int, default=4000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -560,7 +679,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0.0 <= args.distill <= 1.0:
         p.error("--distill must lie in [0, 1]")
-    for name in ("heads", "steps", "batch", "per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "tree_nodes"):
+    if args.context_window < 0:
+        p.error("--context-window must be >= 0")
+    if args.context_heads is not None and args.context_heads < 1:
+        p.error("--context-heads must be >= 1")
+    for name in ("heads", "segment", "steps", "batch", "per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "tree_nodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -619,18 +742,21 @@ def main(argv=None) -> int:
         train_d = cached_data(cache_file(train_p, "train"), lambda part: generate_data(model, train_p, args.new_tokens, args.gen_batch, stops, "generate (train)", part, args.gen_max_tokens))
     t_data = time.perf_counter() - t0
 
-    X, Y, T, teacher, states = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
-    Xt, Yt, Tt, _, _ = examples(tune_d, args.heads, prompt=False)
-    print(f"{X.shape[0]} training positions, {Xt.shape[0]} tuning positions", file=sys.stderr)
-    heads = MedusaHeads(model.args.hidden_size, args.heads, token_conditioned=args.token_conditioned)
+    ex = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
+    tune = examples(tune_d, args.heads, prompt=False)
+    X, Y = ex.hidden, ex.labels
+    print(f"{X.shape[0]} training positions, {tune.hidden.shape[0]} tuning positions", file=sys.stderr)
+    heads = MedusaHeads(model.args.hidden_size, args.heads, token_conditioned=args.token_conditioned, context_window=args.context_window,
+                         context_heads=args.context_heads)
     E = model.tok_embeddings.weight
     t1 = time.perf_counter()
     losses = train_heads(heads, model.output.weight, X, Y, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives, tokens=T, embedding=E,
-                         teacher=teacher, teacher_states=states, distill=args.distill)
+                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives, tokens=ex.path, embedding=E,
+                         teacher=ex.teacher, teacher_states=ex.states, distill=args.distill,
+                         context=ex if args.context_window else None, segment=args.segment)
     t_train = time.perf_counter() - t1
 
-    ranks = true_ranks(heads, model.output.weight, Xt, Yt, tokens=Tt, embedding=E)
+    ranks = true_ranks(heads, model.output.weight, context_states(heads, E, tune), tune.labels, tokens=tune.path, embedding=E)
     top1 = [(ranks[:, i] == 0).float()[ranks[:, i] >= 0].mean().item() for i in range(args.heads)]
     choices, expected = best_tree(ranks, args.tree_nodes)
     chain_expected = 1.0 + sum(
