@@ -520,6 +520,13 @@ def test_context_save_load_round_trip(tmp_path):
                 "state_dict": state}, tmp_path / "f2.pt")
     old = MedusaHeads.load(tmp_path / "f2.pt")
     assert old.token_conditioned and old.context_window == 0
+    # heads without a context layer are still written as format 2
+    old.save(tmp_path / "again.pt")
+    assert torch.load(tmp_path / "again.pt", weights_only=True)["config"]["format"] == 2
+    torch.save({"config": {"format": 3, "hidden_size": HIDDEN, "num_heads": 2, "context_window": 4}, "state_dict": state},
+               tmp_path / "broken.pt")
+    with pytest.raises(ValueError, match="config"):
+        MedusaHeads.load(tmp_path / "broken.pt")
 
 
 def test_context_bad_arguments(tiny):

@@ -165,7 +165,7 @@ class MedusaHeads(nn.Module):
             if nh < 1:
                 raise ValueError(f"context_heads must be >= 1, got {context_heads}")
             if hd < 2 or hd % 2:
-                raise ValueError(f"context_head_dim must be even and >= 2, got {context_head_dim}")
+                raise ValueError(f"context_head_dim must be even and >= 2, got {hd}" + (" (from hidden_size)" if context_head_dim is None else ""))
             self.context_heads, self.context_head_dim = nh, hd
             bound = 1.0 / math.sqrt(2 * hidden_size)  # nn.Linear's default initialisation
             self.context_qkv = nn.Parameter(torch.empty(3 * nh * hd, 2 * hidden_size).uniform_(-bound, bound))
@@ -323,7 +323,8 @@ class MedusaHeads(nn.Module):
         """Write the heads (fp16 weights) and their config to ``path`` (``torch.save``)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        config = {**self.config, "format": FORMAT, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
+        # format 2 readers can still read heads without a context layer
+        config = {**self.config, "format": FORMAT if self.context_window else 2, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
                   "token_conditioned": self.token_conditioned, "context_window": self.context_window,
                   "context_heads": self.context_heads, "context_head_dim": self.context_head_dim}
         state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in self.state_dict().items()}
@@ -347,10 +348,13 @@ class MedusaHeads(nn.Module):
         config = dict(payload["config"])
         if config.get("format") not in READABLE_FORMATS:
             raise ValueError(f"{path}: Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}")
-        window = int(config.get("context_window", 0))
-        heads = cls(int(config["hidden_size"]), int(config["num_heads"]), token_conditioned=bool(config.get("token_conditioned", False)),
-                    context_window=window, context_heads=int(config["context_heads"]) if window else None,
-                    context_head_dim=int(config["context_head_dim"]) if window else None, config=config)
+        try:
+            window = int(config.get("context_window", 0))
+            heads = cls(int(config["hidden_size"]), int(config["num_heads"]), token_conditioned=bool(config.get("token_conditioned", False)),
+                        context_window=window, context_heads=int(config["context_heads"]) if window else None,
+                        context_head_dim=int(config["context_head_dim"]) if window else None, config=config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: a config this version cannot read ({type(e).__name__}: {e})") from None
         try:
             heads.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
         except (RuntimeError, AttributeError) as e:
