@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
-from specdec_kernels.decoding.model import Transformer, linear
+from specdec_kernels.decoding.model import Transformer, linear, rotate
 from specdec_kernels.tree import medusa_choices_to_tree
 
 FORMAT = 3  # 1: unconditioned heads only, 2: no context attention (both still read)
@@ -369,13 +369,13 @@ class MedusaHeads(nn.Module):
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form) of x (..., R, heads, head_dim) at positions pos (R,)."""
+    """Rotary position embedding of x (..., R, heads, head_dim) at positions pos (R,), in the
+    target's half-split layout (``model.rotate``)."""
     hd = x.shape[-1]
     inv = CONTEXT_ROPE_THETA ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
     ang = pos.to(torch.float32)[:, None] * inv  # (R, hd / 2)
-    cos, sin = ang.cos()[:, None, :].to(x.dtype), ang.sin()[:, None, :].to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    emb = torch.cat((ang, ang), dim=-1)[:, None, :]  # (R, 1, hd)
+    return rotate(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
 
 def load_medusa_heads(path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu") -> MedusaHeads:

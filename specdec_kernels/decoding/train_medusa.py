@@ -388,9 +388,9 @@ def context_states(heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, se
         return ex.hidden.float()
     rows = ex.rows
     M = rows.shape[0]
-    brk = run_starts(ex)
+    runs = run_starts(ex).nonzero()[:, 0].tolist()
     starts = []
-    for run, end in zip(brk.nonzero()[:, 0].tolist(), brk.nonzero()[:, 0].tolist()[1:] + [M]):
+    for run, end in zip(runs, runs[1:] + [M]):
         starts += list(range(run, end, segment))
     lens = [min(segment, e - s) for s, e in zip(starts, starts[1:] + [M])]
     out = torch.empty(M, heads.hidden_size)
