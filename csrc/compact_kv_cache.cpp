@@ -197,5 +197,5 @@ void compact_kv_cache_cpu(at::TensorList caches, const at::Tensor& cache_seqlens
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("compact_kv_cache", &specdec::compact_kv_cache_cpu);
+  m.impl("compact_kv_cache_native", &specdec::compact_kv_cache_cpu);
 }

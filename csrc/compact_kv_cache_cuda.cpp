@@ -87,5 +87,5 @@ void compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_seqlen
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
-  m.impl("compact_kv_cache", &specdec::compact_kv_cache_cuda);
+  m.impl("compact_kv_cache_native", &specdec::compact_kv_cache_cuda);
 }

@@ -11,12 +11,14 @@ extern "C" PyObject* PyInit__C(void) {
   return PyModule_Create(&module);
 }
 
-TORCH_LIBRARY(specdec, m) {
-  // compact_kv_cache: `caches` holds [B, Hkv, S, D] tensors and/or [L, 2, B, Hkv, S, D]
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  // The public ops (torch.ops.specdec.compact_kv_cache and the others) are declared in Python
+  // (specdec_kernels/_library.py); this library adds the native kernels they dispatch to.
+  // compact_kv_cache_native: `caches` holds [B, Hkv, S, D] tensors and/or [L, 2, B, Hkv, S, D]
   // buffers (each expanded into its 2L slices), all of one dtype and shape; modified in place.
   // validate=true runs the value checks of the Python op (a device sync on CUDA); with it off
   // the kernels skip out-of-range slots and never touch memory outside the caches.
   m.def(
-      "compact_kv_cache(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, "
+      "compact_kv_cache_native(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, "
       "Tensor num_accepted, bool validate=False) -> ()");
 }

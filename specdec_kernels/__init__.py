@@ -3,7 +3,12 @@
 Public ops (contract: docs/API.md): ``verify_greedy``, ``verify_tree_greedy``,
 ``rejection_sample``, ``tree_rejection_sample``, ``sampling_probs``, ``tree_attention``,
 ``compact_kv_cache``; token-tree helpers in ``specdec_kernels.tree``; plain-PyTorch
-references in ``specdec_kernels.reference``.  Nothing here touches a GPU at import.
+references in ``specdec_kernels.reference``.
+
+Importing the package registers each op as a torch custom op, ``torch.ops.specdec.<name>``
+(``specdec_kernels._library``); the functions here are their friendly fronts (defaults,
+argument normalisation, checks, random numbers).  Nothing here touches a GPU at import, and
+triton is imported only when a Triton kernel is first needed.
 """
 from specdec_kernels import reference, tree
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache

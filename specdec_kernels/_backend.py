@@ -14,6 +14,7 @@ backend choose automatically.  The Triton interpreter is never chosen automatica
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional, Sequence
 
@@ -25,12 +26,24 @@ BACKENDS = ("reference", "triton", "native", "torch")
 ENV_VAR = "SPECDEC_BACKEND"
 
 
+_TRITON = {}
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether triton imports.  Asked only when a Triton kernel could run (a CUDA tensor, or
+    an explicit / preferred ``"triton"``), so the import (about a second) is paid then, not
+    when the package is imported."""
+    if "ok" not in _TRITON:
+        if importlib.util.find_spec("triton") is None:
+            _TRITON["ok"] = False
+        else:
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                _TRITON["ok"] = False
+            else:
+                _TRITON["ok"] = True
+    return _TRITON["ok"]
 
 
 def interpreter_on() -> bool:
@@ -98,14 +111,25 @@ def resolve(op: str, device: torch.device, backend: Optional[str], implemented: 
 
 
 BACKEND_DOC = """
-    Backend (public op only):
+    Backend and checks (the Python front):
         backend: None (automatic; see ``specdec_kernels._backend``), "reference", "triton",
             "native" or "torch".  ValueError if the op or device cannot serve an explicit choice.
-        validate: run value checks (index ranges, parent order) that need the tensor
-            contents; None means on for CPU tensors and off on CUDA (they would synchronise).
+        validate: run the value checks (index ranges, parent order, probabilities in range)
+            that read tensor contents; None means on for CPU tensors and off on CUDA (they
+            would synchronise).  With validate=False nothing reads tensor values on the host,
+            so the call can be captured in a CUDA graph and compiled with
+            ``torch.compile(fullgraph=True)``; the kernels still never read or write outside
+            their tensors (counts and indices are clamped).
 """
 
 
-def public_doc(reference_fn) -> str:
-    """The public op's docstring: the reference's, plus the backend arguments."""
-    return (reference_fn.__doc__ or "").rstrip() + "\n" + BACKEND_DOC
+def public_doc(reference_fn, op_name: str) -> str:
+    """The public op's docstring: the reference's (without its "(reference)" tag), the
+    registered op's name, and the backend arguments."""
+    doc = (reference_fn.__doc__ or "").rstrip().replace(" (reference).", ".", 1)
+    return (
+        doc
+        + f"\n\n    Registered as ``torch.ops.specdec.{op_name}`` (tensor arguments only; this front adds\n"
+        + "    defaults, argument normalisation and the checks).\n"
+        + BACKEND_DOC
+    )

@@ -126,12 +126,18 @@ def check_probs(name: str, t, ndim: int, device=None) -> torch.Tensor:
     return check_tensor(name, t, ndim=ndim, dtypes=FLOAT_DTYPES, device=device)
 
 
-def check_uniforms(name: str, u, expected: Sequence[int], device) -> torch.Tensor:
-    """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)."""
+# The largest float32 below 1: a float64 uniform just below 1 rounds to 1.0 in float32.
+FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
+
+
+def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None) -> torch.Tensor:
+    """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)
+    (read only when ``validate`` allows, see ``want_value_checks``).  Returned as float32,
+    clamped below 1 after the cast, so a coin never becomes 1.0 by rounding."""
     check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
     check_shape(name, u, expected)
-    if u.device.type == "cpu" and u.numel() > 0:
+    if want_value_checks(validate, u) and u.numel() > 0:
         lo, hi = float(u.min()), float(u.max())
         if not (lo >= 0.0 and hi < 1.0):
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
-    return u.to(torch.float32)
+    return u.to(torch.float32).clamp(max=FLOAT32_BELOW_ONE)

@@ -1,8 +1,10 @@
 """Lazy loading of the compiled extension ``specdec_kernels._C``.
 
-The extension registers its ops with torch.library under the ``specdec`` namespace
-(``torch.ops.specdec.<name>``).  It is loaded on first use, never at import, and when it is
-missing the package says so once and falls back to the reference.
+The extension registers its kernels with torch.library under the ``specdec`` namespace as
+``torch.ops.specdec.<name>_native``: the native backends of the public ops, which are declared
+in Python (``specdec_kernels._library``) and dispatch to them.  It is loaded on first use
+(the first op call that could use it), never at import, and when it is missing the package
+says so once and falls back to the reference.  This module imports nothing of the package.
 """
 from __future__ import annotations
 
@@ -21,24 +23,47 @@ def load() -> bool:
             from specdec_kernels import _C  # noqa: F401  (registers torch.ops.specdec.*)
 
             _state["loaded"] = True
-            # fake (meta) kernels, so torch.compile traces direct calls of the native ops
-            from specdec_kernels.ops import compact_kv_cache
-
-            compact_kv_cache.register_fake()
+            # fake (meta) kernel, so torch.compile also traces direct calls of the native op
+            if hasattr(torch.ops.specdec, "compact_kv_cache_native"):
+                torch.library.register_fake("specdec::compact_kv_cache_native")(_compact_kv_cache_native_fake)
         except (ImportError, OSError) as e:
             _state["loaded"], _state["error"] = False, e
     return bool(_state["loaded"])
 
 
+def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, validate=False):
+    """Fake (meta) implementation of specdec::compact_kv_cache_native: shape checks, no output."""
+    torch._check(len(caches) > 0, lambda: "caches must hold at least one tensor")
+    first = caches[0]
+    torch._check(first.dim() in (4, 6), lambda: f"caches[0] must be [B, Hkv, S, D] or [L, 2, B, Hkv, S, D], got {tuple(first.shape)}")
+    inner = first.shape[-4:]
+    for k, t in enumerate(caches):
+        torch._check(t.dim() in (4, 6), lambda: f"caches[{k}] must have 4 or 6 dimensions, got {tuple(t.shape)}")
+        torch._check(t.dtype == first.dtype, lambda: f"caches[{k}] must have dtype {first.dtype}, got {t.dtype}")
+        torch._check(t.device == first.device, lambda: f"caches[{k}] must be on {first.device}, got {t.device}")
+        for d in range(4):
+            torch._check(t.shape[t.dim() - 4 + d] == inner[d], lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}")
+        if t.dim() == 6:
+            torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be [L, 2, B, Hkv, S, D], got {tuple(t.shape)}")
+    B = inner[0]
+    for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
+                          ("num_accepted", num_accepted, 1)):
+        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
+        torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
+        torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
+    return None
+
+
 def has_kernel(name: str, device_type: str) -> bool:
-    """Whether ``torch.ops.specdec.<name>`` has a kernel for ``device_type`` ('cpu' or 'cuda')."""
+    """Whether the extension has a ``device_type`` ('cpu' or 'cuda') kernel for op ``name``
+    (``torch.ops.specdec.<name>_native``)."""
     if not load():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None:
         return False
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{name}", key)
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{name}_native", key)
     except RuntimeError:
         return False
 
@@ -50,7 +75,7 @@ def warn_fallback(name: str, device_type: str) -> None:
     _warned.add((name, device_type))
     why = f"the extension failed to load ({_state['error']})" if _state["loaded"] is False else f"it has no {device_type} kernel"
     warnings.warn(
-        f"specdec_kernels: native op specdec::{name} is unavailable ({why}); "
+        f"specdec_kernels: native op specdec::{name}_native is unavailable ({why}); "
         f"falling back to the PyTorch reference. Build it with `pip install --no-build-isolation -e .`.",
         RuntimeWarning,
         stacklevel=3,

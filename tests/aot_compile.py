@@ -21,12 +21,12 @@ import sys
 
 
 def _specs_by_module():
-    """{module name: (module, AOT_SPECS)} for every module of specdec_kernels.ops."""
-    import specdec_kernels.ops as ops_pkg
+    """{module name: (module, AOT_SPECS)} for every module of specdec_kernels.ops._triton."""
+    import specdec_kernels.ops._triton as ops_pkg
 
     out = {}
     for info in pkgutil.iter_modules(ops_pkg.__path__):
-        module = importlib.import_module(f"specdec_kernels.ops.{info.name}")
+        module = importlib.import_module(f"specdec_kernels.ops._triton.{info.name}")
         out[info.name] = (module, list(getattr(module, "AOT_SPECS", [])))
     return out
 

@@ -1,6 +1,7 @@
-"""compact_kv_cache: move the accepted tokens' K/V into place after verification.
+"""compact_kv_cache: move the accepted tokens' K/V into place after verification,
+``torch.ops.specdec.compact_kv_cache`` (in place).
 
-Backends: "reference" (plain PyTorch) and "native" (``torch.ops.specdec.compact_kv_cache``
+Backends: "reference" (plain PyTorch) and "native" (``torch.ops.specdec.compact_kv_cache_native``
 from the extension ``specdec_kernels._C``: ``csrc/compact_kv_cache.cpp`` on CPU,
 ``csrc/compact_kv_cache.cu`` on CUDA).
 
@@ -25,71 +26,77 @@ Native design:
   is then unspecified).  The public op runs the value checks on CPU tensors by default and on
   CUDA only with ``validate=True`` (they synchronise); the native op takes the same checks
   as its own ``validate`` argument for direct callers.
+
+The registered op takes ``caches``: a list holding either the one [L, 2, B, Hkv, S, D] buffer
+or the [B, Hkv, S, D] tensors of every layer's keys and values; it mutates them.
 """
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
 
-from specdec_kernels import _backend, _native
+from specdec_kernels import _backend, _library, _native
 from specdec_kernels.reference import compact_kv_cache as _ref
-from specdec_kernels.reference.compact_kv_cache import _compact_kv_cache, check_compact_kv_cache_args
+from specdec_kernels.reference.compact_kv_cache import KVCache, _compact_kv_cache, check_compact_kv_cache_args
 
 IMPLEMENTED = ("reference", "native")
 
-_fake_registered = False
+
+def _as_kv_cache(caches):
+    """The op's list argument as the front's kv_cache: the 6-D buffer alone, or the list."""
+    if len(caches) == 1 and caches[0].dim() == 6:
+        return caches[0]
+    return list(caches)
 
 
-def _compact_kv_cache_fake(caches, cache_seqlens, accepted_indices, num_accepted, validate=False):
-    """Fake (meta) implementation of specdec::compact_kv_cache: shape checks, no output."""
-    torch._check(len(caches) > 0, lambda: "caches must hold at least one tensor")
-    first = caches[0]
-    torch._check(first.dim() in (4, 6), lambda: f"caches[0] must be [B, Hkv, S, D] or [L, 2, B, Hkv, S, D], got {tuple(first.shape)}")
-    inner = first.shape[-4:]
-    for k, t in enumerate(caches):
-        torch._check(t.dim() in (4, 6), lambda: f"caches[{k}] must have 4 or 6 dimensions, got {tuple(t.shape)}")
-        torch._check(t.dtype == first.dtype, lambda: f"caches[{k}] must have dtype {first.dtype}, got {t.dtype}")
-        torch._check(t.device == first.device, lambda: f"caches[{k}] must be on {first.device}, got {t.device}")
-        for d in range(4):
-            torch._check(t.shape[t.dim() - 4 + d] == inner[d], lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}")
-        if t.dim() == 6:
-            torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be [L, 2, B, Hkv, S, D], got {tuple(t.shape)}")
-    B = inner[0]
-    for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
-                          ("num_accepted", num_accepted, 1)):
-        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
-        torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
-        torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
-    return None
-
-
-def register_fake() -> bool:
-    """Register the fake implementation of ``torch.ops.specdec.compact_kv_cache`` once.
-
-    The op is declared by the extension, so this can only run after ``specdec_kernels._C``
-    has loaded; the public op calls it before its first native dispatch (in time for
-    torch.compile tracing).  Returns whether the native op exists.
-    """
-    global _fake_registered
-    if _fake_registered:
-        return True
-    if not _native.load() or not hasattr(torch.ops.specdec, "compact_kv_cache"):
-        return False
-    torch.library.register_fake("specdec::compact_kv_cache")(_compact_kv_cache_fake)
-    _fake_registered = True
-    return True
-
-
-def compact_kv_cache(kv_cache, cache_seqlens, accepted_indices, num_accepted, *, backend=None, validate=None):
-    views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate)
-    chosen = _backend.resolve("compact_kv_cache", views[0].device, backend, IMPLEMENTED)
+def _impl(
+    caches: List[torch.Tensor],
+    cache_seqlens: torch.Tensor,
+    accepted_indices: torch.Tensor,
+    num_accepted: Optional[torch.Tensor] = None,
+    backend: str = "",
+) -> None:
+    kv_cache = _as_kv_cache(caches)
+    views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=False)
+    chosen = _backend.resolve("compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
     if chosen == "native":
-        register_fake()
         # One [L, 2, B, Hkv, S, D] buffer goes over whole (the kernels read its strides);
-        # otherwise the [B, Hkv, S, D] views.  Value checks were done above as requested.
-        caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
-        torch.ops.specdec.compact_kv_cache(caches, cache_seqlens, accepted_indices, n, False)
+        # otherwise the [B, Hkv, S, D] views.  Value checks are the front's (validate=).
+        native_caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
+        torch.ops.specdec.compact_kv_cache_native(native_caches, cache_seqlens, accepted_indices, n, False)
         return
     _compact_kv_cache(views, cache_seqlens, accepted_indices, n)
 
 
-compact_kv_cache.__doc__ = _backend.public_doc(_ref)
+def _fake(caches, cache_seqlens, accepted_indices, num_accepted=None, backend=""):
+    """Shape checks only: nothing to compute (the op writes its caches in place)."""
+    return _native._compact_kv_cache_native_fake(
+        caches, cache_seqlens, accepted_indices, num_accepted if num_accepted is not None else cache_seqlens
+    )
+
+
+op = _library.define("compact_kv_cache", _impl, cpu=_impl, cuda=_impl, fake=_fake, mutates_args=("caches",))
+
+
+def compact_kv_cache(
+    kv_cache: KVCache,
+    cache_seqlens: torch.Tensor,
+    accepted_indices: torch.Tensor,
+    num_accepted: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> None:
+    views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate)
+    caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
+    torch.ops.specdec.compact_kv_cache(caches, cache_seqlens, accepted_indices, n, backend or "")
+
+
+compact_kv_cache.__doc__ = _backend.public_doc(_ref, "compact_kv_cache")
+
+
+def register_fake() -> bool:
+    """Load the extension (which registers the fake of ``compact_kv_cache_native``); return
+    whether the native op exists.  Kept for callers of the native op."""
+    return _native.load() and hasattr(torch.ops.specdec, "compact_kv_cache_native")

@@ -1,61 +1,101 @@
-"""rejection_sample: lossless speculative sampling of a chain of draft tokens.
+"""rejection_sample: lossless speculative sampling of a chain, ``torch.ops.specdec.rejection_sample``.
 
-Backends: "reference" (plain PyTorch) and "triton" (``_rejection_sample_kernel``, registered
-as ``torch.ops.specdec.rejection_sample_triton``).
+Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
+``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.rejection_sample``).  The registered op
+takes its random numbers explicitly; the Python front makes them from a generator, a dict of
+generators, or per-sequence Philox seeds and offsets (``specdec_kernels._random``).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend
-from specdec_kernels._random import draw_uniforms
+from specdec_kernels import _backend, _library
+from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference import rejection_sample as _ref
 from specdec_kernels.reference.rejection_sample import _rejection_sample, check_rejection_sample_args
 
-try:
-    import triton
-    import triton.language as tl
-
-    from specdec_kernels.ops._sampling_common import (
-        NOT_FOUND,
-        _cdf_search_tile,
-        _last_with_mass,
-        _mass64,
-        _pick_token,
-        next_pow2,
-        tile_sizes,
-    )
-
-    _HAS_TRITON = True
-except ImportError:  # triton is optional: the reference serves every device
-    _HAS_TRITON = False
-
-IMPLEMENTED = ("reference", "triton") if _HAS_TRITON else ("reference",)
+IMPLEMENTED = ("reference", "triton")
 
 
-def rejection_sample(
-    target_probs,
-    draft_probs,
-    draft_tokens,
-    num_draft_tokens=None,
-    *,
-    generator=None,
-    uniform_samples=None,
-    sample_uniforms=None,
-    backend=None,
-    validate=None,
-):
-    B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
-    coins, final_u = draw_uniforms(B, K, target_probs.device, generator, uniform_samples, sample_uniforms)
-    chosen = _backend.resolve("rejection_sample", target_probs.device, backend, IMPLEMENTED)
-    if chosen == "triton":
-        return torch.ops.specdec.rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+def _impl(
+    target_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    draft_tokens: torch.Tensor,
+    num_draft_tokens: Optional[torch.Tensor],
+    uniform_samples: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+    backend: str = "",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
+    coins, final_u = draw_uniforms(B, K, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    name = _backend.resolve("rejection_sample", target_probs.device, backend or None, IMPLEMENTED)
+    if name == "triton":
+        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
+
+        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
     return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
 
 
-rejection_sample.__doc__ = _backend.public_doc(_ref) + """
+def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms, backend=""):
+    B, K1, _ = target_probs.shape
+    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
+    torch._check(uniform_samples.shape == (B, K1 - 1), lambda: "uniform_samples must have shape (B, K)")
+    torch._check(sample_uniforms.shape == (B,), lambda: "sample_uniforms must have shape (B,)")
+    return target_probs.new_empty((B, K1), dtype=torch.int64), target_probs.new_empty((B,), dtype=torch.int64)
+
+
+def _triton_decomposition(args, kwargs):
+    a = inspect.signature(_impl).bind(*args, **kwargs)
+    a.apply_defaults()
+    x = a.arguments
+    p = x["target_probs"]
+    if _backend.resolve("rejection_sample", p.device, x["backend"] or None, IMPLEMENTED) != "triton":
+        return None
+    B, K1, _ = p.shape
+    n = x["num_draft_tokens"]
+    n = torch.full((B,), K1 - 1, dtype=torch.int64, device=p.device) if n is None else n.to(torch.int64)
+    return torch.ops.specdec.rejection_sample_triton(
+        p, x["draft_probs"], x["draft_tokens"], n,
+        x["uniform_samples"].to(torch.float32), x["sample_uniforms"].to(torch.float32),
+    )
+
+
+op = _library.define("rejection_sample", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    draft_tokens: torch.Tensor,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    *,
+    generator: GeneratorArg = None,
+    uniform_samples: Optional[torch.Tensor] = None,
+    sample_uniforms: Optional[torch.Tensor] = None,
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
+    coins, final_u = draw_uniforms(
+        B, K, target_probs.device, generator, uniform_samples, sample_uniforms,
+        coin_counts=n, seeds=seeds, offsets=offsets, validate=validate,
+    )
+    return torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or "")
+
+
+rejection_sample.__doc__ = _backend.public_doc(_ref, "rejection_sample") + """
+    Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
+        seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, sequence b's
+            depending only on (seeds[b], offsets[b]); see ``specdec_kernels._random``.
+        generator: also a dict {row: torch.Generator} with gaps (rows without one use the
+            default generator); per-sequence generators draw only the sequence's own
+            num_draft_tokens coins.
+
     Triton backend:
         One fused kernel (``_rejection_sample_kernel``): the accept/reject walk along the chain,
         then two passes over the row to sample (float64 total, then the first index whose
@@ -66,237 +106,13 @@ rejection_sample.__doc__ = _backend.public_doc(_ref) + """
 """
 
 
-if _HAS_TRITON:
+def __getattr__(name: str):
+    """The Triton launcher and kernels, loaded on first access."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from specdec_kernels.ops._triton import rejection_sample as _kernels
 
-    @triton.jit
-    def _chain_tile(p_rows, q_rows, at, use_q, rmask, offs, V, HAS_DRAFT: tl.constexpr):
-        """Target row p and the draft row q to subtract (0 where ``use_q`` is off), float32 [BB, BV]."""
-        m2 = rmask[:, None] & (offs < V)[None, :]
-        p = tl.load(p_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-        if HAS_DRAFT:
-            q = tl.load(q_rows[:, None] + offs[None, :], mask=m2 & use_q[:, None], other=0.0).to(tl.float32)
-        else:
-            # one-hot at the rejected draft; at == -1 when unused or out of the vocabulary
-            q = tl.where(offs[None, :] == at[:, None], 1.0, 0.0)
-        return p, q
-
-    @triton.jit
-    def _rejection_sample_kernel(
-        target_ptr,  # [B, K+1, V] fp32/fp16/bf16, last dim contiguous
-        draft_ptr,  # [B, K, V] like target (unused when HAS_DRAFT is False)
-        tokens_ptr,  # [B, K] int32/int64, contiguous
-        num_draft_ptr,  # [B] int64
-        coins_ptr,  # [B, K] fp32, contiguous
-        final_u_ptr,  # [B] fp32
-        out_ptr,  # [B, K+1] int64, contiguous (written)
-        num_accepted_ptr,  # [B] int64 (written)
-        B,
-        K,
-        V,
-        stride_tb,
-        stride_tk,
-        stride_db,
-        stride_dk,
-        HAS_DRAFT: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        KP: tl.constexpr,  # next power of two >= K + 1
-    ):
-        pid = tl.program_id(0)
-        rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-        rmask = rows < B
-        rows64 = rows.to(tl.int64)
-        n = tl.load(num_draft_ptr + rows64, mask=rmask, other=0).to(tl.int32)
-        t_rows = target_ptr + rows64 * stride_tb
-        d_rows = draft_ptr + rows64 * stride_db
-
-        # 1. accept/reject along the chain: accept x_j iff u_j * q_j(x_j) < p_j(x_j) in float32.
-        num_acc = tl.zeros([BLOCK_B], dtype=tl.int32)
-        alive = rmask
-        j = pid * 0
-        while j < K:
-            live = alive & (j < n)
-            x = tl.load(tokens_ptr + rows64 * K + j, mask=live, other=-1).to(tl.int64)
-            in_vocab = (x >= 0) & (x < V)
-            xs = tl.minimum(tl.maximum(x, 0), V - 1)
-            p = tl.load(t_rows + j * stride_tk + xs, mask=live, other=0.0).to(tl.float32)
-            if HAS_DRAFT:
-                q = tl.load(d_rows + j * stride_dk + xs, mask=live, other=0.0).to(tl.float32)
-            else:
-                q = tl.full([BLOCK_B], 1.0, tl.float32)
-            u = tl.load(coins_ptr + rows64 * K + j, mask=live, other=1.0)
-            acc = live & in_vocab & (u * q < p)
-            num_acc += acc.to(tl.int32)
-            alive = acc
-            j += 1
-
-        # 2. the row to sample from: the residual max(0, p - q) at the first rejection (p
-        #    itself if that has no mass), else the bonus row after the last draft.
-        rejected = rmask & (num_acc < n)
-        p_rows = t_rows + num_acc.to(tl.int64) * stride_tk
-        q_rows = d_rows + tl.minimum(num_acc, K - 1).to(tl.int64) * stride_dk
-        at = tl.load(tokens_ptr + rows64 * K + num_acc, mask=rejected, other=-1).to(tl.int64)
-        at = tl.where((at >= 0) & (at < V), at, -1)
-
-        # pass 1: mass of p and of the residual, and their last indices with mass
-        tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
-        tot_r = tl.zeros([BLOCK_B], dtype=tl.float64)
-        last_p = tl.full([BLOCK_B], -1, tl.int32)
-        last_r = tl.full([BLOCK_B], -1, tl.int32)
-        start = pid * 0
-        while start < V:
-            offs = start + tl.arange(0, BLOCK_V)
-            p, q = _chain_tile(p_rows, q_rows, at, rejected, rmask, offs, V, HAS_DRAFT)
-            wp = _mass64(p)
-            wr = _mass64(p - q)
-            tot_p += tl.sum(wp, axis=1)
-            tot_r += tl.sum(wr, axis=1)
-            last_p = _last_with_mass(wp, offs, last_p)
-            last_r = _last_with_mass(wr, offs, last_r)
-            start += BLOCK_V
-        use_q = rejected & (tot_r > 0)
-        total = tl.where(use_q, tot_r, tot_p)
-        last = tl.where(use_q, last_r, last_p)
-        at = tl.where(use_q, at, -1)
-
-        # pass 2: first index whose running float64 CDF exceeds u * total; stop early
-        u_final = tl.load(final_u_ptr + rows64, mask=rmask, other=0.0).to(tl.float64)
-        threshold = u_final * total
-        searching = rmask & (total > 0)
-        found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
-        carry = tl.zeros([BLOCK_B], dtype=tl.float64)
-        start = pid * 0
-        pending = tl.sum(searching.to(tl.int32), axis=0)
-        while (start < V) & (pending > 0):
-            offs = start + tl.arange(0, BLOCK_V)
-            p, q = _chain_tile(p_rows, q_rows, at, use_q & searching, rmask & searching, offs, V, HAS_DRAFT)
-            carry, found = _cdf_search_tile(_mass64(p - q), offs, carry, threshold, found)
-            pending = tl.sum((searching & (found == NOT_FOUND)).to(tl.int32), axis=0)
-            start += BLOCK_V
-        sampled = _pick_token(found, last, total)
-
-        # 3. accepted drafts, the sampled token, then -1
-        cols = tl.arange(0, KP)
-        c2 = cols[None, :]
-        keep = rmask[:, None] & (c2 < num_acc[:, None])
-        toks = tl.load(tokens_ptr + rows64[:, None] * K + c2, mask=keep, other=-1).to(tl.int64)
-        out = tl.where(c2 == num_acc[:, None], sampled[:, None], tl.where(keep, toks, -1))
-        tl.store(out_ptr + rows64[:, None] * (K + 1) + c2, out, mask=rmask[:, None] & (c2 < K + 1))
-        tl.store(num_accepted_ptr + rows64, num_acc.to(tl.int64), mask=rmask)
-
-    def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(1, dtype=dtype, device=like.device)
-
-    @torch.library.custom_op("specdec::rejection_sample_triton", mutates_args=())
-    def rejection_sample_triton(
-        target_probs: torch.Tensor,
-        draft_probs: Optional[torch.Tensor],
-        draft_tokens: torch.Tensor,
-        num_draft_tokens: torch.Tensor,
-        uniform_samples: torch.Tensor,
-        sample_uniforms: torch.Tensor,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Launch ``_rejection_sample_kernel`` on validated inputs (see ``rejection_sample``).
-
-        Args:
-            target_probs: Shape (B, K + 1, V), float32/float16/bfloat16, CUDA (or CPU under
-                TRITON_INTERPRET=1).
-            draft_probs: Shape (B, K, V) like target_probs, or None (one-hot drafts).
-            draft_tokens: Shape (B, K), int32/int64.
-            num_draft_tokens: Shape (B,), int64 in 0..K (not checked here).
-            uniform_samples: Shape (B, K), float32 in [0, 1): acceptance coins.
-            sample_uniforms: Shape (B,), float32 in [0, 1): residual / bonus uniform.
-
-        Returns:
-            (output_tokens (B, K + 1) int64, num_accepted (B,) int64), bit-identical to the
-            reference for the same uniforms except when the residual/bonus threshold
-            ``u * total`` lies within float64 rounding of a CDF boundary (the kernel sums in
-            tiles, the reference sequentially).  The residual is never written to memory.
-        """
-        B, K1, V = target_probs.shape
-        K = K1 - 1
-        device = target_probs.device
-        out = torch.empty((B, K1), dtype=torch.int64, device=device)
-        num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
-        if B == 0:
-            return out, num_accepted
-        target = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-        has_draft = draft_probs is not None
-        if has_draft:
-            draft = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
-        else:
-            draft = target
-        if K > 0:
-            tokens = draft_tokens.contiguous()
-            coins = uniform_samples.to(torch.float32).contiguous()
-        else:  # empty tensors may have no storage; the kernel never reads these
-            tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
-        block_b, block_v = tile_sizes(V, B, device.type == "cuda")
-        grid = (triton.cdiv(B, block_b),)
-        _rejection_sample_kernel[grid](
-            target,
-            draft,
-            tokens,
-            num_draft_tokens.to(torch.int64).contiguous(),
-            coins,
-            sample_uniforms.to(torch.float32).contiguous(),
-            out,
-            num_accepted,
-            B,
-            K,
-            V,
-            target.stride(0),
-            target.stride(1),
-            draft.stride(0),
-            draft.stride(1) if has_draft else 0,
-            HAS_DRAFT=has_draft,
-            BLOCK_B=block_b,
-            BLOCK_V=block_v,
-            KP=next_pow2(K1),
-        )
-        return out, num_accepted
-
-    @rejection_sample_triton.register_fake
-    def _rejection_sample_triton_fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms):
-        B, K1, _ = target_probs.shape
-        torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-        return (
-            target_probs.new_empty((B, K1), dtype=torch.int64),
-            target_probs.new_empty((B,), dtype=torch.int64),
-        )
-
-    def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64"):
-        return {
-            "kernel": _rejection_sample_kernel,
-            "name": f"rejection_sample draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}",
-            "signature": {
-                "target_ptr": prob,
-                "draft_ptr": prob,
-                "tokens_ptr": tok,
-                "num_draft_ptr": "*i64",
-                "coins_ptr": "*fp32",
-                "final_u_ptr": "*fp32",
-                "out_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "B": "i32",
-                "K": "i32",
-                "V": "i32",
-                "stride_tb": "i64",
-                "stride_tk": "i32",
-                "stride_db": "i64",
-                "stride_dk": "i32",
-                "HAS_DRAFT": "constexpr",
-                "BLOCK_B": "constexpr",
-                "BLOCK_V": "constexpr",
-                "KP": "constexpr",
-            },
-            "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v, "KP": kp},
-        }
-
-    AOT_SPECS = [
-        _spec(True, 1, 1024, 16),
-        _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32"),
-        _spec(True, 8, 128, 8, prob="*fp16"),
-    ]
-else:
-    AOT_SPECS = []
+    try:
+        return getattr(_kernels, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

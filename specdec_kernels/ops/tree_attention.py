@@ -32,18 +32,13 @@ for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bi
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional: the reference and torch backends work without it
-    triton = tl = None
-
-from specdec_kernels import _backend
+from specdec_kernels import _backend, _library
 from specdec_kernels._checks import check_shape, check_tensor
 from specdec_kernels.reference import tree_attention as _ref
 from specdec_kernels.reference.tree_attention import _tree_attention, check_tree_attention_args, visible_keys
@@ -52,18 +47,6 @@ IMPLEMENTED = ("reference", "torch", "triton")
 
 MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
 MAX_SPLITS = 256
-_LOG2E = 1.4426950408889634
-
-
-# --------------------------------------------------------------------------------------
-# Bit-packed masks
-# --------------------------------------------------------------------------------------
-
-
-def _jit(fn):
-    """``triton.jit`` when Triton is installed; the plain function otherwise (never launched)."""
-    return triton.jit(fn) if triton is not None else fn
-
 
 def packed_mask_words(num_nodes: int) -> int:
     """Number of int32 words per row of a packed mask of ``num_nodes`` nodes: ceil(N / 32)."""
@@ -120,210 +103,6 @@ def _check_packed_mask(tree_mask: torch.Tensor, B: int, N: int, device) -> None:
         check_shape("tree_mask", tree_mask, (B, N, W), "bit-packed ancestor mask per sequence, ceil(N/32) int32 words a row")
 
 
-# --------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------
-
-
-@_jit
-def _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_ok,
-                 stride_ks, stride_kd, stride_vs, stride_vd, qk_scale,
-                 IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    """Online-softmax update with one tile of keys (offs_k, loaded where k_ok; visible where vis).
-
-    IEEE_DOT: fp32 inputs, full-precision dots (no TF32).  UPCAST_DOT: dots on operands cast
-    to fp32 (exact for bf16 products, as tensor cores compute them): the interpreter of
-    triton 3.6 multiplies bf16 tiles as their uint16 storage.
-    """
-    kt = tl.load(k_base + offs_k[None, :] * stride_ks + offs_d[:, None] * stride_kd,
-                 mask=d_ok[:, None] & k_ok[None, :], other=0.0)
-    if UPCAST_DOT:
-        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-    elif IEEE_DOT:
-        s = tl.dot(q, kt, input_precision="ieee")
-    else:
-        s = tl.dot(q, kt)
-    s = tl.where(vis, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MAY_BE_EMPTY:  # a row that has seen no visible key yet keeps m = -inf
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new_safe = m_new
-    alpha = tl.exp2(m_i - m_new_safe)
-    p = tl.exp2(s - m_new_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    vt = tl.load(v_base + offs_k[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
-    elif IEEE_DOT:
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-    return acc, m_new, l_i
-
-
-@_jit
-def _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok, offs_d, d_ok,
-               stride_ks, stride_kd, stride_vs, stride_vd, stride_mi, stride_mj, qk_scale,
-               BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
-    """Tree keys seqlen + j0 .. seqlen + j0 + BLOCK_N - 1: key seqlen + j visible to row (i, g) iff mask[i, j]."""
-    offs_j = j0 + tl.arange(0, BLOCK_N)
-    j_ok = offs_j < tree_hi
-    ok = row_ok[:, None] & j_ok[None, :]
-    if MASK_KIND == 0:
-        vis = ok & (offs_j[None, :] <= qi[:, None])
-    elif MASK_KIND == 1:
-        bits = tl.load(m_base + qi[:, None] * stride_mi + offs_j[None, :] * stride_mj, mask=ok, other=0)
-        vis = ok & (bits != 0)
-    else:
-        words = tl.load(m_base + qi[:, None] * stride_mi + (offs_j // 32)[None, :] * stride_mj, mask=ok, other=0)
-        vis = ok & (((words >> (offs_j % 32)[None, :]) & 1) != 0)
-    return _attend_tile(acc, m_i, l_i, q, k_base, v_base, seqlen + offs_j, j_ok, vis, offs_d, d_ok,
-                        stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, True)
-
-
-@_jit
-def _tree_attention_fwd_kernel(
-    Q, K, V, SEQLENS, MASK, OUT, OPART, LSE,
-    N, S_CAP, G, Hkv, num_splits, qk_scale,
-    stride_qb, stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_mb, stride_mi, stride_mj,
-    stride_ob, stride_on, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr, SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FOR_LOOPS: tl.constexpr,
-):
-    """One program: one (sequence, KV head), BLOCK_M rows (node, head of the group), one split.
-
-    FOR_LOOPS: key loops as ``for`` over runtime bounds (compiled: software-pipelined), else
-    as ``while`` loops (the interpreter: triton 3.6 cannot take a tensor as a ``range``
-    bound with numpy >= 2.4, triton-lang/triton#9171).  The loop bodies are shared.
-    """
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // Hkv
-    kvh = pid_bh % Hkv
-    b64 = b.to(tl.int64)
-    kvh64 = kvh.to(tl.int64)
-    M = G * N
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    qi = offs_m // G  # node of the row
-    h = kvh * G + offs_m % G  # query head of the row
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-
-    # Clamped to [0, S - N] (S >= N is checked on the host): with validate=False an invalid
-    # cache_seqlens gives an unspecified result but never a key or value read outside the cache.
-    seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), S_CAP - N).to(tl.int32)
-    q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # 1. the prefix slice of this split: every key is visible to every row.
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    lo = pid_s * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
-    if FOR_LOOPS:
-        for start in range(lo, hi, BLOCK_N):
-            offs_k = start + tl.arange(0, BLOCK_N)
-            k_ok = offs_k < hi
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
-                                         stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
-    else:
-        start = lo
-        while start < hi:
-            offs_k = start + tl.arange(0, BLOCK_N)
-            k_ok = offs_k < hi
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
-                                         stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
-            start += BLOCK_N
-
-    # 2. the tree part, in the last split.
-    if pid_s == num_splits - 1:
-        if MASK_KIND == 0:
-            # causal chain: the rows of this tile see nodes up to their largest node index
-            tree_hi = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // G + 1)
-        else:
-            tree_hi = N
-        m_base = MASK + b64 * stride_mb
-        if FOR_LOOPS:
-            for j0 in range(0, tree_hi, BLOCK_N):
-                acc, m_i, l_i = _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                           offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd, stride_mi,
-                                           stride_mj, qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT)
-        else:
-            j0 = 0
-            while j0 < tree_hi:
-                acc, m_i, l_i = _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                           offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd, stride_mi,
-                                           stride_mj, qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT)
-                j0 += BLOCK_N
-
-    if SPLIT:
-        # partial results [B * Hkv, M, num_splits, HEAD_DIM] and lse [B * Hkv, M, num_splits], fp32
-        row = pid_bh.to(tl.int64) * M + offs_m
-        has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + row * num_splits + pid_s, lse, mask=row_ok)
-        tl.store(OPART + (row * num_splits + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
-        o_ptrs = OUT + b64 * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@_jit
-def _tree_attention_combine_kernel(
-    OPART, LSE, OUT,
-    num_rows, N, G, Hkv, num_splits,
-    stride_ob, stride_on, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """BLOCK_R output rows per program: log-sum-exp weighted sum of the splits' partial outputs."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # over B * Hkv * G * N
-    r_ok = rows < num_rows
-    M = G * N
-    bh = rows // M
-    r = rows % M
-    b = bh // Hkv
-    h = (bh % Hkv) * G + r % G
-    qi = r // G
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    io_mask = r_ok[:, None] & d_ok[None, :]
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    den = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    s = 0
-    while s < num_splits:  # a while loop: see FOR_LOOPS in _tree_attention_fwd_kernel
-        lse = tl.load(LSE + rows * num_splits + s, mask=r_ok, other=float("-inf"))
-        o = tl.load(OPART + (rows * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a visible key yet
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        den = den * alpha + w
-        acc = acc * alpha[:, None] + o * w[:, None]
-        m = m_new
-        s += 1
-    out = acc / tl.where(r_ok, den, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
-    tl.store(OUT + b[:, None] * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             out.to(OUT.dtype.element_ty), mask=io_mask)
-
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -363,104 +142,11 @@ def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, c
     if device.type != "cuda":
         return 1
     block_m = _block_sizes(group * num_queries, head_dim, True)[0]
-    programs = batch * kv_heads * triton.cdiv(group * num_queries, block_m)
+    programs = batch * kv_heads * -(-(group * num_queries) // block_m)
     sms = _sm_count(device)
     if programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), capacity // 256, 64))
-
-
-def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_scale: float, num_splits: int, wrap):
-    B, N, H, D = q.shape
-    Hkv = k_cache.shape[1]
-    G = H // Hkv
-    M = G * N
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if B == 0 or N == 0 or H == 0:
-        return out
-    on_gpu = q.device.type == "cuda"
-    block_m, block_n, block_d, num_warps = _block_sizes(M, D, on_gpu)
-    if mask_kind == MASK_CAUSAL:
-        mask, smb, smi, smj = cache_seqlens, 0, 0, 0  # never read
-    else:
-        mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-        smb = mask.stride(0) if mask.dim() == 3 else 0
-        smi, smj = mask.stride(-2), mask.stride(-1)
-    split = num_splits > 1
-    if split:
-        opart = torch.empty(B * Hkv, M, num_splits, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B * Hkv, M, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        opart = lse = out  # never written
-    grid = (B * Hkv, triton.cdiv(M, block_m), num_splits)
-    wrap(_tree_attention_fwd_kernel)[grid](
-        q, k_cache, v_cache, cache_seqlens, mask, out, opart, lse,
-        N, k_cache.shape[2], G, Hkv, num_splits, sm_scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), smb, smi, smj, *out.stride(),
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=not on_gpu and q.dtype == torch.bfloat16, FOR_LOOPS=on_gpu,
-        num_warps=num_warps, num_stages=2,
-    )
-    if split:
-        rows = B * Hkv * M
-        block_r = 16 if on_gpu else 64
-        wrap(_tree_attention_combine_kernel)[(triton.cdiv(rows, block_r),)](
-            opart, lse, out, rows, N, G, Hkv, num_splits, *out.stride(),
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
-        )
-    return out
-
-
-# --------------------------------------------------------------------------------------
-# torch.library registration: specdec::tree_attention_triton
-# --------------------------------------------------------------------------------------
-
-_OP_NAME = "specdec::tree_attention_triton"
-
-
-def _tree_attention_triton_impl(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    tree_mask: Optional[torch.Tensor],
-    mask_kind: int,
-    sm_scale: float,
-    num_splits: int,
-) -> torch.Tensor:
-    """Triton launcher on validated inputs (see the public ``tree_attention``).
-
-    mask_kind: 0 causal chain (tree_mask None), 1 bool mask, 2 bit-packed int32 mask;
-    sm_scale: the softmax scale (not yet multiplied by log2(e)); num_splits >= 1.
-    """
-    _check_op_args(tree_mask, mask_kind, num_splits)
-    return _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, torch.library.wrap_triton)
-
-
-def _check_op_args(tree_mask, mask_kind, num_splits):
-    torch._check(mask_kind in (MASK_CAUSAL, MASK_BOOL, MASK_PACKED), lambda: f"mask_kind must be 0, 1 or 2, got {mask_kind}")
-    torch._check((tree_mask is None) == (mask_kind == MASK_CAUSAL), lambda: "tree_mask must be None exactly when mask_kind is 0")
-    want = {MASK_BOOL: torch.bool, MASK_PACKED: torch.int32}.get(mask_kind)
-    torch._check(tree_mask is None or tree_mask.dtype == want, lambda: f"tree_mask must be {want} for mask_kind {mask_kind}")
-    torch._check(1 <= num_splits <= MAX_SPLITS, lambda: f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
-
-
-def _tree_attention_triton_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits):
-    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
-    torch._check(q.shape[2] % k_cache.shape[1] == 0, lambda: "q's heads must be a multiple of k_cache's heads")
-    _check_op_args(tree_mask, mask_kind, num_splits)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-if _backend.interpreter_on():
-    # Under TRITON_INTERPRET=1 the kernels are InterpretedFunctions, which cannot run on
-    # fake tensors, so triton_op's traced fake implementation is unavailable: register an
-    # opaque custom op with an explicit fake instead.
-    tree_attention_triton = torch.library.custom_op(_OP_NAME, _tree_attention_triton_impl, mutates_args=())
-    tree_attention_triton.register_fake(_tree_attention_triton_fake)
-else:
-    tree_attention_triton = torch.library.triton_op(_OP_NAME, _tree_attention_triton_impl, mutates_args=())
+    return max(1, min(-(-2 * sms // programs), capacity // 256, 64))
 
 
 # --------------------------------------------------------------------------------------
@@ -481,12 +167,21 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
     G = H // Hkv
     if B == 0 or N == 0:
         return torch.empty_like(q)
-    lens = cache_seqlens.tolist()
-    T = max(lens) + N
+    S = k_cache.shape[2]
+    # Slots past the sequence (cache_seqlens clamped into [0, S - N]) are masked, and their
+    # values replaced by zeros, so that garbage there (NaN from torch.empty) never reaches the
+    # output.  On CPU the cache is first sliced to max(cache_seqlens) + N slots (reading the
+    # lengths is free there); on other devices the whole capacity is used, never synchronising.
+    lens_t = cache_seqlens.to(torch.int64).clamp(0, S - N)
+    if q.device.type == "cpu":
+        lens = lens_t.tolist()
+        T, uniform = max(lens) + N, min(lens) == max(lens)
+    else:
+        T, uniform = S, False
     k = k_cache[:, :, :T]
     v = v_cache[:, :, :T]
     qg = q.view(B, N, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, N * G, D)
-    if min(lens) == T - N:  # one prefix length: every prefix column visible
+    if uniform:  # one prefix length and T = length + N: every slot belongs to the sequence
         if tree_mask is None and N == 1:
             attn_mask = None
         else:
@@ -497,7 +192,10 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
             attn_mask[..., T - N:] = tree_add.view(Bm, N, 1, N)
             attn_mask = attn_mask.view(Bm, 1, N * G, T)
     else:
-        vis = visible_keys(cache_seqlens, tree_mask, N, T)  # [B, N, T]
+        vis = visible_keys(lens_t, tree_mask, N, T)  # [B, N, T]
+        used = torch.arange(T, device=q.device)[None, :] < (lens_t + N)[:, None]  # [B, T]
+        k = torch.where(used[:, None, :, None], k, 0)
+        v = torch.where(used[:, None, :, None], v, 0)
         attn_mask = torch.zeros(B, N, G, T, dtype=q.dtype, device=q.device)
         attn_mask.masked_fill_(~vis[:, :, None, :], float("-inf"))
         attn_mask = attn_mask.view(B, 1, N * G, T)
@@ -505,9 +203,63 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
     return out.view(B, Hkv, N, G, D).transpose(1, 2).reshape(B, N, H, D)
 
 
+
+
 # --------------------------------------------------------------------------------------
-# Public op
+# The registered op: torch.ops.specdec.tree_attention
 # --------------------------------------------------------------------------------------
+
+
+def _impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    sm_scale: float,
+    num_splits: int = 0,
+    backend: str = "",
+) -> torch.Tensor:
+    packed = tree_mask is not None and tree_mask.dtype == torch.int32
+    B, N, H, D, Hkv, S = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False)
+    if packed:
+        _check_packed_mask(tree_mask, B, N, q.device)
+    name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
+    if name == "triton":
+        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
+
+        kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if packed else MASK_BOOL)
+        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
+        return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, sm_scale, splits)
+    mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
+    if name == "torch":
+        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+    return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+
+
+def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
+    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
+    torch._check(q.shape[2] % k_cache.shape[1] == 0, lambda: "q's heads must be a multiple of k_cache's heads")
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _triton_decomposition(args, kwargs):
+    a = inspect.signature(_impl).bind(*args, **kwargs)
+    a.apply_defaults()
+    x = a.arguments
+    q, tree_mask = x["q"], x["tree_mask"]
+    if _backend.resolve("tree_attention", q.device, x["backend"] or None, IMPLEMENTED) != "triton":
+        return None
+    B, N, H, D = q.shape
+    Hkv, S = x["k_cache"].shape[1], x["k_cache"].shape[2]
+    kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if tree_mask.dtype == torch.int32 else MASK_BOOL)
+    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
+    return torch.ops.specdec.tree_attention_triton(
+        q, x["k_cache"], x["v_cache"], x["cache_seqlens"], tree_mask, kind, x["sm_scale"], splits
+    )
+
+
+op = _library.define("tree_attention", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
 
 
 def tree_attention(
@@ -532,19 +284,11 @@ def tree_attention(
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
     scale = D**-0.5 if sm_scale is None else float(sm_scale)
-    name = _backend.resolve("tree_attention", q.device, backend, IMPLEMENTED)
-    if name == "triton":
-        kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if packed else MASK_BOOL)
-        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
-        return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, scale, splits)
-    mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
-    if name == "torch" and q.device.type != "meta":  # it slices by cache_seqlens' values; meta has none
-        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, scale)
-    return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, scale)
+    return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or "")
 
 
 tree_attention.__doc__ = (
-    _backend.public_doc(_ref).rstrip()
+    _backend.public_doc(_ref, "tree_attention").rstrip()
     + """
         tree_mask (public op): also the bit-packed int32 form of ``pack_tree_mask``,
             shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
@@ -553,52 +297,19 @@ tree_attention.__doc__ = (
             chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
 
     A query that sees no key at all (cache_seqlens 0 and an empty mask row) has an
-    undefined output (NaN from the reference and the Triton kernel).
+    undefined output (NaN from the reference and the Triton kernel).  Cache slots a sequence
+    cannot see never affect its output, whatever they hold.
 """
 )
 
 
-# --------------------------------------------------------------------------------------
-# Ahead-of-time compilation specs (tests/aot_compile.py)
-# --------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    """The Triton launcher and kernels, loaded on first access."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from specdec_kernels.ops._triton import tree_attention as _kernels
 
-
-def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32", rows: int = 64):
-    block_m, block_n, block_d, num_warps = _block_sizes(rows, head_dim, True)
-    mask_ty = {MASK_CAUSAL: "*" + seqlen_dtype, MASK_BOOL: "*u8", MASK_PACKED: "*i32"}[mask_kind]
-    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}", "MASK": mask_ty,
-           "OUT": f"*{dtype}", "OPART": "*fp32" if split else f"*{dtype}", "LSE": "*fp32" if split else f"*{dtype}",
-           "N": "i32", "S_CAP": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "qk_scale": "fp32"}
-    for prefix in ("q", "k", "v"):
-        for dim in ("b", "h" if prefix != "q" else "n", "s" if prefix != "q" else "h", "d"):
-            sig[f"stride_{prefix}{dim}"] = "i32"
-    sig.update({"stride_mb": "i32", "stride_mi": "i32", "stride_mj": "i32",
-                "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_od": "i32"})
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False, FOR_LOOPS=True)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    return dict(kernel=_tree_attention_fwd_kernel, signature=sig, constexprs=constexprs,
-                options=dict(num_warps=num_warps, num_stages=2),
-                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},BLOCK_M={block_m}]")
-
-
-def _combine_spec(dtype: str, head_dim: int):
-    sig = {"OPART": "*fp32", "LSE": "*fp32", "OUT": f"*{dtype}", "num_rows": "i32", "N": "i32", "G": "i32",
-           "Hkv": "i32", "num_splits": "i32", "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
-           "stride_od": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_R": "constexpr"}
-    return dict(kernel=_tree_attention_combine_kernel, signature=sig,
-                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_R=16),
-                options=dict(num_warps=4), name=f"tree_attention.combine[{dtype},D={head_dim}]")
-
-
-AOT_SPECS = (
-    [_fwd_spec(dt, d, MASK_BOOL, False) for dt in ("fp16", "bf16", "fp32") for d in (16, 64, 80, 128, 256)]
-    + [_fwd_spec("fp16", 64, MASK_CAUSAL, False), _fwd_spec("bf16", 128, MASK_PACKED, False),
-       _fwd_spec("fp16", 96, MASK_PACKED, True), _fwd_spec("bf16", 64, MASK_CAUSAL, True, "i64"),
-       _fwd_spec("fp32", 128, MASK_BOOL, True)]
-    # plain decoding (N = 1, G = 3 or 8 rows): the smallest row tile
-    + [_fwd_spec("fp16", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 128, MASK_CAUSAL, False, rows=8),
-       _fwd_spec("fp32", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 256, MASK_CAUSAL, True, rows=8)]
-    + [_combine_spec(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
-)
+    try:
+        return getattr(_kernels, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

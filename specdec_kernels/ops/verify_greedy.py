@@ -1,364 +1,83 @@
-"""verify_greedy: greedy acceptance of a chain of draft tokens.
+"""verify_greedy: greedy acceptance of a chain of draft tokens, ``torch.ops.specdec.verify_greedy``.
 
-Backends: "reference" (plain PyTorch) and "triton" (two Triton kernels, below).
-
-Triton design (two launches; the second is tiny):
-
-1. ``_argmax_partials_kernel``, grid (B * (K + 1), S): program (row, s) scans the s-th
-   chunk of that row's vocabulary in tiles of BLOCK_V and writes the chunk's (max, argmax)
-   to a workspace of shape [S, B * (K + 1)].  The split S over V exists for small batches:
-   with B * (K + 1) = 8 rows and V = 128256, one program per row would leave most of a GPU
-   idle, so the launcher splits V until there are about PROGRAMS_PER_SM programs per SM.
-   In the interpreter (CPU) it does not split by default (programs run one after another).
-2. ``_verify_greedy_accept_kernel``, grid (B,): program b combines the S partials of its
-   K + 1 rows (in split order), compares the drafts with the argmaxes, finds the leading
-   run of matches and writes the output row and num_accepted.
-
-Why not one kernel: acceptance is sequential along a sequence's rows and needs every row's
-argmax, while the argmax needs parallelism over rows and V.  A single launch would either
-give a sequence's whole [K + 1, V] slab to one program (B programs: far too few for B <= 8)
-or need a grid-wide "last program finishes" protocol with an atomic counter that must be
-zeroed by a launch of its own.  The finishing kernel reads only 8 bytes per (row, split).
-
-argmax semantics equal ``torch.argmax``: the first index of the maximum, NaN counts as the
-maximum and the first NaN wins, so an all-NaN row gives 0 and every emitted id is in
-[0, V).  Logits are compared in fp32 (fp16/bf16 convert exactly, so the order is kept).
-Draft ids are only compared with argmaxes, never used as addresses: an out-of-range id or
-a -1 simply does not match, and no load can go out of bounds.
-
-Loops over a runtime count are written as ``while`` loops: the Triton 3.6 interpreter turns
-``range(runtime_int)`` into ``int()`` of a one-element NumPy array, which NumPy >= 2.4
-rejects, whereas a ``while`` condition works in the interpreter and compiles to scf.while.
+Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
+``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_greedy``, a split argmax over V
+and one acceptance program per sequence).
 """
 from __future__ import annotations
 
-import functools
+import inspect
 from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend
+from specdec_kernels import _backend, _library
 from specdec_kernels.reference import verify_greedy as _ref
 from specdec_kernels.reference.verify_greedy import _verify_greedy, check_verify_greedy_args
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional; the reference backend works without it
-    triton = tl = None
-
 IMPLEMENTED = ("reference", "triton")
 
-# Largest vocabulary tile one program loads at a time (16 elements per thread with 8 warps,
-# several 16-byte loads in flight per thread), and the number of programs per SM the launcher
-# aims for when it splits the vocabulary of a small batch.  Chosen, not measured: this box
-# has no GPU.
-MAX_BLOCK_V = 4096
-PROGRAMS_PER_SM = 8
 
-
-def _jit(fn):
-    """``triton.jit`` when Triton is installed; the plain function otherwise (never launched)."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-# --------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------
-
-
-@_jit
-def _argmax_partials_kernel(
-    logits_ptr,  # [B, R, V] float, unit stride along V
-    part_val_ptr,  # [S, B * R] fp32: the chunk's maximum
-    part_idx_ptr,  # [S, B * R] int32: its first index
-    R,  # rows per sequence (K + 1 or N)
-    V,
-    stride_b,
-    stride_r,
-    TILES_PER_SPLIT,  # vocabulary tiles per program
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    num_rows = tl.num_programs(0)
-    b = row // R
-    r = row % R
-    base = logits_ptr + b.to(tl.int64) * stride_b + r.to(tl.int64) * stride_r
-    offs = tl.arange(0, BLOCK_V)
-    start = split * TILES_PER_SPLIT * BLOCK_V
-
-    # Each lane keeps a running (max, index) over the tiles; lanes see increasing indices,
-    # so a lane takes a new value only when it is strictly larger, or NaN over a number
-    # (ties keep the earlier index).  The first tile initialises the lanes; its masked lanes
-    # (only possible when it is the row's last tile) carry (-inf, INT32_MAX) and lose every
-    # comparison in the final reduction against a real lane.
-    cols = start + offs
-    inside = cols < V
-    best = tl.load(base + cols, mask=inside, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
-    best_idx = tl.where(inside, cols, 2147483647)  # INT32_MAX
-    t = 1
-    while t < TILES_PER_SPLIT:  # a while loop: see the module docstring
-        cols = start + t * BLOCK_V + offs
-        inside = cols < V
-        x = tl.load(base + cols, mask=inside, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
-        take = (x > best) | ((x != x) & (best == best))
-        best = tl.where(take, x, best)
-        best_idx = tl.where(take, cols, best_idx)
-        t += 1
-    # Across lanes, indices are not ordered: if any lane holds a NaN the result is NaN at
-    # the lowest such index, else the maximum at the lowest index holding it.  Built from
-    # max/min reductions (a custom-combine tl.reduce would also do, but the interpreter runs
-    # its combine function once per element in Python).
-    is_nan = best != best
-    any_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
-    top = tl.max(tl.where(is_nan, float("-inf"), best), axis=0)
-    holds = tl.where(any_nan, is_nan, best == top)
-    idx = tl.min(tl.where(holds, best_idx, 2147483647), axis=0)
-    val = tl.where(any_nan, float("nan"), top)
-    out = split.to(tl.int64) * num_rows + row
-    tl.store(part_val_ptr + out, val)
-    tl.store(part_idx_ptr + out, idx)
-
-
-@_jit
-def _combine_partials(part_val_ptr, part_idx_ptr, rows, mask, num_rows, S):
-    """argmax (int64) of the given rows from the [S, num_rows] partials, splits in order."""
-    rows = rows.to(tl.int64)
-    best = tl.load(part_val_ptr + rows, mask=mask, other=float("-inf"))
-    best_idx = tl.load(part_idx_ptr + rows, mask=mask, other=0)
-    s = 1
-    while s < S:
-        at = s * num_rows + rows
-        x = tl.load(part_val_ptr + at, mask=mask, other=float("-inf"))
-        i = tl.load(part_idx_ptr + at, mask=mask, other=0)
-        # Later splits hold larger indices: a tie keeps the earlier split's index.
-        take = (x > best) | ((x != x) & (best == best))
-        best = tl.where(take, x, best)
-        best_idx = tl.where(take, i, best_idx)
-        s += 1
-    return best_idx.to(tl.int64)
-
-
-@_jit
-def _verify_greedy_accept_kernel(
-    part_val_ptr,  # [S, B * (K + 1)] fp32
-    part_idx_ptr,  # [S, B * (K + 1)] int32
-    draft_ptr,  # [B, K] int32/int64 (strided)
-    stride_db,
-    stride_dk,
-    num_draft_ptr,  # [B] int64
-    out_ptr,  # [B, K + 1] int64, contiguous
-    num_accepted_ptr,  # [B] int64
-    K,
-    S,
-    BLOCK_K: tl.constexpr,  # power of two >= K + 1
-):
-    b = tl.program_id(0)
-    num_rows = tl.num_programs(0) * (K + 1)
-    k = tl.arange(0, BLOCK_K)
-    is_row = k <= K
-    target = _combine_partials(part_val_ptr, part_idx_ptr, b * (K + 1) + k, is_row, num_rows, S)
-
-    n = tl.load(num_draft_ptr + b)
-    counted = (k < K) & (k < n)
-    draft = tl.load(draft_ptr + b.to(tl.int64) * stride_db + k * stride_dk, mask=counted, other=-1).to(tl.int64)
-    match = counted & (draft == target)
-    # Leading run of matches = index of the first non-matching lane (lanes >= K never match).
-    num_accepted = tl.min(tl.where(match, BLOCK_K, k), axis=0)
-    out = tl.where(k < num_accepted, draft, tl.where(k == num_accepted, target, -1))
-    tl.store(out_ptr + b.to(tl.int64) * (K + 1) + k, out, mask=is_row)
-    tl.store(num_accepted_ptr + b, num_accepted.to(tl.int64))
-
-
-# --------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _require_triton() -> None:
-    if triton is None:
-        raise RuntimeError("the triton backend needs the triton package (pip install triton)")
-
-
-def _num_warps(block: int) -> int:
-    return 8 if block >= 2048 else 4 if block >= 512 else 2 if block >= 128 else 1
-
-
-def argmax_partials(
-    logits: torch.Tensor, *, block_v: Optional[int] = None, num_splits: Optional[int] = None
-) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """Launch ``_argmax_partials_kernel``: per-chunk (max, argmax) of every row of ``logits``.
-
-    Shared by ``verify_greedy`` and ``verify_tree_greedy``.
-
-    Parameters
-    ----------
-    logits : torch.Tensor
-        Shape (batch, rows, vocab), float32/float16/bfloat16, CUDA (or CPU under
-        TRITON_INTERPRET=1).  Any batch and row strides are passed to the kernel; a tensor
-        whose last dimension is not unit-stride is copied to contiguous first.
-    block_v : int, optional
-        Vocabulary tile (a power of two); default ``min(MAX_BLOCK_V, next_pow2(vocab))``.
-    num_splits : int, optional
-        Chunks per row (clamped to 1..number of tiles).  Default: on CUDA, enough to give
-        about ``PROGRAMS_PER_SM`` programs per SM; under the interpreter, 1.
-
-    Returns
-    -------
-    part_val : torch.Tensor
-        Shape (S, batch * rows), float32: each chunk's maximum (NaN when it holds a NaN).
-    part_idx : torch.Tensor
-        Shape (S, batch * rows), int32: the first index of that maximum, in [0, vocab).
-    S : int
-        Number of chunks per row; chunk s covers lower indices than chunk s + 1.
-    """
-    _require_triton()
-    B, R, V = logits.shape
-    if logits.stride(2) != 1:
-        logits = logits.contiguous()
-    rows = B * R
-    block = block_v if block_v else min(MAX_BLOCK_V, max(16, triton.next_power_of_2(V)))
-    if block & (block - 1):
-        raise ValueError(f"block_v must be a power of two, got {block}")
-    num_tiles = triton.cdiv(V, block)
-    if not num_splits:
-        if logits.device.type == "cuda":
-            num_splits = triton.cdiv(PROGRAMS_PER_SM * _sm_count(logits.device.index or 0), max(rows, 1))
-        else:
-            num_splits = 1
-    # Every split gets at least one tile, so each program starts on a real column.
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
-    S = triton.cdiv(num_tiles, tiles_per_split)
-    part_val = torch.empty((S, rows), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((S, rows), dtype=torch.int32, device=logits.device)
-    if rows:
-        _argmax_partials_kernel[(rows, S)](
-            logits, part_val, part_idx, R, V, logits.stride(0), logits.stride(1), tiles_per_split,
-            BLOCK_V=block, num_warps=_num_warps(block),
-        )
-    return part_val, part_idx, S
-
-
-@torch.library.custom_op("specdec::verify_greedy_triton", mutates_args=())
-def _verify_greedy_triton_op(
+def _impl(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    block_v: int = 0,
-    num_splits: int = 0,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    B, K1, _ = target_logits.shape
-    K = K1 - 1
-    device = target_logits.device
-    output_tokens = torch.empty((B, K1), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
-    if B == 0:
-        return output_tokens, num_accepted
-    part_val, part_idx, S = argmax_partials(target_logits, block_v=block_v or None, num_splits=num_splits or None)
-    _verify_greedy_accept_kernel[(B,)](
-        part_val, part_idx, draft_tokens, draft_tokens.stride(0), draft_tokens.stride(1),
-        num_draft_tokens.to(torch.int64), output_tokens, num_accepted, K, S,
-        BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
-    )
-    return output_tokens, num_accepted
-
-
-@_verify_greedy_triton_op.register_fake
-def _(target_logits, draft_tokens, num_draft_tokens, block_v=0, num_splits=0):
-    B, K1, _ = target_logits.shape
-    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    torch._check(num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")
-    return (
-        target_logits.new_empty((B, K1), dtype=torch.int64),
-        target_logits.new_empty((B,), dtype=torch.int64),
-    )
-
-
-def verify_greedy_triton(
-    target_logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    num_draft_tokens: torch.Tensor,
-    *,
-    block_v: Optional[int] = None,
-    num_splits: Optional[int] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain verification with the Triton kernels (``torch.ops.specdec.verify_greedy_triton``).
-
-    Inputs are assumed validated (``check_verify_greedy_args``); the public
-    ``verify_greedy(..., backend="triton")`` does that and calls this.
-
-    Parameters
-    ----------
-    target_logits : torch.Tensor
-        Shape (batch, K + 1, vocab), float32/float16/bfloat16, CUDA (or CPU under
-        TRITON_INTERPRET=1).  Batch and row strides are passed to the kernel; a last
-        dimension that is not unit-stride is made contiguous (one copy).
-    draft_tokens : torch.Tensor
-        Shape (batch, K), int32/int64, any strides.  Ids outside [0, vocab) and -1 never
-        match; entries at or past a row's count are not read.
-    num_draft_tokens : torch.Tensor
-        Shape (batch,), int32/int64, values in 0..K (larger values act as K).
-    block_v, num_splits : int, optional
-        Tiling of the argmax (see ``argmax_partials``); for tests and tuning.
-
-    Returns
-    -------
-    output_tokens : torch.Tensor
-        Shape (batch, K + 1), int64: accepted drafts, the correction or bonus token, -1.
-    num_accepted : torch.Tensor
-        Shape (batch,), int64.
-
-    Two launches: the split argmax over V, then one program per sequence for acceptance
-    (none when batch is 0).
-    """
-    _require_triton()
-    return torch.ops.specdec.verify_greedy_triton(
-        target_logits, draft_tokens, num_draft_tokens, block_v or 0, num_splits or 0
-    )
-
-
-def verify_greedy(target_logits, draft_tokens, num_draft_tokens=None, *, backend=None, validate=None):
-    _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate)
-    name = _backend.resolve("verify_greedy", target_logits.device, backend, IMPLEMENTED)
+    _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=False)
+    name = _backend.resolve("verify_greedy", target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
+        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
+
         return verify_greedy_triton(target_logits, draft_tokens, n)
     return _verify_greedy(target_logits, draft_tokens, n)
 
 
-verify_greedy.__doc__ = _backend.public_doc(_ref)
+def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
+    B, K1, _ = target_logits.shape
+    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
+    torch._check(num_draft_tokens is None or num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")
+    return target_logits.new_empty((B, K1), dtype=torch.int64), target_logits.new_empty((B,), dtype=torch.int64)
 
-# Ahead-of-time compilation specs (tests/aot_compile.py): every dtype combination that
-# changes a kernel's signature.
-_FLOATS = ("fp32", "fp16", "bf16")
-AOT_SPECS = [
-    dict(
-        kernel=_argmax_partials_kernel,
-        name=f"verify_greedy._argmax_partials_kernel[{f}]",
-        signature={
-            "logits_ptr": f"*{f}", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "R": "i32", "V": "i32",
-            "stride_b": "i64", "stride_r": "i32", "TILES_PER_SPLIT": "i32", "BLOCK_V": "constexpr",
-        },
-        constexprs={"BLOCK_V": MAX_BLOCK_V},
-        options={"num_warps": _num_warps(MAX_BLOCK_V)},
-    )
-    for f in _FLOATS
-] + [
-    dict(
-        kernel=_verify_greedy_accept_kernel,
-        name=f"verify_greedy._verify_greedy_accept_kernel[{i}]",
-        signature={
-            "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "draft_ptr": f"*{i}", "stride_db": "i32",
-            "stride_dk": "i32", "num_draft_ptr": "*i64", "out_ptr": "*i64", "num_accepted_ptr": "*i64",
-            "K": "i32", "S": "i32", "BLOCK_K": "constexpr",
-        },
-        constexprs={"BLOCK_K": 32},
-        options={"num_warps": 1},
-    )
-    for i in ("i32", "i64")
-]
+
+def _triton_decomposition(args, kwargs):
+    a = inspect.signature(_impl).bind(*args, **kwargs)
+    a.apply_defaults()
+    x = a.arguments
+    if _backend.resolve("verify_greedy", x["target_logits"].device, x["backend"] or None, IMPLEMENTED) != "triton":
+        return None
+    n = x["num_draft_tokens"]
+    if n is None:
+        B, K1, _ = x["target_logits"].shape
+        n = torch.full((B,), K1 - 1, dtype=torch.int64, device=x["target_logits"].device)
+    return torch.ops.specdec.verify_greedy_triton(x["target_logits"], x["draft_tokens"], n.to(torch.int64), 0, 0)
+
+
+op = _library.define("verify_greedy", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate)
+    return torch.ops.specdec.verify_greedy(target_logits, draft_tokens, n, backend or "")
+
+
+verify_greedy.__doc__ = _backend.public_doc(_ref, "verify_greedy")
+
+
+def __getattr__(name: str):
+    """The Triton launchers, loaded on first access (``verify_greedy_triton``, ``argmax_partials``)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from specdec_kernels.ops._triton import verify_greedy as _kernels
+
+    try:
+        return getattr(_kernels, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,207 +1,90 @@
-"""verify_tree_greedy: greedy acceptance of the longest matching path of a token tree.
+"""verify_tree_greedy: greedy acceptance along a token tree, ``torch.ops.specdec.verify_tree_greedy``.
 
-Backends: "reference" (plain PyTorch) and "triton" (two launches, below).
-
-Triton design:
-
-1. The per-node argmax reuses ``verify_greedy``'s split argmax
-   (``verify_greedy.argmax_partials``): grid (B * N, S), each program scans one chunk of a
-   node's vocabulary row and writes the chunk's (max, argmax); the split over V keeps a GPU
-   busy when B * N is small.  Same ``torch.argmax`` semantics (first index of the maximum,
-   NaN counts as the maximum), so every emitted id is in [0, V).
-2. ``_verify_tree_greedy_walk_kernel``, grid (B,): program b first combines the partials of
-   its N nodes into a vector of argmaxes held in registers (BLOCK_N lanes), then walks the
-   nodes once in index order.  Because parents[i] < i, a single pass in index order meets
-   every child of a node after the node itself and in increasing index: when node i is a
-   child of the current node and its token equals the argmax at the current node, it is
-   the lowest-index matching child, so it becomes the current node (later siblings then no
-   longer have the current node as parent).  That is exactly the reference's rule, in
-   O(N) scalar steps plus O(BLOCK_N) vector work per step (a lane select to read the argmax
-   at node i).  The accepted path and the output tokens are built in registers and stored
-   once at the end (no read-after-write through global memory inside the program).
-
-Tree tokens and parents are only compared, never used as addresses, so out-of-range ids or
-parents cannot cause out-of-bounds accesses; num_nodes is clamped to N in the kernel.
-Runtime-count loops are ``while`` loops (see ``verify_greedy``'s module docstring).
+Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
+``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_tree_greedy``, the split argmax
+of ``verify_greedy`` then one program per sequence walking the nodes once in index order).
+The tree is passed as tensors (parents [N] or [B, N]); no backend walks it on the host.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend
-from specdec_kernels.ops.verify_greedy import _combine_partials, _jit, _require_triton, argmax_partials, triton
+from specdec_kernels import _backend, _library
 from specdec_kernels.reference import verify_tree_greedy as _ref
 from specdec_kernels.reference.verify_tree_greedy import _verify_tree_greedy, check_verify_tree_greedy_args
-
-if triton is not None:
-    import triton.language as tl
 
 IMPLEMENTED = ("reference", "triton")
 
 
-@_jit
-def _verify_tree_greedy_walk_kernel(
-    part_val_ptr,  # [S, B * N] fp32: per-chunk maxima (verify_greedy.argmax_partials)
-    part_idx_ptr,  # [S, B * N] int32: their first indices
-    tokens_ptr,  # [B, N] int32/int64 (strided)
-    stride_tb,
-    stride_tn,
-    parents_ptr,  # [B, N] int64 (strided; batch stride 0 for one shared tree)
-    stride_pb,
-    stride_pn,
-    num_nodes_ptr,  # [B] int64
-    out_tokens_ptr,  # [B, N] int64, contiguous
-    accepted_nodes_ptr,  # [B, N] int64, contiguous
-    num_accepted_ptr,  # [B] int64
-    N,
-    S,
-    BLOCK_N: tl.constexpr,  # power of two >= N
-):
-    b = tl.program_id(0)
-    b64 = b.to(tl.int64)
-    lane = tl.arange(0, BLOCK_N)
-    is_node = lane < N
-    target = _combine_partials(part_val_ptr, part_idx_ptr, b * N + lane, is_node, tl.num_programs(0) * N, S)
-
-    n = tl.minimum(tl.load(num_nodes_ptr + b), N)  # nodes at or past n do not exist
-    current = tl.zeros([], dtype=tl.int64)  # the root
-    want = tl.sum(tl.where(lane == 0, target, 0), axis=0)  # argmax at the current node
-    depth = tl.zeros([], dtype=tl.int64)  # accepted drafts so far
-    path = tl.where(lane == 0, 0, -1).to(tl.int64)  # accepted_nodes row
-    out = tl.full([BLOCK_N], -1, dtype=tl.int64)  # output_tokens row
-    i = 1
-    while i < n:
-        parent = tl.load(parents_ptr + b64 * stride_pb + i * stride_pn).to(tl.int64)
-        token = tl.load(tokens_ptr + b64 * stride_tb + i * stride_tn).to(tl.int64)
-        hit = (parent == current) & (token == want)
-        out = tl.where(hit & (lane == depth), token, out)
-        depth += hit.to(tl.int64)
-        path = tl.where(hit & (lane == depth), i, path)
-        current = tl.where(hit, i, current)
-        want = tl.where(hit, tl.sum(tl.where(lane == i, target, 0), axis=0), want)
-        i += 1
-    out = tl.where(lane == depth, want, out)  # the target's token after the last accepted node
-    row = b64 * N + lane
-    tl.store(out_tokens_ptr + row, out, mask=is_node)
-    tl.store(accepted_nodes_ptr + row, path, mask=is_node)
-    tl.store(num_accepted_ptr + b, depth)
-
-
-@torch.library.custom_op("specdec::verify_tree_greedy_triton", mutates_args=())
-def _verify_tree_greedy_triton_op(
+def _impl(
     target_logits: torch.Tensor,
     tree_tokens: torch.Tensor,
     tree_parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-    block_v: int = 0,
-    num_splits: int = 0,
+    num_nodes: Optional[torch.Tensor] = None,
+    backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, N, _ = target_logits.shape
-    device = target_logits.device
-    output_tokens = torch.empty((B, N), dtype=torch.int64, device=device)
-    accepted_nodes = torch.empty((B, N), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
-    if B == 0:
-        return output_tokens, accepted_nodes, num_accepted
-    parents = tree_parents.to(torch.int64)
-    if parents.dim() == 1:
-        parents = parents.expand(B, N)  # one shared tree: batch stride 0, no copy
-    part_val, part_idx, S = argmax_partials(target_logits, block_v=block_v or None, num_splits=num_splits or None)
-    _verify_tree_greedy_walk_kernel[(B,)](
-        part_val, part_idx, tree_tokens, tree_tokens.stride(0), tree_tokens.stride(1),
-        parents, parents.stride(0), parents.stride(1), num_nodes.to(torch.int64),
-        output_tokens, accepted_nodes, num_accepted, N, S,
-        BLOCK_N=triton.next_power_of_2(N), num_warps=1 if N <= 128 else 4,
-    )
-    return output_tokens, accepted_nodes, num_accepted
-
-
-@_verify_tree_greedy_triton_op.register_fake
-def _(target_logits, tree_tokens, tree_parents, num_nodes, block_v=0, num_splits=0):
-    B, N, _ = target_logits.shape
-    torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
-    torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")
-    torch._check(num_nodes.shape == (B,), lambda: "num_nodes must have shape (B,)")
-    new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int64)  # noqa: E731
-    return new(B, N), new(B, N), new(B)
-
-
-def verify_tree_greedy_triton(
-    target_logits: torch.Tensor,
-    tree_tokens: torch.Tensor,
-    tree_parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-    *,
-    block_v: Optional[int] = None,
-    num_splits: Optional[int] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy token-tree verification with Triton (``torch.ops.specdec.verify_tree_greedy_triton``).
-
-    Inputs are assumed validated (``check_verify_tree_greedy_args``); the public
-    ``verify_tree_greedy(..., backend="triton")`` does that and calls this.
-
-    Parameters
-    ----------
-    target_logits : torch.Tensor
-        Shape (batch, N, vocab), float32/float16/bfloat16, CUDA (or CPU under
-        TRITON_INTERPRET=1).  Batch and row strides are passed to the kernel; a last
-        dimension that is not unit-stride is made contiguous (one copy).
-    tree_tokens : torch.Tensor
-        Shape (batch, N), int32/int64, any strides.  Node 0 (the root) is never compared.
-    tree_parents : torch.Tensor
-        Shape (N,) shared by the batch or (batch, N), int32/int64, parents[0] = -1 and
-        0 <= parents[i] < i (not checked here; a parent outside that range only fails to
-        match).  A shared tree is read with batch stride 0, not copied.
-    num_nodes : torch.Tensor
-        Shape (batch,), int32/int64: nodes at or past a row's count are ignored (values
-        above N act as N).  The root is always present, as in the reference.
-    block_v, num_splits : int, optional
-        Tiling of the argmax (see ``verify_greedy.argmax_partials``); for tests and tuning.
-
-    Returns
-    -------
-    output_tokens : torch.Tensor
-        Shape (batch, N), int64: accepted drafts, the argmax at the last accepted node, -1.
-    accepted_nodes : torch.Tensor
-        Shape (batch, N), int64: the accepted path's node indices from 0 (the root), -1.
-    num_accepted : torch.Tensor
-        Shape (batch,), int64: accepted drafts (the root not counted).
-
-    Two launches (split argmax, then the walk with one program per sequence); none when
-    batch is 0.
-    """
-    _require_triton()
-    return torch.ops.specdec.verify_tree_greedy_triton(
-        target_logits, tree_tokens, tree_parents, num_nodes, block_v or 0, num_splits or 0
-    )
-
-
-def verify_tree_greedy(target_logits, tree_tokens, tree_parents, num_nodes=None, *, backend=None, validate=None):
-    _, _, _, parents, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate)
-    name = _backend.resolve("verify_tree_greedy", target_logits.device, backend, IMPLEMENTED)
+    _, _, _, parents, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=False)
+    name = _backend.resolve("verify_tree_greedy", target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
+        from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
+
         return verify_tree_greedy_triton(target_logits, tree_tokens, parents, n)
     return _verify_tree_greedy(target_logits, tree_tokens, parents, n)
 
 
-verify_tree_greedy.__doc__ = _backend.public_doc(_ref)
+def _fake(target_logits, tree_tokens, tree_parents, num_nodes=None, backend=""):
+    B, N, _ = target_logits.shape
+    torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
+    torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")
+    torch._check(num_nodes is None or num_nodes.shape == (B,), lambda: "num_nodes must have shape (B,)")
+    new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int64)  # noqa: E731
+    return new(B, N), new(B, N), new(B)
 
-# Ahead-of-time compilation specs (tests/aot_compile.py); the per-node argmax kernel is
-# verify_greedy's and is listed there.
-AOT_SPECS = [
-    dict(
-        kernel=_verify_tree_greedy_walk_kernel,
-        name=f"verify_tree_greedy._verify_tree_greedy_walk_kernel[{i}]",
-        signature={
-            "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "tokens_ptr": f"*{i}", "stride_tb": "i32",
-            "stride_tn": "i32", "parents_ptr": "*i64", "stride_pb": "i32", "stride_pn": "i32",
-            "num_nodes_ptr": "*i64", "out_tokens_ptr": "*i64", "accepted_nodes_ptr": "*i64",
-            "num_accepted_ptr": "*i64", "N": "i32", "S": "i32", "BLOCK_N": "constexpr",
-        },
-        constexprs={"BLOCK_N": 128},
-        options={"num_warps": 1},
-    )
-    for i in ("i32", "i64")
-]
+
+def _triton_decomposition(args, kwargs):
+    a = inspect.signature(_impl).bind(*args, **kwargs)
+    a.apply_defaults()
+    x = a.arguments
+    logits = x["target_logits"]
+    if _backend.resolve("verify_tree_greedy", logits.device, x["backend"] or None, IMPLEMENTED) != "triton":
+        return None
+    B, N, _ = logits.shape
+    n = x["num_nodes"]
+    n = torch.full((B,), N, dtype=torch.int64, device=logits.device) if n is None else n.to(torch.int64)
+    return torch.ops.specdec.verify_tree_greedy_triton(logits, x["tree_tokens"], x["tree_parents"].to(torch.int64), n, 0, 0)
+
+
+op = _library.define(
+    "verify_tree_greedy", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+)
+
+
+def verify_tree_greedy(
+    target_logits: torch.Tensor,
+    tree_tokens: torch.Tensor,
+    tree_parents: torch.Tensor,
+    num_nodes: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, _, _, _, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate)
+    return torch.ops.specdec.verify_tree_greedy(target_logits, tree_tokens, tree_parents, n, backend or "")
+
+
+verify_tree_greedy.__doc__ = _backend.public_doc(_ref, "verify_tree_greedy")
+
+
+def __getattr__(name: str):
+    """The Triton launcher, loaded on first access (``verify_tree_greedy_triton``)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from specdec_kernels.ops._triton import verify_tree_greedy as _kernels
+
+    try:
+        return getattr(_kernels, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -5,7 +5,7 @@ from typing import Union
 
 import torch
 
-from specdec_kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
+from specdec_kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor, want_value_checks
 
 Param = Union[None, int, float, torch.Tensor]
 
@@ -27,8 +27,9 @@ def _per_row(name: str, value, batch: int, ndim: int, device, dtype, default):
     return t.view((batch,) + (1,) * (ndim - 1))
 
 
-def check_sampling_args(logits, temperature, top_k, top_p):
-    """Validate and broadcast the arguments of ``sampling_probs``."""
+def check_sampling_args(logits, temperature, top_k, top_p, validate=None):
+    """Validate and broadcast the arguments of ``sampling_probs``; value checks (temperature
+    >= 0, top_p in (0, 1]) when ``validate`` allows (default: CPU tensors)."""
     check_tensor("logits", logits, ndim=(2, 3), dtypes=FLOAT_DTYPES)
     if logits.shape[-1] < 1:
         raise ValueError(f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
@@ -40,7 +41,7 @@ def check_sampling_args(logits, temperature, top_k, top_p):
     t = _per_row("temperature", temperature, B, nd, dev, torch.float32, 1.0)
     k = _per_row("top_k", top_k, B, nd, dev, torch.int64, 0)
     p = _per_row("top_p", top_p, B, nd, dev, torch.float32, 1.0)
-    if dev.type == "cpu" and B:
+    if B and want_value_checks(validate, t, p):
         if (t < 0).any() or t.isnan().any():
             raise ValueError(f"temperature must be >= 0, got {t.flatten().tolist()[:8]}")
         if ((p <= 0) | (p > 1) | p.isnan()).any():

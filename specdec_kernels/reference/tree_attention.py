@@ -69,8 +69,12 @@ def _tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale):
     B, N, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = H // Hkv
-    k = k_cache.to(torch.float64).repeat_interleave(group, dim=1)  # [B, H, S, D]
-    v = v_cache.to(torch.float64).repeat_interleave(group, dim=1)
+    # Slots past a sequence's new keys are nobody's: zero them so that whatever they hold (NaN
+    # from torch.empty) cannot reach the output through a zero attention weight.
+    used = torch.arange(S, device=q.device)[None, :] < (cache_seqlens.to(torch.int64) + N)[:, None]  # [B, S]
+    used = used[:, None, :, None]
+    k = torch.where(used, k_cache.to(torch.float64), 0.0).repeat_interleave(group, dim=1)  # [B, H, S, D]
+    v = torch.where(used, v_cache.to(torch.float64), 0.0).repeat_interleave(group, dim=1)
     scores = torch.einsum("bnhd,bhsd->bhns", q.to(torch.float64), k) * sm_scale
     visible = visible_keys(cache_seqlens, tree_mask, N, S)[:, None]  # [B, 1, N, S]
     scores = scores.masked_fill(~visible, float("-inf"))

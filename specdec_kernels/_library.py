@@ -1,0 +1,95 @@
+"""One registration mechanism for the public ops: ``torch.ops.specdec.<name>``.
+
+Every public op is a ``torch.library.custom_op`` in the ``specdec`` namespace, registered when
+``specdec_kernels`` is imported.  Its backends are kernels of that one op, chosen by dispatch
+key: the CPU kernel runs the C++ extension, the ``torch`` fast path or the reference, the CUDA
+kernel runs Triton or the CUDA extension, and the fake (Meta / FakeTensor) kernel computes
+shapes only.  Inside a device kernel the ``backend`` string argument ("" = automatic,
+``SPECDEC_BACKEND``, or an explicit name, see ``specdec_kernels._backend``) picks among the
+backends of that device; it is a plain string, so torch.compile treats it as a constant.
+
+Triton kernels live in ``specdec_kernels.ops._triton`` and are imported on first use only.
+Their launchers are themselves ops (``specdec::<name>_triton``): ``torch.library.triton_op``
+with ``wrap_triton`` launches when the kernels are real JIT functions (inductor then sees
+through them), an opaque custom op with an explicit fake under ``TRITON_INTERPRET=1`` (the
+interpreter cannot run on fake tensors).  With real Triton, a public op on CUDA tensors whose
+backend resolves to Triton is decomposed under functionalization into its ``_triton`` op, as
+``triton_op`` itself does, so that ``torch.compile`` reaches the Triton kernels.
+
+The public ops never read tensor values (no ``.item()``, ``.tolist()``, no branching on
+values) on the paths that CUDA graphs and ``torch.compile`` use: value checks are the Python
+fronts' business and run only with ``validate=True`` (the default on CPU tensors).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from specdec_kernels import _backend
+
+NAMESPACE = "specdec"
+OPS = {}  # public op name -> CustomOpDef
+
+
+def define(
+    name: str,
+    schema_fn: Callable,
+    *,
+    cpu: Callable,
+    cuda: Callable,
+    fake: Callable,
+    mutates_args: Iterable[str] = (),
+    triton_decomposition: Optional[Callable] = None,
+):
+    """Register ``specdec::<name>``; return its ``CustomOpDef``.
+
+    Args:
+        name: the op's name in the ``specdec`` namespace.
+        schema_fn: a type-annotated function whose signature is the op's schema; it is also
+            the kernel for devices other than CPU and CUDA (it should run the reference).
+        cpu, cuda: the kernels for CPU and CUDA tensors (same signature).
+        fake: the fake kernel (shapes, dtypes and devices of the outputs, no data).
+        mutates_args: names of the arguments written in place.
+        triton_decomposition: ``(args, kwargs) -> outputs or None``; under functionalization
+            (torch.compile's AOT dispatcher) with real Triton kernels, a non-None result
+            replaces the opaque op (it calls the ``_triton`` op, a ``triton_op``).
+    """
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", schema_fn, mutates_args=tuple(mutates_args))
+    op.register_kernel("cpu", cpu)
+    op.register_kernel("cuda", cuda)
+    op.register_fake(fake)
+    if triton_decomposition is not None and not _backend.interpreter_on():
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        def decompose(mode, func, types, args, kwargs):
+            with mode:
+                out = triton_decomposition(args, kwargs)
+            if out is None:  # another backend: keep the op opaque, functionalised as usual
+                return mode.__torch_dispatch__(func, types, args, kwargs)
+            return out
+
+        op.register_torch_dispatch(FunctionalTensorMode, decompose)
+    OPS[name] = op
+    return op
+
+
+def kernel_op(name: str, fn: Callable, fake: Callable, mutates_args: Iterable[str] = ()):
+    """Register a backend op ``specdec::<name>`` whose body launches Triton kernels.
+
+    ``torch.library.triton_op`` (traceable body, kernels launched through ``wrap_triton``)
+    when the kernels are real JIT functions; under ``TRITON_INTERPRET=1`` an opaque
+    ``custom_op`` with ``fake`` as its fake kernel.
+    """
+    qualname = f"{NAMESPACE}::{name}"
+    if _backend.interpreter_on():
+        op = torch.library.custom_op(qualname, fn, mutates_args=tuple(mutates_args))
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(qualname, fn, mutates_args=tuple(mutates_args))
+
+
+def launch(kernel):
+    """``kernel`` wrapped for tracing (``torch.library.wrap_triton``); eager calls and the
+    interpreter get the kernel itself."""
+    return torch.library.wrap_triton(kernel)
