@@ -233,8 +233,8 @@ def _impl(
         return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
     if name == "torch":
-        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
-    return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+    return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):

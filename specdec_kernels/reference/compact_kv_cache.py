@@ -40,11 +40,15 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     """In-place compaction needs every element written once: no cache may overlap itself (an
     expanded tensor, stride 0) and no two caches may start at the same address (the same
     tensor twice would be compacted twice).  The checks of the native op, without a sync."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    # Traced (torch.compile) or fake tensors have no addresses: only the stride check applies.
+    addresses = not torch.compiler.is_compiling() and not any(is_fake(t) for t in views)
     starts = set()
     for i, t in enumerate(views):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension) and cannot be written in place")
-        if t.numel() == 0:
+        if t.numel() == 0 or not addresses:
             continue
         key = (t.device, t.data_ptr())
         if key in starts:

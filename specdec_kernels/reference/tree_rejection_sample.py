@@ -38,6 +38,7 @@ def _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_
     def target_row(node):  # float64 weights of the target's distribution after `node`
         return mass(target_probs[rows, node].to(torch.float64))
 
+    host_shortcuts = device.type == "cpu"  # elsewhere no value is read on the host
     current = torch.zeros(B, dtype=torch.int64, device=device)
     residual = target_row(current)  # p' unnormalised; its mass is `total`
     total = residual.sum(dim=1)
@@ -49,7 +50,7 @@ def _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_
     # after their parent, and once a child is accepted only its own children can follow.
     for j in range(1, N):
         is_child = (parents[:, j] == current) & (j < num_nodes)
-        if not is_child.any():
+        if host_shortcuts and not is_child.any():  # a shortcut only where reading is free
             continue
         x = tokens[:, j]
         in_vocab = (x >= 0) & (x < V)
@@ -74,9 +75,10 @@ def _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_
             reject = is_child & ~accept & in_vocab
             total = torch.where(reject, total - r_x, total)
             residual = residual.scatter(1, xs, torch.where(reject, 0.0, r_x)[:, None])
-        if accept.any():
+        if not host_shortcuts or accept.any():
             num_accepted += accept.to(torch.int64)
-            accepted_nodes[accept, num_accepted[accept]] = j
+            at = num_accepted[:, None]  # scatter, not boolean indexing: no host read
+            accepted_nodes.scatter_(1, at, torch.where(accept[:, None], j, accepted_nodes.gather(1, at)))
             current = torch.where(accept, j, current)
             fresh = target_row(current)
             residual = torch.where(accept[:, None], fresh, residual)

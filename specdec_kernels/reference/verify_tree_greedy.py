@@ -44,11 +44,11 @@ def walk_tree(accept_child, parents, num_nodes, batch, num_tree_nodes, device):
         children = (parents == current[:, None]) & exists & active[:, None]
         chosen = accept_child(current, children)
         moved = chosen >= 0
-        if not moved.any():
+        if device.type == "cpu" and not moved.any():  # a shortcut only where reading is free
             break
-        rows = moved.nonzero().squeeze(1)
-        num_accepted[rows] += 1
-        accepted_nodes[rows, num_accepted[rows]] = chosen[rows]
+        num_accepted += moved.to(torch.int64)  # scatter, not boolean indexing: no host read
+        at = num_accepted[:, None]
+        accepted_nodes.scatter_(1, at, torch.where(moved[:, None], chosen[:, None], accepted_nodes.gather(1, at)))
         current = torch.where(moved, chosen, current)
         active &= moved
     return accepted_nodes, num_accepted, current
