@@ -33,8 +33,97 @@ DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "medusa": 4, "medusa-
 SUB_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa")
 
 
+# SmolLM2-135M-Instruct: 30 layers, 8192 positions (checked before the model loads).
+MODEL_LAYERS = 30
+MODEL_POSITIONS = 8192
+MAX_K = 64
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("prog: error: ..."), exit status 2."""
+
+    def error(self, message):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _read_prompt_file(p: argparse.ArgumentParser, path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        p.error(f"--prompt-file {path!r}: cannot read it ({e.strerror or e})")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        p.error(f"--prompt-file {path!r} is not UTF-8 text (byte {e.start})")
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag checked before anything loads: one line naming the flag and its range."""
+    import math
+    import os
+
+    if args.prompt is not None and not args.prompt.strip():
+        p.error("--prompt must not be empty")
+    if args.prompt_file is not None:
+        args.prompt = _read_prompt_file(p, args.prompt_file)
+        if not args.prompt.strip():
+            p.error(f"--prompt-file {args.prompt_file!r} is empty")
+    if args.question_id is not None:
+        from specdec_kernels.decoding.prompts import spec_bench_questions
+
+        ids = {q["question_id"] for q in spec_bench_questions()}
+        if args.question_id not in ids:
+            p.error(f"--question-id must be a Spec-Bench question id in {min(ids)}..{max(ids)}, got {args.question_id}")
+    if not 1 <= args.max_new_tokens <= MODEL_POSITIONS:
+        p.error(f"--max-new-tokens must lie in 1..{MODEL_POSITIONS} (the model's context), got {args.max_new_tokens}")
+    if args.num_draft_tokens is not None and not 0 <= args.num_draft_tokens <= MAX_K:
+        p.error(f"--num-draft-tokens must lie in 0..{MAX_K}, got {args.num_draft_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        p.error(f"--top-k must be >= 1 (leave it out to disable it), got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        p.error(f"--top-p must lie in (0, 1], got {args.top_p}")
+    try:
+        widths = tuple(int(w) for w in args.tree_widths.split(","))
+    except ValueError:
+        p.error(f"--tree-widths must be comma-separated integers >= 1, got {args.tree_widths!r}")
+    if not widths or min(widths) < 1:
+        p.error(f"--tree-widths must be comma-separated integers >= 1, got {args.tree_widths!r}")
+    args.widths = widths
+    if args.layers is not None and not 1 <= args.layers < MODEL_LAYERS:
+        p.error(f"--layers must lie in 1..{MODEL_LAYERS - 1} (the target has {MODEL_LAYERS}), got {args.layers}")
+    if not 1 <= args.max_ngram <= 64:
+        p.error(f"--max-ngram must lie in 1..64, got {args.max_ngram}")
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        p.error(f"--threads must lie in 1..1024, got {args.threads}")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: this torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            p.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    uses = {args.drafter} | (set(args.sub_drafters) if args.drafter == "multi" else set())
+    if args.medusa_heads is not None and uses & {"medusa", "medusa-tree"}:
+        if not os.path.isfile(args.medusa_heads):
+            p.error(f"--medusa-heads {args.medusa_heads!r}: no such file")
+        try:
+            torch.load(args.medusa_heads, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            p.error(f"--medusa-heads {args.medusa_heads!r} is not a heads file ({type(e).__name__})")
+    if args.draft_model is not None and "draft-model" in uses:
+        if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
+            p.error(f"--draft-model must be a local transformers checkpoint folder (with config.json), got {args.draft_model!r}")
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specdec_kernels.generate", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m specdec_kernels.generate", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--prompt-file", help="read the user message from this file")
@@ -68,18 +157,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON line too")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    if args.num_draft_tokens is not None and args.num_draft_tokens < 0:
-        p.error("--num-draft-tokens must be >= 0")
-    try:
-        args.widths = tuple(int(w) for w in args.tree_widths.split(",") if w.strip())
-    except ValueError:
-        p.error(f"--tree-widths must be comma-separated ints, got {args.tree_widths!r}")
     args.sub_drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     bad = [d for d in args.sub_drafters if d not in SUB_DRAFTERS]
     if args.drafter == "multi" and (bad or not args.sub_drafters):
         p.error(f"--drafters must name drafters from {', '.join(SUB_DRAFTERS)}, got {args.drafters!r}")
+    _validate(p, args)
     if args.typical is not None and not 0 < args.typical <= 1:
         p.error("--typical must lie in (0, 1]")
     if args.typical is not None and args.temperature == 0:
@@ -96,7 +178,7 @@ def build_drafter(args, model, name=None):
 
         return MultiDrafter([build_drafter(args, model, d) for d in args.sub_drafters])
     widths = args.widths if args.tree else None
-    layers = args.layers or model.args.num_layers // 2
+    layers = args.layers if args.layers is not None else model.args.num_layers // 2
     if name == "ngram":
         return NgramDrafter(args.max_ngram, tree=args.tree)
     if name in ("medusa", "medusa-tree"):
@@ -118,6 +200,31 @@ def build_drafter(args, model, name=None):
     return None
 
 
+class _Stream:
+    """Prints the generated text as it grows (after every decode step), so a long generation
+    is never silent and an interrupted one keeps what was generated."""
+
+    def __init__(self, tok):
+        self.tok, self.shown, self.count, self.tokens = tok, "", 0, []
+
+    def __call__(self, state) -> None:
+        self.tokens = state.generated(0)
+        self.count = len(self.tokens)
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):  # a whole character more
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self) -> None:
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown):])
+        self.shown = text
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -125,10 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, load_smollm2
     from specdec_kernels.decoding.loading import INSTALL_HINT
 
-    text = args.prompt
-    if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
+    text = args.prompt  # --prompt-file was read by parse_args
     if args.question_id is not None:
         from specdec_kernels.decoding.prompts import spec_bench_prompt
 
@@ -159,9 +263,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedule = k
     decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stops, typical=args.typical if not sampling.greedy else None)
     SpeculativeDecoder(model).generate([ids[-8:]], 2)  # warm-up (first-call costs stay out of the timings)
-    result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=schedule, sampling=sampling, seeds=[args.seed])
+    stream = _Stream(tok)
+    try:
+        result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=schedule, sampling=sampling,
+                                  seeds=[args.seed], on_step=stream)
+    except KeyboardInterrupt:
+        stream.finish()
+        print(f"(interrupted after {stream.count} generated tokens)", file=sys.stderr)
+        return 130
+    stream.finish()
     mode = "tree" if args.tree or args.drafter == "medusa-tree" else "chain"
-    print(tok.decode(result.tokens[0], skip_special_tokens=True))
     how = result.stats.policy or f"K={k}"
     lossy = f", typical acceptance eps {args.typical} (LOSSY)" if decoder.typical is not None else ""
     print(f"\n--- {args.drafter} ({mode}, {how}, temperature {args.temperature}{lossy}), prompt {len(ids)} tokens")

@@ -226,6 +226,7 @@ class SpeculativeDecoder:
         num_draft_tokens: Union[DraftSchedule, DraftLengthPolicy, None] = None,
         sampling: Optional[SamplingParams] = None,
         seeds=None,
+        on_step: Optional[Callable[[DecodeState], None]] = None,
     ) -> GenerationResult:
         """Generate for a batch of prompts until every sequence stops.
 
@@ -239,6 +240,8 @@ class SpeculativeDecoder:
             sampling: temperature / top-k / top-p; default greedy.
             seeds: per-sequence seeds (list), a base seed (int; sequence b uses seed + b) or
                 None; sequence b's tokens depend only on its own seed.
+            on_step: called with the state after the prefill and after every step (streaming,
+                progress; ``state.generated(b)`` holds sequence b's tokens so far).
 
         Returns:
             GenerationResult(tokens, stats).
@@ -252,6 +255,8 @@ class SpeculativeDecoder:
             policy.start(state)
             state.stats.policy = policy.describe()
         step = 0
+        if on_step is not None:
+            on_step(state)
         while not state.finished:
             if policy is not None:
                 k = policy.choose(state)
@@ -261,6 +266,8 @@ class SpeculativeDecoder:
             if policy is not None:
                 policy.update(state, state.last_step)
             step += 1
+            if on_step is not None:
+                on_step(state)
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
 

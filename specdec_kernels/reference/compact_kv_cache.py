@@ -36,24 +36,47 @@ def cache_views(kv_cache: KVCache) -> List[torch.Tensor]:
     return flat
 
 
+def _extent(t: torch.Tensor):
+    """(storage address, first element, one past the last element) that ``t`` can touch."""
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().data_ptr(), t.storage_offset(), last + 1
+
+
 def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     """In-place compaction needs every element written once: no cache may overlap itself (an
-    expanded tensor, stride 0) and no two caches may start at the same address (the same
-    tensor twice would be compacted twice).  The checks of the native op, without a sync."""
+    expanded tensor, stride 0) and no two caches may share an element (the same tensor twice,
+    or views ``base[:, :, i:i + S]`` of one buffer, would be compacted twice, in an order that
+    depends on the threads).  Caches whose address ranges overlap are checked element by
+    element (only then: interleaved layouts such as ``base[..., ::2]`` and ``base[..., 1::2]``
+    are fine).  No device synchronisation unless ranges overlap."""
     from torch._subclasses.fake_tensor import is_fake
 
     # Traced (torch.compile) or fake tensors have no addresses: only the stride check applies.
     addresses = not torch.compiler.is_compiling() and not any(is_fake(t) for t in views)
-    starts = set()
     for i, t in enumerate(views):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             raise ValueError(f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension) and cannot be written in place")
-        if t.numel() == 0 or not addresses:
+    if not addresses:
+        return
+    by_storage = {}
+    for i, t in enumerate(views):
+        if t.numel():
+            base, lo, hi = _extent(t)
+            by_storage.setdefault((t.device, base), []).append((lo, hi, i, t))
+    for group in by_storage.values():
+        if len(group) < 2:
             continue
-        key = (t.device, t.data_ptr())
-        if key in starts:
-            raise ValueError(f"kv_cache[{i}] aliases another cache (same start address): it would be compacted twice")
-        starts.add(key)
+        group.sort(key=lambda g: g[0])
+        if all(a[1] <= b[0] for a, b in zip(group, group[1:])):
+            continue  # disjoint address ranges: the common case, decided without a sync
+        lo = min(g[0] for g in group)
+        hi = max(g[1] for g in group)
+        mark = torch.zeros(hi - lo, dtype=torch.int32, device=group[0][3].device)
+        for start, _, i, t in group:
+            covered = torch.as_strided(mark, t.shape, t.stride(), start - lo)
+            if bool((covered > 0).any()):
+                raise ValueError(f"kv_cache[{i}] overlaps (aliases) another cache: they share elements and would be compacted twice")
+            covered += 1
 
 
 def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=None):

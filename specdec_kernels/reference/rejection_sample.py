@@ -63,6 +63,7 @@ def _rejection_sample(target_probs, draft_probs, draft_tokens, num_draft_tokens,
     B, K1, V = target_probs.shape
     K = K1 - 1
     device = target_probs.device
+    num_draft_tokens = num_draft_tokens.clamp(0, K)  # counts past K act as K (unchecked input)
     tokens = draft_tokens.to(torch.int64)
     in_vocab = (tokens >= 0) & (tokens < V)
     safe = tokens.clamp(0, V - 1)[..., None]

@@ -72,8 +72,12 @@ def _sampling_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     probs = torch.where(nucleus, probs, 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
 
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy, one_hot, probs)
+    # Temperature 0, or a +inf logit after temperature (an infinite logit, or a temperature so
+    # small that the division overflows): one-hot at the argmax (the first +inf), not NaN.
+    scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature)
+    infinite = (scaled == float("inf")).any(dim=-1, keepdim=True) & ~scaled.isnan().any(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy | infinite, one_hot, probs)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = None, top_p: Param = None) -> torch.Tensor:
@@ -85,7 +89,9 @@ def sampling_probs(logits: torch.Tensor, temperature: Param = 1.0, top_k: Param 
     Args:
         logits: Shape (batch, vocab) or (batch, rows, vocab), float32/float16/bfloat16.
         temperature: float >= 0, or a float tensor of shape (batch,).  0 is greedy: the row
-            becomes one-hot at ``torch.argmax`` (first maximum, NaN counts as maximum).
+            becomes one-hot at ``torch.argmax`` (first maximum, NaN counts as maximum).  A row
+            with a +inf logit after temperature (an infinite logit, or a temperature so small
+            that the division overflows) is one-hot at its first +inf as well.
         top_k: int or integer tensor (batch,); keep the logits >= the k-th largest (ties at the
             boundary kept).  None, 0 or >= vocab disables it.
         top_p: float in (0, 1] or tensor (batch,); keep the smallest set of most probable tokens

@@ -69,6 +69,8 @@ def _tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale):
     B, N, H, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     group = H // Hkv
+    # Lengths outside [0, S - N] (unchecked input) act as the nearest valid one, as in the kernels.
+    cache_seqlens = cache_seqlens.to(torch.int64).clamp(0, S - N)
     # Slots past a sequence's new keys are nobody's: zero them so that whatever they hold (NaN
     # from torch.empty) cannot reach the output through a zero attention weight.
     used = torch.arange(S, device=q.device)[None, :] < (cache_seqlens.to(torch.int64) + N)[:, None]  # [B, S]

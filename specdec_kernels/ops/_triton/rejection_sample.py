@@ -62,7 +62,8 @@ def _rejection_sample_kernel(
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
-    n = tl.load(num_draft_ptr + rows64, mask=rmask, other=0).to(tl.int32)
+    # counts are clamped to 0..K whatever the caller validated: every address below stays inside
+    n = tl.minimum(tl.maximum(tl.load(num_draft_ptr + rows64, mask=rmask, other=0), 0), K).to(tl.int32)
     t_rows = target_ptr + rows64 * stride_tb
     d_rows = draft_ptr + rows64 * stride_db
 

@@ -64,7 +64,8 @@ def _sampling_probs_kernel(
     best_key = tl.full([BLOCK_B], _INT32_MIN, tl.int32)
     best_idx = tl.zeros([BLOCK_B], dtype=tl.int32)
     ymax = tl.full([BLOCK_B], float("-inf"), tl.float32)
-    bad = rows < 0
+    has_nan = rows < 0
+    has_inf = rows < 0
     start = pid * 0
     while start < V:
         offs = start + tl.arange(0, BLOCK_V)
@@ -78,10 +79,14 @@ def _sampling_probs_kernel(
         best_idx = tl.where(better, tile_idx, best_idx)
         best_key = tl.where(better, tile_best, best_key)
         ymax = tl.maximum(ymax, tl.max(tl.where(isnan, float("-inf"), y), axis=1))
-        bad = bad | (tl.max((isnan | (y == float("inf"))).to(tl.int32), axis=1) > 0)
+        has_nan = has_nan | (tl.max(isnan.to(tl.int32), axis=1) > 0)
+        has_inf = has_inf | (tl.max((y == float("inf")).to(tl.int32), axis=1) > 0)
         start += BLOCK_V
-    bad = bad | (ymax == float("-inf"))
-    live = rmask & ~greedy & ~bad  # rows whose probabilities are computed
+    bad = has_nan | (ymax == float("-inf"))  # NaN, or no finite mass at all: NaN out
+    # temperature 0, or a +inf logit after temperature (an infinite logit, or a temperature so
+    # small that the division overflows): one-hot at the argmax, the first +inf
+    one_hot_row = greedy | (has_inf & ~has_nan)
+    live = rmask & ~one_hot_row & ~bad  # rows whose probabilities are computed
     ymax = tl.where(live, ymax, 0.0)  # finite on every row: no inf - inf below
 
     # top-k: keep_key = the smallest key t with #(key > t) < k, i.e. the k-th largest.
@@ -177,7 +182,7 @@ def _sampling_probs_kernel(
         p = tl.load(o_rows[:, None] + offs[None, :], mask=m2 & live[:, None], other=0.0)
         p = tl.where(p.to(tl.int32, bitcast=True) >= keep_bits[:, None], p / psum[:, None], 0.0)
         one_hot = tl.where(offs[None, :] == best_idx[:, None], 1.0, 0.0)
-        res = tl.where(greedy[:, None], one_hot, tl.where(bad[:, None], float("nan"), p))
+        res = tl.where(one_hot_row[:, None], one_hot, tl.where(bad[:, None], float("nan"), p))
         tl.debug_barrier()  # every thread has read the tile before it is overwritten
         tl.store(o_rows[:, None] + offs[None, :], res, mask=m2)
         start += BLOCK_V

@@ -91,7 +91,8 @@ def _tree_rejection_sample_kernel(
     rmask = rows < B
     rows64 = rows.to(tl.int64)
     slots = tl.arange(0, NP)
-    nn = tl.load(num_nodes_ptr + rows64, mask=rmask, other=0).to(tl.int32)
+    # counts clamped to 0..N in int64 before any narrowing, whatever the caller validated
+    nn = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + rows64, mask=rmask, other=0), 0), N).to(tl.int32)
     t_rows = target_ptr + rows64 * stride_tb
     d_rows = draft_ptr + rows64 * stride_db
     s_rows = scratch_ptr + rows64 * V
@@ -108,8 +109,9 @@ def _tree_rejection_sample_kernel(
     # One pass in node order visits every node's children in index order (as the reference).
     j = pid * 0 + 1
     while j < N:
-        par = tl.load(parents_ptr + rows64 * stride_pb + j, mask=rmask, other=-1).to(tl.int32)
-        is_child = rmask & (par == current) & (j < nn)
+        # parents are only compared, in int64: a huge parent never aliases a node by narrowing
+        par = tl.load(parents_ptr + rows64 * stride_pb + j, mask=rmask, other=-1).to(tl.int64)
+        is_child = rmask & (par == current.to(tl.int64)) & (j < nn)
         if tl.max(is_child.to(tl.int32), axis=0) > 0:
             x = tl.load(tokens_ptr + rows64 * N + j, mask=is_child, other=-1).to(tl.int64)
             in_vocab = (x >= 0) & (x < V)
