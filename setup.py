@@ -5,12 +5,19 @@
 - CUDA sources (csrc/*.cu and csrc/*_cuda.cpp) are added when torch has CUDA, nvcc is found
   (CUDA_HOME) and SPECDEC_SKIP_CUDA_BUILD is not 1.
 - TORCH_CUDA_ARCH_LIST (default "8.0;9.0") and MAX_JOBS are respected.
-- Without torch, without a compiler, or with SPECDEC_SKIP_EXTENSION=1 the pure-Python
-  package still installs; the ops then fall back to the reference with one warning.
-
-Install with `pip install --no-build-isolation -e .` so the build sees the installed torch.
+- SPECDEC_SKIP_EXTENSION=1: a pure-Python install on purpose; the ops then fall back to the
+  reference with one warning at first use.
+- Otherwise the build needs the installed torch: `pip install --no-build-isolation .` (in pip's
+  isolated build environment torch is missing, and the build stops with an error saying so,
+  instead of silently giving a wheel without the extension).
+- A C++/CUDA build error is a warning (the package installs, the ops fall back to the reference
+  and say why at first use, from specdec_kernels/_build_info.json), or an error with
+  SPECDEC_REQUIRE_NATIVE=1 (CI sets it, so a broken extension fails CI).
+- With the extension built, the torch requirement is the torch it was built against
+  (``torch==X.Y.*``: the extension's C++ ABI is that torch's).
 """
 import glob
+import json
 import os
 import sys
 
@@ -23,16 +30,35 @@ def _log(msg):
     print(f"specdec_kernels setup: {msg}", file=sys.stderr)
 
 
+BUILD_INFO = os.path.join(ROOT, "specdec_kernels", "_build_info.json")
+REQUIRE_NATIVE = os.environ.get("SPECDEC_REQUIRE_NATIVE") == "1"
+
+
+def _record(built: bool, reason: str, build_lib: str = None) -> None:
+    """What the build did, read by specdec_kernels._native for its first-use warning: in the
+    source tree (editable installs) and in the build folder that becomes the wheel."""
+    paths = [BUILD_INFO] + ([os.path.join(build_lib, "specdec_kernels", "_build_info.json")] if build_lib else [])
+    for path in paths:
+        if os.path.isdir(os.path.dirname(path)):
+            with open(path, "w") as f:
+                json.dump({"extension": built, "reason": reason}, f)
+
+
 def _extensions():
     if os.environ.get("SPECDEC_SKIP_EXTENSION") == "1":
         _log("SPECDEC_SKIP_EXTENSION=1: no extension built")
-        return [], {}
+        _record(False, "installed with SPECDEC_SKIP_EXTENSION=1")
+        return [], {}, None
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError:
-        _log("torch is not importable at build time: pure-Python install (use --no-build-isolation)")
-        return [], {}
+        raise SystemExit(
+            "specdec_kernels setup: error: torch is not importable in this build environment, so the C++/CUDA "
+            "extension cannot be built against your torch. Install with `pip install --no-build-isolation .` "
+            "(torch installed first), or set SPECDEC_SKIP_EXTENSION=1 for a pure-Python install (the ops then "
+            "run their PyTorch reference)."
+        ) from None
 
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cpu_sources = [s for s in cpp if not s.endswith("_cuda.cpp")]
@@ -72,20 +98,30 @@ def _extensions():
         )
 
     class OptionalBuildExt(BuildExtension):
-        """Build the extension, but keep the install going (with a warning) if it fails."""
+        """Build the extension; on failure keep the install going with a warning (recorded for
+        the first-use warning), or stop with SPECDEC_REQUIRE_NATIVE=1."""
 
         def run(self):
             try:
                 super().run()
             except Exception as e:  # noqa: BLE001  (no compiler, broken toolchain, ...)
+                if REQUIRE_NATIVE:
+                    raise SystemExit(f"specdec_kernels setup: error: the extension failed to build ({e}) "
+                                     "and SPECDEC_REQUIRE_NATIVE=1") from e
                 _log(f"WARNING: the extension failed to build ({e}); the ops will use the reference")
+                _record(False, f"the C++/CUDA build failed: {str(e)[:300]}", None if self.inplace else self.build_lib)
+                return
+            _record(True, f"built against torch {torch.__version__}", None if self.inplace else self.build_lib)
 
-    return [ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    torch_requirement = f"torch=={major}.{minor}.*"  # the extension's C++ ABI is this torch's
+    return [ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}, torch_requirement
 
 
-ext_modules, cmdclass = _extensions()
+ext_modules, cmdclass, torch_requirement = _extensions()
 
 setup(
+    install_requires=["numpy", torch_requirement or "torch>=2.4"],
     packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
     ext_modules=ext_modules,
     cmdclass=cmdclass,

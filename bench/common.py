@@ -88,9 +88,37 @@ def write_jsonl(path: Path, rows: List[Dict], env: Dict[str, str]) -> None:
 
 
 def out_dir(arg: str | None, default: str) -> Path:
+    """The output folder (``arg``, else $SPECDEC_BENCH_OUT, else ``default``), created and
+    checked writable before any work.
+
+    Raises:
+        ValueError: the folder cannot be created or written (the message names it).
+    """
+    import tempfile
+
     path = Path(arg or os.environ.get("SPECDEC_BENCH_OUT", default))
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {str(path)!r} is not a writable folder ({e.strerror or e})") from None
     return path
+
+
+class JsonlWriter:
+    """JSON lines written as they come (flushed each), so an interrupted run keeps its rows."""
+
+    def __init__(self, path: Path, env: Dict[str, str]):
+        self.path, self.env = path, env
+        self._f = open(path, "w")
+
+    def write(self, row: Dict) -> None:
+        self._f.write(json.dumps({**self.env, **row}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def uncommitted_changes(paths: Sequence[str] = ("specdec_kernels", "bench")) -> List[str]:

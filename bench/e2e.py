@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from bench.common import environment, format_table, out_dir, uncommitted_changes, write_jsonl
+from bench.common import JsonlWriter, environment, format_table, out_dir, uncommitted_changes, write_jsonl
 
 PACKAGED_PROMPTS = Path(__file__).resolve().parent.parent / "specdec_kernels" / "data" / "spec_bench" / "question.jsonl"
 SHARED_PROMPTS = Path("/work/shared/data/spec_bench/question.jsonl")  # fallback while the packaged copy is missing
@@ -339,8 +339,11 @@ def load_questions(path: Union[str, Path], per_category: int, categories: Option
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            q = json.loads(line)
-            if not {"question_id", "category", "turns"} <= set(q) or not q["turns"]:
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON object ({e.msg} at column {e.colno})") from None
+            if not isinstance(q, dict) or not {"question_id", "category", "turns"} <= set(q) or not q["turns"]:
                 raise ValueError(f"{path}:{n}: a question needs question_id, category and a non-empty turns list")
             c = q["category"]
             if categories is not None and c not in categories:
@@ -426,7 +429,12 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts_file = Path(args.prompts) if args.prompts else default_prompts_file()
-    questions = load_questions(prompts_file, args.per_category, args.categories)
+    try:
+        questions = load_questions(prompts_file, args.per_category, args.categories)
+        out = out_dir(args.out, "bench_out")  # checked before the work, not after it
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from specdec_kernels.decoding.loading import INSTALL_HINT, have_smollm2
 
@@ -455,6 +463,13 @@ def run(args) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
+    config = {"kind": "config", "prompts_file": str(prompts_file), "per_category": args.per_category,
+              "categories": args.categories, "max_new_tokens": args.max_new_tokens, "batch": 1, "temperature": 0.0,
+              "methods": [m.name for m in needed], "model": "SmolLM2-135M-Instruct", "load_seconds": load_s,
+              "warmup_tokens": min(WARMUP_TOKENS, args.max_new_tokens)}
+    # rows go to e2e.jsonl as each (prompt, method) finishes: an interrupted run keeps them
+    writer = JsonlWriter(out / "e2e.jsonl", env)
+    writer.write(config)
     jobs = [(i, m) for i in range(len(prompts)) for m in needed]
     bar = tqdm(total=len(jobs), desc="bench.e2e", file=sys.stderr, mininterval=1.0) if tqdm else None
     rows: List[Dict] = []
@@ -478,6 +493,7 @@ def run(args) -> int:
                 "same_as_hf_greedy": None, **r.extra,
                 "tokens": r.tokens,
             })
+            writer.write(rows[-1])
             if bar:
                 bar.update()
     if bar:
@@ -489,12 +505,9 @@ def run(args) -> int:
     shown = [_effective(m, args.num_draft_tokens) for m in needed]
     summary = summarise(rows, shown)
 
-    out = out_dir(args.out, "bench_out")
-    config = {"kind": "config", "prompts_file": str(prompts_file), "per_category": args.per_category,
-              "categories": args.categories, "max_new_tokens": args.max_new_tokens, "batch": 1, "temperature": 0.0,
-              "methods": [m.name for m in shown], "model": "SmolLM2-135M-Instruct", "load_seconds": load_s,
-              "warmup_tokens": min(WARMUP_TOKENS, args.max_new_tokens)}
-    write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)
+    writer.close()
+    config["methods"] = [m.name for m in shown]
+    write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)  # the whole run, same-as-HF filled in
     plot(summary, out / "e2e.png", env, args.max_new_tokens)
     print_tables(summary, env, len(prompts), args.max_new_tokens)
     print(f"# wrote {out / 'e2e.jsonl'} and {out / 'e2e.png'}")

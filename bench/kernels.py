@@ -241,6 +241,10 @@ def run(args) -> List[Dict]:
     entries = [e for e in ENTRIES if args.op in (None, e.op)]
     if not entries:
         raise SystemExit(f"--op must be one of {[e.op for e in ENTRIES]}")
+    try:
+        out = out_dir(args.out, "bench_out")  # checked before the work, not after it
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     jobs = [(e, s) for e in entries for s in e.shapes(args.quick)]
     try:
         from tqdm import tqdm
@@ -275,7 +279,6 @@ def run(args) -> List[Dict]:
                 "gbps": gbps if device.type == "cuda" else None,
                 "copy_bw_share": gbps / copy_bw if device.type == "cuda" and not math.isnan(copy_bw) else None,
             })
-    out = out_dir(args.out, "bench_out")
     write_jsonl(out / "kernels.jsonl", rows, {**env, "copy_bandwidth_gbps": None if math.isnan(copy_bw) else copy_bw})
     plot(rows, out / "kernels.png", env)
     print(f"# bench.kernels on {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")

@@ -68,12 +68,28 @@ def has_kernel(name: str, device_type: str) -> bool:
         return False
 
 
+def build_info() -> dict:
+    """What ``setup.py`` recorded about the extension's build (``_build_info.json``), or {}."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build_info.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def warn_fallback(name: str, device_type: str) -> None:
     """Warn once per (op, device) that the native op is missing and the reference runs instead."""
     if (name, device_type) in _warned:
         return
     _warned.add((name, device_type))
     why = f"the extension failed to load ({_state['error']})" if _state["loaded"] is False else f"it has no {device_type} kernel"
+    build = build_info()
+    if build and not build.get("extension"):
+        why += f"; at install: {build.get('reason')}"
     warnings.warn(
         f"specdec_kernels: native op specdec::{name}_native is unavailable ({why}); "
         f"falling back to the PyTorch reference. Build it with `pip install --no-build-isolation -e .`.",

@@ -40,6 +40,8 @@ def _native_op_marker(request):
 
         device = "cuda" if HAS_CUDA else "cpu"
         if not _native.has_kernel(marker.args[0], device):
+            if os.environ.get("SPECDEC_REQUIRE_NATIVE") == "1":
+                pytest.fail(f"SPECDEC_REQUIRE_NATIVE=1 but specdec_kernels._C has no {device} kernel for {marker.args[0]}")
             pytest.skip(f"specdec_kernels._C has no {device} kernel for {marker.args[0]} (extension not built)")
 
 

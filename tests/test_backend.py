@@ -109,3 +109,50 @@ else:
     raise AssertionError("backend='triton' without triton did not raise")
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_build_without_torch_stops_with_a_clear_error():
+    """In pip's isolated build environment torch is missing: setup.py says what to do instead
+    of silently producing a wheel without the extension."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = """
+import builtins, sys
+real = builtins.__import__
+def blocked(name, *a, **k):
+    if name == "torch" or name.startswith("torch."):
+        raise ImportError("torch blocked for this test")
+    return real(name, *a, **k)
+builtins.__import__ = blocked
+sys.argv = ["setup.py", "--name"]
+exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__file__": "setup.py", "__name__": "__main__"})
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "SPECDEC_SKIP_EXTENSION"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "--no-build-isolation" in out.stderr and "SPECDEC_SKIP_EXTENSION=1" in out.stderr
+
+
+def test_first_use_warning_says_why_the_extension_is_missing(monkeypatch):
+    monkeypatch.setitem(_native._state, "loaded", False)
+    monkeypatch.setitem(_native._state, "error", ImportError("no _C"))
+    monkeypatch.setattr(_native, "_warned", set())
+    monkeypatch.setattr(_native, "build_info", lambda: {"extension": False, "reason": "the C++/CUDA build failed: no g++"})
+    with pytest.warns(RuntimeWarning, match="at install: the C\\+\\+/CUDA build failed: no g\\+\\+"):
+        _native.warn_fallback("compact_kv_cache", "cpu")
+
+
+def test_installed_torch_requirement_matches_the_build():
+    import importlib.metadata
+
+    info = _native.build_info()
+    reqs = importlib.metadata.requires("specdec-kernels") or []
+    torch_req = [r for r in reqs if r.startswith("torch")]
+    if info.get("extension"):
+        major, minor = torch.__version__.split("+")[0].split(".")[:2]
+        assert torch_req == [f"torch=={major}.{minor}.*"], reqs
+    else:
+        assert torch_req == ["torch>=2.4"], reqs

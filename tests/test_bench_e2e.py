@@ -132,3 +132,25 @@ def test_a_method_that_changes_tokens_fails_the_run(prompts_file, tmp_path, caps
     rows = {r["method"]: r for r in read_jsonl(out / "e2e.jsonl") if r["kind"] == "prompt"}
     assert rows["greedy"]["same_tokens"] and not rows["broken"]["same_tokens"]
     assert rows["broken"]["first_mismatch"] == len(rows["greedy"]["tokens"]) - 1
+
+
+def test_unwritable_out_fails_before_the_model_loads(prompts_file, tmp_path, capsys, monkeypatch):
+    import specdec_kernels.decoding.loading as loading
+
+    monkeypatch.setattr(loading, "have_smollm2", lambda: pytest.fail("the work started before --out was checked"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    args = e2e.parse_args(["--prompts", str(prompts_file), "--out", str(blocker / "sub"), "--methods", "greedy"])
+    assert e2e.run(args) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "not a writable folder" in err
+
+
+def test_malformed_prompts_file_names_the_line(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "a", "turns": ["x"]}\n\n{"question_id": 2, "category"\n')
+    with pytest.raises(ValueError, match=r"q\.jsonl:3: not a JSON object"):
+        e2e.load_questions(bad, 1)
+    bad.write_text('{"question_id": 1, "category": "a", "turns": ["x"]}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"q\.jsonl:2:"):
+        e2e.load_questions(bad, 1)

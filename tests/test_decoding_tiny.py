@@ -362,6 +362,18 @@ BAD_DRAFTS = {
                                  torch.zeros(len(hs), dtype=torch.long)), ValueError, "num_nodes"),
     "wrong_batch": (lambda hs: Draft.from_lists([([hs[0][-1]], [-1])]), ValueError, "B="),
     "not_a_draft": (lambda hs: None, TypeError, "Draft"),
+    "parent_out_of_range": (lambda hs: Draft.from_lists([([h[-1], 3, 4], [-1, 0, 5]) for h in hs]), ValueError, "parents"),
+    "parent_after_child": (lambda hs: Draft.from_lists([([h[-1], 3, 4], [-1, 2, 0]) for h in hs]), ValueError, "parents"),
+    "root_with_parent": (lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([[0, 0]] * len(hs)),
+                                          torch.full((len(hs),), 2)), ValueError, "parents"),
+    "float_tokens": (lambda hs: Draft(torch.tensor([[float(h[-1]), 3.0] for h in hs]), torch.tensor([[-1, 0]] * len(hs)),
+                                      torch.full((len(hs),), 2)), TypeError, "integers"),
+    "one_d_parents": (lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([-1, 0]),
+                                       torch.full((len(hs),), 2)), ValueError, "parents must have shape"),
+    "chain_flag_on_a_tree": (lambda hs: Draft(torch.tensor([[h[-1], 3, 4] for h in hs]), torch.tensor([[-1, 0, 0]] * len(hs)),
+                                              torch.full((len(hs),), 3), None, True), ValueError, "is_chain"),
+    "probs_of_the_wrong_shape": (lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([[-1, 0]] * len(hs)),
+                                                  torch.full((len(hs),), 2), torch.ones(len(hs), 2, 5)), ValueError, "probs"),
 }
 
 
@@ -429,3 +441,16 @@ def test_ragged_limits_need_only_each_sequence_to_fit(tiny):
     assert len(result.tokens[0]) == 1 and result.tokens[1] == alone
     with pytest.raises(ValueError, match="positions"):
         decoder.generate([long_prompt], 101)
+
+
+def test_forward_outside_inference_mode_works_and_matches(tiny):
+    """Transformer.forward called without torch.inference_mode (once: 'a leaf Variable that
+    requires grad is being used in an in-place operation') gives the inference-mode logits."""
+    _, model = tiny
+    tok, pos = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    lens = torch.tensor([0], dtype=torch.int32)
+    plain = model(tok, pos, model.new_kv_cache(1, 16), lens)
+    with torch.inference_mode():
+        inside = model(tok, pos, model.new_kv_cache(1, 16), lens)
+    assert not plain.requires_grad
+    torch.testing.assert_close(plain, inside, rtol=0, atol=0)

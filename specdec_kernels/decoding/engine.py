@@ -465,12 +465,39 @@ class SpeculativeDecoder:
         if not isinstance(draft, Draft):
             raise TypeError(f"drafter {name!r}: propose must return a Draft, got {type(draft).__name__}")
         B, V = state.batch_size, self.model.args.vocab_size
+        for field in ("tokens", "parents", "num_nodes"):
+            t = getattr(draft, field)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"drafter {name!r}: Draft.{field} must be a tensor, got {type(t).__name__}")
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise TypeError(f"drafter {name!r}: Draft.{field} must hold integers (int64), got {t.dtype}")
         if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or draft.num_nodes.shape != (B,):
             raise ValueError(f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
                              f"{tuple(draft.tokens.shape)} and {tuple(draft.num_nodes.shape)}")
         n = draft.num_nodes.tolist()
         if min(n) < 1 or max(n) > draft.tokens.shape[1]:
             raise ValueError(f"drafter {name!r}: num_nodes must lie in 1..{draft.tokens.shape[1]} (the root counts), got {n}")
+        N = draft.tokens.shape[1]
+        if draft.parents.shape != (B, N):
+            raise ValueError(f"drafter {name!r}: Draft.parents must have shape (B={B}, N={N}) like tokens, "
+                             f"got {tuple(draft.parents.shape)}")
+        parents = draft.parents.cpu().to(torch.int64)
+        node = torch.arange(N)
+        bad_parent = (node[None, 1:] <= parents[:, 1:]) | (parents[:, 1:] < 0)
+        bad_parent = torch.cat([(parents[:, :1] != -1), bad_parent], dim=1)
+        if bad_parent.any():
+            b, i = (int(v) for v in bad_parent.nonzero()[0])
+            raise ValueError(f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
+                             f"(padding nodes too); sequence {b}, node {i} has parent {int(parents[b, i])}")
+        if draft.is_chain:
+            used_nodes = node[None, 1:] < torch.tensor(n)[:, None]
+            if (used_nodes & (parents[:, 1:] != node[None, :-1])).any():
+                raise ValueError(f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)")
+        if draft.probs is not None:
+            p = draft.probs
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.shape != (B, N, V):
+                raise ValueError(f"drafter {name!r}: Draft.probs must be a float tensor (B={B}, N={N}, V={V}) or None, got "
+                                 f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
         tokens = draft.tokens.cpu()
         roots = tokens[:, 0].tolist()
         for b in range(B):

@@ -255,6 +255,7 @@ class Transformer(nn.Module):
         L = a.num_layers if num_layers is None else num_layers
         return torch.zeros(L, 2, batch, a.num_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device)
 
+    @torch.no_grad()  # an inference forward that writes its KV cache in place: never differentiated
     def forward(
         self,
         tokens: torch.Tensor,
@@ -269,6 +270,8 @@ class Transformer(nn.Module):
         compute_logits: bool = True,
     ):
         """Feed a block of N new tokens per sequence; return their next-token logits.
+
+        Runs without autograd (``torch.no_grad``), inside or outside ``torch.inference_mode``.
 
         Args:
             tokens: Shape (B, N), int64: the block (for verification: root then drafts).
