@@ -507,6 +507,13 @@ def run(args) -> int:
 
     writer.close()
     config["methods"] = [m.name for m in shown]
+    from specdec_kernels.decoding.model import linear_choices
+
+    config["linear_choices"] = linear_choices()  # the CPU matmul paths measured in this run
+    for c in config["linear_choices"]:
+        times = f" (F.linear {c['f_linear_ms']:.2f} ms, skinny {c['skinny_ms']:.2f} ms)" if c["f_linear_ms"] is not None else ""
+        print(f"# linear {c['weight'][0]}x{c['weight'][1]} {c['dtype']}, {c['rows']} rows, {c['threads']} threads: "
+              f"{c['choice']}{times}", file=sys.stderr)
     write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)  # the whole run, same-as-HF filled in
     plot(summary, out / "e2e.png", env, args.max_new_tokens)
     print_tables(summary, env, len(prompts), args.max_new_tokens)

@@ -25,3 +25,24 @@ def test_quick_benchmark_writes_json_and_plot(tmp_path):
     for r in rows:
         assert r["median_us"] > 0 and r["p20_us"] <= r["median_us"] <= r["p80_us"]
         assert r["bytes"] > 0 and r["commit"] and r["torch"] == torch.__version__
+
+
+def test_plot_draws_only_ops_with_data_and_names_the_rest(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    seen = {}
+    real_suptitle = plt.Figure.suptitle
+
+    def spy(self, text, **kw):
+        seen["title"] = text
+        seen["axes"] = len(self.axes)
+        return real_suptitle(self, text, **kw)
+
+    monkeypatch.setattr(plt.Figure, "suptitle", spy)
+    row = dict(shape_str="B=1", speedup_vs_reference=2.0)
+    rows = [dict(op="a", backend="reference", **row), dict(op="a", backend="torch", **row),
+            dict(op="b", backend="reference", **row)]
+    kernels.plot(rows, tmp_path / "p.png", {"device": "cpu", "commit": "abc"})
+    assert seen["axes"] == 1  # only op a has a fast path
+    assert "reference only): b" in seen["title"]
+    assert (tmp_path / "p.png").stat().st_size > 0

@@ -96,3 +96,37 @@ def test_stats():
     assert d["mean_accepted_length"] == pytest.approx(1.75) and d["acceptance_rates"] == s.acceptance_rates
     assert "1.75 tokens/pass" in s.summary()
     assert DecodeStats().mean_accepted_length == 0.0 and DecodeStats().tokens_per_second == 0.0
+
+
+def test_linear_paths_agree_and_the_choice_is_measured_once(monkeypatch):
+    """Both CPU paths of ``linear`` compute x @ W.T; the choice between them is measured per
+    shape class, cached, reported, and can be forced ($SPECDEC_LINEAR)."""
+    from specdec_kernels.decoding import model as m
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g)
+    monkeypatch.setattr(m, "_LINEAR_CHOICE", {})
+    monkeypatch.setattr(m, "_LINEAR_TIMES", {})
+    for rows in (1, 3, 8, 9, 16, 17):
+        x = torch.randn(rows, 64, generator=g)
+        want = torch.nn.functional.linear(x, w)
+        for forced in ("f_linear", "skinny", "auto"):
+            monkeypatch.setenv(m.LINEAR_ENV, forced)
+            torch.testing.assert_close(m.linear(x, w), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(m.LINEAR_ENV, "auto")
+    calls = []
+    real = m._measure
+    monkeypatch.setattr(m, "_measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m._LINEAR_CHOICE.clear()
+    for _ in range(3):
+        m.linear(torch.randn(2, 64), w)
+    assert len(calls) == 1  # measured once for the class (2-8 rows)
+    (report,) = [c for c in m.linear_choices() if c["rows"] == "2-8"]
+    assert report["choice"] in ("f_linear", "skinny") and report["weight"] == [300, 64]
+    # the skinny path needs a clear win: a tie keeps F.linear
+    monkeypatch.setattr(m, "_measure", lambda *a, **k: (1.0, 0.95))
+    m._LINEAR_CHOICE.clear()
+    assert m.linear_choice(4, w) == "f_linear"
+    monkeypatch.setattr(m, "_measure", lambda *a, **k: (1.0, 0.5))
+    m._LINEAR_CHOICE.clear()
+    assert m.linear_choice(4, w) == "skinny"

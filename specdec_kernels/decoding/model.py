@@ -22,8 +22,10 @@ Weights come from any transformers ``LlamaForCausalLM`` (its config and state di
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -69,29 +71,88 @@ class ModelArgs:
         )
 
 
-SKINNY_ROWS = 16  # on CPU, up to this many rows take the weight @ x.T path of ``linear``
+SKINNY_ROWS = 16  # on CPU, up to this many rows may take the weight @ x.T path of ``linear``
 SKINNY_CHUNK = 8
+LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default: measure), "f_linear" or "skinny" (forced)
+
+# shape class -> "f_linear" or "skinny", chosen by measurement once per process
+_LINEAR_CHOICE: Dict[tuple, str] = {}
+_LINEAR_TIMES: Dict[tuple, Tuple[float, float]] = {}
+
+
+def _skinny(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = flat.shape[0]
+    if rows == 1:
+        return (weight @ torch.cat([flat, flat]).T)[:, :1].T
+    return torch.cat([(weight @ flat[i : i + SKINNY_CHUNK].T).T for i in range(0, rows, SKINNY_CHUNK)])
+
+
+def _row_class(rows: int) -> int:
+    return 1 if rows == 1 else 8 if rows <= 8 else SKINNY_ROWS
+
+
+def _measure(flat: torch.Tensor, weight: torch.Tensor, reps: int = 3) -> Tuple[float, float]:
+    """Best-of-``reps`` seconds of (F.linear, skinny) on these operands, interleaved so that
+    load from other processes hits both alike."""
+    best = [float("inf"), float("inf")]
+    for _ in range(reps):
+        for k, fn in enumerate((lambda: F.linear(flat, weight), lambda: _skinny(flat, weight))):
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best[0], best[1]
+
+
+def linear_choice(rows: int, weight: torch.Tensor, flat: Optional[torch.Tensor] = None) -> str:
+    """Which CPU path ``linear`` takes for ``rows`` rows times ``weight``: "f_linear" or
+    "skinny".  Forced by $SPECDEC_LINEAR; otherwise measured once per process and shape class
+    (weight shape and dtype, rows 1 / 2-8 / 9-16, thread count), like an autotuner, on the
+    first call of that class (a few calls of each path, a fraction of a second), and the
+    skinny path is taken only when it is at least 10% faster: ``F.linear`` is the default.
+    A machine-specific speed choice is never hard-coded: on the development machine the
+    skinny path was 3x faster, on an AVX-512 Xeon 3x slower."""
+    forced = os.environ.get(LINEAR_ENV, "auto")
+    if forced in ("f_linear", "skinny"):
+        return forced
+    key = (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads())
+    choice = _LINEAR_CHOICE.get(key)
+    if choice is None:
+        if flat is None:
+            flat = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        with torch.no_grad():
+            f_time, s_time = _measure(flat, weight)
+        choice = "skinny" if s_time < 0.9 * f_time else "f_linear"
+        _LINEAR_CHOICE[key] = choice
+        _LINEAR_TIMES[key] = (f_time, s_time)
+    return choice
+
+
+def linear_choices() -> List[Dict]:
+    """The choices ``linear`` made in this process (for reports such as bench.e2e's)."""
+    return [
+        {"weight": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "rows": {1: "1", 8: "2-8", SKINNY_ROWS: "9-16"}[k[2]],
+         "threads": k[3], "choice": c, "f_linear_ms": _LINEAR_TIMES[k][0] * 1e3 if k in _LINEAR_TIMES else None,
+         "skinny_ms": _LINEAR_TIMES[k][1] * 1e3 if k in _LINEAR_TIMES else None}
+        for k, c in _LINEAR_CHOICE.items()
+    ]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias).
 
-    On CPU a decode or verify step multiplies a few rows by a large weight; MKL streams the
-    weight several times faster as ``weight @ x.T`` (a skinny right operand), in chunks of at
-    most 8 rows, than as ``x @ weight.T``, and a single row is faster doubled than as a
-    matrix-vector product.  Measured on the 2-core development machine (2 threads): the
-    49152 x 576 head takes 3.7 ms for 1 row against 10.6 ms, 7.7 ms for 7 rows against
-    36.7 ms.  Elsewhere (CUDA) and for more than 16 rows it is ``F.linear``.
+    On CPU a decode or verify step multiplies a few rows by a large weight.  Some BLAS builds
+    stream the weight several times faster as ``weight @ x.T`` (a skinny right operand, in
+    chunks of at most 8 rows; a single row doubled) than as ``x @ weight.T``; others are
+    several times slower that way.  So for up to 16 rows on CPU the path is measured at run
+    time (``linear_choice``); elsewhere (CUDA, more rows) it is ``F.linear``.
     """
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0:
         return F.linear(x, weight)
     flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        out = (weight @ torch.cat([flat, flat]).T)[:, :1].T
-    else:
-        out = torch.cat([(weight @ flat[i : i + SKINNY_CHUNK].T).T for i in range(0, rows, SKINNY_CHUNK)])
-    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+    if linear_choice(rows, weight, flat) == "f_linear":
+        return F.linear(x, weight)
+    return _skinny(flat, weight).contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 class RMSNorm(nn.Module):
