@@ -21,4 +21,18 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "compact_kv_cache_native(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, "
       "Tensor num_accepted, bool validate=False) -> ()");
+
+  // CPU fast paths of the verification and sampling ops (csrc/verify_sample_cpu.cpp), on
+  // inputs the Python op validated and made contiguous; counts are clamped here.
+  m.def("verify_greedy_native(Tensor target_logits, Tensor draft_tokens, Tensor num_draft_tokens) -> (Tensor, Tensor)");
+  m.def(
+      "verify_tree_greedy_native(Tensor target_logits, Tensor tree_tokens, Tensor tree_parents, Tensor num_nodes) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "rejection_sample_native(Tensor target_probs, Tensor? draft_probs, Tensor draft_tokens, Tensor num_draft_tokens, "
+      "Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor)");
+  m.def(
+      "tree_rejection_sample_native(Tensor target_probs, Tensor tree_tokens, Tensor tree_parents, Tensor? draft_probs, "
+      "Tensor num_nodes, Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor, Tensor)");
+  m.def("sampling_probs_native(Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p) -> Tensor");
 }

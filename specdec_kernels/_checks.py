@@ -132,12 +132,14 @@ FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
 
 def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None) -> torch.Tensor:
     """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)
-    (read only when ``validate`` allows, see ``want_value_checks``).  Returned as float32,
-    clamped below 1 after the cast, so a coin never becomes 1.0 by rounding."""
+    (read only when ``validate`` allows, see ``want_value_checks``).  Returned as float32 in
+    [0, 1 - 2**-24] (NaN as 0), so a coin never becomes 1.0 by rounding and unchecked values
+    never reach a kernel outside [0, 1)."""
     check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
     check_shape(name, u, expected)
     if want_value_checks(validate, u) and u.numel() > 0:
         lo, hi = float(u.min()), float(u.max())
         if not (lo >= 0.0 and hi < 1.0):
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
-    return u.to(torch.float32).clamp(max=FLOAT32_BELOW_ONE)
+    # kept in [0, 1) after the cast, whatever was validated: NaN acts as 0
+    return torch.nan_to_num(u.to(torch.float32), nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE)

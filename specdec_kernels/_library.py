@@ -1,7 +1,8 @@
 """One registration mechanism for the public ops: ``torch.ops.specdec.<name>``.
 
-Every public op is a ``torch.library.custom_op`` in the ``specdec`` namespace, registered when
-``specdec_kernels`` is imported.  Its backends are kernels of that one op, chosen by dispatch
+Every public op is a torch custom op in the ``specdec`` namespace (``torch.library.Library``
+with a schema inferred from the annotated signature), registered when ``specdec_kernels`` is
+imported.  Its backends are kernels of that one op, chosen by dispatch
 key: the CPU kernel runs the C++ extension, the ``torch`` fast path or the reference, the CUDA
 kernel runs Triton or the CUDA extension, and the fake (Meta / FakeTensor) kernel computes
 shapes only.  Inside a device kernel the ``backend`` string argument ("" = automatic,
@@ -29,7 +30,18 @@ import torch
 from specdec_kernels import _backend
 
 NAMESPACE = "specdec"
-OPS = {}  # public op name -> CustomOpDef
+OPS = {}  # public op name -> torch.ops.specdec.<name> (an OpOverloadPacket)
+
+# The public ops are defined with the low-level torch.library.Library API (schema inferred from
+# the annotated Python signature): the first call of such an op costs microseconds, whereas a
+# torch.library.custom_op imports torch._dynamo (about 1.4 s) on its first call.
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def check_backend_name(backend: str) -> None:
+    """The ``backend`` string argument of a registered op (fake kernels check it too)."""
+    if backend and backend not in _backend.BACKENDS:
+        raise ValueError(f"backend must be one of {_backend.BACKENDS} or '' (automatic), got {backend!r}")
 
 
 def define(
@@ -42,23 +54,27 @@ def define(
     mutates_args: Iterable[str] = (),
     triton_decomposition: Optional[Callable] = None,
 ):
-    """Register ``specdec::<name>``; return its ``CustomOpDef``.
+    """Register ``specdec::<name>``; return ``torch.ops.specdec.<name>``.
 
     Args:
         name: the op's name in the ``specdec`` namespace.
         schema_fn: a type-annotated function whose signature is the op's schema; it is also
             the kernel for devices other than CPU and CUDA (it should run the reference).
         cpu, cuda: the kernels for CPU and CUDA tensors (same signature).
-        fake: the fake kernel (shapes, dtypes and devices of the outputs, no data).
+        fake: the fake kernel (shapes, dtypes and devices of the outputs, no data; the same
+            argument checks as the eager op that need no values).
         mutates_args: names of the arguments written in place.
         triton_decomposition: ``(args, kwargs) -> outputs or None``; under functionalization
             (torch.compile's AOT dispatcher) with real Triton kernels, a non-None result
             replaces the opaque op (it calls the ``_triton`` op, a ``triton_op``).
     """
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", schema_fn, mutates_args=tuple(mutates_args))
-    op.register_kernel("cpu", cpu)
-    op.register_kernel("cuda", cuda)
-    op.register_fake(fake)
+    schema = torch.library.infer_schema(schema_fn, mutates_args=tuple(mutates_args))
+    _LIB.define(f"{name}{schema}")
+    _LIB.impl(name, schema_fn, "CompositeExplicitAutograd")
+    _LIB.impl(name, cpu, "CPU")
+    _LIB.impl(name, cuda, "CUDA")
+    qualname = f"{NAMESPACE}::{name}"
+    torch.library.register_fake(qualname, fake, lib=_LIB)
     if triton_decomposition is not None and not _backend.interpreter_on():
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
@@ -69,9 +85,10 @@ def define(
                 return mode.__torch_dispatch__(func, types, args, kwargs)
             return out
 
-        op.register_torch_dispatch(FunctionalTensorMode, decompose)
-    OPS[name] = op
-    return op
+        torch.library.register_torch_dispatch(qualname, FunctionalTensorMode, decompose, lib=_LIB)
+    packet = getattr(torch.ops.specdec, name)
+    OPS[name] = packet
+    return packet
 
 
 def kernel_op(name: str, fn: Callable, fake: Callable, mutates_args: Iterable[str] = ()):

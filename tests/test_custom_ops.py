@@ -441,3 +441,18 @@ def test_cuda_graph_capture_and_replay_of_a_decode_step():
                 torch.testing.assert_close(g, w)
             else:
                 assert torch.equal(g, w)
+
+
+def test_first_call_of_a_cpu_op_imports_no_compiler():
+    """The first op call must not pull in torch._dynamo or triton (a torch.library.custom_op
+    would: 1.4 s on the development machine)."""
+    code = """
+import json, sys, torch, specdec_kernels as sk
+sk.verify_greedy(torch.randn(1, 2, 5), torch.zeros(1, 1, dtype=torch.long))
+sk.sampling_probs(torch.randn(2, 7), temperature=0.5, top_p=0.9)
+sk.tree_attention(torch.randn(1, 1, 2, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), torch.tensor([1], dtype=torch.int32))
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "triton": "triton" in sys.modules}))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120, env=env)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"dynamo": False, "triton": False}

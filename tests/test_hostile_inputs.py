@@ -181,3 +181,98 @@ def test_sampling_probs_infinite_logit_and_tiny_temperature_give_one_hot(backend
         assert p[0].tolist() == [0.0, 1.0, 0.0, 0.0]
     p = sk.sampling_probs(logits[1:2], temperature=1e-38, backend=backend)
     assert p[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_compact_kv_cache_reference_clamps_and_skips_like_native():
+    """Negative lengths, counts past M and slots past S (validate=False): the reference skips
+    what the native kernels skip (it used to write slots counted from the end)."""
+    from tests.utils import runnable_backends as rb
+
+    for lens, idx, n in (([-3], [[3, 4]], [2]), ([0], [[1, 2]], [5]), ([8], [[0, 1]], [2]), ([6], [[1, 5]], [2])):
+        results = []
+        for backend in rb("compact_kv_cache", "cpu"):
+            cache = torch.arange(8.0).view(1, 1, 1, 8, 1).expand(1, 2, 1, 8, 1).reshape(1, 2, 1, 1, 8, 1).clone()
+            sk.compact_kv_cache(cache, torch.tensor(lens), torch.tensor(idx), torch.tensor(n), backend=backend, validate=False)
+            results.append(cache[0, 0, 0, 0, :, 0].tolist())
+        assert all(r == results[0] for r in results), (lens, idx, n, results)
+        if lens == [-3]:
+            assert results[0] == list(range(8))  # nothing valid to move
+
+
+@pytest.mark.parametrize("backend", runnable_backends("verify_tree_greedy", "cpu"))
+def test_verify_tree_greedy_backward_parent_never_accepted_out_of_order(backend):
+    """parents = [-1, 0, 3, 1]: node 2 names a later node as parent.  Every backend walks the
+    nodes in index order, so the accepted path stays increasing (compact_kv_cache needs it)."""
+    V = 6
+    logits = torch.full((1, 4, V), -5.0)
+    for i in range(4):
+        logits[0, i, i + 1] = 5.0  # the argmax after node i is token i + 1
+    tokens = torch.tensor([[0, 1, 4, 2]])
+    out, nodes, acc = sk.verify_tree_greedy(logits, tokens, torch.tensor([-1, 0, 3, 1]), backend=backend, validate=False)
+    assert nodes[0].tolist() == [0, 1, 3, -1] and int(acc[0]) == 2
+
+
+@pytest.mark.parametrize("backend", runnable_backends("rejection_sample", "cpu"))
+def test_negative_and_nan_uniforms_act_as_zero(backend):
+    p = torch.tensor([[[0.0, 0.0, 0.5, 0.5]]])
+    for u in (-0.25, float("nan")):
+        out, _ = sk.rejection_sample(p, None, torch.empty(1, 0, dtype=torch.long), sample_uniforms=torch.tensor([u]),
+                                     uniform_samples=torch.empty(1, 0), backend=backend, validate=False)
+        assert int(out[0, 0]) == 2  # never a token without mass
+
+
+@pytest.mark.parametrize("backend", runnable_backends("sampling_probs", "cpu"))
+def test_nan_top_p_acts_as_one(backend):
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0]])
+    got = sk.sampling_probs(logits, top_p=torch.tensor([float("nan")]), backend=backend, validate=False)
+    torch.testing.assert_close(got, torch.softmax(logits, -1))
+
+
+def test_direct_op_num_splits_out_of_range_is_a_value_error():
+    q = torch.randn(1, 1, 2, 16)
+    k = torch.randn(1, 1, 4, 16)
+    for bad in (-1, 1000):
+        with pytest.raises(ValueError, match="num_splits"):
+            torch.ops.specdec.tree_attention(q, k, k, torch.tensor([1], dtype=torch.int32), None, 0.25, bad)
+
+
+def test_fake_kernels_raise_the_eager_errors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logits, drafts = torch.randn(2, 3, 5), torch.zeros(2, 2, dtype=torch.long)
+    with FakeTensorMode() as mode:
+        fl, fd = mode.from_tensor(logits), mode.from_tensor(drafts)
+        with pytest.raises(TypeError, match="draft_tokens"):
+            torch.ops.specdec.verify_greedy(fl, fd.float())
+        with pytest.raises(ValueError, match="backend"):
+            torch.ops.specdec.verify_greedy(fl, fd, None, "bogus")
+        with pytest.raises(ValueError, match="draft_tokens"):
+            torch.ops.specdec.verify_greedy(fl, fd[:, :1])
+
+
+@pytest.mark.parametrize("backend", runnable_backends("tree_attention", "cpu"))
+@pytest.mark.parametrize("where", ["v", "k", "both"])
+def test_tree_attention_masked_tree_slot_with_nan_reaches_only_its_viewers(backend, where):
+    """A padding node of a tree (mask column empty for the real queries) whose K/V slot holds
+    NaN or inf: the real queries' outputs are the reference's on clean data; a query that does
+    see a NaN slot gets NaN (once every backend leaked NaN into all queries through 0 * NaN,
+    and the torch path through an additive -inf mask plus inf)."""
+    B, N, H, Hkv, S, D = 2, 5, 4, 2, 24, 16
+    g = gen(11)
+    q = torch.randn(B, N, H, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    lens = torch.tensor([4, 9], dtype=torch.int32)
+    mask = sk.tree.ancestor_mask([-1, 0, 0, 1, 2])
+    mask[:4, 4] = False  # node 4 (a padding node): no other query sees it
+    want = reference.tree_attention(q, k, v, lens, mask)
+    kb, vb = k.clone(), v.clone()
+    for b in range(B):
+        slot = int(lens[b]) + 4
+        if where in ("v", "both"):
+            vb[b, :, slot, 3] = float("nan")
+        if where in ("k", "both"):
+            kb[b, :, slot, 0] = float("inf")
+    got = sk.tree_attention(q, kb, vb, lens, mask, backend=backend, validate=False)
+    torch.testing.assert_close(got[:, :4], want[:, :4], atol=1e-5, rtol=1e-5)  # queries 0..3 do not see it
+    assert got[:, 4].isnan().all()  # query 4 sees its own garbage slot

@@ -71,6 +71,8 @@ def _impl(
 
 def _fake(caches, cache_seqlens, accepted_indices, num_accepted=None, backend=""):
     """Shape checks only: nothing to compute (the op writes its caches in place)."""
+    check_compact_kv_cache_args(_as_kv_cache(caches), cache_seqlens, accepted_indices, num_accepted, validate=False)
+    _library.check_backend_name(backend)
     return _native._compact_kv_cache_native_fake(
         caches, cache_seqlens, accepted_indices, num_accepted if num_accepted is not None else cache_seqlens
     )

@@ -17,7 +17,7 @@ from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference import rejection_sample as _ref
 from specdec_kernels.reference.rejection_sample import _rejection_sample, check_rejection_sample_args
 
-IMPLEMENTED = ("reference", "triton")
+IMPLEMENTED = ("reference", "native", "triton")
 
 
 def _impl(
@@ -36,10 +36,18 @@ def _impl(
         from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
 
         return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    if name == "native":
+        p, q = target_probs.contiguous(), draft_probs.contiguous() if draft_probs is not None else None
+        if q is not None and q.dtype != p.dtype:  # mixed dtypes: both in float32, as the reference computes
+            p, q = p.float(), q.float()
+        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, coins, final_u)
     return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
 
 
 def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms, backend=""):
+    B, K, _, _ = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
+    draw_uniforms(B, K, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    _library.check_backend_name(backend)
     B, K1, _ = target_probs.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
     torch._check(uniform_samples.shape == (B, K1 - 1), lambda: "uniform_samples must have shape (B, K)")

@@ -17,7 +17,7 @@ from specdec_kernels import _backend, _library
 from specdec_kernels.reference import sampling_probs as _ref
 from specdec_kernels.reference.sampling_probs import _sampling_probs, check_sampling_args
 
-IMPLEMENTED = ("reference", "triton")
+IMPLEMENTED = ("reference", "native", "triton")
 Param = Union[None, int, float, torch.Tensor]
 
 
@@ -35,10 +35,17 @@ def _impl(
 
         B = logits.shape[0]
         return sampling_probs_triton(logits, t.reshape(B), k.reshape(B), p.reshape(B), top_k is not None, top_p is not None)
+    if name == "native":
+        B = logits.shape[0]
+        return torch.ops.specdec.sampling_probs_native(
+            logits.contiguous(), t.reshape(B), None if top_k is None else k.reshape(B), None if top_p is None else p.reshape(B)
+        )
     return _sampling_probs(logits, t, k, p)
 
 
 def _fake(logits, temperature, top_k=None, top_p=None, backend=""):
+    check_sampling_args(logits, temperature, top_k, top_p, validate=False)
+    _library.check_backend_name(backend)
     torch._check(temperature.shape == (logits.shape[0],), lambda: "temperature must have shape (B,)")
     return logits.new_empty(logits.shape, dtype=torch.float32)
 

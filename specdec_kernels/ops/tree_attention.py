@@ -180,6 +180,15 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
         T, uniform = S, False
     k = k_cache[:, :, :T]
     v = v_cache[:, :, :T]
+    # Keys or values that are not finite reach exactly the queries that see their slot (NaN
+    # there), as in the reference: zeroed before SDPA (an additive -inf mask plus inf, or a zero
+    # weight times NaN, is NaN), and the queries that see one set to NaN after it.  On CPU one
+    # reduction per tensor decides whether any care is needed (free to read there).
+    bad = None
+    if q.device.type != "cpu" or not (bool(torch.isfinite(k.sum())) and bool(torch.isfinite(v.sum()))):
+        bad = ~(k.isfinite().all(-1) & v.isfinite().all(-1))  # [B, Hkv, T]
+        k = torch.where(bad[..., None], 0, k)
+        v = torch.where(bad[..., None], 0, v)
     qg = q.view(B, N, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, N * G, D)
     if uniform:  # one prefix length and T = length + N: every slot belongs to the sequence
         if tree_mask is None and N == 1:
@@ -193,14 +202,17 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
             attn_mask = attn_mask.view(Bm, 1, N * G, T)
     else:
         vis = visible_keys(lens_t, tree_mask, N, T)  # [B, N, T]
-        used = torch.arange(T, device=q.device)[None, :] < (lens_t + N)[:, None]  # [B, T]
-        k = torch.where(used[:, None, :, None], k, 0)
-        v = torch.where(used[:, None, :, None], v, 0)
         attn_mask = torch.zeros(B, N, G, T, dtype=q.dtype, device=q.device)
         attn_mask.masked_fill_(~vis[:, :, None, :], float("-inf"))
         attn_mask = attn_mask.view(B, 1, N * G, T)
     out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=sm_scale)
-    return out.view(B, Hkv, N, G, D).transpose(1, 2).reshape(B, N, H, D)
+    out = out.view(B, Hkv, N, G, D).transpose(1, 2).reshape(B, N, H, D)
+    if bad is not None:
+        vis = visible_keys(lens_t, tree_mask, N, T)  # [B, N, T]
+        sees_bad = (vis[:, None, :, :] & bad[:, :, None, :]).any(-1)  # [B, Hkv, N]
+        sees_bad = sees_bad.transpose(1, 2).repeat_interleave(G, dim=2)  # [B, N, H]
+        out = torch.where(sees_bad[..., None], float("nan"), out)
+    return out
 
 
 
@@ -208,6 +220,11 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
 # --------------------------------------------------------------------------------------
 # The registered op: torch.ops.specdec.tree_attention
 # --------------------------------------------------------------------------------------
+
+
+def _check_num_splits(num_splits: int) -> None:
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS} (0: automatic), got {num_splits}")
 
 
 def _impl(
@@ -224,6 +241,7 @@ def _impl(
     B, N, H, D, Hkv, S = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False)
     if packed:
         _check_packed_mask(tree_mask, B, N, q.device)
+    _check_num_splits(num_splits)
     name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
@@ -238,6 +256,12 @@ def _impl(
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
+    packed = tree_mask is not None and tree_mask.dtype == torch.int32
+    B, N, _, _, _, _ = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False)
+    if packed:
+        _check_packed_mask(tree_mask, B, N, q.device)
+    _check_num_splits(num_splits)
+    _library.check_backend_name(backend)
     torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
     torch._check(q.shape[2] % k_cache.shape[1] == 0, lambda: "q's heads must be a multiple of k_cache's heads")
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -18,7 +18,7 @@ from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference import tree_rejection_sample as _ref
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample, check_tree_rejection_sample_args
 
-IMPLEMENTED = ("reference", "triton")
+IMPLEMENTED = ("reference", "native", "triton")
 
 
 def _impl(
@@ -40,10 +40,19 @@ def _impl(
         from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
 
         return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+    if name == "native":
+        p, q = target_probs.contiguous(), draft_probs.contiguous() if draft_probs is not None else None
+        if q is not None and q.dtype != p.dtype:  # mixed dtypes: both in float32, as the reference computes
+            p, q = p.float(), q.float()
+        return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, coins, final_u)
     return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
 
 
 def _fake(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms, backend=""):
+    B, N, _, _, _ = check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes,
+                                                     validate=False)
+    draw_uniforms(B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    _library.check_backend_name(backend)
     B, N, _ = target_probs.shape
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
     torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")

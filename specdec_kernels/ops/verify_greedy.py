@@ -15,7 +15,7 @@ from specdec_kernels import _backend, _library
 from specdec_kernels.reference import verify_greedy as _ref
 from specdec_kernels.reference.verify_greedy import _verify_greedy, check_verify_greedy_args
 
-IMPLEMENTED = ("reference", "triton")
+IMPLEMENTED = ("reference", "native", "triton")
 
 
 def _impl(
@@ -30,10 +30,15 @@ def _impl(
         from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
 
         return verify_greedy_triton(target_logits, draft_tokens, n)
+    if name == "native":
+        return torch.ops.specdec.verify_greedy_native(target_logits, draft_tokens, n)
     return _verify_greedy(target_logits, draft_tokens, n)
 
 
 def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
+    # the eager op's checks that need no values: the same ValueError/TypeError when traced
+    check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=False)
+    _library.check_backend_name(backend)
     B, K1, _ = target_logits.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
     torch._check(num_draft_tokens is None or num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")

@@ -16,7 +16,7 @@ from specdec_kernels import _backend, _library
 from specdec_kernels.reference import verify_tree_greedy as _ref
 from specdec_kernels.reference.verify_tree_greedy import _verify_tree_greedy, check_verify_tree_greedy_args
 
-IMPLEMENTED = ("reference", "triton")
+IMPLEMENTED = ("reference", "native", "triton")
 
 
 def _impl(
@@ -32,10 +32,14 @@ def _impl(
         from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
 
         return verify_tree_greedy_triton(target_logits, tree_tokens, parents, n)
+    if name == "native":
+        return torch.ops.specdec.verify_tree_greedy_native(target_logits, tree_tokens, parents, n)
     return _verify_tree_greedy(target_logits, tree_tokens, parents, n)
 
 
 def _fake(target_logits, tree_tokens, tree_parents, num_nodes=None, backend=""):
+    check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=False)
+    _library.check_backend_name(backend)
     B, N, _ = target_logits.shape
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
     torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")

@@ -115,15 +115,20 @@ def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_a
 def _compact_kv_cache(views, cache_seqlens, accepted_indices, num_accepted) -> None:
     if cache_seqlens.device.type == "meta":  # shapes only, no data: nothing to move
         return
+    S, M = views[0].shape[2], accepted_indices.shape[1]
     for b in range(cache_seqlens.shape[0]):
-        n = int(num_accepted[b])
+        n = min(max(int(num_accepted[b]), 0), M)  # counts clamped to 0..M, as the native kernels do
         if n == 0:
             continue
         start = int(cache_seqlens[b])
         source = start + accepted_indices[b, :n].to(torch.int64)
+        dest = start + torch.arange(n, device=source.device)
+        inside = (source >= 0) & (source < S) & (dest >= 0) & (dest < S)  # slots outside are skipped
+        if not bool(inside.all()):
+            source, dest = source[inside], dest[inside]
         for cache in views:
             rows = cache[b].index_select(1, source.to(cache.device))  # a copy: safe although slots overlap
-            cache[b, :, start : start + n] = rows
+            cache[b].index_copy_(1, dest.to(cache.device), rows)
 
 
 def compact_kv_cache(

@@ -46,7 +46,8 @@ def check_sampling_args(logits, temperature, top_k, top_p, validate=None):
             raise ValueError(f"temperature must be >= 0, got {t.flatten().tolist()[:8]}")
         if ((p <= 0) | (p > 1) | p.isnan()).any():
             raise ValueError(f"top_p must lie in (0, 1], got {p.flatten().tolist()[:8]}")
-    return t, k, p
+    # NaN top_p (unchecked input) acts as 1, on every backend
+    return t, k, torch.nan_to_num(p, nan=1.0)
 
 
 def _sampling_probs(logits, temperature, top_k, top_p) -> torch.Tensor:

@@ -71,16 +71,20 @@ def _tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale):
     group = H // Hkv
     # Lengths outside [0, S - N] (unchecked input) act as the nearest valid one, as in the kernels.
     cache_seqlens = cache_seqlens.to(torch.int64).clamp(0, S - N)
-    # Slots past a sequence's new keys are nobody's: zero them so that whatever they hold (NaN
-    # from torch.empty) cannot reach the output through a zero attention weight.
-    used = torch.arange(S, device=q.device)[None, :] < (cache_seqlens.to(torch.int64) + N)[:, None]  # [B, S]
-    used = used[:, None, :, None]
-    k = torch.where(used, k_cache.to(torch.float64), 0.0).repeat_interleave(group, dim=1)  # [B, H, S, D]
-    v = torch.where(used, v_cache.to(torch.float64), 0.0).repeat_interleave(group, dim=1)
+    # A key or value that is not finite (NaN from torch.empty, say) must reach exactly the
+    # queries that see its slot: those get NaN, and nobody else.  So such slots are zeroed
+    # before the products (a zero attention weight times NaN would be NaN) and the queries that
+    # see one are set to NaN afterwards.
+    k64, v64 = k_cache.to(torch.float64), v_cache.to(torch.float64)
+    bad = ~(k64.isfinite().all(-1) & v64.isfinite().all(-1))  # [B, Hkv, S]
+    k = torch.where(bad[..., None], 0.0, k64).repeat_interleave(group, dim=1)  # [B, H, S, D]
+    v = torch.where(bad[..., None], 0.0, v64).repeat_interleave(group, dim=1)
     scores = torch.einsum("bnhd,bhsd->bhns", q.to(torch.float64), k) * sm_scale
     visible = visible_keys(cache_seqlens, tree_mask, N, S)[:, None]  # [B, 1, N, S]
     scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.einsum("bhns,bhsd->bnhd", torch.softmax(scores, dim=-1), v)
+    sees_bad = (visible & bad.repeat_interleave(group, dim=1)[:, :, None, :]).any(-1)  # [B, H, N]
+    out = torch.where(sees_bad.transpose(1, 2)[..., None], float("nan"), out)
     return out.to(q.dtype)
 
 

@@ -24,54 +24,32 @@ def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_
     return B, N, V, parents, n
 
 
-def walk_tree(accept_child, parents, num_nodes, batch, num_tree_nodes, device):
-    """Walk each sequence's tree from the root, one depth per step, vectorised over the batch.
-
-    ``accept_child(current, candidates)`` gets the current node per sequence [B] and a bool
-    [B, N] of the current node's children (lowest index first is the caller's rule) and
-    returns the chosen child per sequence (-1 for none).  Returns accepted_nodes [B, N]
-    (root first, -1 padding) and num_accepted [B] (accepted drafts, root excluded).
-    """
-    node_index = torch.arange(num_tree_nodes, device=device)
-    current = torch.zeros(batch, dtype=torch.int64, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    accepted_nodes = torch.full((batch, num_tree_nodes), -1, dtype=torch.int64, device=device)
-    if num_tree_nodes:
-        accepted_nodes[:, 0] = 0
-    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
-    exists = node_index[None, :] < num_nodes[:, None]
-    for _ in range(num_tree_nodes - 1):  # the path deepens by one node per step at most
-        children = (parents == current[:, None]) & exists & active[:, None]
-        chosen = accept_child(current, children)
-        moved = chosen >= 0
-        if device.type == "cpu" and not moved.any():  # a shortcut only where reading is free
-            break
-        num_accepted += moved.to(torch.int64)  # scatter, not boolean indexing: no host read
-        at = num_accepted[:, None]
-        accepted_nodes.scatter_(1, at, torch.where(moved[:, None], chosen[:, None], accepted_nodes.gather(1, at)))
-        current = torch.where(moved, chosen, current)
-        active &= moved
-    return accepted_nodes, num_accepted, current
-
-
 def _verify_tree_greedy(target_logits, tree_tokens, parents, num_nodes):
+    """One pass over the nodes in index order.  Children come after their parent (parents[i] <
+    i), so the pass meets a node's children after the node and lowest index first: node j is
+    accepted when its parent is the current node and its token is the target's argmax there,
+    which is the lowest-index matching child.  With parents out of order (unchecked input) a
+    node is only ever accepted after its parent, so the accepted path is always increasing."""
     B, N, _ = target_logits.shape
     device = target_logits.device
-    target_argmax = target_logits.argmax(dim=-1)  # [B, N]
+    target_argmax = target_logits.argmax(dim=-1)  # [B, N]; NaN counts as the maximum
     tokens = tree_tokens.to(torch.int64)
-    node_index = torch.arange(N, device=device)
-
-    def first_matching_child(current, children):
-        wanted = target_argmax.gather(1, current[:, None])  # [B, 1]
-        hits = children & (tokens == wanted)
-        first = torch.where(hits, node_index[None, :], N).min(dim=1).values if N else current
-        return torch.where(first < N, first, -1)
-
-    accepted_nodes, num_accepted, last = walk_tree(first_matching_child, parents, num_nodes, B, N, device)
+    current = torch.zeros(B, dtype=torch.int64, device=device)
+    want = target_argmax[:, 0].clone()
+    num_accepted = torch.zeros(B, dtype=torch.int64, device=device)
+    accepted_nodes = torch.full((B, N), -1, dtype=torch.int64, device=device)
+    accepted_nodes[:, 0] = 0
+    for j in range(1, N):  # tensor ops only: no value is read on the host
+        hit = (parents[:, j] == current) & (j < num_nodes) & (tokens[:, j] == want)
+        num_accepted += hit.to(torch.int64)
+        at = num_accepted[:, None]
+        accepted_nodes.scatter_(1, at, torch.where(hit[:, None], j, accepted_nodes.gather(1, at)))
+        current = torch.where(hit, j, current)
+        want = torch.where(hit, target_argmax[:, j], want)
     output_tokens = torch.full((B, N), -1, dtype=torch.int64, device=device)
     path = accepted_nodes[:, 1:]
     output_tokens[:, : N - 1] = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
-    output_tokens.scatter_(1, num_accepted[:, None], target_argmax.gather(1, last[:, None]))
+    output_tokens.scatter_(1, num_accepted[:, None], want[:, None])
     return output_tokens, accepted_nodes, num_accepted
 
 

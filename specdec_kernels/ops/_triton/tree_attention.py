@@ -24,10 +24,15 @@ _jit = triton.jit
 
 
 @_jit
-def _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_ok,
+def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_ok,
                  stride_ks, stride_kd, stride_vs, stride_vd, qk_scale,
                  IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """Online-softmax update with one tile of keys (offs_k, loaded where k_ok; visible where vis).
+
+    MAY_BE_EMPTY (the tree tiles, whose keys only some rows see): keys and values that are not
+    finite are replaced by 0 before the products, so a key a row cannot see never reaches it through a
+    zero weight (0 * NaN); a row that does see such a key is marked in ``bad`` (its output is
+    NaN, as the reference's).  Prefix keys are visible to every row: no such care is needed.
 
     IEEE_DOT: fp32 inputs, full-precision dots (no TF32).  UPCAST_DOT: dots on operands cast
     to fp32 (exact for bf16 products, as tensor cores compute them): the interpreter of
@@ -35,6 +40,11 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_
     """
     kt = tl.load(k_base + offs_k[None, :] * stride_ks + offs_d[:, None] * stride_kd,
                  mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+    if MAY_BE_EMPTY:
+        k32 = kt.to(tl.float32)
+        k_bad = (k32 != k32) | (tl.abs(k32) == float("inf"))
+        bad = bad | (tl.max((vis & (tl.max(k_bad.to(tl.int32), axis=0) > 0)[None, :]).to(tl.int32), axis=1) > 0)
+        kt = tl.where(k_bad, 0.0, kt)
     if UPCAST_DOT:
         s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
     elif IEEE_DOT:
@@ -52,17 +62,23 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_
     l_i = l_i * alpha + tl.sum(p, 1)
     vt = tl.load(v_base + offs_k[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                  mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    if MAY_BE_EMPTY:
+        v32 = vt.to(tl.float32)
+        v_bad = (v32 != v32) | (tl.abs(v32) == float("inf"))
+        key_bad = tl.max(v_bad.to(tl.int32), axis=1) > 0
+        bad = bad | (tl.max((vis & key_bad[None, :]).to(tl.int32), axis=1) > 0)
+        vt = tl.where(v_bad, 0.0, vt)
     if UPCAST_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), input_precision="ieee")
     elif IEEE_DOT:
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, bad
 
 
 @_jit
-def _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok, offs_d, d_ok,
+def _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok, offs_d, d_ok,
                stride_ks, stride_kd, stride_vs, stride_vd, stride_mi, stride_mj, qk_scale,
                BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """Tree keys seqlen + j0 .. seqlen + j0 + BLOCK_N - 1: key seqlen + j visible to row (i, g) iff mask[i, j]."""
@@ -77,7 +93,7 @@ def _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi
     else:
         words = tl.load(m_base + qi[:, None] * stride_mi + (offs_j // 32)[None, :] * stride_mj, mask=ok, other=0)
         vis = ok & (((words >> (offs_j % 32)[None, :]) & 1) != 0)
-    return _attend_tile(acc, m_i, l_i, q, k_base, v_base, seqlen + offs_j, j_ok, vis, offs_d, d_ok,
+    return _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, seqlen + offs_j, j_ok, vis, offs_d, d_ok,
                         stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, True)
 
 
@@ -127,6 +143,7 @@ def _tree_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bad = offs_m < 0  # rows that see a tree key whose value is not finite
 
     # 1. the prefix slice of this split: every key is visible to every row.
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
@@ -136,14 +153,14 @@ def _tree_attention_fwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_k = start + tl.arange(0, BLOCK_N)
             k_ok = offs_k < hi
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
+            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
                                          stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
     else:
         start = lo
         while start < hi:
             offs_k = start + tl.arange(0, BLOCK_N)
             k_ok = offs_k < hi
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
+            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
                                          stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
             start += BLOCK_N
 
@@ -157,13 +174,13 @@ def _tree_attention_fwd_kernel(
         m_base = MASK + b64 * stride_mb
         if FOR_LOOPS:
             for j0 in range(0, tree_hi, BLOCK_N):
-                acc, m_i, l_i = _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
+                acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
                                            offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd, stride_mi,
                                            stride_mj, qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT)
         else:
             j0 = 0
             while j0 < tree_hi:
-                acc, m_i, l_i = _tree_tile(acc, m_i, l_i, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
+                acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
                                            offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd, stride_mi,
                                            stride_mj, qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT)
                 j0 += BLOCK_N
@@ -173,12 +190,14 @@ def _tree_attention_fwd_kernel(
         row = pid_bh.to(tl.int64) * M + offs_m
         has = l_i > 0.0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
+        o = tl.where(bad[:, None], float("nan"), o)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE + row * num_splits + pid_s, lse, mask=row_ok)
         tl.store(OPART + (row * num_splits + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=row_ok[:, None] & d_ok[None, :])
     else:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
+        o = tl.where(bad[:, None], float("nan"), o)
         o_ptrs = OUT + b64 * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

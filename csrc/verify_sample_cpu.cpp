@@ -1,0 +1,556 @@
+// CPU fast paths of the verification and sampling ops: one pass over each sequence's rows,
+// parallel over sequences (at::parallel_for), no intermediate [B, K + 1, V] tensors.
+//
+// Each kernel implements the algorithm of its reference in specdec_kernels/reference/ with the
+// same arithmetic: accept tests in float32 as `u * q < p`, residual weights max(0, p - q) in
+// float32 then widened, inverse-CDF sampling over a sequential float64 running sum (what torch's
+// CPU cumsum does), argmax with torch.argmax's rule (first maximum, NaN counts as the maximum).  Row totals are sequential float64 sums, where the reference uses torch.sum, so a
+// decision can differ only when a test lies within float64 rounding of its boundary.
+//
+// Inputs are validated by the Python op (specdec_kernels/ops/<op>.py), which also makes them
+// contiguous and int64 / float32 where noted.  Every count and index used as an address is
+// clamped here, whatever was validated: no kernel reads or writes outside its tensors.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); }
+
+inline double mass(double x) { return x > 0 ? x : 0.0; }  // NaN and negatives carry no mass
+
+// Inverse-CDF sample of one token from non-negative double weights w[0..V) (the reference's
+// sample_from_weights): the first index whose running sum exceeds u * total; the last index
+// with mass if rounding puts the threshold at or past the total; 0 for a row without mass.
+int64_t sample_weights(const std::vector<double>& w, double u) {
+  const int64_t V = static_cast<int64_t>(w.size());
+  double total = 0.0;
+  int64_t last = -1;
+  for (int64_t i = 0; i < V; ++i) {
+    total += w[i];
+    if (w[i] > 0) last = i;
+  }
+  if (!(total > 0)) return 0;
+  const double threshold = u * total;
+  double c = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    c += w[i];
+    if (c > threshold) return i;
+  }
+  return last;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// an AVX2 clone beside the baseline one, picked at load time by the CPU (GCC function
+// multiversioning): the same code, never an instruction the machine lacks
+#define SPECDEC_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SPECDEC_SIMD_CLONES
+#endif
+
+// The maximum of a float32 row over its non-NaN values, in 16 independent lanes the compiler
+// vectorizes (std::max keeps the lane on NaN), and whether the row holds a NaN or an infinity
+// (v * 0 is NaN exactly then).
+SPECDEC_SIMD_CLONES float row_max_f32(const float* row, int64_t V, bool* special) {
+  constexpr int64_t L = 16;
+  float mx[L], nn[L];
+  for (int64_t l = 0; l < L; ++l) {
+    mx[l] = -std::numeric_limits<float>::infinity();
+    nn[l] = 0.0f;
+  }
+  int64_t i = 0;
+  for (; i + L <= V; i += L) {
+    for (int64_t l = 0; l < L; ++l) {
+      const float v = row[i + l];
+      mx[l] = std::max(mx[l], v);
+      nn[l] += v * 0.0f;
+    }
+  }
+  float m = -std::numeric_limits<float>::infinity(), n = 0.0f;
+  for (int64_t l = 0; l < L; ++l) {
+    m = std::max(m, mx[l]);
+    n += nn[l];
+  }
+  for (; i < V; ++i) {
+    m = std::max(m, row[i]);
+    n += row[i] * 0.0f;
+  }
+  *special = n != n;
+  return m;
+}
+
+// The first index j with !(row[j] < m), blocks of 64 tested with a vectorized OR; -1 if none.
+SPECDEC_SIMD_CLONES int64_t first_not_below_f32(const float* row, int64_t V, float m) {
+  constexpr int64_t BL = 64;
+  int64_t b = 0;
+  for (; b + BL <= V; b += BL) {
+    int hit = 0;
+    for (int64_t j = b; j < b + BL; ++j) hit |= !(row[j] < m);
+    if (!hit) continue;
+    for (int64_t j = b; j < b + BL; ++j)
+      if (!(row[j] < m)) return j;
+  }
+  for (int64_t j = b; j < V; ++j)
+    if (!(row[j] < m)) return j;
+  return -1;
+}
+
+// torch.argmax of one row (first maximum; NaN counts as the maximum, the first NaN wins).
+// The exact scalar rule, for any dtype and any row:
+template <typename T>
+int64_t row_argmax_exact(const T* row, int64_t V) {
+  int64_t best = 0;
+  float bv = f32(row[0]);
+  if (bv != bv) return 0;
+  for (int64_t i = 1; i < V; ++i) {
+    const float v = f32(row[i]);
+    if (v != v) return i;
+    if (v > bv) {
+      bv = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+// Fast float32 path: without NaN or infinities the first index not below the maximum is the
+// first maximum (about 1.5 vectorized passes; at::argmax is a scalar index-tracking loop, about
+// 2-3x slower on a 49152-wide row); rows with NaN or an infinity take the exact loop.
+template <typename T>
+int64_t row_argmax(const T* row, int64_t V) {
+  if constexpr (std::is_same_v<T, float>) {
+    bool special = false;
+    const float m = row_max_f32(row, V, &special);
+    if (!special) {
+      const int64_t j = first_not_below_f32(row, V, m);
+      return j >= 0 ? j : 0;
+    }
+  }
+  return row_argmax_exact(row, V);
+}
+
+// argmax of every row of a contiguous [rows, V] block into idx (parallel over rows).
+at::Tensor rows_argmax(const at::Tensor& logits) {
+  const int64_t V = logits.size(-1), rows = V ? logits.numel() / V : 0;
+  at::Tensor idx = at::empty({rows}, logits.options().dtype(at::kLong));
+  if (rows == 0) return idx;
+  const at::Tensor x = logits.contiguous();
+  int64_t* out = idx.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rows_argmax", [&] {
+    const scalar_t* base = x.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(V, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) out[r] = row_argmax(base + r * V, V);
+    });
+  });
+  return idx;
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (the Python op makes it so)");
+}
+
+// ------------------------------------------------------------------------------ verify_greedy
+std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
+                                                     const at::Tensor& num_draft_tokens) {
+  TORCH_CHECK_VALUE(target_logits.dim() == 3, "target_logits must be [B, K + 1, V]");
+  const int64_t B = target_logits.size(0), K1 = target_logits.size(1), K = K1 - 1;
+  at::Tensor out = at::full({B, K1}, -1, target_logits.options().dtype(at::kLong));
+  at::Tensor num_accepted = at::zeros({B}, target_logits.options().dtype(at::kLong));
+  if (B == 0) return {out, num_accepted};
+  const at::Tensor argmax = rows_argmax(target_logits);  // torch.argmax semantics, [B * (K + 1)]
+  const at::Tensor drafts = draft_tokens.to(at::kLong).contiguous();
+  const at::Tensor counts = num_draft_tokens.to(at::kLong).contiguous();
+  check_cpu(drafts, "draft_tokens");
+  const int64_t* am = argmax.data_ptr<int64_t>();
+  const int64_t* dr = drafts.data_ptr<int64_t>();
+  const int64_t* cn = counts.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* na = num_accepted.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = clamp64(cn[b], 0, K);
+    int64_t a = 0;
+    while (a < n && dr[b * K + a] == am[b * K1 + a]) {
+      o[b * K1 + a] = dr[b * K + a];
+      ++a;
+    }
+    o[b * K1 + a] = am[b * K1 + a];  // the correction at the first mismatch, or the bonus
+    na[b] = a;
+  }
+  return {out, num_accepted};
+}
+
+// ------------------------------------------------------------------------- verify_tree_greedy
+// The reference's single pass in node order: node j is accepted when its parent is the current
+// node, j < num_nodes and its token is the target's argmax at the current node (with parents in
+// topological order, the lowest-index matching child).  Parents are only compared, never used
+// as addresses, so any parent value is safe, and the accepted path is always increasing.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::Tensor& target_logits,
+                                                                       const at::Tensor& tree_tokens,
+                                                                       const at::Tensor& tree_parents,
+                                                                       const at::Tensor& num_nodes) {
+  TORCH_CHECK_VALUE(target_logits.dim() == 3, "target_logits must be [B, N, V]");
+  const int64_t B = target_logits.size(0), N = target_logits.size(1);
+  const auto opts = target_logits.options().dtype(at::kLong);
+  at::Tensor out = at::full({B, N}, -1, opts);
+  at::Tensor accepted = at::full({B, N}, -1, opts);
+  at::Tensor num_accepted = at::zeros({B}, opts);
+  if (B == 0 || N == 0) return {out, accepted, num_accepted};
+  const at::Tensor argmax = rows_argmax(target_logits);  // [B * N]
+  const at::Tensor tokens = tree_tokens.to(at::kLong).contiguous();
+  const at::Tensor parents = tree_parents.to(at::kLong).expand({B, N}).contiguous();
+  const at::Tensor counts = num_nodes.to(at::kLong).contiguous();
+  const int64_t* am = argmax.data_ptr<int64_t>();
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const int64_t* pa = parents.data_ptr<int64_t>();
+  const int64_t* cn = counts.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* acc = accepted.data_ptr<int64_t>();
+  int64_t* na = num_accepted.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = clamp64(cn[b], 0, N);
+    const int64_t* t = tk + b * N;
+    const int64_t* p = pa + b * N;
+    int64_t current = 0, depth = 0;
+    acc[b * N] = 0;
+    for (int64_t j = 1; j < n; ++j) {
+      if (p[j] == current && t[j] == am[b * N + current]) {
+        o[b * N + depth] = t[j];
+        ++depth;
+        acc[b * N + depth] = j;
+        current = j;
+      }
+    }
+    o[b * N + depth] = am[b * N + current];
+    na[b] = depth;
+  }
+  return {out, accepted, num_accepted};
+}
+
+// --------------------------------------------------------------------------- rejection_sample
+template <typename T>
+void rejection_sample_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const int64_t* counts,
+                           const float* coins, const float* final_u, int64_t B, int64_t K, int64_t V, int64_t* out,
+                           int64_t* num_accepted) {
+  const int64_t K1 = K + 1;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> w(static_cast<size_t>(V));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = clamp64(counts[b], 0, K);
+      const T* p_rows = target + b * K1 * V;
+      const T* q_rows = has_draft ? draft + b * K * V : nullptr;
+      const int64_t* x = tokens + b * K;
+      // 1. accept x_j while u_j * q_j(x_j) < p_j(x_j) in float32 (p = 0 never accepts)
+      int64_t a = 0;
+      while (a < n) {
+        const int64_t t = x[a];
+        if (t < 0 || t >= V) break;
+        const float p = f32(p_rows[a * V + t]);
+        const float q = has_draft ? f32(q_rows[a * V + t]) : 1.0f;
+        if (!(coins[b * K + a] * q < p)) break;
+        ++a;
+      }
+      // 2. the row to sample: the residual max(0, p - q) at the first rejection (p itself
+      //    when that has no mass), else the bonus row after the last draft
+      const T* p_row = p_rows + a * V;
+      const bool rejected = a < n;
+      bool residual_mass = false;
+      if (rejected) {
+        if (has_draft) {
+          const T* q_row = q_rows + a * V;
+          for (int64_t i = 0; i < V; ++i) {
+            const float r = f32(p_row[i]) - f32(q_row[i]);
+            w[i] = mass(static_cast<double>(r));
+            residual_mass |= r > 0;
+          }
+        } else {
+          const int64_t at = x[a];  // rejected: a < n <= K, inside the row
+          for (int64_t i = 0; i < V; ++i) {
+            const float r = f32(p_row[i]) - (i == at ? 1.0f : 0.0f);
+            w[i] = mass(static_cast<double>(r));
+            residual_mass |= r > 0;
+          }
+        }
+      }
+      if (!residual_mass) {
+        for (int64_t i = 0; i < V; ++i) w[i] = mass(static_cast<double>(f32(p_row[i])));
+      }
+      const int64_t sampled = sample_weights(w, static_cast<double>(final_u[b]));
+      for (int64_t j = 0; j < a; ++j) out[b * K1 + j] = x[j];
+      out[b * K1 + a] = sampled;
+      for (int64_t j = a + 1; j < K1; ++j) out[b * K1 + j] = -1;
+      num_accepted[b] = a;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& target_probs,
+                                                        const c10::optional<at::Tensor>& draft_probs,
+                                                        const at::Tensor& draft_tokens, const at::Tensor& num_draft_tokens,
+                                                        const at::Tensor& uniform_samples,
+                                                        const at::Tensor& sample_uniforms) {
+  TORCH_CHECK_VALUE(target_probs.dim() == 3, "target_probs must be [B, K + 1, V]");
+  const int64_t B = target_probs.size(0), K = target_probs.size(1) - 1, V = target_probs.size(2);
+  const auto opts = target_probs.options().dtype(at::kLong);
+  at::Tensor out = at::empty({B, K + 1}, opts), num_accepted = at::empty({B}, opts);
+  if (B == 0) return {out, num_accepted};
+  check_cpu(target_probs, "target_probs");
+  const bool has_draft = draft_probs.has_value() && draft_probs->defined();
+  if (has_draft) {
+    check_cpu(*draft_probs, "draft_probs");
+    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(), "draft_probs must have target_probs' dtype");
+  }
+  const at::Tensor tokens = draft_tokens.to(at::kLong).contiguous();
+  const at::Tensor counts = num_draft_tokens.to(at::kLong).contiguous();
+  const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
+  const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_cpu", [&] {
+    rejection_sample_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
+                                    has_draft, tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+                                    coins.data_ptr<float>(), final_u.data_ptr<float>(), B, K, V, out.data_ptr<int64_t>(),
+                                    num_accepted.data_ptr<int64_t>());
+  });
+  return {out, num_accepted};
+}
+
+// ---------------------------------------------------------------------- tree_rejection_sample
+template <typename T>
+void tree_rejection_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const int64_t* parents,
+                         const int64_t* counts, const float* coins, const float* final_u, int64_t B, int64_t N, int64_t V,
+                         int64_t* out, int64_t* accepted, int64_t* num_accepted) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> residual(static_cast<size_t>(V)), q(static_cast<size_t>(V)), fresh(static_cast<size_t>(V));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = clamp64(counts[b], 0, N);
+      const T* p_rows = target + b * N * V;
+      const T* q_rows = has_draft ? draft + b * N * V : nullptr;
+      const int64_t* tk = tokens + b * N;
+      const int64_t* pa = parents + b * N;
+      auto target_row = [&](int64_t node, std::vector<double>& dst) {
+        double total = 0.0;
+        for (int64_t i = 0; i < V; ++i) {
+          dst[i] = mass(static_cast<double>(f32(p_rows[node * V + i])));
+          total += dst[i];
+        }
+        return total;
+      };
+      int64_t current = 0, depth = 0;
+      double total = target_row(0, residual);
+      for (int64_t j = 0; j < N; ++j) accepted[b * N + j] = -1;
+      accepted[b * N] = 0;
+      // One pass in node order visits every node's children in index order (the reference's).
+      for (int64_t j = 1; j < N; ++j) {
+        if (!(pa[j] == current && j < n)) continue;
+        const int64_t x = tk[j];
+        const bool in_vocab = x >= 0 && x < V;
+        const int64_t xs = clamp64(x, 0, V - 1);
+        const double r_x = residual[xs];
+        const double u = static_cast<double>(coins[b * (N - 1) + (j - 1)]);
+        bool accept;
+        if (has_draft) {
+          const T* q_row = q_rows + current * V;
+          for (int64_t i = 0; i < V; ++i) q[i] = mass(static_cast<double>(f32(q_row[i])));
+          // accept with probability min(1, p'(x) / q(x)), p' = residual / total
+          accept = in_vocab && (u * q[xs] * total < r_x);
+          if (!accept) {  // p' <- norm(max(0, p' - q)), kept as it was when that has no mass
+            const double safe_total = total > 0 ? total : 1.0;
+            double new_total = 0.0;
+            for (int64_t i = 0; i < V; ++i) {
+              fresh[i] = mass(residual[i] / safe_total - q[i]);
+              new_total += fresh[i];
+            }
+            if (new_total > 0) {
+              residual.swap(fresh);
+              total = new_total;
+            }
+          }
+        } else {
+          // a deterministic child is accepted with probability p'(x); on rejection it leaves p'
+          accept = in_vocab && (u * total < r_x);
+          if (!accept && in_vocab) {
+            total -= r_x;
+            residual[xs] = 0.0;
+          }
+        }
+        if (accept) {
+          out[b * N + depth] = x;
+          ++depth;
+          accepted[b * N + depth] = j;
+          current = j;
+          total = target_row(j, residual);
+        }
+      }
+      bool any_mass = false;
+      for (int64_t i = 0; i < V && !any_mass; ++i) any_mass = residual[i] > 0;
+      if (!any_mass) target_row(current, residual);
+      const int64_t sampled = sample_weights(residual, static_cast<double>(final_u[b]));
+      out[b * N + depth] = sampled;
+      for (int64_t j = depth + 1; j < N; ++j) out[b * N + j] = -1;
+      num_accepted[b] = depth;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
+    const at::Tensor& target_probs, const at::Tensor& tree_tokens, const at::Tensor& tree_parents,
+    const c10::optional<at::Tensor>& draft_probs, const at::Tensor& num_nodes, const at::Tensor& uniform_samples,
+    const at::Tensor& sample_uniforms) {
+  TORCH_CHECK_VALUE(target_probs.dim() == 3, "target_probs must be [B, N, V]");
+  const int64_t B = target_probs.size(0), N = target_probs.size(1), V = target_probs.size(2);
+  const auto opts = target_probs.options().dtype(at::kLong);
+  at::Tensor out = at::empty({B, N}, opts), accepted = at::empty({B, N}, opts), num_accepted = at::empty({B}, opts);
+  if (B == 0 || N == 0) return {out, accepted, num_accepted};
+  check_cpu(target_probs, "target_probs");
+  const bool has_draft = draft_probs.has_value() && draft_probs->defined();
+  if (has_draft) {
+    check_cpu(*draft_probs, "draft_probs");
+    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(), "draft_probs must have target_probs' dtype");
+  }
+  const at::Tensor tokens = tree_tokens.to(at::kLong).contiguous();
+  const at::Tensor parents = tree_parents.to(at::kLong).expand({B, N}).contiguous();
+  const at::Tensor counts = num_nodes.to(at::kLong).contiguous();
+  const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
+  const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "tree_rejection_sample_cpu", [&] {
+    tree_rejection_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
+                                  has_draft, tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(),
+                                  counts.data_ptr<int64_t>(), coins.data_ptr<float>(), final_u.data_ptr<float>(), B, N, V,
+                                  out.data_ptr<int64_t>(), accepted.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
+  });
+  return {out, accepted, num_accepted};
+}
+
+// ----------------------------------------------------------------------------- sampling_probs
+// Temperature, top-k by selection (nth_element: the k-th largest, ties kept), softmax, top-p
+// from a heap popped in descending order until the reference's mass-before test fails (the
+// running float64 sum, as torch's cumsum over the sorted row: no full sort), renormalisation.
+template <typename T>
+void sampling_rows(const T* logits, float* out, const float* temperature, const int64_t* top_k, const float* top_p,
+                   int64_t R, int64_t V, int64_t rows_per_seq) {
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(static_cast<size_t>(V)), scratch;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t seq = r / rows_per_seq;
+      const T* row = logits + r * V;
+      float* o = out + r * V;
+      const float t = temperature[seq];
+      const bool greedy = t == 0.0f;
+      const float tdiv = greedy ? 1.0f : t;
+      bool has_nan = false, has_inf = false;
+      for (int64_t i = 0; i < V; ++i) {
+        x[i] = f32(row[i]) / tdiv;
+        has_nan |= std::isnan(x[i]);
+        has_inf |= x[i] == std::numeric_limits<float>::infinity();
+      }
+      if (greedy || (has_inf && !has_nan)) {  // one-hot at the argmax (first max, NaN first)
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; ++i) {
+          if (std::isnan(x[best])) break;
+          if (std::isnan(x[i]) || x[i] > x[best]) best = i;
+        }
+        std::fill(o, o + V, 0.0f);
+        o[best] = 1.0f;
+        continue;
+      }
+      if (has_nan) {
+        std::fill(o, o + V, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      // top-k: keep the logits >= the k-th largest
+      const int64_t k = top_k ? top_k[seq] : 0;
+      if (k > 0 && k < V) {
+        scratch.assign(x.begin(), x.end());
+        std::nth_element(scratch.begin(), scratch.begin() + (k - 1), scratch.end(), std::greater<float>());
+        const float kth = scratch[k - 1];
+        for (int64_t i = 0; i < V; ++i)
+          if (x[i] < kth) x[i] = -std::numeric_limits<float>::infinity();
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < V; ++i) m = std::max(m, x[i]);
+      if (m == -std::numeric_limits<float>::infinity()) {  // no finite logit: the reference's NaN
+        std::fill(o, o + V, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      float s = 0.0f;
+      for (int64_t i = 0; i < V; ++i) {
+        o[i] = std::exp(x[i] - m);
+        s += o[i];
+      }
+      const float inv = 1.0f / s;
+      for (int64_t i = 0; i < V; ++i) o[i] *= inv;
+      // top-p: size = #{i : mass_before_i < top_p} in descending order, where mass_before_i is
+      // the running float64 sum through i minus p_i (the reference's cumsum - p); keep p >= the
+      // size-th largest (ties kept)
+      const float p_top = top_p ? top_p[seq] : 1.0f;
+      if (p_top < 1.0f) {
+        scratch.assign(o, o + V);
+        std::make_heap(scratch.begin(), scratch.end());
+        const double target_mass = static_cast<double>(p_top);
+        double c = 0.0;
+        float threshold = scratch.front();
+        auto heap_end = scratch.end();
+        while (heap_end != scratch.begin()) {
+          const float v = scratch.front();
+          const double before = (c + static_cast<double>(v)) - static_cast<double>(v);
+          if (!(before < target_mass)) break;
+          c += static_cast<double>(v);
+          threshold = v;
+          std::pop_heap(scratch.begin(), heap_end);
+          --heap_end;
+        }
+        for (int64_t i = 0; i < V; ++i)
+          if (!(o[i] >= threshold)) o[i] = 0.0f;
+      }
+      float kept = 0.0f;
+      for (int64_t i = 0; i < V; ++i) kept += o[i];
+      for (int64_t i = 0; i < V; ++i) o[i] /= kept;
+    }
+  });
+}
+
+at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature, const c10::optional<at::Tensor>& top_k,
+                              const c10::optional<at::Tensor>& top_p) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 || logits.dim() == 3, "logits must be [B, V] or [B, rows, V]");
+  check_cpu(logits, "logits");
+  const int64_t B = logits.size(0), V = logits.size(-1);
+  const int64_t R = B == 0 ? 0 : logits.numel() / V;
+  at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(at::kFloat));
+  if (R == 0 || V == 0) return out;
+  const at::Tensor t = temperature.to(at::kFloat).contiguous();
+  const bool use_k = top_k.has_value() && top_k->defined(), use_p = top_p.has_value() && top_p->defined();
+  const at::Tensor k = use_k ? top_k->to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor p = use_p ? top_p->to(at::kFloat).contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "sampling_probs_cpu", [&] {
+    sampling_rows<scalar_t>(logits.data_ptr<scalar_t>(), out.data_ptr<float>(), t.data_ptr<float>(),
+                            use_k ? k.data_ptr<int64_t>() : nullptr, use_p ? p.data_ptr<float>() : nullptr, R, V, R / B);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("verify_greedy_native", &specdec::verify_greedy_cpu);
+  m.impl("verify_tree_greedy_native", &specdec::verify_tree_greedy_cpu);
+  m.impl("rejection_sample_native", &specdec::rejection_sample_cpu);
+  m.impl("tree_rejection_sample_native", &specdec::tree_rejection_sample_cpu);
+  m.impl("sampling_probs_native", &specdec::sampling_probs_cpu);
+}
