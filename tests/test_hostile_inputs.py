@@ -276,3 +276,10 @@ def test_tree_attention_masked_tree_slot_with_nan_reaches_only_its_viewers(backe
     got = sk.tree_attention(q, kb, vb, lens, mask, backend=backend, validate=False)
     torch.testing.assert_close(got[:, :4], want[:, :4], atol=1e-5, rtol=1e-5)  # queries 0..3 do not see it
     assert got[:, 4].isnan().all()  # query 4 sees its own garbage slot
+
+
+def test_compact_kv_cache_refuses_a_cache_whose_rows_overlap():
+    base = torch.randn(64)
+    rows_overlap = torch.as_strided(base, (1, 1, 8, 4), (32, 32, 2, 1))  # row stride 2 < D = 4
+    with pytest.raises(ValueError, match="overlaps itself"):
+        sk.compact_kv_cache([rows_overlap], torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]))

@@ -42,6 +42,24 @@ def _extent(t: torch.Tensor):
     return t.untyped_storage().data_ptr(), t.storage_offset(), last + 1
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory.  Decided from the strides when, sorted, each
+    is at least the extent of the dimensions below it (every usual layout); otherwise by
+    counting the elements' offsets (rare layouts only)."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            break
+        extent = st * (n - 1) + extent
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in zip(t.stride(), t.shape):
+        offsets = (offsets[..., None] + torch.arange(n, dtype=torch.int64) * st)
+    return bool((torch.bincount(offsets.reshape(-1)) > 1).any()) if offsets.numel() else False
+
+
 def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     """In-place compaction needs every element written once: no cache may overlap itself (an
     expanded tensor, stride 0) and no two caches may share an element (the same tensor twice,
@@ -54,8 +72,9 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     # Traced (torch.compile) or fake tensors have no addresses: only the stride check applies.
     addresses = not torch.compiler.is_compiling() and not any(is_fake(t) for t in views)
     for i, t in enumerate(views):
-        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
-            raise ValueError(f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension) and cannot be written in place")
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)) or (addresses and _overlaps_itself(t)):
+            raise ValueError(f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension, or rows closer "
+                             "than their length) and cannot be written in place")
     if not addresses:
         return
     by_storage = {}
@@ -124,11 +143,17 @@ def _compact_kv_cache(views, cache_seqlens, accepted_indices, num_accepted) -> N
         source = start + accepted_indices[b, :n].to(torch.int64)
         dest = start + torch.arange(n, device=source.device)
         inside = (source >= 0) & (source < S) & (dest >= 0) & (dest < S)  # slots outside are skipped
-        if not bool(inside.all()):
+        every = bool(inside.all())
+        if not every:
             source, dest = source[inside], dest[inside]
+        targets = None if every else dest.tolist()
         for cache in views:
             rows = cache[b].index_select(1, source.to(cache.device))  # a copy: safe although slots overlap
-            cache[b].index_copy_(1, dest.to(cache.device), rows)
+            if every:  # the usual case: one contiguous run of slots (copy_ takes every dtype, fp8 too)
+                cache[b, :, start : start + n] = rows
+            else:
+                for j, slot in enumerate(targets):
+                    cache[b, :, slot] = rows[:, j]
 
 
 def compact_kv_cache(
