@@ -99,34 +99,38 @@ def test_stats():
 
 
 def test_linear_paths_agree_and_the_choice_is_measured_once(monkeypatch):
-    """Both CPU paths of ``linear`` compute x @ W.T; the choice between them is measured per
-    shape class, cached, reported, and can be forced ($SPECDEC_LINEAR)."""
+    """Both CPU paths of ``linear`` compute x @ W.T; the choice between them is measured on the
+    first real calls of a shape class (alternating, timed), then kept, reported, and can be
+    forced ($SPECDEC_LINEAR)."""
     from specdec_kernels.decoding import model as m
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 64, generator=g)
-    monkeypatch.setattr(m, "_LINEAR_CHOICE", {})
-    monkeypatch.setattr(m, "_LINEAR_TIMES", {})
+    for name in ("_LINEAR_CHOICE", "_LINEAR_TIMES", "_LINEAR_TRIALS"):
+        monkeypatch.setattr(m, name, {})
     for rows in (1, 3, 8, 9, 16, 17):
         x = torch.randn(rows, 64, generator=g)
         want = torch.nn.functional.linear(x, w)
-        for forced in ("f_linear", "skinny", "auto"):
+        for forced in ("f_linear", "skinny", "auto", "auto", "auto", "auto", "auto", "auto", "auto"):
             monkeypatch.setenv(m.LINEAR_ENV, forced)
             torch.testing.assert_close(m.linear(x, w), want, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv(m.LINEAR_ENV, "auto")
-    calls = []
-    real = m._measure
-    monkeypatch.setattr(m, "_measure", lambda *a, **k: calls.append(1) or real(*a, **k))
     m._LINEAR_CHOICE.clear()
-    for _ in range(3):
+    for i in range(2 * m.LINEAR_TRIALS - 1):
         m.linear(torch.randn(2, 64), w)
-    assert len(calls) == 1  # measured once for the class (2-8 rows)
+        assert m.linear_choice(2, w) is None  # still measuring
+    m.linear(torch.randn(2, 64), w)
+    assert m.linear_choice(2, w) in ("f_linear", "skinny")  # decided after 3 calls of each path
     (report,) = [c for c in m.linear_choices() if c["rows"] == "2-8"]
-    assert report["choice"] in ("f_linear", "skinny") and report["weight"] == [300, 64]
-    # the skinny path needs a clear win: a tie keeps F.linear
-    monkeypatch.setattr(m, "_measure", lambda *a, **k: (1.0, 0.95))
-    m._LINEAR_CHOICE.clear()
-    assert m.linear_choice(4, w) == "f_linear"
-    monkeypatch.setattr(m, "_measure", lambda *a, **k: (1.0, 0.5))
-    m._LINEAR_CHOICE.clear()
-    assert m.linear_choice(4, w) == "skinny"
+    assert report["choice"] == m.linear_choice(2, w) and report["weight"] == [300, 64]
+    assert report["f_linear_ms"] > 0 and report["skinny_ms"] > 0
+    # the skinny path needs a clear win: a near tie keeps F.linear
+    key = m._linear_key(4, w)
+    for times, want in (((1.0, 1.0, 1.0), "f_linear"), ((0.95, 0.95, 0.95), "f_linear"), ((0.5, 0.5, 0.5), "skinny")):
+        m._LINEAR_CHOICE.pop(key, None)
+        m._LINEAR_TRIALS[key] = ([1.0, 1.0, 1.0], list(times[:2]))
+        clock = iter([0.0, times[2]])
+        monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
+        m._timed_linear(torch.randn(4, 64), w)
+        monkeypatch.setattr(m.time, "perf_counter", __import__("time").perf_counter)
+        assert m.linear_choice(4, w) == want, times

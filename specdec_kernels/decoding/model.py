@@ -91,40 +91,47 @@ def _row_class(rows: int) -> int:
     return 1 if rows == 1 else 8 if rows <= 8 else SKINNY_ROWS
 
 
-def _measure(flat: torch.Tensor, weight: torch.Tensor, reps: int = 3) -> Tuple[float, float]:
-    """Best-of-``reps`` seconds of (F.linear, skinny) on these operands, interleaved so that
-    load from other processes hits both alike."""
-    best = [float("inf"), float("inf")]
-    for _ in range(reps):
-        for k, fn in enumerate((lambda: F.linear(flat, weight), lambda: _skinny(flat, weight))):
-            t = time.perf_counter()
-            fn()
-            best[k] = min(best[k], time.perf_counter() - t)
-    return best[0], best[1]
+_LINEAR_TRIALS: Dict[tuple, Tuple[List[float], List[float]]] = {}
+LINEAR_TRIALS = 3  # timed calls of each path per shape class before the choice
 
 
-def linear_choice(rows: int, weight: torch.Tensor, flat: Optional[torch.Tensor] = None) -> str:
-    """Which CPU path ``linear`` takes for ``rows`` rows times ``weight``: "f_linear" or
-    "skinny".  Forced by $SPECDEC_LINEAR; otherwise measured once per process and shape class
-    (weight shape and dtype, rows 1 / 2-8 / 9-16, thread count), like an autotuner, on the
-    first call of that class (a few calls of each path, a fraction of a second), and the
-    skinny path is taken only when it is at least 10% faster: ``F.linear`` is the default.
-    A machine-specific speed choice is never hard-coded: on the development machine the
-    skinny path was 3x faster, on an AVX-512 Xeon 3x slower."""
+def _linear_key(rows: int, weight: torch.Tensor) -> tuple:
+    return (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads())
+
+
+def linear_choice(rows: int, weight: torch.Tensor) -> Optional[str]:
+    """Which CPU path ``linear`` takes for ``rows`` rows times ``weight``: "f_linear",
+    "skinny", or None while it is still being measured.
+
+    Forced by $SPECDEC_LINEAR ("f_linear" or "skinny"); otherwise measured on the real calls,
+    like an autotuner: the first ``2 * LINEAR_TRIALS`` calls of a shape class (weight shape and
+    dtype, rows 1 / 2-8 / 9-16, thread count) alternate the two paths and are timed, in place,
+    with the caches as a decode step leaves them (a weight streamed from memory, not a warm
+    copy: timing repeated calls on one weight favours whichever path fits the cache); then the
+    faster by best time is kept for the process, the skinny path only when at least 10% faster.
+    ``F.linear`` is the default.  A machine-specific speed choice is never hard-coded: on the
+    development machine the skinny path was about 2x faster at 2 threads, on an AVX-512 Xeon 3x
+    slower."""
     forced = os.environ.get(LINEAR_ENV, "auto")
     if forced in ("f_linear", "skinny"):
         return forced
-    key = (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads())
-    choice = _LINEAR_CHOICE.get(key)
-    if choice is None:
-        if flat is None:
-            flat = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        with torch.no_grad():
-            f_time, s_time = _measure(flat, weight)
-        choice = "skinny" if s_time < 0.9 * f_time else "f_linear"
-        _LINEAR_CHOICE[key] = choice
-        _LINEAR_TIMES[key] = (f_time, s_time)
-    return choice
+    return _LINEAR_CHOICE.get(_linear_key(rows, weight))
+
+
+def _timed_linear(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One measured call of a shape class still being tuned (see ``linear_choice``)."""
+    key = _linear_key(flat.shape[0], weight)
+    f_times, s_times = _LINEAR_TRIALS.setdefault(key, ([], []))
+    skinny = len(s_times) < len(f_times)
+    t = time.perf_counter()
+    out = _skinny(flat, weight) if skinny else F.linear(flat, weight)
+    (s_times if skinny else f_times).append(time.perf_counter() - t)
+    if len(f_times) >= LINEAR_TRIALS and len(s_times) >= LINEAR_TRIALS:
+        f_best, s_best = min(f_times), min(s_times)
+        _LINEAR_CHOICE[key] = "skinny" if s_best < 0.9 * f_best else "f_linear"
+        _LINEAR_TIMES[key] = (f_best, s_best)
+        del _LINEAR_TRIALS[key]
+    return out
 
 
 def linear_choices() -> List[Dict]:
@@ -144,15 +151,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     stream the weight several times faster as ``weight @ x.T`` (a skinny right operand, in
     chunks of at most 8 rows; a single row doubled) than as ``x @ weight.T``; others are
     several times slower that way.  So for up to 16 rows on CPU the path is measured at run
-    time (``linear_choice``); elsewhere (CUDA, more rows) it is ``F.linear``.
+    time on the real calls (``linear_choice``); elsewhere (CUDA, more rows) it is ``F.linear``.
     """
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0:
         return F.linear(x, weight)
-    flat = x.reshape(rows, x.shape[-1])
-    if linear_choice(rows, weight, flat) == "f_linear":
+    choice = linear_choice(rows, weight)
+    if choice == "f_linear":
         return F.linear(x, weight)
-    return _skinny(flat, weight).contiguous().view(*x.shape[:-1], weight.shape[0])
+    flat = x.reshape(rows, x.shape[-1])
+    out = _skinny(flat, weight) if choice == "skinny" else _timed_linear(flat, weight)
+    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 class RMSNorm(nn.Module):
