@@ -7,7 +7,6 @@ generators, or per-sequence Philox seeds and offsets (``specdec_kernels._random`
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -56,9 +55,7 @@ def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_sam
 
 
 def _triton_decomposition(args, kwargs):
-    a = inspect.signature(_impl).bind(*args, **kwargs)
-    a.apply_defaults()
-    x = a.arguments
+    x = _library.bound_arguments(_impl, args, kwargs)
     p = x["target_probs"]
     if _backend.resolve("rejection_sample", p.device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
@@ -114,13 +111,5 @@ rejection_sample.__doc__ = _backend.public_doc(_ref, "rejection_sample") + """
 """
 
 
-def __getattr__(name: str):
-    """The Triton launcher and kernels, loaded on first access."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from specdec_kernels.ops._triton import rejection_sample as _kernels
-
-    try:
-        return getattr(_kernels, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
+__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.rejection_sample")

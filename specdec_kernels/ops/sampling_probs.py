@@ -8,7 +8,6 @@ None: None skips that stage); the Python front also takes numbers.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Union
 
 import torch
@@ -51,9 +50,7 @@ def _fake(logits, temperature, top_k=None, top_p=None, backend=""):
 
 
 def _triton_decomposition(args, kwargs):
-    a = inspect.signature(_impl).bind(*args, **kwargs)
-    a.apply_defaults()
-    x = a.arguments
+    x = _library.bound_arguments(_impl, args, kwargs)
     logits = x["logits"]
     if _backend.resolve("sampling_probs", logits.device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
@@ -101,13 +98,5 @@ sampling_probs.__doc__ = _backend.public_doc(_ref, "sampling_probs") + """
 """
 
 
-def __getattr__(name: str):
-    """The Triton launcher and kernel, loaded on first access."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from specdec_kernels.ops._triton import sampling_probs as _kernels
-
-    try:
-        return getattr(_kernels, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
+__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.sampling_probs")

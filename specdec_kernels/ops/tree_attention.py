@@ -32,7 +32,6 @@ for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bi
 """
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Optional
 
@@ -268,9 +267,7 @@ def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0,
 
 
 def _triton_decomposition(args, kwargs):
-    a = inspect.signature(_impl).bind(*args, **kwargs)
-    a.apply_defaults()
-    x = a.arguments
+    x = _library.bound_arguments(_impl, args, kwargs)
     q, tree_mask = x["q"], x["tree_mask"]
     if _backend.resolve("tree_attention", q.device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
@@ -327,13 +324,5 @@ tree_attention.__doc__ = (
 )
 
 
-def __getattr__(name: str):
-    """The Triton launcher and kernels, loaded on first access."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from specdec_kernels.ops._triton import tree_attention as _kernels
-
-    try:
-        return getattr(_kernels, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
+__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.tree_attention")

@@ -8,7 +8,6 @@ front from a generator, a dict of generators or Philox seeds and offsets.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -62,9 +61,7 @@ def _fake(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, unifo
 
 
 def _triton_decomposition(args, kwargs):
-    a = inspect.signature(_impl).bind(*args, **kwargs)
-    a.apply_defaults()
-    x = a.arguments
+    x = _library.bound_arguments(_impl, args, kwargs)
     p = x["target_probs"]
     if _backend.resolve("tree_rejection_sample", p.device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
@@ -130,13 +127,5 @@ tree_rejection_sample.__doc__ = _backend.public_doc(_ref, "tree_rejection_sample
 """
 
 
-def __getattr__(name: str):
-    """The Triton launcher and kernels, loaded on first access."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from specdec_kernels.ops._triton import tree_rejection_sample as _kernels
-
-    try:
-        return getattr(_kernels, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
+__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.tree_rejection_sample")

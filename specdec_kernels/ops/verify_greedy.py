@@ -6,7 +6,6 @@ and one acceptance program per sequence).
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -46,9 +45,7 @@ def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
 
 
 def _triton_decomposition(args, kwargs):
-    a = inspect.signature(_impl).bind(*args, **kwargs)
-    a.apply_defaults()
-    x = a.arguments
+    x = _library.bound_arguments(_impl, args, kwargs)
     if _backend.resolve("verify_greedy", x["target_logits"].device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
     n = x["num_draft_tokens"]
@@ -76,13 +73,5 @@ def verify_greedy(
 verify_greedy.__doc__ = _backend.public_doc(_ref, "verify_greedy")
 
 
-def __getattr__(name: str):
-    """The Triton launchers, loaded on first access (``verify_greedy_triton``, ``argmax_partials``)."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from specdec_kernels.ops._triton import verify_greedy as _kernels
-
-    try:
-        return getattr(_kernels, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
+__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.verify_greedy")

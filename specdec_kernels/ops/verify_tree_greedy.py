@@ -7,7 +7,6 @@ The tree is passed as tensors (parents [N] or [B, N]); no backend walks it on th
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -49,9 +48,7 @@ def _fake(target_logits, tree_tokens, tree_parents, num_nodes=None, backend=""):
 
 
 def _triton_decomposition(args, kwargs):
-    a = inspect.signature(_impl).bind(*args, **kwargs)
-    a.apply_defaults()
-    x = a.arguments
+    x = _library.bound_arguments(_impl, args, kwargs)
     logits = x["target_logits"]
     if _backend.resolve("verify_tree_greedy", logits.device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
@@ -82,13 +79,5 @@ def verify_tree_greedy(
 verify_tree_greedy.__doc__ = _backend.public_doc(_ref, "verify_tree_greedy")
 
 
-def __getattr__(name: str):
-    """The Triton launcher, loaded on first access (``verify_tree_greedy_triton``)."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from specdec_kernels.ops._triton import verify_tree_greedy as _kernels
-
-    try:
-        return getattr(_kernels, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
+__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.verify_tree_greedy")
