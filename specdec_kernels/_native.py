@@ -54,6 +54,15 @@ def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_a
     return None
 
 
+def probs_operands(target: torch.Tensor, draft):
+    """Target and draft probabilities as the C++ kernels take them: contiguous and of one dtype
+    (mixed dtypes both in float32, as the references compute); ``draft`` may be None."""
+    p, q = target.contiguous(), draft.contiguous() if draft is not None else None
+    if q is not None and q.dtype != p.dtype:
+        p, q = p.float(), q.float()
+    return p, q
+
+
 def has_kernel(name: str, device_type: str) -> bool:
     """Whether the extension has a ``device_type`` ('cpu' or 'cuda') kernel for op ``name``
     (``torch.ops.specdec.<name>_native``)."""

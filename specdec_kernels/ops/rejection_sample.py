@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend, _library
+from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference import rejection_sample as _ref
 from specdec_kernels.reference.rejection_sample import _rejection_sample, check_rejection_sample_args
@@ -36,9 +36,7 @@ def _impl(
 
         return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
     if name == "native":
-        p, q = target_probs.contiguous(), draft_probs.contiguous() if draft_probs is not None else None
-        if q is not None and q.dtype != p.dtype:  # mixed dtypes: both in float32, as the reference computes
-            p, q = p.float(), q.float()
+        p, q = _native.probs_operands(target_probs, draft_probs)
         return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, coins, final_u)
     return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
 

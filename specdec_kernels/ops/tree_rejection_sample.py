@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend, _library
+from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference import tree_rejection_sample as _ref
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample, check_tree_rejection_sample_args
@@ -40,9 +40,7 @@ def _impl(
 
         return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
     if name == "native":
-        p, q = target_probs.contiguous(), draft_probs.contiguous() if draft_probs is not None else None
-        if q is not None and q.dtype != p.dtype:  # mixed dtypes: both in float32, as the reference computes
-            p, q = p.float(), q.float()
+        p, q = _native.probs_operands(target_probs, draft_probs)
         return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, coins, final_u)
     return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
 
