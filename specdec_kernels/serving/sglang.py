@@ -1,0 +1,376 @@
+"""SGLang's tree form for greedy tree verification and tree rejection sampling.
+
+SGLang's speculative decoding (sgl-kernel: ``build_tree_kernel_efficient``,
+``verify_tree_greedy``, ``tree_speculative_sampling_target_only``) describes each request's
+verify tree of N nodes by three (B, N) int64 tensors: ``retrive_index`` (the node's position
+in the flat (B * N) per-token outputs, b * N + i), ``retrive_next_token`` (first child) and
+``retrive_next_sibling`` (next sibling), -1 ending a list; ``candidates`` (B, N) holds the
+token of every node (column 0 the root, the last verified token).  Its kernels return a flat
+``predicts`` (B * N), ``accept_index`` (B, num_spec_step) and ``accept_token_num`` (B).
+
+The two functions here take that form, renumber each tree into our parent lists with
+``specdec_kernels.tree.from_sglang_tree`` (breadth-first, children in SGLang's list order,
+so our ops try siblings in the same order) and run our registered ops
+(``torch.ops.specdec.verify_tree_greedy`` and ``torch.ops.specdec.tree_rejection_sample``,
+every backend), then write the results back in SGLang's form.  They add no kernel of their
+own.  Costs beyond the op: the tree walk (at most 2N - 1 small tensor steps), one gather
+that permutes the (B, N, V) rows into our node order (a copy, also when the order is already
+the identity), and for the sampler one float64-accumulated row sum of the target rows.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple
+
+import torch
+
+from specdec_kernels._checks import (
+    FLOAT32_BELOW_ONE, FLOAT_DTYPES, INDEX_DTYPES, as_int, check_shape, check_tensor, check_uniforms, want_value_checks,
+)
+from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
+from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
+from specdec_kernels.tree import SGLangTree, from_sglang_tree
+
+SGLangOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+# SGLang's launcher floors threshold_acc at this value before dividing by it.
+THRESHOLD_ACC_FLOOR = 1e-9
+
+
+def _check_tree_args(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate):
+    check_tensor("candidates", candidates, ndim=2, dtypes=INDEX_DTYPES)
+    B, N = candidates.shape
+    if N < 1:
+        raise ValueError(f"candidates must have N >= 1 columns (the root at least), got shape {tuple(candidates.shape)}")
+    device = candidates.device
+    for name, t in (("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
+                    ("retrive_next_sibling", retrive_next_sibling)):
+        check_tensor(name, t, ndim=2, dtypes=INDEX_DTYPES, device=device)
+        check_shape(name, t, (B, N), "one entry per tree node, like candidates")
+    num_spec_step = as_int("num_spec_step", num_spec_step)
+    if num_spec_step < 1:
+        raise ValueError(
+            f"num_spec_step must be >= 1 (the width of accept_index: the root and up to num_spec_step - 1 "
+            f"drafts), got {num_spec_step}"
+        )
+    if want_value_checks(validate, retrive_index) and retrive_index.numel() > 0:
+        lo, hi = int(retrive_index.min()), int(retrive_index.max())
+        if lo < 0 or hi >= B * N:
+            raise ValueError(
+                f"retrive_index must lie in 0..{B * N - 1} (positions in the flat predicts of B * N entries), "
+                f"got values in {lo}..{hi}"
+            )
+    return B, N, num_spec_step
+
+
+def _rows(name: str, t, B: int, N: int, device, vocab: Optional[int] = None) -> torch.Tensor:
+    """Per-node rows given as (B, N, V) or flat (B * N, V), returned as (B, N, V)."""
+    check_tensor(name, t, ndim=(2, 3), dtypes=FLOAT_DTYPES, device=device)
+    if t.dim() == 2:
+        if t.shape[0] != B * N:
+            raise ValueError(f"{name} must have shape ({B}, {N}, V) or ({B * N}, V), got {tuple(t.shape)}")
+        t = t.reshape(B, N, t.shape[1])
+    elif tuple(t.shape[:2]) != (B, N):
+        raise ValueError(f"{name} must have shape ({B}, {N}, V) or ({B * N}, V), got {tuple(t.shape)}")
+    if t.shape[2] < 1:
+        raise ValueError(f"{name} must have a vocabulary of at least 1, got shape {tuple(t.shape)}")
+    if vocab is not None and t.shape[2] != vocab:
+        raise ValueError(f"{name} must have the vocabulary of target_probs ({vocab}), got shape {tuple(t.shape)}")
+    return t
+
+
+def _convert(retrive_next_token, retrive_next_sibling, num_spec_step, validate) -> Tuple[SGLangTree, torch.Tensor]:
+    tree = from_sglang_tree(retrive_next_token, retrive_next_sibling, validate=validate)
+    # SGLang accepts at most num_spec_step - 1 drafts: nodes deeper than that are never tried.
+    # Numbered breadth-first, the nodes it can reach are a prefix: they are our num_nodes.
+    num_nodes = ((tree.depths >= 0) & (tree.depths < num_spec_step)).sum(dim=1)
+    return tree, num_nodes
+
+
+def _in_our_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """rows[b, order[b, i]]: (B, N, V) rows permuted into our node order (a copy)."""
+    return rows[torch.arange(rows.shape[0], device=rows.device)[:, None], order]
+
+
+def _to_sglang_outputs(output_tokens, accepted_nodes, num_accepted, order, retrive_index, num_spec_step) -> SGLangOutputs:
+    B, N = output_tokens.shape
+    if num_spec_step > N:
+        pad = output_tokens.new_full((B, num_spec_step - N), -1)
+        nodes, tokens = torch.cat([accepted_nodes, pad], 1), torch.cat([output_tokens, pad], 1)
+    else:  # at most num_spec_step - 1 drafts were accepted: the rest is -1
+        nodes, tokens = accepted_nodes[:, :num_spec_step], output_tokens[:, :num_spec_step]
+    on_path = nodes >= 0
+    flat_index = retrive_index.to(torch.int64).gather(1, order.gather(1, nodes.clamp(min=0)))
+    accept_index = torch.where(on_path, flat_index, -1)
+    total = B * N
+    # predicts[retrive_index of the k-th accepted node] = the k-th emitted token; entries off
+    # the path and out-of-range indices go to a spare slot past the end
+    dest = torch.where(on_path & (flat_index >= 0) & (flat_index < total), flat_index, total)
+    predicts = output_tokens.new_full((total + 1,), -1)
+    predicts.scatter_(0, dest.reshape(-1), tokens.reshape(-1))
+    return predicts[:total].to(torch.int32), accept_index.to(torch.int32), num_accepted.to(torch.int32)
+
+
+def verify_tree_greedy_sglang(
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    num_spec_step: int,
+    backend: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> SGLangOutputs:
+    """Greedy tree verification in SGLang's form, run by our ``verify_tree_greedy``.
+
+    SGLang's ``verify_tree_greedy`` (sgl-kernel ``eagle_utils.cu``): from the root, walk the
+    children of the last accepted node in sibling-list order and accept the first whose
+    candidate equals the target's argmax at that node, at most num_spec_step - 1 times; write
+    each accepted token at ``predicts[retrive_index of its parent]`` and finally the target's
+    argmax at the last accepted node (the correction or bonus token) at
+    ``predicts[retrive_index of that node]``.  SpecInfer / Medusa greedy tree verification.
+
+    Args:
+        candidates: Shape (batch, N), int32/int64: node i's token; column 0 is the root.
+        retrive_index: Shape (batch, N), int32/int64 in 0..B*N-1: node i's position in the
+            flat ``predicts`` (SGLang builds b * N + i).
+        retrive_next_token: Shape (batch, N), int32/int64: first child (local index) or -1.
+        retrive_next_sibling: Shape (batch, N), int32/int64: next sibling or -1.  Nodes not
+            reachable from the root (padding with -1 links) are ignored.
+        target_logits: Shape (batch, N, vocab) or (batch * N, vocab), float32/float16/
+            bfloat16: row (b, i) scores the token after local node i.  (SGLang's kernel takes
+            the argmax ``target_predict`` and reads it at the flat index retrive_index[b, i],
+            which is b * N + i in every tree SGLang builds; here row (b, i) is read.)
+        num_spec_step: SGLang's accept_index width (speculative_num_steps + 1): the root and
+            up to num_spec_step - 1 accepted drafts.
+        backend: our op's backend ("reference", "native", "triton"; None picks).
+        validate: value checks (links, retrive_index range); default on CPU tensors only.
+
+    Returns:
+        predicts: Shape (batch * N,), int32: at the retrive_index of the k-th node of the
+            accepted path (k = 0 the root) the k-th emitted token (the next accepted draft,
+            or the target's token after the last accepted node); -1 elsewhere (SGLang leaves
+            its caller's fill there).
+        accept_index: Shape (batch, num_spec_step), int32: retrive_index of the accepted path,
+            starting with the root, then -1.
+        accept_token_num: Shape (batch,), int32: accepted drafts (the root not counted); a
+            request emits accept_token_num + 1 tokens.
+
+    Raises:
+        TypeError: wrong dtypes or non-tensors.
+        ValueError: wrong ranks or shapes, num_spec_step < 1, and when values are checked a
+            link outside -1..N-1, a cycle or shared node in the lists, retrive_index outside
+            0..B*N-1.
+
+    The argmax follows torch.argmax (first maximum; NaN counts as the maximum), as the
+    ``target_predict`` SGLang's caller computes.  Outputs are new tensors (SGLang's kernel
+    fills caller buffers).  With ``validate=False`` nothing reads tensor values on the host.
+    """
+    B, N, S = _check_tree_args(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate)
+    logits = _rows("target_logits", target_logits, B, N, candidates.device)
+    tree, num_nodes = _convert(retrive_next_token, retrive_next_sibling, S, validate)
+    out = verify_tree_greedy(
+        _in_our_order(logits, tree.order), candidates.gather(1, tree.order), tree.parents, num_nodes,
+        backend=backend, validate=False,  # the converted tree is valid by construction
+    )
+    return _to_sglang_outputs(*out, tree.order, retrive_index, S)
+
+
+def _threshold(name: str, value, low_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not ((0.0 < value) if low_open else (0.0 <= value)) or not value <= 1.0:
+        raise ValueError(f"{name} must lie in {'(0' if low_open else '[0'}, 1], got {value}")
+    return value
+
+
+def _target_only_coins(p, tokens, tree, num_nodes, coins_sglang, threshold_single, threshold_acc) -> torch.Tensor:
+    """Our per-node coins (B, N - 1) that make our deterministic-children test reproduce
+    SGLang's target-only test given SGLang's per-node coins (B, N).
+
+    SGLang at node c with coin u tries c's children x_1, x_2, ... and accepts x_k when
+    u * threshold_acc <= P_k = p_c(x_1) + ... + p_c(x_k) (or p_c(x_k) >= threshold_single).
+    Our op accepts child x_k, once x_1..x_{k-1} are rejected, when coin_k * T_k < p_c(x_k),
+    T_k = total_c - P_{k-1} the mass left.  With coin_k = (u * threshold_acc - P_{k-1}) / T_k
+    both tests agree (up to rounding at the boundary); coin_k = 0 where the single-token
+    threshold accepts.  P counts each sibling token once (our op zeroes a rejected token).
+    """
+    B, N, V = p.shape
+    if N == 1:
+        return coins_sglang.new_zeros((B, 0))
+    dev = p.device
+    par = tree.parents[:, 1:]  # [B, N - 1]: child j + 1's parent, our index
+    tok = tokens[:, 1:].to(torch.int64)
+    in_vocab = (tok >= 0) & (tok < V)
+    rows = torch.arange(B, device=dev)[:, None]
+    p_x = p[rows, par, tok.clamp(0, V - 1)].to(torch.float64)
+    p_x = torch.where(in_vocab & (p_x > 0), p_x, 0.0)  # negative and NaN entries carry no mass
+    row_mass = torch.where(p > 0, p, torch.zeros_like(p)).sum(dim=-1, dtype=torch.float64)  # [B, N]
+    u = coins_sglang.to(torch.float64).gather(1, tree.order.gather(1, par))  # SGLang's coin at the parent
+    real = torch.arange(1, N, device=dev)[None, :] < num_nodes[:, None]
+    # the first child with a given (parent, token): later ones remove no further mass
+    key = par * (V + 1) + torch.where(in_vocab, tok, V)
+    sorted_key, perm = key.sort(dim=1, stable=True)
+    first_sorted = torch.ones_like(sorted_key, dtype=torch.bool)
+    first_sorted[:, 1:] = sorted_key[:, 1:] != sorted_key[:, :-1]
+    first = torch.zeros_like(first_sorted).scatter(1, perm, first_sorted)
+    removed = torch.where(first & real, p_x, 0.0)
+    exclusive = removed.cumsum(dim=1) - removed
+    # breadth-first numbering keeps siblings consecutive: the mass removed before a child is
+    # the prefix sum since its parent's first child
+    child = torch.arange(N - 1, device=dev).expand(B, -1)
+    first_child = torch.full((B, N), N - 1, dtype=torch.int64, device=dev).scatter_reduce(
+        1, par, child, reduce="amin", include_self=True
+    )
+    before = exclusive - exclusive.gather(1, first_child.gather(1, par).clamp(max=N - 2))
+    left = row_mass.gather(1, par) - before
+    coin = torch.where(left > 0, (u * max(threshold_acc, THRESHOLD_ACC_FLOOR) - before) / left, 0.0)
+    coin = torch.where(in_vocab & (p_x >= threshold_single), 0.0, coin)
+    return torch.nan_to_num(coin, nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE).to(torch.float32)
+
+
+def tree_rejection_sample_sglang(
+    candidates: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor] = None,
+    *,
+    num_spec_step: int,
+    uniform_samples: Optional[torch.Tensor] = None,
+    uniform_samples_for_final_sampling: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    backend: Optional[str] = None,
+    validate: Optional[bool] = None,
+) -> SGLangOutputs:
+    """Tree rejection sampling in SGLang's form, run by our ``tree_rejection_sample``.
+
+    Without a draft distribution (``draft_probs`` None, or SGLang's all-zero draft_probs,
+    see below) this is SGLang's ``tree_speculative_sampling_target_only`` (sgl-kernel
+    ``speculative_sampling.cuh``), the GPU form of EAGLE's sampling verification for
+    deterministic (top-k) children: at the last accepted node c with coin u, walk c's
+    children in sibling-list order and accept x_k when u <= p_c(x_1) + ... + p_c(x_k), i.e.
+    x_k with probability p_c(x_k); when all are rejected (or c has none, or num_spec_step - 1
+    drafts are accepted) sample the next token from p_c with the tried tokens removed, by
+    inverse CDF with the final uniform.  Our op's deterministic-children rule (Chen et al. /
+    Sequoia) with the coins mapped as below takes the same decisions, so given the same
+    uniforms the tokens are SGLang's (except within float rounding of a boundary, for target
+    rows that sum to 1: SGLang uses the probabilities as given, we normalise a row by its
+    mass), and the target distribution is kept exactly.
+
+    With a real ``draft_probs`` (not all zero) our SpecInfer rule runs instead: child x of
+    node c is accepted with probability min(1, p'(x) / q_c(x)), the residual updated on
+    rejection (see ``tree_rejection_sample``); lossless when the children were drawn from
+    q_c.  (SGLang's target-only kernel ignores draft probabilities in its test.)
+
+    Warning, all-zero draft probabilities: SGLang's callers pass ``draft_probs`` filled
+    with zeros to mean "no draft distribution" (its kernel writes the rejected tokens'
+    probabilities into it).  Our op would read zeros as q = 0, accept every child of
+    positive probability and lose the target distribution.  So an all-zero ``draft_probs``
+    is taken as None: this costs one reduction over it and one host synchronisation (pass
+    None to skip both).  When values are checked, a ``draft_probs`` that is zero only in
+    some rows of nodes with children raises ValueError.
+
+    Random numbers (SGLang's): ``uniform_samples`` (B, N), column i the coin used at local
+    node i's children (column 0 at the root's), and ``uniform_samples_for_final_sampling``
+    (B,), the final sample's uniform, which is our op's ``sample_uniforms``.  Our op takes
+    one coin per node; without draft_probs node j's coin is
+    (u * threshold_acc - P) / (mass left) with u the coin of j's parent and P the target mass
+    of j's earlier siblings (0 where threshold_single accepts), which reproduces SGLang's
+    accumulated test; with draft_probs node j's coin is SGLang's column of j itself (the
+    root's column is then unused).  Missing uniforms are drawn as SGLang's caller does:
+    ``torch.rand(B, N)`` then ``torch.rand(B)`` from ``generator`` (default generator if None).
+
+    Args:
+        candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step,
+        backend, validate: as in ``verify_tree_greedy_sglang``.
+        target_probs: Shape (batch, N, vocab) or (batch * N, vocab), float32/float16/bfloat16:
+            row (b, i) is the target's distribution after local node i.  NaN and negative
+            entries carry no mass.
+        draft_probs: Same shape, or None: row (b, i) the distribution node i's children were
+            drawn from.  All zero means None (see the warning above); never modified.
+        uniform_samples: Shape (batch, N), float32/float64 in [0, 1), or None.
+        uniform_samples_for_final_sampling: Shape (batch,), float32/float64 in [0, 1), or None.
+        generator: a torch.Generator for the uniforms that are not given.
+        threshold_single, threshold_acc: SGLang's relaxations, implemented exactly but LOSSY
+            below 1 (the default 1.0 is lossless): a child is also accepted when its target
+            probability is at least threshold_single (in (0, 1]), and the accumulated test
+            becomes u <= P_k / threshold_acc (threshold_acc in [0, 1], floored at 1e-9 as
+            SGLang does).  Only without draft probabilities: with a real ``draft_probs``,
+            thresholds other than 1 raise ValueError.
+
+    Returns:
+        predicts, accept_index, accept_token_num: as in ``verify_tree_greedy_sglang``; the
+        token at the last accepted node is the sampled one.
+
+    Raises:
+        TypeError: wrong dtypes, non-tensors, a threshold that is not a real number, a
+            generator that is not a torch.Generator.
+        ValueError: wrong ranks or shapes, num_spec_step < 1, thresholds out of range or not
+            1 with draft probabilities, and when values are checked: bad links, retrive_index
+            out of range, uniforms outside [0, 1), partly zero draft_probs.
+
+    Duplicate sibling tokens: SGLang counts a repeated token's probability again in its
+    accumulated test (over-sampling that token); our op removes a rejected token once and
+    never accepts a repeat, so tokens can differ from SGLang's there (ours stay lossless).
+    """
+    B, N, S = _check_tree_args(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate)
+    device = candidates.device
+    p = _rows("target_probs", target_probs, B, N, device)
+    V = p.shape[2]
+    q = None if draft_probs is None else _rows("draft_probs", draft_probs, B, N, device, vocab=V)
+    threshold_single = _threshold("threshold_single", threshold_single, low_open=True)
+    threshold_acc = _threshold("threshold_acc", threshold_acc, low_open=False)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if uniform_samples is not None:
+        uniform_samples = check_uniforms("uniform_samples", uniform_samples, (B, N), device, validate)
+    if uniform_samples_for_final_sampling is not None:
+        uniform_samples_for_final_sampling = check_uniforms(
+            "uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, (B,), device, validate
+        )
+    nonzero_rows = None
+    if q is not None:
+        nonzero_rows = (q != 0).any(dim=-1)  # [B, N]; NaN counts as non-zero
+        if not bool(nonzero_rows.any()):  # the one host synchronisation: SGLang's "no draft probs"
+            q = None
+        elif threshold_single != 1.0 or threshold_acc != 1.0:
+            raise ValueError(
+                "threshold_single and threshold_acc other than 1.0 (SGLang's lossy relaxation) apply only "
+                f"without draft probabilities, got {threshold_single} and {threshold_acc} with a non-zero draft_probs"
+            )
+    tree, num_nodes = _convert(retrive_next_token, retrive_next_sibling, S, validate)
+    tokens = candidates.gather(1, tree.order)
+    if q is not None and want_value_checks(validate, q):
+        # a node with children whose draft row is all zero would be read as q = 0 (lossy)
+        real = (torch.arange(1, N, device=device)[None, :] < num_nodes[:, None]).to(torch.int64)
+        has_children = torch.zeros((B, N), dtype=torch.int64, device=device).scatter_add(1, tree.parents[:, 1:], real) > 0
+        empty = has_children & ~nonzero_rows.gather(1, tree.order)
+        if bool(empty.any()):
+            b, i = (int(v) for v in empty.nonzero()[0])
+            raise ValueError(
+                f"draft_probs must be all zero (SGLang's target-only call) or hold a distribution in every row "
+                f"of a node with children; row [{b}, {int(tree.order[b, i])}] is all zero"
+            )
+    if uniform_samples is None:
+        gen_device = generator.device if generator is not None else device
+        uniform_samples = torch.rand((B, N), generator=generator, device=gen_device).to(device)
+    if uniform_samples_for_final_sampling is None:
+        gen_device = generator.device if generator is not None else device
+        uniform_samples_for_final_sampling = torch.rand((B,), generator=generator, device=gen_device).to(device)
+    p_ours = _in_our_order(p, tree.order)
+    if q is None:
+        coins = _target_only_coins(p_ours, tokens, tree, num_nodes, uniform_samples, threshold_single, threshold_acc)
+    else:
+        coins = uniform_samples.to(torch.float32).gather(1, tree.order)[:, 1:].contiguous()
+    out = tree_rejection_sample(
+        p_ours, tokens, tree.parents, None if q is None else _in_our_order(q, tree.order), num_nodes,
+        uniform_samples=coins, sample_uniforms=uniform_samples_for_final_sampling.to(torch.float32),
+        backend=backend, validate=False,  # tree valid by construction; uniforms checked above
+    )
+    return _to_sglang_outputs(*out, tree.order, retrive_index, S)
