@@ -8,9 +8,17 @@ byte (the op moves bytes), and every byte of the pool that is no logical slot of
 sequence (spare blocks, slack) must be unchanged.
 
 Implementations (the ``impl`` fixture): the public op with backend "reference" and "native"
-on the ``device`` fixture (the C++ kernel on CPU, the CUDA kernel on a GPU).
+on the ``device`` fixture (the C++ kernel on CPU, the CUDA kernel on a GPU), and
+``cuda_emulated``: the CUDA kernel's own code (``csrc/compact_kv_cache.cu`` built by nvcc with
+SPECDEC_COMPACT_KV_HOST_EMULATION) run on the host block by block, every thread's loads of a
+chunk before any thread's stores, the pools described by the binding's own host helper (as
+``tests/test_compact_kv_cache_kernel.py`` does for the dense kernel).
 """
+import ctypes
+import os
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -18,7 +26,11 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _backend, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
-from specdec_kernels.reference.compact_kv_cache import _paged_compact_kv_cache, cache_views
+from specdec_kernels.reference.compact_kv_cache import (
+    _paged_compact_kv_cache,
+    cache_views,
+    check_paged_compact_kv_cache_args,
+)
 
 OP = "paged_compact_kv_cache"
 native = pytest.mark.requires_native_op(OP)
@@ -133,20 +145,135 @@ def as_container(pool, container):
     raise AssertionError(container)
 
 
+# --------------------------------------------------------------------------- CUDA kernel on the host
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class KVSlice(ctypes.Structure):  # SpecdecKVSlice in csrc/compact_kv_cache.cuh
+    _fields_ = [("base", ctypes.c_void_p), ("stride_b", ctypes.c_int64), ("stride_h", ctypes.c_int64),
+                ("stride_s", ctypes.c_int64)]
+
+
+class LaunchArgs(ctypes.Structure):  # SpecdecCompactKVArgs in csrc/compact_kv_cache.cuh
+    _fields_ = [(name, ctypes.c_void_p if name in ("table", "base", "cache_seqlens", "accepted_indices", "num_accepted")
+                 else ctypes.c_int if name.endswith("_int64") else ctypes.c_int64)
+                for name in ("table", "base", "inner", "stride_outer", "stride_inner", "stride_b", "stride_h",
+                             "stride_s", "num_caches", "batch", "heads", "capacity", "row_bytes", "alignment",
+                             "cache_seqlens", "seqlens_stride", "seqlens_int64", "accepted_indices",
+                             "indices_stride_b", "indices_stride_m", "indices_int64", "max_accepted",
+                             "num_accepted", "counts_stride", "counts_int64")]
+
+
+class PagedLaunchArgs(ctypes.Structure):  # SpecdecPagedCompactKVArgs in csrc/compact_kv_cache.cuh
+    _fields_ = [("kv", LaunchArgs), ("block_table", ctypes.c_void_p), ("block_table_stride_b", ctypes.c_int64),
+                ("block_table_stride_m", ctypes.c_int64), ("block_table_int64", ctypes.c_int),
+                ("max_blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
+
+
+def _nvcc():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    found = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
+    return found if os.path.exists(found) else None
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory):
+    """The CUDA kernel source compiled for host emulation (ctypes library)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: cannot build the host emulation of the CUDA kernel")
+    out = tmp_path_factory.mktemp("paged_compact_kv_emu") / "paged_compact_kv_emu.so"
+    subprocess.run([nvcc, "-x", "cu", "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_80",
+                    "-DSPECDEC_COMPACT_KV_HOST_EMULATION", "-I", os.path.join(ROOT, "csrc"),
+                    os.path.join(ROOT, "csrc", "compact_kv_cache.cu"), "-o", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    lib = ctypes.CDLL(str(out))
+    lib.specdec_compact_kv_cache_describe.restype = ctypes.c_int
+    lib.specdec_compact_kv_cache_describe.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.POINTER(KVSlice),
+                                                      ctypes.c_int64, ctypes.c_int64]
+    lib.specdec_paged_compact_kv_cache_emulate.restype = ctypes.c_int
+    lib.specdec_paged_compact_kv_cache_emulate.argtypes = [ctypes.POINTER(PagedLaunchArgs), ctypes.c_int64,
+                                                           ctypes.c_int64]
+    lib.specdec_compact_kv_cache_word_bytes.restype = ctypes.c_int
+    lib.specdec_compact_kv_cache_word_bytes.argtypes = [ctypes.POINTER(LaunchArgs)]
+    return lib
+
+
+def emulate_cuda(lib, pools, layout, seqlens, indices, counts, table, threads=0, blocks=0):
+    """Run the paged CUDA kernel's code on host pools (4-D per-layer pools and/or 6-D buffers,
+    described as the binding does); return (form, word bytes): form 1 is one base and strides,
+    0 a table of per-pool bases."""
+    slot_dim, head_dim = (1, 2) if layout == "NHD" else (2, 1)
+    slices = []
+    for t in pools:
+        esz = t.element_size()
+        st = [x * esz for x in t.stride()]
+        assert st[-1] == esz, "the CUDA kernel needs contiguous rows"
+        if t.dim() == 4:
+            slices.append((t.data_ptr(), st[0], st[head_dim], st[slot_dim]))
+        else:
+            slices.extend((t.data_ptr() + l * st[0] + kv * st[1], st[2], st[2 + head_dim], st[2 + slot_dim])
+                          for l in range(t.shape[0]) for kv in range(2))
+    first = pools[0]
+    c_slices = (KVSlice * len(slices))(*[KVSlice(*e) for e in slices])
+    p = PagedLaunchArgs()
+    a = p.kv
+    form = lib.specdec_compact_kv_cache_describe(ctypes.byref(a), c_slices, len(slices),
+                                                 first.shape[-1] * first.element_size())
+    assert form in (0, 1)
+    if form == 0:
+        a.table = ctypes.addressof(c_slices)
+    a.batch, a.heads = seqlens.shape[0], first.shape[-4 + head_dim]
+    a.capacity = 123456789  # ignored by the paged kernel (set from the table); must not matter
+    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = seqlens.data_ptr(), seqlens.stride(0), seqlens.dtype == torch.int64
+    a.accepted_indices, a.indices_int64 = indices.data_ptr(), indices.dtype == torch.int64
+    a.indices_stride_b, a.indices_stride_m = indices.stride()
+    a.max_accepted = indices.shape[1]
+    a.num_accepted, a.counts_stride, a.counts_int64 = counts.data_ptr(), counts.stride(0), counts.dtype == torch.int64
+    p.block_table, p.block_table_int64 = table.data_ptr(), table.dtype == torch.int64
+    p.block_table_stride_b, p.block_table_stride_m = table.stride()
+    p.max_blocks_per_seq, p.num_blocks = table.shape[1], first.shape[-4]
+    p.block_size = first.shape[-4 + slot_dim]
+    assert lib.specdec_paged_compact_kv_cache_emulate(ctypes.byref(p), threads, blocks) == 0
+    return form, lib.specdec_compact_kv_cache_word_bytes(ctypes.byref(a))
+
+
+def as_pool_list(kv_cache):
+    """The front's containers as the native op's list (one buffer goes over whole)."""
+    if isinstance(kv_cache, torch.Tensor):
+        return [kv_cache]
+    flat = []
+    for item in kv_cache:
+        flat.extend(item if isinstance(item, (list, tuple)) else [item])
+    return flat
+
+
 class Impl:
     """One implementation under test, all taking the public front's arguments."""
 
-    def __init__(self, name, device):
-        self.name, self.device = name, torch.device(device)
+    def __init__(self, name, device, lib=None):
+        self.name, self.device, self.lib = name, torch.device(device), lib
+        self.last = None  # emulation: (form, word bytes) of the last call
 
-    def __call__(self, kv_cache, seqlens, indices, counts, table, layout, validate=None):
+    def __call__(self, kv_cache, seqlens, indices, counts, table, layout, validate=None, **launch):
         d = self.device
-        sk.compact_kv_cache(kv_cache, seqlens.to(d), indices.to(d), counts.to(d), block_table=table.to(d),
-                            kv_layout=layout, backend=self.name, validate=validate)
+        seqlens, indices, table = seqlens.to(d), indices.to(d), table.to(d)
+        counts = counts.to(d) if counts is not None else None
+        if self.lib is None:
+            sk.compact_kv_cache(kv_cache, seqlens, indices, counts, block_table=table, kv_layout=layout,
+                                backend=self.name, validate=validate)
+            return
+        _, _, _, _, n = check_paged_compact_kv_cache_args(kv_cache, seqlens, indices, counts, table, layout, validate)
+        if counts is not None:
+            n = counts  # the kernel clamps the counts itself
+        self.last = emulate_cuda(self.lib, as_pool_list(kv_cache), layout, seqlens, indices, n, table, **launch)
 
 
-@pytest.fixture(params=["reference", pytest.param("native", marks=native)])
+@pytest.fixture(params=["reference", pytest.param("native", marks=native), "cuda_emulated"])
 def impl(request, device):
+    if request.param == "cuda_emulated":
+        return Impl("cuda_emulated", "cpu", request.getfixturevalue("emulator"))
     return Impl(request.param, device)
 
 
@@ -178,6 +305,9 @@ def test_matches_dense_on_shuffled_blocks(impl, dtype, block_size, layout, conta
     dense = random_bytes((L, 2, B, H, S, D), dtype, seed=block_size)
     seqlens, indices, counts = random_paths(B, M, S, seed=block_size + 1, zero_rows=(1,), identity_rows=(3,))
     run_case(impl, dense, block_size, layout, seqlens, indices, counts, container, seed=block_size + 2)
+    if impl.name == "cuda_emulated" and container == "buffer":  # one base and strides, the widest word
+        row = D * dense.element_size()
+        assert impl.last == (1, next(w for w in (16, 8, 4, 2, 1) if row % w == 0))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -214,9 +344,74 @@ def test_num_accepted_none_moves_every_column(impl):
     dense = random_bytes((L, 2, B, H, S, D), torch.float32, seed=14)
     seqlens, indices = torch.tensor([2, 5]), torch.tensor([[1, 3, 4], [0, 2, 6]])
     pool, table = to_paged(dense.to(impl.device), 3, "NHD", seed=15)
-    d = impl.device
-    sk.compact_kv_cache(pool, seqlens.to(d), indices.to(d), block_table=table, backend=impl.name)
+    impl(pool, seqlens, indices, None, table, "NHD")
     assert same_bytes(from_paged(pool, table, "NHD", S), dense_after(dense, seqlens, indices, torch.tensor([3, 3])))
+
+
+def mixed_stride_pools(pool, layout):
+    """Per-layer pools with different strides: every other one is the middle of a bigger
+    allocation (padded blocks), so the CUDA binding needs its table form."""
+    L = pool.shape[0]
+    pools = []
+    for l in range(L):
+        for kv in range(2):
+            p = pool[l, kv]
+            if (2 * l + kv) % 2:
+                pools.append(p.clone())
+            else:
+                big = torch.zeros(p.shape[0], p.shape[1] + 3, *p.shape[2:], dtype=p.dtype, device=p.device)
+                big[:, 1 : 1 + p.shape[1]] = p
+                pools.append(big[:, 1 : 1 + p.shape[1]])
+    return pools, lambda: torch.stack(pools).reshape(pool.shape)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pools_with_different_strides(impl, layout):
+    L, B, H, S, D, M = 2, 3, 2, 30, 16, 5
+    dense = random_bytes((L, 2, B, H, S, D), torch.float16, seed=40)
+    seqlens, indices, counts = random_paths(B, M, S, seed=41)
+    pool, table = to_paged(dense.to(impl.device), 4, layout, seed=42)
+    pools, gather = mixed_stride_pools(pool, layout)
+    impl(pools, seqlens, indices, counts, table, layout)
+    assert same_bytes(from_paged(gather(), table, layout, S), dense_after(dense, seqlens, indices, counts))
+    if impl.name == "cuda_emulated":
+        assert impl.last[0] == 0  # the table form
+
+
+@pytest.mark.parametrize("offset,word", [(1, 2), (2, 4), (4, 8), (8, 16)], ids=["off1", "off2", "off4", "off8"])
+def test_misaligned_pool_base(impl, offset, word):
+    # The pool starts `offset` fp16 elements into its allocation: D = 64 rows would allow
+    # 16-byte words, the base only `word` bytes; nothing before or after the pool changes.
+    L, B, H, S, D, M = 1, 2, 2, 20, 64, 4
+    dense = random_bytes((L, 2, B, H, S, D), torch.float16, seed=43)
+    seqlens, indices, counts = random_paths(B, M, S, seed=44)
+    pool, table = to_paged(dense, 8, "NHD", seed=45)
+    flat = torch.zeros(pool.numel() + 16, dtype=pool.dtype, device=impl.device)
+    view = flat[offset : offset + pool.numel()].view(pool.shape)
+    view.copy_(pool)
+    impl(view, seqlens, indices, counts, table, "NHD")
+    assert same_bytes(from_paged(view, table.to(impl.device), "NHD", S), dense_after(dense, seqlens, indices, counts))
+    assert same_bytes(flat[:offset], torch.zeros(offset, dtype=pool.dtype))
+    assert same_bytes(flat[offset + pool.numel() :], torch.zeros(16 - offset, dtype=pool.dtype))
+    if impl.name == "cuda_emulated":
+        assert flat.data_ptr() % 16 == 0 and impl.last == (1, word)
+
+
+@pytest.mark.parametrize("threads,blocks", [(32, 0), (32, 3), (64, 1)], ids=["t32", "t32_b3", "t64_b1"])
+@pytest.mark.parametrize("head_dim", [8, 67], ids=["D8", "D67"])
+def test_emulated_kernel_with_other_launch_shapes(emulator, threads, blocks, head_dim):
+    # Narrow blocks (many chunks per slice, chunk boundaries inside rows and blocks) and fewer
+    # thread blocks than slices (the grid-stride loop) give the same result.
+    L, B, H, S, M = 2, 3, 2, 96, 30
+    dense = random_bytes((L, 2, B, H, S, head_dim), torch.float16, seed=46)
+    g = torch.Generator().manual_seed(47)
+    indices = (torch.arange(M) + torch.randint(0, 3, (B, M), generator=g).cumsum(1)).contiguous()
+    seqlens, counts = torch.tensor([0, 2, 1]), torch.tensor([M, 17, 0])
+    want = dense_after(dense, seqlens, indices, counts)
+    for layout in LAYOUTS:
+        pool, table = to_paged(dense, 5, layout, seed=48)
+        emulate_cuda(emulator, [pool], layout, seqlens, indices, counts, table, threads=threads, blocks=blocks)
+        assert same_bytes(from_paged(pool, table, layout, S), want)
 
 
 # --------------------------------------------------------------------------- overlap, by hand
@@ -406,6 +601,39 @@ def test_bad_input(fn, case):
         assert torch.equal(args["kv_cache"], snapshot)
 
 
+NATIVE_BAD = {k: BAD[k] for k in ("layout_name", "table_dtype", "table_rank", "table_rows", "six_dims_not_kv",
+                                    "layer_shapes", "layer_dtypes", "aliasing_layers", "indices_rows", "not_increasing",
+                                    "below_position", "count_range", "negative_seqlen", "beyond_table",
+                                    "block_minus_one", "block_past_pool", "writes_into_shared_prefix",
+                                    "two_sequences_write_one_slot", "block_twice_in_one_row")}
+NATIVE_MESSAGE = {  # the C++ wording where it differs from the Python front's
+    "table_dtype": "block_table must have dtype int32 or int64",
+    "table_rows": "block_table must have shape (2, max_blocks_per_seq)",
+    "six_dims_not_kv": "[L, 2, num_blocks, block_size, Hkv, D]",
+    "layer_shapes": "caches[1] must end in",
+    "layer_dtypes": "caches[1] must have the dtype",
+    "aliasing_layers": "must not alias",
+}
+
+
+@native
+@pytest.mark.parametrize("case", list(NATIVE_BAD), ids=list(NATIVE_BAD))
+def test_native_op_rejects_bad_input_with_validate(device, case):
+    """The native op's own checks (validate=True for direct callers): same errors, nothing moved."""
+    assert op_module.register_fake(paged=True)
+    override, err, msg = NATIVE_BAD[case]
+    args = good_args(**override)
+    to = lambda t: t.to(device) if t.device.type != "meta" else t  # noqa: E731
+    caches = as_pool_list(args["kv_cache"])
+    caches = [to(c) for c in caches]
+    snapshot = [c.clone() for c in caches]
+    with pytest.raises(err, match=re.escape(NATIVE_MESSAGE.get(case, msg))):
+        torch.ops.specdec.paged_compact_kv_cache_native(caches, to(args["cache_seqlens"]), to(args["accepted_indices"]),
+                                                        to(args["num_accepted"]), to(args["block_table"]),
+                                                        args["kv_layout"], True)
+    assert all(torch.equal(a, b) for a, b in zip(caches, snapshot))
+
+
 def test_good_args_pass_and_validate_false_skips_value_checks():
     # the baseline of BAD is accepted; a value error is not looked for with validate=False
     sk.compact_kv_cache(**good_args())
@@ -479,3 +707,65 @@ def test_compiled_call_equals_eager():
     step(eager, seqlens, idx, n, table)
     torch.compile(step, fullgraph=True, backend="aot_eager")(compiled, seqlens, idx, n, table)
     assert same_bytes(compiled, eager) and not same_bytes(eager, caches[0])
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+
+@pytest.mark.requires_cuda
+@native
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_model_sized_pool_matches_reference(layout):
+    # Llama-3-8B-like heads (Hkv 8, D 128), block_size 16, ragged batch of 8, bf16.
+    L, B, H, S, D, M = 4, 8, 8, 512, 128, 16
+    dense = random_bytes((L, 2, B, H, S, D), torch.bfloat16, seed=60)
+    seqlens, indices, counts = random_paths(B, M, S, seed=61, zero_rows=(2,), identity_rows=(5,))
+    run_case(Impl("native", "cuda"), dense, 16, layout, seqlens, indices, counts, seed=62)
+
+
+@pytest.mark.requires_cuda
+@native
+def test_cuda_graph_capture_of_one_pool():
+    L, B, H, S, D, M = 2, 3, 2, 64, 64, 5
+    dense = random_bytes((L, 2, B, H, S, D), torch.bfloat16, seed=63)
+    seqlens, indices, counts = (t.cuda() for t in random_paths(B, M, S, seed=64))
+    pool, table = to_paged(dense.cuda(), 16, "NHD", seed=65)
+    want = dense_after(dense, seqlens, indices, counts)
+    got = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            torch.ops.specdec.paged_compact_kv_cache_native([got], seqlens, indices, counts, table, "NHD", False)
+    torch.cuda.current_stream().wait_stream(stream)
+    got.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bytes(from_paged(got, table, "NHD", S), want)
+    pools, _ = mixed_stride_pools(pool.clone(), "NHD")  # unequal strides: the table form
+    with pytest.raises(RuntimeError, match="CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.ops.specdec.paged_compact_kv_cache_native(pools, seqlens, indices, counts, table, "NHD", False)
+
+
+@pytest.mark.requires_cuda
+@native
+def test_cuda_rejects_strided_head_dim():
+    wide = torch.zeros(1, 2, 4, 4, 1, 8, device="cuda")
+    with pytest.raises(ValueError, match="last dimension"):
+        torch.ops.specdec.paged_compact_kv_cache_native(
+            [wide[..., ::2]], torch.tensor([0], device="cuda"), torch.tensor([[1]], device="cuda"),
+            torch.tensor([1], device="cuda"), torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"), "NHD", False)
+
+
+@pytest.mark.requires_cuda
+@native
+@pytest.mark.parametrize("where", ["cache_seqlens", "accepted_indices", "num_accepted", "block_table"])
+def test_cuda_rejects_index_tensors_on_another_device(where):
+    args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in good_args().items()}
+    args[where] = args[where].cpu()
+    with pytest.raises(ValueError, match=f"{where} must be on cuda"):
+        torch.ops.specdec.paged_compact_kv_cache_native([args["kv_cache"]], args["cache_seqlens"],
+                                                        args["accepted_indices"], args["num_accepted"],
+                                                        args["block_table"], "NHD", False)
