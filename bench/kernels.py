@@ -157,32 +157,57 @@ def _sdpa_dense(i):
 
 
 def _compact_shapes(quick):
+    """Dense rows, then the same shapes on a paged cache (block_size 16, NHD)."""
     if quick:
-        return [dict(model="smollm2-135m", B=4, S=2048, M=8, **MODELS["smollm2-135m"])]
-    return [dict(model=m, B=b, S=2048, M=8, **MODELS[m]) for m in ("smollm2-135m", "llama3-8b") for b in (1, 4, 8)]
+        dense = [dict(model="smollm2-135m", B=4, S=2048, M=8, **MODELS["smollm2-135m"])]
+    else:
+        dense = [dict(model=m, B=b, S=2048, M=8, **MODELS[m]) for m in ("smollm2-135m", "llama3-8b") for b in (1, 4, 8)]
+    return dense + [dict(s, block_size=16) for s in dense]
 
 
 def _make_compact(s, dtype, device):
     g = torch.Generator().manual_seed(0)
     L, B, Hkv, S, D, M = s["L"], s["B"], s["Hkv"], s["S"], s["D"], s["M"]
-    cache = torch.randn(L, 2, B, Hkv, S, D, generator=g).to(device=device, dtype=dtype)
+    paged = {}
+    if s.get("block_size"):  # the same tokens in a pool of shuffled [block_size, Hkv, D] blocks (NHD)
+        bs = s["block_size"]
+        num_blocks = B * (S // bs)
+        cache = torch.randn(L, 2, num_blocks, bs, Hkv, D, generator=g).to(device=device, dtype=dtype)
+        table = torch.randperm(num_blocks, generator=g).reshape(B, S // bs).to(device=device, dtype=torch.int32)
+        paged = dict(block_table=table, kv_layout="NHD")
+    else:
+        cache = torch.randn(L, 2, B, Hkv, S, D, generator=g).to(device=device, dtype=dtype)
     seqlens = torch.full((B,), S // 2, dtype=torch.int64, device=device)
     indices = (torch.arange(M) + torch.randint(0, 3, (B, M), generator=g).cumsum(1)).to(device)
     counts = torch.randint(M // 2, M + 1, (B,), generator=g).to(device)
     moved = int(counts.sum()) * L * 2 * Hkv * D * cache.element_size()
-    return dict(kv_cache=cache, cache_seqlens=seqlens, accepted_indices=indices, num_accepted=counts, bytes=2 * moved)
+    return dict(kv_cache=cache, cache_seqlens=seqlens, accepted_indices=indices, num_accepted=counts, bytes=2 * moved,
+                **paged)
 
 
 def _index_select_loop(i):
-    """The plain PyTorch way: per layer, index_select the accepted rows and copy_ them back."""
+    """The plain PyTorch way: per layer, index_select the accepted rows and copy_ them back
+    (paged: of the pool seen as [num_blocks * block_size, Hkv, D] rows, at physical slots)."""
     cache, seqlens, idx, counts = i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_accepted"]
+    if "block_table" in i:
+        table, bs = i["block_table"].long(), cache.shape[3]
+        src, dst = [], []
+        for b in range(table.shape[0]):
+            n, start = int(counts[b]), int(seqlens[b])
+            for slots, out in ((start + idx[b, :n], src), (start + torch.arange(n, device=idx.device), dst)):
+                out.append(table[b, slots // bs] * bs + slots % bs)
+        src, dst = torch.cat(src), torch.cat(dst)
+        for pool in cache.flatten(0, 1):
+            rows = pool.flatten(0, 1)  # a view: the pool is contiguous
+            rows.index_copy_(0, dst, rows.index_select(0, src))
+        return
     for layer in cache.flatten(0, 1):
         for b in range(layer.shape[0]):
             n, start = int(counts[b]), int(seqlens[b])
             layer[b, :, start : start + n].copy_(layer[b].index_select(1, start + idx[b, :n]))
 
 
-SHOWN = ("model", "B", "K", "N", "prefix", "S", "M")
+SHOWN = ("model", "B", "K", "N", "prefix", "S", "M", "block_size")
 
 
 def _args(i, *names):
@@ -208,7 +233,8 @@ ENTRIES = [
           same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
           baselines={"sdpa_dense_mask": _sdpa_dense}),
     Entry("compact_kv_cache", _compact_shapes, _make_compact,
-          lambda i, b: sk.compact_kv_cache(i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_accepted"], backend=b),
+          lambda i, b: sk.compact_kv_cache(i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_accepted"], backend=b,
+                                           **_args(i, "block_table", "kv_layout")),
           baselines={"index_select_loop": _index_select_loop}),
 ]
 

@@ -10,6 +10,11 @@
 // slices through their strides (never copied).  Any strides are accepted; rows whose last
 // dimension is contiguous are moved with one memmove of D * element_size bytes, others
 // element by element.  A cache that overlaps itself (e.g. an expanded tensor) is rejected.
+//
+// Paged caches (paged_compact_kv_cache_native): `caches` holds per-layer block pools
+// [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv, block_size, D] ("HND") and/or
+// [L, 2, ...] buffers of them; block_table [B, max_blocks_per_seq] maps a sequence's logical
+// block to a physical block.  The same compaction on logical slots (proof below).
 #include "compact_kv_cache.h"
 
 #include <ATen/ATen.h>
@@ -19,6 +24,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace specdec {
@@ -63,63 +71,88 @@ void check_values(const at::Tensor& cache_seqlens, const at::Tensor& accepted_in
 
 }  // namespace
 
-CompactKVPlan plan_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::Tensor& cache_seqlens,
-                                    const at::Tensor& accepted_indices, const at::Tensor& num_accepted, bool validate,
-                                    c10::DeviceType device_type) {
+namespace {
+
+// A 4-D cache (one layer's keys or values) as its base and byte strides.
+struct Strided4 {
+  char* base;
+  int64_t stride[4];
+};
+
+// The cache checks both ops share: one dtype, device and 4-D shape for all caches (6-D
+// [L, 2, ...] buffers expanded into their 2L slices through their strides), no cache that
+// overlaps itself, no two caches at one address.  `inner` / `outer` name the layouts in the
+// messages, e.g. "[B, Hkv, S, D]" / "[L, 2, B, Hkv, S, D]".
+std::vector<Strided4> expand_caches(c10::ArrayRef<at::Tensor> caches, c10::DeviceType device_type, const char* inner_name,
+                                    const char* outer_name, std::vector<int64_t>& inner_sizes, int64_t& element_size) {
   TORCH_CHECK_VALUE(!caches.empty(), "caches must hold at least one tensor");
   const at::Tensor& first = caches[0];
-  TORCH_CHECK_VALUE(first.dim() == 4 || first.dim() == 6,
-                    "caches[0] must be [B, Hkv, S, D] or [L, 2, B, Hkv, S, D], got shape ", first.sizes());
+  TORCH_CHECK_VALUE(first.dim() == 4 || first.dim() == 6, "caches[0] must be ", inner_name, " or ", outer_name,
+                    ", got shape ", first.sizes());
   const at::Device device = first.device();
   TORCH_CHECK_VALUE(device.type() == device_type, "caches[0] must be on ", c10::DeviceTypeName(device_type),
                     ", got ", device);
-  const at::IntArrayRef inner = first.sizes().slice(first.dim() - 4);  // [B, Hkv, S, D]
+  const at::IntArrayRef inner = first.sizes().slice(first.dim() - 4);
+  inner_sizes.assign(inner.begin(), inner.end());
+  element_size = static_cast<int64_t>(first.element_size());
+  const int64_t esz = element_size;
 
-  CompactKVPlan plan;
-  plan.batch = inner[0];
-  plan.heads = inner[1];
-  plan.capacity = inner[2];
-  plan.head_dim = inner[3];
-  plan.element_size = static_cast<int64_t>(first.element_size());
-  const int64_t esz = plan.element_size;
-
+  std::vector<Strided4> out;
   for (size_t k = 0; k < caches.size(); ++k) {
     const at::Tensor& t = caches[k];
     TORCH_CHECK_VALUE(t.layout() == at::kStrided, "caches[", k, "] must be a dense (strided) tensor, got ", t.layout());
-    TORCH_CHECK_VALUE(t.dim() == 4 || t.dim() == 6, "caches[", k, "] must be [B, Hkv, S, D] or [L, 2, B, Hkv, S, D], got shape ",
-                      t.sizes());
+    TORCH_CHECK_VALUE(t.dim() == 4 || t.dim() == 6, "caches[", k, "] must be ", inner_name, " or ", outer_name,
+                      ", got shape ", t.sizes());
     TORCH_CHECK_TYPE(t.scalar_type() == first.scalar_type(), "caches[", k, "] must have the dtype of caches[0] (",
                      first.scalar_type(), "), got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.device() == device, "caches[", k, "] must be on ", device, " like caches[0], got ", t.device());
-    TORCH_CHECK_VALUE(t.sizes().slice(t.dim() - 4) == inner, "caches[", k, "] must end in [B, Hkv, S, D] = ", inner,
+    TORCH_CHECK_VALUE(t.sizes().slice(t.dim() - 4) == inner, "caches[", k, "] must end in ", inner_name, " = ", inner,
                       " like caches[0] (every layer's keys and values alike), got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.dim() == 4 || t.size(1) == 2, "caches[", k, "] of 6 dimensions must be [L, 2, B, Hkv, S, D] ",
-                      "(keys and values), got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.dim() == 4 || t.size(1) == 2, "caches[", k, "] of 6 dimensions must be ", outer_name,
+                      " (keys and values), got shape ", t.sizes());
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "caches[", k,
                       "] overlaps itself (e.g. an expanded tensor) and cannot be written in place");
     if (t.numel() == 0) continue;
     const int64_t d = t.dim();
-    KVCacheSlice s{static_cast<char*>(t.data_ptr()), t.stride(d - 4) * esz, t.stride(d - 3) * esz,
-                   t.stride(d - 2) * esz, t.stride(d - 1) * esz};
+    Strided4 s{static_cast<char*>(t.data_ptr()),
+               {t.stride(d - 4) * esz, t.stride(d - 3) * esz, t.stride(d - 2) * esz, t.stride(d - 1) * esz}};
     if (d == 4) {
-      plan.slices.push_back(s);
+      out.push_back(s);
     } else {
       for (int64_t l = 0; l < t.size(0); ++l) {
         for (int64_t kv = 0; kv < 2; ++kv) {
-          KVCacheSlice e = s;
+          Strided4 e = s;
           e.base += (l * t.stride(0) + kv * t.stride(1)) * esz;
-          plan.slices.push_back(e);
+          out.push_back(e);
         }
       }
     }
   }
   // Two caches at one address would be compacted twice (and race on CUDA).
   std::vector<char*> bases;
-  bases.reserve(plan.slices.size());
-  for (const KVCacheSlice& s : plan.slices) bases.push_back(s.base);
+  bases.reserve(out.size());
+  for (const Strided4& s : out) bases.push_back(s.base);
   std::sort(bases.begin(), bases.end());
   TORCH_CHECK_VALUE(std::adjacent_find(bases.begin(), bases.end()) == bases.end(),
                     "caches must not alias one another: two of them start at the same address");
+  return out;
+}
+
+}  // namespace
+
+CompactKVPlan plan_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::Tensor& cache_seqlens,
+                                    const at::Tensor& accepted_indices, const at::Tensor& num_accepted, bool validate,
+                                    c10::DeviceType device_type) {
+  CompactKVPlan plan;
+  std::vector<int64_t> inner;  // [B, Hkv, S, D]
+  const std::vector<Strided4> all =
+      expand_caches(caches, device_type, "[B, Hkv, S, D]", "[L, 2, B, Hkv, S, D]", inner, plan.element_size);
+  plan.batch = inner[0];
+  plan.heads = inner[1];
+  plan.capacity = inner[2];
+  plan.head_dim = inner[3];
+  for (const Strided4& c : all) plan.slices.push_back({c.base, c.stride[0], c.stride[1], c.stride[2], c.stride[3]});
+  const at::Device device = caches[0].device();
 
   check_index_tensor("cache_seqlens", cache_seqlens, 1, device);
   TORCH_CHECK_VALUE(cache_seqlens.size(0) == plan.batch, "cache_seqlens must have shape (", plan.batch, ",), got ",
@@ -132,6 +165,139 @@ CompactKVPlan plan_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::
                     num_accepted.sizes());
   plan.max_accepted = accepted_indices.size(1);
   if (validate && plan.batch > 0) check_values(cache_seqlens, accepted_indices, num_accepted, plan.capacity);
+  return plan;
+}
+
+namespace {
+
+// The value checks of the paged Python op (specdec_kernels.reference.compact_kv_cache,
+// check_paged_compact_kv_cache_args), on int64 copies on the CPU.
+void check_paged_values(const at::Tensor& cache_seqlens, const at::Tensor& accepted_indices,
+                        const at::Tensor& num_accepted, const at::Tensor& block_table, int64_t block_size,
+                        int64_t num_blocks) {
+  const at::Tensor seqlens = cache_seqlens.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor indices = accepted_indices.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor counts = num_accepted.to(at::kCPU, at::kLong).contiguous();
+  const at::Tensor table = block_table.to(at::kCPU, at::kLong).contiguous();
+  const int64_t batch = seqlens.size(0), max_accepted = indices.size(1), max_blocks = table.size(1);
+  const int64_t capacity = max_blocks * block_size;
+  const int64_t* sl = seqlens.data_ptr<int64_t>();
+  const int64_t* ix = indices.data_ptr<int64_t>();
+  const int64_t* cn = counts.data_ptr<int64_t>();
+  const int64_t* bt = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = cn[b], start = sl[b];
+    TORCH_CHECK_VALUE(n >= 0 && n <= max_accepted, "num_accepted must lie in 0..", max_accepted, ", got ", n,
+                      " for sequence ", b);
+    if (n == 0) continue;
+    TORCH_CHECK_VALUE(start >= 0, "cache_seqlens must be >= 0, got ", start, " for sequence ", b);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = ix[b * max_accepted + i];
+      TORCH_CHECK_VALUE(a >= i, "accepted_indices[b, i] must be >= i (a token never moves to a later slot), got "
+                        "accepted_indices[", b, ", ", i, "] = ", a);
+      TORCH_CHECK_VALUE(i == 0 || a > ix[b * max_accepted + i - 1],
+                        "accepted_indices must be strictly increasing within num_accepted, got accepted_indices[", b,
+                        ", ", i - 1, ":", i + 1, "] = ", ix[b * max_accepted + i - 1], ", ", a);
+      TORCH_CHECK_VALUE(a < capacity - start, "cache_seqlens + accepted_indices must be below the capacity of the "
+                        "block table, max_blocks_per_seq * block_size = ", max_blocks, " * ", block_size, " = ",
+                        capacity, ", got ", start, " + ", a, " for sequence ", b);
+    }
+  }
+  // Block ids of every slot read, then of every slot written (the Python op's order).
+  for (int k = 0; k < 2; ++k) {
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < cn[b]; ++i) {
+        const int64_t slot = sl[b] + (k == 0 ? ix[b * max_accepted + i] : i);
+        const int64_t j = slot / block_size, blk = bt[b * max_blocks + j];
+        TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk, " (the block of a ",
+                          k == 0 ? "source" : "destination", " slot) must be a block of the pool, 0..",
+                          num_blocks - 1);
+      }
+    }
+  }
+  // Sharing: a physical slot the op writes must be reached from no other live logical slot
+  // (a sequence's committed prefix, or a slot the op reads or writes for it).  Keys name
+  // (sequence, logical slot) as b * capacity + slot.
+  std::unordered_map<int64_t, int64_t> written;  // physical slot -> key of its writer
+  auto physical = [&](int64_t b, int64_t slot) {
+    return bt[b * max_blocks + slot / block_size] * block_size + slot % block_size;
+  };
+  auto refuse = [&](int64_t phys, int64_t key1, int64_t key2) {
+    TORCH_CHECK_VALUE(false, "block_table maps logical slot ", key1 % capacity, " of sequence ", key1 / capacity,
+                      " and logical slot ", key2 % capacity, " of sequence ", key2 / capacity,
+                      " to the same physical slot (block ", phys / block_size, ", offset ", phys % block_size,
+                      "), which compact_kv_cache writes: blocks holding a sequence's tree region must not be shared "
+                      "(copy-on-write is the caller's job)");
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < cn[b]; ++i) {
+      if (ix[b * max_accepted + i] == i) continue;  // identity: nothing written
+      const int64_t slot = sl[b] + i, phys = physical(b, slot), key = b * capacity + slot;
+      const auto it = written.emplace(phys, key).first;
+      if (it->second != key) refuse(phys, it->second, key);
+    }
+  }
+  if (written.empty()) return;
+  auto check_live = [&](int64_t b, int64_t slot) {
+    const int64_t phys = physical(b, slot), key = b * capacity + slot;
+    const auto it = written.find(phys);
+    if (it != written.end() && it->second != key) refuse(phys, it->second, key);
+  };
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < cn[b]; ++i) check_live(b, sl[b] + ix[b * max_accepted + i]);
+  }
+  std::unordered_set<int64_t> written_blocks;
+  for (const auto& w : written) written_blocks.insert(w.first / block_size);
+  for (int64_t b = 0; b < batch; ++b) {  // committed prefixes inside the written blocks
+    for (int64_t j = 0; j < max_blocks && j * block_size < sl[b]; ++j) {
+      if (written_blocks.count(bt[b * max_blocks + j]) == 0) continue;
+      for (int64_t slot = j * block_size; slot < std::min(sl[b], (j + 1) * block_size); ++slot) check_live(b, slot);
+    }
+  }
+}
+
+}  // namespace
+
+PagedCompactKVPlan plan_paged_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::Tensor& cache_seqlens,
+                                               const at::Tensor& accepted_indices, const at::Tensor& num_accepted,
+                                               const at::Tensor& block_table, c10::string_view kv_layout,
+                                               bool validate, c10::DeviceType device_type) {
+  const bool nhd = kv_layout == "NHD";
+  TORCH_CHECK_VALUE(nhd || kv_layout == "HND", "kv_layout must be 'NHD' or 'HND', got '", std::string(kv_layout), "'");
+  PagedCompactKVPlan plan;
+  std::vector<int64_t> inner;  // [num_blocks, block_size, Hkv, D] or [num_blocks, Hkv, block_size, D]
+  const std::vector<Strided4> all = nhd ? expand_caches(caches, device_type, "[num_blocks, block_size, Hkv, D]",
+                                                        "[L, 2, num_blocks, block_size, Hkv, D]", inner,
+                                                        plan.element_size)
+                                        : expand_caches(caches, device_type, "[num_blocks, Hkv, block_size, D]",
+                                                        "[L, 2, num_blocks, Hkv, block_size, D]", inner,
+                                                        plan.element_size);
+  const int slot_dim = nhd ? 1 : 2, head_dim = nhd ? 2 : 1;
+  plan.num_blocks = inner[0];
+  plan.block_size = inner[slot_dim];
+  plan.heads = inner[head_dim];
+  plan.head_dim = inner[3];
+  for (const Strided4& c : all) {
+    plan.pools.push_back({c.base, c.stride[0], c.stride[slot_dim], c.stride[head_dim], c.stride[3]});
+  }
+  const at::Device device = caches[0].device();
+
+  check_index_tensor("cache_seqlens", cache_seqlens, 1, device);
+  plan.batch = cache_seqlens.size(0);
+  check_index_tensor("accepted_indices", accepted_indices, 2, device);
+  TORCH_CHECK_VALUE(accepted_indices.size(0) == plan.batch, "accepted_indices must have shape (", plan.batch,
+                    ", M), got ", accepted_indices.sizes());
+  check_index_tensor("num_accepted", num_accepted, 1, device);
+  TORCH_CHECK_VALUE(num_accepted.size(0) == plan.batch, "num_accepted must have shape (", plan.batch, ",), got ",
+                    num_accepted.sizes());
+  check_index_tensor("block_table", block_table, 2, device);
+  TORCH_CHECK_VALUE(block_table.size(0) == plan.batch, "block_table must have shape (", plan.batch,
+                    ", max_blocks_per_seq), got ", block_table.sizes());
+  plan.max_accepted = accepted_indices.size(1);
+  plan.max_blocks_per_seq = block_table.size(1);
+  if (validate && plan.batch > 0 && plan.max_accepted > 0 && plan.block_size > 0) {
+    check_paged_values(cache_seqlens, accepted_indices, num_accepted, block_table, plan.block_size, plan.num_blocks);
+  }
   return plan;
 }
 
@@ -193,9 +359,83 @@ void compact_kv_cache_cpu(at::TensorList caches, const at::Tensor& cache_seqlens
   });
 }
 
+// Paged: the same loop on LOGICAL slots; logical slot s of sequence b is row s % block_size of
+// physical block block_table[b, s / block_size].  In-place correctness: the dense argument
+// above is about logical slots, and it carries over to physical rows when the block table is
+// one-to-one on the rows the call touches, which the value checks enforce (validate=True):
+//   - within one sequence, no physical slot that is written is also reached from a second
+//     logical slot of the sequence (a block named twice), so "row start + a[i] was not written
+//     before step i" holds for physical rows too;
+//   - across sequences, a physical slot written for sequence b is no live slot (committed
+//     prefix, source or destination) of another sequence, so tasks of different sequences
+//     write disjoint rows and read no row another task writes: they run in parallel.  Shared
+//     prefix blocks are only read where a source lies in them, never written.
+// Bounds, whatever `validate` says: an entry whose source or destination is outside the table
+// ([0, max_blocks_per_seq * block_size), compared unsigned so negative slots wrap above it) or
+// whose block id is outside [0, num_blocks) is skipped, and the count is clamped to [0, M]:
+// only rows of the given pools are touched.  Skipping is per entry, so skipped entries give
+// the reference's result exactly (it skips the same ones).
+void paged_compact_kv_cache_cpu(at::TensorList caches, const at::Tensor& cache_seqlens,
+                                const at::Tensor& accepted_indices, const at::Tensor& num_accepted,
+                                const at::Tensor& block_table, c10::string_view kv_layout, bool validate) {
+  const PagedCompactKVPlan plan = plan_paged_compact_kv_cache(caches, cache_seqlens, accepted_indices, num_accepted,
+                                                              block_table, kv_layout, validate, c10::DeviceType::CPU);
+  const int64_t num_pools = static_cast<int64_t>(plan.pools.size());
+  const int64_t B = plan.batch, H = plan.heads, M = plan.max_accepted, MB = plan.max_blocks_per_seq;
+  const int64_t bs = plan.block_size, num_blocks = plan.num_blocks, capacity = plan.capacity();
+  const int64_t row_bytes = plan.head_dim * plan.element_size;
+  if (num_pools == 0 || B == 0 || H == 0 || M == 0 || capacity == 0 || num_blocks == 0 || row_bytes == 0) return;
+
+  const at::Tensor seqlens = cache_seqlens.to(at::kLong).contiguous();
+  const at::Tensor indices = accepted_indices.to(at::kLong).contiguous();
+  const at::Tensor counts = num_accepted.to(at::kLong).contiguous();
+  const at::Tensor table = block_table.to(at::kLong).contiguous();
+  const int64_t* sl = seqlens.data_ptr<int64_t>();
+  const int64_t* ix = indices.data_ptr<int64_t>();
+  const int64_t* cn = counts.data_ptr<int64_t>();
+  const int64_t* bt = table.data_ptr<int64_t>();
+
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, M * row_bytes));
+  at::parallel_for(0, num_pools * B * H, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % H, b = (task / H) % B, c = task / (H * B);
+      const int64_t n = std::min(std::max<int64_t>(cn[b], 0), M);
+      if (n == 0) continue;
+      const PagedKVPool& p = plan.pools[c];
+      char* head = p.base + h * p.stride_h;
+      const int64_t* row_table = bt + b * MB;
+      // The row of logical slot `slot`, or nullptr when it is outside the table or the pool.
+      auto row = [&](uint64_t slot) -> char* {
+        if (slot >= static_cast<uint64_t>(capacity)) return nullptr;
+        const int64_t s = static_cast<int64_t>(slot), blk = row_table[s / bs];
+        if (static_cast<uint64_t>(blk) >= static_cast<uint64_t>(num_blocks)) return nullptr;
+        return head + blk * p.stride_block + (s % bs) * p.stride_slot;
+      };
+      const uint64_t start = static_cast<uint64_t>(sl[b]);
+      for (int64_t i = 0; i < n; ++i) {
+        // Unsigned wrap-around: negative or huge slots compare as >= capacity and are skipped.
+        const uint64_t from = start + static_cast<uint64_t>(ix[b * M + i]);
+        const uint64_t to = start + static_cast<uint64_t>(i);
+        if (from == to) continue;
+        const char* src = row(from);
+        char* dst = row(to);
+        if (src == nullptr || dst == nullptr) continue;
+        if (p.stride_d == plan.element_size || plan.head_dim == 1) {
+          std::memmove(dst, src, static_cast<size_t>(row_bytes));
+        } else {
+          for (int64_t d = 0; d < plan.head_dim; ++d) {
+            std::memmove(dst + d * p.stride_d, src + d * p.stride_d, static_cast<size_t>(plan.element_size));
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("compact_kv_cache_native", &specdec::compact_kv_cache_cpu);
+  m.impl("paged_compact_kv_cache_native", &specdec::paged_compact_kv_cache_cpu);
 }

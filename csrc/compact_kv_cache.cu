@@ -35,6 +35,26 @@
 // Words: 16-byte (uint4) moves when row_bytes, every base and every stride are multiples of
 // 16 bytes; otherwise the widest of 8, 4, 2, 1 bytes that divides them all.
 //
+// Paged caches (specdec_paged_compact_kv_cache, kPaged): the same kernel, the same grid of
+// (cache, b, h) slices and the same ascending chunks over LOGICAL rows; only the address of a
+// row changes: logical slot s of sequence b is row s % block_size of physical block
+// block_table[b, s / block_size] (a per-word lookup in the table, cached).  Correctness in
+// place: the argument above is about logical rows r; it holds for physical memory when the
+// table is one-to-one on the rows the call touches, i.e. when (a) no physical row written for
+// sequence b is reached from another logical row of b (a block named twice) and (b) no
+// physical row written for b is a live row (committed prefix, source or destination) of
+// another sequence.  (a) makes "word (r, col) is read, at its one physical place, before it
+// is overwritten" hold within the block's slice; (b) makes the slices of different sequences
+// (different thread blocks, unordered) disjoint in what they write and in what they read of
+// each other's writes.  Different heads and caches are disjoint memory as in the dense case.
+// The torch op's value checks refuse tables that break (a) or (b) (copy-on-write is the
+// caller's job).  Shared prefix blocks are only read, never written.
+// Bounds: besides the dense rules, an entry whose source or destination block id is outside
+// [0, num_blocks) is skipped, and the table is read only at columns < max_blocks_per_seq
+// (the slot's block index is checked before the read), so no byte outside the pools is
+// touched whatever the values; a table that breaks (a) or (b) gives unspecified values (and
+// across thread blocks a race) in the pools only.
+//
 // The per-slice and per-chunk steps are __host__ __device__ functions: built with
 // -DSPECDEC_COMPACT_KV_HOST_EMULATION this file also exports specdec_compact_kv_cache_emulate,
 // which runs the same code on the host (all loads of a chunk, then all stores: the barrier)
@@ -53,10 +73,11 @@ constexpr int kMaxThreads = 128;
 
 // What one block needs to know about its (cache, b, h) slice.
 struct SliceWork {
-  char* slice;       // slot 0 of this head
-  int64_t stride_s;  // bytes between slots
-  uint64_t start;    // cache_seqlens[b] (wrapping arithmetic)
-  int64_t n;         // rows to fill, clamped to [0, M]
+  char* slice;           // dense: slot 0 of this (b, h); paged: head h of block 0, row 0
+  int64_t stride_s;      // bytes between slots (paged: between the rows of one block)
+  int64_t stride_block;  // paged: bytes between physical blocks
+  uint64_t start;        // cache_seqlens[b] (wrapping arithmetic)
+  int64_t n;             // rows to fill, clamped to [0, M]
   int64_t b;
 };
 
@@ -65,8 +86,9 @@ __host__ __device__ __forceinline__ int64_t load_index(const void* p, int64_t of
 }
 
 // Slice s = (c * batch + b) * heads + h.  False when it has nothing to move.
-template <bool kTable>
-__host__ __device__ __forceinline__ bool slice_work(const SpecdecCompactKVArgs& a, int64_t s, SliceWork& w) {
+template <bool kTable, bool kPaged>
+__host__ __device__ __forceinline__ bool slice_work(const SpecdecPagedCompactKVArgs& p, int64_t s, SliceWork& w) {
+  const SpecdecCompactKVArgs& a = p.kv;
   const int64_t h = s % a.heads;
   const int64_t b = (s / a.heads) % a.batch;
   const int64_t c = s / (a.heads * a.batch);
@@ -76,24 +98,54 @@ __host__ __device__ __forceinline__ bool slice_work(const SpecdecCompactKVArgs& 
   w.n = n;
   w.b = b;
   w.start = static_cast<uint64_t>(load_index(a.cache_seqlens, b * a.seqlens_stride, a.seqlens_int64));
+  char* base;
+  int64_t stride_b;
   if constexpr (kTable) {
     const SpecdecKVSlice t = a.table[c];
-    w.slice = t.base + b * t.stride_b + h * t.stride_h;
+    base = t.base + h * t.stride_h;
+    stride_b = t.stride_b;
     w.stride_s = t.stride_s;
   } else {
-    w.slice = a.base + (c / a.inner) * a.stride_outer + (c % a.inner) * a.stride_inner + b * a.stride_b + h * a.stride_h;
+    base = a.base + (c / a.inner) * a.stride_outer + (c % a.inner) * a.stride_inner + h * a.stride_h;
+    stride_b = a.stride_b;
     w.stride_s = a.stride_s;
+  }
+  if constexpr (kPaged) {
+    w.slice = base;  // the block is per row
+    w.stride_block = stride_b;
+  } else {
+    w.slice = base + b * stride_b;
+    w.stride_block = 0;
   }
   return true;
 }
 
+// The row of logical slot `slot` of the slice, or nullptr when it lies outside the cache (dense:
+// slot >= capacity; paged: outside the table row or in a block outside [0, num_blocks)).
+template <bool kPaged>
+__host__ __device__ __forceinline__ char* row_of(const SpecdecPagedCompactKVArgs& p, const SliceWork& w, uint64_t slot) {
+  if constexpr (!kPaged) {
+    return slot < static_cast<uint64_t>(p.kv.capacity) ? w.slice + static_cast<int64_t>(slot) * w.stride_s : nullptr;
+  } else {
+    const uint64_t bs = static_cast<uint64_t>(p.block_size);
+    // 32-bit division when it is exact (the usual case), 64-bit otherwise
+    const uint64_t j = (slot | bs) <= 0xFFFFFFFFull ? static_cast<uint32_t>(slot) / static_cast<uint32_t>(bs) : slot / bs;
+    if (j >= static_cast<uint64_t>(p.max_blocks_per_seq)) return nullptr;  // before reading the table
+    const int64_t blk = load_index(p.block_table, w.b * p.block_table_stride_b + static_cast<int64_t>(j) * p.block_table_stride_m,
+                                   p.block_table_int64);
+    if (static_cast<uint64_t>(blk) >= static_cast<uint64_t>(p.num_blocks)) return nullptr;
+    return w.slice + blk * w.stride_block + static_cast<int64_t>(slot - j * bs) * w.stride_s;
+  }
+}
+
 // Thread `tid` of `threads`: load its words of the chunk starting at destination word
 // `chunk` into registers, and where each goes (nullptr: nothing to store).
-template <typename Word, int kWords>
-__host__ __device__ __forceinline__ void load_chunk(const SpecdecCompactKVArgs& a, const SliceWork& w, int64_t row_words,
-                                                    int64_t chunk, int64_t tid, int64_t threads, Word* word, Word** dst) {
+template <typename Word, int kWords, bool kPaged>
+__host__ __device__ __forceinline__ void load_chunk(const SpecdecPagedCompactKVArgs& p, const SliceWork& w,
+                                                    int64_t row_words, int64_t chunk, int64_t tid, int64_t threads,
+                                                    Word* word, Word** dst) {
+  const SpecdecCompactKVArgs& a = p.kv;
   const int64_t total = w.n * row_words;
-  const uint64_t capacity = static_cast<uint64_t>(a.capacity);
 #pragma unroll
   for (int r = 0; r < kWords; ++r) {
     word[r] = Word{};
@@ -105,9 +157,13 @@ __host__ __device__ __forceinline__ void load_chunk(const SpecdecCompactKVArgs& 
       const int64_t idx = load_index(a.accepted_indices, w.b * a.indices_stride_b + i * a.indices_stride_m, a.indices_int64);
       const uint64_t from = w.start + static_cast<uint64_t>(idx);
       const uint64_t to = w.start + static_cast<uint64_t>(i);
-      if (from != to && from < capacity && to < capacity) {
-        word[r] = reinterpret_cast<const Word*>(w.slice + static_cast<int64_t>(from) * w.stride_s)[col];
-        dst[r] = reinterpret_cast<Word*>(w.slice + static_cast<int64_t>(to) * w.stride_s) + col;
+      if (from != to) {
+        const char* src = row_of<kPaged>(p, w, from);
+        char* dst_row = row_of<kPaged>(p, w, to);
+        if (src != nullptr && dst_row != nullptr) {
+          word[r] = reinterpret_cast<const Word*>(src)[col];
+          dst[r] = reinterpret_cast<Word*>(dst_row) + col;
+        }
       }
     }
   }
@@ -121,20 +177,21 @@ __host__ __device__ __forceinline__ void store_chunk(const Word* word, Word* con
   }
 }
 
-template <typename Word, int kWords, bool kTable>
-__global__ void __launch_bounds__(kMaxThreads) compact_kv_cache_kernel(const SpecdecCompactKVArgs a) {
+template <typename Word, int kWords, bool kTable, bool kPaged>
+__global__ void __launch_bounds__(kMaxThreads) compact_kv_cache_kernel(const SpecdecPagedCompactKVArgs p) {
+  const SpecdecCompactKVArgs& a = p.kv;
   const int64_t num_slices = a.num_caches * a.batch * a.heads;
   const int64_t row_words = a.row_bytes / static_cast<int64_t>(sizeof(Word));
   const int64_t threads = blockDim.x;
   const int64_t step = threads * kWords;
   for (int64_t s = blockIdx.x; s < num_slices; s += gridDim.x) {  // uniform over the block
     SliceWork w;
-    if (!slice_work<kTable>(a, s, w)) continue;
+    if (!slice_work<kTable, kPaged>(p, s, w)) continue;
     const int64_t total = w.n * row_words;
     for (int64_t chunk = 0; chunk < total; chunk += step) {
       Word word[kWords];
       Word* dst[kWords];
-      load_chunk<Word, kWords>(a, w, row_words, chunk, threadIdx.x, threads, word, dst);
+      load_chunk<Word, kWords, kPaged>(p, w, row_words, chunk, threadIdx.x, threads, word, dst);
       __syncthreads();  // every load of this chunk before any store of it
       store_chunk<Word, kWords>(word, dst);
       if (chunk + step < total) __syncthreads();  // this chunk's stores before the next loads
@@ -167,16 +224,27 @@ LaunchConfig launch_config(const SpecdecCompactKVArgs& a) {
   return {num_slices < INT_MAX ? num_slices : INT_MAX, threads};
 }
 
-template <typename Word, int kWords>
-cudaError_t launch(const SpecdecCompactKVArgs& a, cudaStream_t stream) {
-  const LaunchConfig cfg = launch_config<Word, kWords>(a);
+template <typename Word, int kWords, bool kPaged>
+cudaError_t launch(const SpecdecPagedCompactKVArgs& p, cudaStream_t stream) {
+  const LaunchConfig cfg = launch_config<Word, kWords>(p.kv);
   const dim3 grid(static_cast<unsigned>(cfg.blocks)), block(static_cast<unsigned>(cfg.threads));
-  if (a.table != nullptr) {
-    compact_kv_cache_kernel<Word, kWords, true><<<grid, block, 0, stream>>>(a);
+  if (p.kv.table != nullptr) {
+    compact_kv_cache_kernel<Word, kWords, true, kPaged><<<grid, block, 0, stream>>>(p);
   } else {
-    compact_kv_cache_kernel<Word, kWords, false><<<grid, block, 0, stream>>>(a);
+    compact_kv_cache_kernel<Word, kWords, false, kPaged><<<grid, block, 0, stream>>>(p);
   }
   return cudaGetLastError();
+}
+
+template <bool kPaged>
+cudaError_t launch_words(const SpecdecPagedCompactKVArgs& p, cudaStream_t stream) {
+  switch (word_bytes(p.kv)) {
+    case 16: return launch<uint4, 4, kPaged>(p, stream);
+    case 8: return launch<uint2, 4, kPaged>(p, stream);
+    case 4: return launch<uint32_t, 8, kPaged>(p, stream);
+    case 2: return launch<uint16_t, 8, kPaged>(p, stream);
+    default: return launch<uint8_t, 8, kPaged>(p, stream);
+  }
 }
 
 // 0: nothing to do, 1: work, -1: malformed.
@@ -193,6 +261,22 @@ int check_args(const SpecdecCompactKVArgs& a) {
   return 1;
 }
 
+// The paged arguments with kv.capacity set from the table (max_blocks_per_seq * block_size),
+// so that the dense checks and launch sizes apply.  0: nothing to do, 1: work, -1: malformed.
+int paged_args(const SpecdecPagedCompactKVArgs* args, SpecdecPagedCompactKVArgs& p) {
+  if (args == nullptr) return -1;
+  p = *args;
+  if (p.block_size < 1 || p.max_blocks_per_seq < 0 || p.num_blocks < 0 ||
+      p.max_blocks_per_seq > INT64_MAX / p.block_size) {
+    return -1;
+  }
+  p.kv.capacity = p.max_blocks_per_seq * p.block_size;
+  const int status = check_args(p.kv);
+  if (status <= 0) return status;
+  if (p.num_blocks == 0) return 0;
+  return p.block_table == nullptr ? -1 : 1;
+}
+
 int64_t address(const char* p) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)); }
 
 // Whether every slice c starts at base0 + (c / inner) * outer + (c % inner) * step.
@@ -204,8 +288,9 @@ bool evenly_spaced(const SpecdecKVSlice* s, int64_t num, int64_t inner, int64_t 
 }
 
 #ifdef SPECDEC_COMPACT_KV_HOST_EMULATION
-template <typename Word, int kWords, bool kTable>
-void emulate(const SpecdecCompactKVArgs& a, LaunchConfig cfg) {
+template <typename Word, int kWords, bool kTable, bool kPaged>
+void emulate(const SpecdecPagedCompactKVArgs& p, LaunchConfig cfg) {
+  const SpecdecCompactKVArgs& a = p.kv;
   const int64_t num_slices = a.num_caches * a.batch * a.heads;
   const int64_t row_words = a.row_bytes / static_cast<int64_t>(sizeof(Word));
   const int64_t step = cfg.threads * kWords;
@@ -214,10 +299,10 @@ void emulate(const SpecdecCompactKVArgs& a, LaunchConfig cfg) {
   for (int64_t block = 0; block < cfg.blocks; ++block) {
     for (int64_t s = block; s < num_slices; s += cfg.blocks) {
       SliceWork w;
-      if (!slice_work<kTable>(a, s, w)) continue;
+      if (!slice_work<kTable, kPaged>(p, s, w)) continue;
       for (int64_t chunk = 0; chunk < w.n * row_words; chunk += step) {
         for (int64_t t = 0; t < cfg.threads; ++t) {
-          load_chunk<Word, kWords>(a, w, row_words, chunk, t, cfg.threads, &word[t * kWords], &dst[t * kWords]);
+          load_chunk<Word, kWords, kPaged>(p, w, row_words, chunk, t, cfg.threads, &word[t * kWords], &dst[t * kWords]);
         }
         for (int64_t t = 0; t < cfg.threads; ++t) store_chunk<Word, kWords>(&word[t * kWords], &dst[t * kWords]);
       }
@@ -225,15 +310,26 @@ void emulate(const SpecdecCompactKVArgs& a, LaunchConfig cfg) {
   }
 }
 
-template <typename Word, int kWords>
-void emulate(const SpecdecCompactKVArgs& a, int64_t threads, int64_t blocks) {
-  LaunchConfig cfg = launch_config<Word, kWords>(a);
+template <typename Word, int kWords, bool kPaged>
+void emulate(const SpecdecPagedCompactKVArgs& p, int64_t threads, int64_t blocks) {
+  LaunchConfig cfg = launch_config<Word, kWords>(p.kv);
   if (threads > 0) cfg.threads = threads;
   if (blocks > 0) cfg.blocks = blocks;
-  if (a.table != nullptr) {
-    emulate<Word, kWords, true>(a, cfg);
+  if (p.kv.table != nullptr) {
+    emulate<Word, kWords, true, kPaged>(p, cfg);
   } else {
-    emulate<Word, kWords, false>(a, cfg);
+    emulate<Word, kWords, false, kPaged>(p, cfg);
+  }
+}
+
+template <bool kPaged>
+void emulate_words(const SpecdecPagedCompactKVArgs& p, int64_t threads, int64_t blocks) {
+  switch (word_bytes(p.kv)) {
+    case 16: emulate<uint4, 4, kPaged>(p, threads, blocks); break;
+    case 8: emulate<uint2, 4, kPaged>(p, threads, blocks); break;
+    case 4: emulate<uint32_t, 8, kPaged>(p, threads, blocks); break;
+    case 2: emulate<uint16_t, 8, kPaged>(p, threads, blocks); break;
+    default: emulate<uint8_t, 8, kPaged>(p, threads, blocks); break;
   }
 }
 #endif
@@ -289,13 +385,16 @@ extern "C" cudaError_t specdec_compact_kv_cache(const SpecdecCompactKVArgs* args
   if (args == nullptr) return cudaErrorInvalidValue;
   const int status = check_args(*args);
   if (status <= 0) return status == 0 ? cudaSuccess : cudaErrorInvalidValue;
-  switch (word_bytes(*args)) {
-    case 16: return launch<uint4, 4>(*args, stream);
-    case 8: return launch<uint2, 4>(*args, stream);
-    case 4: return launch<uint32_t, 8>(*args, stream);
-    case 2: return launch<uint16_t, 8>(*args, stream);
-    default: return launch<uint8_t, 8>(*args, stream);
-  }
+  SpecdecPagedCompactKVArgs p{};
+  p.kv = *args;
+  return launch_words<false>(p, stream);
+}
+
+extern "C" cudaError_t specdec_paged_compact_kv_cache(const SpecdecPagedCompactKVArgs* args, cudaStream_t stream) {
+  SpecdecPagedCompactKVArgs p;
+  const int status = paged_args(args, p);
+  if (status <= 0) return status == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  return launch_words<true>(p, stream);
 }
 
 #ifdef SPECDEC_COMPACT_KV_HOST_EMULATION
@@ -303,13 +402,18 @@ extern "C" int specdec_compact_kv_cache_emulate(const SpecdecCompactKVArgs* args
   if (args == nullptr) return -1;
   const int status = check_args(*args);
   if (status <= 0) return status;
-  switch (word_bytes(*args)) {
-    case 16: emulate<uint4, 4>(*args, threads, blocks); break;
-    case 8: emulate<uint2, 4>(*args, threads, blocks); break;
-    case 4: emulate<uint32_t, 8>(*args, threads, blocks); break;
-    case 2: emulate<uint16_t, 8>(*args, threads, blocks); break;
-    default: emulate<uint8_t, 8>(*args, threads, blocks); break;
-  }
+  SpecdecPagedCompactKVArgs p{};
+  p.kv = *args;
+  emulate_words<false>(p, threads, blocks);
+  return 0;
+}
+
+extern "C" int specdec_paged_compact_kv_cache_emulate(const SpecdecPagedCompactKVArgs* args, int64_t threads,
+                                                      int64_t blocks) {
+  SpecdecPagedCompactKVArgs p;
+  const int status = paged_args(args, p);
+  if (status <= 0) return status;
+  emulate_words<true>(p, threads, blocks);
   return 0;
 }
 #endif

@@ -21,6 +21,8 @@
 // touches only rows of the given caches.  The result matches the reference only for valid
 // inputs (strictly increasing indices with accepted_indices[b, i] >= i, slots < capacity).
 // The caches must not alias one another (each is written by its own thread blocks).
+//
+// specdec_paged_compact_kv_cache does the same on a paged cache (see SpecdecPagedCompactKVArgs).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,10 +74,40 @@ typedef struct SpecdecCompactKVArgs {
   int counts_int64;
 } SpecdecCompactKVArgs;
 
+// Paged caches (vLLM / FlashInfer / TensorRT-LLM block pools).  `kv` describes the caches as
+// above (strided or table form, filled by specdec_compact_kv_cache_describe) with these
+// changes of meaning: each cache is one layer's keys or values POOL; stride_b is the byte
+// stride between its physical BLOCKS and stride_s between the rows (slots) of one block;
+// batch is the number of block-table rows; capacity is ignored (set from the table: a row
+// addresses logical slots 0 .. max_blocks_per_seq * block_size - 1).  Logical slot s of
+// sequence b is row s % block_size of block block_table[b, s / block_size].
+//
+// Safety: as above, plus an entry whose source or destination block id is outside
+// [0, num_blocks) is skipped, and block_table is read only at columns below
+// max_blocks_per_seq.  In-place correctness needs the block table to be one-to-one on the
+// physical rows the call touches (no written block shared between sequences, no block named
+// twice where it is written): the value checks of the torch op enforce it.
+typedef struct SpecdecPagedCompactKVArgs {
+  SpecdecCompactKVArgs kv;
+  // block_table [batch, max_blocks_per_seq], int32 or int64, element strides.
+  const void* block_table;
+  int64_t block_table_stride_b;
+  int64_t block_table_stride_m;
+  int block_table_int64;
+  int64_t max_blocks_per_seq;
+  int64_t block_size;  // rows per block, >= 1
+  int64_t num_blocks;  // physical blocks per pool
+} SpecdecPagedCompactKVArgs;
+
 // Enqueue the compaction on `stream`.  Returns cudaErrorInvalidValue for malformed arguments
 // (negative sizes, NULL pointers where data is needed, alignment not a power of two), else
 // the launch status.  Nothing is launched when there is no work.
 cudaError_t specdec_compact_kv_cache(const SpecdecCompactKVArgs* args, cudaStream_t stream);
+
+// The paged compaction: all pools (layers, keys and values) in ONE launch.  Same return
+// values; also cudaErrorInvalidValue for a NULL block_table, block_size < 1 or negative
+// table or pool sizes.
+cudaError_t specdec_paged_compact_kv_cache(const SpecdecPagedCompactKVArgs* args, cudaStream_t stream);
 
 // The width in bytes (16, 8, 4, 2 or 1) of the words the kernel will move for `args`.
 int specdec_compact_kv_cache_word_bytes(const SpecdecCompactKVArgs* args);
@@ -94,6 +126,8 @@ int specdec_compact_kv_cache_describe(SpecdecCompactKVArgs* args, const SpecdecK
 // specdec_compact_kv_cache (threads and blocks override it when > 0).  `table` must then be
 // in host memory.  Returns 0, or -1 on malformed arguments.
 int specdec_compact_kv_cache_emulate(const SpecdecCompactKVArgs* args, int64_t threads, int64_t blocks);
+// The same for the paged kernel.
+int specdec_paged_compact_kv_cache_emulate(const SpecdecPagedCompactKVArgs* args, int64_t threads, int64_t blocks);
 #endif
 
 #ifdef __cplusplus

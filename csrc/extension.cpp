@@ -21,6 +21,14 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "compact_kv_cache_native(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, "
       "Tensor num_accepted, bool validate=False) -> ()");
+  // paged_compact_kv_cache_native: the same on a paged cache.  `caches` holds per-layer pools
+  // [num_blocks, block_size, Hkv, D] (kv_layout "NHD") or [num_blocks, Hkv, block_size, D]
+  // ("HND") and/or [L, 2, ...] buffers of them; block_table [B, max_blocks_per_seq] (int32 or
+  // int64) maps logical blocks to physical ones.  Entries outside the table or the pool are
+  // skipped; validate=true adds the block-id and no-shared-written-slot checks.
+  m.def(
+      "paged_compact_kv_cache_native(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_indices, "
+      "Tensor num_accepted, Tensor block_table, str kv_layout=\"NHD\", bool validate=False) -> ()");
 
   // CPU fast paths of the verification and sampling ops (csrc/verify_sample_cpu.cpp), on
   // inputs the Python op validated and made contiguous; counts are clamped here.

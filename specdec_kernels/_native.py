@@ -26,6 +26,8 @@ def load() -> bool:
             # fake (meta) kernel, so torch.compile also traces direct calls of the native op
             if hasattr(torch.ops.specdec, "compact_kv_cache_native"):
                 torch.library.register_fake("specdec::compact_kv_cache_native")(_compact_kv_cache_native_fake)
+            if hasattr(torch.ops.specdec, "paged_compact_kv_cache_native"):
+                torch.library.register_fake("specdec::paged_compact_kv_cache_native")(_paged_compact_kv_cache_native_fake)
         except (ImportError, OSError) as e:
             _state["loaded"], _state["error"] = False, e
     return bool(_state["loaded"])
@@ -48,6 +50,33 @@ def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_a
     B = inner[0]
     for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
                           ("num_accepted", num_accepted, 1)):
+        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
+        torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
+        torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
+    return None
+
+
+def _paged_compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table,
+                                        kv_layout="NHD", validate=False):
+    """Fake (meta) implementation of specdec::paged_compact_kv_cache_native: shape checks, no
+    output.  ``caches``: [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv,
+    block_size, D] ("HND") pools and/or [L, 2, ...] buffers of them."""
+    torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    torch._check(len(caches) > 0, lambda: "caches must hold at least one tensor")
+    first = caches[0]
+    torch._check(first.dim() in (4, 6), lambda: f"caches[0] must be a 4-D pool or a 6-D [L, 2, ...] buffer, got {tuple(first.shape)}")
+    inner = first.shape[-4:]
+    for k, t in enumerate(caches):
+        torch._check(t.dim() in (4, 6), lambda: f"caches[{k}] must have 4 or 6 dimensions, got {tuple(t.shape)}")
+        torch._check(t.dtype == first.dtype, lambda: f"caches[{k}] must have dtype {first.dtype}, got {t.dtype}")
+        torch._check(t.device == first.device, lambda: f"caches[{k}] must be on {first.device}, got {t.device}")
+        for d in range(4):
+            torch._check(t.shape[t.dim() - 4 + d] == inner[d], lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}")
+        if t.dim() == 6:
+            torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be [L, 2, ...] (keys and values), got {tuple(t.shape)}")
+    B = cache_seqlens.shape[0] if cache_seqlens.dim() == 1 else -1
+    for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
+                          ("num_accepted", num_accepted, 1), ("block_table", block_table, 2)):
         torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
         torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
         torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")

@@ -29,6 +29,17 @@ Native design:
 
 The registered op takes ``caches``: a list holding either the one [L, 2, B, Hkv, S, D] buffer
 or the [B, Hkv, S, D] tensors of every layer's keys and values; it mutates them.
+
+Paged caches (``block_table`` given) go to a second registered op,
+``torch.ops.specdec.paged_compact_kv_cache`` (native kernel
+``torch.ops.specdec.paged_compact_kv_cache_native``): ``caches`` then holds the one
+[L, 2, num_blocks, block_size, Hkv, D] ("NHD") / [L, 2, num_blocks, Hkv, block_size, D]
+("HND") pool or the per-layer [num_blocks, block_size, Hkv, D] (or HND) pools.  The kernels
+are the dense ones with one more step: a logical slot s of sequence b is looked up as row
+s % block_size of block block_table[b, s // block_size]; a slot outside the table or in a
+block outside [0, num_blocks) is skipped, whatever ``validate`` says.  The ascending order
+stays safe in place because the block table is one-to-one on the slots that one call reads
+or writes (shared blocks are refused by the value checks; proof in the C++/CUDA comments).
 """
 from __future__ import annotations
 
@@ -38,7 +49,14 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels.reference import compact_kv_cache as _ref
-from specdec_kernels.reference.compact_kv_cache import KVCache, _compact_kv_cache, check_compact_kv_cache_args
+from specdec_kernels.reference.compact_kv_cache import (
+    KVCache,
+    _compact_kv_cache,
+    _paged_compact_kv_cache,
+    check_compact_kv_cache_args,
+    check_kv_layout,
+    check_paged_compact_kv_cache_args,
+)
 
 IMPLEMENTED = ("reference", "native")
 
@@ -81,24 +99,76 @@ def _fake(caches, cache_seqlens, accepted_indices, num_accepted=None, backend=""
 op = _library.define("compact_kv_cache", _impl, cpu=_impl, cuda=_impl, fake=_fake, mutates_args=("caches",))
 
 
+def _paged_impl(
+    caches: List[torch.Tensor],
+    cache_seqlens: torch.Tensor,
+    accepted_indices: torch.Tensor,
+    num_accepted: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    kv_layout: str = "NHD",
+    backend: str = "",
+) -> None:
+    kv_cache = _as_kv_cache(caches)
+    views, _, _, _, n = check_paged_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted,
+                                                          block_table, kv_layout, validate=False)
+    chosen = _backend.resolve("paged_compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
+    if chosen == "native":
+        native_caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
+        torch.ops.specdec.paged_compact_kv_cache_native(native_caches, cache_seqlens, accepted_indices, n, block_table,
+                                                        kv_layout, False)
+        return
+    _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, n, block_table)
+
+
+def _paged_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", backend=""):
+    """Shape checks only (the op writes its pools in place)."""
+    check_paged_compact_kv_cache_args(_as_kv_cache(caches), cache_seqlens, accepted_indices, num_accepted, block_table,
+                                      kv_layout, validate=False)
+    _library.check_backend_name(backend)
+    return _native._paged_compact_kv_cache_native_fake(
+        caches, cache_seqlens, accepted_indices, num_accepted if num_accepted is not None else cache_seqlens,
+        block_table, kv_layout,
+    )
+
+
+paged_op = _library.define("paged_compact_kv_cache", _paged_impl, cpu=_paged_impl, cuda=_paged_impl, fake=_paged_fake,
+                           mutates_args=("caches",))
+
+
 def compact_kv_cache(
     kv_cache: KVCache,
     cache_seqlens: torch.Tensor,
     accepted_indices: torch.Tensor,
     num_accepted: Optional[torch.Tensor] = None,
     *,
+    block_table: Optional[torch.Tensor] = None,
+    kv_layout: str = "NHD",
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> None:
+    check_kv_layout(kv_layout)
+    if block_table is not None:
+        views, _, _, _, n = check_paged_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted,
+                                                              block_table, kv_layout, validate)
+        caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
+        torch.ops.specdec.paged_compact_kv_cache(caches, cache_seqlens, accepted_indices, n, block_table, kv_layout,
+                                                 backend or "")
+        return
     views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate)
     caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
     torch.ops.specdec.compact_kv_cache(caches, cache_seqlens, accepted_indices, n, backend or "")
 
 
-compact_kv_cache.__doc__ = _backend.public_doc(_ref, "compact_kv_cache")
+compact_kv_cache.__doc__ = _backend.public_doc(_ref, "compact_kv_cache").replace(
+    "    Registered as ``torch.ops.specdec.compact_kv_cache``",
+    "    Registered as ``torch.ops.specdec.compact_kv_cache`` (dense) and\n"
+    "    ``torch.ops.specdec.paged_compact_kv_cache`` (with ``block_table``)",
+)
 
 
-def register_fake() -> bool:
-    """Load the extension (which registers the fake of ``compact_kv_cache_native``); return
-    whether the native op exists.  Kept for callers of the native op."""
-    return _native.load() and hasattr(torch.ops.specdec, "compact_kv_cache_native")
+def register_fake(paged: bool = False) -> bool:
+    """Load the extension (which registers the fakes of ``compact_kv_cache_native`` and
+    ``paged_compact_kv_cache_native``); return whether the native op (the paged one with
+    ``paged=True``) exists.  Kept for callers of the native ops."""
+    name = "paged_compact_kv_cache_native" if paged else "compact_kv_cache_native"
+    return _native.load() and hasattr(torch.ops.specdec, name)
