@@ -117,7 +117,9 @@ def check_flattened_args(
         cu = cu_num_draft_tokens.to(torch.int64)
         first, last = int(cu[0]), int(cu[-1])
         if first < 0:
-            raise ValueError(f"cu_num_draft_tokens must be non-negative (an inclusive cumsum of draft counts), got cu[0] = {first}")
+            raise ValueError(
+                f"cu_num_draft_tokens must be non-negative (an inclusive cumsum of draft counts), got cu[0] = {first}"
+            )
         if B > 1:
             steps = cu[1:] - cu[:-1]
             if bool((steps < 0).any()):
@@ -128,7 +130,8 @@ def check_flattened_args(
                 )
         if last != T:
             raise ValueError(
-                f"cu_num_draft_tokens[-1] must equal the number of draft tokens T = draft_token_ids.numel() = {T}, got {last}"
+                f"cu_num_draft_tokens[-1] must equal the number of draft tokens "
+                f"T = draft_token_ids.numel() = {T}, got {last}"
             )
     if max_spec_len is None or checked:
         largest = int(draft_counts(cu_num_draft_tokens, T).max()) if B > 0 else 0

@@ -94,7 +94,8 @@ def rejection_sample(
         B, K, target_probs.device, generator, uniform_samples, sample_uniforms,
         coin_counts=n, seeds=seeds, offsets=offsets, validate=validate,
     )
-    out, acc = torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or "")
+    out, acc = torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u,
+                                                  backend or "")
     if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
         return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
     return out, acc

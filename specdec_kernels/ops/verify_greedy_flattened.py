@@ -60,7 +60,8 @@ def _triton_decomposition(args, kwargs):
     if _backend.resolve(OP, x["target_logits"].device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
     return torch.ops.specdec.verify_greedy_flattened_triton(
-        x["target_logits"], x["draft_token_ids"], x["cu_num_draft_tokens"], x["bonus_token_ids"], x["max_spec_len"], 0, 0
+        x["target_logits"], x["draft_token_ids"], x["cu_num_draft_tokens"], x["bonus_token_ids"], x["max_spec_len"],
+        0, 0,
     )
 
 

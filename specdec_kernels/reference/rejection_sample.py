@@ -83,7 +83,8 @@ def make_details(output_tokens, num_accepted, accept, target_nan, draft_nan) -> 
     bad = target_nan.any(dim=1)
     if draft_nan is not None:
         bad = bad | draft_nan.any(dim=1)
-    return RejectionSampleDetails(output_tokens, num_accepted, accept.to(torch.int64).sum(dim=1), num_accepted.clone(), ~bad)
+    accepted_counts = accept.to(torch.int64).sum(dim=1)
+    return RejectionSampleDetails(output_tokens, num_accepted, accepted_counts, num_accepted.clone(), ~bad)
 
 
 def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens, coins, output_tokens, num_accepted):

@@ -6,8 +6,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from specdec_kernels._flattened import FlatBatch, check_flattened_args, draft_counts, flatten_coins, positions, take
 from specdec_kernels._checks import check_uniforms
+from specdec_kernels._flattened import FlatBatch, check_flattened_args, draft_counts, flatten_coins, positions, take
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference.rejection_sample import (
     RejectionSampleDetails,
@@ -88,7 +88,9 @@ def rejection_details_flattened(
     accept = accept_tests(p, q, tokens, pos.counted, take(coins, pos.flat, pos.counted, 1.0), V)
     owns = j[None, :] <= pos.n[:, None] if with_rows else j[None, :] < pos.n[:, None]
     target_nan = take(torch.isnan(target_probs).any(dim=-1), t_rows, owns, False)
-    draft_nan = take(torch.isnan(draft_probs).any(dim=-1), pos.flat, pos.counted, False) if draft_probs is not None else None
+    draft_nan = None
+    if draft_probs is not None:
+        draft_nan = take(torch.isnan(draft_probs).any(dim=-1), pos.flat, pos.counted, False)
     return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
 
 
