@@ -220,12 +220,13 @@ def _rejection_sample_triton_impl(
         tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
     block_b, block_v = tile_sizes(V, B, device.type == "cuda")
     grid = (triton.cdiv(B, block_b),)
+    counts = num_draft_tokens.to(torch.int64).contiguous()
     launch(_rejection_sample_kernel)[grid](
         target,
         draft,
         tokens,
-        num_draft_tokens.to(torch.int64).contiguous(),
-        num_accepted,  # bonus_ptr: unused without BONUS_IDS
+        counts,
+        counts,  # bonus_ptr: unused without BONUS_IDS
         coins,
         sample_uniforms.to(torch.float32).contiguous(),
         out,

@@ -270,9 +270,10 @@ def _verify_greedy_triton_impl(
     if B == 0:
         return output_tokens, num_accepted
     part_val, part_idx, S = argmax_partials(target_logits, block_v=block_v or None, num_splits=num_splits or None)
+    counts = num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[(B,)](
         part_val, part_idx, draft_tokens, draft_tokens.stride(0), draft_tokens.stride(1),
-        num_draft_tokens.to(torch.int64), num_accepted, output_tokens, num_accepted, K, S, B * K1, 0,
+        counts, counts, output_tokens, num_accepted, K, S, B * K1, 0,  # bonus_ptr: unused without BONUS_IDS
         FLAT=False, BONUS_IDS=False, BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
     )
     return output_tokens, num_accepted
