@@ -658,3 +658,22 @@ def test_fronts_run_on_fake_tensors_with_validate_false():
         out, _ = sk.rejection_sample_flattened(probs, None, drafts, cu, max_spec_len=3, uniform_samples=coins,
                                                sample_uniforms=final, validate=False)
         assert out.shape == (3, 4)
+
+
+def test_compiles_fullgraph_with_max_spec_len_and_validate_false():
+    """max_spec_len given and validate=False: no host read, so torch.compile(fullgraph=True)
+    traces both fronts (seeds/offsets randomness, details included) without a graph break and
+    matches eager."""
+    c = flat_case([2, 0, 3, 1], 13, seed=21)
+    seeds, offsets = torch.arange(4), torch.zeros(4, dtype=torch.long)
+
+    def step(logits, probs, draft, drafts, cu, seeds, offsets):
+        greedy = sk.verify_greedy_flattened(logits, drafts, cu, max_spec_len=3, validate=False)
+        details = sk.rejection_sample_flattened(probs, draft, drafts, cu, max_spec_len=3, seeds=seeds, offsets=offsets,
+                                                validate=False, return_details=True)
+        return tuple(greedy) + tuple(details)
+
+    args = tuple(dev(a) for a in (c["logits"], c["probs"], c["draft"], c["drafts"], c["cu"], seeds, offsets))
+    eager = step(*args)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    assert_same(cpu(compiled), cpu(eager))
