@@ -73,6 +73,29 @@ def _make_verify(s, dtype, device):
     return dict(target_logits=logits, draft_tokens=_drafts_from(logits, s["K"], g), bytes=nbytes(logits))
 
 
+def _ragged_counts(B, K, g):
+    """vLLM batches are ragged: per-request draft counts in 0..K, request 0 at K."""
+    counts = torch.randint(0, K + 1, (B,), generator=g)
+    counts[0] = K
+    return counts
+
+
+def _flat_rows(counts):
+    """The [T + B, V] row of each flat draft t (t plus its request's index)."""
+    B = counts.numel()
+    return torch.arange(int(counts.sum())) + torch.repeat_interleave(torch.arange(B), counts)
+
+
+def _make_verify_flattened(s, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    counts = _ragged_counts(s["B"], s["K"], g)
+    logits = torch.randn(int(counts.sum()) + s["B"], s["V"], generator=g).to(device=device, dtype=dtype)
+    drafts = _drafts_from(logits[_flat_rows(counts).to(device)][None], int(counts.sum()), g)[0]
+    return dict(target_logits=logits, draft_token_ids=drafts.to(torch.int32),
+                cu_num_draft_tokens=counts.cumsum(0).to(device=device, dtype=torch.int32), max_spec_len=s["K"],
+                bytes=nbytes(logits))
+
+
 def _tree_shapes(quick):
     models = ["smollm2-135m"] if quick else list(MODELS)
     batches = [1, 8] if quick else [1, 8, 64]
@@ -97,6 +120,21 @@ def _make_rejection(s, dtype, device):
     tokens = torch.multinomial(draft.reshape(-1, V).cpu(), 1, generator=g).reshape(B, K).to(device)
     return dict(target_probs=target, draft_probs=draft, draft_tokens=tokens,
                 uniform_samples=torch.rand(B, K, generator=g).to(device), sample_uniforms=torch.rand(B, generator=g).to(device),
+                bytes=nbytes(target, draft))
+
+
+def _make_rejection_flattened(s, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    B, K, V = s["B"], s["K"], s["V"]
+    counts = _ragged_counts(B, K, g)
+    T = int(counts.sum())
+    logits = torch.randn(T + B, V, generator=g)
+    target = torch.softmax(logits, -1).to(device)
+    draft = torch.softmax(logits[_flat_rows(counts)] + torch.randn(T, V, generator=g), -1).to(device)
+    tokens = torch.multinomial(draft.cpu(), 1, generator=g)[:, 0].to(device=device, dtype=torch.int32)
+    return dict(target_probs=target, draft_probs=draft, draft_token_ids=tokens,
+                cu_num_draft_tokens=counts.cumsum(0).to(device=device, dtype=torch.int32), max_spec_len=K,
+                uniform_samples=torch.rand(T, generator=g).to(device), sample_uniforms=torch.rand(B, generator=g).to(device),
                 bytes=nbytes(target, draft))
 
 
@@ -217,11 +255,18 @@ def _args(i, *names):
 ENTRIES = [
     Entry("verify_greedy", _verify_shapes, _make_verify,
           lambda i, b: sk.verify_greedy(i["target_logits"], i["draft_tokens"], backend=b)),
+    Entry("verify_greedy_flattened", _verify_shapes, _make_verify_flattened,
+          lambda i, b: sk.verify_greedy_flattened(i["target_logits"], i["draft_token_ids"], i["cu_num_draft_tokens"],
+                                                  max_spec_len=i["max_spec_len"], backend=b)),
     Entry("verify_tree_greedy", _tree_shapes, _make_tree_verify,
           lambda i, b: sk.verify_tree_greedy(i["target_logits"], i["tree_tokens"], i["tree_parents"], backend=b)),
     Entry("rejection_sample", _verify_shapes, _make_rejection,
           lambda i, b: sk.rejection_sample(i["target_probs"], i["draft_probs"], i["draft_tokens"], backend=b,
                                            **_args(i, "uniform_samples", "sample_uniforms"))),
+    Entry("rejection_sample_flattened", _verify_shapes, _make_rejection_flattened,
+          lambda i, b: sk.rejection_sample_flattened(i["target_probs"], i["draft_probs"], i["draft_token_ids"],
+                                                     i["cu_num_draft_tokens"], max_spec_len=i["max_spec_len"], backend=b,
+                                                     **_args(i, "uniform_samples", "sample_uniforms"))),
     Entry("tree_rejection_sample", _tree_shapes, _make_tree_rejection,
           lambda i, b: sk.tree_rejection_sample(i["target_probs"], i["tree_tokens"], i["tree_parents"], backend=b,
                                                 **_args(i, "uniform_samples", "sample_uniforms"))),

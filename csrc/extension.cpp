@@ -33,12 +33,22 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   // CPU fast paths of the verification and sampling ops (csrc/verify_sample_cpu.cpp), on
   // inputs the Python op validated and made contiguous; counts are clamped here.
   m.def("verify_greedy_native(Tensor target_logits, Tensor draft_tokens, Tensor num_draft_tokens) -> (Tensor, Tensor)");
+  // The flattened (vLLM v1) forms: target rows [T + B, V] (bonus rows inline) or [T, V] with
+  // bonus_token_ids [B]; drafts [T]; cu_num_draft_tokens [B] an inclusive cumsum; output
+  // [B, max_spec_len + 1].  Spans derived from cu are clamped, so any cu stays in bounds.
+  m.def(
+      "verify_greedy_flattened_native(Tensor target_logits, Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor? bonus_token_ids, int max_spec_len) -> (Tensor, Tensor)");
   m.def(
       "verify_tree_greedy_native(Tensor target_logits, Tensor tree_tokens, Tensor tree_parents, Tensor num_nodes) "
       "-> (Tensor, Tensor, Tensor)");
   m.def(
       "rejection_sample_native(Tensor target_probs, Tensor? draft_probs, Tensor draft_tokens, Tensor num_draft_tokens, "
       "Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor)");
+  m.def(
+      "rejection_sample_flattened_native(Tensor target_probs, Tensor? draft_probs, Tensor draft_token_ids, "
+      "Tensor cu_num_draft_tokens, Tensor? bonus_token_ids, Tensor uniform_samples, Tensor sample_uniforms, "
+      "int max_spec_len) -> (Tensor, Tensor)");
   m.def(
       "tree_rejection_sample_native(Tensor target_probs, Tensor tree_tokens, Tensor tree_parents, Tensor? draft_probs, "
       "Tensor num_nodes, Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor, Tensor)");

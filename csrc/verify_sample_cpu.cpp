@@ -167,7 +167,54 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (the Python op makes it so)");
 }
 
+// ------------------------------------------------------------------ flattened (vLLM v1) layout
+// Request b's drafts in the flattened layout (specdec_kernels/_flattened.py): flat positions
+// start .. start + n - 1, with start = clamp(cu[b - 1], 0, T) (0 for b = 0), end = clamp(cu[b],
+// 0, T), n = clamp(end - start, 0, K): every row derived from a span lies inside its tensor
+// whatever cu_num_draft_tokens holds (start + n <= end <= T).
+struct Span {
+  int64_t start, n;
+};
+
+inline Span flat_span(const int64_t* cu, int64_t b, int64_t num_tokens, int64_t K) {
+  const int64_t start = b == 0 ? 0 : clamp64(cu[b - 1], 0, num_tokens);
+  const int64_t end = clamp64(cu[b], 0, num_tokens);
+  return {start, clamp64(end - start, 0, K)};
+}
+
+// Where request b's rows are, in units of rows.  Padded: target rows from b * (K + 1), draft
+// rows, tokens and coins from b * K, count counts[b].  Flattened: draft rows, tokens and coins
+// from start_b; target rows from start_b + b (each request's bonus row inline) or start_b (the
+// bonus tokens given as ids).
+struct ChainLayout {
+  const int64_t* counts;  // padded: [B] draft counts; flattened: cu_num_draft_tokens [B]
+  int64_t K, num_tokens;
+  bool flat, bonus_rows;
+  struct Rows {
+    int64_t target_row, draft_row, n;  // draft_row also indexes the tokens and the coins
+  };
+  Rows at(int64_t b) const {
+    if (!flat) return {b * (K + 1), b * K, clamp64(counts[b], 0, K)};
+    const Span s = flat_span(counts, b, num_tokens, K);
+    return {s.start + (bonus_rows ? b : 0), s.start, s.n};
+  }
+};
+
 // ------------------------------------------------------------------------------ verify_greedy
+// One chain's greedy walk: accept drafts while they equal their row's argmax, then write the
+// argmax at the first mismatch, or after n accepted drafts the bonus: the argmax of the row
+// after the last draft, or *bonus when the caller gives the bonus token (that row is then not
+// read, it need not exist).  Writes out[0..a]; returns a.
+inline int64_t greedy_chain(const int64_t* argmax, const int64_t* drafts, int64_t n, const int64_t* bonus, int64_t* out) {
+  int64_t a = 0;
+  while (a < n && drafts[a] == argmax[a]) {
+    out[a] = drafts[a];
+    ++a;
+  }
+  out[a] = (bonus != nullptr && a == n) ? *bonus : argmax[a];
+  return a;
+}
+
 std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_tokens,
                                                      const at::Tensor& num_draft_tokens) {
   TORCH_CHECK_VALUE(target_logits.dim() == 3, "target_logits must be [B, K + 1, V]");
@@ -185,14 +232,41 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy_cpu(const at::Tensor& target_lo
   int64_t* o = out.data_ptr<int64_t>();
   int64_t* na = num_accepted.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = clamp64(cn[b], 0, K);
-    int64_t a = 0;
-    while (a < n && dr[b * K + a] == am[b * K1 + a]) {
-      o[b * K1 + a] = dr[b * K + a];
-      ++a;
-    }
-    o[b * K1 + a] = am[b * K1 + a];  // the correction at the first mismatch, or the bonus
-    na[b] = a;
+    na[b] = greedy_chain(am + b * K1, dr + b * K, clamp64(cn[b], 0, K), nullptr, o + b * K1);
+  }
+  return {out, num_accepted};
+}
+
+// The flattened form: argmaxes of every flat row, then each request's walk over its span.
+std::tuple<at::Tensor, at::Tensor> verify_greedy_flattened_cpu(const at::Tensor& target_logits,
+                                                               const at::Tensor& draft_token_ids,
+                                                               const at::Tensor& cu_num_draft_tokens,
+                                                               const c10::optional<at::Tensor>& bonus_token_ids,
+                                                               int64_t max_spec_len) {
+  TORCH_CHECK_VALUE(target_logits.dim() == 2, "target_logits must be [T + B, V] or [T, V]");
+  TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1, "draft_token_ids and cu_num_draft_tokens must be 1-D");
+  TORCH_CHECK_VALUE(max_spec_len >= 0, "max_spec_len must be >= 0");
+  const bool has_bonus = bonus_token_ids.has_value() && bonus_token_ids->defined();
+  const int64_t T = draft_token_ids.size(0), B = cu_num_draft_tokens.size(0), K = max_spec_len, K1 = K + 1;
+  TORCH_CHECK_VALUE(target_logits.size(0) == (has_bonus ? T : T + B), "target_logits must have T + B rows, or T with bonus_token_ids");
+  TORCH_CHECK_VALUE(!has_bonus || bonus_token_ids->numel() == B, "bonus_token_ids must be [B]");
+  at::Tensor out = at::full({B, K1}, -1, target_logits.options().dtype(at::kLong));
+  at::Tensor num_accepted = at::zeros({B}, target_logits.options().dtype(at::kLong));
+  if (B == 0) return {out, num_accepted};
+  const at::Tensor argmax = rows_argmax(target_logits);  // [rows]
+  const at::Tensor drafts = draft_token_ids.to(at::kLong).contiguous();
+  const at::Tensor cu = cu_num_draft_tokens.to(at::kLong).contiguous();
+  const at::Tensor bonus = has_bonus ? bonus_token_ids->to(at::kLong).contiguous() : at::Tensor();
+  const int64_t* am = argmax.data_ptr<int64_t>();
+  const int64_t* dr = drafts.data_ptr<int64_t>();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t* bn = has_bonus ? bonus.data_ptr<int64_t>() : nullptr;
+  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* na = num_accepted.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const Span s = flat_span(c, b, T, K);
+    const int64_t row0 = s.start + (has_bonus ? 0 : b);
+    na[b] = greedy_chain(am + row0, dr + s.start, s.n, has_bonus ? bn + b : nullptr, o + b * K1);
   }
   return {out, num_accepted};
 }
@@ -245,18 +319,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::
 }
 
 // --------------------------------------------------------------------------- rejection_sample
+// One pass per request, parallel over requests; `layout` says where its rows are (padded or
+// flattened).  With `bonus_ids` (flattened, [T, V] targets) a fully accepted request emits
+// bonus_ids[b] and samples nothing; its would-be bonus row is never addressed.
 template <typename T>
-void rejection_sample_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const int64_t* counts,
-                           const float* coins, const float* final_u, int64_t B, int64_t K, int64_t V, int64_t* out,
-                           int64_t* num_accepted) {
-  const int64_t K1 = K + 1;
+void rejection_sample_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const ChainLayout& layout,
+                           const int64_t* bonus_ids, const float* coins, const float* final_u, int64_t B, int64_t V,
+                           int64_t* out, int64_t* num_accepted) {
+  const int64_t K1 = layout.K + 1;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> w(static_cast<size_t>(V));
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = clamp64(counts[b], 0, K);
-      const T* p_rows = target + b * K1 * V;
-      const T* q_rows = has_draft ? draft + b * K * V : nullptr;
-      const int64_t* x = tokens + b * K;
+      const ChainLayout::Rows rows = layout.at(b);
+      const int64_t n = rows.n;
+      const T* p_rows = target + rows.target_row * V;
+      const T* q_rows = has_draft ? draft + rows.draft_row * V : nullptr;
+      const int64_t* x = tokens + rows.draft_row;
+      const float* u = coins + rows.draft_row;
       // 1. accept x_j while u_j * q_j(x_j) < p_j(x_j) in float32 (p = 0 never accepts)
       int64_t a = 0;
       while (a < n) {
@@ -264,41 +343,55 @@ void rejection_sample_rows(const T* target, const T* draft, bool has_draft, cons
         if (t < 0 || t >= V) break;
         const float p = f32(p_rows[a * V + t]);
         const float q = has_draft ? f32(q_rows[a * V + t]) : 1.0f;
-        if (!(coins[b * K + a] * q < p)) break;
+        if (!(u[a] * q < p)) break;
         ++a;
       }
-      // 2. the row to sample: the residual max(0, p - q) at the first rejection (p itself
-      //    when that has no mass), else the bonus row after the last draft
-      const T* p_row = p_rows + a * V;
       const bool rejected = a < n;
-      bool residual_mass = false;
-      if (rejected) {
-        if (has_draft) {
-          const T* q_row = q_rows + a * V;
-          for (int64_t i = 0; i < V; ++i) {
-            const float r = f32(p_row[i]) - f32(q_row[i]);
-            w[i] = mass(static_cast<double>(r));
-            residual_mass |= r > 0;
-          }
-        } else {
-          const int64_t at = x[a];  // rejected: a < n <= K, inside the row
-          for (int64_t i = 0; i < V; ++i) {
-            const float r = f32(p_row[i]) - (i == at ? 1.0f : 0.0f);
-            w[i] = mass(static_cast<double>(r));
-            residual_mass |= r > 0;
+      int64_t sampled;
+      if (!rejected && bonus_ids != nullptr) {
+        sampled = bonus_ids[b];
+      } else {
+        // 2. the row to sample: the residual max(0, p - q) at the first rejection (p itself
+        //    when that has no mass), else the bonus row after the last draft
+        const T* p_row = p_rows + a * V;
+        bool residual_mass = false;
+        if (rejected) {
+          if (has_draft) {
+            const T* q_row = q_rows + a * V;
+            for (int64_t i = 0; i < V; ++i) {
+              const float r = f32(p_row[i]) - f32(q_row[i]);
+              w[i] = mass(static_cast<double>(r));
+              residual_mass |= r > 0;
+            }
+          } else {
+            const int64_t at = x[a];  // rejected: a < n, inside the request's drafts
+            for (int64_t i = 0; i < V; ++i) {
+              const float r = f32(p_row[i]) - (i == at ? 1.0f : 0.0f);
+              w[i] = mass(static_cast<double>(r));
+              residual_mass |= r > 0;
+            }
           }
         }
+        if (!residual_mass) {
+          for (int64_t i = 0; i < V; ++i) w[i] = mass(static_cast<double>(f32(p_row[i])));
+        }
+        sampled = sample_weights(w, static_cast<double>(final_u[b]));
       }
-      if (!residual_mass) {
-        for (int64_t i = 0; i < V; ++i) w[i] = mass(static_cast<double>(f32(p_row[i])));
-      }
-      const int64_t sampled = sample_weights(w, static_cast<double>(final_u[b]));
       for (int64_t j = 0; j < a; ++j) out[b * K1 + j] = x[j];
       out[b * K1 + a] = sampled;
       for (int64_t j = a + 1; j < K1; ++j) out[b * K1 + j] = -1;
       num_accepted[b] = a;
     }
   });
+}
+
+// The probability operands: contiguous, draft of the target's dtype (the Python op makes them so).
+void check_probs_cpu(const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs, bool has_draft) {
+  check_cpu(target_probs, "target_probs");
+  if (has_draft) {
+    check_cpu(*draft_probs, "draft_probs");
+    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(), "draft_probs must have target_probs' dtype");
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& target_probs,
@@ -311,20 +404,52 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& target
   const auto opts = target_probs.options().dtype(at::kLong);
   at::Tensor out = at::empty({B, K + 1}, opts), num_accepted = at::empty({B}, opts);
   if (B == 0) return {out, num_accepted};
-  check_cpu(target_probs, "target_probs");
   const bool has_draft = draft_probs.has_value() && draft_probs->defined();
-  if (has_draft) {
-    check_cpu(*draft_probs, "draft_probs");
-    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(), "draft_probs must have target_probs' dtype");
-  }
+  check_probs_cpu(target_probs, draft_probs, has_draft);
   const at::Tensor tokens = draft_tokens.to(at::kLong).contiguous();
   const at::Tensor counts = num_draft_tokens.to(at::kLong).contiguous();
   const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
   const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
+  const ChainLayout layout{counts.data_ptr<int64_t>(), K, B * K, /*flat=*/false, /*bonus_rows=*/true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_cpu", [&] {
     rejection_sample_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
-                                    has_draft, tokens.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-                                    coins.data_ptr<float>(), final_u.data_ptr<float>(), B, K, V, out.data_ptr<int64_t>(),
+                                    has_draft, tokens.data_ptr<int64_t>(), layout, nullptr, coins.data_ptr<float>(),
+                                    final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
+  });
+  return {out, num_accepted};
+}
+
+// The flattened form (vLLM v1): target [T + B, V] (bonus rows inline) or [T, V] with
+// bonus_token_ids [B]; draft_probs [T, V] or none; tokens and coins [T]; output [B, K + 1].
+std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
+    const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs, const at::Tensor& draft_token_ids,
+    const at::Tensor& cu_num_draft_tokens, const c10::optional<at::Tensor>& bonus_token_ids,
+    const at::Tensor& uniform_samples, const at::Tensor& sample_uniforms, int64_t max_spec_len) {
+  TORCH_CHECK_VALUE(target_probs.dim() == 2, "target_probs must be [T + B, V] or [T, V]");
+  TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1, "draft_token_ids and cu_num_draft_tokens must be 1-D");
+  TORCH_CHECK_VALUE(max_spec_len >= 0, "max_spec_len must be >= 0");
+  const bool has_draft = draft_probs.has_value() && draft_probs->defined();
+  const bool has_bonus = bonus_token_ids.has_value() && bonus_token_ids->defined();
+  const int64_t T = draft_token_ids.size(0), B = cu_num_draft_tokens.size(0), V = target_probs.size(1), K = max_spec_len;
+  TORCH_CHECK_VALUE(target_probs.size(0) == (has_bonus ? T : T + B), "target_probs must have T + B rows, or T with bonus_token_ids");
+  TORCH_CHECK_VALUE(!has_draft || (draft_probs->dim() == 2 && draft_probs->size(0) == T && draft_probs->size(1) == V),
+                    "draft_probs must be [T, V]");
+  TORCH_CHECK_VALUE(!has_bonus || bonus_token_ids->numel() == B, "bonus_token_ids must be [B]");
+  TORCH_CHECK_VALUE(uniform_samples.numel() == T && sample_uniforms.numel() == B, "uniform_samples must be [T], sample_uniforms [B]");
+  const auto opts = target_probs.options().dtype(at::kLong);
+  at::Tensor out = at::empty({B, K + 1}, opts), num_accepted = at::empty({B}, opts);
+  if (B == 0) return {out, num_accepted};
+  check_probs_cpu(target_probs, draft_probs, has_draft);
+  const at::Tensor tokens = draft_token_ids.to(at::kLong).contiguous();
+  const at::Tensor cu = cu_num_draft_tokens.to(at::kLong).contiguous();
+  const at::Tensor bonus = has_bonus ? bonus_token_ids->to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
+  const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
+  const ChainLayout layout{cu.data_ptr<int64_t>(), K, T, /*flat=*/true, /*bonus_rows=*/!has_bonus};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_flattened_cpu", [&] {
+    rejection_sample_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
+                                    has_draft, tokens.data_ptr<int64_t>(), layout, has_bonus ? bonus.data_ptr<int64_t>() : nullptr,
+                                    coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(),
                                     num_accepted.data_ptr<int64_t>());
   });
   return {out, num_accepted};
@@ -549,8 +674,10 @@ at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temper
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("verify_greedy_native", &specdec::verify_greedy_cpu);
+  m.impl("verify_greedy_flattened_native", &specdec::verify_greedy_flattened_cpu);
   m.impl("verify_tree_greedy_native", &specdec::verify_tree_greedy_cpu);
   m.impl("rejection_sample_native", &specdec::rejection_sample_cpu);
+  m.impl("rejection_sample_flattened_native", &specdec::rejection_sample_flattened_cpu);
   m.impl("tree_rejection_sample_native", &specdec::tree_rejection_sample_cpu);
   m.impl("sampling_probs_native", &specdec::sampling_probs_cpu);
 }

@@ -13,22 +13,28 @@ triton is imported only when a Triton kernel is first needed.
 from specdec_kernels import reference, tree
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
 from specdec_kernels.ops.rejection_sample import rejection_sample
+from specdec_kernels.ops.rejection_sample_flattened import rejection_sample_flattened
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.ops.tree_attention import tree_attention
 from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
 from specdec_kernels.ops.verify_greedy import verify_greedy
+from specdec_kernels.ops.verify_greedy_flattened import verify_greedy_flattened
 from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
+from specdec_kernels.reference.rejection_sample import RejectionSampleDetails
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RejectionSampleDetails",
     "compact_kv_cache",
     "reference",
     "rejection_sample",
+    "rejection_sample_flattened",
     "sampling_probs",
     "tree",
     "tree_attention",
     "tree_rejection_sample",
     "verify_greedy",
+    "verify_greedy_flattened",
     "verify_tree_greedy",
 ]

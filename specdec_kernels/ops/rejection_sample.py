@@ -7,14 +7,19 @@ generators, or per-sequence Philox seeds and offsets (``specdec_kernels._random`
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference import rejection_sample as _ref
-from specdec_kernels.reference.rejection_sample import _rejection_sample, check_rejection_sample_args
+from specdec_kernels.reference.rejection_sample import (
+    RejectionSampleDetails,
+    _rejection_sample,
+    check_rejection_sample_args,
+    rejection_details,
+)
 
 IMPLEMENTED = ("reference", "native", "triton")
 
@@ -80,15 +85,20 @@ def rejection_sample(
     sample_uniforms: Optional[torch.Tensor] = None,
     seeds: Optional[torch.Tensor] = None,
     offsets: Optional[torch.Tensor] = None,
+    return_details: bool = False,
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> Union[Tuple[torch.Tensor, torch.Tensor], RejectionSampleDetails]:
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
     coins, final_u = draw_uniforms(
         B, K, target_probs.device, generator, uniform_samples, sample_uniforms,
         coin_counts=n, seeds=seeds, offsets=offsets, validate=validate,
     )
-    return torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or "")
+    out, acc = torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u,
+                                                  backend or "")
+    if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
+        return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
+    return out, acc
 
 
 rejection_sample.__doc__ = _backend.public_doc(_ref, "rejection_sample") + """

@@ -4,20 +4,25 @@ Readable first; each function validates its arguments like the public op and doc
 paper or algorithm it implements.
 """
 from specdec_kernels.reference.compact_kv_cache import compact_kv_cache
-from specdec_kernels.reference.rejection_sample import rejection_sample, sample_from_weights
+from specdec_kernels.reference.rejection_sample import RejectionSampleDetails, rejection_sample, sample_from_weights
+from specdec_kernels.reference.rejection_sample_flattened import rejection_sample_flattened
 from specdec_kernels.reference.sampling_probs import sampling_probs
 from specdec_kernels.reference.tree_attention import tree_attention
 from specdec_kernels.reference.tree_rejection_sample import tree_rejection_sample
 from specdec_kernels.reference.verify_greedy import verify_greedy
+from specdec_kernels.reference.verify_greedy_flattened import verify_greedy_flattened
 from specdec_kernels.reference.verify_tree_greedy import verify_tree_greedy
 
 __all__ = [
+    "RejectionSampleDetails",
     "compact_kv_cache",
     "rejection_sample",
+    "rejection_sample_flattened",
     "sample_from_weights",
     "sampling_probs",
     "tree_attention",
     "tree_rejection_sample",
     "verify_greedy",
+    "verify_greedy_flattened",
     "verify_tree_greedy",
 ]

@@ -1,7 +1,7 @@
 """Reference lossless rejection sampling of a chain of draft tokens (plain PyTorch)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -40,6 +40,72 @@ def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, token, torch.zeros_like(token))
 
 
+class RejectionSampleDetails(NamedTuple):
+    """What ``rejection_sample(..., return_details=True)`` (and its flattened form) returns:
+    the two usual outputs and FlashInfer's optional counters (``chain_speculative_sampling``'s
+    ``output_accepted_token_num`` and ``output_emitted_draft_token_num``), plus a NaN flag.
+
+    Fields:
+        output_tokens: Shape (batch, K + 1), int64: as without details.
+        num_accepted: Shape (batch,), int64: as without details.
+        accepted_counts: Shape (batch,), int64: how many of the request's counted drafts pass
+            their own accept test ``u_j * q_j(x_j) < p_j(x_j)`` (the same coins), counted over
+            all of them, also after the first rejection (FlashInfer's accepted count: a
+            measure of draft/target agreement; >= num_accepted).
+        emitted_counts: Shape (batch,), int64: equal to num_accepted (FlashInfer's emitted
+            draft count; the request emits emitted_counts + 1 tokens).
+        valid: Shape (batch,), bool: False where a probability row the request owns held a
+            NaN: a target row of one of its counted drafts, its bonus row (when given as a
+            row) or a draft row of one of its counted drafts.  Rows of the padding are not
+            the request's.
+
+    Unlike FlashInfer the counters are returned fresh, not accumulated in place.
+    """
+
+    output_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    accepted_counts: torch.Tensor
+    emitted_counts: torch.Tensor
+    valid: torch.Tensor
+
+
+def accept_tests(p_x: torch.Tensor, q_x: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor,
+                 coins: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each draft's own accept test (bool, the shape of ``p_x``): ``u * q(x) < p(x)`` in float32
+    for an id inside the vocabulary at a counted position; p(x) = 0 (or NaN) never accepts."""
+    in_vocab = (tokens >= 0) & (tokens < vocab)
+    return (coins * q_x.float() < p_x.float()) & in_vocab & counted
+
+
+def make_details(output_tokens, num_accepted, accept, target_nan, draft_nan) -> RejectionSampleDetails:
+    """``RejectionSampleDetails`` from the outputs, the accept tests [B, K] and per-request
+    masks of used rows holding NaN (target [B, K + 1], draft [B, K] or None)."""
+    bad = target_nan.any(dim=1)
+    if draft_nan is not None:
+        bad = bad | draft_nan.any(dim=1)
+    accepted_counts = accept.to(torch.int64).sum(dim=1)
+    return RejectionSampleDetails(output_tokens, num_accepted, accepted_counts, num_accepted.clone(), ~bad)
+
+
+def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens, coins, output_tokens, num_accepted):
+    """The details of a padded call (cheap gathers of B * K values and, since asked for, a
+    NaN scan of the rows)."""
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    device = target_probs.device
+    n = num_draft_tokens.clamp(0, K)
+    tokens = draft_tokens.to(torch.int64)
+    safe = tokens.clamp(0, V - 1)[..., None]
+    p_x = target_probs[:, :K].gather(2, safe).squeeze(2)
+    q_x = draft_probs.gather(2, safe).squeeze(2) if draft_probs is not None else torch.ones_like(p_x)
+    j = torch.arange(K1, device=device)
+    counted = j[None, :K] < n[:, None]
+    accept = accept_tests(p_x, q_x, tokens, counted, coins, V)
+    target_nan = torch.isnan(target_probs).any(dim=-1) & (j[None, :] <= n[:, None])
+    draft_nan = torch.isnan(draft_probs).any(dim=-1) & counted if draft_probs is not None else None
+    return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
+
+
 def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=None):
     """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64)."""
     check_probs("target_probs", target_probs, 3)
@@ -65,13 +131,12 @@ def _rejection_sample(target_probs, draft_probs, draft_tokens, num_draft_tokens,
     device = target_probs.device
     num_draft_tokens = num_draft_tokens.clamp(0, K)  # counts past K act as K (unchecked input)
     tokens = draft_tokens.to(torch.int64)
-    in_vocab = (tokens >= 0) & (tokens < V)
     safe = tokens.clamp(0, V - 1)[..., None]
     p = target_probs[:, :K].float().gather(2, safe).squeeze(2)  # p_j(x_j)
     q = draft_probs.float().gather(2, safe).squeeze(2) if draft_probs is not None else torch.ones_like(p)
     counted = torch.arange(K, device=device)[None, :] < num_draft_tokens[:, None]
     # Accept x_j when u_j * q_j(x_j) < p_j(x_j), in float32; p_j(x_j) = 0 is never accepted.
-    accept = (coins * q < p) & in_vocab & counted
+    accept = accept_tests(p, q, tokens, counted, coins, V)
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
     row = num_accepted[:, None, None].expand(B, 1, V)
@@ -104,7 +169,8 @@ def rejection_sample(
     generator: GeneratorArg = None,
     uniform_samples: Optional[torch.Tensor] = None,
     sample_uniforms: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    return_details: bool = False,
+) -> Union[Tuple[torch.Tensor, torch.Tensor], RejectionSampleDetails]:
     """Lossless speculative sampling of a chain of draft tokens (reference).
 
     Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
@@ -129,10 +195,14 @@ def rejection_sample(
         uniform_samples: Shape (batch, K), float32 in [0, 1): the acceptance coins.
         sample_uniforms: Shape (batch,), float32 in [0, 1): the uniform that draws each
             sequence's one sampled token (residual or bonus) by inverse CDF.
+        return_details: return a ``RejectionSampleDetails`` (FlashInfer's accepted and
+            emitted draft counts and a per-request NaN flag) instead of the pair; costs a
+            gather of B * K values and a NaN scan of the rows, only when asked.
 
     Returns:
         output_tokens: Shape (batch, K + 1), int64: accepted drafts, the sampled token, -1.
         num_accepted: Shape (batch,), int64; a row emits num_accepted + 1 tokens.
+        (With return_details=True, a ``RejectionSampleDetails`` holding these two first.)
 
     Raises:
         TypeError: wrong dtype, generator of the wrong type.
@@ -141,4 +211,7 @@ def rejection_sample(
     """
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens)
     coins, final_u = draw_uniforms(B, K, target_probs.device, generator, uniform_samples, sample_uniforms)
-    return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    out, acc = _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    if return_details:
+        return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
+    return out, acc

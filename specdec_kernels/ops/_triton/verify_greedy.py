@@ -12,7 +12,9 @@ Triton design (two launches; the second is tiny):
    In the interpreter (CPU) it does not split by default (programs run one after another).
 2. ``_verify_greedy_accept_kernel``, grid (B,): program b combines the S partials of its
    K + 1 rows (in split order), compares the drafts with the argmaxes, finds the leading
-   run of matches and writes the output row and num_accepted.
+   run of matches and writes the output row and num_accepted.  With ``FLAT=True`` (the
+   flattened vLLM v1 layout, ``verify_greedy_flattened``) step 1 runs over the flat rows as
+   they are and program b finds its rows from ``cu_num_draft_tokens``.
 
 Why not one kernel: acceptance is sequential along a sequence's rows and needs every row's
 argmax, while the argmax needs parallelism over rows and V.  A single launch would either
@@ -133,32 +135,55 @@ def _combine_partials(part_val_ptr, part_idx_ptr, rows, mask, num_rows, S):
 
 @_jit
 def _verify_greedy_accept_kernel(
-    part_val_ptr,  # [S, B * (K + 1)] fp32
-    part_idx_ptr,  # [S, B * (K + 1)] int32
-    draft_ptr,  # [B, K] int32/int64 (strided)
+    part_val_ptr,  # [S, num_rows] fp32
+    part_idx_ptr,  # [S, num_rows] int32
+    draft_ptr,  # padded: [B, K] int32/int64 (strided); FLAT: [T] (stride stride_dk)
     stride_db,
     stride_dk,
-    num_draft_ptr,  # [B] int64
+    num_draft_ptr,  # padded: [B] int64 counts; FLAT: cu_num_draft_tokens [B] int32/int64
+    bonus_ptr,  # FLAT and BONUS_IDS: [B] int32/int64 bonus tokens (else unused)
     out_ptr,  # [B, K + 1] int64, contiguous
     num_accepted_ptr,  # [B] int64
-    K,
+    K,  # padded width (FLAT: max_spec_len)
     S,
+    num_rows,  # rows of the partials: B * (K + 1), or the flat target's rows
+    T,  # FLAT: number of draft tokens (spans are clamped into [0, T])
+    FLAT: tl.constexpr,  # the flattened (vLLM v1) layout
+    BONUS_IDS: tl.constexpr,  # FLAT with [T, V] targets and the bonus tokens given
     BLOCK_K: tl.constexpr,  # power of two >= K + 1
 ):
     b = tl.program_id(0)
-    num_rows = tl.num_programs(0) * (K + 1)
     k = tl.arange(0, BLOCK_K)
-    is_row = k <= K
-    target = _combine_partials(part_val_ptr, part_idx_ptr, b * (K + 1) + k, is_row, num_rows, S)
+    if FLAT:
+        # request b's span, clamped as in specdec_kernels/_flattened.py: its rows stay inside
+        end = tl.minimum(tl.maximum(tl.load(num_draft_ptr + b).to(tl.int64), 0), T)
+        prev = tl.load(num_draft_ptr + tl.maximum(b - 1, 0)).to(tl.int64)
+        start = tl.where(b > 0, tl.minimum(tl.maximum(prev, 0), T), 0)
+        n = tl.maximum(tl.minimum(end - start, K), 0)
+        if BONUS_IDS:
+            row0 = start
+            is_row = k < n
+        else:
+            row0 = start + b
+            is_row = k <= n
+        d0 = start * stride_dk
+    else:
+        n = tl.load(num_draft_ptr + b)
+        row0 = b.to(tl.int64) * (K + 1)
+        is_row = k <= K
+        d0 = b.to(tl.int64) * stride_db
+    target = _combine_partials(part_val_ptr, part_idx_ptr, row0 + k, is_row, num_rows, S)
 
-    n = tl.load(num_draft_ptr + b)
     counted = (k < K) & (k < n)
-    draft = tl.load(draft_ptr + b.to(tl.int64) * stride_db + k * stride_dk, mask=counted, other=-1).to(tl.int64)
+    draft = tl.load(draft_ptr + d0 + k * stride_dk, mask=counted, other=-1).to(tl.int64)
     match = counted & (draft == target)
     # Leading run of matches = index of the first non-matching lane (lanes >= K never match).
     num_accepted = tl.min(tl.where(match, BLOCK_K, k), axis=0)
+    if BONUS_IDS:  # the caller's bonus token stands where the bonus row's argmax would
+        bonus = tl.load(bonus_ptr + b).to(tl.int64)
+        target = tl.where(k == n, bonus, target)
     out = tl.where(k < num_accepted, draft, tl.where(k == num_accepted, target, -1))
-    tl.store(out_ptr + b.to(tl.int64) * (K + 1) + k, out, mask=is_row)
+    tl.store(out_ptr + b.to(tl.int64) * (K + 1) + k, out, mask=k <= K)
     tl.store(num_accepted_ptr + b, num_accepted.to(tl.int64))
 
 
@@ -245,10 +270,11 @@ def _verify_greedy_triton_impl(
     if B == 0:
         return output_tokens, num_accepted
     part_val, part_idx, S = argmax_partials(target_logits, block_v=block_v or None, num_splits=num_splits or None)
+    counts = num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[(B,)](
         part_val, part_idx, draft_tokens, draft_tokens.stride(0), draft_tokens.stride(1),
-        num_draft_tokens.to(torch.int64), output_tokens, num_accepted, K, S,
-        BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
+        counts, counts, output_tokens, num_accepted, K, S, B * K1, 0,  # bonus_ptr: unused without BONUS_IDS
+        FLAT=False, BONUS_IDS=False, BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
     )
     return output_tokens, num_accepted
 
@@ -308,6 +334,95 @@ def verify_greedy_triton(
     )
 
 
+def _verify_greedy_flattened_triton_impl(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    bonus_token_ids: Optional[torch.Tensor],
+    max_spec_len: int,
+    block_v: int = 0,
+    num_splits: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, K1 = cu_num_draft_tokens.shape[0], max_spec_len + 1
+    device = target_logits.device
+    output_tokens = torch.empty((B, K1), dtype=torch.int64, device=device)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
+    if B == 0:
+        return output_tokens, num_accepted
+    # every flat row's argmax, read in place (the rows as one [1, rows, V] batch)
+    part_val, part_idx, S = argmax_partials(target_logits[None], block_v=block_v or None, num_splits=num_splits or None)
+    T = draft_token_ids.shape[0]
+    drafts = draft_token_ids if T else torch.zeros(1, dtype=torch.int64, device=device)  # never read when T = 0
+    bonus = bonus_token_ids if bonus_token_ids is not None else cu_num_draft_tokens  # unused without BONUS_IDS
+    launch(_verify_greedy_accept_kernel)[(B,)](
+        part_val, part_idx, drafts, 0, drafts.stride(0), cu_num_draft_tokens, bonus, output_tokens, num_accepted,
+        max_spec_len, S, target_logits.shape[0], T,
+        FLAT=True, BONUS_IDS=bonus_token_ids is not None, BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
+    )
+    return output_tokens, num_accepted
+
+
+def _verify_greedy_flattened_triton_fake(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
+                                         max_spec_len, block_v=0, num_splits=0):
+    B = cu_num_draft_tokens.shape[0]
+    torch._check(target_logits.dim() == 2, lambda: "target_logits must be [T + B, V] or [T, V]")
+    return (
+        target_logits.new_empty((B, max_spec_len + 1), dtype=torch.int64),
+        target_logits.new_empty((B,), dtype=torch.int64),
+    )
+
+
+_verify_greedy_flattened_triton_op = kernel_op(
+    "verify_greedy_flattened_triton", _verify_greedy_flattened_triton_impl, _verify_greedy_flattened_triton_fake
+)
+
+
+def verify_greedy_flattened_triton(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    bonus_token_ids: Optional[torch.Tensor],
+    max_spec_len: int,
+    *,
+    block_v: Optional[int] = None,
+    num_splits: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification in the flattened (vLLM v1) layout with the Triton kernels
+    (``torch.ops.specdec.verify_greedy_flattened_triton``).
+
+    Inputs are assumed checked (``specdec_kernels._flattened.check_flattened_args``); the public
+    ``verify_greedy_flattened(..., backend="triton")`` does that and calls this.
+
+    Parameters
+    ----------
+    target_logits : torch.Tensor
+        Shape (T + B, vocab) (each request's draft rows then its bonus row) or (T, vocab) with
+        ``bonus_token_ids``; float32/float16/bfloat16, any row stride (a last dimension that is
+        not unit-stride is made contiguous).
+    draft_token_ids : torch.Tensor
+        Shape (T,), int32/int64, any stride.
+    cu_num_draft_tokens : torch.Tensor
+        Shape (B,), int32/int64: inclusive cumsum of the draft counts (clamped into [0, T]).
+    bonus_token_ids : torch.Tensor, optional
+        Shape (B,), int32/int64: the bonus tokens when target_logits has T rows.
+    max_spec_len : int
+        Padded width of the output minus 1 (counts above it are clamped to it).
+    block_v, num_splits : int, optional
+        Tiling of the argmax (see ``argmax_partials``).
+
+    Returns
+    -------
+    (output_tokens (B, max_spec_len + 1) int64 with -1 padding, num_accepted (B,) int64).
+
+    The same two launches as ``verify_greedy_triton``: the split argmax over every flat row,
+    then ``_verify_greedy_accept_kernel`` with ``FLAT=True`` (one program per request, its
+    rows found from cu_num_draft_tokens).
+    """
+    return torch.ops.specdec.verify_greedy_flattened_triton(
+        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, block_v or 0, num_splits or 0
+    )
+
+
 # Ahead-of-time compilation specs (tests/aot_compile.py): every dtype combination that
 # changes a kernel's signature.
 _FLOATS = ("fp32", "fp16", "bf16")
@@ -326,14 +441,19 @@ AOT_SPECS = [
 ] + [
     dict(
         kernel=_verify_greedy_accept_kernel,
-        name=f"verify_greedy._verify_greedy_accept_kernel[{i}]",
+        name=f"verify_greedy._verify_greedy_accept_kernel[{i}, cu {c}, flat={flat}, bonus_ids={bonus_ids}]",
         signature={
             "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "draft_ptr": f"*{i}", "stride_db": "i32",
-            "stride_dk": "i32", "num_draft_ptr": "*i64", "out_ptr": "*i64", "num_accepted_ptr": "*i64",
-            "K": "i32", "S": "i32", "BLOCK_K": "constexpr",
+            "stride_dk": "i32", "num_draft_ptr": f"*{c}", "bonus_ptr": f"*{c}", "out_ptr": "*i64",
+            "num_accepted_ptr": "*i64", "K": "i32", "S": "i32", "num_rows": "i32", "T": "i32",
+            "FLAT": "constexpr", "BONUS_IDS": "constexpr", "BLOCK_K": "constexpr",
         },
-        constexprs={"BLOCK_K": 32},
+        constexprs={"FLAT": flat, "BONUS_IDS": bonus_ids, "BLOCK_K": 32},
         options={"num_warps": 1},
     )
-    for i in ("i32", "i64")
+    # padded (counts int64); flattened with vLLM's int32 ids and cu, and int64, bonus rows or ids
+    for i, c, flat, bonus_ids in (
+        ("i32", "i64", False, False), ("i64", "i64", False, False),
+        ("i32", "i32", True, False), ("i32", "i32", True, True), ("i64", "i64", True, True),
+    )
 ]

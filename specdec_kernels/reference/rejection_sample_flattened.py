@@ -1,0 +1,200 @@
+"""Reference lossless rejection sampling of draft chains in the flattened (vLLM v1) layout
+(plain PyTorch)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from specdec_kernels._checks import check_uniforms
+from specdec_kernels._flattened import FlatBatch, check_flattened_args, draft_counts, flatten_coins, positions, take
+from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels.reference.rejection_sample import (
+    RejectionSampleDetails,
+    accept_tests,
+    make_details,
+    mass,
+    sample_from_weights,
+)
+
+
+def _rejection_sample_flattened(
+    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final_u, max_spec_len
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    R, V = target_probs.shape
+    T, B, K = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0], max_spec_len
+    device = target_probs.device
+    with_rows = bonus_token_ids is None
+    pos = positions(cu_num_draft_tokens, T, K, bonus_rows=with_rows)
+    j = torch.arange(K, device=device)
+    tokens = take(draft_token_ids.to(torch.int64), pos.flat, pos.counted, -1)  # [B, K]
+    safe = tokens.clamp(0, V - 1)
+    # p_j(x_j) and q_j(x_j) at the request's own rows: B * K values, no row copied
+    t_rows = (pos.row0[:, None] + j[None, :]).clamp(0, max(R - 1, 0))
+    p = target_probs[t_rows, safe].float() if R else torch.zeros(B, K, device=device)
+    if draft_probs is not None:
+        q = draft_probs[pos.flat, safe].float() if T else torch.zeros(B, K, device=device)
+    else:
+        q = torch.ones_like(p)
+    u = take(coins, pos.flat, pos.counted, 1.0)
+    accept = accept_tests(p, q, tokens, pos.counted, u, V)
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    rejected = num_accepted < pos.n
+
+    # The row to sample from: the rejected draft's row (residual max(0, p - q), or p when that
+    # has no mass), else the bonus row; with bonus_token_ids a fully accepted request has no
+    # row to sample and emits its bonus token.
+    s_row = pos.row0 + num_accepted
+    p_row = take(target_probs, s_row, torch.ones_like(rejected), 0).float()  # [B, V]
+    d_row = pos.start + num_accepted  # the rejected draft's flat position (where rejected)
+    if draft_probs is not None:
+        q_row = take(draft_probs, d_row, rejected, 0).float()
+    else:
+        at = take(draft_token_ids.to(torch.int64), d_row, rejected, -1)
+        q_row = torch.zeros_like(p_row)
+        inside = (at >= 0) & (at < V)
+        q_row.scatter_(1, at.clamp(0, V - 1)[:, None], inside.float()[:, None])
+    residual = mass(p_row - q_row)
+    use_residual = rejected & (residual.sum(dim=1) > 0)
+    weights = torch.where(use_residual[:, None], residual, p_row)
+    sampled = sample_from_weights(weights, final_u)
+    if not with_rows:
+        sampled = torch.where(rejected, sampled, bonus_token_ids.to(torch.int64))
+
+    output_tokens = torch.full((B, K + 1), -1, dtype=torch.int64, device=device)
+    keep = j[None, :] < num_accepted[:, None]
+    output_tokens[:, :K] = torch.where(keep, tokens, -1)
+    output_tokens.scatter_(1, num_accepted[:, None], sampled[:, None])
+    return output_tokens, num_accepted
+
+
+def rejection_details_flattened(
+    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, max_spec_len,
+    output_tokens, num_accepted,
+) -> RejectionSampleDetails:
+    """``RejectionSampleDetails`` of a flattened call: gathers of B * max_spec_len values and a
+    NaN scan of the rows (run only when asked)."""
+    R, V = target_probs.shape
+    T, B, K = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0], max_spec_len
+    device = target_probs.device
+    with_rows = bonus_token_ids is None
+    pos = positions(cu_num_draft_tokens, T, K, bonus_rows=with_rows)
+    j = torch.arange(K + 1, device=device)
+    tokens = take(draft_token_ids.to(torch.int64), pos.flat, pos.counted, -1)
+    safe = tokens.clamp(0, V - 1)
+    t_rows = pos.row0[:, None] + j[None, :]  # [B, K + 1]
+    p = target_probs[t_rows[:, :K].clamp(0, max(R - 1, 0)), safe] if R else torch.zeros(B, K, device=device)
+    q = draft_probs[pos.flat, safe] if draft_probs is not None and T else torch.ones_like(p)
+    accept = accept_tests(p, q, tokens, pos.counted, take(coins, pos.flat, pos.counted, 1.0), V)
+    owns = j[None, :] <= pos.n[:, None] if with_rows else j[None, :] < pos.n[:, None]
+    target_nan = take(torch.isnan(target_probs).any(dim=-1), t_rows, owns, False)
+    draft_nan = None
+    if draft_probs is not None:
+        draft_nan = take(torch.isnan(draft_probs).any(dim=-1), pos.flat, pos.counted, False)
+    return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
+
+
+def flattened_uniforms(
+    flat: FlatBatch,
+    cu_num_draft_tokens: torch.Tensor,
+    device: torch.device,
+    generator: GeneratorArg = None,
+    uniform_samples: Optional[torch.Tensor] = None,
+    sample_uniforms: Optional[torch.Tensor] = None,
+    *,
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
+    validate: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(coins [T], sample uniforms [B]) float32 for a flattened call.
+
+    A request gets exactly the numbers the padded front draws for it with K = max_spec_len
+    (``specdec_kernels._random``, same generator state, seeds and offsets): the padded
+    [B, max_spec_len] coins are drawn (or computed from seeds/offsets) and flat draft t of
+    request b at position j takes coin [b, j].  Explicit ``uniform_samples`` are [T] (coin t is
+    flat draft t's); as in the padded front, a generator still draws the coins it would have
+    drawn when only ``sample_uniforms`` is missing.
+    """
+    B, T, K = flat.batch, flat.num_tokens, flat.max_spec_len
+    explicit = None
+    if uniform_samples is not None:
+        explicit = check_uniforms("uniform_samples", uniform_samples, (T,), device, validate)
+        uniform_samples = torch.zeros((B, K), dtype=torch.float32, device=device)  # stands in for the padded coins
+    counts = draft_counts(cu_num_draft_tokens, T).clamp(max=K)
+    coins, final = draw_uniforms(B, K, device, generator, uniform_samples, sample_uniforms,
+                                 coin_counts=counts, seeds=seeds, offsets=offsets, validate=validate)
+    return (explicit if explicit is not None else flatten_coins(coins, cu_num_draft_tokens, T)), final
+
+
+def rejection_sample_flattened(
+    target_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    bonus_token_ids: Optional[torch.Tensor] = None,
+    *,
+    max_spec_len: Optional[int] = None,
+    generator: GeneratorArg = None,
+    uniform_samples: Optional[torch.Tensor] = None,
+    sample_uniforms: Optional[torch.Tensor] = None,
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
+    return_details: bool = False,
+) -> Union[Tuple[torch.Tensor, torch.Tensor], RejectionSampleDetails]:
+    """Lossless speculative sampling of draft chains in the flattened (vLLM v1) layout (reference).
+
+    The algorithm of ``rejection_sample`` (Leviathan et al. 2023; Chen et al. 2023: accept
+    draft x_j when u_j * q_j(x_j) < p_j(x_j) in float32; at the first rejection sample from
+    max(0, p_j - q_j) normalised, from p_j when that has no mass; after the last draft sample
+    the bonus token) on vLLM v1's ragged layout (``SpecDecodeMetadata``).  Same tokens as
+    ``rejection_sample`` on the same data padded to K = max_spec_len, with the same random
+    numbers.
+
+    Args:
+        target_probs: Shape (T + B, vocab) without ``bonus_token_ids``: request b's K_b rows
+            for its drafts then its bonus row (rows cu[b-1] + b .. cu[b] + b); or (T, vocab)
+            with ``bonus_token_ids``.  float32/float16/bfloat16 (computed in float32), rows
+            read in place.
+        draft_probs: Shape (T, vocab), flat row t the distribution draft t was drawn from, or
+            None when the drafts were chosen deterministically (q one-hot at the draft).
+        draft_token_ids: Shape (T,), int32/int64.  An id outside [0, vocab) is rejected.
+        cu_num_draft_tokens: Shape (B,), int32/int64: the inclusive cumsum of the draft counts
+            (request b's drafts are flat positions cu[b-1] .. cu[b] - 1, cu[-1] read as 0);
+            zero-draft requests are allowed.
+        bonus_token_ids: Shape (B,) (or (B, 1)), int32/int64, or None.  When given (vLLM v1,
+            where the caller samples the bonus), a request that accepts all its drafts emits
+            bonus_token_ids[b] (copied as given) and uses no sample uniform; a rejection
+            samples the residual of the rejected row as usual.
+        max_spec_len: the output's padded width minus 1, >= max K_b.  None computes it from
+            cu_num_draft_tokens: a host read (a synchronisation on CUDA); pass it to avoid
+            that, as vLLM does.
+        generator, seeds, offsets: as for ``rejection_sample``: request b draws exactly the
+            numbers the padded front draws for it with K = max_spec_len (a zero-draft request
+            consumes no coin in the per-request modes).
+        uniform_samples: Shape (T,), float32/float64 in [0, 1): coin t is flat draft t's.
+        sample_uniforms: Shape (batch,), float32/float64 in [0, 1).
+        return_details: return a ``RejectionSampleDetails`` (FlashInfer's counters and a NaN
+            flag per request) instead of the pair.
+
+    Returns:
+        output_tokens: Shape (batch, max_spec_len + 1), int64: accepted drafts, the sampled
+            (or bonus) token, then -1 (vLLM's PLACEHOLDER_TOKEN_ID).
+        num_accepted: Shape (batch,), int64; a row emits num_accepted + 1 tokens.
+        (With return_details=True, a ``RejectionSampleDetails`` holding these two first.)
+
+    Raises:
+        TypeError: wrong dtype, max_spec_len not an int, generator of the wrong type.
+        ValueError: wrong ranks; target_probs without T + B rows (or T with
+            bonus_token_ids); draft_probs not (T, vocab); uniforms of the wrong shape; with
+            value checks, cu_num_draft_tokens negative, decreasing or not ending at T,
+            max_spec_len below the largest draft count, uniforms outside [0, 1).
+    """
+    flat = check_flattened_args("target_probs", target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
+                                bonus_token_ids, max_spec_len, probs=True)
+    coins, final_u = flattened_uniforms(flat, cu_num_draft_tokens, target_probs.device, generator, uniform_samples,
+                                        sample_uniforms, seeds=seeds, offsets=offsets)
+    args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids)
+    out, acc = _rejection_sample_flattened(*args, coins, final_u, flat.max_spec_len)
+    if return_details:
+        return rejection_details_flattened(*args, coins, flat.max_spec_len, out, acc)
+    return out, acc
