@@ -394,6 +394,15 @@ def test_opcheck_paged_tree_attention(layout, kind):
                               (q, pk, pv, lens, mask, table, layout, 0.25), {"backend": backend})
 
 
+@pytest.mark.parametrize("layout,kind,splits", [("NHD", 1, 1), ("HND", 2, 2), ("NHD", 0, 3)])
+def test_opcheck_paged_triton_op(device, layout, kind, splits):
+    if "triton" not in ALL:
+        pytest.skip("the Triton op needs CUDA or the interpreter")
+    q, pk, pv, lens, mask, table = _op_args(layout, ["causal", "bool", "packed"][kind])
+    args = on(device, q, pk, pv, lens, mask, table)
+    torch.library.opcheck(torch.ops.specdec.paged_tree_attention_triton.default, (*args, layout, kind, 0.25, splits))
+
+
 def test_registered_op_checks_shapes_for_direct_callers():
     q, pk, pv, lens, mask, table = _op_args()
     with pytest.raises(ValueError, match="kv_layout"):

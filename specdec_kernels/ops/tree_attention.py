@@ -420,13 +420,12 @@ def _paged_impl(
     B, N, H, D, Hkv, capacity, _, _ = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table,
                                                    kv_layout, num_splits, validate=False)
     name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
-    if name == "triton":  # interim: the dense kernel on the gathered cache (a paged kernel follows)
-        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
-        from specdec_kernels.reference.tree_attention import gather_paged_kv
+    if name == "triton":
+        from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
         splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device)
-        k, v = gather_paged_kv(k_cache, block_table, kv_layout), gather_paged_kv(v_cache, block_table, kv_layout)
-        return tree_attention_triton(q, k, v, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits)
+        return paged_tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
+                                           _mask_kind(tree_mask), sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
     if name == "torch":
         out = _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale)
