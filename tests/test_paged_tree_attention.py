@@ -194,6 +194,23 @@ def test_sm_scale_int64_lengths_and_a_pool_inside_a_bigger_cache(device, backend
     assert_close(got, expected(q, k, v, lens, None, sm_scale=0.3), torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("backend", ALL)
+def test_pools_with_padded_rows(device, backend, layout):
+    # head-dim rows padded to 24 elements: the pools are strided views, not contiguous
+    B, N, H, Hkv, D, bs = 2, 2, 4, 2, 16, 3
+    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [4, 8], bs, layout, seed=14)
+    padded = []
+    for pool in (pk, pv):
+        buf = torch.full((*pool.shape[:3], D + 8), NAN)
+        buf[..., :D] = pool
+        padded.append(buf[..., :D])
+    assert not padded[0].is_contiguous()
+    got = sk.tree_attention(*on(device, q, padded[0], padded[1], lens), block_table=table.to(device), kv_layout=layout,
+                            backend=backend)
+    assert_close(got, expected(q, k, v, lens, None), torch.float32)
+
+
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_triton_forced_splits(device, num_splits):
     if "triton" not in ALL:

@@ -235,15 +235,7 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
     return out
 
 
-def _row_offsets(block_size: int, kv_heads: int, kv_layout: str, device) -> torch.Tensor:
-    """Row of (head h, slot s) inside one block, as a [Hkv, 1, block_size] int64 tensor, for a
-    pool viewed as rows of head_dim: NHD rows are (block, slot, head), HND (block, head, slot)."""
-    head = torch.arange(kv_heads, device=device).view(kv_heads, 1, 1)
-    slot = torch.arange(block_size, device=device).view(1, 1, block_size)
-    return slot * kv_heads + head if kv_layout == "NHD" else head * block_size + slot
-
-
-# Per-thread CPU buffers that the torch backend gathers paged K/V into.  A fresh multi-MB
+# Per-thread CPU buffer that the torch backend gathers paged K/V into.  A fresh multi-MB
 # tensor per call comes from fresh pages (glibc returns large freed chunks to the OS), and
 # the page faults cost more than the gather itself (measured: 480 faults, 2.3 ms on top of a
 # 0.5 ms call); CUDA's caching allocator needs no such help.  Buffers above the cap are not kept.
@@ -263,59 +255,56 @@ def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
-def _gather_paged(cache, block_ids, kv_layout, offsets, out):
-    """Fill ``out`` [B, Hkv, M * block_size, D] with the blocks ``block_ids`` [B, M] (in the pool).
+def _gather_paged(cache, block_ids, kv_layout, out):
+    """The blocks ``block_ids`` [B, M] (ids in the pool) of a paged pool as a dense cache
+    [B, Hkv, M * block_size, D], copied into ``out`` (B * M * block_size * Hkv * D elements).
 
-    One ``index_select`` of head-dim rows straight into the head-major layout that SDPA reads
-    fastest (one copy; SDPA on a strided [B, T, Hkv, D] view is much slower on CPU) when the
-    pool's leading dims flatten into rows of D (a pool contiguous but for its block stride and
-    row padding, e.g. one layer of a bigger cache); otherwise whole blocks are selected and
-    rearranged (a second copy).  ``offsets``: ``_row_offsets`` of the pool.
+    NHD: one ``index_select`` of whole blocks, viewed as [B, Hkv, slots, D] through strides
+    (SDPA reads that view about as fast as a contiguous cache, and a second, head-major copy
+    would cost more).  HND: one ``index_select`` of the (block, head) rows of block_size * D
+    elements, which lands head-major at once; a pool whose (block, head) rows are not one
+    stride apart is first selected by block, then rearranged.
     """
     num_blocks, block_size, Hkv, D = paged_geometry(cache, kv_layout)
     B, M = block_ids.shape
+    if kv_layout == "NHD":
+        blocks = torch.index_select(cache, 0, block_ids.reshape(-1), out=out.view(B * M, block_size, Hkv, D))
+        return blocks.view(B, M * block_size, Hkv, D).transpose(1, 2)
     try:
-        rows = cache.view(num_blocks * block_size * Hkv, D)
+        rows = cache.view(num_blocks * Hkv, block_size * D)
     except RuntimeError:
-        blocks = cache.index_select(0, block_ids.reshape(-1))
-        if kv_layout == "NHD":
-            blocks = blocks.view(B, M, block_size, Hkv, D).permute(0, 3, 1, 2, 4)
-        else:
-            blocks = blocks.view(B, M, Hkv, block_size, D).transpose(1, 2)
-        return out.copy_(blocks.reshape(B, Hkv, M * block_size, D))
-    index = block_ids.to(torch.int64).mul_(block_size * Hkv).view(B, 1, M, 1) + offsets.view(1, Hkv, 1, block_size)
-    torch.index_select(rows, 0, index.view(-1), out=out.view(-1, D))
-    return out
+        blocks = cache.index_select(0, block_ids.reshape(-1)).view(B, M, Hkv, block_size, D)
+        return out.view(B, Hkv, M, block_size, D).copy_(blocks.transpose(1, 2)).view(B, Hkv, M * block_size, D)
+    index = block_ids.to(torch.int64).mul_(Hkv).view(B, 1, M) + torch.arange(Hkv, device=cache.device).view(1, Hkv, 1)
+    torch.index_select(rows, 0, index.view(-1), out=out.view(B * Hkv * M, block_size * D))
+    return out.view(B, Hkv, M * block_size, D)
 
 
 def _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale):
     """The SDPA path on the blocks that cover max(cache_seqlens) + N slots, gathered.
 
-    Lengths are clamped to [0, capacity - N] as in the reference; block ids into the pool, so
-    unused or hostile table entries gather some block of the pool (invisible slots) and never
-    memory outside it.  Off CPU the whole table is gathered (no host read of the lengths).
+    Lengths act as clamped to [0, capacity - N] as in the reference (the dense path clamps
+    them to its gathered capacity, which is the table's whenever a length reaches past it);
+    block ids are clamped into the pool, so unused or hostile table entries gather some block
+    of the pool (invisible slots) and never memory outside it.  Off CPU the whole table is
+    gathered (no host read of the lengths).
     """
     B, N = q.shape[0], q.shape[1]
-    num_blocks, block_size = paged_geometry(k_cache, kv_layout)[:2]
+    num_blocks, block_size, Hkv, D = paged_geometry(k_cache, kv_layout)
     max_blocks = block_table.shape[1]
     if B == 0 or N == 0:
         return torch.empty_like(q)
-    lens = cache_seqlens.to(torch.int64).clamp(0, max_blocks * block_size - N)
     if q.device.type == "cpu":
-        used = -(-(int(lens.max()) + N) // block_size)
+        longest = min(max(int(cache_seqlens.max()), 0), max_blocks * block_size - N)
+        used = -(-(longest + N) // block_size)
+        kv = _workspace(2 * B * used * block_size * Hkv * D, q.dtype).view(2, -1)
     else:
         used = max_blocks
+        kv = torch.empty(2, B * used * block_size * Hkv * D, dtype=q.dtype, device=q.device)
     ids = block_table[:, :used].clamp(0, num_blocks - 1)
-    Hkv, D = paged_geometry(k_cache, kv_layout)[2:]
-    offsets = _row_offsets(block_size, Hkv, kv_layout, q.device)
-    shape = (B, Hkv, used * block_size, D)
-    if q.device.type == "cpu":
-        kv = _workspace(2 * math.prod(shape), q.dtype).view(2, *shape)
-    else:
-        kv = torch.empty(2, *shape, dtype=q.dtype, device=q.device)
-    k = _gather_paged(k_cache, ids, kv_layout, offsets, kv[0])
-    v = _gather_paged(v_cache, ids, kv_layout, offsets, kv[1])
-    return _torch_tree_attention(q, k, v, lens, tree_mask, sm_scale)
+    k = _gather_paged(k_cache, ids, kv_layout, kv[0])
+    v = _gather_paged(v_cache, ids, kv_layout, kv[1])
+    return _torch_tree_attention(q, k, v, cache_seqlens, tree_mask, sm_scale)
 
 
 # --------------------------------------------------------------------------------------
