@@ -194,6 +194,41 @@ def _sdpa_dense(i):
     return out.transpose(1, 2)
 
 
+def _paged_attention_shapes(quick):
+    """The dense shapes, the cache paged in blocks of 16 slots (NHD, vLLM's default)."""
+    return [dict(s, block_size=16) for s in _attention_shapes(quick)]
+
+
+def _make_paged_attention(s, dtype, device):
+    """The dense inputs with each sequence's blocks scattered through a shuffled block table
+    into a pool with 10% spare blocks (what a serving engine's pool looks like)."""
+    i = _make_attention(s, dtype, device)
+    k, v = i["k_cache"], i["v_cache"]
+    B, Hkv, S, D = k.shape
+    bs = s["block_size"]
+    M = -(-S // bs)
+    num_blocks = B * M + max(1, B * M // 10)
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))[: B * M].view(B, M)
+    table = table.to(device=device, dtype=torch.int32)
+    pools = []
+    for t in (k, v):
+        dense = torch.zeros(B, Hkv, M * bs, D, dtype=dtype, device=device)
+        dense[:, :, :S] = t
+        pool = torch.zeros(num_blocks, bs, Hkv, D, dtype=dtype, device=device)
+        pool[table.reshape(-1).long()] = dense.view(B, Hkv, M, bs, D).permute(0, 2, 3, 1, 4).reshape(B * M, bs, Hkv, D)
+        pools.append(pool)
+    return dict(i, k_cache=pools[0], v_cache=pools[1], block_table=table, bytes=i["bytes"] + nbytes(table))
+
+
+def _sdpa_paged(i):
+    """The plain PyTorch way: gather the blocks into a dense cache, then _sdpa_dense."""
+    from specdec_kernels.reference.tree_attention import gather_paged_kv
+
+    k = gather_paged_kv(i["k_cache"], i["block_table"], "NHD")
+    v = gather_paged_kv(i["v_cache"], i["block_table"], "NHD")
+    return _sdpa_dense(dict(i, k_cache=k, v_cache=v))
+
+
 def _compact_shapes(quick):
     """Dense rows, then the same shapes on a paged cache (block_size 16, NHD)."""
     if quick:
@@ -245,7 +280,7 @@ def _index_select_loop(i):
             layer[b, :, start : start + n].copy_(layer[b].index_select(1, start + idx[b, :n]))
 
 
-SHOWN = ("model", "B", "K", "N", "prefix", "S", "M", "block_size")
+SHOWN = ("model", "B", "K", "N", "prefix", "block_size", "S", "M")
 
 
 def _args(i, *names):
@@ -277,6 +312,11 @@ ENTRIES = [
           lambda i, b: sk.tree_attention(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"], i["tree_mask"], backend=b),
           same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
           baselines={"sdpa_dense_mask": _sdpa_dense}),
+    Entry("tree_attention", _paged_attention_shapes, _make_paged_attention,  # paged KV cache (block_table)
+          lambda i, b: sk.tree_attention(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"], i["tree_mask"],
+                                         block_table=i["block_table"], backend=b),
+          same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
+          baselines={"sdpa_dense_mask": _sdpa_paged}),
     Entry("compact_kv_cache", _compact_shapes, _make_compact,
           lambda i, b: sk.compact_kv_cache(i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_accepted"], backend=b,
                                            **_args(i, "block_table", "kv_layout")),

@@ -23,6 +23,18 @@ The last split also walks the tree part.
 
 ``"reference"``: dense float64 softmax (``specdec_kernels.reference.tree_attention``).
 
+Paged KV cache
+--------------
+With ``block_table`` the caches are pools of blocks (vLLM / FlashInfer): "NHD"
+``[num_blocks, block_size, Hkv, D]`` or "HND" ``[num_blocks, Hkv, block_size, D]``, and
+logical slot s of sequence b is slot s % block_size of block ``block_table[b, s // block_size]``.
+The registered op is ``torch.ops.specdec.paged_tree_attention``.  Triton runs the same kernel
+with ``PAGED``: each key tile looks its block ids up in the table (clamped into the pool) and
+addresses the pool through its strides, so both layouts and any block size share one kernel.
+The torch backend gathers the blocks that cover ``max(cache_seqlens) + N`` slots (all of the
+table off CPU, where reading the lengths would synchronise) into a dense cache view and runs
+the SDPA path above.
+
 Bit-packed masks
 ----------------
 Besides the bool ``[N, N]`` / ``[B, N, N]`` mask, every backend accepts the packed form made
@@ -33,6 +45,7 @@ for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bi
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -40,7 +53,15 @@ import torch
 from specdec_kernels import _backend, _library
 from specdec_kernels._checks import check_shape, check_tensor
 from specdec_kernels.reference import tree_attention as _ref
-from specdec_kernels.reference.tree_attention import _tree_attention, check_tree_attention_args, visible_keys
+from specdec_kernels.reference.tree_attention import (
+    _tree_attention,
+    check_kv_layout,
+    check_paged_tree_attention_args,
+    check_tree_attention_args,
+    paged_geometry,
+    paged_tree_attention as _paged_reference,
+    visible_keys,
+)
 
 IMPLEMENTED = ("reference", "torch", "triton")
 
@@ -214,6 +235,76 @@ def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scal
     return out
 
 
+# Per-thread CPU buffer that the torch backend gathers paged K/V into.  A fresh multi-MB
+# tensor per call comes from fresh pages (glibc returns large freed chunks to the OS), and
+# the page faults cost more than the gather itself (measured: 480 faults, 2.3 ms on top of a
+# 0.5 ms call); CUDA's caching allocator needs no such help.  Buffers above the cap are not kept.
+_WORKSPACE = threading.local()
+WORKSPACE_MAX_BYTES = 256 << 20
+
+
+def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``numel`` elements (uninitialised), reused by later calls on this thread."""
+    key = str(dtype)
+    buf = getattr(_WORKSPACE, key, None)
+    if buf is not None and buf.numel() >= numel:
+        return buf[:numel]
+    buf = torch.empty(numel, dtype=dtype)
+    if numel * buf.element_size() <= WORKSPACE_MAX_BYTES:
+        setattr(_WORKSPACE, key, buf)
+    return buf
+
+
+def _gather_paged(cache, block_ids, kv_layout, out):
+    """The blocks ``block_ids`` [B, M] (ids in the pool) of a paged pool as a dense cache
+    [B, Hkv, M * block_size, D], copied into ``out`` (B * M * block_size * Hkv * D elements).
+
+    NHD: one ``index_select`` of whole blocks, viewed as [B, Hkv, slots, D] through strides
+    (SDPA reads that view about as fast as a contiguous cache, and a second, head-major copy
+    would cost more).  HND: one ``index_select`` of the (block, head) rows of block_size * D
+    elements, which lands head-major at once; a pool whose (block, head) rows are not one
+    stride apart is first selected by block, then rearranged.
+    """
+    num_blocks, block_size, Hkv, D = paged_geometry(cache, kv_layout)
+    B, M = block_ids.shape
+    if kv_layout == "NHD":
+        blocks = torch.index_select(cache, 0, block_ids.reshape(-1), out=out.view(B * M, block_size, Hkv, D))
+        return blocks.view(B, M * block_size, Hkv, D).transpose(1, 2)
+    try:
+        rows = cache.view(num_blocks * Hkv, block_size * D)
+    except RuntimeError:
+        blocks = cache.index_select(0, block_ids.reshape(-1)).view(B, M, Hkv, block_size, D)
+        return out.view(B, Hkv, M, block_size, D).copy_(blocks.transpose(1, 2)).view(B, Hkv, M * block_size, D)
+    index = block_ids.to(torch.int64).mul_(Hkv).view(B, 1, M) + torch.arange(Hkv, device=cache.device).view(1, Hkv, 1)
+    torch.index_select(rows, 0, index.view(-1), out=out.view(B * Hkv * M, block_size * D))
+    return out.view(B, Hkv, M * block_size, D)
+
+
+def _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale):
+    """The SDPA path on the blocks that cover max(cache_seqlens) + N slots, gathered.
+
+    Lengths act as clamped to [0, capacity - N] as in the reference (the dense path clamps
+    them to its gathered capacity, which is the table's whenever a length reaches past it);
+    block ids are clamped into the pool, so unused or hostile table entries gather some block
+    of the pool (invisible slots) and never memory outside it.  Off CPU the whole table is
+    gathered (no host read of the lengths).
+    """
+    B, N = q.shape[0], q.shape[1]
+    num_blocks, block_size, Hkv, D = paged_geometry(k_cache, kv_layout)
+    max_blocks = block_table.shape[1]
+    if B == 0 or N == 0:
+        return torch.empty_like(q)
+    if q.device.type == "cpu":
+        longest = min(max(int(cache_seqlens.max()), 0), max_blocks * block_size - N)
+        used = -(-(longest + N) // block_size)
+        kv = _workspace(2 * B * used * block_size * Hkv * D, q.dtype).view(2, -1)
+    else:
+        used = max_blocks
+        kv = torch.empty(2, B * used * block_size * Hkv * D, dtype=q.dtype, device=q.device)
+    ids = block_table[:, :used].clamp(0, num_blocks - 1)
+    k = _gather_paged(k_cache, ids, kv_layout, kv[0])
+    v = _gather_paged(v_cache, ids, kv_layout, kv[1])
+    return _torch_tree_attention(q, k, v, cache_seqlens, tree_mask, sm_scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -283,6 +374,80 @@ def _triton_decomposition(args, kwargs):
 op = _library.define("tree_attention", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
 
 
+# --------------------------------------------------------------------------------------
+# The registered op over a paged cache: torch.ops.specdec.paged_tree_attention
+# --------------------------------------------------------------------------------------
+
+
+def _mask_kind(tree_mask) -> int:
+    return MASK_CAUSAL if tree_mask is None else (MASK_PACKED if tree_mask.dtype == torch.int32 else MASK_BOOL)
+
+
+def _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate):
+    """The shape checks of the paged op (values with ``validate``); returns the paged geometry."""
+    packed = tree_mask is not None and tree_mask.dtype == torch.int32
+    dims = check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask,
+                                           block_table, kv_layout, validate=validate)
+    if packed:
+        _check_packed_mask(tree_mask, dims[0], dims[1], q.device)
+    _check_num_splits(num_splits)
+    return dims
+
+
+def _paged_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    kv_layout: str,
+    sm_scale: float,
+    num_splits: int = 0,
+    backend: str = "",
+) -> torch.Tensor:
+    B, N, H, D, Hkv, capacity, _, _ = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table,
+                                                   kv_layout, num_splits, validate=False)
+    name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
+    if name == "triton":
+        from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
+
+        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device)
+        return paged_tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
+                                           _mask_kind(tree_mask), sm_scale, splits)
+    mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
+    if name == "torch":
+        out = _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale)
+    else:
+        out = _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale)
+    return out.contiguous()
+
+
+def _paged_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, num_splits=0, backend=""):
+    _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False)
+    _library.check_backend_name(backend)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _paged_triton_decomposition(args, kwargs):
+    x = _library.bound_arguments(_paged_impl, args, kwargs)
+    q, tree_mask = x["q"], x["tree_mask"]
+    if _backend.resolve("tree_attention", q.device, x["backend"] or None, IMPLEMENTED) != "triton":
+        return None
+    B, N, H, D = q.shape
+    _, block_size, Hkv, _ = paged_geometry(x["k_cache"], x["kv_layout"])
+    capacity = x["block_table"].shape[1] * block_size
+    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device)
+    return torch.ops.specdec.paged_tree_attention_triton(
+        q, x["k_cache"], x["v_cache"], x["cache_seqlens"], tree_mask, x["block_table"], x["kv_layout"],
+        _mask_kind(tree_mask), x["sm_scale"], splits,
+    )
+
+
+paged_op = _library.define("paged_tree_attention", _paged_impl, cpu=_paged_impl, cuda=_paged_impl, fake=_paged_fake,
+                           triton_decomposition=_paged_triton_decomposition)
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -290,13 +455,20 @@ def tree_attention(
     cache_seqlens: torch.Tensor,
     tree_mask: Optional[torch.Tensor] = None,
     *,
+    block_table: Optional[torch.Tensor] = None,
+    kv_layout: str = "NHD",
     sm_scale: Optional[float] = None,
     num_splits: Optional[int] = None,
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> torch.Tensor:
+    check_kv_layout(kv_layout)
     packed = isinstance(tree_mask, torch.Tensor) and tree_mask.dtype == torch.int32
-    B, N, H, D, Hkv, S = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate)
+    if block_table is None:
+        B, N, H, D, Hkv, S = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate)
+    else:
+        B, N, H, D = check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask,
+                                                     block_table, kv_layout, validate)[:4]
     if packed:
         _check_packed_mask(tree_mask, B, N, q.device)
     if num_splits is not None:
@@ -305,6 +477,9 @@ def tree_attention(
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
     scale = D**-0.5 if sm_scale is None else float(sm_scale)
+    if block_table is not None:
+        return torch.ops.specdec.paged_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
+                                                      scale, num_splits or 0, backend or "")
     return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or "")
 
 
@@ -319,7 +494,13 @@ tree_attention.__doc__ = (
 
     A query that sees no key at all (cache_seqlens 0 and an empty mask row) has an
     undefined output (NaN from the reference and the Triton kernel).  Cache slots a sequence
-    cannot see never affect its output, whatever they hold.
+    cannot see never affect its output, whatever they hold: for a paged cache that includes
+    the rest of its last block, other sequences' blocks and unused blocks of the pool.  With
+    ``validate=False`` a used block id outside [0, num_blocks) is clamped into the pool (as
+    the reference does): the result is then unspecified, but nothing outside the pool is read.
+    With ``block_table`` the call goes to ``torch.ops.specdec.paged_tree_attention``
+    ``(q, k_cache, v_cache, cache_seqlens, tree_mask?, block_table, kv_layout, sm_scale,
+    num_splits=0, backend)``.
 """
 )
 

@@ -2,7 +2,9 @@
 
 ``_tree_attention_fwd_kernel``: flash-attention-style, one program per (sequence, KV head, row
 tile, split), all G query heads of the KV head at once (GQA); ``_tree_attention_combine_kernel``
-merges the flash-decoding splits by log-sum-exp.
+merges the flash-decoding splits by log-sum-exp.  The same forward kernel reads a paged cache
+(``PAGED``): each key tile looks up its block ids in the block table and addresses the pool
+through its strides, so the NHD and HND layouts and every block size share the kernel.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import triton.language as tl
 
 from specdec_kernels._library import kernel_op, launch
 from specdec_kernels.ops.tree_attention import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, _block_sizes, _next_pow2
+from specdec_kernels.reference.tree_attention import KV_LAYOUTS, paged_geometry
 
 _LOG2E = 1.4426950408889634
 _jit = triton.jit
@@ -24,10 +27,33 @@ _jit = triton.jit
 
 
 @_jit
-def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, vis, offs_d, d_ok,
-                 stride_ks, stride_kd, stride_vs, stride_vd, qk_scale,
+def _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks, stride_vb, stride_vs,
+             PAGED: tl.constexpr):
+    """Offsets of the rows of cache slots ``offs_k`` from the K and V bases of this program.
+
+    Dense: slot * slot stride.  PAGED: the slot's block id from the block table (loaded only
+    where k_ok, so entries past a sequence's blocks are never read; clamped into
+    [0, num_blocks), so no id makes the kernel read outside the pool), times the block stride,
+    plus its offset in the block times the slot stride.
+    """
+    if PAGED:
+        blk = tl.load(bt_base + (offs_k // page_size) * stride_tj, mask=k_ok, other=0)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+        slot = offs_k % page_size
+        k_rows = blk * stride_kb + slot * stride_ks
+        v_rows = blk * stride_vb + slot * stride_vs
+    else:
+        k_rows = offs_k * stride_ks
+        v_rows = offs_k * stride_vs
+    return k_rows, v_rows
+
+
+@_jit
+def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, vis, offs_d, d_ok,
+                 stride_kd, stride_vd, qk_scale,
                  IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    """Online-softmax update with one tile of keys (offs_k, loaded where k_ok; visible where vis).
+    """Online-softmax update with one tile of keys (rows k_rows / v_rows from the bases, loaded
+    where k_ok; visible where vis).
 
     MAY_BE_EMPTY (the tree tiles, whose keys only some rows see): keys and values that are not
     finite are replaced by 0 before the products, so a key a row cannot see never reaches it through a
@@ -38,7 +64,7 @@ def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, vis, offs_
     to fp32 (exact for bf16 products, as tensor cores compute them): the interpreter of
     triton 3.6 multiplies bf16 tiles as their uint16 storage.
     """
-    kt = tl.load(k_base + offs_k[None, :] * stride_ks + offs_d[:, None] * stride_kd,
+    kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None] * stride_kd,
                  mask=d_ok[:, None] & k_ok[None, :], other=0.0)
     if MAY_BE_EMPTY:
         k32 = kt.to(tl.float32)
@@ -60,7 +86,7 @@ def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, vis, offs_
     alpha = tl.exp2(m_i - m_new_safe)
     p = tl.exp2(s - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    vt = tl.load(v_base + offs_k[:, None] * stride_vs + offs_d[None, :] * stride_vd,
+    vt = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd,
                  mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     if MAY_BE_EMPTY:
         v32 = vt.to(tl.float32)
@@ -79,8 +105,10 @@ def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, vis, offs_
 
 @_jit
 def _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok, offs_d, d_ok,
-               stride_ks, stride_kd, stride_vs, stride_vd, stride_mi, stride_mj, qk_scale,
-               BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+               bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+               stride_mi, stride_mj, qk_scale,
+               BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+               PAGED: tl.constexpr):
     """Tree keys seqlen + j0 .. seqlen + j0 + BLOCK_N - 1: key seqlen + j visible to row (i, g) iff mask[i, j]."""
     offs_j = j0 + tl.arange(0, BLOCK_N)
     j_ok = offs_j < tree_hi
@@ -93,24 +121,32 @@ def _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqle
     else:
         words = tl.load(m_base + qi[:, None] * stride_mi + (offs_j // 32)[None, :] * stride_mj, mask=ok, other=0)
         vis = ok & (((words >> (offs_j % 32)[None, :]) & 1) != 0)
-    return _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, seqlen + offs_j, j_ok, vis, offs_d, d_ok,
-                        stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, True)
+    k_rows, v_rows = _kv_rows(seqlen + offs_j, j_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
+                              stride_vb, stride_vs, PAGED)
+    return _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, j_ok, vis, offs_d, d_ok,
+                        stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, True)
 
 
 @_jit
 def _tree_attention_fwd_kernel(
-    Q, K, V, SEQLENS, MASK, OUT, OPART, LSE,
-    N, S_CAP, G, Hkv, num_splits, qk_scale,
+    Q, K, V, SEQLENS, BLOCK_TABLE, MASK, OUT, OPART, LSE,
+    N, S_CAP, G, Hkv, num_splits, page_size, num_blocks, qk_scale,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_tb, stride_tj,
     stride_mb, stride_mi, stride_mj,
     stride_ob, stride_on, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FOR_LOOPS: tl.constexpr,
+    FOR_LOOPS: tl.constexpr, PAGED: tl.constexpr,
 ):
     """One program: one (sequence, KV head), BLOCK_M rows (node, head of the group), one split.
+
+    K/V strides are (sequence, head, slot, dim) of a dense cache, or with PAGED (block, head,
+    slot-in-block, dim) of a pool, whichever its layout; S_CAP is the capacity in slots
+    (max_blocks_per_seq * page_size when PAGED); BLOCK_TABLE [B, max_blocks_per_seq] int32
+    (never read unless PAGED).
 
     FOR_LOOPS: key loops as ``for`` over runtime bounds (compiled: software-pipelined), else
     as ``while`` loops (the interpreter: triton 3.6 cannot take a tensor as a ``range``
@@ -137,8 +173,14 @@ def _tree_attention_fwd_kernel(
     seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), S_CAP - N).to(tl.int32)
     q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qn + h[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    if PAGED:  # the block of each key tile comes from the table: the base is the pool's head
+        k_base = K + kvh64 * stride_kh
+        v_base = V + kvh64 * stride_vh
+        bt_base = BLOCK_TABLE + b64 * stride_tb
+    else:
+        k_base = K + b64 * stride_kb + kvh64 * stride_kh
+        v_base = V + b64 * stride_vb + kvh64 * stride_vh
+        bt_base = BLOCK_TABLE
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -153,15 +195,19 @@ def _tree_attention_fwd_kernel(
         for start in range(lo, hi, BLOCK_N):
             offs_k = start + tl.arange(0, BLOCK_N)
             k_ok = offs_k < hi
-            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
-                                         stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
+            k_rows, v_rows = _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
+                                      stride_vb, stride_vs, PAGED)
+            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, k_ok[None, :],
+                                              offs_d, d_ok, stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
     else:
         start = lo
         while start < hi:
             offs_k = start + tl.arange(0, BLOCK_N)
             k_ok = offs_k < hi
-            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, offs_k, k_ok, k_ok[None, :], offs_d, d_ok,
-                                         stride_ks, stride_kd, stride_vs, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
+            k_rows, v_rows = _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
+                                      stride_vb, stride_vs, PAGED)
+            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, k_ok[None, :],
+                                              offs_d, d_ok, stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
             start += BLOCK_N
 
     # 2. the tree part, in the last split.
@@ -175,14 +221,16 @@ def _tree_attention_fwd_kernel(
         if FOR_LOOPS:
             for j0 in range(0, tree_hi, BLOCK_N):
                 acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                           offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd, stride_mi,
-                                           stride_mj, qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT)
+                                           offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
+                                           stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
+                                           qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT, PAGED)
         else:
             j0 = 0
             while j0 < tree_hi:
                 acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                           offs_d, d_ok, stride_ks, stride_kd, stride_vs, stride_vd, stride_mi,
-                                           stride_mj, qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT)
+                                           offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
+                                           stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
+                                           qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT, PAGED)
                 j0 += BLOCK_N
 
     if SPLIT:
@@ -241,9 +289,20 @@ def _tree_attention_combine_kernel(
              out.to(OUT.dtype.element_ty), mask=io_mask)
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_scale: float, num_splits: int):
+def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_scale: float, num_splits: int,
+            block_table=None, kv_layout: str = "NHD"):
     B, N, H, D = q.shape
-    Hkv = k_cache.shape[1]
+    if block_table is None:  # dense [B, Hkv, S, D]: strides (sequence, head, slot, dim)
+        Hkv, capacity = k_cache.shape[1], k_cache.shape[2]
+        k_strides, v_strides = k_cache.stride(), v_cache.stride()
+        table, table_strides, page_size, num_blocks = cache_seqlens, (0, 0), 1, 1  # table never read
+    else:  # a pool: strides (block, head, slot in the block, dim) whatever the layout
+        num_blocks, page_size, Hkv, _ = paged_geometry(k_cache, kv_layout)
+        capacity = block_table.shape[1] * page_size
+        order = (0, 2, 1, 3) if kv_layout == "NHD" else (0, 1, 2, 3)
+        k_strides = tuple(k_cache.stride(i) for i in order)
+        v_strides = tuple(v_cache.stride(i) for i in order)
+        table, table_strides = block_table, block_table.stride()
     G = H // Hkv
     M = G * N
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -265,12 +324,12 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
         opart = lse = out  # never written
     grid = (B * Hkv, triton.cdiv(M, block_m), num_splits)
     launch(_tree_attention_fwd_kernel)[grid](
-        q, k_cache, v_cache, cache_seqlens, mask, out, opart, lse,
-        N, k_cache.shape[2], G, Hkv, num_splits, sm_scale * _LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), smb, smi, smj, *out.stride(),
+        q, k_cache, v_cache, cache_seqlens, table, mask, out, opart, lse,
+        N, capacity, G, Hkv, num_splits, page_size, num_blocks, sm_scale * _LOG2E,
+        *q.stride(), *k_strides, *v_strides, *table_strides, smb, smi, smj, *out.stride(),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=not on_gpu and q.dtype == torch.bfloat16, FOR_LOOPS=on_gpu,
+        UPCAST_DOT=not on_gpu and q.dtype == torch.bfloat16, FOR_LOOPS=on_gpu, PAGED=block_table is not None,
         num_warps=num_warps, num_stages=2,
     )
     if split:
@@ -327,28 +386,81 @@ tree_attention_triton = kernel_op("tree_attention_triton", _tree_attention_trito
 
 
 # --------------------------------------------------------------------------------------
+# torch.library registration: specdec::paged_tree_attention_triton
+# --------------------------------------------------------------------------------------
+
+
+def _paged_tree_attention_triton_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    kv_layout: str,
+    mask_kind: int,
+    sm_scale: float,
+    num_splits: int,
+) -> torch.Tensor:
+    """Triton launcher over a paged cache on validated inputs (see the public ``tree_attention``).
+
+    k_cache, v_cache: pools in ``kv_layout`` ("NHD" [num_blocks, block_size, Hkv, D] or "HND"
+    [num_blocks, Hkv, block_size, D]); block_table int32 [B, max_blocks_per_seq]; the other
+    arguments as ``tree_attention_triton``.  Block ids are clamped into the pool in the kernel.
+    """
+    _check_paged_op_args(q, k_cache, block_table, kv_layout)
+    _check_op_args(tree_mask, mask_kind, num_splits)
+    return _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout)
+
+
+def _check_paged_op_args(q, k_cache, block_table, kv_layout):
+    torch._check(kv_layout in KV_LAYOUTS, lambda: f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
+    torch._check(block_table.dim() == 2 and block_table.dtype == torch.int32, lambda: "block_table must be int32 [B, max_blocks]")
+    torch._check(k_cache.shape[0] >= 1, lambda: "k_cache must hold at least one block")
+    heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    torch._check(q.shape[2] % heads == 0, lambda: "q's heads must be a multiple of k_cache's heads")
+
+
+def _paged_tree_attention_triton_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, mask_kind,
+                                      sm_scale, num_splits):
+    _check_paged_op_args(q, k_cache, block_table, kv_layout)
+    _check_op_args(tree_mask, mask_kind, num_splits)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+paged_tree_attention_triton = kernel_op("paged_tree_attention_triton", _paged_tree_attention_triton_impl,
+                                        _paged_tree_attention_triton_fake)
+
+
+# --------------------------------------------------------------------------------------
 # Ahead-of-time compilation specs (tests/aot_compile.py)
 # --------------------------------------------------------------------------------------
 
 
-def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32", rows: int = 64):
+def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32", rows: int = 64,
+              paged: bool = False):
     block_m, block_n, block_d, num_warps = _block_sizes(rows, head_dim, True)
     mask_ty = {MASK_CAUSAL: "*" + seqlen_dtype, MASK_BOOL: "*u8", MASK_PACKED: "*i32"}[mask_kind]
-    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}", "MASK": mask_ty,
+    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}",
+           "BLOCK_TABLE": "*i32" if paged else "*" + seqlen_dtype, "MASK": mask_ty,
            "OUT": f"*{dtype}", "OPART": "*fp32" if split else f"*{dtype}", "LSE": "*fp32" if split else f"*{dtype}",
-           "N": "i32", "S_CAP": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "qk_scale": "fp32"}
+           "N": "i32", "S_CAP": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "page_size": "i32",
+           "num_blocks": "i32", "qk_scale": "fp32"}
     for prefix in ("q", "k", "v"):
         for dim in ("b", "h" if prefix != "q" else "n", "s" if prefix != "q" else "h", "d"):
             sig[f"stride_{prefix}{dim}"] = "i32"
-    sig.update({"stride_mb": "i32", "stride_mi": "i32", "stride_mj": "i32",
+    sig.update({"stride_tb": "i32", "stride_tj": "i32", "stride_mb": "i32", "stride_mi": "i32", "stride_mj": "i32",
                 "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_od": "i32"})
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False, FOR_LOOPS=True)
+                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False, FOR_LOOPS=True,
+                      PAGED=paged)
     for name in constexprs:
         sig[name] = "constexpr"
     return dict(kernel=_tree_attention_fwd_kernel, signature=sig, constexprs=constexprs,
                 options=dict(num_warps=num_warps, num_stages=2),
-                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},BLOCK_M={block_m}]")
+                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},BLOCK_M={block_m}"
+                     f"{',paged' if paged else ''}]")
 
 
 def _combine_spec(dtype: str, head_dim: int):
@@ -369,4 +481,8 @@ AOT_SPECS = (
     + [_fwd_spec("fp16", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 128, MASK_CAUSAL, False, rows=8),
        _fwd_spec("fp32", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 256, MASK_CAUSAL, True, rows=8)]
     + [_combine_spec(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
+    # paged KV cache (PAGED: block-table lookup per key tile), every mask kind, split and not
+    + [_fwd_spec("fp16", 64, MASK_BOOL, False, paged=True), _fwd_spec("bf16", 128, MASK_PACKED, True, paged=True),
+       _fwd_spec("fp32", 64, MASK_BOOL, False, paged=True), _fwd_spec("bf16", 64, MASK_CAUSAL, True, "i64", paged=True),
+       _fwd_spec("fp16", 64, MASK_CAUSAL, True, rows=3, paged=True), _fwd_spec("bf16", 256, MASK_CAUSAL, False, rows=8, paged=True)]
 )
