@@ -124,6 +124,7 @@ GREEDY = {
     "lookup-tree": dict(prompt_lookup_num_tokens=4, tree=True),
     "assistant-chain": dict(assistant="other", num_draft_tokens=3),
     "assistant-tree": dict(assistant="self", tree=(2, 2), num_draft_tokens=3),
+    "drafter": dict(drafter=NgramDrafter(2, tree=True, max_chains=3, max_nodes=12), num_draft_tokens=5),
 }
 
 
@@ -151,6 +152,15 @@ def test_greedy_other_families_of_the_interface():
         with torch.inference_mode():
             ref = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=12, prompt_lookup_num_tokens=3, tree=True), ref)
+
+
+def test_zero_new_tokens_and_stats():
+    hf = tiny_family("llama")
+    ids, mask = left_padded(BATCH)
+    out, stats = speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=0, return_stats=True)
+    assert torch.equal(out, ids) and stats.tokens == 0
+    out, stats = speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=3, return_stats=True)
+    assert out.shape == (2, ids.shape[1] + 6) and stats.tokens == 12 and stats.target_passes <= 6
 
 
 def test_eos_and_padding_like_generate():
