@@ -244,6 +244,62 @@ def transformers_method(name: str, generate_kwargs: Union[Dict[str, Any], Callab
     return Method(name, "transformers", description, run, {**shown, **params}, default)
 
 
+def _hf_first_layers(ctx: Context, num_layers: int):
+    """A transformers model made of the target's first ``num_layers`` layers and its final
+    norm and head (weights shared, no copy): the drafter transformers' ``assistant_early_exit``
+    uses, as a separate ``assistant_model`` with its own KV cache.  Built once per run."""
+    key = f"hf-first-{num_layers}"
+    if key not in ctx.cache:
+        import copy
+
+        config = copy.deepcopy(ctx.hf.config)
+        config.num_hidden_layers = num_layers
+        with torch.device("meta"):
+            small = type(ctx.hf)(config)
+        state = {k: v for k, v in ctx.hf.state_dict().items()
+                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+        small.load_state_dict(state, strict=False, assign=True)
+        small.tie_weights()
+        small.model.rotary_emb = type(ctx.hf.model.rotary_emb)(config).to(ctx.device)  # buffers: not in the state dict
+        ctx.cache[key] = small.eval()
+    return ctx.cache[key]
+
+
+def hf_ours_method(name: str, generate_kwargs: Callable[[Context], Dict[str, Any]], description: str, *,
+                   default: bool = True, **params) -> Method:
+    """A method of our transformers integration on transformers' model:
+    ``specdec_kernels.integrations.transformers.speculative_generate(ctx.hf, ids, **kwargs)``
+    (drafts scored in one forward by our tree attention inside transformers' model, verified
+    with our ops).  Family "transformers": it runs transformers' model, whose floating-point
+    ties may break differently from our engine's (reported, not failed, like transformers'
+    own methods).
+
+    Args:
+        name: method name.
+        generate_kwargs: ``f(ctx) -> dict`` of ``speculative_generate`` arguments.
+        description: one line for the table.
+        default: run when --methods is not given.
+        **params: settings written to the JSON lines.
+    """
+
+    def run(ctx: Context, prompt: List[int], max_new_tokens: int) -> Run:
+        from specdec_kernels.integrations.transformers import speculative_generate
+
+        kwargs = generate_kwargs(ctx)  # built (and cached) before the clock starts
+        ids = torch.tensor([prompt], device=ctx.device)
+        _sync(ctx.device)
+        t = time.perf_counter()
+        out, s = speculative_generate(ctx.hf, ids, max_new_tokens=max_new_tokens, eos_token_id=ctx.eos_token_id,
+                                      pad_token_id=ctx.eos_token_id, return_stats=True, **kwargs)
+        _sync(ctx.device)
+        seconds = time.perf_counter() - t
+        extra = {"mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
+        return Run(out[0, len(prompt):].tolist(), seconds, s.target_passes, s.mean_accepted_length, s.draft_tokens,
+                   s.accepted_draft_tokens, extra)
+
+    return Method(name, "transformers", description, run, params, default)
+
+
 def _register_builtin() -> None:
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
     from specdec_kernels.decoding.adaptive import DEFAULT_K
@@ -290,6 +346,28 @@ def _register_builtin() -> None:
     register(transformers_method("hf-early-exit", {"assistant_early_exit": HF_EARLY_EXIT,
                                                    "num_assistant_tokens": HF_EARLY_EXIT_TOKENS},
                                  f"transformers early exit, {HF_EARLY_EXIT} layers, {HF_EARLY_EXIT_TOKENS} tokens"))
+    # our integration (specdec_kernels.integrations.transformers) on transformers' model, with
+    # the drafters of transformers' own methods above: prompt lookup with the same number of
+    # tokens; the same first layers + norm + head as the early-exit assistant, as a separate
+    # assistant model drafting the same number of tokens
+    register(hf_ours_method("hf-ours-prompt-lookup", lambda ctx: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP},
+                            f"ours in transformers: prompt lookup chain, {HF_PROMPT_LOOKUP} tokens",
+                            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP))
+    register(hf_ours_method("hf-ours-prompt-lookup-tree",
+                            lambda ctx: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP, "tree": True},
+                            f"ours in transformers: prompt lookup tree, {HF_PROMPT_LOOKUP} tokens",
+                            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP, tree=True))
+    register(hf_ours_method("hf-ours-assisted",
+                            lambda ctx: {"assistant_model": _hf_first_layers(ctx, HF_EARLY_EXIT),
+                                         "num_draft_tokens": HF_EARLY_EXIT_TOKENS},
+                            f"ours in transformers: assistant = first {HF_EARLY_EXIT} layers, chain, {HF_EARLY_EXIT_TOKENS} tokens",
+                            assistant_layers=HF_EARLY_EXIT, num_draft_tokens=HF_EARLY_EXIT_TOKENS))
+    register(hf_ours_method("hf-ours-assisted-tree",
+                            lambda ctx: {"assistant_model": _hf_first_layers(ctx, HF_EARLY_EXIT),
+                                         "num_draft_tokens": HF_EARLY_EXIT_TOKENS, "tree": LAYERSKIP_TREE},
+                            f"ours in transformers: assistant = first {HF_EARLY_EXIT} layers, tree {LAYERSKIP_TREE}, "
+                            f"{HF_EARLY_EXIT_TOKENS} tokens", assistant_layers=HF_EARLY_EXIT,
+                            num_draft_tokens=HF_EARLY_EXIT_TOKENS, tree_widths=list(LAYERSKIP_TREE)))
 
 
 _register_builtin()

@@ -186,7 +186,8 @@ class SpeculativeDecoder:
         typical: Optional[float] = None,
         typical_alpha: Optional[float] = None,
     ):
-        if not isinstance(model, Transformer):
+        # our Transformer, or an adapter with its call interface (integrations.transformers.HFCausalLM)
+        if not isinstance(model, Transformer) and not getattr(type(model), "_specdec_decode_target", False):
             raise TypeError(f"model must be a specdec_kernels.decoding.Transformer, got {type(model).__name__}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a Drafter (e.g. NgramDrafter()) or None, got {type(drafter).__name__} {drafter!r}")

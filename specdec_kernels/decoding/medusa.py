@@ -100,7 +100,10 @@ def model_fingerprint(model: Transformer) -> str:
     """A short content hash of a target model: its shape (``ModelArgs``) and a sample of its
     final-norm and output-head weights (float32 bytes); 16 hex digits.  Heads trained on one
     model are meant for that model (they work with another, only with fewer accepted drafts)."""
-    h = hashlib.sha256(repr(sorted(asdict(model.args).items())).encode())
+    args = asdict(model.args)
+    if not args.get("qkv_bias"):  # a field added later: hashed only when set (old fingerprints stay valid)
+        args.pop("qkv_bias", None)
+    h = hashlib.sha256(repr(sorted(args.items())).encode())
     h.update(model.norm.weight.detach().float().cpu().contiguous().numpy().tobytes())
     rows = model.output.weight.detach()[:: max(1, model.args.vocab_size // 64)]
     h.update(rows.float().cpu().contiguous().numpy().tobytes())

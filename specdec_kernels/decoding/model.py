@@ -17,8 +17,9 @@ tokens of sequence b whose K/V are in the cache; the last committed token (the *
 accepted drafts are compacted to ``cache_seqlens[b] .. cache_seqlens[b] + m`` and
 ``cache_seqlens[b] += m + 1``; the emitted bonus token becomes the next root.
 
-Weights come from any transformers ``LlamaForCausalLM`` (its config and state dict), see
-``Transformer.from_hf``.
+Weights come from a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v biases) or
+``MistralForCausalLM`` (its config and state dict), see ``Transformer.from_hf``; settings this
+forward does not implement are refused (``unsupported_hf_config``).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec_kernels.ops.tree_attention import tree_attention
+from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
 
 
 @dataclass
@@ -49,10 +51,26 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_position: int = 8192
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelArgs":
-        """From a transformers ``LlamaConfig`` (or anything with the same attributes)."""
+        """From a transformers ``LlamaConfig``, ``Qwen2Config`` or ``MistralConfig`` (or
+        anything with the same attributes, ``model_type`` included).
+
+        Raises:
+            ValueError: a config this engine cannot run exactly (``unsupported_hf_config``
+                lists why: another model type, attention or MLP biases other than Qwen2's
+                q/k/v biases, a sliding window shorter than the positions, a RoPE type
+                other than default / linear / llama3 / yarn, an activation other than SiLU,
+                logit soft-capping, bidirectional attention).
+        """
+        problems = unsupported_hf_config(config)
+        if problems:
+            raise ValueError(
+                f"Transformer.from_hf cannot run this {getattr(config, 'model_type', None)!r} config exactly: "
+                + "; ".join(problems)
+            )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -68,7 +86,73 @@ class ModelArgs:
             rope_theta=float(theta),
             max_position=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=config.model_type == "qwen2",
         )
+
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # frequencies independent of the sequence length
+
+
+def _rope_parameters(config) -> dict:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return dict(rope)
+
+
+def unsupported_hf_config(config) -> List[str]:
+    """Why ``Transformer`` cannot run a transformers config exactly: [] when it can.
+
+    Supported: ``model_type`` llama (no attention or MLP bias), qwen2 (q/k/v biases, no
+    o_proj bias) and mistral; SiLU gated MLPs, RMSNorm, GQA, RoPE of a static type
+    (default, linear, llama3, yarn: the frequencies do not depend on the sequence length),
+    full causal attention (a sliding window only when it is at least
+    ``max_position_embeddings``, so that it never binds).
+
+    Returns:
+        One human-readable line per unsupported setting, naming the config attribute.
+    """
+    problems: List[str] = []
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act {act!r} (only 'silu', the SwiGLU MLP, is implemented)")
+    if getattr(config, "attention_bias", False):
+        problems.append("attention_bias=True (biases on q/k/v/o projections; only Qwen2's q/k/v biases are supported)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("mlp_bias=True (biases on the MLP projections are not implemented)")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if model_type == "qwen2":
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+        if getattr(config, "use_sliding_window", False) and not layer_types:
+            sliding = [-1]
+    else:
+        sliding = [-1] if window is not None else []
+    if sliding and window is not None and max_pos is not None and window >= max_pos:
+        sliding = []  # the window covers every position: plain causal attention
+    if sliding:
+        problems.append(f"sliding_window={window} < max_position_embeddings={max_pos} (sliding-window attention is not implemented)")
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        problems.append(f"layer_types {other} (only full attention layers are implemented)")
+    rope = _rope_parameters(config)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        problems.append(f"rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)}; "
+                        "dynamic and longrope change the frequencies with the sequence length)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            problems.append(f"{name}={getattr(config, name)} (soft-capping is not implemented)")
+    if not getattr(config, "is_causal", True):
+        problems.append("is_causal=False (bidirectional attention)")
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
+        problems.append(f"head_dim {head_dim} (tree_attention supports {SUPPORTED_HEAD_DIMS})")
+    return problems
 
 
 SKINNY_ROWS = 16  # on CPU, up to this many rows may take the weight @ x.T path of ``linear``
@@ -194,7 +278,7 @@ class Block(nn.Module):
         self.args = args
         H, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.wqkv = nn.Linear(args.hidden_size, (H + 2 * Hkv) * D, bias=False)
+        self.wqkv = nn.Linear(args.hidden_size, (H + 2 * Hkv) * D, bias=args.qkv_bias)  # bias: Qwen2
         self.wo = nn.Linear(H * D, args.hidden_size, bias=False)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
@@ -204,6 +288,8 @@ class Block(nn.Module):
         B, N, _ = x.shape
         H, Hkv, D = self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
         qkv = linear(self.attention_norm(x), self.wqkv.weight)
+        if self.wqkv.bias is not None:  # Qwen2's q/k/v biases (others: no bias, no extra op)
+            qkv = qkv + self.wqkv.bias
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = rotate(q.view(B, N, H, D), cos, sin)
         k = rotate(k.view(B, N, Hkv, D), cos, sin)
@@ -238,44 +324,74 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_hf(cls, config, state_dict, *, dtype: torch.dtype = torch.float32) -> "Transformer":
-        """From a transformers ``LlamaConfig`` and a ``LlamaForCausalLM`` state dict.
+        """From a transformers config and the state dict of its ``*ForCausalLM``: Llama,
+        Qwen2 (q/k/v biases) or Mistral without a binding sliding window.
 
-        Plain RoPE is computed here; scaled variants (``rope_type`` llama3, yarn, ...) take
-        their frequencies from transformers' ``LlamaRotaryEmbedding``; q/k/v and gate/up
-        weights are concatenated.  Weights may share memory with ``state_dict`` (never modified).
+        Plain RoPE is computed here; scaled variants (``rope_type`` linear, llama3, yarn) take
+        their frequencies from transformers' ``LlamaRotaryEmbedding``; q/k/v (and Qwen2's q/k/v
+        biases) and gate/up weights are concatenated.  Weights may share memory with
+        ``state_dict`` (never modified).  Only a model this engine runs exactly is built:
+        every setting it does not implement raises, never a silently different model.
 
         Raises:
-            KeyError: a weight missing from ``state_dict``.
+            ValueError: the config is not supported (``unsupported_hf_config`` names the
+                settings); the state dict holds weights this model has no place for (biases
+                of a Llama or Mistral, an o_proj or MLP bias, more layers than the config, a
+                classification head, ...); or tie_word_embeddings is set and lm_head.weight
+                differs from the embeddings.
+            KeyError: a weight missing from ``state_dict`` (lm_head.weight of an untied
+                model, the q/k/v biases of a Qwen2, ...).
         """
         args = ModelArgs.from_hf_config(config)
         with torch.device("meta"):
             model = cls(args)
+        used = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise KeyError(f"state dict has no {name!r} (needed by a {config.model_type} model of {args.num_layers} layers)")
+            used.add(name)
+            return state_dict[name]
+
         sd = {}
-        sd["tok_embeddings.weight"] = state_dict["model.embed_tokens.weight"]
+        embed = take("model.embed_tokens.weight")
+        sd["tok_embeddings.weight"] = embed
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
-            sd[f"layers.{i}.attention_norm.weight"] = state_dict[p + "input_layernorm.weight"]
-            sd[f"layers.{i}.wqkv.weight"] = torch.cat(
-                [state_dict[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0
-            )
-            sd[f"layers.{i}.wo.weight"] = state_dict[p + "self_attn.o_proj.weight"]
-            sd[f"layers.{i}.ffn_norm.weight"] = state_dict[p + "post_attention_layernorm.weight"]
-            sd[f"layers.{i}.w13.weight"] = torch.cat(
-                [state_dict[p + "mlp.gate_proj.weight"], state_dict[p + "mlp.up_proj.weight"]], dim=0
-            )
-            sd[f"layers.{i}.w2.weight"] = state_dict[p + "mlp.down_proj.weight"]
-        sd["norm.weight"] = state_dict["model.norm.weight"]
-        head = state_dict.get("lm_head.weight")
-        sd["output.weight"] = head if head is not None else state_dict["model.embed_tokens.weight"]
+            sd[f"layers.{i}.attention_norm.weight"] = take(p + "input_layernorm.weight")
+            sd[f"layers.{i}.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            if args.qkv_bias:
+                sd[f"layers.{i}.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+            sd[f"layers.{i}.wo.weight"] = take(p + "self_attn.o_proj.weight")
+            sd[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+            sd[f"layers.{i}.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            sd[f"layers.{i}.w2.weight"] = take(p + "mlp.down_proj.weight")
+        sd["norm.weight"] = take("model.norm.weight")
+        if args.tie_word_embeddings:
+            head = state_dict.get("lm_head.weight")
+            if head is not None:  # a tied model's state dict may list the shared matrix twice
+                used.add("lm_head.weight")
+                same = head.data_ptr() == embed.data_ptr() or (head.shape == embed.shape and torch.equal(head, embed))
+                if not same:
+                    raise ValueError("tie_word_embeddings=True but the state dict's lm_head.weight differs from "
+                                     "model.embed_tokens.weight (which one is the head?)")
+            sd["output.weight"] = embed
+        else:
+            sd["output.weight"] = take("lm_head.weight")
+        extra = sorted(k for k in state_dict if k not in used and not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            more = f" ... ({len(extra)} in all)" if len(extra) > 8 else ""
+            raise ValueError(f"the state dict holds weights a {config.model_type} model of {args.num_layers} layers "
+                             f"does not use (ignoring them would run a different model): {extra[:8]}{more}")
         sd = {k: v.detach().to(dtype=dtype) for k, v in sd.items()}
         missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
         if missing or unexpected:
             raise KeyError(f"state dict does not fit the model: missing {missing}, unexpected {unexpected}")
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope = _rope_parameters(config)
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             exponent = torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim
             inv_freq, scaling = 1.0 / (args.rope_theta**exponent), 1.0
-        else:  # scaled variants (llama3, yarn, ...): transformers computes the frequencies
+        else:  # scaled variants (linear, llama3, yarn): transformers computes the frequencies
             from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
             rotary = LlamaRotaryEmbedding(config)
@@ -286,7 +402,15 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_hf_model(cls, hf_model, *, dtype: torch.dtype = torch.float32) -> "Transformer":
-        """From a loaded transformers ``LlamaForCausalLM``."""
+        """From a loaded transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
+        ``MistralForCausalLM`` (its config and state dict; see ``from_hf``).
+
+        Raises:
+            TypeError: ``hf_model`` has no ``config`` / ``state_dict`` (not a transformers model).
+            ValueError, KeyError: as ``from_hf``.
+        """
+        if not hasattr(hf_model, "config") or not callable(getattr(hf_model, "state_dict", None)):
+            raise TypeError(f"hf_model must be a transformers causal LM (with .config and .state_dict()), got {type(hf_model).__name__}")
         return cls.from_hf(hf_model.config, hf_model.state_dict(), dtype=dtype)
 
     def truncated(self, num_layers: int) -> "Transformer":

@@ -1,0 +1,8 @@
+"""Integrations with other libraries (optional extras; nothing here is imported by
+``import specdec_kernels``).
+
+* ``specdec_kernels.integrations.transformers``: our ``tree_attention`` as a Hugging Face
+  transformers attention implementation ("specdec_tree") and ``speculative_generate``, a
+  drop-in for ``model.generate(assistant_model=..., prompt_lookup_num_tokens=...)`` that
+  verifies token trees with our kernels.  Needs ``transformers`` (>= 5).
+"""
