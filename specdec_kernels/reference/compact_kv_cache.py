@@ -1,6 +1,7 @@
 """Reference KV-cache compaction after verification (plain PyTorch), dense or paged."""
 from __future__ import annotations
 
+from collections import abc
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -14,7 +15,29 @@ DENSE_LAYOUT = "[L, 2, B, Hkv, S, D]"
 PAGED_LAYOUTS = {"NHD": "[L, 2, num_blocks, block_size, Hkv, D]", "HND": "[L, 2, num_blocks, Hkv, block_size, D]"}
 
 
-def cache_views(kv_cache: KVCache, layout: str = DENSE_LAYOUT) -> List[torch.Tensor]:
+class BufferViews(abc.Sequence):
+    """The 2L per-layer [..] views of one [L, 2, ...] buffer, made on access (an engine's
+    compaction per step should not pay for 2L view objects it never touches: the native
+    kernels take the buffer whole).  ``buffer`` is the 6-D tensor."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self._pairs = int(buffer.shape[1])  # 2 (keys, values); a concrete int under tracing too
+        self._len = int(buffer.shape[0]) * self._pairs
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if not -self._len <= i < self._len:
+            raise IndexError(i)
+        i = i + self._len if i < 0 else i
+        return self.buffer[i // self._pairs, i % self._pairs]
+
+
+def cache_views(kv_cache: KVCache, layout: str = DENSE_LAYOUT) -> Sequence[torch.Tensor]:
     """The cache as a list of 4-D tensors, one per layer's keys or values (views, nothing copied).
 
     Accepts one 6-D tensor (``layout``: [L, 2, B, Hkv, S, D] for a dense cache, or a paged
@@ -27,7 +50,7 @@ def cache_views(kv_cache: KVCache, layout: str = DENSE_LAYOUT) -> List[torch.Ten
             raise ValueError(f"kv_cache must be {layout} (keys and values), got shape {tuple(kv_cache.shape)}")
         # index, never flatten: flatten copies a buffer whose first two dims do not merge
         # (e.g. a [2, L, ...] allocation permuted to [L, 2, ...]), and the copy would be written
-        return [kv_cache[layer, kv] for layer in range(kv_cache.shape[0]) for kv in range(kv_cache.shape[1])]
+        return BufferViews(kv_cache)
     if not isinstance(kv_cache, (list, tuple)):
         raise TypeError(f"kv_cache must be a tensor or a sequence of tensors, got {type(kv_cache).__name__}")
     flat = []
@@ -74,6 +97,10 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     are fine).  No device synchronisation unless ranges overlap."""
     from torch._subclasses.fake_tensor import is_fake
 
+    if isinstance(views, BufferViews):
+        # the slices of one buffer are disjoint unless the buffer overlaps itself: one check
+        _check_no_aliasing([views.buffer])
+        return
     # Traced (torch.compile) or fake tensors have no addresses: only the stride check applies.
     addresses = not torch.compiler.is_compiling() and not any(is_fake(t) for t in views)
     for i, t in enumerate(views):
