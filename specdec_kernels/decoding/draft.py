@@ -143,6 +143,11 @@ class Drafter:
         self.sampling = sampling
         self.generators = generators
 
+    def set_cache_layout(self, layout) -> None:
+        """Called by the engine at construction with its ``paged.CacheLayout``: drafters with
+        a KV cache of their own lay it out the same way (dense, paged, prefix sharing)."""
+        self.cache_layout = layout
+
     def propose(self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]) -> Draft:
         raise NotImplementedError
 

@@ -15,6 +15,12 @@ Sequences of a batch accept different numbers of tokens and finish independently
 draft length K may come from a draft-length policy consulted every step (``adaptive.py``);
 ``typical=`` replaces lossless rejection sampling by Medusa's typical acceptance (LOSSY,
 ``typical.py``).
+
+The KV caches (the target's and every model drafter's) are dense by default; with
+``block_size=`` they are paged (``paged.py``: a block pool and block tables, written and read
+through the table), and with ``share_prefix=True`` prompts of a batch that begin with the same
+tokens (a common system prompt) share the KV blocks of that prefix, computed once, with
+copy-on-write of the block where they diverge.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from specdec_kernels._checks import as_int, as_int_list
 from specdec_kernels.decoding.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
 from specdec_kernels.decoding.stats import DecodeStats
 from specdec_kernels.decoding.typical import typical_acceptance
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
@@ -100,7 +107,7 @@ class DecodeState:
             is the root of the next draft and is not yet in the KV cache.
         prompt_lengths: per sequence.
         max_new_tokens: per sequence.
-        kv_cache: (L, 2, B, Hkv, S, D) the target's KV cache.
+        kv_cache: (L, 2, B, Hkv, S, D) the target's KV cache, or a ``PagedKVCache``.
         cache_seqlens: (B,) int32, tokens in the cache per sequence (= len(history) - 1 while
             the sequence is unfinished).
         done: per sequence, finished (stop token or max_new_tokens).
@@ -126,6 +133,8 @@ class DecodeState:
 
     @property
     def capacity(self) -> int:
+        if isinstance(self.kv_cache, PagedKVCache):
+            return self.kv_cache.capacity
         return self.kv_cache.shape[-2]
 
     def generated(self, b: int) -> List[int]:
@@ -165,6 +174,12 @@ class SpeculativeDecoder:
             the output no longer follows the target distribution exactly.  Greedy runs are
             unaffected.  Medusa's default is 0.09.
         typical_alpha: delta of typical acceptance (default sqrt(epsilon)).
+        block_size: None (default): dense KV caches.  An int in 1..256: paged KV caches with
+            blocks of that many slots (``paged.PagedKVCache``), for the target and for model
+            drafters.
+        share_prefix: with ``block_size``: prompts of a batch that share at least
+            ``block_size`` leading tokens share their KV blocks (target and model drafters),
+            computed once.  Greedy outputs are those of decoding each prompt alone.
 
     Example::
 
@@ -185,6 +200,8 @@ class SpeculativeDecoder:
         policy=None,
         typical: Optional[float] = None,
         typical_alpha: Optional[float] = None,
+        block_size: Optional[int] = None,
+        share_prefix: bool = False,
     ):
         # our Transformer, or an adapter with its call interface (integrations.transformers.HFCausalLM)
         if not isinstance(model, Transformer) and not getattr(type(model), "_specdec_decode_target", False):
@@ -214,6 +231,9 @@ class SpeculativeDecoder:
             raise ValueError(f"typical_alpha must be > 0 and needs typical, got {typical_alpha}")
         self.typical = typical
         self.typical_alpha = typical_alpha
+        if share_prefix and block_size is None:
+            raise ValueError("share_prefix=True needs a paged cache: give block_size (e.g. 16)")
+        self.cache_layout = CacheLayout(paged=block_size is not None, block_size=block_size or 16, share_prefix=bool(share_prefix))
         vocab = getattr(self.drafter, "vocab_size", None)
         if vocab is not None and vocab != model.args.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({model.args.vocab_size})")
@@ -310,20 +330,31 @@ class SpeculativeDecoder:
         capacity = max(n + m for n, m in zip(lengths, limits)) + self.max_draft_nodes + 1
         if capacity > self.model.args.max_position + self.max_draft_nodes + 1:
             raise ValueError(f"prompt plus max_new_tokens exceed the model's {self.model.args.max_position} positions")
+        if self.cache_layout.paged:
+            # the shared prefix never reaches the positions whose hidden states a Medusa-style
+            # drafter needs from this sequence's own prefill (its context window, its last token)
+            keep = max(1, int(getattr(self.drafter, "context_window", 0) or 0)) if getattr(self.drafter, "wants_hidden", False) else 0
+            prefixes = [h[: max(0, len(h) - 1 - keep)] for h in histories]
+            kv_cache = PagedKVCache.allocate(self.model, prefixes, capacity, self.cache_layout)
+        else:
+            kv_cache = self.model.new_kv_cache(B, capacity)
         state = DecodeState(
             histories=histories,
             prompt_lengths=lengths,
             max_new_tokens=limits,
-            kv_cache=self.model.new_kv_cache(B, capacity),
+            kv_cache=kv_cache,
             cache_seqlens=torch.zeros(B, dtype=torch.int32, device=self.model.device),
             done=[m == 0 for m in limits],
             generators=make_generators(seeds, B),
             sampling=sampling,
         )
+        state.stats.kv_cache_bytes = kv_cache.nbytes if isinstance(kv_cache, PagedKVCache) else kv_cache.numel() * kv_cache.element_size()
         t = time.perf_counter()
         prefill_hidden = self._prefill(state)
         state.stats.prefill_time = time.perf_counter() - t
         t = time.perf_counter()
+        if hasattr(self.drafter, "set_cache_layout"):  # model drafters lay out their caches like the target's
+            self.drafter.set_cache_layout(self.cache_layout)
         self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
         if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters, fresh each run
             self.drafter.bind_stats(state.stats)
@@ -333,10 +364,15 @@ class SpeculativeDecoder:
                 self.drafter.observe_context(context, first, has)
             self.drafter.observe_hidden(last, has)
         state.stats.draft_time += time.perf_counter() - t
+        state.stats.kv_cache_bytes += int(getattr(self.drafter, "kv_cache_bytes", 0))
         return state
 
     def _prefill(self, state: DecodeState):
         """Feed every prompt but its last token (the first root), in chunks, as chains.
+
+        With a shared-prefix paged cache, in two phases: the leaders from position 0, then
+        (after the copy-on-write of partly shared blocks) the followers from the end of the
+        prefix they share, attending to the leader's blocks of it.
 
         For a drafter that ``wants_hidden`` returns (hidden (B, hidden_size) of each prompt's
         last fed token, has_hidden per sequence, context, first): with a ``context_window``
@@ -344,37 +380,60 @@ class SpeculativeDecoder:
         (from position first[b]), else context is None; for other drafters None."""
         device = self.model.device
         fed = [n - 1 for n in state.prompt_lengths]
-        longest = max(fed)
         B = state.batch_size
         wants = getattr(self.drafter, "wants_hidden", False)
         window = int(getattr(self.drafter, "context_window", 0) or 0) if wants else 0
         last = torch.zeros(B, self.model.args.hidden_size, dtype=self.model.dtype, device=device) if wants else None
         first = [max(0, f - max(window, 1)) for f in fed]  # the fed positions whose hidden states are kept
         kept: List[List[torch.Tensor]] = [[] for _ in range(B)]
-        for c in range(0, longest, self.prefill_chunk):
-            n = min(self.prefill_chunk, longest - c)
-            block = torch.zeros(B, n, dtype=torch.int64)
-            for b, h in enumerate(state.histories):
-                part = h[c : min(c + n, fed[b])]
-                block[b, : len(part)] = torch.tensor(part, dtype=torch.int64)
-            positions = (c + torch.arange(n)).expand(B, n)
-            seqlens = torch.full((B,), c, dtype=torch.int32, device=device)
-            no_rows = torch.zeros(B, 0, dtype=torch.int64, device=device)
-            if not wants:
-                self.model(block.to(device), positions.to(device), state.kv_cache, seqlens, None, logit_rows=no_rows)
-            else:  # the hidden states of each prompt's kept positions in this chunk, no head
-                want = [range(max(first[b], c), min(fed[b], c + n)) for b in range(B)]
-                m = max(1, max(len(w) for w in want))
-                rows = torch.tensor([[(w[min(i, len(w) - 1)] - c) if len(w) else 0 for i in range(m)] for w in want],
-                                    dtype=torch.int64, device=device)
-                _, hidden = self.model(
-                    block.to(device), positions.to(device), state.kv_cache, seqlens, None,
-                    logit_rows=rows, return_hidden=True, compute_logits=False,
-                )
-                for b, w in enumerate(want):
-                    if len(w):
-                        kept[b].append(hidden[b, : len(w)])
-            state.stats.prefill_passes += 1
+        cache = state.kv_cache
+        paged = isinstance(cache, PagedKVCache)
+        starts = cache.prefill_starts() if paged else [0] * B
+        if paged:
+            # the leaders, then (after the copy-on-write of partly shared blocks) the followers;
+            # each in groups of similar length (a block table row is cheap to select), so that
+            # padding ragged prompts to the longest costs little
+            todo = [f - s for f, s in zip(fed, starts)]
+            phases = length_groups(cache.leaders, todo)
+            if cache.followers:  # None: the copy-on-write, once the leaders are in the cache
+                phases += [None] + length_groups(cache.followers, todo)
+        else:
+            phases = [list(range(B))]
+        for rows_b in phases:
+            if rows_b is None:
+                cache.copy_shared_tails()
+                continue
+            sub = cache.rows(rows_b) if paged and rows_b != list(range(B)) else cache
+            R = len(rows_b)
+            longest = max(fed[b] - starts[b] for b in rows_b)
+            for c in range(0, longest, self.prefill_chunk):
+                n = min(self.prefill_chunk, longest - c)
+                block = torch.zeros(R, n, dtype=torch.int64)
+                for r, b in enumerate(rows_b):
+                    part = state.histories[b][starts[b] + c : min(starts[b] + c + n, fed[b])]
+                    block[r, : len(part)] = torch.tensor(part, dtype=torch.int64)
+                base = torch.tensor([starts[b] + c for b in rows_b], dtype=torch.int64)
+                positions = base[:, None] + torch.arange(n)
+                seqlens = base.to(device=device, dtype=torch.int32)
+                no_rows = torch.zeros(R, 0, dtype=torch.int64, device=device)
+                if not wants:
+                    self.model(block.to(device), positions.to(device), sub, seqlens, None, logit_rows=no_rows)
+                else:  # the hidden states of each prompt's kept positions in this chunk, no head
+                    lo = [starts[b] + c for b in rows_b]
+                    want = [range(max(first[b], lo[r]), min(fed[b], lo[r] + n)) for r, b in enumerate(rows_b)]
+                    m = max(1, max(len(w) for w in want))
+                    rows = torch.tensor([[(w[min(i, len(w) - 1)] - lo[r]) if len(w) else 0 for i in range(m)]
+                                         for r, w in enumerate(want)], dtype=torch.int64, device=device)
+                    _, hidden = self.model(
+                        block.to(device), positions.to(device), sub, seqlens, None,
+                        logit_rows=rows, return_hidden=True, compute_logits=False,
+                    )
+                    for r, (b, w) in enumerate(zip(rows_b, want)):
+                        if len(w):
+                            kept[b].append(hidden[r, : len(w)])
+                state.stats.prefill_passes += 1
+                state.stats.prefill_tokens += R * n
+        state.stats.shared_prefill_tokens = sum(starts)
         state.cache_seqlens = torch.tensor(fed, dtype=torch.int32, device=device)
         if not wants:
             return None
@@ -426,7 +485,10 @@ class SpeculativeDecoder:
         keep = [a and not d for a, d in zip(active, state.done)]  # still running after this step
         advance = torch.tensor([n + 1 if k else 0 for n, k in zip(num_accepted.tolist(), keep)], dtype=torch.int64)
         if not draft.is_chain and any(keep):
-            compact_kv_cache(state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
+            if isinstance(state.kv_cache, PagedKVCache):
+                state.kv_cache.compact(state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
+            else:
+                compact_kv_cache(state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
         state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
         t3 = time.perf_counter()
         self.drafter.observe(accepted_nodes, num_accepted, keep)
@@ -444,6 +506,7 @@ class SpeculativeDecoder:
         stats.draft_time += t4 - t3
         stats.bookkeeping_time += t3 - t2
         stats.draft_lengths.extend(k for k, a in zip(ks, active) if a)
+        stats.draft_model_tokens = int(getattr(self.drafter, "model_tokens", 0))
         state.last_step = StepRecord(
             ks=ks,
             depths=depth.tolist(),

@@ -2,7 +2,8 @@
 
 Every forward feeds a block of N new tokens per sequence whose keys and values are
 written into a static KV cache (layout ``[L, 2, B, Hkv, S, D]``, the layout of
-``compact_kv_cache``) and attends through ``specdec_kernels.tree_attention``:
+``compact_kv_cache``, or a paged pool with block tables, ``paged.PagedKVCache``) and attends
+through ``specdec_kernels.tree_attention``:
 
 * prefill: the prompt as a chain (``tree_mask=None``);
 * plain decoding: N = 1;
@@ -26,12 +27,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels.decoding.paged import PagedKVCache
 from specdec_kernels.ops.tree_attention import tree_attention
 from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
 
@@ -284,7 +286,7 @@ class Block(nn.Module):
         self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend):
+    def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend, block_table=None):
         B, N, _ = x.shape
         H, Hkv, D = self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
         qkv = linear(self.attention_norm(x), self.wqkv.weight)
@@ -294,10 +296,14 @@ class Block(nn.Module):
         q = rotate(q.view(B, N, H, D), cos, sin)
         k = rotate(k.view(B, N, Hkv, D), cos, sin)
         v = v.view(B, N, Hkv, D)
-        k_cache, v_cache = layer_cache[0], layer_cache[1]  # [B, Hkv, S, D] views
+        k_cache, v_cache = layer_cache[0], layer_cache[1]  # [B, Hkv, S, D] views, or [blocks, block_size, Hkv, D] pools
         write(k_cache, k)
         write(v_cache, v)
-        attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
+        if block_table is None:
+            attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
+        else:
+            attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, kv_layout="NHD",
+                                  backend=backend, validate=False)
         x = x + linear(attn.reshape(B, N, H * D), self.wo.weight)
         gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2.weight)
@@ -454,7 +460,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: Union[torch.Tensor, "PagedKVCache"],
         cache_seqlens: torch.Tensor,
         tree_mask: Optional[torch.Tensor] = None,
         *,
@@ -471,7 +477,9 @@ class Transformer(nn.Module):
             tokens: Shape (B, N), int64: the block (for verification: root then drafts).
             positions: Shape (B, N), int64: rotary positions (``cache_seqlens + depth``).
             kv_cache: Shape (L', 2, B, Hkv, S, D), the model's dtype, L' >= the layers run.
-                The block's keys and values are written at slots cache_seqlens[b] + i.
+                The block's keys and values are written at slots cache_seqlens[b] + i.  Or a
+                ``paged.PagedKVCache`` (pool (L', 2, blocks, block_size, Hkv, D) and a block
+                table of B rows): the same slots, written and read through the table.
             cache_seqlens: Shape (B,), int32: tokens already in the cache per sequence;
                 cache_seqlens + N <= S.
             tree_mask: bool (N, N) or (B, N, N) ancestor mask of the block, None = chain.
@@ -498,6 +506,20 @@ class Transformer(nn.Module):
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
         seqlens = cache_seqlens.to(torch.int32)
 
+        block_table = None
+        if isinstance(kv_cache, PagedKVCache):  # writes through the block table, into the pool
+            block_table = kv_cache.block_table
+            flat = kv_cache.physical_slots(cache_seqlens, N)
+            Hkv, D = self.args.num_kv_heads, self.args.head_dim
+
+            def write(cache, new):  # cache [blocks, block_size, Hkv, D], new [B, N, Hkv, D]
+                cache.view(-1, Hkv, D).index_copy_(0, flat, new.reshape(B * N, Hkv, D))
+
+            x = self.tok_embeddings(tokens)
+            for i, layer in enumerate(layers):
+                x = layer(x, cos, sin, kv_cache.pool[i], write, seqlens, tree_mask, self.attention_backend, block_table)
+            return self._head(x, logit_rows, return_hidden, compute_logits)
+
         # Slot writes: one slice when every sequence starts at the same slot, else a scatter.
         starts = cache_seqlens.tolist() if cache_seqlens.device.type == "cpu" else None
         if starts is not None and min(starts) == max(starts):
@@ -520,6 +542,10 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(layers):
             x = layer(x, cos, sin, kv_cache[i], write, seqlens, tree_mask, self.attention_backend)
+        return self._head(x, logit_rows, return_hidden, compute_logits)
+
+    def _head(self, x, logit_rows, return_hidden, compute_logits):
+        """The final norm and the LM head over the wanted rows (see ``forward``)."""
         if logit_rows is not None:
             if logit_rows.shape[1] == 0:
                 return (None, None) if return_hidden else None

@@ -27,6 +27,7 @@ import torch
 
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.paged import PagedKVCache, length_groups
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask
@@ -88,20 +89,38 @@ class ModelDrafter(Drafter):
 
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
-        self.cache = self.model.new_kv_cache(len(histories), capacity, self.num_layers)
+        layout = getattr(self, "cache_layout", None)
+        if layout is not None and layout.paged:
+            # the drafter's cache holds each prompt but its last token (the root) before drafting
+            self.cache = PagedKVCache.allocate(self.model, [list(h[:-1]) for h in histories], capacity, layout, self.num_layers)
+            self._prefill_pending = True
+        else:
+            self.cache = self.model.new_kv_cache(len(histories), capacity, self.num_layers)
+            self._prefill_pending = False
+        self.model_tokens = 0  # positions fed through the draft model (padding included)
         self.seqlens = [0] * len(histories)  # committed tokens in the drafter's cache
         self.capacity = capacity
         self._root_slot: Optional[List[int]] = None
         self._fed_depth = 0
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the drafter's KV cache (0 before ``start``)."""
+        cache = getattr(self, "cache", None)
+        if cache is None:
+            return 0
+        return cache.nbytes if isinstance(cache, PagedKVCache) else cache.numel() * cache.element_size()
+
     # ------------------------------------------------------------------ helpers
-    def _forward(self, tokens, positions, seqlens, mask=None, rows=None):
+    def _forward(self, tokens, positions, seqlens, mask=None, rows=None, cache=None):
         device = self.model.device
         as_t = lambda x: torch.as_tensor(x, dtype=torch.int64).to(device)  # noqa: E731
+        tokens = as_t(tokens)
+        self.model_tokens += tokens.numel()
         return self.model(
-            as_t(tokens),
+            tokens,
             as_t(positions),
-            self.cache,
+            self.cache if cache is None else cache,
             as_t(seqlens).to(torch.int32),
             mask,
             num_layers=self.num_layers,
@@ -132,6 +151,8 @@ class ModelDrafter(Drafter):
             self._root_slot = None
             return Draft.from_lists([([h[-1]], [-1]) for h in histories])
 
+        if self._prefill_pending:
+            self._prefill_paged(histories)
         # 1) feed the committed tokens the drafter has not seen, ending at the root
         pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
         P = max(len(p) for p in pending)
@@ -185,6 +206,30 @@ class ModelDrafter(Drafter):
         parents_t = torch.tensor(parents, dtype=torch.int64).expand(B, N).clone()
         return Draft(tokens, parents_t, torch.tensor(num_nodes), probs, is_chain=self._is_chain)
 
+    def _prefill_paged(self, histories) -> None:
+        """A paged cache, before the first draft: every prompt but its root goes through the
+        draft model in groups of similar length (little padding); with prefix sharing the
+        leaders first, then (after the copy-on-write of partly shared blocks) the followers
+        from the end of the prefix they share (``paged.py``)."""
+        cache = self.cache
+        B = len(histories)
+        starts = cache.prefill_starts()
+        todo = [len(histories[b]) - 1 - starts[b] for b in range(B)]
+        phases = length_groups(cache.leaders, todo)
+        if cache.followers:  # None: the copy-on-write, once the leaders are in the cache
+            phases += [None] + length_groups(cache.followers, todo)
+        for rows in phases:
+            if rows is None:
+                cache.copy_shared_tails()
+                continue
+            P = max(todo[b] for b in rows)
+            block = [list(histories[b][starts[b]: len(histories[b]) - 1]) + [0] * (P - todo[b]) for b in rows]
+            positions = [[starts[b] + j for j in range(P)] for b in rows]
+            self._forward(block, positions, [starts[b] for b in rows], None, [[]] * len(rows), cache=cache.rows(rows))
+        for b in range(B):
+            self.seqlens[b] = len(histories[b]) - 1
+        self._prefill_pending = False
+
     @torch.inference_mode()
     def observe(self, accepted_nodes, num_accepted, active) -> None:
         if self._root_slot is None:
@@ -193,7 +238,11 @@ class ModelDrafter(Drafter):
         count = torch.where(torch.tensor(list(active), dtype=torch.bool), fed + 1, 0)
         root = torch.tensor(self._root_slot, dtype=torch.int64)
         if not self._is_chain and bool(count.gt(1).any()):
-            compact_kv_cache(self.cache, root.to(self.cache.device), accepted_nodes.to(self.cache.device), count.to(self.cache.device))
+            if isinstance(self.cache, PagedKVCache):
+                device = self.cache.pool.device
+                self.cache.compact(root.to(device).to(torch.int32), accepted_nodes.to(device), count.to(device))
+            else:
+                compact_kv_cache(self.cache, root.to(self.cache.device), accepted_nodes.to(self.cache.device), count.to(self.cache.device))
         for b, a in enumerate(active):
             if a:
                 self.seqlens[b] = self._root_slot[b] + 1 + int(fed[b])

@@ -200,6 +200,21 @@ class MultiDrafter(Drafter):
                 d.observe_hidden(hidden, active)
                 self.counters[name]["observe_time"] += time.perf_counter() - t
 
+    def set_cache_layout(self, layout) -> None:
+        super().set_cache_layout(layout)
+        for d in self.drafters:
+            if hasattr(d, "set_cache_layout"):
+                d.set_cache_layout(layout)
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens fed through the sub-drafters' models (see ``DecodeStats.draft_model_tokens``)."""
+        return sum(int(getattr(d, "model_tokens", 0)) for d in self.drafters)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(int(getattr(d, "kv_cache_bytes", 0)) for d in self.drafters)
+
     # ------------------------------------------------------------------ interface
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)

@@ -24,6 +24,15 @@ class DecodeStats:
         policy: the draft-length policy that chose K ("" for a fixed K or a schedule).
         drafters: per sub-drafter counters of a ``MultiDrafter`` (which sources proposed
             the accepted nodes: see ``multi.DRAFTER_COUNTERS``); empty otherwise.
+        prefill_tokens: positions the target computed in the prefill (prompt tokens, plus the
+            padding of ragged chunks; a shared prefix counts once).
+        shared_prefill_tokens: prompt tokens whose K/V a sequence took from another one's
+            blocks instead of computing them (prefix sharing; 0 without).
+        draft_model_tokens: positions fed through model drafters' forward passes (their
+            prefill and their drafting, padding included; a shared prefix counts once); 0
+            without a model drafter.
+        kv_cache_bytes: bytes of the KV caches allocated for the batch (target and model
+            drafters; allocated once at the start, so also their peak).
         prefill_time, draft_time, verify_time, bookkeeping_time, total_time: seconds.
             draft = the drafter's propose and observe; verify = the target forward pass and
             the verification op; bookkeeping = the rest of the loop (emitting tokens, stop
@@ -41,6 +50,10 @@ class DecodeStats:
     draft_lengths: List[int] = field(default_factory=list)
     policy: str = ""
     drafters: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    shared_prefill_tokens: int = 0
+    draft_model_tokens: int = 0
+    kv_cache_bytes: int = 0
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
