@@ -513,6 +513,10 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "scenario", "single") == "shared-prefix" and len(questions) < args.batch:
+        print(f"error: --batch {args.batch} needs as many questions; the prompts gave {len(questions)} (raise --per-category)",
+              file=sys.stderr)
+        return 2
 
     from specdec_kernels.decoding.loading import INSTALL_HINT, have_smollm2
 
@@ -524,6 +528,19 @@ def run(args) -> int:
     ctx = build_context(device, dtype, args.num_draft_tokens)
     load_s = time.perf_counter() - t
     tok = ctx.tokenizer
+    if getattr(args, "scenario", "single") == "shared-prefix":
+        from bench import shared_prefix
+
+        env = {**environment(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
+               "uncommitted": uncommitted_changes()}
+        args.out_path = str(out)
+        # one question per category first, then the second of each, ...: different questions
+        rank = {}
+        order = []
+        for q in questions:
+            rank[q["category"]] = rank.get(q["category"], -1) + 1
+            order.append((rank[q["category"]], len(order), q))
+        return shared_prefix.run(args, ctx, [q for _, _, q in sorted(order, key=lambda x: x[:2])], env)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                        return_dict=False) for q in questions]
     # our greedy decoding always runs first: it is what "same tokens" compares against
@@ -700,6 +717,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, help="override the draft depth K of every drafter of ours")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --demo)")
     p.add_argument("--out", help="output folder (default bench_out/)")
+    p.add_argument("--scenario", choices=["single", "shared-prefix"], default="single",
+                   help="single (default): every method on every prompt at batch 1; shared-prefix: a batch of --batch "
+                        "requests with one long shared system prompt, with and without prefix sharing "
+                        "(bench/shared_prefix.py; --methods from greedy, layerskip-tree, ngram-tree)")
+    p.add_argument("--batch", type=int, default=8, help="requests of the shared-prefix scenario (default 8)")
     p.add_argument("--demo", action="store_true",
                    help=f"a short run: first prompt of {', '.join(DEMO['categories'])}, {DEMO['max_new_tokens']} new "
                         f"tokens, methods {', '.join(DEMO['methods'])}, {DEMO['threads']} thread (explicit options "
@@ -725,7 +747,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--num-draft-tokens must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.batch < 2:
+        p.error("--batch must be >= 2")
     args.categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    if args.scenario == "shared-prefix":
+        from bench.shared_prefix import SCENARIO_METHODS
+
+        bad = [m for m in (args.methods or "").split(",") if m and m not in SCENARIO_METHODS]
+        if bad:
+            p.error(f"--methods of the shared-prefix scenario must come from {', '.join(SCENARIO_METHODS)}, got {', '.join(bad)}")
+        return args
     try:
         select_methods(args.methods)
     except ValueError as e:

@@ -154,3 +154,44 @@ def test_malformed_prompts_file_names_the_line(tmp_path):
     bad.write_text('{"question_id": 1, "category": "a", "turns": ["x"]}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"q\.jsonl:2:"):
         e2e.load_questions(bad, 1)
+
+
+def test_shared_prefix_flags_checked_before_loading(prompts_file, capsys, monkeypatch):
+    import specdec_kernels.decoding.loading as loading
+
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--scenario", "shared-prefix", "--batch", "1"])
+    assert "--batch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--scenario", "shared-prefix", "--methods", "medusa-tree"])
+    assert "shared-prefix" in capsys.readouterr().err
+    monkeypatch.setattr(loading, "have_smollm2", lambda: pytest.fail("the model loaded before --batch was checked"))
+    args = e2e.parse_args(["--prompts", str(prompts_file), "--scenario", "shared-prefix", "--batch", "5"])
+    assert e2e.run(args) == 2  # 4 questions in the file
+    assert "--batch 5" in capsys.readouterr().err
+
+
+@needs_model
+def test_shared_prefix_scenario(prompts_file, tmp_path, capsys, restore_threads):
+    """Three requests with the packaged system prompt: every batched run reproduces the
+    requests decoded alone, sharing computes fewer prefill positions, draft positions and
+    cache bytes than the same batch without it."""
+    out = tmp_path / "out"
+    rc = e2e.main(["--prompts", str(prompts_file), "--per-category", "2", "--scenario", "shared-prefix", "--batch", "3",
+                   "--methods", "greedy,layerskip-tree", "--max-new-tokens", "6", "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    assert "same as alone" in capsys.readouterr().out
+    assert (out / "shared_prefix.png").stat().st_size > 0
+    lines = read_jsonl(out / "shared_prefix.jsonl")
+    config = lines[0]
+    assert config["kind"] == "config" and config["batch"] == 3 and config["common_prefix_tokens"] > 400
+    runs = {(r["method"], r["mode"]): r for r in lines if r["kind"] == "run"}
+    assert set(runs) == {(m, mode) for m in ("greedy", "layerskip-tree") for mode in ("alone", "paged", "shared")}
+    for r in runs.values():
+        assert r["same_as_alone"] and r["same_count"] == "3/3" and r["tokens_per_s"] > 0
+    for m in ("greedy", "layerskip-tree"):
+        shared, paged = runs[(m, "shared")], runs[(m, "paged")]
+        assert shared["shared_prefill_tokens"] >= 2 * (config["common_prefix_tokens"] // 16) * 16
+        assert shared["prefill_tokens"] <= paged["prefill_tokens"] - shared["shared_prefill_tokens"] + 3 * 16
+        assert shared["kv_cache_bytes"] < paged["kv_cache_bytes"]
+    assert runs[("layerskip-tree", "shared")]["draft_model_tokens"] < runs[("layerskip-tree", "paged")]["draft_model_tokens"]
