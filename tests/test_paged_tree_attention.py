@@ -455,3 +455,30 @@ def test_meta_tensors_give_meta_outputs(backend):
     out = sk.tree_attention(q, pool, pool, torch.tensor([1, 2], dtype=torch.int32, device=m),
                             block_table=torch.zeros(2, 3, dtype=torch.int32, device=m), backend=backend)
     assert out.device.type == "meta" and out.shape == q.shape
+
+
+def test_cpu_workspace_survives_inference_mode_and_fake_mode():
+    """The torch path's reused gather buffer: first made inside ``torch.inference_mode`` (the
+    engine's generate) or under a FakeTensorMode (tracing), it must not break later plain calls
+    (an inference tensor cannot be written outside inference mode; a fake one holds no data)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specdec_kernels.ops import tree_attention as ta
+
+    g = torch.Generator().manual_seed(5)
+    B, N, H, Hkv, D, bs = 2, 3, 4, 2, 16, 4
+    table = torch.tensor([[2, 0, 1], [4, 3, 5]], dtype=torch.int32)
+    k = torch.randn(6, bs, Hkv, D, generator=g)
+    v = torch.randn(6, bs, Hkv, D, generator=g)
+    q = torch.randn(B, N, H, D, generator=g)
+    lens = torch.tensor([5, 7], dtype=torch.int32)
+    for attr in list(vars(ta._WORKSPACE)):
+        delattr(ta._WORKSPACE, attr)
+    want = reference.tree_attention(q, k, v, lens, block_table=table)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ta._workspace(10_000, torch.float32)
+    with torch.inference_mode():
+        inside = sk.tree_attention(q, k, v, lens, block_table=table, backend="torch")
+    outside = sk.tree_attention(q, k, v, lens, block_table=table, backend="torch")
+    torch.testing.assert_close(inside, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outside, want, atol=1e-5, rtol=1e-5)

@@ -244,13 +244,21 @@ WORKSPACE_MAX_BYTES = 256 << 20
 
 
 def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``numel`` elements (uninitialised), reused by later calls on this thread."""
+    """A CPU tensor of ``numel`` elements (uninitialised), reused by later calls on this thread.
+
+    Only a plain tensor made outside every mode is kept: under a FakeTensorMode, a tracer or a
+    dispatch mode a fresh one is returned; the kept buffer is made with inference mode off, so
+    that a buffer first needed inside ``torch.inference_mode`` (the engine) can still be written
+    outside it (an inference tensor could not)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return torch.empty(numel, dtype=dtype)
     key = str(dtype)
     buf = getattr(_WORKSPACE, key, None)
     if buf is not None and buf.numel() >= numel:
         return buf[:numel]
-    buf = torch.empty(numel, dtype=dtype)
-    if numel * buf.element_size() <= WORKSPACE_MAX_BYTES:
+    with torch.inference_mode(False):
+        buf = torch.empty(numel, dtype=dtype)
+    if type(buf) is torch.Tensor and numel * buf.element_size() <= WORKSPACE_MAX_BYTES:
         setattr(_WORKSPACE, key, buf)
     return buf
 
