@@ -260,27 +260,35 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   constexpr bool is_f32 = std::is_same<scalar_t, float>::value;
   const float scale = static_cast<float>(sm_scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(R * D), acc(R * D), m(R), l(R), scores(R * CHUNK);
-    std::vector<uint8_t> bad(R), vis(R * CHUNK), skip(R * CHUNK);
+  // A task is one sequence and HG of its KV heads, which walk the slots chunk by chunk
+  // together: in an NHD pool the rows of one slot's heads are adjacent, so one chunk's memory is
+  // read as one stream.  All heads in one task when there are enough sequences for the threads,
+  // else one head per task (more tasks).
+  const int64_t HG = B >= at::get_num_threads() ? Hkv : 1;
+  const int64_t groups = Hkv / HG;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(HG * R * D), acc(HG * R * D), m(HG * R), l(HG * R), scores(R * CHUNK);
+    std::vector<uint8_t> bad(HG * R), vis(R * CHUNK), skip(R * CHUNK);
     std::vector<float> kconv(is_f32 ? 0 : CHUNK * D), vconv(is_f32 ? 0 : CHUNK * D);
     std::vector<const float*> kp(CHUNK), vp(CHUNK);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t b = task / groups, h0 = (task % groups) * HG;
       const int64_t len = clamp64(lens[b], 0, capacity - N);
       const int32_t* row_table = tbl + b * max_blocks;
-      for (int64_t i = 0; i < N; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const scalar_t* src = qp + ((b * N + i) * H + h * G + g) * D;
-          float* dst = qbuf.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
-        }
+      for (int64_t lh = 0; lh < HG; ++lh)
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const scalar_t* src = qp + ((b * N + i) * H + (h0 + lh) * G + g) * D;
+            float* dst = qbuf.data() + (lh * R + i * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+          }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), NEG_INF);
       std::fill(l.begin(), l.end(), 0.0f);
       std::fill(bad.begin(), bad.end(), 0);
-      // point kp/vp at slots s0 .. s0 + T - 1 of this sequence (fp32 data in place, else converted)
-      auto load = [&](int64_t s0, int64_t T) {
+      // point kp/vp at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
+      // else converted)
+      auto load = [&](int64_t h, int64_t s0, int64_t T) {
         for (int64_t t = 0; t < T; ++t) {
           const int64_t s = s0 + t;  // < len + N <= capacity: inside the table row
           const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
@@ -300,11 +308,32 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
           }
         }
       };
+      // software prefetch of the K/V rows (this task's heads) of the next chunk of logical slots
+      // (prefix then tree, s < len + N), issued while this chunk is computed
+      auto prefetch = [&](int64_t s0) {
+        const int64_t s1 = std::min(s0 + CHUNK, len + N);
+        const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
+          const int64_t off = s % block_size;
+          for (int64_t h = h0; h < h0 + HG; ++h) {
+            const char* k = reinterpret_cast<const char*>(kbase + blk * ksb + off * kss + h * ksh);
+            const char* v = reinterpret_cast<const char*>(vbase + blk * vsb + off * vss + h * vsh);
+            for (int64_t b0 = 0; b0 < bytes; b0 += 64) {
+              __builtin_prefetch(k + b0);
+              __builtin_prefetch(v + b0);
+            }
+          }
+        }
+      };
       for (int64_t s0 = 0; s0 < len; s0 += CHUNK) {
         const int64_t T = std::min(CHUNK, len - s0);
-        load(s0, T);
-        attend_chunk(qbuf.data(), R, D, kp.data(), vp.data(), T, nullptr, m.data(), l.data(), bad.data(), acc.data(),
-                     scores.data(), skip.data());
+        prefetch(s0 + T);
+        for (int64_t lh = 0; lh < HG; ++lh) {
+          load(h0 + lh, s0, T);
+          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), T, nullptr, m.data() + lh * R,
+                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data(), skip.data());
+        }
       }
       const bool* mb = has_mask ? mp + b * mask_bstride : nullptr;
       for (int64_t j0 = 0; j0 < N; j0 += CHUNK) {
@@ -313,25 +342,28 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
           const int64_t i = r / G;
           for (int64_t t = 0; t < T; ++t) vis[r * T + t] = has_mask ? mb[i * N + j0 + t] : (j0 + t <= i);
         }
-        load(len + j0, T);
-        attend_chunk(qbuf.data(), R, D, kp.data(), vp.data(), T, vis.data(), m.data(), l.data(), bad.data(), acc.data(),
-                     scores.data(), skip.data());
+        for (int64_t lh = 0; lh < HG; ++lh) {
+          load(h0 + lh, len + j0, T);
+          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), T, vis.data(), m.data() + lh * R,
+                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data(), skip.data());
+        }
       }
       const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t i = 0; i < N; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * G + g;
-          const float* ar = acc.data() + r * D;
-          scalar_t* dst = op + ((b * N + i) * H + h * G + g) * D;
-          float check = 0.0f;  // NaN when some accumulator element is not finite
-          for (int64_t d = 0; d < D; ++d) check += ar[d] * 0.0f;
-          if (bad[r] || check != check) {
-            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(nan);
-          } else {
-            const float inv = 1.0f / l[r];  // l = 0 (no visible key): 0 * inf = NaN, as the reference
-            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+      for (int64_t lh = 0; lh < HG; ++lh)
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = lh * R + i * G + g;
+            const float* ar = acc.data() + r * D;
+            scalar_t* dst = op + ((b * N + i) * H + (h0 + lh) * G + g) * D;
+            float check = 0.0f;  // NaN when some accumulator element is not finite
+            for (int64_t d = 0; d < D; ++d) check += ar[d] * 0.0f;
+            if (bad[r] || check != check) {
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(nan);
+            } else {
+              const float inv = 1.0f / l[r];  // l = 0 (no visible key): 0 * inf = NaN, as the reference
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+            }
           }
-        }
     }
   });
 }

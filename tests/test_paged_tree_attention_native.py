@@ -215,17 +215,21 @@ def test_empty_batch_and_no_queries():
     assert out.shape == (2, 0, 2, 16)
 
 
-def test_threads_give_the_same_bits():
-    q, k, v, lens, table, pk, pv = paged_case(4, 3, 6, 3, 32, [50, 3, 0, 77], 7, "NHD", seed=30)
-    mask = make_mask("per_seq", 4, 3, gen(30))
-    one = native(q, pk, pv, lens, mask, table, "NHD")
+@pytest.mark.parametrize("lens", [[50, 3, 0, 77], [90]], ids=["B4", "B1"])
+def test_threads_give_the_same_bits(lens):
+    # 1 thread: one task per sequence (all its KV heads); 2 threads and B = 1: one per KV head
+    B = len(lens)
+    q, k, v, lens_t, table, pk, pv = paged_case(B, 3, 6, 3, 32, lens, 7, "NHD", seed=30)
+    mask = make_mask("per_seq", B, 3, gen(30))
+    one = native(q, pk, pv, lens_t, mask, table, "NHD")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        two = native(q, pk, pv, lens, mask, table, "NHD")
+        two = native(q, pk, pv, lens_t, mask, table, "NHD")
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+    assert_close(one, expected(q, k, v, lens_t, mask), torch.float32)
 
 
 def test_automatic_cpu_backend_is_native_for_the_paged_op_only():
