@@ -53,4 +53,13 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "tree_rejection_sample_native(Tensor target_probs, Tensor tree_tokens, Tensor tree_parents, Tensor? draft_probs, "
       "Tensor num_nodes, Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor, Tensor)");
   m.def("sampling_probs_native(Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p) -> Tensor");
+
+  // CPU tree attention over a paged KV cache (csrc/paged_attention_cpu.cpp), reading K/V through
+  // the block table in place: q [B, N, H, D] float32/float16/bfloat16; pools [num_blocks,
+  // block_size, Hkv, D] ("NHD") or [num_blocks, Hkv, block_size, D] ("HND"); tree_mask None
+  // (causal chain) or bool [N, N] / [B, N, N]; block_table int32 [B, max_blocks_per_seq].
+  // cache_seqlens are clamped into [0, capacity - N] and block ids into [0, num_blocks).
+  m.def(
+      "paged_tree_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? tree_mask, "
+      "Tensor block_table, str kv_layout, float sm_scale) -> Tensor");
 }

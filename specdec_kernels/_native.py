@@ -28,6 +28,8 @@ def load() -> bool:
                 torch.library.register_fake("specdec::compact_kv_cache_native")(_compact_kv_cache_native_fake)
             if hasattr(torch.ops.specdec, "paged_compact_kv_cache_native"):
                 torch.library.register_fake("specdec::paged_compact_kv_cache_native")(_paged_compact_kv_cache_native_fake)
+            if hasattr(torch.ops.specdec, "paged_tree_attention_native"):
+                torch.library.register_fake("specdec::paged_tree_attention_native")(_paged_tree_attention_native_fake)
         except (ImportError, OSError) as e:
             _state["loaded"], _state["error"] = False, e
     return bool(_state["loaded"])
@@ -81,6 +83,26 @@ def _paged_compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices,
         torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
         torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
     return None
+
+
+def _paged_tree_attention_native_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale):
+    """Fake (meta) implementation of specdec::paged_tree_attention_native: shape checks, an
+    output like q (contiguous).  Pools [num_blocks, block_size, Hkv, D] ("NHD") or
+    [num_blocks, Hkv, block_size, D] ("HND"); tree_mask None or bool [N, N] / [B, N, N]."""
+    torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    torch._check(q.dim() == 4, lambda: f"q must be [B, N, H, D], got {tuple(q.shape)}")
+    torch._check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+                 lambda: f"k_cache and v_cache must be 4-D pools of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    torch._check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, lambda: "k_cache and v_cache must have q's dtype")
+    torch._check(k_cache.shape[3] == q.shape[3], lambda: "k_cache's head dim must match q's")
+    Hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
+    torch._check(q.shape[2] % Hkv == 0, lambda: "q's heads must be a multiple of k_cache's heads")
+    torch._check(block_table.dim() == 2 and block_table.shape[0] == q.shape[0] and block_table.dtype == torch.int32,
+                 lambda: "block_table must be int32 [B, max_blocks_per_seq]")
+    torch._check(cache_seqlens.dim() == 1 and cache_seqlens.shape[0] == q.shape[0], lambda: "cache_seqlens must be [B]")
+    if tree_mask is not None:
+        torch._check(tree_mask.dtype == torch.bool and tree_mask.dim() in (2, 3), lambda: "tree_mask must be bool [N, N] or [B, N, N]")
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 def probs_operands(target: torch.Tensor, draft):

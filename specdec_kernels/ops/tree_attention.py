@@ -33,7 +33,11 @@ with ``PAGED``: each key tile looks its block ids up in the table (clamped into 
 addresses the pool through its strides, so both layouts and any block size share one kernel.
 The torch backend gathers the blocks that cover ``max(cache_seqlens) + N`` slots (all of the
 table off CPU, where reading the lengths would synchronise) into a dense cache view and runs
-the SDPA path above.
+the SDPA path above.  The paged op also has ``"native"`` (its automatic CPU backend when the
+extension has it): ``torch.ops.specdec.paged_tree_attention_native``, a C++ kernel
+(csrc/paged_attention_cpu.cpp) that reads K/V through the block table in place, no gather, with
+the same online softmax as the Triton kernel (one task per sequence and KV head, fp32
+accumulation; fp16/bf16 converted on load).
 
 Bit-packed masks
 ----------------
@@ -64,6 +68,9 @@ from specdec_kernels.reference.tree_attention import (
 )
 
 IMPLEMENTED = ("reference", "torch", "triton")
+# The paged op (torch.ops.specdec.paged_tree_attention) has one more backend: "native", the C++
+# CPU kernel (csrc/paged_attention_cpu.cpp), its automatic CPU backend when the extension has it.
+PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
 
 MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
 MAX_SPLITS = 256
@@ -416,7 +423,7 @@ def _paged_impl(
 ) -> torch.Tensor:
     B, N, H, D, Hkv, capacity, _, _ = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table,
                                                    kv_layout, num_splits, validate=False)
-    name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
+    name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
@@ -424,6 +431,9 @@ def _paged_impl(
         return paged_tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
                                            _mask_kind(tree_mask), sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
+    if name == "native":
+        return torch.ops.specdec.paged_tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, block_table,
+                                                             kv_layout, sm_scale)
     if name == "torch":
         out = _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale)
     else:
@@ -440,7 +450,7 @@ def _paged_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_l
 def _paged_triton_decomposition(args, kwargs):
     x = _library.bound_arguments(_paged_impl, args, kwargs)
     q, tree_mask = x["q"], x["tree_mask"]
-    if _backend.resolve("tree_attention", q.device, x["backend"] or None, IMPLEMENTED) != "triton":
+    if _backend.resolve("paged_tree_attention", q.device, x["backend"] or None, PAGED_IMPLEMENTED) != "triton":
         return None
     B, N, H, D = q.shape
     _, block_size, Hkv, _ = paged_geometry(x["k_cache"], x["kv_layout"])

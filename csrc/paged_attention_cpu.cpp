@@ -1,0 +1,425 @@
+// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec.paged_tree_attention_native).
+//
+// The algorithm of specdec_kernels/ops/tree_attention.py's Triton kernel, on the CPU: for each
+// (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
+// h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row load) walk the
+// cache slots in chunks of CHUNK slots with an online softmax (flash attention, Dao et al. 2022;
+// fp32 scores and accumulators):
+//
+//   1. the prefix, slots 0 .. cache_seqlens[b] - 1, visible to every row;
+//   2. the tree part, slots cache_seqlens[b] + j (j < N), visible to node i iff tree_mask[i, j]
+//      (the causal chain j <= i when there is no mask).
+//
+// K/V rows are read through the block table in place (logical slot s of sequence b is slot
+// s % block_size of block block_table[b, s / block_size]): nothing is gathered.  fp16 / bf16
+// rows are converted to fp32 as they are loaded, one chunk at a time.
+//
+// Bounds, whatever the caller passes: cache_seqlens is clamped into [0, capacity - N] (capacity =
+// max_blocks_per_seq * block_size), as the reference does, so every table entry read lies inside
+// the table's first ceil((cache_seqlens + N) / block_size) columns; block ids are clamped into
+// [0, num_blocks), as the Triton kernel and the reference do, so no id reads outside the pools.
+//
+// Non-finite keys or values reach exactly the queries that see their slot, as in the reference:
+// a visible key row that is not finite makes the row's score non-finite (flagged, the row's
+// output is NaN); a visible value row that is not finite makes the accumulator non-finite
+// (p * inf and p * NaN are never finite, even for p = 0, and rescaling keeps them so), and a row
+// whose accumulator is not finite outputs NaN.  Invisible slots are never multiplied at all.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+constexpr int64_t CHUNK = 32;  // key slots per online-softmax step (K and V rows stay in L1)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// an FMA clone (which implies AVX: 256-bit float vectors) beside the baseline one, picked at load time by the CPU (GCC function
+// multiversioning): the same code, never an instruction the machine lacks
+#define SPECDEC_SIMD_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define SPECDEC_SIMD_CLONES
+#endif
+// the helpers of attend_chunk are inlined into each of its clones (and so compiled for its
+// target); out of line they would be baseline code passing vectors through memory
+#define SPECDEC_INLINE inline __attribute__((always_inline))
+
+// 8 floats in one vector (GCC vector extension: one AVX register in the AVX2 clone, two SSE
+// registers in the baseline one); loads and stores through memcpy, no alignment needed.
+typedef float v8sf __attribute__((vector_size(32)));
+
+SPECDEC_INLINE v8sf load8(const float* p) {
+  v8sf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+SPECDEC_INLINE void store8(float* p, v8sf x) { std::memcpy(p, &x, sizeof(x)); }
+
+SPECDEC_INLINE float hsum8(v8sf x) {
+  const float a = (x[0] + x[4]) + (x[1] + x[5]);
+  const float b = (x[2] + x[6]) + (x[3] + x[7]);
+  return a + b;
+}
+
+typedef int32_t v8si __attribute__((vector_size(32)));
+
+// exp(x) of 8 floats x <= 0 in branch-free vector arithmetic (Cody-Waite range reduction
+// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n through the exponent
+// bits); relative error about 2e-7.  x below -87 (and -inf) gives 0.
+SPECDEC_INLINE v8sf exp8_nonpos(v8sf x) {
+  const v8sf zero = v8sf{0, 0, 0, 0, 0, 0, 0, 0}, lo = zero - 87.0f;
+  const v8si under = x < lo;
+  const v8sf xc = under ? lo : x;
+  // round to nearest through the 1.5 * 2^23 trick (no rounding instruction needed; |x| < 2^22)
+  const v8sf n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const v8sf r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  v8sf p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v8si bits = (__builtin_convertvector(n, v8si) + 127) << 23;
+  const v8sf res = p * reinterpret_cast<const v8sf&>(bits);
+  return under ? zero : res;
+}
+
+// acc[r] += sum_t probs[r * T + t] v_t for RB rows r0 .. r0 + RB - 1 at once (each value row
+// loaded once per RB rows), every slot visible.
+template <int RB>
+SPECDEC_INLINE void pv_rows(const float* probs, int64_t r0, int64_t D, const float* const* vp, int64_t T, float* acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    v8sf a0[RB], a1[RB];
+    for (int e = 0; e < RB; ++e) {
+      a0[e] = load8(acc + (r0 + e) * D + d);
+      a1[e] = load8(acc + (r0 + e) * D + d + 8);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const v8sf v0 = load8(vp[t] + d), v1 = load8(vp[t] + d + 8);
+      for (int e = 0; e < RB; ++e) {
+        const float p = probs[(r0 + e) * T + t];
+        a0[e] += p * v0;
+        a1[e] += p * v1;
+      }
+    }
+    for (int e = 0; e < RB; ++e) {
+      store8(acc + (r0 + e) * D + d, a0[e]);
+      store8(acc + (r0 + e) * D + d + 8, a1[e]);
+    }
+  }
+}
+
+// scores[r * T + t] = q_r . k_t for RB query rows r0 .. r0 + RB - 1 at once (each key row is
+// loaded once per RB rows; D a multiple of 16).
+template <int RB>
+SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float* const* kp, int64_t T, float* scores) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* k = kp[t];
+    v8sf c0[RB], c1[RB];
+    for (int e = 0; e < RB; ++e) c0[e] = c1[e] = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < D; d += 16) {
+      const v8sf k0 = load8(k + d), k1 = load8(k + d + 8);
+      for (int e = 0; e < RB; ++e) {
+        const float* qr = q + (r0 + e) * D + d;
+        c0[e] += load8(qr) * k0;
+        c1[e] += load8(qr + 8) * k1;
+      }
+    }
+    for (int e = 0; e < RB; ++e) scores[(r0 + e) * T + t] = hsum8(c0[e] + c1[e]);
+  }
+}
+
+// One online-softmax step of R query rows (q: R x D fp32, already times sm_scale) over T key
+// slots (row pointers kp[t], vp[t] into fp32 data).  vis: R x T visibility (nullptr: all
+// visible).  m, l, acc (R x D): the running maximum, sum and output of each row; bad: rows
+// that saw a non-finite key.  scores: R x T floats of scratch (the scores, then the weights),
+// skip: R x T bytes of scratch (used with vis).
+SPECDEC_SIMD_CLONES void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp,
+                                      const float* const* vp, int64_t T, const uint8_t* vis, float* m, float* l,
+                                      uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) dot_rows<4>(q, r0, D, kp, T, scores);
+  switch (R - r0) {
+    case 3: dot_rows<3>(q, r0, D, kp, T, scores); break;
+    case 2: dot_rows<2>(q, r0, D, kp, T, scores); break;
+    case 1: dot_rows<1>(q, r0, D, kp, T, scores); break;
+    default: break;
+  }
+  // per row: mask, running maximum, rescale, probabilities (in place of the scores)
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = scores + r * T;
+    float mc = NEG_INF;
+    for (int64_t t = 0; t < T; ++t) {
+      float s = sr[t];
+      if (vis != nullptr && !vis[r * T + t]) {
+        s = NEG_INF;
+      } else if (!std::isfinite(s)) {  // a non-finite key (or query): this row's output is NaN
+        bad[r] = 1;
+        s = NEG_INF;
+      }
+      sr[t] = s;
+      mc = s > mc ? s : mc;
+    }
+    const float m_new = mc > m[r] ? mc : m[r];
+    if (m_new != m[r]) {  // m_new > m[r] >= -inf
+      const float alpha = m[r] == NEG_INF ? 0.0f : std::exp(m[r] - m_new);
+      float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+      l[r] *= alpha;
+      m[r] = m_new;
+    }
+    if (vis != nullptr)
+      for (int64_t t = 0; t < T; ++t) skip[r * T + t] = sr[t] == NEG_INF;
+    if (m_new == NEG_INF) {  // nothing visible and finite so far: zero weights
+      for (int64_t t = 0; t < T; ++t) sr[t] = 0.0f;
+      continue;
+    }
+    int64_t t = 0;
+    v8sf sum8 = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
+    for (; t + 8 <= T; t += 8) {
+      const v8sf p = exp8_nonpos(load8(sr + t) - m_new);
+      sum8 += p;
+      store8(sr + t, p);
+    }
+    float sum = hsum8(sum8);
+    if (t < T) {
+      float tail[8];
+      for (int e = 0; e < 8; ++e) tail[e] = t + e < T ? sr[t + e] - m_new : NEG_INF;
+      const v8sf p = exp8_nonpos(load8(tail));
+      for (int e = 0; t + e < T; ++e) {
+        sr[t + e] = p[e];
+        sum += p[e];
+      }
+    }
+    l[r] += sum;  // weights are 0 where invisible
+  }
+  if (vis == nullptr) {  // prefix: every slot visible, rows blocked by 4
+    int64_t r1 = 0;
+    for (; r1 + 4 <= R; r1 += 4) pv_rows<4>(scores, r1, D, vp, T, acc);
+    switch (R - r1) {
+      case 3: pv_rows<3>(scores, r1, D, vp, T, acc); break;
+      case 2: pv_rows<2>(scores, r1, D, vp, T, acc); break;
+      case 1: pv_rows<1>(scores, r1, D, vp, T, acc); break;
+      default: break;
+    }
+    return;
+  }
+  // tree part: a row never touches the value of a slot it cannot see (it may hold NaN)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* pr = scores + r * T;
+    float* ar = acc + r * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      v8sf a0 = load8(ar + d), a1 = load8(ar + d + 8);
+      for (int64_t t = 0; t < T; ++t) {
+        if (skip[r * T + t]) continue;
+        a0 += pr[t] * load8(vp[t] + d);
+        a1 += pr[t] * load8(vp[t] + d + 8);
+      }
+      store8(ar + d, a0);
+      store8(ar + d + 8, a1);
+    }
+  }
+}
+
+inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); }
+
+template <typename scalar_t>
+void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& seqlens, const at::Tensor& mask, const at::Tensor& table, bool nhd,
+                            double sm_scale, at::Tensor& out) {
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t num_blocks = k_cache.size(0);
+  const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
+  const int64_t Hkv = nhd ? k_cache.size(2) : k_cache.size(1);
+  const int64_t G = H / Hkv, R = G * N;
+  const int64_t max_blocks = table.size(1), capacity = max_blocks * block_size;
+  // pool strides (block, slot, head); the head-dim stride is 1
+  const int64_t ksb = k_cache.stride(0), kss = nhd ? k_cache.stride(1) : k_cache.stride(2),
+                ksh = nhd ? k_cache.stride(2) : k_cache.stride(1);
+  const int64_t vsb = v_cache.stride(0), vss = nhd ? v_cache.stride(1) : v_cache.stride(2),
+                vsh = nhd ? v_cache.stride(2) : v_cache.stride(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kbase = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vbase = v_cache.data_ptr<scalar_t>();
+  const int64_t* lens = seqlens.data_ptr<int64_t>();
+  const int32_t* tbl = table.data_ptr<int32_t>();
+  const bool has_mask = mask.defined();
+  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
+  const int64_t mask_bstride = has_mask && mask.dim() == 3 ? N * N : 0;
+  scalar_t* op = out.data_ptr<scalar_t>();
+  constexpr bool is_f32 = std::is_same<scalar_t, float>::value;
+  const float scale = static_cast<float>(sm_scale);
+
+  // A task is one sequence and HG of its KV heads, which walk the slots chunk by chunk
+  // together: in an NHD pool the rows of one slot's heads are adjacent, so one chunk's memory is
+  // read as one stream.  All heads in one task when there are enough sequences for the threads,
+  // else one head per task (more tasks).
+  const int64_t HG = B >= at::get_num_threads() ? Hkv : 1;
+  const int64_t groups = Hkv / HG;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(HG * R * D), acc(HG * R * D), m(HG * R), l(HG * R), scores(R * CHUNK);
+    std::vector<uint8_t> bad(HG * R), vis(R * CHUNK), skip(R * CHUNK);
+    std::vector<float> kconv(is_f32 ? 0 : CHUNK * D), vconv(is_f32 ? 0 : CHUNK * D);
+    std::vector<const float*> kp(CHUNK), vp(CHUNK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / groups, h0 = (task % groups) * HG;
+      const int64_t len = clamp64(lens[b], 0, capacity - N);
+      const int32_t* row_table = tbl + b * max_blocks;
+      for (int64_t lh = 0; lh < HG; ++lh)
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const scalar_t* src = qp + ((b * N + i) * H + (h0 + lh) * G + g) * D;
+            float* dst = qbuf.data() + (lh * R + i * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+          }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), NEG_INF);
+      std::fill(l.begin(), l.end(), 0.0f);
+      std::fill(bad.begin(), bad.end(), 0);
+      // point kp/vp at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
+      // else converted)
+      auto load = [&](int64_t h, int64_t s0, int64_t T) {
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t s = s0 + t;  // < len + N <= capacity: inside the table row
+          const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
+          const int64_t off = s % block_size;
+          const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
+          const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
+          if constexpr (is_f32) {
+            kp[t] = reinterpret_cast<const float*>(k);
+            vp[t] = reinterpret_cast<const float*>(v);
+          } else {
+            float* kd = kconv.data() + t * D;
+            float* vd = vconv.data() + t * D;
+            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(k[d]);
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(v[d]);
+            kp[t] = kd;
+            vp[t] = vd;
+          }
+        }
+      };
+      // software prefetch of the K/V rows (this task's heads) of the next chunk of logical slots
+      // (prefix then tree, s < len + N), issued while this chunk is computed
+      auto prefetch = [&](int64_t s0) {
+        const int64_t s1 = std::min(s0 + CHUNK, len + N);
+        const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
+          const int64_t off = s % block_size;
+          for (int64_t h = h0; h < h0 + HG; ++h) {
+            const char* k = reinterpret_cast<const char*>(kbase + blk * ksb + off * kss + h * ksh);
+            const char* v = reinterpret_cast<const char*>(vbase + blk * vsb + off * vss + h * vsh);
+            for (int64_t b0 = 0; b0 < bytes; b0 += 64) {
+              __builtin_prefetch(k + b0);
+              __builtin_prefetch(v + b0);
+            }
+          }
+        }
+      };
+      for (int64_t s0 = 0; s0 < len; s0 += CHUNK) {
+        const int64_t T = std::min(CHUNK, len - s0);
+        prefetch(s0 + T);
+        for (int64_t lh = 0; lh < HG; ++lh) {
+          load(h0 + lh, s0, T);
+          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), T, nullptr, m.data() + lh * R,
+                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data(), skip.data());
+        }
+      }
+      const bool* mb = has_mask ? mp + b * mask_bstride : nullptr;
+      for (int64_t j0 = 0; j0 < N; j0 += CHUNK) {
+        const int64_t T = std::min(CHUNK, N - j0);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t i = r / G;
+          for (int64_t t = 0; t < T; ++t) vis[r * T + t] = has_mask ? mb[i * N + j0 + t] : (j0 + t <= i);
+        }
+        for (int64_t lh = 0; lh < HG; ++lh) {
+          load(h0 + lh, len + j0, T);
+          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), T, vis.data(), m.data() + lh * R,
+                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data(), skip.data());
+        }
+      }
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t lh = 0; lh < HG; ++lh)
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = lh * R + i * G + g;
+            const float* ar = acc.data() + r * D;
+            scalar_t* dst = op + ((b * N + i) * H + (h0 + lh) * G + g) * D;
+            float check = 0.0f;  // NaN when some accumulator element is not finite
+            for (int64_t d = 0; d < D; ++d) check += ar[d] * 0.0f;
+            if (bad[r] || check != check) {
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(nan);
+            } else {
+              const float inv = 1.0f / l[r];  // l = 0 (no visible key): 0 * inf = NaN, as the reference
+              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
+            }
+          }
+    }
+  });
+}
+
+at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                    const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
+                                    const at::Tensor& block_table, c10::string_view kv_layout, double sm_scale) {
+  TORCH_CHECK_VALUE(kv_layout == "NHD" || kv_layout == "HND", "kv_layout must be 'NHD' or 'HND'");
+  const bool nhd = kv_layout == "NHD";
+  TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be [B, N, H, D]");
+  TORCH_CHECK_VALUE(k_in.dim() == 4 && v_in.dim() == 4, "k_cache and v_cache must be 4-D pools");
+  TORCH_CHECK_VALUE(k_in.sizes() == v_in.sizes(), "v_cache must have k_cache's shape");
+  TORCH_CHECK_TYPE(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+                   "k_cache and v_cache must have q's dtype");
+  TORCH_CHECK_TYPE(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kHalf ||
+                       q_in.scalar_type() == at::kBFloat16,
+                   "q must be float32, float16 or bfloat16");
+  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &cache_seqlens, &block_table})
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "paged_tree_attention_native: every tensor must be on the CPU");
+  const int64_t B = q_in.size(0), N = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  const int64_t num_blocks = k_in.size(0);
+  const int64_t block_size = nhd ? k_in.size(1) : k_in.size(2);
+  const int64_t Hkv = nhd ? k_in.size(2) : k_in.size(1);
+  TORCH_CHECK_VALUE(k_in.size(3) == D, "k_cache's head dim must match q's");
+  TORCH_CHECK_VALUE(D >= 16 && D <= 256 && D % 16 == 0, "head dim must be a multiple of 16 in 16..256");
+  TORCH_CHECK_VALUE(num_blocks >= 1 && block_size >= 1, "k_cache must hold at least one block of one slot");
+  TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "q's heads must be a multiple of k_cache's heads");
+  TORCH_CHECK_VALUE(block_table.dim() == 2 && block_table.size(0) == B, "block_table must be [B, max_blocks_per_seq]");
+  TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt, "block_table must be int32");
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B, "cache_seqlens must be [B]");
+  TORCH_CHECK_TYPE(cache_seqlens.scalar_type() == at::kInt || cache_seqlens.scalar_type() == at::kLong,
+                   "cache_seqlens must be int32 or int64");
+  TORCH_CHECK_VALUE(N <= block_table.size(1) * block_size, "block_table's capacity is smaller than q's N new keys");
+  at::Tensor mask;
+  if (tree_mask.has_value() && tree_mask->defined()) {
+    mask = tree_mask->contiguous();
+    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "tree_mask must be bool (unpack the int32 form first)");
+    TORCH_CHECK_VALUE(mask.device().is_cpu(), "tree_mask must be on the CPU");
+    TORCH_CHECK_VALUE((mask.dim() == 2 && mask.size(0) == N && mask.size(1) == N) ||
+                          (mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.size(2) == N),
+                      "tree_mask must be [N, N] or [B, N, N]");
+  }
+  at::Tensor out = at::empty(q_in.sizes(), q_in.options().memory_format(at::MemoryFormat::Contiguous));
+  if (B == 0 || N == 0) return out;
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  const at::Tensor lens = cache_seqlens.to(at::kLong).contiguous();
+  const at::Tensor table = block_table.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_tree_attention_cpu", [&] {
+    paged_attention_kernel<scalar_t>(q, k, v, lens, mask, table, nhd, sm_scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("paged_tree_attention_native", &specdec::paged_tree_attention_cpu); }
