@@ -55,6 +55,7 @@ from typing import Optional
 import torch
 
 from specdec_kernels import _backend, _library
+from specdec_kernels._autotune import RuntimeChoice
 from specdec_kernels._checks import check_shape, check_tensor
 from specdec_kernels.reference import tree_attention as _ref
 from specdec_kernels.reference.tree_attention import (
@@ -71,6 +72,9 @@ IMPLEMENTED = ("reference", "torch", "triton")
 # The paged op (torch.ops.specdec.paged_tree_attention) has one more backend: "native", the C++
 # CPU kernel (csrc/paged_attention_cpu.cpp), its automatic CPU backend when the extension has it.
 PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
+# the automatic CPU backend of the paged op: measured per shape class (see specdec_kernels._autotune)
+PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), trials=3,
+                                 env="SPECDEC_PAGED_ATTENTION")
 
 MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
 MAX_SPLITS = 256
@@ -431,14 +435,23 @@ def _paged_impl(
         return paged_tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
                                            _mask_kind(tree_mask), sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
-    if name == "native":
-        return torch.ops.specdec.paged_tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, block_table,
-                                                             kv_layout, sm_scale)
-    if name == "torch":
-        out = _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale)
-    else:
-        out = _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale)
-    return out.contiguous()
+
+    def run(name: str) -> torch.Tensor:
+        if name == "native":
+            return torch.ops.specdec.paged_tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, block_table,
+                                                                 kv_layout, sm_scale)
+        if name == "torch":
+            return _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout,
+                                               sm_scale).contiguous()
+        return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
+
+    if name == "native" and not backend:
+        # automatic on CPU: the C++ kernel (no gather; fastest for few queries) or the gather +
+        # SDPA path (its GEMMs win for many tree nodes), whichever runs faster here, measured on
+        # the first real calls of each shape class (SPECDEC_PAGED_ATTENTION forces one)
+        key = (_next_pow2(N), _next_pow2(B), _next_pow2(capacity), H, Hkv, D, q.dtype, kv_layout)
+        return PAGED_CPU_CHOICE(key, run)
+    return run(name)
 
 
 def _paged_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, num_splits=0, backend=""):

@@ -1,0 +1,95 @@
+"""Run-time choice between implementations whose speed depends on the machine.
+
+Which of two correct CPU paths is faster depends on the CPU, its vector units, its caches
+and its load (a matmul path tuned on one x86 machine ran 3x slower than ``F.linear`` on
+another), so the product never hard-codes such a choice: the first real calls of a shape
+class time each candidate in turn, ``trials`` times (alternating, so that a change of load
+hits both alike), and the faster median wins for the rest of the process, as an autotuner
+would.  The calls being measured do the real work (their results are used), so measuring
+costs only the slower candidate's extra time on a few calls.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class RuntimeChoice:
+    """The faster of ``candidates`` per shape class, measured on real calls.
+
+    Args:
+        name: what is chosen (reports).
+        candidates: implementation names; the first is the default where nothing can be
+            measured (under torch.compile, a dispatch mode such as FakeTensorMode).
+        trials: timed calls of each candidate before the choice.
+        env: an environment variable that forces a candidate ("auto" or unset: measure).
+
+    Raises:
+        ValueError: the environment variable names no candidate.
+    """
+
+    def __init__(self, name: str, candidates: Sequence[str], trials: int = 3, env: Optional[str] = None):
+        if len(candidates) < 1 or trials < 1:
+            raise ValueError("RuntimeChoice needs at least one candidate and one trial")
+        self.name = name
+        self.candidates = tuple(candidates)
+        self.trials = trials
+        self.env = env
+        self._chosen: Dict[Hashable, str] = {}
+        self._times: Dict[Hashable, Dict[str, List[float]]] = {}
+
+    def forced(self) -> Optional[str]:
+        """The candidate forced by the environment variable, or None."""
+        value = os.environ.get(self.env, "auto") if self.env else "auto"
+        if value in ("", "auto"):
+            return None
+        if value not in self.candidates:
+            raise ValueError(f"{self.env} must be 'auto' or one of {self.candidates}, got {value!r}")
+        return value
+
+    def __call__(self, key: Hashable, run: Callable[[str], T], available: Optional[Sequence[str]] = None) -> T:
+        """``run(candidate)`` with the candidate chosen for ``key`` (measuring while undecided).
+
+        ``available``: the candidates usable for this call (default all), in preference order.
+        """
+        names = tuple(c for c in self.candidates if available is None or c in available)
+        forced = self.forced()
+        if forced is not None and forced in names:
+            return run(forced)
+        if len(names) == 1 or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+            return run(names[0])
+        key = (key, names)
+        chosen = self._chosen.get(key)
+        if chosen is not None:
+            return run(chosen)
+        times = self._times.setdefault(key, {c: [] for c in names})
+        candidate = min(names, key=lambda c: len(times[c]))  # alternate: the least timed next
+        t = time.perf_counter()
+        out = run(candidate)
+        times[candidate].append(time.perf_counter() - t)
+        if all(len(v) >= self.trials for v in times.values()):
+            # the first call of each may include one-time costs (page faults, lazy loading)
+            medians = {c: statistics.median(v[1:] if len(v) > 1 else v) for c, v in times.items()}
+            self._chosen[key] = min(names, key=lambda c: medians[c])
+        return out
+
+    def choices(self) -> List[Dict]:
+        """What was chosen so far: one dict per shape class (key, choice, median ms per candidate)."""
+        rows = []
+        for key, times in self._times.items():
+            rows.append({
+                "what": self.name, "key": repr(key[0]), "choice": self._chosen.get(key),
+                **{f"{c}_ms": statistics.median(v) * 1e3 if v else None for c, v in times.items()},
+            })
+        return rows
+
+    def reset(self) -> None:
+        """Forget every measurement and choice (tests)."""
+        self._chosen.clear()
+        self._times.clear()
