@@ -605,6 +605,9 @@ def run(args) -> int:
     from specdec_kernels.decoding.model import linear_choices
 
     config["linear_choices"] = linear_choices()  # the CPU matmul paths measured in this run
+    from specdec_kernels.ops.tree_attention import PAGED_CPU_CHOICE
+
+    config["paged_attention_choices"] = PAGED_CPU_CHOICE.choices()  # paged caches only (shared-prefix scenario)
     for c in config["linear_choices"]:
         times = f" (F.linear {c['f_linear_ms']:.2f} ms, skinny {c['skinny_ms']:.2f} ms)" if c["f_linear_ms"] is not None else ""
         print(f"# linear {c['weight'][0]}x{c['weight'][1]} {c['dtype']}, {c['rows']} rows, {c['threads']} threads: "

@@ -128,6 +128,12 @@ def run(args, ctx, questions, env) -> int:
             if not all(same):
                 failed = True
     writer.close()
+    from specdec_kernels.ops.tree_attention import PAGED_CPU_CHOICE
+
+    config["paged_attention_choices"] = PAGED_CPU_CHOICE.choices()  # measured at run time (CPU)
+    for c in config["paged_attention_choices"]:
+        times = ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in c.items() if k.endswith("_ms") and v is not None)
+        print(f"# paged attention on CPU, class {c['key']}: {c['choice']} ({times})", file=sys.stderr)
     for r in rows:  # ratios against the unshared paged batch of the same method
         base = next(x for x in rows if x["method"] == r["method"] and x["mode"] == "paged")
         r["prefill_vs_paged"] = r["prefill_tokens"] / base["prefill_tokens"] if base["prefill_tokens"] else None
