@@ -141,7 +141,6 @@ class PagedKVCache:
         self.source = source
         self.shared = shared
         self.blocks = blocks
-        self._copied = False
 
     @classmethod
     def allocate(
@@ -216,10 +215,9 @@ class PagedKVCache:
     def rows(self, index: Sequence[int]) -> "PagedKVCache":
         """The same pool with the block tables of the sequences ``index`` only (a sub-batch)."""
         idx = list(index)
-        sub = PagedKVCache(self.pool, self.block_table[torch.tensor(idx, dtype=torch.int64, device=self.block_table.device)],
-                           self.block_size, [self.source[b] for b in idx], [self.shared[b] for b in idx],
-                           [self.blocks[b] for b in idx])
-        return sub
+        return PagedKVCache(self.pool, self.block_table[torch.tensor(idx, dtype=torch.int64, device=self.block_table.device)],
+                            self.block_size, [self.source[b] for b in idx], [self.shared[b] for b in idx],
+                            [self.blocks[b] for b in idx])
 
     def physical_slots(self, cache_seqlens: torch.Tensor, num_new: int) -> torch.Tensor:
         """Flat pool slots ``block * block_size + offset`` of the logical slots
@@ -247,7 +245,6 @@ class PagedKVCache:
             j = self.shared[b] // bs
             self.pool[:, :, self.blocks[b][j]] = self.pool[:, :, self.blocks[src][j]]
             copied += 1
-        self._copied = True
         return copied
 
     def prefill_starts(self) -> List[int]:
