@@ -35,11 +35,13 @@ def load() -> bool:
     return bool(_state["loaded"])
 
 
-def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, validate=False):
-    """Fake (meta) implementation of specdec::compact_kv_cache_native: shape checks, no output."""
+def _check_fake_caches(caches, first_form: str, buffer_form: str):
+    """The fakes' checks of a compaction op's ``caches`` list (4-D tensors and/or 6-D
+    [L, 2, ...] buffers of one dtype and device, all ending in the same 4 dims); returns those
+    4 dims.  ``first_form`` / ``buffer_form`` name the expected layouts in the messages."""
     torch._check(len(caches) > 0, lambda: "caches must hold at least one tensor")
     first = caches[0]
-    torch._check(first.dim() in (4, 6), lambda: f"caches[0] must be [B, Hkv, S, D] or [L, 2, B, Hkv, S, D], got {tuple(first.shape)}")
+    torch._check(first.dim() in (4, 6), lambda: f"caches[0] must be {first_form}, got {tuple(first.shape)}")
     inner = first.shape[-4:]
     for k, t in enumerate(caches):
         torch._check(t.dim() in (4, 6), lambda: f"caches[{k}] must have 4 or 6 dimensions, got {tuple(t.shape)}")
@@ -48,7 +50,13 @@ def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_a
         for d in range(4):
             torch._check(t.shape[t.dim() - 4 + d] == inner[d], lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}")
         if t.dim() == 6:
-            torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be [L, 2, B, Hkv, S, D], got {tuple(t.shape)}")
+            torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be {buffer_form}, got {tuple(t.shape)}")
+    return inner
+
+
+def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, validate=False):
+    """Fake (meta) implementation of specdec::compact_kv_cache_native: shape checks, no output."""
+    inner = _check_fake_caches(caches, "[B, Hkv, S, D] or [L, 2, B, Hkv, S, D]", "[L, 2, B, Hkv, S, D]")
     B = inner[0]
     for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
                           ("num_accepted", num_accepted, 1)):
@@ -64,18 +72,7 @@ def _paged_compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices,
     output.  ``caches``: [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv,
     block_size, D] ("HND") pools and/or [L, 2, ...] buffers of them."""
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    torch._check(len(caches) > 0, lambda: "caches must hold at least one tensor")
-    first = caches[0]
-    torch._check(first.dim() in (4, 6), lambda: f"caches[0] must be a 4-D pool or a 6-D [L, 2, ...] buffer, got {tuple(first.shape)}")
-    inner = first.shape[-4:]
-    for k, t in enumerate(caches):
-        torch._check(t.dim() in (4, 6), lambda: f"caches[{k}] must have 4 or 6 dimensions, got {tuple(t.shape)}")
-        torch._check(t.dtype == first.dtype, lambda: f"caches[{k}] must have dtype {first.dtype}, got {t.dtype}")
-        torch._check(t.device == first.device, lambda: f"caches[{k}] must be on {first.device}, got {t.device}")
-        for d in range(4):
-            torch._check(t.shape[t.dim() - 4 + d] == inner[d], lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}")
-        if t.dim() == 6:
-            torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be [L, 2, ...] (keys and values), got {tuple(t.shape)}")
+    inner = _check_fake_caches(caches, "a 4-D pool or a 6-D [L, 2, ...] buffer", "[L, 2, ...] (keys and values)")
     B = cache_seqlens.shape[0] if cache_seqlens.dim() == 1 else -1
     for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
                           ("num_accepted", num_accepted, 1), ("block_table", block_table, 2)):
