@@ -123,6 +123,7 @@ ext_modules, cmdclass, torch_requirement = _extensions()
 setup(
     install_requires=["numpy", torch_requirement or "torch>=2.4"],
     packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
+    py_modules=["specdec_kernels_vllm"],  # the vLLM entry point (see that module)
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

