@@ -5,8 +5,11 @@ makes one), never imported by the main package: ``bench.vllm`` and ``tests/test_
 start it as a subprocess.  One engine serves every run of the spec, so its start-up (about a
 minute on a small CPU) is paid once.
 
-    python -m bench.vllm_driver SPEC.json OUT.json      (from the repository root; run as a
-    file, bench/ would shadow packages such as transformers' optional "kernels")
+    python -I bench/vllm_driver.py SPEC.json OUT.json
+
+(-I keeps bench/ off the path: its kernels.py would shadow a package of that name that
+transformers looks for; vLLM's processes then import the specdec_kernels installed in that
+environment.)
 
 SPEC (JSON): ``model`` (a transformers folder), ``prompts`` (list of str, or of lists of
 token ids), ``method`` ("ngram" or "none"), ``num_speculative_tokens``, ``tensor_parallel_size``,
@@ -105,5 +108,5 @@ def main(spec_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        raise SystemExit("usage: python -m bench.vllm_driver SPEC.json OUT.json")
+        raise SystemExit("usage: python -I bench/vllm_driver.py SPEC.json OUT.json")
     main(sys.argv[1], sys.argv[2])
