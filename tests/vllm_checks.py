@@ -1,5 +1,6 @@
 """Checks of the vLLM plugin that need vLLM itself; run by tests/test_vllm_plugin.py with the
-vLLM environment's Python (``python -m tests.vllm_checks OUT.json`` from the repository root).
+vLLM environment's Python (``python -I tests/vllm_checks.py OUT.json``: the specdec_kernels
+installed in that environment, not the checkout).
 
 No engine is started: vLLM's own ``rejection_sample`` (with the CPU platform's kernels
 registered, as its workers do) and the plugin's are called on the same synthetic flattened
@@ -29,7 +30,7 @@ def metadata(temps, seeds, V):
                            generators=gens)
 
 
-def case(seed: int, counts, V: int, temps, with_probs: bool, pad_drafts: bool = False):
+def case(seed: int, counts, V: int, temps, with_probs: bool, pad_drafts: bool = False, exact_width: bool = False):
     g = torch.Generator().manual_seed(seed)
     T = sum(counts)
     cu = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
@@ -45,18 +46,27 @@ def case(seed: int, counts, V: int, temps, with_probs: bool, pad_drafts: bool = 
         probs[torch.arange(T), draft.clamp(min=0).long()] += 0.5
         probs = probs / probs.sum(-1, keepdim=True)
     bonus = torch.randint(0, V, (len(counts), 1), generator=g)
-    return dict(draft_token_ids=draft, num_draft_tokens=list(counts), max_spec_len=max(counts + [0]) + 1,
+    # vLLM passes the largest draft count; a wider output must work as well
+    width = max(counts + [0]) + (0 if exact_width else 1)
+    return dict(draft_token_ids=draft, num_draft_tokens=list(counts), max_spec_len=width,
                 cu_num_draft_tokens=cu, draft_probs=probs, target_logits=logits, bonus_token_ids=bonus)
 
 
 def run_both(fn_vllm, fn_ours, args, temps, seeds):
+    """Each function's output, and per request whether its generator was left untouched."""
     V = args["target_logits"].shape[1]
-    outs = []
+    outs, untouched = [], []
     for fn in (fn_vllm, fn_ours):
         torch.manual_seed(1234)  # requests without a seed draw from the global generator
         a = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-        outs.append(fn(**a, sampling_metadata=metadata(temps, seeds, V)).tolist())
-    return outs
+        meta = metadata(temps, seeds, V)
+        out = fn(**a, sampling_metadata=meta)
+        assert out.dtype == torch.int32 and out.shape == (len(temps), a["max_spec_len"] + 1)
+        outs.append(out.tolist())
+        untouched.append([i not in meta.generators
+                          or torch.equal(meta.generators[i].get_state(), torch.Generator().manual_seed(seeds[i]).get_state())
+                          for i in range(len(temps))])
+    return outs, untouched
 
 
 def main(out_path: str) -> None:
@@ -73,26 +83,51 @@ def main(out_path: str) -> None:
     result["entry_points"] = eps
     original = rs.rejection_sample
     cases = []
-    for seed, counts, V, temps, seeds, with_probs, pad in [
-        (1, [3, 0, 5], 1000, [0, 0, 0], [None] * 3, False, False),
-        (2, [1], 257, [0], [None], False, True),
-        (3, [16, 7, 0, 2], 50_000, [0, 0, 0, 0], [None] * 4, False, True),
-        (4, [4, 4, 4], 333, [1.0, 0.7, 1.3], [5, 6, 7], False, False),
-        (5, [6, 0, 3, 2], 1001, [1.0, 0.0, 0.5, 0.0], [8, None, 9, 10], True, False),
-        (6, [2, 5], 64, [0.9, 1.0], [11, 12], True, True),
+    for seed, counts, V, temps, seeds, with_probs, pad, exact in [
+        (1, [3, 0, 5], 1000, [0, 0, 0], [None] * 3, False, False, False),
+        (2, [1], 257, [0], [None], False, True, True),
+        (3, [16, 7, 0, 2], 50_000, [0, 0, 0, 0], [None] * 4, False, True, True),
+        (4, [4, 4, 4], 333, [1.0, 0.7, 1.3], [5, 6, 7], False, False, False),
+        (5, [6, 0, 3, 2], 1001, [1.0, 0.0, 0.5, 0.0], [8, None, 9, 10], True, False, True),
+        (6, [2, 5], 64, [0.9, 1.0], [11, 12], True, True, False),
+        # a seeded sampled request without drafts, unseeded sampled ones, -1 drafts without q
+        (7, [0, 3, 4, 0], 500, [1.0, 1.0, 0.8, 0.0], [13, None, None, None], False, True, True),
+        (8, [5, 0], 4096, [1.0, 1.0], [None, 15], False, True, True),
     ]:
-        args = case(seed, counts, V, temps, with_probs, pad)
-        got_vllm, got_ours = run_both(original, plugin.rejection_sample, args, temps, seeds)
-        again = run_both(original, plugin.rejection_sample, args, temps, seeds)[1]
-        cases.append({"counts": counts, "temps": temps, "vllm": got_vllm, "ours": got_ours, "ours_again": again,
+        args = case(seed, counts, V, temps, with_probs, pad, exact)
+        (got_vllm, got_ours), (untouched_vllm, untouched_ours) = run_both(original, plugin.rejection_sample, args,
+                                                                          temps, seeds)
+        again = run_both(original, plugin.rejection_sample, args, temps, seeds)[0][1]
+        cases.append({"counts": counts, "temps": temps, "seeds": seeds, "vllm": got_vllm, "ours": got_ours,
+                      "ours_again": again, "untouched_vllm": untouched_vllm, "untouched_ours": untouched_ours,
                       "draft": args["draft_token_ids"].tolist(), "bonus": args["bonus_token_ids"].view(-1).tolist()})
     result["cases"] = cases
-    # the expand check: vLLM's CPU function against ours
+    # the expand check: vLLM's CPU function against ours, then the plugin's probe of it
     x = torch.tensor([0.5, 0.0, 2.0])
     cu = torch.tensor([2, 2, 5], dtype=torch.int32)
     result["expand_vllm_ok"] = torch.equal(rs.expand_batch_to_tokens(x, cu, 5, 0, 1),
                                            plugin.expand_to_tokens(x, cu, 5, 0, 1))
-    result["expand_ours"] = plugin.checked_expand_batch_to_tokens(x, cu, 5, 0, 1).tolist()
+    plugin._EXPAND_STATE.clear()
+    plugin.install()
+    result["expand_ours"] = rs.expand_batch_to_tokens(x, cu, 5, 0, 1).tolist()  # the checked one, probing
+    result["expand_probe_chose_ours"] = plugin._EXPAND_STATE.get("use_ours")
+    result["env_after_install"] = {k: os.environ.get(k) for k in (plugin.ENV_SWITCH, plugin.V2_RUNNER_ENV)}
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
+
+    try:
+        v2.RejectionSampler(None, None, None)
+        result["v2_refused"] = None
+    except RuntimeError as e:
+        result["v2_refused"] = str(e)
+    plugin.uninstall()
+    result["env_after_uninstall"] = {k: os.environ.get(k) for k in (plugin.ENV_SWITCH, plugin.V2_RUNNER_ENV)}
+    os.environ[plugin.V2_RUNNER_ENV] = "1"
+    try:
+        plugin.install()
+        result["v2_env_refused"] = None
+    except RuntimeError as e:
+        result["v2_env_refused"] = str(e)
+    os.environ.pop(plugin.V2_RUNNER_ENV)
     # refusals
     os.environ[plugin.ENV_SWITCH] = "maybe"
     try:
