@@ -270,6 +270,7 @@ def test_entry_point_installed_and_internals_checked(checks):
     assert checks["env_after_uninstall"] == {"SPECDEC_VLLM": None, "VLLM_USE_V2_MODEL_RUNNER": None}
     assert "Model Runner V2" in checks["v2_refused"]
     assert "VLLM_USE_V2_MODEL_RUNNER=1" in checks["v2_env_refused"]
+    assert len(checks["no_extension_warning"]) == 1 and "start vLLM elsewhere" in checks["no_extension_warning"][0]
 
 
 @pytest.mark.vllm
@@ -460,7 +461,7 @@ def test_bench_vllm_checks_then_reports(vllm_env, tmp_path):
     assert [r["method"] for r in rows] == ["vllm-greedy", "vllm-ngram", "vllm-ngram-specdec", "ours-ngram"]
     assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 and r["vllm"] == "0.32.0" for r in rows)
     assert rows[1]["accepted_tokens"] == rows[2]["accepted_tokens"]
-    assert (tmp_path / "vllm.md").exists() and (tmp_path / "vllm.png").exists()
+    assert "vLLM 0.32.0, commit" in (tmp_path / "vllm.md").read_text() and (tmp_path / "vllm.png").exists()
 
 
 def test_bench_vllm_validates_flags_before_any_work(tmp_path, capsys):

@@ -121,6 +121,24 @@ def main(out_path: str) -> None:
         result["v2_refused"] = str(e)
     plugin.uninstall()
     result["env_after_uninstall"] = {k: os.environ.get(k) for k in (plugin.ENV_SWITCH, plugin.V2_RUNNER_ENV)}
+    # without the compiled extension (a process started inside a checkout) install() says so
+    import logging
+
+    from specdec_kernels import _native
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger(plugin.__name__).addHandler(handler)
+    real_load = _native.load
+    _native.load = lambda: False
+    try:
+        plugin.install()
+    finally:
+        _native.load = real_load
+        plugin.uninstall()
+        logging.getLogger(plugin.__name__).removeHandler(handler)
+    result["no_extension_warning"] = [m for m in records if "no compiled extension" in m]
     os.environ[plugin.V2_RUNNER_ENV] = "1"
     try:
         plugin.install()
