@@ -28,7 +28,8 @@ def environment() -> Dict[str, str]:
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name()
     else:
-        device = f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        n = torch.get_num_threads()
+        device = f"CPU ({platform.processor() or platform.machine()}, {n} thread{'' if n == 1 else 's'})"
     return {
         "device": device,
         "torch": torch.__version__,

@@ -321,10 +321,12 @@ def run(args: argparse.Namespace) -> int:
                                 ("x vllm-greedy", "speedup_vs_vllm_greedy", "{:.2f}"),
                                 ("accepted length", "mean_accepted_length", "{:.2f}"),
                                 ("drafts", "draft_tokens", "{}"), ("accepted", "accepted_tokens", "{}")])
-    (out / "vllm.md").write_text(table + "\n")
+    footer = (f"{env_info['device']}, vLLM {spec['vllm']}, commit {env_info['commit']}; {len(prompts)} prompts, {N} new "
+              f"tokens, K={K}, {args.rounds} round(s); ours-ngram gave vLLM's greedy tokens on {same_as_vllm}/"
+              f"{len(prompts)} prompts (two float32 implementations: near-ties may differ)")
+    (out / "vllm.md").write_text(table + "\n\n" + footer + "\n")
     print(table)
-    print(f"{env_info['device']}, vLLM {spec['vllm']}, commit {env_info['commit']}; ours-ngram gave vLLM's greedy "
-          f"tokens on {same_as_vllm}/{len(prompts)} prompts (two float32 implementations: near-ties may differ)")
+    print(footer)
     try:
         import matplotlib
 
