@@ -128,15 +128,12 @@ def _problems(rs: Any, metadata_cls: Any) -> List[str]:
     params = tuple(inspect.signature(fn).parameters)
     if params != EXPECTED_PARAMETERS:
         problems.append(f"rejection_sample takes {params}, expected {EXPECTED_PARAMETERS}")
-    uniform = getattr(rs, "generate_uniform_probs", None)
-    if uniform is None or tuple(inspect.signature(uniform).parameters) != EXPECTED_UNIFORM_PARAMETERS:
-        problems.append(f"generate_uniform_probs is missing or does not take {EXPECTED_UNIFORM_PARAMETERS}")
-    expand = _ORIGINAL.get("expand_batch_to_tokens", getattr(rs, "expand_batch_to_tokens", None))
-    if expand is None or tuple(inspect.signature(expand).parameters) != EXPECTED_EXPAND_PARAMETERS:
-        problems.append(f"expand_batch_to_tokens is missing or does not take {EXPECTED_EXPAND_PARAMETERS}")
-    constraints = _ORIGINAL.get("apply_sampling_constraints", getattr(rs, "apply_sampling_constraints", None))
-    if constraints is None or tuple(inspect.signature(constraints).parameters) != EXPECTED_CONSTRAINTS_PARAMETERS:
-        problems.append(f"apply_sampling_constraints is missing or does not take {EXPECTED_CONSTRAINTS_PARAMETERS}")
+    for name, expected in (("generate_uniform_probs", EXPECTED_UNIFORM_PARAMETERS),
+                           ("expand_batch_to_tokens", EXPECTED_EXPAND_PARAMETERS),
+                           ("apply_sampling_constraints", EXPECTED_CONSTRAINTS_PARAMETERS)):
+        other = _ORIGINAL.get(name, getattr(rs, name, None))  # vLLM's own, also once replaced
+        if other is None or tuple(inspect.signature(other).parameters) != expected:
+            problems.append(f"{name} is missing or does not take {expected}")
     if getattr(rs, "PLACEHOLDER_TOKEN_ID", None) != -1:
         problems.append(f"PLACEHOLDER_TOKEN_ID is {getattr(rs, 'PLACEHOLDER_TOKEN_ID', None)!r}, expected -1")
     sampler = getattr(rs, "RejectionSampler", None)
