@@ -69,6 +69,15 @@ def run_both(fn_vllm, fn_ours, args, temps, seeds):
     return outs, untouched
 
 
+def refusal(fn, error):
+    """The message of the ``error`` that ``fn()`` raises, or None when it raises nothing."""
+    try:
+        fn()
+    except error as e:
+        return str(e)
+    return None
+
+
 def main(out_path: str) -> None:
     from vllm.platforms import current_platform
 
@@ -114,11 +123,7 @@ def main(out_path: str) -> None:
     result["env_after_install"] = {k: os.environ.get(k) for k in (plugin.ENV_SWITCH, plugin.V2_RUNNER_ENV)}
     from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2
 
-    try:
-        v2.RejectionSampler(None, None, None)
-        result["v2_refused"] = None
-    except RuntimeError as e:
-        result["v2_refused"] = str(e)
+    result["v2_refused"] = refusal(lambda: v2.RejectionSampler(None, None, None), RuntimeError)
     plugin.uninstall()
     result["env_after_uninstall"] = {k: os.environ.get(k) for k in (plugin.ENV_SWITCH, plugin.V2_RUNNER_ENV)}
     # without the compiled extension (a process started inside a checkout) install() says so
@@ -140,26 +145,14 @@ def main(out_path: str) -> None:
         logging.getLogger(plugin.__name__).removeHandler(handler)
     result["no_extension_warning"] = [m for m in records if "no compiled extension" in m]
     os.environ[plugin.V2_RUNNER_ENV] = "1"
-    try:
-        plugin.install()
-        result["v2_env_refused"] = None
-    except RuntimeError as e:
-        result["v2_env_refused"] = str(e)
+    result["v2_env_refused"] = refusal(plugin.install, RuntimeError)
     os.environ.pop(plugin.V2_RUNNER_ENV)
     # refusals
     os.environ[plugin.ENV_SWITCH] = "maybe"
-    try:
-        plugin.register()
-        result["env_refused"] = None
-    except ValueError as e:
-        result["env_refused"] = str(e)
+    result["env_refused"] = refusal(plugin.register, ValueError)
     os.environ.pop(plugin.ENV_SWITCH)
     rs.rejection_sample = lambda draft_token_ids, target_logits: None  # an "other vLLM"
-    try:
-        plugin.install()
-        result["install_refused"] = None
-    except RuntimeError as e:
-        result["install_refused"] = str(e)
+    result["install_refused"] = refusal(plugin.install, RuntimeError)
     rs.rejection_sample = original
     plugin.install()
     result["installed"] = plugin.installed() and rs.rejection_sample is plugin.rejection_sample
