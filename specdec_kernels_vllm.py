@@ -9,6 +9,8 @@ def register() -> None:
     ``specdec_kernels.integrations.vllm.register``)."""
     import os
 
+    # the off values of specdec_kernels.integrations.vllm.enabled_by_env, repeated so that a
+    # switched-off vLLM never imports the package; anything else goes on to its check
     if os.environ.get("SPECDEC_VLLM", "").strip().lower() in ("", "0", "false", "no", "off"):
         return
     from specdec_kernels.integrations.vllm import register as _register
