@@ -62,4 +62,15 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "paged_tree_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? tree_mask, "
       "Tensor block_table, str kv_layout, float sm_scale) -> Tensor");
+
+  // CPU matrix product y = x @ W^T with W stored block-quantised (csrc/packed_linear_cpu.cpp):
+  // x float32 [R, I]; kind 0 "affine4" (ggml Q4_1: codes uint8 [O, I / 2], scales and mins
+  // float32 [O, I / 32]) or 1 "scaled8" (ggml Q8_0: codes int8 as uint8 [O, I], scales); returns
+  // float32 [R, O].  portable=true skips the AVX2 path (for tests).
+  m.def(
+      "packed_linear_native(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, bool portable=False) "
+      "-> Tensor");
+  // The exact packed form of a float32 CPU weight [O, I]: (kind 0 affine4 / 1 scaled8 / -1 none,
+  // codes, scales, mins), checked element by element (see csrc/packed_linear_cpu.cpp).
+  m.def("packed_weight_native(Tensor weight) -> (int, Tensor, Tensor, Tensor)");
 }

@@ -63,6 +63,31 @@ def close(actual, expected):
     torch.testing.assert_close(actual, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
 
 
+def test_every_matmul_weight_packs_exactly(real):
+    """SmolLM2's GGUF is Q4_1 (layers) and Q8_0 (tied embeddings): every weight of our model has
+    its exact packed form, and the packed product gives the F.linear logits (float32 sums in
+    another order) whatever the row count, with each row independent of the others."""
+    from specdec_kernels.decoding import packed
+    from specdec_kernels.decoding.model import LINEAR_ENV
+
+    model = real[0]
+    kinds = model.pack_weights()
+    assert len(kinds) == 4 * model.args.num_layers + 1
+    assert kinds.pop("output.weight") == "scaled8" and set(kinds.values()) == {"affine4"}
+    for layer in (model.layers[0], model.layers[-1]):
+        for lin in (layer.wqkv, layer.wo, layer.w13, layer.w2):
+            assert torch.equal(packed.packed_form(lin.weight).dequantize(), lin.weight)
+    ids = torch.tensor([[1, 504, 3458, 28, 253, 5, 9, 42]])
+    logits = {}
+    for path in ("packed", "f_linear"):
+        with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
+            mp.setenv(LINEAR_ENV, path)
+            logits[path] = model(ids, torch.arange(8)[None], model.new_kv_cache(1, 8), torch.zeros(1, dtype=torch.int32))
+            one = model(ids[:, :1], torch.arange(1)[None], model.new_kv_cache(1, 8), torch.zeros(1, dtype=torch.int32))
+        close(one[0, 0], logits[path][0, 0])  # row 0 of the 8-token pass is the 1-token pass
+    close(logits["packed"], logits["f_linear"])
+
+
 @pytest.mark.parametrize("backend", [None, "reference"], ids=["auto", "reference"])
 def test_prefill_logits_match_transformers(real, prompts, backend):
     model, hf, _ = real

@@ -99,38 +99,58 @@ def test_stats():
 
 
 def test_linear_paths_agree_and_the_choice_is_measured_once(monkeypatch):
-    """Both CPU paths of ``linear`` compute x @ W.T; the choice between them is measured on the
-    first real calls of a shape class (alternating, timed), then kept, reported, and can be
-    forced ($SPECDEC_LINEAR)."""
+    """Every CPU path of ``linear`` computes x @ W.T; the choice between them is measured on the
+    first real calls of a shape class (in turn, timed), then kept, reported, and can be forced
+    ($SPECDEC_LINEAR).  A weight with an exact packed form has the packed path too."""
     from specdec_kernels.decoding import model as m
+    from specdec_kernels.decoding import packed
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 64, generator=g)
+    # a weight that is exactly Q4_1-shaped: codes 0..15 times fp16 scales plus fp16 minimums
+    d = torch.rand(300, 2, 1, generator=g).half().float() / 8
+    codes = torch.randint(0, 16, (300, 2, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15  # as a Q4_1 quantiser leaves them: the block's min and max
+    w_q = (codes.float() * d + torch.randn(300, 2, 1, generator=g).half().float()).reshape(300, 64)
+    pw = packed.pack_weight(w_q)
+    assert pw is not None and pw.kind == packed.AFFINE4
+    packed.register(w_q, pw)
     for name in ("_LINEAR_CHOICE", "_LINEAR_TIMES", "_LINEAR_TRIALS"):
         monkeypatch.setattr(m, name, {})
-    for rows in (1, 3, 8, 9, 16, 17):
-        x = torch.randn(rows, 64, generator=g)
-        want = torch.nn.functional.linear(x, w)
-        for forced in ("f_linear", "skinny", "auto", "auto", "auto", "auto", "auto", "auto", "auto"):
-            monkeypatch.setenv(m.LINEAR_ENV, forced)
-            torch.testing.assert_close(m.linear(x, w), want, rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv(m.LINEAR_ENV, "auto")
-    m._LINEAR_CHOICE.clear()
-    for i in range(2 * m.LINEAR_TRIALS - 1):
+    for weight, paths in ((w, ("f_linear", "skinny")), (w_q, ("f_linear", "skinny", "packed"))):
+        for rows in (1, 2, 3, 5, 8, 9, 16, 17):
+            x = torch.randn(rows, 64, generator=g)
+            want = torch.nn.functional.linear(x, weight)
+            for forced in ("f_linear", "skinny", "packed") + ("auto",) * 12:
+                monkeypatch.setenv(m.LINEAR_ENV, forced)
+                torch.testing.assert_close(m.linear(x, weight), want, rtol=1e-5, atol=1e-5)
+            if rows <= m.SKINNY_ROWS:  # more rows always take F.linear, unmeasured
+                assert m.linear_choice(rows, weight) in paths
+    monkeypatch.setenv(m.LINEAR_ENV, "packed")
+    assert m.linear_choice(2, w) == "f_linear"  # no packed form: forcing it means F.linear
+    monkeypatch.setenv(m.LINEAR_ENV, "fastest")
+    with pytest.raises(ValueError, match="SPECDEC_LINEAR"):
         m.linear(torch.randn(2, 64), w)
-        assert m.linear_choice(2, w) is None  # still measuring
-    m.linear(torch.randn(2, 64), w)
-    assert m.linear_choice(2, w) in ("f_linear", "skinny")  # decided after 3 calls of each path
-    (report,) = [c for c in m.linear_choices() if c["rows"] == "2-8"]
-    assert report["choice"] == m.linear_choice(2, w) and report["weight"] == [300, 64]
-    assert report["f_linear_ms"] > 0 and report["skinny_ms"] > 0
-    # the skinny path needs a clear win: a near tie keeps F.linear
-    key = m._linear_key(4, w)
-    for times, want in (((1.0, 1.0, 1.0), "f_linear"), ((0.95, 0.95, 0.95), "f_linear"), ((0.5, 0.5, 0.5), "skinny")):
+    monkeypatch.setenv(m.LINEAR_ENV, "auto")
+    for weight, n_paths in ((w, 2), (w_q, 3)):
+        m._LINEAR_CHOICE.clear()
+        for i in range(n_paths * m.LINEAR_TRIALS - 1):
+            m.linear(torch.randn(2, 64), weight)
+            assert m.linear_choice(2, weight) is None  # still measuring
+        m.linear(torch.randn(2, 64), weight)
+        assert m.linear_choice(2, weight) in ("f_linear", "skinny", "packed")[:n_paths]  # decided after 3 calls of each
+        (report,) = [c for c in m.linear_choices() if c["rows"] == "2" and c["weight"] == [300, 64]]
+        assert report["choice"] == m.linear_choice(2, weight)
+        assert report["f_linear_ms"] > 0 and report["skinny_ms"] > 0
+        assert (report["packed_ms"] is not None) == (n_paths == 3)
+    # another path needs a clear win: a near tie keeps F.linear; the fastest clear winner is taken
+    key = m._linear_key(4, w_q)
+    for times, want in (((1.0, 1.0, 1.0), "f_linear"), ((0.95, 0.95, 0.95), "f_linear"), ((0.5, 0.5, 0.5), "skinny"),
+                        ((0.5, 0.5, 0.4), "packed"), ((0.95, 0.95, 0.4), "packed")):
         m._LINEAR_CHOICE.pop(key, None)
-        m._LINEAR_TRIALS[key] = ([1.0, 1.0, 1.0], list(times[:2]))
+        m._LINEAR_TRIALS[key] = {"f_linear": [1.0] * 3, "skinny": [times[0]] * 3, "packed": [times[1]] * 2}
         clock = iter([0.0, times[2]])
         monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
-        m._timed_linear(torch.randn(4, 64), w)
+        m._timed_linear(torch.randn(4, 64), w_q)
         monkeypatch.setattr(m.time, "perf_counter", __import__("time").perf_counter)
-        assert m.linear_choice(4, w) == want, times
+        assert m.linear_choice(4, w_q) == want, times

@@ -145,6 +145,9 @@ def load_checkpoint(root: Optional[str] = None):
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Optional[str] = None):
     """SmolLM2-135M-Instruct as our ``Transformer`` plus its tokenizer.
 
+    On CPU in float32 the matrix-product weights also get their exact packed forms (the GGUF's
+    Q4_1 / Q8_0 blocks; see ``Transformer.from_hf``).
+
     Args:
         dtype: weight dtype (float32 is the fastest on CPU).
         device: where the weights go.

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.paged import PagedKVCache
 from specdec_kernels.ops.tree_attention import tree_attention
 from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
@@ -159,11 +160,13 @@ def unsupported_hf_config(config) -> List[str]:
 
 SKINNY_ROWS = 16  # on CPU, up to this many rows may take the weight @ x.T path of ``linear``
 SKINNY_CHUNK = 8
-LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default: measure), "f_linear" or "skinny" (forced)
+LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default: measure), "f_linear", "skinny" or "packed" (forced)
+LINEAR_PATHS = ("f_linear", "skinny", "packed")
+PACK_ENV = "SPECDEC_PACK_WEIGHTS"  # "0": from_hf registers no packed weights
 
-# shape class -> "f_linear" or "skinny", chosen by measurement once per process
+# shape class -> "f_linear", "skinny" or "packed", chosen by measurement once per process
 _LINEAR_CHOICE: Dict[tuple, str] = {}
-_LINEAR_TIMES: Dict[tuple, Tuple[float, float]] = {}
+_LINEAR_TIMES: Dict[tuple, Dict[str, float]] = {}
 
 
 def _skinny(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -174,58 +177,78 @@ def _skinny(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _row_class(rows: int) -> int:
-    return 1 if rows == 1 else 8 if rows <= 8 else SKINNY_ROWS
+    """Rows rounded up to a power of two (1, 2, 4, 8, 16): the shape classes of ``linear_choice``."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
-_LINEAR_TRIALS: Dict[tuple, Tuple[List[float], List[float]]] = {}
+_LINEAR_TRIALS: Dict[tuple, Dict[str, List[float]]] = {}
 LINEAR_TRIALS = 3  # timed calls of each path per shape class before the choice
 
 
 def _linear_key(rows: int, weight: torch.Tensor) -> tuple:
-    return (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads())
+    return (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads(), packed.packed_form(weight) is not None)
+
+
+def _paths(weight: torch.Tensor) -> Tuple[str, ...]:
+    return LINEAR_PATHS if packed.packed_form(weight) is not None else LINEAR_PATHS[:2]
 
 
 def linear_choice(rows: int, weight: torch.Tensor) -> Optional[str]:
     """Which CPU path ``linear`` takes for ``rows`` rows times ``weight``: "f_linear",
-    "skinny", or None while it is still being measured.
+    "skinny", "packed", or None while it is still being measured.
 
-    Forced by $SPECDEC_LINEAR ("f_linear" or "skinny"); otherwise measured on the real calls,
-    like an autotuner: the first ``2 * LINEAR_TRIALS`` calls of a shape class (weight shape and
-    dtype, rows 1 / 2-8 / 9-16, thread count) alternate the two paths and are timed, in place,
-    with the caches as a decode step leaves them (a weight streamed from memory, not a warm
-    copy: timing repeated calls on one weight favours whichever path fits the cache); then the
-    faster by best time is kept for the process, the skinny path only when at least 10% faster.
-    ``F.linear`` is the default.  A machine-specific speed choice is never hard-coded: on the
-    development machine the skinny path was about 2x faster at 2 threads, on an AVX-512 Xeon 3x
-    slower."""
+    Forced by $SPECDEC_LINEAR ("f_linear", "skinny" or "packed"; "packed" where the weight has no
+    packed form is "f_linear"); otherwise measured on the real calls, like an autotuner: the
+    first calls of a shape class (weight shape and dtype, rows 1 / 2 / 3-4 / 5-8 / 9-16, thread count,
+    whether the weight has a packed form) take the paths in turn, ``LINEAR_TRIALS`` timed calls
+    each, in place, with the caches as a decode step leaves them (a weight streamed from memory,
+    not a warm copy: timing repeated calls on one weight favours whichever path fits the cache);
+    then the fastest by best time is kept for the process, a path other than ``F.linear`` only
+    when at least 10% faster than it.  ``F.linear`` is the default.  A machine-specific speed
+    choice is never hard-coded: on the development machine the skinny path was about 2x faster at
+    2 threads, on an AVX-512 Xeon 3x slower.  The packed path (``decoding.packed``: the same
+    weight read from its exact block-quantised form) exists only for weights registered with
+    ``packed.register`` (``Transformer.pack_weights``)."""
     forced = os.environ.get(LINEAR_ENV, "auto")
-    if forced in ("f_linear", "skinny"):
-        return forced
+    if forced in LINEAR_PATHS:
+        return forced if forced in _paths(weight) else "f_linear"
+    if forced not in ("", "auto"):
+        raise ValueError(f"${LINEAR_ENV} must be 'auto' or one of {LINEAR_PATHS}, got {forced!r}")
     return _LINEAR_CHOICE.get(_linear_key(rows, weight))
+
+
+def _run_linear(path: str, flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if path == "skinny":
+        return _skinny(flat, weight)
+    if path == "packed":
+        return packed.packed_linear(flat, packed.packed_form(weight))
+    return F.linear(flat, weight)
 
 
 def _timed_linear(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """One measured call of a shape class still being tuned (see ``linear_choice``)."""
     key = _linear_key(flat.shape[0], weight)
-    f_times, s_times = _LINEAR_TRIALS.setdefault(key, ([], []))
-    skinny = len(s_times) < len(f_times)
+    times = _LINEAR_TRIALS.setdefault(key, {p: [] for p in _paths(weight)})
+    path = min(times, key=lambda p: len(times[p]))  # in turn: the least timed next
     t = time.perf_counter()
-    out = _skinny(flat, weight) if skinny else F.linear(flat, weight)
-    (s_times if skinny else f_times).append(time.perf_counter() - t)
-    if len(f_times) >= LINEAR_TRIALS and len(s_times) >= LINEAR_TRIALS:
-        f_best, s_best = min(f_times), min(s_times)
-        _LINEAR_CHOICE[key] = "skinny" if s_best < 0.9 * f_best else "f_linear"
-        _LINEAR_TIMES[key] = (f_best, s_best)
+    out = _run_linear(path, flat, weight)
+    times[path].append(time.perf_counter() - t)
+    if all(len(v) >= LINEAR_TRIALS for v in times.values()):
+        best = {p: min(v) for p, v in times.items()}
+        fast = [p for p in best if p == "f_linear" or best[p] < 0.9 * best["f_linear"]]
+        _LINEAR_CHOICE[key] = min(fast, key=lambda p: best[p])
+        _LINEAR_TIMES[key] = best
         del _LINEAR_TRIALS[key]
     return out
 
 
 def linear_choices() -> List[Dict]:
-    """The choices ``linear`` made in this process (for reports such as bench.e2e's)."""
+    """The choices ``linear`` made in this process (for reports such as bench.e2e's): per shape
+    class the path taken and the best measured time of each path in milliseconds."""
     return [
-        {"weight": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "rows": {1: "1", 8: "2-8", SKINNY_ROWS: "9-16"}[k[2]],
-         "threads": k[3], "choice": c, "f_linear_ms": _LINEAR_TIMES[k][0] * 1e3 if k in _LINEAR_TIMES else None,
-         "skinny_ms": _LINEAR_TIMES[k][1] * 1e3 if k in _LINEAR_TIMES else None}
+        {"weight": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "rows": {1: "1", 2: "2", 4: "3-4", 8: "5-8", 16: "9-16"}[k[2]],
+         "threads": k[3], "choice": c, **{f"{p}_ms": (_LINEAR_TIMES[k][p] * 1e3 if k in _LINEAR_TIMES and p in _LINEAR_TIMES[k]
+                                                      else None) for p in LINEAR_PATHS}}
         for k, c in _LINEAR_CHOICE.items()
     ]
 
@@ -233,11 +256,13 @@ def linear_choices() -> List[Dict]:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (no bias).
 
-    On CPU a decode or verify step multiplies a few rows by a large weight.  Some BLAS builds
-    stream the weight several times faster as ``weight @ x.T`` (a skinny right operand, in
-    chunks of at most 8 rows; a single row doubled) than as ``x @ weight.T``; others are
-    several times slower that way.  So for up to 16 rows on CPU the path is measured at run
-    time on the real calls (``linear_choice``); elsewhere (CUDA, more rows) it is ``F.linear``.
+    On CPU a decode or verify step multiplies a few rows by a large weight, which is bound by
+    streaming the weight from memory.  Some BLAS builds stream it several times faster as
+    ``weight @ x.T`` (a skinny right operand, in chunks of at most 8 rows; a single row doubled)
+    than as ``x @ weight.T``; others are several times slower that way; and a weight with an
+    exact block-quantised form (``decoding.packed``) can be read in a fifth of the bytes.  So
+    for up to 16 rows on CPU the path is measured at run time on the real calls
+    (``linear_choice``); elsewhere (CUDA, more rows) it is ``F.linear``.
     """
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0:
@@ -246,7 +271,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if choice == "f_linear":
         return F.linear(x, weight)
     flat = x.reshape(rows, x.shape[-1])
-    out = _skinny(flat, weight) if choice == "skinny" else _timed_linear(flat, weight)
+    out = _run_linear(choice, flat, weight) if choice is not None else _timed_linear(flat, weight)
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
@@ -329,7 +354,7 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_hf(cls, config, state_dict, *, dtype: torch.dtype = torch.float32) -> "Transformer":
+    def from_hf(cls, config, state_dict, *, dtype: torch.dtype = torch.float32, pack: bool = True) -> "Transformer":
         """From a transformers config and the state dict of its ``*ForCausalLM``: Llama,
         Qwen2 (q/k/v biases) or Mistral without a binding sliding window.
 
@@ -338,6 +363,12 @@ class Transformer(nn.Module):
         biases) and gate/up weights are concatenated.  Weights may share memory with
         ``state_dict`` (never modified).  Only a model this engine runs exactly is built:
         every setting it does not implement raises, never a silently different model.
+
+        With ``pack`` (default) a float32 model on CPU also registers the exact block-quantised
+        form of each matrix-product weight that has one (``pack_weights``: a GGUF's Q4_1 / Q8_0
+        weights de-quantised by transformers, as SmolLM2's; about 0.5 s for it), which ``linear``
+        then measures against ``F.linear``; $SPECDEC_PACK_WEIGHTS=0 turns this off.  Moving the
+        model to another device leaves the packed forms behind (they are CPU-only).
 
         Raises:
             ValueError: the config is not supported (``unsupported_hf_config`` names the
@@ -404,6 +435,8 @@ class Transformer(nn.Module):
             inv_freq, scaling = rotary.inv_freq.float(), float(rotary.attention_scaling)
         model.inv_freq = inv_freq
         model.attention_scaling = scaling
+        if pack and dtype == torch.float32 and os.environ.get(PACK_ENV, "1") != "0":
+            model.pack_weights()
         return model.eval()
 
     @classmethod
@@ -439,6 +472,27 @@ class Transformer(nn.Module):
         small.inv_freq, small.attention_scaling = self.inv_freq, self.attention_scaling
         small.attention_backend = self.attention_backend
         return small.eval()
+
+    def pack_weights(self) -> Dict[str, str]:
+        """Find the exact block-quantised form of each matrix-product weight (``decoding.packed``)
+        and register it, so that ``linear`` can measure the packed path against ``F.linear``.
+
+        Only a float32 CPU weight that its codes give back bit for bit is packed (SmolLM2 from
+        its Q4_1 / Q8_0 GGUF: every one); the model's results do not change beyond the order of
+        float32 additions.  One C++ pass over the weights (about 0.5 s for SmolLM2), and about 0.2
+        bytes of memory per weight element.  Without the C++ extension nothing is packed.
+
+        Returns:
+            {parameter name: "affine4" | "scaled8" | "none"}.
+        """
+        kinds = {}
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and (name == "output" or name.startswith("layers.")):
+                p = packed.pack_weight(module.weight)
+                if p is not None:
+                    packed.register(module.weight, p)
+                kinds[name + ".weight"] = packed.KIND_NAMES[p.kind] if p is not None else "none"
+        return kinds
 
     # ------------------------------------------------------------------ inference
     @property
