@@ -62,6 +62,10 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "paged_tree_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? tree_mask, "
       "Tensor block_table, str kv_layout, float sm_scale) -> Tensor");
+  // The same kernel over a dense cache [B, Hkv, S, D] (sequence b's slots are row b).
+  m.def(
+      "tree_attention_native(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? tree_mask, "
+      "float sm_scale) -> Tensor");
 
   // CPU matrix product y = x @ W^T with W stored block-quantised (csrc/packed_linear_cpu.cpp):
   // x float32 [R, I]; kind 0 "affine4" (ggml Q4_1: codes uint8 [O, I / 2], scales and mins

@@ -419,7 +419,21 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
   return out;
 }
 
+// The dense cache [B, Hkv, S, D] is the "HND" pool of B blocks of S slots, sequence b owning
+// block b: the same kernel with the table [[0], [1], ..., [B - 1]] (strided views are read in place).
+at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
+                              double sm_scale) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4, "q must be [B, N, H, D] and k_cache [B, Hkv, S, D]");
+  TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "k_cache must have q's batch size");
+  const at::Tensor table = at::arange(q.size(0), q.options().dtype(at::kInt)).view({q.size(0), 1});
+  return paged_tree_attention_cpu(q, k_cache, v_cache, cache_seqlens, tree_mask, table, "HND", sm_scale);
+}
+
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("paged_tree_attention_native", &specdec::paged_tree_attention_cpu); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("paged_tree_attention_native", &specdec::paged_tree_attention_cpu);
+  m.impl("tree_attention_native", &specdec::tree_attention_cpu);
+}

@@ -68,11 +68,13 @@ from specdec_kernels.reference.tree_attention import (
     visible_keys,
 )
 
-IMPLEMENTED = ("reference", "torch", "triton")
-# The paged op (torch.ops.specdec.paged_tree_attention) has one more backend: "native", the C++
-# CPU kernel (csrc/paged_attention_cpu.cpp), its automatic CPU backend when the extension has it.
+# "native": the C++ CPU kernel (csrc/paged_attention_cpu.cpp; a dense cache is read as the pool of
+# B blocks of S slots), the automatic CPU backend of both ops when the extension has it.
+IMPLEMENTED = ("reference", "torch", "triton", "native")
 PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
-# the automatic CPU backend of the paged op: measured per shape class (see specdec_kernels._autotune)
+# the automatic CPU backends: the C++ kernel or the SDPA path, measured per shape class (see
+# specdec_kernels._autotune); the environment variables force one
+DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_DENSE_ATTENTION")
 PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), trials=3,
                                  env="SPECDEC_PAGED_ATTENTION")
 
@@ -359,9 +361,21 @@ def _impl(
         splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
         return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
-    if name == "torch":
-        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
-    return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+
+    def run(name: str) -> torch.Tensor:
+        if name == "native":
+            return torch.ops.specdec.tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+        if name == "torch":
+            return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+        return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+
+    if name == "native" and not backend:
+        # automatic on CPU: the C++ kernel (fastest for few queries) or SDPA (its GEMMs win for
+        # many tree nodes), whichever runs faster here, measured on the first real calls of each
+        # shape class ($SPECDEC_DENSE_ATTENTION forces one)
+        key = (_next_pow2(N), _next_pow2(B), _next_pow2(S), H, Hkv, D, q.dtype)
+        return DENSE_CPU_CHOICE(key, run)
+    return run(name)
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
