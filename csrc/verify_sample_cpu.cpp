@@ -15,6 +15,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -129,13 +133,79 @@ int64_t row_argmax_exact(const T* row, int64_t V) {
   return best;
 }
 
-// Fast float32 path: without NaN or infinities the first index not below the maximum is the
-// first maximum (about 1.5 vectorized passes; at::argmax is a scalar index-tracking loop, about
-// 2-3x slower on a 49152-wide row); rows with NaN or an infinity take the exact loop.
+#if defined(__x86_64__) && defined(__GNUC__)
+// One AVX2 pass: 16 lanes each keep their maximum and the index where it first appeared (updated
+// only on a strictly greater value), then the largest value's smallest index among the lanes and
+// the scalar tail.  That is the first maximum when the row has no NaN or infinity; `special`
+// (v * 0 summed: NaN exactly then) sends other rows to the exact loop.  V < 2^31 (int32 lanes).
+__attribute__((target("avx2"))) int64_t row_argmax_f32_avx2(const float* row, int64_t V, bool* special) {
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 mx0 = neg_inf, mx1 = neg_inf, nn = _mm256_setzero_ps();
+  __m256i ix0 = _mm256_setzero_si256(), ix1 = _mm256_setzero_si256();
+  __m256i at0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at1 = _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256i step = _mm256_set1_epi32(16);
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(row + i), v1 = _mm256_loadu_ps(row + i + 8);
+    const __m256 g0 = _mm256_cmp_ps(v0, mx0, _CMP_GT_OQ), g1 = _mm256_cmp_ps(v1, mx1, _CMP_GT_OQ);
+    mx0 = _mm256_blendv_ps(mx0, v0, g0);
+    mx1 = _mm256_blendv_ps(mx1, v1, g1);
+    ix0 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ix0), _mm256_castsi256_ps(at0), g0));
+    ix1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ix1), _mm256_castsi256_ps(at1), g1));
+    nn = _mm256_add_ps(nn, _mm256_add_ps(_mm256_mul_ps(v0, zero), _mm256_mul_ps(v1, zero)));
+    at0 = _mm256_add_epi32(at0, step);
+    at1 = _mm256_add_epi32(at1, step);
+  }
+  alignas(32) float m[16], n[8];
+  alignas(32) int32_t x[16];
+  _mm256_store_ps(m, mx0);
+  _mm256_store_ps(m + 8, mx1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(x), ix0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(x + 8), ix1);
+  _mm256_store_ps(n, nn);
+  float bv = -std::numeric_limits<float>::infinity(), nsum = 0.0f;
+  int64_t best = -1;
+  for (int l = 0; l < 16; ++l) {
+    if (i == 0) break;  // no full group: the lanes hold nothing
+    if (m[l] > bv || (m[l] == bv && x[l] < best)) {
+      bv = m[l];
+      best = x[l];
+    }
+  }
+  for (int l = 0; l < 8; ++l) nsum += n[l];
+  for (; i < V; ++i) {  // the tail's indices come after every lane's
+    nsum += row[i] * 0.0f;
+    if (row[i] > bv || best < 0) {
+      bv = row[i];
+      best = i;
+    }
+  }
+  *special = nsum != nsum;
+  return best < 0 ? 0 : best;
+}
+
+bool have_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2");
+  return ok;
+}
+#endif
+
+// Fast float32 path: without NaN or infinities, one AVX2 pass tracking each lane's first
+// maximum where the CPU has AVX2, else the first index not below the maximum (about 1.5
+// vectorized passes); at::argmax is a scalar index-tracking loop, several times slower on a
+// 49152-wide row.  Rows with NaN or an infinity take the exact loop.
 template <typename T>
 int64_t row_argmax(const T* row, int64_t V) {
   if constexpr (std::is_same_v<T, float>) {
     bool special = false;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (have_avx2() && V < (int64_t{1} << 31)) {
+      const int64_t j = row_argmax_f32_avx2(row, V, &special);
+      if (!special) return j;
+      return row_argmax_exact(row, V);
+    }
+#endif
     const float m = row_max_f32(row, V, &special);
     if (!special) {
       const int64_t j = first_not_below_f32(row, V, m);

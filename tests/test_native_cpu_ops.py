@@ -193,3 +193,20 @@ def test_native_argmax_rule_on_special_rows():
     logits = rows[:, None, :]  # K = 0: output is the argmax
     out, _ = sk.verify_greedy(logits, torch.empty(9, 0, dtype=torch.long), backend="native")
     assert out[:, 0].tolist() == rows.argmax(-1).tolist() == [70, 3, 190, int(rows[3].argmax()), 0, 7, 120, 199, 0]
+
+
+@pytest.mark.parametrize("V", [1, 2, 5, 15, 16, 17, 31, 32, 33, 47, 200, 49152])
+def test_native_argmax_first_maximum_with_many_ties(V):
+    """The one-pass AVX2 argmax keeps each lane's first maximum and then takes the smallest index
+    among the lanes and the tail: rows of few distinct values (ties within a lane, across lanes,
+    between the lanes and the tail; -0.0 beside 0.0), and rows shorter than one 16-lane group."""
+    g = gen(V)
+    rows = torch.randint(-3, 3, (64, V), generator=g).float()
+    rows[::7] = 0.0
+    rows[1::7] = -0.0
+    if V > 1:
+        rows[2::7, -1] = 5.0  # the maximum in the tail only
+        rows[3::7, 0] = rows[3::7, -1] = 5.0  # the first element ties the last
+    rows[4::7] = torch.where(torch.rand(rows[4::7].shape, generator=g) < 0.5, -0.0, 0.0)
+    out, _ = sk.verify_greedy(rows[:, None, :], torch.empty(64, 0, dtype=torch.long), backend="native")
+    assert out[:, 0].tolist() == rows.argmax(-1).tolist()
