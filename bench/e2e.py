@@ -26,10 +26,11 @@ their verification may break exact fp ties differently).
                         [--methods a,b,...] [--num-draft-tokens K] [--device cpu|cuda]
                         [--dtype fp32|bf16|fp16] [--threads N] [--out DIR] [--demo]
 
-On a CPU shared with other work, ``--threads 1`` avoids OpenMP threads waiting on each
-other (on the 2-core development machine, busy with other jobs, 2 threads ran plain
-decoding 2.6x slower than 1 in a trial: 9.3 against 24.0 tokens/s); on the same machine
-idle, 2 threads ran it at 32.2 tokens/s (26 prompts, 128 tokens).
+On a CPU shared with other work, OpenMP threads wait on each other (on the 2-core
+development machine, busy with other jobs, 2 threads once ran plain decoding 2.6x slower than
+1).  So our engine's decode steps measure their thread count on every request (1, half and
+all of torch's threads; ``SpeculativeDecoder(threads="auto")``) and the run reports what they
+chose; ``--threads N`` sets torch's count for every method (``--demo``: 1).
 
 Methods are a registry (``METHODS``, name -> ``Method``); add one with, e.g.::
 
@@ -189,6 +190,8 @@ def ours(name: str, make_drafter: Callable[[Context], Any], description: str, *,
         extra = {"policy": s.policy or None, "mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
         if s.drafters:
             extra["drafters"] = s.drafters
+        if s.threads:
+            extra["threads"] = s.threads  # the decode steps' thread counts (measured by the engine's "auto")
         return Run(result.tokens[0], seconds, s.target_passes, s.mean_accepted_length, s.draft_tokens,
                    s.accepted_draft_tokens, extra)
 
@@ -607,11 +610,25 @@ def run(args) -> int:
     config["linear_choices"] = linear_choices()  # the CPU matmul paths measured in this run
     from specdec_kernels.ops.tree_attention import PAGED_CPU_CHOICE
 
+    from specdec_kernels.ops.tree_attention import DENSE_CPU_CHOICE
+
     config["paged_attention_choices"] = PAGED_CPU_CHOICE.choices()  # paged caches only (shared-prefix scenario)
+    config["attention_choices"] = DENSE_CPU_CHOICE.choices()  # dense caches, CPU: C++ kernel or SDPA
+    threads = {}
+    for r in rows:
+        for cls, n in (r.get("threads") or {}).items():
+            threads.setdefault(f"{r['method']} {cls}", {}).setdefault(n, 0)
+            threads[f"{r['method']} {cls}"][n] += 1
+    config["thread_choices"] = threads  # per method and step class: {threads: prompts}
     for c in config["linear_choices"]:
-        times = f" (F.linear {c['f_linear_ms']:.2f} ms, skinny {c['skinny_ms']:.2f} ms)" if c["f_linear_ms"] is not None else ""
+        times = ", ".join(f"{p} {c[p + '_ms']:.2f} ms" for p in ("f_linear", "skinny", "packed") if c.get(p + "_ms") is not None)
         print(f"# linear {c['weight'][0]}x{c['weight'][1]} {c['dtype']}, {c['rows']} rows, {c['threads']} threads: "
-              f"{c['choice']}{times}", file=sys.stderr)
+              f"{c['choice']}" + (f" ({times})" if times else ""), file=sys.stderr)
+    for c in config["attention_choices"]:
+        print(f"# tree_attention {c['key']}: {c['choice']}", file=sys.stderr)
+    for what, counts in threads.items():
+        print(f"# decode-step threads, {what}: " + ", ".join(f"{n} on {k} prompt(s)" for n, k in sorted(counts.items())),
+              file=sys.stderr)
     write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)  # the whole run, same-as-HF filled in
     plot(summary, out / "e2e.png", env, args.max_new_tokens)
     print_tables(summary, env, len(prompts), args.max_new_tokens)

@@ -79,6 +79,10 @@ class RuntimeChoice:
             self._chosen[key] = min(names, key=lambda c: medians[c])
         return out
 
+    def chosen(self, key: Hashable) -> Optional[str]:
+        """The candidate chosen for ``key`` (with every candidate available), or None while undecided."""
+        return self._chosen.get((key, self.candidates))
+
     def choices(self) -> List[Dict]:
         """What was chosen so far: one dict per shape class (key, choice, median ms per candidate)."""
         rows = []

@@ -454,3 +454,37 @@ def test_forward_outside_inference_mode_works_and_matches(tiny):
         inside = model(tok, pos, model.new_kv_cache(1, 16), lens)
     assert not plain.requires_grad
     torch.testing.assert_close(plain, inside, rtol=0, atol=0)
+
+
+def test_step_threads_are_measured_pinned_or_left_alone(tiny, monkeypatch):
+    """threads="auto" times the candidate thread counts on the first steps of each shape class
+    and reports the choice; an int pins the count; None leaves torch's; torch's setting comes
+    back after the call either way; the tokens never depend on it."""
+    from specdec_kernels.decoding import engine
+
+    hf, model = tiny
+    prompt = [5, 17, 33, 2, 9]
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = SpeculativeDecoder(model, None, threads=None).generate([prompt], 12, num_draft_tokens=0)
+        assert want.stats.threads == {}
+        auto = SpeculativeDecoder(model, None).generate([prompt], 12, num_draft_tokens=0)
+        assert auto.tokens == want.tokens and torch.get_num_threads() == 2
+        assert set(auto.stats.threads) == {"tokens<=1"} and auto.stats.threads["tokens<=1"] in (1, 2)
+        pinned = SpeculativeDecoder(model, NgramDrafter(), threads=1).generate([prompt], 12, num_draft_tokens=3)
+        assert pinned.tokens == want.tokens and pinned.stats.threads == {"all": 1} and torch.get_num_threads() == 2
+        monkeypatch.setenv(engine.THREADS_ENV, "1")
+        forced = SpeculativeDecoder(model, None).generate([prompt], 4, num_draft_tokens=0)
+        assert forced.stats.threads == {"all": 1}
+        monkeypatch.setenv(engine.THREADS_ENV, "many")
+        with pytest.raises(ValueError, match="SPECDEC_ENGINE_THREADS"):
+            SpeculativeDecoder(model, None).generate([prompt], 4, num_draft_tokens=0)
+        monkeypatch.delenv(engine.THREADS_ENV)
+        torch.set_num_threads(1)  # one thread: nothing to choose, nothing changed
+        assert SpeculativeDecoder(model, None).generate([prompt], 4, num_draft_tokens=0).stats.threads == {}
+    finally:
+        torch.set_num_threads(saved)
+    for bad in (0, -1, 2.0, True, "fast", 5000):
+        with pytest.raises(ValueError, match="threads"):
+            SpeculativeDecoder(model, None, threads=bad)

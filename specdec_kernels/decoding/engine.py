@@ -24,12 +24,14 @@ copy-on-write of the block where they diverge.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from specdec_kernels._autotune import RuntimeChoice
 from specdec_kernels._checks import as_int, as_int_list
 from specdec_kernels.decoding.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
@@ -153,6 +155,67 @@ class GenerationResult:
     stats: DecodeStats
 
 
+THREADS_ENV = "SPECDEC_ENGINE_THREADS"  # forces the thread count of threads="auto" (an int), or "auto"
+
+
+class _StepThreads:
+    """The intra-op thread count of the decode steps of one ``generate`` call.
+
+    ``"auto"`` on CPU: candidates 1, half and all of ``torch.get_num_threads()`` (the threads
+    torch would use); the first steps of each step shape class (the verified block's size
+    rounded up to a power of two) take them in turn, timed (``_autotune.RuntimeChoice``: 3 each,
+    the faster median wins), and the rest of the call keeps the faster.  Measured again on every
+    call, so a machine that gets loaded (where OpenMP threads wait on each other and more
+    threads can be several times slower) or idle is followed from one request to the next.
+    An int pins the count; None leaves torch's setting alone.  torch's setting is restored when
+    the call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".
+    """
+
+    def __init__(self, threads, device: torch.device, stats: DecodeStats):
+        self.saved = torch.get_num_threads()
+        self.stats = stats
+        self.fixed: Optional[int] = None
+        self.choice: Optional[RuntimeChoice] = None
+        if threads is None or device.type != "cpu":
+            return
+        if threads != "auto":
+            self.fixed = int(threads)
+            return
+        forced = os.environ.get(THREADS_ENV, "auto")
+        if forced not in ("", "auto"):
+            if not forced.isdigit() or not 1 <= int(forced) <= 1024:
+                raise ValueError(f"${THREADS_ENV} must be 'auto' or an int in 1..1024, got {forced!r}")
+            self.fixed = int(forced)
+            return
+        candidates = sorted({1, max(1, self.saved // 2), self.saved})
+        if len(candidates) > 1:
+            self.choice = RuntimeChoice("decode-step threads", [str(c) for c in candidates], trials=3)
+
+    def run(self, step: Callable[[], object], k, state) -> None:
+        if self.choice is None:
+            if self.fixed is not None:
+                torch.set_num_threads(self.fixed)
+                self.stats.threads.setdefault("all", self.fixed)
+            step()
+            return
+        ks = k if isinstance(k, (list, tuple)) else [k] * state.batch_size
+        tokens = sum(int(x) + 1 for x, done in zip(ks, state.done) if not done)
+        key = f"tokens<={1 << max(0, tokens - 1).bit_length()}"
+
+        def run(name: str):
+            torch.set_num_threads(int(name))
+            return step()
+
+        self.choice(key, run)
+        chosen = self.choice.chosen(key)
+        if chosen is not None:
+            self.stats.threads[key] = int(chosen)
+
+    def restore(self) -> None:
+        if torch.get_num_threads() != self.saved:
+            torch.set_num_threads(self.saved)
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a Llama-family ``Transformer`` with any ``Drafter``.
 
@@ -180,6 +243,14 @@ class SpeculativeDecoder:
         share_prefix: with ``block_size``: prompts of a batch that share at least
             ``block_size`` leading tokens share their KV blocks (target and model drafters),
             computed once.  Greedy outputs are those of decoding each prompt alone.
+        threads: intra-op threads of the decode steps on CPU.  "auto" (default): measured on
+            every ``generate`` call, per step shape class, among 1, half and all of
+            ``torch.get_num_threads()`` (see ``_StepThreads``; on a machine with other load
+            fewer threads can be several times faster); an int pins it; None leaves torch's
+            setting.  ``stats.threads`` says what the steps ran with.
+
+    Raises:
+        ValueError: threads is none of those.
 
     Example::
 
@@ -202,6 +273,7 @@ class SpeculativeDecoder:
         typical_alpha: Optional[float] = None,
         block_size: Optional[int] = None,
         share_prefix: bool = False,
+        threads: Union[int, str, None] = "auto",
     ):
         # our Transformer, or an adapter with its call interface (integrations.transformers.HFCausalLM)
         if not isinstance(model, Transformer) and not getattr(type(model), "_specdec_decode_target", False):
@@ -234,6 +306,10 @@ class SpeculativeDecoder:
         if share_prefix and block_size is None:
             raise ValueError("share_prefix=True needs a paged cache: give block_size (e.g. 16)")
         self.cache_layout = CacheLayout(paged=block_size is not None, block_size=block_size or 16, share_prefix=bool(share_prefix))
+        if not (threads is None or threads == "auto" or (isinstance(threads, int) and not isinstance(threads, bool)
+                                                        and 1 <= threads <= 1024)):
+            raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
+        self.threads = threads
         vocab = getattr(self.drafter, "vocab_size", None)
         if vocab is not None and vocab != model.args.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({model.args.vocab_size})")
@@ -278,17 +354,21 @@ class SpeculativeDecoder:
         step = 0
         if on_step is not None:
             on_step(state)
-        while not state.finished:
-            if policy is not None:
-                k = policy.choose(state)
-            else:
-                k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
-            self.step(state, k)
-            if policy is not None:
-                policy.update(state, state.last_step)
-            step += 1
-            if on_step is not None:
-                on_step(state)
+        threads = _StepThreads(self.threads, self.model.device, state.stats)
+        try:
+            while not state.finished:
+                if policy is not None:
+                    k = policy.choose(state)
+                else:
+                    k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
+                threads.run(lambda: self.step(state, k), k, state)
+                if policy is not None:
+                    policy.update(state, state.last_step)
+                step += 1
+                if on_step is not None:
+                    on_step(state)
+        finally:
+            threads.restore()
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
 

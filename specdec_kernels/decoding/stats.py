@@ -24,6 +24,9 @@ class DecodeStats:
         policy: the draft-length policy that chose K ("" for a fixed K or a schedule).
         drafters: per sub-drafter counters of a ``MultiDrafter`` (which sources proposed
             the accepted nodes: see ``multi.DRAFTER_COUNTERS``); empty otherwise.
+        threads: the intra-op thread count the decode steps ran with, per step shape class
+            ("tokens<=N": the verified block's size rounded up to a power of two), as the
+            engine's ``threads="auto"`` measured it or as it was given; empty when unchanged.
         prefill_tokens: positions the target computed in the prefill (prompt tokens, plus the
             padding of ragged chunks; a shared prefix counts once).
         shared_prefill_tokens: prompt tokens whose K/V a sequence took from another one's
@@ -50,6 +53,7 @@ class DecodeStats:
     draft_lengths: List[int] = field(default_factory=list)
     policy: str = ""
     drafters: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    threads: Dict[str, int] = field(default_factory=dict)
     prefill_tokens: int = 0
     shared_prefill_tokens: int = 0
     draft_model_tokens: int = 0
