@@ -35,7 +35,7 @@ from torch import nn
 
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.paged import PagedKVCache
-from specdec_kernels.ops.tree_attention import tree_attention
+from specdec_kernels.ops.tree_attention import engine_tree_attention, tree_attention
 from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
 
 
@@ -282,6 +282,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one op (transformers' arithmetic in float32: x * rsqrt(mean(x^2) + eps) * weight)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -325,7 +328,7 @@ class Block(nn.Module):
         write(k_cache, k)
         write(v_cache, v)
         if block_table is None:
-            attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
+            attn = engine_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend)
         else:
             attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, kv_layout="NHD",
                                   backend=backend, validate=False)

@@ -49,6 +49,7 @@ for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bi
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Optional
 
@@ -362,20 +363,48 @@ def _impl(
         return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
 
-    def run(name: str) -> torch.Tensor:
-        if name == "native":
-            return torch.ops.specdec.tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
-        if name == "torch":
-            return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
-        return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
-
     if name == "native" and not backend:
-        # automatic on CPU: the C++ kernel (fastest for few queries) or SDPA (its GEMMs win for
-        # many tree nodes), whichever runs faster here, measured on the first real calls of each
-        # shape class ($SPECDEC_DENSE_ATTENTION forces one)
-        key = (_next_pow2(N), _next_pow2(B), _next_pow2(S), H, Hkv, D, q.dtype)
-        return DENSE_CPU_CHOICE(key, run)
-    return run(name)
+        return _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+    return _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+
+
+def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
+    if name == "native":
+        return torch.ops.specdec.tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+    if name == "torch":
+        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+    return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+
+
+def _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
+    """The automatic CPU backend of the dense op: the C++ kernel (fastest for few queries) or
+    SDPA (its GEMMs win for many tree nodes), whichever runs faster here, measured on the first
+    real calls of each shape class ($SPECDEC_DENSE_ATTENTION forces one)."""
+    B, N, H, D = q.shape
+    key = (_next_pow2(N), _next_pow2(B), _next_pow2(k_cache.shape[2]), H, k_cache.shape[1], D, q.dtype)
+    return DENSE_CPU_CHOICE(key, lambda name: _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale))
+
+
+def engine_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                          tree_mask: Optional[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
+    """``tree_attention`` over a dense cache for a caller that built every tensor itself and
+    checked their shapes once (the bundled engine, 30 calls per forward): on CPU with the
+    automatic backend and the extension built, the automatic CPU path without the per-call
+    argument checks and op dispatch (about 0.1 ms a call); otherwise the public op with
+    ``validate=False``.  Same results as ``tree_attention``.
+
+    Args: as ``tree_attention`` (tree_mask bool [N, N] / [B, N, N] or None; cache_seqlens int32).
+    """
+    if (backend is None and q.device.type == "cpu" and _NATIVE_DENSE_CPU.get("ok") is not False
+            and not os.environ.get(_backend.ENV_VAR)):
+        if "ok" not in _NATIVE_DENSE_CPU:
+            _NATIVE_DENSE_CPU["ok"] = _backend._can_run("native", "tree_attention", q.device) is None
+        if _NATIVE_DENSE_CPU["ok"] and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0:
+            return _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, tree_mask, q.shape[-1] ** -0.5)
+    return tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
+
+
+_NATIVE_DENSE_CPU: dict = {}
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
