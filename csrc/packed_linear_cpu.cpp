@@ -16,8 +16,9 @@
 // Per output row o, each dot with a row of x runs in one fixed order: four 8-lane accumulators,
 // accumulator p summing inputs 32 j + 8 p .. 32 j + 8 p + 7 over the blocks j, then added as
 // (a0 + a1) + (a2 + a3) lane-wise and across lanes pairwise.  The order does not depend on the
-// number of rows of x, so a row's output does not depend on the other rows or on their count (a
-// verification pass over N tokens gives each token the logits a one-token pass gives it).  Up to
+// number of rows of x, so a row's output does not depend on the other rows or on their count
+// (where this path serves both, a verification pass over N tokens gives each token the products
+// a one-token pass gives it; decoding.model.linear chooses the path per row class).  Up to
 // two rows of x decode each block in registers as they go; more rows decode the weight row into
 // a float32 buffer once and take the rows of x two at a time (the same values, the same order).
 // The AVX2 + FMA path and the portable path compute the same formula; they may differ in the last

@@ -426,6 +426,8 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
                               double sm_scale) {
   TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4, "q must be [B, N, H, D] and k_cache [B, Hkv, S, D]");
   TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "k_cache must have q's batch size");
+  // no sequence or no query: nothing to attend (the pool view below needs a block of a slot)
+  if (q.size(0) == 0 || q.size(1) == 0) return at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const at::Tensor table = at::arange(q.size(0), q.options().dtype(at::kInt)).view({q.size(0), 1});
   return paged_tree_attention_cpu(q, k_cache, v_cache, cache_seqlens, tree_mask, table, "HND", sm_scale);
 }

@@ -491,3 +491,18 @@ def test_step_threads_are_measured_pinned_or_left_alone(tiny, monkeypatch):
     for bad in (0, -1, 2.0, True, "fast", 5000):
         with pytest.raises(ValueError, match="threads"):
             SpeculativeDecoder(model, None, threads=bad)
+    # a step that raises still gives torch its thread count back
+    try:
+        torch.set_num_threads(2)
+        decoder = SpeculativeDecoder(model, None, threads=1)
+
+        def broken(state, k):
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("a broken step")
+
+        monkeypatch.setattr(decoder, "step", broken)
+        with pytest.raises(RuntimeError, match="broken step"):
+            decoder.generate([prompt], 4, num_draft_tokens=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)

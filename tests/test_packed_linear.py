@@ -182,6 +182,35 @@ def test_registration_follows_the_weight():
     assert packed.packed_form(w.clone()) is None  # another tensor, equal values: not registered
     w.mul_(2)  # written in place: the codes are stale
     assert packed.packed_form(w) is None
+    with pytest.raises(ValueError, match="does not fit"):
+        packed.register(w[:3], p)
+    with pytest.raises(ValueError, match="does not fit"):
+        packed.register(w.double(), p)
+
+
+def test_a_converted_or_repacked_module_drops_its_packed_form():
+    """``module.bfloat16()`` keeps the Parameter object and its version but changes its dtype and
+    storage: the packed form is dropped and ``linear`` computes in bf16 with F.linear (it used
+    to try the packed path on the bf16 weight and raise).  ``pack_weights`` re-registers."""
+    from specdec_kernels.decoding import model as m
+
+    lin = torch.nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_weight(8, 64))
+    packed.register(lin.weight, packed.pack_weight(lin.weight))
+    assert packed.packed_form(lin.weight) is not None
+    lin.bfloat16()
+    assert packed.packed_form(lin.weight) is None
+    x = torch.randn(3, 64).bfloat16()
+    for _ in range(12):  # through the measurement and after it
+        torch.testing.assert_close(m.linear(x, lin.weight), torch.nn.functional.linear(x, lin.weight))
+    lin.float()
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_weight(8, 64))  # bf16 rounded the codes' values away
+    packed.register(lin.weight, packed.pack_weight(lin.weight))
+    assert packed.packed_form(lin.weight) is not None
+    packed.unregister(lin.weight)
+    assert packed.packed_form(lin.weight) is None
 
 
 def test_tiny_models_from_random_weights_pack_nothing():

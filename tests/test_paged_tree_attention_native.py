@@ -232,11 +232,10 @@ def test_threads_give_the_same_bits(lens):
     assert_close(one, expected(q, k, v, lens_t, mask), torch.float32)
 
 
-def test_automatic_cpu_backend_is_native_for_the_paged_op_only(monkeypatch):
+def test_automatic_cpu_backend_is_native_for_both_ops(monkeypatch):
     cpu = torch.device("cpu")
     assert _backend.resolve("paged_tree_attention", cpu, None, ta.PAGED_IMPLEMENTED) == "native"
-    assert _backend.resolve("tree_attention", cpu, None, ta.IMPLEMENTED) == "torch"
-    assert "native" not in ta.IMPLEMENTED
+    assert _backend.resolve("tree_attention", cpu, None, ta.IMPLEMENTED) == "native"  # measured against SDPA
     q, k, v, lens, table, pk, pv = paged_case(2, 3, 4, 2, 16, [5, 9], 4, "NHD", seed=13)
     by_native = native(q, pk, pv, lens, None, table, "NHD")
     by_torch = sk.tree_attention(q, pk, pv, lens, block_table=table, backend="torch")  # still there
@@ -259,8 +258,10 @@ def test_automatic_cpu_backend_is_native_for_the_paged_op_only(monkeypatch):
     with pytest.raises(ValueError, match="SPECDEC_PAGED_ATTENTION"):
         sk.tree_attention(q, pk, pv, lens, block_table=table)
     monkeypatch.delenv("SPECDEC_PAGED_ATTENTION")
-    with pytest.raises(ValueError, match="no such backend"):
-        sk.tree_attention(q, k.nan_to_num(), v.nan_to_num(), lens, backend="native")  # the dense op has none
+    # the dense op's C++ kernel is the paged one over the dense cache (B blocks of S slots)
+    dense_k, dense_v = k.nan_to_num(), v.nan_to_num()
+    assert_close(sk.tree_attention(q, dense_k, dense_v, lens, backend="native"),
+                 sk.tree_attention(q, dense_k, dense_v, lens, backend="reference"), torch.float32)
 
 
 def test_direct_calls_with_bad_arguments_raise():

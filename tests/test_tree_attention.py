@@ -143,3 +143,14 @@ def test_engine_call_matches_the_public_op(mask_kind, monkeypatch):
     assert_close(engine_tree_attention(q, k, v, lens, mask, backend="reference"), want, torch.float32)
     monkeypatch.setenv("SPECDEC_BACKEND", "reference")  # a preference: the public op decides
     assert torch.equal(engine_tree_attention(q, k, v, lens, mask), want)
+
+
+@pytest.mark.parametrize("backend", [None] + BACKENDS)
+def test_no_sequence_or_no_query_gives_an_empty_output(backend):
+    """B = 0 or N = 0 (empty caches included) return an empty output on every backend; the dense
+    cache seen as a pool of B blocks of S slots must not meet the pool's one-block check."""
+    for B, N, S in ((0, 2, 8), (2, 0, 8), (2, 0, 0), (0, 0, 0)):
+        q = torch.randn(B, N, 4, 16)
+        k, v = torch.randn(B, 2, S, 16), torch.randn(B, 2, S, 16)
+        out = sk.tree_attention(q, k, v, torch.zeros(B, dtype=torch.int32), backend=backend)
+        assert out.shape == q.shape

@@ -187,7 +187,8 @@ class _StepThreads:
                 raise ValueError(f"${THREADS_ENV} must be 'auto' or an int in 1..1024, got {forced!r}")
             self.fixed = int(forced)
             return
-        candidates = sorted({1, max(1, self.saved // 2), self.saved})
+        # torch's count first: the one RuntimeChoice runs where it cannot measure (a dispatch mode)
+        candidates = sorted({1, max(1, self.saved // 2), self.saved}, reverse=True)
         if len(candidates) > 1:
             self.choice = RuntimeChoice("decode-step threads", [str(c) for c in candidates], trials=3)
 

@@ -494,6 +494,8 @@ class Transformer(nn.Module):
                 p = packed.pack_weight(module.weight)
                 if p is not None:
                     packed.register(module.weight, p)
+                else:
+                    packed.unregister(module.weight)
                 kinds[name + ".weight"] = packed.KIND_NAMES[p.kind] if p is not None else "none"
         return kinds
 

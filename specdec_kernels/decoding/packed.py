@@ -188,18 +188,41 @@ def _have_kernel() -> bool:
 _PACKED: Dict[int, Tuple[weakref.ref, int, PackedWeight]] = {}
 
 
+def _stamp(weight: torch.Tensor) -> tuple:
+    return (weight._version, weight.dtype, weight.device, tuple(weight.shape), weight.data_ptr())
+
+
 def register(weight: torch.Tensor, packed: PackedWeight) -> None:
-    """Make ``packed`` the packed form of ``weight`` for ``packed_form`` (dropped with the weight)."""
+    """Make ``packed`` the packed form of ``weight`` for ``packed_form`` (dropped with the weight).
+
+    Raises:
+        ValueError: ``packed`` is not the form of a float32 CPU weight of ``weight``'s shape.
+    """
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or tuple(weight.shape) != tuple(packed.shape):
+        raise ValueError(f"register: a packed form of shape {packed.shape} does not fit a {weight.dtype} weight "
+                         f"{tuple(weight.shape)} on {weight.device}")
     key = id(weight)
-    _PACKED[key] = (weakref.ref(weight, lambda _r, k=key: _PACKED.pop(k, None)), weight._version, packed)
+    _PACKED[key] = (weakref.ref(weight, lambda _r, k=key: _PACKED.pop(k, None)), _stamp(weight), packed)
 
 
 def packed_form(weight: torch.Tensor) -> Optional[PackedWeight]:
-    """The registered packed form of ``weight``, or None (also once the weight was modified in place)."""
+    """The registered packed form of ``weight``, or None.
+
+    None also once the weight changed since it was registered: written in place (its version),
+    converted (``module.half()`` keeps the Parameter but changes its dtype and storage), resized
+    or moved.  A write through ``weight.data`` is not seen by torch's version counter: after one,
+    call ``Transformer.pack_weights()`` again (or ``unregister``)."""
     entry = _PACKED.get(id(weight))
     if entry is None or entry[0]() is not weight:
         return None
-    if entry[1] != weight._version:  # written since it was packed: the codes are stale
+    if entry[1] != _stamp(weight):  # the codes are stale
         _PACKED.pop(id(weight), None)
         return None
     return entry[2]
+
+
+def unregister(weight: torch.Tensor) -> None:
+    """Forget the packed form of ``weight`` (if any): ``linear`` then uses ``F.linear`` for it."""
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        del _PACKED[id(weight)]

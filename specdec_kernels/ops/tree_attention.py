@@ -379,9 +379,10 @@ def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
 def _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     """The automatic CPU backend of the dense op: the C++ kernel (fastest for few queries) or
     SDPA (its GEMMs win for many tree nodes), whichever runs faster here, measured on the first
-    real calls of each shape class ($SPECDEC_DENSE_ATTENTION forces one)."""
+    real calls of each shape class, thread count included ($SPECDEC_DENSE_ATTENTION forces one)."""
     B, N, H, D = q.shape
-    key = (_next_pow2(N), _next_pow2(B), _next_pow2(k_cache.shape[2]), H, k_cache.shape[1], D, q.dtype)
+    key = (_next_pow2(N), _next_pow2(B), _next_pow2(k_cache.shape[2]), H, k_cache.shape[1], D, q.dtype,
+           torch.get_num_threads())
     return DENSE_CPU_CHOICE(key, lambda name: _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale))
 
 
@@ -492,7 +493,7 @@ def _paged_impl(
         # automatic on CPU: the C++ kernel (no gather; fastest for few queries) or the gather +
         # SDPA path (its GEMMs win for many tree nodes), whichever runs faster here, measured on
         # the first real calls of each shape class (SPECDEC_PAGED_ATTENTION forces one)
-        key = (_next_pow2(N), _next_pow2(B), _next_pow2(capacity), H, Hkv, D, q.dtype, kv_layout)
+        key = (_next_pow2(N), _next_pow2(B), _next_pow2(capacity), H, Hkv, D, q.dtype, kv_layout, torch.get_num_threads())
         return PAGED_CPU_CHOICE(key, run)
     return run(name)
 
