@@ -170,6 +170,36 @@ def test_rejection_equals_padded(backend, counts, sampled, dtype):
         assert torch.equal((out >= 0).sum(1), acc + 1) and (out[out < 0] == -1).all()
 
 
+@pytest.mark.parametrize("bonus_ids", [False, True], ids=["bonus_rows", "bonus_ids"])
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
+def test_rejection_equals_padded_over_vocabulary_chunks(sampled, bonus_ids):
+    """The Triton kernel with the vocabulary cut into chunks (the batch-1 split), several
+    requests per program: the flattened layout still equals the padded reference."""
+    if "triton" not in SAMPLE_BACKENDS:
+        pytest.skip("Triton cannot run here")
+    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+
+    counts = COUNTS["ragged"]
+    with forced_tiling(2, 16, 4):
+        for seed, V in enumerate((111, 37)):
+            c = flat_case(counts, V, seed=seed, sampled=sampled)
+            p = padded(c)
+            want = reference.rejection_sample(p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"],
+                                              sample_uniforms=c["final"])
+            probs = c["probs"]
+            kwargs = {}
+            if bonus_ids:
+                # the [T, V] layout: drop each request's bonus row, pass the reference's bonus tokens
+                keep = torch.ones(probs.shape[0], dtype=torch.bool)
+                ends = torch.cumsum(torch.tensor(counts) + 1, 0) - 1
+                keep[ends] = False
+                probs = probs[keep]
+                kwargs["bonus_token_ids"] = want[0].gather(1, want[1][:, None])[:, 0]
+            got = run(sk.rejection_sample_flattened, probs, c["draft"], c["drafts"], c["cu"],
+                      uniform_samples=c["coins"], sample_uniforms=c["final"], backend="triton", **kwargs)
+            assert_same(got, want)  # with bonus ids, full acceptances take the given (reference's) bonus
+
+
 def test_the_parity_cases_cover_every_outcome():
     """The random cases reject at the first draft, in the middle, accept all, and hold
     zero-draft requests (so the parity tests above are not vacuous)."""

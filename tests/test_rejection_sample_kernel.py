@@ -108,6 +108,25 @@ def test_matches_reference_at_real_vocabulary_sizes(device, V):
         assert_same(*run_both(chain_case(2, 3, V, sampled=sampled, seed=V, ragged=False), device))
 
 
+# vocabulary chunks (the batch-1 split): (BLOCK_B, BLOCK_V, chunks per row); a chunk count
+# above the tile count is clamped, tiles per chunk > 1 and an uneven last chunk occur
+TILINGS = [(1, 16, 2), (2, 16, 3), (4, 32, 5), (1, 16, 64), (8, 16, 7)]
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
+@pytest.mark.parametrize("tiling", TILINGS, ids=[f"BB{b}-BV{v}-S{s}" for b, v, s in TILINGS])
+def test_vocabulary_chunks_match_reference(device, tiling, sampled):
+    """Every chunking of the vocabulary gives the reference's tokens: the chunk that holds
+    u * total is found from the chunk masses, and the search runs inside it only (rows of one
+    program land in different chunks)."""
+    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+
+    block_b, block_v, splits = tiling
+    with forced_tiling(block_b, block_v, splits):
+        for B, K, V in [(1, 4, 111), (5, 3, 200), (3, 0, 37)] + ([(2, 6, 1000)] if block_v > 16 else []):
+            assert_same(*run_both(chain_case(B, K, V, sampled=sampled, seed=B), device))
+
+
 def test_every_count_of_accepted_drafts_occurs_and_matches(device):
     # drafts equal to the target's argmax with coins spread over [0, 1): the batch covers
     # rejections at every position as well as fully accepted rows (bonus token)

@@ -136,6 +136,48 @@ def test_infinite_temperature_is_uniform(device, V):
     torch.testing.assert_close(got[[0, 2]], torch.full((2, V), 1.0 / V), **FP32)
 
 
+CHUNKINGS = [(4, 16, 5), (1, 32, 3)]
+
+
+@pytest.mark.parametrize("tiling", CHUNKINGS, ids=[f"BB{b}-BV{v}-S{s}" for b, v, s in CHUNKINGS])
+def test_vocabulary_chunks_match_reference(device, tiling):
+    """The vocabulary cut into chunks (the batch-1 split): per-chunk statistics, pivot counts
+    and masses combined across chunks give the reference's kept sets, ties included."""
+    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+
+    block_b, block_v, splits = tiling
+    ties = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, -1.0] * 20])  # tied values across chunks
+    nan_row = torch.randn(1, 120, generator=gen(9))
+    nan_row[0, 70] = float("nan")
+    with forced_tiling(block_b, block_v, splits):
+        for shape in [(1, 111), (3, 2, 70)]:
+            logits = torch.randn(shape, generator=gen(sum(shape))) * 3
+            for setting in ("greedy", "topp0.9", "topk5_topp0.8"):
+                check(logits, device, **SETTINGS[setting])
+        check(ties, device, top_k=2)
+        check(ties, device, top_p=0.3)
+        check(nan_row, device, 1.0, 3, 0.5)
+        # the argmax's first index when the maximum repeats in a later chunk
+        rep = torch.zeros(1, 100)
+        rep[0, [5, 60, 99]] = 4.0
+        assert kernel(rep.to(device), 0.0).cpu().argmax(-1).item() == 5
+
+
+def test_the_search_passes_narrow_every_interval_to_one_value():
+    """PASSES multi-pivot passes (NPIV pivots each, pivots as in ``_pivots``) bring the widest
+    intervals the searches start from down to one candidate: 2**32 order keys (top-k) and the
+    2**31 float32 bits from -1 to +inf (top-p)."""
+    from specdec_kernels.ops._triton import sampling_probs as sp
+
+    for width in (2**32, 0x7F800000 + 1):
+        w = width
+        for _ in range(sp.PASSES):  # a pass leaves at most ceil(w / (NPIV + 1)) candidates
+            step = max((w + sp.NPIV) // (sp.NPIV + 1), 1)
+            w = max(step, w - sp.NPIV * step)
+        assert w == 1, (width, w)
+    assert sp.PASSES < 31  # the bisection it replaces took 32 (top-k) and 31 (top-p) passes
+
+
 def test_empty_batch(device):
     out = kernel(torch.zeros(0, 17, device=device), 0.7, 3, 0.9)
     assert out.shape == (0, 17) and out.dtype == torch.float32

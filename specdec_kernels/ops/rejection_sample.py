@@ -110,12 +110,15 @@ rejection_sample.__doc__ = _backend.public_doc(_ref, "rejection_sample") + """
             num_draft_tokens coins.
 
     Triton backend:
-        One fused kernel (``_rejection_sample_kernel``): the accept/reject walk along the chain,
-        then two passes over the row to sample (float64 total, then the first index whose
-        running float64 CDF exceeds u * total); the residual max(0, p - q) is recomputed in each
-        pass and never written to memory.  Same tokens as the reference for the same uniforms,
-        except when u * total lies within float64 rounding of a CDF boundary (the kernel sums
-        in tiles, the reference sequentially).
+        Two launches.  ``_rejection_partials_kernel`` over (request blocks, vocabulary chunks):
+        each program walks the chain's accept/reject (a few loads), then sums the float64 mass
+        of p and of the residual max(0, p - q) over its chunk; on CUDA the chunks give about 8
+        programs per SM even at batch 1.  ``_rejection_sample_kernel`` over request blocks:
+        the chunk masses in chunk order give the total and the chunk where the running CDF
+        first exceeds u * total, and the inverse-CDF search reads that chunk only.  The residual
+        is recomputed, never written to memory.  Same tokens as the reference for the same
+        uniforms, except when u * total lies within float64 rounding of a CDF boundary (the
+        kernel sums in tiles and chunks, the reference sequentially).
 """
 
 

@@ -3,7 +3,8 @@
 
 Backends: "reference" (plain PyTorch, every device), "native" (the C++ CPU kernel of
 ``rejection_sample``, csrc/verify_sample_cpu.cpp, given the request spans) and "triton"
-(``_rejection_sample_kernel`` with ``FLAT=True``, ``specdec_kernels.ops._triton.rejection_sample``).
+(``_rejection_partials_kernel`` and ``_rejection_sample_kernel`` with ``FLAT=True``,
+``specdec_kernels.ops._triton.rejection_sample``).
 No backend copies the rows into a padded layout.  The registered op takes its random numbers
 explicitly (coins [T], sample uniforms [B]); the Python front makes them exactly as the padded
 front does for each request (``specdec_kernels.reference.rejection_sample_flattened.flattened_uniforms``).
@@ -119,7 +120,8 @@ def rejection_sample_flattened(
 
 rejection_sample_flattened.__doc__ = _backend.public_doc(_ref, OP) + """
     Triton backend:
-        ``_rejection_sample_kernel`` (the padded op's kernel) with ``FLAT=True``: each program
-        reads its requests' spans from cu_num_draft_tokens and addresses the flat rows
-        directly; with bonus_token_ids, fully accepted requests skip the sampling passes.
+        The padded op's two kernels (``_rejection_partials_kernel`` over vocabulary chunks,
+        then ``_rejection_sample_kernel``) with ``FLAT=True``: each program reads its requests'
+        spans from cu_num_draft_tokens and addresses the flat rows directly; with
+        bonus_token_ids, fully accepted requests skip the sampling passes.
 """

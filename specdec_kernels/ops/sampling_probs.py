@@ -85,13 +85,15 @@ def sampling_probs(
 
 sampling_probs.__doc__ = _backend.public_doc(_ref, "sampling_probs") + """
     Triton backend:
-        One kernel (``_sampling_probs_kernel``), several passes over each row and no sort:
-        temperature (IEEE division), the top-k threshold by bisection on the order-preserving
-        integer image of the logits (keep x >= t where t is the smallest value with fewer than
-        k logits above it: the k-th largest, ties kept), the softmax, the top-p threshold by
-        bisection on the probabilities' bit patterns (keep p >= t where t is the smallest value
-        with float64 mass strictly above it < top_p: the reference's nucleus, ties kept), and
-        renormalisation.  The kept set is exactly the reference's whenever no float64 partial
+        One kernel (``_sampling_probs_kernel``) launched once per stage over (row blocks,
+        vocabulary chunks), so batch 1 spreads over the GPU, and no sort: temperature (IEEE
+        division) and the argmax; the top-k threshold by a multi-pivot search on the
+        order-preserving integer image of the logits (keep x >= t where t is the smallest value
+        with fewer than k logits above it: the k-th largest, ties kept), 16 pivots per pass,
+        8 passes over V; the softmax denominator; the top-p threshold by the same search on the
+        probabilities' bit patterns with float64 masses (keep p >= t where t is the smallest
+        value with float64 mass strictly above it < top_p: the reference's nucleus, ties
+        kept), 8 passes; the renormalised row.  The kept set is exactly the reference's whenever no float64 partial
         mass is within rounding of top_p; probabilities agree within float32 rounding (the
         kernel's exp and sums are not PyTorch's).  A row holding NaN or +inf after
         temperature, or only -inf, gives NaN everywhere, as the reference does.

@@ -15,10 +15,60 @@ except when ``u * total`` lies within float64 rounding of a CDF boundary.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Optional, Tuple
+
+import torch
 import triton
 import triton.language as tl
 
 NOT_FOUND = tl.constexpr(2147483647)  # int32 max: "no index found yet"
+
+# Programs per SM that a vocabulary split aims for on CUDA (enough to hide memory latency).
+PROGRAMS_PER_SM = 8
+# Set by ``forced_tiling`` (tests): a number of vocabulary chunks per row (the interpreter
+# splits nothing by default: its programs run one after another) and tile sizes.
+FORCED_SPLITS: Optional[int] = None
+FORCED_TILE: Optional[Tuple[int, int]] = None
+
+
+@contextlib.contextmanager
+def forced_tiling(block_b: int, block_v: int, splits: Optional[int] = None):
+    """Within the block, launchers that use ``tile_sizes`` / ``split_vocab`` take (BLOCK_B,
+    BLOCK_V) = (block_b, block_v) (powers of two) and ``splits`` vocabulary chunks per row: how
+    the tests drive the multi-row, multi-tile and multi-chunk paths on small inputs."""
+    global FORCED_SPLITS, FORCED_TILE
+    if block_b & (block_b - 1) or block_v & (block_v - 1) or block_b < 1 or block_v < 16:
+        raise ValueError(f"block_b and block_v must be powers of two (block_v >= 16), got {block_b}, {block_v}")
+    saved = FORCED_SPLITS, FORCED_TILE
+    FORCED_SPLITS, FORCED_TILE = splits, (block_b, block_v)
+    try:
+        yield
+    finally:
+        FORCED_SPLITS, FORCED_TILE = saved
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
+
+
+def split_vocab(num_tiles: int, row_programs: int, device: torch.device,
+                num_splits: Optional[int] = None) -> Tuple[int, int]:
+    """(S, tiles_per_split): how many chunks each row's ``num_tiles`` vocabulary tiles are
+    cut into, so that ``row_programs * S`` programs fill the GPU (about ``PROGRAMS_PER_SM``
+    per SM) even at batch 1.  Every chunk gets at least one tile; chunk s covers lower
+    columns than chunk s + 1.  ``num_splits`` (or ``FORCED_SPLITS``) overrides the choice;
+    under the interpreter the default is 1."""
+    wanted = num_splits or FORCED_SPLITS
+    if not wanted:
+        if device.type == "cuda":
+            wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(row_programs, 1))
+        else:
+            wanted = 1
+    num_tiles = max(int(num_tiles), 1)
+    tiles_per_split = triton.cdiv(num_tiles, max(1, min(int(wanted), num_tiles)))
+    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
 def next_pow2(n: int) -> int:
@@ -30,8 +80,10 @@ def tile_sizes(vocab: int, rows: int, on_cuda: bool, max_tile_cuda: int = 1024) 
 
     CUDA: up to ``max_tile_cuda`` elements per tile, one row per program unless the vocabulary
     is small.  Interpreter: up to 4096 columns and 2**17 elements per tile (numpy-vectorised),
-    so that a batch of 20,000 rows runs in a few dozen programs.
+    so that a batch of 20,000 rows runs in a few dozen programs.  ``forced_tiling`` overrides.
     """
+    if FORCED_TILE is not None:
+        return FORCED_TILE
     if on_cuda:
         block_v = max(16, min(next_pow2(vocab), max_tile_cuda))
         block_b = max(1, min(next_pow2(max(rows, 1)), max_tile_cuda // block_v, 16))
@@ -88,11 +140,9 @@ def _pick_token(found, last, total):
 def _row_mass_total(row_ptrs, rmask, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
     """float64 sum of mass(row) for each of the [BB] rows at ``row_ptrs`` (rows off ``rmask`` give 0)."""
     total = tl.zeros([BLOCK_B], dtype=tl.float64)
-    start = tl.program_id(0) * 0
-    while start < V:
+    for start in tl.range(0, V, BLOCK_V, num_stages=3):
         offs = start + tl.arange(0, BLOCK_V)
         m2 = rmask[:, None] & (offs < V)[None, :]
         x = tl.load(row_ptrs[:, None] + offs[None, :], mask=m2, other=0.0)
         total += tl.sum(_mass64(x), axis=1)
-        start += BLOCK_V
     return total

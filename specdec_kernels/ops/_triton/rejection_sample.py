@@ -15,11 +15,11 @@ import triton.language as tl
 
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
-    _cdf_search_tile,
     _last_with_mass,
     _mass64,
     _pick_token,
     next_pow2,
+    split_vocab,
     tile_sizes,
 )
 
@@ -27,46 +27,10 @@ from specdec_kernels._library import kernel_op, launch
 
 
 @triton.jit
-def _chain_tile(p_rows, q_rows, at, use_q, rmask, offs, V, HAS_DRAFT: tl.constexpr):
-    """Target row p and the draft row q to subtract (0 where ``use_q`` is off), float32 [BB, BV]."""
-    m2 = rmask[:, None] & (offs < V)[None, :]
-    p = tl.load(p_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    if HAS_DRAFT:
-        q = tl.load(q_rows[:, None] + offs[None, :], mask=m2 & use_q[:, None], other=0.0).to(tl.float32)
-    else:
-        # one-hot at the rejected draft; at == -1 when unused or out of the vocabulary
-        q = tl.where(offs[None, :] == at[:, None], 1.0, 0.0)
-    return p, q
-
-@triton.jit
-def _rejection_sample_kernel(
-    target_ptr,  # padded: [B, K+1, V]; FLAT: [T + B, V] or [T, V] (BONUS_IDS); fp32/fp16/bf16, last dim contiguous
-    draft_ptr,  # padded: [B, K, V]; FLAT: [T, V]; like target (unused when HAS_DRAFT is False)
-    tokens_ptr,  # padded: [B, K]; FLAT: [T]; int32/int64, contiguous
-    num_draft_ptr,  # padded: [B] int64 counts; FLAT: cu_num_draft_tokens [B] int32/int64
-    bonus_ptr,  # BONUS_IDS: [B] int32/int64 bonus tokens (else unused)
-    coins_ptr,  # padded: [B, K]; FLAT: [T]; fp32, contiguous
-    final_u_ptr,  # [B] fp32
-    out_ptr,  # [B, K+1] int64, contiguous (written)
-    num_accepted_ptr,  # [B] int64 (written)
-    B,
-    K,  # padded width (FLAT: max_spec_len)
-    V,
-    T,  # FLAT: number of draft tokens (spans are clamped into [0, T])
-    stride_tb,  # padded only
-    stride_tk,  # target row stride (FLAT: of the 2-D tensor)
-    stride_db,  # padded only
-    stride_dk,  # draft row stride
-    FLAT: tl.constexpr,  # the flattened (vLLM v1) layout
-    BONUS_IDS: tl.constexpr,  # FLAT with [T, V] targets and the bonus tokens given
-    HAS_DRAFT: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    KP: tl.constexpr,  # next power of two >= K + 1
-):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
-    rmask = rows < B
+def _chain_rows(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, rows, rmask, K, T, stride_tb, stride_tk,
+                stride_db, stride_dk, FLAT: tl.constexpr, BONUS_IDS: tl.constexpr):
+    """(n, tok0, t_rows, d_rows) of each of the [BB] requests: its draft count (clamped to
+    0..K), its first flat draft, and the pointers of its first target and draft rows."""
     rows64 = rows.to(tl.int64)
     if FLAT:
         # request spans from the inclusive cumsum, clamped as in specdec_kernels/_flattened.py:
@@ -88,12 +52,17 @@ def _rejection_sample_kernel(
         tok0 = rows64 * K
         t_rows = target_ptr + rows64 * stride_tb
         d_rows = draft_ptr + rows64 * stride_db
+    return n, tok0, t_rows, d_rows
 
-    # 1. accept/reject along the chain: accept x_j iff u_j * q_j(x_j) < p_j(x_j) in float32.
+
+@triton.jit
+def _chain_walk(tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk,
+                HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Accept/reject along the chain: x_j is accepted iff u_j * q_j(x_j) < p_j(x_j) in float32,
+    until the first rejection.  Returns the accepted count [BB] int32."""
     num_acc = tl.zeros([BLOCK_B], dtype=tl.int32)
     alive = rmask
-    j = pid * 0
-    while j < K:
+    for j in tl.range(0, K):
         live = alive & (j < n)
         x = tl.load(tokens_ptr + tok0 + j, mask=live, other=-1).to(tl.int64)
         in_vocab = (x >= 0) & (x < V)
@@ -107,12 +76,21 @@ def _rejection_sample_kernel(
         acc = live & in_vocab & (u * q < p)
         num_acc += acc.to(tl.int32)
         alive = acc
-        j += 1
+    return num_acc
 
-    # 2. the row to sample from: the residual max(0, p - q) at the first rejection (p
-    #    itself if that has no mass), else the bonus row after the last draft.  With
-    #    BONUS_IDS a fully accepted request has no row: it takes its bonus token and its
-    #    rows are masked out of both passes.
+
+@triton.jit
+def _chain_state(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb,
+                 stride_tk, stride_db, stride_dk, FLAT: tl.constexpr, BONUS_IDS: tl.constexpr,
+                 HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Everything before the vocabulary scan, for the [BB] requests ``rows``: (tok0, num_acc,
+    rejected, need, p_rows, q_rows, at).  The row to sample from is the residual
+    max(0, p - q) at the first rejection (p itself if that has no mass), else the bonus row
+    after the last draft; with BONUS_IDS a fully accepted request has no row (``need`` off)."""
+    n, tok0, t_rows, d_rows = _chain_rows(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, rows, rmask, K, T,
+                                          stride_tb, stride_tk, stride_db, stride_dk, FLAT, BONUS_IDS)
+    num_acc = _chain_walk(tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk,
+                          HAS_DRAFT, BLOCK_B)
     rejected = rmask & (num_acc < n)
     if BONUS_IDS:
         need = rejected
@@ -122,48 +100,171 @@ def _rejection_sample_kernel(
     q_rows = d_rows + tl.minimum(num_acc, K - 1).to(tl.int64) * stride_dk
     at = tl.load(tokens_ptr + tok0 + num_acc, mask=rejected, other=-1).to(tl.int64)
     at = tl.where((at >= 0) & (at < V), at, -1)
+    return tok0, num_acc, rejected, need, p_rows, q_rows, at
 
-    # pass 1: mass of p and of the residual, and their last indices with mass
+
+@triton.jit
+def _chain_tile(p_rows, q_rows, at, use_q, rmask, cols, inside, HAS_DRAFT: tl.constexpr):
+    """Target row p and the draft row q to subtract (0 where ``use_q`` is off), float32 [BB, BV],
+    at the [BB, BV] columns ``cols`` (``inside``: the columns of the row's range)."""
+    m2 = rmask[:, None] & inside
+    p = tl.load(p_rows[:, None] + cols, mask=m2, other=0.0).to(tl.float32)
+    if HAS_DRAFT:
+        q = tl.load(q_rows[:, None] + cols, mask=m2 & use_q[:, None], other=0.0).to(tl.float32)
+    else:
+        # one-hot at the rejected draft; at == -1 when unused or out of the vocabulary
+        q = tl.where(cols == at[:, None], 1.0, 0.0)
+    return p, q
+
+
+@triton.jit
+def _rejection_partials_kernel(
+    target_ptr,  # padded: [B, K+1, V]; FLAT: [T + B, V] or [T, V] (BONUS_IDS); fp32/fp16/bf16, last dim contiguous
+    draft_ptr,  # padded: [B, K, V]; FLAT: [T, V]; like target (unused when HAS_DRAFT is False)
+    tokens_ptr,  # padded: [B, K]; FLAT: [T]; int32/int64, contiguous
+    num_draft_ptr,  # padded: [B] int64 counts; FLAT: cu_num_draft_tokens [B] int32/int64
+    coins_ptr,  # padded: [B, K]; FLAT: [T]; fp32, contiguous
+    part_mass_ptr,  # [2, S, B] fp64 (written): mass of p and of the residual per chunk
+    part_last_ptr,  # [2, S, B] int32 (written): their last indices with mass (-1: none)
+    B,
+    K,  # padded width (FLAT: max_spec_len)
+    V,
+    T,  # FLAT: number of draft tokens (spans are clamped into [0, T])
+    stride_tb,  # padded only
+    stride_tk,  # target row stride (FLAT: of the 2-D tensor)
+    stride_db,  # padded only
+    stride_dk,  # draft row stride
+    TILES_PER_SPLIT,  # vocabulary tiles per chunk
+    FLAT: tl.constexpr,
+    BONUS_IDS: tl.constexpr,
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Program (i, s): requests i * BLOCK_B.., vocabulary chunk s: the chain walk (a few
+    loads), then the float64 mass of p and of the residual over the chunk and their last
+    indices with mass.  Many chunks per row spread one request over the whole GPU."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    S = tl.num_programs(1)
+    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    _, _, rejected, need, p_rows, q_rows, at = _chain_state(
+        tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb, stride_tk,
+        stride_db, stride_dk, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B)
     tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
     tot_r = tl.zeros([BLOCK_B], dtype=tl.float64)
     last_p = tl.full([BLOCK_B], -1, tl.int32)
     last_r = tl.full([BLOCK_B], -1, tl.int32)
-    start_v = pid * 0
-    while start_v < V:
-        offs = start_v + tl.arange(0, BLOCK_V)
-        p, q = _chain_tile(p_rows, q_rows, at, rejected, need, offs, V, HAS_DRAFT)
+    lo = split * TILES_PER_SPLIT * BLOCK_V
+    for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
+        offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
+        p, q = _chain_tile(p_rows, q_rows, at, rejected, need, offs[None, :], (offs < V)[None, :], HAS_DRAFT)
         wp = _mass64(p)
         wr = _mass64(p - q)
         tot_p += tl.sum(wp, axis=1)
         tot_r += tl.sum(wr, axis=1)
         last_p = _last_with_mass(wp, offs, last_p)
         last_r = _last_with_mass(wr, offs, last_r)
-        start_v += BLOCK_V
+    at_part = split.to(tl.int64) * B + rows.to(tl.int64)
+    tl.store(part_mass_ptr + at_part, tot_p, mask=rmask)
+    tl.store(part_mass_ptr + S * B + at_part, tot_r, mask=rmask)
+    tl.store(part_last_ptr + at_part, last_p, mask=rmask)
+    tl.store(part_last_ptr + S * B + at_part, last_r, mask=rmask)
+
+
+@triton.jit
+def _rejection_sample_kernel(
+    target_ptr,  # as _rejection_partials_kernel
+    draft_ptr,
+    tokens_ptr,
+    num_draft_ptr,
+    bonus_ptr,  # BONUS_IDS: [B] int32/int64 bonus tokens (else unused)
+    coins_ptr,
+    final_u_ptr,  # [B] fp32
+    part_mass_ptr,  # [2, S, B] fp64 from _rejection_partials_kernel
+    part_last_ptr,  # [2, S, B] int32
+    out_ptr,  # [B, K+1] int64, contiguous (written)
+    num_accepted_ptr,  # [B] int64 (written)
+    B,
+    K,
+    V,
+    T,
+    stride_tb,
+    stride_tk,
+    stride_db,
+    stride_dk,
+    S,  # chunks per row
+    TILES_PER_SPLIT,
+    FLAT: tl.constexpr,  # the flattened (vLLM v1) layout
+    BONUS_IDS: tl.constexpr,  # FLAT with [T, V] targets and the bonus tokens given
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    KP: tl.constexpr,  # next power of two >= K + 1
+):
+    """Program i: requests i * BLOCK_B..: the chunks' masses combined in chunk order, the chunk
+    that holds u * total found from them, the inverse-CDF search inside that chunk only, then
+    the output row."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    tok0, num_acc, rejected, need, p_rows, q_rows, at = _chain_state(
+        tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb, stride_tk,
+        stride_db, stride_dk, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B)
+
+    # totals over the chunks, in chunk order
+    tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
+    tot_r = tl.zeros([BLOCK_B], dtype=tl.float64)
+    last_p = tl.full([BLOCK_B], -1, tl.int32)
+    last_r = tl.full([BLOCK_B], -1, tl.int32)
+    for s in tl.range(0, S):
+        at_part = s * B + rows64
+        tot_p += tl.load(part_mass_ptr + at_part, mask=rmask, other=0.0)
+        tot_r += tl.load(part_mass_ptr + S * B + at_part, mask=rmask, other=0.0)
+        last_p = tl.maximum(last_p, tl.load(part_last_ptr + at_part, mask=rmask, other=-1))
+        last_r = tl.maximum(last_r, tl.load(part_last_ptr + S * B + at_part, mask=rmask, other=-1))
     use_q = rejected & (tot_r > 0)
     total = tl.where(use_q, tot_r, tot_p)
     last = tl.where(use_q, last_r, last_p)
     at = tl.where(use_q, at, -1)
 
-    # pass 2: first index whose running float64 CDF exceeds u * total; stop early
+    # the chunk where the running CDF (chunk masses summed in order) first exceeds u * total
     u_final = tl.load(final_u_ptr + rows64, mask=need, other=0.0).to(tl.float64)
     threshold = u_final * total
     searching = need & (total > 0)
+    chunk = tl.full([BLOCK_B], -1, tl.int32)
+    base = tl.zeros([BLOCK_B], dtype=tl.float64)
+    cum = tl.zeros([BLOCK_B], dtype=tl.float64)
+    for s in tl.range(0, S):
+        at_part = s * B + rows64
+        w_s = tl.where(use_q, tl.load(part_mass_ptr + S * B + at_part, mask=searching, other=0.0),
+                       tl.load(part_mass_ptr + at_part, mask=searching, other=0.0))
+        hit_s = searching & (chunk < 0) & (w_s > 0) & (cum + w_s > threshold)
+        chunk = tl.where(hit_s, s, chunk)
+        base = tl.where(hit_s, cum, base)
+        cum += w_s
+    searching = searching & (chunk >= 0)
+
+    # inverse CDF inside that chunk (columns per row: the chunks differ between rows)
     found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
-    carry = tl.zeros([BLOCK_B], dtype=tl.float64)
-    start_v = pid * 0
-    pending = tl.sum(searching.to(tl.int32), axis=0)
-    while (start_v < V) & (pending > 0):
-        offs = start_v + tl.arange(0, BLOCK_V)
-        p, q = _chain_tile(p_rows, q_rows, at, use_q & searching, searching, offs, V, HAS_DRAFT)
-        carry, found = _cdf_search_tile(_mass64(p - q), offs, carry, threshold, found)
-        pending = tl.sum((searching & (found == NOT_FOUND)).to(tl.int32), axis=0)
-        start_v += BLOCK_V
+    carry = base
+    lo = tl.maximum(chunk, 0) * (TILES_PER_SPLIT * BLOCK_V)
+    for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
+        cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        p, q = _chain_tile(p_rows, q_rows, at, use_q & searching, searching, cols, cols < V, HAS_DRAFT)
+        w = _mass64(p - q)
+        cdf = carry[:, None] + tl.cumsum(w, axis=1)
+        hit = (cdf > threshold[:, None]) & (w > 0)
+        found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
+        carry += tl.sum(w, axis=1)
     sampled = _pick_token(found, last, total)
     if BONUS_IDS:
         bonus = tl.load(bonus_ptr + rows64, mask=rmask & ~rejected, other=0).to(tl.int64)
         sampled = tl.where(rejected, sampled, bonus)
 
-    # 3. accepted drafts, the sampled token, then -1
+    # accepted drafts, the sampled token, then -1
     cols = tl.arange(0, KP)
     c2 = cols[None, :]
     keep = rmask[:, None] & (c2 < num_acc[:, None])
@@ -172,8 +273,28 @@ def _rejection_sample_kernel(
     tl.store(out_ptr + rows64[:, None] * (K + 1) + c2, out, mask=rmask[:, None] & (c2 < K + 1))
     tl.store(num_accepted_ptr + rows64, num_acc.to(tl.int64), mask=rmask)
 
+
 def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=like.device)
+
+
+def _launch_chain(target, draft, tokens, counts, bonus, coins, final_u, out, num_accepted, B, K, V, T,
+                  strides, *, flat, bonus_ids, has_draft):
+    """The two launches of one call: ``_rejection_partials_kernel`` over (request blocks,
+    vocabulary chunks), then ``_rejection_sample_kernel`` over request blocks."""
+    device = target.device
+    block_b, block_v = tile_sizes(V, B, device.type == "cuda")
+    nb = triton.cdiv(B, block_b)
+    S, tiles_per_split = split_vocab(triton.cdiv(V, block_v), nb, device)
+    part_mass = torch.empty((2, S, B), dtype=torch.float64, device=device)
+    part_last = torch.empty((2, S, B), dtype=torch.int32, device=device)
+    meta = dict(FLAT=flat, BONUS_IDS=bonus_ids, HAS_DRAFT=has_draft, BLOCK_B=block_b, BLOCK_V=block_v)
+    launch(_rejection_partials_kernel)[(nb, S)](
+        target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta)
+    launch(_rejection_sample_kernel)[(nb,)](
+        target, draft, tokens, counts, bonus, coins, final_u, part_mass, part_last, out, num_accepted,
+        B, K, V, T, *strides, S, tiles_per_split, KP=next_pow2(K + 1), **meta)
+
 
 def _rejection_sample_triton_impl(
     target_probs: torch.Tensor,
@@ -218,34 +339,11 @@ def _rejection_sample_triton_impl(
         coins = uniform_samples.to(torch.float32).contiguous()
     else:  # empty tensors may have no storage; the kernel never reads these
         tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
-    block_b, block_v = tile_sizes(V, B, device.type == "cuda")
-    grid = (triton.cdiv(B, block_b),)
     counts = num_draft_tokens.to(torch.int64).contiguous()
-    launch(_rejection_sample_kernel)[grid](
-        target,
-        draft,
-        tokens,
-        counts,
-        counts,  # bonus_ptr: unused without BONUS_IDS
-        coins,
-        sample_uniforms.to(torch.float32).contiguous(),
-        out,
-        num_accepted,
-        B,
-        K,
-        V,
-        0,
-        target.stride(0),
-        target.stride(1),
-        draft.stride(0),
-        draft.stride(1) if has_draft else 0,
-        FLAT=False,
-        BONUS_IDS=False,
-        HAS_DRAFT=has_draft,
-        BLOCK_B=block_b,
-        BLOCK_V=block_v,
-        KP=next_pow2(K1),
-    )
+    _launch_chain(target, draft, tokens, counts, counts, coins, sample_uniforms.to(torch.float32).contiguous(), out,
+                  num_accepted, B, K, V, 0,
+                  (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0),
+                  flat=False, bonus_ids=False, has_draft=has_draft)
     return out, num_accepted
 
 def _rejection_sample_triton_fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms):
@@ -309,34 +407,11 @@ def _rejection_sample_flattened_triton_impl(
         coins = uniform_samples.to(torch.float32).contiguous()
     else:  # empty tensors may have no storage; the kernel never reads these
         tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
-    block_b, block_v = tile_sizes(V, B, device.type == "cuda")
-    grid = (triton.cdiv(B, block_b),)
     cu = cu_num_draft_tokens.contiguous()
-    launch(_rejection_sample_kernel)[grid](
-        target,
-        draft,
-        tokens,
-        cu,
-        bonus_token_ids.contiguous() if bonus_token_ids is not None else cu,  # unused without BONUS_IDS
-        coins,
-        sample_uniforms.to(torch.float32).contiguous(),
-        out,
-        num_accepted,
-        B,
-        K,
-        V,
-        T,
-        0,
-        target.stride(0),
-        0,
-        draft.stride(0) if has_draft else 0,
-        FLAT=True,
-        BONUS_IDS=bonus_token_ids is not None,
-        HAS_DRAFT=has_draft,
-        BLOCK_B=block_b,
-        BLOCK_V=block_v,
-        KP=next_pow2(K + 1),
-    )
+    bonus = bonus_token_ids.contiguous() if bonus_token_ids is not None else cu  # unused without BONUS_IDS
+    _launch_chain(target, draft, tokens, cu, bonus, coins, sample_uniforms.to(torch.float32).contiguous(), out,
+                  num_accepted, B, K, V, T, (0, target.stride(0), 0, draft.stride(0) if has_draft else 0),
+                  flat=True, bonus_ids=bonus_token_ids is not None, has_draft=has_draft)
     return out, num_accepted
 
 
@@ -356,45 +431,44 @@ rejection_sample_flattened_triton = kernel_op(
 
 
 def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64", flat=False, bonus_ids=False, cu="*i64"):
-    return {
-        "kernel": _rejection_sample_kernel,
-        "name": (f"rejection_sample draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
-                 f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}"),
-        "signature": {
-            "target_ptr": prob,
-            "draft_ptr": prob,
-            "tokens_ptr": tok,
-            "num_draft_ptr": cu,
-            "bonus_ptr": cu,
-            "coins_ptr": "*fp32",
-            "final_u_ptr": "*fp32",
-            "out_ptr": "*i64",
-            "num_accepted_ptr": "*i64",
-            "B": "i32",
-            "K": "i32",
-            "V": "i32",
-            "T": "i32",
-            "stride_tb": "i64",
-            "stride_tk": "i32",
-            "stride_db": "i64",
-            "stride_dk": "i32",
-            "FLAT": "constexpr",
-            "BONUS_IDS": "constexpr",
-            "HAS_DRAFT": "constexpr",
-            "BLOCK_B": "constexpr",
-            "BLOCK_V": "constexpr",
-            "KP": "constexpr",
-        },
-        "constexprs": {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b,
-                       "BLOCK_V": block_v, "KP": kp},
+    """The two kernels of one launch configuration (what ``_launch_chain`` passes)."""
+    label = (f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
+             f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}")
+    common = {
+        "target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "num_draft_ptr": cu,
     }
+    strides = {"B": "i32", "K": "i32", "V": "i32", "T": "i32", "stride_tb": "i64", "stride_tk": "i32",
+               "stride_db": "i64", "stride_dk": "i32"}
+    meta = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v}
+    partials = {
+        "kernel": _rejection_partials_kernel,
+        "name": f"rejection_partials {label}",
+        "signature": {**common, "coins_ptr": "*fp32", "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", **strides,
+                      "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta}},
+        "constexprs": meta,
+    }
+    sample = {
+        "kernel": _rejection_sample_kernel,
+        "name": f"rejection_sample {label}",
+        "signature": {**common, "bonus_ptr": cu, "coins_ptr": "*fp32", "final_u_ptr": "*fp32",
+                      "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_ptr": "*i64", "num_accepted_ptr": "*i64",
+                      **strides, "S": "i32", "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta},
+                      "KP": "constexpr"},
+        "constexprs": {**meta, "KP": kp},
+    }
+    return [partials, sample]
+
 
 AOT_SPECS = [
-    _spec(True, 1, 1024, 16),
-    _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32"),
-    _spec(True, 8, 128, 8, prob="*fp16"),
-    # the flattened (vLLM v1) layout: int32 ids and cu as vLLM passes them, bonus rows or ids
-    _spec(True, 1, 1024, 16, tok="*i32", flat=True, cu="*i32"),
-    _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
-    _spec(True, 8, 128, 8, prob="*fp16", flat=True, bonus_ids=True),
+    spec
+    for specs in (
+        _spec(True, 1, 1024, 16),
+        _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32"),
+        _spec(True, 8, 128, 8, prob="*fp16"),
+        # the flattened (vLLM v1) layout: int32 ids and cu as vLLM passes them, bonus rows or ids
+        _spec(True, 1, 1024, 16, tok="*i32", flat=True, cu="*i32"),
+        _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
+        _spec(True, 8, 128, 8, prob="*fp16", flat=True, bonus_ids=True),
+    )
+    for spec in specs
 ]

@@ -19,6 +19,8 @@ from specdec_kernels.ops.tree_attention import MASK_BOOL, MASK_CAUSAL, MASK_PACK
 from specdec_kernels.reference.tree_attention import KV_LAYOUTS, paged_geometry
 
 _LOG2E = 1.4426950408889634
+# software-pipelining depth of the prefix key loop (loads of later tiles overlap this one's math)
+NUM_STAGES = 2
 _jit = triton.jit
 
 # --------------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def _tree_attention_fwd_kernel(
     stride_ob, stride_on, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    FOR_LOOPS: tl.constexpr, PAGED: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PAGED: tl.constexpr,
 ):
     """One program: one (sequence, KV head), BLOCK_M rows (node, head of the group), one split.
 
@@ -148,9 +150,8 @@ def _tree_attention_fwd_kernel(
     (max_blocks_per_seq * page_size when PAGED); BLOCK_TABLE [B, max_blocks_per_seq] int32
     (never read unless PAGED).
 
-    FOR_LOOPS: key loops as ``for`` over runtime bounds (compiled: software-pipelined), else
-    as ``while`` loops (the interpreter: triton 3.6 cannot take a tensor as a ``range``
-    bound with numpy >= 2.4, triton-lang/triton#9171).  The loop bodies are shared.
+    NUM_STAGES: software-pipelining depth of the prefix loop (``tl.range``): the key and value
+    tiles of the next iterations are loaded while this one is computed.
     """
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -191,24 +192,13 @@ def _tree_attention_fwd_kernel(
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, seqlen)
-    if FOR_LOOPS:
-        for start in range(lo, hi, BLOCK_N):
-            offs_k = start + tl.arange(0, BLOCK_N)
-            k_ok = offs_k < hi
-            k_rows, v_rows = _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
-                                      stride_vb, stride_vs, PAGED)
-            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, k_ok[None, :],
-                                              offs_d, d_ok, stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
-    else:
-        start = lo
-        while start < hi:
-            offs_k = start + tl.arange(0, BLOCK_N)
-            k_ok = offs_k < hi
-            k_rows, v_rows = _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
-                                      stride_vb, stride_vs, PAGED)
-            acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, k_ok[None, :],
-                                              offs_d, d_ok, stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
-            start += BLOCK_N
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        offs_k = start + tl.arange(0, BLOCK_N)
+        k_ok = offs_k < hi
+        k_rows, v_rows = _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
+                                  stride_vb, stride_vs, PAGED)
+        acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, k_ok[None, :],
+                                          offs_d, d_ok, stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
 
     # 2. the tree part, in the last split.
     if pid_s == num_splits - 1:
@@ -218,20 +208,11 @@ def _tree_attention_fwd_kernel(
         else:
             tree_hi = N
         m_base = MASK + b64 * stride_mb
-        if FOR_LOOPS:
-            for j0 in range(0, tree_hi, BLOCK_N):
-                acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                           offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
-                                           stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
-                                           qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT, PAGED)
-        else:
-            j0 = 0
-            while j0 < tree_hi:
-                acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                           offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
-                                           stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
-                                           qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT, PAGED)
-                j0 += BLOCK_N
+        for j0 in tl.range(0, tree_hi, BLOCK_N):
+            acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
+                                            offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
+                                            stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
+                                            qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT, PAGED)
 
     if SPLIT:
         # partial results [B * Hkv, M, num_splits, HEAD_DIM] and lse [B * Hkv, M, num_splits], fp32
@@ -272,8 +253,7 @@ def _tree_attention_combine_kernel(
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    s = 0
-    while s < num_splits:  # a while loop: see FOR_LOOPS in _tree_attention_fwd_kernel
+    for s in tl.range(0, num_splits):
         lse = tl.load(LSE + rows * num_splits + s, mask=r_ok, other=float("-inf"))
         o = tl.load(OPART + (rows * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
         m_new = tl.maximum(m, lse)
@@ -283,7 +263,6 @@ def _tree_attention_combine_kernel(
         den = den * alpha + w
         acc = acc * alpha[:, None] + o * w[:, None]
         m = m_new
-        s += 1
     out = acc / tl.where(r_ok, den, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
     tl.store(OUT + b[:, None] * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(OUT.dtype.element_ty), mask=io_mask)
@@ -329,8 +308,8 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
         *q.stride(), *k_strides, *v_strides, *table_strides, smb, smi, smj, *out.stride(),
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=not on_gpu and q.dtype == torch.bfloat16, FOR_LOOPS=on_gpu, PAGED=block_table is not None,
-        num_warps=num_warps, num_stages=2,
+        UPCAST_DOT=not on_gpu and q.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES, PAGED=block_table is not None,
+        num_warps=num_warps,
     )
     if split:
         rows = B * Hkv * M
@@ -453,12 +432,12 @@ def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dty
     sig.update({"stride_tb": "i32", "stride_tj": "i32", "stride_mb": "i32", "stride_mi": "i32", "stride_mj": "i32",
                 "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_od": "i32"})
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False, FOR_LOOPS=True,
+                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False, NUM_STAGES=NUM_STAGES,
                       PAGED=paged)
     for name in constexprs:
         sig[name] = "constexpr"
     return dict(kernel=_tree_attention_fwd_kernel, signature=sig, constexprs=constexprs,
-                options=dict(num_warps=num_warps, num_stages=2),
+                options=dict(num_warps=num_warps),
                 name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},BLOCK_M={block_m}"
                      f"{',paged' if paged else ''}]")
 

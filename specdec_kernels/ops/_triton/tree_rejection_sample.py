@@ -40,11 +40,9 @@ def _sampled_residual_tile(p_rows, q_rows, s_rows, stored, safe_total, rmask, of
 def _zeroed(offs, rej, nrej_max, slots, rmask):
     """[BB, BV] mask of the columns listed in ``rej`` [BB, NP] (rejected deterministic children)."""
     hit = rmask[:, None] & (offs[None, :] < 0)  # all False, [BB, BV]
-    i = nrej_max * 0
-    while i < nrej_max:
+    for i in tl.range(0, nrej_max):
         col = tl.sum(tl.where(slots[None, :] == i, rej, 0), axis=1)  # slot i of each row (-1 if unused)
         hit = hit | (offs[None, :] == col[:, None])
-        i += 1
     return hit
 
 @triton.jit
@@ -107,8 +105,7 @@ def _tree_rejection_sample_kernel(
     out_tok = tl.full([BLOCK_B, NP], -1, tl.int64)
 
     # One pass in node order visits every node's children in index order (as the reference).
-    j = pid * 0 + 1
-    while j < N:
+    for j in tl.range(1, N):
         # parents are only compared, in int64: a huge parent never aliases a node by narrowing
         par = tl.load(parents_ptr + rows64 * stride_pb + j, mask=rmask, other=-1).to(tl.int64)
         is_child = rmask & (par == current.to(tl.int64)) & (j < nn)
@@ -131,21 +128,17 @@ def _tree_rejection_sample_kernel(
                     # p' <- norm(max(0, p' - q)), kept as it was when that has no mass
                     safe_total = tl.where(total > 0, total, 1.0)
                     new_total = tl.zeros([BLOCK_B], dtype=tl.float64)
-                    start = pid * 0
-                    while start < V:
+                    for start in tl.range(0, V, BLOCK_V, num_stages=3):
                         offs = start + tl.arange(0, BLOCK_V)
                         nr = _sampled_residual_tile(p_cur, q_cur, s_rows, stored, safe_total, reject, offs, V)
                         new_total += tl.sum(nr, axis=1)
-                        start += BLOCK_V
                     update = reject & (new_total > 0)
                     if tl.max(update.to(tl.int32), axis=0) > 0:
-                        start = pid * 0
-                        while start < V:
+                        for start in tl.range(0, V, BLOCK_V):
                             offs = start + tl.arange(0, BLOCK_V)
                             nr = _sampled_residual_tile(p_cur, q_cur, s_rows, stored, safe_total, update, offs, V)
                             tl.debug_barrier()  # every thread has read the tile before it is overwritten
                             tl.store(s_rows[:, None] + offs[None, :], nr, mask=update[:, None] & (offs < V)[None, :])
-                            start += BLOCK_V
                         tl.debug_barrier()  # the new residual is visible to the whole program
                     stored = stored | update
                     total = tl.where(update, new_total, total)
@@ -170,7 +163,6 @@ def _tree_rejection_sample_kernel(
                 stored = stored & ~accept
                 rej = tl.where(accept[:, None], -1, rej)
                 nrej = tl.where(accept, 0, nrej)
-        j += 1
 
     # Final sample from p' (from the target row when p' has no mass) by inverse CDF.
     p_cur = t_rows + current.to(tl.int64) * stride_tn
@@ -179,15 +171,13 @@ def _tree_rejection_sample_kernel(
     tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
     last_w = tl.full([BLOCK_B], -1, tl.int32)
     last_p = tl.full([BLOCK_B], -1, tl.int32)
-    start = pid * 0
-    while start < V:
+    for start in tl.range(0, V, BLOCK_V, num_stages=3):
         offs = start + tl.arange(0, BLOCK_V)
         w, p = _final_tile(p_cur, s_rows, stored, rej, nrej_max, slots, rmask, offs, V, HAS_DRAFT)
         tot_w += tl.sum(w, axis=1)
         tot_p += tl.sum(p, axis=1)
         last_w = _last_with_mass(w, offs, last_w)
         last_p = _last_with_mass(p, offs, last_p)
-        start += BLOCK_V
     use_w = tot_w > 0
     total = tl.where(use_w, tot_w, tot_p)
     last = tl.where(use_w, last_w, last_p)
@@ -200,13 +190,12 @@ def _tree_rejection_sample_kernel(
     found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
     carry = tl.zeros([BLOCK_B], dtype=tl.float64)
     pending = tl.sum(searching.to(tl.int32), axis=0)
-    start = pid * 0
-    while (start < V) & (pending > 0):
-        offs = start + tl.arange(0, BLOCK_V)
-        w, p = _final_tile(p_cur, s_rows, stored, rej, nrej_max, slots, searching, offs, V, HAS_DRAFT)
-        carry, found = _cdf_search_tile(w, offs, carry, threshold, found)
-        pending = tl.sum((searching & (found == NOT_FOUND)).to(tl.int32), axis=0)
-        start += BLOCK_V
+    for start in tl.range(0, V, BLOCK_V):
+        if pending > 0:  # the tiles after every row has found its token are not read
+            offs = start + tl.arange(0, BLOCK_V)
+            w, p = _final_tile(p_cur, s_rows, stored, rej, nrej_max, slots, searching, offs, V, HAS_DRAFT)
+            carry, found = _cdf_search_tile(w, offs, carry, threshold, found)
+            pending = tl.sum((searching & (found == NOT_FOUND)).to(tl.int32), axis=0)
     sampled = _pick_token(found, last, total)
 
     out_tok = tl.where(slots[None, :] == num_acc[:, None], sampled[:, None], out_tok)

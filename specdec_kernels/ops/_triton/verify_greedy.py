@@ -28,9 +28,10 @@ maximum and the first NaN wins, so an all-NaN row gives 0 and every emitted id i
 Draft ids are only compared with argmaxes, never used as addresses: an out-of-range id or
 a -1 simply does not match, and no load can go out of bounds.
 
-Loops over a runtime count are written as ``while`` loops: the Triton 3.6 interpreter turns
-``range(runtime_int)`` into ``int()`` of a one-element NumPy array, which NumPy >= 2.4
-rejects, whereas a ``while`` condition works in the interpreter and compiles to scf.while.
+Loops over a runtime count are ``for ... in tl.range(...)`` (software-pipelined when
+compiled).  The Triton 3.6 interpreter turns a runtime ``range`` bound into ``int()`` of a
+one-element NumPy array, which NumPy >= 2.4 rejects: the test environment pins NumPy 2.3
+(``requirements/dev.txt``); the compiled kernels do not depend on it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels.ops._triton._sampling_common import PROGRAMS_PER_SM, split_vocab  # noqa: F401
 from specdec_kernels._library import kernel_op, launch
 
 # Largest vocabulary tile one program loads at a time (16 elements per thread with 8 warps,
@@ -49,7 +51,6 @@ from specdec_kernels._library import kernel_op, launch
 # aims for when it splits the vocabulary of a small batch.  Chosen, not measured: this box
 # has no GPU.
 MAX_BLOCK_V = 4096
-PROGRAMS_PER_SM = 8
 
 
 _jit = triton.jit
@@ -90,15 +91,13 @@ def _argmax_partials_kernel(
     inside = cols < V
     best = tl.load(base + cols, mask=inside, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
     best_idx = tl.where(inside, cols, 2147483647)  # INT32_MAX
-    t = 1
-    while t < TILES_PER_SPLIT:  # a while loop: see the module docstring
+    for t in tl.range(1, TILES_PER_SPLIT, num_stages=3):
         cols = start + t * BLOCK_V + offs
         inside = cols < V
         x = tl.load(base + cols, mask=inside, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
         take = (x > best) | ((x != x) & (best == best))
         best = tl.where(take, x, best)
         best_idx = tl.where(take, cols, best_idx)
-        t += 1
     # Across lanes, indices are not ordered: if any lane holds a NaN the result is NaN at
     # the lowest such index, else the maximum at the lowest index holding it.  Built from
     # max/min reductions (a custom-combine tl.reduce would also do, but the interpreter runs
@@ -120,8 +119,7 @@ def _combine_partials(part_val_ptr, part_idx_ptr, rows, mask, num_rows, S):
     rows = rows.to(tl.int64)
     best = tl.load(part_val_ptr + rows, mask=mask, other=float("-inf"))
     best_idx = tl.load(part_idx_ptr + rows, mask=mask, other=0)
-    s = 1
-    while s < S:
+    for s in tl.range(1, S):
         at = s * num_rows + rows
         x = tl.load(part_val_ptr + at, mask=mask, other=float("-inf"))
         i = tl.load(part_idx_ptr + at, mask=mask, other=0)
@@ -129,7 +127,6 @@ def _combine_partials(part_val_ptr, part_idx_ptr, rows, mask, num_rows, S):
         take = (x > best) | ((x != x) & (best == best))
         best = tl.where(take, x, best)
         best_idx = tl.where(take, i, best_idx)
-        s += 1
     return best_idx.to(tl.int64)
 
 
@@ -193,10 +190,6 @@ def _verify_greedy_accept_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_warps(block: int) -> int:
     return 8 if block >= 2048 else 4 if block >= 512 else 2 if block >= 128 else 1
 
@@ -236,15 +229,8 @@ def argmax_partials(
     block = block_v if block_v else min(MAX_BLOCK_V, max(16, triton.next_power_of_2(V)))
     if block & (block - 1):
         raise ValueError(f"block_v must be a power of two, got {block}")
-    num_tiles = triton.cdiv(V, block)
-    if not num_splits:
-        if logits.device.type == "cuda":
-            num_splits = triton.cdiv(PROGRAMS_PER_SM * _sm_count(logits.device.index or 0), max(rows, 1))
-        else:
-            num_splits = 1
     # Every split gets at least one tile, so each program starts on a real column.
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
-    S = triton.cdiv(num_tiles, tiles_per_split)
+    S, tiles_per_split = split_vocab(triton.cdiv(V, block), rows, logits.device, num_splits)
     part_val = torch.empty((S, rows), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((S, rows), dtype=torch.int32, device=logits.device)
     if rows:

@@ -22,7 +22,7 @@ Triton design:
 
 Tree tokens and parents are only compared, never used as addresses, so out-of-range ids or
 parents cannot cause out-of-bounds accesses; num_nodes is clamped to N in the kernel.
-Runtime-count loops are ``while`` loops (see ``verify_greedy``'s module docstring).
+Runtime-count loops are ``tl.range`` loops (see ``verify_greedy``'s module docstring).
 """
 from __future__ import annotations
 
@@ -67,8 +67,7 @@ def _verify_tree_greedy_walk_kernel(
     depth = tl.zeros([], dtype=tl.int64)  # accepted drafts so far
     path = tl.where(lane == 0, 0, -1).to(tl.int64)  # accepted_nodes row
     out = tl.full([BLOCK_N], -1, dtype=tl.int64)  # output_tokens row
-    i = 1
-    while i < n:
+    for i in tl.range(1, n):
         parent = tl.load(parents_ptr + b64 * stride_pb + i * stride_pn).to(tl.int64)
         token = tl.load(tokens_ptr + b64 * stride_tb + i * stride_tn).to(tl.int64)
         hit = (parent == current) & (token == want)
@@ -77,7 +76,6 @@ def _verify_tree_greedy_walk_kernel(
         path = tl.where(hit & (lane == depth), i, path)
         current = tl.where(hit, i, current)
         want = tl.where(hit, tl.sum(tl.where(lane == i, target, 0), axis=0), want)
-        i += 1
     out = tl.where(lane == depth, want, out)  # the target's token after the last accepted node
     row = b64 * N + lane
     tl.store(out_tokens_ptr + row, out, mask=is_node)
