@@ -456,7 +456,20 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small set of shapes (CI)")
     parser.add_argument("--out", help="output folder (default bench_out/)")
     parser.add_argument("--device", choices=["cpu", "cuda"])
-    run(parser.parse_args(argv))
+    parser.add_argument("--static", action="store_true",
+                        help="no timing: compile every launcher configuration for sm_90 and sm_80 and report registers, "
+                             "spills, shared memory and occupancy (bench/static.py; no GPU needed)")
+    args = parser.parse_args(argv)
+    if args.static:
+        from bench import static
+
+        try:
+            out = out_dir(args.out, "bench_out")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        static.main(out)
+        return
+    run(args)
 
 
 if __name__ == "__main__":

@@ -204,6 +204,12 @@ def _tree_rejection_sample_kernel(
     tl.store(out_nodes_ptr + rows64[:, None] * N + slots[None, :], path.to(tl.int64), mask=m2)
     tl.store(num_accepted_ptr + rows64, num_acc.to(tl.int64), mask=rmask)
 
+def num_warps(block_v: int, has_draft: bool) -> int:
+    """Warps per program: 8 for full 1024-column tiles with draft distributions (the float64
+    residual tiles spill registers with 4: ``python -m bench.kernels --static``), else 4."""
+    return 8 if has_draft and block_v >= 1024 else 4
+
+
 def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=like.device)
 
@@ -278,6 +284,7 @@ def _tree_rejection_sample_triton_impl(
         BLOCK_B=block_b,
         BLOCK_V=block_v,
         NP=next_pow2(N),
+        num_warps=num_warps(block_v, has_draft),
     )
     return out_tokens, out_nodes, num_accepted
 
@@ -325,6 +332,7 @@ def _spec(has_draft, block_b, block_v, np_, prob="*fp32", tok="*i64", parent="*i
             "NP": "constexpr",
         },
         "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v, "NP": np_},
+        "options": {"num_warps": num_warps(block_v, has_draft)},
     }
 
 AOT_SPECS = [
