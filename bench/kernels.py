@@ -3,17 +3,19 @@
 For each op and shape: inputs from real model sizes (SmolLM2-135M, Llama-3-8B, Qwen2.5-7B),
 every backend the op has and this machine can run (the Triton interpreter is never timed),
 the result checked against ``specdec_kernels.reference`` before timing, then the median and
-20th/80th percentiles in microseconds, the speed-up over the reference, the bytes the op
-reads and writes, and on GPU the achieved GB/s and its share of the copy bandwidth measured
-in the same run.  Writes a table to stdout and ``kernels.jsonl`` + ``kernels.png`` to --out.
+20th/80th percentiles in microseconds, the speed-up over the reference, and a roofline: the
+bytes the op must move (inputs read once, outputs written once), the achieved GB/s, the ideal
+time at the copy bandwidth measured in the same run, and the share of that ideal reached (on
+GPU the figure that tells a slow kernel at a glance).  Writes a table to stdout and
+``kernels.jsonl`` + ``kernels.png`` to --out.
 
     python -m bench.kernels [--op NAME] [--dtype bf16|fp16|fp32] [--quick] [--out DIR] [--device cpu|cuda]
+    python -m bench.kernels --static [--out DIR]   # GPU report without a GPU (bench/static.py)
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List
@@ -381,25 +383,28 @@ def run(args) -> List[Dict]:
                 torch.cuda.synchronize()
             timings[name] = time_fn(lambda fn=fn, w=work: fn(w), device, min_time)
         ref_us = timings["reference"]["median_us"]
+        # roofline: the bytes that must move (inputs read once, outputs written once) at the
+        # copy bandwidth measured in this run; the share of it a backend reaches
+        ideal_us = inputs["bytes"] / (copy_bw * 1e9) * 1e6 if copy_bw > 0 else None
         for name, t in timings.items():
             gbps = inputs["bytes"] / (t["median_us"] * 1e-6) / 1e9
             rows.append({
                 "op": entry.op, "backend": name, "dtype": str(dtype).replace("torch.", ""),
                 "shape": shape, "shape_str": " ".join(f"{k}={v}" for k, v in shape.items() if k in SHOWN),
                 **t, "speedup_vs_reference": ref_us / t["median_us"], "bytes": inputs["bytes"],
-                "gbps": gbps if device.type == "cuda" else None,
-                "copy_bw_share": gbps / copy_bw if device.type == "cuda" and not math.isnan(copy_bw) else None,
+                "gbps": gbps, "ideal_us": ideal_us,
+                "copy_bw_share": ideal_us / t["median_us"] if ideal_us else None,
             })
-    write_jsonl(out / "kernels.jsonl", rows, {**env, "copy_bandwidth_gbps": None if math.isnan(copy_bw) else copy_bw})
+    write_jsonl(out / "kernels.jsonl", rows, {**env, "copy_bandwidth_gbps": copy_bw})
     plot(rows, out / "kernels.png", env)
     print(f"# bench.kernels on {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
-    if not math.isnan(copy_bw):
-        print(f"# measured copy bandwidth: {copy_bw:.0f} GB/s")
+    print(f"# roofline: copy bandwidth measured in this run {copy_bw:.0f} GB/s (read + write of one large copy); "
+          "'ideal us' = bytes that must move / that bandwidth, '% roofline' = ideal / median")
     print(format_table(rows, [
         ("op", "op", "{}"), ("shape", "shape_str", "{}"), ("backend", "backend", "{}"), ("dtype", "dtype", "{}"),
         ("median us", "median_us", "{:.1f}"), ("p20 us", "p20_us", "{:.1f}"), ("p80 us", "p80_us", "{:.1f}"),
-        ("x ref", "speedup_vs_reference", "{:.2f}"), ("bytes", "bytes", "{:.3g}"), ("GB/s", "gbps", "{:.0f}"),
-        ("% copy bw", "copy_bw_share", "{:.0%}"),
+        ("x ref", "speedup_vs_reference", "{:.2f}"), ("bytes", "bytes", "{:.3g}"), ("GB/s", "gbps", "{:.1f}"),
+        ("ideal us", "ideal_us", "{:.1f}"), ("% roofline", "copy_bw_share", "{:.0%}"),
     ]))
     print(f"# wrote {out / 'kernels.jsonl'} and {out / 'kernels.png'}")
     return rows
