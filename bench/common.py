@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -133,3 +134,19 @@ def uncommitted_changes(paths: Sequence[str] = ("specdec_kernels", "bench")) -> 
     except (OSError, subprocess.SubprocessError):
         return []
     return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def pyplot_or_none(path):
+    """matplotlib's pyplot (Agg backend) for writing the plot ``path``, or None, with a note on
+    stderr, where matplotlib is not installed (the GPU machine, whose wheels must fit in 64 MiB,
+    gets none: scripts/fetch_gpu_wheels.sh); the tables and JSON lines are written either way."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"# matplotlib is not installed: no plot {path}", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+

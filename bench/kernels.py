@@ -23,7 +23,7 @@ from typing import Callable, Dict, List
 import torch
 
 import specdec_kernels as sk
-from bench.common import copy_bandwidth_gbps, environment, format_table, out_dir, time_fn, write_jsonl
+from bench.common import copy_bandwidth_gbps, environment, format_table, out_dir, pyplot_or_none, time_fn, write_jsonl
 from specdec_kernels import _backend, reference
 from specdec_kernels.tree import ancestor_mask
 
@@ -417,10 +417,9 @@ def plot(rows: List[Dict], path, env) -> None:
     the title (e.g. on CPU, ops whose only backend here is the reference), so no panel is
     empty.  The title sits above the panels (figure-level layout), never over them.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
 
     ops = sorted({r["op"] for r in rows})
     drawn = [op for op in ops if any(r["op"] == op and r["backend"] != "reference" for r in rows)]

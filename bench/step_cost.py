@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from bench.common import environment, format_table, out_dir, time_fn, write_jsonl
+from bench.common import environment, format_table, out_dir, pyplot_or_none, time_fn, write_jsonl
 from specdec_kernels.decoding.model import ModelArgs, Transformer
 from specdec_kernels.tree import ancestor_mask
 
@@ -98,10 +98,9 @@ def _depths(parents: List[int]) -> torch.Tensor:
 
 
 def plot(rows: List[Dict], path, env) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for model in dict.fromkeys(r["model"] for r in rows):
