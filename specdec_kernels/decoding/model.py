@@ -185,15 +185,23 @@ _LINEAR_TRIALS: Dict[tuple, Dict[str, List[float]]] = {}
 LINEAR_TRIALS = 3  # timed calls of each path per shape class before the choice
 
 
-def _linear_key(rows: int, weight: torch.Tensor) -> tuple:
-    return (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads(), packed.packed_form(weight) is not None)
+_LOOK_UP = object()  # "find the weight's packed form" (callers that have it pass it down)
 
 
-def _paths(weight: torch.Tensor) -> Tuple[str, ...]:
-    return LINEAR_PATHS if packed.packed_form(weight) is not None else LINEAR_PATHS[:2]
+def _packed(weight: torch.Tensor, packed_weight) -> Optional["packed.PackedWeight"]:
+    return packed.packed_form(weight) if packed_weight is _LOOK_UP else packed_weight
 
 
-def linear_choice(rows: int, weight: torch.Tensor) -> Optional[str]:
+def _linear_key(rows: int, weight: torch.Tensor, packed_weight=_LOOK_UP) -> tuple:
+    has_packed = _packed(weight, packed_weight) is not None
+    return (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads(), has_packed)
+
+
+def _paths(weight: torch.Tensor, packed_weight=_LOOK_UP) -> Tuple[str, ...]:
+    return LINEAR_PATHS if _packed(weight, packed_weight) is not None else LINEAR_PATHS[:2]
+
+
+def linear_choice(rows: int, weight: torch.Tensor, packed_weight=_LOOK_UP) -> Optional[str]:
     """Which CPU path ``linear`` takes for ``rows`` rows times ``weight``: "f_linear",
     "skinny", "packed", or None while it is still being measured.
 
@@ -208,30 +216,32 @@ def linear_choice(rows: int, weight: torch.Tensor) -> Optional[str]:
     choice is never hard-coded: on the development machine the skinny path was about 2x faster at
     2 threads, on an AVX-512 Xeon 3x slower.  The packed path (``decoding.packed``: the same
     weight read from its exact block-quantised form) exists only for weights registered with
-    ``packed.register`` (``Transformer.pack_weights``)."""
+    ``packed.register`` (``Transformer.pack_weights``); ``packed_weight`` is that form when the
+    caller has looked it up already (None: none)."""
     forced = os.environ.get(LINEAR_ENV, "auto")
     if forced in LINEAR_PATHS:
-        return forced if forced in _paths(weight) else "f_linear"
+        return forced if forced in _paths(weight, packed_weight) else "f_linear"
     if forced not in ("", "auto"):
         raise ValueError(f"${LINEAR_ENV} must be 'auto' or one of {LINEAR_PATHS}, got {forced!r}")
-    return _LINEAR_CHOICE.get(_linear_key(rows, weight))
+    return _LINEAR_CHOICE.get(_linear_key(rows, weight, packed_weight))
 
 
-def _run_linear(path: str, flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _run_linear(path: str, flat: torch.Tensor, weight: torch.Tensor, packed_weight=_LOOK_UP) -> torch.Tensor:
     if path == "skinny":
         return _skinny(flat, weight)
     if path == "packed":
-        return packed.packed_linear(flat, packed.packed_form(weight))
+        return packed.packed_linear(flat, _packed(weight, packed_weight))
     return F.linear(flat, weight)
 
 
-def _timed_linear(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _timed_linear(flat: torch.Tensor, weight: torch.Tensor, packed_weight=_LOOK_UP) -> torch.Tensor:
     """One measured call of a shape class still being tuned (see ``linear_choice``)."""
-    key = _linear_key(flat.shape[0], weight)
-    times = _LINEAR_TRIALS.setdefault(key, {p: [] for p in _paths(weight)})
+    packed_weight = _packed(weight, packed_weight)
+    key = _linear_key(flat.shape[0], weight, packed_weight)
+    times = _LINEAR_TRIALS.setdefault(key, {p: [] for p in _paths(weight, packed_weight)})
     path = min(times, key=lambda p: len(times[p]))  # in turn: the least timed next
     t = time.perf_counter()
-    out = _run_linear(path, flat, weight)
+    out = _run_linear(path, flat, weight, packed_weight)
     times[path].append(time.perf_counter() - t)
     if all(len(v) >= LINEAR_TRIALS for v in times.values()):
         best = {p: min(v) for p, v in times.items()}
@@ -267,11 +277,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0:
         return F.linear(x, weight)
-    choice = linear_choice(rows, weight)
+    packed_weight = packed.packed_form(weight)  # looked up once per call (identity + stamp check)
+    choice = linear_choice(rows, weight, packed_weight)
     if choice == "f_linear":
         return F.linear(x, weight)
     flat = x.reshape(rows, x.shape[-1])
-    out = _run_linear(choice, flat, weight) if choice is not None else _timed_linear(flat, weight)
+    if choice is None:
+        out = _timed_linear(flat, weight, packed_weight)
+    else:
+        out = _run_linear(choice, flat, weight, packed_weight)
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
