@@ -28,7 +28,10 @@ from typing import Dict, List, Optional, Sequence
 VOCABS = {"llama3": 128256, "qwen2": 151936, "smollm2": 49152, "llama2": 32000}
 BATCHES = (1, 8, 64, 256)
 TREE_NODES = (8, 64)
-ATTENTION_MODELS = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # H, Hkv, D
+# H, Hkv, D, dtype: SmolLM2 and Llama-3-8B in bf16, Gemma-2B's D = 256 in bf16 (the largest
+# tiles), SmolLM2 in fp32 (IEEE dots; fp32 at D = 256 spills, see _block_sizes)
+ATTENTION_MODELS = {"smollm2": (9, 3, 64, "bf16"), "llama3-8b": (32, 8, 128, "bf16"), "gemma-2b": (8, 1, 256, "bf16"),
+                    "smollm2-fp32": (9, 3, 64, "fp32")}
 
 
 @dataclass(frozen=True)
@@ -221,16 +224,16 @@ def launcher_specs() -> List[dict]:
         add([dict(s, constexprs={"BLOCK_N": next_pow2(n)}, options={"num_warps": 1},
                   name=f"{s['name']} BLOCK_N={next_pow2(n)}") for s in vtg.AOT_SPECS], f"N={n}")
     # tree attention: decode (N = 1), chains and trees, split and not, dense and paged
-    for model, (H, Hkv, D) in ATTENTION_MODELS.items():
+    for model, (H, Hkv, D, dtype) in ATTENTION_MODELS.items():
         G = H // Hkv
         for n in (1, 8, 64):
             rows = G * n
             mask = ta_op.MASK_CAUSAL if n <= 8 else ta_op.MASK_BOOL
             for split in (False, True):
                 for paged in (False, True):
-                    s = ta._fwd_spec("bf16", D, mask, split, rows=rows, paged=paged)
+                    s = ta._fwd_spec(dtype, D, mask, split, rows=rows, paged=paged)
                     add(s, f"{model} H={H} Hkv={Hkv} D={D} N={n}")
-        add(ta._combine_spec("bf16", D), f"{model} D={D}")
+        add(ta._combine_spec(dtype, D), f"{model} D={D}")
     return [as_launched(s) for s in _dedupe(specs)]
 
 

@@ -163,6 +163,21 @@ def test_vocabulary_chunks_match_reference(device, tiling):
         assert kernel(rep.to(device), 0.0).cpu().argmax(-1).item() == 5
 
 
+def test_unchecked_top_p_at_or_below_zero_keeps_the_maximum(device):
+    """With value checks off (the default on CUDA), top_p <= 0 keeps the most probable token
+    and its ties, as the reference does (a nucleus has at least one token), never an empty row."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [2.0, 2.0, 1.0, -1.0]])
+    for p in (0.0, -0.5):
+        top_p = torch.full((2,), p)
+        got = kernel(logits.to(device), 1.0, None, top_p.to(device), validate=False).cpu()
+        from specdec_kernels.reference.sampling_probs import _sampling_probs, check_sampling_args
+
+        want = _sampling_probs(logits.float(), *check_sampling_args(logits, 1.0, None, top_p, validate=False))
+        assert torch.equal(got > 0, want > 0)
+        assert (got[0] > 0).tolist() == [False, True, False, False] and (got[1] > 0).tolist() == [True, True, False, False]
+        torch.testing.assert_close(got, want, **FP32)
+
+
 def test_the_search_passes_narrow_every_interval_to_one_value():
     """PASSES multi-pivot passes (NPIV pivots each, pivots as in ``_pivots``) bring the widest
     intervals the searches start from down to one candidate: 2**32 order keys (top-k) and the

@@ -141,16 +141,23 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def _block_sizes(M: int, D: int, on_gpu: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for G * N = M query rows and head dim D."""
+def _block_sizes(M: int, D: int, on_gpu: bool, ieee: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for G * N = M query rows and head dim D; ``ieee``:
+    float32 inputs with full-precision dots (no tensor cores)."""
     block_d = max(16, _next_pow2(D))
     if on_gpu:
         # chosen with the static report (python -m bench.kernels --static): 32-key tiles, and
-        # 8 warps for 64 rows at D = 128, so that no configuration spills registers on sm_80 /
-        # sm_90 (64-key tiles spilled at D = 64 and D = 128)
+        # 8 warps for 32 rows or more (16 rows and 8 warps at D = 256), so that no bf16/fp16
+        # configuration spills registers on sm_80 / sm_90 (64-key tiles spilled at D = 64 and D = 128); the
+        # float32 IEEE dots hold much more per thread: 16 x 16 tiles (at D = 256
+        # they still spill, about 450 bytes per thread: an exactness path, not a fast one)
+        if ieee:
+            return 16, 16, block_d, 4
+        if block_d > 128:
+            return 16, 32, block_d, 8
         block_m = min(64, max(16, _next_pow2(M)))
         block_n = 32
-        num_warps = 8 if block_d > 128 or (block_d == 128 and block_m == 64) else 4
+        num_warps = 8 if block_m >= 32 else 4
     else:  # interpreter: fewer, larger tiles run faster
         block_m = min(128, max(16, _next_pow2(M)))
         block_n = 64
@@ -168,7 +175,8 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, capacity: int, head_dim: int, device: torch.device) -> int:
+def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, capacity: int, head_dim: int, device: torch.device,
+                      ieee: bool = False) -> int:
     """Flash-decoding heuristic: how many programs share one (sequence, KV head)'s prefix.
 
     On CUDA, when ``batch * kv_heads * row_tiles`` programs are fewer than the SMs, split the
@@ -178,7 +186,7 @@ def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, c
     """
     if device.type != "cuda":
         return 1
-    block_m = _block_sizes(group * num_queries, head_dim, True)[0]
+    block_m = _block_sizes(group * num_queries, head_dim, True, ieee)[0]
     programs = batch * kv_heads * -(-(group * num_queries) // block_m)
     sms = _sm_count(device)
     if programs >= sms:
@@ -362,7 +370,7 @@ def _impl(
         from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
 
         kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if packed else MASK_BOOL)
-        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
+        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device, q.dtype == torch.float32)
         return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
 
@@ -431,7 +439,7 @@ def _triton_decomposition(args, kwargs):
     B, N, H, D = q.shape
     Hkv, S = x["k_cache"].shape[1], x["k_cache"].shape[2]
     kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if tree_mask.dtype == torch.int32 else MASK_BOOL)
-    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device)
+    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device, q.dtype == torch.float32)
     return torch.ops.specdec.tree_attention_triton(
         q, x["k_cache"], x["v_cache"], x["cache_seqlens"], tree_mask, kind, x["sm_scale"], splits
     )
@@ -478,7 +486,7 @@ def _paged_impl(
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
-        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device)
+        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
         return paged_tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
                                            _mask_kind(tree_mask), sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
@@ -515,7 +523,7 @@ def _paged_triton_decomposition(args, kwargs):
     B, N, H, D = q.shape
     _, block_size, Hkv, _ = paged_geometry(x["k_cache"], x["kv_layout"])
     capacity = x["block_table"].shape[1] * block_size
-    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device)
+    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
     return torch.ops.specdec.paged_tree_attention_triton(
         q, x["k_cache"], x["v_cache"], x["cache_seqlens"], tree_mask, x["block_table"], x["kv_layout"],
         _mask_kind(tree_mask), x["sm_scale"], splits,

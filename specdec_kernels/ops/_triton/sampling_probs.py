@@ -261,7 +261,10 @@ def _sampling_probs_kernel(
             if HAS_TOPP:
                 top_p = tl.load(topp_ptr + seq, mask=rmask, other=1.0)
                 p_active = live & (top_p < 1.0)
-                top_p64 = top_p.to(tl.float64)
+                # top_p <= 0 (unchecked input) keeps the maximum and its ties, as the reference
+                # (a nucleus of at least one token): a float64 floor, not a float32 one (denormals
+                # may be flushed to zero on GPUs)
+                top_p64 = tl.maximum(top_p.to(tl.float64), 1e-300)
                 if STAGE == _TOPP:
                     p_pass = PASS
                 else:

@@ -150,8 +150,9 @@ def _tree_attention_fwd_kernel(
     (max_blocks_per_seq * page_size when PAGED); BLOCK_TABLE [B, max_blocks_per_seq] int32
     (never read unless PAGED).
 
-    NUM_STAGES: software-pipelining depth of the prefix loop (``tl.range``): the key and value
-    tiles of the next iterations are loaded while this one is computed.
+    NUM_STAGES: software-pipelining depth of the prefix key loop (``tl.range``): the key and
+    value tiles of the next iterations are loaded while this one is computed; each stage holds
+    a K and a V tile in shared memory.  The tree loop (a tile or two) is not pipelined.
     """
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -208,7 +209,7 @@ def _tree_attention_fwd_kernel(
         else:
             tree_hi = N
         m_base = MASK + b64 * stride_mb
-        for j0 in tl.range(0, tree_hi, BLOCK_N):
+        for j0 in tl.range(0, tree_hi, BLOCK_N, num_stages=1):  # a tile or two: not pipelined
             acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
                                             offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
                                             stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
@@ -288,7 +289,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
     if B == 0 or N == 0 or H == 0:
         return out
     on_gpu = q.device.type == "cuda"
-    block_m, block_n, block_d, num_warps = _block_sizes(M, D, on_gpu)
+    block_m, block_n, block_d, num_warps = _block_sizes(M, D, on_gpu, q.dtype == torch.float32)
     if mask_kind == MASK_CAUSAL:
         mask, smb, smi, smj = cache_seqlens, 0, 0, 0  # never read
     else:
@@ -419,7 +420,7 @@ paged_tree_attention_triton = kernel_op("paged_tree_attention_triton", _paged_tr
 
 def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32", rows: int = 64,
               paged: bool = False):
-    block_m, block_n, block_d, num_warps = _block_sizes(rows, head_dim, True)
+    block_m, block_n, block_d, num_warps = _block_sizes(rows, head_dim, True, dtype == "fp32")
     mask_ty = {MASK_CAUSAL: "*" + seqlen_dtype, MASK_BOOL: "*u8", MASK_PACKED: "*i32"}[mask_kind]
     sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}",
            "BLOCK_TABLE": "*i32" if paged else "*" + seqlen_dtype, "MASK": mask_ty,
