@@ -173,6 +173,20 @@ def as_launched(spec: dict) -> dict:
     return {**spec, "signature": signature, "constexprs": constexprs, "attrs": attrs}
 
 
+SM_COUNT = 132  # H100 / H200 SXM: what split_vocab sees there
+
+
+def _block_s(V: int, rows: int, block_b: int, block_v: int) -> int:
+    """BLOCK_S of a vocabulary-split launch on a ``SM_COUNT``-SM GPU (``split_vocab``'s choice)."""
+    from specdec_kernels.ops._triton._sampling_common import PROGRAMS_PER_SM, next_pow2
+
+    tiles = -(-V // block_v)
+    nb = -(-rows // block_b)
+    wanted = -(-PROGRAMS_PER_SM * SM_COUNT // nb)
+    per = -(-tiles // max(1, min(wanted, tiles)))
+    return max(2, next_pow2(-(-tiles // per)))
+
+
 def launcher_specs() -> List[dict]:
     """The configurations the launchers choose on CUDA at the realistic shapes above, as
     specs (``kernel``, ``signature``, ``constexprs``, ``options``, ``name``, ``shapes``)."""
@@ -204,10 +218,11 @@ def launcher_specs() -> List[dict]:
                      for s in vg.AOT_SPECS if s["kernel"] is vg._argmax_partials_kernel and f"[{f}]" in s["name"]], shape)
             # chain rejection sampling, padded and flattened (vLLM), bf16 probabilities
             bb, bv = tile_sizes(V, B, True)
+            bs = _block_s(V, B, bb, bv)
             for flat in (False, True):
                 for has_draft in (True, False):
                     add(rs._spec(has_draft, bb, bv, 16, prob="*bf16", tok="*i32" if flat else "*i64", flat=flat,
-                                 bonus_ids=flat and not has_draft, cu="*i32" if flat else "*i64"), shape)
+                                 bonus_ids=flat and not has_draft, cu="*i32" if flat else "*i64", block_s=bs), shape)
             # sampling_probs: every stage, top-k and top-p on
             bb, bv = tile_sizes(V, B, True, max_tile_cuda=512)
             add(sp._spec(True, True, bb, bv, "*bf16"), shape)

@@ -202,6 +202,7 @@ def _rejection_sample_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
     KP: tl.constexpr,  # next power of two >= K + 1
+    BLOCK_S: tl.constexpr,  # power of two >= S: the chunks' masses are read as one vector
 ):
     """Program i: requests i * BLOCK_B..: the chunks' masses combined in chunk order, the chunk
     that holds u * total found from them, the inverse-CDF search inside that chunk only, then
@@ -214,37 +215,30 @@ def _rejection_sample_kernel(
         tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb, stride_tk,
         stride_db, stride_dk, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B)
 
-    # totals over the chunks, in chunk order
-    tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
-    tot_r = tl.zeros([BLOCK_B], dtype=tl.float64)
-    last_p = tl.full([BLOCK_B], -1, tl.int32)
-    last_r = tl.full([BLOCK_B], -1, tl.int32)
-    for s in tl.range(0, S):
-        at_part = s * B + rows64
-        tot_p += tl.load(part_mass_ptr + at_part, mask=rmask, other=0.0)
-        tot_r += tl.load(part_mass_ptr + S * B + at_part, mask=rmask, other=0.0)
-        last_p = tl.maximum(last_p, tl.load(part_last_ptr + at_part, mask=rmask, other=-1))
-        last_r = tl.maximum(last_r, tl.load(part_last_ptr + S * B + at_part, mask=rmask, other=-1))
+    # the chunks' masses, one vector load per row (no loop over chunks)
+    cs = tl.arange(0, BLOCK_S)
+    at_part = cs[None, :] * B + rows64[:, None]
+    m2 = rmask[:, None] & (cs < S)[None, :]
+    mass_p = tl.load(part_mass_ptr + at_part, mask=m2, other=0.0)
+    mass_r = tl.load(part_mass_ptr + S * B + at_part, mask=m2, other=0.0)
+    last_p = tl.max(tl.load(part_last_ptr + at_part, mask=m2, other=-1), axis=1)
+    last_r = tl.max(tl.load(part_last_ptr + S * B + at_part, mask=m2, other=-1), axis=1)
+    tot_r = tl.sum(mass_r, axis=1)
     use_q = rejected & (tot_r > 0)
-    total = tl.where(use_q, tot_r, tot_p)
+    w_s = tl.where(use_q[:, None], mass_r, mass_p)  # [BB, BLOCK_S]: the sampled row's chunk masses
+    cum = tl.cumsum(w_s, axis=1)  # inclusive, in chunk order
+    total = tl.max(cum, axis=1)  # the last chunk's running sum (masses are >= 0)
     last = tl.where(use_q, last_r, last_p)
     at = tl.where(use_q, at, -1)
 
-    # the chunk where the running CDF (chunk masses summed in order) first exceeds u * total
+    # the first chunk where the running CDF exceeds u * total (and that has mass)
     u_final = tl.load(final_u_ptr + rows64, mask=need, other=0.0).to(tl.float64)
     threshold = u_final * total
     searching = need & (total > 0)
-    chunk = tl.full([BLOCK_B], -1, tl.int32)
-    base = tl.zeros([BLOCK_B], dtype=tl.float64)
-    cum = tl.zeros([BLOCK_B], dtype=tl.float64)
-    for s in tl.range(0, S):
-        at_part = s * B + rows64
-        w_s = tl.where(use_q, tl.load(part_mass_ptr + S * B + at_part, mask=searching, other=0.0),
-                       tl.load(part_mass_ptr + at_part, mask=searching, other=0.0))
-        hit_s = searching & (chunk < 0) & (w_s > 0) & (cum + w_s > threshold)
-        chunk = tl.where(hit_s, s, chunk)
-        base = tl.where(hit_s, cum, base)
-        cum += w_s
+    hit_s = (w_s > 0) & (cum > threshold[:, None]) & searching[:, None]
+    chunk = tl.min(tl.where(hit_s, cs[None, :], 2147483647), axis=1)
+    base = tl.sum(tl.where(cs[None, :] < chunk[:, None], w_s, 0.0), axis=1)  # mass before that chunk
+    chunk = tl.where(chunk == 2147483647, -1, chunk)
     searching = searching & (chunk >= 0)
 
     # inverse CDF inside that chunk (columns per row: the chunks differ between rows)
@@ -278,6 +272,12 @@ def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=like.device)
 
 
+def sample_num_warps(block_v: int) -> int:
+    """Warps of ``_rejection_sample_kernel``: 8 for full 1024-column tiles (4 spill registers
+    in some configurations, ``python -m bench.kernels --static``), else 4."""
+    return 8 if block_v >= 1024 else 4
+
+
 def _launch_chain(target, draft, tokens, counts, bonus, coins, final_u, out, num_accepted, B, K, V, T,
                   strides, *, flat, bonus_ids, has_draft):
     """The two launches of one call: ``_rejection_partials_kernel`` over (request blocks,
@@ -293,7 +293,8 @@ def _launch_chain(target, draft, tokens, counts, bonus, coins, final_u, out, num
         target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta)
     launch(_rejection_sample_kernel)[(nb,)](
         target, draft, tokens, counts, bonus, coins, final_u, part_mass, part_last, out, num_accepted,
-        B, K, V, T, *strides, S, tiles_per_split, KP=next_pow2(K + 1), **meta)
+        B, K, V, T, *strides, S, tiles_per_split, KP=next_pow2(K + 1), BLOCK_S=max(2, next_pow2(S)),
+        num_warps=sample_num_warps(block_v), **meta)
 
 
 def _rejection_sample_triton_impl(
@@ -430,7 +431,7 @@ rejection_sample_flattened_triton = kernel_op(
 )
 
 
-def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64", flat=False, bonus_ids=False, cu="*i64"):
+def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64", flat=False, bonus_ids=False, cu="*i64", block_s=2):
     """The two kernels of one launch configuration (what ``_launch_chain`` passes)."""
     label = (f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
              f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}")
@@ -449,12 +450,13 @@ def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64", flat=False,
     }
     sample = {
         "kernel": _rejection_sample_kernel,
-        "name": f"rejection_sample {label}",
+        "name": f"rejection_sample {label} BLOCK_S={block_s}",
         "signature": {**common, "bonus_ptr": cu, "coins_ptr": "*fp32", "final_u_ptr": "*fp32",
                       "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_ptr": "*i64", "num_accepted_ptr": "*i64",
                       **strides, "S": "i32", "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta},
-                      "KP": "constexpr"},
-        "constexprs": {**meta, "KP": kp},
+                      "KP": "constexpr", "BLOCK_S": "constexpr"},
+        "constexprs": {**meta, "KP": kp, "BLOCK_S": block_s},
+        "options": {"num_warps": sample_num_warps(block_v)},
     }
     return [partials, sample]
 
@@ -462,7 +464,7 @@ def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64", flat=False,
 AOT_SPECS = [
     spec
     for specs in (
-        _spec(True, 1, 1024, 16),
+        _spec(True, 1, 1024, 16, block_s=128),
         _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32"),
         _spec(True, 8, 128, 8, prob="*fp16"),
         # the flattened (vLLM v1) layout: int32 ids and cu as vLLM passes them, bonus rows or ids
