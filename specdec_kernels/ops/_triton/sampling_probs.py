@@ -82,6 +82,16 @@ def _refine(lo, hi, piv, below):
 
 
 @triton.jit
+def _store_interval(ivl_ptr, PASS, split, rows64, rmask, R, lo, hi):
+    """Pass ``PASS``'s interval (lo, hi] into its ping-pong slot of ``ivl_ptr`` [2, 2, R]
+    (written once per row: by the chunk-0 programs; the next pass reads it)."""
+    if split == 0:
+        cur = PASS % 2
+        tl.store(ivl_ptr + (cur * 2) * R + rows64, lo, mask=rmask)
+        tl.store(ivl_ptr + (cur * 2 + 1) * R + rows64, hi, mask=rmask)
+
+
+@triton.jit
 def _row_stats(stat_key_ptr, stat_idx_ptr, stat_max_ptr, stat_flag_ptr, rows64, rmask, R, S, BLOCK_B: tl.constexpr):
     """The chunks' STATS partials combined in chunk order: (argmax, maximum, has NaN, has +inf)."""
     best_key = tl.full([BLOCK_B], _INT32_MIN, tl.int32)
@@ -222,10 +232,7 @@ def _sampling_probs_kernel(
                 lo, hi = _refine(lo, hi, piv, tot < k.to(tl.float64)[:, None])
                 piv = _pivots(lo, hi, NP)
             if STAGE == _TOPK:
-                if split == 0:
-                    cur = PASS % 2
-                    tl.store(kivl_ptr + (cur * 2) * R + rows64, lo, mask=rmask)
-                    tl.store(kivl_ptr + (cur * 2 + 1) * R + rows64, hi, mask=rmask)
+                _store_interval(kivl_ptr, PASS, split, rows64, rmask, R, lo, hi)
                 cols = tl.arange(0, NP)
                 cnt = tl.zeros([BLOCK_B, NP], dtype=tl.int32)
                 if tl.max(k_active.to(tl.int32), axis=0) > 0:
@@ -283,10 +290,7 @@ def _sampling_probs_kernel(
                     tot_lo = tl.where(lo_mass < float("inf"), lo_mass, tot_lo)
                     piv = _pivots(lo, hi, NP)
                 if STAGE == _TOPP:
-                    if split == 0:
-                        cur = PASS % 2
-                        tl.store(pivl_ptr + (cur * 2) * R + rows64, lo, mask=rmask)
-                        tl.store(pivl_ptr + (cur * 2 + 1) * R + rows64, hi, mask=rmask)
+                    _store_interval(pivl_ptr, PASS, split, rows64, rmask, R, lo, hi)
                     cols = tl.arange(0, NP)
                     mass = tl.zeros([BLOCK_B, NP], dtype=tl.float64)
                     mass_lo = tl.zeros([BLOCK_B], dtype=tl.float64)
