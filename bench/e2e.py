@@ -170,7 +170,7 @@ def ours(name: str, make_drafter: Callable[[Context], Any], description: str, *,
 
     def run(ctx: Context, prompt: List[int], max_new_tokens: int) -> Run:
         from specdec_kernels.decoding import SpeculativeDecoder
-        from specdec_kernels.decoding.adaptive import default_policy
+        from specdec_kernels.decoding.engine.adaptive import default_policy
 
         if name not in ctx.cache:
             ctx.cache[name] = SpeculativeDecoder(ctx.model, make_drafter(ctx), stop_token_ids=[ctx.eos_token_id])
@@ -305,9 +305,9 @@ def hf_ours_method(name: str, generate_kwargs: Callable[[Context], Dict[str, Any
 
 def _register_builtin() -> None:
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
-    from specdec_kernels.decoding.adaptive import DEFAULT_K
-    from specdec_kernels.decoding.medusa import SHIPPED, MedusaDrafter
-    from specdec_kernels.decoding.multi import MultiDrafter
+    from specdec_kernels.decoding.engine.adaptive import DEFAULT_K
+    from specdec_kernels.decoding.drafters.medusa import SHIPPED, MedusaDrafter
+    from specdec_kernels.decoding.drafters.multi import MultiDrafter
 
     ngram_k, model_k, multi_k = DEFAULT_K["ngram"], DEFAULT_K["layerskip"], DEFAULT_K["multi"]
     L = LAYERSKIP_LAYERS

@@ -176,7 +176,7 @@ def build_drafter(args, model, name=None):
 
     name = name or args.drafter
     if name == "multi":
-        from specdec_kernels.decoding.multi import MultiDrafter
+        from specdec_kernels.decoding.drafters.multi import MultiDrafter
 
         return MultiDrafter([build_drafter(args, model, d) for d in args.sub_drafters])
     widths = args.widths if args.tree else None
@@ -184,7 +184,7 @@ def build_drafter(args, model, name=None):
     if name == "ngram":
         return NgramDrafter(args.max_ngram, tree=args.tree)
     if name in ("medusa", "medusa-tree"):
-        from specdec_kernels.decoding.medusa import MedusaDrafter
+        from specdec_kernels.decoding.drafters.medusa import MedusaDrafter
 
         return MedusaDrafter(model, args.medusa_heads, tree=args.tree or name == "medusa-tree")
     if name == "layerskip":
@@ -255,7 +255,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     stops = [tok.eos_token_id]
 
     drafter = build_drafter(args, model)
-    from specdec_kernels.decoding.adaptive import CostModelPolicy, HeuristicPolicy, default_policy
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, HeuristicPolicy, default_policy
 
     if args.adaptive is None:
         schedule = default_policy(drafter, k)

@@ -19,7 +19,7 @@ from specdec_kernels.decoding import (
     Transformer,
     have_smollm2,
 )
-from specdec_kernels.decoding.adaptive import (
+from specdec_kernels.decoding.engine.adaptive import (
     CostModelPolicy,
     FixedPolicy,
     HeuristicPolicy,
@@ -30,7 +30,7 @@ from specdec_kernels.decoding.adaptive import (
     resolve_policy,
 )
 from specdec_kernels.decoding.draft import chain_parents
-from specdec_kernels.decoding.engine import StepRecord
+from specdec_kernels.decoding.engine.loop import StepRecord
 from tests.test_decoding_tiny import PROMPTS, one_thread, tiny  # noqa: F401
 
 

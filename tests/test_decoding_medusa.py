@@ -12,14 +12,14 @@ import torch.nn.functional as F
 
 from specdec_kernels.decoding import Draft, Drafter, SamplingParams, SpeculativeDecoder, Transformer, have_smollm2
 from specdec_kernels.decoding.draft import chain_parents
-from specdec_kernels.decoding.medusa import (
+from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
     MedusaDrafter,
     MedusaHeads,
     load_medusa_heads,
     model_fingerprint,
 )
-from specdec_kernels.decoding import train_medusa
+from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
 from tests.test_decoding_tiny import exact_marginals, tiny_llama
 from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)

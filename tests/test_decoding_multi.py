@@ -18,7 +18,7 @@ from specdec_kernels.decoding import (
     Transformer,
     have_smollm2,
 )
-from specdec_kernels.decoding.multi import MultiDrafter, map_to_merged, own_accepted_path
+from specdec_kernels.decoding.drafters.multi import MultiDrafter, map_to_merged, own_accepted_path
 from tests.test_decoding_tiny import PROMPTS, exact_marginals, ngram_friendly_prompt, one_thread, tiny  # noqa: F401
 from tests.utils import chi_square_pvalue
 

@@ -463,7 +463,7 @@ def test_step_threads_are_measured_pinned_or_left_alone(tiny, monkeypatch):
     """threads="auto" times the candidate thread counts on the first steps of each shape class
     and reports the choice; an int pins the count; None leaves torch's; torch's setting comes
     back after the call either way; the tokens never depend on it."""
-    from specdec_kernels.decoding import engine
+    from specdec_kernels.decoding.engine import loop as engine
 
     hf, model = tiny
     prompt = [5, 17, 33, 2, 9]

@@ -7,7 +7,7 @@ import torch
 
 from specdec_kernels.decoding import DecodeStats, Draft, NgramDrafter, ngram_continuations
 from specdec_kernels.decoding.draft import chain_parents
-from specdec_kernels.decoding.model_drafter import tree_shape
+from specdec_kernels.decoding.drafters.model_drafter import tree_shape
 from specdec_kernels.tree import ancestor_mask
 
 #               0  1  2  3  4  5  6  7  8  9 10 11

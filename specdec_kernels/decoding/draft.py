@@ -19,10 +19,11 @@ same temperature / top-k / top-p as the target).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask
 
 
@@ -136,6 +137,7 @@ class Drafter:
     name = "drafter"
     wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
     context_window = 0  # > 0 (with wants_hidden): the engine also calls observe_context
+    wants_target_argmax = False  # True: the engine calls observe_target_argmax (lookahead decoding)
 
     def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
         """Reset for a new batch: ``capacity`` cache slots per sequence; ``generators`` one
@@ -155,6 +157,13 @@ class Drafter:
         """``accepted_nodes`` (B, N) int64: the accepted path (root first, then -1);
         ``num_accepted`` (B,): accepted drafts (root not counted)."""
 
+    def observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor, active: Sequence[bool]) -> None:
+        """Called only when ``wants_target_argmax`` is true, after each target pass and
+        before ``observe``: ``argmax`` (B, N) int64, the target's most likely next token at
+        every node of the verified block (the draft's node indices; entries at or past
+        ``num_nodes[b]`` are meaningless), whatever the sampling settings: what a Jacobi
+        iteration needs of the tokens that rode in the pass.  ``active`` as for ``observe``."""
+
     def observe_hidden(self, hidden: torch.Tensor, active: Sequence[bool]) -> None:
         """Called only when ``wants_hidden`` is true: ``hidden`` (B, hidden_size), the
         target's final hidden state (after its final norm) at the position just before the
@@ -170,6 +179,51 @@ class Drafter:
         ``context_window`` fed prompt positions (all but the last prompt token, the first
         root), after each step the accepted path (root first).  Entries where
         ``active[b]`` is false are meaningless."""
+
+
+    # ------------------------------------------------------------------ chain distributions
+    # Optional: drafters that implement these two methods can take part in ensemble
+    # averaging (``MultiDrafter(ensemble=True)``), where someone else picks the chain.
+    def chain_begin(self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool],
+                    vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Start a chain below each root and return this drafter's distribution of its first
+        draft token, instead of drafting.
+
+        The chain's tokens are then chosen by the caller and handed over one depth at a time
+        (``chain_extend``); the engine's ``observe`` follows as after ``propose`` (the draft
+        is that chain).  Distributions follow the run's ``SamplingParams`` like the
+        drafter's own sampled drafts (``draft_distribution``: ``sampling_probs`` of its
+        logits; at temperature 0 the softmax at temperature 1).
+
+        Args:
+            histories, num_draft_tokens, active: as for ``propose``; depth d is asked for
+                when d <= num_draft_tokens[b].
+            vocab_size: V, the target's vocabulary.
+
+        Returns:
+            probs (B, V) float32, each row with ``has[b]`` a distribution; has (B,) bool,
+            False where the drafter has no opinion (inactive, K = 0, nothing known).
+        """
+        raise NotImplementedError(f"{type(self).__name__} hands over no chain distributions")
+
+    def chain_extend(self, tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` (B,) int64 (the chain's token at the current depth) and return
+        the distribution of the next one, as ``chain_begin``."""
+        raise NotImplementedError(f"{type(self).__name__} hands over no chain distributions")
+
+    @property
+    def has_chain_distributions(self) -> bool:
+        """True when the drafter implements ``chain_begin`` / ``chain_extend``."""
+        return type(self).chain_begin is not Drafter.chain_begin and type(self).chain_extend is not Drafter.chain_extend
+
+
+def draft_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """A drafter's next-token distribution from its logits (..., V): ``sampling_probs`` with
+    the run's temperature / top-k / top-p, or at temperature 0 the plain softmax (greedy
+    drafts take its argmax either way).  float32."""
+    if sampling.greedy:
+        return torch.softmax(logits.float(), dim=-1)
+    return sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).float()
 
 
 class NoDrafter(Drafter):

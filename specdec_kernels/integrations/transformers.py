@@ -59,12 +59,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from specdec_kernels.decoding.adaptive import DraftLengthPolicy
+from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine import SpeculativeDecoder
-from specdec_kernels.decoding.model_drafter import ModelDrafter
-from specdec_kernels.decoding.ngram import NgramDrafter
-from specdec_kernels.decoding.stats import DecodeStats
+from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
+from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
+from specdec_kernels.decoding.drafters.ngram import NgramDrafter
+from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.ops.tree_attention import tree_attention
 from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
 

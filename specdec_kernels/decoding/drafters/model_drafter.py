@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, draft_distribution
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import PagedKVCache, length_groups
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
@@ -142,6 +142,21 @@ class ModelDrafter(Drafter):
                 picks[b] = torch.multinomial(q_cpu[b], width, replacement=True, generator=self.generators[b])
         return picks, q
 
+    def _feed_pending(self, histories, active) -> torch.Tensor:
+        """Feed the committed tokens the drafter has not seen, ending at each root (a
+        paged cache's prompts first); sets ``_root_slot`` (the root's slot = position) and
+        returns the logits at the root, (B, 1, V)."""
+        if self._prefill_pending:
+            self._prefill_paged(histories)
+        B = len(histories)
+        pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
+        P = max(len(p) for p in pending)
+        block = [p + [0] * (P - len(p)) for p in pending]
+        positions = [[self.seqlens[b] + j for j in range(P)] for b in range(B)]
+        logits = self._forward(block, positions, self.seqlens, None, [[len(p) - 1] for p in pending])
+        self._root_slot = [self.seqlens[b] + len(pending[b]) - 1 for b in range(B)]
+        return logits
+
     # ------------------------------------------------------------------ interface
     @torch.inference_mode()
     def propose(self, histories, num_draft_tokens, active) -> Draft:
@@ -151,16 +166,9 @@ class ModelDrafter(Drafter):
             self._root_slot = None
             return Draft.from_lists([([h[-1]], [-1]) for h in histories])
 
-        if self._prefill_pending:
-            self._prefill_paged(histories)
         # 1) feed the committed tokens the drafter has not seen, ending at the root
-        pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
-        P = max(len(p) for p in pending)
-        block = [p + [0] * (P - len(p)) for p in pending]
-        positions = [[self.seqlens[b] + j for j in range(P)] for b in range(B)]
-        logits = self._forward(block, positions, self.seqlens, None, [[len(p) - 1] for p in pending])
-        root_slot = [self.seqlens[b] + len(pending[b]) - 1 for b in range(B)]  # = position of the root
-        self._root_slot = root_slot
+        logits = self._feed_pending(histories, active)
+        root_slot = self._root_slot
 
         room = self.capacity - max(root_slot)
         parents, depths = tree_shape(self.tree_widths or (), depth, min(self.max_nodes, room))
@@ -205,6 +213,31 @@ class ModelDrafter(Drafter):
         num_nodes = [int((max_depth <= k).sum()) if a else 1 for k, a in zip(num_draft_tokens, active)]
         parents_t = torch.tensor(parents, dtype=torch.int64).expand(B, N).clone()
         return Draft(tokens, parents_t, torch.tensor(num_nodes), probs, is_chain=self._is_chain)
+
+    # ------------------------------------------------------------------ chain distributions
+    @torch.inference_mode()
+    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+        """The draft model's distribution of the first draft token (``Drafter.chain_begin``):
+        the committed tokens it has not seen are fed, ending at the root."""
+        logits = self._feed_pending(histories, active)
+        self._fed_depth, self._is_chain = 0, True
+        self._chain_ks = [int(k) if a else 0 for k, a in zip(num_draft_tokens, active)]
+        has = torch.tensor([k >= 1 for k in self._chain_ks])
+        return draft_distribution(logits[:, 0], self.sampling).cpu(), has
+
+    @torch.inference_mode()
+    def chain_extend(self, tokens):
+        """Feed the chain's token at the next depth d and return the distribution of depth
+        d + 1 (``Drafter.chain_extend``); nothing past the cache's capacity."""
+        d = self._fed_depth + 1
+        B = len(self._root_slot)
+        has = torch.tensor([k >= d + 1 for k in self._chain_ks])
+        if max(self._root_slot) + d >= self.capacity:
+            return torch.zeros(B, self.vocab_size), torch.zeros(B, dtype=torch.bool)
+        pos = [[r + d] for r in self._root_slot]
+        logits = self._forward(tokens.reshape(B, 1).tolist(), pos, [r + d for r in self._root_slot], None, [[0]] * B)
+        self._fed_depth = d
+        return draft_distribution(logits[:, 0], self.sampling).cpu(), has
 
     def _prefill_paged(self, histories) -> None:
         """A paged cache, before the first draft: every prompt but its root goes through the

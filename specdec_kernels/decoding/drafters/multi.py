@@ -1,4 +1,5 @@
-"""Multi-draft speculation: several drafters' chains and trees merged into one token tree.
+"""Multi-draft speculation: several drafters' chains and trees merged into one token tree,
+or their distributions averaged into one draft (ensemble).
 
 Each step every sub-drafter (n-gram lookup, layer-skip, a draft model, Medusa heads, any
 ``Drafter``) proposes its own chain or tree below the same root; the drafts are merged per
@@ -21,10 +22,29 @@ acceptance; ``deterministic=True`` on model drafters drafts their top tokens ins
 
 Per-drafter statistics (``DecodeStats.drafters``) record which sources proposed the
 accepted nodes.
+
+Ensemble averaging (``ensemble=True``): instead of merging drafts, the sub-drafters' next-
+token distributions q_i (``Drafter.chain_begin`` / ``chain_extend``: each drafter's own
+distribution under the run's sampling settings, given the chain so far) are averaged,
+
+    q(x) = sum_i w_i q_i(x) / sum_i w_i        (over the drafters with an opinion there),
+
+and each draft token is drawn from that mixture (at temperature 0: its argmax), one depth
+at a time, with each sequence's own generator.  The mixture q is handed to the verifier as
+``Draft.probs``: it is exactly the distribution the token was drawn from, so rejection
+sampling (``rejection_sample`` with ``max(0, p - q)`` residuals) keeps the target's
+distribution.  The weights are given (``weights``) or learnt per sequence from what the
+target committed (``learn_weights``): after each step w_i is multiplied by q_i(x) of every
+committed token x whose position the chain reached (the accepted drafts and the token the
+target chose at the first rejection; Bayes' rule for "which drafter's distribution is the
+target's", the exponentially weighted average forecaster with log loss), then mixed with
+the uniform weights in proportion ``WEIGHT_SHARE`` (fixed share, Herbster & Warmuth 1998)
+so that a drafter that fell behind can come back.
 """
 from __future__ import annotations
 
 import time
+import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -40,7 +60,10 @@ DRAFTER_COUNTERS = (
     "only_accepted",  # accepted nodes that it alone had proposed
     "propose_time",  # seconds in its propose
     "observe_time",  # seconds in its observe
+    "weight",  # ensemble only: the sum over sequence steps of its mixture weight at depth 1
 )
+WEIGHT_SHARE = 0.05  # ensemble weights: the uniform share mixed in after each update
+LOG_FLOOR = 1e-6  # ensemble weights: q_i(x) below this counts as this (a zero would never recover)
 
 
 def map_to_merged(merged_tokens: Sequence[int], merged_parents: Sequence[int], tokens: Sequence[int], parents: Sequence[int]) -> List[int]:
@@ -103,12 +126,20 @@ class MultiDrafter(Drafter):
             free n-gram lookup gets the full K.
         names: statistics keys per sub-drafter (default: each drafter's ``name``, made unique
             with a suffix).
+        ensemble: average the sub-drafters' distributions into one chain draft instead of
+            merging their drafts (see the module docstring); every sub-drafter must hand
+            over chain distributions (``Drafter.has_chain_distributions``).
+        weights: ensemble only: the mixture weights (one per sub-drafter, >= 0, not all 0),
+            the initial ones when learnt; None: equal.
+        learn_weights: ensemble only: update the weights per sequence from the committed
+            tokens (None: when ``weights`` is None).
 
     Raises:
         ValueError: no drafters, max_nodes < 1, a max_depths / names list of the wrong
             length or a negative cap, duplicate names, sub-drafters with different
             vocabularies.
-        TypeError: a sub-drafter that is not a ``Drafter``.
+        TypeError: a sub-drafter that is not a ``Drafter``, or (ensemble) one without chain
+            distributions.
 
     Example::
 
@@ -126,6 +157,9 @@ class MultiDrafter(Drafter):
         max_nodes: Optional[int] = 64,
         max_depths: Optional[Sequence[Optional[int]]] = None,
         names: Optional[Sequence[str]] = None,
+        ensemble: bool = False,
+        weights: Optional[Sequence[float]] = None,
+        learn_weights: Optional[bool] = None,
     ):
         drafters = list(drafters)
         if not drafters:
@@ -153,6 +187,22 @@ class MultiDrafter(Drafter):
         vocabs = {getattr(d, "vocab_size", None) for d in drafters} - {None}
         if len(vocabs) > 1:
             raise ValueError(f"the drafters' vocabularies differ: {sorted(vocabs)}")
+        if ensemble:
+            for i, d in enumerate(drafters):
+                if not d.has_chain_distributions:
+                    raise TypeError(f"drafters[{i}] ({type(d).__name__}) hands over no chain distributions "
+                                    "(chain_begin / chain_extend), which ensemble averaging needs")
+            if not vocabs:
+                raise ValueError("ensemble averaging needs the vocabulary size: at least one drafter with vocab_size")
+        if weights is not None:
+            if not ensemble:
+                raise ValueError("weights apply to ensemble averaging only (ensemble=True)")
+            weights = [float(w) for w in weights]
+            if len(weights) != len(drafters) or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+                raise ValueError(f"weights must be one finite weight >= 0 per drafter ({len(drafters)}), not all 0, got {weights}")
+        self.ensemble = bool(ensemble)
+        self.weights = weights
+        self.learn_weights = (weights is None) if learn_weights is None else bool(learn_weights)
         self.drafters = drafters
         self.max_nodes = max_nodes
         self.max_depths = max_depths
@@ -200,6 +250,32 @@ class MultiDrafter(Drafter):
                 d.observe_hidden(hidden, active)
                 self.counters[name]["observe_time"] += time.perf_counter() - t
 
+    @property
+    def wants_target_argmax(self) -> bool:
+        """True when a sub-drafter (e.g. ``LookaheadDrafter``) wants the target's argmax tokens."""
+        return any(getattr(d, "wants_target_argmax", False) for d in self.drafters)
+
+    def observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor, active) -> None:
+        """Hand each sub-drafter that wants them the target's argmax tokens at its own nodes
+        (the merged tree's entries mapped back; the shared chain as it is, ensemble)."""
+        for i, (d, name) in enumerate(zip(self.drafters, self.names)):
+            if not getattr(d, "wants_target_argmax", False):
+                continue
+            own, own_n = argmax, num_nodes
+            if not self.ensemble and self._last is not None:
+                per_seq, widths = self._last[1], self._last[2]
+                own = torch.full((argmax.shape[0], max(widths[i], 1)), -1, dtype=argmax.dtype)  # -1: cut from the merged tree
+                own_n = torch.ones(argmax.shape[0], dtype=torch.int64)
+                for b, (seq_drafts, maps, _) in enumerate(per_seq):
+                    ids = maps[i]
+                    own_n[b] = len(ids)
+                    for j, m in enumerate(ids):
+                        if m >= 0:
+                            own[b, j] = argmax[b, m]
+            t = time.perf_counter()
+            d.observe_target_argmax(own, own_n, active)
+            self.counters[name]["observe_time"] += time.perf_counter() - t
+
     def set_cache_layout(self, layout) -> None:
         super().set_cache_layout(layout)
         for d in self.drafters:
@@ -220,6 +296,10 @@ class MultiDrafter(Drafter):
         super().start(histories, capacity, sampling, generators)
         self._new_counters()
         self._last = None
+        M = len(self.drafters)
+        w = torch.tensor(self.weights if self.weights is not None else [1.0] * M, dtype=torch.float64)
+        self.log_weights = (w / w.sum()).log().expand(len(histories), M).clone()  # (B, M), per sequence
+        self._ensemble_last = None
         for i, (d, name) in enumerate(zip(self.drafters, self.names)):
             # each sub-drafter draws from generators of its own, derived per sequence
             own = [torch.Generator().manual_seed((g.initial_seed() + 7919 * (i + 1)) % 2**63) for g in generators]
@@ -228,6 +308,8 @@ class MultiDrafter(Drafter):
             self.counters[name]["propose_time"] += time.perf_counter() - t
 
     def propose(self, histories, num_draft_tokens, active) -> Draft:
+        if self.ensemble:
+            return self._propose_ensemble(histories, num_draft_tokens, active)
         B = len(histories)
         drafts: List[Draft] = []
         for i, (d, name) in enumerate(zip(self.drafters, self.names)):
@@ -257,6 +339,9 @@ class MultiDrafter(Drafter):
         return Draft.from_lists(trees, device=drafts[0].tokens.device, is_chain=None)
 
     def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active) -> None:
+        if self.ensemble:
+            self._observe_ensemble(accepted_nodes, num_accepted, active)
+            return
         if self._last is None:
             for d, name in zip(self.drafters, self.names):
                 t = time.perf_counter()
@@ -289,4 +374,106 @@ class MultiDrafter(Drafter):
                 own_count[b] = len(p) - 1
             t = time.perf_counter()
             d.observe(own_nodes.to(accepted_nodes.device), own_count.to(num_accepted.device), active)
+            self.counters[name]["observe_time"] += time.perf_counter() - t
+
+    # ------------------------------------------------------------------ ensemble averaging
+    def mixture_weights(self) -> torch.Tensor:
+        """(B, M) float64: each sequence's current mixture weights (summing to 1)."""
+        return self.log_weights.exp()
+
+    def _learn(self, histories) -> None:
+        """Update each sequence's weights from the tokens committed since the last draft."""
+        last, self._ensemble_last = self._ensemble_last, None
+        if last is None or not self.learn_weights:
+            return
+        lengths, member_q, member_has, depths = last
+        M = len(self.drafters)
+        for b, h in enumerate(histories):
+            new = h[lengths[b] :]
+            n = min(len(new), depths[b])
+            if n == 0:
+                continue
+            x = torch.tensor(new[:n])
+            q = member_q[:, b, torch.arange(n), x]  # (M, n): each drafter's probability of each committed token
+            has = member_has[:, b, :n]
+            gain = torch.where(has, q.double().clamp(min=LOG_FLOOR).log(), 0.0).sum(1)
+            # a drafter without an opinion at a position is scored with the mixture there
+            mix = (q.double() * self.log_weights[b].exp()[:, None] * has).sum(0) / (self.log_weights[b].exp()[:, None] * has).sum(0).clamp(min=1e-300)
+            gain = gain + torch.where(~has, mix.clamp(min=LOG_FLOOR).log()[None].expand(M, n), 0.0).sum(1)
+            lw = self.log_weights[b] + gain
+            w = torch.softmax(lw, 0)
+            w = (1 - WEIGHT_SHARE) * w + WEIGHT_SHARE / M
+            self.log_weights[b] = w.log()
+
+    def _propose_ensemble(self, histories, num_draft_tokens, active) -> Draft:
+        """One chain per sequence drawn from the weighted mixture of the sub-drafters'
+        distributions; ``Draft.probs`` holds the mixture at every depth (sampling)."""
+        self._learn(histories)
+        B, M, V = len(histories), len(self.drafters), int(self.vocab_size)
+        ks = [int(k) if a else 0 for k, a in zip(num_draft_tokens, active)]
+        D = max(ks) if ks else 0
+        roots = [h[-1] for h in histories]
+        if D == 0:
+            return Draft.from_lists([([r], [-1]) for r in roots], is_chain=True)
+        caps = [self.max_depths[i] if self.max_depths is not None else None for i in range(M)]
+        member_ks = [[min(k, c) if c is not None else k for k in ks] for c in caps]
+        greedy = self.sampling.greedy
+        tokens = torch.zeros(B, D + 1, dtype=torch.int64)
+        tokens[:, 0] = torch.tensor(roots)
+        probs = None if greedy else torch.zeros(B, D + 1, V)
+        member_q = torch.zeros(M, B, D, V)
+        member_has = torch.zeros(M, B, D, dtype=torch.bool)
+        depth = [0] * B  # drafted depth per sequence
+        w = self.log_weights.exp().float()  # (B, M)
+        for d in range(1, D + 1):
+            for i, (drafter, name) in enumerate(zip(self.drafters, self.names)):
+                t = time.perf_counter()
+                if d == 1:
+                    q_i, has_i = drafter.chain_begin(histories, member_ks[i], active, V)
+                else:
+                    q_i, has_i = drafter.chain_extend(tokens[:, d - 1])
+                self.counters[name]["propose_time"] += time.perf_counter() - t
+                member_q[i, :, d - 1] = q_i.float()
+                member_has[i, :, d - 1] = has_i & torch.tensor([k >= d for k in member_ks[i]])
+            has = member_has[:, :, d - 1].T  # (B, M)
+            wd = w * has
+            total = wd.sum(1)
+            go = [(ks[b] >= d) and (depth[b] == d - 1) and bool(total[b] > 0) for b in range(B)]
+            q = torch.einsum("bm,mbv->bv", wd / total.clamp(min=1e-30)[:, None], member_q[:, :, d - 1])
+            for b in range(B):
+                if not go[b]:
+                    continue
+                if greedy:
+                    tokens[b, d] = int(q[b].argmax())
+                else:
+                    tokens[b, d] = int(torch.multinomial(q[b], 1, generator=self.generators[b]))
+                    probs[b, d - 1] = q[b]
+                depth[b] = d
+            if d == 1:
+                for i, name in enumerate(self.names):
+                    for b in range(B):
+                        if go[b]:
+                            self.counters[name]["weight"] += float(w[b, i])
+                            self.counters[name]["steps"] += int(has[b, i])
+            if not any(depth[b] == d for b in range(B)):
+                break
+        for i, name in enumerate(self.names):
+            self.counters[name]["proposed"] += int(sum(int(member_has[i, b, : depth[b]].sum()) for b in range(B)))
+        self._ensemble_last = ([len(h) for h in histories], member_q, member_has, depth)
+        num_nodes = torch.tensor([1 + x for x in depth], dtype=torch.int64)
+        parents = torch.arange(-1, D, dtype=torch.int64).expand(B, D + 1).clone()
+        return Draft(tokens, parents, num_nodes, probs, is_chain=True)
+
+    def _observe_ensemble(self, accepted_nodes, num_accepted, active) -> None:
+        """Every sub-drafter observes the shared chain; counters credit the drafters that had
+        an opinion at each accepted depth."""
+        last = self._ensemble_last
+        if last is not None:
+            member_has = last[2]
+            for b, m in enumerate(num_accepted.tolist()):
+                for i, name in enumerate(self.names):
+                    self.counters[name]["accepted"] += int(member_has[i, b, :m].sum())
+        for d, name in zip(self.drafters, self.names):
+            t = time.perf_counter()
+            d.observe(accepted_nodes, num_accepted, active)
             self.counters[name]["observe_time"] += time.perf_counter() - t

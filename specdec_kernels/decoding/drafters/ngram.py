@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import numpy as np
+import torch
 
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
 from specdec_kernels.tree import merge_chains
@@ -60,6 +61,20 @@ def ngram_continuations(
     return found
 
 
+def ngram_next_counts(history: Sequence[int], max_ngram: int = 5, min_ngram: int = 1) -> Optional[dict]:
+    """What followed the history's suffix earlier in the history: for the longest n in
+    ``max_ngram`` .. ``min_ngram`` whose last-n-token suffix occurred before, ``{token:
+    count}`` of the tokens that followed its earlier occurrences; None when no suffix recurs."""
+    arr = np.asarray(history, dtype=np.int64)
+    for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            tokens, counts = np.unique(arr[hits + n], return_counts=True)
+            return dict(zip(tokens.tolist(), counts.tolist()))
+    return None
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup / n-gram drafting: copy what followed the latest match of the suffix.
 
@@ -108,6 +123,40 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tree, self.max_chains, self.max_nodes = tree, max_chains, max_nodes
         self.tokens_per_match = tokens_per_match
+
+    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+        """The n-gram distribution of the first draft token (``Drafter.chain_begin``): the
+        tokens that followed the longest recurring suffix, in proportion to their counts
+        (``ngram_next_counts``); no opinion where no suffix recurs."""
+        self._chain_paths = [list(h) for h in histories]
+        self._chain_ks = [int(k) if a else 0 for k, a in zip(num_draft_tokens, active)]
+        self._chain_depth = 0
+        self._chain_vocab = int(vocab_size)
+        return self._chain_distribution()
+
+    def chain_extend(self, tokens):
+        """Append the chain's tokens and return the next n-gram distribution."""
+        for path, t in zip(self._chain_paths, tokens.tolist()):
+            path.append(int(t))
+        self._chain_depth += 1
+        return self._chain_distribution()
+
+    def _chain_distribution(self):
+        B, d = len(self._chain_paths), self._chain_depth + 1
+        probs = torch.zeros(B, self._chain_vocab)
+        has = torch.zeros(B, dtype=torch.bool)
+        for b, path in enumerate(self._chain_paths):
+            if self._chain_ks[b] < d:
+                continue
+            counts = ngram_next_counts(path, self.max_ngram, self.min_ngram)
+            if counts:
+                tok = torch.tensor(list(counts))
+                if int(tok.max()) >= self._chain_vocab:  # ids outside the vocabulary: no opinion
+                    continue
+                c = torch.tensor(list(counts.values()), dtype=torch.float32)
+                probs[b, tok] = c / c.sum()
+                has[b] = True
+        return probs, has
 
     def propose(self, histories, num_draft_tokens, active) -> Draft:
         trees = []

@@ -33,12 +33,12 @@ import torch
 
 from specdec_kernels._autotune import RuntimeChoice
 from specdec_kernels._checks import as_int, as_int_list
-from specdec_kernels.decoding.adaptive import DraftLengthPolicy, resolve_policy
+from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
-from specdec_kernels.decoding.stats import DecodeStats
-from specdec_kernels.decoding.typical import typical_acceptance
+from specdec_kernels.decoding.engine.stats import DecodeStats
+from specdec_kernels.decoding.engine.typical import typical_acceptance
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
 from specdec_kernels.ops.rejection_sample import rejection_sample
 from specdec_kernels.ops.sampling_probs import sampling_probs
@@ -296,6 +296,7 @@ class SpeculativeDecoder:
         self.prefill_chunk = prefill_chunk
         self.max_draft_nodes = max_draft_nodes
         self._hidden: Optional[torch.Tensor] = None  # the verified block's hidden states, for wants_hidden
+        self._target_argmax: Optional[torch.Tensor] = None  # the block's argmax tokens, for wants_target_argmax
         resolve_policy(policy, self.drafter)  # raises on a bad policy now rather than later
         self.policy = policy
         if typical is not None and not 0 < typical <= 1:
@@ -572,6 +573,9 @@ class SpeculativeDecoder:
                 compact_kv_cache(state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
         state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
         t3 = time.perf_counter()
+        if self._target_argmax is not None:  # e.g. lookahead decoding's Jacobi update
+            self.drafter.observe_target_argmax(self._target_argmax, draft.num_nodes.clone(), keep)
+            self._target_argmax = None
         self.drafter.observe(accepted_nodes, num_accepted, keep)
         if self._hidden is not None:  # the hidden state of each sequence's last accepted node
             if getattr(self.drafter, "context_window", 0):  # and of the whole accepted path
@@ -677,6 +681,8 @@ class SpeculativeDecoder:
         else:
             logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]
 
+        if getattr(self.drafter, "wants_target_argmax", False):
+            self._target_argmax = logits.argmax(dim=-1).cpu()
         sp = state.sampling
         if sp.greedy:
             if draft.is_chain:

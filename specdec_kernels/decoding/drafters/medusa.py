@@ -51,7 +51,7 @@ sets exactly), keep the target's output exact.
 
 Weights for SmolLM2-135M-Instruct ship in ``specdec_kernels/data/medusa/
 smollm2-135m-instruct.pt`` (``load_medusa_heads()``); they were trained by
-self-distillation with ``python -m specdec_kernels.decoding.train_medusa`` (the exact
+self-distillation with ``python -m specdec_kernels.decoding.training.medusa`` (the exact
 command is in that module's docstring and in the file's ``config["training"]``).
 
 Example::
@@ -75,15 +75,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
+from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
+from specdec_kernels.decoding.loading import MODEL_NAME
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 from specdec_kernels.tree import medusa_choices_to_tree
 
 FORMAT = 3  # 1: unconditioned heads only, 2: no context attention (both still read)
 READABLE_FORMATS = (1, 2, 3)
 CONTEXT_ROPE_THETA = 10000.0
-SHIPPED = Path(__file__).resolve().parent.parent / "data" / "medusa" / "smollm2-135m-instruct.pt"
-BASE_MODEL = "SmolLM2-135M-Instruct"
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "medusa" / "smollm2-135m-instruct.pt"
+BASE_MODEL = MODEL_NAME
 
 # Fallback tree (27 nodes with the root) for heads stored without a tuned tree: top ranks of
 # the first heads, in the spirit of Medusa's sparse trees.
@@ -564,6 +565,47 @@ class MedusaDrafter(Drafter):
         tokens = top[:, self._head_of_node[:N], self._rank_of_node[:N]]  # (B, N)
         tokens[:, 0] = torch.tensor(roots, dtype=torch.int64)
         return self._tree_draft(tokens, depth)
+
+    # ------------------------------------------------------------------ chain distributions
+    @torch.inference_mode()
+    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+        """Head 0's distribution of the first draft token (``Drafter.chain_begin``); deeper
+        heads follow the chain's tokens when they are token-conditioned."""
+        B = len(histories)
+        roots = [h[-1] for h in histories]
+        depth = [min(int(k), self.num_heads) if a and known else 0
+                 for k, a, known in zip(num_draft_tokens, active, self._known or [False] * B)]
+        self._chain = None
+        if self._hidden is None or max(depth) == 0:
+            return torch.zeros(B, vocab_size), torch.zeros(B, dtype=torch.bool)
+        state = self._context_state(histories, depth) if self.context_window else self._hidden
+        W_out, E = self.model.output.weight, self.model.tok_embeddings.weight
+        if self.heads.token_conditioned:
+            state = self.heads.step(0, state, E[torch.tensor(roots, device=E.device)])
+            logits = linear(state.to(W_out.dtype), W_out)
+            self._chain = {"state": state, "depth": depth, "i": 0}
+        else:
+            every = self.heads.logits(state, W_out, max(depth))  # (B, D, V): head i for depth i + 1
+            logits = every[:, 0]
+            self._chain = {"every": every, "depth": depth, "i": 0}
+        return draft_distribution(logits, self.sampling).cpu(), torch.tensor([d >= 1 for d in depth])
+
+    @torch.inference_mode()
+    def chain_extend(self, tokens):
+        """The next head's distribution (``Drafter.chain_extend``)."""
+        c = self._chain
+        B = tokens.shape[0]
+        if c is None or c["i"] + 1 >= max(c["depth"]):
+            return torch.zeros(B, self.vocab_size), torch.zeros(B, dtype=torch.bool)
+        c["i"] += 1
+        i = c["i"]
+        if self.heads.token_conditioned:
+            W_out, E = self.model.output.weight, self.model.tok_embeddings.weight
+            c["state"] = self.heads.step(i, c["state"], E[tokens.to(E.device)])
+            logits = linear(c["state"].to(W_out.dtype), W_out)
+        else:
+            logits = c["every"][:, i]
+        return draft_distribution(logits, self.sampling).cpu(), torch.tensor([d >= i + 1 for d in c["depth"]])
 
     @staticmethod
     def _chain_draft(roots: List[int], best: torch.Tensor, depth: List[int]) -> Draft:

@@ -1,0 +1,451 @@
+"""An EAGLE-style draft head with EAGLE-2's dynamic token tree.
+
+EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty") drafts autoregressively at the *feature* level: a single decoder layer reads,
+at position t, the target's final hidden state f_t (after its final norm: the input of the
+output head) and the input embedding of the token that followed, x_{t+1}, and predicts the
+next feature:
+
+    u_t = W_fc [E(x_{t+1}); f_t] + b_fc,    g_t = Layer(u_{<=t}) ~ f_{t+1},
+    q(x_{t+2}) = softmax(W_out g_t)
+
+with E and W_out the target's own (frozen, shared) embedding and output head and Layer one
+Llama decoder layer (pre-norm GQA attention with rotary positions over the head's own
+sequence, SwiGLU MLP).  Deeper drafts feed the head its own predicted feature: the draft
+at depth d + 1 reads (x^_{p+d}, g_{p+d-2}).  Training (``decoding.training.eagle``)
+unrolls those steps (EAGLE-3's "training-time test", Li et al. 2025), so the head learns
+from its own features, not only from the target's.
+
+EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
+Trees") shapes the tree by the head's confidence: the path probability of a node is the
+product of the head's probabilities along its path; each round expands the ``top_k`` nodes
+of the newest depth with the highest path probability (each gets its ``top_k`` best
+children), and after the last round all generated nodes are reranked by path probability
+and the best ``max_nodes - 1`` kept (a prefix-closed set: a child is never more probable
+than its parent).
+
+The head's own KV cache holds the committed positions (their real features, handed over by
+the engine's ``observe_context`` hook), at most ``window`` of them (a sliding window; the
+training segments are as long); the draft tree's nodes attend to it and to their own
+ancestors in the tree.
+
+Drafts are deterministic (top-k children; ``Draft.probs`` is None): greedy verification
+keeps the output identical to greedy decoding and tree rejection sampling with one-hot q
+keeps sampling exact.
+
+Example::
+
+    model, tok = load_smollm2()
+    drafter = EagleDrafter(model)                # shipped SmolLM2-135M-Instruct head
+    decoder = SpeculativeDecoder(model, drafter, stop_token_ids=[tok.eos_token_id])
+    result = decoder.generate([ids], max_new_tokens=128, num_draft_tokens=6)
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
+from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+from specdec_kernels.decoding.model import Transformer, linear, rotate
+
+FORMAT = 1
+SHIPPED = Path(__file__).resolve().parents[2] / "data" / "eagle" / "smollm2-135m-instruct.pt"
+
+
+class EagleHead(nn.Module):
+    """The draft head: ``fc`` on [embedding; feature], one Llama decoder layer.
+
+    Args:
+        hidden_size: the target's hidden size H.
+        num_heads, num_kv_heads, head_dim: the layer's attention (GQA: num_heads a multiple
+            of num_kv_heads; head_dim even, rotary).
+        intermediate_size: the SwiGLU MLP's width.
+        window: the most committed positions the head attends to (its training segment).
+        rope_theta: the rotary base.
+        eps: the RMS norms' epsilon.
+        config: free-form metadata stored with the weights (base model, fingerprint,
+            training command).
+
+    Attributes (Parameters): ``fc`` (H, 2H) and ``fc_bias`` (H,); ``attention_norm``,
+    ``ffn_norm`` (H,); ``wqkv`` ((nh + 2 nkv) hd, H); ``wo`` (H, nh hd); ``w13``
+    (2 I, H); ``w2`` (H, I).
+
+    Raises:
+        ValueError: non-positive sizes, num_heads not a multiple of num_kv_heads, an odd
+            head_dim, window < 1.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, *,
+                 window: int = 256, rope_theta: float = 10000.0, eps: float = 1e-6, config: Optional[dict] = None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("intermediate_size", intermediate_size), ("window", window)):
+            if isinstance(v, bool) or int(v) != v or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embedding), got {head_dim}")
+        H, I = int(hidden_size), int(intermediate_size)
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = H, int(num_heads), int(num_kv_heads), int(head_dim)
+        self.intermediate_size, self.window, self.rope_theta, self.eps = I, int(window), float(rope_theta), float(eps)
+
+        def init(*shape):
+            return nn.Parameter(torch.empty(*shape).uniform_(-1 / math.sqrt(shape[-1]), 1 / math.sqrt(shape[-1])))
+
+        self.fc = init(H, 2 * H)
+        self.fc_bias = nn.Parameter(torch.zeros(H))
+        self.attention_norm = nn.Parameter(torch.ones(H))
+        self.wqkv = init((self.num_heads + 2 * self.num_kv_heads) * self.head_dim, H)
+        self.wo = init(H, self.num_heads * self.head_dim)
+        self.ffn_norm = nn.Parameter(torch.ones(H))
+        self.w13 = init(2 * I, H)
+        self.w2 = init(H, I)
+        self.config: Dict = dict(config or {})
+
+    @classmethod
+    def for_model(cls, model: Transformer, *, window: int = 256, intermediate_size: Optional[int] = None, config: Optional[dict] = None) -> "EagleHead":
+        """A fresh head shaped like one of ``model``'s layers (EAGLE's choice)."""
+        a = model.args
+        return cls(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, intermediate_size or a.intermediate_size,
+                   window=window, rope_theta=a.rope_theta, eps=a.rms_norm_eps, config=config)
+
+    # ------------------------------------------------------------------ the layer, in parts
+    def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """u = fc [embedding; feature] + b: (..., H) from two (..., H) tensors."""
+        dt = self.fc.dtype
+        return linear(torch.cat([embeddings.to(dt), features.to(dt)], dim=-1), self.fc) + self.fc_bias
+
+    def project(self, u: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of u (B, M, H) at integer positions (B, M): q (B, M, nh,
+        hd), k and v (B, M, nkv, hd), q and k rotated."""
+        B, M, _ = u.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.rms_norm(u, (self.hidden_size,), self.attention_norm, self.eps)
+        q, k, v = linear(x, self.wqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        inv = self.rope_theta ** (-torch.arange(0, hd, 2, device=u.device, dtype=torch.float32) / hd)
+        ang = positions.to(torch.float32)[..., None] * inv  # (B, M, hd / 2)
+        emb = torch.cat((ang, ang), dim=-1)[:, :, None, :]
+        cos, sin = emb.cos().to(u.dtype), emb.sin().to(u.dtype)
+        return rotate(q.view(B, M, nh, hd), cos, sin), rotate(k.view(B, M, nkv, hd), cos, sin), v.view(B, M, nkv, hd)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q (B, M, nh, hd) over keys / values (B, S, nkv, hd) where mask (B, M,
+        S) bool is True; every query must see at least one key.  Returns (B, M, nh hd)."""
+        B, M, nh, hd = q.shape
+        rep = nh // self.num_kv_heads
+        k = keys.transpose(1, 2).repeat_interleave(rep, dim=1)
+        v = values.transpose(1, 2).repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None])
+        return a.transpose(1, 2).reshape(B, M, nh * hd)
+
+    def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The layer's output g from its input u and the attention output (both (..., H))."""
+        a = u + linear(attn, self.wo)
+        gate, up = linear(F.rms_norm(a, (self.hidden_size,), self.ffn_norm, self.eps), self.w13).chunk(2, dim=-1)
+        return a + linear(F.silu(gate) * up, self.w2)
+
+    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Teacher-forced step over consecutive positions: g_t for every t.
+
+        Args:
+            features: (B, L, H) the target's final hidden states f_t of L consecutive positions.
+            embeddings: (B, L, H) the input embeddings of x_{t+1}.
+            valid: (B, L) bool or None: rows that exist (a query sees the valid rows at or
+                before it, and itself).
+
+        Returns:
+            (B, L, H): g_t, the head's prediction of f_{t+1}.
+        """
+        B, L, _ = features.shape
+        u = self.inputs(features, embeddings)
+        pos = torch.arange(L, device=u.device).expand(B, L)
+        q, k, v = self.project(u, pos)
+        causal = torch.ones(L, L, dtype=torch.bool, device=u.device).tril()
+        mask = causal.expand(B, L, L) if valid is None else (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=u.device)
+        return self.finish(u, self.attend(q, k, v, mask))
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the weights (fp16) and the config to ``path``."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        config = {**self.config, "format": FORMAT, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
+                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+                  "window": self.window, "rope_theta": self.rope_theta, "eps": self.eps}
+        state = {k: v.detach().to(torch.float16).cpu() for k, v in self.state_dict().items()}
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save({"config": config, "state_dict": state}, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "EagleHead":
+        """Read a head written by ``save``.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not an EAGLE head file, another format, or weights that do not fit.
+        """
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
+            raise ValueError(f"{path} is not an EAGLE head file (no config / state_dict)")
+        c = dict(payload["config"])
+        if c.get("format") != FORMAT:
+            raise ValueError(f"{path}: EAGLE head format {c.get('format')}, this version reads {FORMAT}")
+        try:
+            head = cls(int(c["hidden_size"]), int(c["num_heads"]), int(c["num_kv_heads"]), int(c["head_dim"]), int(c["intermediate_size"]),
+                       window=int(c["window"]), rope_theta=float(c["rope_theta"]), eps=float(c["eps"]), config=c)
+            head.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{path}: a config or weights this version cannot read ({type(e).__name__}: {e})") from None
+        return head.to(device=device, dtype=dtype).eval()
+
+
+def load_eagle_head(path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
+    """The shipped SmolLM2-135M-Instruct head (``path`` None) or a head from a file."""
+    return EagleHead.load(SHIPPED if path is None else path, dtype=dtype, device=device)
+
+
+class EagleDrafter(Drafter):
+    """Draft with an EAGLE-style head: EAGLE-2's dynamic tree, or a chain.
+
+    Args:
+        model: the target (its embedding and output head are shared with the head).
+        head: an ``EagleHead``, a path to a head file, or None for the shipped head.
+        tree: draft EAGLE-2's dynamic tree; False: a chain (the head's argmax at each depth).
+        top_k: nodes expanded per depth and children per expanded node (tree only).
+        max_nodes: the tree's node budget, root included (tree only).
+        max_depth: the deepest draft; the engine's K (``num_draft_tokens``) caps it further.
+        check_fingerprint: warn when the head was trained on another model.
+
+    A sequence whose features do not reach its root (a one-token prompt's first step) gets
+    no drafts.
+
+    Attributes:
+        path_logprobs: after each ``propose``, per sequence, the head's log path probability
+            (natural log, float) of every node of its draft, root (0.0) first.
+
+    Raises:
+        ValueError: a head whose hidden size differs from the model's; top_k, max_nodes or
+            max_depth < 1.
+    """
+
+    name = "eagle"
+    wants_hidden = True
+
+    def __init__(self, model: Transformer, head: Union[EagleHead, str, Path, None] = None, *, tree: bool = True, top_k: int = 8,
+                 max_nodes: int = 64, max_depth: int = 6, check_fingerprint: bool = True):
+        for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
+            if isinstance(v, bool) or int(v) != v or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if head is None or isinstance(head, (str, Path)):
+            head = load_eagle_head(head, dtype=model.dtype, device=model.device)
+        if head.hidden_size != model.args.hidden_size:
+            raise ValueError(f"the head's hidden size ({head.hidden_size}) differs from the model's ({model.args.hidden_size})")
+        if check_fingerprint and head.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
+            warnings.warn(f"EAGLE head trained on {head.config.get('base_model', 'another model')} is used with a different "
+                          "model: decoding stays exact, but fewer drafts will be accepted", stacklevel=2)
+        self.model = model
+        self.head = head.to(device=model.device, dtype=model.dtype).eval()
+        self.tree = bool(tree)
+        self.top_k = int(top_k) if tree else 1
+        self.max_nodes = int(max_nodes)
+        self.max_depth = int(max_depth)
+        self.context_window = self.head.window  # the engine hands over the committed positions' features
+        self.name = "eagle-tree" if tree else "eagle"
+        self._reset(0)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    def _reset(self, batch: int) -> None:
+        self._keys: List[Optional[torch.Tensor]] = [None] * batch  # (n, nkv, hd) committed positions, last `window`
+        self._values: List[Optional[torch.Tensor]] = [None] * batch
+        self._end = [-1] * batch  # the last position in the cache
+        self._root: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * batch  # (u, q) of position end
+        self._pending: List[List[Tuple[int, torch.Tensor]]] = [[] for _ in range(batch)]
+
+    def start(self, histories, capacity, sampling, generators) -> None:
+        super().start(histories, capacity, sampling, generators)
+        self._reset(len(histories))
+
+    def observe_context(self, hidden, first_positions, active) -> None:
+        """Keep the committed positions' features until ``propose`` feeds them to the head's
+        cache (it needs the token that followed each, known by then)."""
+        for b, (rows, first, a) in enumerate(zip(hidden, first_positions, active)):
+            if a and rows is not None and rows.shape[0]:
+                self._pending[b].append((int(first), rows.detach()))
+
+    def _ingest(self, b: int, history: Sequence[int]) -> bool:
+        """Feed sequence b's pending features (positions up to its root's predecessor) to the
+        head's cache; True when the cache then ends just before the root."""
+        root_pos = len(history) - 1
+        E = self.model.tok_embeddings.weight
+        for first, rows in self._pending[b]:
+            if first > self._end[b] + 1:  # a gap: start over from these rows
+                self._keys[b] = self._values[b] = None
+                self._end[b] = first - 1
+            skip = self._end[b] + 1 - first
+            rows = rows[max(0, skip) : max(0, root_pos - first)]
+            if rows.shape[0] == 0:
+                continue
+            start = first + max(0, skip)
+            pos = torch.arange(start, start + rows.shape[0], device=E.device)
+            nxt = torch.tensor(history[start + 1 : start + 1 + rows.shape[0]], dtype=torch.int64, device=E.device)
+            u = self.head.inputs(rows.to(E.dtype)[None], E[nxt][None])
+            q, k, v = self.head.project(u, pos[None])
+            keys = k[0] if self._keys[b] is None else torch.cat([self._keys[b], k[0]])
+            values = v[0] if self._values[b] is None else torch.cat([self._values[b], v[0]])
+            self._keys[b], self._values[b] = keys[-self.head.window :], values[-self.head.window :]
+            self._end[b] = start + rows.shape[0] - 1
+            self._root[b] = (u[0, -1], q[0, -1])
+        self._pending[b] = []
+        return self._end[b] == root_pos - 1 and self._root[b] is not None
+
+    @torch.inference_mode()
+    def propose(self, histories, num_draft_tokens, active) -> Draft:
+        B = len(histories)
+        roots = [h[-1] for h in histories]
+        depth = [0] * B
+        for b in range(B):
+            ready = self._ingest(b, histories[b]) if active[b] else False
+            depth[b] = min(int(num_draft_tokens[b]), self.max_depth) if ready else 0
+        D = max(depth)
+        if D == 0:
+            self.path_logprobs = [[0.0] for _ in roots]
+            return Draft.from_lists([([r], [-1]) for r in roots])
+        head, E = self.head, self.model.tok_embeddings.weight
+        dev, dt = E.device, E.dtype
+        run = [b for b in range(B) if depth[b] > 0]
+        R, k = len(run), self.top_k
+        nkv, hd = head.num_kv_heads, head.head_dim
+        ctx_k, ctx_v, ctx_ok, g = self._root_outputs(run)
+        S = ctx_k.shape[1]
+        logp = torch.log_softmax(self._logits(g), dim=-1)  # (R, 1, V)
+
+        # the node pool: per running sequence, tokens, parents, scores (log path
+        # probability), depths; node 0 is the root
+        top = logp[:, 0].topk(k, dim=-1)
+        tok = torch.cat([torch.tensor([[roots[b]] for b in run], device=dev), top.indices], dim=1)  # (R, 1 + k)
+        par = torch.cat([torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.int64, device=dev)], dim=1)
+        score = torch.cat([torch.zeros(R, 1, device=dev), top.values], dim=1)
+        dep = torch.cat([torch.zeros(R, 1, dtype=torch.int64, device=dev), torch.ones(R, k, dtype=torch.int64, device=dev)], dim=1)
+        frontier = torch.arange(1, 1 + k, device=dev).expand(R, k)  # pool ids of the nodes to expand next
+        parent_g = g.expand(R, k, -1)  # the head output of each frontier node's parent
+        # expanded nodes' keys / values and ancestor sets (over the expanded slots)
+        tree_k = torch.zeros(R, 0, nkv, hd, dtype=dt, device=dev)
+        tree_v = torch.zeros_like(tree_k)
+        anc = torch.zeros(R, k, 0, dtype=torch.bool, device=dev)  # frontier node -> expanded ancestors
+        for d in range(1, D):
+            u = head.inputs(parent_g, E[tok.gather(1, frontier)])
+            q, kk, vv = head.project(u, (torch.tensor([self._end[b] for b in run], device=dev)[:, None] + d).expand(R, k))
+            tree_k, tree_v = torch.cat([tree_k, kk], dim=1), torch.cat([tree_v, vv], dim=1)
+            own = torch.zeros(R, k, k, dtype=torch.bool, device=dev)
+            own[:, torch.arange(k), torch.arange(k)] = True
+            anc = torch.cat([anc, own], dim=2)  # (R, k, n_exp + k): ancestors and itself
+            mask = torch.cat([ctx_ok[:, None].expand(R, k, S), anc], dim=2)
+            g_f = head.finish(u, head.attend(q, torch.cat([ctx_k, tree_k], 1), torch.cat([ctx_v, tree_v], 1), mask))  # (R, k, H)
+            logp = torch.log_softmax(self._logits(g_f), dim=-1)
+            ctop = logp.topk(k, dim=-1)  # (R, k, k) children of each frontier node
+            cand_score = (score.gather(1, frontier)[:, :, None] + ctop.values).reshape(R, k * k)
+            base = tok.shape[1]
+            tok = torch.cat([tok, ctop.indices.reshape(R, k * k)], dim=1)
+            par = torch.cat([par, frontier[:, :, None].expand(R, k, k).reshape(R, k * k)], dim=1)
+            score = torch.cat([score, cand_score], dim=1)
+            dep = torch.cat([dep, torch.full((R, k * k), d + 1, dtype=torch.int64, device=dev)], dim=1)
+            # the next frontier: the k best new candidates by path probability
+            best = cand_score.topk(k, dim=-1).indices  # (R, k) among the k * k
+            slot = best // k  # which frontier node is the parent (its expanded slot: n_exp + slot)
+            frontier = base + best
+            parent_g = g_f.gather(1, slot[:, :, None].expand(R, k, g_f.shape[-1]))
+            anc = anc.gather(1, slot[:, :, None].expand(R, k, anc.shape[2]))
+        return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        W_out = self.model.output.weight
+        return linear(g.to(W_out.dtype), W_out).float()
+
+    def _root_outputs(self, run: List[int]):
+        """For the sequences ``run``: the committed keys and values (left-padded to the
+        longest, (R, S, nkv, hd)), their validity (R, S) and the head's output at each root
+        query (R, 1, H)."""
+        head, E = self.head, self.model.tok_embeddings.weight
+        R, S = len(run), max(self._keys[b].shape[0] for b in run)
+        ctx_k = torch.zeros(R, S, head.num_kv_heads, head.head_dim, dtype=E.dtype, device=E.device)
+        ctx_v = torch.zeros_like(ctx_k)
+        ctx_ok = torch.zeros(R, S, dtype=torch.bool, device=E.device)
+        for r, b in enumerate(run):
+            n = self._keys[b].shape[0]
+            ctx_k[r, S - n :], ctx_v[r, S - n :], ctx_ok[r, S - n :] = self._keys[b], self._values[b], True
+        u0 = torch.stack([self._root[b][0] for b in run])[:, None]
+        q0 = torch.stack([self._root[b][1] for b in run])[:, None]
+        return ctx_k, ctx_v, ctx_ok, head.finish(u0, head.attend(q0, ctx_k, ctx_v, ctx_ok[:, None]))
+
+    # ------------------------------------------------------------------ chain distributions
+    @torch.inference_mode()
+    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+        """The head's distribution of the first draft token (``Drafter.chain_begin``)."""
+        B = len(histories)
+        ready = [bool(active[b]) and self._ingest(b, histories[b]) and int(num_draft_tokens[b]) >= 1 for b in range(B)]
+        self._chain_ks = [min(int(k), self.max_depth) if r else 0 for k, r in zip(num_draft_tokens, ready)]
+        self._chain_run = [b for b in range(B) if ready[b]]
+        probs = torch.zeros(B, vocab_size)
+        if not self._chain_run:
+            return probs, torch.zeros(B, dtype=torch.bool)
+        with torch.inference_mode():
+            ctx_k, ctx_v, ctx_ok, g = self._root_outputs(self._chain_run)
+        self._chain = {"k": ctx_k, "v": ctx_v, "ok": ctx_ok, "g": g, "depth": 0}
+        probs[self._chain_run] = draft_distribution(self._logits(g[:, 0]), self.sampling).cpu()
+        return probs, torch.tensor(ready)
+
+    @torch.inference_mode()
+    def chain_extend(self, tokens):
+        """Feed the chain's token at depth d with the head's own feature and return the
+        distribution of depth d + 1 (``Drafter.chain_extend``)."""
+        B = len(self._chain_ks)
+        probs = torch.zeros(B, self.vocab_size)
+        if not self._chain_run:
+            return probs, torch.zeros(B, dtype=torch.bool)
+        c = self._chain
+        c["depth"] += 1
+        d, run, head, E = c["depth"], self._chain_run, self.head, self.model.tok_embeddings.weight
+        tok = tokens.to(E.device)[torch.tensor(run, device=E.device)]
+        u = head.inputs(c["g"], E[tok][:, None])
+        q, k, v = head.project(u, torch.tensor([[self._end[b] + d] for b in run], device=E.device))
+        c["k"], c["v"] = torch.cat([c["k"], k], 1), torch.cat([c["v"], v], 1)
+        c["ok"] = torch.cat([c["ok"], torch.ones(len(run), 1, dtype=torch.bool, device=E.device)], 1)
+        c["g"] = head.finish(u, head.attend(q, c["k"], c["v"], c["ok"][:, None]))
+        probs[run] = draft_distribution(self._logits(c["g"][:, 0]), self.sampling).cpu()
+        return probs, torch.tensor([k >= d + 1 for k in self._chain_ks])
+
+    def _select(self, roots, run, depth, tok, par, score, dep) -> Draft:
+        """Rerank each running sequence's pool by path probability (ties: shallower first),
+        keep the best ``max_nodes - 1`` no deeper than its depth, in topological order."""
+        trees = [([r], [-1]) for r in roots]
+        self.path_logprobs = [[0.0] for _ in roots]
+        for r, b in enumerate(run):
+            n = tok.shape[1]
+            ok = (dep[r] <= depth[b]) & (torch.arange(n) > 0)
+            ids = ok.nonzero()[:, 0].tolist()
+            ids.sort(key=lambda i: (-float(score[r, i]), int(dep[r, i]), i))
+            keep = sorted(ids[: self.max_nodes - 1], key=lambda i: (int(dep[r, i]), -float(score[r, i]), i))
+            where = {0: 0}
+            t, p = [roots[b]], [-1]
+            for i in keep:
+                where[i] = len(t)
+                t.append(int(tok[r, i]))
+                p.append(where[int(par[r, i])])  # the parent is kept and earlier (prefix-closed)
+            trees[b] = (t, p)
+            self.path_logprobs[b] = [0.0] + [float(score[r, i]) for i in keep]
+        draft = Draft.from_lists(trees, device=self.model.device, is_chain=None)
+        if not self.tree:
+            draft.is_chain = all(list(p) == chain_parents(len(p)) for _, p in trees)
+        return draft

@@ -1,0 +1,258 @@
+"""The self-distillation data pipeline shared by the drafter trainers (Medusa heads,
+``training.medusa``; the EAGLE-style head, ``training.eagle``).
+
+1. Prompts: Spec-Bench questions (``specdec_kernels/data/spec_bench/question.jsonl``)
+   through the chat template, split per category (``split_questions``): the first 2 of
+   each category are what ``bench.e2e`` evaluates and the 3rd and 4th the tuning set;
+   neither is ever trained on.
+2. Text and features: the target continues every prompt with its own greedy text
+   (``generate_data``: batched plain decoding with the engine) while ``HiddenRecorder``
+   keeps the target's final hidden state (after its final norm) of every position.  The
+   result (``SelfDistilled``: token ids, fp16 hidden states) is cached on disk
+   (``cached_data``, ``cache_path``), finished batches too, so an interrupted run resumes
+   and a second trainer on the same prompts reuses the first one's data.
+
+Self-distillation on the target's own outputs follows Medusa-2 (Cai et al. 2024) and
+EAGLE (Li et al. 2024): the drafter learns what the target says, not what a dataset says.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
+from specdec_kernels.decoding.model import Transformer
+
+HELD_OUT_PER_CATEGORY = 4  # never trained on: 2 evaluated by bench.e2e, 2 for tuning the tree
+BENCH_PER_CATEGORY = 2
+
+
+# ---------------------------------------------------------------------- prompts
+def split_questions(questions: Sequence[dict], per_category: int, long_per_category: Optional[int] = None, long_categories: Sequence[str] = ()) -> Tuple[List[dict], List[dict], List[dict]]:
+    """(train, tune, bench) Spec-Bench questions, each list in file order.
+
+    bench: the first 2 questions of each category (those ``bench.e2e`` evaluates); tune: the
+    3rd and 4th; train: up to ``per_category`` of the rest of each category
+    (``long_per_category`` for the ``long_categories``, whose long prompts cost the most).
+    """
+    seen: Dict[str, int] = defaultdict(int)
+    train, tune, bench = [], [], []
+    for q in questions:
+        c = q["category"]
+        i = seen[c]
+        seen[c] += 1
+        cap = long_per_category if long_per_category is not None and c in long_categories else per_category
+        if i < BENCH_PER_CATEGORY:
+            bench.append(q)
+        elif i < HELD_OUT_PER_CATEGORY:
+            tune.append(q)
+        elif i < HELD_OUT_PER_CATEGORY + cap:
+            train.append(q)
+    return train, tune, bench
+
+
+def chat_ids(tokenizer, text: str) -> List[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+
+
+# ---------------------------------------------------------------------- data
+class HiddenRecorder(Drafter):
+    """Plain decoding (no drafts) that keeps the target's final hidden states.
+
+    ``hidden[b]`` collects the final hidden state of consecutive positions from 0: those of
+    the prompt tokens the prefill feeds (all but the last), read by a forward hook on the
+    target's last decoder layer while the engine prefills (the final norm applied here, as
+    ``Transformer.forward`` does), then the root of every step, handed over by the engine
+    through ``observe_hidden`` (the last accepted node: the root, in plain decoding).  Call
+    ``prepare(model, prompts)`` before each ``generate``.
+    """
+
+    name = "record-hidden"
+    wants_hidden = True
+
+    def prepare(self, model: Transformer, prompts: Sequence[Sequence[int]]) -> None:
+        self.model = model
+        self.fed = [len(p) - 1 for p in prompts]
+        self.hidden: List[List[torch.Tensor]] = [[] for _ in prompts]
+        self._prefilling = True
+        self._hook = model.layers[-1].register_forward_hook(self._prefill_hook)
+
+    def _prefill_hook(self, module, args, output) -> None:
+        # Block.forward(x, cos, sin, layer_cache, write, cache_seqlens, ...): a prefill chunk
+        # starts at cache_seqlens (the same for every sequence) and holds output.shape[1] rows
+        if not self._prefilling:
+            return
+        start = int(args[5][0])
+        rows = self.model.norm(output).detach().to(torch.float16).cpu()
+        for b, f in enumerate(self.fed):
+            n = min(rows.shape[1], f - start)
+            if n > 0:
+                self.hidden[b].extend(rows[b, :n])
+
+    def start(self, histories, capacity, sampling, generators) -> None:
+        super().start(histories, capacity, sampling, generators)
+        self._prefilling = False  # the engine prefills before it starts the drafter
+        self._hook.remove()
+        self._skip_prefill_hidden = True
+
+    def propose(self, histories, num_draft_tokens, active) -> Draft:
+        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+
+    def observe_hidden(self, hidden, active) -> None:
+        if self._skip_prefill_hidden:  # the prefill's last fed token: recorded by the hook
+            self._skip_prefill_hidden = False
+            return
+        for b, a in enumerate(active):
+            if a:
+                self.hidden[b].append(hidden[b].detach().to(torch.float16).cpu())
+
+
+@dataclass
+class SelfDistilled:
+    """Greedy continuations and the target's hidden states.
+
+    tokens[s]: prompt + generated ids; prompt_lengths[s]; first[s]: the position of
+    hidden[s][0]; hidden[s]: (T_s, hidden_size) fp16, consecutive positions.
+    """
+
+    tokens: List[List[int]]
+    prompt_lengths: List[int]
+    first: List[int]
+    hidden: List[torch.Tensor]
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "prompt_lengths": self.prompt_lengths, "first": self.first, "hidden": self.hidden}
+
+
+def length_batches(lengths: Sequence[int], max_batch: int, max_tokens: int) -> List[List[int]]:
+    """Indices grouped into batches of similar lengths (shortest first): at most ``max_batch``
+    prompts and, beyond the first prompt, at most ``max_tokens`` padded prompt tokens each
+    (the prefill pads every prompt to the batch's longest)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches: List[List[int]] = []
+    for i in order:
+        b = batches[-1] if batches else None
+        if b is None or len(b) >= max_batch or (len(b) + 1) * lengths[i] > max_tokens:
+            batches.append([i])
+        else:
+            b.append(i)
+    return batches
+
+
+def generate_data(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int, stop_ids: Sequence[int], desc: str = "generate", partial: Optional[Path] = None, max_tokens: int = 4096) -> SelfDistilled:
+    """Greedy continuations of every prompt and the hidden states, in batches of similar
+    lengths (``length_batches(lengths, batch, max_tokens)``).
+
+    ``partial``: a file where finished batches are kept, so that an interrupted run resumes
+    where it stopped (same batches, so the same numbers)."""
+    from tqdm import tqdm
+
+    recorder = HiddenRecorder()
+    decoder = SpeculativeDecoder(model, recorder, stop_token_ids=stop_ids)
+    out: Dict[int, tuple] = {}
+    if partial is not None and partial.exists():
+        out = {int(i): tuple(v) for i, v in torch.load(partial, map_location="cpu", weights_only=True).items()}
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
+        for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
+            if all(i in out for i in idx):
+                continue
+            recorder.prepare(model, [prompts[i] for i in idx])
+            result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
+            for j, i in enumerate(idx):
+                h = torch.stack(recorder.hidden[j]) if recorder.hidden[j] else torch.zeros(0, model.args.hidden_size, dtype=torch.float16)
+                out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
+            bar.update(len(idx))
+            if partial is not None:
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({i: list(v) for i, v in out.items()}, partial.with_suffix(".tmp"))
+                os.replace(partial.with_suffix(".tmp"), partial)
+    return SelfDistilled(
+        tokens=[out[i][0] for i in range(len(prompts))],
+        prompt_lengths=[len(p) for p in prompts],
+        first=[out[i][1] for i in range(len(prompts))],
+        hidden=[out[i][2] for i in range(len(prompts))],
+    )
+
+
+def cached_data(path: Optional[Path], make) -> SelfDistilled:
+    if path is not None and path.exists():
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        print(f"(self-distilled data from the cache {path})", file=sys.stderr)
+        return SelfDistilled(d["tokens"], d["prompt_lengths"], d["first"], d["hidden"])
+    data = make(None if path is None else path.with_suffix(".partial"))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(data.to_dict(), tmp)
+        os.replace(tmp, path)
+        path.with_suffix(".partial").unlink(missing_ok=True)
+    return data
+
+
+
+def tiny_random_model(seed: int = 0):
+    """A 2-layer random Llama (vocab 111, hidden 64, head dim 16) as our Transformer, for smoke tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=111, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5)
+    return Transformer.from_hf_model(LlamaForCausalLM(cfg).eval())
+
+
+def load_target(args):
+    """(model, train prompts, tune prompts, bench prompts, stop ids, base-model name)."""
+    if args.random_model:
+        model = tiny_random_model(args.seed)
+        g = torch.Generator().manual_seed(args.seed)
+        rand = lambda n: [torch.randint(0, 111, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]  # noqa: E731
+        return model, rand(6), rand(3), rand(2), [], "tiny-random-llama"
+    from specdec_kernels.decoding.loading import MODEL_NAME, load_smollm2
+    from specdec_kernels.decoding.prompts import spec_bench_questions
+
+    model, tok = load_smollm2()
+    longs = [c.strip() for c in args.long_categories.split(",") if c.strip()]
+    train, tune, bench = split_questions(spec_bench_questions(), args.per_category, args.long_per_category, longs)
+    ids = lambda qs: [chat_ids(tok, q["turns"][0]) for q in qs]  # noqa: E731
+    return model, ids(train), ids(tune), ids(bench), [tok.eos_token_id], MODEL_NAME
+
+
+
+def default_cache_dir(cache_dir: Optional[str] = None) -> Path:
+    """Where generated data is cached: ``cache_dir``, else $SPECDEC_CACHE_DIR, else
+    ~/.cache/specdec_kernels, with ``self-distilled`` appended."""
+    return Path(cache_dir or os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec_kernels") / "self-distilled"
+
+
+def cache_path(cache: Optional[Path], tag: str, fingerprint: str, new_tokens: int, gen_batch: int, gen_max_tokens: int,
+               prompts: Sequence[Sequence[int]]) -> Optional[Path]:
+    """The cache file of one prompt set (None when ``cache`` is None): named by ``tag`` and a
+    hash of everything the data depends on (the target's fingerprint, the generation
+    settings, the prompts' token ids)."""
+    if cache is None:
+        return None
+    key = hashlib.sha256(json.dumps([fingerprint, new_tokens, gen_batch, gen_max_tokens, [list(p) for p in prompts]]).encode()).hexdigest()[:16]
+    return cache / f"{tag}-{key}.pt"
+
+
+def self_distilled_sets(model: Transformer, fingerprint: str, sets: Dict[str, Sequence[Sequence[int]]], args, stop_ids: Sequence[int],
+                        cache: Optional[Path]) -> List[SelfDistilled]:
+    """``SelfDistilled`` data of each named prompt set, from the cache or generated (and
+    then cached): the target's greedy continuations of ``args.new_tokens`` tokens, in
+    batches of ``args.gen_batch`` prompts and ``args.gen_max_tokens`` padded tokens."""
+    out = []
+    with torch.inference_mode():
+        for tag, prompts in sets.items():
+            path = cache_path(cache, tag, fingerprint, args.new_tokens, args.gen_batch, args.gen_max_tokens, prompts)
+            out.append(cached_data(path, lambda part, prompts=prompts, tag=tag: generate_data(
+                model, prompts, args.new_tokens, args.gen_batch, stop_ids, f"generate ({tag})", part, args.gen_max_tokens)))
+    return out

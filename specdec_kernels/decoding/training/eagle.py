@@ -1,0 +1,353 @@
+"""Train the EAGLE-style draft head (``decoding.drafters.eagle``) by self-distillation on CPU.
+
+    python -m specdec_kernels.decoding.training.eagle [--steps N] [--out PATH] [--seed S]
+
+1. Data: the pipeline Medusa's trainer uses (``training.data``): Spec-Bench prompts (the
+   first 4 questions of every category held out), the target's own greedy continuations
+   and its final hidden state (after its final norm) at every position, cached on disk
+   (the same cache: one generation serves both trainers).
+2. Examples: segments of ``--segment`` consecutive positions of one sequence.  At
+   position t the head reads (f_t, x_{t+1}) and predicts f_{t+1} and the target's
+   distribution over x_{t+2} (soft labels: the target's output head on f_{t+1}; hard
+   label: the target's argmax, which past the prompt is the text itself).  The head's
+   attention is causal over the segment, like the drafter's sliding window over the
+   committed positions (``window`` = ``--segment``).
+3. Training-time test (EAGLE-3, Li et al. 2025): ``--unroll`` U steps.  Step s >= 2 feeds
+   the head its own step s - 1 output at every t (the feature the drafter will have at
+   depth s), with the text's token x_{t+s}, at position t + s - 1; its query attends to the
+   real positions <= t and to its own chain's earlier steps.  Step s learns f_{t+s} and the
+   target's distribution over x_{t+s+1}.
+4. Loss per step: cross-entropy against the soft labels (``--distill``, mixed with the
+   hard label) through the frozen output head as a sampled softmax (``training.softmax``;
+   bfloat16 logits) plus ``--reg`` x smooth L1 between the predicted and the true feature
+   (EAGLE's regression term), weighted 0.8^(s-1).  AdamW, warm-up and cosine decay,
+   minibatches of ``--segments`` segments drawn with ``--seed``.
+5. Report: on the tuning set (questions 3-4 of every category), the head's top-1 agreement
+   with the target at each unrolled depth and the expected accepted length of a chain;
+   ``--evaluate`` then decodes the held-out bench prompts (the first 2 of each category)
+   at temperature 0, chain and dynamic tree, and checks the outputs equal greedy.
+
+The shipped ``specdec_kernels/data/eagle/smollm2-135m-instruct.pt`` was made with the
+command stored in its ``config["training"]["command"]`` (see the README).  ``--random-model``
+runs the whole pipeline on a tiny random Llama (a smoke test, seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Dict, List, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead
+from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
+from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.training.data import SelfDistilled, default_cache_dir, load_target, self_distilled_sets
+from specdec_kernels.decoding.training.softmax import SampledSoftmax
+
+STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
+
+
+class FeatureRows(NamedTuple):
+    """Every recorded position of the data, sequence after sequence.
+
+    states: (N, H) fp16 f_t; next_tokens: (N,) x_{t+1} (the text); labels: (N,) the
+    target's argmax after position t (= x_{t+1} past the prompt); seq_end: (N,) the row
+    after the last row of each row's sequence.
+    """
+
+    states: torch.Tensor
+    next_tokens: torch.Tensor
+    labels: torch.Tensor
+    seq_end: torch.Tensor
+
+
+def feature_rows(data: SelfDistilled, output_weight: torch.Tensor, chunk: int = 2048) -> FeatureRows:
+    """The rows of ``data`` with their next tokens and the target's predictions (its argmax
+    through ``output_weight`` where the next token is a prompt token; the text elsewhere,
+    which the target generated greedily).  Sequences with fewer than 2 rows are dropped."""
+    W = output_weight.detach().float()
+    states, nexts, labels, ends = [], [], [], []
+    n = 0
+    for toks, P, first, h in zip(data.tokens, data.prompt_lengths, data.first, data.hidden):
+        rows = min(h.shape[0], len(toks) - 1 - first)
+        if rows < 2:
+            continue
+        h = h[:rows]
+        nxt = torch.tensor(toks[first + 1 : first + 1 + rows], dtype=torch.int64)
+        lab = nxt.clone()
+        n_prompt = max(0, min(rows, P - 1 - first))  # rows whose next token is a prompt token
+        for s in range(0, n_prompt, chunk):
+            e = min(s + chunk, n_prompt)
+            lab[s:e] = (h[s:e].float() @ W.T).argmax(-1)
+        states.append(h.to(torch.float16))
+        nexts.append(nxt)
+        labels.append(lab)
+        n += rows
+        ends.append(torch.full((rows,), n, dtype=torch.int64))
+    if not states:
+        raise ValueError("the data holds no sequence with at least 2 recorded positions")
+    return FeatureRows(torch.cat(states), torch.cat(nexts), torch.cat(labels), torch.cat(ends))
+
+
+def unrolled(head: EagleHead, embedding: torch.Tensor, f: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor,
+             unroll: int) -> List[torch.Tensor]:
+    """The head's outputs over segments with training-time test.
+
+    Args:
+        f: (B, L + U, H) features of consecutive positions (the segment and U more rows).
+        next_tokens: (B, L + U) the token after each row.
+        valid: (B, L + U) bool, rows that belong to the segment's sequence.
+        unroll: U >= 1.
+
+    Returns:
+        U tensors (B, L, H): step s's g_t (the prediction of f_{t+s}) for t in 0..L-1.
+    """
+    B, T, H = f.shape
+    L = T - unroll
+    dev = f.device
+    E = embedding
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    eye = torch.eye(L, dtype=torch.bool, device=dev)
+    real_mask = (causal[None] & valid[:, None, :L]) | eye
+    pos = torch.arange(L, device=dev).expand(B, L)
+    u = head.inputs(f[:, :L], E[next_tokens[:, :L]])
+    q, k1, v1 = head.project(u, pos)
+    g = head.finish(u, head.attend(q, k1, v1, real_mask))
+    outs, keys, values = [g], [k1], [v1]
+    for s in range(2, unroll + 1):
+        u = head.inputs(g, E[next_tokens[:, s - 1 : s - 1 + L]])
+        q, k, v = head.project(u, pos + s - 1)
+        keys.append(k)
+        values.append(v)
+        mask = torch.cat([real_mask] + [eye.expand(B, L, L)] * (s - 1), dim=2)
+        g = head.finish(u, head.attend(q, torch.cat(keys, 1), torch.cat(values, 1), mask))
+        outs.append(g)
+    return outs
+
+
+def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps: int, segments: int, segment: int, unroll: int,
+               lr: float, seed: int, reg: float = 0.1, distill: float = 1.0, frequent: int = 4096, negatives: int = 2048,
+               desc: str = "train") -> List[float]:
+    """Train ``head`` on the feature rows (see the module docstring); returns every step's loss.
+
+    Raises:
+        ValueError: steps, segments, segment or unroll < 1; distill outside [0, 1]; reg < 0.
+    """
+    for name, v in (("steps", steps), ("segments", segments), ("segment", segment), ("unroll", unroll)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill must lie in [0, 1], got {distill}")
+    if reg < 0:
+        raise ValueError(f"reg must be >= 0, got {reg}")
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(seed)
+    E = model.tok_embeddings.weight.detach().float()
+    W_out = model.output.weight.detach().float()
+    W_bf = W_out.to(torch.bfloat16)
+    softmax = SampledSoftmax(rows.labels, W_out.shape[0], frequent, negatives)
+    N, L, U = rows.states.shape[0], segment, unroll
+    head.float().train()
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    losses: List[float] = []
+    offsets = torch.arange(L + U)
+    with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
+        for step in bar:
+            start = torch.randint(0, N, (segments,), generator=g)
+            idx = start[:, None] + offsets  # (B, L + U)
+            valid = idx < rows.seq_end[start][:, None]
+            idx = torch.minimum(idx, rows.seq_end[start][:, None] - 1)
+            f = rows.states[idx].float()
+            outs = unrolled(head, E, f, rows.next_tokens[idx], valid, U)
+            # step s at row t: the truth is row t + s (its feature; the target's distribution
+            # over the token after it and its argmax)
+            labels = torch.stack([torch.where(valid[:, s : s + L], rows.labels[idx[:, s : s + L]], -100) for s in range(1, U + 1)])
+            c = softmax.draw(labels, g)
+            W_c = W_bf[c.tokens].T
+            total = torch.zeros(())
+            weight = 0.0
+            for s, out in enumerate(outs, start=1):
+                truth = f[:, s : s + L]
+                ok = valid[:, s : s + L]
+                target = c.targets(labels[s - 1])
+                logits = (out.to(torch.bfloat16) @ W_c).float() + c.bias
+                hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+                with torch.no_grad():
+                    soft_p = torch.softmax((truth.to(torch.bfloat16) @ W_c).float() + c.bias, dim=-1)
+                soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+                per = (1 - distill) * hard + distill * soft
+                if reg:
+                    per = per + reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
+                w = STEP_DECAY ** (s - 1)
+                total = total + w * (per * ok).sum() / ok.sum().clamp(min=1)
+                weight += w
+            loss = total / weight
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    head.eval()
+    return losses
+
+
+@torch.no_grad()
+def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: int, segment: int) -> Dict[str, object]:
+    """Top-1 agreement of the head with the target at each unrolled depth (teacher-forced
+    tokens, the head's own features), over consecutive segments of every sequence, and the
+    expected accepted length of a chain of ``unroll`` drafts (1 + the sum over depths of
+    the fraction of positions whose first d drafts all agree)."""
+    E = model.tok_embeddings.weight.detach().float()
+    W = model.output.weight.detach().float()
+    head_dt = next(head.parameters()).dtype
+    head.float()
+    N, L = rows.states.shape[0], segment
+    hits = [[] for _ in range(unroll)]
+    for s0 in range(0, N, L):
+        idx = (s0 + torch.arange(L + unroll))[None]
+        end = rows.seq_end[s0]
+        valid = idx < end
+        idx = torch.minimum(idx, end - 1)
+        outs = unrolled(head, E, rows.states[idx].float(), rows.next_tokens[idx], valid, unroll)
+        for s, out in enumerate(outs, start=1):
+            ok = valid[0, s : s + L]
+            pred = (out[0] @ W.T).argmax(-1)
+            hits[s - 1].append(torch.where(ok, (pred == rows.labels[idx[0, s : s + L]]).long(), -1))
+    head.to(head_dt)
+    H = [torch.cat(h) for h in hits]
+    top1 = [float((h[h >= 0] == 1).float().mean()) if (h >= 0).any() else 0.0 for h in H]
+    all_ok = torch.ones_like(H[0], dtype=torch.bool)
+    expected = 1.0
+    for h in H:  # a position counts where every depth is defined
+        all_ok = all_ok & (h == 1)
+        expected += float(all_ok[H[-1] >= 0].float().mean()) if (H[-1] >= 0).any() else 0.0
+    return {"top1": top1, "chain_expected_accepted_length": expected}
+
+
+def evaluate(model, head, prompts, new_tokens: int, stop_ids, batch: int = 8, max_nodes: int = 64, top_k: int = 8) -> Dict[str, dict]:
+    """Mean accepted length of EAGLE chain and dynamic-tree decoding at temperature 0, and
+    whether the outputs equal plain greedy decoding."""
+    plain = SpeculativeDecoder(model, None, stop_token_ids=stop_ids)
+    ref = []
+    for s in range(0, len(prompts), batch):
+        ref += plain.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=0).tokens
+    results = {}
+    for name, tree in (("eagle", False), ("eagle-tree", True)):
+        drafter = EagleDrafter(model, head, tree=tree, max_nodes=max_nodes, top_k=top_k)
+        decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stop_ids)
+        tokens, steps, passes, t = [], 0, 0, time.perf_counter()
+        for s in range(0, len(prompts), batch):
+            r = decoder.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=drafter.max_depth)
+            tokens += r.tokens
+            steps += r.stats.sequence_steps
+            passes += r.stats.target_passes
+        emitted = sum(len(x) for x in tokens)
+        results[name] = {"mean_accepted_length": emitted / max(steps, 1), "tokens": emitted, "target_passes": passes,
+                         "seconds": time.perf_counter() - t, "equals_plain_greedy": tokens == ref}
+    return results
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.training.eagle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1500, help="optimiser steps")
+    p.add_argument("--segments", type=int, default=8, help="segments per minibatch")
+    p.add_argument("--segment", type=int, default=128, help="consecutive positions per segment (= the drafter's window)")
+    p.add_argument("--unroll", type=int, default=3, help="training-time test steps (1: teacher forcing only)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width (default: the target's)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--reg", type=float, default=0.1, help="weight of the feature regression (smooth L1)")
+    p.add_argument("--distill", type=float, default=1.0, help="weight of the soft labels against the argmax, in [0, 1]")
+    p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
+    p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
+    p.add_argument("--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories")
+    p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
+    p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
+    p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
+    p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
+    p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
+    p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length")
+    p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
+    p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
+    args = p.parse_args(argv)
+    for name in ("steps", "segments", "segment", "unroll", "per_category", "long_per_category", "new_tokens", "gen_batch",
+                 "gen_max_tokens", "eval_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.intermediate_size is not None and args.intermediate_size < 1:
+        p.error("--intermediate-size must be >= 1")
+    if not 0.0 <= args.distill <= 1.0:
+        p.error("--distill must lie in [0, 1]")
+    if args.reg < 0:
+        p.error("--reg must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, train_p, tune_p, bench_p, stops, base = load_target(args)
+    fingerprint = model_fingerprint(model)
+    print(f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)", file=sys.stderr)
+    cache = None if args.random_model else default_cache_dir(args.cache_dir)
+    tune_d, train_d = self_distilled_sets(model, fingerprint, {"tune": tune_p, "train": train_p}, args, stops, cache)
+    train_rows = feature_rows(train_d, model.output.weight)
+    tune_rows = feature_rows(tune_d, model.output.weight)
+    t_data = time.perf_counter() - t0
+    print(f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions", file=sys.stderr)
+
+    head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
+    t1 = time.perf_counter()
+    losses = train_head(head, model, train_rows, steps=args.steps, segments=args.segments, segment=args.segment, unroll=args.unroll,
+                        lr=args.lr, seed=args.seed, reg=args.reg, distill=args.distill, frequent=args.frequent, negatives=args.negatives)
+    t_train = time.perf_counter() - t1
+    report = agreement(head, model, tune_rows, args.unroll, args.segment)
+    print(f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
+          f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}", file=sys.stderr)
+    head.config = {
+        "base_model": base,
+        "base_fingerprint": fingerprint,
+        "training": {
+            "command": "python -m specdec_kernels.decoding.training.eagle " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")},
+            "train_positions": int(train_rows.states.shape[0]),
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "tune_top1": report["top1"],
+            "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
+            "seconds": {"data": round(t_data), "training": round(t_train)},
+        },
+    }
+    head.save(args.out)
+    print(f"saved {args.out} (data {t_data:.0f} s, training {t_train:.0f} s)", file=sys.stderr)
+    if args.evaluate:
+        head = EagleHead.load(args.out)
+        with torch.inference_mode():
+            res = evaluate(model, head, bench_p, args.eval_tokens, stops)
+        for name, r in res.items():
+            print(f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, {r['target_passes']} target "
+                  f"passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}")
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The sampled softmax both trainers use: a drafter's logits through the target's frozen
+output head cost a 49152-way softmax per label (about 5 s a minibatch on a 2-core CPU), so
+each minibatch scores a candidate set instead (Jean et al. 2015, "On Using Very Large
+Target Vocabulary for Neural Machine Translation"): the most frequent labels of the data,
+the minibatch's own labels, and tokens drawn uniformly from the rest of the vocabulary,
+whose logits get + log(rest / drawn), the mass of the tokens not drawn.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class Candidates(NamedTuple):
+    """One minibatch's candidate set.
+
+    tokens: (C,) int64 vocabulary ids; bias: (C,) float32, added to their logits;
+    remap: (V,) int64, a token's index among the candidates (-100: not a candidate).
+    """
+
+    tokens: torch.Tensor
+    bias: torch.Tensor
+    remap: torch.Tensor
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """labels (any shape, -100 ignored) as candidate indices (-100 stays)."""
+        return torch.where(labels >= 0, self.remap[labels.clamp(min=0)], -100)
+
+
+class SampledSoftmax:
+    """Candidate sets for a vocabulary of ``vocab_size`` from the data's labels.
+
+    Args:
+        labels: every training label (any shape, -100 ignored), for the frequencies.
+        vocab_size: V.
+        frequent: the most frequent labels always among the candidates.
+        negatives: tokens drawn per minibatch from the rest; when the rest is no larger,
+            every token is a candidate (the full softmax).
+    """
+
+    def __init__(self, labels: torch.Tensor, vocab_size: int, frequent: int = 4096, negatives: int = 2048):
+        V = int(vocab_size)
+        y = labels[labels >= 0]
+        counts = torch.bincount(y, minlength=V)
+        order = torch.sort(counts, descending=True, stable=True).indices
+        self.vocab_size = V
+        self.negatives = int(negatives)
+        self.common = order[: min(frequent, int((counts > 0).sum()))].sort().values
+        self.in_common = torch.zeros(V, dtype=torch.bool)
+        self.in_common[self.common] = True
+        self.rest = (~self.in_common).nonzero()[:, 0]
+        self.sampled = self.rest.numel() > self.negatives
+
+    def draw(self, labels: torch.Tensor, generator: torch.Generator) -> Candidates:
+        """The candidates of a minibatch with these labels (-100 ignored), negatives drawn
+        with ``generator``."""
+        V = self.vocab_size
+        if self.sampled:
+            present = torch.unique(labels[labels >= 0])
+            extra = present[~self.in_common[present]]
+            draw = self.rest[torch.randperm(self.rest.numel(), generator=generator)[: self.negatives]]
+            draw = draw[~torch.isin(draw, extra)]
+            cands = torch.cat([self.common, extra, draw])
+            bias = torch.zeros(cands.numel())
+            bias[self.common.numel() + extra.numel() :] = math.log((self.rest.numel() - extra.numel()) / max(1, draw.numel()))
+        else:
+            cands, bias = torch.arange(V), torch.zeros(V)
+        remap = torch.full((V,), -100, dtype=torch.int64)
+        remap[cands] = torch.arange(cands.numel())
+        return Candidates(cands, bias, remap)
