@@ -74,7 +74,7 @@ HF_EARLY_EXIT_TOKENS = 4  # num_assistant_tokens: our layer-skip k_max (with the
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
 # code, and one with much (extraction); the full default run is the figure to quote
 DEMO = dict(categories=["writing", "coding", "extraction"], per_category=1, max_new_tokens=64,
-            methods=["greedy", "ngram-chain", "ngram-tree", "hf-greedy", "hf-prompt-lookup"], threads=1)
+            methods=["greedy", "ngram-chain", "ngram-tree", "eagle-chain", "hf-greedy", "hf-prompt-lookup"], threads=1)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -306,6 +306,9 @@ def hf_ours_method(name: str, generate_kwargs: Callable[[Context], Dict[str, Any
 def _register_builtin() -> None:
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
     from specdec_kernels.decoding.engine.adaptive import DEFAULT_K
+    from specdec_kernels.decoding.drafters.eagle import SHIPPED as EAGLE_SHIPPED
+    from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+    from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
     from specdec_kernels.decoding.drafters.medusa import SHIPPED, MedusaDrafter
     from specdec_kernels.decoding.drafters.multi import MultiDrafter
 
@@ -333,6 +336,30 @@ def _register_builtin() -> None:
                   adaptive=True, k_max=medusa_k, heads=SHIPPED.name))
     register(ours("medusa-tree", lambda ctx: MedusaDrafter(ctx.model, tree=True),
                   f"Medusa heads, tuned static tree, K={medusa_k}", num_draft_tokens=medusa_k, heads=SHIPPED.name))
+    # the shipped EAGLE-style head: a chain, and EAGLE-2's dynamic tree at Medusa's node budget
+    # (64) and at half of it (a CPU pays for every node)
+    eagle_k = DEFAULT_K["eagle"]
+    register(ours("eagle-chain", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, K={eagle_k}",
+                  num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name))
+    register(ours("eagle-tree", lambda ctx: EagleDrafter(ctx.model, top_k=8, max_nodes=64),
+                  f"EAGLE head, dynamic tree top-8, 64 nodes, K={eagle_k}", num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name,
+                  top_k=8, max_nodes=64))
+    register(ours("eagle-tree-32", lambda ctx: EagleDrafter(ctx.model, top_k=6, max_nodes=32),
+                  f"EAGLE head, dynamic tree top-6, 32 nodes, K={eagle_k}", num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name,
+                  top_k=6, max_nodes=32, default=False))
+    register(ours("eagle-adaptive", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, cost-model K<={eagle_k}",
+                  adaptive=True, k_max=eagle_k, default=False, head=EAGLE_SHIPPED.name))
+    # lookahead (Jacobi) decoding: the CPU-sized defaults and Spec-Bench's W=7, N=5, G=7
+    la_k = DEFAULT_K["lookahead"]
+    register(ours("lookahead", lambda ctx: LookaheadDrafter(), f"lookahead W=4 N=3 G=2, K={la_k}", num_draft_tokens=la_k,
+                  window=4, ngram=3, guesses=2))
+    register(ours("lookahead-specbench", lambda ctx: LookaheadDrafter(7, 5, 7, max_nodes=64), "lookahead W=7 N=5 G=7, K=7",
+                  num_draft_tokens=7, default=False, window=7, ngram=5, guesses=7))
+    # ensemble averaging: the EAGLE head's and prompt lookup's distributions mixed (weights
+    # learnt per sequence), one chain drawn from the mixture
+    register(ours("ensemble", lambda ctx: MultiDrafter([EagleDrafter(ctx.model, tree=False), NgramDrafter()], ensemble=True),
+                  f"ensemble average of EAGLE chain + n-gram, learnt weights, K={eagle_k}", num_draft_tokens=eagle_k,
+                  members=["eagle", "ngram"]))
     register(ours("multi", lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
                   f"n-gram + layer-skip ({L} layers) merged tree, adaptive K<={multi_k}", adaptive=True, k_max=multi_k,
                   layers=L))

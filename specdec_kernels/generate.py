@@ -5,6 +5,8 @@
     python -m specdec_kernels.generate --prompt "Tell a story" --drafter ngram --temperature 0.8 --top-p 0.9
     python -m specdec_kernels.generate --question-id 245 --drafter multi --drafters ngram,layerskip
     python -m specdec_kernels.generate --question-id 121 --drafter medusa-tree --compare
+    python -m specdec_kernels.generate --question-id 121 --drafter eagle-tree --compare
+    python -m specdec_kernels.generate --question-id 81 --drafter multi --drafters eagle,ngram --ensemble --temperature 0.7
     python -m specdec_kernels.generate --question-id 245 --drafter layerskip --temperature 0.7 --typical 0.09
 
 The prompt goes through the model's chat template; the answer and the run's statistics are
@@ -28,9 +30,10 @@ from typing import List, Optional
 
 import torch
 
-DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "medusa-tree", "multi", "none")
+DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "medusa-tree", "eagle", "eagle-tree", "lookahead", "multi", "none")
 DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "medusa": 4, "medusa-tree": 4, "multi": 4, "none": 0}
-SUB_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa")
+SUB_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "eagle", "lookahead")
+ENSEMBLE_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "eagle")  # with chain distributions
 
 
 # SmolLM2-135M-Instruct: 30 layers, 8192 positions (checked before the model loads).
@@ -129,6 +132,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--prompt-file", help="read the user message from this file")
     src.add_argument("--question-id", type=int, help="a Spec-Bench question (81..560), first turn")
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (none: plain decoding; multi: see --drafters)")
+    p.add_argument("--ensemble", action="store_true",
+                   help="with --drafter multi: average the drafters' distributions into one chain (learnt weights) instead of merging their drafts")
     p.add_argument("--drafters", default="ngram,layerskip",
                    help=f"with --drafter multi: the drafters whose drafts are merged into one tree, comma-separated from {', '.join(SUB_DRAFTERS)}")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -163,6 +168,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     bad = [d for d in args.sub_drafters if d not in SUB_DRAFTERS]
     if args.drafter == "multi" and (bad or not args.sub_drafters):
         p.error(f"--drafters must name drafters from {', '.join(SUB_DRAFTERS)}, got {args.drafters!r}")
+    if args.ensemble and args.drafter != "multi":
+        p.error("--ensemble averages the drafters of --drafter multi")
+    if args.ensemble and [d for d in args.sub_drafters if d not in ENSEMBLE_DRAFTERS]:
+        p.error(f"--ensemble: every drafter of --drafters must come from {', '.join(ENSEMBLE_DRAFTERS)}, got {args.drafters!r}")
     _validate(p, args)
     if args.typical is not None and not 0 < args.typical <= 1:
         p.error("--typical must lie in (0, 1]")
@@ -178,7 +187,7 @@ def build_drafter(args, model, name=None):
     if name == "multi":
         from specdec_kernels.decoding.drafters.multi import MultiDrafter
 
-        return MultiDrafter([build_drafter(args, model, d) for d in args.sub_drafters])
+        return MultiDrafter([build_drafter(args, model, d) for d in args.sub_drafters], ensemble=args.ensemble)
     widths = args.widths if args.tree else None
     layers = args.layers if args.layers is not None else model.args.num_layers // 2
     if name == "ngram":
@@ -187,6 +196,14 @@ def build_drafter(args, model, name=None):
         from specdec_kernels.decoding.drafters.medusa import MedusaDrafter
 
         return MedusaDrafter(model, args.medusa_heads, tree=args.tree or name == "medusa-tree")
+    if name in ("eagle", "eagle-tree"):
+        from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+
+        return EagleDrafter(model, tree=args.tree or name == "eagle-tree")
+    if name == "lookahead":
+        from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
+
+        return LookaheadDrafter()
     if name == "layerskip":
         return LayerSkipDrafter(model, layers, tree_widths=widths)
     if name == "draft-model":
@@ -275,7 +292,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"(interrupted after {stream.count} generated tokens)", file=sys.stderr)
         return 130
     stream.finish()
-    mode = "tree" if args.tree or args.drafter == "medusa-tree" else "chain"
+    mode = "tree" if args.tree or args.drafter in ("medusa-tree", "eagle-tree") else "chain"
     how = result.stats.policy or f"K={k}"
     lossy = f", typical acceptance eps {args.typical} (LOSSY)" if decoder.typical is not None else ""
     print(f"\n--- {args.drafter} ({mode}, {how}, temperature {args.temperature}{lossy}), prompt {len(ids)} tokens")

@@ -23,7 +23,7 @@ QUESTIONS = [
     {"question_id": 3, "category": "chat", "turns": ["Say hello."]},
     {"question_id": 4, "category": "chat", "turns": ["Say goodbye."]},
 ]
-METHODS = ["greedy", "ngram-chain", "ngram-tree", "layerskip-tree", "medusa-tree", "hf-greedy"]
+METHODS = ["greedy", "ngram-chain", "ngram-tree", "layerskip-tree", "medusa-tree", "eagle-tree", "lookahead", "ensemble", "hf-greedy"]
 NEW_TOKENS = 16
 
 

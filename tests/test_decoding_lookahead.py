@@ -129,6 +129,18 @@ def test_greedy_inside_a_multi_drafter(tiny, block_size):
     assert la.ngrams_added > 0
 
 
+@pytest.mark.parametrize("multi", [False, True], ids=["alone", "multi"])
+def test_a_draft_cut_by_the_engine_leaves_the_cut_nodes_unknown(tiny, multi):
+    """max_draft_nodes below the window: the engine feeds only the first nodes, and the
+    argmax of the nodes it cut is unknown (not read past the block)."""
+    plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 20)
+    la = LookaheadDrafter(window=6, ngram=3, guesses=2)
+    drafter = MultiDrafter([NgramDrafter(), la], max_nodes=None) if multi else la
+    result = SpeculativeDecoder(tiny, drafter, stop_token_ids=[3], max_draft_nodes=3).generate(PROMPTS, 20, num_draft_tokens=6)
+    assert result.tokens == plain.tokens
+    assert len(result.stats.proposed_at) <= 2  # depth at most 2: root + 2 nodes fed
+
+
 def test_sampling_keeps_the_target_distribution(tiny):
     """Deterministic drafts (q one-hot): the first 3 emitted tokens follow the target's
     marginals over 3000 seeds (P_THRESHOLD 1e-3 per token)."""

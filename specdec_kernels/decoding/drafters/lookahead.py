@@ -140,7 +140,8 @@ class LookaheadDrafter(Drafter):
         for b, nodes in enumerate(self._window_nodes):
             if not nodes:
                 continue
-            out = [int(rows[b][n]) for n in nodes]  # o_0 .. o_w
+            n_b = int(num_nodes[b])  # the engine may have cut the draft: nodes past it were not fed
+            out = [int(rows[b][n]) if n < n_b else -1 for n in nodes]  # o_0 .. o_w (-1: unknown)
             self._outputs[b] = out
             seq = [self._roots[b]] + self._fed[b]  # y_0 (the root) .. y_w
             for i in range(0, len(out) - N + 2):

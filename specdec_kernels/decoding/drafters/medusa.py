@@ -579,6 +579,8 @@ class MedusaDrafter(Drafter):
         if self._hidden is None or max(depth) == 0:
             return torch.zeros(B, vocab_size), torch.zeros(B, dtype=torch.bool)
         state = self._context_state(histories, depth) if self.context_window else self._hidden
+        if max(depth) == 0:  # no sequence's context ends just before its root
+            return torch.zeros(B, vocab_size), torch.zeros(B, dtype=torch.bool)
         W_out, E = self.model.output.weight, self.model.tok_embeddings.weight
         if self.heads.token_conditioned:
             state = self.heads.step(0, state, E[torch.tensor(roots, device=E.device)])

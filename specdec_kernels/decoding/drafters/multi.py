@@ -270,7 +270,7 @@ class MultiDrafter(Drafter):
                     ids = maps[i]
                     own_n[b] = len(ids)
                     for j, m in enumerate(ids):
-                        if m >= 0:
+                        if 0 <= m < int(num_nodes[b]):  # in the merged tree and not cut by the engine
                             own[b, j] = argmax[b, m]
             t = time.perf_counter()
             d.observe_target_argmax(own, own_n, active)

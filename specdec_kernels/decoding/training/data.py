@@ -17,14 +17,16 @@ EAGLE (Li et al. 2024): the drafter learns what the target says, not what a data
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -256,3 +258,97 @@ def self_distilled_sets(model: Transformer, fingerprint: str, sets: Dict[str, Se
             out.append(cached_data(path, lambda part, prompts=prompts, tag=tag: generate_data(
                 model, prompts, args.new_tokens, args.gen_batch, stop_ids, f"generate ({tag})", part, args.gen_max_tokens)))
     return out
+
+
+# ---------------------------------------------------------------------- the trainers' shared CLI
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags both trainers take: which prompts, how the data is generated and cached,
+    threads, the bench evaluation, the tiny random smoke test."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
+    p.add_argument("--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories")
+    p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
+    p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
+    p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
+    p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
+    p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length")
+    p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
+    p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
+
+
+def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` (exit 2, one line naming the flag) for a bad flag of ``add_data_arguments``."""
+    for name in ("per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "eval_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+
+
+def training_record(prog_module: str, argv: Optional[Sequence[str]], args: argparse.Namespace) -> dict:
+    """What a trained file records of how it was made: the command and every option."""
+    return {"command": f"python -m {prog_module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")}}
+
+
+def evaluate_drafters(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, stop_ids: Sequence[int],
+                      drafters: Dict[str, Tuple[Drafter, int]], batch: int = 8) -> Dict[str, dict]:
+    """Decode the prompts at temperature 0 with each named (drafter, K) and with plain
+    decoding: per drafter the mean accepted length, tokens, target passes, seconds, and
+    whether every output equals plain greedy decoding."""
+    plain = SpeculativeDecoder(model, None, stop_token_ids=stop_ids)
+    ref: List[List[int]] = []
+    for s in range(0, len(prompts), batch):
+        ref += plain.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=0).tokens
+    results = {}
+    for name, (drafter, k) in drafters.items():
+        decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stop_ids)
+        tokens: List[List[int]] = []
+        steps, passes, t = 0, 0, time.perf_counter()
+        for s in range(0, len(prompts), batch):
+            r = decoder.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=k)
+            tokens += r.tokens
+            steps += r.stats.sequence_steps
+            passes += r.stats.target_passes
+        emitted = sum(len(x) for x in tokens)
+        results[name] = {"mean_accepted_length": emitted / max(steps, 1), "tokens": emitted, "target_passes": passes,
+                         "seconds": time.perf_counter() - t, "equals_plain_greedy": tokens == ref}
+    return results
+
+
+def print_evaluation(results: Dict[str, dict]) -> None:
+    """One line per drafter of ``evaluate_drafters``' results, then the JSON."""
+    for name, r in results.items():
+        print(f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, "
+              f"{r['target_passes']} target passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}")
+    print(json.dumps(results))
+
+
+class TrainingSetup(NamedTuple):
+    """What a trainer starts from (``prepare``)."""
+
+    model: Transformer
+    fingerprint: str
+    base_model: str
+    train: SelfDistilled
+    tune: SelfDistilled
+    bench_prompts: List[List[int]]
+    stop_ids: List[int]
+
+
+def prepare(args: argparse.Namespace) -> TrainingSetup:
+    """Threads and seed from ``args``, the target (``load_target``) and the train and tune
+    sets' self-distilled data (cached, ``self_distilled_sets``)."""
+    from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, train_p, tune_p, bench_p, stops, base = load_target(args)
+    fingerprint = model_fingerprint(model)
+    print(f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)", file=sys.stderr)
+    cache = None if args.random_model else default_cache_dir(args.cache_dir)
+    tune_d, train_d = self_distilled_sets(model, fingerprint, {"tune": tune_p, "train": train_p}, args, stops, cache)
+    return TrainingSetup(model, fingerprint, base, train_d, tune_d, bench_p, list(stops))

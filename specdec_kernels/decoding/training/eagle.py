@@ -34,8 +34,6 @@ runs the whole pipeline on a tiny random Llama (a smoke test, seconds).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from typing import Dict, List, NamedTuple
@@ -44,11 +42,17 @@ import torch
 import torch.nn.functional as F
 
 from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead
-from specdec_kernels.decoding.drafters.medusa import model_fingerprint
-from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
-from specdec_kernels.decoding.training.data import SelfDistilled, default_cache_dir, load_target, self_distilled_sets
-from specdec_kernels.decoding.training.softmax import SampledSoftmax
+from specdec_kernels.decoding.training.data import (
+    SelfDistilled,
+    add_data_arguments,
+    check_data_arguments,
+    evaluate_drafters,
+    prepare,
+    print_evaluation,
+    training_record,
+)
+from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax
 
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
 
@@ -155,12 +159,9 @@ def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps:
     softmax = SampledSoftmax(rows.labels, W_out.shape[0], frequent, negatives)
     N, L, U = rows.states.shape[0], segment, unroll
     head.float().train()
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    losses: List[float] = []
     offsets = torch.arange(L + U)
     with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
+        optimiser = Optimiser(head.parameters(), lr, steps, 0.0, bar)
         for step in bar:
             start = torch.randint(0, N, (segments,), generator=g)
             idx = start[:, None] + offsets  # (B, L + U)
@@ -190,16 +191,9 @@ def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps:
                 w = STEP_DECAY ** (s - 1)
                 total = total + w * (per * ok).sum() / ok.sum().clamp(min=1)
                 weight += w
-            loss = total / weight
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+            optimiser.step(total / weight)
     head.eval()
-    return losses
+    return optimiser.losses
 
 
 @torch.no_grad()
@@ -207,23 +201,25 @@ def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: in
     """Top-1 agreement of the head with the target at each unrolled depth (teacher-forced
     tokens, the head's own features), over consecutive segments of every sequence, and the
     expected accepted length of a chain of ``unroll`` drafts (1 + the sum over depths of
-    the fraction of positions whose first d drafts all agree)."""
+    the fraction of positions whose first d drafts all agree), and the positions scored at
+    each depth (every row t of a sequence whose row t + d exists)."""
     E = model.tok_embeddings.weight.detach().float()
     W = model.output.weight.detach().float()
     head_dt = next(head.parameters()).dtype
     head.float()
-    N, L = rows.states.shape[0], segment
+    L = segment
     hits = [[] for _ in range(unroll)]
-    for s0 in range(0, N, L):
-        idx = (s0 + torch.arange(L + unroll))[None]
-        end = rows.seq_end[s0]
-        valid = idx < end
-        idx = torch.minimum(idx, end - 1)
-        outs = unrolled(head, E, rows.states[idx].float(), rows.next_tokens[idx], valid, unroll)
-        for s, out in enumerate(outs, start=1):
-            ok = valid[0, s : s + L]
-            pred = (out[0] @ W.T).argmax(-1)
-            hits[s - 1].append(torch.where(ok, (pred == rows.labels[idx[0, s : s + L]]).long(), -1))
+    ends = torch.unique_consecutive(rows.seq_end).tolist()
+    for first, end in zip([0] + ends[:-1], ends):  # each sequence in segments of L consecutive rows
+        for s0 in range(first, end, L):
+            idx = (s0 + torch.arange(L + unroll))[None]
+            valid = idx < end
+            idx = torch.minimum(idx, torch.tensor(end - 1))
+            outs = unrolled(head, E, rows.states[idx].float(), rows.next_tokens[idx], valid, unroll)
+            for s, out in enumerate(outs, start=1):
+                ok = valid[0, s : s + L]
+                pred = (out[0] @ W.T).argmax(-1)
+                hits[s - 1].append(torch.where(ok, (pred == rows.labels[idx[0, s : s + L]]).long(), -1))
     head.to(head_dt)
     H = [torch.cat(h) for h in hits]
     top1 = [float((h[h >= 0] == 1).float().mean()) if (h >= 0).any() else 0.0 for h in H]
@@ -232,35 +228,22 @@ def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: in
     for h in H:  # a position counts where every depth is defined
         all_ok = all_ok & (h == 1)
         expected += float(all_ok[H[-1] >= 0].float().mean()) if (H[-1] >= 0).any() else 0.0
-    return {"top1": top1, "chain_expected_accepted_length": expected}
+    return {"top1": top1, "chain_expected_accepted_length": expected, "positions": [int((h >= 0).sum()) for h in H]}
 
 
 def evaluate(model, head, prompts, new_tokens: int, stop_ids, batch: int = 8, max_nodes: int = 64, top_k: int = 8) -> Dict[str, dict]:
     """Mean accepted length of EAGLE chain and dynamic-tree decoding at temperature 0, and
-    whether the outputs equal plain greedy decoding."""
-    plain = SpeculativeDecoder(model, None, stop_token_ids=stop_ids)
-    ref = []
-    for s in range(0, len(prompts), batch):
-        ref += plain.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=0).tokens
-    results = {}
+    whether the outputs equal plain greedy decoding (``evaluate_drafters``)."""
+    drafters = {}
     for name, tree in (("eagle", False), ("eagle-tree", True)):
-        drafter = EagleDrafter(model, head, tree=tree, max_nodes=max_nodes, top_k=top_k)
-        decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stop_ids)
-        tokens, steps, passes, t = [], 0, 0, time.perf_counter()
-        for s in range(0, len(prompts), batch):
-            r = decoder.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=drafter.max_depth)
-            tokens += r.tokens
-            steps += r.stats.sequence_steps
-            passes += r.stats.target_passes
-        emitted = sum(len(x) for x in tokens)
-        results[name] = {"mean_accepted_length": emitted / max(steps, 1), "tokens": emitted, "target_passes": passes,
-                         "seconds": time.perf_counter() - t, "equals_plain_greedy": tokens == ref}
-    return results
+        d = EagleDrafter(model, head, tree=tree, max_nodes=max_nodes, top_k=top_k)
+        drafters[name] = (d, d.max_depth)
+    return evaluate_drafters(model, prompts, new_tokens, stop_ids, drafters, batch)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.training.eagle", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=1500, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     p.add_argument("--segments", type=int, default=8, help="segments per minibatch")
     p.add_argument("--segment", type=int, default=128, help="consecutive positions per segment (= the drafter's window)")
     p.add_argument("--unroll", type=int, default=3, help="training-time test steps (1: teacher forcing only)")
@@ -270,22 +253,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distill", type=float, default=1.0, help="weight of the soft labels against the argmax, in [0, 1]")
     p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
-    p.add_argument("--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories")
-    p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
-    p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
-    p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
-    p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
-    p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length")
-    p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
-    p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
+    add_data_arguments(p)
     args = p.parse_args(argv)
-    for name in ("steps", "segments", "segment", "unroll", "per_category", "long_per_category", "new_tokens", "gen_batch",
-                 "gen_max_tokens", "eval_tokens"):
+    check_data_arguments(p, args)
+    for name in ("steps", "segments", "segment", "unroll"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.intermediate_size is not None and args.intermediate_size < 1:
@@ -294,24 +266,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--distill must lie in [0, 1]")
     if args.reg < 0:
         p.error("--reg must be >= 0")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    model, train_p, tune_p, bench_p, stops, base = load_target(args)
-    fingerprint = model_fingerprint(model)
-    print(f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)", file=sys.stderr)
-    cache = None if args.random_model else default_cache_dir(args.cache_dir)
-    tune_d, train_d = self_distilled_sets(model, fingerprint, {"tune": tune_p, "train": train_p}, args, stops, cache)
-    train_rows = feature_rows(train_d, model.output.weight)
-    tune_rows = feature_rows(tune_d, model.output.weight)
+    setup = prepare(args)
+    model, fingerprint, base, stops, bench_p = setup.model, setup.fingerprint, setup.base_model, setup.stop_ids, setup.bench_prompts
+    train_rows = feature_rows(setup.train, model.output.weight)
+    tune_rows = feature_rows(setup.tune, model.output.weight)
     t_data = time.perf_counter() - t0
     print(f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions", file=sys.stderr)
 
@@ -327,8 +291,7 @@ def main(argv=None) -> int:
         "base_model": base,
         "base_fingerprint": fingerprint,
         "training": {
-            "command": "python -m specdec_kernels.decoding.training.eagle " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")},
+            **training_record("specdec_kernels.decoding.training.eagle", argv, args),
             "train_positions": int(train_rows.states.shape[0]),
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "tune_top1": report["top1"],
@@ -342,10 +305,7 @@ def main(argv=None) -> int:
         head = EagleHead.load(args.out)
         with torch.inference_mode():
             res = evaluate(model, head, bench_p, args.eval_tokens, stops)
-        for name, r in res.items():
-            print(f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, {r['target_passes']} target "
-                  f"passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}")
-        print(json.dumps(res))
+        print_evaluation(res)
     return 0
 
 

@@ -62,8 +62,6 @@ test of the whole pipeline, in seconds).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from collections import Counter
@@ -76,26 +74,30 @@ from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
     MedusaDrafter,
     MedusaHeads,
-    model_fingerprint,
 )
-from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.training.data import (  # noqa: F401  (HiddenRecorder, SelfDistilled...: part of this trainer's API)
     BENCH_PER_CATEGORY,
     HELD_OUT_PER_CATEGORY,
     HiddenRecorder,
     SelfDistilled,
+    add_data_arguments,
     cache_path,
     cached_data,
     chat_ids,
+    check_data_arguments,
     default_cache_dir,
+    evaluate_drafters,
     generate_data,
     length_batches,
     load_target,
+    prepare,
+    print_evaluation,
     self_distilled_sets,
     split_questions,
     tiny_random_model,
+    training_record,
 )
-from specdec_kernels.decoding.training.softmax import SampledSoftmax
+from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax
 
 
 class Examples(NamedTuple):
@@ -349,15 +351,10 @@ def train_heads(
     W_out = output_weight.detach().float()
     V = W_out.shape[0]
     softmax = SampledSoftmax(Y, V, frequent, negatives)
-    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
     W_bf = W_out.to(torch.bfloat16)
-    losses = []
     heads.train()
     with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
+        optimiser = Optimiser(heads.parameters(), lr, steps, weight_decay, bar)
         for step in bar:
             if heads.context_window:
                 # a run of L examples starts up to L - 1 before a uniformly drawn one (not
@@ -394,15 +391,9 @@ def train_heads(
                 loss = (per * valid).sum() / valid.sum().clamp(min=1)
             else:
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+            optimiser.step(loss)
     heads.eval()
-    return losses
+    return optimiser.losses
 
 
 @torch.no_grad()
@@ -451,30 +442,10 @@ def best_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int = 10) -> Tuple[
 # ---------------------------------------------------------------------- evaluation
 def evaluate(model, heads, prompts, new_tokens: int, stop_ids, tree_choices=None, batch: int = 8) -> Dict[str, dict]:
     """Mean accepted length of Medusa chain and tree decoding at temperature 0 on the prompts,
-    and whether the outputs equal plain greedy decoding."""
-    results = {}
-    plain = SpeculativeDecoder(model, None, stop_token_ids=stop_ids)
-    ref = []
-    for s in range(0, len(prompts), batch):
-        ref += plain.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=0).tokens
-    for name, tree in (("medusa", False), ("medusa-tree", True)):
-        drafter = MedusaDrafter(model, heads, tree=tree, choices=tree_choices if tree else None)
-        decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stop_ids)
-        tokens, steps, passes, t = [], 0, 0, time.perf_counter()
-        for s in range(0, len(prompts), batch):
-            r = decoder.generate(prompts[s : s + batch], new_tokens, num_draft_tokens=heads.num_heads)
-            tokens += r.tokens
-            steps += r.stats.sequence_steps
-            passes += r.stats.target_passes
-        emitted = sum(len(x) for x in tokens)
-        results[name] = {
-            "mean_accepted_length": emitted / steps,
-            "tokens": emitted,
-            "target_passes": passes,
-            "seconds": time.perf_counter() - t,
-            "equals_plain_greedy": tokens == ref,
-        }
-    return results
+    and whether the outputs equal plain greedy decoding (``evaluate_drafters``)."""
+    drafters = {name: (MedusaDrafter(model, heads, tree=tree, choices=tree_choices if tree else None), heads.num_heads)
+                for name, tree in (("medusa", False), ("medusa-tree", True))}
+    return evaluate_drafters(model, prompts, new_tokens, stop_ids, drafters, batch)
 
 
 # ---------------------------------------------------------------------- CLI
@@ -497,20 +468,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
     p.add_argument("--prompt-positions", action=argparse.BooleanOptionalAction, default=True,
                    help="also train on prompt positions (labels: the target's argmax there)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
-    p.add_argument("--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories")
-    p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
-    p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
-    p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
-    p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
     p.add_argument("--tree-nodes", type=int, default=64, help="nodes of the tuned tree, root included")
     p.add_argument("--out", default=str(SHIPPED), help="where the heads go")
-    p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length")
-    p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
-    p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
+    add_data_arguments(p)
     args = p.parse_args(argv)
     if not 0.0 <= args.distill <= 1.0:
         p.error("--distill must lie in [0, 1]")
@@ -518,7 +478,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--context-window must be >= 0")
     if args.context_heads is not None and args.context_heads < 1:
         p.error("--context-heads must be >= 1")
-    for name in ("heads", "segment", "steps", "batch", "per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "tree_nodes"):
+    check_data_arguments(p, args)
+    for name in ("heads", "segment", "steps", "batch", "tree_nodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -526,16 +487,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    model, train_p, tune_p, bench_p, stops, base = load_target(args)
-    fingerprint = model_fingerprint(model)
-    print(f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)", file=sys.stderr)
-
-    cache = None if args.random_model else default_cache_dir(args.cache_dir)
-    tune_d, train_d = self_distilled_sets(model, fingerprint, {"tune": tune_p, "train": train_p}, args, stops, cache)
+    setup = prepare(args)
+    model, fingerprint, base, stops, bench_p = setup.model, setup.fingerprint, setup.base_model, setup.stop_ids, setup.bench_prompts
+    train_d, tune_d = setup.train, setup.tune
     t_data = time.perf_counter() - t0
 
     ex = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
@@ -566,8 +521,7 @@ def main(argv=None) -> int:
         "base_fingerprint": fingerprint,
         "tree_choices": [list(c) for c in choices],
         "training": {
-            "command": "python -m specdec_kernels.decoding.training.medusa " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")},
+            **training_record("specdec_kernels.decoding.training.medusa", argv, args),
             "train_positions": int(X.shape[0]),
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "tune_top1": top1,
@@ -581,10 +535,7 @@ def main(argv=None) -> int:
         heads = MedusaHeads.load(args.out)
         with torch.inference_mode():
             res = evaluate(model, heads, bench_p, args.eval_tokens, stops)
-        for name, r in res.items():
-            print(f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, "
-                  f"{r['target_passes']} target passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}")
-        print(json.dumps(res))
+        print_evaluation(res)
     return 0
 
 

@@ -1,4 +1,6 @@
-"""The sampled softmax both trainers use: a drafter's logits through the target's frozen
+"""The sampled softmax and the optimiser both trainers use.
+
+The sampled softmax: a drafter's logits through the target's frozen
 output head cost a 49152-way softmax per label (about 5 s a minibatch on a 2-core CPU), so
 each minibatch scores a candidate set instead (Jean et al. 2015, "On Using Very Large
 Target Vocabulary for Neural Machine Translation"): the most frequent labels of the data,
@@ -70,3 +72,26 @@ class SampledSoftmax:
         remap = torch.full((V,), -100, dtype=torch.int64)
         remap[cands] = torch.arange(cands.numel())
         return Candidates(cands, bias, remap)
+
+
+class Optimiser:
+    """AdamW (betas 0.9, 0.98) with a linear warm-up over the first 5 % of ``steps`` and a
+    cosine decay to 0 (Loshchilov & Hutter 2019); ``step(loss)`` takes one step and records
+    the loss, shown as a running mean on ``bar`` (a tqdm bar) every 10 steps."""
+
+    def __init__(self, params, lr: float, steps: int, weight_decay: float = 0.0, bar=None):
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+        warm = max(1, steps // 20)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        self.losses: list = []
+        self.bar = bar
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        self.losses.append(float(loss.detach()))
+        if self.bar is not None and len(self.losses) % 10 == 1:
+            self.bar.set_postfix(loss=f"{sum(self.losses[-10:]) / len(self.losses[-10:]):.3f}")
