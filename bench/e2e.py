@@ -341,11 +341,12 @@ def _register_builtin() -> None:
     eagle_k = DEFAULT_K["eagle"]
     register(ours("eagle-chain", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, K={eagle_k}",
                   num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name))
-    register(ours("eagle-tree", lambda ctx: EagleDrafter(ctx.model, top_k=8, max_nodes=64),
-                  f"EAGLE head, dynamic tree top-8, 64 nodes, K={eagle_k}", num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name,
-                  top_k=8, max_nodes=64))
+    tree_k = DEFAULT_K["eagle-tree"]
+    register(ours("eagle-tree", lambda ctx: EagleDrafter(ctx.model, top_k=10, max_nodes=64),
+                  f"EAGLE head, dynamic tree top-10, 64 nodes, K={tree_k}", num_draft_tokens=tree_k, head=EAGLE_SHIPPED.name,
+                  top_k=10, max_nodes=64))
     register(ours("eagle-tree-32", lambda ctx: EagleDrafter(ctx.model, top_k=6, max_nodes=32),
-                  f"EAGLE head, dynamic tree top-6, 32 nodes, K={eagle_k}", num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name,
+                  f"EAGLE head, dynamic tree top-6, 32 nodes, K={tree_k}", num_draft_tokens=tree_k, head=EAGLE_SHIPPED.name,
                   top_k=6, max_nodes=32, default=False))
     register(ours("eagle-adaptive", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, cost-model K<={eagle_k}",
                   adaptive=True, k_max=eagle_k, default=False, head=EAGLE_SHIPPED.name))

@@ -240,8 +240,8 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, model: Transformer, head: Union[EagleHead, str, Path, None] = None, *, tree: bool = True, top_k: int = 8,
-                 max_nodes: int = 64, max_depth: int = 6, check_fingerprint: bool = True):
+    def __init__(self, model: Transformer, head: Union[EagleHead, str, Path, None] = None, *, tree: bool = True, top_k: int = 10,
+                 max_nodes: int = 64, max_depth: int = 7, check_fingerprint: bool = True):
         for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
             if isinstance(v, bool) or int(v) != v or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Sequence
 
 #: name -> K used by ``default_policy`` as the fixed K, and the cap of adaptive policies
-DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "multi": 6, "medusa": 4, "medusa-tree": 4, "eagle": 6, "eagle-tree": 6,
+DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "multi": 6, "medusa": 4, "medusa-tree": 4, "eagle": 6, "eagle-tree": 7,
              "lookahead": 4, "none": 0}
 
 
