@@ -31,7 +31,8 @@ from typing import List, Optional
 import torch
 
 DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "medusa-tree", "eagle", "eagle-tree", "lookahead", "multi", "none")
-DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "medusa": 4, "medusa-tree": 4, "multi": 4, "none": 0}
+DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "medusa": 4, "medusa-tree": 4, "eagle": 6, "eagle-tree": 7, "lookahead": 4,
+             "multi": 4, "none": 0}
 SUB_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "eagle", "lookahead")
 ENSEMBLE_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "eagle")  # with chain distributions
 

@@ -98,6 +98,10 @@ def test_spec_bench_prompts_are_packaged():
         spec_bench_prompt(7)
 
 
+def test_every_drafter_has_a_default_draft_length():
+    assert set(generate.DRAFTERS) <= set(generate.DEFAULT_K)
+
+
 def test_parse_args():
     args = generate.parse_args(["--prompt", "hi", "--drafter", "layerskip", "--tree", "--tree-widths", "3,1", "--top-k", "5"])
     assert args.drafter == "layerskip" and args.tree and args.widths == (3, 1) and args.top_k == 5
