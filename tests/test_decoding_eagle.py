@@ -16,6 +16,7 @@ from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, Eagle
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
+from specdec_kernels.decoding.training.softmax import label_ranking
 from tests.test_decoding_tiny import exact_marginals, tiny_llama
 from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
@@ -70,6 +71,7 @@ def trained(tiny, tiny_rows):
     these same prompts)."""
     head = EagleHead.for_model(tiny, window=16, intermediate_size=96)
     losses = train_eagle.train_head(head, tiny, tiny_rows, steps=250, segments=8, segment=16, unroll=3, lr=3e-3, seed=0, negatives=4096)
+    head.set_token_ranking(label_ranking(tiny_rows.labels, V))
     return head, losses
 
 
@@ -176,10 +178,13 @@ def test_bad_arguments(tmp_path, tiny):
 
 
 # ---------------------------------------------------------------------------- the dynamic tree
-def reference_tree(head, model, feats, history, top_k, max_nodes, depth):
+def reference_tree(head, model, feats, history, top_k, max_nodes, depth, vocab=None):
     """EAGLE-2's dynamic tree node by node: (tokens, parents, log path probabilities) of the
-    kept nodes, root first, in topological order (by depth, then path probability)."""
+    kept nodes, root first, in topological order (by depth, then path probability).
+    ``vocab`` (ids): the head's softmax over those tokens only (a draft vocabulary)."""
     E, W = model.tok_embeddings.weight, model.output.weight
+    ids = torch.arange(W.shape[0]) if vocab is None else torch.as_tensor(vocab)
+    W = W[ids]
     p = len(history) - 1  # the root's position; features of positions < p are known
     lo = max(0, p - head.window)
     u_ctx = head.inputs(feats[lo:p][None], E[torch.tensor(history[lo + 1 : p + 1])][None])
@@ -195,7 +200,7 @@ def reference_tree(head, model, feats, history, top_k, max_nodes, depth):
     logp, g_root = run(u_ctx[:, -1:], q_ctx[:, -1:], [])
     top = logp.topk(top_k)
     frontier = []
-    for s, t in zip(top.values.tolist(), top.indices.tolist()):
+    for s, t in zip(top.values.tolist(), ids[top.indices].tolist()):
         nodes.append({"tok": t, "par": 0, "score": s, "dep": 1, "g_par": g_root, "anc": []})
         frontier.append(len(nodes) - 1)
     for d in range(1, depth):
@@ -207,7 +212,7 @@ def reference_tree(head, model, feats, history, top_k, max_nodes, depth):
             anc = node["anc"] + [(k, v)]
             logp, g = run(u, q, anc)
             top = logp.topk(top_k)
-            for s, t in zip(top.values.tolist(), top.indices.tolist()):
+            for s, t in zip(top.values.tolist(), ids[top.indices].tolist()):
                 nodes.append({"tok": t, "par": n, "score": node["score"] + s, "dep": d + 1, "g_par": g, "anc": anc})
                 cands.append(len(nodes) - 1)
         frontier = sorted(cands, key=lambda i: -nodes[i]["score"])[:top_k]
@@ -257,6 +262,103 @@ def test_dynamic_tree_matches_the_node_by_node_reference(tiny, top_k, max_nodes,
     assert draft.probs is None
     if top_k == 1:
         assert draft.is_chain and n == min(depth, max_nodes - 1) + 1
+
+
+@pytest.mark.parametrize("top_k,max_nodes,depth", [(1, 8, 5), (3, 20, 4)])
+@pytest.mark.parametrize("size", [3, 17, 110])
+def test_draft_vocab_tree_matches_the_node_by_node_reference(tiny, top_k, max_nodes, depth, size):
+    """A draft vocabulary of ``size`` tokens in a scrambled order (3: top_k's own size; 110:
+    all but one token): the tree is the reference's with the head's softmax over those
+    tokens, and every drafted token lies inside it."""
+    head = random_head(window=16, scale=0.25, seed=size)
+    g = torch.Generator().manual_seed(size)
+    head.set_token_ranking(torch.randperm(V, generator=g))
+    history = torch.randint(0, V, (12,), generator=g).tolist()
+    drafter = EagleDrafter(tiny, head, tree=top_k > 1, top_k=top_k, max_nodes=max_nodes, max_depth=8, draft_vocab=size)
+    vocab = head.token_ranking[:size]
+    assert drafter.draft_vocab.tolist() == sorted(vocab.tolist())
+    with torch.inference_mode():
+        draft, feats = propose_after(drafter, tiny, history, depth)
+        want_t, want_p, want_s = reference_tree(head, tiny, feats, history, top_k, max_nodes, depth, vocab)
+    n = int(draft.num_nodes[0])
+    assert draft.tokens[0, :n].tolist() == want_t
+    assert draft.parents[0, :n].tolist() == want_p
+    torch.testing.assert_close(torch.tensor(drafter.path_logprobs[0]), torch.tensor(want_s), atol=1e-2, rtol=1e-3)
+    assert set(draft.tokens[0, 1:n].tolist()) <= set(vocab.tolist())
+
+
+def test_draft_vocab_arguments(tmp_path, tiny):
+    """"auto" follows the head's stored recommendation; an int takes the head of the ranking;
+    ids are taken as given (ascending); the whole vocabulary is None; bad values name the
+    argument."""
+    head = random_head()
+    assert EagleDrafter(tiny, head).draft_vocab is None  # no ranking: the whole vocabulary
+    with pytest.raises(ValueError, match="token ranking"):
+        EagleDrafter(tiny, head, draft_vocab=10)
+    ranking = torch.randperm(V, generator=torch.Generator().manual_seed(1))
+    head.set_token_ranking(ranking)
+    assert EagleDrafter(tiny, head).draft_vocab is None  # a ranking but no recommended size
+    head.config["draft_vocab_size"] = 20
+    assert EagleDrafter(tiny, head).draft_vocab.tolist() == sorted(ranking[:20].tolist())
+    assert EagleDrafter(tiny, head, draft_vocab=None).draft_vocab is None
+    assert EagleDrafter(tiny, head, draft_vocab=V).draft_vocab is None
+    assert EagleDrafter(tiny, head, top_k=3, draft_vocab=torch.tensor(7)).draft_vocab.tolist() == sorted(ranking[:7].tolist())
+    assert EagleDrafter(tiny, head, draft_vocab=[40, 3, 99, 12, 0, 5, 6, 7, 8, 9, 10]).draft_vocab.tolist() == [0, 3, 5, 6, 7, 8, 9, 10, 12, 40, 99]
+    for bad, match in (("all", "draft_vocab"), (True, "draft_vocab"), (0, "draft_vocab"), (-3, "draft_vocab"),
+                       ([1, 2, V] + list(range(3, 13)), "outside the vocabulary"), ([-1] + list(range(12)), "negative"),
+                       ([4, 4] + list(range(5, 15)), "repeats"), ([0.5, 1.0], "integer"), ([], "non-empty"),
+                       (torch.zeros(2, 6, dtype=torch.int64), "1-D")):
+        with pytest.raises(ValueError, match=match):
+            EagleDrafter(tiny, head, draft_vocab=bad)
+    with pytest.raises(ValueError, match="top_k"):
+        EagleDrafter(tiny, head, top_k=10, draft_vocab=[1, 2, 3])
+    with pytest.raises(ValueError, match="ranking"):
+        head.set_token_ranking([3, 3])
+    head.set_token_ranking(torch.arange(V + 5))  # a ranking from a larger vocabulary
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        EagleDrafter(tiny, head, draft_vocab=10)
+    # stored with the weights; a head file without one reads as before
+    head.set_token_ranking(ranking)
+    head.save(tmp_path / "h.pt")
+    back = EagleHead.load(tmp_path / "h.pt")
+    assert torch.equal(back.token_ranking, ranking) and back.config["draft_vocab_size"] == 20
+    head.set_token_ranking(None)
+    head.save(tmp_path / "h.pt")
+    assert EagleHead.load(tmp_path / "h.pt").token_ranking is None
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)], ids=["greedy", "sampled"])
+def test_draft_vocab_chain_distribution_is_the_heads_over_it(tiny, sampling):
+    """chain_begin / chain_extend with a draft vocabulary: 0 outside it, and inside it the
+    head's distribution (temperature, top-k, top-p) over those tokens only: what a chain
+    drawn from it samples (the q that rejection sampling is handed)."""
+    from specdec_kernels.decoding.draft import draft_distribution
+
+    head = random_head(window=16, scale=0.25, seed=3)
+    vocab = torch.tensor([0, 2, 5, 9, 17, 33, 41, 64, 90, 99, 101, 110])
+    full, restricted = EagleDrafter(tiny, head, tree=False), EagleDrafter(tiny, head, tree=False, draft_vocab=vocab)
+    hist = [PROMPTS[0] + [5, 17], PROMPTS[2]]
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[vocab] = False
+    with torch.inference_mode():
+        for d in (full, restricted):
+            d.start(hist, 256, sampling, None)
+            feats = [features(tiny, h) for h in hist]
+            d.observe_context([f[: len(h) - 1] for f, h in zip(feats, hist)], [0, 0], [True, True])
+        p_full, _ = full.chain_begin(hist, [2, 2], [True, True], V)
+        p_res, has = restricted.chain_begin(hist, [2, 2], [True, True], V)
+        for depth in range(2):
+            assert bool(has.all())
+            assert float(p_res[:, outside].abs().max()) == 0.0
+            # the same head output g as the unrestricted drafter's (fed the same tokens),
+            # through the output head's rows of the draft vocabulary
+            g = restricted._chain["g"][:, 0]
+            torch.testing.assert_close(g, full._chain["g"][:, 0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(p_full, draft_distribution(g @ tiny.output.weight.T, sampling), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(p_res[:, vocab], draft_distribution(g @ tiny.output.weight[vocab].T, sampling), atol=1e-5, rtol=1e-4)
+            tok = p_res.argmax(-1)
+            p_full, _ = full.chain_extend(tok)
+            p_res, has = restricted.chain_extend(tok)
 
 
 def test_batched_drafts_equal_one_sequence_at_a_time(tiny):
@@ -332,13 +434,15 @@ def test_training_fits_the_target(tiny, trained):
     assert mal["trained"] > mal["random"] + 1.0, mal
 
 
+@pytest.mark.parametrize("vocab", [None, 40], ids=["full", "vocab40"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("k", [0, 1, 3, 7], ids=lambda k: f"K{k}")
-def test_greedy_equals_plain_greedy(tiny, trained, tree, k):
-    """Ragged batch with a one-token prompt; K beyond max_depth is cut to it."""
+def test_greedy_equals_plain_greedy(tiny, trained, tree, k, vocab):
+    """Ragged batch with a one-token prompt; K beyond max_depth is cut to it; the whole
+    vocabulary and the 40 most frequent training labels as the draft vocabulary."""
     head, _ = trained
     plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 20)
-    drafter = EagleDrafter(tiny, head, tree=tree, top_k=3, max_nodes=16, max_depth=5)
+    drafter = EagleDrafter(tiny, head, tree=tree, top_k=3, max_nodes=16, max_depth=5, draft_vocab=vocab)
     result = SpeculativeDecoder(tiny, drafter, stop_token_ids=[3]).generate(PROMPTS, 20, num_draft_tokens=k)
     assert result.tokens == plain.tokens
     s = result.stats
@@ -361,11 +465,11 @@ def test_greedy_with_paged_cache_and_multi_drafter(tiny, trained, block_size):
     assert result.stats.drafters["eagle-tree"]["accepted"] > 0
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_sampling_keeps_the_target_distribution(tiny, trained, tree):
+@pytest.mark.parametrize("tree,vocab", [(False, None), (True, None), (True, 40)], ids=["chain", "tree", "tree-vocab40"])
+def test_sampling_keeps_the_target_distribution(tiny, trained, tree, vocab):
     """Deterministic top-k drafts with q = None: each of the first 3 emitted tokens follows
     the target's marginal over 3000 seeds.  P_THRESHOLD 1e-3 per test: a correct sampler
-    fails one of these 6 tests with probability under 0.6 %; a sampler that ignores the
+    fails one of these 9 checks (3 tokens, 3 cases) with probability under 0.9 %; a sampler that ignores the
     residual distribution shifts the marginals by far more than the chi-square resolves at
     3000 samples."""
     head, _ = trained
@@ -375,7 +479,7 @@ def test_sampling_keeps_the_target_distribution(tiny, trained, tree):
     prompt = train_prompts()[0]
     prompt = prompt + SpeculativeDecoder(tiny).generate([prompt], 5).tokens[0]
     B = 3000
-    drafter = EagleDrafter(tiny, head, tree=tree, top_k=3, max_nodes=10, max_depth=3)
+    drafter = EagleDrafter(tiny, head, tree=tree, top_k=3, max_nodes=10, max_depth=3, draft_vocab=vocab)
     result = SpeculativeDecoder(tiny, drafter).generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
     out = torch.tensor(result.tokens)
     assert out.shape == (B, 3)
@@ -396,6 +500,27 @@ def test_training_command_end_to_end(tmp_path):
     assert head.config["base_fingerprint"] == model_fingerprint(model)
     r = SpeculativeDecoder(model, EagleDrafter(model, head)).generate([[1, 2, 3]], 8, num_draft_tokens=3)
     assert len(r.tokens[0]) == 8
+    # the ranking of the training labels and the recommended draft vocabulary (the default
+    # 4096 exceeds the random model's 111 tokens: the whole vocabulary)
+    assert head.token_ranking is not None and head.config["draft_vocab_size"] is None
+    assert head.config["draft_vocab"]["size"] == 111 and head.config["draft_vocab"]["tune_coverage"] == 1.0
+    # --draft-vocab-only: the same head, a recommended size stored, the weights untouched
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    assert train_eagle.main(["--random-model", "--new-tokens", "6", "--segment", "8", "--out", str(out), "--draft-vocab-only",
+                             "--draft-vocab", "30"]) == 0
+    again = EagleHead.load(out)
+    assert again.config["draft_vocab_size"] == 30 and again.config["draft_vocab"]["size"] == 30
+    assert 0 < again.config["draft_vocab"]["tune_coverage"] <= 1
+    assert again.config["draft_vocab"]["command"].endswith("--draft-vocab-only --draft-vocab 30")
+    assert again.config["training"] == head.config["training"]
+    assert torch.equal(again.token_ranking, head.token_ranking)
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert EagleDrafter(model, again).draft_vocab.numel() == 30
+    with pytest.raises(SystemExit):
+        train_eagle.parse_args(["--draft-vocab-only", "--out", str(tmp_path / "none.pt")])
+    with pytest.raises(SystemExit):
+        train_eagle.parse_args(["--draft-vocab", "-1"])
 
 
 # ---------------------------------------------------------------------------- the shipped head

@@ -31,8 +31,8 @@ P_THRESHOLD = 1e-3
 SP = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
 
 
-def members(tiny, head):
-    return [EagleDrafter(tiny, head, tree=False), NgramDrafter(), LayerSkipDrafter(tiny, 2)]
+def members(tiny, head, draft_vocab=None):
+    return [EagleDrafter(tiny, head, tree=False, draft_vocab=draft_vocab), NgramDrafter(), LayerSkipDrafter(tiny, 2)]
 
 
 def started(drafters, histories, sampling, tiny):
@@ -98,20 +98,22 @@ def test_medusa_without_aligned_context_has_no_opinion(tiny):
     assert not bool(has.any())
 
 
-def test_the_drafts_q_is_the_weighted_mixture_and_what_was_sampled(tiny, trained):
+@pytest.mark.parametrize("draft_vocab", [None, 40], ids=["full", "eagle-vocab40"])
+def test_the_drafts_q_is_the_weighted_mixture_and_what_was_sampled(tiny, trained, draft_vocab):
     """Row d of Draft.probs is sum_i w_i q_i / sum_i w_i of the members' distributions
     given the chain so far (recomputed with fresh members fed the sampled tokens), and the
-    first draft token over 4000 generators follows that row (chi-square)."""
+    first draft token over 4000 generators follows that row (chi-square); with the EAGLE
+    member on a 40-token draft vocabulary too (its q is 0 elsewhere)."""
     head, _ = trained
     hist = [train_prompts()[0] + [105, 106, 52, 29]]
     weights = [0.5, 0.2, 0.3]
-    multi = MultiDrafter(members(tiny, head), ensemble=True, weights=weights)
+    multi = MultiDrafter(members(tiny, head, draft_vocab), ensemble=True, weights=weights)
     started([multi], hist, SP, tiny)
     with torch.inference_mode():
         multi.log_weights[:] = torch.tensor(weights, dtype=torch.float64).log()  # started() resets them: fixed
         draft = multi.propose(hist, [3], [True])
         assert draft.is_chain and draft.probs is not None and int(draft.num_nodes[0]) == 4
-        fresh = started(members(tiny, head), hist, SP, tiny)
+        fresh = started(members(tiny, head, draft_vocab), hist, SP, tiny)
         toks = draft.tokens[0].tolist()
         for depth in range(1, 4):
             qs, hs = zip(*[m.chain_begin(hist, [3], [True], V) if depth == 1 else m.chain_extend(torch.tensor([toks[depth - 1]])) for m in fresh])

@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -53,6 +54,7 @@ from torch import nn
 
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 
 FORMAT = 1
@@ -71,11 +73,14 @@ class EagleHead(nn.Module):
         rope_theta: the rotary base.
         eps: the RMS norms' epsilon.
         config: free-form metadata stored with the weights (base model, fingerprint,
-            training command).
+            training command; ``draft_vocab_size``, the draft vocabulary the trainer
+            recommends).
 
     Attributes (Parameters): ``fc`` (H, 2H) and ``fc_bias`` (H,); ``attention_norm``,
     ``ffn_norm`` (H,); ``wqkv`` ((nh + 2 nkv) hd, H); ``wo`` (H, nh hd); ``w13``
-    (2 I, H); ``w2`` (H, I).
+    (2 I, H); ``w2`` (H, I).  ``token_ranking``: None or (M,) int64 CPU, the tokens of the
+    training labels, most frequent first (``set_token_ranking``; the drafter's draft
+    vocabulary is its head).
 
     Raises:
         ValueError: non-positive sizes, num_heads not a multiple of num_kv_heads, an odd
@@ -109,6 +114,15 @@ class EagleHead(nn.Module):
         self.w13 = init(2 * I, H)
         self.w2 = init(H, I)
         self.config: Dict = dict(config or {})
+        self.token_ranking: Optional[torch.Tensor] = None
+
+    def set_token_ranking(self, ranking: Union[torch.Tensor, Sequence[int], None]) -> None:
+        """Store the training labels' tokens, most frequent first (None: forget them).
+
+        Raises:
+            ValueError: not a 1-D sequence of distinct integers >= 0.
+        """
+        self.token_ranking = None if ranking is None else _token_ids(ranking, None, "ranking")
 
     @classmethod
     def for_model(cls, model: Transformer, *, window: int = 256, intermediate_size: Optional[int] = None, config: Optional[dict] = None) -> "EagleHead":
@@ -181,8 +195,11 @@ class EagleHead(nn.Module):
                   "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
                   "window": self.window, "rope_theta": self.rope_theta, "eps": self.eps}
         state = {k: v.detach().to(torch.float16).cpu() for k, v in self.state_dict().items()}
+        payload = {"config": config, "state_dict": state}
+        if self.token_ranking is not None:
+            payload["token_ranking"] = self.token_ranking.to(torch.int32)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save({"config": config, "state_dict": state}, tmp)
+        torch.save(payload, tmp)
         tmp.replace(path)
 
     @classmethod
@@ -203,9 +220,32 @@ class EagleHead(nn.Module):
             head = cls(int(c["hidden_size"]), int(c["num_heads"]), int(c["num_kv_heads"]), int(c["head_dim"]), int(c["intermediate_size"]),
                        window=int(c["window"]), rope_theta=float(c["rope_theta"]), eps=float(c["eps"]), config=c)
             head.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
+            head.set_token_ranking(payload.get("token_ranking"))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"{path}: a config or weights this version cannot read ({type(e).__name__}: {e})") from None
         return head.to(device=device, dtype=dtype).eval()
+
+
+def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:
+    """ids as a 1-D int64 CPU tensor of distinct tokens in [0, vocab_size) (no upper bound
+    when vocab_size is None), in the order given.
+
+    Raises:
+        ValueError: another shape, a non-integer dtype, a repeated or out-of-range id, none.
+    """
+    t = ids if isinstance(ids, torch.Tensor) else torch.tensor(list(ids))
+    if t.dim() != 1 or t.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids, got shape {tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, got {t.dtype}")
+    t = t.detach().to("cpu", torch.int64)
+    if int(t.min()) < 0:
+        raise ValueError(f"{name} holds a negative token id ({int(t.min())})")
+    if vocab_size is not None and int(t.max()) >= vocab_size:
+        raise ValueError(f"{name} holds token id {int(t.max())}, outside the vocabulary of {vocab_size}")
+    if torch.unique(t).numel() != t.numel():
+        raise ValueError(f"{name} repeats a token id")
+    return t
 
 
 def load_eagle_head(path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
@@ -224,24 +264,39 @@ class EagleDrafter(Drafter):
         max_nodes: the tree's node budget, root included (tree only).
         max_depth: the deepest draft; the engine's K (``num_draft_tokens``) caps it further.
         check_fingerprint: warn when the head was trained on another model.
+        draft_vocab: the tokens the head may draft (FR-Spec, Zhao et al. 2025; EAGLE-3's
+            draft vocabulary): its output head is the target's restricted to them, so a
+            draft step reads a fraction of the (V, H) output head.  ``"auto"``: the
+            head's recommended size (``config["draft_vocab_size"]``) of its
+            ``token_ranking``, or the whole vocabulary when the head has none; an int n:
+            the n most frequent tokens of its ranking (n >= V: the whole vocabulary);
+            a sequence of token ids; None: the whole vocabulary.  Lossless either way:
+            the target verifies every draft, and a chain's distribution (``chain_begin``)
+            is the head's over the draft vocabulary, 0 elsewhere, which is what is sampled.
 
     A sequence whose features do not reach its root (a one-token prompt's first step) gets
     no drafts.
 
     Attributes:
         path_logprobs: after each ``propose``, per sequence, the head's log path probability
-            (natural log, float) of every node of its draft, root (0.0) first.
+            (natural log, float; the head's softmax over the draft vocabulary) of every node
+            of its draft, root (0.0) first.
+        draft_vocab: None (the whole vocabulary) or (Vd,) int64, the draft vocabulary,
+            ascending ids.
 
     Raises:
         ValueError: a head whose hidden size differs from the model's; top_k, max_nodes or
-            max_depth < 1.
+            max_depth < 1; a draft_vocab that is not "auto", None, an int >= 1 or distinct
+            ids inside the vocabulary, an int with a head that stores no ranking, or one
+            smaller than top_k.
     """
 
     name = "eagle"
     wants_hidden = True
 
     def __init__(self, model: Transformer, head: Union[EagleHead, str, Path, None] = None, *, tree: bool = True, top_k: int = 10,
-                 max_nodes: int = 64, max_depth: int = 7, check_fingerprint: bool = True):
+                 max_nodes: int = 64, max_depth: int = 7, check_fingerprint: bool = True,
+                 draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto"):
         for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
             if isinstance(v, bool) or int(v) != v or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -259,12 +314,65 @@ class EagleDrafter(Drafter):
         self.max_nodes = int(max_nodes)
         self.max_depth = int(max_depth)
         self.context_window = self.head.window  # the engine hands over the committed positions' features
+        self.draft_vocab = self._draft_vocab(draft_vocab)
+        W_out = model.output.weight
+        self._W_draft = W_out if self.draft_vocab is None else W_out[self.draft_vocab.to(W_out.device)].contiguous()
+        if self._W_draft is not W_out and packed.packed_form(W_out) is not None:
+            # rows of an exactly block-quantised output head are too: ``linear`` may then
+            # measure the packed product on them as on the target's own head
+            form = packed.pack_weight(self._W_draft)
+            if form is not None:
+                packed.register(self._W_draft, form)
+        self._draft_ids = None if self.draft_vocab is None else self.draft_vocab.to(W_out.device)
+        if self._W_draft.shape[0] < self.top_k:
+            raise ValueError(f"top_k ({self.top_k}) exceeds the draft vocabulary ({self._W_draft.shape[0]} tokens)")
         self.name = "eagle-tree" if tree else "eagle"
         self._reset(0)
 
     @property
     def vocab_size(self) -> int:
         return self.model.args.vocab_size
+
+    def _draft_vocab(self, spec) -> Optional[torch.Tensor]:
+        """The draft vocabulary (ascending ids) that ``spec`` names, None for the whole one."""
+        V, ranking = self.vocab_size, self.head.token_ranking
+        if isinstance(spec, str):
+            if spec != "auto":
+                raise ValueError(f'draft_vocab must be "auto", None, an int or token ids, got {spec!r}')
+            n = self.head.config.get("draft_vocab_size")
+            if ranking is None or not n:
+                return None
+            spec = int(n)
+        if spec is None:
+            return None
+        if isinstance(spec, bool):
+            raise ValueError(f'draft_vocab must be "auto", None, an int or token ids, got {spec!r}')
+        if isinstance(spec, numbers.Integral) or (isinstance(spec, torch.Tensor) and spec.dim() == 0 and not spec.dtype.is_floating_point):
+            n = int(spec)
+            if n < 1:
+                raise ValueError(f"draft_vocab must be >= 1 tokens, got {n}")
+            if n >= V:
+                return None
+            if ranking is None:
+                raise ValueError("draft_vocab as a size needs a head that stores its token ranking (this one has none)")
+            if int(ranking.max()) >= V:
+                raise ValueError(f"the head's token ranking holds token {int(ranking.max())}, outside the model's vocabulary of {V}")
+            ids = ranking[:n]
+        else:
+            ids = _token_ids(spec, V, "draft_vocab")
+        return None if ids.numel() >= V else ids.sort().values
+
+    def _tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary as token ids."""
+        return idx if self._draft_ids is None else self._draft_ids[idx]
+
+    def _full(self, probs: torch.Tensor) -> torch.Tensor:
+        """(R, Vd) probabilities over the draft vocabulary as (R, V), 0 outside it."""
+        if self._draft_ids is None:
+            return probs
+        out = probs.new_zeros(probs.shape[0], self.vocab_size)
+        out[:, self._draft_ids] = probs
+        return out
 
     def _reset(self, batch: int) -> None:
         self._keys: List[Optional[torch.Tensor]] = [None] * batch  # (n, nkv, hd) committed positions, last `window`
@@ -334,7 +442,7 @@ class EagleDrafter(Drafter):
         # the node pool: per running sequence, tokens, parents, scores (log path
         # probability), depths; node 0 is the root
         top = logp[:, 0].topk(k, dim=-1)
-        tok = torch.cat([torch.tensor([[roots[b]] for b in run], device=dev), top.indices], dim=1)  # (R, 1 + k)
+        tok = torch.cat([torch.tensor([[roots[b]] for b in run], device=dev), self._tokens(top.indices)], dim=1)  # (R, 1 + k)
         par = torch.cat([torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.int64, device=dev)], dim=1)
         score = torch.cat([torch.zeros(R, 1, device=dev), top.values], dim=1)
         dep = torch.cat([torch.zeros(R, 1, dtype=torch.int64, device=dev), torch.ones(R, k, dtype=torch.int64, device=dev)], dim=1)
@@ -357,7 +465,7 @@ class EagleDrafter(Drafter):
             ctop = logp.topk(k, dim=-1)  # (R, k, k) children of each frontier node
             cand_score = (score.gather(1, frontier)[:, :, None] + ctop.values).reshape(R, k * k)
             base = tok.shape[1]
-            tok = torch.cat([tok, ctop.indices.reshape(R, k * k)], dim=1)
+            tok = torch.cat([tok, self._tokens(ctop.indices).reshape(R, k * k)], dim=1)
             par = torch.cat([par, frontier[:, :, None].expand(R, k, k).reshape(R, k * k)], dim=1)
             score = torch.cat([score, cand_score], dim=1)
             dep = torch.cat([dep, torch.full((R, k * k), d + 1, dtype=torch.int64, device=dev)], dim=1)
@@ -370,8 +478,8 @@ class EagleDrafter(Drafter):
         return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        W_out = self.model.output.weight
-        return linear(g.to(W_out.dtype), W_out).float()
+        """The head's logits over the draft vocabulary: (..., Vd) float32 from g (..., H)."""
+        return linear(g.to(self._W_draft.dtype), self._W_draft).float()
 
     def _root_outputs(self, run: List[int]):
         """For the sequences ``run``: the committed keys and values (left-padded to the
@@ -403,7 +511,7 @@ class EagleDrafter(Drafter):
         with torch.inference_mode():
             ctx_k, ctx_v, ctx_ok, g = self._root_outputs(self._chain_run)
         self._chain = {"k": ctx_k, "v": ctx_v, "ok": ctx_ok, "g": g, "depth": 0}
-        probs[self._chain_run] = draft_distribution(self._logits(g[:, 0]), self.sampling).cpu()
+        probs[self._chain_run] = self._full(draft_distribution(self._logits(g[:, 0]), self.sampling)).cpu()
         return probs, torch.tensor(ready)
 
     @torch.inference_mode()
@@ -423,7 +531,7 @@ class EagleDrafter(Drafter):
         c["k"], c["v"] = torch.cat([c["k"], k], 1), torch.cat([c["v"], v], 1)
         c["ok"] = torch.cat([c["ok"], torch.ones(len(run), 1, dtype=torch.bool, device=E.device)], 1)
         c["g"] = head.finish(u, head.attend(q, c["k"], c["v"], c["ok"][:, None]))
-        probs[run] = draft_distribution(self._logits(c["g"][:, 0]), self.sampling).cpu()
+        probs[run] = self._full(draft_distribution(self._logits(c["g"][:, 0]), self.sampling)).cpu()
         return probs, torch.tensor([k >= d + 1 for k in self._chain_ks])
 
     def _select(self, roots, run, depth, tok, par, score, dep) -> Draft:

@@ -36,7 +36,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Dict, List, NamedTuple
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +53,10 @@ from specdec_kernels.decoding.training.data import (
     print_evaluation,
     training_record,
 )
-from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax
+from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax, label_ranking
 
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
+DRAFT_VOCAB = 4096  # the recommended draft vocabulary: the sampled softmax's always-present labels (--frequent)
 
 
 class FeatureRows(NamedTuple):
@@ -197,14 +199,19 @@ def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps:
 
 
 @torch.no_grad()
-def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: int, segment: int) -> Dict[str, object]:
+def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: int, segment: int,
+              draft_vocab: Optional[torch.Tensor] = None) -> Dict[str, object]:
     """Top-1 agreement of the head with the target at each unrolled depth (teacher-forced
     tokens, the head's own features), over consecutive segments of every sequence, and the
     expected accepted length of a chain of ``unroll`` drafts (1 + the sum over depths of
     the fraction of positions whose first d drafts all agree), and the positions scored at
-    each depth (every row t of a sequence whose row t + d exists)."""
+    each depth (every row t of a sequence whose row t + d exists).  ``draft_vocab`` (ids,
+    int64): the head's argmax over those tokens only, as the drafter's draft vocabulary."""
     E = model.tok_embeddings.weight.detach().float()
     W = model.output.weight.detach().float()
+    ids = None if draft_vocab is None else draft_vocab.to(torch.int64)
+    if ids is not None:
+        W = W[ids]
     head_dt = next(head.parameters()).dtype
     head.float()
     L = segment
@@ -219,6 +226,8 @@ def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: in
             for s, out in enumerate(outs, start=1):
                 ok = valid[0, s : s + L]
                 pred = (out[0] @ W.T).argmax(-1)
+                if ids is not None:
+                    pred = ids[pred]
                 hits[s - 1].append(torch.where(ok, (pred == rows.labels[idx[0, s : s + L]]).long(), -1))
     head.to(head_dt)
     H = [torch.cat(h) for h in hits]
@@ -253,6 +262,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distill", type=float, default=1.0, help="weight of the soft labels against the argmax, in [0, 1]")
     p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
+                   help="the draft vocabulary the head recommends: the N most frequent training labels (0: the whole vocabulary)")
+    p.add_argument("--draft-vocab-only", action="store_true",
+                   help="train nothing: store the training labels' token ranking and --draft-vocab in the head at --out")
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
     add_data_arguments(p)
     args = p.parse_args(argv)
@@ -266,7 +279,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--distill must lie in [0, 1]")
     if args.reg < 0:
         p.error("--reg must be >= 0")
+    if args.draft_vocab < 0:
+        p.error("--draft-vocab must be >= 0")
+    if args.draft_vocab_only and not Path(args.out).is_file():
+        p.error(f"--draft-vocab-only: no head at --out {args.out}")
     return args
+
+
+def rank_tokens(head: EagleHead, train_rows: FeatureRows, tune_rows: FeatureRows, vocab_size: int, size: int) -> dict:
+    """Store the training labels' token ranking in ``head`` with the recommended draft
+    vocabulary ``size`` (0: the whole vocabulary) and return the share of the tuning set's
+    labels inside it (``coverage``), and the ranking's length."""
+    ranking = label_ranking(train_rows.labels, vocab_size)
+    head.set_token_ranking(ranking)
+    head.config["draft_vocab_size"] = int(size) if 0 < size < vocab_size else None
+    vocab = ranking[:size] if 0 < size < vocab_size else torch.arange(vocab_size)
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[vocab] = True
+    return {"size": int(vocab.numel()), "ranked_tokens": int(ranking.numel()), "tune_coverage": float(inside[tune_rows.labels].float().mean())}
 
 
 def main(argv=None) -> int:
@@ -279,12 +309,28 @@ def main(argv=None) -> int:
     t_data = time.perf_counter() - t0
     print(f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions", file=sys.stderr)
 
+    V = model.args.vocab_size
+    if args.draft_vocab_only:
+        head = EagleHead.load(args.out)
+        vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
+        ids = None if head.config["draft_vocab_size"] is None else head.token_ranking[: head.config["draft_vocab_size"]]
+        report = agreement(head, model, tune_rows, args.unroll, args.segment, ids)
+        head.config["draft_vocab"] = {**vocab, "command": training_record("specdec_kernels.decoding.training.eagle", argv, args)["command"],
+                                      "tune_top1": report["top1"]}
+        head.save(args.out)
+        print(f"draft vocabulary {vocab['size']} tokens: {vocab['tune_coverage']:.4f} of the tuning labels; top-1 agreement by "
+              f"depth {[round(a, 3) for a in report['top1']]}; saved {args.out}", file=sys.stderr)
+        return 0
     head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
     t1 = time.perf_counter()
     losses = train_head(head, model, train_rows, steps=args.steps, segments=args.segments, segment=args.segment, unroll=args.unroll,
                         lr=args.lr, seed=args.seed, reg=args.reg, distill=args.distill, frequent=args.frequent, negatives=args.negatives)
     t_train = time.perf_counter() - t1
+    vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
     report = agreement(head, model, tune_rows, args.unroll, args.segment)
+    if head.config["draft_vocab_size"] is not None:
+        ids = head.token_ranking[: head.config["draft_vocab_size"]]
+        vocab["tune_top1"] = agreement(head, model, tune_rows, args.unroll, args.segment, ids)["top1"]
     print(f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
           f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}", file=sys.stderr)
     head.config = {
@@ -298,6 +344,8 @@ def main(argv=None) -> int:
             "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
             "seconds": {"data": round(t_data), "training": round(t_train)},
         },
+        "draft_vocab_size": head.config["draft_vocab_size"],
+        "draft_vocab": vocab,
     }
     head.save(args.out)
     print(f"saved {args.out} (data {t_data:.0f} s, training {t_train:.0f} s)", file=sys.stderr)

@@ -31,6 +31,24 @@ class Candidates(NamedTuple):
         return torch.where(labels >= 0, self.remap[labels.clamp(min=0)], -100)
 
 
+def label_ranking(labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The tokens that occur among ``labels`` (any shape, int64, -100 ignored), most frequent
+    first (ties: the smaller id first): (M,) int64 with M <= ``vocab_size``.
+
+    The trainers' frequency ranking: the sampled softmax's always-present candidates, and the
+    EAGLE head's draft vocabulary (FR-Spec, Zhao et al. 2025), are its head.
+
+    Raises:
+        ValueError: a label outside [0, vocab_size).
+    """
+    y = labels[labels >= 0].reshape(-1)
+    if y.numel() and int(y.max()) >= vocab_size:
+        raise ValueError(f"labels hold token {int(y.max())}, outside a vocabulary of {vocab_size}")
+    counts = torch.bincount(y, minlength=int(vocab_size))
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: int((counts > 0).sum())]
+
+
 class SampledSoftmax:
     """Candidate sets for a vocabulary of ``vocab_size`` from the data's labels.
 
@@ -44,12 +62,9 @@ class SampledSoftmax:
 
     def __init__(self, labels: torch.Tensor, vocab_size: int, frequent: int = 4096, negatives: int = 2048):
         V = int(vocab_size)
-        y = labels[labels >= 0]
-        counts = torch.bincount(y, minlength=V)
-        order = torch.sort(counts, descending=True, stable=True).indices
         self.vocab_size = V
         self.negatives = int(negatives)
-        self.common = order[: min(frequent, int((counts > 0).sum()))].sort().values
+        self.common = label_ranking(labels, V)[:frequent].sort().values
         self.in_common = torch.zeros(V, dtype=torch.bool)
         self.in_common[self.common] = True
         self.rest = (~self.in_common).nonzero()[:, 0]
