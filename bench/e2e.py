@@ -74,7 +74,7 @@ HF_EARLY_EXIT_TOKENS = 4  # num_assistant_tokens: our layer-skip k_max (with the
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
 # code, and one with much (extraction); the full default run is the figure to quote
 DEMO = dict(categories=["writing", "coding", "extraction"], per_category=1, max_new_tokens=64,
-            methods=["greedy", "ngram-chain", "ngram-tree", "eagle-chain", "hf-greedy", "hf-prompt-lookup"], threads=1)
+            methods=["greedy", "ngram-chain", "ngram-tree", "eagle-adaptive", "hf-greedy", "hf-prompt-lookup"], threads=1)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -349,11 +349,30 @@ def _register_builtin() -> None:
                   f"EAGLE head, dynamic tree top-6, 32 nodes, K={tree_k}", num_draft_tokens=tree_k, head=EAGLE_SHIPPED.name,
                   top_k=6, max_nodes=32, default=False))
     register(ours("eagle-adaptive", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, cost-model K<={eagle_k}",
-                  adaptive=True, k_max=eagle_k, default=False, head=EAGLE_SHIPPED.name))
+                  adaptive=True, k_max=eagle_k, head=EAGLE_SHIPPED.name))
+    register(ours("eagle-tree-adaptive", lambda ctx: EagleDrafter(ctx.model, top_k=3, max_nodes=12),
+                  f"EAGLE head, dynamic tree top-3, 12 nodes, cost-model K<={tree_k}", adaptive=True, k_max=tree_k,
+                  default=False, head=EAGLE_SHIPPED.name, top_k=3, max_nodes=12))
+    # the same head drafting over the whole vocabulary (no draft vocabulary): what it buys
+    register(ours("eagle-chain-full-vocab", lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
+                  f"EAGLE head chain, whole vocabulary, K={eagle_k}", num_draft_tokens=eagle_k, default=False,
+                  head=EAGLE_SHIPPED.name, draft_vocab=None))
+    register(ours("eagle-adaptive-full-vocab", lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
+                  f"EAGLE head chain, whole vocabulary, cost-model K<={eagle_k}", adaptive=True, k_max=eagle_k,
+                  default=False, head=EAGLE_SHIPPED.name, draft_vocab=None))
     # lookahead (Jacobi) decoding: the CPU-sized defaults and Spec-Bench's W=7, N=5, G=7
     la_k = DEFAULT_K["lookahead"]
     register(ours("lookahead", lambda ctx: LookaheadDrafter(), f"lookahead W=4 N=3 G=2, K={la_k}", num_draft_tokens=la_k,
                   window=4, ngram=3, guesses=2))
+    # the same drafter with bigrams (N=2), 3 guesses, the history's n-grams in the pool, and
+    # the cost model's K (which cuts the window and the n-grams to K): on a CPU, where every
+    # node of a pass costs, it measures how far to look ahead instead of assuming it
+    register(ours("lookahead-adaptive", lambda ctx: LookaheadDrafter(4, 2, 3, max_nodes=8, pool_from_history=True),
+                  f"lookahead W=4 N=2 G=3 + history n-grams, cost-model K<={la_k}", adaptive=True, k_max=la_k,
+                  window=4, ngram=2, guesses=3, pool_from_history=True))
+    register(ours("lookahead-k1", lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=8, pool_from_history=True),
+                  "lookahead W=1 N=2 G=3 + history n-grams, K=1", num_draft_tokens=1, default=False,
+                  window=1, ngram=2, guesses=3, pool_from_history=True))
     register(ours("lookahead-specbench", lambda ctx: LookaheadDrafter(7, 5, 7, max_nodes=64), "lookahead W=7 N=5 G=7, K=7",
                   num_draft_tokens=7, default=False, window=7, ngram=5, guesses=7))
     # ensemble averaging: the EAGLE head's and prompt lookup's distributions mixed (weights

@@ -547,6 +547,15 @@ def test_shipped_head_loads(real):
     # depth 1 over 13k positions; an untrained head agrees almost never)
     assert head.config["training"]["tune_top1"][0] > 0.3
     assert head.config["training"]["tune_positions"][0] > 10_000
+    # the draft vocabulary: the training labels' ranking, the recommended size, the share of
+    # the tuning labels it holds and the head's agreement drafting over it (recorded by
+    # --draft-vocab-only)
+    vocab = head.config["draft_vocab"]
+    assert head.token_ranking is not None and head.config["draft_vocab_size"] == vocab["size"] < model.args.vocab_size
+    assert vocab["command"].startswith("python -m specdec_kernels.decoding.training.eagle") and "--draft-vocab-only" in vocab["command"]
+    assert vocab["tune_coverage"] > 0.8 and vocab["tune_top1"][0] > 0.3
+    drafter = EagleDrafter(model)
+    assert drafter.draft_vocab.numel() == vocab["size"]
 
 
 @real_only

@@ -29,6 +29,14 @@ the engine's ``observe_context`` hook), at most ``window`` of them (a sliding wi
 training segments are as long); the draft tree's nodes attend to it and to their own
 ancestors in the tree.
 
+Each draft step runs the head's layer and an output head over V tokens; with SmolLM2's
+49152 x 576 output head the latter dominates a draft step on a CPU.  The drafter therefore
+drafts over a draft vocabulary (FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating
+Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"; EAGLE-3's
+draft vocabulary): the most frequent tokens of the head's training labels, stored with the
+head (``token_ranking``, ``config["draft_vocab_size"]``).  A token outside it is never
+drafted; the target still verifies every draft, so nothing but the acceptance changes.
+
 Drafts are deterministic (top-k children; ``Draft.probs`` is None): greedy verification
 keeps the output identical to greedy decoding and tree rejection sampling with one-hot q
 keeps sampling exact.

@@ -266,7 +266,7 @@ class MultiDrafter(Drafter):
                 per_seq, widths = self._last[1], self._last[2]
                 own = torch.full((argmax.shape[0], max(widths[i], 1)), -1, dtype=argmax.dtype)  # -1: cut from the merged tree
                 own_n = torch.ones(argmax.shape[0], dtype=torch.int64)
-                for b, (seq_drafts, maps, _) in enumerate(per_seq):
+                for b, (_, maps, _) in enumerate(per_seq):
                     ids = maps[i]
                     own_n[b] = len(ids)
                     for j, m in enumerate(ids):
@@ -398,7 +398,8 @@ class MultiDrafter(Drafter):
             has = member_has[:, b, :n]
             gain = torch.where(has, q.double().clamp(min=LOG_FLOOR).log(), 0.0).sum(1)
             # a drafter without an opinion at a position is scored with the mixture there
-            mix = (q.double() * self.log_weights[b].exp()[:, None] * has).sum(0) / (self.log_weights[b].exp()[:, None] * has).sum(0).clamp(min=1e-300)
+            w_has = self.log_weights[b].exp()[:, None] * has
+            mix = (q.double() * w_has).sum(0) / w_has.sum(0).clamp(min=1e-300)
             gain = gain + torch.where(~has, mix.clamp(min=LOG_FLOOR).log()[None].expand(M, n), 0.0).sum(1)
             lw = self.log_weights[b] + gain
             w = torch.softmax(lw, 0)
