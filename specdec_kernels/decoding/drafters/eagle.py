@@ -289,8 +289,8 @@ class EagleDrafter(Drafter):
         path_logprobs: after each ``propose``, per sequence, the head's log path probability
             (natural log, float; the head's softmax over the draft vocabulary) of every node
             of its draft, root (0.0) first.
-        draft_vocab: None (the whole vocabulary) or (Vd,) int64, the draft vocabulary,
-            ascending ids.
+        draft_vocab: None (the whole vocabulary) or (Vd,) int64 on the model's device, the
+            draft vocabulary, ascending ids.
 
     Raises:
         ValueError: a head whose hidden size differs from the model's; top_k, max_nodes or
@@ -322,16 +322,17 @@ class EagleDrafter(Drafter):
         self.max_nodes = int(max_nodes)
         self.max_depth = int(max_depth)
         self.context_window = self.head.window  # the engine hands over the committed positions' features
-        self.draft_vocab = self._draft_vocab(draft_vocab)
         W_out = model.output.weight
-        self._W_draft = W_out if self.draft_vocab is None else W_out[self.draft_vocab.to(W_out.device)].contiguous()
+        self.draft_vocab = self._draft_vocab(draft_vocab)
+        if self.draft_vocab is not None:
+            self.draft_vocab = self.draft_vocab.to(W_out.device)
+        self._W_draft = W_out if self.draft_vocab is None else W_out[self.draft_vocab].contiguous()
         if self._W_draft is not W_out and packed.packed_form(W_out) is not None:
             # rows of an exactly block-quantised output head are too: ``linear`` may then
             # measure the packed product on them as on the target's own head
             form = packed.pack_weight(self._W_draft)
             if form is not None:
                 packed.register(self._W_draft, form)
-        self._draft_ids = None if self.draft_vocab is None else self.draft_vocab.to(W_out.device)
         if self._W_draft.shape[0] < self.top_k:
             raise ValueError(f"top_k ({self.top_k}) exceeds the draft vocabulary ({self._W_draft.shape[0]} tokens)")
         self.name = "eagle-tree" if tree else "eagle"
@@ -372,14 +373,14 @@ class EagleDrafter(Drafter):
 
     def _tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Indices into the draft vocabulary as token ids."""
-        return idx if self._draft_ids is None else self._draft_ids[idx]
+        return idx if self.draft_vocab is None else self.draft_vocab[idx]
 
     def _full(self, probs: torch.Tensor) -> torch.Tensor:
         """(R, Vd) probabilities over the draft vocabulary as (R, V), 0 outside it."""
-        if self._draft_ids is None:
+        if self.draft_vocab is None:
             return probs
         out = probs.new_zeros(probs.shape[0], self.vocab_size)
-        out[:, self._draft_ids] = probs
+        out[:, self.draft_vocab] = probs
         return out
 
     def _reset(self, batch: int) -> None:
