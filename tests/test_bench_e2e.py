@@ -178,7 +178,7 @@ def test_shared_prefix_scenario(prompts_file, tmp_path, capsys, restore_threads)
     cache bytes than the same batch without it."""
     out = tmp_path / "out"
     rc = e2e.main(["--prompts", str(prompts_file), "--per-category", "2", "--scenario", "shared-prefix", "--batch", "3",
-                   "--methods", "greedy,layerskip-tree", "--max-new-tokens", "6", "--threads", "1", "--out", str(out)])
+                   "--methods", "greedy,layerskip-tree", "--max-new-tokens", "6", "--threads", "2", "--out", str(out)])
     assert rc == 0
     assert "same as alone" in capsys.readouterr().out
     assert (out / "shared_prefix.png").stat().st_size > 0

@@ -276,11 +276,12 @@ def _padded(probs1, q1, drafts1, K):
 @pytest.mark.parametrize("mode", ["philox", "generators", "dict"])
 @pytest.mark.parametrize("backend", runnable_backends("rejection_sample", "cpu"))
 def test_request_alone_equals_request_in_padded_batch(mode, backend):
-    """200 seeds: a request decoded alone with K=2 and inside a batch padded to K=4 gives the
-    same tokens (the issue's measured case: 193 of 200 differed)."""
+    """200 seeds (60 under the Triton interpreter, which runs each launch in Python): a request
+    decoded alone with K=2 and inside a batch padded to K=4 gives the same tokens (the issue's
+    measured case: 193 of 200 differed, so 60 seeds miss that fault with odds below 1e-50)."""
     V, K1 = 11, 2
     g = gen(5)
-    for seed in range(200):
+    for seed in range(60 if backend == "triton" else 200):
         probs1 = torch.softmax(torch.randn(1, K1 + 1, V, generator=g) * 2, -1)
         q1 = torch.softmax(torch.randn(1, K1, V, generator=g) * 2, -1)
         drafts1 = torch.multinomial(q1[0], 1, generator=g).T
