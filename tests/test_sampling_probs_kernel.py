@@ -150,7 +150,7 @@ def test_vocabulary_chunks_match_reference(device, tiling):
     nan_row = torch.randn(1, 120, generator=gen(9))
     nan_row[0, 70] = float("nan")
     with forced_tiling(block_b, block_v, splits):
-        # each setting once per tiling, over the one-row and the multi-row shape in turn
+        # every setting on one shape per tiling; the combined top-k/top-p on both shapes
         for shape, settings in (((1, 111), ("greedy", "topk5_topp0.8")), ((3, 2, 70), ("topp0.9", "topk5_topp0.8"))):
             logits = torch.randn(shape, generator=gen(sum(shape))) * 3
             for setting in settings:
