@@ -1,23 +1,61 @@
 #!/usr/bin/env bash
 # The README's test command: set-up included, then the nvcc compile check (where nvcc exists)
-# and the whole pytest suite.  Extra arguments go to pytest.
+# and the whole pytest suite.  Extra arguments go to one plain pytest run instead.
+#
+# Without arguments the suite runs in two parts: the tests not marked `serial` or `vllm` on
+# one pytest-xdist worker per core (SPECDEC_TEST_WORKERS overrides), then the `serial` and
+# `vllm` tests alone (they run processes and threads of their own: vLLM, the bench CLIs,
+# compilers; beside other workers they oversubscribe the cores and take several times
+# longer).  vLLM's environment is set up in the background meanwhile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p build
+# vLLM's own environment for the plugin's tests (tests/test_vllm_plugin.py): they fail, never
+# skip, without it.  SPECDEC_SKIP_VLLM=1 skips this set-up and those tests.
+VLLM_PID=""
+if [ "${SPECDEC_SKIP_VLLM:-0}" != "1" ]; then
+  echo "== setting up vLLM's environment in the background (log: build/setup_vllm_env.log)"
+  bash scripts/setup_vllm_env.sh >build/setup_vllm_env.log 2>&1 &
+  VLLM_PID=$!
+fi
+wait_vllm() {
+  [ -z "$VLLM_PID" ] && return 0
+  local rc=0
+  wait "$VLLM_PID" || rc=$?
+  VLLM_PID=""
+  cat build/setup_vllm_env.log
+  if [ "$rc" != 0 ]; then
+    echo "== vLLM's environment could not be set up (rc $rc): its tests would fail" >&2
+    return "$rc"
+  fi
+}
+trap '[ -n "$VLLM_PID" ] && kill "$VLLM_PID" 2>/dev/null || true' EXIT
 source scripts/setup_env.sh
 NVCC="$(command -v nvcc || true)"
 [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
 if [ -n "$NVCC" ]; then
   echo "== nvcc compile check of csrc/*.cu for sm_80 and sm_90 ($NVCC)"
-  mkdir -p build
   cmake -S . -B build/cmake -G Ninja -DCMAKE_CUDA_COMPILER="$NVCC" >build/cmake.log 2>&1 || { cat build/cmake.log; exit 1; }
   cmake --build build/cmake
 else
   echo "== nvcc not found: skipping the CUDA compile check"
 fi
-# vLLM's own environment for the plugin's tests (tests/test_vllm_plugin.py): they fail, never
-# skip, without it.  SPECDEC_SKIP_VLLM=1 skips this set-up; then deselect them: -m "not vllm".
-if [ "${SPECDEC_SKIP_VLLM:-0}" != "1" ]; then
-  bash scripts/setup_vllm_env.sh
+if [ "$#" -gt 0 ]; then
+  wait_vllm
+  echo "== pytest $*"
+  exec python -m pytest -q "$@"
 fi
-echo "== pytest"
-python -m pytest -q "$@"
+WORKERS="${SPECDEC_TEST_WORKERS:-$(nproc)}"
+echo "== pytest, part 1 of 2: the tests not marked serial or vllm, $WORKERS workers"
+rc1=0
+python -m pytest -q -n "$WORKERS" --dist worksteal -m "not serial and not vllm" || rc1=$?
+wait_vllm
+echo "== pytest, part 2 of 2: the serial and vllm tests, alone"
+rc2=0
+if [ "${SPECDEC_SKIP_VLLM:-0}" = "1" ]; then
+  python -m pytest -q -m "serial and not vllm" || rc2=$?
+else
+  python -m pytest -q -m "serial or vllm" || rc2=$?
+fi
+echo "== pytest: part 1 rc $rc1, part 2 rc $rc2"
+[ "$rc1" = 0 ] && [ "$rc2" = 0 ]

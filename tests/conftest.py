@@ -16,6 +16,13 @@ if not HAS_CUDA:
 
 LARGE = os.environ.get("SPECDEC_TEST_LARGE") == "1"
 
+# Under pytest-xdist (scripts/run_tests.sh runs one worker per core) each worker gets its
+# share of the cores for torch's intra-op threads, so that the workers do not oversubscribe
+# the machine.  Tests that set a thread count themselves (the bench CLIs' --threads) still do.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "requires_cuda: needs a CUDA device")

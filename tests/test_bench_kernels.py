@@ -3,10 +3,14 @@ import importlib
 import importlib.util
 import json
 
+import pytest
 import torch
 
 from bench import kernels
 from specdec_kernels import _backend
+
+# the bench CLI, timing with all threads: run apart from the parallel test workers (scripts/run_tests.sh)
+pytestmark = pytest.mark.serial
 
 
 def test_quick_benchmark_writes_json_and_plot(tmp_path):

@@ -229,6 +229,7 @@ def test_decode_step_compiles_fullgraph_without_graph_breaks():
     assert explanation.graph_count == 1
 
 
+@pytest.mark.serial  # inductor compiles in worker processes of its own: run apart from the parallel test workers
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
 def test_compiled_decode_step_equals_eager(compile_backend):
     torch._dynamo.reset()

@@ -11,6 +11,9 @@ from specdec_kernels import generate
 from specdec_kernels.decoding import have_smollm2, loading
 from specdec_kernels.decoding.prompts import spec_bench_prompt, spec_bench_questions
 
+# the CLI on the real model, concurrent processes: run apart from the parallel test workers (scripts/run_tests.sh)
+pytestmark = pytest.mark.serial
+
 
 def test_missing_model_package_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec

@@ -10,6 +10,9 @@ import pytest
 
 from bench import static
 
+# compiles every kernel configuration in worker processes: run apart from the parallel test workers (scripts/run_tests.sh)
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
