@@ -31,6 +31,7 @@ wait_vllm() {
 }
 trap '[ -n "$VLLM_PID" ] && kill "$VLLM_PID" 2>/dev/null || true' EXIT
 source scripts/setup_env.sh
+echo "== set-up took $((SECONDS / 60)) min $((SECONDS % 60)) s"
 NVCC="$(command -v nvcc || true)"
 [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
 if [ -n "$NVCC" ]; then
@@ -48,14 +49,15 @@ fi
 WORKERS="${SPECDEC_TEST_WORKERS:-$(nproc)}"
 echo "== pytest, part 1 of 2: the tests not marked serial or vllm, $WORKERS workers"
 rc1=0
-python -m pytest -q -n "$WORKERS" --dist worksteal -m "not serial and not vllm" || rc1=$?
+python -m pytest -q -n "$WORKERS" --dist worksteal -m "not serial and not vllm" --durations=25 || rc1=$?
+echo "== part 1 took $((SECONDS / 60)) min $((SECONDS % 60)) s since the start of this script"
 wait_vllm
 echo "== pytest, part 2 of 2: the serial and vllm tests, alone"
 rc2=0
 if [ "${SPECDEC_SKIP_VLLM:-0}" = "1" ]; then
-  python -m pytest -q -m "serial and not vllm" || rc2=$?
+  python -m pytest -q -m "serial and not vllm" --durations=25 || rc2=$?
 else
-  python -m pytest -q -m "serial or vllm" || rc2=$?
+  python -m pytest -q -m "serial or vllm" --durations=25 || rc2=$?
 fi
-echo "== pytest: part 1 rc $rc1, part 2 rc $rc2"
+echo "== pytest: part 1 rc $rc1, part 2 rc $rc2; $((SECONDS / 60)) min $((SECONDS % 60)) s in all"
 [ "$rc1" = 0 ] && [ "$rc2" = 0 ]

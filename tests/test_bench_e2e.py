@@ -84,7 +84,7 @@ def test_demo_options_and_overrides():
 def test_two_prompts_all_methods(prompts_file, tmp_path, capsys, restore_threads):
     out = tmp_path / "out"
     rc = e2e.main(["--prompts", str(prompts_file), "--per-category", "1", "--max-new-tokens", str(NEW_TOKENS),
-                   "--methods", ",".join(METHODS), "--threads", "1", "--out", str(out)])
+                   "--methods", ",".join(METHODS), "--threads", "2", "--out", str(out)])
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "same tokens" in stdout and all(m in stdout for m in METHODS)
