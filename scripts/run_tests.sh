@@ -12,8 +12,9 @@ cd "$(dirname "$0")/.."
 mkdir -p build
 # vLLM's own environment for the plugin's tests (tests/test_vllm_plugin.py): they fail, never
 # skip, without it.  SPECDEC_SKIP_VLLM=1 skips this set-up and those tests.
+SKIP_VLLM="${SPECDEC_SKIP_VLLM:-0}"
 VLLM_PID=""
-if [ "${SPECDEC_SKIP_VLLM:-0}" != "1" ]; then
+if [ "$SKIP_VLLM" != "1" ]; then
   echo "== setting up vLLM's environment in the background (log: build/setup_vllm_env.log)"
   bash scripts/setup_vllm_env.sh >build/setup_vllm_env.log 2>&1 &
   VLLM_PID=$!
@@ -53,11 +54,9 @@ python -m pytest -q -n "$WORKERS" --dist worksteal -m "not serial and not vllm" 
 echo "== part 1 took $((SECONDS / 60)) min $((SECONDS % 60)) s since the start of this script"
 wait_vllm
 echo "== pytest, part 2 of 2: the serial and vllm tests, alone"
+PART2="serial or vllm"
+[ "$SKIP_VLLM" = "1" ] && PART2="serial and not vllm"
 rc2=0
-if [ "${SPECDEC_SKIP_VLLM:-0}" = "1" ]; then
-  python -m pytest -q -m "serial and not vllm" --durations=25 || rc2=$?
-else
-  python -m pytest -q -m "serial or vllm" --durations=25 || rc2=$?
-fi
+python -m pytest -q -m "$PART2" --durations=25 || rc2=$?
 echo "== pytest: part 1 rc $rc1, part 2 rc $rc2; $((SECONDS / 60)) min $((SECONDS % 60)) s in all"
 [ "$rc1" = 0 ] && [ "$rc2" = 0 ]

@@ -21,7 +21,9 @@ LARGE = os.environ.get("SPECDEC_TEST_LARGE") == "1"
 # the machine.  Tests that set a thread count themselves (the bench CLIs' --threads) still do.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    # the cores this process may run on (as nproc counts them), not all of the machine's
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
 
 
 def pytest_configure(config):
