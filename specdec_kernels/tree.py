@@ -197,7 +197,13 @@ def merge_trees(root_token: int, trees: Sequence[Tuple[Sequence[int], Sequence[i
             raise ValueError(f"trees[{d}]: tokens and parents differ in length ({len(tokens)} vs {len(parents)})")
         if not tokens:
             continue
-        _as_parents(parents)
+        # the parent list's rule, checked on the Python list (a tensor check costs more than the merge)
+        if parents[0] != -1:
+            raise ValueError(f"trees[{d}]: parents[0] must be -1 (node 0 is the root), got {parents[0]}")
+        bad = next((i for i in range(1, len(parents)) if not 0 <= parents[i] < i), None)
+        if bad is not None:
+            raise ValueError(f"trees[{d}]: parents must satisfy 0 <= parents[i] < i (topological order); "
+                             f"node {bad} has parent {parents[bad]}")
         where = {0: 0}
         for i in range(1, len(tokens)):
             parent = where.get(parents[i])
