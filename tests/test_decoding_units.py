@@ -34,6 +34,36 @@ def test_continuation_limits():
     assert ngram_continuations([1, 2, 1, 2, 3, 1], 2, max_ngram=1, limit=4) == [[2, 3], [2, 1]]
 
 
+def _brute_continuations(history, max_tokens, max_ngram, min_ngram, limit):
+    """ngram_continuations' rule written out with plain loops (the reference of the numpy search)."""
+    found = []
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - 1 - n, -1, -1):  # most recent first, ends before the last
+            if history[start : start + n] != suffix:
+                continue
+            cont = history[start + n : start + n + max_tokens]
+            if any(f[: len(cont)] == cont for f in found):
+                continue
+            found.append(cont)
+            if len(found) >= limit:
+                return found
+    return found
+
+
+def test_continuations_match_a_brute_force_search():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        length = int(torch.randint(1, 40, (1,), generator=g))
+        alphabet = int(torch.randint(1, 5, (1,), generator=g))  # small alphabets: many repeats
+        history = torch.randint(0, alphabet, (length,), generator=g).tolist()
+        max_ngram = int(torch.randint(1, 6, (1,), generator=g))
+        min_ngram = int(torch.randint(1, max_ngram + 1, (1,), generator=g))
+        k, limit = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
+        want = _brute_continuations(history, k, max_ngram, min_ngram, limit)
+        assert ngram_continuations(history, k, max_ngram, min_ngram, limit) == want, (history, k, max_ngram, min_ngram, limit)
+
+
 def test_ngram_drafter_chain_and_tree():
     histories = [HISTORY, [1, 2, 3], HISTORY]
     chain = NgramDrafter(2, tokens_per_match=None).propose(histories, [3, 3, 0], [True, True, True])

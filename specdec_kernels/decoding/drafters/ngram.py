@@ -10,6 +10,16 @@ from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
 from specdec_kernels.tree import merge_chains
 
 
+def _suffix_match_starts(arr: np.ndarray, last_hits: np.ndarray, n: int) -> np.ndarray:
+    """Start indices (ascending) of the earlier occurrences of ``arr``'s last n tokens that end
+    before its last token, from ``last_hits``: the indices before the last where its last
+    token occurs (the candidates' ends; ``np.flatnonzero(arr[:-1] == arr[-1])``)."""
+    ends = last_hits[last_hits >= n - 1]
+    for t in range(1, n):
+        ends = ends[arr[ends - t] == arr[-1 - t]]
+    return ends - (n - 1)
+
+
 def ngram_continuations(
     history: Sequence[int],
     max_tokens: int,
@@ -37,14 +47,13 @@ def ngram_continuations(
     """
     if max_tokens < 1 or limit < 1:
         return []
-    arr = np.asarray(history, dtype=np.int64)
+    arr = np.fromiter(history, dtype=np.int64, count=len(history))
     found: List[List[int]] = []
     seen = set()
+    # occurrences that end before the last token, so that at least one token follows them
+    last_hits = np.flatnonzero(arr[:-1] == arr[-1]) if len(arr) > 1 else arr[:0]
     for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
-        suffix = arr[-n:]
-        # windows that end before the last token, so that at least one token follows them
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = _suffix_match_starts(arr, last_hits, n)
         for start in hits[::-1]:
             take = max_tokens if tokens_per_match is None else min(max_tokens, tokens_per_match * n)
             cont = arr[start + n : start + n + take].tolist()
@@ -65,10 +74,10 @@ def ngram_next_counts(history: Sequence[int], max_ngram: int = 5, min_ngram: int
     """What followed the history's suffix earlier in the history: for the longest n in
     ``max_ngram`` .. ``min_ngram`` whose last-n-token suffix occurred before, ``{token:
     count}`` of the tokens that followed its earlier occurrences; None when no suffix recurs."""
-    arr = np.asarray(history, dtype=np.int64)
+    arr = np.fromiter(history, dtype=np.int64, count=len(history))
+    last_hits = np.flatnonzero(arr[:-1] == arr[-1]) if len(arr) > 1 else arr[:0]
     for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        hits = _suffix_match_starts(arr, last_hits, n)
         if hits.size:
             tokens, counts = np.unique(arr[hits + n], return_counts=True)
             return dict(zip(tokens.tolist(), counts.tolist()))
