@@ -103,11 +103,42 @@ def test_bad_arguments():
     for kw in ({"window": 0}, {"ngram": 1}, {"guesses": -1}, {"max_nodes": 1}, {"window": 2.5}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             LookaheadDrafter(**kw)
+    for kw in ({"window_first": "no"}, {"pool_from_history": 1}):
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            LookaheadDrafter(**kw)
+
+
+def _one_node(d, h, pools):
+    d.start([h], 64, SamplingParams(), [torch.Generator().manual_seed(0)])
+    d.pools[0].update(pools)
+    draft = d.propose([h], [1], [True])
+    n = int(draft.num_nodes[0])
+    return draft.tokens[0, :n].tolist(), draft.parents[0, :n].tolist()
+
+
+def test_one_draft_node_holds_the_likeliest_ngram_by_hand():
+    """max_nodes=2 with window_first=False: a recurring 3-token suffix's continuation first,
+    then the pool's newest n-gram for the root, then a short history match, the Jacobi window
+    only when there is none; with window_first=True the window keeps the node."""
+    d = LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True, window_first=False)
+    strong = [1, 2, 3, 9, 5, 1, 2, 3]  # (1, 2, 3) recurs: 9 followed it
+    assert _one_node(d, strong, {3: [(7,)]}) == ([3, 9], [-1, 0])
+    assert _one_node(d, [4, 3, 8, 6, 3], {3: [(7,), (5,)]}) == ([3, 7], [-1, 0])  # the pool beats the 1-token match (8)
+    assert _one_node(d, [4, 3, 8, 6, 3], {}) == ([3, 8], [-1, 0])
+    assert d._window_nodes[0] == [0] and d._fed[0] == []  # the window was cut: only the root's argmax is kept
+    d.observe_target_argmax(torch.tensor([[11, 12]]), torch.tensor([2]), [True])
+    assert d.pools[0][3] == [(11,)]  # (root, o_0): what the target said after the root
+    toks, _ = _one_node(d, [10, 11, 12], {})  # nothing recurs: the window's fresh guess
+    assert toks[0] == 12 and len(toks) == 2 and toks[1] in (10, 11, 12)
+    w = LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True)
+    toks, _ = _one_node(w, strong, {3: [(7,)]})
+    assert toks[1] == w._windows[0][0]  # the window keeps the node
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 7], ids=lambda k: f"K{k}")
-@pytest.mark.parametrize("config", [{}, {"window": 7, "ngram": 5, "guesses": 7, "max_nodes": 64}, {"pool_from_history": True, "ngram": 2}],
-                         ids=["default", "spec-bench", "history"])
+@pytest.mark.parametrize("config", [{}, {"window": 7, "ngram": 5, "guesses": 7, "max_nodes": 64}, {"pool_from_history": True, "ngram": 2},
+                                    {"window": 1, "ngram": 2, "guesses": 3, "max_nodes": 2, "pool_from_history": True, "window_first": False}],
+                         ids=["default", "spec-bench", "history", "one-node"])
 def test_greedy_equals_plain_greedy(tiny, k, config):
     plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 24)
     d = LookaheadDrafter(**config)

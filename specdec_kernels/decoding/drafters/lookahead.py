@@ -25,6 +25,12 @@ root and y_1..y_i.  Then:
   is o_{m+1}..o_W followed by m fresh guesses (tokens drawn from the history with the
   sequence's own generator, as lookahead decoding initialises its window).
 
+When ``max_nodes`` cannot hold the whole tree, the branches given first keep their nodes: the
+window by default (it keeps the Jacobi iteration going); with ``window_first=False`` the
+n-grams, whose tokens the target produced or the history repeated.  On a CPU where a pass of
+two tokens costs about what a pass of one does and every further token costs more (measured
+with ``bench.e2e``), one draft node (``max_nodes=2``) holding the likeliest n-gram is what pays.
+
 This is the one-level form of the paper's 2-D window (it keeps the newest level of the
 trajectory and takes the earlier tokens of each n-gram from the guesses it fed), so the
 window costs W nodes a pass instead of (N - 1) W.  Spec-Bench ran W = 7, N = 5, G = 7 on a
@@ -53,22 +59,34 @@ class LookaheadDrafter(Drafter):
         ngram: N, the n-gram size (N - 1 draft tokens per pooled n-gram; cut to K).
         guesses: G, the n-grams verified per step at most, and kept per first token.
         max_nodes: the merged tree's nodes at most, root included (the window first).
-        pool_from_history: also seed the pool with the history's own n-grams (prompt
-            lookup, ``ngram_continuations``); off in the paper's default.
+        pool_from_history: also verify the history's own n-grams (prompt lookup,
+            ``ngram_continuations``); off in the paper's default.  A continuation of a
+            suffix of 3 or more tokens that recurs in the history comes before the pooled
+            n-grams (such a match predicts better than a Jacobi n-gram), a shorter one after
+            them; G n-grams in all.
+        window_first: when ``max_nodes`` cuts the tree, keep the window's nodes before the
+            n-grams' (True, the default) or after them.
 
     Raises:
         ValueError: window < 1, ngram < 2, guesses < 0, max_nodes < 2.
+        TypeError: window_first or pool_from_history not a bool.
     """
+
+    STRONG_MATCH, LONGEST_MATCH = 3, 4  # history suffixes of 3-4 tokens (longest first) rank before the pool
 
     name = "lookahead"
     wants_target_argmax = True
 
-    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 2, *, max_nodes: int = 16, pool_from_history: bool = False):
+    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 2, *, max_nodes: int = 16,
+                 pool_from_history: bool = False, window_first: bool = True):
         for name, v, lo in (("window", window, 1), ("ngram", ngram, 2), ("guesses", guesses, 0), ("max_nodes", max_nodes, 2)):
             if isinstance(v, bool) or int(v) != v or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        for name, v in (("pool_from_history", pool_from_history), ("window_first", window_first)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {v!r}")
         self.window, self.ngram, self.guesses, self.max_nodes = int(window), int(ngram), int(guesses), int(max_nodes)
-        self.pool_from_history = bool(pool_from_history)
+        self.pool_from_history, self.window_first = pool_from_history, window_first
         self._reset(0)
 
     def _reset(self, batch: int) -> None:
@@ -119,10 +137,8 @@ class LookaheadDrafter(Drafter):
             window = self._next_window(b, h)
             self._windows[b] = window
             fed = window[: min(self.window, k)]
-            chains = [list(c[: k]) for c in self.pools[b].get(root, [])[: self.guesses]]
-            if self.pool_from_history and len(chains) < self.guesses:
-                chains += ngram_continuations(h, min(k, self.ngram - 1), self.ngram, 1, self.guesses - len(chains))
-            merged = merge_chains(root, [fed] + chains, self.max_nodes)
+            chains = self._ngrams(b, h, root, k)
+            merged = merge_chains(root, [fed] + chains if self.window_first else chains + [fed], self.max_nodes)
             ids = map_to_merged(merged.tokens, merged.parents, [root] + fed, list(range(-1, len(fed))))
             cut = next((i for i, x in enumerate(ids) if x < 0), len(ids))
             self._window_nodes[b] = ids[:cut]  # node of the root, y_1, .. in the merged tree
@@ -131,6 +147,21 @@ class LookaheadDrafter(Drafter):
             self._roots[b] = root
             trees.append((merged.tokens, merged.parents))
         return Draft.from_lists(trees, is_chain=None)
+
+    def _ngrams(self, b: int, history: Sequence[int], root: int, k: int) -> List[List[int]]:
+        """The n-grams verified this step (at most G, each cut to K tokens): the pool's for the
+        root, newest first; with ``pool_from_history`` the history's strong matches before
+        them and its short ones after."""
+        G, body = self.guesses, min(k, self.ngram - 1)
+        pooled = [list(c[:k]) for c in self.pools[b].get(root, [])[:G]]
+        if not self.pool_from_history or G == 0:
+            return pooled
+        chains = ngram_continuations(history, body, max(self.LONGEST_MATCH, self.ngram), self.STRONG_MATCH, G)
+        chains += [c for c in pooled if c not in chains]
+        if len(chains) < G:
+            weak = ngram_continuations(history, body, min(self.ngram, self.STRONG_MATCH - 1), 1, G)
+            chains += [c for c in weak if c not in chains]
+        return chains[:G]
 
     def observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor, active) -> None:
         """Keep o_0..o_w (the target's argmax at the root and the window's nodes) for the
