@@ -378,7 +378,7 @@ def _register_builtin() -> None:
     # pool's newest, else a short history match, else the Jacobi window's token
     register(ours("lookahead-one-node", lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True, window_first=False),
                   "lookahead W=1 N=2 G=3 + history n-grams, one draft node, n-grams first, K=1", num_draft_tokens=1,
-                  default=False, window=1, ngram=2, guesses=3, pool_from_history=True, max_nodes=2, window_first=False))
+                  window=1, ngram=2, guesses=3, pool_from_history=True, max_nodes=2, window_first=False))
     register(ours("lookahead-specbench", lambda ctx: LookaheadDrafter(7, 5, 7, max_nodes=64), "lookahead W=7 N=5 G=7, K=7",
                   num_draft_tokens=7, default=False, window=7, ngram=5, guesses=7))
     # ensemble averaging: the EAGLE head's and prompt lookup's distributions mixed (weights

@@ -199,3 +199,8 @@ def test_real_greedy_equals_plain_greedy():
     result = SpeculativeDecoder(model, d, stop_token_ids=[tok.eos_token_id]).generate(prompts, 32, num_draft_tokens=4)
     assert result.tokens == greedy
     assert d.ngrams_added > 0
+    # bench.e2e's lookahead-one-node: one draft node a step, the n-grams before the window
+    one = LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True, window_first=False)
+    result = SpeculativeDecoder(model, one, stop_token_ids=[tok.eos_token_id]).generate(prompts, 32, num_draft_tokens=1)
+    assert result.tokens == greedy
+    assert result.stats.accepted_draft_tokens > 0
