@@ -58,7 +58,8 @@ class LookaheadDrafter(Drafter):
         window: W, the Jacobi window (the lookahead branch's tokens per pass; cut to K).
         ngram: N, the n-gram size (N - 1 draft tokens per pooled n-gram; cut to K).
         guesses: G, the n-grams verified per step at most, and kept per first token.
-        max_nodes: the merged tree's nodes at most, root included (the window first).
+        max_nodes: the merged tree's nodes at most, root included (which branches keep
+            their nodes when it cuts: ``window_first``).
         pool_from_history: also verify the history's own n-grams (prompt lookup,
             ``ngram_continuations``); off in the paper's default.  A continuation of a
             suffix of 3 or more tokens that recurs in the history comes before the pooled

@@ -47,7 +47,7 @@ def ngram_continuations(
     """
     if max_tokens < 1 or limit < 1:
         return []
-    arr = np.fromiter(history, dtype=np.int64, count=len(history))
+    arr = np.asarray(history, dtype=np.int64)
     found: List[List[int]] = []
     seen = set()
     # occurrences that end before the last token, so that at least one token follows them
@@ -74,7 +74,7 @@ def ngram_next_counts(history: Sequence[int], max_ngram: int = 5, min_ngram: int
     """What followed the history's suffix earlier in the history: for the longest n in
     ``max_ngram`` .. ``min_ngram`` whose last-n-token suffix occurred before, ``{token:
     count}`` of the tokens that followed its earlier occurrences; None when no suffix recurs."""
-    arr = np.fromiter(history, dtype=np.int64, count=len(history))
+    arr = np.asarray(history, dtype=np.int64)
     last_hits = np.flatnonzero(arr[:-1] == arr[-1]) if len(arr) > 1 else arr[:0]
     for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
         hits = _suffix_match_starts(arr, last_hits, n)
