@@ -148,7 +148,10 @@ _DIV16 = {
     "_rejection_partials_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
     "_rejection_sample_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
     "_sampling_probs_kernel": ("V", "stride_lr"),
-    "_tree_rejection_sample_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
+    "_tree_level_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
+    "_tree_walk_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
+    "_tree_final_partials_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
+    "_tree_final_sample_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
 }
 
 
@@ -230,8 +233,11 @@ def launcher_specs() -> List[dict]:
             # tree rejection sampling, with and without draft distributions
             for n in TREE_NODES:
                 bb, bv = tile_sizes(V, B, True)
-                add(trs._spec(True, bb, bv, next_pow2(n), prob="*bf16"), f"{shape} N={n}")
-                add(trs._spec(False, bb, bv, next_pow2(n), prob="*bf16"), f"{shape} N={n}")
+                br, _ = tile_sizes(V, B * n, True)
+                for has_draft in (True, False):
+                    add(trs._spec(has_draft, bb, bv, next_pow2(n), prob="*bf16", block_r=br,
+                                  block_s=_block_s(V, B * n, br, bv), block_s_rows=_block_s(V, B, bb, bv)),
+                        f"{shape} N={n}")
     for s in vg.AOT_SPECS:
         if s["kernel"] is vg._verify_greedy_accept_kernel:
             add(s, "K <= 31")

@@ -565,10 +565,11 @@ void tree_rejection_rows(const T* target, const T* draft, bool has_draft, const 
           // accept with probability min(1, p'(x) / q(x)), p' = residual / total
           accept = in_vocab && (u * q[xs] * total < r_x);
           if (!accept) {  // p' <- norm(max(0, p' - q)), kept as it was when that has no mass
-            const double safe_total = total > 0 ? total : 1.0;
+            // scaled by the reciprocal, as the reference and the GPU kernels do (one division)
+            const double inv_total = 1.0 / (total > 0 ? total : 1.0);
             double new_total = 0.0;
             for (int64_t i = 0; i < V; ++i) {
-              fresh[i] = mass(residual[i] / safe_total - q[i]);
+              fresh[i] = mass(residual[i] * inv_total - q[i]);
               new_total += fresh[i];
             }
             if (new_total > 0) {

@@ -38,7 +38,8 @@ def test_every_configuration_compiles_for_both_architectures(report):
     functions = {r["function"] for r in rows}
     assert functions >= {"_argmax_partials_kernel", "_verify_greedy_accept_kernel", "_verify_tree_greedy_walk_kernel",
                          "_rejection_partials_kernel", "_rejection_sample_kernel", "_sampling_probs_kernel",
-                         "_tree_rejection_sample_kernel", "_tree_attention_fwd_kernel", "_tree_attention_combine_kernel"}
+                         "_tree_level_kernel", "_tree_walk_kernel", "_tree_final_partials_kernel",
+                         "_tree_final_sample_kernel", "_tree_attention_fwd_kernel", "_tree_attention_combine_kernel"}
 
 
 def test_no_default_configuration_spills_registers(report):

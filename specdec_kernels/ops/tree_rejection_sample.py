@@ -112,16 +112,19 @@ tree_rejection_sample.__doc__ = _backend.public_doc(_ref, "tree_rejection_sample
             only the sequence's own num_nodes - 1 coins.
 
     Triton backend:
-        One kernel (``_tree_rejection_sample_kernel``) walks the nodes in order, as the
-        reference does, with the same float64 arithmetic.  With ``draft_probs`` the residual
-        after a rejection, mass(r / total - q), is stored in a per-sequence float64 scratch row
-        (a [batch, vocab] workspace the launcher allocates; until the first rejection at a node
-        the residual is the target row itself and nothing is stored).  With deterministic
-        children the residual is the target row with the rejected tokens zeroed, which the
-        kernel recomputes per tile from the list of rejected tokens (no workspace).  Same tokens
-        as the reference for the same uniforms, except when a test or threshold lies within
-        float64 rounding of a boundary (the kernel sums a row in tiles, the reference in
-        PyTorch's order).
+        The vocabulary of every row is cut into chunks over the GPU (batch 1 fills it).  All
+        children of a node are drawn from the same draft row, so the residual after the k-th
+        rejection at a node depends on k only: ``_tree_level_kernel`` precomputes its total
+        t_k for every node and k (levels 1..2 over chunks, higher levels serially per row),
+        rebuilding element x from p(x), q(x) and the reciprocals 1 / t_0..1 / t_{k-1} in the
+        reference's float64 operations (nothing of size V per node is stored);
+        ``_tree_walk_kernel`` walks the nodes in order, as the reference does, with point
+        loads; ``_tree_final_partials_kernel`` / ``_tree_final_sample_kernel`` sample the last
+        residual (with deterministic children: the target row with the rejected tokens
+        zeroed) by inverse CDF, searching only the chunk that holds u * total.  Same tokens as
+        the reference for the same uniforms, except when a test or threshold lies within
+        float64 rounding of a boundary (the kernels sum a row in chunks, the reference in
+        PyTorch's order).  Workspaces: see docs/API.md.
 """
 
 

@@ -62,8 +62,10 @@ def _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_
             # accept with probability min(1, p'(x) / q(x)), p' = residual / total
             accept = is_child & in_vocab & (u * q.gather(1, xs).squeeze(1) * total < r_x)
             reject = is_child & ~accept
-            safe_total = torch.where(total > 0, total, torch.ones_like(total))
-            new_residual = mass(residual / safe_total[:, None] - q)  # p' <- norm(max(0, p' - q))
+            # p' <- norm(max(0, p' - q)), p' scaled by the reciprocal of its total: one division
+            # per row, the arithmetic the Triton and CPU kernels repeat element by element
+            inv_total = 1.0 / torch.where(total > 0, total, torch.ones_like(total))
+            new_residual = mass(residual * inv_total[:, None] - q)
             new_total = new_residual.sum(dim=1)
             update = reject & (new_total > 0)  # a residual with no mass leaves p' as it was
             residual = torch.where(update[:, None], new_residual, residual)
@@ -115,7 +117,8 @@ def tree_rejection_sample(
 
     * ``draft_probs`` given (children drawn from q = draft_probs[node]): accept child x with
       probability min(1, p'(x) / q(x)), tested as u * q(x) * total < r(x) in float64 with
-      p' = r / total; on rejection p' <- norm(max(0, p' - q)) (unchanged if that has no mass).
+      p' = r / total; on rejection p' <- norm(max(0, p' - q)) (unchanged if that has no mass),
+      computed as r <- mass(r * (1 / total) - q).
     * ``draft_probs`` None (distinct deterministic children, e.g. top-k): accept x with
       probability p'(x), tested as u * total < r(x); on rejection r(x) <- 0 and total -= r(x).
 

@@ -1,7 +1,25 @@
 """tree_rejection_sample: multi-candidate rejection sampling over a token tree.
 
-Backends: "reference" (plain PyTorch) and "triton" (``_tree_rejection_sample_kernel``,
-registered as ``torch.ops.specdec.tree_rejection_sample_triton``).
+Backends: "reference" (plain PyTorch) and "triton" (``torch.ops.specdec.tree_rejection_sample_triton``).
+
+The Triton backend spreads a row's vocabulary over many programs (``split_vocab``), so a
+batch of one tree fills the GPU.  What makes that possible: every child of a node is drawn
+from the same draft row q = draft[node], so the residual after the k-th rejection at a node
+depends on k alone, not on which children were rejected.  With r_0 = mass(p[node]) and
+t_k = sum(r_k), the reference's update is r_k = mass(r_{k-1} * (1 / t_{k-1}) - q) (kept
+as r_{k-1} when r_k has no mass, and then every later update fails as well), so
+
+1. ``_tree_level_kernel`` computes t_0 for every node, then t_1, t_2, ... for every node that
+   has that many children, each level over (row blocks, vocabulary chunks) from the chunk
+   partials of the level before; element x of r_k is rebuilt from p(x), q(x) and the
+   reciprocals 1 / t_0..1 / t_{k-1} with the reference's own float64 operations (no division
+   per element), so nothing of size V is stored.
+   Levels above ``split_levels`` (nodes with many children) run serially per row.
+2. ``_tree_walk_kernel`` walks the nodes in order, as the reference does, with point loads
+   only: the accept tests need r_k(x) and t_k.
+3. ``_tree_final_partials_kernel`` and ``_tree_final_sample_kernel`` sample the last residual
+   by inverse CDF as the chain op does: its weights (stored, B x V float64) and chunk masses
+   over (row blocks, chunks), then a search inside the one chunk that holds u * total.
 """
 from __future__ import annotations
 
@@ -13,64 +31,160 @@ import triton.language as tl
 
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
-    _cdf_search_tile,
     _last_with_mass,
     _mass64,
     _pick_token,
-    _row_mass_total,
     next_pow2,
+    split_vocab,
     tile_sizes,
 )
 
 from specdec_kernels._library import kernel_op, launch
 
+# Residual levels computed over vocabulary chunks (one launch each); the levels above run
+# serially per row in one launch.  ``None``: min(N - 1, DEFAULT_SPLIT_LEVELS).  Tests set it.
+DEFAULT_SPLIT_LEVELS = 2
+FORCED_SPLIT_LEVELS: Optional[int] = None
+
+
+def split_levels(N: int) -> int:
+    """Levels 1..LS of the residual computed over vocabulary chunks, for trees of N nodes."""
+    wanted = DEFAULT_SPLIT_LEVELS if FORCED_SPLIT_LEVELS is None else FORCED_SPLIT_LEVELS
+    return max(0, min(N - 1, int(wanted)))
+
 
 @triton.jit
-def _sampled_residual_tile(p_rows, q_rows, s_rows, stored, safe_total, rmask, offs, V):
-    """mass(r / total - q) in float64 for one tile: r is the stored residual where ``stored``,
-    else mass(p); q = mass(draft row).  Rows off ``rmask`` give 0."""
-    m2 = rmask[:, None] & (offs < V)[None, :]
-    p = _mass64(tl.load(p_rows[:, None] + offs[None, :], mask=m2 & ~stored[:, None], other=0.0))
-    s = tl.load(s_rows[:, None] + offs[None, :], mask=m2 & stored[:, None], other=0.0)
-    q = _mass64(tl.load(q_rows[:, None] + offs[None, :], mask=m2, other=0.0))
-    r = tl.where(stored[:, None], s, p)
-    return tl.where(m2, _mass64(r / safe_total[:, None] - q), 0.0)
+def _inverse(t):
+    """The reference's 1 / safe_total: 1 / t where t > 0, else 1 (one division per row)."""
+    return 1.0 / tl.where(t > 0, t, 1.0)
+
 
 @triton.jit
-def _zeroed(offs, rej, nrej_max, slots, rmask):
-    """[BB, BV] mask of the columns listed in ``rej`` [BB, NP] (rejected deterministic children)."""
-    hit = rmask[:, None] & (offs[None, :] < 0)  # all False, [BB, BV]
-    for i in tl.range(0, nrej_max):
-        col = tl.sum(tl.where(slots[None, :] == i, rej, 0), axis=1)  # slot i of each row (-1 if unused)
-        hit = hit | (offs[None, :] == col[:, None])
-    return hit
+def _residual_tile(r, q, tinv_rows, steps, rmask):
+    """Apply r <- mass(r * inv_i - q) for i = 0..steps-1 to a [BB, BV] tile (``steps`` [BB]
+    per row; inv_i = 1 / safe(t_i) read from ``tinv_rows`` + i): element x of the residual
+    after ``steps`` updates, from mass(p)(x) and q(x), in the reference's float64 operations."""
+    for i in tl.range(0, tl.max(steps, axis=0)):
+        live = rmask & (i < steps)
+        inv = tl.load(tinv_rows + i, mask=live, other=1.0)
+        r = tl.where(live[:, None], _mass64(r * inv[:, None] - q), r)
+    return r
+
 
 @triton.jit
-def _final_tile(p_rows, s_rows, stored, rej, nrej_max, slots, rmask, offs, V, HAS_DRAFT: tl.constexpr):
-    """Weights of the final sample for one tile: (residual, target row) as float64 [BB, BV]."""
-    m2 = rmask[:, None] & (offs < V)[None, :]
-    if HAS_DRAFT:
-        p = _mass64(tl.load(p_rows[:, None] + offs[None, :], mask=m2 & ~stored[:, None], other=0.0))
-        s = tl.load(s_rows[:, None] + offs[None, :], mask=m2 & stored[:, None], other=0.0)
-        w = tl.where(stored[:, None], s, p)
-    else:
-        p = _mass64(tl.load(p_rows[:, None] + offs[None, :], mask=m2, other=0.0))
-        w = tl.where(_zeroed(offs, rej, nrej_max, slots, rmask), 0.0, p)
-    return w, p
+def _residual_point(r, q, tinv_rows, steps, rmask):
+    """``_residual_tile`` for one element per row ([BB] vectors)."""
+    for i in tl.range(0, tl.max(steps, axis=0)):
+        live = rmask & (i < steps)
+        inv = tl.load(tinv_rows + i, mask=live, other=1.0)
+        r = tl.where(live, _mass64(r * inv - q), r)
+    return r
+
 
 @triton.jit
-def _tree_rejection_sample_kernel(
+def _tree_level_kernel(
     target_ptr,  # [B, N, V] fp32/fp16/bf16, last dim contiguous
     draft_ptr,  # [B, N, V] like target (unused when HAS_DRAFT is False)
+    parents_ptr,  # [B, N] int32/int64 with row stride stride_pb (0: one tree for the batch)
+    num_nodes_ptr,  # [B] int64
+    part_ptr,  # [B * N, N, S] fp64: chunk s of t_k of node row r at (r * N + k) * S + s (written)
+    tsum_ptr,  # [2, B * N, N] fp64: t_k of node row r at r * N + k, 1 / safe(t_k) at (R + r) * N + k
+    R,  # B * N node rows
+    N,
+    V,
+    stride_tb,
+    stride_tn,
+    stride_db,
+    stride_dn,
+    stride_pb,
+    S,  # chunks of the split levels
+    level,  # first level of this launch
+    level_end,  # one past the last (split launches: level + 1)
+    TILES_PER_SPLIT,  # vocabulary tiles per program
+    TAIL: tl.constexpr,  # serial levels: grid (row blocks, 1), each program walks its whole rows
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # power of two >= S
+):
+    """Program (i, s): node rows i * BLOCK_R.., vocabulary chunk s.  Level 0: the chunk's mass
+    of the target row (for t_0).  Level k >= 1, rows whose node has k children or more
+    (others write 0): the chunk's mass of r_k, from t_{k-1} summed from the level before."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    b = (rows // N).to(tl.int64)  # R = B * N < 2**31 (the launcher checks)
+    n = (rows % N).to(tl.int64)
+    # counts clamped to 0..N in int64 before any use, whatever the caller validated
+    nn = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + b, mask=rmask, other=0), 0), N)
+    p_rows = target_ptr + b * stride_tb + n * stride_tn
+    q_rows = draft_ptr + b * stride_db + n * stride_dn
+    ts_rows = tsum_ptr + rows64 * N
+    inv_rows = tsum_ptr + (R + rows64) * N
+    part_rows = part_ptr + rows64 * N * S
+    lo = split * TILES_PER_SPLIT * BLOCK_V
+    if level == 0:
+        live = rmask & (n < tl.maximum(nn, 1))  # node 0 always: the sample of an empty tree
+        acc = tl.zeros([BLOCK_R], dtype=tl.float64)
+        for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
+            offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
+            m2 = live[:, None] & (offs < V)[None, :]
+            acc += tl.sum(_mass64(tl.load(p_rows[:, None] + offs[None, :], mask=m2, other=0.0)), axis=1)
+        tl.store(part_rows + split, acc, mask=rmask)
+    else:
+        # children of node n among the first nn nodes; parents compared in int64 (a huge
+        # parent never aliases a node by narrowing), only later nodes count (as in the walk)
+        m = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for j in tl.range(1, N * (level < level_end)):
+            inside = rmask & (j > n) & (j < nn)
+            par = tl.load(parents_ptr + b * stride_pb + j, mask=inside, other=-1).to(tl.int64)
+            m += (inside & (par == n)).to(tl.int32)
+        cs = tl.arange(0, BLOCK_S)
+        m2s = rmask[:, None] & (cs < S)[None, :]
+        t_prev = tl.sum(tl.load(part_rows[:, None] + (level - 1) * S + cs[None, :], mask=m2s, other=0.0), axis=1)
+        for k in tl.range(level, level_end):
+            inv_prev = _inverse(t_prev)
+            if split == 0:
+                tl.store(ts_rows + (k - 1), t_prev, mask=rmask)
+                tl.store(inv_rows + (k - 1), inv_prev, mask=rmask)
+            tl.debug_barrier()  # TAIL: t_{k-2}, stored by other threads, is read below
+            # a failed update (t_{k-1} == 0 for k >= 2) fails at every later level: rows write 0
+            active = rmask & (m >= k) & ((k == 1) | (t_prev > 0))
+            acc = tl.zeros([BLOCK_R], dtype=tl.float64)
+            if tl.max(active.to(tl.int32), axis=0) > 0:
+                steps = tl.where(active, k - 1, 0)
+                for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
+                    offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
+                    m2 = active[:, None] & (offs < V)[None, :]
+                    r = _mass64(tl.load(p_rows[:, None] + offs[None, :], mask=m2, other=0.0))
+                    q = _mass64(tl.load(q_rows[:, None] + offs[None, :], mask=m2, other=0.0))
+                    r = _residual_tile(r, q, inv_rows, steps, active)
+                    r = _mass64(r * inv_prev[:, None] - q)
+                    acc += tl.sum(tl.where(m2, r, 0.0), axis=1)
+            if not TAIL:
+                tl.store(part_rows + k * S + split, acc, mask=rmask)
+            t_prev = acc
+        if TAIL:
+            tl.store(ts_rows + (level_end - 1), t_prev, mask=rmask)
+            tl.store(inv_rows + (level_end - 1), _inverse(t_prev), mask=rmask)
+
+
+@triton.jit
+def _tree_walk_kernel(
+    target_ptr,  # [B, N, V], as _tree_level_kernel
+    draft_ptr,
     tokens_ptr,  # [B, N] int32/int64, contiguous
-    parents_ptr,  # [B, N] int64 with row stride stride_pb (0: one tree for the batch)
+    parents_ptr,  # [B, N] int32/int64 with row stride stride_pb
     num_nodes_ptr,  # [B] int64
     coins_ptr,  # [B, N-1] fp32, contiguous
-    final_u_ptr,  # [B] fp32
-    scratch_ptr,  # [B, V] fp64 workspace (HAS_DRAFT only)
-    out_tokens_ptr,  # [B, N] int64 (written)
+    tsum_ptr,  # [2, B * N, N] fp64 from _tree_level_kernel: t_k and 1 / safe(t_k) of every node row
+    out_tokens_ptr,  # [B, N] int64 (written; slot num_accepted by the final sample)
     out_nodes_ptr,  # [B, N] int64 (written)
     num_accepted_ptr,  # [B] int64 (written)
+    state_ptr,  # [2, B] int32 (written): the last node, and its updates (HAS_DRAFT) / rejections
+    rej_ptr,  # [B, NP] int64 (written, deterministic children): the tokens rejected there
     B,
     N,
     V,
@@ -81,30 +195,32 @@ def _tree_rejection_sample_kernel(
     stride_pb,
     HAS_DRAFT: tl.constexpr,
     BLOCK_B: tl.constexpr,
-    BLOCK_V: tl.constexpr,
     NP: tl.constexpr,  # next power of two >= N
 ):
+    """Program i: sequences i * BLOCK_B..: one pass in node order visits every node's children
+    in index order (as the reference), with the totals t_k precomputed and point loads."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
     slots = tl.arange(0, NP)
-    # counts clamped to 0..N in int64 before any narrowing, whatever the caller validated
-    nn = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + rows64, mask=rmask, other=0), 0), N).to(tl.int32)
+    nn = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + rows64, mask=rmask, other=0), 0), N)
     t_rows = target_ptr + rows64 * stride_tb
     d_rows = draft_ptr + rows64 * stride_db
-    s_rows = scratch_ptr + rows64 * V
+    zero = tl.zeros([BLOCK_B], dtype=tl.int32)
 
-    current = tl.zeros([BLOCK_B], dtype=tl.int32)
-    total = _row_mass_total(t_rows, rmask, V, BLOCK_B, BLOCK_V)  # mass of p' = p[root]
-    stored = rows < 0  # HAS_DRAFT: the residual is in the scratch row (else it is mass(p[current]))
+    current = zero
+    k = zero  # rejections at `current`
+    upd = zero  # successful residual updates at `current` (a prefix of the rejections)
+    cur_row = rows64 * N
+    # t_0 of the root (only read if the root has children)
+    total = tl.load(tsum_ptr + cur_row * N, mask=rmask & (nn > 1), other=0.0)
     rej = tl.full([BLOCK_B, NP], -1, tl.int64)  # deterministic: children rejected at `current`
-    nrej = tl.zeros([BLOCK_B], dtype=tl.int32)
-    num_acc = tl.zeros([BLOCK_B], dtype=tl.int32)
+    nrej = zero
+    num_acc = zero
     path = tl.where(slots[None, :] == 0, 0, tl.full([BLOCK_B, NP], -1, tl.int32))
     out_tok = tl.full([BLOCK_B, NP], -1, tl.int64)
 
-    # One pass in node order visits every node's children in index order (as the reference).
     for j in tl.range(1, N):
         # parents are only compared, in int64: a huge parent never aliases a node by narrowing
         par = tl.load(parents_ptr + rows64 * stride_pb + j, mask=rmask, other=-1).to(tl.int64)
@@ -114,38 +230,23 @@ def _tree_rejection_sample_kernel(
             in_vocab = (x >= 0) & (x < V)
             xs = tl.minimum(tl.maximum(x, 0), V - 1)
             u = tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0).to(tl.float64)
-            p_cur = t_rows + current.to(tl.int64) * stride_tn
+            cur64 = current.to(tl.int64)
+            px = _mass64(tl.load(t_rows + cur64 * stride_tn + xs, mask=is_child, other=0.0))
             if HAS_DRAFT:
-                q_cur = d_rows + current.to(tl.int64) * stride_dn
-                qx = _mass64(tl.load(q_cur + xs, mask=is_child, other=0.0))
-                px = _mass64(tl.load(p_cur + xs, mask=is_child & ~stored, other=0.0))
-                sx = tl.load(s_rows + xs, mask=is_child & stored, other=0.0)
-                rx = tl.where(stored, sx, px)
+                qx = _mass64(tl.load(d_rows + cur64 * stride_dn + xs, mask=is_child, other=0.0))
+                rx = _residual_point(px, qx, tsum_ptr + (B * N + cur_row) * N, tl.where(is_child, upd, 0), is_child)
                 # accept with probability min(1, p'(x) / q(x)), p' = r / total
                 accept = is_child & in_vocab & (u * qx * total < rx)
                 reject = is_child & ~accept
-                if tl.max(reject.to(tl.int32), axis=0) > 0:
-                    # p' <- norm(max(0, p' - q)), kept as it was when that has no mass
-                    safe_total = tl.where(total > 0, total, 1.0)
-                    new_total = tl.zeros([BLOCK_B], dtype=tl.float64)
-                    for start in tl.range(0, V, BLOCK_V, num_stages=3):
-                        offs = start + tl.arange(0, BLOCK_V)
-                        nr = _sampled_residual_tile(p_cur, q_cur, s_rows, stored, safe_total, reject, offs, V)
-                        new_total += tl.sum(nr, axis=1)
-                    update = reject & (new_total > 0)
-                    if tl.max(update.to(tl.int32), axis=0) > 0:
-                        for start in tl.range(0, V, BLOCK_V):
-                            offs = start + tl.arange(0, BLOCK_V)
-                            nr = _sampled_residual_tile(p_cur, q_cur, s_rows, stored, safe_total, update, offs, V)
-                            tl.debug_barrier()  # every thread has read the tile before it is overwritten
-                            tl.store(s_rows[:, None] + offs[None, :], nr, mask=update[:, None] & (offs < V)[None, :])
-                        tl.debug_barrier()  # the new residual is visible to the whole program
-                    stored = stored | update
-                    total = tl.where(update, new_total, total)
+                # p' <- norm(max(0, p' - q)): t_k precomputed, kept as it was when it is 0
+                k = tl.where(reject, k + 1, k)
+                t_k = tl.load(tsum_ptr + cur_row * N + tl.minimum(k, N - 1), mask=reject, other=0.0)
+                moved = reject & (t_k > 0)
+                upd = tl.where(moved, k, upd)
+                total = tl.where(moved, t_k, total)
             else:
                 # a deterministic child is accepted with probability p'(x); on rejection x is
                 # removed from p' (zeroed, the total reduced by its weight)
-                px = _mass64(tl.load(p_cur + xs, mask=is_child, other=0.0))
                 seen = tl.max((rej == xs[:, None]).to(tl.int32), axis=1) > 0
                 rx = tl.where(seen, 0.0, px)
                 accept = is_child & in_vocab & (u * total < rx)
@@ -158,60 +259,220 @@ def _tree_rejection_sample_kernel(
                 num_acc += accept.to(tl.int32)
                 path = tl.where(accept[:, None] & (slots[None, :] == num_acc[:, None]), j, path)
                 current = tl.where(accept, j, current)
-                fresh = _row_mass_total(t_rows + current.to(tl.int64) * stride_tn, accept, V, BLOCK_B, BLOCK_V)
+                cur_row = tl.where(accept, rows64 * N + j, cur_row)
+                fresh = tl.load(tsum_ptr + cur_row * N, mask=accept & (j + 1 < nn), other=0.0)
                 total = tl.where(accept, fresh, total)
-                stored = stored & ~accept
+                k = tl.where(accept, 0, k)
+                upd = tl.where(accept, 0, upd)
                 rej = tl.where(accept[:, None], -1, rej)
                 nrej = tl.where(accept, 0, nrej)
 
-    # Final sample from p' (from the target row when p' has no mass) by inverse CDF.
-    p_cur = t_rows + current.to(tl.int64) * stride_tn
-    nrej_max = tl.max(nrej, axis=0)
-    tot_w = tl.zeros([BLOCK_B], dtype=tl.float64)
-    tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
-    last_w = tl.full([BLOCK_B], -1, tl.int32)
-    last_p = tl.full([BLOCK_B], -1, tl.int32)
-    for start in tl.range(0, V, BLOCK_V, num_stages=3):
-        offs = start + tl.arange(0, BLOCK_V)
-        w, p = _final_tile(p_cur, s_rows, stored, rej, nrej_max, slots, rmask, offs, V, HAS_DRAFT)
-        tot_w += tl.sum(w, axis=1)
-        tot_p += tl.sum(p, axis=1)
-        last_w = _last_with_mass(w, offs, last_w)
-        last_p = _last_with_mass(p, offs, last_p)
-    use_w = tot_w > 0
-    total = tl.where(use_w, tot_w, tot_p)
-    last = tl.where(use_w, last_w, last_p)
-    if not HAS_DRAFT:
-        nrej = tl.where(use_w, nrej, 0)  # no mass left: sample from the target row
-        rej = tl.where(use_w[:, None], rej, -1)
-    u_final = tl.load(final_u_ptr + rows64, mask=rmask, other=0.0).to(tl.float64)
-    threshold = u_final * total
-    searching = rmask & (total > 0)
-    found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
-    carry = tl.zeros([BLOCK_B], dtype=tl.float64)
-    pending = tl.sum(searching.to(tl.int32), axis=0)
-    for start in tl.range(0, V, BLOCK_V):
-        if pending > 0:  # the tiles after every row has found its token are not read
-            offs = start + tl.arange(0, BLOCK_V)
-            w, p = _final_tile(p_cur, s_rows, stored, rej, nrej_max, slots, searching, offs, V, HAS_DRAFT)
-            carry, found = _cdf_search_tile(w, offs, carry, threshold, found)
-            pending = tl.sum((searching & (found == NOT_FOUND)).to(tl.int32), axis=0)
-    sampled = _pick_token(found, last, total)
-
-    out_tok = tl.where(slots[None, :] == num_acc[:, None], sampled[:, None], out_tok)
     m2 = rmask[:, None] & (slots < N)[None, :]
     tl.store(out_tokens_ptr + rows64[:, None] * N + slots[None, :], out_tok, mask=m2)
     tl.store(out_nodes_ptr + rows64[:, None] * N + slots[None, :], path.to(tl.int64), mask=m2)
     tl.store(num_accepted_ptr + rows64, num_acc.to(tl.int64), mask=rmask)
+    tl.store(state_ptr + rows64, current, mask=rmask)
+    if HAS_DRAFT:
+        tl.store(state_ptr + B + rows64, upd, mask=rmask)
+    else:
+        tl.store(state_ptr + B + rows64, nrej, mask=rmask)
+        tl.store(rej_ptr + rows64[:, None] * NP + slots[None, :], rej, mask=rmask[:, None])
 
-def num_warps(block_v: int, has_draft: bool) -> int:
-    """Warps per program: 8 for full 1024-column tiles with draft distributions (the float64
-    residual tiles spill registers with 4: ``python -m bench.kernels --static``), else 4."""
-    return 8 if has_draft and block_v >= 1024 else 4
+
+@triton.jit
+def _zeroed(cols, rej, nrej, NP: tl.constexpr, rmask):
+    """[BB, BV] mask of the columns ``cols`` listed in ``rej`` [BB, NP] (rejected
+    deterministic children; the first ``nrej`` [BB] slots are used)."""
+    slots = tl.arange(0, NP)
+    hit = rmask[:, None] & (cols < 0)  # all False, [BB, BV]
+    for i in tl.range(0, tl.max(nrej, axis=0)):
+        col = tl.sum(tl.where(slots[None, :] == i, rej, 0), axis=1)  # slot i of each row
+        hit = hit | ((cols == col[:, None]) & (i < nrej)[:, None])
+    return hit
+
+
+@triton.jit
+def _final_state(target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr, rows, rmask, B, N, stride_tb, stride_tn,
+                 stride_db, stride_dn, HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr, NP: tl.constexpr):
+    """(p_rows, q_rows, ts_rows, n_upd, rej, nrej) of the [BB] sequences: the last node's rows
+    and how its residual is rebuilt."""
+    rows64 = rows.to(tl.int64)
+    cur = tl.minimum(tl.maximum(tl.load(state_ptr + rows64, mask=rmask, other=0), 0), N - 1).to(tl.int64)
+    count = tl.minimum(tl.maximum(tl.load(state_ptr + B + rows64, mask=rmask, other=0), 0), N - 1)
+    p_rows = target_ptr + rows64 * stride_tb + cur * stride_tn
+    q_rows = draft_ptr + rows64 * stride_db + cur * stride_dn
+    ts_rows = tsum_ptr + (B * N + rows64 * N + cur) * N  # the reciprocals 1 / safe(t_k)
+    slots = tl.arange(0, NP)
+    if HAS_DRAFT:
+        n_upd = count
+        nrej = tl.zeros_like(count)
+        rej = tl.full([BLOCK_B, NP], -1, tl.int64)
+    else:
+        n_upd = tl.zeros_like(count)
+        nrej = count
+        rej = tl.load(rej_ptr + rows64[:, None] * NP + slots[None, :], mask=rmask[:, None] & (slots[None, :] < count[:, None]),
+                      other=-1)
+    return p_rows, q_rows, ts_rows, n_upd, rej, nrej
+
+
+@triton.jit
+def _final_tile(p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, cols, inside, HAS_DRAFT: tl.constexpr,
+                NP: tl.constexpr):
+    """Weights of the final sample at the [BB, BV] columns ``cols``: (residual, target row),
+    float64 (0 off ``rmask`` and ``inside``)."""
+    m2 = rmask[:, None] & inside
+    p = _mass64(tl.load(p_rows[:, None] + cols, mask=m2, other=0.0))
+    if HAS_DRAFT:
+        q = _mass64(tl.load(q_rows[:, None] + cols, mask=m2 & (n_upd > 0)[:, None], other=0.0))
+        w = tl.where(m2, _residual_tile(p, q, ts_rows, n_upd, rmask), 0.0)
+    else:
+        w = tl.where(_zeroed(cols, rej, nrej, NP, rmask), 0.0, p)
+    return w, p
+
+
+@triton.jit
+def _tree_final_partials_kernel(
+    target_ptr,
+    draft_ptr,
+    tsum_ptr,
+    state_ptr,  # [2, B] int32 from _tree_walk_kernel
+    rej_ptr,  # [B, NP] int64 from _tree_walk_kernel
+    weights_ptr,  # [B, V] fp64 (written): the residual's weights, searched by the final sample
+    part_mass_ptr,  # [2, S, B] fp64 (written): mass of the residual and of p per chunk
+    part_last_ptr,  # [2, S, B] int32 (written): their last indices with mass (-1: none)
+    B,
+    N,
+    V,
+    stride_tb,
+    stride_tn,
+    stride_db,
+    stride_dn,
+    TILES_PER_SPLIT,
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """Program (i, s): sequences i * BLOCK_B.., vocabulary chunk s of the last node's row: the
+    residual's weights (stored) and the chunk's masses of them and of the target row."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    S = tl.num_programs(1)
+    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    w_rows = weights_ptr + rows.to(tl.int64) * V
+    p_rows, q_rows, ts_rows, n_upd, rej, nrej = _final_state(
+        target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr, rows, rmask, B, N, stride_tb, stride_tn, stride_db,
+        stride_dn, HAS_DRAFT, BLOCK_B, NP)
+    tot_w = tl.zeros([BLOCK_B], dtype=tl.float64)
+    tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
+    last_w = tl.full([BLOCK_B], -1, tl.int32)
+    last_p = tl.full([BLOCK_B], -1, tl.int32)
+    lo = split * TILES_PER_SPLIT * BLOCK_V
+    for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
+        offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
+        w, p = _final_tile(p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, offs[None, :], (offs < V)[None, :],
+                           HAS_DRAFT, NP)
+        tl.store(w_rows[:, None] + offs[None, :], w, mask=rmask[:, None] & (offs < V)[None, :])
+        tot_w += tl.sum(w, axis=1)
+        tot_p += tl.sum(p, axis=1)
+        last_w = _last_with_mass(w, offs, last_w)
+        last_p = _last_with_mass(p, offs, last_p)
+    at = split.to(tl.int64) * B + rows.to(tl.int64)
+    tl.store(part_mass_ptr + at, tot_w, mask=rmask)
+    tl.store(part_mass_ptr + S * B + at, tot_p, mask=rmask)
+    tl.store(part_last_ptr + at, last_w, mask=rmask)
+    tl.store(part_last_ptr + S * B + at, last_p, mask=rmask)
+
+
+@triton.jit
+def _tree_final_sample_kernel(
+    target_ptr,  # [B, N, V]
+    state_ptr,  # [2, B] int32 from _tree_walk_kernel
+    weights_ptr,  # [B, V] fp64 from _tree_final_partials_kernel
+    final_u_ptr,  # [B] fp32
+    part_mass_ptr,  # [2, S, B] fp64 from _tree_final_partials_kernel
+    part_last_ptr,  # [2, S, B] int32
+    out_tokens_ptr,  # [B, N] int64: slot num_accepted written
+    num_accepted_ptr,  # [B] int64 from _tree_walk_kernel
+    B,
+    N,
+    V,
+    stride_tb,
+    stride_tn,
+    S,
+    TILES_PER_SPLIT,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # power of two >= S
+):
+    """Program i: sequences i * BLOCK_B..: the residual (the target row if it has no mass)
+    sampled by inverse CDF, searching only the chunk that holds u * total."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    cur = tl.minimum(tl.maximum(tl.load(state_ptr + rows64, mask=rmask, other=0), 0), N - 1).to(tl.int64)
+    p_rows = target_ptr + rows64 * stride_tb + cur * stride_tn
+    w_rows = weights_ptr + rows64 * V
+    cs = tl.arange(0, BLOCK_S)
+    at = cs[None, :] * B + rows64[:, None]
+    m2 = rmask[:, None] & (cs < S)[None, :]
+    mass_w = tl.load(part_mass_ptr + at, mask=m2, other=0.0)
+    mass_p = tl.load(part_mass_ptr + S * B + at, mask=m2, other=0.0)
+    last_w = tl.max(tl.load(part_last_ptr + at, mask=m2, other=-1), axis=1)
+    last_p = tl.max(tl.load(part_last_ptr + S * B + at, mask=m2, other=-1), axis=1)
+    use_w = tl.sum(mass_w, axis=1) > 0  # else (no residual mass) the target row
+    w_s = tl.where(use_w[:, None], mass_w, mass_p)
+    cum = tl.cumsum(w_s, axis=1)
+    total = tl.max(cum, axis=1)
+    last = tl.where(use_w, last_w, last_p)
+
+    u_final = tl.load(final_u_ptr + rows64, mask=rmask, other=0.0).to(tl.float64)
+    threshold = u_final * total
+    searching = rmask & (total > 0)
+    hit_s = (w_s > 0) & (cum > threshold[:, None]) & searching[:, None]
+    chunk = tl.min(tl.where(hit_s, cs[None, :], 2147483647), axis=1)
+    base = tl.sum(tl.where(cs[None, :] < chunk[:, None], w_s, 0.0), axis=1)
+    chunk = tl.where(chunk == 2147483647, -1, chunk)
+    searching = searching & (chunk >= 0)
+
+    found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
+    carry = base
+    lo = tl.maximum(chunk, 0) * (TILES_PER_SPLIT * BLOCK_V)
+    for t in tl.range(0, TILES_PER_SPLIT):
+        cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        inside = searching[:, None] & (cols < V)
+        w = tl.load(w_rows[:, None] + cols, mask=inside & use_w[:, None], other=0.0)
+        p = _mass64(tl.load(p_rows[:, None] + cols, mask=inside & ~use_w[:, None], other=0.0))
+        w = tl.where(use_w[:, None], w, p)
+        cdf = carry[:, None] + tl.cumsum(w, axis=1)
+        hit = (cdf > threshold[:, None]) & (w > 0)
+        found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
+        carry += tl.sum(w, axis=1)
+    sampled = _pick_token(found, last, total)
+    num_acc = tl.minimum(tl.maximum(tl.load(num_accepted_ptr + rows64, mask=rmask, other=0), 0), N - 1)
+    tl.store(out_tokens_ptr + rows64 * N + num_acc, sampled, mask=rmask)
+
+
+def level_num_warps(block_v: int, has_draft: bool) -> int:
+    """Warps of ``_tree_level_kernel`` and ``_tree_final_partials_kernel``: 8 for full
+    1024-column tiles (4 and 16 spill registers in some configurations, ``python -m
+    bench.kernels --static``), else 4."""
+    return 8 if block_v >= 1024 else 4
+
+
+def sample_num_warps(block_v: int) -> int:
+    """Warps of ``_tree_final_sample_kernel``: 8 for full 1024-column tiles, else 4."""
+    return 8 if block_v >= 1024 else 4
+
+
+WALK_NUM_WARPS = 4  # the walk is point loads (1 and 2 warps spill registers in some configurations)
 
 
 def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=like.device)
+
 
 def _tree_rejection_sample_triton_impl(
     target_probs: torch.Tensor,
@@ -222,71 +483,99 @@ def _tree_rejection_sample_triton_impl(
     uniform_samples: torch.Tensor,
     sample_uniforms: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch ``_tree_rejection_sample_kernel`` on validated inputs (see ``tree_rejection_sample``).
+    """Launch the tree kernels on validated inputs (see ``tree_rejection_sample``).
 
     Args:
         target_probs: Shape (B, N, V), float32/float16/bfloat16, CUDA (or CPU under
             TRITON_INTERPRET=1).
         tree_tokens: Shape (B, N), int32/int64.
         tree_parents: Shape (B, N) (a shared tree may be an expanded (N,) tensor: batch
-            stride 0) or (N,), int32/int64, topological (not checked here).
+            stride 0) or (N,), int32/int64, topological (not checked here; any values are
+            safe).
         draft_probs: Shape (B, N, V) like target_probs, or None (deterministic children).
-        num_nodes: Shape (B,), int64 in 0..N.
+        num_nodes: Shape (B,), int64 in 0..N (clamped).
         uniform_samples: Shape (B, N - 1), float32: column c - 1 is node c's coin.
         sample_uniforms: Shape (B,), float32: the final sample's uniform.
 
     Returns:
-        (output_tokens (B, N), accepted_nodes (B, N), num_accepted (B,)), all int64.  With
-        draft_probs a float64 workspace of B * V elements is allocated per call.
+        (output_tokens (B, N), accepted_nodes (B, N), num_accepted (B,)), all int64.
+
+    Launches: ``_tree_level_kernel`` for level 0 (t_0 of every node) and, with draft_probs,
+    levels 1..``split_levels(N)`` over (node-row blocks, vocabulary chunks), then once for the
+    levels above (serial per row); ``_tree_walk_kernel``; ``_tree_final_partials_kernel`` and
+    ``_tree_final_sample_kernel``.  Workspaces: B*N*N*S + 2*B*N*N float64 (S: vocabulary
+    chunks, small when B*N is large), the final residual's B*V float64 weights and a few
+    B-sized tensors; nothing of size V per node.
     """
     B, N, V = target_probs.shape
     device = target_probs.device
+    on_cuda = device.type == "cuda"
     out_tokens = torch.empty((B, N), dtype=torch.int64, device=device)
     out_nodes = torch.empty((B, N), dtype=torch.int64, device=device)
     num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
     if B == 0:
         return out_tokens, out_nodes, num_accepted
     target = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-    has_draft = draft_probs is not None
+    has_draft = draft_probs is not None and N > 1
     if has_draft:
         draft = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
-        scratch = torch.empty((B, V), dtype=torch.float64, device=device)
     else:
-        draft, scratch = target, _dummy(target, torch.float64)
+        draft = target
     parents = tree_parents if tree_parents.dim() == 2 else tree_parents[None, :]
     if parents.stride(-1) != 1:
         parents = parents.contiguous()
     stride_pb = parents.stride(0) if parents.shape[0] == B and B > 1 else 0
     coins = uniform_samples.to(torch.float32).contiguous() if N > 1 else _dummy(target, torch.float32)
-    block_b, block_v = tile_sizes(V, B, device.type == "cuda")
-    grid = (triton.cdiv(B, block_b),)
-    launch(_tree_rejection_sample_kernel)[grid](
-        target,
-        draft,
-        tree_tokens.contiguous(),
-        parents,
-        num_nodes.to(torch.int64).contiguous(),
-        coins,
-        sample_uniforms.to(torch.float32).contiguous(),
-        scratch,
-        out_tokens,
-        out_nodes,
-        num_accepted,
-        B,
-        N,
-        V,
-        target.stride(0),
-        target.stride(1),
-        draft.stride(0),
-        draft.stride(1) if has_draft else 0,
-        stride_pb,
-        HAS_DRAFT=has_draft,
-        BLOCK_B=block_b,
-        BLOCK_V=block_v,
-        NP=next_pow2(N),
-        num_warps=num_warps(block_v, has_draft),
-    )
+    counts = num_nodes.to(torch.int64).contiguous()
+    strides = (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0)
+    num_tiles = lambda block_v: triton.cdiv(V, block_v)  # noqa: E731
+
+    # 1. t_k of every node row (B * N rows), level by level
+    R = B * N
+    block_r, block_v = tile_sizes(V, R, on_cuda)
+    nr = triton.cdiv(R, block_r)
+    S, tiles_per_split = split_vocab(num_tiles(block_v), nr, device)
+    LS = split_levels(N) if has_draft else 0
+    part = torch.empty((R, N, S), dtype=torch.float64, device=device)
+    tsum = torch.empty((2, R, N), dtype=torch.float64, device=device)
+    level_args = (target, draft, parents, counts, part, tsum, R, N, V, *strides, stride_pb, S)
+    level_meta = dict(HAS_DRAFT=has_draft, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_S=max(2, next_pow2(S)),
+                      num_warps=level_num_warps(block_v, has_draft))
+    if N > 1:  # a tree of the root alone tests nothing: the sample below needs no total
+        for level in range(0, LS + 1):
+            launch(_tree_level_kernel)[(nr, S)](*level_args, level, level + 1, tiles_per_split, TAIL=False,
+                                                **level_meta)
+        # the serial levels LS + 1..N - 1 (none without draft distributions or when LS = N - 1);
+        # it also stores t_LS, so that the walk reads every total from tsum
+        end = N if has_draft else 1
+        launch(_tree_level_kernel)[(nr, 1)](*level_args, LS + 1, end, num_tiles(block_v), TAIL=True, **level_meta)
+
+    # 2. the walk over the nodes
+    np_ = next_pow2(N)
+    block_b, block_v = tile_sizes(V, B, on_cuda)
+    nb = triton.cdiv(B, block_b)
+    state = torch.empty((2, B), dtype=torch.int32, device=device)
+    rej = torch.empty((B, np_), dtype=torch.int64, device=device) if not has_draft else _dummy(target, torch.int64)
+    launch(_tree_walk_kernel)[(nb,)](
+        target, draft, tree_tokens.contiguous(), parents, counts, coins, tsum, out_tokens, out_nodes,
+        num_accepted, state, rej, B, N, V, *strides, stride_pb,
+        HAS_DRAFT=has_draft, BLOCK_B=block_b, NP=np_, num_warps=WALK_NUM_WARPS)
+
+    # 3. the final sample from the last node's residual
+    S2, tiles2 = split_vocab(num_tiles(block_v), nb, device)
+    weights = torch.empty((B, V), dtype=torch.float64, device=device)
+    part_mass = torch.empty((2, S2, B), dtype=torch.float64, device=device)
+    part_last = torch.empty((2, S2, B), dtype=torch.int32, device=device)
+    final_meta = dict(HAS_DRAFT=has_draft, BLOCK_B=block_b, BLOCK_V=block_v, NP=np_)
+    launch(_tree_final_partials_kernel)[(nb, S2)](
+        target, draft, tsum, state, rej, weights, part_mass, part_last, B, N, V, *strides, tiles2,
+        num_warps=level_num_warps(block_v, has_draft), **final_meta)
+    launch(_tree_final_sample_kernel)[(nb,)](
+        target, state, weights, sample_uniforms.to(torch.float32).contiguous(), part_mass, part_last,
+        out_tokens, num_accepted, B, N, V, target.stride(0), target.stride(1), S2, tiles2,
+        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_S=max(2, next_pow2(S2)), num_warps=sample_num_warps(block_v))
     return out_tokens, out_nodes, num_accepted
+
 
 def _tree_rejection_sample_triton_fake(
     target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms
@@ -302,42 +591,71 @@ def _tree_rejection_sample_triton_fake(
 
 tree_rejection_sample_triton = kernel_op("tree_rejection_sample_triton", _tree_rejection_sample_triton_impl, _tree_rejection_sample_triton_fake)
 
-def _spec(has_draft, block_b, block_v, np_, prob="*fp32", tok="*i64", parent="*i64"):
-    return {
-        "kernel": _tree_rejection_sample_kernel,
-        "name": f"tree_rejection_sample draft={has_draft} {prob[1:]} BLOCK_B={block_b} BLOCK_V={block_v} NP={np_}",
-        "signature": {
-            "target_ptr": prob,
-            "draft_ptr": prob,
-            "tokens_ptr": tok,
-            "parents_ptr": parent,
-            "num_nodes_ptr": "*i64",
-            "coins_ptr": "*fp32",
-            "final_u_ptr": "*fp32",
-            "scratch_ptr": "*fp64",
-            "out_tokens_ptr": "*i64",
-            "out_nodes_ptr": "*i64",
-            "num_accepted_ptr": "*i64",
-            "B": "i32",
-            "N": "i32",
-            "V": "i32",
-            "stride_tb": "i64",
-            "stride_tn": "i32",
-            "stride_db": "i64",
-            "stride_dn": "i32",
-            "stride_pb": "i32",
-            "HAS_DRAFT": "constexpr",
-            "BLOCK_B": "constexpr",
-            "BLOCK_V": "constexpr",
-            "NP": "constexpr",
-        },
-        "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v, "NP": np_},
-        "options": {"num_warps": num_warps(block_v, has_draft)},
-    }
+
+def _spec(has_draft, block_b, block_v, np_, prob="*fp32", tok="*i64", parent="*i64", block_r=None, block_s=2,
+          block_s_rows=2):
+    """The kernels of one launch configuration (what the launcher passes): the level kernel
+    (split, and serial with draft distributions), the walk, the final partials and sample."""
+    block_r = block_r or block_b
+    label = f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={block_v}"
+    strides = {"stride_tb": "i64", "stride_tn": "i32", "stride_db": "i64", "stride_dn": "i32"}
+    level_sig = {"target_ptr": prob, "draft_ptr": prob, "parents_ptr": parent, "num_nodes_ptr": "*i64",
+                 "part_ptr": "*fp64", "tsum_ptr": "*fp64", "R": "i32", "N": "i32", "V": "i32", **strides,
+                 "stride_pb": "i32", "S": "i32", "level": "i32", "level_end": "i32", "TILES_PER_SPLIT": "i32",
+                 "TAIL": "constexpr", "HAS_DRAFT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_V": "constexpr",
+                 "BLOCK_S": "constexpr"}
+    specs = [
+        {"kernel": _tree_level_kernel, "name": f"tree_level {label} BLOCK_R={block_r} tail={tail} BLOCK_S={block_s}",
+         "signature": level_sig,
+         "constexprs": {"TAIL": tail, "HAS_DRAFT": has_draft, "BLOCK_R": block_r, "BLOCK_V": block_v,
+                        "BLOCK_S": block_s},
+         "options": {"num_warps": level_num_warps(block_v, has_draft)}}
+        for tail in (False, True)
+    ]
+    specs.append({
+        "kernel": _tree_walk_kernel,
+        "name": f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} NP={np_}",
+        "signature": {"target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "parents_ptr": parent,
+                      "num_nodes_ptr": "*i64", "coins_ptr": "*fp32", "tsum_ptr": "*fp64",
+                      "out_tokens_ptr": "*i64", "out_nodes_ptr": "*i64", "num_accepted_ptr": "*i64",
+                      "state_ptr": "*i32", "rej_ptr": "*i64", "B": "i32", "N": "i32", "V": "i32", **strides,
+                      "stride_pb": "i32", "HAS_DRAFT": "constexpr", "BLOCK_B": "constexpr", "NP": "constexpr"},
+        "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "NP": np_},
+        "options": {"num_warps": WALK_NUM_WARPS},
+    })
+    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32",
+                    "rej_ptr": "*i64"}
+    final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v, "NP": np_}
+    specs.append({
+        "kernel": _tree_final_partials_kernel,
+        "name": f"tree_final_partials {label} BLOCK_B={block_b} NP={np_}",
+        "signature": {**final_common, "weights_ptr": "*fp64", "part_mass_ptr": "*fp64", "part_last_ptr": "*i32",
+                      "B": "i32", "N": "i32",
+                      "V": "i32", **strides, "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in final_meta}},
+        "constexprs": final_meta,
+        "options": {"num_warps": level_num_warps(block_v, has_draft)},
+    })
+    specs.append({
+        "kernel": _tree_final_sample_kernel,
+        "name": f"tree_final_sample {prob[1:]} BLOCK_B={block_b} BLOCK_V={block_v} BLOCK_S={block_s_rows}",
+        "signature": {"target_ptr": prob, "state_ptr": "*i32", "weights_ptr": "*fp64", "final_u_ptr": "*fp32",
+                      "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_tokens_ptr": "*i64",
+                      "num_accepted_ptr": "*i64", "B": "i32", "N": "i32", "V": "i32", "stride_tb": "i64",
+                      "stride_tn": "i32", "S": "i32", "TILES_PER_SPLIT": "i32", "BLOCK_B": "constexpr",
+                      "BLOCK_V": "constexpr", "BLOCK_S": "constexpr"},
+        "constexprs": {"BLOCK_B": block_b, "BLOCK_V": block_v, "BLOCK_S": block_s_rows},
+        "options": {"num_warps": sample_num_warps(block_v)},
+    })
+    return specs
+
 
 AOT_SPECS = [
-    _spec(True, 1, 1024, 64),
-    _spec(False, 1, 1024, 64, prob="*bf16", tok="*i32", parent="*i32"),
-    _spec(True, 8, 128, 8, prob="*fp16"),
-    _spec(False, 16, 64, 128),
+    spec
+    for specs in (
+        _spec(True, 1, 1024, 64, block_s=4, block_s_rows=128),
+        _spec(False, 1, 1024, 64, prob="*bf16", tok="*i32", parent="*i32", block_s=4, block_s_rows=128),
+        _spec(True, 8, 128, 8, prob="*fp16", block_r=8),
+        _spec(False, 16, 64, 128, block_r=16),
+    )
+    for spec in specs
 ]
