@@ -153,6 +153,49 @@ def test_many_siblings_many_rejections(device, sampled):
     assert ((got[1][:, 1] > 3) | (got[2] == 0)).any()  # three or more rejections at the root
 
 
+# vocabulary chunks (the batch-1 split): (BLOCK_B, BLOCK_V, chunks per row); chunk counts above
+# the tile count are clamped, several tiles per chunk and an uneven last chunk occur
+TILINGS = [(1, 16, 2), (2, 16, 3), (4, 32, 5), (1, 16, 64), (8, 16, 7)]
+
+
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled_children", "deterministic_children"])
+@pytest.mark.parametrize("tiling", TILINGS, ids=[f"BB{b}-BV{v}-S{s}" for b, v, s in TILINGS])
+def test_vocabulary_chunks_match_reference(device, tiling, sampled):
+    """Every chunking gives the reference's tokens: the per-level totals t_k are summed from
+    chunk partials, the final sample finds its chunk from the chunk masses (rows of one
+    program land in different chunks)."""
+    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+
+    block_b, block_v, splits = tiling
+    with forced_tiling(block_b, block_v, splits):
+        for B, N, V in [(1, 6, 111), (3, 5, 200), (2, 1, 37), (2, 20, 61)]:
+            assert_same(*run_both(tree_case(B, N, V, sampled=sampled, seed=B * N + V, coin_power=0.3), device))
+
+
+@pytest.mark.parametrize("levels", [0, 1, 3, 19])
+def test_split_and_serial_residual_levels_match_reference(device, levels, monkeypatch):
+    """Residual levels computed over chunks (1..levels) and serially per row (the rest) agree
+    with the reference, at a node with many rejections too; with several chunks per row."""
+    from specdec_kernels.ops._triton import tree_rejection_sample as kernels
+    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+
+    monkeypatch.setattr(kernels, "FORCED_SPLIT_LEVELS", levels)
+    assert kernels.split_levels(20) == min(levels, 19)
+    B, N, V = 8, 20, 37
+    case = tree_case(B, N, V, sampled=True, seed=7 + levels, ragged=False, coin_power=0.2)
+    parents = torch.tensor([-1] + [0] * 12 + [1, 1, 1, 13, 16, 16, 16])
+    case["tree_parents"] = parents
+    case["draft_probs"] = random_probs((B, N, V), gen(8 + levels))  # far from the target: many rejections
+    for c in range(1, N):
+        case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[:, 0]
+    with forced_tiling(4, 16, 3):
+        got, want = run_both(case, device)
+    assert_same(got, want)
+    assert ((got[1][:, 1] > 4) | (got[2] == 0)).any()  # four or more rejections at the root
+    for B, N, V in SHAPES:
+        assert_same(*run_both(tree_case(B, N, V, sampled=True, shared=False, seed=N + V + levels), device))
+
+
 def test_duplicate_deterministic_children(device):
     # the same token twice among a node's children: once rejected it has no mass left
     B, V = 12, 9
