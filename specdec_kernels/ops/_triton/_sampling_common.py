@@ -146,3 +146,43 @@ def _row_mass_total(row_ptrs, rmask, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.const
         x = tl.load(row_ptrs[:, None] + offs[None, :], mask=m2, other=0.0)
         total += tl.sum(_mass64(x), axis=1)
     return total
+
+
+@triton.jit
+def _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, mass0, mass1, last0, last1):
+    """Store chunk ``split``'s masses and last indices with mass of two weight rows, for the
+    [BB] rows ``rows``, into [2, S, B] tables (float64 masses, int32 indices)."""
+    at = split.to(tl.int64) * B + rows.to(tl.int64)
+    tl.store(part_mass_ptr + at, mass0, mask=rmask)
+    tl.store(part_mass_ptr + S * B + at, mass1, mask=rmask)
+    tl.store(part_last_ptr + at, last0, mask=rmask)
+    tl.store(part_last_ptr + S * B + at, last1, mask=rmask)
+
+
+@triton.jit
+def _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S: tl.constexpr):
+    """The [2, S, B] tables of ``_store_chunk_partials`` for the [BB] rows: (mass0, mass1)
+    [BB, BLOCK_S] float64 in chunk order (0 past S), and (last0, last1) [BB] int32, the rows'
+    last indices with mass (-1: none)."""
+    cs = tl.arange(0, BLOCK_S)
+    at = cs[None, :] * B + rows64[:, None]
+    m2 = rmask[:, None] & (cs < S)[None, :]
+    mass0 = tl.load(part_mass_ptr + at, mask=m2, other=0.0)
+    mass1 = tl.load(part_mass_ptr + S * B + at, mask=m2, other=0.0)
+    last0 = tl.max(tl.load(part_last_ptr + at, mask=m2, other=-1), axis=1)
+    last1 = tl.max(tl.load(part_last_ptr + S * B + at, mask=m2, other=-1), axis=1)
+    return mass0, mass1, last0, last1
+
+
+@triton.jit
+def _find_chunk(w_s, cum, threshold, searching, BLOCK_S: tl.constexpr):
+    """The chunk that holds the inverse-CDF threshold: the first chunk with mass whose running
+    sum ``cum`` (inclusive cumsum of the chunk masses ``w_s`` [BB, BLOCK_S]) exceeds
+    ``threshold`` [BB].  Returns (chunk [BB] int32, -1 if none; the mass before it [BB];
+    ``searching`` narrowed to the rows that have a chunk)."""
+    cs = tl.arange(0, BLOCK_S)
+    hit_s = (w_s > 0) & (cum > threshold[:, None]) & searching[:, None]
+    chunk = tl.min(tl.where(hit_s, cs[None, :], NOT_FOUND), axis=1)
+    base = tl.sum(tl.where(cs[None, :] < chunk[:, None], w_s, 0.0), axis=1)
+    chunk = tl.where(chunk == NOT_FOUND, -1, chunk)
+    return chunk, base, searching & (chunk >= 0)

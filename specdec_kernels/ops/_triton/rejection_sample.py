@@ -15,9 +15,12 @@ import triton.language as tl
 
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
+    _find_chunk,
     _last_with_mass,
+    _load_chunk_partials,
     _mass64,
     _pick_token,
+    _store_chunk_partials,
     next_pow2,
     split_vocab,
     tile_sizes,
@@ -166,11 +169,7 @@ def _rejection_partials_kernel(
         tot_r += tl.sum(wr, axis=1)
         last_p = _last_with_mass(wp, offs, last_p)
         last_r = _last_with_mass(wr, offs, last_r)
-    at_part = split.to(tl.int64) * B + rows.to(tl.int64)
-    tl.store(part_mass_ptr + at_part, tot_p, mask=rmask)
-    tl.store(part_mass_ptr + S * B + at_part, tot_r, mask=rmask)
-    tl.store(part_last_ptr + at_part, last_p, mask=rmask)
-    tl.store(part_last_ptr + S * B + at_part, last_r, mask=rmask)
+    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, tot_p, tot_r, last_p, last_r)
 
 
 @triton.jit
@@ -216,13 +215,7 @@ def _rejection_sample_kernel(
         stride_db, stride_dk, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B)
 
     # the chunks' masses, one vector load per row (no loop over chunks)
-    cs = tl.arange(0, BLOCK_S)
-    at_part = cs[None, :] * B + rows64[:, None]
-    m2 = rmask[:, None] & (cs < S)[None, :]
-    mass_p = tl.load(part_mass_ptr + at_part, mask=m2, other=0.0)
-    mass_r = tl.load(part_mass_ptr + S * B + at_part, mask=m2, other=0.0)
-    last_p = tl.max(tl.load(part_last_ptr + at_part, mask=m2, other=-1), axis=1)
-    last_r = tl.max(tl.load(part_last_ptr + S * B + at_part, mask=m2, other=-1), axis=1)
+    mass_p, mass_r, last_p, last_r = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
     tot_r = tl.sum(mass_r, axis=1)
     use_q = rejected & (tot_r > 0)
     w_s = tl.where(use_q[:, None], mass_r, mass_p)  # [BB, BLOCK_S]: the sampled row's chunk masses
@@ -234,12 +227,7 @@ def _rejection_sample_kernel(
     # the first chunk where the running CDF exceeds u * total (and that has mass)
     u_final = tl.load(final_u_ptr + rows64, mask=need, other=0.0).to(tl.float64)
     threshold = u_final * total
-    searching = need & (total > 0)
-    hit_s = (w_s > 0) & (cum > threshold[:, None]) & searching[:, None]
-    chunk = tl.min(tl.where(hit_s, cs[None, :], 2147483647), axis=1)
-    base = tl.sum(tl.where(cs[None, :] < chunk[:, None], w_s, 0.0), axis=1)  # mass before that chunk
-    chunk = tl.where(chunk == 2147483647, -1, chunk)
-    searching = searching & (chunk >= 0)
+    chunk, base, searching = _find_chunk(w_s, cum, threshold, need & (total > 0), BLOCK_S)
 
     # inverse CDF inside that chunk (columns per row: the chunks differ between rows)
     found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)

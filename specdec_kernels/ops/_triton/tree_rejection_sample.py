@@ -31,9 +31,12 @@ import triton.language as tl
 
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
+    _find_chunk,
     _last_with_mass,
+    _load_chunk_partials,
     _mass64,
     _pick_token,
+    _store_chunk_partials,
     next_pow2,
     split_vocab,
     tile_sizes,
@@ -378,11 +381,7 @@ def _tree_final_partials_kernel(
         tot_p += tl.sum(p, axis=1)
         last_w = _last_with_mass(w, offs, last_w)
         last_p = _last_with_mass(p, offs, last_p)
-    at = split.to(tl.int64) * B + rows.to(tl.int64)
-    tl.store(part_mass_ptr + at, tot_w, mask=rmask)
-    tl.store(part_mass_ptr + S * B + at, tot_p, mask=rmask)
-    tl.store(part_last_ptr + at, last_w, mask=rmask)
-    tl.store(part_last_ptr + S * B + at, last_p, mask=rmask)
+    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, tot_w, tot_p, last_w, last_p)
 
 
 @triton.jit
@@ -415,13 +414,7 @@ def _tree_final_sample_kernel(
     cur = tl.minimum(tl.maximum(tl.load(state_ptr + rows64, mask=rmask, other=0), 0), N - 1).to(tl.int64)
     p_rows = target_ptr + rows64 * stride_tb + cur * stride_tn
     w_rows = weights_ptr + rows64 * V
-    cs = tl.arange(0, BLOCK_S)
-    at = cs[None, :] * B + rows64[:, None]
-    m2 = rmask[:, None] & (cs < S)[None, :]
-    mass_w = tl.load(part_mass_ptr + at, mask=m2, other=0.0)
-    mass_p = tl.load(part_mass_ptr + S * B + at, mask=m2, other=0.0)
-    last_w = tl.max(tl.load(part_last_ptr + at, mask=m2, other=-1), axis=1)
-    last_p = tl.max(tl.load(part_last_ptr + S * B + at, mask=m2, other=-1), axis=1)
+    mass_w, mass_p, last_w, last_p = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
     use_w = tl.sum(mass_w, axis=1) > 0  # else (no residual mass) the target row
     w_s = tl.where(use_w[:, None], mass_w, mass_p)
     cum = tl.cumsum(w_s, axis=1)
@@ -430,12 +423,7 @@ def _tree_final_sample_kernel(
 
     u_final = tl.load(final_u_ptr + rows64, mask=rmask, other=0.0).to(tl.float64)
     threshold = u_final * total
-    searching = rmask & (total > 0)
-    hit_s = (w_s > 0) & (cum > threshold[:, None]) & searching[:, None]
-    chunk = tl.min(tl.where(hit_s, cs[None, :], 2147483647), axis=1)
-    base = tl.sum(tl.where(cs[None, :] < chunk[:, None], w_s, 0.0), axis=1)
-    chunk = tl.where(chunk == 2147483647, -1, chunk)
-    searching = searching & (chunk >= 0)
+    chunk, base, searching = _find_chunk(w_s, cum, threshold, rmask & (total > 0), BLOCK_S)
 
     found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
     carry = base
@@ -455,7 +443,7 @@ def _tree_final_sample_kernel(
     tl.store(out_tokens_ptr + rows64 * N + num_acc, sampled, mask=rmask)
 
 
-def level_num_warps(block_v: int, has_draft: bool) -> int:
+def level_num_warps(block_v: int) -> int:
     """Warps of ``_tree_level_kernel`` and ``_tree_final_partials_kernel``: 8 for full
     1024-column tiles (4 and 16 spill registers in some configurations, ``python -m
     bench.kernels --static``), else 4."""
@@ -540,7 +528,7 @@ def _tree_rejection_sample_triton_impl(
     tsum = torch.empty((2, R, N), dtype=torch.float64, device=device)
     level_args = (target, draft, parents, counts, part, tsum, R, N, V, *strides, stride_pb, S)
     level_meta = dict(HAS_DRAFT=has_draft, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_S=max(2, next_pow2(S)),
-                      num_warps=level_num_warps(block_v, has_draft))
+                      num_warps=level_num_warps(block_v))
     if N > 1:  # a tree of the root alone tests nothing: the sample below needs no total
         for level in range(0, LS + 1):
             launch(_tree_level_kernel)[(nr, S)](*level_args, level, level + 1, tiles_per_split, TAIL=False,
@@ -569,7 +557,7 @@ def _tree_rejection_sample_triton_impl(
     final_meta = dict(HAS_DRAFT=has_draft, BLOCK_B=block_b, BLOCK_V=block_v, NP=np_)
     launch(_tree_final_partials_kernel)[(nb, S2)](
         target, draft, tsum, state, rej, weights, part_mass, part_last, B, N, V, *strides, tiles2,
-        num_warps=level_num_warps(block_v, has_draft), **final_meta)
+        num_warps=level_num_warps(block_v), **final_meta)
     launch(_tree_final_sample_kernel)[(nb,)](
         target, state, weights, sample_uniforms.to(torch.float32).contiguous(), part_mass, part_last,
         out_tokens, num_accepted, B, N, V, target.stride(0), target.stride(1), S2, tiles2,
@@ -609,7 +597,7 @@ def _spec(has_draft, block_b, block_v, np_, prob="*fp32", tok="*i64", parent="*i
          "signature": level_sig,
          "constexprs": {"TAIL": tail, "HAS_DRAFT": has_draft, "BLOCK_R": block_r, "BLOCK_V": block_v,
                         "BLOCK_S": block_s},
-         "options": {"num_warps": level_num_warps(block_v, has_draft)}}
+         "options": {"num_warps": level_num_warps(block_v)}}
         for tail in (False, True)
     ]
     specs.append({
@@ -633,7 +621,7 @@ def _spec(has_draft, block_b, block_v, np_, prob="*fp32", tok="*i64", parent="*i
                       "B": "i32", "N": "i32",
                       "V": "i32", **strides, "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in final_meta}},
         "constexprs": final_meta,
-        "options": {"num_warps": level_num_warps(block_v, has_draft)},
+        "options": {"num_warps": level_num_warps(block_v)},
     })
     specs.append({
         "kernel": _tree_final_sample_kernel,
