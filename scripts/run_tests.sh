@@ -16,7 +16,13 @@ SKIP_VLLM="${SPECDEC_SKIP_VLLM:-0}"
 VLLM_PID=""
 if [ "$SKIP_VLLM" != "1" ]; then
   echo "== setting up vLLM's environment in the background (log: build/setup_vllm_env.log)"
-  bash scripts/setup_vllm_env.sh >build/setup_vllm_env.log 2>&1 &
+  # in a session of its own (setsid keeps the pid: a background job is not a group leader),
+  # so that an early exit stops the whole set-up, pip's children included
+  if command -v setsid >/dev/null; then
+    setsid bash scripts/setup_vllm_env.sh >build/setup_vllm_env.log 2>&1 &
+  else
+    bash scripts/setup_vllm_env.sh >build/setup_vllm_env.log 2>&1 &
+  fi
   VLLM_PID=$!
 fi
 wait_vllm() {
@@ -30,7 +36,11 @@ wait_vllm() {
     return "$rc"
   fi
 }
-trap '[ -n "$VLLM_PID" ] && kill "$VLLM_PID" 2>/dev/null || true' EXIT
+stop_vllm() {
+  [ -z "$VLLM_PID" ] && return 0
+  kill -- "-$VLLM_PID" 2>/dev/null || kill "$VLLM_PID" 2>/dev/null || true
+}
+trap stop_vllm EXIT
 source scripts/setup_env.sh
 echo "== set-up took $((SECONDS / 60)) min $((SECONDS % 60)) s"
 NVCC="$(command -v nvcc || true)"

@@ -152,7 +152,8 @@ def _tree_level_kernel(
             if split == 0:
                 tl.store(ts_rows + (k - 1), t_prev, mask=rmask)
                 tl.store(inv_rows + (k - 1), inv_prev, mask=rmask)
-            tl.debug_barrier()  # TAIL: t_{k-2}, stored by other threads, is read below
+            if TAIL:
+                tl.debug_barrier()  # 1 / t_{k-2}, stored by other threads, is read below
             # a failed update (t_{k-1} == 0 for k >= 2) fails at every later level: rows write 0
             active = rmask & (m >= k) & ((k == 1) | (t_prev > 0))
             acc = tl.zeros([BLOCK_R], dtype=tl.float64)
