@@ -7,12 +7,14 @@ with the GQA groups of SmolLM2 and Llama-3-8B), runs ``ptxas -v`` (the one Trito
 each kernel's PTX, and reports per kernel and configuration: registers per thread, spilled
 bytes (stores and loads), stack, shared memory (static and Triton's dynamic), warps, and the
 occupancy those allow (resident blocks and warps per SM, and the limiting resource), from the
-CUDA occupancy rules of each architecture.  Writes ``static.jsonl`` beside the table.
+CUDA occupancy rules of each architecture, and the multiply-adds the compiler fused
+(``fp_contractions``: the verification and sampling kernels must have none, or their float64
+arithmetic would round differently from the reference's).  Writes ``static.jsonl`` beside the table.
 
 The configurations are built with the launchers' own choice functions (``tile_sizes``,
 ``split_vocab``'s tiles, ``tree_attention``'s ``_block_sizes`` ...), so the report follows
 them when they change.  ``tests/test_static_report.py`` fails when any default
-configuration spills registers.
+configuration spills registers or a verification/sampling kernel has a fused multiply-add.
 """
 from __future__ import annotations
 
@@ -119,6 +121,23 @@ def ptxas_usage(ptx: str) -> Dict[str, int]:
         raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
     log = proc.stderr + proc.stdout
     return {k: int(m.group(1)) if (m := rx.search(log)) else 0 for k, rx in _USAGE.items()}
+
+
+_PTX_FMA = re.compile(r"^\s*(?:@%p\d+\s+)?fma\.\w+\.f(?:32|64)\b", re.MULTILINE)
+_PTX_MUL = re.compile(r"^\s*(?:@%p\d+\s+)?mul\.f(32|64)\s+(%\w+)\s*,", re.MULTILINE)
+_PTX_ADD = re.compile(r"^\s*(?:@%p\d+\s+)?(?:add|sub)(?:\.\w+)*\.f(32|64)\s+%\w+\s*,([^;]*);", re.MULTILINE)
+
+
+def fp_contractions(ptx: str) -> int:
+    """Places where a multiply and an add round once instead of twice in a kernel's PTX: FMA
+    instructions (LLVM's contraction under Triton's default ``enable_fp_fusion``) plus
+    multiplies without a rounding modifier (``mul.f32/f64``, which ptxas may fuse) whose result
+    feeds an ``add``/``sub`` of the same type.  ``mul.rn`` (``_mul_rn``) is never fused.  Float
+    division and ``exp`` expand into FMAs only in SASS, so they do not count."""
+    muls = {(m.group(2), m.group(1)) for m in _PTX_MUL.finditer(ptx)}
+    fed = sum(1 for m in _PTX_ADD.finditer(ptx)
+              for reg in re.findall(r"%\w+", m.group(2)) if (reg, m.group(1)) in muls)
+    return len(_PTX_FMA.findall(ptx)) + fed
 
 
 def _dedupe(specs: List[dict]) -> List[dict]:
@@ -276,6 +295,7 @@ def compile_spec(spec: dict, capability: int) -> Dict[str, object]:
                         attrs=spec.get("attrs"))
         compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=spec.get("options"))
         usage = ptxas_usage(compiled.asm["ptx"])
+        usage["fp_contractions"] = fp_contractions(compiled.asm["ptx"])
         warps = int(compiled.metadata.num_warps)
         dynamic = int(compiled.metadata.shared)
         row.update(usage, warps=warps, dynamic_smem=dynamic,
@@ -308,7 +328,7 @@ def collect(archs: Sequence[int] = (90, 80), jobs: Optional[int] = None) -> List
 COLUMNS = [
     ("kernel", "kernel", "{}"), ("arch", "arch", "sm_{}"), ("warps", "warps", "{}"), ("regs", "registers", "{}"),
     ("spill st", "spill_stores", "{}"), ("spill ld", "spill_loads", "{}"), ("stack", "stack", "{}"),
-    ("smem static", "static_smem", "{}"), ("smem dyn", "dynamic_smem", "{}"), ("blocks/SM", "blocks_per_sm", "{}"),
+    ("fma", "fp_contractions", "{}"), ("smem static", "static_smem", "{}"), ("smem dyn", "dynamic_smem", "{}"), ("blocks/SM", "blocks_per_sm", "{}"),
     ("occupancy", "occupancy", "{:.0%}"), ("limited by", "limiter", "{}"),
 ]
 
@@ -328,7 +348,8 @@ def main(out_dir, archs: Sequence[int] = (90, 80)) -> List[Dict[str, object]]:
     for r in failed:
         print(f"# FAILED {r['kernel']} sm_{r['arch']}: {r['error']}", file=sys.stderr)
     spills = [r for r in rows if r.get("spill_stores") or r.get("spill_loads")]
-    print(f"# {len(rows)} kernel configurations, {len(failed)} failed, {len(spills)} spill registers")
+    print(f"# {len(rows)} kernel configurations, {len(failed)} failed, {len(spills)} spill registers; "
+          f"fma: multiplies fused with an add (allowed in tree attention only)")
     print(f"# wrote {out_dir / 'static.jsonl'}")
     if failed:
         raise SystemExit(1)

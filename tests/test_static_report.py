@@ -49,6 +49,36 @@ def test_no_default_configuration_spills_registers(report):
     assert not spills, "\n".join(spills)
 
 
+def test_verification_and_sampling_kernels_have_no_fused_multiply_add(report):
+    """Their float64 arithmetic must round as the reference's separate PyTorch ops do; only
+    tree attention (compared within a tolerance) may fuse."""
+    rows, _ = report
+    fused = [f"{r['kernel']} sm_{r['arch']}: {r['fp_contractions']}" for r in rows
+             if r["fp_contractions"] and not r["function"].startswith("_tree_attention")]
+    assert not fused, "\n".join(fused)
+    # the detector sees the contractions that tree attention's dots and rescaling do have
+    assert any(r["fp_contractions"] for r in rows if r["function"].startswith("_tree_attention"))
+
+
+def test_fp_contractions_golden_ptx():
+    ptx = """
+    mul.f64 %fd3, %fd1, %fd2;
+    sub.f64 %fd4, %fd3, %fd5;
+    mul.rn.f64 %fd6, %fd1, %fd2;
+    sub.f64 %fd7, %fd6, %fd5;
+    mul.f32 %f3, %f1, %f2;
+    setp.lt.f32 %p1, %f3, %f4;
+    @%p1 fma.rn.f32 %f5, %f1, %f2, %f4;
+    mul.f64 %fd8, %fd1, %fd2;
+    add.f32 %f9, %f1, %f2;
+    add.rn.f64 %fd9, %fd5, %fd8;
+    """
+    # the unrounded mul feeding a sub (1), the predicated fma (1), the mul feeding add.rn (1);
+    # not: mul.rn, a mul feeding a compare, an f32 add of other registers
+    assert static.fp_contractions(ptx) == 3
+    assert static.fp_contractions("mul.rn.f64 %fd1, %fd2, %fd3;\nsub.f64 %fd4, %fd1, %fd5;") == 0
+
+
 def test_report_fields_are_consistent(report):
     rows, stdout = report
     for r in rows:

@@ -21,8 +21,16 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 NOT_FOUND = tl.constexpr(2147483647)  # int32 max: "no index found yet"
+
+# Compiled kernels (not the interpreter, which has no libdevice) round a product that feeds an
+# add or subtract on its own (``_mul_rn``): Triton's CUDA backend contracts a * b - c into one
+# FMA by default (``enable_fp_fusion``; LLVM and ptxas ``--fmad``), which rounds once where
+# the reference rounds twice.  A launch option would not do: torch.compile's Inductor drops it
+# from user kernels.
+ROUNDED_MUL = tl.constexpr(not triton.knobs.runtime.interpret)
 
 # Programs per SM that a vocabulary split aims for on CUDA (enough to hide memory latency).
 PROGRAMS_PER_SM = 8
@@ -91,6 +99,18 @@ def tile_sizes(vocab: int, rows: int, on_cuda: bool, max_tile_cuda: int = 1024) 
         block_v = max(16, min(next_pow2(vocab), 4096))
         block_b = max(1, min(next_pow2(max(rows, 1)), (1 << 17) // block_v))
     return block_b, block_v
+
+
+@triton.jit
+def _mul_rn(a, b):
+    """a * b rounded to nearest as one IEEE multiplication (``mul.rn``), never fused with a
+    following add or subtract into an FMA, so that ``_mul_rn(a, b) - c`` rounds twice, as
+    PyTorch's separate ops do.  Same dtype (float32 or float64), broadcast shapes."""
+    if ROUNDED_MUL:
+        a, b = tl.broadcast(a, b)
+        return libdevice.mul_rn(a, b)
+    else:
+        return a * b
 
 
 @triton.jit

@@ -35,6 +35,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _last_with_mass,
     _load_chunk_partials,
     _mass64,
+    _mul_rn,
     _pick_token,
     _store_chunk_partials,
     next_pow2,
@@ -70,7 +71,7 @@ def _residual_tile(r, q, tinv_rows, steps, rmask):
     for i in tl.range(0, tl.max(steps, axis=0)):
         live = rmask & (i < steps)
         inv = tl.load(tinv_rows + i, mask=live, other=1.0)
-        r = tl.where(live[:, None], _mass64(r * inv[:, None] - q), r)
+        r = tl.where(live[:, None], _mass64(_mul_rn(r, inv[:, None]) - q), r)
     return r
 
 
@@ -80,7 +81,7 @@ def _residual_point(r, q, tinv_rows, steps, rmask):
     for i in tl.range(0, tl.max(steps, axis=0)):
         live = rmask & (i < steps)
         inv = tl.load(tinv_rows + i, mask=live, other=1.0)
-        r = tl.where(live, _mass64(r * inv - q), r)
+        r = tl.where(live, _mass64(_mul_rn(r, inv) - q), r)
     return r
 
 
@@ -165,7 +166,7 @@ def _tree_level_kernel(
                     r = _mass64(tl.load(p_rows[:, None] + offs[None, :], mask=m2, other=0.0))
                     q = _mass64(tl.load(q_rows[:, None] + offs[None, :], mask=m2, other=0.0))
                     r = _residual_tile(r, q, inv_rows, steps, active)
-                    r = _mass64(r * inv_prev[:, None] - q)
+                    r = _mass64(_mul_rn(r, inv_prev[:, None]) - q)
                     acc += tl.sum(tl.where(m2, r, 0.0), axis=1)
             if not TAIL:
                 tl.store(part_rows + k * S + split, acc, mask=rmask)
