@@ -19,6 +19,16 @@
 #include <immintrin.h>
 #endif
 
+// Every multiply rounds on its own, as the reference's separate PyTorch ops do: on a target
+// with FMA (aarch64, x86 built with -march=native or -mfma) GCC and clang would otherwise
+// contract `r * inv - q` into one fused multiply-add (GCC even with -std=c++17), which rounds
+// once and can change a residual's zero/non-zero test.  Our code only: after the includes.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
