@@ -112,7 +112,7 @@ def test_special_rows(device):
     nan, inf = float("nan"), float("inf")
     logits = torch.tensor([
         [0.0, nan, 1.0, nan],  # NaN: a NaN row, or one-hot at the first NaN when greedy
-        [inf, 0.0, 1.0, 2.0],  # +inf: NaN row (as the reference's softmax)
+        [inf, 0.0, 1.0, 2.0],  # +inf: one-hot at the first +inf (as the reference)
         [-inf, -inf, -inf, -inf],  # no finite logit: NaN row; greedy picks index 0
         [-inf, 1.0, -inf, 1.0],  # -inf carries no probability; greedy picks the first max
         [1e30, -1e30, 0.0, 5.0],  # huge logits, finite
@@ -122,6 +122,9 @@ def test_special_rows(device):
             check(logits, device, t, k, p)
     greedy = kernel(logits.to(device), 0.0).cpu()
     assert greedy.argmax(-1).tolist() == [1, 0, 0, 1, 0]
+    sampled = kernel(logits.to(device), 1.0).cpu()
+    assert sampled[1].tolist() == [1.0, 0.0, 0.0, 0.0]  # golden: the +inf row
+    assert sampled[0].isnan().all() and sampled[2].isnan().all()
 
 
 @pytest.mark.parametrize("V", [16, 17, 111], ids=lambda v: f"V{v}")

@@ -93,10 +93,14 @@ sampling_probs.__doc__ = _backend.public_doc(_ref, "sampling_probs") + """
         8 passes over V; the softmax denominator; the top-p threshold by the same search on the
         probabilities' bit patterns with float64 masses (keep p >= t where t is the smallest
         value with float64 mass strictly above it < top_p: the reference's nucleus, ties
-        kept), 8 passes; the renormalised row.  The kept set is exactly the reference's whenever no float64 partial
-        mass is within rounding of top_p; probabilities agree within float32 rounding (the
-        kernel's exp and sums are not PyTorch's).  A row holding NaN or +inf after
-        temperature, or only -inf, gives NaN everywhere, as the reference does.
+        kept), 8 passes; the renormalised row.  Probabilities agree with the reference's within
+        float32 rounding (the kernel's exp and sums are not PyTorch's), so the kept set is
+        exactly the reference's whenever no float64 partial mass is within rounding of top_p
+        and the probabilities at the nucleus boundary are not within float32 rounding of each
+        other: two logits a few ulps apart can give one float32 probability in one and two in
+        the other, and a tie at the boundary is kept whole.  A row holding NaN after
+        temperature, or only -inf, gives NaN everywhere, and a row holding +inf is one-hot at
+        its first +inf, as in the reference.
 """
 
 
