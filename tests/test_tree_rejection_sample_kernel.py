@@ -188,7 +188,7 @@ def test_split_and_serial_residual_levels_match_reference(device, levels, monkey
     case["draft_probs"] = random_probs((B, N, V), gen(8 + levels))  # far from the target: many rejections
     for c in range(1, N):
         case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[:, 0]
-    with forced_tiling(4, 16, 3):
+    with forced_tiling(16, 16, 3):
         got, want = run_both(case, device)
     assert_same(got, want)
     assert ((got[1][:, 1] > 4) | (got[2] == 0)).any()  # four or more rejections at the root
