@@ -124,14 +124,14 @@ def ptxas_usage(ptx: str) -> Dict[str, int]:
 
 
 _PTX_FMA = re.compile(r"^\s*(?:@%p\d+\s+)?fma\.\w+\.f(?:32|64)\b", re.MULTILINE)
-_PTX_MUL = re.compile(r"^\s*(?:@%p\d+\s+)?mul\.f(32|64)\s+(%\w+)\s*,", re.MULTILINE)
+_PTX_MUL = re.compile(r"^\s*(?:@%p\d+\s+)?mul(?:\.ftz)?(?:\.sat)?\.f(32|64)\s+(%\w+)\s*,", re.MULTILINE)
 _PTX_ADD = re.compile(r"^\s*(?:@%p\d+\s+)?(?:add|sub)(?:\.\w+)*\.f(32|64)\s+%\w+\s*,([^;]*);", re.MULTILINE)
 
 
 def fp_contractions(ptx: str) -> int:
     """Places where a multiply and an add round once instead of twice in a kernel's PTX: FMA
     instructions (LLVM's contraction under Triton's default ``enable_fp_fusion``) plus
-    multiplies without a rounding modifier (``mul.f32/f64``, which ptxas may fuse) whose result
+    multiplies without a rounding modifier (``mul[.ftz][.sat].f32/f64``, which ptxas may fuse) whose result
     feeds an ``add``/``sub`` of the same type.  ``mul.rn`` (``_mul_rn``) is never fused.  Float
     division and ``exp`` expand into FMAs only in SASS, so they do not count."""
     muls = {(m.group(2), m.group(1)) for m in _PTX_MUL.finditer(ptx)}

@@ -72,10 +72,13 @@ def test_fp_contractions_golden_ptx():
     mul.f64 %fd8, %fd1, %fd2;
     add.f32 %f9, %f1, %f2;
     add.rn.f64 %fd9, %fd5, %fd8;
+    mul.ftz.f32 %f10, %f1, %f2;
+    add.ftz.f32 %f11, %f10, %f4;
     """
-    # the unrounded mul feeding a sub (1), the predicated fma (1), the mul feeding add.rn (1);
-    # not: mul.rn, a mul feeding a compare, an f32 add of other registers
-    assert static.fp_contractions(ptx) == 3
+    # the unrounded mul feeding a sub (1), the predicated fma (1), the mul feeding add.rn (1,
+    # counted to be safe), the ftz pair (1); not: mul.rn, a mul feeding a compare, an f32 add
+    # of other registers
+    assert static.fp_contractions(ptx) == 4
     assert static.fp_contractions("mul.rn.f64 %fd1, %fd2, %fd3;\nsub.f64 %fd4, %fd1, %fd5;") == 0
 
 
