@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from specdec_kernels._checks import (
+from specdec_kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     as_int,

@@ -36,7 +36,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from specdec_kernels._checks import INDEX_DTYPES, check_shape, check_tensor, check_uniforms
+from specdec_kernels.checks import INDEX_DTYPES, check_shape, check_tensor, check_uniforms
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator], Dict[int, torch.Generator]]
 

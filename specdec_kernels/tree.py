@@ -12,7 +12,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from specdec_kernels._checks import (
+from specdec_kernels.checks import (
     INDEX_DTYPES, as_int, as_int_list, check_counts, check_parents, check_shape, check_tensor, want_value_checks,
 )
 

@@ -1,4 +1,4 @@
-"""specdec_kernels._autotune.RuntimeChoice: the faster candidate per shape class, measured
+"""specdec_kernels.autotune.RuntimeChoice: the faster candidate per shape class, measured
 on real calls; forced by its environment variable; the default under tracing."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from specdec_kernels._autotune import RuntimeChoice
+from specdec_kernels.autotune import RuntimeChoice
 
 
 def runner(delays, calls):

@@ -16,7 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from specdec_kernels import _backend, _library, _native
-from specdec_kernels._checks import check_uniforms
+from specdec_kernels.checks import check_uniforms
 from specdec_kernels._flattened import check_flattened_args
 from specdec_kernels._random import GeneratorArg
 from specdec_kernels.reference.rejection_sample import RejectionSampleDetails

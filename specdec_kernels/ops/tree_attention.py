@@ -56,8 +56,8 @@ from typing import Optional
 import torch
 
 from specdec_kernels import _backend, _library
-from specdec_kernels._autotune import RuntimeChoice
-from specdec_kernels._checks import check_shape, check_tensor
+from specdec_kernels.autotune import RuntimeChoice
+from specdec_kernels.checks import check_shape, check_tensor
 from specdec_kernels.reference import tree_attention as _ref
 from specdec_kernels.reference.tree_attention import (
     _tree_attention,
@@ -74,7 +74,7 @@ from specdec_kernels.reference.tree_attention import (
 IMPLEMENTED = ("reference", "torch", "triton", "native")
 PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
 # the automatic CPU backends: the C++ kernel or the SDPA path, measured per shape class (see
-# specdec_kernels._autotune); the environment variables force one
+# specdec_kernels.autotune); the environment variables force one
 DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_DENSE_ATTENTION")
 PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), trials=3,
                                  env="SPECDEC_PAGED_ATTENTION")

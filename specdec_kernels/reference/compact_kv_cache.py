@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from specdec_kernels._checks import INDEX_DTYPES, check_counts, check_shape, check_tensor, want_value_checks
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_shape, check_tensor, want_value_checks
 
 KVCache = Union[torch.Tensor, Sequence[torch.Tensor], Sequence[Sequence[torch.Tensor]]]
 

@@ -5,7 +5,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from specdec_kernels._checks import INDEX_DTYPES, check_counts, check_probs, check_shape, check_tensor
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_probs, check_shape, check_tensor
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 
 

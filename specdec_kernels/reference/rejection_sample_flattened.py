@@ -6,7 +6,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from specdec_kernels._checks import check_uniforms
+from specdec_kernels.checks import check_uniforms
 from specdec_kernels._flattened import FlatBatch, check_flattened_args, draft_counts, flatten_coins, positions, take
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference.rejection_sample import (

@@ -5,7 +5,7 @@ from typing import Union
 
 import torch
 
-from specdec_kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor, want_value_checks
+from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor, want_value_checks
 
 Param = Union[None, int, float, torch.Tensor]
 

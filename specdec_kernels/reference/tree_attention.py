@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from specdec_kernels._checks import FLOAT_DTYPES, check_shape, check_tensor, want_value_checks
+from specdec_kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, want_value_checks
 
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
 

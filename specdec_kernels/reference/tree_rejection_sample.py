@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._checks import INDEX_DTYPES, check_counts, check_parents, check_probs, check_shape, check_tensor
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_parents, check_probs, check_shape, check_tensor
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference.rejection_sample import mass, sample_from_weights
 

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_shape, check_tensor
+from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_shape, check_tensor
 
 
 def check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=None):

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_parents, check_shape, check_tensor
+from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_parents, check_shape, check_tensor
 
 
 def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=None):

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._checks import (
+from specdec_kernels.checks import (
     FLOAT32_BELOW_ONE, FLOAT_DTYPES, INDEX_DTYPES, as_int, check_shape, check_tensor, check_uniforms, want_value_checks,
 )
 from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample

@@ -31,8 +31,8 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from specdec_kernels._autotune import RuntimeChoice
-from specdec_kernels._checks import as_int, as_int_list
+from specdec_kernels.autotune import RuntimeChoice
+from specdec_kernels.checks import as_int, as_int_list
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.model import Transformer
@@ -163,7 +163,7 @@ class _StepThreads:
 
     ``"auto"`` on CPU: candidates 1, half and all of ``torch.get_num_threads()`` (the threads
     torch would use); the first steps of each step shape class (the verified block's size
-    rounded up to a power of two) take them in turn, timed (``_autotune.RuntimeChoice``: 3 each,
+    rounded up to a power of two) take them in turn, timed (``specdec_kernels.autotune.RuntimeChoice``: 3 each,
     the faster median wins), and the rest of the call keeps the faster.  Measured again on every
     call, so a machine that gets loaded (where OpenMP threads wait on each other and more
     threads can be several times slower) or idle is followed from one request to the next.

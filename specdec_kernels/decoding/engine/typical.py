@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._checks import (
+from specdec_kernels.checks import (
     INDEX_DTYPES,
     check_counts,
     check_parents,

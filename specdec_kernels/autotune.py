@@ -1,4 +1,5 @@
-"""Run-time choice between implementations whose speed depends on the machine.
+"""Run-time choice between implementations whose speed depends on the machine (public: the
+ops and the engine both use it).
 
 Which of two correct CPU paths is faster depends on the CPU, its vector units, its caches
 and its load (a matmul path tuned on one x86 machine ran 3x slower than ``F.linear`` on

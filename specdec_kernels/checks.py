@@ -1,4 +1,5 @@
-"""Argument checks shared by the references and the public ops.
+"""Argument checks shared by the public ops, the engine and the integrations (public, so that
+an engine built on the ops checks its arguments with the same definitions).
 
 Every check raises ``ValueError`` or ``TypeError`` whose message names the argument and
 what it got, so a caller sees at once which input is wrong.  Value checks (ranges of
