@@ -6,11 +6,13 @@ the kernels were imported), ``"native"`` (the C++/CUDA extension) and ``"torch"`
 path composed of PyTorch's own fused CPU/CUDA kernels, for ops where that beats the
 reference on CPU, e.g. attention through ``scaled_dot_product_attention``).
 
-Each public op takes ``backend=None``; ``None`` reads the ``SPECDEC_BACKEND`` environment
-variable and otherwise chooses automatically: Triton or native on CUDA, native on CPU where
-the extension has the op, then the "torch" fast path where the op has one, else the reference.  An explicit ``backend=`` that the op or the
-device cannot serve is an error; ``SPECDEC_BACKEND`` names a preference and ops without that
-backend choose automatically.  The Triton interpreter is never chosen automatically.
+Each public op takes ``backend=None``; ``None`` takes the ``SPECDEC_BACKEND`` environment
+variable (read at import and on ``reset()``) and otherwise chooses automatically: Triton or
+native on CUDA, native on CPU where the extension has the op, then the "torch" fast path
+where the op has one, else the reference.  An explicit ``backend=`` that the op or the device
+cannot serve is an error; ``SPECDEC_BACKEND`` names a preference and ops without that backend
+choose automatically.  The Triton interpreter is never chosen automatically.  The choice is
+made once per (op, device type, explicit backend) and kept for the process.
 """
 from __future__ import annotations
 
@@ -46,8 +48,34 @@ def triton_available() -> bool:
     return _TRITON["ok"]
 
 
+def _read_environment() -> None:
+    """Read ``SPECDEC_BACKEND`` and ``TRITON_INTERPRET`` (at import, and on ``reset``)."""
+    _ENV["preferred"] = os.environ.get(ENV_VAR) or None
+    _ENV["interpret"] = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_ENV: dict = {}
+_read_environment()
+_CHOSEN: dict = {}  # (op, device type, explicit backend or None) -> backend name
+
+
+def reset() -> None:
+    """Read the environment variables again and forget every backend chosen so far.
+
+    The choice of each op's backend is made once per process and device type (the first
+    call), and ``SPECDEC_BACKEND`` / ``TRITON_INTERPRET`` are read when the package is
+    imported: call this after changing either, or after the extension became loadable.
+    Triton kernels already imported keep the interpreter setting they were imported with.
+    """
+    _read_environment()
+    _CHOSEN.clear()
+    _TRITON.clear()
+
+
 def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether ``TRITON_INTERPRET`` was set (non-empty, not "0") when the package was imported
+    or last ``reset``."""
+    return _ENV["interpret"]
 
 
 def _can_run(backend: str, op: str, device: torch.device) -> Optional[str]:
@@ -68,7 +96,8 @@ def _can_run(backend: str, op: str, device: torch.device) -> Optional[str]:
 
 
 def resolve(op: str, device: torch.device, backend: Optional[str], implemented: Sequence[str]) -> str:
-    """Pick the backend that runs ``op`` on ``device``.
+    """Pick the backend that runs ``op`` on ``device``: chosen on the first call for each
+    (op, device type, explicit backend) and kept for the process (``reset`` forgets it).
 
     Args:
         op: the op's name.
@@ -80,6 +109,14 @@ def resolve(op: str, device: torch.device, backend: Optional[str], implemented: 
         ValueError: an explicit ``backend`` unknown, not implemented for ``op``, or unable to
             run on ``device`` (the message says why).
     """
+    key = (op, device.type, backend)
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        chosen = _CHOSEN[key] = _choose(op, device, backend, implemented)
+    return chosen
+
+
+def _choose(op: str, device: torch.device, backend: Optional[str], implemented: Sequence[str]) -> str:
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -89,7 +126,7 @@ def resolve(op: str, device: torch.device, backend: Optional[str], implemented: 
         if reason:
             raise ValueError(f"backend={backend!r} cannot run {op}: {reason}")
         return backend
-    preferred = os.environ.get(ENV_VAR)
+    preferred = _ENV["preferred"]
     if preferred:
         if preferred not in BACKENDS:
             raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {preferred!r}")
@@ -108,28 +145,3 @@ def resolve(op: str, device: torch.device, backend: Optional[str], implemented: 
         if "torch" in implemented:
             return "torch"
     return "reference"
-
-
-BACKEND_DOC = """
-    Backend and checks (the Python front):
-        backend: None (automatic; see ``specdec_kernels._backend``), "reference", "triton",
-            "native" or "torch".  ValueError if the op or device cannot serve an explicit choice.
-        validate: run the value checks (index ranges, parent order, probabilities in range)
-            that read tensor contents; None means on for CPU tensors and off on CUDA (they
-            would synchronise).  With validate=False nothing reads tensor values on the host,
-            so the call can be captured in a CUDA graph and compiled with
-            ``torch.compile(fullgraph=True)``; the kernels still never read or write outside
-            their tensors (counts and indices are clamped).
-"""
-
-
-def public_doc(reference_fn, op_name: str) -> str:
-    """The public op's docstring: the reference's (without its "(reference)" tag), the
-    registered op's name, and the backend arguments."""
-    doc = (reference_fn.__doc__ or "").rstrip().replace(" (reference).", ".", 1)
-    return (
-        doc
-        + f"\n\n    Registered as ``torch.ops.specdec.{op_name}`` (tensor arguments only; this front adds\n"
-        + "    defaults, argument normalisation and the checks).\n"
-        + BACKEND_DOC
-    )

@@ -100,22 +100,6 @@ def bound_arguments(schema_fn: Callable, args, kwargs) -> dict:
     return bound.arguments
 
 
-def lazy_attributes(module_name: str, kernels_module: str) -> Callable:
-    """A module ``__getattr__`` that forwards unknown names to ``kernels_module`` (the Triton
-    launchers and kernels), imported on first access, so importing the op imports no triton."""
-    import importlib
-
-    def __getattr__(name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        try:
-            return getattr(importlib.import_module(kernels_module), name)
-        except AttributeError:
-            raise AttributeError(f"module {module_name!r} has no attribute {name!r}") from None
-
-    return __getattr__
-
-
 def kernel_op(name: str, fn: Callable, fake: Callable, mutates_args: Iterable[str] = ()):
     """Register a backend op ``specdec::<name>`` whose body launches Triton kernels.
 

@@ -9,7 +9,7 @@ synchronisation on CUDA, so the public ops run them by default only on CPU tenso
 from __future__ import annotations
 
 import operator
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -144,3 +144,25 @@ def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Opti
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
     # kept in [0, 1) after the cast, whatever was validated: NaN acts as 0
     return torch.nan_to_num(u.to(torch.float32), nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE)
+
+
+# The layouts of a paged cache's block: "NHD" is [block_size, Hkv, D], "HND" [Hkv, block_size, D].
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def check_kv_layout(kv_layout) -> str:
+    """``kv_layout``: "NHD" (a block is [block_size, Hkv, D]) or "HND" ([Hkv, block_size, D])."""
+    if not isinstance(kv_layout, str):
+        raise TypeError(f"kv_layout must be a str ('NHD' or 'HND'), got {type(kv_layout).__name__}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    return kv_layout
+
+
+def pool_geometry(pool: torch.Tensor, kv_layout: str) -> Tuple[int, int, int, int]:
+    """(num_blocks, block_size, Hkv, D) of one per-layer pool tensor in ``kv_layout``."""
+    if kv_layout == "NHD":
+        num_blocks, block_size, heads, head_dim = pool.shape
+    else:
+        num_blocks, heads, block_size, head_dim = pool.shape
+    return num_blocks, block_size, heads, head_dim

@@ -1,27 +1,105 @@
 """rejection_sample: lossless speculative sampling of a chain, ``torch.ops.specdec.rejection_sample``.
 
-Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
-``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.rejection_sample``).  The registered op
-takes its random numbers explicitly; the Python front makes them from a generator, a dict of
-generators, or per-sequence Philox seeds and offsets (``specdec_kernels._random``).
+Backends: "reference" (``specdec_kernels.reference.rejection_sample``, every device), "native"
+(the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton"
+(CUDA, or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.rejection_sample``).
+The registered op takes its random numbers explicitly; the Python front makes them from a
+generator, a dict of generators, or per-sequence Philox seeds and offsets
+(``specdec_kernels._random``).
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
-from specdec_kernels.reference import rejection_sample as _ref
-from specdec_kernels.reference.rejection_sample import (
-    RejectionSampleDetails,
-    _rejection_sample,
-    check_rejection_sample_args,
-    rejection_details,
-)
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_probs, check_shape, check_tensor
+from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
 IMPLEMENTED = ("reference", "native", "triton")
+
+
+class RejectionSampleDetails(NamedTuple):
+    """What ``rejection_sample(..., return_details=True)`` (and its flattened form) returns:
+    the two usual outputs and FlashInfer's optional counters (``chain_speculative_sampling``'s
+    ``output_accepted_token_num`` and ``output_emitted_draft_token_num``), plus a NaN flag.
+
+    Fields:
+        output_tokens: Shape (batch, K + 1), int64: as without details.
+        num_accepted: Shape (batch,), int64: as without details.
+        accepted_counts: Shape (batch,), int64: how many of the request's counted drafts pass
+            their own accept test ``u_j * q_j(x_j) < p_j(x_j)`` (the same coins), counted over
+            all of them, also after the first rejection (FlashInfer's accepted count: a
+            measure of draft/target agreement; >= num_accepted).
+        emitted_counts: Shape (batch,), int64: equal to num_accepted (FlashInfer's emitted
+            draft count; the request emits emitted_counts + 1 tokens).
+        valid: Shape (batch,), bool: False where a probability row the request owns held a
+            NaN: a target row of one of its counted drafts, its bonus row (when given as a
+            row) or a draft row of one of its counted drafts.  Rows of the padding are not
+            the request's.
+
+    Unlike FlashInfer the counters are returned fresh, not accumulated in place.
+    """
+
+    output_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    accepted_counts: torch.Tensor
+    emitted_counts: torch.Tensor
+    valid: torch.Tensor
+
+
+def make_details(output_tokens, num_accepted, accept, target_nan, draft_nan) -> RejectionSampleDetails:
+    """``RejectionSampleDetails`` from the outputs, the accept tests [B, K] and per-request
+    masks of used rows holding NaN (target [B, K + 1], draft [B, K] or None)."""
+    bad = target_nan.any(dim=1)
+    if draft_nan is not None:
+        bad = bad | draft_nan.any(dim=1)
+    accepted_counts = accept.to(torch.int64).sum(dim=1)
+    return RejectionSampleDetails(output_tokens, num_accepted, accepted_counts, num_accepted.clone(), ~bad)
+
+
+def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens, coins, output_tokens, num_accepted):
+    """The details of a padded call (cheap gathers of B * K values and, since asked for, a
+    NaN scan of the rows)."""
+    B, K1, V = target_probs.shape
+    K = K1 - 1
+    device = target_probs.device
+    n = num_draft_tokens.clamp(0, K)
+    tokens = draft_tokens.to(torch.int64)
+    safe = tokens.clamp(0, V - 1)[..., None]
+    p_x = target_probs[:, :K].gather(2, safe).squeeze(2)
+    q_x = draft_probs.gather(2, safe).squeeze(2) if draft_probs is not None else torch.ones_like(p_x)
+    j = torch.arange(K1, device=device)
+    counted = j[None, :K] < n[:, None]
+    accept = accept_tests(p_x, q_x, tokens, counted, coins, V)
+    target_nan = torch.isnan(target_probs).any(dim=-1) & (j[None, :] <= n[:, None])
+    draft_nan = torch.isnan(draft_probs).any(dim=-1) & counted if draft_probs is not None else None
+    return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
+
+
+def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=None):
+    """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64)."""
+    check_probs("target_probs", target_probs, 3)
+    device = target_probs.device
+    B, K1, V = target_probs.shape
+    if K1 < 1:
+        raise ValueError(f"target_probs must have K+1 >= 1 rows per sequence, got shape {tuple(target_probs.shape)}")
+    if V < 1:
+        raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
+    K = K1 - 1
+    check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_shape("draft_tokens", draft_tokens, (B, K), "target_probs needs K+1 rows for K draft tokens")
+    if draft_probs is not None:
+        check_probs("draft_probs", draft_probs, 3, device)
+        check_shape("draft_probs", draft_probs, (B, K, V), "one draft distribution per draft token")
+    n = check_counts("num_draft_tokens", num_draft_tokens, B, K, device, validate)
+    return B, K, V, n
 
 
 def _impl(
@@ -89,19 +167,54 @@ def rejection_sample(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> Union[Tuple[torch.Tensor, torch.Tensor], RejectionSampleDetails]:
-    B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
-    coins, final_u = draw_uniforms(
-        B, K, target_probs.device, generator, uniform_samples, sample_uniforms,
-        coin_counts=n, seeds=seeds, offsets=offsets, validate=validate,
-    )
-    out, acc = torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u,
-                                                  backend or "")
-    if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
-        return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
-    return out, acc
+    """Lossless speculative sampling of a chain of draft tokens.
 
+    Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
+    Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"): accept draft
+    x_j when u_j * q_j(x_j) < p_j(x_j) (float32), so with probability min(1, p/q); a token with
+    p_j(x_j) = 0 is never accepted.  At the first rejection sample from max(0, p_j - q_j)
+    normalised (from p_j when that residual has no mass); when all drafts are accepted sample
+    the bonus token from the row after the last draft.  The emitted tokens follow the target
+    distribution exactly whatever q is.
 
-rejection_sample.__doc__ = _backend.public_doc(_ref, "rejection_sample") + """
+    Args:
+        target_probs: Shape (batch, K + 1, vocab), float32/float16/bfloat16 (computed in
+            float32).  Rows are used as given: the accept test compares raw values and the
+            sampled token is drawn proportionally to its weights, so an unnormalised row acts
+            as its normalisation, except in the accept test.
+        draft_probs: Shape (batch, K, vocab), the distributions the drafts were sampled from,
+            or None when the drafts were chosen deterministically (q one-hot at the draft).
+        draft_tokens: Shape (batch, K), int32/int64.  An id outside [0, vocab) is rejected.
+        num_draft_tokens: Shape (batch,), int in 0..K, or None for all K.
+        generator: a torch.Generator, or a list of one per sequence; see
+            ``specdec_kernels._random`` for the order in which numbers are drawn.
+        uniform_samples: Shape (batch, K), float32 in [0, 1): the acceptance coins.
+        sample_uniforms: Shape (batch,), float32 in [0, 1): the uniform that draws each
+            sequence's one sampled token (residual or bonus) by inverse CDF.
+        return_details: return a ``RejectionSampleDetails`` (FlashInfer's accepted and
+            emitted draft counts and a per-request NaN flag) instead of the pair; costs a
+            gather of B * K values and a NaN scan of the rows, only when asked.
+
+    Returns:
+        output_tokens: Shape (batch, K + 1), int64: accepted drafts, the sampled token, -1.
+        num_accepted: Shape (batch,), int64; a row emits num_accepted + 1 tokens.
+        (With return_details=True, a ``RejectionSampleDetails`` holding these two first.)
+
+    Raises:
+        TypeError: wrong dtype, generator of the wrong type.
+        ValueError: wrong rank, mismatched shapes or devices, num_draft_tokens outside 0..K,
+            uniforms of the wrong shape or outside [0, 1).
+
+    Registered as ``torch.ops.specdec.rejection_sample`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+
     Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
         seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, sequence b's
             depending only on (seeds[b], offsets[b]); see ``specdec_kernels._random``.
@@ -119,8 +232,14 @@ rejection_sample.__doc__ = _backend.public_doc(_ref, "rejection_sample") + """
         is recomputed, never written to memory.  Same tokens as the reference for the same
         uniforms, except when u * total lies within float64 rounding of a CDF boundary (the
         kernel sums in tiles and chunks, the reference sequentially).
-"""
-
-
-# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
-__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.rejection_sample")
+    """
+    B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
+    coins, final_u = draw_uniforms(
+        B, K, target_probs.device, generator, uniform_samples, sample_uniforms,
+        coin_counts=n, seeds=seeds, offsets=offsets, validate=validate,
+    )
+    out, acc = torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u,
+                                                  backend or "")
+    if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
+        return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
+    return out, acc

@@ -8,6 +8,10 @@ Backends: "reference" (plain PyTorch, every device), "native" (the C++ CPU kerne
 No backend copies the rows into a padded layout.  The registered op takes its random numbers
 explicitly (coins [T], sample uniforms [B]); the Python front makes them exactly as the padded
 front does for each request (``specdec_kernels.reference.rejection_sample_flattened.flattened_uniforms``).
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
@@ -18,17 +22,40 @@ import torch
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels._flattened import check_flattened_args
+from specdec_kernels._flattened import positions, take
 from specdec_kernels._random import GeneratorArg
-from specdec_kernels.reference.rejection_sample import RejectionSampleDetails
-from specdec_kernels.reference.rejection_sample_flattened import (
-    _rejection_sample_flattened,
-    flattened_uniforms,
-    rejection_details_flattened,
-)
-from specdec_kernels.reference.rejection_sample_flattened import rejection_sample_flattened as _ref
+from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
+from specdec_kernels.reference.rejection_sample import accept_tests
+from specdec_kernels.reference.rejection_sample_flattened import _rejection_sample_flattened, flattened_uniforms
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "rejection_sample_flattened"
+
+
+def rejection_details_flattened(
+    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, max_spec_len,
+    output_tokens, num_accepted,
+) -> RejectionSampleDetails:
+    """``RejectionSampleDetails`` of a flattened call: gathers of B * max_spec_len values and a
+    NaN scan of the rows (run only when asked)."""
+    R, V = target_probs.shape
+    T, B, K = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0], max_spec_len
+    device = target_probs.device
+    with_rows = bonus_token_ids is None
+    pos = positions(cu_num_draft_tokens, T, K, bonus_rows=with_rows)
+    j = torch.arange(K + 1, device=device)
+    tokens = take(draft_token_ids.to(torch.int64), pos.flat, pos.counted, -1)
+    safe = tokens.clamp(0, V - 1)
+    t_rows = pos.row0[:, None] + j[None, :]  # [B, K + 1]
+    p = target_probs[t_rows[:, :K].clamp(0, max(R - 1, 0)), safe] if R else torch.zeros(B, K, device=device)
+    q = draft_probs[pos.flat, safe] if draft_probs is not None and T else torch.ones_like(p)
+    accept = accept_tests(p, q, tokens, pos.counted, take(coins, pos.flat, pos.counted, 1.0), V)
+    owns = j[None, :] <= pos.n[:, None] if with_rows else j[None, :] < pos.n[:, None]
+    target_nan = take(torch.isnan(target_probs).any(dim=-1), t_rows, owns, False)
+    draft_nan = None
+    if draft_probs is not None:
+        draft_nan = take(torch.isnan(draft_probs).any(dim=-1), pos.flat, pos.counted, False)
+    return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
 
 
 def _check(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, uniform_samples,
@@ -107,6 +134,70 @@ def rejection_sample_flattened(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> Union[Tuple[torch.Tensor, torch.Tensor], RejectionSampleDetails]:
+    """Lossless speculative sampling of draft chains in the flattened (vLLM v1) layout.
+
+    The algorithm of ``rejection_sample`` (Leviathan et al. 2023; Chen et al. 2023: accept
+    draft x_j when u_j * q_j(x_j) < p_j(x_j) in float32; at the first rejection sample from
+    max(0, p_j - q_j) normalised, from p_j when that has no mass; after the last draft sample
+    the bonus token) on vLLM v1's ragged layout (``SpecDecodeMetadata``).  Same tokens as
+    ``rejection_sample`` on the same data padded to K = max_spec_len, with the same random
+    numbers.
+
+    Args:
+        target_probs: Shape (T + B, vocab) without ``bonus_token_ids``: request b's K_b rows
+            for its drafts then its bonus row (rows cu[b-1] + b .. cu[b] + b); or (T, vocab)
+            with ``bonus_token_ids``.  float32/float16/bfloat16 (computed in float32), rows
+            read in place.
+        draft_probs: Shape (T, vocab), flat row t the distribution draft t was drawn from, or
+            None when the drafts were chosen deterministically (q one-hot at the draft).
+        draft_token_ids: Shape (T,), int32/int64.  An id outside [0, vocab) is rejected.
+        cu_num_draft_tokens: Shape (B,), int32/int64: the inclusive cumsum of the draft counts
+            (request b's drafts are flat positions cu[b-1] .. cu[b] - 1, cu[-1] read as 0);
+            zero-draft requests are allowed.
+        bonus_token_ids: Shape (B,) (or (B, 1)), int32/int64, or None.  When given (vLLM v1,
+            where the caller samples the bonus), a request that accepts all its drafts emits
+            bonus_token_ids[b] (copied as given) and uses no sample uniform; a rejection
+            samples the residual of the rejected row as usual.
+        max_spec_len: the output's padded width minus 1, >= max K_b.  None computes it from
+            cu_num_draft_tokens: a host read (a synchronisation on CUDA); pass it to avoid
+            that, as vLLM does.
+        generator, seeds, offsets: as for ``rejection_sample``: request b draws exactly the
+            numbers the padded front draws for it with K = max_spec_len (a zero-draft request
+            consumes no coin in the per-request modes).
+        uniform_samples: Shape (T,), float32/float64 in [0, 1): coin t is flat draft t's.
+        sample_uniforms: Shape (batch,), float32/float64 in [0, 1).
+        return_details: return a ``RejectionSampleDetails`` (FlashInfer's counters and a NaN
+            flag per request) instead of the pair.
+
+    Returns:
+        output_tokens: Shape (batch, max_spec_len + 1), int64: accepted drafts, the sampled
+            (or bonus) token, then -1 (vLLM's PLACEHOLDER_TOKEN_ID).
+        num_accepted: Shape (batch,), int64; a row emits num_accepted + 1 tokens.
+        (With return_details=True, a ``RejectionSampleDetails`` holding these two first.)
+
+    Raises:
+        TypeError: wrong dtype, max_spec_len not an int, generator of the wrong type.
+        ValueError: wrong ranks; target_probs without T + B rows (or T with
+            bonus_token_ids); draft_probs not (T, vocab); uniforms of the wrong shape; with
+            value checks, cu_num_draft_tokens negative, decreasing or not ending at T,
+            max_spec_len below the largest draft count, uniforms outside [0, 1).
+
+    Registered as ``torch.ops.specdec.rejection_sample_flattened`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+
+    Triton backend:
+        The padded op's two kernels (``_rejection_partials_kernel`` over vocabulary chunks,
+        then ``_rejection_sample_kernel``) with ``FLAT=True``: each program reads its requests'
+        spans from cu_num_draft_tokens and addresses the flat rows directly; with
+        bonus_token_ids, fully accepted requests skip the sampling passes.
+    """
     flat = check_flattened_args("target_probs", target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
                                 bonus_token_ids, max_spec_len, validate, probs=True)
     coins, final_u = flattened_uniforms(flat, cu_num_draft_tokens, target_probs.device, generator, uniform_samples,
@@ -116,12 +207,3 @@ def rejection_sample_flattened(
     if return_details:
         return rejection_details_flattened(*args, coins, flat.max_spec_len, out, acc)
     return out, acc
-
-
-rejection_sample_flattened.__doc__ = _backend.public_doc(_ref, OP) + """
-    Triton backend:
-        The padded op's two kernels (``_rejection_partials_kernel`` over vocabulary chunks,
-        then ``_rejection_sample_kernel``) with ``FLAT=True``: each program reads its requests'
-        spans from cu_num_draft_tokens and addresses the flat rows directly; with
-        bonus_token_ids, fully accepted requests skip the sampling passes.
-"""

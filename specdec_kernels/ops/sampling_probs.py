@@ -1,10 +1,15 @@
 """sampling_probs: temperature, top-k and top-p applied once for drafter and verifier,
 ``torch.ops.specdec.sampling_probs``.
 
-Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
-``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.sampling_probs``).  The registered op
-takes per-row tensors (temperature [B] float32, top_k [B] int64 or None, top_p [B] float32 or
-None: None skips that stage); the Python front also takes numbers.
+Backends: "reference" (``specdec_kernels.reference.sampling_probs``, every device), "native"
+(the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton"
+(CUDA, or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.sampling_probs``). The
+registered op takes per-row tensors (temperature [B] float32, top_k [B] int64 or None, top_p [B]
+float32 or None: None skips that stage); the Python front also takes numbers.
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
@@ -13,13 +18,51 @@ from typing import Optional, Union
 import torch
 
 from specdec_kernels import _backend, _library
-from specdec_kernels.reference import sampling_probs as _ref
-from specdec_kernels.reference.sampling_probs import _sampling_probs, check_sampling_args
+from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor, want_value_checks
+from specdec_kernels.reference.sampling_probs import _sampling_probs
 
 IMPLEMENTED = ("reference", "native", "triton")
 Param = Union[None, int, float, torch.Tensor]
 
 
+def _per_row(name: str, value, batch: int, ndim: int, device, dtype, default):
+    """A scalar or a [B] tensor, returned as a tensor broadcastable over (B, ..., V)."""
+    if value is None:
+        value = default
+    if isinstance(value, torch.Tensor):
+        check_tensor(name, value, ndim=1, device=device)
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be a real number tensor, got {value.dtype}")
+        check_shape(name, value, (batch,), "one value per sequence (the first dimension of logits)")
+        t = value.to(dtype)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or a tensor of shape ({batch},), got {type(value).__name__}")
+    else:
+        t = torch.full((batch,), value, dtype=dtype, device=device)
+    return t.view((batch,) + (1,) * (ndim - 1))
+
+
+def check_sampling_args(logits, temperature, top_k, top_p, validate=None):
+    """Validate and broadcast the arguments of ``sampling_probs``; value checks (temperature
+    >= 0, top_p in (0, 1]) when ``validate`` allows (default: CPU tensors)."""
+    check_tensor("logits", logits, ndim=(2, 3), dtypes=FLOAT_DTYPES)
+    if logits.shape[-1] < 1:
+        raise ValueError(f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
+    B, nd, dev = logits.shape[0], logits.dim(), logits.device
+    if isinstance(top_k, torch.Tensor):
+        check_tensor("top_k", top_k, dtypes=INDEX_DTYPES)
+    elif isinstance(top_k, float):
+        raise TypeError(f"top_k must be an int or an integer tensor, got float {top_k}")
+    t = _per_row("temperature", temperature, B, nd, dev, torch.float32, 1.0)
+    k = _per_row("top_k", top_k, B, nd, dev, torch.int64, 0)
+    p = _per_row("top_p", top_p, B, nd, dev, torch.float32, 1.0)
+    if B and want_value_checks(validate, t, p):
+        if (t < 0).any() or t.isnan().any():
+            raise ValueError(f"temperature must be >= 0, got {t.flatten().tolist()[:8]}")
+        if ((p <= 0) | (p > 1) | p.isnan()).any():
+            raise ValueError(f"top_p must lie in (0, 1], got {p.flatten().tolist()[:8]}")
+    # NaN top_p (unchecked input) acts as 1, on every backend
+    return t, k, torch.nan_to_num(p, nan=1.0)
 def _impl(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -76,14 +119,41 @@ def sampling_probs(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> torch.Tensor:
-    t, k, p = check_sampling_args(logits, temperature, top_k, top_p, validate)
-    B = logits.shape[0]
-    return torch.ops.specdec.sampling_probs(
-        logits, t.reshape(B), None if top_k is None else k.reshape(B), None if top_p is None else p.reshape(B), backend or ""
-    )
+    """The one distribution that the drafter samples from and the verifier checks against.
 
+    Applies, in this order (as Hugging Face's logits warpers do): temperature, top-k, softmax,
+    top-p (nucleus sampling, Holtzman et al. 2020), renormalisation.
 
-sampling_probs.__doc__ = _backend.public_doc(_ref, "sampling_probs") + """
+    Args:
+        logits: Shape (batch, vocab) or (batch, rows, vocab), float32/float16/bfloat16.
+        temperature: float >= 0, or a float tensor of shape (batch,).  0 is greedy: the row
+            becomes one-hot at ``torch.argmax`` (first maximum, NaN counts as maximum).  A row
+            with a +inf logit after temperature (an infinite logit, or a temperature so small
+            that the division overflows) is one-hot at its first +inf as well.
+        top_k: int or integer tensor (batch,); keep the logits >= the k-th largest (ties at the
+            boundary kept).  None, 0 or >= vocab disables it.
+        top_p: float in (0, 1] or tensor (batch,); keep the smallest set of most probable tokens
+            whose mass reaches top_p, plus every token tied with its least probable member.
+            None or 1.0 disables it.
+
+    Returns:
+        probs: the shape of logits, float32, rows summing to 1.
+
+    Raises:
+        TypeError: logits not a float tensor; top_k a float; a parameter of the wrong type.
+        ValueError: wrong rank; a per-sequence parameter not of shape (batch,); temperature < 0
+            or top_p outside (0, 1] (value checks on CPU tensors).
+
+    Registered as ``torch.ops.specdec.sampling_probs`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+
     Triton backend:
         One kernel (``_sampling_probs_kernel``) launched once per stage over (row blocks,
         vocabulary chunks), so batch 1 spreads over the GPU, and no sort: temperature (IEEE
@@ -101,8 +171,9 @@ sampling_probs.__doc__ = _backend.public_doc(_ref, "sampling_probs") + """
         the other, and a tie at the boundary is kept whole.  A row holding NaN after
         temperature, or only -inf, gives NaN everywhere, and a row holding +inf is one-hot at
         its first +inf, as in the reference.
-"""
-
-
-# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
-__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.sampling_probs")
+    """
+    t, k, p = check_sampling_args(logits, temperature, top_k, top_p, validate)
+    B = logits.shape[0]
+    return torch.ops.specdec.sampling_probs(
+        logits, t.reshape(B), None if top_k is None else k.reshape(B), None if top_p is None else p.reshape(B), backend or ""
+    )

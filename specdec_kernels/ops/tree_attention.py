@@ -45,29 +45,23 @@ Besides the bool ``[N, N]`` / ``[B, N, N]`` mask, every backend accepts the pack
 by :func:`pack_tree_mask`: int32 ``[N, W]`` / ``[B, N, W]`` with ``W = ceil(N / 32)``, where
 bit ``j % 32`` (least significant first) of word ``[i, j // 32]`` is ``mask[i, j]``.  Bits
 for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bits moved).
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
-import math
-import os
-import threading
 from typing import Optional
 
 import torch
 
 from specdec_kernels import _backend, _library
 from specdec_kernels.autotune import RuntimeChoice
-from specdec_kernels.checks import check_shape, check_tensor
-from specdec_kernels.reference import tree_attention as _ref
-from specdec_kernels.reference.tree_attention import (
-    _tree_attention,
-    check_kv_layout,
-    check_paged_tree_attention_args,
-    check_tree_attention_args,
-    paged_geometry,
-    paged_tree_attention as _paged_reference,
-    visible_keys,
-)
+from specdec_kernels.checks import FLOAT_DTYPES, check_kv_layout, check_shape, check_tensor, pool_geometry, want_value_checks
+from specdec_kernels.ops._torch.tree_attention import sdpa_paged_tree_attention, sdpa_tree_attention
+from specdec_kernels.reference.tree_attention import _tree_attention
+from specdec_kernels.reference.tree_attention import paged_tree_attention as _paged_reference
 
 # "native": the C++ CPU kernel (csrc/paged_attention_cpu.cpp; a dense cache is read as the pool of
 # B blocks of S slots), the automatic CPU backend of both ops when the extension has it.
@@ -78,6 +72,104 @@ PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
 DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_DENSE_ATTENTION")
 PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), trials=3,
                                  env="SPECDEC_PAGED_ATTENTION")
+
+# head dims every backend takes (multiples of 16 up to 256)
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
+
+
+def _check_q_and_caches(q, k_cache, v_cache):
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=(q.dtype,), device=q.device)
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q's head dim must be one of {SUPPORTED_HEAD_DIMS}, got shape {tuple(q.shape)}")
+
+
+def _check_heads_seqlens_mask(q, Hkv, cache_seqlens, tree_mask):
+    B, N, H, _ = q.shape
+    device = q.device
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k_cache's heads ({Hkv}) (GQA)")
+    check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+    check_shape("cache_seqlens", cache_seqlens, (B,))
+    if tree_mask is not None:
+        check_tensor("tree_mask", tree_mask, ndim=(2, 3), dtypes=(torch.bool,), device=device)
+        if tree_mask.dim() == 2:
+            check_shape("tree_mask", tree_mask, (N, N), "one ancestor mask for the batch")
+        else:
+            check_shape("tree_mask", tree_mask, (B, N, N), "one ancestor mask per sequence")
+
+
+def check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mask, validate=None):
+    """Validate the arguments of ``tree_attention`` (dense cache); return (B, N, H, D, Hkv, S)."""
+    _check_q_and_caches(q, k_cache, v_cache)
+    B, N, H, D = q.shape
+    _, Hkv, S, _ = k_cache.shape
+    check_shape("k_cache", k_cache, (B, Hkv, S, D), "(batch, kv_heads, capacity, head_dim) matching q")
+    check_shape("v_cache", v_cache, (B, Hkv, S, D), "like k_cache")
+    _check_heads_seqlens_mask(q, Hkv, cache_seqlens, tree_mask)
+    if N > S:
+        raise ValueError(f"k_cache's capacity S={S} is smaller than the N={N} new keys it must hold (q's dim 1)")
+    if want_value_checks(validate, cache_seqlens) and B:
+        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if lo < 0 or hi + N > S:
+            raise ValueError(
+                f"cache_seqlens + N must lie in [N, S={S}] (the N new keys are already in the cache), "
+                f"got cache_seqlens in {lo}..{hi} with N={N}"
+            )
+    return B, N, H, D, Hkv, S
+
+
+def blocks_needed(cache_seqlens: torch.Tensor, num_new: int, block_size: int) -> torch.Tensor:
+    """Blocks of its table each sequence uses: ceil((cache_seqlens + N) / block_size), int64 [B]."""
+    return (cache_seqlens.to(torch.int64) + num_new + block_size - 1) // block_size
+
+
+def check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, validate=None):
+    """Validate the arguments of ``tree_attention`` over a paged cache.
+
+    Returns (B, N, H, D, Hkv, capacity, block_size, num_blocks), capacity =
+    max_blocks_per_seq * block_size.  Shapes, dtypes and devices are always checked; with
+    value checks (``validate``, default on for CPU tensors) also cache_seqlens + N <= capacity
+    and every block id a sequence uses (its first ceil((cache_seqlens + N) / block_size)
+    table entries) in [0, num_blocks).  Entries past those are never read and may hold anything.
+    """
+    check_kv_layout(kv_layout)
+    _check_q_and_caches(q, k_cache, v_cache)
+    B, N, H, D = q.shape
+    num_blocks, block_size, Hkv, _ = pool_geometry(k_cache, kv_layout)
+    what = {"NHD": "(num_blocks, block_size, kv_heads, head_dim) for kv_layout='NHD'",
+            "HND": "(num_blocks, kv_heads, block_size, head_dim) for kv_layout='HND'"}[kv_layout]
+    check_shape("k_cache", k_cache, k_cache.shape[:3] + (D,), what + ", head_dim matching q")
+    check_shape("v_cache", v_cache, tuple(k_cache.shape), "like k_cache")
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"k_cache must hold at least one block of at least one slot, got shape {tuple(k_cache.shape)} ({what})")
+    _check_heads_seqlens_mask(q, Hkv, cache_seqlens, tree_mask)
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
+    max_blocks = block_table.shape[1]
+    check_shape("block_table", block_table, (B, max_blocks), "(batch, max_blocks_per_seq): one row of block ids per sequence")
+    capacity = max_blocks * block_size
+    if N > capacity:
+        raise ValueError(
+            f"block_table's capacity {max_blocks} blocks x {block_size} slots = {capacity} is smaller than "
+            f"the N={N} new keys it must hold (q's dim 1)"
+        )
+    if want_value_checks(validate, cache_seqlens, block_table) and B:
+        lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if lo < 0 or hi + N > capacity:
+            raise ValueError(
+                f"cache_seqlens + N must lie in [N, capacity={capacity}] (block_table has {max_blocks} blocks of "
+                f"{block_size} slots; the N new keys are already in the cache), got cache_seqlens in {lo}..{hi} with N={N}"
+            )
+        used = torch.arange(max_blocks, device=block_table.device)[None, :] < blocks_needed(cache_seqlens, N, block_size)[:, None]
+        wrong = used & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(wrong.any()):
+            b, j = (int(x) for x in wrong.nonzero()[0])
+            raise ValueError(
+                f"block_table entries a sequence uses must lie in [0, num_blocks={num_blocks}); "
+                f"block_table[{b}, {j}] = {int(block_table[b, j])}"
+            )
+    return B, N, H, D, Hkv, capacity, block_size, num_blocks
 
 MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
 MAX_SPLITS = 256
@@ -194,150 +286,8 @@ def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, c
     return max(1, min(-(-2 * sms // programs), capacity // 256, 64))
 
 
-# --------------------------------------------------------------------------------------
-# "torch" backend: scaled_dot_product_attention
-# --------------------------------------------------------------------------------------
 
 
-def _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale):
-    """SDPA over the cache sliced to max(cache_seqlens) + N slots; tree_mask bool or None.
-
-    GQA without copying the cache: the G query heads of each KV head become G * N rows of
-    one attention problem per KV head (row r = i * G + g), so q is [B, Hkv, N * G, D].  The
-    mask is additive (0 / -inf) in q's dtype, which SDPA takes as is (a bool mask costs a
-    conversion); with one prefix length for the batch its prefix columns are plain zeros.
-    """
-    B, N, H, D = q.shape
-    Hkv = k_cache.shape[1]
-    G = H // Hkv
-    if B == 0 or N == 0:
-        return torch.empty_like(q)
-    S = k_cache.shape[2]
-    # Slots past the sequence (cache_seqlens clamped into [0, S - N]) are masked, and their
-    # values replaced by zeros, so that garbage there (NaN from torch.empty) never reaches the
-    # output.  On CPU the cache is first sliced to max(cache_seqlens) + N slots (reading the
-    # lengths is free there); on other devices the whole capacity is used, never synchronising.
-    lens_t = cache_seqlens.to(torch.int64).clamp(0, S - N)
-    if q.device.type == "cpu":
-        lens = lens_t.tolist()
-        T, uniform = max(lens) + N, min(lens) == max(lens)
-    else:
-        T, uniform = S, False
-    k = k_cache[:, :, :T]
-    v = v_cache[:, :, :T]
-    # Keys or values that are not finite reach exactly the queries that see their slot (NaN
-    # there), as in the reference: zeroed before SDPA (an additive -inf mask plus inf, or a zero
-    # weight times NaN, is NaN), and the queries that see one set to NaN after it.  On CPU one
-    # reduction per tensor decides whether any care is needed (free to read there).
-    bad = None
-    if q.device.type != "cpu" or not (bool(torch.isfinite(k.sum())) and bool(torch.isfinite(v.sum()))):
-        bad = ~(k.isfinite().all(-1) & v.isfinite().all(-1))  # [B, Hkv, T]
-        k = torch.where(bad[..., None], 0, k)
-        v = torch.where(bad[..., None], 0, v)
-    qg = q.view(B, N, Hkv, G, D).transpose(1, 2).reshape(B, Hkv, N * G, D)
-    if uniform:  # one prefix length and T = length + N: every slot belongs to the sequence
-        if tree_mask is None and N == 1:
-            attn_mask = None
-        else:
-            tm = torch.ones(N, N, dtype=torch.bool, device=q.device).tril_() if tree_mask is None else tree_mask
-            Bm = tm.shape[0] if tm.dim() == 3 else 1
-            attn_mask = torch.zeros(Bm, N, G, T, dtype=q.dtype, device=q.device)
-            tree_add = torch.zeros(tm.shape, dtype=q.dtype, device=q.device).masked_fill_(~tm, float("-inf"))
-            attn_mask[..., T - N:] = tree_add.view(Bm, N, 1, N)
-            attn_mask = attn_mask.view(Bm, 1, N * G, T)
-    else:
-        vis = visible_keys(lens_t, tree_mask, N, T)  # [B, N, T]
-        attn_mask = torch.zeros(B, N, G, T, dtype=q.dtype, device=q.device)
-        attn_mask.masked_fill_(~vis[:, :, None, :], float("-inf"))
-        attn_mask = attn_mask.view(B, 1, N * G, T)
-    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=attn_mask, scale=sm_scale)
-    out = out.view(B, Hkv, N, G, D).transpose(1, 2).reshape(B, N, H, D)
-    if bad is not None:
-        vis = visible_keys(lens_t, tree_mask, N, T)  # [B, N, T]
-        sees_bad = (vis[:, None, :, :] & bad[:, :, None, :]).any(-1)  # [B, Hkv, N]
-        sees_bad = sees_bad.transpose(1, 2).repeat_interleave(G, dim=2)  # [B, N, H]
-        out = torch.where(sees_bad[..., None], float("nan"), out)
-    return out
-
-
-# Per-thread CPU buffer that the torch backend gathers paged K/V into.  A fresh multi-MB
-# tensor per call comes from fresh pages (glibc returns large freed chunks to the OS), and
-# the page faults cost more than the gather itself (measured: 480 faults, 2.3 ms on top of a
-# 0.5 ms call); CUDA's caching allocator needs no such help.  Buffers above the cap are not kept.
-_WORKSPACE = threading.local()
-WORKSPACE_MAX_BYTES = 256 << 20
-
-
-def _workspace(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of ``numel`` elements (uninitialised), reused by later calls on this thread.
-
-    Only a plain tensor made outside every mode is kept: under a FakeTensorMode, a tracer or a
-    dispatch mode a fresh one is returned; the kept buffer is made with inference mode off, so
-    that a buffer first needed inside ``torch.inference_mode`` (the engine) can still be written
-    outside it (an inference tensor could not)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return torch.empty(numel, dtype=dtype)
-    key = str(dtype)
-    buf = getattr(_WORKSPACE, key, None)
-    if buf is not None and buf.numel() >= numel:
-        return buf[:numel]
-    with torch.inference_mode(False):
-        buf = torch.empty(numel, dtype=dtype)
-    if type(buf) is torch.Tensor and numel * buf.element_size() <= WORKSPACE_MAX_BYTES:
-        setattr(_WORKSPACE, key, buf)
-    return buf
-
-
-def _gather_paged(cache, block_ids, kv_layout, out):
-    """The blocks ``block_ids`` [B, M] (ids in the pool) of a paged pool as a dense cache
-    [B, Hkv, M * block_size, D], copied into ``out`` (B * M * block_size * Hkv * D elements).
-
-    NHD: one ``index_select`` of whole blocks, viewed as [B, Hkv, slots, D] through strides
-    (SDPA reads that view about as fast as a contiguous cache, and a second, head-major copy
-    would cost more).  HND: one ``index_select`` of the (block, head) rows of block_size * D
-    elements, which lands head-major at once; a pool whose (block, head) rows are not one
-    stride apart is first selected by block, then rearranged.
-    """
-    num_blocks, block_size, Hkv, D = paged_geometry(cache, kv_layout)
-    B, M = block_ids.shape
-    if kv_layout == "NHD":
-        blocks = torch.index_select(cache, 0, block_ids.reshape(-1), out=out.view(B * M, block_size, Hkv, D))
-        return blocks.view(B, M * block_size, Hkv, D).transpose(1, 2)
-    try:
-        rows = cache.view(num_blocks * Hkv, block_size * D)
-    except RuntimeError:
-        blocks = cache.index_select(0, block_ids.reshape(-1)).view(B, M, Hkv, block_size, D)
-        return out.view(B, Hkv, M, block_size, D).copy_(blocks.transpose(1, 2)).view(B, Hkv, M * block_size, D)
-    index = block_ids.to(torch.int64).mul_(Hkv).view(B, 1, M) + torch.arange(Hkv, device=cache.device).view(1, Hkv, 1)
-    torch.index_select(rows, 0, index.view(-1), out=out.view(B * Hkv * M, block_size * D))
-    return out.view(B, Hkv, M * block_size, D)
-
-
-def _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale):
-    """The SDPA path on the blocks that cover max(cache_seqlens) + N slots, gathered.
-
-    Lengths act as clamped to [0, capacity - N] as in the reference (the dense path clamps
-    them to its gathered capacity, which is the table's whenever a length reaches past it);
-    block ids are clamped into the pool, so unused or hostile table entries gather some block
-    of the pool (invisible slots) and never memory outside it.  Off CPU the whole table is
-    gathered (no host read of the lengths).
-    """
-    B, N = q.shape[0], q.shape[1]
-    num_blocks, block_size, Hkv, D = paged_geometry(k_cache, kv_layout)
-    max_blocks = block_table.shape[1]
-    if B == 0 or N == 0:
-        return torch.empty_like(q)
-    if q.device.type == "cpu":
-        longest = min(max(int(cache_seqlens.max()), 0), max_blocks * block_size - N)
-        used = -(-(longest + N) // block_size)
-        kv = _workspace(2 * B * used * block_size * Hkv * D, q.dtype).view(2, -1)
-    else:
-        used = max_blocks
-        kv = torch.empty(2, B * used * block_size * Hkv * D, dtype=q.dtype, device=q.device)
-    ids = block_table[:, :used].clamp(0, num_blocks - 1)
-    k = _gather_paged(k_cache, ids, kv_layout, kv[0])
-    v = _gather_paged(v_cache, ids, kv_layout, kv[1])
-    return _torch_tree_attention(q, k, v, cache_seqlens, tree_mask, sm_scale)
 
 
 # --------------------------------------------------------------------------------------
@@ -383,7 +333,7 @@ def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     if name == "native":
         return torch.ops.specdec.tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
     if name == "torch":
-        return _torch_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
+        return sdpa_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
     return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
 
 
@@ -397,26 +347,6 @@ def _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     return DENSE_CPU_CHOICE(key, lambda name: _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale))
 
 
-def engine_tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                          tree_mask: Optional[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
-    """``tree_attention`` over a dense cache for a caller that built every tensor itself and
-    checked their shapes once (the bundled engine, 30 calls per forward): on CPU with the
-    automatic backend and the extension built, the automatic CPU path without the per-call
-    argument checks and op dispatch (about 0.1 ms a call); otherwise the public op with
-    ``validate=False``.  Same results as ``tree_attention``.
-
-    Args: as ``tree_attention`` (tree_mask bool [N, N] / [B, N, N] or None; cache_seqlens int32).
-    """
-    if (backend is None and q.device.type == "cpu" and _NATIVE_DENSE_CPU.get("ok") is not False
-            and not os.environ.get(_backend.ENV_VAR)):
-        if "ok" not in _NATIVE_DENSE_CPU:
-            _NATIVE_DENSE_CPU["ok"] = _backend._can_run("native", "tree_attention", q.device) is None
-        if _NATIVE_DENSE_CPU["ok"] and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0:
-            return _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, tree_mask, q.shape[-1] ** -0.5)
-    return tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend=backend, validate=False)
-
-
-_NATIVE_DENSE_CPU: dict = {}
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
@@ -496,7 +426,7 @@ def _paged_impl(
             return torch.ops.specdec.paged_tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, block_table,
                                                                  kv_layout, sm_scale)
         if name == "torch":
-            return _torch_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout,
+            return sdpa_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout,
                                                sm_scale).contiguous()
         return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
 
@@ -521,7 +451,7 @@ def _paged_triton_decomposition(args, kwargs):
     if _backend.resolve("paged_tree_attention", q.device, x["backend"] or None, PAGED_IMPLEMENTED) != "triton":
         return None
     B, N, H, D = q.shape
-    _, block_size, Hkv, _ = paged_geometry(x["k_cache"], x["kv_layout"])
+    _, block_size, Hkv, _ = pool_geometry(x["k_cache"], x["kv_layout"])
     capacity = x["block_table"].shape[1] * block_size
     splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
     return torch.ops.specdec.paged_tree_attention_triton(
@@ -548,6 +478,80 @@ def tree_attention(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> torch.Tensor:
+    """Attention of a draft token tree's queries to the cached prefix and their ancestors.
+
+    Tree attention as in SpecInfer (Miao et al. 2024) and Medusa (Cai et al. 2024): the N new
+    tokens' keys and values are already written at cache slots cache_seqlens[b] ..
+    cache_seqlens[b] + N - 1; each query sees the whole prefix and the new keys of its own
+    ancestors (and itself).  Computed densely in float64 with -inf masking, then cast.  A
+    paged cache (``block_table`` given; PagedAttention, Kwon et al. 2023) is first gathered
+    into the dense form through the block table (block ids clamped into the pool), then the
+    same math runs.
+
+    Args:
+        q: Shape (batch, N, heads, head_dim), float32/float16/bfloat16.  head_dim a multiple
+            of 16 up to 256.
+        k_cache, v_cache: q's dtype.  Dense (block_table None): shape (batch, kv_heads,
+            capacity, head_dim).  Paged: pools of blocks, shape (num_blocks, block_size,
+            kv_heads, head_dim) for kv_layout "NHD" (vLLM's and FlashInfer's default) or
+            (num_blocks, kv_heads, block_size, head_dim) for "HND"; any block_size >= 1.
+            heads must be a multiple of kv_heads (GQA; query head h reads kv head
+            h // (heads / kv_heads)).
+        cache_seqlens: Shape (batch,), int32/int64: committed tokens per sequence, with
+            cache_seqlens + N <= capacity.
+        tree_mask: bool, shape (N, N) or (batch, N, N); mask[i, j] is true when node j is node
+            i or one of its ancestors.  None means the causal chain.
+        block_table: None (dense cache) or int32, shape (batch, max_blocks_per_seq): logical
+            slot s of sequence b lives at offset s % block_size of physical block
+            block_table[b, s // block_size]; capacity = max_blocks_per_seq * block_size.
+            Blocks may come in any order and be shared between sequences (a common prefix).
+            Entries past the ceil((cache_seqlens[b] + N) / block_size) blocks a sequence
+            uses are never read and may hold anything (-1 padding).
+        kv_layout: "NHD" or "HND", the layout of the paged pools (ignored for a dense cache).
+        sm_scale: softmax scale, default head_dim ** -0.5.
+
+    Returns:
+        Shape (batch, N, heads, head_dim), q's dtype.
+
+    Raises:
+        TypeError: wrong dtypes (k/v must share q's dtype; the mask must be bool; the block
+            table int32).
+        ValueError: wrong ranks or shapes, heads not a multiple of kv_heads, unsupported
+            head_dim, a kv_layout other than "NHD"/"HND", cache_seqlens + N beyond capacity,
+            a used block id outside [0, num_blocks) (the last two checked on CPU tensors).
+
+    Example:
+        >>> pool = torch.randn(8, 16, 3, 64)            # 8 blocks of 16 slots, NHD
+        >>> table = torch.tensor([[5, 2, -1]], dtype=torch.int32)  # slots 0..31 of sequence 0
+        >>> q = torch.randn(1, 4, 9, 64)                 # 4 new tokens at slots 20..23
+        >>> tree_attention(q, pool, pool, torch.tensor([20]), block_table=table).shape
+        torch.Size([1, 4, 9, 64])
+
+    Registered as ``torch.ops.specdec.tree_attention`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton", "torch".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+        tree_mask (public op): also the bit-packed int32 form of ``pack_tree_mask``,
+            shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
+        num_splits: Triton backend only (others ignore it): split each sequence's prefix
+            across this many programs and combine by log-sum-exp (flash-decoding); None
+            chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
+
+    A query that sees no key at all (cache_seqlens 0 and an empty mask row) has an
+    undefined output (NaN from the reference and the Triton kernel).  Cache slots a sequence
+    cannot see never affect its output, whatever they hold: for a paged cache that includes
+    the rest of its last block, other sequences' blocks and unused blocks of the pool.  With
+    ``validate=False`` a used block id outside [0, num_blocks) is clamped into the pool (as
+    the reference does): the result is then unspecified, but nothing outside the pool is read.
+    With ``block_table`` the call goes to ``torch.ops.specdec.paged_tree_attention``
+    ``(q, k_cache, v_cache, cache_seqlens, tree_mask?, block_table, kv_layout, sm_scale,
+    num_splits=0, backend)``.
+    """
     check_kv_layout(kv_layout)
     packed = isinstance(tree_mask, torch.Tensor) and tree_mask.dtype == torch.int32
     if block_table is None:
@@ -567,29 +571,3 @@ def tree_attention(
         return torch.ops.specdec.paged_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
                                                       scale, num_splits or 0, backend or "")
     return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or "")
-
-
-tree_attention.__doc__ = (
-    _backend.public_doc(_ref, "tree_attention").rstrip()
-    + """
-        tree_mask (public op): also the bit-packed int32 form of ``pack_tree_mask``,
-            shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
-        num_splits: Triton backend only (others ignore it): split each sequence's prefix
-            across this many programs and combine by log-sum-exp (flash-decoding); None
-            chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
-
-    A query that sees no key at all (cache_seqlens 0 and an empty mask row) has an
-    undefined output (NaN from the reference and the Triton kernel).  Cache slots a sequence
-    cannot see never affect its output, whatever they hold: for a paged cache that includes
-    the rest of its last block, other sequences' blocks and unused blocks of the pool.  With
-    ``validate=False`` a used block id outside [0, num_blocks) is clamped into the pool (as
-    the reference does): the result is then unspecified, but nothing outside the pool is read.
-    With ``block_table`` the call goes to ``torch.ops.specdec.paged_tree_attention``
-    ``(q, k_cache, v_cache, cache_seqlens, tree_mask?, block_table, kv_layout, sm_scale,
-    num_splits=0, backend)``.
-"""
-)
-
-
-# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
-__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.tree_attention")

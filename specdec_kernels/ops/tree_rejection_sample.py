@@ -1,10 +1,16 @@
 """tree_rejection_sample: multi-candidate rejection sampling over a token tree,
 ``torch.ops.specdec.tree_rejection_sample``.
 
-Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
-``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.tree_rejection_sample``).  The tree is
-passed as tensors; the registered op takes its random numbers explicitly, made by the Python
-front from a generator, a dict of generators or Philox seeds and offsets.
+Backends: "reference" (``specdec_kernels.reference.tree_rejection_sample``, every device),
+"native" (the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and
+"triton" (CUDA, or CPU under ``TRITON_INTERPRET=1``:
+``specdec_kernels.ops._triton.tree_rejection_sample``). The tree is passed as tensors; the
+registered op takes its random numbers explicitly, made by the Python front from a generator, a
+dict of generators or Philox seeds and offsets.
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
@@ -14,10 +20,29 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
-from specdec_kernels.reference import tree_rejection_sample as _ref
-from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample, check_tree_rejection_sample_args
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_parents, check_probs, check_shape, check_tensor
+from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample
 
 IMPLEMENTED = ("reference", "native", "triton")
+
+
+def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=None):
+    """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B])."""
+    check_probs("target_probs", target_probs, 3)
+    device = target_probs.device
+    B, N, V = target_probs.shape
+    if N < 1:
+        raise ValueError(f"target_probs must have N >= 1 rows (the root at least), got shape {tuple(target_probs.shape)}")
+    if V < 1:
+        raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
+    check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_shape("tree_tokens", tree_tokens, (B, N), "one token per tree node, like target_probs' rows")
+    parents = check_parents("tree_parents", tree_parents, B, N, device, validate)
+    if draft_probs is not None:
+        check_probs("draft_probs", draft_probs, 3, device)
+        check_shape("draft_probs", draft_probs, (B, N, V), "row i: the distribution node i's children were drawn from")
+    n = check_counts("num_nodes", num_nodes, B, N, device, validate)
+    return B, N, V, parents, n
 
 
 def _impl(
@@ -94,17 +119,56 @@ def tree_rejection_sample(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, N, _, _, n = check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate)
-    coins, final_u = draw_uniforms(
-        B, N - 1, target_probs.device, generator, uniform_samples, sample_uniforms,
-        coin_counts=(n - 1).clamp(min=0), seeds=seeds, offsets=offsets, validate=validate,
-    )
-    return torch.ops.specdec.tree_rejection_sample(
-        target_probs, tree_tokens, tree_parents, draft_probs, n, coins, final_u, backend or ""
-    )
+    """Multi-candidate recursive rejection sampling over a token tree.
 
+    SpecInfer (Miao et al. 2024, "SpecInfer: Accelerating Generative LLM Serving with
+    Tree-based Speculative Inference and Verification"), with the deterministic-children
+    variant of Chen et al. / Sequoia (2024).  At the current node with residual p' (starting
+    as the target's distribution there), try its children in index order:
 
-tree_rejection_sample.__doc__ = _backend.public_doc(_ref, "tree_rejection_sample") + """
+    * ``draft_probs`` given (children drawn from q = draft_probs[node]): accept child x with
+      probability min(1, p'(x) / q(x)), tested as u * q(x) * total < r(x) in float64 with
+      p' = r / total; on rejection p' <- norm(max(0, p' - q)) (unchanged if that has no mass),
+      computed as r <- mass(r * (1 / total) - q).
+    * ``draft_probs`` None (distinct deterministic children, e.g. top-k): accept x with
+      probability p'(x), tested as u * total < r(x); on rejection r(x) <- 0 and total -= r(x).
+
+    On acceptance move to the child (p' restarts from the target's row there); when every
+    child is rejected (or there are none) sample from p' (from the target's row if p' has no
+    mass) by inverse CDF.  Both keep the target distribution exactly.
+
+    Args:
+        target_probs: Shape (batch, N, vocab), float32/float16/bfloat16; row i is the target's
+            distribution after node i.  NaN and negative entries carry no mass.
+        tree_tokens: Shape (batch, N), int32/int64; node 0 is the root (never tested).
+        tree_parents: Shape (N,) or (batch, N), int32/int64, parents[0] = -1, 0 <= parents[i] < i.
+        draft_probs: Shape (batch, N, vocab) or None; row i is the distribution node i's
+            children were drawn from.
+        num_nodes: Shape (batch,), int in 0..N, or None for all N.
+        generator: a torch.Generator or one per sequence (see ``specdec_kernels._random``).
+        uniform_samples: Shape (batch, N - 1), float32 in [0, 1); column c - 1 is node c's coin.
+        sample_uniforms: Shape (batch,), float32 in [0, 1): the final sample's uniform.
+
+    Returns:
+        output_tokens: Shape (batch, N), int64: accepted drafts, the sampled token, then -1.
+        accepted_nodes: Shape (batch, N), int64: the accepted path from node 0, then -1.
+        num_accepted: Shape (batch,), int64: accepted drafts (root not counted).
+
+    Raises:
+        TypeError: wrong dtype or generator type.
+        ValueError: wrong rank or shape, parents not topological (CPU), num_nodes out of
+            range, uniforms of the wrong shape or outside [0, 1).
+
+    Registered as ``torch.ops.specdec.tree_rejection_sample`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+
     Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
         seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, node c's
             coin at offsets[b] + c - 1; see ``specdec_kernels._random``.
@@ -125,8 +189,12 @@ tree_rejection_sample.__doc__ = _backend.public_doc(_ref, "tree_rejection_sample
         the reference for the same uniforms, except when a test or threshold lies within
         float64 rounding of a boundary (the kernels sum a row in chunks, the reference in
         PyTorch's order).  Workspaces: see docs/API.md.
-"""
-
-
-# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
-__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.tree_rejection_sample")
+    """
+    B, N, _, _, n = check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate)
+    coins, final_u = draw_uniforms(
+        B, N - 1, target_probs.device, generator, uniform_samples, sample_uniforms,
+        coin_counts=(n - 1).clamp(min=0), seeds=seeds, offsets=offsets, validate=validate,
+    )
+    return torch.ops.specdec.tree_rejection_sample(
+        target_probs, tree_tokens, tree_parents, draft_probs, n, coins, final_u, backend or ""
+    )

@@ -1,8 +1,13 @@
 """verify_greedy: greedy acceptance of a chain of draft tokens, ``torch.ops.specdec.verify_greedy``.
 
-Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
-``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_greedy``, a split argmax over V
-and one acceptance program per sequence).
+Backends: "reference" (``specdec_kernels.reference.verify_greedy``, every device), "native" (the
+C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton" (CUDA,
+or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_greedy``, a split
+argmax over V and one acceptance program per sequence).
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
@@ -10,11 +15,26 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend, _library
-from specdec_kernels.reference import verify_greedy as _ref
-from specdec_kernels.reference.verify_greedy import _verify_greedy, check_verify_greedy_args
+from specdec_kernels import _backend, _library, reference
+from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_shape, check_tensor
 
 IMPLEMENTED = ("reference", "native", "triton")
+
+
+def check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=None):
+    """Validate the arguments of ``verify_greedy``; return (B, K, V, num_draft_tokens int64)."""
+    check_tensor("target_logits", target_logits, ndim=3, dtypes=FLOAT_DTYPES)
+    device = target_logits.device
+    check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    B, K1, V = target_logits.shape
+    if K1 < 1:
+        raise ValueError(f"target_logits must have K+1 >= 1 rows per sequence, got shape {tuple(target_logits.shape)}")
+    if V < 1:
+        raise ValueError(f"target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
+    K = K1 - 1
+    check_shape("draft_tokens", draft_tokens, (B, K), "target_logits needs K+1 rows for K draft tokens")
+    n = check_counts("num_draft_tokens", num_draft_tokens, B, K, device, validate)
+    return B, K, V, n
 
 
 def _impl(
@@ -31,7 +51,7 @@ def _impl(
         return verify_greedy_triton(target_logits, draft_tokens, n)
     if name == "native":
         return torch.ops.specdec.verify_greedy_native(target_logits, draft_tokens, n)
-    return _verify_greedy(target_logits, draft_tokens, n)
+    return reference.verify_greedy(target_logits, draft_tokens, n)
 
 
 def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
@@ -66,12 +86,43 @@ def verify_greedy(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of a chain of draft tokens.
+
+    Speculative decoding at temperature 0 (Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding", greedy case): a draft token is accepted while it
+    equals the target model's argmax at its position; the first mismatch is replaced by the
+    target's argmax (the correction token); when every draft is accepted the target's argmax
+    after the last draft is the bonus token.
+
+    Args:
+        target_logits: Shape (batch, K + 1, vocab), float32/float16/bfloat16.  Row j scores
+            the token after draft j - 1; row 0 follows the committed prefix.
+        draft_tokens: Shape (batch, K), int32/int64.  Entries at or past a row's count are
+            ignored whatever their value; ids outside [0, vocab) never match.
+        num_draft_tokens: Shape (batch,), int32/int64 in 0..K, or None for all K.
+
+    Returns:
+        output_tokens: Shape (batch, K + 1), int64: the accepted drafts, then the correction
+            or bonus token, then -1 padding.
+        num_accepted: Shape (batch,), int64: accepted drafts; a row emits num_accepted + 1.
+
+    argmax follows ``torch.argmax`` (first index of the maximum; NaN counts as the maximum),
+    so an emitted id is always in [0, vocab).
+
+    Raises:
+        TypeError: a tensor argument of the wrong dtype or not a tensor.
+        ValueError: wrong rank, mismatched batch, draft_tokens not (batch, K) for K + 1
+            logits rows, num_draft_tokens outside 0..K, tensors on different devices.
+
+    Registered as ``torch.ops.specdec.verify_greedy`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+    """
     _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate)
     return torch.ops.specdec.verify_greedy(target_logits, draft_tokens, n, backend or "")
-
-
-verify_greedy.__doc__ = _backend.public_doc(_ref, "verify_greedy")
-
-
-# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
-__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.verify_greedy")

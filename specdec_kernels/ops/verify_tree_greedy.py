@@ -1,9 +1,15 @@
 """verify_tree_greedy: greedy acceptance along a token tree, ``torch.ops.specdec.verify_tree_greedy``.
 
-Backends: "reference" (plain PyTorch, every device) and "triton" (CUDA, or CPU under
-``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_tree_greedy``, the split argmax
-of ``verify_greedy`` then one program per sequence walking the nodes once in index order).
-The tree is passed as tensors (parents [N] or [B, N]); no backend walks it on the host.
+Backends: "reference" (``specdec_kernels.reference.verify_tree_greedy``, every device), "native"
+(the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton"
+(CUDA, or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_tree_greedy``,
+the split argmax of ``verify_greedy`` then one program per sequence walking the nodes once in
+index order). The tree is passed as tensors (parents [N] or [B, N]); no backend walks it on the
+host.
+
+One slice: the front below checks the arguments (values once, when ``validate`` allows) and
+calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
+backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 from __future__ import annotations
 
@@ -11,11 +17,26 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _backend, _library
-from specdec_kernels.reference import verify_tree_greedy as _ref
-from specdec_kernels.reference.verify_tree_greedy import _verify_tree_greedy, check_verify_tree_greedy_args
+from specdec_kernels import _backend, _library, reference
+from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_parents, check_shape, check_tensor
 
 IMPLEMENTED = ("reference", "native", "triton")
+
+
+def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=None):
+    """Validate the arguments of ``verify_tree_greedy``; return (B, N, V, parents [B, N], num_nodes [B])."""
+    check_tensor("target_logits", target_logits, ndim=3, dtypes=FLOAT_DTYPES)
+    device = target_logits.device
+    B, N, V = target_logits.shape
+    if N < 1:
+        raise ValueError(f"target_logits must have N >= 1 rows (the root at least), got shape {tuple(target_logits.shape)}")
+    if V < 1:
+        raise ValueError(f"target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
+    check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_shape("tree_tokens", tree_tokens, (B, N), "one token per tree node, like target_logits' rows")
+    parents = check_parents("tree_parents", tree_parents, B, N, device, validate)
+    n = check_counts("num_nodes", num_nodes, B, N, device, validate)
+    return B, N, V, parents, n
 
 
 def _impl(
@@ -33,7 +54,7 @@ def _impl(
         return verify_tree_greedy_triton(target_logits, tree_tokens, parents, n)
     if name == "native":
         return torch.ops.specdec.verify_tree_greedy_native(target_logits, tree_tokens, parents, n)
-    return _verify_tree_greedy(target_logits, tree_tokens, parents, n)
+    return reference.verify_tree_greedy(target_logits, tree_tokens, parents, n)
 
 
 def _fake(target_logits, tree_tokens, tree_parents, num_nodes=None, backend=""):
@@ -72,12 +93,44 @@ def verify_tree_greedy(
     backend: Optional[str] = None,
     validate: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy verification of a token tree.
+
+    Tree verification as in SpecInfer (Miao et al. 2024) and Medusa (Cai et al. 2024) at
+    temperature 0: starting at the root, move to the first child (lowest node index) whose
+    token equals the target's argmax at the current node; stop when no child does.  The
+    argmax at the last accepted node is emitted after the accepted drafts.
+
+    Args:
+        target_logits: Shape (batch, N, vocab), float32/float16/bfloat16.  Row i scores the
+            token after node i.
+        tree_tokens: Shape (batch, N), int32/int64.  Node 0 is the root (the last committed
+            token, never compared); nodes 1.. are draft tokens in topological order.
+        tree_parents: Shape (N,) shared by the batch or (batch, N), int32/int64, with
+            parents[0] = -1 and 0 <= parents[i] < i.
+        num_nodes: Shape (batch,), int32/int64 in 0..N, or None for all N.  Nodes at or past
+            a row's count are ignored.
+
+    Returns:
+        output_tokens: Shape (batch, N), int64: accepted drafts, the target's token at the
+            last accepted node, then -1.
+        accepted_nodes: Shape (batch, N), int64: node indices of the accepted path, starting
+            with 0 (the root), then -1.
+        num_accepted: Shape (batch,), int64: accepted drafts (the root not counted).
+
+    Raises:
+        TypeError: wrong dtype or not a tensor.
+        ValueError: wrong rank or shape, parents not in topological order (checked on CPU
+            tensors), num_nodes outside 0..N, tensors on different devices.
+
+    Registered as ``torch.ops.specdec.verify_tree_greedy`` (tensor arguments only; this front adds
+    defaults, argument normalisation and the checks).
+
+    Backend and checks (docs/API.md#backends):
+        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
+            ValueError if the op or the device cannot serve an explicit choice.
+        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
+            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
+            never read or write outside their tensors either way.
+    """
     _, _, _, _, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate)
     return torch.ops.specdec.verify_tree_greedy(target_logits, tree_tokens, tree_parents, n, backend or "")
-
-
-verify_tree_greedy.__doc__ = _backend.public_doc(_ref, "verify_tree_greedy")
-
-
-# the Triton launchers and kernels (verify_greedy_triton, AOT_SPECS, ...), loaded on first access
-__getattr__ = _library.lazy_attributes(__name__, "specdec_kernels.ops._triton.verify_tree_greedy")

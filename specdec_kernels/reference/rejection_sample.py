@@ -1,11 +1,11 @@
-"""Reference lossless rejection sampling of a chain of draft tokens (plain PyTorch)."""
+"""Reference lossless rejection sampling of a chain of draft tokens (plain PyTorch, no argument
+checks), and the inverse-CDF sampling shared by the references of the sampling ops."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_probs, check_shape, check_tensor
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 
 
@@ -40,89 +40,12 @@ def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, token, torch.zeros_like(token))
 
 
-class RejectionSampleDetails(NamedTuple):
-    """What ``rejection_sample(..., return_details=True)`` (and its flattened form) returns:
-    the two usual outputs and FlashInfer's optional counters (``chain_speculative_sampling``'s
-    ``output_accepted_token_num`` and ``output_emitted_draft_token_num``), plus a NaN flag.
-
-    Fields:
-        output_tokens: Shape (batch, K + 1), int64: as without details.
-        num_accepted: Shape (batch,), int64: as without details.
-        accepted_counts: Shape (batch,), int64: how many of the request's counted drafts pass
-            their own accept test ``u_j * q_j(x_j) < p_j(x_j)`` (the same coins), counted over
-            all of them, also after the first rejection (FlashInfer's accepted count: a
-            measure of draft/target agreement; >= num_accepted).
-        emitted_counts: Shape (batch,), int64: equal to num_accepted (FlashInfer's emitted
-            draft count; the request emits emitted_counts + 1 tokens).
-        valid: Shape (batch,), bool: False where a probability row the request owns held a
-            NaN: a target row of one of its counted drafts, its bonus row (when given as a
-            row) or a draft row of one of its counted drafts.  Rows of the padding are not
-            the request's.
-
-    Unlike FlashInfer the counters are returned fresh, not accumulated in place.
-    """
-
-    output_tokens: torch.Tensor
-    num_accepted: torch.Tensor
-    accepted_counts: torch.Tensor
-    emitted_counts: torch.Tensor
-    valid: torch.Tensor
-
-
 def accept_tests(p_x: torch.Tensor, q_x: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor,
                  coins: torch.Tensor, vocab: int) -> torch.Tensor:
     """Each draft's own accept test (bool, the shape of ``p_x``): ``u * q(x) < p(x)`` in float32
     for an id inside the vocabulary at a counted position; p(x) = 0 (or NaN) never accepts."""
     in_vocab = (tokens >= 0) & (tokens < vocab)
     return (coins * q_x.float() < p_x.float()) & in_vocab & counted
-
-
-def make_details(output_tokens, num_accepted, accept, target_nan, draft_nan) -> RejectionSampleDetails:
-    """``RejectionSampleDetails`` from the outputs, the accept tests [B, K] and per-request
-    masks of used rows holding NaN (target [B, K + 1], draft [B, K] or None)."""
-    bad = target_nan.any(dim=1)
-    if draft_nan is not None:
-        bad = bad | draft_nan.any(dim=1)
-    accepted_counts = accept.to(torch.int64).sum(dim=1)
-    return RejectionSampleDetails(output_tokens, num_accepted, accepted_counts, num_accepted.clone(), ~bad)
-
-
-def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens, coins, output_tokens, num_accepted):
-    """The details of a padded call (cheap gathers of B * K values and, since asked for, a
-    NaN scan of the rows)."""
-    B, K1, V = target_probs.shape
-    K = K1 - 1
-    device = target_probs.device
-    n = num_draft_tokens.clamp(0, K)
-    tokens = draft_tokens.to(torch.int64)
-    safe = tokens.clamp(0, V - 1)[..., None]
-    p_x = target_probs[:, :K].gather(2, safe).squeeze(2)
-    q_x = draft_probs.gather(2, safe).squeeze(2) if draft_probs is not None else torch.ones_like(p_x)
-    j = torch.arange(K1, device=device)
-    counted = j[None, :K] < n[:, None]
-    accept = accept_tests(p_x, q_x, tokens, counted, coins, V)
-    target_nan = torch.isnan(target_probs).any(dim=-1) & (j[None, :] <= n[:, None])
-    draft_nan = torch.isnan(draft_probs).any(dim=-1) & counted if draft_probs is not None else None
-    return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
-
-
-def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=None):
-    """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64)."""
-    check_probs("target_probs", target_probs, 3)
-    device = target_probs.device
-    B, K1, V = target_probs.shape
-    if K1 < 1:
-        raise ValueError(f"target_probs must have K+1 >= 1 rows per sequence, got shape {tuple(target_probs.shape)}")
-    if V < 1:
-        raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
-    K = K1 - 1
-    check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    check_shape("draft_tokens", draft_tokens, (B, K), "target_probs needs K+1 rows for K draft tokens")
-    if draft_probs is not None:
-        check_probs("draft_probs", draft_probs, 3, device)
-        check_shape("draft_probs", draft_probs, (B, K, V), "one draft distribution per draft token")
-    n = check_counts("num_draft_tokens", num_draft_tokens, B, K, device, validate)
-    return B, K, V, n
 
 
 def _rejection_sample(target_probs, draft_probs, draft_tokens, num_draft_tokens, coins, final_u):
@@ -169,49 +92,18 @@ def rejection_sample(
     generator: GeneratorArg = None,
     uniform_samples: Optional[torch.Tensor] = None,
     sample_uniforms: Optional[torch.Tensor] = None,
-    return_details: bool = False,
-) -> Union[Tuple[torch.Tensor, torch.Tensor], RejectionSampleDetails]:
-    """Lossless speculative sampling of a chain of draft tokens (reference).
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling of a chain of draft tokens (reference of
+    ``specdec_kernels.rejection_sample``: Leviathan et al. 2023, Chen et al. 2023).
 
-    Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding") and
-    Chen et al. 2023 ("Accelerating LLM Decoding with Speculative Sampling"): accept draft
-    x_j when u_j * q_j(x_j) < p_j(x_j) (float32), so with probability min(1, p/q); a token with
-    p_j(x_j) = 0 is never accepted.  At the first rejection sample from max(0, p_j - q_j)
-    normalised (from p_j when that residual has no mass); when all drafts are accepted sample
-    the bonus token from the row after the last draft.  The emitted tokens follow the target
-    distribution exactly whatever q is.
-
-    Args:
-        target_probs: Shape (batch, K + 1, vocab), float32/float16/bfloat16 (computed in
-            float32).  Rows are used as given: the accept test compares raw values and the
-            sampled token is drawn proportionally to its weights, so an unnormalised row acts
-            as its normalisation, except in the accept test.
-        draft_probs: Shape (batch, K, vocab), the distributions the drafts were sampled from,
-            or None when the drafts were chosen deterministically (q one-hot at the draft).
-        draft_tokens: Shape (batch, K), int32/int64.  An id outside [0, vocab) is rejected.
-        num_draft_tokens: Shape (batch,), int in 0..K, or None for all K.
-        generator: a torch.Generator, or a list of one per sequence; see
-            ``specdec_kernels._random`` for the order in which numbers are drawn.
-        uniform_samples: Shape (batch, K), float32 in [0, 1): the acceptance coins.
-        sample_uniforms: Shape (batch,), float32 in [0, 1): the uniform that draws each
-            sequence's one sampled token (residual or bonus) by inverse CDF.
-        return_details: return a ``RejectionSampleDetails`` (FlashInfer's accepted and
-            emitted draft counts and a per-request NaN flag) instead of the pair; costs a
-            gather of B * K values and a NaN scan of the rows, only when asked.
-
-    Returns:
-        output_tokens: Shape (batch, K + 1), int64: accepted drafts, the sampled token, -1.
-        num_accepted: Shape (batch,), int64; a row emits num_accepted + 1 tokens.
-        (With return_details=True, a ``RejectionSampleDetails`` holding these two first.)
-
-    Raises:
-        TypeError: wrong dtype, generator of the wrong type.
-        ValueError: wrong rank, mismatched shapes or devices, num_draft_tokens outside 0..K,
-            uniforms of the wrong shape or outside [0, 1).
+    Same arguments, shapes, dtypes, random numbers and results as the op, whose docstring has
+    them (without ``return_details``, ``seeds``/``offsets``, ``backend`` and ``validate``); no
+    argument checks beyond the uniforms' (``rejection_sample(..., backend="reference")`` runs
+    this with the op's checks).
     """
-    B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens)
+    B, K1, _ = target_probs.shape
+    K = K1 - 1
+    if num_draft_tokens is None:
+        num_draft_tokens = torch.full((B,), K, dtype=torch.int64, device=target_probs.device)
     coins, final_u = draw_uniforms(B, K, target_probs.device, generator, uniform_samples, sample_uniforms)
-    out, acc = _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
-    if return_details:
-        return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
-    return out, acc
+    return _rejection_sample(target_probs, draft_probs, draft_tokens, num_draft_tokens.to(torch.int64), coins, final_u)

@@ -1,32 +1,12 @@
-"""Reference multi-candidate rejection sampling over a token tree (plain PyTorch)."""
+"""Reference multi-candidate rejection sampling over a token tree (plain PyTorch, no argument checks)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_parents, check_probs, check_shape, check_tensor
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.reference.rejection_sample import mass, sample_from_weights
-
-
-def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=None):
-    """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    check_probs("target_probs", target_probs, 3)
-    device = target_probs.device
-    B, N, V = target_probs.shape
-    if N < 1:
-        raise ValueError(f"target_probs must have N >= 1 rows (the root at least), got shape {tuple(target_probs.shape)}")
-    if V < 1:
-        raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
-    check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    check_shape("tree_tokens", tree_tokens, (B, N), "one token per tree node, like target_probs' rows")
-    parents = check_parents("tree_parents", tree_parents, B, N, device, validate)
-    if draft_probs is not None:
-        check_probs("draft_probs", draft_probs, 3, device)
-        check_shape("draft_probs", draft_probs, (B, N, V), "row i: the distribution node i's children were drawn from")
-    n = check_counts("num_nodes", num_nodes, B, N, device, validate)
-    return B, N, V, parents, n
 
 
 def _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_nodes, coins, final_u):
@@ -108,46 +88,18 @@ def tree_rejection_sample(
     uniform_samples: Optional[torch.Tensor] = None,
     sample_uniforms: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Multi-candidate recursive rejection sampling over a token tree (reference).
+    """Multi-candidate recursive rejection sampling over a token tree (reference of
+    ``specdec_kernels.tree_rejection_sample``: SpecInfer, Miao et al. 2024; the multi-draft
+    variant of Chen et al. / Sequoia, 2024).
 
-    SpecInfer (Miao et al. 2024, "SpecInfer: Accelerating Generative LLM Serving with
-    Tree-based Speculative Inference and Verification"), with the deterministic-children
-    variant of Chen et al. / Sequoia (2024).  At the current node with residual p' (starting
-    as the target's distribution there), try its children in index order:
-
-    * ``draft_probs`` given (children drawn from q = draft_probs[node]): accept child x with
-      probability min(1, p'(x) / q(x)), tested as u * q(x) * total < r(x) in float64 with
-      p' = r / total; on rejection p' <- norm(max(0, p' - q)) (unchanged if that has no mass),
-      computed as r <- mass(r * (1 / total) - q).
-    * ``draft_probs`` None (distinct deterministic children, e.g. top-k): accept x with
-      probability p'(x), tested as u * total < r(x); on rejection r(x) <- 0 and total -= r(x).
-
-    On acceptance move to the child (p' restarts from the target's row there); when every
-    child is rejected (or there are none) sample from p' (from the target's row if p' has no
-    mass) by inverse CDF.  Both keep the target distribution exactly.
-
-    Args:
-        target_probs: Shape (batch, N, vocab), float32/float16/bfloat16; row i is the target's
-            distribution after node i.  NaN and negative entries carry no mass.
-        tree_tokens: Shape (batch, N), int32/int64; node 0 is the root (never tested).
-        tree_parents: Shape (N,) or (batch, N), int32/int64, parents[0] = -1, 0 <= parents[i] < i.
-        draft_probs: Shape (batch, N, vocab) or None; row i is the distribution node i's
-            children were drawn from.
-        num_nodes: Shape (batch,), int in 0..N, or None for all N.
-        generator: a torch.Generator or one per sequence (see ``specdec_kernels._random``).
-        uniform_samples: Shape (batch, N - 1), float32 in [0, 1); column c - 1 is node c's coin.
-        sample_uniforms: Shape (batch,), float32 in [0, 1): the final sample's uniform.
-
-    Returns:
-        output_tokens: Shape (batch, N), int64: accepted drafts, the sampled token, then -1.
-        accepted_nodes: Shape (batch, N), int64: the accepted path from node 0, then -1.
-        num_accepted: Shape (batch,), int64: accepted drafts (root not counted).
-
-    Raises:
-        TypeError: wrong dtype or generator type.
-        ValueError: wrong rank or shape, parents not topological (CPU), num_nodes out of
-            range, uniforms of the wrong shape or outside [0, 1).
+    Same arguments, shapes, dtypes, random numbers and results as the op, whose docstring has
+    them (without ``seeds``/``offsets``, ``backend`` and ``validate``); no argument checks
+    beyond the uniforms' (``tree_rejection_sample(..., backend="reference")`` runs this with
+    the op's checks).
     """
-    B, N, _, parents, n = check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes)
+    B, N, _ = target_probs.shape
+    parents = tree_parents.to(torch.int64).expand(B, N)
+    if num_nodes is None:
+        num_nodes = torch.full((B,), N, dtype=torch.int64, device=target_probs.device)
     coins, final_u = draw_uniforms(B, N - 1, target_probs.device, generator, uniform_samples, sample_uniforms)
-    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_nodes.to(torch.int64), coins, final_u)

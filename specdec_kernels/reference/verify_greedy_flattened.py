@@ -1,4 +1,5 @@
-"""Reference greedy verification of draft chains in the flattened (vLLM v1) layout (plain PyTorch)."""
+"""Reference greedy verification of draft chains in the flattened (vLLM v1) layout (plain PyTorch,
+no value checks)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -43,45 +44,17 @@ def verify_greedy_flattened(
     *,
     max_spec_len: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification of draft chains in the flattened (vLLM v1) layout (reference).
+    """Greedy verification of draft chains in the flattened (vLLM v1) layout (reference of
+    ``specdec_kernels.verify_greedy_flattened``: the algorithm of ``verify_greedy``, Leviathan
+    et al. 2023, greedy case, on vLLM v1's ragged layout).
 
-    The algorithm of ``verify_greedy`` (Leviathan et al. 2023, greedy case: accept drafts
-    while they equal the target's argmax, then emit the argmax at the first mismatch, or the
-    bonus token) on vLLM v1's ragged layout (``SpecDecodeMetadata``): no padding of the
-    inputs, -1 padding of the output.  Same tokens as ``verify_greedy`` on the same data
-    padded to K = max_spec_len.
-
-    Args:
-        target_logits: Shape (T + B, vocab) without ``bonus_token_ids``: request b's K_b rows
-            for its drafts then its bonus row (rows cu[b-1] + b .. cu[b] + b); or (T, vocab)
-            with ``bonus_token_ids``.  float32/float16/bfloat16, rows read in place.
-        draft_token_ids: Shape (T,), int32/int64: all requests' drafts concatenated.  Ids
-            outside [0, vocab) never match.
-        cu_num_draft_tokens: Shape (B,), int32/int64: the inclusive cumsum of the draft counts
-            (request b's drafts are flat positions cu[b-1] .. cu[b] - 1, cu[-1] read as 0);
-            zero-draft requests are allowed.
-        bonus_token_ids: Shape (B,) (or (B, 1) as vLLM passes them), int32/int64, or None.
-            When given, a request that accepts all its drafts emits bonus_token_ids[b] (copied
-            as given, not checked against the vocabulary); at a mismatch the correction
-            token is the rejected row's argmax as usual.
-        max_spec_len: the output's padded width minus 1, >= max K_b.  None computes it from
-            cu_num_draft_tokens: a host read (a synchronisation on CUDA); pass it to avoid
-            that, as vLLM does.
-
-    Returns:
-        output_tokens: Shape (batch, max_spec_len + 1), int64: accepted drafts, the correction
-            or bonus token, then -1 (vLLM's PLACEHOLDER_TOKEN_ID).
-        num_accepted: Shape (batch,), int64: accepted drafts; a row emits num_accepted + 1.
-
-    Raises:
-        TypeError: a tensor of the wrong dtype or not a tensor; max_spec_len not an int.
-        ValueError: wrong ranks; target_logits without T + B rows (or T with
-            bonus_token_ids); bonus_token_ids not (B,); devices that differ; with value
-            checks, cu_num_draft_tokens negative, decreasing or not ending at T, and
-            max_spec_len below the largest draft count.
+    Same arguments, shapes, dtypes and results as the op, whose docstring has them (without
+    ``backend`` and ``validate``); the arguments are normalised as the op does, without value
+    checks (``verify_greedy_flattened(..., backend="reference")`` runs this with the op's checks).
     """
     flat = check_flattened_args(
-        "target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len
+        "target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len,
+        validate=False,
     )
     return _verify_greedy_flattened(target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids,
                                     flat.max_spec_len)
