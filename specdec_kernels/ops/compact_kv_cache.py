@@ -402,15 +402,9 @@ def compact_kv_cache(
             a physical slot that the compaction writes (paged).
 
     Registered as ``torch.ops.specdec.compact_kv_cache`` (dense) and
-    ``torch.ops.specdec.paged_compact_kv_cache`` (with ``block_table``) (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    ``torch.ops.specdec.paged_compact_kv_cache`` (with ``block_table``). backend: None
+    (automatic, chosen once per process and device type), "reference" or "native". validate:
+    None (value checks on CPU tensors only), True or False (docs/API.md#backends).
     """
     check_kv_layout(kv_layout)
     if block_table is not None:

@@ -205,15 +205,9 @@ def rejection_sample(
         ValueError: wrong rank, mismatched shapes or devices, num_draft_tokens outside 0..K,
             uniforms of the wrong shape or outside [0, 1).
 
-    Registered as ``torch.ops.specdec.rejection_sample`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    Registered as ``torch.ops.specdec.rejection_sample``. backend: None (automatic, chosen once
+    per process and device type), "reference", "native" or "triton". validate: None (value
+    checks on CPU tensors only), True or False (docs/API.md#backends).
 
     Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
         seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, sequence b's

@@ -182,15 +182,9 @@ def rejection_sample_flattened(
             value checks, cu_num_draft_tokens negative, decreasing or not ending at T,
             max_spec_len below the largest draft count, uniforms outside [0, 1).
 
-    Registered as ``torch.ops.specdec.rejection_sample_flattened`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    Registered as ``torch.ops.specdec.rejection_sample_flattened``. backend: None (automatic,
+    chosen once per process and device type), "reference", "native" or "triton". validate: None
+    (value checks on CPU tensors only), True or False (docs/API.md#backends).
 
     Triton backend:
         The padded op's two kernels (``_rejection_partials_kernel`` over vocabulary chunks,

@@ -144,15 +144,9 @@ def sampling_probs(
         ValueError: wrong rank; a per-sequence parameter not of shape (batch,); temperature < 0
             or top_p outside (0, 1] (value checks on CPU tensors).
 
-    Registered as ``torch.ops.specdec.sampling_probs`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    Registered as ``torch.ops.specdec.sampling_probs``. backend: None (automatic, chosen once
+    per process and device type), "reference", "native" or "triton". validate: None (value
+    checks on CPU tensors only), True or False (docs/API.md#backends).
 
     Triton backend:
         One kernel (``_sampling_probs_kernel``) launched once per stage over (row blocks,

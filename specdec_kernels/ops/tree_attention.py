@@ -509,6 +509,11 @@ def tree_attention(
             uses are never read and may hold anything (-1 padding).
         kv_layout: "NHD" or "HND", the layout of the paged pools (ignored for a dense cache).
         sm_scale: softmax scale, default head_dim ** -0.5.
+        tree_mask: also the bit-packed int32 form of ``pack_tree_mask``,
+            shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
+        num_splits: Triton backend only (others ignore it): split each sequence's prefix
+            across this many programs and combine by log-sum-exp (flash-decoding); None
+            chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
 
     Returns:
         Shape (batch, N, heads, head_dim), q's dtype.
@@ -527,20 +532,9 @@ def tree_attention(
         >>> tree_attention(q, pool, pool, torch.tensor([20]), block_table=table).shape
         torch.Size([1, 4, 9, 64])
 
-    Registered as ``torch.ops.specdec.tree_attention`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton", "torch".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
-        tree_mask (public op): also the bit-packed int32 form of ``pack_tree_mask``,
-            shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
-        num_splits: Triton backend only (others ignore it): split each sequence's prefix
-            across this many programs and combine by log-sum-exp (flash-decoding); None
-            chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
+    Registered as ``torch.ops.specdec.tree_attention``. backend: None (automatic, chosen once
+    per process and device type), "reference", "native", "triton" or "torch". validate: None
+    (value checks on CPU tensors only), True or False (docs/API.md#backends).
 
     A query that sees no key at all (cache_seqlens 0 and an empty mask row) has an
     undefined output (NaN from the reference and the Triton kernel).  Cache slots a sequence

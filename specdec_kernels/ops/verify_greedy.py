@@ -114,15 +114,9 @@ def verify_greedy(
         ValueError: wrong rank, mismatched batch, draft_tokens not (batch, K) for K + 1
             logits rows, num_draft_tokens outside 0..K, tensors on different devices.
 
-    Registered as ``torch.ops.specdec.verify_greedy`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    Registered as ``torch.ops.specdec.verify_greedy``. backend: None (automatic, chosen once per
+    process and device type), "reference", "native" or "triton". validate: None (value checks on
+    CPU tensors only), True or False (docs/API.md#backends).
     """
     _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate)
     return torch.ops.specdec.verify_greedy(target_logits, draft_tokens, n, backend or "")

@@ -118,15 +118,9 @@ def verify_greedy_flattened(
             checks, cu_num_draft_tokens negative, decreasing or not ending at T, and
             max_spec_len below the largest draft count.
 
-    Registered as ``torch.ops.specdec.verify_greedy_flattened`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    Registered as ``torch.ops.specdec.verify_greedy_flattened``. backend: None (automatic,
+    chosen once per process and device type), "reference", "native" or "triton". validate: None
+    (value checks on CPU tensors only), True or False (docs/API.md#backends).
     """
     flat = check_flattened_args("target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens,
                                 bonus_token_ids, max_spec_len, validate)

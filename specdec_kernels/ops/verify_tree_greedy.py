@@ -122,15 +122,9 @@ def verify_tree_greedy(
         ValueError: wrong rank or shape, parents not in topological order (checked on CPU
             tensors), num_nodes outside 0..N, tensors on different devices.
 
-    Registered as ``torch.ops.specdec.verify_tree_greedy`` (tensor arguments only; this front adds
-    defaults, argument normalisation and the checks).
-
-    Backend and checks (docs/API.md#backends):
-        backend: None (automatic, chosen once per process and device type), "reference", "native", "triton".
-            ValueError if the op or the device cannot serve an explicit choice.
-        validate: run the checks that read tensor values; None: on for CPU tensors, off on CUDA
-            (no host sync, so CUDA graphs and ``torch.compile(fullgraph=True)`` work).  Kernels
-            never read or write outside their tensors either way.
+    Registered as ``torch.ops.specdec.verify_tree_greedy``. backend: None (automatic, chosen
+    once per process and device type), "reference", "native" or "triton". validate: None (value
+    checks on CPU tensors only), True or False (docs/API.md#backends).
     """
     _, _, _, _, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate)
     return torch.ops.specdec.verify_tree_greedy(target_logits, tree_tokens, tree_parents, n, backend or "")
