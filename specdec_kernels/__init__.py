@@ -13,6 +13,7 @@ argument normalisation, checks, random numbers).  Nothing here touches a GPU at 
 triton is imported only when a Triton kernel is first needed.
 """
 from specdec_kernels import reference, tree
+from specdec_kernels._backend import reset as reset_backends
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, rejection_sample
 from specdec_kernels.ops.rejection_sample_flattened import rejection_sample_flattened
@@ -30,6 +31,7 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "compact_kv_cache",
     "reference",
+    "reset_backends",
     "rejection_sample",
     "rejection_sample_flattened",
     "sampling_probs",

@@ -60,7 +60,8 @@ _CHOSEN: dict = {}  # (op, device type, explicit backend or None) -> backend nam
 
 
 def reset() -> None:
-    """Read the environment variables again and forget every backend chosen so far.
+    """Read the environment variables again and forget every backend chosen so far
+    (public as ``specdec_kernels.reset_backends``).
 
     The choice of each op's backend is made once per process and device type (the first
     call), and ``SPECDEC_BACKEND`` / ``TRITON_INTERPRET`` are read when the package is
