@@ -24,6 +24,8 @@
 // The AVX2 + FMA path and the portable path compute the same formula; they may differ in the last
 // bits, since the portable path leaves contraction to the compiler.  Output rows are split over
 // at::parallel_for.
+#include "common.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,11 +37,6 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define SPECDEC_X86 1
-#endif
 
 namespace specdec {
 namespace {
@@ -165,11 +162,6 @@ __attribute__((target("avx2,fma"))) void rows_avx2(int kind, const uint8_t* code
     }
   }
 }
-
-bool have_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #endif
 
 // x [R, I] float32 contiguous; codes uint8 [O, I / 2] (kind 0) or int8 viewed as uint8 [O, I]
@@ -186,7 +178,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == O &&
                         scales.size(1) == I / QBLOCK,
                     "packed_linear: scales must be float32 [O, I / 32]");
-  TORCH_CHECK_VALUE(kind == 1 || (mins.has_value() && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes()),
+  TORCH_CHECK_VALUE(kind == 1 || (given(mins) && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes()),
                     "packed_linear: affine4 needs mins, float32 [O, I / 32]");
   TORCH_CHECK_VALUE(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
                     "packed_linear: CPU tensors only");
@@ -204,7 +196,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t grain = std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(1, cc.size(1)));
   at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
 #ifdef SPECDEC_X86
-    if (!portable && have_avx2_fma()) return rows_avx2(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);
+    if (!portable && cpu_has_avx2_fma()) return rows_avx2(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);
 #endif
     rows_portable(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);
   });

@@ -24,6 +24,8 @@
 // output is NaN); a visible value row that is not finite makes the accumulator non-finite
 // (p * inf and p * NaN are never finite, even for p = 0, and rescaling keeps them so), and a row
 // whose accumulator is not finite outputs NaN.  Invisible slots are never multiplied at all.
+#include "common.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -42,18 +44,11 @@ namespace {
 constexpr int64_t CHUNK = 32;  // key slots per online-softmax step (K and V rows stay in L1)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// an FMA clone (which implies AVX: 256-bit float vectors) beside the baseline one, picked at load time by the CPU (GCC function
-// multiversioning): the same code, never an instruction the machine lacks
-#define SPECDEC_SIMD_CLONES __attribute__((target_clones("fma", "default")))
-#else
-#define SPECDEC_SIMD_CLONES
-#endif
 // the helpers of attend_chunk are inlined into each of its clones (and so compiled for its
 // target); out of line they would be baseline code passing vectors through memory
 #define SPECDEC_INLINE inline __attribute__((always_inline))
 
-// 8 floats in one vector (GCC vector extension: one AVX register in the AVX2 clone, two SSE
+// 8 floats in one vector (GCC vector extension: one AVX register in the FMA clone, two SSE
 // registers in the baseline one); loads and stores through memcpy, no alignment needed.
 typedef float v8sf __attribute__((vector_size(32)));
 
@@ -144,7 +139,9 @@ SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float*
 // visible).  m, l, acc (R x D): the running maximum, sum and output of each row; bad: rows
 // that saw a non-finite key.  scores: R x T floats of scratch (the scores, then the weights),
 // skip: R x T bytes of scratch (used with vis).
-SPECDEC_SIMD_CLONES void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp,
+// Built twice, picked at load time (SPECDEC_TARGET_CLONES): for FMA, which implies AVX (256-bit
+// float vectors), and for the baseline.
+SPECDEC_TARGET_CLONES("fma") void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp,
                                       const float* const* vp, int64_t T, const uint8_t* vis, float* m, float* l,
                                       uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
   int64_t r0 = 0;
@@ -230,8 +227,6 @@ SPECDEC_SIMD_CLONES void attend_chunk(const float* q, int64_t R, int64_t D, cons
     }
   }
 }
-
-inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); }
 
 template <typename scalar_t>
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -398,7 +393,7 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
                    "cache_seqlens must be int32 or int64");
   TORCH_CHECK_VALUE(N <= block_table.size(1) * block_size, "block_table's capacity is smaller than q's N new keys");
   at::Tensor mask;
-  if (tree_mask.has_value() && tree_mask->defined()) {
+  if (given(tree_mask)) {
     mask = tree_mask->contiguous();
     TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "tree_mask must be bool (unpack the int32 form first)");
     TORCH_CHECK_VALUE(mask.device().is_cpu(), "tree_mask must be on the CPU");
