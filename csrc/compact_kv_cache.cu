@@ -58,7 +58,7 @@
 // The per-slice and per-chunk steps are __host__ __device__ functions: built with
 // -DSPECDEC_COMPACT_KV_HOST_EMULATION this file also exports specdec_compact_kv_cache_emulate,
 // which runs the same code on the host (all loads of a chunk, then all stores: the barrier)
-// so that tests/test_compact_kv_cache_kernel.py checks the kernel's logic without a GPU.
+// so that the tests check the kernel's logic without a GPU (their "cuda_emulated" cases).
 #include "compact_kv_cache.cuh"
 
 #include <climits>

@@ -1,6 +1,7 @@
-// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec.paged_tree_attention_native).
+// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec.paged_tree_attention_native),
+// and over a dense one read as a pool (tree_attention_native).
 //
-// The algorithm of specdec_kernels/ops/tree_attention.py's Triton kernel, on the CPU: for each
+// The algorithm of tree_attention's Triton kernel (specdec_kernels.ops.tree_attention), on the CPU: for each
 // (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
 // h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row load) walk the
 // cache slots in chunks of CHUNK slots with an online softmax (flash attention, Dao et al. 2022;
