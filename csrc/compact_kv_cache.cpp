@@ -95,8 +95,10 @@ void check_chain_values(const IndexArrays& v, int64_t capacity, const std::strin
     TORCH_CHECK_VALUE(start >= 0, "cache_seqlens must be >= 0, got ", start, " for sequence ", b);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t a = ix[b * max_accepted + i];
-      TORCH_CHECK_VALUE(a >= i, "accepted_indices[b, i] must be >= i (a token never moves to a later slot), got "
-                        "accepted_indices[", b, ", ", i, "] = ", a);
+      TORCH_CHECK_VALUE(a >= i,
+                        "accepted_indices[b, i] must be >= i (a token never moves to a later slot), got "
+                        "accepted_indices[",
+                        b, ", ", i, "] = ", a);
       TORCH_CHECK_VALUE(i == 0 || a > ix[b * max_accepted + i - 1],
                         "accepted_indices must be strictly increasing within num_accepted, got accepted_indices[", b,
                         ", ", i - 1, ":", i + 1, "] = ", ix[b * max_accepted + i - 1], ", ", a);
@@ -116,15 +118,16 @@ struct Strided4 {
 // [L, 2, ...] buffers expanded into their 2L slices through their strides), no cache that
 // overlaps itself, no two caches at one address.  `inner` / `outer` name the layouts in the
 // messages, e.g. "[B, Hkv, S, D]" / "[L, 2, B, Hkv, S, D]".
-std::vector<Strided4> expand_caches(c10::ArrayRef<at::Tensor> caches, c10::DeviceType device_type, const char* inner_name,
-                                    const char* outer_name, std::vector<int64_t>& inner_sizes, int64_t& element_size) {
+std::vector<Strided4> expand_caches(c10::ArrayRef<at::Tensor> caches, c10::DeviceType device_type,
+                                    const char* inner_name, const char* outer_name, std::vector<int64_t>& inner_sizes,
+                                    int64_t& element_size) {
   TORCH_CHECK_VALUE(!caches.empty(), "caches must hold at least one tensor");
   const at::Tensor& first = caches[0];
   TORCH_CHECK_VALUE(first.dim() == 4 || first.dim() == 6, "caches[0] must be ", inner_name, " or ", outer_name,
                     ", got shape ", first.sizes());
   const at::Device device = first.device();
-  TORCH_CHECK_VALUE(device.type() == device_type, "caches[0] must be on ", c10::DeviceTypeName(device_type),
-                    ", got ", device);
+  TORCH_CHECK_VALUE(device.type() == device_type, "caches[0] must be on ", c10::DeviceTypeName(device_type), ", got ",
+                    device);
   const at::IntArrayRef inner = first.sizes().slice(first.dim() - 4);
   inner_sizes.assign(inner.begin(), inner.end());
   element_size = static_cast<int64_t>(first.element_size());
@@ -219,8 +222,7 @@ void check_paged_values(const at::Tensor& cache_seqlens, const at::Tensor& accep
         const int64_t slot = sl[b] + (k == 0 ? ix[b * max_accepted + i] : i);
         const int64_t j = slot / block_size, blk = bt[b * max_blocks + j];
         TORCH_CHECK_VALUE(blk >= 0 && blk < num_blocks, "block_table[", b, ", ", j, "] = ", blk, " (the block of a ",
-                          k == 0 ? "source" : "destination", " slot) must be a block of the pool, 0..",
-                          num_blocks - 1);
+                          k == 0 ? "source" : "destination", " slot) must be a block of the pool, 0..", num_blocks - 1);
       }
     }
   }
@@ -269,18 +271,17 @@ void check_paged_values(const at::Tensor& cache_seqlens, const at::Tensor& accep
 
 PagedCompactKVPlan plan_paged_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::Tensor& cache_seqlens,
                                                const at::Tensor& accepted_indices, const at::Tensor& num_accepted,
-                                               const at::Tensor& block_table, c10::string_view kv_layout,
-                                               bool validate, c10::DeviceType device_type) {
+                                               const at::Tensor& block_table, c10::string_view kv_layout, bool validate,
+                                               c10::DeviceType device_type) {
   const bool nhd = kv_layout == "NHD";
   TORCH_CHECK_VALUE(nhd || kv_layout == "HND", "kv_layout must be 'NHD' or 'HND', got '", std::string(kv_layout), "'");
   PagedCompactKVPlan plan;
   std::vector<int64_t> inner;  // [num_blocks, block_size, Hkv, D] or [num_blocks, Hkv, block_size, D]
-  const std::vector<Strided4> all = nhd ? expand_caches(caches, device_type, "[num_blocks, block_size, Hkv, D]",
-                                                        "[L, 2, num_blocks, block_size, Hkv, D]", inner,
-                                                        plan.element_size)
-                                        : expand_caches(caches, device_type, "[num_blocks, Hkv, block_size, D]",
-                                                        "[L, 2, num_blocks, Hkv, block_size, D]", inner,
-                                                        plan.element_size);
+  const std::vector<Strided4> all =
+      nhd ? expand_caches(caches, device_type, "[num_blocks, block_size, Hkv, D]",
+                          "[L, 2, num_blocks, block_size, Hkv, D]", inner, plan.element_size)
+          : expand_caches(caches, device_type, "[num_blocks, Hkv, block_size, D]",
+                          "[L, 2, num_blocks, Hkv, block_size, D]", inner, plan.element_size);
   const int slot_dim = nhd ? 1 : 2, head_dim = nhd ? 2 : 1;
   plan.num_blocks = inner[0];
   plan.block_size = inner[slot_dim];

@@ -92,8 +92,8 @@ void compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_seqlen
   const c10::cuda::CUDAGuard guard(caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   SpecdecCompactKVArgs a{};
-  const at::Tensor table = describe_caches(a, "compact_kv_cache", plan.slices, plan.element_size, plan.head_dim,
-                                           caches[0].device(), stream);
+  const at::Tensor table =
+      describe_caches(a, "compact_kv_cache", plan.slices, plan.element_size, plan.head_dim, caches[0].device(), stream);
   a.batch = plan.batch;
   a.heads = plan.heads;
   a.capacity = plan.capacity;
@@ -117,8 +117,8 @@ void paged_compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_
   const c10::cuda::CUDAGuard guard(caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   SpecdecPagedCompactKVArgs p{};
-  const at::Tensor table = describe_caches(p.kv, "paged compact_kv_cache", plan.pools, plan.element_size,
-                                           plan.head_dim, caches[0].device(), stream);
+  const at::Tensor table = describe_caches(p.kv, "paged compact_kv_cache", plan.pools, plan.element_size, plan.head_dim,
+                                           caches[0].device(), stream);
   p.kv.batch = plan.batch;
   p.kv.heads = plan.heads;
   p.kv.capacity = plan.capacity();

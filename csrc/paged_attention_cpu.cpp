@@ -142,9 +142,9 @@ SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float*
 // skip: R x T bytes of scratch (used with vis).
 // Built twice, picked at load time (SPECDEC_TARGET_CLONES): for FMA, which implies AVX (256-bit
 // float vectors), and for the baseline.
-SPECDEC_TARGET_CLONES("fma") void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp,
-                                      const float* const* vp, int64_t T, const uint8_t* vis, float* m, float* l,
-                                      uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
+SPECDEC_TARGET_CLONES("fma")
+void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, const float* const* vp, int64_t T,
+                  const uint8_t* vis, float* m, float* l, uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
   int64_t r0 = 0;
   for (; r0 + 4 <= R; r0 += 4) dot_rows<4>(q, r0, D, kp, T, scores);
   switch (R - r0) {
@@ -374,9 +374,9 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
   TORCH_CHECK_VALUE(k_in.sizes() == v_in.sizes(), "v_cache must have k_cache's shape");
   TORCH_CHECK_TYPE(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
                    "k_cache and v_cache must have q's dtype");
-  TORCH_CHECK_TYPE(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kHalf ||
-                       q_in.scalar_type() == at::kBFloat16,
-                   "q must be float32, float16 or bfloat16");
+  TORCH_CHECK_TYPE(
+      q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
+      "q must be float32, float16 or bfloat16");
   for (const at::Tensor* t : {&q_in, &k_in, &v_in, &cache_seqlens, &block_table})
     TORCH_CHECK_VALUE(t->device().is_cpu(), "paged_tree_attention_native: every tensor must be on the CPU");
   const int64_t B = q_in.size(0), N = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
@@ -423,7 +423,8 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
   TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4, "q must be [B, N, H, D] and k_cache [B, Hkv, S, D]");
   TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "k_cache must have q's batch size");
   // no sequence or no query: nothing to attend (the pool view below needs a block of a slot)
-  if (q.size(0) == 0 || q.size(1) == 0) return at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0 || q.size(1) == 0)
+    return at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const at::Tensor table = at::arange(q.size(0), q.options().dtype(at::kInt)).view({q.size(0), 1});
   return paged_tree_attention_cpu(q, k_cache, v_cache, cache_seqlens, tree_mask, table, "HND", sm_scale);
 }
