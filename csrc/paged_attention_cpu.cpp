@@ -86,7 +86,9 @@ SPECDEC_INLINE v8sf exp8_nonpos(v8sf x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const v8si bits = (__builtin_convertvector(n, v8si) + 127) << 23;
-  const v8sf res = p * reinterpret_cast<const v8sf&>(bits);
+  v8sf scale;  // 2^n: `bits` read as floats (memcpy: a bit cast that breaks no aliasing rule)
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const v8sf res = p * scale;
   return under ? zero : res;
 }
 
