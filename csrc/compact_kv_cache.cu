@@ -58,7 +58,7 @@
 // The per-slice and per-chunk steps are __host__ __device__ functions: built with
 // -DSPECDEC_COMPACT_KV_HOST_EMULATION this file also exports specdec_compact_kv_cache_emulate,
 // which runs the same code on the host (all loads of a chunk, then all stores: the barrier)
-// so that tests/test_compact_kv_cache_kernel.py checks the kernel's logic without a GPU.
+// so that the tests check the kernel's logic without a GPU (their "cuda_emulated" cases).
 #include "compact_kv_cache.cuh"
 
 #include <climits>
@@ -82,7 +82,8 @@ struct SliceWork {
 };
 
 __host__ __device__ __forceinline__ int64_t load_index(const void* p, int64_t offset, int is_int64) {
-  return is_int64 ? static_cast<const int64_t*>(p)[offset] : static_cast<int64_t>(static_cast<const int32_t*>(p)[offset]);
+  return is_int64 ? static_cast<const int64_t*>(p)[offset]
+                  : static_cast<int64_t>(static_cast<const int32_t*>(p)[offset]);
 }
 
 // Slice s = (c * batch + b) * heads + h.  False when it has nothing to move.
@@ -123,16 +124,19 @@ __host__ __device__ __forceinline__ bool slice_work(const SpecdecPagedCompactKVA
 // The row of logical slot `slot` of the slice, or nullptr when it lies outside the cache (dense:
 // slot >= capacity; paged: outside the table row or in a block outside [0, num_blocks)).
 template <bool kPaged>
-__host__ __device__ __forceinline__ char* row_of(const SpecdecPagedCompactKVArgs& p, const SliceWork& w, uint64_t slot) {
+__host__ __device__ __forceinline__ char* row_of(const SpecdecPagedCompactKVArgs& p, const SliceWork& w,
+                                                 uint64_t slot) {
   if constexpr (!kPaged) {
     return slot < static_cast<uint64_t>(p.kv.capacity) ? w.slice + static_cast<int64_t>(slot) * w.stride_s : nullptr;
   } else {
     const uint64_t bs = static_cast<uint64_t>(p.block_size);
     // 32-bit division when it is exact (the usual case), 64-bit otherwise
-    const uint64_t j = (slot | bs) <= 0xFFFFFFFFull ? static_cast<uint32_t>(slot) / static_cast<uint32_t>(bs) : slot / bs;
+    const uint64_t j =
+        (slot | bs) <= 0xFFFFFFFFull ? static_cast<uint32_t>(slot) / static_cast<uint32_t>(bs) : slot / bs;
     if (j >= static_cast<uint64_t>(p.max_blocks_per_seq)) return nullptr;  // before reading the table
-    const int64_t blk = load_index(p.block_table, w.b * p.block_table_stride_b + static_cast<int64_t>(j) * p.block_table_stride_m,
-                                   p.block_table_int64);
+    const int64_t blk =
+        load_index(p.block_table, w.b * p.block_table_stride_b + static_cast<int64_t>(j) * p.block_table_stride_m,
+                   p.block_table_int64);
     if (static_cast<uint64_t>(blk) >= static_cast<uint64_t>(p.num_blocks)) return nullptr;
     return w.slice + blk * w.stride_block + static_cast<int64_t>(slot - j * bs) * w.stride_s;
   }
@@ -154,7 +158,8 @@ __host__ __device__ __forceinline__ void load_chunk(const SpecdecPagedCompactKVA
     if (k < total) {
       const int64_t i = k / row_words;
       const int64_t col = k - i * row_words;
-      const int64_t idx = load_index(a.accepted_indices, w.b * a.indices_stride_b + i * a.indices_stride_m, a.indices_int64);
+      const int64_t idx =
+          load_index(a.accepted_indices, w.b * a.indices_stride_b + i * a.indices_stride_m, a.indices_int64);
       const uint64_t from = w.start + static_cast<uint64_t>(idx);
       const uint64_t to = w.start + static_cast<uint64_t>(i);
       if (from != to) {
@@ -340,8 +345,8 @@ extern "C" int specdec_compact_kv_cache_word_bytes(const SpecdecCompactKVArgs* a
   return args == nullptr ? 1 : word_bytes(*args);
 }
 
-extern "C" int specdec_compact_kv_cache_describe(SpecdecCompactKVArgs* args, const SpecdecKVSlice* s, int64_t num_caches,
-                                                 int64_t row_bytes) {
+extern "C" int specdec_compact_kv_cache_describe(SpecdecCompactKVArgs* args, const SpecdecKVSlice* s,
+                                                 int64_t num_caches, int64_t row_bytes) {
   if (args == nullptr || s == nullptr || num_caches < 1 || row_bytes < 0) return -1;
   SpecdecCompactKVArgs& a = *args;
   a.num_caches = num_caches;

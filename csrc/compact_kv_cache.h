@@ -41,27 +41,18 @@ struct PagedCompactKVPlan {
 // no two caches at the same address, no cache that at::has_internal_overlap finds overlapping
 // itself) and, when `validate`, the index values (a device sync on CUDA).  Raises
 // TypeError/ValueError naming the argument.
-CompactKVPlan plan_compact_kv_cache(
-    c10::ArrayRef<at::Tensor> caches,
-    const at::Tensor& cache_seqlens,
-    const at::Tensor& accepted_indices,
-    const at::Tensor& num_accepted,
-    bool validate,
-    c10::DeviceType device_type);
+CompactKVPlan plan_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::Tensor& cache_seqlens,
+                                    const at::Tensor& accepted_indices, const at::Tensor& num_accepted, bool validate,
+                                    c10::DeviceType device_type);
 
 // The same for the paged op: `caches` holds per-layer pools in `kv_layout` ("NHD" or "HND")
 // and/or [L, 2, ...] buffers of them, block_table is int32/int64 [B, max_blocks_per_seq].
 // With `validate`, also the block ids of every slot read or written (in [0, num_blocks)) and
 // that no physical slot the op writes is a live slot (committed prefix, or read or written by
 // the op) of another sequence or of another logical slot: ValueError naming block_table.
-PagedCompactKVPlan plan_paged_compact_kv_cache(
-    c10::ArrayRef<at::Tensor> caches,
-    const at::Tensor& cache_seqlens,
-    const at::Tensor& accepted_indices,
-    const at::Tensor& num_accepted,
-    const at::Tensor& block_table,
-    c10::string_view kv_layout,
-    bool validate,
-    c10::DeviceType device_type);
+PagedCompactKVPlan plan_paged_compact_kv_cache(c10::ArrayRef<at::Tensor> caches, const at::Tensor& cache_seqlens,
+                                               const at::Tensor& accepted_indices, const at::Tensor& num_accepted,
+                                               const at::Tensor& block_table, c10::string_view kv_layout, bool validate,
+                                               c10::DeviceType device_type);
 
 }  // namespace specdec

@@ -45,13 +45,27 @@ void describe_indices(SpecdecCompactKVArgs& a, const at::Tensor& cache_seqlens, 
   a.counts_int64 = num_accepted.scalar_type() == at::kLong;
 }
 
-// The caches' fields of the launch arguments: the strided form when the caches allow it, else
-// a device table of their bases and strides (returned, kept alive by the caller until the
-// launch is enqueued; refused under stream capture).
-at::Tensor describe_caches(SpecdecCompactKVArgs& a, const std::vector<SpecdecKVSlice>& host, int64_t row_bytes,
-                           const at::Device& device, cudaStream_t stream) {
-  const int64_t num_caches = static_cast<int64_t>(host.size());
-  const int form = specdec_compact_kv_cache_describe(&a, host.data(), num_caches, row_bytes);
+// A dense cache or a pool as the kernel's table entry: byte strides between sequences (pool:
+// between physical blocks), heads and slots (pool: between the rows of a block).
+SpecdecKVSlice kernel_slice(const KVCacheSlice& s) { return {s.base, s.stride_b, s.stride_h, s.stride_s}; }
+SpecdecKVSlice kernel_slice(const PagedKVPool& p) { return {p.base, p.stride_block, p.stride_h, p.stride_slot}; }
+
+// The caches' fields of the launch arguments, once every cache's rows are found contiguous:
+// the strided form when the caches allow it, else a device table of their bases and strides
+// (returned, kept alive by the caller until the launch is enqueued; refused under stream
+// capture).
+template <typename Cache>
+at::Tensor describe_caches(SpecdecCompactKVArgs& a, const char* op, const std::vector<Cache>& caches,
+                           int64_t element_size, int64_t head_dim, const at::Device& device, cudaStream_t stream) {
+  const int64_t num_caches = static_cast<int64_t>(caches.size());
+  std::vector<SpecdecKVSlice> host(num_caches);
+  for (int64_t c = 0; c < num_caches; ++c) {
+    TORCH_CHECK_VALUE(caches[c].stride_d == element_size || head_dim == 1, op,
+                      " on CUDA needs the last dimension (head_dim) of every cache contiguous; cache ", c,
+                      " has an element stride of ", caches[c].stride_d / element_size);
+    host[c] = kernel_slice(caches[c]);
+  }
+  const int form = specdec_compact_kv_cache_describe(&a, host.data(), num_caches, head_dim * element_size);
   TORCH_CHECK(form >= 0, "compact_kv_cache: malformed cache description");
   if (form == 1) return at::Tensor();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -67,34 +81,19 @@ at::Tensor describe_caches(SpecdecCompactKVArgs& a, const std::vector<SpecdecKVS
   return table;
 }
 
-void check_contiguous_rows(const char* op, int64_t stride_d, int64_t element_size, int64_t head_dim, int64_t c) {
-  TORCH_CHECK_VALUE(stride_d == element_size || head_dim == 1, op,
-                    " on CUDA needs the last dimension (head_dim) of every cache contiguous; cache ", c,
-                    " has an element stride of ", stride_d / element_size);
-}
-
 void compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_seqlens, const at::Tensor& accepted_indices,
                            const at::Tensor& num_accepted, bool validate) {
   const CompactKVPlan plan =
       plan_compact_kv_cache(caches, cache_seqlens, accepted_indices, num_accepted, validate, c10::DeviceType::CUDA);
-  const std::vector<KVCacheSlice>& s = plan.slices;
-  const int64_t num_caches = static_cast<int64_t>(s.size());
-  const int64_t row_bytes = plan.head_dim * plan.element_size;
-  if (num_caches == 0 || plan.batch == 0 || plan.heads == 0 || plan.capacity == 0 || plan.max_accepted == 0 ||
-      row_bytes == 0) {
+  if (plan.slices.empty() || plan.batch == 0 || plan.heads == 0 || plan.capacity == 0 || plan.max_accepted == 0 ||
+      plan.head_dim * plan.element_size == 0) {
     return;
   }
-  for (int64_t c = 0; c < num_caches; ++c) {
-    check_contiguous_rows("compact_kv_cache", s[c].stride_d, plan.element_size, plan.head_dim, c);
-  }
-
   const c10::cuda::CUDAGuard guard(caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-
-  std::vector<SpecdecKVSlice> host(num_caches);
-  for (int64_t c = 0; c < num_caches; ++c) host[c] = {s[c].base, s[c].stride_b, s[c].stride_h, s[c].stride_s};
   SpecdecCompactKVArgs a{};
-  const at::Tensor table = describe_caches(a, host, row_bytes, caches[0].device(), stream);
+  const at::Tensor table =
+      describe_caches(a, "compact_kv_cache", plan.slices, plan.element_size, plan.head_dim, caches[0].device(), stream);
   a.batch = plan.batch;
   a.heads = plan.heads;
   a.capacity = plan.capacity;
@@ -111,24 +110,15 @@ void paged_compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_
                                  const at::Tensor& block_table, c10::string_view kv_layout, bool validate) {
   const PagedCompactKVPlan plan = plan_paged_compact_kv_cache(caches, cache_seqlens, accepted_indices, num_accepted,
                                                               block_table, kv_layout, validate, c10::DeviceType::CUDA);
-  const std::vector<PagedKVPool>& s = plan.pools;
-  const int64_t num_caches = static_cast<int64_t>(s.size());
-  const int64_t row_bytes = plan.head_dim * plan.element_size;
-  if (num_caches == 0 || plan.batch == 0 || plan.heads == 0 || plan.num_blocks == 0 || plan.capacity() == 0 ||
-      plan.max_accepted == 0 || row_bytes == 0) {
+  if (plan.pools.empty() || plan.batch == 0 || plan.heads == 0 || plan.num_blocks == 0 || plan.capacity() == 0 ||
+      plan.max_accepted == 0 || plan.head_dim * plan.element_size == 0) {
     return;
   }
-  for (int64_t c = 0; c < num_caches; ++c) {
-    check_contiguous_rows("paged compact_kv_cache", s[c].stride_d, plan.element_size, plan.head_dim, c);
-  }
-
   const c10::cuda::CUDAGuard guard(caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-
-  std::vector<SpecdecKVSlice> host(num_caches);
-  for (int64_t c = 0; c < num_caches; ++c) host[c] = {s[c].base, s[c].stride_block, s[c].stride_h, s[c].stride_slot};
   SpecdecPagedCompactKVArgs p{};
-  const at::Tensor table = describe_caches(p.kv, host, row_bytes, caches[0].device(), stream);
+  const at::Tensor table = describe_caches(p.kv, "paged compact_kv_cache", plan.pools, plan.element_size, plan.head_dim,
+                                           caches[0].device(), stream);
   p.kv.batch = plan.batch;
   p.kv.heads = plan.heads;
   p.kv.capacity = plan.capacity();

@@ -1,8 +1,11 @@
 // specdec_kernels._C: the Python module that loads the native ops.
 //
-// Ops are declared once here (schemas in the `specdec` namespace) and implemented per device
-// in their own files with TORCH_LIBRARY_IMPL: CPU in <op>.cpp, CUDA in <op>_cuda.cpp over a
-// torch-free <op>.cu.  Importing this module registers them as torch.ops.specdec.<op>.
+// The native ops' schemas are declared once, here (namespace `specdec`); their kernels are
+// registered per device with TORCH_LIBRARY_IMPL in the other sources: on CPU
+// compact_kv_cache.cpp, verify_sample_cpu.cpp, paged_attention_cpu.cpp and packed_linear_cpu.cpp;
+// on CUDA compact_kv_cache_cuda.cpp, a thin binding over the torch-free kernel compact_kv_cache.cu.
+// common.h holds the helpers the sources share.  Importing this module registers the ops as
+// torch.ops.specdec.<name>_native.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -12,8 +15,8 @@ extern "C" PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  // The public ops (torch.ops.specdec.compact_kv_cache and the others) are declared in Python
-  // (specdec_kernels/_library.py); this library adds the native kernels they dispatch to.
+  // The public ops are defined in Python (specdec_kernels.ops); this library adds the native
+  // kernels they dispatch to.
   // compact_kv_cache_native: `caches` holds [B, Hkv, S, D] tensors and/or [L, 2, B, Hkv, S, D]
   // buffers (each expanded into its 2L slices), all of one dtype and shape; modified in place.
   // validate=true runs the value checks of the Python op (a device sync on CUDA); with it off
@@ -31,7 +34,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor num_accepted, Tensor block_table, str kv_layout=\"NHD\", bool validate=False) -> ()");
 
   // CPU fast paths of the verification and sampling ops (csrc/verify_sample_cpu.cpp), on
-  // inputs the Python op validated and made contiguous; counts are clamped here.
+  // inputs the Python op validated and made contiguous; the kernels clamp every count and index
+  // they use as an address.
   m.def("verify_greedy_native(Tensor target_logits, Tensor draft_tokens, Tensor num_draft_tokens) -> (Tensor, Tensor)");
   // The flattened (vLLM v1) forms: target rows [T + B, V] (bonus rows inline) or [T, V] with
   // bonus_token_ids [B]; drafts [T]; cu_num_draft_tokens [B] an inclusive cumsum; output

@@ -24,6 +24,8 @@
 // The AVX2 + FMA path and the portable path compute the same formula; they may differ in the last
 // bits, since the portable path leaves contraction to the compiler.  Output rows are split over
 // at::parallel_for.
+#include "common.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,11 +37,6 @@
 #include <cstring>
 #include <tuple>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define SPECDEC_X86 1
-#endif
 
 namespace specdec {
 namespace {
@@ -90,13 +87,13 @@ void rows_portable(int kind, const uint8_t* codes, const float* d, const float* 
 // ---------------------------------------------------------------- AVX2 + FMA path
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l, l + 4
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                   // (0+4)+(2+6), (1+5)+(3+7)
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                  // (0+4)+(2+6), (1+5)+(3+7)
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
 // Block j of a row as four vectors of 8 float32 weights (inputs 32 j + 8 p .. 32 j + 8 p + 7).
 __attribute__((target("avx2,fma"))) inline void decode_block_avx2(int kind, const uint8_t* codes, const float* d,
-                                                                   const float* m, int64_t j, __m256 w[4]) {
+                                                                  const float* m, int64_t j, __m256 w[4]) {
   const __m256 dj = _mm256_set1_ps(d[j]);
   if (kind == 0) {
     const __m256 mj = _mm256_set1_ps(m[j]);
@@ -120,9 +117,9 @@ __attribute__((target("avx2,fma"))) inline void decode_block_avx2(int kind, cons
 // y[r * O] for NR <= 2 rows of x and one weight row: from the codes (DECODE) or from the row
 // decoded into w_buf, in the order of dot_portable.
 template <int NR, bool DECODE>
-__attribute__((target("avx2,fma"))) inline void dots_avx2(int kind, const uint8_t* codes, const float* d, const float* m,
-                                                           const float* w_buf, const float* x, int64_t I, float* y,
-                                                           int64_t O) {
+__attribute__((target("avx2,fma"))) inline void dots_avx2(int kind, const uint8_t* codes, const float* d,
+                                                          const float* m, const float* w_buf, const float* x, int64_t I,
+                                                          float* y, int64_t O) {
   __m256 acc[NR][4];
   for (int r = 0; r < NR; ++r)
     for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_setzero_ps();
@@ -134,15 +131,16 @@ __attribute__((target("avx2,fma"))) inline void dots_avx2(int kind, const uint8_
       for (int p = 0; p < 4; ++p) w[p] = _mm256_loadu_ps(w_buf + j * QBLOCK + 8 * p);
     }
     for (int r = 0; r < NR; ++r)
-      for (int p = 0; p < 4; ++p) acc[r][p] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(x + r * I + j * QBLOCK + 8 * p), acc[r][p]);
+      for (int p = 0; p < 4; ++p)
+        acc[r][p] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(x + r * I + j * QBLOCK + 8 * p), acc[r][p]);
   }
   for (int r = 0; r < NR; ++r)
     y[r * O] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
 }
 
 __attribute__((target("avx2,fma"))) void rows_avx2(int kind, const uint8_t* codes, const float* d, const float* m,
-                                                    const float* x, float* y, int64_t R, int64_t I, int64_t O, int64_t o0,
-                                                    int64_t o1) {
+                                                   const float* x, float* y, int64_t R, int64_t I, int64_t O,
+                                                   int64_t o0, int64_t o1) {
   std::vector<float> buf(R > 2 ? I : 0);
   const int64_t nb = I / QBLOCK, row_bytes = kind == 0 ? I / 2 : I;
   for (int64_t o = o0; o < o1; ++o) {
@@ -165,11 +163,6 @@ __attribute__((target("avx2,fma"))) void rows_avx2(int kind, const uint8_t* code
     }
   }
 }
-
-bool have_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 #endif
 
 // x [R, I] float32 contiguous; codes uint8 [O, I / 2] (kind 0) or int8 viewed as uint8 [O, I]
@@ -180,13 +173,14 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be float32 [R, I]");
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte, "packed_linear: codes must be uint8 [O, *]");
   const int64_t R = x.size(0), I = x.size(1), O = codes.size(0);
-  TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0, "packed_linear: the input size must be a positive multiple of 32, got ", I);
-  TORCH_CHECK_VALUE(codes.size(1) == (kind == 0 ? I / 2 : I), "packed_linear: codes must be [O, ", kind == 0 ? I / 2 : I,
-                    "] for inputs of size ", I);
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == O &&
-                        scales.size(1) == I / QBLOCK,
-                    "packed_linear: scales must be float32 [O, I / 32]");
-  TORCH_CHECK_VALUE(kind == 1 || (mins.has_value() && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes()),
+  TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0, "packed_linear: the input size must be a positive multiple of 32, got ",
+                    I);
+  TORCH_CHECK_VALUE(codes.size(1) == (kind == 0 ? I / 2 : I), "packed_linear: codes must be [O, ",
+                    kind == 0 ? I / 2 : I, "] for inputs of size ", I);
+  TORCH_CHECK_VALUE(
+      scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == O && scales.size(1) == I / QBLOCK,
+      "packed_linear: scales must be float32 [O, I / 32]");
+  TORCH_CHECK_VALUE(kind == 1 || (given(mins) && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes()),
                     "packed_linear: affine4 needs mins, float32 [O, I / 32]");
   TORCH_CHECK_VALUE(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
                     "packed_linear: CPU tensors only");
@@ -204,7 +198,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t grain = std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(1, cc.size(1)));
   at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
 #ifdef SPECDEC_X86
-    if (!portable && have_avx2_fma()) return rows_avx2(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);
+    if (!portable && cpu_has_avx2_fma()) return rows_avx2(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);
 #endif
     rows_portable(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);
   });
@@ -257,7 +251,8 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> packed_weight_cpu(const 
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
                     "packed_weight: weight must be a float32 CPU tensor [O, I]");
   const int64_t O = weight.size(0), I = weight.size(1);
-  TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0, "packed_weight: the input size must be a positive multiple of 32, got ", I);
+  TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0, "packed_weight: the input size must be a positive multiple of 32, got ",
+                    I);
   const at::Tensor w = weight.contiguous();
   const float* wp = w.data_ptr<float>();
   const int64_t nb = O * (I / QBLOCK);
@@ -271,8 +266,9 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> packed_weight_cpu(const 
     std::atomic<bool> ok{true};
     at::parallel_for(0, nb, 4096, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1 && ok.load(std::memory_order_relaxed); ++b) {
-        const bool fits = kind == 0 ? pack_affine4_block(wp + b * QBLOCK, cp + b * (QBLOCK / 2), dp + b, mp + b)
-                                    : pack_scaled8_block(wp + b * QBLOCK, reinterpret_cast<int8_t*>(cp) + b * QBLOCK, dp + b);
+        const bool fits = kind == 0
+                              ? pack_affine4_block(wp + b * QBLOCK, cp + b * (QBLOCK / 2), dp + b, mp + b)
+                              : pack_scaled8_block(wp + b * QBLOCK, reinterpret_cast<int8_t*>(cp) + b * QBLOCK, dp + b);
         if (!fits) ok.store(false, std::memory_order_relaxed);
       }
     });

@@ -1,6 +1,7 @@
-// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec.paged_tree_attention_native).
+// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec.paged_tree_attention_native),
+// and over a dense one read as a pool (tree_attention_native).
 //
-// The algorithm of specdec_kernels/ops/tree_attention.py's Triton kernel, on the CPU: for each
+// The algorithm of tree_attention's Triton kernel (specdec_kernels.ops.tree_attention), on the CPU: for each
 // (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
 // h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row load) walk the
 // cache slots in chunks of CHUNK slots with an online softmax (flash attention, Dao et al. 2022;
@@ -24,6 +25,8 @@
 // output is NaN); a visible value row that is not finite makes the accumulator non-finite
 // (p * inf and p * NaN are never finite, even for p = 0, and rescaling keeps them so), and a row
 // whose accumulator is not finite outputs NaN.  Invisible slots are never multiplied at all.
+#include "common.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -42,18 +45,11 @@ namespace {
 constexpr int64_t CHUNK = 32;  // key slots per online-softmax step (K and V rows stay in L1)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// an FMA clone (which implies AVX: 256-bit float vectors) beside the baseline one, picked at load time by the CPU (GCC function
-// multiversioning): the same code, never an instruction the machine lacks
-#define SPECDEC_SIMD_CLONES __attribute__((target_clones("fma", "default")))
-#else
-#define SPECDEC_SIMD_CLONES
-#endif
 // the helpers of attend_chunk are inlined into each of its clones (and so compiled for its
 // target); out of line they would be baseline code passing vectors through memory
 #define SPECDEC_INLINE inline __attribute__((always_inline))
 
-// 8 floats in one vector (GCC vector extension: one AVX register in the AVX2 clone, two SSE
+// 8 floats in one vector (GCC vector extension: one AVX register in the FMA clone, two SSE
 // registers in the baseline one); loads and stores through memcpy, no alignment needed.
 typedef float v8sf __attribute__((vector_size(32)));
 
@@ -90,7 +86,9 @@ SPECDEC_INLINE v8sf exp8_nonpos(v8sf x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const v8si bits = (__builtin_convertvector(n, v8si) + 127) << 23;
-  const v8sf res = p * reinterpret_cast<const v8sf&>(bits);
+  v8sf scale;  // 2^n: `bits` read as floats (memcpy: a bit cast that breaks no aliasing rule)
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const v8sf res = p * scale;
   return under ? zero : res;
 }
 
@@ -144,9 +142,11 @@ SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float*
 // visible).  m, l, acc (R x D): the running maximum, sum and output of each row; bad: rows
 // that saw a non-finite key.  scores: R x T floats of scratch (the scores, then the weights),
 // skip: R x T bytes of scratch (used with vis).
-SPECDEC_SIMD_CLONES void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp,
-                                      const float* const* vp, int64_t T, const uint8_t* vis, float* m, float* l,
-                                      uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
+// Built twice, picked at load time (SPECDEC_TARGET_CLONES): for FMA, which implies AVX (256-bit
+// float vectors), and for the baseline.
+SPECDEC_TARGET_CLONES("fma")
+void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, const float* const* vp, int64_t T,
+                  const uint8_t* vis, float* m, float* l, uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
   int64_t r0 = 0;
   for (; r0 + 4 <= R; r0 += 4) dot_rows<4>(q, r0, D, kp, T, scores);
   switch (R - r0) {
@@ -230,8 +230,6 @@ SPECDEC_SIMD_CLONES void attend_chunk(const float* q, int64_t R, int64_t D, cons
     }
   }
 }
-
-inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); }
 
 template <typename scalar_t>
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -378,9 +376,9 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
   TORCH_CHECK_VALUE(k_in.sizes() == v_in.sizes(), "v_cache must have k_cache's shape");
   TORCH_CHECK_TYPE(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
                    "k_cache and v_cache must have q's dtype");
-  TORCH_CHECK_TYPE(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kHalf ||
-                       q_in.scalar_type() == at::kBFloat16,
-                   "q must be float32, float16 or bfloat16");
+  TORCH_CHECK_TYPE(
+      q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
+      "q must be float32, float16 or bfloat16");
   for (const at::Tensor* t : {&q_in, &k_in, &v_in, &cache_seqlens, &block_table})
     TORCH_CHECK_VALUE(t->device().is_cpu(), "paged_tree_attention_native: every tensor must be on the CPU");
   const int64_t B = q_in.size(0), N = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
@@ -398,7 +396,7 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
                    "cache_seqlens must be int32 or int64");
   TORCH_CHECK_VALUE(N <= block_table.size(1) * block_size, "block_table's capacity is smaller than q's N new keys");
   at::Tensor mask;
-  if (tree_mask.has_value() && tree_mask->defined()) {
+  if (given(tree_mask)) {
     mask = tree_mask->contiguous();
     TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "tree_mask must be bool (unpack the int32 form first)");
     TORCH_CHECK_VALUE(mask.device().is_cpu(), "tree_mask must be on the CPU");
@@ -427,7 +425,8 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
   TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4, "q must be [B, N, H, D] and k_cache [B, Hkv, S, D]");
   TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "k_cache must have q's batch size");
   // no sequence or no query: nothing to attend (the pool view below needs a block of a slot)
-  if (q.size(0) == 0 || q.size(1) == 0) return at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0 || q.size(1) == 0)
+    return at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const at::Tensor table = at::arange(q.size(0), q.options().dtype(at::kInt)).view({q.size(0), 1});
   return paged_tree_attention_cpu(q, k_cache, v_cache, cache_seqlens, tree_mask, table, "HND", sm_scale);
 }

@@ -4,20 +4,19 @@
 // Each kernel implements the algorithm of its reference in specdec_kernels/reference/ with the
 // same arithmetic: accept tests in float32 as `u * q < p`, residual weights max(0, p - q) in
 // float32 then widened, inverse-CDF sampling over a sequential float64 running sum (what torch's
-// CPU cumsum does), argmax with torch.argmax's rule (first maximum, NaN counts as the maximum).  Row totals are sequential float64 sums, where the reference uses torch.sum, so a
-// decision can differ only when a test lies within float64 rounding of its boundary.
+// CPU cumsum does), argmax with torch.argmax's rule (first maximum, NaN counts as the maximum).  Row totals are
+// sequential float64 sums, where the reference uses torch.sum, so a decision can differ only when a test lies within
+// float64 rounding of its boundary.
 //
 // Inputs are validated by the Python op (specdec_kernels/ops/<op>.py), which also makes them
 // contiguous and int64 / float32 where noted.  Every count and index used as an address is
 // clamped here, whatever was validated: no kernel reads or writes outside its tensors.
+#include "common.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
 
 // Every multiply rounds on its own, as the reference's separate PyTorch ops do: on a target
 // with FMA (aarch64, x86 built with -march=native or -mfma) GCC and clang would otherwise
@@ -45,8 +44,6 @@ inline float f32(T v) {
   return static_cast<float>(v);
 }
 
-inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); }
-
 inline double mass(double x) { return x > 0 ? x : 0.0; }  // NaN and negatives carry no mass
 
 // Inverse-CDF sample of one token from non-negative double weights w[0..V) (the reference's
@@ -70,18 +67,10 @@ int64_t sample_weights(const std::vector<double>& w, double u) {
   return last;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-// an AVX2 clone beside the baseline one, picked at load time by the CPU (GCC function
-// multiversioning): the same code, never an instruction the machine lacks
-#define SPECDEC_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define SPECDEC_SIMD_CLONES
-#endif
-
 // The maximum of a float32 row over its non-NaN values, in 16 independent lanes the compiler
 // vectorizes (std::max keeps the lane on NaN), and whether the row holds a NaN or an infinity
 // (v * 0 is NaN exactly then).
-SPECDEC_SIMD_CLONES float row_max_f32(const float* row, int64_t V, bool* special) {
+SPECDEC_TARGET_CLONES("avx2") float row_max_f32(const float* row, int64_t V, bool* special) {
   constexpr int64_t L = 16;
   float mx[L], nn[L];
   for (int64_t l = 0; l < L; ++l) {
@@ -110,7 +99,7 @@ SPECDEC_SIMD_CLONES float row_max_f32(const float* row, int64_t V, bool* special
 }
 
 // The first index j with !(row[j] < m), blocks of 64 tested with a vectorized OR; -1 if none.
-SPECDEC_SIMD_CLONES int64_t first_not_below_f32(const float* row, int64_t V, float m) {
+SPECDEC_TARGET_CLONES("avx2") int64_t first_not_below_f32(const float* row, int64_t V, float m) {
   constexpr int64_t BL = 64;
   int64_t b = 0;
   for (; b + BL <= V; b += BL) {
@@ -143,7 +132,7 @@ int64_t row_argmax_exact(const T* row, int64_t V) {
   return best;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef SPECDEC_X86
 // One AVX2 pass: 16 lanes each keep their maximum and the index where it first appeared (updated
 // only on a strictly greater value), then the largest value's smallest index among the lanes and
 // the scalar tail.  That is the first maximum when the row has no NaN or infinity; `special`
@@ -194,11 +183,6 @@ __attribute__((target("avx2"))) int64_t row_argmax_f32_avx2(const float* row, in
   *special = nsum != nsum;
   return best < 0 ? 0 : best;
 }
-
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2");
-  return ok;
-}
 #endif
 
 // Fast float32 path: without NaN or infinities, one AVX2 pass tracking each lane's first
@@ -209,8 +193,8 @@ template <typename T>
 int64_t row_argmax(const T* row, int64_t V) {
   if constexpr (std::is_same_v<T, float>) {
     bool special = false;
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (have_avx2() && V < (int64_t{1} << 31)) {
+#ifdef SPECDEC_X86
+    if (cpu_has_avx2() && V < (int64_t{1} << 31)) {
       const int64_t j = row_argmax_f32_avx2(row, V, &special);
       if (!special) return j;
       return row_argmax_exact(row, V);
@@ -285,7 +269,8 @@ struct ChainLayout {
 // argmax at the first mismatch, or after n accepted drafts the bonus: the argmax of the row
 // after the last draft, or *bonus when the caller gives the bonus token (that row is then not
 // read, it need not exist).  Writes out[0..a]; returns a.
-inline int64_t greedy_chain(const int64_t* argmax, const int64_t* drafts, int64_t n, const int64_t* bonus, int64_t* out) {
+inline int64_t greedy_chain(const int64_t* argmax, const int64_t* drafts, int64_t n, const int64_t* bonus,
+                            int64_t* out) {
   int64_t a = 0;
   while (a < n && drafts[a] == argmax[a]) {
     out[a] = drafts[a];
@@ -324,11 +309,13 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy_flattened_cpu(const at::Tensor&
                                                                const c10::optional<at::Tensor>& bonus_token_ids,
                                                                int64_t max_spec_len) {
   TORCH_CHECK_VALUE(target_logits.dim() == 2, "target_logits must be [T + B, V] or [T, V]");
-  TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1, "draft_token_ids and cu_num_draft_tokens must be 1-D");
+  TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1,
+                    "draft_token_ids and cu_num_draft_tokens must be 1-D");
   TORCH_CHECK_VALUE(max_spec_len >= 0, "max_spec_len must be >= 0");
-  const bool has_bonus = bonus_token_ids.has_value() && bonus_token_ids->defined();
+  const bool has_bonus = given(bonus_token_ids);
   const int64_t T = draft_token_ids.size(0), B = cu_num_draft_tokens.size(0), K = max_spec_len, K1 = K + 1;
-  TORCH_CHECK_VALUE(target_logits.size(0) == (has_bonus ? T : T + B), "target_logits must have T + B rows, or T with bonus_token_ids");
+  TORCH_CHECK_VALUE(target_logits.size(0) == (has_bonus ? T : T + B),
+                    "target_logits must have T + B rows, or T with bonus_token_ids");
   TORCH_CHECK_VALUE(!has_bonus || bonus_token_ids->numel() == B, "bonus_token_ids must be [B]");
   at::Tensor out = at::full({B, K1}, -1, target_logits.options().dtype(at::kLong));
   at::Tensor num_accepted = at::zeros({B}, target_logits.options().dtype(at::kLong));
@@ -357,9 +344,9 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy_flattened_cpu(const at::Tensor&
 // topological order, the lowest-index matching child).  Parents are only compared, never used
 // as addresses, so any parent value is safe, and the accepted path is always increasing.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::Tensor& target_logits,
-                                                                       const at::Tensor& tree_tokens,
-                                                                       const at::Tensor& tree_parents,
-                                                                       const at::Tensor& num_nodes) {
+                                                                      const at::Tensor& tree_tokens,
+                                                                      const at::Tensor& tree_parents,
+                                                                      const at::Tensor& num_nodes) {
   TORCH_CHECK_VALUE(target_logits.dim() == 3, "target_logits must be [B, N, V]");
   const int64_t B = target_logits.size(0), N = target_logits.size(1);
   const auto opts = target_logits.options().dtype(at::kLong);
@@ -403,9 +390,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::
 // flattened).  With `bonus_ids` (flattened, [T, V] targets) a fully accepted request emits
 // bonus_ids[b] and samples nothing; its would-be bonus row is never addressed.
 template <typename T>
-void rejection_sample_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const ChainLayout& layout,
-                           const int64_t* bonus_ids, const float* coins, const float* final_u, int64_t B, int64_t V,
-                           int64_t* out, int64_t* num_accepted) {
+void rejection_sample_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens,
+                           const ChainLayout& layout, const int64_t* bonus_ids, const float* coins,
+                           const float* final_u, int64_t B, int64_t V, int64_t* out, int64_t* num_accepted) {
   const int64_t K1 = layout.K + 1;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> w(static_cast<size_t>(V));
@@ -466,35 +453,35 @@ void rejection_sample_rows(const T* target, const T* draft, bool has_draft, cons
 }
 
 // The probability operands: contiguous, draft of the target's dtype (the Python op makes them so).
-void check_probs_cpu(const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs, bool has_draft) {
+void check_probs_cpu(const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs) {
   check_cpu(target_probs, "target_probs");
-  if (has_draft) {
+  if (given(draft_probs)) {
     check_cpu(*draft_probs, "draft_probs");
-    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(), "draft_probs must have target_probs' dtype");
+    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(),
+                      "draft_probs must have target_probs' dtype");
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(const at::Tensor& target_probs,
-                                                        const c10::optional<at::Tensor>& draft_probs,
-                                                        const at::Tensor& draft_tokens, const at::Tensor& num_draft_tokens,
-                                                        const at::Tensor& uniform_samples,
-                                                        const at::Tensor& sample_uniforms) {
+std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(
+    const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs, const at::Tensor& draft_tokens,
+    const at::Tensor& num_draft_tokens, const at::Tensor& uniform_samples, const at::Tensor& sample_uniforms) {
   TORCH_CHECK_VALUE(target_probs.dim() == 3, "target_probs must be [B, K + 1, V]");
   const int64_t B = target_probs.size(0), K = target_probs.size(1) - 1, V = target_probs.size(2);
   const auto opts = target_probs.options().dtype(at::kLong);
   at::Tensor out = at::empty({B, K + 1}, opts), num_accepted = at::empty({B}, opts);
   if (B == 0) return {out, num_accepted};
-  const bool has_draft = draft_probs.has_value() && draft_probs->defined();
-  check_probs_cpu(target_probs, draft_probs, has_draft);
+  const bool has_draft = given(draft_probs);
+  check_probs_cpu(target_probs, draft_probs);
   const at::Tensor tokens = draft_tokens.to(at::kLong).contiguous();
   const at::Tensor counts = num_draft_tokens.to(at::kLong).contiguous();
   const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
   const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
   const ChainLayout layout{counts.data_ptr<int64_t>(), K, B * K, /*flat=*/false, /*bonus_rows=*/true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_cpu", [&] {
-    rejection_sample_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
-                                    has_draft, tokens.data_ptr<int64_t>(), layout, nullptr, coins.data_ptr<float>(),
-                                    final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
+    rejection_sample_rows<scalar_t>(
+        target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr, has_draft,
+        tokens.data_ptr<int64_t>(), layout, nullptr, coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V,
+        out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
   });
   return {out, num_accepted};
 }
@@ -506,40 +493,46 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
     const at::Tensor& cu_num_draft_tokens, const c10::optional<at::Tensor>& bonus_token_ids,
     const at::Tensor& uniform_samples, const at::Tensor& sample_uniforms, int64_t max_spec_len) {
   TORCH_CHECK_VALUE(target_probs.dim() == 2, "target_probs must be [T + B, V] or [T, V]");
-  TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1, "draft_token_ids and cu_num_draft_tokens must be 1-D");
+  TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1,
+                    "draft_token_ids and cu_num_draft_tokens must be 1-D");
   TORCH_CHECK_VALUE(max_spec_len >= 0, "max_spec_len must be >= 0");
-  const bool has_draft = draft_probs.has_value() && draft_probs->defined();
-  const bool has_bonus = bonus_token_ids.has_value() && bonus_token_ids->defined();
-  const int64_t T = draft_token_ids.size(0), B = cu_num_draft_tokens.size(0), V = target_probs.size(1), K = max_spec_len;
-  TORCH_CHECK_VALUE(target_probs.size(0) == (has_bonus ? T : T + B), "target_probs must have T + B rows, or T with bonus_token_ids");
+  const bool has_draft = given(draft_probs);
+  const bool has_bonus = given(bonus_token_ids);
+  const int64_t T = draft_token_ids.size(0), B = cu_num_draft_tokens.size(0), V = target_probs.size(1),
+                K = max_spec_len;
+  TORCH_CHECK_VALUE(target_probs.size(0) == (has_bonus ? T : T + B),
+                    "target_probs must have T + B rows, or T with bonus_token_ids");
   TORCH_CHECK_VALUE(!has_draft || (draft_probs->dim() == 2 && draft_probs->size(0) == T && draft_probs->size(1) == V),
                     "draft_probs must be [T, V]");
   TORCH_CHECK_VALUE(!has_bonus || bonus_token_ids->numel() == B, "bonus_token_ids must be [B]");
-  TORCH_CHECK_VALUE(uniform_samples.numel() == T && sample_uniforms.numel() == B, "uniform_samples must be [T], sample_uniforms [B]");
+  TORCH_CHECK_VALUE(uniform_samples.numel() == T && sample_uniforms.numel() == B,
+                    "uniform_samples must be [T], sample_uniforms [B]");
   const auto opts = target_probs.options().dtype(at::kLong);
   at::Tensor out = at::empty({B, K + 1}, opts), num_accepted = at::empty({B}, opts);
   if (B == 0) return {out, num_accepted};
-  check_probs_cpu(target_probs, draft_probs, has_draft);
+  check_probs_cpu(target_probs, draft_probs);
   const at::Tensor tokens = draft_token_ids.to(at::kLong).contiguous();
   const at::Tensor cu = cu_num_draft_tokens.to(at::kLong).contiguous();
   const at::Tensor bonus = has_bonus ? bonus_token_ids->to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
   const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
   const ChainLayout layout{cu.data_ptr<int64_t>(), K, T, /*flat=*/true, /*bonus_rows=*/!has_bonus};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_flattened_cpu", [&] {
-    rejection_sample_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
-                                    has_draft, tokens.data_ptr<int64_t>(), layout, has_bonus ? bonus.data_ptr<int64_t>() : nullptr,
-                                    coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(),
-                                    num_accepted.data_ptr<int64_t>());
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_flattened_cpu", [&] {
+        rejection_sample_rows<scalar_t>(
+            target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr, has_draft,
+            tokens.data_ptr<int64_t>(), layout, has_bonus ? bonus.data_ptr<int64_t>() : nullptr,
+            coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(),
+            num_accepted.data_ptr<int64_t>());
+      });
   return {out, num_accepted};
 }
 
 // ---------------------------------------------------------------------- tree_rejection_sample
 template <typename T>
 void tree_rejection_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const int64_t* parents,
-                         const int64_t* counts, const float* coins, const float* final_u, int64_t B, int64_t N, int64_t V,
-                         int64_t* out, int64_t* accepted, int64_t* num_accepted) {
+                         const int64_t* counts, const float* coins, const float* final_u, int64_t B, int64_t N,
+                         int64_t V, int64_t* out, int64_t* accepted, int64_t* num_accepted) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> residual(static_cast<size_t>(V)), q(static_cast<size_t>(V)), fresh(static_cast<size_t>(V));
     for (int64_t b = begin; b < end; ++b) {
@@ -623,23 +616,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
   const auto opts = target_probs.options().dtype(at::kLong);
   at::Tensor out = at::empty({B, N}, opts), accepted = at::empty({B, N}, opts), num_accepted = at::empty({B}, opts);
   if (B == 0 || N == 0) return {out, accepted, num_accepted};
-  check_cpu(target_probs, "target_probs");
-  const bool has_draft = draft_probs.has_value() && draft_probs->defined();
-  if (has_draft) {
-    check_cpu(*draft_probs, "draft_probs");
-    TORCH_CHECK_VALUE(draft_probs->scalar_type() == target_probs.scalar_type(), "draft_probs must have target_probs' dtype");
-  }
+  const bool has_draft = given(draft_probs);
+  check_probs_cpu(target_probs, draft_probs);
   const at::Tensor tokens = tree_tokens.to(at::kLong).contiguous();
   const at::Tensor parents = tree_parents.to(at::kLong).expand({B, N}).contiguous();
   const at::Tensor counts = num_nodes.to(at::kLong).contiguous();
   const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
   const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "tree_rejection_sample_cpu", [&] {
-    tree_rejection_rows<scalar_t>(target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr,
-                                  has_draft, tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(),
-                                  counts.data_ptr<int64_t>(), coins.data_ptr<float>(), final_u.data_ptr<float>(), B, N, V,
-                                  out.data_ptr<int64_t>(), accepted.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, target_probs.scalar_type(), "tree_rejection_sample_cpu", [&] {
+        tree_rejection_rows<scalar_t>(
+            target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr, has_draft,
+            tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+            coins.data_ptr<float>(), final_u.data_ptr<float>(), B, N, V, out.data_ptr<int64_t>(),
+            accepted.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
+      });
   return {out, accepted, num_accepted};
 }
 
@@ -731,8 +722,8 @@ void sampling_rows(const T* logits, float* out, const float* temperature, const 
   });
 }
 
-at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature, const c10::optional<at::Tensor>& top_k,
-                              const c10::optional<at::Tensor>& top_p) {
+at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature,
+                              const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p) {
   TORCH_CHECK_VALUE(logits.dim() == 2 || logits.dim() == 3, "logits must be [B, V] or [B, rows, V]");
   check_cpu(logits, "logits");
   const int64_t B = logits.size(0), V = logits.size(-1);
@@ -740,12 +731,13 @@ at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temper
   at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(at::kFloat));
   if (R == 0 || V == 0) return out;
   const at::Tensor t = temperature.to(at::kFloat).contiguous();
-  const bool use_k = top_k.has_value() && top_k->defined(), use_p = top_p.has_value() && top_p->defined();
+  const bool use_k = given(top_k), use_p = given(top_p);
   const at::Tensor k = use_k ? top_k->to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor p = use_p ? top_p->to(at::kFloat).contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "sampling_probs_cpu", [&] {
     sampling_rows<scalar_t>(logits.data_ptr<scalar_t>(), out.data_ptr<float>(), t.data_ptr<float>(),
-                            use_k ? k.data_ptr<int64_t>() : nullptr, use_p ? p.data_ptr<float>() : nullptr, R, V, R / B);
+                            use_k ? k.data_ptr<int64_t>() : nullptr, use_p ? p.data_ptr<float>() : nullptr, R, V,
+                            R / B);
   });
   return out;
 }

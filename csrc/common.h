@@ -1,0 +1,51 @@
+// Helpers shared by the C++ sources of the extension (torch side): the clamp that keeps every
+// count and index used as an address inside its tensor, the test for an optional tensor
+// argument, and the CPU-feature probes of the kernels with an x86 SIMD path.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cstdint>
+
+// x86-64 with GCC or clang: the AVX2 / FMA paths (intrinsics, target attributes and
+// __builtin_cpu_supports) are compiled, and chosen at run time with the probes below.
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SPECDEC_X86 1
+#endif
+
+// SPECDEC_TARGET_CLONES("fma") before a function definition: GCC function multiversioning, a
+// clone of the function compiled for that instruction set beside the baseline one, picked at
+// load time by the CPU: the same code, never an instruction the machine lacks.  Elsewhere
+// (clang, other architectures) the baseline one only.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_TARGET_CLONES(isa) __attribute__((target_clones(isa, "default")))
+#else
+#define SPECDEC_TARGET_CLONES(isa)
+#endif
+
+namespace specdec {
+
+// v clamped into [lo, hi] (lo <= hi).
+inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) { return std::min(std::max(v, lo), hi); }
+
+// Whether an optional tensor argument (`Tensor?` in the schema) was given.
+inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+#ifdef SPECDEC_X86
+// Whether this CPU runs AVX2 instructions (asked once per process).
+inline bool cpu_has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2");
+  return ok;
+}
+
+// Whether this CPU runs AVX2 and FMA instructions (asked once per process).
+inline bool cpu_has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#endif
+
+}  // namespace specdec
