@@ -207,9 +207,9 @@ def install() -> None:
         _ORIGINAL["apply_sampling_constraints"] = rs.apply_sampling_constraints
         rs.apply_sampling_constraints = apply_sampling_constraints
     _refuse_model_runner_v2()
-    from specdec_kernels import _native
+    from specdec_kernels import load_native
 
-    if not _native.load():
+    if not load_native():
         import specdec_kernels
 
         _logger().warning(
