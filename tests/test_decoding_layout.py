@@ -1,12 +1,9 @@
 """The decoding package's layout: the engine depends on no drafter, every drafter lives in
-``decoding.drafters`` under its name, and the paths before the move still import."""
+``decoding.drafters`` under its name."""
 from __future__ import annotations
 
 import ast
 import importlib
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -46,17 +43,3 @@ def test_each_drafter_lives_under_its_name(module, names):
     for name in names:
         assert isinstance(getattr(mod, name), type)
         assert f"``{module}``" in importlib.import_module("specdec_kernels.decoding.drafters").__doc__
-
-
-@pytest.mark.parametrize("old,new", sorted(decoding.MOVED_MODULES.items()))
-def test_the_old_module_paths_still_import(old, new):
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(f"specdec_kernels.decoding.{old}")
-    assert mod is importlib.import_module(f"specdec_kernels.decoding.{new}")
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in seen) or f"specdec_kernels.decoding.{old}" in sys.modules
-
-
-def test_the_old_training_command_still_runs():
-    out = subprocess.run([sys.executable, "-m", "specdec_kernels.decoding.train_medusa", "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "--heads" in out.stdout

@@ -14,12 +14,6 @@ Quick start::
     print(tok.decode(result.tokens[0]))
     print(result.stats.summary())
 """
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
-
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.medusa import MedusaDrafter, MedusaHeads, load_medusa_heads
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter, LayerSkipDrafter, ModelDrafter
@@ -37,41 +31,6 @@ from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.typical import typical_acceptance
 from specdec_kernels.decoding.loading import have_smollm2, load_hf_smollm2, load_smollm2
 from specdec_kernels.decoding.model import ModelArgs, Transformer
-
-#: module paths before the drafters, the engine and the trainers got packages of their own
-#: (still importable, with a DeprecationWarning; the module object is the new one)
-MOVED_MODULES = {
-    "adaptive": "engine.adaptive",
-    "stats": "engine.stats",
-    "typical": "engine.typical",
-    "ngram": "drafters.ngram",
-    "medusa": "drafters.medusa",
-    "model_drafter": "drafters.model_drafter",
-    "multi": "drafters.multi",
-}
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves ``specdec_kernels.decoding.<old>`` to the module at its new path."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        prefix, _, leaf = fullname.rpartition(".")
-        if prefix != __name__ or leaf not in MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        leaf = spec.name.rpartition(".")[2]
-        new = f"{__name__}.{MOVED_MODULES[leaf]}"
-        warnings.warn(f"{spec.name} moved to {new}", DeprecationWarning, stacklevel=4)
-        return importlib.import_module(new)
-
-    def exec_module(self, module):
-        pass  # the new module is already executed
-
-
-if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModuleFinder())
 
 __all__ = [
     "CostModelPolicy",

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from specdec_kernels.ops.sampling_probs import sampling_probs
+from specdec_kernels import sampling_probs
 from specdec_kernels.tree import ancestor_mask
 
 

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import specdec_kernels
+from specdec_kernels import SUPPORTED_HEAD_DIMS
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.paged import PagedKVCache
-from specdec_kernels.ops.tree_attention import engine_tree_attention, tree_attention
-from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
 
 
 @dataclass
@@ -314,6 +314,28 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+           tree_mask: Optional[torch.Tensor], backend: Optional[str] = None,
+           block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The engine's ``tree_attention`` (one call per layer and forward): the public op's results.
+
+    A dense cache goes straight to the registered op ``torch.ops.specdec.tree_attention``:
+    it runs the op's shape checks and its backend choice, and skips the Python front, whose
+    argument normalisation and checks the engine does not need (every tensor here is built
+    by the engine, int32 lengths, bool masks, scale ``D ** -0.5``).  A paged pool (the op
+    takes no block table) goes through the public front with ``validate=False``.
+
+    Args: q [B, N, H, D]; k_cache, v_cache [B, Hkv, S, D], or NHD pools with ``block_table``;
+    cache_seqlens int32 [B]; tree_mask bool [N, N] / [B, N, N] or None (a chain);
+    backend: None (automatic) or a backend name of ``tree_attention``.
+    """
+    if block_table is None:
+        return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, q.shape[-1] ** -0.5, 0,
+                                                backend or "")
+    return specdec_kernels.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table,
+                                          kv_layout="NHD", backend=backend, validate=False)
+
+
 class Block(nn.Module):
     """One decoder layer: pre-norm attention (GQA, fused QKV) and a SwiGLU MLP (fused gate/up)."""
 
@@ -341,11 +363,7 @@ class Block(nn.Module):
         k_cache, v_cache = layer_cache[0], layer_cache[1]  # [B, Hkv, S, D] views, or [blocks, block_size, Hkv, D] pools
         write(k_cache, k)
         write(v_cache, v)
-        if block_table is None:
-            attn = engine_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, backend)
-        else:
-            attn = tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table, kv_layout="NHD",
-                                  backend=backend, validate=False)
+        attn = attend(q, k_cache, v_cache, cache_seqlens, tree_mask, backend, block_table)
         x = x + linear(attn.reshape(B, N, H * D), self.wo.weight)
         gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w2.weight)

@@ -178,9 +178,9 @@ _HAVE_KERNEL = []
 
 def _have_kernel() -> bool:
     if not _HAVE_KERNEL:
-        from specdec_kernels import _native
+        from specdec_kernels import has_native_kernel
 
-        _HAVE_KERNEL.append(_native.has_kernel("packed_linear", "cpu"))
+        _HAVE_KERNEL.append(has_native_kernel("packed_linear", "cpu"))
     return _HAVE_KERNEL[0]
 
 

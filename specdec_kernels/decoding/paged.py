@@ -26,6 +26,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels import compact_kv_cache
+
 NULL_BLOCK = 0
 DEFAULT_BLOCK_SIZE = 16
 
@@ -255,7 +257,5 @@ class PagedKVCache:
     def compact(self, cache_seqlens: torch.Tensor, accepted_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Move the accepted tree nodes' K/V into place (``compact_kv_cache`` through the block
         table, every layer in one call)."""
-        from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
-
         compact_kv_cache(self.pool, cache_seqlens, accepted_indices, num_accepted, block_table=self.block_table, kv_layout="NHD",
                          validate=False)  # the engine keeps its writes in private blocks (copy-on-write)

@@ -59,14 +59,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec_kernels import SUPPORTED_HEAD_DIMS, tree_attention
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
 from specdec_kernels.decoding.drafters.ngram import NgramDrafter
 from specdec_kernels.decoding.engine.stats import DecodeStats
-from specdec_kernels.ops.tree_attention import tree_attention
-from specdec_kernels.reference.tree_attention import SUPPORTED_HEAD_DIMS
 
 ATTENTION_NAME = "specdec_tree"
 DEFAULT_TREE_WIDTHS = (2, 2)  # assistant-model trees with tree=True: 2 children at depths 1 and 2

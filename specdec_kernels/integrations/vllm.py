@@ -207,16 +207,14 @@ def install() -> None:
         _ORIGINAL["apply_sampling_constraints"] = rs.apply_sampling_constraints
         rs.apply_sampling_constraints = apply_sampling_constraints
     _refuse_model_runner_v2()
-    from specdec_kernels import _native
+    from specdec_kernels import load_native
 
-    if not _native.load():
-        import specdec_kernels
-
+    if not load_native():
         _logger().warning(
             "specdec_kernels vLLM plugin: the package imported from %s has no compiled extension, so vLLM's drafts "
             "are verified by the PyTorch reference (slow). A process started inside a source checkout imports the "
             "checkout: start vLLM elsewhere, or install the package built (scripts/setup_vllm_env.sh)",
-            os.path.dirname(specdec_kernels.__file__))
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's folder
     if getattr(vllm, "__version__", None) not in TESTED_VLLM:
         _logger().warning("specdec_kernels vLLM plugin: tested with vLLM %s, running on %s (its internals matched)",
                           ", ".join(TESTED_VLLM), getattr(vllm, "__version__", "?"))

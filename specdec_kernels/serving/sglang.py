@@ -24,11 +24,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from specdec_kernels import tree_rejection_sample, verify_tree_greedy
 from specdec_kernels.checks import (
     FLOAT32_BELOW_ONE, FLOAT_DTYPES, INDEX_DTYPES, as_int, check_shape, check_tensor, check_uniforms, want_value_checks,
 )
-from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
-from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
 from specdec_kernels.tree import SGLangTree, from_sglang_tree
 
 SGLangOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -43,7 +43,7 @@ each step's accepted path).  ``MedusaDrafter`` then drafts
 * a static token tree from Medusa-style choice paths (``specdec_kernels.tree.
   medusa_choices_to_tree``): node (r_1, ..., r_d) is head d - 1's r_d-th best token under
   its parent.  The default tree is the one stored with the weights, chosen on held-out
-  prompts (see ``train_medusa``).
+  prompts (see ``decoding.training.medusa``).
 
 Drafts are deterministic (``Draft.probs`` is None): greedy verification, and lossless
 rejection sampling with q one-hot (tree_rejection_sample handles deterministic sibling
@@ -52,7 +52,8 @@ sets exactly), keep the target's output exact.
 Weights for SmolLM2-135M-Instruct ship in ``specdec_kernels/data/medusa/
 smollm2-135m-instruct.pt`` (``load_medusa_heads()``); they were trained by
 self-distillation with ``python -m specdec_kernels.decoding.training.medusa`` (the exact
-command is in that module's docstring and in the file's ``config["training"]``).
+command is in that module's docstring and in the file's ``config["training"]``, which names
+the trainer by its former module path ``decoding.train_medusa``: the arguments are the same).
 
 Example::
 

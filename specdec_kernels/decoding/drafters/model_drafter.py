@@ -25,11 +25,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from specdec_kernels import compact_kv_cache, sampling_probs
 from specdec_kernels.decoding.draft import Draft, Drafter, draft_distribution
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import PagedKVCache, length_groups
-from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
-from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask
 
 

@@ -31,6 +31,14 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from specdec_kernels import (
+    compact_kv_cache,
+    rejection_sample,
+    sampling_probs,
+    tree_rejection_sample,
+    verify_greedy,
+    verify_tree_greedy,
+)
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import as_int, as_int_list
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, resolve_policy
@@ -39,12 +47,6 @@ from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
 from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.typical import typical_acceptance
-from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
-from specdec_kernels.ops.rejection_sample import rejection_sample
-from specdec_kernels.ops.sampling_probs import sampling_probs
-from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
-from specdec_kernels.ops.verify_greedy import verify_greedy
-from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
 
 
 def _per_sequence(name: str, value, batch: int) -> List[int]:

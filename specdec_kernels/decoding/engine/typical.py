@@ -39,9 +39,14 @@ from specdec_kernels.checks import (
     check_tensor,
     check_uniforms,
 )
-from specdec_kernels.reference.rejection_sample import mass, sample_from_weights
+from specdec_kernels.reference import sample_from_weights
 
 DEFAULT_POSTERIOR_THRESHOLD = 0.09
+
+
+def mass(x: torch.Tensor) -> torch.Tensor:
+    """Non-negative sampling weights: negative entries and NaN carry no mass."""
+    return torch.where(x > 0, x, 0)
 
 
 def typical_thresholds(target_probs: torch.Tensor, posterior_threshold: float, posterior_alpha: float) -> torch.Tensor:
