@@ -26,10 +26,30 @@ from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
 
 __version__ = "0.1.0"
 
+
+def load_native() -> bool:
+    """Load the compiled extension ``specdec_kernels._C`` (once; later calls are free) and
+    return whether it loaded.  The ops load it themselves on first use; engines call this to
+    report a missing build.  Never raises: a failed load is reported by the ops' fallback
+    warning, which names the cause."""
+    from specdec_kernels import _native
+
+    return _native.load()
+
+
+def has_native_kernel(name: str, device_type: str) -> bool:
+    """Whether the extension has a kernel ``torch.ops.specdec.<name>_native`` for
+    ``device_type`` ("cpu" or "cuda"); False when it is not built or failed to load."""
+    from specdec_kernels import _native
+
+    return _native.has_kernel(name, device_type)
+
 __all__ = [
     "RejectionSampleDetails",
     "SUPPORTED_HEAD_DIMS",
     "compact_kv_cache",
+    "has_native_kernel",
+    "load_native",
     "reference",
     "reset_backends",
     "rejection_sample",

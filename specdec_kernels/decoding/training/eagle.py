@@ -28,7 +28,7 @@
    at temperature 0, chain and dynamic tree, and checks the outputs equal greedy.
 
 The shipped ``specdec_kernels/data/eagle/smollm2-135m-instruct.pt`` was made with the
-command stored in its ``config["training"]["command"]`` (see the README).  ``--random-model``
+command stored in its ``config["training"]["command"]`` (see docs/ENGINE.md).  ``--random-model``
 runs the whole pipeline on a tiny random Llama (a smoke test, seconds).
 """
 from __future__ import annotations
