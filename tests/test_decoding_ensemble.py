@@ -24,10 +24,9 @@ from specdec_kernels.decoding.drafters.ngram import ngram_next_counts
 from tests.test_decoding_eagle import PROMPTS, V, features, random_head, tiny, train_prompts, trained, tiny_rows  # noqa: F401
 from tests.test_decoding_medusa import random_heads
 from tests.test_decoding_tiny import exact_marginals
-from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
-P_THRESHOLD = 1e-3
 SP = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
 
 

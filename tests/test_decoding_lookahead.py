@@ -12,10 +12,9 @@ from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
 from specdec_kernels.tree import path_to
 from tests.test_decoding_eagle import PROMPTS, V, tiny  # noqa: F401
 from tests.test_decoding_tiny import exact_marginals
-from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
-P_THRESHOLD = 1e-3
 
 
 class TreeRecorder(Drafter):

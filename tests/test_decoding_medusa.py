@@ -22,13 +22,12 @@ from specdec_kernels.decoding.drafters.medusa import (
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
 from tests.test_decoding_tiny import exact_marginals, tiny_llama
-from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 
 V = 111
 HIDDEN = 64
-P_THRESHOLD = 1e-3
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12], [3, 1]]
 
 

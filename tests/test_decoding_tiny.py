@@ -20,12 +20,11 @@ from specdec_kernels.decoding import (
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 
 V = 111
-P_THRESHOLD = 1e-3
 
 
 def tiny_llama(seed: int = 0):

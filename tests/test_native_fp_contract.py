@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.utils import ROOT
+
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 # compiles a C++ file: run apart from the parallel test workers (scripts/run_tests.sh)

@@ -31,6 +31,7 @@ from specdec_kernels.reference.compact_kv_cache import (
     cache_views,
     check_paged_compact_kv_cache_args,
 )
+from tests.utils import ROOT
 
 OP = "paged_compact_kv_cache"
 native = pytest.mark.requires_native_op(OP)
@@ -147,7 +148,6 @@ def as_container(pool, container):
 
 # --------------------------------------------------------------------------- CUDA kernel on the host
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class KVSlice(ctypes.Structure):  # SpecdecKVSlice in csrc/compact_kv_cache.cuh

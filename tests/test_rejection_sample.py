@@ -6,16 +6,10 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.utils import chi_square_pvalue, gen, on_device, runnable_backends
+from tests.utils import DRAWS, P_THRESHOLD, chi_square_pvalue, gen, on_device, runnable_backends
 
 BACKENDS = runnable_backends("rejection_sample")
 
-# Distribution tests: fixed seeds make each outcome deterministic.  Under a correct sampler the
-# p-value is uniform, so a threshold of 1e-3 fails a correct implementation with probability
-# 0.1% per (seed, case) and, at n = 20,000 draws over ~12 tokens, detects a total-variation
-# error of a few percent with near certainty (the negative control below shows it does).
-P_THRESHOLD = 1e-3
-DRAWS = 20_000
 
 P0 = [0.1, 0.6, 0.2, 0.1]
 P1 = [0.25, 0.25, 0.25, 0.25]

@@ -4,16 +4,11 @@ torch.library registration (opcheck)."""
 import pytest
 import torch
 
-from specdec_kernels import _backend
 from specdec_kernels.ops import sampling_probs as op
 from specdec_kernels.reference.sampling_probs import sampling_probs as reference_sampling_probs
-from tests.utils import DTYPE_IDS, DTYPES, TOLERANCES, gen
+from tests.utils import DTYPE_IDS, DTYPES, TOLERANCES, gen, requires_triton
 
-pytestmark = pytest.mark.skipif(
-    "triton" not in op.IMPLEMENTED or _backend._can_run("triton", "sampling_probs", torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")) is not None,
-    reason="Triton cannot run here (not installed, or CPU tensors without TRITON_INTERPRET=1)",
-)
+pytestmark = requires_triton("sampling_probs")
 
 FP32 = TOLERANCES[torch.float32]
 

@@ -4,16 +4,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench import static
+from tests.utils import ROOT
 
 # compiles every kernel configuration in worker processes: run apart from the parallel test workers (scripts/run_tests.sh)
 pytestmark = pytest.mark.serial
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

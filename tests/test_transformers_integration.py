@@ -22,7 +22,7 @@ import torch
 from specdec_kernels.decoding import NgramDrafter, have_smollm2
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
 from tests.test_hf_families import COMMON, PROMPTS, V, logit_scale, tiny_family
-from tests.utils import assert_close, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, assert_close, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 from specdec_kernels.integrations import transformers as hf_int  # noqa: E402
@@ -34,7 +34,6 @@ from specdec_kernels.integrations.transformers import (  # noqa: E402
 )
 
 FAMILIES = ["llama", "qwen2", "mistral"]
-P_THRESHOLD = 1e-3
 
 
 def left_padded(prompts, pad=0):

@@ -6,8 +6,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.test_rejection_sample import DRAWS, P_THRESHOLD
-from tests.utils import chi_square_pvalue, gen, on_device, runnable_backends
+from tests.utils import DRAWS, P_THRESHOLD, chi_square_pvalue, gen, on_device, runnable_backends
 
 BACKENDS = runnable_backends("tree_rejection_sample")
 

@@ -4,25 +4,12 @@ cases, and the torch.library registration (opcheck)."""
 import pytest
 import torch
 
-from specdec_kernels import _backend
 from specdec_kernels.ops import tree_rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.tree_rejection_sample import tree_rejection_sample as reference_tree_rejection_sample
-from tests.utils import DTYPE_IDS, DTYPES, chi_square_pvalue, gen
+from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, chi_square_pvalue, gen, requires_triton
 
-pytestmark = pytest.mark.skipif(
-    "triton" not in op.IMPLEMENTED or _backend._can_run("triton", "tree_rejection_sample", torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")) is not None,
-    reason="Triton cannot run here (not installed, or CPU tensors without TRITON_INTERPRET=1)",
-)
-
-# Distribution tests: seeds are fixed, so each outcome is deterministic.  For a correct sampler
-# the p-value is uniform on [0, 1]; a threshold of 1e-3 would fail a correct kernel for 0.1% of
-# seeds, while at 20,000 draws over ~20 tokens an error of a few percent in total variation
-# (a residual not renormalised, a rejected token not removed, a reused coin) gives p-values
-# below 1e-20.
-P_THRESHOLD = 1e-3
-DRAWS = 20_000
+pytestmark = requires_triton("tree_rejection_sample")
 
 
 def kernel(*args, **kwargs):

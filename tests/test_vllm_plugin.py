@@ -17,14 +17,12 @@ import subprocess
 import sys
 import types
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec_kernels.integrations import vllm as plugin
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.utils import ROOT
 
 
 # ------------------------------------------------------------------ no vLLM needed
