@@ -15,7 +15,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import tree
 from specdec_kernels.serving import sglang as sg
-from tests.test_verify_tree_greedy_kernel import random_parents
+from tests.ops.verify_tree_greedy.test_triton import random_parents
 from tests.utils import DRAWS, P_THRESHOLD, chi_square_pvalue, gen, on_device, runnable_backends
 
 GREEDY_BACKENDS = runnable_backends("verify_tree_greedy")

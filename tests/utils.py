@@ -86,6 +86,13 @@ def runnable_backends(op_name: str, device=None):
     return [b for b in module.IMPLEMENTED if _backend._can_run(b, op_name, torch.device(device)) is None]
 
 
+def assert_same_tokens(got, want) -> None:
+    """The integer outputs of the native path equal the reference's exactly, as int64."""
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int64
+        assert torch.equal(g, w), f"native {g.tolist()} != reference {w.tolist()}"
+
+
 def requires_triton(op_name: str):
     """Skip a module's tests where the Triton kernel of ``op_name`` cannot run (triton not
     installed, or CPU tensors without TRITON_INTERPRET=1); use as its ``pytestmark``."""

@@ -2,7 +2,7 @@
 torch.ops.specdec.paged_tree_attention_native, csrc/paged_attention_cpu.cpp) against the
 float64 reference.
 
-Inputs come from tests/test_paged_tree_attention.py's ``paged_case``: each sequence's logical
+Inputs come from test_paged.py's ``paged_case``: each sequence's logical
 blocks scattered over a pool in shuffled order, some shared between sequences, unused blocks
 and the slots past every sequence NaN, unused table entries -1.  On top of those cases: many
 (N, D) pairs and prefixes longer than the kernel's 32-slot chunks, every dtype, visible
@@ -15,7 +15,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _backend, reference
 from specdec_kernels.ops import tree_attention as ta
-from tests.test_paged_tree_attention import CASES, expected, make_mask, paged_case, to_pool
+from tests.ops.tree_attention.test_paged import CASES, expected, make_mask, paged_case, to_pool
 from tests.utils import DTYPE_IDS, DTYPES, assert_close, gen, one_thread  # noqa: F401  (one intra-op thread)
 
 pytestmark = pytest.mark.requires_native_op("paged_tree_attention")

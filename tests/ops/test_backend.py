@@ -156,3 +156,12 @@ def test_installed_torch_requirement_matches_the_build():
         assert torch_req == [f"torch=={major}.{minor}.*"], reqs
     else:
         assert torch_req == ["torch>=2.4"], reqs
+
+
+@pytest.mark.requires_native_op("verify_greedy")
+def test_automatic_backend_on_cpu_is_native():
+    from specdec_kernels import _backend
+
+    for op in ("verify_greedy", "verify_tree_greedy", "rejection_sample", "tree_rejection_sample", "sampling_probs"):
+        assert _native.has_kernel(op, "cpu")
+        assert _backend.resolve(op, torch.device("cpu"), None, ("reference", "native", "triton")) == "native"

@@ -7,7 +7,7 @@ specialisation worth checking (dtypes, block sizes).  Every function named ``_*_
 those modules must appear in at least one spec.
 
 The interpreter (TRITON_INTERPRET=1) must be off so the kernels are real JITFunctions, so
-tests run this file in a subprocess:  python tests/aot_compile.py [--archs 80,90]
+tests run this file in a subprocess:  python tests/ops/aot_compile.py [--archs 80,90]
 It prints one JSON object: {"results": [{"kernel", "arch", "ok", "error"}], "missing": [...]}.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _compile(job):
 
 def main() -> int:
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
     parser = argparse.ArgumentParser()
     parser.add_argument("--archs", default="80,90")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
