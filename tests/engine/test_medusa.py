@@ -21,7 +21,7 @@ from specdec_kernels.decoding.drafters.medusa import (
 )
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
-from tests.test_decoding_tiny import exact_marginals, tiny_llama
+from tests.engine.test_tiny_model import exact_marginals, tiny_llama
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,7 @@ from specdec_kernels.decoding import (
     have_smollm2,
 )
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.test_decoding_tiny import OracleDrafter
+from tests.engine.test_tiny_model import OracleDrafter
 from tests.utils import one_thread  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(

@@ -19,7 +19,7 @@ from specdec_kernels.decoding import (
     have_smollm2,
 )
 from specdec_kernels.decoding.drafters.multi import MultiDrafter, map_to_merged, own_accepted_path
-from tests.test_decoding_tiny import PROMPTS, exact_marginals, ngram_friendly_prompt, one_thread, tiny  # noqa: F401
+from tests.engine.test_tiny_model import PROMPTS, exact_marginals, ngram_friendly_prompt, one_thread, tiny  # noqa: F401
 from tests.utils import chi_square_pvalue
 
 

@@ -21,7 +21,7 @@ import torch
 
 from specdec_kernels.decoding import NgramDrafter, have_smollm2
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.test_hf_families import COMMON, PROMPTS, V, logit_scale, tiny_family
+from tests.engine.test_hf_families import COMMON, PROMPTS, V, logit_scale, tiny_family
 from tests.utils import P_THRESHOLD, assert_close, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")

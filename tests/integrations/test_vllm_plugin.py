@@ -190,7 +190,7 @@ def vllm_env() -> str:
 def checks(vllm_env, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "checks.json"
     # -I: the installed specdec_kernels of the vLLM environment, not this checkout
-    proc = subprocess.run([vllm_env, "-I", str(ROOT / "tests" / "vllm_checks.py"), str(out)], cwd=out.parent,
+    proc = subprocess.run([vllm_env, "-I", str(ROOT / "tests" / "integrations" / "vllm_checks.py"), str(out)], cwd=out.parent,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

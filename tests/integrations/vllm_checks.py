@@ -1,6 +1,6 @@
-"""Checks of the vLLM plugin that need vLLM itself; run by tests/test_vllm_plugin.py with the
-vLLM environment's Python (``python -I tests/vllm_checks.py OUT.json``: the specdec_kernels
-installed in that environment, not the checkout).
+"""Checks of the vLLM plugin that need vLLM itself; run by tests/integrations/test_vllm_plugin.py
+with the vLLM environment's Python (``python -I tests/integrations/vllm_checks.py OUT.json``: the
+specdec_kernels installed in that environment, not the checkout).
 
 No engine is started: vLLM's own ``rejection_sample`` (with the CPU platform's kernels
 registered, as its workers do) and the plugin's are called on the same synthetic flattened

@@ -1,10 +1,10 @@
 """The engine over a paged KV cache, with and without prefix sharing (``decoding/paged.py``).
 
 Unit tests of the sharing plan and the block tables by hand; then, on the tiny random Llama
-of ``test_decoding_tiny``: paged decoding equals dense decoding, and prefix-shared batch
+of ``test_tiny_model``: paged decoding equals dense decoding, and prefix-shared batch
 decoding equals decoding every prompt alone (greedy, every model drafter, chains and trees),
 while the shared prefix is computed once (prefill and draft-model positions counted) and
-the cache takes fewer blocks.  The same on the real model in ``test_decoding_real``.
+the cache takes fewer blocks.  The same on the real model in ``test_real_model``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.multi import MultiDrafter
 from specdec_kernels.decoding.paged import NULL_BLOCK, CacheLayout, PagedKVCache, common_prefix_length, plan_prefix_sharing
-from tests.test_decoding_tiny import V, tiny  # noqa: F401 (fixture)
+from tests.engine.test_tiny_model import V, tiny  # noqa: F401 (fixture)
 from tests.utils import one_thread  # noqa: F401 (fixture)
 
 

@@ -17,7 +17,7 @@ from specdec_kernels.decoding.drafters.medusa import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import label_ranking
-from tests.test_decoding_tiny import exact_marginals, tiny_llama
+from tests.engine.test_tiny_model import exact_marginals, tiny_llama
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")

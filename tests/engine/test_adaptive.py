@@ -31,7 +31,7 @@ from specdec_kernels.decoding.engine.adaptive import (
 )
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.engine.loop import StepRecord
-from tests.test_decoding_tiny import PROMPTS, one_thread, tiny  # noqa: F401
+from tests.engine.test_tiny_model import PROMPTS, one_thread, tiny  # noqa: F401
 
 
 def record(ks, depths, accepted, *, draft_time=0.0, verify_time=1.0, nodes=None):

@@ -10,8 +10,8 @@ import torch
 from specdec_kernels.decoding import Draft, Drafter, MultiDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder, have_smollm2
 from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
 from specdec_kernels.tree import path_to
-from tests.test_decoding_eagle import PROMPTS, V, tiny  # noqa: F401
-from tests.test_decoding_tiny import exact_marginals
+from tests.engine.test_eagle import PROMPTS, V, tiny  # noqa: F401
+from tests.engine.test_tiny_model import exact_marginals
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")

@@ -523,7 +523,7 @@ def chi_square_tree(B):
 def test_all_zero_draft_probs_mapped_call_is_lossless():
     """The emitted first token follows the target's root row exactly.
 
-    P_THRESHOLD = 1e-3 with DRAWS = 20,000 over 12 tokens (tests/test_rejection_sample.py):
+    P_THRESHOLD = 1e-3 with DRAWS = 20,000 over 12 tokens (tests/utils.py):
     a correct sampler fails with probability 0.1%, and a total-variation error of a few
     percent is detected with near certainty.  Here the error of the unmapped call (q = 0:
     the head of the list always accepted) is total: the negative control below shows it.

@@ -21,9 +21,9 @@ from specdec_kernels.decoding import (
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter
 from specdec_kernels.decoding.drafters.ngram import ngram_next_counts
-from tests.test_decoding_eagle import PROMPTS, V, features, random_head, tiny, train_prompts, trained, tiny_rows  # noqa: F401
-from tests.test_decoding_medusa import random_heads
-from tests.test_decoding_tiny import exact_marginals
+from tests.engine.test_eagle import PROMPTS, V, features, random_head, tiny, train_prompts, trained, tiny_rows  # noqa: F401
+from tests.engine.test_medusa import random_heads
+from tests.engine.test_tiny_model import exact_marginals
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
