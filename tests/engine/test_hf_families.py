@@ -18,44 +18,12 @@ import torch
 from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter, SpeculativeDecoder, Transformer
 from specdec_kernels.decoding.model import unsupported_hf_config
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
+from tests.engine.families import COMMON, PROMPTS, family_config, logit_scale, tiny_family
 from tests.utils import TOLERANCES, assert_close, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
 
-V = 111
 FAMILIES = ["llama", "llama3-rope", "qwen2", "mistral"]
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, eos_token_id=None,
-              bos_token_id=None, pad_token_id=None)
-
-
-def family_config(name: str, **overrides):
-    """The transformers config of a tiny model of family ``name`` (see FAMILIES)."""
-    kw = {**COMMON, **overrides}
-    if name == "llama":
-        return transformers.LlamaConfig(**{"tie_word_embeddings": True, **kw})
-    if name == "llama3-rope":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-        return transformers.LlamaConfig(**{"rope_parameters": rope, **kw})
-    if name == "qwen2":
-        return transformers.Qwen2Config(**{"tie_word_embeddings": False, **kw})
-    if name == "mistral":
-        return transformers.MistralConfig(**{"head_dim": 32, "sliding_window": None, "tie_word_embeddings": False, **kw})
-    raise ValueError(name)
-
-
-def tiny_family(name: str, seed: int = 0):
-    """A random-weight transformers causal LM of family ``name`` (eval mode); a Qwen2's q/k/v
-    biases are drawn at random too (transformers initialises biases to zero)."""
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(family_config(name)).eval()
-    if name == "qwen2":
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.5)
-    return hf
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -63,15 +31,6 @@ def family(request):
     """(name, transformers model, our Transformer) sharing the weights."""
     hf = tiny_family(request.param)
     return request.param, hf, Transformer.from_hf_model(hf)
-
-
-PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 5, 17, 33], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
-
-
-def logit_scale(ref: torch.Tensor) -> float:
-    """Logits are sums over the hidden size of products of O(1) values: rounding errors grow with
-    their magnitude, so the table's tolerances are applied relative to max |logit| (>= 1)."""
-    return max(1.0, ref.abs().max().item())
 
 
 # ---------------------------------------------------------------------------- the forward

