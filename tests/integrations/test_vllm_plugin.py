@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from specdec_kernels.integrations import vllm as plugin
-from tests.utils import ROOT
+from tests.utils import P_THRESHOLD, ROOT
 
 
 # ------------------------------------------------------------------ no vLLM needed
@@ -409,7 +409,7 @@ def test_goodness_of_fit_has_power(exact_pmf):
                                 generator=g)
         p, dof, outside = _goodness_of_fit([keys[i] for i in idx.tolist()], exact_pmf, DIST_REQUESTS)
         assert not outside and dof >= 4
-        assert bool(p > 1e-3) == should_pass, (should_pass, p)
+        assert bool(p > P_THRESHOLD) == should_pass, (should_pass, p)
 
 
 @pytest.mark.vllm
@@ -432,7 +432,7 @@ def test_sampled_tokens_follow_the_target_distribution(tp1, exact_pmf):
     p, dof, outside = _goodness_of_fit(samples, exact_pmf, DIST_REQUESTS)
     assert not outside, f"tokens outside the top-{DIST_TOP_K} support: {outside[:5]}"
     assert dof >= 4
-    assert p > 1e-3, f"chi-square p = {p:.2g} on {dof} degrees of freedom"
+    assert p > P_THRESHOLD, f"chi-square p = {p:.2g} on {dof} degrees of freedom"
 
 
 @pytest.mark.vllm

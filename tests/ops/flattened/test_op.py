@@ -17,7 +17,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.utils import DTYPE_IDS, DTYPES, chi_square_pvalue, gen, runnable_backends
+from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
 
 GREEDY_BACKENDS = runnable_backends("verify_greedy_flattened")
 SAMPLE_BACKENDS = runnable_backends("rejection_sample_flattened")
@@ -555,7 +555,7 @@ def test_flattened_rejection_sampling_is_lossless():
     variation (a wrong residual, a coin taken from another request's span, a bonus row of the
     neighbour) gives p-values far below it; the negative control (the drafts themselves taken
     as the output, i.e. q instead of P) must fail, showing the test has that power."""
-    V, R = 12, 20_000
+    V, R = 12, DRAWS
     g = gen(16)
     P = torch.softmax(torch.randn(4, V, generator=g) * 1.5, -1)
     Q = torch.softmax(torch.log(P[:3]) + torch.randn(3, V, generator=g), -1)
@@ -567,12 +567,12 @@ def test_flattened_rejection_sampling_is_lossless():
     for backend in SAMPLE_BACKENDS:
         out, acc = run(sk.rejection_sample_flattened, rows_p, rows_q, drafts, cu, max_spec_len=3, generator=gen(17),
                        backend=backend)
-        assert chi_square_pvalue(out[:, 0], P[0]) > 1e-3, backend
+        assert chi_square_pvalue(out[:, 0], P[0]) > P_THRESHOLD, backend
         second = out[acc >= 1, 1]
         assert second.numel() > 5000
-        assert chi_square_pvalue(second, P[1]) > 1e-3, backend
+        assert chi_square_pvalue(second, P[1]) > P_THRESHOLD, backend
     first_drafts = drafts[(cu - torch.tensor(counts))[torch.tensor(counts) > 0]]
-    assert chi_square_pvalue(first_drafts, P[0]) < 1e-3  # negative control: q is not P
+    assert chi_square_pvalue(first_drafts, P[0]) < P_THRESHOLD  # negative control: q is not P
 
 
 # --------------------------------------------------------------------------- bad input
