@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root
 P_THRESHOLD = 1e-3
 DRAWS = 20_000
 
+NAN = float("nan")
+
 # Tolerances of a kernel against the float64 reference, per input dtype.  The bounds follow
 # flash-attention's rule of thumb: a few times the error of the same computation done by
 # PyTorch at the kernel's precision (fp16 has 11 mantissa bits, bf16 8, fp32 24).
@@ -86,11 +88,16 @@ def runnable_backends(op_name: str, device=None):
     return [b for b in module.IMPLEMENTED if _backend._can_run(b, op_name, torch.device(device)) is None]
 
 
-def assert_same_tokens(got, want) -> None:
-    """The integer outputs of the native path equal the reference's exactly, as int64."""
+def to_device(case: dict, device) -> dict:
+    """A dict of inputs with its tensors moved to ``device``."""
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+def assert_same(got, want) -> None:
+    """The integer outputs of a fast path equal the reference's exactly, as int64."""
     for g, w in zip(got, want):
         assert g.dtype == torch.int64
-        assert torch.equal(g, w), f"native {g.tolist()} != reference {w.tolist()}"
+        assert torch.equal(g, w), f"fast path {g.tolist()} != reference {w.tolist()}"
 
 
 def requires_triton(op_name: str):

@@ -17,7 +17,6 @@ chunk before any thread's stores, the pools described by the binding's own host 
 import ctypes
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -31,6 +30,7 @@ from specdec_kernels.reference.compact_kv_cache import (
     cache_views,
     check_paged_compact_kv_cache_args,
 )
+from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs, find_nvcc
 from tests.utils import ROOT
 
 OP = "paged_compact_kv_cache"
@@ -149,38 +149,16 @@ def as_container(pool, container):
 # --------------------------------------------------------------------------- CUDA kernel on the host
 
 
-
-class KVSlice(ctypes.Structure):  # SpecdecKVSlice in csrc/compact_kv_cache.cuh
-    _fields_ = [("base", ctypes.c_void_p), ("stride_b", ctypes.c_int64), ("stride_h", ctypes.c_int64),
-                ("stride_s", ctypes.c_int64)]
-
-
-class LaunchArgs(ctypes.Structure):  # SpecdecCompactKVArgs in csrc/compact_kv_cache.cuh
-    _fields_ = [(name, ctypes.c_void_p if name in ("table", "base", "cache_seqlens", "accepted_indices", "num_accepted")
-                 else ctypes.c_int if name.endswith("_int64") else ctypes.c_int64)
-                for name in ("table", "base", "inner", "stride_outer", "stride_inner", "stride_b", "stride_h",
-                             "stride_s", "num_caches", "batch", "heads", "capacity", "row_bytes", "alignment",
-                             "cache_seqlens", "seqlens_stride", "seqlens_int64", "accepted_indices",
-                             "indices_stride_b", "indices_stride_m", "indices_int64", "max_accepted",
-                             "num_accepted", "counts_stride", "counts_int64")]
-
-
 class PagedLaunchArgs(ctypes.Structure):  # SpecdecPagedCompactKVArgs in csrc/compact_kv_cache.cuh
     _fields_ = [("kv", LaunchArgs), ("block_table", ctypes.c_void_p), ("block_table_stride_b", ctypes.c_int64),
                 ("block_table_stride_m", ctypes.c_int64), ("block_table_int64", ctypes.c_int),
                 ("max_blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
 
 
-def _nvcc():
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    found = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
-    return found if os.path.exists(found) else None
-
-
 @pytest.fixture(scope="session")
 def emulator(tmp_path_factory):
     """The CUDA kernel source compiled for host emulation (ctypes library)."""
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found: cannot build the host emulation of the CUDA kernel")
     out = tmp_path_factory.mktemp("paged_compact_kv_emu") / "paged_compact_kv_emu.so"

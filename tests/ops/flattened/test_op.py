@@ -17,12 +17,11 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
+from tests.utils import DRAWS, DTYPE_IDS, DTYPES, NAN, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
 
 GREEDY_BACKENDS = runnable_backends("verify_greedy_flattened")
 SAMPLE_BACKENDS = runnable_backends("rejection_sample_flattened")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NAN = float("nan")
 
 # draft counts K_b per request (ids name the case)
 COUNTS = {

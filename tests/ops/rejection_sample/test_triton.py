@@ -7,7 +7,8 @@ import torch
 from specdec_kernels.ops import rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.rejection_sample import rejection_sample as reference_rejection_sample
-from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, chi_square_pvalue, gen, requires_triton
+from tests.ops.sampling import TARGETS, TILINGS
+from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, assert_same, chi_square_pvalue, gen, requires_triton, to_device
 
 pytestmark = requires_triton("rejection_sample")
 
@@ -49,10 +50,6 @@ def chain_case(B, K, V, *, sampled, seed=0, dtype=torch.float32, ragged=True, in
     )
 
 
-def to_device(case, device):
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-
-
 def run_both(case, device):
     """(kernel result, reference result), both on CPU, for the same inputs and randoms."""
     c = to_device(case, device)
@@ -62,12 +59,6 @@ def run_both(case, device):
                                       case["num_draft_tokens"], uniform_samples=case["uniform_samples"],
                                       sample_uniforms=case["sample_uniforms"])
     return tuple(t.cpu() for t in got), want
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want):
-        assert g.dtype == torch.int64
-        assert torch.equal(g, w), f"kernel {g.tolist()} != reference {w.tolist()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,11 +85,6 @@ def test_matches_reference_low_precision_and_int32_ids(device, dtype, sampled):
 def test_matches_reference_at_real_vocabulary_sizes(device, V):
     for sampled in (True, False):
         assert_same(*run_both(chain_case(2, 3, V, sampled=sampled, seed=V, ragged=False), device))
-
-
-# vocabulary chunks (the batch-1 split): (BLOCK_B, BLOCK_V, chunks per row); a chunk count
-# above the tile count is clamped, tiles per chunk > 1 and an uneven last chunk occur
-TILINGS = [(1, 16, 2), (2, 16, 3), (4, 32, 5), (1, 16, 64), (8, 16, 7)]
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
@@ -329,14 +315,6 @@ def distribution_targets(V, seed):
     logits_p = torch.randn(3, V, generator=g) * 1.5
     logits_q = logits_p + torch.randn(3, V, generator=g)
     return logits_p, logits_q[:2]
-
-
-TARGETS = {
-    "t1.0": dict(temperature=1.0),
-    "t0.6": dict(temperature=0.6),
-    "t1.0_topk8": dict(temperature=1.0, top_k=8),
-    "t0.6_topp0.8": dict(temperature=0.6, top_p=0.8),
-}
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])

@@ -16,10 +16,9 @@ from specdec_kernels import reference
 from specdec_kernels.ops.tree_attention import pack_tree_mask
 from specdec_kernels.reference.tree_attention import gather_paged_kv
 from specdec_kernels.tree import ancestor_mask
-from tests.utils import DTYPE_IDS, DTYPES, assert_close, gen, runnable_backends
+from tests.utils import DTYPE_IDS, DTYPES, NAN, assert_close, gen, runnable_backends
 
 ALL = runnable_backends("tree_attention")
-NAN = float("nan")
 
 
 def random_parents(N, g):

@@ -16,10 +16,9 @@ import specdec_kernels as sk
 from specdec_kernels import _backend, reference
 from specdec_kernels.ops import tree_attention as ta
 from tests.ops.tree_attention.test_paged import CASES, expected, make_mask, paged_case, to_pool
-from tests.utils import DTYPE_IDS, DTYPES, assert_close, gen, one_thread  # noqa: F401  (one intra-op thread)
+from tests.utils import DTYPE_IDS, DTYPES, NAN, assert_close, gen, one_thread  # noqa: F401  (one intra-op thread)
 
 pytestmark = pytest.mark.requires_native_op("paged_tree_attention")
-NAN = float("nan")
 
 
 def native(q, pk, pv, lens, mask, table, layout, **kw):

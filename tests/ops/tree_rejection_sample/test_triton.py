@@ -7,7 +7,8 @@ import torch
 from specdec_kernels.ops import tree_rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.tree_rejection_sample import tree_rejection_sample as reference_tree_rejection_sample
-from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, chi_square_pvalue, gen, requires_triton
+from tests.ops.sampling import TARGETS, TILINGS
+from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, assert_same, chi_square_pvalue, gen, requires_triton, to_device
 
 pytestmark = requires_triton("tree_rejection_sample")
 
@@ -76,10 +77,6 @@ def tree_case(B, N, V, *, sampled, seed=0, dtype=torch.float32, shared=True, rag
     )
 
 
-def to_device(case, device):
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
-
-
 ARGS = ("target_probs", "tree_tokens", "tree_parents", "draft_probs", "num_nodes")
 
 
@@ -89,12 +86,6 @@ def run_both(case, device):
     want = reference_tree_rejection_sample(*(case[a] for a in ARGS), uniform_samples=case["uniform_samples"],
                                            sample_uniforms=case["sample_uniforms"])
     return tuple(t.cpu() for t in got), want
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want):
-        assert g.dtype == torch.int64
-        assert torch.equal(g, w), f"kernel {g.tolist()} != reference {w.tolist()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,11 +129,6 @@ def test_many_siblings_many_rejections(device, sampled):
     got, want = run_both(case, device)
     assert_same(got, want)
     assert ((got[1][:, 1] > 3) | (got[2] == 0)).any()  # three or more rejections at the root
-
-
-# vocabulary chunks (the batch-1 split): (BLOCK_B, BLOCK_V, chunks per row); chunk counts above
-# the tile count are clamped, several tiles per chunk and an uneven last chunk occur
-TILINGS = [(1, 16, 2), (2, 16, 3), (4, 32, 5), (1, 16, 64), (8, 16, 7)]
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_children", "deterministic_children"])
@@ -342,12 +328,6 @@ def test_out_of_range_ids_are_rejected_without_reading_outside(device):
 # ---------------------------------------------------------------------------------------------
 # distribution of the kernel's output
 
-TARGETS = {
-    "t1.0": dict(temperature=1.0),
-    "t0.6": dict(temperature=0.6),
-    "t1.0_topk8": dict(temperature=1.0, top_k=8),
-    "t0.6_topp0.8": dict(temperature=0.6, top_p=0.8),
-}
 # root -> nodes 1, 2, 3; node 1 -> 4, 5; node 2 -> 6
 TREE = torch.tensor([-1, 0, 0, 0, 1, 1, 2])
 

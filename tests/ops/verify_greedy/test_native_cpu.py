@@ -7,7 +7,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import reference
 from tests.ops.verify_greedy import test_triton as verify_tests
-from tests.utils import DTYPE_IDS, DTYPES, assert_same_tokens, gen
+from tests.utils import DTYPE_IDS, DTYPES, assert_same, gen
 
 pytestmark = pytest.mark.requires_native_op("verify_greedy")
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.requires_native_op("verify_greedy")
 def test_verify_greedy_matches_reference(shape, dtype):
     for seed, id_dtype in enumerate((torch.int32, torch.int64)):
         logits, drafts, counts = verify_tests.make_case(*shape, dtype=dtype, id_dtype=id_dtype, seed=seed)
-        assert_same_tokens(sk.verify_greedy(logits, drafts, counts, backend="native"), reference.verify_greedy(logits, drafts, counts))
+        assert_same(sk.verify_greedy(logits, drafts, counts, backend="native"), reference.verify_greedy(logits, drafts, counts))
 
 
 def test_verify_greedy_nan_rows_and_strided_logits():
@@ -28,8 +28,8 @@ def test_verify_greedy_nan_rows_and_strided_logits():
     wide = torch.randn(3, 4, 20, generator=gen(2))[..., ::2].clone()[..., :9]
     for lg in (logits, logits.transpose(0, 1).contiguous().transpose(0, 1), wide):
         d = lg.argmax(-1)[:, :3]
-        assert_same_tokens(sk.verify_greedy(lg, d, backend="native"), reference.verify_greedy(lg, d))
-    assert_same_tokens(sk.verify_greedy(logits, drafts, backend="native"), reference.verify_greedy(logits, drafts))
+        assert_same(sk.verify_greedy(lg, d, backend="native"), reference.verify_greedy(lg, d))
+    assert_same(sk.verify_greedy(logits, drafts, backend="native"), reference.verify_greedy(logits, drafts))
 
 
 def test_native_argmax_rule_on_special_rows():

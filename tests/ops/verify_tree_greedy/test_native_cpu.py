@@ -7,7 +7,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import reference
 from tests.ops.verify_tree_greedy import test_triton as tree_verify_tests
-from tests.utils import assert_same_tokens
+from tests.utils import assert_same
 
 pytestmark = pytest.mark.requires_native_op("verify_tree_greedy")
 
@@ -17,5 +17,5 @@ pytestmark = pytest.mark.requires_native_op("verify_tree_greedy")
 def test_verify_tree_greedy_matches_reference(shape, shared):
     for seed, id_dtype in enumerate((torch.int32, torch.int64)):
         logits, tokens, parents, n = tree_verify_tests.make_case(*shape, shared=shared, id_dtype=id_dtype, seed=seed)
-        assert_same_tokens(sk.verify_tree_greedy(logits, tokens, parents, n, backend="native"),
+        assert_same(sk.verify_tree_greedy(logits, tokens, parents, n, backend="native"),
               reference.verify_tree_greedy(logits, tokens, parents, n))

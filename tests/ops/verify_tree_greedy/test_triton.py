@@ -10,9 +10,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import reference
 from specdec_kernels.ops import verify_tree_greedy as op
-from tests.utils import DTYPE_IDS, DTYPES
-
-NAN = float("nan")
+from tests.utils import DTYPE_IDS, DTYPES, NAN
 
 
 def random_parents(N, g, bushy):
