@@ -1,4 +1,4 @@
-"""What the tests that run the CUDA kernel's own code on the host share (test_native.py,
+"""What the tests that run the CUDA kernel's own code on the host share (test_kernels.py,
 test_paged.py): the ctypes mirrors of csrc/compact_kv_cache.cuh's structs and the nvcc locator."""
 import ctypes
 import os

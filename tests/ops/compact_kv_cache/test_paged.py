@@ -12,7 +12,7 @@ on the ``device`` fixture (the C++ kernel on CPU, the CUDA kernel on a GPU), and
 ``cuda_emulated``: the CUDA kernel's own code (``csrc/compact_kv_cache.cu`` built by nvcc with
 SPECDEC_COMPACT_KV_HOST_EMULATION) run on the host block by block, every thread's loads of a
 chunk before any thread's stores, the pools described by the binding's own host helper (as
-``test_native.py`` does for the dense kernel).
+``test_kernels.py`` does for the dense kernel).
 """
 import ctypes
 import os
