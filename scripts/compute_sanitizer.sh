@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the CUDA KV-cache compaction tests (tests/test_compact_kv_cache_kernel.py).
+# compute-sanitizer over the CUDA KV-cache compaction tests (tests/ops/compact_kv_cache/test_kernels.py).
 #
 #   bash scripts/compute_sanitizer.sh [OUT_DIR] [extra pytest args...]
 #
@@ -28,7 +28,7 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-TESTS=tests/test_compact_kv_cache_kernel.py
+TESTS=tests/ops/compact_kv_cache/test_kernels.py
 # memcheck: every access-pattern case of the CUDA kernel (native tests only, not the host emulation).
 MEMCHECK_K="native and (out_of_range or overlap_hazard or layouts or long_paths or misaligned or identity or index_dtypes or cuda_ or fp16-D67)"
 # racecheck / synccheck: the cases with several chunks per block and the overlap hazard.

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p build
-# vLLM's own environment for the plugin's tests (tests/test_vllm_plugin.py): they fail, never
+# vLLM's own environment for the plugin's tests (tests/integrations/test_vllm_plugin.py): they fail, never
 # skip, without it.  SPECDEC_SKIP_VLLM=1 skips this set-up and those tests.
 SKIP_VLLM="${SPECDEC_SKIP_VLLM:-0}"
 VLLM_PID=""

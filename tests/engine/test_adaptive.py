@@ -1,0 +1,242 @@
+"""Adaptive draft length: the heuristic's K sequence on a scripted acceptance pattern (by
+hand, alone and through the engine), the cost model's choice against a hand computation
+(fixed and measured costs), policy resolution, and greedy equivalence of adaptive runs on
+the tiny and the real model.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import (
+    Draft,
+    Drafter,
+    LayerSkipDrafter,
+    NgramDrafter,
+    SpeculativeDecoder,
+    Transformer,
+)
+from specdec_kernels.decoding.engine.adaptive import (
+    CostModelPolicy,
+    FixedPolicy,
+    HeuristicPolicy,
+    LinearCost,
+    best_draft_length,
+    default_policy,
+    expected_tokens,
+    resolve_policy,
+)
+from specdec_kernels.decoding.draft import chain_parents
+from specdec_kernels.decoding.engine.loop import StepRecord
+from tests.engine.tiny import PROMPTS, real_only, tiny  # noqa: F401 (fixture)
+from tests.utils import one_thread  # noqa: F401 (fixture)
+
+
+def record(ks, depths, accepted, *, draft_time=0.0, verify_time=1.0, nodes=None):
+    return StepRecord(
+        ks=list(ks),
+        depths=list(depths),
+        num_nodes=list(nodes) if nodes is not None else [d + 1 for d in depths],
+        num_accepted=list(accepted),
+        active=[True] * len(ks),
+        block_width=max(nodes) if nodes is not None else max(depths) + 1,
+        draft_time=draft_time,
+        verify_time=verify_time,
+    )
+
+
+# Scripted (draft depth, accepted) per step and the K a hand applies (start 4, [1, 8], +2/-1):
+#   K=4 depth 4 acc 4: all accepted -> 6       K=6 depth 6 acc 2: rejection -> 5
+#   K=5 depth 0 acc 0: no draft -> 5           K=5 depth 3 acc 3: short draft, whole -> 5
+#   K=5 depth 5 acc 5 -> 7                     K=7 depth 7 acc 7 -> 8 (k_max)
+#   K=8 depth 8 acc 8 -> 8                     K=8 depth 8 acc 0 -> 7
+SCRIPT = [(4, 4), (6, 2), (0, 0), (3, 3), (5, 5), (7, 7), (8, 8), (8, 0)]
+HAND_KS = [4, 6, 5, 5, 5, 7, 8, 8, 7]
+
+
+def test_heuristic_sequence_by_hand():
+    policy = HeuristicPolicy(k_init=4, k_min=1, k_max=8, up=2, down=1)
+    policy.start(SimpleNamespace(batch_size=1))
+    ks = []
+    for depth, acc in SCRIPT:
+        (k,) = policy.choose(None)
+        ks.append(k)
+        policy.update(None, record([k], [depth], [acc]))
+    ks.append(policy.choose(None)[0])
+    assert ks == HAND_KS
+    assert policy.next_k(1, 3, 0) == 1  # never below k_min
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes K tokens whose first ``accept`` are the known greedy continuation and the rest
+    a wrong token, or a shorter draft, following SCRIPT."""
+
+    name = "scripted"
+
+    def __init__(self, prompt_len, future, script):
+        self.prompt_len, self.future, self.script, self.step = prompt_len, future, script, 0
+
+    def propose(self, histories, num_draft_tokens, active):
+        if self.step >= len(self.script):
+            return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+        depth, acc = self.script[self.step]
+        self.step += 1
+        (h,), (k,) = histories, num_draft_tokens
+        assert depth <= k
+        done = len(h) - self.prompt_len
+        good = self.future[done : done + acc]
+        wrong = (self.future[done + acc] + 1) % 111 if done + acc < len(self.future) else 0
+        chain = [h[-1]] + good + [wrong] * (depth - acc)
+        return Draft.from_lists([(chain, chain_parents(len(chain)))])
+
+
+def test_heuristic_through_the_engine(tiny):
+    """The engine consults the policy each step and records the K it used."""
+    _, model = tiny
+    prompt = PROMPTS[0]
+    future = SpeculativeDecoder(model).generate([prompt], 60).tokens[0]
+    drafter = ScriptedDrafter(len(prompt), future, SCRIPT)
+    n = sum(acc + 1 for _, acc in SCRIPT) + 9  # the scripted steps' tokens, then room for K = 8
+    result = SpeculativeDecoder(model, drafter).generate([prompt], n, num_draft_tokens=HeuristicPolicy(4, 1, 8))
+    assert result.tokens[0] == future[:n]
+    ks = result.stats.draft_lengths
+    assert ks[: len(HAND_KS)] == HAND_KS
+    assert result.stats.mean_draft_length == pytest.approx(sum(ks) / len(ks))
+    assert result.stats.policy.startswith("heuristic")
+
+
+# ---------------------------------------------------------------------------- cost model
+def test_best_draft_length_by_hand():
+    rates = [0.8, 0.6, 0.4, 0.2]
+    assert [expected_tokens(rates, k) for k in range(5)] == pytest.approx([1, 1.8, 2.4, 2.8, 3.0])
+    # c = 0.1: E/T = 1, 1.64, 2.00, 2.15, 2.14 -> 3; c = 0.4: 1, 1.29, 1.33, 1.27, 1.15 -> 2
+    assert best_draft_length(rates, [1 + 0.1 * k for k in range(5)]) == 3
+    assert best_draft_length(rates, [1 + 0.4 * k for k in range(5)]) == 2
+    # c = 1: drafting never pays (E/T = 1, 0.9, 0.8, ...) unless K >= 1 is forced
+    assert best_draft_length(rates, [1 + k for k in range(5)]) == 0
+    assert best_draft_length(rates, [1 + k for k in range(5)], k_min=1) == 1
+    # free drafts, a verify cost growing 0.2 per node: (1.8/1.2, 2.4/1.4, 2.8/1.6, 3/1.8)
+    assert best_draft_length(rates, [1 + 0.2 * k for k in range(5)]) == 3
+    with pytest.raises(ValueError, match="k_min"):
+        best_draft_length(rates, [1.0, 1.1], k_min=2)
+
+
+def feed_rates(policy, steps=10):
+    """Steps at K = 4 accepting 0, 0, 1, 1, 2, 2, 3, 3, 4, 4: r = (0.8, 0.6, 0.4, 0.2)."""
+    for i in range(steps):
+        acc = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4][i % 10]
+        policy.update(None, record([4], [4], [acc], draft_time=0.4, verify_time=1.0, nodes=[5]))
+
+
+@pytest.mark.parametrize("ratio,expected", [(0.1, 3), (0.4, 2), (1.0, 0)], ids=["c0.1", "c0.4", "c1"])
+def test_cost_model_fixed_costs(ratio, expected):
+    """Raw rates (no pseudo-counts) and given costs: the hand computation above."""
+    policy = CostModelPolicy(0, 4, warmup=0, explore_every=0, prior_strength=0, seq_prior=0, draft_cost=(0, ratio), verify_cost=(1, 0))
+    policy.start(SimpleNamespace(batch_size=1))
+    feed_rates(policy)
+    assert policy.sequence_rates(0) == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    assert policy.choose(SimpleNamespace(batch_size=1)) == [expected]
+
+
+def test_cost_model_measured_costs():
+    """Costs measured from the step records: draft 0.1 s per token, verify 1 s + 0.05 s per
+    node (fitted through two measured K / widths).  T(K) = 0.1 K + 1 + 0.05 (K + 1) =
+    1.05, 1.2, 1.35, 1.5, 1.65 -> E/T = 0.95, 1.5, 1.78, 1.87, 1.82: K = 3."""
+    policy = CostModelPolicy(0, 4, warmup=0, explore_every=0, prior_strength=0, seq_prior=0)
+    policy.start(SimpleNamespace(batch_size=1))
+    pattern = [(4, 0), (4, 0), (4, 1), (4, 1), (4, 2), (4, 2), (4, 3), (4, 3), (4, 4), (4, 4)]
+    for k, acc in pattern:
+        policy.update(None, record([k], [k], [acc], draft_time=0.1 * k, verify_time=1.0 + 0.05 * (k + 1)))
+    policy.draft_cost.add(2, 0.2)
+    policy.verify_cost.add(3, 1.15)
+    assert policy.draft_cost(3) == pytest.approx(0.3) and policy.verify_cost(4) == pytest.approx(1.2)
+    assert policy.step_times() == pytest.approx([1.05, 1.2, 1.35, 1.5, 1.65])
+    assert policy.choose(SimpleNamespace(batch_size=1)) == [3]
+
+
+def test_cost_model_explores_and_warms_up():
+    policy = CostModelPolicy(0, 4, k_init=2, warmup=3, explore_every=4, draft_cost=(0, 10.0), verify_cost=(1, 0))
+    state = SimpleNamespace(batch_size=2)
+    policy.start(state)
+    assert policy.choose(state) == [2, 2]  # warm-up: the heuristic's start
+    for _ in range(3):
+        policy.update(state, record([2, 2], [2, 2], [0, 2]))
+    policy.update(state, record([2, 2], [2, 2], [0, 2]))
+    assert policy.steps == 4 and policy.choose(state) == [1, 1]  # drafts cost 10x: K = 0, probed at 1
+    policy.update(state, record([1, 1], [1, 1], [0, 1]))
+    assert policy.choose(state) == [0, 0]
+
+
+def test_linear_cost():
+    c = LinearCost(proportional=True)
+    assert c(3) == 0.0 and not c.known
+    c.add(2, 0.4)
+    assert c(5) == pytest.approx(1.0)  # one point: proportional
+    flat = LinearCost()
+    flat.add(2, 0.4)
+    assert flat(5) == pytest.approx(0.4)  # one point: flat
+    c.add(4, 0.6)
+    assert c.coefficients() == pytest.approx((0.2, 0.1))
+    assert LinearCost(0.5, 0.25)(2) == pytest.approx(1.0)
+
+
+def test_policy_resolution_and_bad_arguments(tiny):
+    _, model = tiny
+    ngram, layerskip = NgramDrafter(), LayerSkipDrafter(model, 2)
+    assert resolve_policy(None, ngram) is None
+    assert isinstance(resolve_policy("heuristic", ngram), HeuristicPolicy)
+    assert isinstance(resolve_policy("cost-model", layerskip), CostModelPolicy)
+    assert isinstance(default_policy(layerskip), CostModelPolicy)
+    assert isinstance(default_policy(ngram), CostModelPolicy) and isinstance(default_policy(None), FixedPolicy)
+    with pytest.raises(ValueError, match="policy"):
+        SpeculativeDecoder(model, ngram, policy="fastest")
+    with pytest.raises(TypeError, match="policy"):
+        SpeculativeDecoder(model, ngram, policy=3)
+    with pytest.raises(ValueError, match="k_min"):
+        HeuristicPolicy(k_min=3, k_max=2)
+    with pytest.raises(ValueError, match="k_init"):
+        CostModelPolicy(1, 4, k_init=0)
+    with pytest.raises(ValueError, match="draft_cost"):
+        CostModelPolicy(draft_cost=(1, -1))
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "cost-model", "auto"])
+def test_tiny_adaptive_is_greedy(tiny, policy):
+    _, model = tiny
+    greedy = SpeculativeDecoder(model).generate(PROMPTS, 20).tokens
+    for drafter in (NgramDrafter(), LayerSkipDrafter(model, 2, tree_widths=(2,))):
+        result = SpeculativeDecoder(model, drafter, policy=policy).generate(PROMPTS, 20)
+        assert result.tokens == greedy
+        s = result.stats
+        assert len(s.draft_lengths) == s.sequence_steps and s.policy
+
+
+# ---------------------------------------------------------------------------- real model
+@real_only
+def test_real_model_adaptive_is_greedy():
+    from specdec_kernels.decoding.loading import load_checkpoint
+
+    config, state_dict, tok = load_checkpoint()
+    model = Transformer.from_hf(config, state_dict)
+    texts = ["Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))", "Say hello."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False) for t in texts]
+    stops = [tok.eos_token_id]
+    greedy = [SpeculativeDecoder(model, stop_token_ids=stops).generate([p], 16).tokens[0] for p in prompts]
+    for drafter, policy in ((NgramDrafter(), HeuristicPolicy(4, 1, 8)), (LayerSkipDrafter(model, 24), CostModelPolicy(0, 4, warmup=2))):
+        result = SpeculativeDecoder(model, drafter, stop_token_ids=stops).generate(prompts, 16, num_draft_tokens=policy)
+        assert result.tokens == greedy
+        assert len(set(result.stats.draft_lengths)) > 1  # K did change
+
+
+def test_measured_cost_keeps_steps():
+    """Well-observed widths cost their own mean (a step at 2 nodes), others the line."""
+    c = LinearCost()
+    for _ in range(3):
+        c.add(1, 1.0)
+        c.add(2, 1.5)
+        c.add(8, 1.5)
+    assert c(1) == pytest.approx(1.0) and c(2) == pytest.approx(1.5) and c(8) == pytest.approx(1.5)
+    a, b = c.coefficients()
+    assert c(5) == pytest.approx(a + 5 * b)

@@ -1,0 +1,267 @@
+"""Multi-draft speculation (``MultiDrafter``): the trie merge of several drafters' chains and
+trees (hand-worked), the accepted path mapped back to each sub-drafter's own nodes, per-drafter
+counters, a layer-skip sub-drafter's cache kept as exact as when it drafts alone, greedy
+equivalence on the tiny and the real model, and the target distribution at temperature > 0.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import (
+    Draft,
+    Drafter,
+    LayerSkipDrafter,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeDecoder,
+    Transformer,
+)
+from specdec_kernels.decoding.drafters.multi import MultiDrafter, map_to_merged, own_accepted_path
+from tests.engine.tiny import PROMPTS, exact_marginals, ngram_friendly_prompt, real_only, tiny  # noqa: F401 (fixture)
+from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
+
+
+class FixedDrafter(Drafter):
+    """Proposes the same (tokens, parents) tree every step (the root is replaced by the
+    sequence's own) and records what it observes."""
+
+    def __init__(self, name, tokens, parents):
+        self.name, self.tree = name, (list(tokens), list(parents))
+        self.observed = []
+
+    def propose(self, histories, num_draft_tokens, active):
+        t, p = self.tree
+        return Draft.from_lists([([h[-1]] + t[1:], p) if a else ([h[-1]], [-1]) for h, a in zip(histories, active)])
+
+    def observe(self, accepted_nodes, num_accepted, active):
+        self.observed.append((accepted_nodes.tolist(), num_accepted.tolist(), list(active)))
+
+
+# Hand-worked: root 5; the n-gram chain 7 8 9; the layer-skip tree 7(-> 8 -> 1) and 3 -> 6.
+#   merged node: 0  1  2  3  4  5  6
+#   token:       5  7  8  9  3  6  1
+#   parent:     -1  0  1  2  0  4  2
+NGRAM = ([5, 7, 8, 9], [-1, 0, 1, 2])
+LAYERSKIP = ([5, 7, 3, 8, 6, 1], [-1, 0, 0, 1, 2, 3])
+MERGED_TOKENS = [5, 7, 8, 9, 3, 6, 1]
+MERGED_PARENTS = [-1, 0, 1, 2, 0, 4, 2]
+
+
+def test_merge_deduplicates_the_shared_prefix():
+    ngram, layerskip = FixedDrafter("ngram", *NGRAM), FixedDrafter("layerskip", *LAYERSKIP)
+    multi = MultiDrafter([ngram, layerskip], max_nodes=None)
+    multi.start([[1, 5]], 64, SamplingParams(), [torch.Generator().manual_seed(0)])
+    draft = multi.propose([[1, 5]], [3], [True])
+    n = int(draft.num_nodes[0])
+    assert draft.tokens[0, :n].tolist() == MERGED_TOKENS  # 7 8 shared: fed once
+    assert draft.parents[0, :n].tolist() == MERGED_PARENTS
+    assert not draft.is_chain and draft.probs is None
+    c = multi.counters
+    assert c["ngram"]["proposed"] == 3 and c["layerskip"]["proposed"] == 5
+
+    # the target accepts 7 8 1 (merged nodes 0 1 2 6)
+    multi.observe(torch.tensor([[0, 1, 2, 6, -1, -1, -1]]), torch.tensor([3]), [True])
+    nodes, count, _ = ngram.observed[-1]
+    assert nodes[0][: count[0] + 1] == [0, 1, 2] and count == [2]  # its 7 8
+    nodes, count, _ = layerskip.observed[-1]
+    assert nodes[0][: count[0] + 1] == [0, 1, 3, 5] and count == [3]  # its 7 8 1
+    assert c["ngram"]["accepted"] == 2 and c["layerskip"]["accepted"] == 3
+    assert c["ngram"]["only_accepted"] == 0 and c["layerskip"]["only_accepted"] == 1
+
+
+def test_merge_of_chains_that_share_everything_stays_a_chain():
+    a, b = FixedDrafter("a", *NGRAM), FixedDrafter("b", [5, 7, 8], [-1, 0, 1])
+    multi = MultiDrafter([a, b])
+    multi.start([[5]], 64, SamplingParams(), [torch.Generator()])
+    draft = multi.propose([[5]], [3], [True])
+    assert draft.is_chain and draft.tokens[0].tolist() == [5, 7, 8, 9]
+
+
+def test_max_nodes_cuts_later_drafts_first():
+    multi = MultiDrafter([FixedDrafter("ngram", *NGRAM), FixedDrafter("layerskip", *LAYERSKIP)], max_nodes=5)
+    multi.start([[5]], 64, SamplingParams(), [torch.Generator()])
+    draft = multi.propose([[5]], [3], [True])
+    assert draft.num_nodes.tolist() == [5] and draft.tokens[0].tolist() == [5, 7, 8, 9, 3]
+    assert map_to_merged([5, 7, 8, 9, 3], [-1, 0, 1, 2, 0], *LAYERSKIP) == [0, 1, 4, 2, -1, -1]
+
+
+def test_own_accepted_path_with_duplicate_siblings():
+    # a sampled draft may hold the same token twice under one parent: 7 (-> 8) and 7 (-> 2)
+    tokens, parents = [5, 7, 7, 8, 2], [-1, 0, 0, 1, 2]
+    merged = map_to_merged([5, 7, 8, 2], [-1, 0, 1, 1], tokens, parents)
+    assert merged == [0, 1, 1, 2, 3]
+    assert own_accepted_path(merged, parents, [0, 1, 3]) == [0, 2, 4]  # through the second 7
+    assert own_accepted_path(merged, parents, [0]) == [0]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="drafters"):
+        MultiDrafter([])
+    with pytest.raises(TypeError, match=r"drafters\[1\]"):
+        MultiDrafter([NgramDrafter(), object()])
+    with pytest.raises(ValueError, match="max_nodes"):
+        MultiDrafter([NgramDrafter()], max_nodes=0)
+    with pytest.raises(ValueError, match="max_depths"):
+        MultiDrafter([NgramDrafter()], max_depths=(1, 2))
+    with pytest.raises(ValueError, match="names"):
+        MultiDrafter([NgramDrafter(), NgramDrafter()], names=["a", "a"])
+    assert MultiDrafter([NgramDrafter(), NgramDrafter()]).names == ["ngram", "ngram-2"]
+
+
+# ---------------------------------------------------------------------------- tiny model
+class Recorder(Drafter):
+    """Wraps a drafter, recording the histories it was asked to draft from and its drafts."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.log = inner, inner.name, []
+
+    def start(self, *args):
+        self.inner.start(*args)
+
+    def propose(self, histories, ks, active):
+        d = self.inner.propose(histories, ks, active)
+        self.log.append(([list(h) for h in histories], list(ks), list(active), d))
+        return d
+
+    def observe(self, *args):
+        self.inner.observe(*args)
+
+
+@pytest.fixture(scope="module")
+def tiny_greedy(tiny):
+    return SpeculativeDecoder(tiny[1]).generate(PROMPTS, 20).tokens
+
+
+@pytest.mark.parametrize(
+    "tree", [False, True], ids=["chains", "ngram-tree+layerskip-tree"]
+)
+@pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"K{k}")
+def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k):
+    """A ragged batch returns the plain greedy tokens, and the layer-skip sub-drafter drafts
+    exactly what a fresh layer-skip drafter drafts from the same history (its cache was
+    compacted to its own accepted nodes correctly)."""
+    _, model = tiny
+    widths = (2, 2) if tree else None
+    layerskip = Recorder(LayerSkipDrafter(model, 2, tree_widths=widths))
+    multi = MultiDrafter([NgramDrafter(tree=tree), layerskip])
+    result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=k)
+    assert result.tokens == tiny_greedy
+    s = result.stats
+    c = s.drafters
+    assert set(c) == {"ngram", "layerskip"}
+    accepted = [c[n]["accepted"] for n in c]
+    assert max(accepted) <= s.accepted_draft_tokens <= sum(accepted)
+    assert sum(c[n]["only_accepted"] for n in c) <= s.accepted_draft_tokens
+    assert c["layerskip"]["proposed"] > 0 and s.accepted_draft_tokens > 0
+    for histories, ks, active, draft in layerskip.log[1::3]:
+        fresh = LayerSkipDrafter(model, 2, tree_widths=widths)
+        fresh.start(histories, 128, SamplingParams(), [torch.Generator() for _ in histories])
+        again = fresh.propose(histories, ks, active)
+        for b, a in enumerate(active):
+            if a:
+                n = int(draft.num_nodes[b])
+                assert int(again.num_nodes[b]) == n
+                assert draft.tokens[b, :n].tolist() == again.tokens[b, :n].tolist()
+
+
+def test_tiny_sampling_keeps_the_target_distribution(tiny):
+    """Multi-draft (n-gram tree + a sampling layer-skip chain) at temperature 0.8: each of
+    the first 3 tokens follows the target's marginal (chi-square)."""
+    _, model = tiny
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    prompt = ngram_friendly_prompt(model, sp)
+    B = 3000
+    multi = MultiDrafter([NgramDrafter(tree=True), LayerSkipDrafter(model, 2)])
+    result = SpeculativeDecoder(model, multi).generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
+    out = torch.tensor(result.tokens)
+    assert result.stats.accepted_draft_tokens > 0.1 * result.stats.sequence_steps
+    for j, marginal in enumerate(exact_marginals(model, prompt, sp, 3)):
+        assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
+
+
+# ---------------------------------------------------------------------------- real model
+REAL_PROMPTS = [
+    "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Say hello.",
+]
+
+
+@pytest.fixture(scope="module")
+def real():
+    from specdec_kernels.decoding.loading import load_checkpoint
+
+    config, state_dict, tok = load_checkpoint()
+    model = Transformer.from_hf(config, state_dict)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False) for t in REAL_PROMPTS]
+    plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
+    return model, tok, prompts, [plain.generate([p], 16).tokens[0] for p in prompts]
+
+
+@real_only
+def test_real_model_multi_draft_is_greedy(real):
+    model, tok, prompts, greedy = real
+    multi = MultiDrafter([NgramDrafter(tree=True), LayerSkipDrafter(model, 24, tree_widths=(2,))], max_depths=(None, 2))
+    result = SpeculativeDecoder(model, multi, stop_token_ids=[tok.eos_token_id]).generate(prompts, 16, num_draft_tokens=4)
+    assert result.tokens == greedy
+    c = result.stats.drafters
+    assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
+
+
+class HiddenRecorder(Drafter):
+    """Wants the target's hidden state (as Medusa heads do), records it, drafts nothing."""
+
+    name = "hidden"
+    wants_hidden = True
+
+    def __init__(self):
+        self.seen = []
+
+    def propose(self, histories, num_draft_tokens, active):
+        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+
+    def observe_hidden(self, hidden, active):
+        self.seen.append((hidden.clone(), list(active)))
+
+
+def test_hidden_states_reach_the_sub_drafters_that_want_them(tiny):
+    _, model = tiny
+    alone = HiddenRecorder()
+    SpeculativeDecoder(model, alone).generate(PROMPTS, 6)
+    inner = HiddenRecorder()
+    multi = MultiDrafter([FixedDrafter("none", [0], [-1]), inner])
+    assert multi.wants_hidden and not MultiDrafter([NgramDrafter()]).wants_hidden
+    SpeculativeDecoder(model, multi).generate(PROMPTS, 6)
+    assert len(inner.seen) == len(alone.seen) == 7  # after the prefill, then after each step
+    for (h1, a1), (h2, a2) in zip(inner.seen, alone.seen):
+        assert a1 == a2
+        torch.testing.assert_close(h1, h2)
+
+
+def test_cli_builds_a_multi_drafter(tiny):
+    from specdec_kernels import generate
+
+    _, model = tiny
+    args = generate.parse_args(["--prompt", "hi", "--drafter", "multi", "--drafters", "ngram,layerskip", "--tree"])
+    assert args.sub_drafters == ["ngram", "layerskip"] and args.adaptive is None and args.typical is None
+    drafter = generate.build_drafter(args, model)
+    assert isinstance(drafter, MultiDrafter) and drafter.names == ["ngram", "layerskip"]
+    assert drafter.drafters[0].tree and drafter.drafters[1].tree_widths == (2, 2)
+    assert generate.parse_args(["--prompt", "x", "--no-adaptive", "--typical", "0.09", "--temperature", "0.7"]).adaptive is False
+    for bad in (["--prompt", "x", "--drafter", "multi", "--drafters", "ngram,nope"], ["--prompt", "x", "--typical", "0"],
+                ["--prompt", "x", "--drafter", "multi", "--drafters", ""]):
+        with pytest.raises(SystemExit):
+            generate.parse_args(bad)
+
+
+def test_each_run_keeps_its_own_per_drafter_statistics(tiny):
+    """A second generate() on the same decoder once overwrote the first result's per-drafter
+    counters (both pointed at the drafter's one dict)."""
+    _, model = tiny
+    decoder = SpeculativeDecoder(model, MultiDrafter([NgramDrafter(), LayerSkipDrafter(model, 2)]))
+    first = decoder.generate(PROMPTS, 20, num_draft_tokens=4).stats
+    snapshot = {name: dict(c) for name, c in first.drafters.items()}
+    second = decoder.generate([[1, 2]], 2, num_draft_tokens=4).stats
+    assert first.drafters is not second.drafters
+    assert first.drafters == snapshot
+    assert sum(c["proposed"] for c in snapshot.values()) > sum(c["proposed"] for c in second.drafters.values())

@@ -1,0 +1,1 @@
+"""The integrations: transformers' attention interface, the vLLM plugin, SGLang's tree layout."""
