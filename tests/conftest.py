@@ -63,3 +63,14 @@ def device() -> torch.device:
 @pytest.fixture(scope="session")
 def large() -> bool:
     return LARGE
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_choice():
+    """The backend choice is made once per process (and SPECDEC_BACKEND read at import): a test
+    that changes the environment or the extension's state resets it itself; this puts the
+    choice back after every test, so that no change leaks into the next."""
+    yield
+    import specdec_kernels
+
+    specdec_kernels.reset_backends()

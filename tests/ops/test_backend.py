@@ -27,37 +27,45 @@ def test_unknown_backend_name_is_an_error():
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    sk.reset_backends()  # the environment is read at import and on reset
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         _backend.resolve("verify_greedy", CPU, "triton", ("reference", "triton"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sk.reset_backends()
     assert _backend.resolve("verify_greedy", CPU, "triton", ("reference", "triton")) == "triton"
 
 
 def test_interpreter_is_never_chosen_automatically(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    sk.reset_backends()  # the choice is made once per process
     assert _backend.resolve("verify_greedy", CPU, None, ("reference", "triton")) == "reference"
 
 
 def test_environment_variable_is_a_preference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    sk.reset_backends()  # the choice is made once per process
     assert _backend.resolve("verify_greedy", CPU, None, ("reference", "triton")) == "triton"
     assert _backend.resolve("other_op", CPU, None, ("reference",)) == "reference"  # op without it
     monkeypatch.setenv("SPECDEC_BACKEND", "bogus")
+    sk.reset_backends()  # the choice is made once per process
     with pytest.raises(ValueError, match="SPECDEC_BACKEND"):
         _backend.resolve("verify_greedy", CPU, None, ("reference",))
 
 
 def test_torch_fast_path_is_chosen_on_cpu(monkeypatch):
     monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    sk.reset_backends()  # the choice is made once per process
     assert _backend.resolve("tree_attention", CPU, None, ("reference", "torch")) == "torch"
 
 
 def test_missing_native_op_falls_back_with_one_warning(monkeypatch):
     monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    sk.reset_backends()  # the choice is made once per process
     monkeypatch.setitem(_native._state, "loaded", False)
     monkeypatch.setitem(_native._state, "error", ImportError("no compiler"))
+    sk.reset_backends()  # the choice is made once per process
     monkeypatch.setattr(_native, "_warned", set())
     with pytest.warns(RuntimeWarning, match="falling back to the PyTorch reference"):
         assert _backend.resolve("compact_kv_cache", CPU, None, ("reference", "native")) == "reference"
@@ -139,6 +147,7 @@ exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__file__": "setup.p
 def test_first_use_warning_says_why_the_extension_is_missing(monkeypatch):
     monkeypatch.setitem(_native._state, "loaded", False)
     monkeypatch.setitem(_native._state, "error", ImportError("no _C"))
+    sk.reset_backends()  # the choice is made once per process
     monkeypatch.setattr(_native, "_warned", set())
     monkeypatch.setattr(_native, "build_info", lambda: {"extension": False, "reason": "the C++/CUDA build failed: no g++"})
     with pytest.warns(RuntimeWarning, match="at install: the C\\+\\+/CUDA build failed: no g\\+\\+"):

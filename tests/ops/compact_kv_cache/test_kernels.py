@@ -26,7 +26,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _native, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
-from specdec_kernels.reference.compact_kv_cache import check_compact_kv_cache_args
+from specdec_kernels.ops.compact_kv_cache import check_compact_kv_cache_args
 from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs, find_nvcc
 from tests.utils import ROOT
 
@@ -561,6 +561,7 @@ def test_missing_native_op_falls_back_to_reference_with_one_warning(monkeypatch)
     monkeypatch.setattr(_native, "has_kernel", lambda name, device_type: False)
     monkeypatch.setattr(_native, "_warned", set())
     monkeypatch.delenv("SPECDEC_BACKEND", raising=False)
+    sk.reset_backends()  # the choice is made once per process
     cache = random_cache((1, 2, 2, 1, 8, 4), torch.float32, seed=53, device="cpu")
     args = (torch.tensor([1, 0]), torch.tensor([[0, 2], [1, 3]]), torch.tensor([2, 2]))
     want = expected_after(cache, *args)

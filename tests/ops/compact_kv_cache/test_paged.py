@@ -25,11 +25,8 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _backend, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
-from specdec_kernels.reference.compact_kv_cache import (
-    _paged_compact_kv_cache,
-    cache_views,
-    check_paged_compact_kv_cache_args,
-)
+from specdec_kernels.ops.compact_kv_cache import check_paged_compact_kv_cache_args
+from specdec_kernels.reference.compact_kv_cache import _paged_compact_kv_cache, cache_views
 from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs, find_nvcc
 from tests.utils import ROOT
 

@@ -169,7 +169,8 @@ def test_unchecked_top_p_at_or_below_zero_keeps_the_maximum(device):
     for p in (0.0, -0.5):
         top_p = torch.full((2,), p)
         got = kernel(logits.to(device), 1.0, None, top_p.to(device), validate=False).cpu()
-        from specdec_kernels.reference.sampling_probs import _sampling_probs, check_sampling_args
+        from specdec_kernels.ops.sampling_probs import check_sampling_args
+        from specdec_kernels.reference.sampling_probs import _sampling_probs
 
         want = _sampling_probs(logits.float(), *check_sampling_args(logits, 1.0, None, top_p, validate=False))
         assert torch.equal(got > 0, want > 0)

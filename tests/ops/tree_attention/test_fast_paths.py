@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+import specdec_kernels
 from specdec_kernels import _backend
 from specdec_kernels.ops import tree_attention as ta_ops
 from specdec_kernels.ops.tree_attention import choose_num_splits, pack_tree_mask, tree_attention, unpack_tree_mask
@@ -273,6 +274,7 @@ def test_opcheck(device, kind, num_splits):
 
 def test_automatic_choice(device, monkeypatch):
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    specdec_kernels.reset_backends()  # the choice is made once per process
     assert {"reference", "torch", "triton", "native"} <= set(ta_ops.IMPLEMENTED)
     # CUDA: Triton; CPU: the C++ kernel (itself measured against SDPA) when built, else SDPA
     native = _backend._can_run("native", "tree_attention", device) is None

@@ -118,39 +118,3 @@ def test_bad_input(fn, case):
     args.update(override)
     with pytest.raises(err, match=re.escape(name)):
         fn(**args)
-
-
-@pytest.mark.parametrize("mask_kind", ["chain", "tree", "per-sequence"])
-def test_engine_call_matches_the_public_op(mask_kind, monkeypatch):
-    """``engine_tree_attention`` (the engine's call: no per-call checks) gives the public op's
-    result on each CPU path it may take, and is the public op when a backend is named."""
-    from specdec_kernels.ops.tree_attention import engine_tree_attention
-
-    g = torch.Generator().manual_seed(4)
-    B, N, H, Hkv, D, S = 3, 5, 6, 2, 32, 40
-    q = torch.randn(B, N, H, D, generator=g)
-    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
-    lens = torch.tensor([0, 7, 30], dtype=torch.int32)
-    parents = [-1, 0, 0, 1, 2]
-    mask = {"chain": None, "tree": ancestor_mask(parents),
-            "per-sequence": torch.stack([ancestor_mask(parents), ancestor_mask([-1, 0, 1, 2, 3]),
-                                         ancestor_mask([-1, 0, 0, 0, 0])])}[mask_kind]
-    want = sk.tree_attention(q, k, v, lens, mask, backend="reference")
-    for path in ("native", "torch", "auto"):
-        monkeypatch.setenv("SPECDEC_DENSE_ATTENTION", path)
-        for _ in range(7):  # past the measurement of the automatic choice
-            assert_close(engine_tree_attention(q, k, v, lens, mask), want, torch.float32)
-    assert_close(engine_tree_attention(q, k, v, lens, mask, backend="reference"), want, torch.float32)
-    monkeypatch.setenv("SPECDEC_BACKEND", "reference")  # a preference: the public op decides
-    assert torch.equal(engine_tree_attention(q, k, v, lens, mask), want)
-
-
-@pytest.mark.parametrize("backend", [None] + BACKENDS)
-def test_no_sequence_or_no_query_gives_an_empty_output(backend):
-    """B = 0 or N = 0 (empty caches included) return an empty output on every backend; the dense
-    cache seen as a pool of B blocks of S slots must not meet the pool's one-block check."""
-    for B, N, S in ((0, 2, 8), (2, 0, 8), (2, 0, 0), (0, 0, 0)):
-        q = torch.randn(B, N, 4, 16)
-        k, v = torch.randn(B, 2, S, 16), torch.randn(B, 2, S, 16)
-        out = sk.tree_attention(q, k, v, torch.zeros(B, dtype=torch.int32), backend=backend)
-        assert out.shape == q.shape

@@ -464,7 +464,7 @@ def test_cpu_workspace_survives_inference_mode_and_fake_mode():
     (an inference tensor cannot be written outside inference mode; a fake one holds no data)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from specdec_kernels.ops import tree_attention as ta
+    from specdec_kernels.ops._torch import tree_attention as ta
 
     g = torch.Generator().manual_seed(5)
     B, N, H, Hkv, D, bs = 2, 3, 4, 2, 16, 4
