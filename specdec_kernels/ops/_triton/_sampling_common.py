@@ -6,10 +6,12 @@ in tiles of ``BLOCK_V`` columns, so per-row state is a ``[BLOCK_B]`` vector and 
 vocabularies; the Triton interpreter (CPU tensors) gets many rows per program, which keeps its
 Python-level loop over programs short.
 
-Inverse-CDF sampling without a materialised distribution (``_cdf_search_tile``): pass 1 sums
-the row's weights in float64 and notes the last index with mass; pass 2 walks the tiles again
-with a running float64 CDF (carry of the previous tiles plus the tile's own ``tl.cumsum``)
-and stops at the first index whose CDF exceeds ``u * total`` and that has mass.  The summation
+Inverse-CDF sampling without a materialised distribution: a first launch sums each
+vocabulary chunk's weights in float64 and notes its last index with mass
+(``_store_chunk_partials``); the sampling kernel finds the chunk that holds ``u * total``
+from those sums (``_find_chunk``), then walks that chunk's tiles with a running float64 CDF
+(``_cdf_search_tile``: the carry of the previous tiles plus the tile's own ``tl.cumsum``) and
+stops at the first index whose CDF exceeds ``u * total`` and that has mass.  The summation
 order differs from the reference's sequential ``cumsum``, so kernel and reference agree
 except when ``u * total`` lies within float64 rounding of a CDF boundary.
 """
@@ -127,12 +129,12 @@ def _last_with_mass(w, offs, last):
 
 
 @triton.jit
-def _cdf_search_tile(w, offs, carry, threshold, found):
+def _cdf_search_tile(w, cols, carry, threshold, found):
     """One tile of the inverse-CDF search.
 
     Args:
-        w: [BB, BV] float64 weights (0 outside the vocabulary).
-        offs: [BV] int32 column indices of the tile.
+        w: [BB, BV] float64 weights (0 outside the range searched).
+        cols: [BB, BV] int32 column indices of the tile (each row's own).
         carry: [BB] float64 CDF before this tile.
         threshold: [BB] float64, u * total.
         found: [BB] int32, the first index found so far or NOT_FOUND.
@@ -144,8 +146,8 @@ def _cdf_search_tile(w, offs, carry, threshold, found):
     """
     cdf = carry[:, None] + tl.cumsum(w, axis=1)
     hit = (cdf > threshold[:, None]) & (w > 0)
-    cand = tl.min(tl.where(hit, offs[None, :], NOT_FOUND), axis=1)
-    return carry + tl.sum(w, axis=1), tl.minimum(found, cand)
+    found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
+    return carry + tl.sum(w, axis=1), found
 
 
 @triton.jit
@@ -154,18 +156,6 @@ def _pick_token(found, last, total):
     and 0 for a row without mass.  Returns int64."""
     tok = tl.where(found != NOT_FOUND, found, last)
     return tl.where(total > 0, tok, 0).to(tl.int64)
-
-
-@triton.jit
-def _row_mass_total(row_ptrs, rmask, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """float64 sum of mass(row) for each of the [BB] rows at ``row_ptrs`` (rows off ``rmask`` give 0)."""
-    total = tl.zeros([BLOCK_B], dtype=tl.float64)
-    for start in tl.range(0, V, BLOCK_V, num_stages=3):
-        offs = start + tl.arange(0, BLOCK_V)
-        m2 = rmask[:, None] & (offs < V)[None, :]
-        x = tl.load(row_ptrs[:, None] + offs[None, :], mask=m2, other=0.0)
-        total += tl.sum(_mass64(x), axis=1)
-    return total
 
 
 @triton.jit

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
+    _cdf_search_tile,
     _find_chunk,
     _last_with_mass,
     _load_chunk_partials,
@@ -236,11 +237,7 @@ def _rejection_sample_kernel(
     for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
         cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
         p, q = _chain_tile(p_rows, q_rows, at, use_q & searching, searching, cols, cols < V, HAS_DRAFT)
-        w = _mass64(p - q)
-        cdf = carry[:, None] + tl.cumsum(w, axis=1)
-        hit = (cdf > threshold[:, None]) & (w > 0)
-        found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
-        carry += tl.sum(w, axis=1)
+        carry, found = _cdf_search_tile(_mass64(p - q), cols, carry, threshold, found)
     sampled = _pick_token(found, last, total)
     if BONUS_IDS:
         bonus = tl.load(bonus_ptr + rows64, mask=rmask & ~rejected, other=0).to(tl.int64)

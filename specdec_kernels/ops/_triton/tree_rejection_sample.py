@@ -31,6 +31,7 @@ import triton.language as tl
 
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
+    _cdf_search_tile,
     _find_chunk,
     _last_with_mass,
     _load_chunk_partials,
@@ -435,11 +436,7 @@ def _tree_final_sample_kernel(
         inside = searching[:, None] & (cols < V)
         w = tl.load(w_rows[:, None] + cols, mask=inside & use_w[:, None], other=0.0)
         p = _mass64(tl.load(p_rows[:, None] + cols, mask=inside & ~use_w[:, None], other=0.0))
-        w = tl.where(use_w[:, None], w, p)
-        cdf = carry[:, None] + tl.cumsum(w, axis=1)
-        hit = (cdf > threshold[:, None]) & (w > 0)
-        found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
-        carry += tl.sum(w, axis=1)
+        carry, found = _cdf_search_tile(tl.where(use_w[:, None], w, p), cols, carry, threshold, found)
     sampled = _pick_token(found, last, total)
     num_acc = tl.minimum(tl.maximum(tl.load(num_accepted_ptr + rows64, mask=rmask, other=0), 0), N - 1)
     tl.store(out_tokens_ptr + rows64 * N + num_acc, sampled, mask=rmask)
