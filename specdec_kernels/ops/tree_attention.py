@@ -56,8 +56,10 @@ from typing import Optional
 import torch
 
 from specdec_kernels import _backend, _library
+from specdec_kernels._device import next_pow2 as _next_pow2
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import check_shape, check_tensor
+from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, choose_num_splits
 from specdec_kernels.reference import tree_attention as _ref
 from specdec_kernels.reference.tree_attention import (
     _tree_attention,
@@ -78,9 +80,6 @@ PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
 DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_DENSE_ATTENTION")
 PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), trials=3,
                                  env="SPECDEC_PAGED_ATTENTION")
-
-MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
-MAX_SPLITS = 256
 
 def packed_mask_words(num_nodes: int) -> int:
     """Number of int32 words per row of a packed mask of ``num_nodes`` nodes: ceil(N / 32)."""
@@ -135,63 +134,6 @@ def _check_packed_mask(tree_mask: torch.Tensor, B: int, N: int, device) -> None:
         check_shape("tree_mask", tree_mask, (N, W), "bit-packed ancestor mask for the batch, ceil(N/32) int32 words a row")
     else:
         check_shape("tree_mask", tree_mask, (B, N, W), "bit-packed ancestor mask per sequence, ceil(N/32) int32 words a row")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _block_sizes(M: int, D: int, on_gpu: bool, ieee: bool = False):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for G * N = M query rows and head dim D; ``ieee``:
-    float32 inputs with full-precision dots (no tensor cores)."""
-    block_d = max(16, _next_pow2(D))
-    if on_gpu:
-        # chosen with the static report (python -m bench.kernels --static): 32-key tiles, and
-        # 8 warps for 32 rows or more (16 rows and 8 warps at D = 256), so that no bf16/fp16
-        # configuration spills registers on sm_80 / sm_90 (64-key tiles spilled at D = 64 and D = 128); the
-        # float32 IEEE dots hold much more per thread: 16 x 16 tiles (at D = 256
-        # they still spill, about 450 bytes per thread: an exactness path, not a fast one)
-        if ieee:
-            return 16, 16, block_d, 4
-        if block_d > 128:
-            return 16, 32, block_d, 8
-        block_m = min(64, max(16, _next_pow2(M)))
-        block_n = 32
-        num_warps = 8 if block_m >= 32 else 4
-    else:  # interpreter: fewer, larger tiles run faster
-        block_m = min(128, max(16, _next_pow2(M)))
-        block_n = 64
-        num_warps = 4
-    return block_m, block_n, block_d, num_warps
-
-
-_SM_COUNT = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, capacity: int, head_dim: int, device: torch.device,
-                      ieee: bool = False) -> int:
-    """Flash-decoding heuristic: how many programs share one (sequence, KV head)'s prefix.
-
-    On CUDA, when ``batch * kv_heads * row_tiles`` programs are fewer than the SMs, split the
-    prefix so that about two programs run per SM, keeping at least 256 cache slots of
-    capacity per split.  The capacity bounds the split (the real lengths would need a device
-    sync); splits past a short prefix exit at once.  Elsewhere (interpreter) 1.
-    """
-    if device.type != "cuda":
-        return 1
-    block_m = _block_sizes(group * num_queries, head_dim, True, ieee)[0]
-    programs = batch * kv_heads * -(-(group * num_queries) // block_m)
-    sms = _sm_count(device)
-    if programs >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // programs), capacity // 256, 64))
 
 
 # --------------------------------------------------------------------------------------
