@@ -1,9 +1,11 @@
 """rejection_sample: lossless speculative sampling of a chain of draft tokens.
 
-Backends: "reference" (plain PyTorch) and "triton" (``_rejection_sample_kernel``, registered
-as ``torch.ops.specdec.rejection_sample_triton``).  The same kernel serves the flattened
-(vLLM v1) layout with ``FLAT=True`` (``torch.ops.specdec.rejection_sample_flattened_triton``):
-each request's rows are found from ``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
+The "triton" backend of ``ops/rejection_sample.py`` (the op's other backends are listed
+there): ``_rejection_partials_kernel`` and ``_rejection_sample_kernel``, registered as
+``torch.ops.specdec.rejection_sample_triton``, launched as ``launch_config`` says.  The same
+kernels serve the flattened (vLLM v1) layout with ``FLAT=True``
+(``torch.ops.specdec.rejection_sample_flattened_triton``): each request's rows are found from
+``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """sampling_probs: temperature, top-k and top-p applied once for drafter and verifier.
 
-Backends: "reference" (plain PyTorch) and "triton" (``_sampling_probs_kernel``, registered as
-``torch.ops.specdec.sampling_probs_triton``).
+The "triton" backend of ``ops/sampling_probs.py`` (the op's other backends are listed there):
+``_sampling_probs_kernel``, registered as ``torch.ops.specdec.sampling_probs_triton``, launched
+as ``launch_config`` says.
 
 Design (GPU-shaped, exact).  Every row is cut into S vocabulary chunks (``split_vocab``: about
 ``PROGRAMS_PER_SM`` programs per SM even at batch 1) and the work runs as a few launches of

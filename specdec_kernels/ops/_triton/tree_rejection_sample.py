@@ -1,6 +1,7 @@
 """tree_rejection_sample: multi-candidate rejection sampling over a token tree.
 
-Backends: "reference" (plain PyTorch) and "triton" (``torch.ops.specdec.tree_rejection_sample_triton``).
+The "triton" backend of ``ops/tree_rejection_sample.py`` (the op's other backends are listed
+there): ``torch.ops.specdec.tree_rejection_sample_triton``, launched as ``launch_config`` says.
 
 The Triton backend spreads a row's vocabulary over many programs (``split_vocab``), so a
 batch of one tree fills the GPU.  What makes that possible: every child of a node is drawn

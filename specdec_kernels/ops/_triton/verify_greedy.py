@@ -1,6 +1,8 @@
 """verify_greedy: greedy acceptance of a chain of draft tokens.
 
-Backends: "reference" (plain PyTorch) and "triton" (two Triton kernels, below).
+The "triton" backend of ``ops/verify_greedy.py`` and ``ops/verify_greedy_flattened.py`` (the
+ops' other backends are listed there): two Triton kernels, below, launched as
+``launch_config`` says.
 
 Triton design (two launches; the second is tiny):
 

@@ -1,6 +1,7 @@
 """verify_tree_greedy: greedy acceptance of the longest matching path of a token tree.
 
-Backends: "reference" (plain PyTorch) and "triton" (two launches, below).
+The "triton" backend of ``ops/verify_tree_greedy.py`` (the op's other backends are listed
+there): two launches, below, as ``launch_config`` says.
 
 Triton design:
 
