@@ -58,7 +58,6 @@ import torch
 from bench.common import JsonlWriter, environment, format_table, out_dir, uncommitted_changes, write_jsonl
 
 PACKAGED_PROMPTS = Path(__file__).resolve().parent.parent / "specdec_kernels" / "data" / "spec_bench" / "question.jsonl"
-SHARED_PROMPTS = Path("/work/shared/data/spec_bench/question.jsonl")  # fallback while the packaged copy is missing
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WARMUP_TOKENS = 32
 
@@ -448,10 +447,8 @@ def select_methods(spec: Optional[str]) -> List[Method]:
 
 # ---------------------------------------------------------------------------- prompts
 def default_prompts_file() -> Path:
-    """The Spec-Bench questions shipped with the package (the shared copy while it is missing)."""
-    if PACKAGED_PROMPTS.exists() or not SHARED_PROMPTS.exists():
-        return PACKAGED_PROMPTS
-    return SHARED_PROMPTS
+    """The Spec-Bench questions shipped with the package."""
+    return PACKAGED_PROMPTS
 
 
 def load_questions(path: Union[str, Path], per_category: int, categories: Optional[Sequence[str]] = None) -> List[Dict]:

@@ -1,20 +1,22 @@
-"""``python -m bench.kernels --static``: a GPU report without a GPU.
+"""``python -m bench.kernels --static`` or ``python -m bench.static``: a GPU report without a GPU.
 
 Compiles, for sm_90 (H100/H200) and sm_80 (A100), every Triton kernel configuration that the
-launchers choose at realistic shapes (``launcher_specs``: the vocabularies of Llama-3 /
-Qwen2 / SmolLM2 / Llama-2, batches 1 to 256, draft trees up to 64 nodes, head dims 64 and 128
-with the GQA groups of SmolLM2 and Llama-3-8B), runs ``ptxas -v`` (the one Triton ships) on
-each kernel's PTX, and reports per kernel and configuration: registers per thread, spilled
-bytes (stores and loads), stack, shared memory (static and Triton's dynamic), warps, and the
-occupancy those allow (resident blocks and warps per SM, and the limiting resource), from the
-CUDA occupancy rules of each architecture, and the multiply-adds the compiler fused
-(``fp_contractions``: the verification and sampling kernels must have none, or their float64
-arithmetic would round differently from the reference's).  Writes ``static.jsonl`` beside the table.
+launchers choose at realistic shapes on a GPU of a given SM count (``launcher_specs``: the
+vocabularies of Llama-3 / Qwen2 / SmolLM2 / Llama-2, batches 1 to 256, draft trees up to 64
+nodes, head dims 64 and 128 with the GQA groups of SmolLM2 and Llama-3-8B), runs ``ptxas -v``
+(the one Triton ships) on each kernel's PTX, and reports per kernel and configuration:
+registers per thread, spilled bytes (stores and loads), stack, shared memory (static and
+Triton's dynamic), warps, and the occupancy those allow (resident blocks and warps per SM, and
+the limiting resource), from the CUDA occupancy rules of each architecture, and the
+multiply-adds the compiler fused (``fp_contractions``: the verification and sampling kernels
+must have none, or their float64 arithmetic would round differently from the reference's).
+Writes ``static.jsonl`` beside the table.
 
-The configurations are built with the launchers' own choice functions (``tile_sizes``,
-``split_vocab``'s tiles, ``tree_attention``'s ``_block_sizes`` ...), so the report follows
-them when they change.  ``tests/test_static_report.py`` fails when any default
-configuration spills registers or a verification/sampling kernel has a fused multiply-add.
+The configurations are each launcher's own ``launch_config`` at those shapes, for an SM count
+given as an argument (default 132, an H100 / H200 SXM), turned into compilation specs by
+``bench/aot_specs.py``, so the report follows the launchers when they change.
+``tests/bench/test_static_report.py`` fails when any default configuration spills registers or a
+verification/sampling kernel has a fused multiply-add.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ VOCABS = {"llama3": 128256, "qwen2": 151936, "smollm2": 49152, "llama2": 32000}
 BATCHES = (1, 8, 64, 256)
 TREE_NODES = (8, 64)
 # H, Hkv, D, dtype: SmolLM2 and Llama-3-8B in bf16, Gemma-2B's D = 256 in bf16 (the largest
-# tiles), SmolLM2 in fp32 (IEEE dots; fp32 at D = 256 spills, see _block_sizes)
+# tiles), SmolLM2 in fp32 (IEEE dots; fp32 at D = 256 spills, see tree attention's block_sizes)
 ATTENTION_MODELS = {"smollm2": (9, 3, 64, "bf16"), "llama3-8b": (32, 8, 128, "bf16"), "gemma-2b": (8, 1, 256, "bf16"),
                     "smollm2-fp32": (9, 3, 64, "fp32")}
 
@@ -177,8 +179,6 @@ _DIV16 = {
 def as_launched(spec: dict) -> dict:
     """The spec with the JIT's specializations of a realistic launch: ``_ONES`` arguments as
     constants 1, divisibility-by-16 attributes on pointers and the ``_DIV16`` arguments."""
-    import triton
-
     fn = spec["kernel"]
     name = fn.__name__
     signature = dict(spec["signature"])
@@ -195,34 +195,20 @@ def as_launched(spec: dict) -> dict:
     return {**spec, "signature": signature, "constexprs": constexprs, "attrs": attrs}
 
 
-SM_COUNT = 132  # H100 / H200 SXM: what split_vocab sees there
-
-
-def _block_s(V: int, rows: int, block_b: int, block_v: int) -> int:
-    """BLOCK_S of a vocabulary-split launch on a ``SM_COUNT``-SM GPU (``split_vocab``'s choice)."""
-    from specdec_kernels.ops._triton._sampling_common import PROGRAMS_PER_SM, next_pow2
-
-    tiles = -(-V // block_v)
-    nb = -(-rows // block_b)
-    wanted = -(-PROGRAMS_PER_SM * SM_COUNT // nb)
-    per = -(-tiles // max(1, min(wanted, tiles)))
-    return max(2, next_pow2(-(-tiles // per)))
-
-
-def launcher_specs() -> List[dict]:
-    """The configurations the launchers choose on CUDA at the realistic shapes above, as
-    specs (``kernel``, ``signature``, ``constexprs``, ``options``, ``name``, ``shapes``)."""
-    import triton
-
-    from specdec_kernels.ops import tree_attention as ta_op
+def launcher_specs(sm_count: Optional[int] = None) -> List[dict]:
+    """The configurations the launchers choose on a GPU of ``sm_count`` SMs (default
+    ``aot_specs.TARGET_SM_COUNT``, an H100 / H200) at the realistic shapes above, as specs
+    (``kernel``, ``signature``, ``constexprs``, ``options``, ``name``, ``shapes``): each
+    launcher's own ``launch_config`` at that shape, through the builders of ``bench.aot_specs``."""
+    from bench import aot_specs as aot
     from specdec_kernels.ops._triton import rejection_sample as rs
     from specdec_kernels.ops._triton import sampling_probs as sp
     from specdec_kernels.ops._triton import tree_attention as ta
     from specdec_kernels.ops._triton import tree_rejection_sample as trs
     from specdec_kernels.ops._triton import verify_greedy as vg
     from specdec_kernels.ops._triton import verify_tree_greedy as vtg
-    from specdec_kernels.ops._triton._sampling_common import next_pow2, tile_sizes
 
+    sms = aot.TARGET_SM_COUNT if sm_count is None else int(sm_count)
     specs: List[dict] = []
 
     def add(items, shape: str):
@@ -232,48 +218,45 @@ def launcher_specs() -> List[dict]:
     for model, V in VOCABS.items():
         for B in BATCHES:
             shape = f"{model} V={V} B={B}"
-            # verification: the split argmax (BLOCK_V and warps as argmax_partials picks them)
-            block = min(vg.MAX_BLOCK_V, max(16, triton.next_power_of_2(V)))
+            # verification: the split argmax over the B * (K + 1) rows (BLOCK_V and warps do not
+            # depend on the rows)
+            argmax = vg.argmax_launch_config(B, V, sms)
             for f in ("bf16", "fp32"):
-                add([dict(s, constexprs={"BLOCK_V": block}, options={"num_warps": vg._num_warps(block)},
-                          name=f"verify_greedy.argmax_partials {f} BLOCK_V={block}")
-                     for s in vg.AOT_SPECS if s["kernel"] is vg._argmax_partials_kernel and f"[{f}]" in s["name"]], shape)
-            # chain rejection sampling, padded and flattened (vLLM), bf16 probabilities
-            bb, bv = tile_sizes(V, B, True)
-            bs = _block_s(V, B, bb, bv)
+                add(aot.argmax_spec(f, argmax, f"verify_greedy.argmax_partials {f} BLOCK_V={argmax.block_v}"), shape)
+            # chain rejection sampling (K <= 15), padded and flattened (vLLM), bf16 probabilities
+            cfg = rs.launch_config(B, 15, V, sms)
             for flat in (False, True):
                 for has_draft in (True, False):
-                    add(rs._spec(has_draft, bb, bv, 16, prob="*bf16", tok="*i32" if flat else "*i64", flat=flat,
-                                 bonus_ids=flat and not has_draft, cu="*i32" if flat else "*i64", block_s=bs), shape)
+                    add(aot.rejection_specs(has_draft, cfg, prob="*bf16", tok="*i32" if flat else "*i64", flat=flat,
+                                            bonus_ids=flat and not has_draft, cu="*i32" if flat else "*i64"), shape)
             # sampling_probs: every stage, top-k and top-p on
-            bb, bv = tile_sizes(V, B, True, max_tile_cuda=512)
-            add(sp._spec(True, True, bb, bv, "*bf16"), shape)
-            add(sp._spec(False, False, bb, bv, "*fp32", stages=(sp.STATS, sp.DENOM, sp.FINAL)), shape)
+            cfg = sp.launch_config(B, V, sms)
+            add(aot.sampling_probs_specs(True, True, cfg, "*bf16"), shape)
+            add(aot.sampling_probs_specs(False, False, cfg, "*fp32", stages=(sp.STATS, sp.DENOM, sp.FINAL)), shape)
             # tree rejection sampling, with and without draft distributions
             for n in TREE_NODES:
-                bb, bv = tile_sizes(V, B, True)
-                br, _ = tile_sizes(V, B * n, True)
                 for has_draft in (True, False):
-                    add(trs._spec(has_draft, bb, bv, next_pow2(n), prob="*bf16", block_r=br,
-                                  block_s=_block_s(V, B * n, br, bv), block_s_rows=_block_s(V, B, bb, bv)),
-                        f"{shape} N={n}")
-    for s in vg.AOT_SPECS:
-        if s["kernel"] is vg._verify_greedy_accept_kernel:
-            add(s, "K <= 31")
+                    cfg = trs.launch_config(B, n, V, sms, has_draft=has_draft)
+                    add(aot.tree_rejection_specs(has_draft, cfg, prob="*bf16"), f"{shape} N={n}")
+    accept = vg.launch_config(1, 32, 31, VOCABS["llama3"], sms)
+    for i, c, flat, bonus_ids in (("i32", "i64", False, False), ("i64", "i64", False, False),
+                                  ("i32", "i32", True, False), ("i32", "i32", True, True), ("i64", "i64", True, True)):
+        add(aot.accept_spec(i, c, flat, bonus_ids, accept), "K <= 31")
     for n in TREE_NODES:
-        add([dict(s, constexprs={"BLOCK_N": next_pow2(n)}, options={"num_warps": 1},
-                  name=f"{s['name']} BLOCK_N={next_pow2(n)}") for s in vtg.AOT_SPECS], f"N={n}")
+        walk = vtg.launch_config(1, n, VOCABS["llama3"], sms)
+        add([aot.tree_walk_spec(i, walk, f" BLOCK_N={walk.block_n}") for i in ("i32", "i64")], f"N={n}")
     # tree attention: decode (N = 1), chains and trees, split and not, dense and paged
     for model, (H, Hkv, D, dtype) in ATTENTION_MODELS.items():
         G = H // Hkv
         for n in (1, 8, 64):
-            rows = G * n
-            mask = ta_op.MASK_CAUSAL if n <= 8 else ta_op.MASK_BOOL
+            mask = ta.MASK_CAUSAL if n <= 8 else ta.MASK_BOOL
             for split in (False, True):
+                cfg = ta.launch_config(1, Hkv, n, G, D, sms, ieee=dtype == "fp32", num_splits=2 if split else 1)
                 for paged in (False, True):
-                    s = ta._fwd_spec(dtype, D, mask, split, rows=rows, paged=paged)
-                    add(s, f"{model} H={H} Hkv={Hkv} D={D} N={n}")
-        add(ta._combine_spec(dtype, D), f"{model} D={D}")
+                    add(aot.tree_attention_fwd_spec(dtype, D, mask, cfg, paged=paged),
+                        f"{model} H={H} Hkv={Hkv} D={D} N={n}")
+        cfg = ta.launch_config(1, Hkv, 1, G, D, sms, ieee=dtype == "fp32", num_splits=2)
+        add(aot.tree_attention_combine_spec(dtype, D, cfg), f"{model} D={D}")
     return [as_launched(s) for s in _dedupe(specs)]
 
 
@@ -306,15 +289,16 @@ def compile_spec(spec: dict, capability: int) -> Dict[str, object]:
 
 
 def _job(args):
-    index, capability = args
-    return compile_spec(launcher_specs()[index], capability)
+    index, capability, sm_count = args
+    return compile_spec(launcher_specs(sm_count)[index], capability)
 
 
-def collect(archs: Sequence[int] = (90, 80), jobs: Optional[int] = None) -> List[Dict[str, object]]:
-    """``compile_spec`` for every launcher configuration and architecture, in worker processes
-    (the Triton interpreter switched off in them)."""
+def collect(archs: Sequence[int] = (90, 80), jobs: Optional[int] = None,
+            sm_count: Optional[int] = None) -> List[Dict[str, object]]:
+    """``compile_spec`` for every launcher configuration (``launcher_specs(sm_count)``) and
+    architecture, in worker processes (the Triton interpreter switched off in them)."""
     os.environ.pop("TRITON_INTERPRET", None)
-    work = [(i, a) for i in range(len(launcher_specs())) for a in archs]
+    work = [(i, a, sm_count) for i in range(len(launcher_specs(sm_count))) for a in archs]
     jobs = jobs or os.cpu_count() or 1
     if jobs > 1:
         import multiprocessing as mp
@@ -333,16 +317,20 @@ COLUMNS = [
 ]
 
 
-def main(out_dir, archs: Sequence[int] = (90, 80)) -> List[Dict[str, object]]:
+def main(out_dir, archs: Sequence[int] = (90, 80), sm_count: Optional[int] = None,
+         jobs: Optional[int] = None) -> List[Dict[str, object]]:
     """Compile, print the table and write ``static.jsonl`` into ``out_dir``; exit status 1
-    when a configuration fails to compile."""
+    when a configuration fails to compile.  ``sm_count``: the GPU the launchers choose for
+    (default ``bench.aot_specs.TARGET_SM_COUNT``)."""
+    from bench.aot_specs import TARGET_SM_COUNT
     from bench.common import environment, format_table, write_jsonl
 
-    rows = collect(archs)
+    sm_count = TARGET_SM_COUNT if sm_count is None else sm_count
+    rows = collect(archs, jobs, sm_count)
     env = environment()
     write_jsonl(out_dir / "static.jsonl", rows, env)
     print(f"# bench.kernels --static: Triton {env['triton']}, commit {env['commit']}; ptxas -v of each launcher "
-          f"configuration at realistic shapes (no GPU needed)")
+          f"configuration at realistic shapes for a GPU of {sm_count} SMs (no GPU needed)")
     print(format_table([r for r in rows if "error" not in r], COLUMNS))
     failed = [r for r in rows if "error" in r]
     for r in failed:
@@ -354,3 +342,32 @@ def main(out_dir, archs: Sequence[int] = (90, 80)) -> List[Dict[str, object]]:
     if failed:
         raise SystemExit(1)
     return rows
+
+
+def cli(argv=None) -> None:
+    """``python -m bench.static [--out DIR] [--archs 90,80] [--sm-count N] [--jobs J]``."""
+    import argparse
+
+    from bench.aot_specs import TARGET_SM_COUNT
+    from bench.common import out_dir
+
+    parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="output folder (default bench_out/)")
+    parser.add_argument("--archs", default="90,80", help="compute capabilities, comma-separated (default 90,80)")
+    parser.add_argument("--sm-count", type=int, default=TARGET_SM_COUNT,
+                        help=f"SMs of the GPU the launchers choose for (default {TARGET_SM_COUNT}: H100 / H200 SXM)")
+    parser.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
+    args = parser.parse_args(argv)
+    archs = [int(a) for a in args.archs.split(",") if a]
+    unknown = [a for a in archs if a not in ARCHS]
+    if unknown or args.sm_count < 1:
+        raise SystemExit(f"error: --archs takes {sorted(ARCHS)}, --sm-count a positive count")
+    try:
+        out = out_dir(args.out, "bench_out")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    main(out, archs, args.sm_count, args.jobs)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,7 +1,7 @@
 """Runs vLLM on a list of prompts, with and without the specdec_kernels plugin; prints JSON.
 
 Run by the Python of a virtual environment that has vLLM (``scripts/setup_vllm_env.sh``
-makes one), never imported by the main package: ``bench.vllm`` and ``tests/test_vllm_plugin.py``
+makes one), never imported by the main package: ``bench.vllm`` and ``tests/integrations/test_vllm_plugin.py``
 start it as a subprocess.  One engine serves every run of the spec, so its start-up (about a
 minute on a small CPU) is paid once.
 

@@ -57,10 +57,12 @@ from typing import Optional
 import torch
 
 from specdec_kernels import _backend, _library
+from specdec_kernels._device import next_pow2
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import FLOAT_DTYPES, check_kv_layout, check_shape, check_tensor, pool_geometry, want_value_checks
 from specdec_kernels.ops._torch.tree_attention import sdpa_paged_tree_attention, sdpa_tree_attention
 from specdec_kernels.reference.tree_attention import _tree_attention
+from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, choose_num_splits
 from specdec_kernels.reference.tree_attention import paged_tree_attention as _paged_reference
 
 # "native": the C++ CPU kernel (csrc/paged_attention_cpu.cpp; a dense cache is read as the pool of
@@ -171,8 +173,6 @@ def check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mas
             )
     return B, N, H, D, Hkv, capacity, block_size, num_blocks
 
-MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
-MAX_SPLITS = 256
 
 def packed_mask_words(num_nodes: int) -> int:
     """Number of int32 words per row of a packed mask of ``num_nodes`` nodes: ceil(N / 32)."""
@@ -227,63 +227,6 @@ def _check_packed_mask(tree_mask: torch.Tensor, B: int, N: int, device) -> None:
         check_shape("tree_mask", tree_mask, (N, W), "bit-packed ancestor mask for the batch, ceil(N/32) int32 words a row")
     else:
         check_shape("tree_mask", tree_mask, (B, N, W), "bit-packed ancestor mask per sequence, ceil(N/32) int32 words a row")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _block_sizes(M: int, D: int, on_gpu: bool, ieee: bool = False):
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for G * N = M query rows and head dim D; ``ieee``:
-    float32 inputs with full-precision dots (no tensor cores)."""
-    block_d = max(16, _next_pow2(D))
-    if on_gpu:
-        # chosen with the static report (python -m bench.kernels --static): 32-key tiles, and
-        # 8 warps for 32 rows or more (16 rows and 8 warps at D = 256), so that no bf16/fp16
-        # configuration spills registers on sm_80 / sm_90 (64-key tiles spilled at D = 64 and D = 128); the
-        # float32 IEEE dots hold much more per thread: 16 x 16 tiles (at D = 256
-        # they still spill, about 450 bytes per thread: an exactness path, not a fast one)
-        if ieee:
-            return 16, 16, block_d, 4
-        if block_d > 128:
-            return 16, 32, block_d, 8
-        block_m = min(64, max(16, _next_pow2(M)))
-        block_n = 32
-        num_warps = 8 if block_m >= 32 else 4
-    else:  # interpreter: fewer, larger tiles run faster
-        block_m = min(128, max(16, _next_pow2(M)))
-        block_n = 64
-        num_warps = 4
-    return block_m, block_n, block_d, num_warps
-
-
-_SM_COUNT = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, capacity: int, head_dim: int, device: torch.device,
-                      ieee: bool = False) -> int:
-    """Flash-decoding heuristic: how many programs share one (sequence, KV head)'s prefix.
-
-    On CUDA, when ``batch * kv_heads * row_tiles`` programs are fewer than the SMs, split the
-    prefix so that about two programs run per SM, keeping at least 256 cache slots of
-    capacity per split.  The capacity bounds the split (the real lengths would need a device
-    sync); splits past a short prefix exit at once.  Elsewhere (interpreter) 1.
-    """
-    if device.type != "cuda":
-        return 1
-    block_m = _block_sizes(group * num_queries, head_dim, True, ieee)[0]
-    programs = batch * kv_heads * -(-(group * num_queries) // block_m)
-    sms = _sm_count(device)
-    if programs >= sms:
-        return 1
-    return max(1, min(-(-2 * sms // programs), capacity // 256, 64))
 
 
 
@@ -342,7 +285,7 @@ def _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     SDPA (its GEMMs win for many tree nodes), whichever runs faster here, measured on the first
     real calls of each shape class, thread count included ($SPECDEC_DENSE_ATTENTION forces one)."""
     B, N, H, D = q.shape
-    key = (_next_pow2(N), _next_pow2(B), _next_pow2(k_cache.shape[2]), H, k_cache.shape[1], D, q.dtype,
+    key = (next_pow2(N), next_pow2(B), next_pow2(k_cache.shape[2]), H, k_cache.shape[1], D, q.dtype,
            torch.get_num_threads())
     return DENSE_CPU_CHOICE(key, lambda name: _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale))
 
@@ -434,7 +377,7 @@ def _paged_impl(
         # automatic on CPU: the C++ kernel (no gather; fastest for few queries) or the gather +
         # SDPA path (its GEMMs win for many tree nodes), whichever runs faster here, measured on
         # the first real calls of each shape class (SPECDEC_PAGED_ATTENTION forces one)
-        key = (_next_pow2(N), _next_pow2(B), _next_pow2(capacity), H, Hkv, D, q.dtype, kv_layout, torch.get_num_threads())
+        key = (next_pow2(N), next_pow2(B), next_pow2(capacity), H, Hkv, D, q.dtype, kv_layout, torch.get_num_threads())
         return PAGED_CPU_CHOICE(key, run)
     return run(name)
 

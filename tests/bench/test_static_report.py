@@ -111,10 +111,27 @@ def test_occupancy_golden_cases():
 def test_as_launched_specializes_like_the_jit():
     """Unit head-dim strides become constants and pointers carry divisibility 16, as Triton's
     JIT specializes a real launch."""
+    from bench import aot_specs
     from specdec_kernels.ops._triton import tree_attention as ta
-    from specdec_kernels.ops import tree_attention as op
 
-    spec = static.as_launched(ta._fwd_spec("bf16", 64, op.MASK_BOOL, False))
+    spec = static.as_launched(aot_specs.tree_attention_fwd_spec("bf16", 64, ta.MASK_BOOL,
+                                                                aot_specs.tree_attention_config("bf16", 64)))
     assert spec["signature"]["stride_kd"] == "constexpr" and spec["constexprs"]["stride_kd"] == 1
     q_index = spec["kernel"].arg_names.index("Q")
     assert spec["attrs"][(q_index,)] == [["tt.divisibility", 16]]
+
+
+def test_launcher_specs_are_the_launchers_configurations():
+    """The report compiles what each launcher's ``launch_config`` chooses for the GPU it is
+    given: here the chain sampler's tiles and chunk lanes, for two SM counts."""
+    from specdec_kernels.ops._triton import rejection_sample as rs
+
+    by_sms = {sms: {s["name"] for s in static.launcher_specs(sms)} for sms in (132, 16)}
+    assert by_sms[132] == {s["name"] for s in static.launcher_specs()}  # the default target
+    assert by_sms[16] != by_sms[132]
+    for sms, names in by_sms.items():
+        for V in static.VOCABS.values():
+            for B in static.BATCHES:
+                cfg = rs.launch_config(B, 15, V, sms)
+                tiles, lanes = f"BLOCK_B={cfg.vocab.block_b} BLOCK_V={cfg.vocab.block_v}", f"BLOCK_S={cfg.vocab.block_s}"
+                assert any(n.startswith("rejection_sample ") and tiles in n and n.endswith(lanes) for n in names), (sms, V, B)

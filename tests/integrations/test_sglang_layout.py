@@ -2,9 +2,9 @@
 specdec_kernels.serving.sglang, against plain-Python re-implementations of SGLang's kernels.
 
 The re-implementations below follow the algorithms of sgl-kernel's ``verify_tree_greedy``
-(eagle_utils.cu) and ``tree_speculative_sampling_target_only`` (speculative_sampling.cuh) as
-described in /work/shared/design/PEERS.md, Note B sections 1.3 and 1.4, written here on
-nested Python lists (our code is not used by them).
+(eagle_utils.cu) and ``tree_speculative_sampling_target_only`` (speculative_sampling.cuh),
+as SGLang's sources describe them, written here on nested Python lists (our code is not used
+by them).
 """
 import random
 import re

@@ -1,10 +1,11 @@
 """Compile every Triton kernel ahead of time for sm_80 and sm_90, without a GPU.
 
-Each module of ``specdec_kernels.ops`` that has Triton kernels lists them in ``AOT_SPECS``:
-dicts with ``kernel`` (the @triton.jit function), ``signature`` (argument name -> Triton type
-string such as "*fp32", "i32", or "constexpr") and ``constexprs`` (name -> value), one per
-specialisation worth checking (dtypes, block sizes).  Every function named ``_*_kernel`` in
-those modules must appear in at least one spec.
+The specs come from ``bench/aot_specs.py`` (``AOT_SPECS``: per module of
+``specdec_kernels.ops._triton``, dicts with ``kernel`` (the @triton.jit function),
+``signature`` (argument name -> Triton type string such as "*fp32", "i32", or "constexpr"),
+``constexprs`` (name -> value) and ``options``, built from the launchers' ``launch_config``),
+one per specialisation worth checking (dtypes, block sizes).  Every function named
+``_*_kernel`` in those modules must appear in at least one spec of its module.
 
 The interpreter (TRITON_INTERPRET=1) must be off so the kernels are real JITFunctions, so
 tests run this file in a subprocess:  python tests/ops/aot_compile.py [--archs 80,90]
@@ -19,15 +20,19 @@ import os
 import pkgutil
 import sys
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root (bench/ lives there)
+
 
 def _specs_by_module():
-    """{module name: (module, AOT_SPECS)} for every module of specdec_kernels.ops._triton."""
+    """{module name: (module, its specs in bench.aot_specs.AOT_SPECS)} for every module of
+    specdec_kernels.ops._triton."""
     import specdec_kernels.ops._triton as ops_pkg
+    from bench.aot_specs import AOT_SPECS
 
     out = {}
     for info in pkgutil.iter_modules(ops_pkg.__path__):
         module = importlib.import_module(f"specdec_kernels.ops._triton.{info.name}")
-        out[info.name] = (module, list(getattr(module, "AOT_SPECS", [])))
+        out[info.name] = (module, list(AOT_SPECS.get(info.name, [])))
     return out
 
 
@@ -51,7 +56,7 @@ def _compile(job):
 
 def main() -> int:
     os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+    sys.path.insert(0, _ROOT)
     parser = argparse.ArgumentParser()
     parser.add_argument("--archs", default="80,90")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
@@ -59,8 +64,12 @@ def main() -> int:
 
     from triton.runtime.jit import JITFunction
 
-    missing, jobs = [], []
-    for name, (module, specs) in _specs_by_module().items():
+    from bench.aot_specs import AOT_SPECS
+
+    by_module = _specs_by_module()
+    missing = [f"bench.aot_specs.AOT_SPECS[{name!r}] (no such module)" for name in AOT_SPECS if name not in by_module]
+    jobs = []
+    for name, (module, specs) in by_module.items():
         covered = {id(s["kernel"]) for s in specs}
         for attr, obj in vars(module).items():
             if isinstance(obj, JITFunction) and attr.startswith("_") and attr.endswith("_kernel") and id(obj) not in covered:

@@ -1,3 +1,4 @@
 """Triton kernels and their launchers, one module per op; imported on first use only (they
-import triton, about a second).  Each module lists its kernels' ahead-of-time compilation
-specs in ``AOT_SPECS`` (tests/aot_compile.py)."""
+import triton, about a second).  Each launcher module has a ``launch_config`` function: the
+grid, tile sizes, warps and splits it launches with, which ``bench/static.py`` asks for the
+configurations of a GPU that is not here (its ahead-of-time specs: ``bench/aot_specs.py``)."""

@@ -1,4 +1,5 @@
-"""Triton helpers shared by the sampling kernels (rejection_sample, tree_rejection_sample, sampling_probs).
+"""Triton helpers shared by the sampling kernels (rejection_sample, tree_rejection_sample,
+sampling_probs), and the vocabulary tiling and split their launchers share (``vocab_split``).
 
 Every kernel here handles ``BLOCK_B`` rows (sequences) per program and walks the vocabulary
 in tiles of ``BLOCK_V`` columns, so per-row state is a ``[BLOCK_B]`` vector and a tile is a
@@ -6,22 +7,25 @@ in tiles of ``BLOCK_V`` columns, so per-row state is a ``[BLOCK_B]`` vector and 
 vocabularies; the Triton interpreter (CPU tensors) gets many rows per program, which keeps its
 Python-level loop over programs short.
 
-Inverse-CDF sampling without a materialised distribution (``_cdf_search_tile``): pass 1 sums
-the row's weights in float64 and notes the last index with mass; pass 2 walks the tiles again
-with a running float64 CDF (carry of the previous tiles plus the tile's own ``tl.cumsum``)
-and stops at the first index whose CDF exceeds ``u * total`` and that has mass.  The summation
+Inverse-CDF sampling without a materialised distribution: a first launch sums each
+vocabulary chunk's weights in float64 and notes its last index with mass
+(``_store_chunk_partials``); the sampling kernel finds the chunk that holds ``u * total``
+from those sums (``_find_chunk``), then walks that chunk's tiles with a running float64 CDF
+(``_cdf_search_tile``: the carry of the previous tiles plus the tile's own ``tl.cumsum``) and
+stops at the first index whose CDF exceeds ``u * total`` and that has mass.  The summation
 order differs from the reference's sequential ``cumsum``, so kernel and reference agree
 except when ``u * total`` lies within float64 rounding of a CDF boundary.
 """
 from __future__ import annotations
 
-import contextlib
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from specdec_kernels._device import cdiv, next_pow2
 
 NOT_FOUND = tl.constexpr(2147483647)  # int32 max: "no index found yet"
 
@@ -34,71 +38,78 @@ ROUNDED_MUL = tl.constexpr(not triton.knobs.runtime.interpret)
 
 # Programs per SM that a vocabulary split aims for on CUDA (enough to hide memory latency).
 PROGRAMS_PER_SM = 8
-# Set by ``forced_tiling`` (tests): a number of vocabulary chunks per row (the interpreter
-# splits nothing by default: its programs run one after another) and tile sizes.
-FORCED_SPLITS: Optional[int] = None
-FORCED_TILE: Optional[Tuple[int, int]] = None
 
 
-@contextlib.contextmanager
-def forced_tiling(block_b: int, block_v: int, splits: Optional[int] = None):
-    """Within the block, launchers that use ``tile_sizes`` / ``split_vocab`` take (BLOCK_B,
-    BLOCK_V) = (block_b, block_v) (powers of two) and ``splits`` vocabulary chunks per row: how
-    the tests drive the multi-row, multi-tile and multi-chunk paths on small inputs."""
-    global FORCED_SPLITS, FORCED_TILE
-    if block_b & (block_b - 1) or block_v & (block_v - 1) or block_b < 1 or block_v < 16:
-        raise ValueError(f"block_b and block_v must be powers of two (block_v >= 16), got {block_b}, {block_v}")
-    saved = FORCED_SPLITS, FORCED_TILE
-    FORCED_SPLITS, FORCED_TILE = splits, (block_b, block_v)
-    try:
-        yield
-    finally:
-        FORCED_SPLITS, FORCED_TILE = saved
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device."""
-    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
-
-
-def split_vocab(num_tiles: int, row_programs: int, device: torch.device,
+def split_vocab(num_tiles: int, row_programs: int, sm_count: Optional[int],
                 num_splits: Optional[int] = None) -> Tuple[int, int]:
     """(S, tiles_per_split): how many chunks each row's ``num_tiles`` vocabulary tiles are
-    cut into, so that ``row_programs * S`` programs fill the GPU (about ``PROGRAMS_PER_SM``
-    per SM) even at batch 1.  Every chunk gets at least one tile; chunk s covers lower
-    columns than chunk s + 1.  ``num_splits`` (or ``FORCED_SPLITS``) overrides the choice;
-    under the interpreter the default is 1."""
-    wanted = num_splits or FORCED_SPLITS
+    cut into, so that ``row_programs * S`` programs fill a GPU of ``sm_count`` SMs (about
+    ``PROGRAMS_PER_SM`` per SM) even at batch 1.  Every chunk gets at least one tile; chunk s
+    covers lower columns than chunk s + 1.  ``num_splits`` overrides the choice; in the
+    interpreter (``sm_count`` None) the default is 1."""
+    wanted = num_splits
     if not wanted:
-        if device.type == "cuda":
-            wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(row_programs, 1))
-        else:
-            wanted = 1
+        wanted = cdiv(PROGRAMS_PER_SM * sm_count, max(row_programs, 1)) if sm_count is not None else 1
     num_tiles = max(int(num_tiles), 1)
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(int(wanted), num_tiles)))
-    return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
+    tiles_per_split = cdiv(num_tiles, max(1, min(int(wanted), num_tiles)))
+    return cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def tile_sizes(vocab: int, rows: int, on_cuda: bool, max_tile_cuda: int = 1024) -> tuple[int, int]:
+def tile_sizes(vocab: int, rows: int, gpu: bool, max_tile_cuda: int = 1024) -> Tuple[int, int]:
     """(BLOCK_B, BLOCK_V) for a launch over ``rows`` rows of ``vocab`` entries.
 
-    CUDA: up to ``max_tile_cuda`` elements per tile, one row per program unless the vocabulary
+    GPU: up to ``max_tile_cuda`` elements per tile, one row per program unless the vocabulary
     is small.  Interpreter: up to 4096 columns and 2**17 elements per tile (numpy-vectorised),
-    so that a batch of 20,000 rows runs in a few dozen programs.  ``forced_tiling`` overrides.
+    so that a batch of 20,000 rows runs in a few dozen programs.
     """
-    if FORCED_TILE is not None:
-        return FORCED_TILE
-    if on_cuda:
+    if gpu:
         block_v = max(16, min(next_pow2(vocab), max_tile_cuda))
         block_b = max(1, min(next_pow2(max(rows, 1)), max_tile_cuda // block_v, 16))
     else:
         block_v = max(16, min(next_pow2(vocab), 4096))
         block_b = max(1, min(next_pow2(max(rows, 1)), (1 << 17) // block_v))
     return block_b, block_v
+
+
+@dataclass(frozen=True)
+class VocabSplit:
+    """A launch over (row blocks, vocabulary chunks): ``BLOCK_B`` rows and ``BLOCK_V`` columns
+    a tile, ``splits`` chunks of ``tiles_per_split`` tiles per row."""
+
+    block_b: int
+    block_v: int
+    row_blocks: int
+    splits: int
+    tiles_per_split: int
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        return self.row_blocks, self.splits
+
+    @property
+    def block_s(self) -> int:
+        """BLOCK_S of a kernel that reads the chunks' partials as one vector: a power of two >= 2."""
+        return max(2, next_pow2(self.splits))
+
+
+def vocab_split(vocab: int, rows: int, sm_count: Optional[int], *, max_tile_cuda: int = 1024,
+                tile: Optional[Tuple[int, int]] = None, num_splits: Optional[int] = None) -> VocabSplit:
+    """The tiles (``tile_sizes``) and chunks (``split_vocab``) of a launch over ``rows`` rows of
+    ``vocab`` entries on a GPU of ``sm_count`` SMs (None: the interpreter).
+
+    ``tile`` = (BLOCK_B, BLOCK_V) (powers of two, BLOCK_V >= 16) and ``num_splits`` override
+    the choice: how the tests drive the multi-row, multi-tile and multi-chunk paths on small
+    inputs.
+    """
+    if tile is None:
+        block_b, block_v = tile_sizes(vocab, rows, sm_count is not None, max_tile_cuda)
+    else:
+        block_b, block_v = tile
+        if block_b & (block_b - 1) or block_v & (block_v - 1) or block_b < 1 or block_v < 16:
+            raise ValueError(f"tile must be two powers of two (BLOCK_V >= 16), got {tile}")
+    row_blocks = cdiv(rows, block_b)
+    splits, tiles_per_split = split_vocab(cdiv(vocab, block_v), row_blocks, sm_count, num_splits)
+    return VocabSplit(block_b, block_v, row_blocks, splits, tiles_per_split)
 
 
 @triton.jit
@@ -127,12 +138,12 @@ def _last_with_mass(w, offs, last):
 
 
 @triton.jit
-def _cdf_search_tile(w, offs, carry, threshold, found):
+def _cdf_search_tile(w, cols, carry, threshold, found):
     """One tile of the inverse-CDF search.
 
     Args:
-        w: [BB, BV] float64 weights (0 outside the vocabulary).
-        offs: [BV] int32 column indices of the tile.
+        w: [BB, BV] float64 weights (0 outside the range searched).
+        cols: [BB, BV] int32 column indices of the tile (each row's own).
         carry: [BB] float64 CDF before this tile.
         threshold: [BB] float64, u * total.
         found: [BB] int32, the first index found so far or NOT_FOUND.
@@ -144,8 +155,8 @@ def _cdf_search_tile(w, offs, carry, threshold, found):
     """
     cdf = carry[:, None] + tl.cumsum(w, axis=1)
     hit = (cdf > threshold[:, None]) & (w > 0)
-    cand = tl.min(tl.where(hit, offs[None, :], NOT_FOUND), axis=1)
-    return carry + tl.sum(w, axis=1), tl.minimum(found, cand)
+    found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
+    return carry + tl.sum(w, axis=1), found
 
 
 @triton.jit
@@ -154,18 +165,6 @@ def _pick_token(found, last, total):
     and 0 for a row without mass.  Returns int64."""
     tok = tl.where(found != NOT_FOUND, found, last)
     return tl.where(total > 0, tok, 0).to(tl.int64)
-
-
-@triton.jit
-def _row_mass_total(row_ptrs, rmask, V, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr):
-    """float64 sum of mass(row) for each of the [BB] rows at ``row_ptrs`` (rows off ``rmask`` give 0)."""
-    total = tl.zeros([BLOCK_B], dtype=tl.float64)
-    for start in tl.range(0, V, BLOCK_V, num_stages=3):
-        offs = start + tl.arange(0, BLOCK_V)
-        m2 = rmask[:, None] & (offs < V)[None, :]
-        x = tl.load(row_ptrs[:, None] + offs[None, :], mask=m2, other=0.0)
-        total += tl.sum(_mass64(x), axis=1)
-    return total
 
 
 @triton.jit

@@ -1,32 +1,36 @@
 """rejection_sample: lossless speculative sampling of a chain of draft tokens.
 
-Backends: "reference" (plain PyTorch) and "triton" (``_rejection_sample_kernel``, registered
-as ``torch.ops.specdec.rejection_sample_triton``).  The same kernel serves the flattened
-(vLLM v1) layout with ``FLAT=True`` (``torch.ops.specdec.rejection_sample_flattened_triton``):
-each request's rows are found from ``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
+The "triton" backend of ``ops/rejection_sample.py`` (the op's other backends are listed
+there): ``_rejection_partials_kernel`` and ``_rejection_sample_kernel``, registered as
+``torch.ops.specdec.rejection_sample_triton``, launched as ``launch_config`` says.  The same
+kernels serve the flattened (vLLM v1) layout with ``FLAT=True``
+(``torch.ops.specdec.rejection_sample_flattened_triton``): each request's rows are found from
+``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels import _device
+from specdec_kernels._device import next_pow2
+from specdec_kernels._library import kernel_op, launch
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
+    VocabSplit,
+    _cdf_search_tile,
     _find_chunk,
     _last_with_mass,
     _load_chunk_partials,
     _mass64,
     _pick_token,
     _store_chunk_partials,
-    next_pow2,
-    split_vocab,
-    tile_sizes,
+    vocab_split,
 )
-
-from specdec_kernels._library import kernel_op, launch
 
 
 @triton.jit
@@ -236,11 +240,7 @@ def _rejection_sample_kernel(
     for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
         cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
         p, q = _chain_tile(p_rows, q_rows, at, use_q & searching, searching, cols, cols < V, HAS_DRAFT)
-        w = _mass64(p - q)
-        cdf = carry[:, None] + tl.cumsum(w, axis=1)
-        hit = (cdf > threshold[:, None]) & (w > 0)
-        found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
-        carry += tl.sum(w, axis=1)
+        carry, found = _cdf_search_tile(_mass64(p - q), cols, carry, threshold, found)
     sampled = _pick_token(found, last, total)
     if BONUS_IDS:
         bonus = tl.load(bonus_ptr + rows64, mask=rmask & ~rejected, other=0).to(tl.int64)
@@ -266,23 +266,46 @@ def sample_num_warps(block_v: int) -> int:
     return 8 if block_v >= 1024 else 4
 
 
+@dataclass(frozen=True)
+class RejectionSampleLaunch:
+    """The two launches of one call: ``_rejection_partials_kernel`` on ``vocab.grid``
+    (request blocks, vocabulary chunks), then ``_rejection_sample_kernel`` on ``sample_grid``
+    with ``KP`` output columns, ``vocab.block_s`` chunk lanes and ``sample_num_warps`` warps."""
+
+    vocab: VocabSplit
+    kp: int
+    sample_num_warps: int
+
+    @property
+    def sample_grid(self) -> Tuple[int]:
+        return (self.vocab.row_blocks,)
+
+
+def launch_config(batch: int, num_drafts: int, vocab: int, sm_count: Optional[int], *,
+                  tile: Optional[Tuple[int, int]] = None, num_splits: Optional[int] = None) -> RejectionSampleLaunch:
+    """The launch configuration for ``batch`` requests of up to ``num_drafts`` (K) drafts over
+    ``vocab`` entries, on a GPU of ``sm_count`` SMs (None: the interpreter).  ``tile`` and
+    ``num_splits`` override the choice (see ``vocab_split``)."""
+    split = vocab_split(vocab, batch, sm_count, tile=tile, num_splits=num_splits)
+    return RejectionSampleLaunch(split, next_pow2(num_drafts + 1), sample_num_warps(split.block_v))
+
+
 def _launch_chain(target, draft, tokens, counts, bonus, coins, final_u, out, num_accepted, B, K, V, T,
                   strides, *, flat, bonus_ids, has_draft):
-    """The two launches of one call: ``_rejection_partials_kernel`` over (request blocks,
-    vocabulary chunks), then ``_rejection_sample_kernel`` over request blocks."""
+    """The two launches of one call (``launch_config``)."""
     device = target.device
-    block_b, block_v = tile_sizes(V, B, device.type == "cuda")
-    nb = triton.cdiv(B, block_b)
-    S, tiles_per_split = split_vocab(triton.cdiv(V, block_v), nb, device)
+    cfg = launch_config(B, K, V, _device.sm_count(device))
+    S, tiles_per_split = cfg.vocab.splits, cfg.vocab.tiles_per_split
     part_mass = torch.empty((2, S, B), dtype=torch.float64, device=device)
     part_last = torch.empty((2, S, B), dtype=torch.int32, device=device)
-    meta = dict(FLAT=flat, BONUS_IDS=bonus_ids, HAS_DRAFT=has_draft, BLOCK_B=block_b, BLOCK_V=block_v)
-    launch(_rejection_partials_kernel)[(nb, S)](
+    meta = dict(FLAT=flat, BONUS_IDS=bonus_ids, HAS_DRAFT=has_draft, BLOCK_B=cfg.vocab.block_b,
+                BLOCK_V=cfg.vocab.block_v)
+    launch(_rejection_partials_kernel)[cfg.vocab.grid](
         target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta)
-    launch(_rejection_sample_kernel)[(nb,)](
+    launch(_rejection_sample_kernel)[cfg.sample_grid](
         target, draft, tokens, counts, bonus, coins, final_u, part_mass, part_last, out, num_accepted,
-        B, K, V, T, *strides, S, tiles_per_split, KP=next_pow2(K + 1), BLOCK_S=max(2, next_pow2(S)),
-        num_warps=sample_num_warps(block_v), **meta)
+        B, K, V, T, *strides, S, tiles_per_split, KP=cfg.kp, BLOCK_S=cfg.vocab.block_s,
+        num_warps=cfg.sample_num_warps, **meta)
 
 
 def _rejection_sample_triton_impl(
@@ -417,48 +440,3 @@ def _rejection_sample_flattened_triton_fake(target_probs, draft_probs, draft_tok
 rejection_sample_flattened_triton = kernel_op(
     "rejection_sample_flattened_triton", _rejection_sample_flattened_triton_impl, _rejection_sample_flattened_triton_fake
 )
-
-
-def _spec(has_draft, block_b, block_v, kp, prob="*fp32", tok="*i64", flat=False, bonus_ids=False, cu="*i64", block_s=2):
-    """The two kernels of one launch configuration (what ``_launch_chain`` passes)."""
-    label = (f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
-             f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}")
-    common = {
-        "target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "num_draft_ptr": cu,
-    }
-    strides = {"B": "i32", "K": "i32", "V": "i32", "T": "i32", "stride_tb": "i64", "stride_tk": "i32",
-               "stride_db": "i64", "stride_dk": "i32"}
-    meta = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v}
-    partials = {
-        "kernel": _rejection_partials_kernel,
-        "name": f"rejection_partials {label}",
-        "signature": {**common, "coins_ptr": "*fp32", "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", **strides,
-                      "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta}},
-        "constexprs": meta,
-    }
-    sample = {
-        "kernel": _rejection_sample_kernel,
-        "name": f"rejection_sample {label} BLOCK_S={block_s}",
-        "signature": {**common, "bonus_ptr": cu, "coins_ptr": "*fp32", "final_u_ptr": "*fp32",
-                      "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_ptr": "*i64", "num_accepted_ptr": "*i64",
-                      **strides, "S": "i32", "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta},
-                      "KP": "constexpr", "BLOCK_S": "constexpr"},
-        "constexprs": {**meta, "KP": kp, "BLOCK_S": block_s},
-        "options": {"num_warps": sample_num_warps(block_v)},
-    }
-    return [partials, sample]
-
-
-AOT_SPECS = [
-    spec
-    for specs in (
-        _spec(True, 1, 1024, 16, block_s=128),
-        _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32"),
-        _spec(True, 8, 128, 8, prob="*fp16"),
-        # the flattened (vLLM v1) layout: int32 ids and cu as vLLM passes them, bonus rows or ids
-        _spec(True, 1, 1024, 16, tok="*i32", flat=True, cu="*i32"),
-        _spec(False, 1, 1024, 32, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
-        _spec(True, 8, 128, 8, prob="*fp16", flat=True, bonus_ids=True),
-    )
-    for spec in specs
-]

@@ -1,7 +1,8 @@
 """sampling_probs: temperature, top-k and top-p applied once for drafter and verifier.
 
-Backends: "reference" (plain PyTorch) and "triton" (``_sampling_probs_kernel``, registered as
-``torch.ops.specdec.sampling_probs_triton``).
+The "triton" backend of ``ops/sampling_probs.py`` (the op's other backends are listed there):
+``_sampling_probs_kernel``, registered as ``torch.ops.specdec.sampling_probs_triton``, launched
+as ``launch_config`` says.
 
 Design (GPU-shaped, exact).  Every row is cut into S vocabulary chunks (``split_vocab``: about
 ``PROGRAMS_PER_SM`` programs per SM even at batch 1) and the work runs as a few launches of
@@ -33,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.ops._triton._sampling_common import split_vocab, tile_sizes
-
+from specdec_kernels import _device
 from specdec_kernels._library import kernel_op, launch
+from specdec_kernels.ops._triton._sampling_common import VocabSplit, vocab_split
 
 _INT32_MIN = tl.constexpr(-2147483648)
 _INT32_MAX = tl.constexpr(2147483647)
@@ -326,6 +327,15 @@ def _sampling_probs_kernel(
                     res = tl.where(one_hot_row[:, None], one_hot, tl.where(bad[:, None], float("nan"), p))
                     tl.store(out_ptr + rows64[:, None] * V + offs[None, :], res, mask=m2)
 
+def launch_config(rows: int, vocab: int, sm_count: Optional[int], *, tile: Optional[Tuple[int, int]] = None,
+                  num_splits: Optional[int] = None) -> VocabSplit:
+    """The launch configuration of every stage (one grid for all of them): ``rows`` rows of
+    ``vocab`` logits in tiles of at most 512 elements on a GPU of ``sm_count`` SMs (None: the
+    interpreter); Triton's default warps.  ``tile`` and ``num_splits`` override the choice
+    (see ``vocab_split``)."""
+    return vocab_split(vocab, rows, sm_count, max_tile_cuda=512, tile=tile, num_splits=num_splits)
+
+
 def _sampling_probs_triton_impl(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -357,9 +367,8 @@ def _sampling_probs_triton_impl(
     out = torch.empty((R, V), dtype=torch.float32, device=device)
     if R == 0:
         return out.reshape(logits.shape)
-    block_b, block_v = tile_sizes(V, R, device.type == "cuda", max_tile_cuda=512)
-    nb = triton.cdiv(R, block_b)
-    S, tiles_per_split = split_vocab(triton.cdiv(V, block_v), nb, device)
+    cfg = launch_config(R, V, _device.sm_count(device))
+    S, tiles_per_split = cfg.splits, cfg.tiles_per_split
     i32, i64 = torch.int32, torch.int64
     stat_key, stat_idx, stat_flag = (torch.empty((S, R), dtype=i32, device=device) for _ in range(3))
     stat_max = torch.empty((S, R), dtype=torch.float32, device=device)
@@ -371,8 +380,9 @@ def _sampling_probs_triton_impl(
     args = (x, out, temperature.to(torch.float32).contiguous(), top_k.to(i64).contiguous(),
             top_p.to(torch.float32).contiguous(), stat_key, stat_idx, stat_max, stat_flag, kcnt, kivl, den, pmass, pivl,
             R, V, R // B, x.stride(0), S, tiles_per_split)
-    meta = dict(HAS_TOPK=use_top_k, HAS_TOPP=use_top_p, NP=NPIV, NUM_PASSES=PASSES, BLOCK_B=block_b, BLOCK_V=block_v)
-    kernel = launch(_sampling_probs_kernel)[(nb, S)]
+    meta = dict(HAS_TOPK=use_top_k, HAS_TOPP=use_top_p, NP=NPIV, NUM_PASSES=PASSES, BLOCK_B=cfg.block_b,
+                BLOCK_V=cfg.block_v)
+    kernel = launch(_sampling_probs_kernel)[cfg.grid]
     kernel(*args, 0, STAGE=STATS, **meta)
     for i in range(PASSES if use_top_k else 0):
         kernel(*args, i, STAGE=TOPK, **meta)
@@ -388,42 +398,3 @@ def _sampling_probs_triton_fake(logits, temperature, top_k, top_p, use_top_k, us
 
 
 sampling_probs_triton = kernel_op("sampling_probs_triton", _sampling_probs_triton_impl, _sampling_probs_triton_fake)
-
-def _spec(top_k, top_p, block_b, block_v, dtype="*fp32", stages=(STATS, TOPK, DENOM, TOPP, FINAL)):
-    """One spec per stage the launcher runs for these settings."""
-    specs = []
-    for stage in stages:
-        if (stage == TOPK and not top_k) or (stage == TOPP and not top_p):
-            continue
-        signature = {
-            "logits_ptr": dtype, "out_ptr": "*fp32", "temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32",
-            "stat_key_ptr": "*i32", "stat_idx_ptr": "*i32", "stat_max_ptr": "*fp32", "stat_flag_ptr": "*i32",
-            "kcnt_ptr": "*i32", "kivl_ptr": "*i64", "den_ptr": "*fp32", "pmass_ptr": "*fp64", "pivl_ptr": "*i64",
-            "R": "i32", "V": "i32", "rows_per_seq": "i32", "stride_lr": "i64", "S": "i32", "TILES_PER_SPLIT": "i32",
-            "PASS": "i32",
-        }
-        constexprs = {"STAGE": stage, "HAS_TOPK": top_k, "HAS_TOPP": top_p, "NP": NPIV, "NUM_PASSES": PASSES,
-                      "BLOCK_B": block_b, "BLOCK_V": block_v}
-        signature.update({k: "constexpr" for k in constexprs})
-        specs.append({
-            "kernel": _sampling_probs_kernel,
-            "name": (f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
-                     f"BLOCK_B={block_b} BLOCK_V={block_v}"),
-            "signature": signature,
-            "constexprs": constexprs,
-        })
-    return specs
-
-
-STAGE_NAMES = {STATS: "stats", TOPK: "topk", DENOM: "denom", TOPP: "topp", FINAL: "final"}
-
-AOT_SPECS = [
-    spec
-    for specs in (
-        _spec(False, False, 1, 512),
-        _spec(True, True, 1, 512, "*bf16"),
-        _spec(True, False, 4, 128, "*fp16"),
-        _spec(False, True, 16, 32),
-    )
-    for spec in specs
-]

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels import _device
 from specdec_kernels._library import kernel_op, launch
-from specdec_kernels.ops.tree_attention import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, _block_sizes, _next_pow2
+from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, launch_config
 from specdec_kernels.reference.tree_attention import KV_LAYOUTS, paged_geometry
 
 _LOG2E = 1.4426950408889634
@@ -288,8 +289,8 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0 or N == 0 or H == 0:
         return out
-    on_gpu = q.device.type == "cuda"
-    block_m, block_n, block_d, num_warps = _block_sizes(M, D, on_gpu, q.dtype == torch.float32)
+    sms = _device.sm_count(q.device)
+    cfg = launch_config(B, Hkv, N, G, D, sms, ieee=q.dtype == torch.float32, num_splits=num_splits)
     if mask_kind == MASK_CAUSAL:
         mask, smb, smi, smj = cache_seqlens, 0, 0, 0  # never read
     else:
@@ -302,22 +303,19 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
         lse = torch.empty(B * Hkv, M, num_splits, dtype=torch.float32, device=q.device)
     else:
         opart = lse = out  # never written
-    grid = (B * Hkv, triton.cdiv(M, block_m), num_splits)
-    launch(_tree_attention_fwd_kernel)[grid](
+    launch(_tree_attention_fwd_kernel)[cfg.grid](
         q, k_cache, v_cache, cache_seqlens, table, mask, out, opart, lse,
         N, capacity, G, Hkv, num_splits, page_size, num_blocks, sm_scale * _LOG2E,
         *q.stride(), *k_strides, *v_strides, *table_strides, smb, smi, smj, *out.stride(),
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=D, BLOCK_D=cfg.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=not on_gpu and q.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES, PAGED=block_table is not None,
-        num_warps=num_warps,
+        UPCAST_DOT=sms is None and q.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES, PAGED=block_table is not None,
+        num_warps=cfg.num_warps,
     )
     if split:
-        rows = B * Hkv * M
-        block_r = 16 if on_gpu else 64
-        launch(_tree_attention_combine_kernel)[(triton.cdiv(rows, block_r),)](
-            opart, lse, out, rows, N, G, Hkv, num_splits, *out.stride(),
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_R=block_r, num_warps=4,
+        launch(_tree_attention_combine_kernel)[cfg.combine_grid](
+            opart, lse, out, B * Hkv * M, N, G, Hkv, num_splits, *out.stride(),
+            HEAD_DIM=D, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r, num_warps=cfg.combine_num_warps,
         )
     return out
 
@@ -411,58 +409,3 @@ def _paged_tree_attention_triton_fake(q, k_cache, v_cache, cache_seqlens, tree_m
 
 paged_tree_attention_triton = kernel_op("paged_tree_attention_triton", _paged_tree_attention_triton_impl,
                                         _paged_tree_attention_triton_fake)
-
-
-# --------------------------------------------------------------------------------------
-# Ahead-of-time compilation specs (tests/aot_compile.py)
-# --------------------------------------------------------------------------------------
-
-
-def _fwd_spec(dtype: str, head_dim: int, mask_kind: int, split: bool, seqlen_dtype: str = "i32", rows: int = 64,
-              paged: bool = False):
-    block_m, block_n, block_d, num_warps = _block_sizes(rows, head_dim, True, dtype == "fp32")
-    mask_ty = {MASK_CAUSAL: "*" + seqlen_dtype, MASK_BOOL: "*u8", MASK_PACKED: "*i32"}[mask_kind]
-    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}",
-           "BLOCK_TABLE": "*i32" if paged else "*" + seqlen_dtype, "MASK": mask_ty,
-           "OUT": f"*{dtype}", "OPART": "*fp32" if split else f"*{dtype}", "LSE": "*fp32" if split else f"*{dtype}",
-           "N": "i32", "S_CAP": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "page_size": "i32",
-           "num_blocks": "i32", "qk_scale": "fp32"}
-    for prefix in ("q", "k", "v"):
-        for dim in ("b", "h" if prefix != "q" else "n", "s" if prefix != "q" else "h", "d"):
-            sig[f"stride_{prefix}{dim}"] = "i32"
-    sig.update({"stride_tb": "i32", "stride_tj": "i32", "stride_mb": "i32", "stride_mi": "i32", "stride_mj": "i32",
-                "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_od": "i32"})
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False, NUM_STAGES=NUM_STAGES,
-                      PAGED=paged)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    return dict(kernel=_tree_attention_fwd_kernel, signature=sig, constexprs=constexprs,
-                options=dict(num_warps=num_warps),
-                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},BLOCK_M={block_m}"
-                     f"{',paged' if paged else ''}]")
-
-
-def _combine_spec(dtype: str, head_dim: int):
-    sig = {"OPART": "*fp32", "LSE": "*fp32", "OUT": f"*{dtype}", "num_rows": "i32", "N": "i32", "G": "i32",
-           "Hkv": "i32", "num_splits": "i32", "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
-           "stride_od": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_R": "constexpr"}
-    return dict(kernel=_tree_attention_combine_kernel, signature=sig,
-                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_R=16),
-                options=dict(num_warps=4), name=f"tree_attention.combine[{dtype},D={head_dim}]")
-
-
-AOT_SPECS = (
-    [_fwd_spec(dt, d, MASK_BOOL, False) for dt in ("fp16", "bf16", "fp32") for d in (16, 64, 80, 128, 256)]
-    + [_fwd_spec("fp16", 64, MASK_CAUSAL, False), _fwd_spec("bf16", 128, MASK_PACKED, False),
-       _fwd_spec("fp16", 96, MASK_PACKED, True), _fwd_spec("bf16", 64, MASK_CAUSAL, True, "i64"),
-       _fwd_spec("fp32", 128, MASK_BOOL, True)]
-    # plain decoding (N = 1, G = 3 or 8 rows): the smallest row tile
-    + [_fwd_spec("fp16", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 128, MASK_CAUSAL, False, rows=8),
-       _fwd_spec("fp32", 64, MASK_CAUSAL, True, rows=3), _fwd_spec("bf16", 256, MASK_CAUSAL, True, rows=8)]
-    + [_combine_spec(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
-    # paged KV cache (PAGED: block-table lookup per key tile), every mask kind, split and not
-    + [_fwd_spec("fp16", 64, MASK_BOOL, False, paged=True), _fwd_spec("bf16", 128, MASK_PACKED, True, paged=True),
-       _fwd_spec("fp32", 64, MASK_BOOL, False, paged=True), _fwd_spec("bf16", 64, MASK_CAUSAL, True, "i64", paged=True),
-       _fwd_spec("fp16", 64, MASK_CAUSAL, True, rows=3, paged=True), _fwd_spec("bf16", 256, MASK_CAUSAL, False, rows=8, paged=True)]
-)

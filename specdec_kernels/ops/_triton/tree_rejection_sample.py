@@ -1,6 +1,7 @@
 """tree_rejection_sample: multi-candidate rejection sampling over a token tree.
 
-Backends: "reference" (plain PyTorch) and "triton" (``torch.ops.specdec.tree_rejection_sample_triton``).
+The "triton" backend of ``ops/tree_rejection_sample.py`` (the op's other backends are listed
+there): ``torch.ops.specdec.tree_rejection_sample_triton``, launched as ``launch_config`` says.
 
 The Triton backend spreads a row's vocabulary over many programs (``split_vocab``), so a
 batch of one tree fills the GPU.  What makes that possible: every child of a node is drawn
@@ -23,14 +24,20 @@ as r_{k-1} when r_k has no mass, and then every later update fails as well), so
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels import _device
+from specdec_kernels._device import cdiv, next_pow2
+from specdec_kernels._library import kernel_op, launch
 from specdec_kernels.ops._triton._sampling_common import (
     NOT_FOUND,
+    VocabSplit,
+    _cdf_search_tile,
     _find_chunk,
     _last_with_mass,
     _load_chunk_partials,
@@ -38,23 +45,12 @@ from specdec_kernels.ops._triton._sampling_common import (
     _mul_rn,
     _pick_token,
     _store_chunk_partials,
-    next_pow2,
-    split_vocab,
-    tile_sizes,
+    vocab_split,
 )
 
-from specdec_kernels._library import kernel_op, launch
-
 # Residual levels computed over vocabulary chunks (one launch each); the levels above run
-# serially per row in one launch.  ``None``: min(N - 1, DEFAULT_SPLIT_LEVELS).  Tests set it.
+# serially per row in one launch.
 DEFAULT_SPLIT_LEVELS = 2
-FORCED_SPLIT_LEVELS: Optional[int] = None
-
-
-def split_levels(N: int) -> int:
-    """Levels 1..LS of the residual computed over vocabulary chunks, for trees of N nodes."""
-    wanted = DEFAULT_SPLIT_LEVELS if FORCED_SPLIT_LEVELS is None else FORCED_SPLIT_LEVELS
-    return max(0, min(N - 1, int(wanted)))
 
 
 @triton.jit
@@ -435,11 +431,7 @@ def _tree_final_sample_kernel(
         inside = searching[:, None] & (cols < V)
         w = tl.load(w_rows[:, None] + cols, mask=inside & use_w[:, None], other=0.0)
         p = _mass64(tl.load(p_rows[:, None] + cols, mask=inside & ~use_w[:, None], other=0.0))
-        w = tl.where(use_w[:, None], w, p)
-        cdf = carry[:, None] + tl.cumsum(w, axis=1)
-        hit = (cdf > threshold[:, None]) & (w > 0)
-        found = tl.minimum(found, tl.min(tl.where(hit, cols, NOT_FOUND), axis=1))
-        carry += tl.sum(w, axis=1)
+        carry, found = _cdf_search_tile(tl.where(use_w[:, None], w, p), cols, carry, threshold, found)
     sampled = _pick_token(found, last, total)
     num_acc = tl.minimum(tl.maximum(tl.load(num_accepted_ptr + rows64, mask=rmask, other=0), 0), N - 1)
     tl.store(out_tokens_ptr + rows64 * N + num_acc, sampled, mask=rmask)
@@ -458,6 +450,45 @@ def sample_num_warps(block_v: int) -> int:
 
 
 WALK_NUM_WARPS = 4  # the walk is point loads (1 and 2 warps spill registers in some configurations)
+
+
+@dataclass(frozen=True)
+class TreeRejectionSampleLaunch:
+    """The launches of one call.
+
+    ``levels``: ``_tree_level_kernel`` on ``levels.grid`` (blocks of ``BLOCK_R`` =
+    ``levels.block_b`` of the B * N node rows, vocabulary chunks) for levels 0..``split_levels``,
+    one launch each, then once on (node-row blocks, 1) for the levels above.  ``rows``: the
+    walk on ``(rows.row_blocks,)`` (``BLOCK_B`` sequences a program, ``np_`` node lanes), then
+    ``_tree_final_partials_kernel`` on ``rows.grid`` and ``_tree_final_sample_kernel`` on
+    ``(rows.row_blocks,)``."""
+
+    levels: VocabSplit
+    rows: VocabSplit
+    split_levels: int
+    np_: int
+    level_num_warps: int
+    walk_num_warps: int
+    final_partials_num_warps: int
+    sample_num_warps: int
+
+
+def launch_config(batch: int, num_nodes: int, vocab: int, sm_count: Optional[int], *, has_draft: bool = True,
+                  tile: Optional[Tuple[int, int]] = None, num_splits: Optional[int] = None,
+                  split_levels: Optional[int] = None) -> TreeRejectionSampleLaunch:
+    """The launch configuration for ``batch`` trees of ``num_nodes`` (N) nodes over ``vocab``
+    entries on a GPU of ``sm_count`` SMs (None: the interpreter).
+
+    ``split_levels``: residual levels 1..LS computed over vocabulary chunks (default
+    ``DEFAULT_SPLIT_LEVELS``, at most N - 1; 0 without draft distributions).  ``tile`` and
+    ``num_splits`` override the choice of both vocabulary launches (see ``vocab_split``).
+    """
+    levels = vocab_split(vocab, batch * num_nodes, sm_count, tile=tile, num_splits=num_splits)
+    rows = vocab_split(vocab, batch, sm_count, tile=tile, num_splits=num_splits)
+    wanted = DEFAULT_SPLIT_LEVELS if split_levels is None else split_levels
+    ls = max(0, min(num_nodes - 1, int(wanted))) if has_draft else 0
+    return TreeRejectionSampleLaunch(levels, rows, ls, next_pow2(num_nodes), level_num_warps(levels.block_v),
+                                     WALK_NUM_WARPS, level_num_warps(rows.block_v), sample_num_warps(rows.block_v))
 
 
 def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -490,16 +521,15 @@ def _tree_rejection_sample_triton_impl(
     Returns:
         (output_tokens (B, N), accepted_nodes (B, N), num_accepted (B,)), all int64.
 
-    Launches: ``_tree_level_kernel`` for level 0 (t_0 of every node) and, with draft_probs,
-    levels 1..``split_levels(N)`` over (node-row blocks, vocabulary chunks), then once for the
-    levels above (serial per row); ``_tree_walk_kernel``; ``_tree_final_partials_kernel`` and
-    ``_tree_final_sample_kernel``.  Workspaces: B*N*N*S + 2*B*N*N float64 (S: vocabulary
+    Launches (``launch_config``): ``_tree_level_kernel`` for level 0 (t_0 of every node) and,
+    with draft_probs, levels 1..``split_levels`` over (node-row blocks, vocabulary chunks),
+    then once for the levels above (serial per row); ``_tree_walk_kernel``;
+    ``_tree_final_partials_kernel`` and ``_tree_final_sample_kernel``.  Workspaces: B*N*N*S + 2*B*N*N float64 (S: vocabulary
     chunks, small when B*N is large), the final residual's B*V float64 weights and a few
     B-sized tensors; nothing of size V per node.
     """
     B, N, V = target_probs.shape
     device = target_probs.device
-    on_cuda = device.type == "cuda"
     out_tokens = torch.empty((B, N), dtype=torch.int64, device=device)
     out_nodes = torch.empty((B, N), dtype=torch.int64, device=device)
     num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
@@ -518,52 +548,50 @@ def _tree_rejection_sample_triton_impl(
     coins = uniform_samples.to(torch.float32).contiguous() if N > 1 else _dummy(target, torch.float32)
     counts = num_nodes.to(torch.int64).contiguous()
     strides = (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0)
-    num_tiles = lambda block_v: triton.cdiv(V, block_v)  # noqa: E731
+    cfg = launch_config(B, N, V, _device.sm_count(device), has_draft=has_draft)
 
     # 1. t_k of every node row (B * N rows), level by level
     R = B * N
-    block_r, block_v = tile_sizes(V, R, on_cuda)
-    nr = triton.cdiv(R, block_r)
-    S, tiles_per_split = split_vocab(num_tiles(block_v), nr, device)
-    LS = split_levels(N) if has_draft else 0
+    lv = cfg.levels
+    S, LS = lv.splits, cfg.split_levels
     part = torch.empty((R, N, S), dtype=torch.float64, device=device)
     tsum = torch.empty((2, R, N), dtype=torch.float64, device=device)
     level_args = (target, draft, parents, counts, part, tsum, R, N, V, *strides, stride_pb, S)
-    level_meta = dict(HAS_DRAFT=has_draft, BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_S=max(2, next_pow2(S)),
-                      num_warps=level_num_warps(block_v))
+    level_meta = dict(HAS_DRAFT=has_draft, BLOCK_R=lv.block_b, BLOCK_V=lv.block_v, BLOCK_S=lv.block_s,
+                      num_warps=cfg.level_num_warps)
     if N > 1:  # a tree of the root alone tests nothing: the sample below needs no total
         for level in range(0, LS + 1):
-            launch(_tree_level_kernel)[(nr, S)](*level_args, level, level + 1, tiles_per_split, TAIL=False,
+            launch(_tree_level_kernel)[lv.grid](*level_args, level, level + 1, lv.tiles_per_split, TAIL=False,
                                                 **level_meta)
         # the serial levels LS + 1..N - 1 (none without draft distributions or when LS = N - 1);
         # it also stores t_LS, so that the walk reads every total from tsum
         end = N if has_draft else 1
-        launch(_tree_level_kernel)[(nr, 1)](*level_args, LS + 1, end, num_tiles(block_v), TAIL=True, **level_meta)
+        launch(_tree_level_kernel)[(lv.row_blocks, 1)](*level_args, LS + 1, end, cdiv(V, lv.block_v), TAIL=True,
+                                                       **level_meta)
 
     # 2. the walk over the nodes
-    np_ = next_pow2(N)
-    block_b, block_v = tile_sizes(V, B, on_cuda)
-    nb = triton.cdiv(B, block_b)
+    rw = cfg.rows
+    np_ = cfg.np_
     state = torch.empty((2, B), dtype=torch.int32, device=device)
     rej = torch.empty((B, np_), dtype=torch.int64, device=device) if not has_draft else _dummy(target, torch.int64)
-    launch(_tree_walk_kernel)[(nb,)](
+    launch(_tree_walk_kernel)[(rw.row_blocks,)](
         target, draft, tree_tokens.contiguous(), parents, counts, coins, tsum, out_tokens, out_nodes,
         num_accepted, state, rej, B, N, V, *strides, stride_pb,
-        HAS_DRAFT=has_draft, BLOCK_B=block_b, NP=np_, num_warps=WALK_NUM_WARPS)
+        HAS_DRAFT=has_draft, BLOCK_B=rw.block_b, NP=np_, num_warps=cfg.walk_num_warps)
 
     # 3. the final sample from the last node's residual
-    S2, tiles2 = split_vocab(num_tiles(block_v), nb, device)
+    S2, tiles2 = rw.splits, rw.tiles_per_split
     weights = torch.empty((B, V), dtype=torch.float64, device=device)
     part_mass = torch.empty((2, S2, B), dtype=torch.float64, device=device)
     part_last = torch.empty((2, S2, B), dtype=torch.int32, device=device)
-    final_meta = dict(HAS_DRAFT=has_draft, BLOCK_B=block_b, BLOCK_V=block_v, NP=np_)
-    launch(_tree_final_partials_kernel)[(nb, S2)](
+    final_meta = dict(HAS_DRAFT=has_draft, BLOCK_B=rw.block_b, BLOCK_V=rw.block_v, NP=np_)
+    launch(_tree_final_partials_kernel)[rw.grid](
         target, draft, tsum, state, rej, weights, part_mass, part_last, B, N, V, *strides, tiles2,
-        num_warps=level_num_warps(block_v), **final_meta)
-    launch(_tree_final_sample_kernel)[(nb,)](
+        num_warps=cfg.final_partials_num_warps, **final_meta)
+    launch(_tree_final_sample_kernel)[(rw.row_blocks,)](
         target, state, weights, sample_uniforms.to(torch.float32).contiguous(), part_mass, part_last,
         out_tokens, num_accepted, B, N, V, target.stride(0), target.stride(1), S2, tiles2,
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_S=max(2, next_pow2(S2)), num_warps=sample_num_warps(block_v))
+        BLOCK_B=rw.block_b, BLOCK_V=rw.block_v, BLOCK_S=rw.block_s, num_warps=cfg.sample_num_warps)
     return out_tokens, out_nodes, num_accepted
 
 
@@ -580,72 +608,3 @@ def _tree_rejection_sample_triton_fake(
 
 
 tree_rejection_sample_triton = kernel_op("tree_rejection_sample_triton", _tree_rejection_sample_triton_impl, _tree_rejection_sample_triton_fake)
-
-
-def _spec(has_draft, block_b, block_v, np_, prob="*fp32", tok="*i64", parent="*i64", block_r=None, block_s=2,
-          block_s_rows=2):
-    """The kernels of one launch configuration (what the launcher passes): the level kernel
-    (split, and serial with draft distributions), the walk, the final partials and sample."""
-    block_r = block_r or block_b
-    label = f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={block_v}"
-    strides = {"stride_tb": "i64", "stride_tn": "i32", "stride_db": "i64", "stride_dn": "i32"}
-    level_sig = {"target_ptr": prob, "draft_ptr": prob, "parents_ptr": parent, "num_nodes_ptr": "*i64",
-                 "part_ptr": "*fp64", "tsum_ptr": "*fp64", "R": "i32", "N": "i32", "V": "i32", **strides,
-                 "stride_pb": "i32", "S": "i32", "level": "i32", "level_end": "i32", "TILES_PER_SPLIT": "i32",
-                 "TAIL": "constexpr", "HAS_DRAFT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_V": "constexpr",
-                 "BLOCK_S": "constexpr"}
-    specs = [
-        {"kernel": _tree_level_kernel, "name": f"tree_level {label} BLOCK_R={block_r} tail={tail} BLOCK_S={block_s}",
-         "signature": level_sig,
-         "constexprs": {"TAIL": tail, "HAS_DRAFT": has_draft, "BLOCK_R": block_r, "BLOCK_V": block_v,
-                        "BLOCK_S": block_s},
-         "options": {"num_warps": level_num_warps(block_v)}}
-        for tail in (False, True)
-    ]
-    specs.append({
-        "kernel": _tree_walk_kernel,
-        "name": f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} NP={np_}",
-        "signature": {"target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "parents_ptr": parent,
-                      "num_nodes_ptr": "*i64", "coins_ptr": "*fp32", "tsum_ptr": "*fp64",
-                      "out_tokens_ptr": "*i64", "out_nodes_ptr": "*i64", "num_accepted_ptr": "*i64",
-                      "state_ptr": "*i32", "rej_ptr": "*i64", "B": "i32", "N": "i32", "V": "i32", **strides,
-                      "stride_pb": "i32", "HAS_DRAFT": "constexpr", "BLOCK_B": "constexpr", "NP": "constexpr"},
-        "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "NP": np_},
-        "options": {"num_warps": WALK_NUM_WARPS},
-    })
-    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32",
-                    "rej_ptr": "*i64"}
-    final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v, "NP": np_}
-    specs.append({
-        "kernel": _tree_final_partials_kernel,
-        "name": f"tree_final_partials {label} BLOCK_B={block_b} NP={np_}",
-        "signature": {**final_common, "weights_ptr": "*fp64", "part_mass_ptr": "*fp64", "part_last_ptr": "*i32",
-                      "B": "i32", "N": "i32",
-                      "V": "i32", **strides, "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in final_meta}},
-        "constexprs": final_meta,
-        "options": {"num_warps": level_num_warps(block_v)},
-    })
-    specs.append({
-        "kernel": _tree_final_sample_kernel,
-        "name": f"tree_final_sample {prob[1:]} BLOCK_B={block_b} BLOCK_V={block_v} BLOCK_S={block_s_rows}",
-        "signature": {"target_ptr": prob, "state_ptr": "*i32", "weights_ptr": "*fp64", "final_u_ptr": "*fp32",
-                      "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_tokens_ptr": "*i64",
-                      "num_accepted_ptr": "*i64", "B": "i32", "N": "i32", "V": "i32", "stride_tb": "i64",
-                      "stride_tn": "i32", "S": "i32", "TILES_PER_SPLIT": "i32", "BLOCK_B": "constexpr",
-                      "BLOCK_V": "constexpr", "BLOCK_S": "constexpr"},
-        "constexprs": {"BLOCK_B": block_b, "BLOCK_V": block_v, "BLOCK_S": block_s_rows},
-        "options": {"num_warps": sample_num_warps(block_v)},
-    })
-    return specs
-
-
-AOT_SPECS = [
-    spec
-    for specs in (
-        _spec(True, 1, 1024, 64, block_s=4, block_s_rows=128),
-        _spec(False, 1, 1024, 64, prob="*bf16", tok="*i32", parent="*i32", block_s=4, block_s_rows=128),
-        _spec(True, 8, 128, 8, prob="*fp16", block_r=8),
-        _spec(False, 16, 64, 128, block_r=16),
-    )
-    for spec in specs
-]

@@ -1,6 +1,8 @@
 """verify_greedy: greedy acceptance of a chain of draft tokens.
 
-Backends: "reference" (plain PyTorch) and "triton" (two Triton kernels, below).
+The "triton" backend of ``ops/verify_greedy.py`` and ``ops/verify_greedy_flattened.py`` (the
+ops' other backends are listed there): two Triton kernels, below, launched as
+``launch_config`` says.
 
 Triton design (two launches; the second is tiny):
 
@@ -35,7 +37,7 @@ one-element NumPy array, which NumPy >= 2.4 rejects: the test environment pins N
 """
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -43,13 +45,15 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec_kernels.ops._triton._sampling_common import PROGRAMS_PER_SM, split_vocab  # noqa: F401
+from specdec_kernels import _device
+from specdec_kernels._device import cdiv, next_pow2
 from specdec_kernels._library import kernel_op, launch
+from specdec_kernels.ops._triton._sampling_common import split_vocab
 
 # Largest vocabulary tile one program loads at a time (16 elements per thread with 8 warps,
-# several 16-byte loads in flight per thread), and the number of programs per SM the launcher
-# aims for when it splits the vocabulary of a small batch.  Chosen, not measured: this box
-# has no GPU.
+# several 16-byte loads in flight per thread).  The vocabulary of a small batch is split
+# until there are about PROGRAMS_PER_SM programs per SM (``split_vocab``).  Chosen, not
+# measured: no GPU has run it.
 MAX_BLOCK_V = 4096
 
 
@@ -189,14 +193,70 @@ def _verify_greedy_accept_kernel(
 # --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _num_warps(block: int) -> int:
-    return 8 if block >= 2048 else 4 if block >= 512 else 2 if block >= 128 else 1
+def argmax_num_warps(block_v: int) -> int:
+    """Warps of ``_argmax_partials_kernel`` for a vocabulary tile of ``block_v`` columns."""
+    return 8 if block_v >= 2048 else 4 if block_v >= 512 else 2 if block_v >= 128 else 1
 
 
-def argmax_partials(
-    logits: torch.Tensor, *, block_v: Optional[int] = None, num_splits: Optional[int] = None
-) -> Tuple[torch.Tensor, torch.Tensor, int]:
+@dataclass(frozen=True)
+class ArgmaxLaunch:
+    """``_argmax_partials_kernel`` on ``grid`` (rows, chunks): tiles of ``BLOCK_V`` columns,
+    ``splits`` chunks of ``tiles_per_split`` tiles per row."""
+
+    rows: int
+    block_v: int
+    num_warps: int
+    splits: int
+    tiles_per_split: int
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        return self.rows, self.splits
+
+
+def argmax_launch_config(rows: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None,
+                         num_splits: Optional[int] = None) -> ArgmaxLaunch:
+    """The split argmax over ``rows`` rows of ``vocab`` logits on a GPU of ``sm_count`` SMs
+    (None: the interpreter).
+
+    Args:
+        block_v: vocabulary tile (a power of two); default ``min(MAX_BLOCK_V, next_pow2(vocab))``.
+        num_splits: chunks per row (clamped to 1..number of tiles).  Default: on a GPU, enough
+            to give about ``PROGRAMS_PER_SM`` programs per SM; in the interpreter, 1.
+
+    Raises:
+        ValueError: block_v not a power of two.
+    """
+    block = block_v if block_v else min(MAX_BLOCK_V, max(16, next_pow2(vocab)))
+    if block & (block - 1):
+        raise ValueError(f"block_v must be a power of two, got {block}")
+    # Every split gets at least one tile, so each program starts on a real column.
+    splits, tiles_per_split = split_vocab(cdiv(vocab, block), rows, sm_count, num_splits)
+    return ArgmaxLaunch(rows, block, argmax_num_warps(block), splits, tiles_per_split)
+
+
+@dataclass(frozen=True)
+class VerifyGreedyLaunch:
+    """The split argmax (``argmax``), then ``_verify_greedy_accept_kernel`` on ``grid`` (one
+    program per sequence, ``BLOCK_K`` lanes, ``num_warps`` warps)."""
+
+    argmax: ArgmaxLaunch
+    grid: Tuple[int]
+    block_k: int
+    num_warps: int = 1
+
+
+def launch_config(batch: int, rows: int, num_drafts: int, vocab: int, sm_count: Optional[int], *,
+                  block_v: Optional[int] = None, num_splits: Optional[int] = None) -> VerifyGreedyLaunch:
+    """The launch configuration for ``batch`` sequences of up to ``num_drafts`` (K) drafts whose
+    ``rows`` logit rows of ``vocab`` entries are scanned (B * (K + 1) padded; the flat rows in
+    the flattened layout), on a GPU of ``sm_count`` SMs (None: the interpreter).  ``block_v``
+    and ``num_splits``: see ``argmax_launch_config``."""
+    argmax = argmax_launch_config(rows, vocab, sm_count, block_v=block_v, num_splits=num_splits)
+    return VerifyGreedyLaunch(argmax, (batch,), next_pow2(num_drafts + 1))
+
+
+def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_argmax_partials_kernel``: per-chunk (max, argmax) of every row of ``logits``.
 
     Shared by ``verify_greedy`` and ``verify_tree_greedy``.
@@ -207,11 +267,8 @@ def argmax_partials(
         Shape (batch, rows, vocab), float32/float16/bfloat16, CUDA (or CPU under
         TRITON_INTERPRET=1).  Any batch and row strides are passed to the kernel; a tensor
         whose last dimension is not unit-stride is copied to contiguous first.
-    block_v : int, optional
-        Vocabulary tile (a power of two); default ``min(MAX_BLOCK_V, next_pow2(vocab))``.
-    num_splits : int, optional
-        Chunks per row (clamped to 1..number of tiles).  Default: on CUDA, enough to give
-        about ``PROGRAMS_PER_SM`` programs per SM; under the interpreter, 1.
+    cfg : ArgmaxLaunch
+        ``argmax_launch_config(batch * rows, vocab, ...)``.
 
     Returns
     -------
@@ -219,26 +276,19 @@ def argmax_partials(
         Shape (S, batch * rows), float32: each chunk's maximum (NaN when it holds a NaN).
     part_idx : torch.Tensor
         Shape (S, batch * rows), int32: the first index of that maximum, in [0, vocab).
-    S : int
-        Number of chunks per row; chunk s covers lower indices than chunk s + 1.
+        S = ``cfg.splits`` chunks per row; chunk s covers lower indices than chunk s + 1.
     """
     B, R, V = logits.shape
     if logits.stride(2) != 1:
         logits = logits.contiguous()
-    rows = B * R
-    block = block_v if block_v else min(MAX_BLOCK_V, max(16, triton.next_power_of_2(V)))
-    if block & (block - 1):
-        raise ValueError(f"block_v must be a power of two, got {block}")
-    # Every split gets at least one tile, so each program starts on a real column.
-    S, tiles_per_split = split_vocab(triton.cdiv(V, block), rows, logits.device, num_splits)
-    part_val = torch.empty((S, rows), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((S, rows), dtype=torch.int32, device=logits.device)
-    if rows:
-        launch(_argmax_partials_kernel)[(rows, S)](
-            logits, part_val, part_idx, R, V, logits.stride(0), logits.stride(1), tiles_per_split,
-            BLOCK_V=block, num_warps=_num_warps(block),
+    part_val = torch.empty((cfg.splits, cfg.rows), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((cfg.splits, cfg.rows), dtype=torch.int32, device=logits.device)
+    if cfg.rows:
+        launch(_argmax_partials_kernel)[cfg.grid](
+            logits, part_val, part_idx, R, V, logits.stride(0), logits.stride(1), cfg.tiles_per_split,
+            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
         )
-    return part_val, part_idx, S
+    return part_val, part_idx
 
 
 def _verify_greedy_triton_impl(
@@ -248,19 +298,21 @@ def _verify_greedy_triton_impl(
     block_v: int = 0,
     num_splits: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    B, K1, _ = target_logits.shape
+    B, K1, V = target_logits.shape
     K = K1 - 1
     device = target_logits.device
     output_tokens = torch.empty((B, K1), dtype=torch.int64, device=device)
     num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
     if B == 0:
         return output_tokens, num_accepted
-    part_val, part_idx, S = argmax_partials(target_logits, block_v=block_v or None, num_splits=num_splits or None)
+    cfg = launch_config(B, B * K1, K, V, _device.sm_count(device), block_v=block_v or None,
+                        num_splits=num_splits or None)
+    part_val, part_idx = argmax_partials(target_logits, cfg.argmax)
     counts = num_draft_tokens.to(torch.int64)
-    launch(_verify_greedy_accept_kernel)[(B,)](
+    launch(_verify_greedy_accept_kernel)[cfg.grid](
         part_val, part_idx, draft_tokens, draft_tokens.stride(0), draft_tokens.stride(1),
-        counts, counts, output_tokens, num_accepted, K, S, B * K1, 0,  # bonus_ptr: unused without BONUS_IDS
-        FLAT=False, BONUS_IDS=False, BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
+        counts, counts, output_tokens, num_accepted, K, cfg.argmax.splits, B * K1, 0,  # bonus_ptr: unused without BONUS_IDS
+        FLAT=False, BONUS_IDS=False, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
     return output_tokens, num_accepted
 
@@ -303,7 +355,7 @@ def verify_greedy_triton(
     num_draft_tokens : torch.Tensor
         Shape (batch,), int32/int64, values in 0..K (larger values act as K).
     block_v, num_splits : int, optional
-        Tiling of the argmax (see ``argmax_partials``); for tests and tuning.
+        Tiling of the argmax (see ``argmax_launch_config``); for tests and tuning.
 
     Returns
     -------
@@ -330,20 +382,23 @@ def _verify_greedy_flattened_triton_impl(
     num_splits: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K1 = cu_num_draft_tokens.shape[0], max_spec_len + 1
+    rows, V = target_logits.shape
     device = target_logits.device
     output_tokens = torch.empty((B, K1), dtype=torch.int64, device=device)
     num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
     if B == 0:
         return output_tokens, num_accepted
+    cfg = launch_config(B, rows, max_spec_len, V, _device.sm_count(device), block_v=block_v or None,
+                        num_splits=num_splits or None)
     # every flat row's argmax, read in place (the rows as one [1, rows, V] batch)
-    part_val, part_idx, S = argmax_partials(target_logits[None], block_v=block_v or None, num_splits=num_splits or None)
+    part_val, part_idx = argmax_partials(target_logits[None], cfg.argmax)
     T = draft_token_ids.shape[0]
     drafts = draft_token_ids if T else torch.zeros(1, dtype=torch.int64, device=device)  # never read when T = 0
     bonus = bonus_token_ids if bonus_token_ids is not None else cu_num_draft_tokens  # unused without BONUS_IDS
-    launch(_verify_greedy_accept_kernel)[(B,)](
+    launch(_verify_greedy_accept_kernel)[cfg.grid](
         part_val, part_idx, drafts, 0, drafts.stride(0), cu_num_draft_tokens, bonus, output_tokens, num_accepted,
-        max_spec_len, S, target_logits.shape[0], T,
-        FLAT=True, BONUS_IDS=bonus_token_ids is not None, BLOCK_K=triton.next_power_of_2(K1), num_warps=1,
+        max_spec_len, cfg.argmax.splits, rows, T,
+        FLAT=True, BONUS_IDS=bonus_token_ids is not None, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )
     return output_tokens, num_accepted
 
@@ -394,7 +449,7 @@ def verify_greedy_flattened_triton(
     max_spec_len : int
         Padded width of the output minus 1 (counts above it are clamped to it).
     block_v, num_splits : int, optional
-        Tiling of the argmax (see ``argmax_partials``).
+        Tiling of the argmax (see ``argmax_launch_config``).
 
     Returns
     -------
@@ -407,39 +462,3 @@ def verify_greedy_flattened_triton(
     return torch.ops.specdec.verify_greedy_flattened_triton(
         target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, block_v or 0, num_splits or 0
     )
-
-
-# Ahead-of-time compilation specs (tests/aot_compile.py): every dtype combination that
-# changes a kernel's signature.
-_FLOATS = ("fp32", "fp16", "bf16")
-AOT_SPECS = [
-    dict(
-        kernel=_argmax_partials_kernel,
-        name=f"verify_greedy._argmax_partials_kernel[{f}]",
-        signature={
-            "logits_ptr": f"*{f}", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "R": "i32", "V": "i32",
-            "stride_b": "i64", "stride_r": "i32", "TILES_PER_SPLIT": "i32", "BLOCK_V": "constexpr",
-        },
-        constexprs={"BLOCK_V": MAX_BLOCK_V},
-        options={"num_warps": _num_warps(MAX_BLOCK_V)},
-    )
-    for f in _FLOATS
-] + [
-    dict(
-        kernel=_verify_greedy_accept_kernel,
-        name=f"verify_greedy._verify_greedy_accept_kernel[{i}, cu {c}, flat={flat}, bonus_ids={bonus_ids}]",
-        signature={
-            "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "draft_ptr": f"*{i}", "stride_db": "i32",
-            "stride_dk": "i32", "num_draft_ptr": f"*{c}", "bonus_ptr": f"*{c}", "out_ptr": "*i64",
-            "num_accepted_ptr": "*i64", "K": "i32", "S": "i32", "num_rows": "i32", "T": "i32",
-            "FLAT": "constexpr", "BONUS_IDS": "constexpr", "BLOCK_K": "constexpr",
-        },
-        constexprs={"FLAT": flat, "BONUS_IDS": bonus_ids, "BLOCK_K": 32},
-        options={"num_warps": 1},
-    )
-    # padded (counts int64); flattened with vLLM's int32 ids and cu, and int64, bonus rows or ids
-    for i, c, flat, bonus_ids in (
-        ("i32", "i64", False, False), ("i64", "i64", False, False),
-        ("i32", "i32", True, False), ("i32", "i32", True, True), ("i64", "i64", True, True),
-    )
-]

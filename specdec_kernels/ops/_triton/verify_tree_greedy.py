@@ -1,6 +1,7 @@
 """verify_tree_greedy: greedy acceptance of the longest matching path of a token tree.
 
-Backends: "reference" (plain PyTorch) and "triton" (two launches, below).
+The "triton" backend of ``ops/verify_tree_greedy.py`` (the op's other backends are listed
+there): two launches, below, as ``launch_config`` says.
 
 Triton design:
 
@@ -26,15 +27,23 @@ Runtime-count loops are ``tl.range`` loops (see ``verify_greedy``'s module docst
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-import triton
 import triton.language as tl
 
+from specdec_kernels import _device
+from specdec_kernels._device import next_pow2
 from specdec_kernels._library import kernel_op, launch
-from specdec_kernels.ops._triton.verify_greedy import _combine_partials, _jit, argmax_partials
+from specdec_kernels.ops._triton.verify_greedy import (
+    ArgmaxLaunch,
+    _combine_partials,
+    _jit,
+    argmax_launch_config,
+    argmax_partials,
+)
 
 
 @_jit
@@ -83,6 +92,27 @@ def _verify_tree_greedy_walk_kernel(
     tl.store(num_accepted_ptr + b, depth)
 
 
+@dataclass(frozen=True)
+class VerifyTreeGreedyLaunch:
+    """The split argmax over the B * N node rows (``argmax``), then
+    ``_verify_tree_greedy_walk_kernel`` on ``grid`` (one program per sequence, ``BLOCK_N``
+    node lanes, ``num_warps`` warps)."""
+
+    argmax: ArgmaxLaunch
+    grid: Tuple[int]
+    block_n: int
+    num_warps: int
+
+
+def launch_config(batch: int, num_nodes: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None,
+                  num_splits: Optional[int] = None) -> VerifyTreeGreedyLaunch:
+    """The launch configuration for ``batch`` trees of ``num_nodes`` (N) nodes over ``vocab``
+    entries on a GPU of ``sm_count`` SMs (None: the interpreter); ``block_v`` and
+    ``num_splits``: see ``verify_greedy.argmax_launch_config``."""
+    argmax = argmax_launch_config(batch * num_nodes, vocab, sm_count, block_v=block_v, num_splits=num_splits)
+    return VerifyTreeGreedyLaunch(argmax, (batch,), next_pow2(num_nodes), 1 if num_nodes <= 128 else 4)
+
+
 def _verify_tree_greedy_triton_impl(
     target_logits: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -91,7 +121,7 @@ def _verify_tree_greedy_triton_impl(
     block_v: int = 0,
     num_splits: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, N, _ = target_logits.shape
+    B, N, V = target_logits.shape
     device = target_logits.device
     output_tokens = torch.empty((B, N), dtype=torch.int64, device=device)
     accepted_nodes = torch.empty((B, N), dtype=torch.int64, device=device)
@@ -101,12 +131,13 @@ def _verify_tree_greedy_triton_impl(
     parents = tree_parents.to(torch.int64)
     if parents.dim() == 1:
         parents = parents.expand(B, N)  # one shared tree: batch stride 0, no copy
-    part_val, part_idx, S = argmax_partials(target_logits, block_v=block_v or None, num_splits=num_splits or None)
-    launch(_verify_tree_greedy_walk_kernel)[(B,)](
+    cfg = launch_config(B, N, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None)
+    part_val, part_idx = argmax_partials(target_logits, cfg.argmax)
+    launch(_verify_tree_greedy_walk_kernel)[cfg.grid](
         part_val, part_idx, tree_tokens, tree_tokens.stride(0), tree_tokens.stride(1),
         parents, parents.stride(0), parents.stride(1), num_nodes.to(torch.int64),
-        output_tokens, accepted_nodes, num_accepted, N, S,
-        BLOCK_N=triton.next_power_of_2(N), num_warps=1 if N <= 128 else 4,
+        output_tokens, accepted_nodes, num_accepted, N, cfg.argmax.splits,
+        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     return output_tokens, accepted_nodes, num_accepted
 
@@ -155,7 +186,7 @@ def verify_tree_greedy_triton(
         Shape (batch,), int32/int64: nodes at or past a row's count are ignored (values
         above N act as N).  The root is always present, as in the reference.
     block_v, num_splits : int, optional
-        Tiling of the argmax (see ``verify_greedy.argmax_partials``); for tests and tuning.
+        Tiling of the argmax (see ``verify_greedy.argmax_launch_config``); for tests and tuning.
 
     Returns
     -------
@@ -172,22 +203,3 @@ def verify_tree_greedy_triton(
     return torch.ops.specdec.verify_tree_greedy_triton(
         target_logits, tree_tokens, tree_parents, num_nodes, block_v or 0, num_splits or 0
     )
-
-
-# Ahead-of-time compilation specs (tests/aot_compile.py); the per-node argmax kernel is
-# verify_greedy's and is listed there.
-AOT_SPECS = [
-    dict(
-        kernel=_verify_tree_greedy_walk_kernel,
-        name=f"verify_tree_greedy._verify_tree_greedy_walk_kernel[{i}]",
-        signature={
-            "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "tokens_ptr": f"*{i}", "stride_tb": "i32",
-            "stride_tn": "i32", "parents_ptr": "*i64", "stride_pb": "i32", "stride_pn": "i32",
-            "num_nodes_ptr": "*i64", "out_tokens_ptr": "*i64", "accepted_nodes_ptr": "*i64",
-            "num_accepted_ptr": "*i64", "N": "i32", "S": "i32", "BLOCK_N": "constexpr",
-        },
-        constexprs={"BLOCK_N": 128},
-        options={"num_warps": 1},
-    )
-    for i in ("i32", "i64")
-]

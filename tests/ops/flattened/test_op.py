@@ -176,10 +176,13 @@ def test_rejection_equals_padded_over_vocabulary_chunks(sampled, bonus_ids):
     requests per program: the flattened layout still equals the padded reference."""
     if "triton" not in SAMPLE_BACKENDS:
         pytest.skip("Triton cannot run here")
-    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+    from functools import partial
+    from unittest import mock
+
+    from specdec_kernels.ops._triton import rejection_sample as kernels
 
     counts = COUNTS["ragged"]
-    with forced_tiling(2, 16, 4):
+    with mock.patch.object(kernels, "launch_config", partial(kernels.launch_config, tile=(2, 16), num_splits=4)):
         for seed, V in enumerate((111, 37)):
             c = flat_case(counts, V, seed=seed, sampled=sampled)
             p = padded(c)

@@ -93,10 +93,14 @@ def test_vocabulary_chunks_match_reference(device, tiling, sampled):
     """Every chunking of the vocabulary gives the reference's tokens: the chunk that holds
     u * total is found from the chunk masses, and the search runs inside it only (rows of one
     program land in different chunks)."""
-    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+    from functools import partial
+    from unittest import mock
+
+    from specdec_kernels.ops._triton import rejection_sample as kernels
 
     block_b, block_v, splits = tiling
-    with forced_tiling(block_b, block_v, splits):
+    tiled = partial(kernels.launch_config, tile=(block_b, block_v), num_splits=splits)
+    with mock.patch.object(kernels, "launch_config", tiled):
         for B, K, V in [(1, 4, 111), (5, 3, 200), (3, 0, 37)] + ([(2, 6, 1000)] if block_v > 16 else []):
             assert_same(*run_both(chain_case(B, K, V, sampled=sampled, seed=B), device))
 

@@ -141,13 +141,17 @@ CHUNKINGS = [(4, 16, 5), (1, 32, 3)]
 def test_vocabulary_chunks_match_reference(device, tiling):
     """The vocabulary cut into chunks (the batch-1 split): per-chunk statistics, pivot counts
     and masses combined across chunks give the reference's kept sets, ties included."""
-    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+    from functools import partial
+    from unittest import mock
+
+    from specdec_kernels.ops._triton import sampling_probs as kernels
 
     block_b, block_v, splits = tiling
+    tiled = partial(kernels.launch_config, tile=(block_b, block_v), num_splits=splits)
     ties = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, -1.0] * 20])  # tied values across chunks
     nan_row = torch.randn(1, 120, generator=gen(9))
     nan_row[0, 70] = float("nan")
-    with forced_tiling(block_b, block_v, splits):
+    with mock.patch.object(kernels, "launch_config", tiled):
         # every setting on one shape per tiling; the combined top-k/top-p on both shapes
         for shape, settings in (((1, 111), ("greedy", "topk5_topp0.8")), ((3, 2, 70), ("topp0.9", "topk5_topp0.8"))):
             logits = torch.randn(shape, generator=gen(sum(shape))) * 3

@@ -200,7 +200,9 @@ def test_forced_splits_with_several_row_tiles(device):
 
 def test_split_heuristic(monkeypatch):
     # without a GPU the CUDA branch runs on a fake SM count; the device object needs no GPU
-    monkeypatch.setattr(ta_ops, "_sm_count", lambda device: 132)
+    from specdec_kernels import _device
+
+    monkeypatch.setattr(_device, "_cuda_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     assert choose_num_splits(1, 3, 1, 3, 4096, 64, torch.device("cpu")) == 1
     one_seq = choose_num_splits(1, 3, 1, 3, 4096, 64, cuda)  # 3 programs for 132 SMs

@@ -137,10 +137,14 @@ def test_vocabulary_chunks_match_reference(device, tiling, sampled):
     """Every chunking gives the reference's tokens: the per-level totals t_k are summed from
     chunk partials, the final sample finds its chunk from the chunk masses (rows of one
     program land in different chunks)."""
-    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+    from functools import partial
+    from unittest import mock
+
+    from specdec_kernels.ops._triton import tree_rejection_sample as kernels
 
     block_b, block_v, splits = tiling
-    with forced_tiling(block_b, block_v, splits):
+    tiled = partial(kernels.launch_config, tile=(block_b, block_v), num_splits=splits)
+    with mock.patch.object(kernels, "launch_config", tiled):
         for B, N, V in [(1, 6, 111), (3, 5, 200), (2, 1, 37), (2, 20, 61)]:
             assert_same(*run_both(tree_case(B, N, V, sampled=sampled, seed=B * N + V, coin_power=0.3), device))
 
@@ -149,11 +153,14 @@ def test_vocabulary_chunks_match_reference(device, tiling, sampled):
 def test_split_and_serial_residual_levels_match_reference(device, levels, monkeypatch):
     """Residual levels computed over chunks (1..levels) and serially per row (the rest) agree
     with the reference, at a node with many rejections too; with several chunks per row."""
-    from specdec_kernels.ops._triton import tree_rejection_sample as kernels
-    from specdec_kernels.ops._triton._sampling_common import forced_tiling
+    from functools import partial
+    from unittest import mock
 
-    monkeypatch.setattr(kernels, "FORCED_SPLIT_LEVELS", levels)
-    assert kernels.split_levels(20) == min(levels, 19)
+    from specdec_kernels.ops._triton import tree_rejection_sample as kernels
+
+    launch_config = kernels.launch_config
+    monkeypatch.setattr(kernels, "launch_config", partial(launch_config, split_levels=levels))
+    assert kernels.launch_config(1, 20, 37, None).split_levels == min(levels, 19)
     B, N, V = 8, 20, 37
     case = tree_case(B, N, V, sampled=True, seed=7 + levels, ragged=False, coin_power=0.2)
     parents = torch.tensor([-1] + [0] * 12 + [1, 1, 1, 13, 16, 16, 16])
@@ -161,7 +168,8 @@ def test_split_and_serial_residual_levels_match_reference(device, levels, monkey
     case["draft_probs"] = random_probs((B, N, V), gen(8 + levels))  # far from the target: many rejections
     for c in range(1, N):
         case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[:, 0]
-    with forced_tiling(16, 16, 3):
+    with mock.patch.object(kernels, "launch_config",
+                           partial(launch_config, split_levels=levels, tile=(16, 16), num_splits=3)):
         got, want = run_both(case, device)
     assert_same(got, want)
     assert ((got[1][:, 1] > 4) | (got[2] == 0)).any()  # four or more rejections at the root
