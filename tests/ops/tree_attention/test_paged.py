@@ -376,12 +376,12 @@ def test_bad_input_raises_naming_the_argument(device, backend, case):
 
 
 @pytest.mark.parametrize("case", ["kv_layout", "table_too_small_for_lengths", "used_id_negative", "table_dtype_int64"])
-def test_reference_raises_alike(case):
+def test_reference_backend_raises_alike(case):
     args = _good()
     override, err, name = BAD[case]
     args.update(override)
     with pytest.raises(err, match=re.escape(name)):
-        reference.tree_attention(**args)
+        sk.tree_attention(**args, backend="reference")
 
 
 def test_bad_kv_layout_raises_for_the_dense_op_too():
