@@ -1,5 +1,5 @@
 """Token-tree helpers: ancestor masks, depths, Medusa choices, merging drafts into a trie,
-and conversion from and to SGLang's linked-list trees.
+(SGLang's linked-list trees are converted in ``specdec_kernels.serving.sglang``).
 
 A token tree is a parent list in topological order: ``parents[0] = -1`` (node 0 is the root,
 the last committed token) and ``0 <= parents[i] < i``.  Plain Python lists or int tensors are
@@ -8,18 +8,43 @@ accepted; tensors come back as int64 (or bool for masks) on the input's device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from specdec_kernels.checks import (
-    INDEX_DTYPES, as_int, as_int_list, check_counts, check_parents, check_shape, check_tensor, want_value_checks,
-)
+from specdec_kernels.checks import as_int, as_int_list, check_parents
 
+__all__ = [
+    "MedusaTree",
+    "Parents",
+    "TokenTree",
+    "ancestor_mask",
+    "as_parents",
+    "medusa_choices_to_tree",
+    "merge_chains",
+    "merge_trees",
+    "path_to",
+    "tree_depths",
+]
+
+# a parent list: a list of ints (or of such lists, a batch) or an integer tensor (N,) / (B, N)
 Parents = Union[torch.Tensor, Sequence[int]]
 
 
-def _as_parents(parents: Parents, device=None) -> torch.Tensor:
+def as_parents(parents: Parents, device=None) -> torch.Tensor:
+    """A parent list (or a batch of them) as a checked int64 tensor.
+
+    Args:
+        parents: a list of ints, a list of such lists (batch, N), or an integer tensor of shape
+            (N,) or (batch, N); ``parents[..., 0] = -1`` and ``0 <= parents[..., i] < i``.
+        device: where a list is placed (a tensor keeps its device).
+
+    Returns:
+        int64 tensor of the input's shape.
+
+    Raises:
+        TypeError: a non-integer entry.  ValueError: wrong rank, no root, not topological.
+    """
     if not isinstance(parents, torch.Tensor):
         rows = list(parents)
         if rows and all(isinstance(r, (list, tuple)) for r in rows):  # (batch, N) as nested lists
@@ -43,7 +68,7 @@ def tree_depths(parents: Parents) -> torch.Tensor:
     Raises:
         ValueError/TypeError: parents not a topologically ordered parent list.
     """
-    p = _as_parents(parents)
+    p = as_parents(parents)
     flat = p.reshape(-1, p.shape[-1])
     depth = torch.zeros_like(flat)
     for i in range(1, flat.shape[1]):
@@ -63,7 +88,7 @@ def ancestor_mask(parents: Parents) -> torch.Tensor:
     Raises:
         ValueError/TypeError: parents not a topologically ordered parent list.
     """
-    p = _as_parents(parents)
+    p = as_parents(parents)
     flat = p.reshape(-1, p.shape[-1])
     B, N = flat.shape
     mask = torch.eye(N, dtype=torch.bool, device=p.device).repeat(B, 1, 1)
@@ -79,7 +104,7 @@ def path_to(parents: Parents, node: int) -> List[int]:
         ValueError/TypeError: parents not one topologically ordered (N,) parent list, or node
             outside 0..N-1.
     """
-    t = _as_parents(parents)
+    t = as_parents(parents)
     if t.dim() != 1:
         raise ValueError(f"path_to takes one (N,) parent list, got shape {tuple(t.shape)}")
     p = t.tolist()
@@ -241,234 +266,3 @@ def merge_chains(root_token: int, chains: Sequence[Sequence[int]], max_nodes: Op
     """
     trees = [([root_token] + as_int_list(f"chains[{i}]", c), list(range(-1, len(c)))) for i, c in enumerate(chains)]
     return merge_trees(root_token, trees, max_nodes)
-
-
-class SGLangTree(NamedTuple):
-    """A SGLang linked-list tree renumbered into our parent-list form (``from_sglang_tree``).
-
-    Shapes are for a batch, (B, N) and (B,); one (N,) tree gives (N,) and 0-d tensors.
-
-    Attributes:
-        parents: int64 (B, N), topological: parents[b, 0] = -1 and 0 <= parents[b, i] < i.
-            Nodes at or past num_nodes[b] (unreachable from the root) get parent 0.
-        order: int64 (B, N), a permutation of 0..N-1 per row: our node i is SGLang's local
-            node order[b, i] (order[b, 0] = 0, the root).  Gather SGLang's per-node data into
-            our order with it, e.g. ``candidates.gather(1, order)``.
-        num_nodes: int64 (B,): nodes reachable from the root, root included (1..N).
-        depths: int64 (B, N): depth of our node i (root 0), nondecreasing in i; -1 past
-            num_nodes.
-    """
-
-    parents: torch.Tensor
-    order: torch.Tensor
-    num_nodes: torch.Tensor
-    depths: torch.Tensor
-
-
-def _check_links(name: str, t, shape=None, device=None) -> None:
-    check_tensor(name, t, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device)
-    if shape is not None:
-        check_shape(name, t, shape, "like retrive_next_token")
-    if t.shape[-1] < 1:
-        raise ValueError(f"{name} must hold at least the root (N >= 1), got shape {tuple(t.shape)}")
-    if t.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device: walking a token tree needs its link values")
-
-
-def from_sglang_tree(
-    retrive_next_token: torch.Tensor,
-    retrive_next_sibling: torch.Tensor,
-    *,
-    validate: Optional[bool] = None,
-) -> SGLangTree:
-    """Renumber SGLang's first-child / next-sibling trees into parent lists.
-
-    SGLang's speculative kernels (sgl-kernel ``build_tree_kernel_efficient``,
-    ``verify_tree_greedy``, ``tree_speculative_sampling_target_only``) store a tree of N local
-    nodes (node 0 the root, the last verified token) as two linked lists per node: the first
-    child and the next sibling, -1 ending a list.  They try a node's children in list order;
-    our ops try them in index order.  This walks the tree breadth-first from the root, a
-    node's children in list order, and numbers the nodes in the order met, so that:
-
-    * our parent list is topological (parents[i] < i) and nodes are sorted by depth;
-    * the children of every node get consecutive indices in SGLang's list order, so our ops
-      try them in the same order as SGLang's kernels and verification results are the same;
-    * nodes not reachable from the root (padding rows with -1 links, a sibling of the root,
-      nodes SGLang's tree builder skipped) are counted out of ``num_nodes`` and placed last,
-      in ascending SGLang index.
-
-    A tree that ``build_tree_kernel_efficient`` built (children in ascending index order,
-    parents before children, depth-sorted) comes back with ``order`` the identity when its
-    nodes are already breadth-first.
-
-    Vectorised over the batch with tensor ops on the input's device: at most 2N - 1 steps (one
-    node placed or one child list started per step and row), no value read on the host except
-    for the value checks (and, on CPU tensors only, an early exit once every row is done).
-    Each step is some 25 small tensor ops, so the walk is launch-bound on CUDA: for N = 64
-    about 3,000 ops (about 50 ms on one CPU thread, batch 64; not measured on a GPU).
-
-    Args:
-        retrive_next_token: Shape (batch, N) or (N,), int32/int64: local index of node i's
-            first child, or -1.
-        retrive_next_sibling: Same shape and device, int32/int64: local index of node i's
-            next sibling, or -1.  The root's entry is never read.
-        validate: check link values (default: on CPU tensors; on CUDA it costs a sync).
-
-    Returns:
-        SGLangTree(parents, order, num_nodes, depths).
-
-    Raises:
-        TypeError: not integer tensors.
-        ValueError: wrong rank or shapes, N = 0, and when values are checked: a link outside
-            -1..N-1, or a link that reaches a node already in the tree (a cycle, the root, a
-            node with two parents), naming the argument that holds the link.  Unchecked, an
-            out-of-range link ends its list and a row's walk stops at a link to a node it has
-            already reached, so the result is always a valid tree (the part walked so far).
-
-    Example:
-        The root's children listed as [3, 1] (node 3 first), node 1 with child 2, node 3 with
-        child 4: next_token = [3, 2, -1, 4, -1], next_sibling = [-1, -1, -1, 1, -1] give
-        order = [0, 3, 1, 4, 2], parents = [-1, 0, 0, 1, 2], depths = [0, 1, 1, 2, 2].
-    """
-    _check_links("retrive_next_token", retrive_next_token)
-    device = retrive_next_token.device
-    _check_links("retrive_next_sibling", retrive_next_sibling, tuple(retrive_next_token.shape), device)
-    batch_shape, N = tuple(retrive_next_token.shape[:-1]), retrive_next_token.shape[-1]
-    links = {
-        "retrive_next_token": retrive_next_token.reshape(-1, N).to(torch.int64),
-        "retrive_next_sibling": retrive_next_sibling.reshape(-1, N).to(torch.int64),
-    }
-    check = want_value_checks(validate, retrive_next_token, retrive_next_sibling)
-    if check:
-        for name, t in links.items():
-            out_of_range = (t < -1) | (t >= N)
-            if out_of_range.any():
-                b, i = (int(v) for v in out_of_range.nonzero()[0])
-                raise ValueError(f"{name} must hold local node indices in -1..{N - 1}, got {int(t[b, i])} at [{b}, {i}]")
-    # unchecked, an out-of-range link ends its list
-    next_token, next_sibling = (torch.where((t >= 0) & (t < N), t, -1) for t in links.values())
-    B = next_token.shape[0]
-
-    def take(t, idx):  # t[b, idx[b]] per row
-        return t.gather(1, idx[:, None]).squeeze(1)
-
-    i64 = dict(dtype=torch.int64, device=device)
-    spare = torch.full((B,), N, **i64)
-
-    def put(t, idx, value, where):  # t[b, idx[b]] = value[b] where where[b]; column N is spare
-        t.scatter_(1, torch.where(where, idx, spare)[:, None], value[:, None])
-
-    order = torch.zeros((B, N + 1), **i64)  # our index -> SGLang index (placed nodes)
-    ours = torch.full((B, N + 1), -1, **i64)  # SGLang index -> our index, -1 until placed
-    ours[:, 0] = 0
-    parents = torch.zeros((B, N + 1), **i64)
-    parents[:, 0] = -1
-    depths = torch.full((B, N + 1), -1, **i64)
-    depths[:, 0] = 0
-    count = torch.ones(B, **i64)  # nodes placed
-    expanding = torch.zeros(B, **i64)  # our index of the node whose child list is walked
-    cand = next_token[:, 0].clone()  # the next node of that list (SGLang index), -1 at its end
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    if check:  # where a row's walk met a node twice: for the error message only
-        holder = torch.zeros(B, **i64)  # the SGLang node whose link gave cand
-        via_sibling = torch.zeros(B, dtype=torch.bool, device=device)
-        bad_kind = torch.zeros(B, **i64)  # 1: a next_token link, 2: a next_sibling link
-        bad_holder = torch.zeros(B, **i64)
-        bad_target = torch.zeros(B, **i64)
-    host_shortcuts = device.type == "cpu"  # elsewhere no value is read on the host
-
-    # Per step and row: place cand as the next node, or (at the end of a list) start the
-    # child list of the next placed node.  N - 1 placements and N list starts at most.
-    for _ in range(2 * N - 1):
-        live = ~done
-        emit = live & (cand >= 0)
-        c = cand.clamp(min=0)
-        clash = emit & (take(ours, c) >= 0)
-        new = emit & ~clash
-        if check:
-            bad_kind = torch.where(clash, torch.where(via_sibling, 2, 1), bad_kind)
-            bad_holder = torch.where(clash, holder, bad_holder)
-            bad_target = torch.where(clash, c, bad_target)
-        put(order, count, c, new)  # count < N whenever a new node is placed
-        put(ours, c, count, new)
-        put(parents, count, expanding, new)
-        put(depths, count, take(depths, expanding) + 1, new)
-        count = count + new.to(torch.int64)
-        advance = live & (cand < 0)
-        more = advance & (expanding + 1 < count)
-        expanding = torch.where(more, expanding + 1, expanding)
-        head_holder = take(order, expanding)
-        cand = torch.where(new, take(next_sibling, c), torch.where(more, take(next_token, head_holder), -1))
-        if check:
-            holder = torch.where(new, c, torch.where(more, head_holder, holder))
-            via_sibling = torch.where(new, True, torch.where(more, False, via_sibling))
-        done = done | clash | (advance & ~more)
-        if host_shortcuts and bool(done.all()):
-            break
-
-    if check and bool((bad_kind > 0).any()):
-        b = int((bad_kind > 0).nonzero()[0, 0])
-        name = "retrive_next_sibling" if int(bad_kind[b]) == 2 else "retrive_next_token"
-        raise ValueError(
-            f"{name} does not describe a tree: in row {b}, node {int(bad_holder[b])} links to node "
-            f"{int(bad_target[b])}, which the walk from the root has already reached (a cycle, a link "
-            f"to the root, or a node with two parents)"
-        )
-    ours, parents, depths = ours[:, :N], parents[:, :N], depths[:, :N]
-    # placed nodes keep their index, the others follow in ascending SGLang index
-    key = torch.where(ours >= 0, ours, N + torch.arange(N, **i64))
-    order = key.argsort(dim=1)
-    shape = batch_shape + (N,)
-    return SGLangTree(parents.reshape(shape), order.reshape(shape), count.reshape(batch_shape), depths.reshape(shape))
-
-
-def to_sglang_tree(
-    parents: Parents,
-    num_nodes: Union[None, int, torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's first-child / next-sibling lists of our parent lists (the inverse of
-    ``from_sglang_tree`` up to its breadth-first renumbering).
-
-    Each node's children are listed in ascending index order, the order our ops try them, so
-    SGLang's kernels on the lists and our ops on ``parents`` verify alike.  (SGLang's
-    ``retrive_index`` for the same (batch, N) layout is ``torch.arange(B * N).view(B, N)``.)
-
-    Args:
-        parents: (N,) or (batch, N) parent list, parents[0] = -1, 0 <= parents[i] < i (a list
-            or an int tensor).
-        num_nodes: nodes at or past this count are left out (their links -1, nothing links to
-            them): an int or 0-d tensor for one (N,) tree, a (batch,) int tensor for a batch;
-            None for all N.
-
-    Returns:
-        (retrive_next_token, retrive_next_sibling): int64, the shape of ``parents``, on its
-        device; -1 ends a list.
-
-    Raises:
-        ValueError/TypeError: parents not a topologically ordered parent list, num_nodes of
-            the wrong type, shape or outside 0..N.
-    """
-    p = _as_parents(parents)
-    N = p.shape[-1]
-    flat = p.reshape(-1, N)
-    B = flat.shape[0]
-    if num_nodes is None:
-        n = torch.full((B,), N, dtype=torch.int64, device=p.device)
-    elif isinstance(num_nodes, torch.Tensor):
-        if num_nodes.dim() == 0 and p.dim() == 1:
-            num_nodes = num_nodes.reshape(1)
-        n = check_counts("num_nodes", num_nodes, B, N, p.device, None)
-    else:
-        count = as_int("num_nodes", num_nodes)
-        if not 0 <= count <= N:
-            raise ValueError(f"num_nodes must lie in 0..{N}, got {count}")
-        n = torch.full((B,), count, dtype=torch.int64, device=p.device)
-    next_token = torch.full_like(flat, -1)
-    next_sibling = torch.full_like(flat, -1)
-    for i in range(N - 1, 0, -1):  # prepend node i to its parent's list: lists end ascending
-        live = i < n
-        parent = flat[:, i : i + 1]
-        first = next_token.gather(1, parent).squeeze(1)
-        next_sibling[:, i] = torch.where(live, first, -1)
-        next_token.scatter_(1, parent, torch.where(live, i, first)[:, None])
-    return next_token.reshape(p.shape), next_sibling.reshape(p.shape)

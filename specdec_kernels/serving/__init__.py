@@ -2,18 +2,22 @@
 
 ``specdec_kernels.serving.sglang``: SGLang's tree form (first-child / next-sibling lists,
 flat ``predicts`` and ``accept_index`` outputs) for greedy tree verification and tree
-rejection sampling.  Nothing is imported until a name is used.
+rejection sampling, and the conversion of its trees from and to parent lists.  Nothing is imported until a name is used.
 """
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["sglang", "verify_tree_greedy_sglang", "tree_rejection_sample_sglang"]
+__all__ = ["sglang", "verify_tree_greedy_sglang", "tree_rejection_sample_sglang", "from_sglang_tree", "to_sglang_tree",
+           "SGLangTree"]
 
 _NAMES = {
     "sglang": None,
     "verify_tree_greedy_sglang": "sglang",
     "tree_rejection_sample_sglang": "sglang",
+    "from_sglang_tree": "sglang",
+    "to_sglang_tree": "sglang",
+    "SGLangTree": "sglang",
 }
 
 

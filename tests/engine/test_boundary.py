@@ -260,6 +260,7 @@ def test_the_engine_attention_matches_the_public_op(mask_kind, monkeypatch):
     assert torch.equal(attend(q, k, v, lens, mask, "reference"), want)
     assert torch.equal(attend(q, k, v, lens, mask, "torch"), sk.tree_attention(q, k, v, lens, mask, backend="torch"))
     monkeypatch.setenv("SPECDEC_BACKEND", "reference")  # a preference, as for the public op
+    sk.reset_backends()  # read at import and on reset
     assert torch.equal(attend(q, k, v, lens, mask), want)
 
 

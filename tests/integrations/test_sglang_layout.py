@@ -150,7 +150,7 @@ def standard_retrive_index(B, N):
 def test_from_sglang_tree_renumbers_sibling_list_order_by_hand():
     # the root lists [3, 1]: node 3 is tried first, so it becomes our node 1; node 3's child 4
     # then precedes node 1's child 2
-    t = tree.from_sglang_tree(torch.tensor([3, 2, -1, 4, -1]), torch.tensor([-1, -1, -1, 1, -1]))
+    t = sg.from_sglang_tree(torch.tensor([3, 2, -1, 4, -1]), torch.tensor([-1, -1, -1, 1, -1]))
     assert t.order.tolist() == [0, 3, 1, 4, 2]
     assert t.parents.tolist() == [-1, 0, 0, 1, 2]
     assert t.depths.tolist() == [0, 1, 1, 2, 2]
@@ -162,7 +162,7 @@ def test_from_sglang_tree_batch_with_padding_by_hand():
     # row 2: the root alone
     nt = torch.tensor([[1, -1, 3, -1], [2, -1, -1, -1], [-1, -1, -1, -1]])
     ns = torch.tensor([[-1, 2, -1, -1], [-1, -1, -1, -1], [-1, -1, -1, -1]])
-    t = tree.from_sglang_tree(nt, ns)
+    t = sg.from_sglang_tree(nt, ns)
     assert t.order.tolist() == [[0, 1, 2, 3], [0, 2, 1, 3], [0, 1, 2, 3]]
     assert t.parents.tolist() == [[-1, 0, 0, 2], [-1, 0, 0, 0], [-1, 0, 0, 0]]
     assert t.num_nodes.tolist() == [4, 2, 1]
@@ -172,23 +172,23 @@ def test_from_sglang_tree_batch_with_padding_by_hand():
 def test_from_sglang_tree_of_an_ascending_breadth_first_tree_is_the_identity():
     # what build_tree_kernel_efficient makes for a depth-sorted tree: lists ascending
     nt, ns = torch.tensor([1, 3, 5, -1, -1, -1]), torch.tensor([-1, 2, -1, 4, -1, -1])
-    t = tree.from_sglang_tree(nt, ns)
+    t = sg.from_sglang_tree(nt, ns)
     assert t.order.tolist() == list(range(6)) and t.parents.tolist() == [-1, 0, 0, 1, 1, 2]
 
 
 def test_to_sglang_tree_by_hand():
-    nt, ns = tree.to_sglang_tree([-1, 0, 0, 1, 2])
+    nt, ns = sg.to_sglang_tree([-1, 0, 0, 1, 2])
     assert nt.tolist() == [1, 3, 4, -1, -1] and ns.tolist() == [-1, 2, -1, -1, -1]
-    nt, ns = tree.to_sglang_tree(torch.tensor([[-1, 0, 0, 0], [-1, 0, 1, 0]]), torch.tensor([4, 2]))
+    nt, ns = sg.to_sglang_tree(torch.tensor([[-1, 0, 0, 0], [-1, 0, 1, 0]]), torch.tensor([4, 2]))
     assert nt.tolist() == [[1, -1, -1, -1], [1, -1, -1, -1]]
     assert ns.tolist() == [[-1, 2, 3, -1], [-1, -1, -1, -1]]
-    assert tree.to_sglang_tree([-1, 0, 0], 0)[0].tolist() == [-1, -1, -1]
+    assert sg.to_sglang_tree([-1, 0, 0], 0)[0].tolist() == [-1, -1, -1]
 
 
 @pytest.mark.parametrize("N", [1, 2, 7, 16, 33])
 def test_from_sglang_tree_matches_python_walk_on_random_batches(N):
     nt, ns, _ = random_batch(5, N, seed=N)
-    t = tree.from_sglang_tree(nt, ns)
+    t = sg.from_sglang_tree(nt, ns)
     for b in range(5):
         order, parents, n, depths = python_bfs(nt[b].tolist(), ns[b].tolist())
         assert t.order[b].tolist() == order and t.parents[b].tolist() == parents
@@ -196,7 +196,7 @@ def test_from_sglang_tree_matches_python_walk_on_random_batches(N):
     real = torch.arange(N) < t.num_nodes[:, None]
     assert torch.equal(torch.where(real, tree.tree_depths(t.parents), -1), t.depths)
     # int32 links and validate=False (the path CUDA takes) give the same tree
-    again = tree.from_sglang_tree(nt.int(), ns.int(), validate=False)
+    again = sg.from_sglang_tree(nt.int(), ns.int(), validate=False)
     assert all(torch.equal(a, b) for a, b in zip(again, t))
 
 
@@ -216,8 +216,8 @@ def builder_trees():
 @pytest.mark.parametrize("name", list(builder_trees()))
 def test_round_trip_relabels_and_keeps_sibling_order(name):
     parents = builder_trees()[name]
-    nt, ns = tree.to_sglang_tree(parents)
-    t = tree.from_sglang_tree(nt, ns)
+    nt, ns = sg.to_sglang_tree(parents)
+    t = sg.from_sglang_tree(nt, ns)
     N = parents.numel()
     assert int(t.num_nodes) == N
     inv = t.order.argsort()  # SGLang (= original) index -> our index
@@ -229,7 +229,7 @@ def test_round_trip_relabels_and_keeps_sibling_order(name):
                 assert inv[a] < inv[c]
     assert torch.equal(t.depths, tree.tree_depths(parents)[t.order])
     # back to SGLang's lists in our numbering: the same lists, relabelled
-    nt2, ns2 = tree.to_sglang_tree(t.parents)
+    nt2, ns2 = sg.to_sglang_tree(t.parents)
     relabel = lambda x: torch.where(x >= 0, inv[x.clamp(min=0)], -1)  # noqa: E731
     assert torch.equal(nt2, relabel(nt)[t.order]) and torch.equal(ns2, relabel(ns)[t.order])
     if name in ("medusa", "root_only"):  # already breadth-first: the identity
@@ -240,9 +240,9 @@ def test_round_trip_of_a_padded_batch():
     g = gen(3)
     parents = torch.stack([random_parents(9, g, bushy=b % 2 == 0) for b in range(4)])
     num_nodes = torch.tensor([9, 1, 5, 3])
-    nt, ns = tree.to_sglang_tree(parents, num_nodes)
+    nt, ns = sg.to_sglang_tree(parents, num_nodes)
     assert (nt[1] == -1).all() and (ns[1] == -1).all()
-    t = tree.from_sglang_tree(nt, ns)
+    t = sg.from_sglang_tree(nt, ns)
     assert torch.equal(t.num_nodes, num_nodes)
     for b in range(4):
         n = int(num_nodes[b])
@@ -280,12 +280,12 @@ BAD_TREES = {
 def test_invalid_lists_raise_naming_the_argument(case):
     args, err, name = BAD_TREES[case]
     with pytest.raises(err, match=re.escape(name)):
-        tree.from_sglang_tree(**args)
+        sg.from_sglang_tree(**args)
 
 
 def test_unchecked_bad_lists_still_give_a_valid_tree():
     # a sibling cycle and an out-of-range link, unchecked: the walk stops, the tree is valid
-    t = tree.from_sglang_tree(torch.tensor([[1, -1, -1, -1], [1, 9, -1, -1]]),
+    t = sg.from_sglang_tree(torch.tensor([[1, -1, -1, -1], [1, 9, -1, -1]]),
                               torch.tensor([[-1, 2, 1, -1], [-1, 2, -1, -1]]), validate=False)
     assert t.num_nodes.tolist() == [3, 3]
     for b in range(2):
@@ -295,11 +295,11 @@ def test_unchecked_bad_lists_still_give_a_valid_tree():
 
 def test_to_sglang_tree_bad_input():
     with pytest.raises(ValueError, match="num_nodes"):
-        tree.to_sglang_tree([-1, 0], 3)
+        sg.to_sglang_tree([-1, 0], 3)
     with pytest.raises(ValueError, match="parents"):
-        tree.to_sglang_tree([-1, 1, 0])
+        sg.to_sglang_tree([-1, 1, 0])
     with pytest.raises(TypeError, match="num_nodes"):
-        tree.to_sglang_tree([-1, 0], 1.5)
+        sg.to_sglang_tree([-1, 0], 1.5)
 
 
 # --------------------------------------------------------------------------- greedy
@@ -366,7 +366,7 @@ def test_verify_tree_greedy_sglang_on_our_tree_equals_our_op():
     tokens = torch.where(torch.rand(B, N, generator=g) < 0.7, logits.argmax(-1).gather(1, parents.clamp(min=0)),
                          torch.randint(0, V, (B, N), generator=g))
     out, nodes, acc = sk.verify_tree_greedy(logits, tokens, parents)
-    nt, ns = tree.to_sglang_tree(parents)
+    nt, ns = sg.to_sglang_tree(parents)
     predicts, accept_index, accept_num = sg.verify_tree_greedy_sglang(
         tokens, standard_retrive_index(B, N), nt, ns, logits, num_spec_step=N)
     assert torch.equal(accept_num.long(), acc)
@@ -455,7 +455,7 @@ def test_all_zero_draft_probs_are_taken_as_none():
     zeros = sg.tree_rejection_sample_sglang(candidates, ri, nt, ns, target, torch.zeros(B, N, V), **kw)
     assert all(torch.equal(a, b) for a, b in zip(none, zeros))
     # our op given the zeros as q = 0 accepts the first child whenever it has mass: lossy
-    t = tree.from_sglang_tree(nt, ns)
+    t = sg.from_sglang_tree(nt, ns)
     rows = torch.arange(B)[:, None]
     _, nodes, _ = sk.tree_rejection_sample(target[rows, t.order], candidates.gather(1, t.order), t.parents,
                                            torch.zeros(B, N, V), t.num_nodes,
@@ -470,7 +470,7 @@ def test_draft_probs_run_our_op_on_the_converted_tree(device, backend):
     candidates, nt, ns, target, coins, final = sampling_case(B, N, V, seed=4)
     draft = torch.softmax(torch.randn(B, N, V, generator=gen(9)), -1)
     draft[0, nt[0] == -1] = 0  # zero rows are fine at leaves (no child is drawn from them)
-    t = tree.from_sglang_tree(nt, ns)
+    t = sg.from_sglang_tree(nt, ns)
     ri = standard_retrive_index(B, N)
     steps = 4
     got = on_device(sg.tree_rejection_sample_sglang, device, backend=backend)(
@@ -535,7 +535,7 @@ def test_all_zero_draft_probs_mapped_call_is_lossless():
     first = predicts.long()[accept_index[:, 0].long()]
     assert chi_square_pvalue(first, p0) > P_THRESHOLD
     # negative control: the zeros passed to our op as they are
-    t = tree.from_sglang_tree(nt[:1], ns[:1])
+    t = sg.from_sglang_tree(nt[:1], ns[:1])
     out, _, _ = sk.tree_rejection_sample(
         target[:, t.order[0]], candidates[:, t.order[0]], t.parents[0], torch.zeros_like(target), generator=gen(5))
     assert chi_square_pvalue(out[:, 0], p0) < 1e-12
