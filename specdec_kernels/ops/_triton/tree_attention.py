@@ -17,7 +17,7 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._library import kernel_op, launch
 from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, launch_config
-from specdec_kernels.reference.tree_attention import KV_LAYOUTS, paged_geometry
+from specdec_kernels.checks import KV_LAYOUTS, pool_geometry
 
 _LOG2E = 1.4426950408889634
 # software-pipelining depth of the prefix key loop (loads of later tiles overlap this one's math)
@@ -278,7 +278,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
         k_strides, v_strides = k_cache.stride(), v_cache.stride()
         table, table_strides, page_size, num_blocks = cache_seqlens, (0, 0), 1, 1  # table never read
     else:  # a pool: strides (block, head, slot in the block, dim) whatever the layout
-        num_blocks, page_size, Hkv, _ = paged_geometry(k_cache, kv_layout)
+        num_blocks, page_size, Hkv, _ = pool_geometry(k_cache, kv_layout)
         capacity = block_table.shape[1] * page_size
         order = (0, 2, 1, 3) if kv_layout == "NHD" else (0, 1, 2, 3)
         k_strides = tuple(k_cache.stride(i) for i in order)

@@ -11,6 +11,7 @@ buffers around every flat input, the same generator / seeds giving the padded op
 chi-square test of losslessness, the FlashInfer-style details, bad input, opcheck.
 """
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -409,8 +410,9 @@ def test_details_with_bonus_ids_own_no_bonus_row():
     rows = without_bonus_rows(c["probs"], c["counts"])
     c2 = dict(c, probs=rows)
     rows[2, 1] = NAN  # request 0's third draft row
-    d = reference.rejection_sample_flattened(rows, c["draft"], c["drafts"], c["cu"], torch.zeros(6, dtype=torch.long),
-                                             uniform_samples=c["coins"], sample_uniforms=c["final"], return_details=True)
+    d = sk.rejection_sample_flattened(rows, c["draft"], c["drafts"], c["cu"], torch.zeros(6, dtype=torch.long),
+                                      uniform_samples=c["coins"], sample_uniforms=c["final"], return_details=True,
+                                      backend="reference")
     accepted, valid = _hand_details(c2, c["coins"], bonus_rows=False)
     assert d.accepted_counts.tolist() == accepted and d.valid.tolist() == valid == [False] + [True] * 5
 
