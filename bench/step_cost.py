@@ -84,7 +84,7 @@ def measure(name: str, args: ModelArgs, dtype, device, prefix: int, sizes: List[
                 base = t["median_us"]
             rows.append({"model": name, "kind": kind, "N": n, "prefix": prefix, "dtype": str(dtype).replace("torch.", ""),
                          **t, "ratio_to_decode": t["median_us"] / base})
-    del model, cache
+    model = cache = None  # free them before the next model is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows

@@ -72,7 +72,7 @@ def _paged_compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices,
     output.  ``caches``: [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv,
     block_size, D] ("HND") pools and/or [L, 2, ...] buffers of them."""
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    inner = _check_fake_caches(caches, "a 4-D pool or a 6-D [L, 2, ...] buffer", "[L, 2, ...] (keys and values)")
+    _check_fake_caches(caches, "a 4-D pool or a 6-D [L, 2, ...] buffer", "[L, 2, ...] (keys and values)")
     B = cache_seqlens.shape[0] if cache_seqlens.dim() == 1 else -1
     for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
                           ("num_accepted", num_accepted, 1), ("block_table", block_table, 2)):

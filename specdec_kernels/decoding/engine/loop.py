@@ -616,12 +616,12 @@ class SpeculativeDecoder:
         if not isinstance(draft, Draft):
             raise TypeError(f"drafter {name!r}: propose must return a Draft, got {type(draft).__name__}")
         B, V = state.batch_size, self.model.args.vocab_size
-        for field in ("tokens", "parents", "num_nodes"):
-            t = getattr(draft, field)
+        for part in ("tokens", "parents", "num_nodes"):
+            t = getattr(draft, part)
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"drafter {name!r}: Draft.{field} must be a tensor, got {type(t).__name__}")
+                raise TypeError(f"drafter {name!r}: Draft.{part} must be a tensor, got {type(t).__name__}")
             if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                raise TypeError(f"drafter {name!r}: Draft.{field} must hold integers (int64), got {t.dtype}")
+                raise TypeError(f"drafter {name!r}: Draft.{part} must hold integers (int64), got {t.dtype}")
         if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or draft.num_nodes.shape != (B,):
             raise ValueError(f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
                              f"{tuple(draft.tokens.shape)} and {tuple(draft.num_nodes.shape)}")

@@ -131,11 +131,14 @@ def test_permuted_buffer_is_written_in_place(backend):
 
 
 def test_meta_cache_is_a_shape_only_no_op():
-    """On the meta device (shapes without data) the reference checks the arguments and moves nothing."""
+    """On the meta device (shapes without data) the reference backend checks the arguments and
+    moves nothing."""
     m = "meta"
-    out = reference.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
-                                     torch.tensor([[0, 2]], device=m), torch.tensor([2], device=m))
+    out = sk.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
+                              torch.tensor([[0, 2]], device=m), torch.tensor([2], device=m), backend="reference")
     assert out is None
+    assert reference.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
+                                      torch.tensor([[0, 2]], device=m), torch.tensor([2], device=m)) is None
     with pytest.raises(ValueError, match="accepted_indices"):
-        reference.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
-                                   torch.tensor([[0, 2]], device=m)[0], torch.tensor([2], device=m))
+        sk.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
+                            torch.tensor([[0, 2]], device=m)[0], torch.tensor([2], device=m), backend="reference")
