@@ -43,6 +43,8 @@ stop_vllm() {
 trap stop_vllm EXIT
 source scripts/setup_env.sh
 echo "== set-up took $((SECONDS / 60)) min $((SECONDS % 60)) s"
+echo "== lint (ruff, clang-format)"
+bash scripts/lint.sh
 NVCC="$(command -v nvcc || true)"
 [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
 if [ -n "$NVCC" ]; then
