@@ -304,12 +304,12 @@ def hf_ours_method(name: str, generate_kwargs: Callable[[Context], Dict[str, Any
 
 def _register_builtin() -> None:
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
-    from specdec_kernels.decoding.engine.adaptive import DEFAULT_K
     from specdec_kernels.decoding.drafters.eagle import SHIPPED as EAGLE_SHIPPED
     from specdec_kernels.decoding.drafters.eagle import EagleDrafter
     from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
     from specdec_kernels.decoding.drafters.medusa import SHIPPED, MedusaDrafter
     from specdec_kernels.decoding.drafters.multi import MultiDrafter
+    from specdec_kernels.decoding.engine.adaptive import DEFAULT_K
 
     ngram_k, model_k, multi_k = DEFAULT_K["ngram"], DEFAULT_K["layerskip"], DEFAULT_K["multi"]
     L = LAYERSKIP_LAYERS
@@ -658,9 +658,7 @@ def run(args) -> int:
     from specdec_kernels.decoding.model import linear_choices
 
     config["linear_choices"] = linear_choices()  # the CPU matmul paths measured in this run
-    from specdec_kernels.ops.tree_attention import PAGED_CPU_CHOICE
-
-    from specdec_kernels.ops.tree_attention import DENSE_CPU_CHOICE
+    from specdec_kernels.ops.tree_attention import DENSE_CPU_CHOICE, PAGED_CPU_CHOICE
 
     config["paged_attention_choices"] = PAGED_CPU_CHOICE.choices()  # paged caches only (shared-prefix scenario)
     config["attention_choices"] = DENSE_CPU_CHOICE.choices()  # dense caches, CPU: C++ kernel or SDPA

@@ -24,7 +24,7 @@ import torch
 
 import specdec_kernels as sk
 from bench.common import copy_bandwidth_gbps, environment, format_table, out_dir, pyplot_or_none, time_fn, write_jsonl
-from specdec_kernels import _backend, reference
+from specdec_kernels import _backend
 from specdec_kernels.tree import ancestor_mask
 
 MODELS = {

@@ -33,8 +33,8 @@ LAYERSKIP_LAYERS = 24  # as bench.e2e: SmolLM2 was not trained for early exit
 def methods(model) -> Dict[str, Callable]:
     """name -> () -> (drafter, num_draft_tokens)."""
     from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter
-    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, HeuristicPolicy
     from specdec_kernels.decoding.drafters.multi import MultiDrafter
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, HeuristicPolicy
 
     ls = lambda: LayerSkipDrafter(model, LAYERSKIP_LAYERS)  # noqa: E731
     multi = lambda: MultiDrafter([NgramDrafter(), ls()])  # noqa: E731

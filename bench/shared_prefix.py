@@ -27,9 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-import torch
-
-from bench.common import JsonlWriter, environment, format_table, uncommitted_changes, write_jsonl
+from bench.common import JsonlWriter, format_table, write_jsonl
 
 SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent / "data" / "shared_system_prompt.txt"
 BLOCK_SIZE = 16

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTED_VLLM = "0.32.0"
@@ -118,7 +118,13 @@ def export_smollm2(dest: Optional[Path] = None, tensor_parallel_size: int = 1) -
     """
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    from specdec_kernels.decoding.loading import _fingerprint, cache_dir, hf_model_from_checkpoint, load_checkpoint, smollm2_gguf
+    from specdec_kernels.decoding.loading import (
+        _fingerprint,
+        cache_dir,
+        hf_model_from_checkpoint,
+        load_checkpoint,
+        smollm2_gguf,
+    )
 
     directory, name = smollm2_gguf()
     stamp = {**_fingerprint(os.path.join(directory, name)), "tensor_parallel_size": tensor_parallel_size, "format": 1}

@@ -53,18 +53,17 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-
 import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS, tree_attention
-from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
 from specdec_kernels.decoding.drafters.ngram import NgramDrafter
+from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
+from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.engine.stats import DecodeStats
 
 ATTENTION_NAME = "specdec_tree"

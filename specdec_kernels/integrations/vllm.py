@@ -395,8 +395,9 @@ def rejection_sample(
         return _ORIGINAL["rejection_sample"](
             draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
             bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
-    import specdec_kernels as sk
     from vllm.v1.sample import rejection_sampler as rs
+
+    import specdec_kernels as sk
 
     batch = len(num_draft_tokens)
     device = target_logits.device

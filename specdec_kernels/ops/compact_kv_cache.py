@@ -52,7 +52,15 @@ from typing import List, Optional, Sequence
 import torch
 
 from specdec_kernels import _backend, _library, _native
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_kv_layout, check_shape, check_tensor, pool_geometry, want_value_checks
+from specdec_kernels.checks import (
+    INDEX_DTYPES,
+    check_counts,
+    check_kv_layout,
+    check_shape,
+    check_tensor,
+    pool_geometry,
+    want_value_checks,
+)
 from specdec_kernels.reference.compact_kv_cache import (
     PAGED_LAYOUTS,
     BufferViews,

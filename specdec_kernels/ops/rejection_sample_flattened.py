@@ -20,10 +20,9 @@ from typing import Optional, Tuple, Union
 import torch
 
 from specdec_kernels import _backend, _library, _native
-from specdec_kernels.checks import check_uniforms
-from specdec_kernels._flattened import check_flattened_args
-from specdec_kernels._flattened import positions, take
+from specdec_kernels._flattened import check_flattened_args, positions, take
 from specdec_kernels._random import GeneratorArg
+from specdec_kernels.checks import check_uniforms
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
 from specdec_kernels.reference.rejection_sample import accept_tests
 from specdec_kernels.reference.rejection_sample_flattened import _rejection_sample_flattened, flattened_uniforms

@@ -59,10 +59,23 @@ import torch
 from specdec_kernels import _backend, _library
 from specdec_kernels._device import next_pow2
 from specdec_kernels.autotune import RuntimeChoice
-from specdec_kernels.checks import FLOAT_DTYPES, check_kv_layout, check_shape, check_tensor, pool_geometry, want_value_checks
+from specdec_kernels.checks import (
+    FLOAT_DTYPES,
+    check_kv_layout,
+    check_shape,
+    check_tensor,
+    pool_geometry,
+    want_value_checks,
+)
 from specdec_kernels.ops._torch.tree_attention import sdpa_paged_tree_attention, sdpa_tree_attention
+from specdec_kernels.ops._tree_attention_launch import (
+    MASK_BOOL,
+    MASK_CAUSAL,
+    MASK_PACKED,
+    MAX_SPLITS,
+    choose_num_splits,
+)
 from specdec_kernels.reference.tree_attention import _tree_attention
-from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, choose_num_splits
 from specdec_kernels.reference.tree_attention import paged_tree_attention as _paged_reference
 
 # "native": the C++ CPU kernel (csrc/paged_attention_cpu.cpp; a dense cache is read as the pool of

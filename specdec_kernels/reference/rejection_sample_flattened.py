@@ -6,9 +6,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels.checks import check_uniforms
 from specdec_kernels._flattened import FlatBatch, check_flattened_args, draft_counts, flatten_coins, positions, take
 from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels.checks import check_uniforms
 from specdec_kernels.reference.rejection_sample import accept_tests, mass, sample_from_weights
 
 

@@ -16,7 +16,6 @@ import torch
 from specdec_kernels.checks import pool_geometry
 
 
-
 def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, kv_layout: str) -> torch.Tensor:
     """The dense cache [B, Hkv, max_blocks_per_seq * block_size, D] that a paged pool holds.
 

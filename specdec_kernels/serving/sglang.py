@@ -26,7 +26,15 @@ import torch
 
 from specdec_kernels import tree_rejection_sample, verify_tree_greedy
 from specdec_kernels.checks import (
-    FLOAT32_BELOW_ONE, FLOAT_DTYPES, INDEX_DTYPES, as_int, check_counts, check_shape, check_tensor, check_uniforms, want_value_checks,
+    FLOAT32_BELOW_ONE,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    as_int,
+    check_counts,
+    check_shape,
+    check_tensor,
+    check_uniforms,
+    want_value_checks,
 )
 from specdec_kernels.tree import Parents, as_parents
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from specdec_kernels.decoding import (
     Draft,
@@ -18,6 +17,7 @@ from specdec_kernels.decoding import (
     SpeculativeDecoder,
     Transformer,
 )
+from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.engine.adaptive import (
     CostModelPolicy,
     FixedPolicy,
@@ -28,7 +28,6 @@ from specdec_kernels.decoding.engine.adaptive import (
     expected_tokens,
     resolve_policy,
 )
-from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.engine.loop import StepRecord
 from tests.engine.tiny import PROMPTS, real_only, tiny  # noqa: F401 (fixture)
 from tests.utils import one_thread  # noqa: F401 (fixture)

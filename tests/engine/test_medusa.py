@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from specdec_kernels.decoding import Draft, Drafter, SamplingParams, SpeculativeDecoder
-from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
     MedusaDrafter,

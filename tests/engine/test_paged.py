@@ -15,7 +15,13 @@ import torch
 
 from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.multi import MultiDrafter
-from specdec_kernels.decoding.paged import NULL_BLOCK, CacheLayout, PagedKVCache, common_prefix_length, plan_prefix_sharing
+from specdec_kernels.decoding.paged import (
+    NULL_BLOCK,
+    CacheLayout,
+    PagedKVCache,
+    common_prefix_length,
+    plan_prefix_sharing,
+)
 from tests.engine.tiny import V, tiny  # noqa: F401 (fixture)
 from tests.utils import one_thread  # noqa: F401 (fixture)
 

@@ -17,7 +17,7 @@ from specdec_kernels.decoding import (
     Transformer,
 )
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.engine.tiny import PROMPTS, V, OracleDrafter, exact_marginals, ngram_friendly_prompt, tiny  # noqa: F401 (fixture)
+from tests.engine.tiny import PROMPTS, OracleDrafter, V, exact_marginals, ngram_friendly_prompt, tiny  # noqa: F401 (fixture)
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")

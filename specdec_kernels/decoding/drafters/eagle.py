@@ -60,9 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
-from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 
 FORMAT = 1

@@ -43,8 +43,8 @@ so that a drafter that fell behind can come back.
 """
 from __future__ import annotations
 
-import time
 import math
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch

@@ -41,12 +41,12 @@ from specdec_kernels import (
 )
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import as_int, as_int_list
-from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.model import Transformer
-from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
+from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, resolve_policy
 from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.typical import typical_acceptance
+from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
 
 
 def _per_sequence(name: str, value, batch: int) -> List[int]:

@@ -13,7 +13,6 @@ import torch
 from specdec_kernels.checks import pool_geometry
 from specdec_kernels.reference.tree_attention import visible_keys
 
-
 # Per-thread CPU buffer that the torch backend gathers paged K/V into.  A fresh multi-MB
 # tensor per call comes from fresh pages (glibc returns large freed chunks to the OS), and
 # the page faults cost more than the gather itself (measured: 480 faults, 2.3 ms on top of a

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._library import kernel_op, launch
-from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, launch_config
 from specdec_kernels.checks import KV_LAYOUTS, pool_geometry
+from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, launch_config
 
 _LOG2E = 1.4426950408889634
 # software-pipelining depth of the prefix key loop (loads of later tiles overlap this one's math)

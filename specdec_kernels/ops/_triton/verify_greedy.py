@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-
 import triton
 import triton.language as tl
 

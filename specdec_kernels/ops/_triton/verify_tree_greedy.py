@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-
 import triton.language as tl
 
 from specdec_kernels import _device

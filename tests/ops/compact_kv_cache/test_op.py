@@ -1,6 +1,6 @@
 """compact_kv_cache: gather from a snapshot copy, overlap hazards, layouts, bad input."""
-from functools import partial
 import re
+from functools import partial
 
 import pytest
 import torch

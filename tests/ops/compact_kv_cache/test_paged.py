@@ -14,11 +14,11 @@ SPECDEC_COMPACT_KV_HOST_EMULATION) run on the host block by block, every thread'
 chunk before any thread's stores, the pools described by the binding's own host helper (as
 ``test_kernels.py`` does for the dense kernel).
 """
-from functools import partial
 import ctypes
 import os
 import re
 import subprocess
+from functools import partial
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """rejection_sample: hand-worked cases, distribution tests, invariants and bad input."""
-from functools import partial
 import re
+from functools import partial
 
 import pytest
 import torch

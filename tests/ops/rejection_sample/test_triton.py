@@ -8,7 +8,17 @@ from specdec_kernels.ops import rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.rejection_sample import rejection_sample as reference_rejection_sample
 from tests.ops.sampling import TARGETS, TILINGS
-from tests.utils import DRAWS, DTYPE_IDS, DTYPES, P_THRESHOLD, assert_same, chi_square_pvalue, gen, requires_triton, to_device
+from tests.utils import (
+    DRAWS,
+    DTYPE_IDS,
+    DTYPES,
+    P_THRESHOLD,
+    assert_same,
+    chi_square_pvalue,
+    gen,
+    requires_triton,
+    to_device,
+)
 
 pytestmark = requires_triton("rejection_sample")
 

@@ -1,13 +1,12 @@
 """sampling_probs: hand-worked temperature, top-k and top-p cases, and bad input."""
-from functools import partial
 import math
 import re
+from functools import partial
 
 import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import reference
 from tests.utils import on_device, runnable_backends
 
 BACKENDS = runnable_backends("sampling_probs")

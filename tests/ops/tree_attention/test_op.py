@@ -1,6 +1,6 @@
 """tree_attention: hand-worked cases, an independent per-query oracle, and bad input."""
-from functools import partial
 import re
+from functools import partial
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """tree_rejection_sample: hand-worked trees, distribution tests, invariants and bad input."""
-from functools import partial
 import re
+from functools import partial
 
 import pytest
 import torch

@@ -1,12 +1,11 @@
 """verify_greedy: golden cases worked out by hand, invariants and bad input, on every backend."""
-from functools import partial
 import re
+from functools import partial
 
 import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import reference
 from tests.utils import on_device, runnable_backends
 
 BACKENDS = runnable_backends("verify_greedy")

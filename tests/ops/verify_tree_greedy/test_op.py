@@ -1,6 +1,6 @@
 """verify_tree_greedy: hand-worked trees, invariants and bad input, on every backend."""
-from functools import partial
 import re
+from functools import partial
 
 import pytest
 import torch
