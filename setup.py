@@ -16,6 +16,7 @@
 - With the extension built, the torch requirement is the torch it was built against
   (``torch==X.Y.*``: the extension's C++ ABI is that torch's).
 """
+
 import glob
 import json
 import os
@@ -72,8 +73,13 @@ def _extensions():
     if not with_cuda:
         _log(
             "building CPU sources only ("
-            + ("SPECDEC_SKIP_CUDA_BUILD=1" if os.environ.get("SPECDEC_SKIP_CUDA_BUILD") == "1"
-               else "torch has no CUDA" if torch.version.cuda is None else "nvcc not found")
+            + (
+                "SPECDEC_SKIP_CUDA_BUILD=1"
+                if os.environ.get("SPECDEC_SKIP_CUDA_BUILD") == "1"
+                else "torch has no CUDA"
+                if torch.version.cuda is None
+                else "nvcc not found"
+            )
             + ")"
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -106,8 +112,10 @@ def _extensions():
                 super().run()
             except Exception as e:  # noqa: BLE001  (no compiler, broken toolchain, ...)
                 if REQUIRE_NATIVE:
-                    raise SystemExit(f"specdec_kernels setup: error: the extension failed to build ({e}) "
-                                     "and SPECDEC_REQUIRE_NATIVE=1") from e
+                    raise SystemExit(
+                        f"specdec_kernels setup: error: the extension failed to build ({e}) "
+                        "and SPECDEC_REQUIRE_NATIVE=1"
+                    ) from e
                 _log(f"WARNING: the extension failed to build ({e}); the ops will use the reference")
                 _record(False, f"the C++/CUDA build failed: {str(e)[:300]}", None if self.inplace else self.build_lib)
                 return

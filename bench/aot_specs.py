@@ -14,6 +14,7 @@ would launch there; the argument types are the ones the launchers pass.
 
 Importing this module imports triton (the kernels are JIT functions).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
@@ -39,8 +40,15 @@ def argmax_spec(dtype: str, cfg: vg.ArgmaxLaunch, name: str) -> dict:
         kernel=vg._argmax_partials_kernel,
         name=name,
         signature={
-            "logits_ptr": f"*{dtype}", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "R": "i32", "V": "i32",
-            "stride_b": "i64", "stride_r": "i32", "TILES_PER_SPLIT": "i32", "BLOCK_V": "constexpr",
+            "logits_ptr": f"*{dtype}",
+            "part_val_ptr": "*fp32",
+            "part_idx_ptr": "*i32",
+            "R": "i32",
+            "V": "i32",
+            "stride_b": "i64",
+            "stride_r": "i32",
+            "TILES_PER_SPLIT": "i32",
+            "BLOCK_V": "constexpr",
         },
         constexprs={"BLOCK_V": cfg.block_v},
         options={"num_warps": cfg.num_warps},
@@ -53,10 +61,22 @@ def accept_spec(ids: str, cu: str, flat: bool, bonus_ids: bool, cfg: vg.VerifyGr
         kernel=vg._verify_greedy_accept_kernel,
         name=f"verify_greedy._verify_greedy_accept_kernel[{ids}, cu {cu}, flat={flat}, bonus_ids={bonus_ids}]",
         signature={
-            "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "draft_ptr": f"*{ids}", "stride_db": "i32",
-            "stride_dk": "i32", "num_draft_ptr": f"*{cu}", "bonus_ptr": f"*{cu}", "out_ptr": "*i64",
-            "num_accepted_ptr": "*i64", "K": "i32", "S": "i32", "num_rows": "i32", "T": "i32",
-            "FLAT": "constexpr", "BONUS_IDS": "constexpr", "BLOCK_K": "constexpr",
+            "part_val_ptr": "*fp32",
+            "part_idx_ptr": "*i32",
+            "draft_ptr": f"*{ids}",
+            "stride_db": "i32",
+            "stride_dk": "i32",
+            "num_draft_ptr": f"*{cu}",
+            "bonus_ptr": f"*{cu}",
+            "out_ptr": "*i64",
+            "num_accepted_ptr": "*i64",
+            "K": "i32",
+            "S": "i32",
+            "num_rows": "i32",
+            "T": "i32",
+            "FLAT": "constexpr",
+            "BONUS_IDS": "constexpr",
+            "BLOCK_K": "constexpr",
         },
         constexprs={"FLAT": flat, "BONUS_IDS": bonus_ids, "BLOCK_K": cfg.block_k},
         options={"num_warps": cfg.num_warps},
@@ -69,10 +89,21 @@ def tree_walk_spec(ids: str, cfg: vtg.VerifyTreeGreedyLaunch, suffix: str = "") 
         kernel=vtg._verify_tree_greedy_walk_kernel,
         name=f"verify_tree_greedy._verify_tree_greedy_walk_kernel[{ids}]{suffix}",
         signature={
-            "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "tokens_ptr": f"*{ids}", "stride_tb": "i32",
-            "stride_tn": "i32", "parents_ptr": "*i64", "stride_pb": "i32", "stride_pn": "i32",
-            "num_nodes_ptr": "*i64", "out_tokens_ptr": "*i64", "accepted_nodes_ptr": "*i64",
-            "num_accepted_ptr": "*i64", "N": "i32", "S": "i32", "BLOCK_N": "constexpr",
+            "part_val_ptr": "*fp32",
+            "part_idx_ptr": "*i32",
+            "tokens_ptr": f"*{ids}",
+            "stride_tb": "i32",
+            "stride_tn": "i32",
+            "parents_ptr": "*i64",
+            "stride_pb": "i32",
+            "stride_pn": "i32",
+            "num_nodes_ptr": "*i64",
+            "out_tokens_ptr": "*i64",
+            "accepted_nodes_ptr": "*i64",
+            "num_accepted_ptr": "*i64",
+            "N": "i32",
+            "S": "i32",
+            "BLOCK_N": "constexpr",
         },
         constexprs={"BLOCK_N": cfg.block_n},
         options={"num_warps": cfg.num_warps},
@@ -84,30 +115,66 @@ def tree_walk_spec(ids: str, cfg: vtg.VerifyTreeGreedyLaunch, suffix: str = "") 
 # --------------------------------------------------------------------------------------
 
 
-def rejection_specs(has_draft: bool, cfg: rs.RejectionSampleLaunch, prob: str = "*fp32", tok: str = "*i64",
-                    flat: bool = False, bonus_ids: bool = False, cu: str = "*i64") -> List[dict]:
+def rejection_specs(
+    has_draft: bool,
+    cfg: rs.RejectionSampleLaunch,
+    prob: str = "*fp32",
+    tok: str = "*i64",
+    flat: bool = False,
+    bonus_ids: bool = False,
+    cu: str = "*i64",
+) -> List[dict]:
     """The two kernels of one launch configuration (what ``_launch_chain`` passes)."""
     block_b, block_v = cfg.vocab.block_b, cfg.vocab.block_v
-    label = (f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
-             f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}")
+    label = (
+        f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
+        f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}"
+    )
     common = {"target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "num_draft_ptr": cu}
-    strides = {"B": "i32", "K": "i32", "V": "i32", "T": "i32", "stride_tb": "i64", "stride_tk": "i32",
-               "stride_db": "i64", "stride_dk": "i32"}
+    strides = {
+        "B": "i32",
+        "K": "i32",
+        "V": "i32",
+        "T": "i32",
+        "stride_tb": "i64",
+        "stride_tk": "i32",
+        "stride_db": "i64",
+        "stride_dk": "i32",
+    }
     meta = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v}
     partials = {
         "kernel": rs._rejection_partials_kernel,
         "name": f"rejection_partials {label}",
-        "signature": {**common, "coins_ptr": "*fp32", "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", **strides,
-                      "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta}},
+        "signature": {
+            **common,
+            "coins_ptr": "*fp32",
+            "part_mass_ptr": "*fp64",
+            "part_last_ptr": "*i32",
+            **strides,
+            "TILES_PER_SPLIT": "i32",
+            **{k: "constexpr" for k in meta},
+        },
         "constexprs": meta,
     }
     sample = {
         "kernel": rs._rejection_sample_kernel,
         "name": f"rejection_sample {label} BLOCK_S={cfg.vocab.block_s}",
-        "signature": {**common, "bonus_ptr": cu, "coins_ptr": "*fp32", "final_u_ptr": "*fp32",
-                      "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_ptr": "*i64", "num_accepted_ptr": "*i64",
-                      **strides, "S": "i32", "TILES_PER_SPLIT": "i32", **{k: "constexpr" for k in meta},
-                      "KP": "constexpr", "BLOCK_S": "constexpr"},
+        "signature": {
+            **common,
+            "bonus_ptr": cu,
+            "coins_ptr": "*fp32",
+            "final_u_ptr": "*fp32",
+            "part_mass_ptr": "*fp64",
+            "part_last_ptr": "*i32",
+            "out_ptr": "*i64",
+            "num_accepted_ptr": "*i64",
+            **strides,
+            "S": "i32",
+            "TILES_PER_SPLIT": "i32",
+            **{k: "constexpr" for k in meta},
+            "KP": "constexpr",
+            "BLOCK_S": "constexpr",
+        },
         "constexprs": {**meta, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
         "options": {"num_warps": cfg.sample_num_warps},
     }
@@ -121,30 +188,62 @@ def rejection_specs(has_draft: bool, cfg: rs.RejectionSampleLaunch, prob: str = 
 STAGE_NAMES = {sp.STATS: "stats", sp.TOPK: "topk", sp.DENOM: "denom", sp.TOPP: "topp", sp.FINAL: "final"}
 
 
-def sampling_probs_specs(top_k: bool, top_p: bool, cfg, dtype: str = "*fp32",
-                         stages: Sequence[int] = (sp.STATS, sp.TOPK, sp.DENOM, sp.TOPP, sp.FINAL)) -> List[dict]:
+def sampling_probs_specs(
+    top_k: bool,
+    top_p: bool,
+    cfg,
+    dtype: str = "*fp32",
+    stages: Sequence[int] = (sp.STATS, sp.TOPK, sp.DENOM, sp.TOPP, sp.FINAL),
+) -> List[dict]:
     """One spec per stage the launcher runs for these settings (``cfg``: ``sp.launch_config``)."""
     specs = []
     for stage in stages:
         if (stage == sp.TOPK and not top_k) or (stage == sp.TOPP and not top_p):
             continue
         signature = {
-            "logits_ptr": dtype, "out_ptr": "*fp32", "temp_ptr": "*fp32", "topk_ptr": "*i64", "topp_ptr": "*fp32",
-            "stat_key_ptr": "*i32", "stat_idx_ptr": "*i32", "stat_max_ptr": "*fp32", "stat_flag_ptr": "*i32",
-            "kcnt_ptr": "*i32", "kivl_ptr": "*i64", "den_ptr": "*fp32", "pmass_ptr": "*fp64", "pivl_ptr": "*i64",
-            "R": "i32", "V": "i32", "rows_per_seq": "i32", "stride_lr": "i64", "S": "i32", "TILES_PER_SPLIT": "i32",
+            "logits_ptr": dtype,
+            "out_ptr": "*fp32",
+            "temp_ptr": "*fp32",
+            "topk_ptr": "*i64",
+            "topp_ptr": "*fp32",
+            "stat_key_ptr": "*i32",
+            "stat_idx_ptr": "*i32",
+            "stat_max_ptr": "*fp32",
+            "stat_flag_ptr": "*i32",
+            "kcnt_ptr": "*i32",
+            "kivl_ptr": "*i64",
+            "den_ptr": "*fp32",
+            "pmass_ptr": "*fp64",
+            "pivl_ptr": "*i64",
+            "R": "i32",
+            "V": "i32",
+            "rows_per_seq": "i32",
+            "stride_lr": "i64",
+            "S": "i32",
+            "TILES_PER_SPLIT": "i32",
             "PASS": "i32",
         }
-        constexprs = {"STAGE": stage, "HAS_TOPK": top_k, "HAS_TOPP": top_p, "NP": sp.NPIV, "NUM_PASSES": sp.PASSES,
-                      "BLOCK_B": cfg.block_b, "BLOCK_V": cfg.block_v}
+        constexprs = {
+            "STAGE": stage,
+            "HAS_TOPK": top_k,
+            "HAS_TOPP": top_p,
+            "NP": sp.NPIV,
+            "NUM_PASSES": sp.PASSES,
+            "BLOCK_B": cfg.block_b,
+            "BLOCK_V": cfg.block_v,
+        }
         signature.update({k: "constexpr" for k in constexprs})
-        specs.append({
-            "kernel": sp._sampling_probs_kernel,
-            "name": (f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
-                     f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"),
-            "signature": signature,
-            "constexprs": constexprs,
-        })
+        specs.append(
+            {
+                "kernel": sp._sampling_probs_kernel,
+                "name": (
+                    f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
+                    f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"
+                ),
+                "signature": signature,
+                "constexprs": constexprs,
+            }
+        )
     return specs
 
 
@@ -153,62 +252,135 @@ def sampling_probs_specs(top_k: bool, top_p: bool, cfg, dtype: str = "*fp32",
 # --------------------------------------------------------------------------------------
 
 
-def tree_rejection_specs(has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, prob: str = "*fp32",
-                         tok: str = "*i64", parent: str = "*i64") -> List[dict]:
+def tree_rejection_specs(
+    has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, prob: str = "*fp32", tok: str = "*i64", parent: str = "*i64"
+) -> List[dict]:
     """The kernels of one launch configuration (what the launcher passes): the level kernel
     (split, and serial with draft distributions), the walk, the final partials and sample."""
     lv, rw = cfg.levels, cfg.rows
     strides = {"stride_tb": "i64", "stride_tn": "i32", "stride_db": "i64", "stride_dn": "i32"}
-    level_sig = {"target_ptr": prob, "draft_ptr": prob, "parents_ptr": parent, "num_nodes_ptr": "*i64",
-                 "part_ptr": "*fp64", "tsum_ptr": "*fp64", "R": "i32", "N": "i32", "V": "i32", **strides,
-                 "stride_pb": "i32", "S": "i32", "level": "i32", "level_end": "i32", "TILES_PER_SPLIT": "i32",
-                 "TAIL": "constexpr", "HAS_DRAFT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_V": "constexpr",
-                 "BLOCK_S": "constexpr"}
+    level_sig = {
+        "target_ptr": prob,
+        "draft_ptr": prob,
+        "parents_ptr": parent,
+        "num_nodes_ptr": "*i64",
+        "part_ptr": "*fp64",
+        "tsum_ptr": "*fp64",
+        "R": "i32",
+        "N": "i32",
+        "V": "i32",
+        **strides,
+        "stride_pb": "i32",
+        "S": "i32",
+        "level": "i32",
+        "level_end": "i32",
+        "TILES_PER_SPLIT": "i32",
+        "TAIL": "constexpr",
+        "HAS_DRAFT": "constexpr",
+        "BLOCK_R": "constexpr",
+        "BLOCK_V": "constexpr",
+        "BLOCK_S": "constexpr",
+    }
     specs = [
-        {"kernel": trs._tree_level_kernel,
-         "name": (f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
-                  f"tail={tail} BLOCK_S={lv.block_s}"),
-         "signature": level_sig,
-         "constexprs": {"TAIL": tail, "HAS_DRAFT": has_draft, "BLOCK_R": lv.block_b, "BLOCK_V": lv.block_v,
-                        "BLOCK_S": lv.block_s},
-         "options": {"num_warps": cfg.level_num_warps}}
+        {
+            "kernel": trs._tree_level_kernel,
+            "name": (
+                f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
+                f"tail={tail} BLOCK_S={lv.block_s}"
+            ),
+            "signature": level_sig,
+            "constexprs": {
+                "TAIL": tail,
+                "HAS_DRAFT": has_draft,
+                "BLOCK_R": lv.block_b,
+                "BLOCK_V": lv.block_v,
+                "BLOCK_S": lv.block_s,
+            },
+            "options": {"num_warps": cfg.level_num_warps},
+        }
         for tail in (False, True)
     ]
-    specs.append({
-        "kernel": trs._tree_walk_kernel,
-        "name": f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
-        "signature": {"target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "parents_ptr": parent,
-                      "num_nodes_ptr": "*i64", "coins_ptr": "*fp32", "tsum_ptr": "*fp64",
-                      "out_tokens_ptr": "*i64", "out_nodes_ptr": "*i64", "num_accepted_ptr": "*i64",
-                      "state_ptr": "*i32", "rej_ptr": "*i64", "B": "i32", "N": "i32", "V": "i32", **strides,
-                      "stride_pb": "i32", "HAS_DRAFT": "constexpr", "BLOCK_B": "constexpr", "NP": "constexpr"},
-        "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
-        "options": {"num_warps": cfg.walk_num_warps},
-    })
-    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32",
-                    "rej_ptr": "*i64"}
+    specs.append(
+        {
+            "kernel": trs._tree_walk_kernel,
+            "name": f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
+            "signature": {
+                "target_ptr": prob,
+                "draft_ptr": prob,
+                "tokens_ptr": tok,
+                "parents_ptr": parent,
+                "num_nodes_ptr": "*i64",
+                "coins_ptr": "*fp32",
+                "tsum_ptr": "*fp64",
+                "out_tokens_ptr": "*i64",
+                "out_nodes_ptr": "*i64",
+                "num_accepted_ptr": "*i64",
+                "state_ptr": "*i32",
+                "rej_ptr": "*i64",
+                "B": "i32",
+                "N": "i32",
+                "V": "i32",
+                **strides,
+                "stride_pb": "i32",
+                "HAS_DRAFT": "constexpr",
+                "BLOCK_B": "constexpr",
+                "NP": "constexpr",
+            },
+            "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
+            "options": {"num_warps": cfg.walk_num_warps},
+        }
+    )
+    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32", "rej_ptr": "*i64"}
     final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "NP": cfg.np_}
-    specs.append({
-        "kernel": trs._tree_final_partials_kernel,
-        "name": f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
-                f"BLOCK_B={rw.block_b} NP={cfg.np_}",
-        "signature": {**final_common, "weights_ptr": "*fp64", "part_mass_ptr": "*fp64", "part_last_ptr": "*i32",
-                      "B": "i32", "N": "i32", "V": "i32", **strides, "TILES_PER_SPLIT": "i32",
-                      **{k: "constexpr" for k in final_meta}},
-        "constexprs": final_meta,
-        "options": {"num_warps": cfg.final_partials_num_warps},
-    })
-    specs.append({
-        "kernel": trs._tree_final_sample_kernel,
-        "name": f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
-        "signature": {"target_ptr": prob, "state_ptr": "*i32", "weights_ptr": "*fp64", "final_u_ptr": "*fp32",
-                      "part_mass_ptr": "*fp64", "part_last_ptr": "*i32", "out_tokens_ptr": "*i64",
-                      "num_accepted_ptr": "*i64", "B": "i32", "N": "i32", "V": "i32", "stride_tb": "i64",
-                      "stride_tn": "i32", "S": "i32", "TILES_PER_SPLIT": "i32", "BLOCK_B": "constexpr",
-                      "BLOCK_V": "constexpr", "BLOCK_S": "constexpr"},
-        "constexprs": {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
-        "options": {"num_warps": cfg.sample_num_warps},
-    })
+    specs.append(
+        {
+            "kernel": trs._tree_final_partials_kernel,
+            "name": f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
+            f"BLOCK_B={rw.block_b} NP={cfg.np_}",
+            "signature": {
+                **final_common,
+                "weights_ptr": "*fp64",
+                "part_mass_ptr": "*fp64",
+                "part_last_ptr": "*i32",
+                "B": "i32",
+                "N": "i32",
+                "V": "i32",
+                **strides,
+                "TILES_PER_SPLIT": "i32",
+                **{k: "constexpr" for k in final_meta},
+            },
+            "constexprs": final_meta,
+            "options": {"num_warps": cfg.final_partials_num_warps},
+        }
+    )
+    specs.append(
+        {
+            "kernel": trs._tree_final_sample_kernel,
+            "name": f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
+            "signature": {
+                "target_ptr": prob,
+                "state_ptr": "*i32",
+                "weights_ptr": "*fp64",
+                "final_u_ptr": "*fp32",
+                "part_mass_ptr": "*fp64",
+                "part_last_ptr": "*i32",
+                "out_tokens_ptr": "*i64",
+                "num_accepted_ptr": "*i64",
+                "B": "i32",
+                "N": "i32",
+                "V": "i32",
+                "stride_tb": "i64",
+                "stride_tn": "i32",
+                "S": "i32",
+                "TILES_PER_SPLIT": "i32",
+                "BLOCK_B": "constexpr",
+                "BLOCK_V": "constexpr",
+                "BLOCK_S": "constexpr",
+            },
+            "constexprs": {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
+            "options": {"num_warps": cfg.sample_num_warps},
+        }
+    )
     return specs
 
 
@@ -217,47 +389,110 @@ def tree_rejection_specs(has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, pr
 # --------------------------------------------------------------------------------------
 
 
-def tree_attention_config(dtype: str, head_dim: int, rows: int = 64, split: bool = False,
-                          sm_count: int = TARGET_SM_COUNT) -> ta.TreeAttentionLaunch:
+def tree_attention_config(
+    dtype: str, head_dim: int, rows: int = 64, split: bool = False, sm_count: int = TARGET_SM_COUNT
+) -> ta.TreeAttentionLaunch:
     """The launch of one (sequence, KV head) with ``rows`` = G * N query rows, split over the
     prefix (two splits) or not, on a GPU."""
     return ta.launch_config(1, 1, rows, 1, head_dim, sm_count, ieee=dtype == "fp32", num_splits=2 if split else 1)
 
 
-def tree_attention_fwd_spec(dtype: str, head_dim: int, mask_kind: int, cfg: ta.TreeAttentionLaunch,
-                            seqlen_dtype: str = "i32", paged: bool = False) -> dict:
+def tree_attention_fwd_spec(
+    dtype: str,
+    head_dim: int,
+    mask_kind: int,
+    cfg: ta.TreeAttentionLaunch,
+    seqlen_dtype: str = "i32",
+    paged: bool = False,
+) -> dict:
     """``_tree_attention_fwd_kernel`` over ``dtype`` q/k/v with ``mask_kind`` (``ta.MASK_*``)."""
     split = cfg.num_splits > 1
     mask_ty = {ta.MASK_CAUSAL: "*" + seqlen_dtype, ta.MASK_BOOL: "*u8", ta.MASK_PACKED: "*i32"}[mask_kind]
-    sig = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "SEQLENS": f"*{seqlen_dtype}",
-           "BLOCK_TABLE": "*i32" if paged else "*" + seqlen_dtype, "MASK": mask_ty,
-           "OUT": f"*{dtype}", "OPART": "*fp32" if split else f"*{dtype}", "LSE": "*fp32" if split else f"*{dtype}",
-           "N": "i32", "S_CAP": "i32", "G": "i32", "Hkv": "i32", "num_splits": "i32", "page_size": "i32",
-           "num_blocks": "i32", "qk_scale": "fp32"}
+    sig = {
+        "Q": f"*{dtype}",
+        "K": f"*{dtype}",
+        "V": f"*{dtype}",
+        "SEQLENS": f"*{seqlen_dtype}",
+        "BLOCK_TABLE": "*i32" if paged else "*" + seqlen_dtype,
+        "MASK": mask_ty,
+        "OUT": f"*{dtype}",
+        "OPART": "*fp32" if split else f"*{dtype}",
+        "LSE": "*fp32" if split else f"*{dtype}",
+        "N": "i32",
+        "S_CAP": "i32",
+        "G": "i32",
+        "Hkv": "i32",
+        "num_splits": "i32",
+        "page_size": "i32",
+        "num_blocks": "i32",
+        "qk_scale": "fp32",
+    }
     for prefix in ("q", "k", "v"):
         for dim in ("b", "h" if prefix != "q" else "n", "s" if prefix != "q" else "h", "d"):
             sig[f"stride_{prefix}{dim}"] = "i32"
-    sig.update({"stride_tb": "i32", "stride_tj": "i32", "stride_mb": "i32", "stride_mi": "i32", "stride_mj": "i32",
-                "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32", "stride_od": "i32"})
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=dtype == "fp32", UPCAST_DOT=False,
-                      NUM_STAGES=ta.NUM_STAGES, PAGED=paged)
+    sig.update(
+        {
+            "stride_tb": "i32",
+            "stride_tj": "i32",
+            "stride_mb": "i32",
+            "stride_mi": "i32",
+            "stride_mj": "i32",
+            "stride_ob": "i32",
+            "stride_on": "i32",
+            "stride_oh": "i32",
+            "stride_od": "i32",
+        }
+    )
+    constexprs = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=cfg.block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        MASK_KIND=mask_kind,
+        SPLIT=split,
+        IEEE_DOT=dtype == "fp32",
+        UPCAST_DOT=False,
+        NUM_STAGES=ta.NUM_STAGES,
+        PAGED=paged,
+    )
     for name in constexprs:
         sig[name] = "constexpr"
-    return dict(kernel=ta._tree_attention_fwd_kernel, signature=sig, constexprs=constexprs,
-                options=dict(num_warps=cfg.num_warps),
-                name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},"
-                     f"BLOCK_M={cfg.block_m}{',paged' if paged else ''}]")
+    return dict(
+        kernel=ta._tree_attention_fwd_kernel,
+        signature=sig,
+        constexprs=constexprs,
+        options=dict(num_warps=cfg.num_warps),
+        name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},"
+        f"BLOCK_M={cfg.block_m}{',paged' if paged else ''}]",
+    )
 
 
 def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch) -> dict:
     """``_tree_attention_combine_kernel`` of a split launch."""
-    sig = {"OPART": "*fp32", "LSE": "*fp32", "OUT": f"*{dtype}", "num_rows": "i32", "N": "i32", "G": "i32",
-           "Hkv": "i32", "num_splits": "i32", "stride_ob": "i32", "stride_on": "i32", "stride_oh": "i32",
-           "stride_od": "i32", "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_R": "constexpr"}
-    return dict(kernel=ta._tree_attention_combine_kernel, signature=sig,
-                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
-                options=dict(num_warps=cfg.combine_num_warps), name=f"tree_attention.combine[{dtype},D={head_dim}]")
+    sig = {
+        "OPART": "*fp32",
+        "LSE": "*fp32",
+        "OUT": f"*{dtype}",
+        "num_rows": "i32",
+        "N": "i32",
+        "G": "i32",
+        "Hkv": "i32",
+        "num_splits": "i32",
+        "stride_ob": "i32",
+        "stride_on": "i32",
+        "stride_oh": "i32",
+        "stride_od": "i32",
+        "HEAD_DIM": "constexpr",
+        "BLOCK_D": "constexpr",
+        "BLOCK_R": "constexpr",
+    }
+    return dict(
+        kernel=ta._tree_attention_combine_kernel,
+        signature=sig,
+        constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
+        options=dict(num_warps=cfg.combine_num_warps),
+        name=f"tree_attention.combine[{dtype},D={head_dim}]",
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -274,12 +509,18 @@ def _aot_specs() -> Dict[str, List[dict]]:
     # padded (counts int64), flattened with vLLM's int32 ids and cu and with int64, bonus rows or ids
     argmax = vg.argmax_launch_config(8, large_v, sms)
     accept = vg.launch_config(1, 32, 31, large_v, sms)
-    specs["verify_greedy"] = (
-        [argmax_spec(f, argmax, f"verify_greedy._argmax_partials_kernel[{f}]") for f in ("fp32", "fp16", "bf16")]
-        + [accept_spec(i, c, flat, bonus_ids, accept) for i, c, flat, bonus_ids in (
-            ("i32", "i64", False, False), ("i64", "i64", False, False),
-            ("i32", "i32", True, False), ("i32", "i32", True, True), ("i64", "i64", True, True))]
-    )
+    specs["verify_greedy"] = [
+        argmax_spec(f, argmax, f"verify_greedy._argmax_partials_kernel[{f}]") for f in ("fp32", "fp16", "bf16")
+    ] + [
+        accept_spec(i, c, flat, bonus_ids, accept)
+        for i, c, flat, bonus_ids in (
+            ("i32", "i64", False, False),
+            ("i64", "i64", False, False),
+            ("i32", "i32", True, False),
+            ("i32", "i32", True, True),
+            ("i64", "i64", True, True),
+        )
+    ]
     # the per-node argmax is verify_greedy's kernel; the walk over 128 nodes
     walk = vtg.launch_config(1, 128, large_v, sms)
     specs["verify_tree_greedy"] = [tree_walk_spec(i, walk) for i in ("i32", "i64")]
@@ -290,33 +531,46 @@ def _aot_specs() -> Dict[str, List[dict]]:
     one = rs.launch_config(1, 15, large_v, sms)
     many = rs.launch_config(1024, 31, llama2_v, sms)
     small = rs.launch_config(8, 7, 128, sms)
-    specs["rejection_sample"] = [s for group in (
-        rejection_specs(True, one),
-        rejection_specs(False, many, prob="*bf16", tok="*i32"),
-        rejection_specs(True, small, prob="*fp16"),
-        rejection_specs(True, rs.launch_config(1024, 15, llama2_v, sms), tok="*i32", flat=True, cu="*i32"),
-        rejection_specs(False, many, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
-        rejection_specs(True, small, prob="*fp16", flat=True, bonus_ids=True),
-    ) for s in group]
+    specs["rejection_sample"] = [
+        s
+        for group in (
+            rejection_specs(True, one),
+            rejection_specs(False, many, prob="*bf16", tok="*i32"),
+            rejection_specs(True, small, prob="*fp16"),
+            rejection_specs(True, rs.launch_config(1024, 15, llama2_v, sms), tok="*i32", flat=True, cu="*i32"),
+            rejection_specs(False, many, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
+            rejection_specs(True, small, prob="*fp16", flat=True, bonus_ids=True),
+        )
+        for s in group
+    ]
 
     # full 512-column tiles, and 4 and 16 rows a program at small vocabularies
-    specs["sampling_probs"] = [s for group in (
-        sampling_probs_specs(False, False, sp.launch_config(1, large_v, sms)),
-        sampling_probs_specs(True, True, sp.launch_config(1, large_v, sms), "*bf16"),
-        sampling_probs_specs(True, False, sp.launch_config(4, 128, sms), "*fp16"),
-        sampling_probs_specs(False, True, sp.launch_config(16, 32, sms)),
-    ) for s in group]
+    specs["sampling_probs"] = [
+        s
+        for group in (
+            sampling_probs_specs(False, False, sp.launch_config(1, large_v, sms)),
+            sampling_probs_specs(True, True, sp.launch_config(1, large_v, sms), "*bf16"),
+            sampling_probs_specs(True, False, sp.launch_config(4, 128, sms), "*fp16"),
+            sampling_probs_specs(False, True, sp.launch_config(16, 32, sms)),
+        )
+        for s in group
+    ]
 
     # 8 trees of 64 nodes at a large vocabulary (node rows in 3 chunks, sequences in 126), with
     # and without draft distributions; 8 rows a program; 16 trees of 128 nodes, 16 rows a program
     big = trs.launch_config(8, 64, large_v, sms)
-    specs["tree_rejection_sample"] = [s for group in (
-        tree_rejection_specs(True, big),
-        tree_rejection_specs(False, trs.launch_config(8, 64, large_v, sms, has_draft=False), prob="*bf16",
-                             tok="*i32", parent="*i32"),
-        tree_rejection_specs(True, trs.launch_config(8, 8, 128, sms), prob="*fp16"),
-        tree_rejection_specs(False, trs.launch_config(16, 128, 64, sms, has_draft=False)),
-    ) for s in group]
+    specs["tree_rejection_sample"] = [
+        s
+        for group in (
+            tree_rejection_specs(True, big),
+            tree_rejection_specs(
+                False, trs.launch_config(8, 64, large_v, sms, has_draft=False), prob="*bf16", tok="*i32", parent="*i32"
+            ),
+            tree_rejection_specs(True, trs.launch_config(8, 8, 128, sms), prob="*fp16"),
+            tree_rejection_specs(False, trs.launch_config(16, 128, 64, sms, has_draft=False)),
+        )
+        for s in group
+    ]
 
     def fwd(dtype, d, mask, split, seqlen="i32", rows=64, paged=False):
         return tree_attention_fwd_spec(dtype, d, mask, tree_attention_config(dtype, d, rows, split), seqlen, paged)
@@ -327,16 +581,30 @@ def _aot_specs() -> Dict[str, List[dict]]:
     causal, dense, packed = ta.MASK_CAUSAL, ta.MASK_BOOL, ta.MASK_PACKED
     specs["tree_attention"] = (
         [fwd(dt, d, dense, False) for dt in ("fp16", "bf16", "fp32") for d in (16, 64, 80, 128, 256)]
-        + [fwd("fp16", 64, causal, False), fwd("bf16", 128, packed, False), fwd("fp16", 96, packed, True),
-           fwd("bf16", 64, causal, True, "i64"), fwd("fp32", 128, dense, True)]
+        + [
+            fwd("fp16", 64, causal, False),
+            fwd("bf16", 128, packed, False),
+            fwd("fp16", 96, packed, True),
+            fwd("bf16", 64, causal, True, "i64"),
+            fwd("fp32", 128, dense, True),
+        ]
         # plain decoding (N = 1, G = 3 or 8 rows): the smallest row tile
-        + [fwd("fp16", 64, causal, True, rows=3), fwd("bf16", 128, causal, False, rows=8),
-           fwd("fp32", 64, causal, True, rows=3), fwd("bf16", 256, causal, True, rows=8)]
+        + [
+            fwd("fp16", 64, causal, True, rows=3),
+            fwd("bf16", 128, causal, False, rows=8),
+            fwd("fp32", 64, causal, True, rows=3),
+            fwd("bf16", 256, causal, True, rows=8),
+        ]
         + [combine(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
         # paged KV cache (PAGED: block-table lookup per key tile), every mask kind, split and not
-        + [fwd("fp16", 64, dense, False, paged=True), fwd("bf16", 128, packed, True, paged=True),
-           fwd("fp32", 64, dense, False, paged=True), fwd("bf16", 64, causal, True, "i64", paged=True),
-           fwd("fp16", 64, causal, True, rows=3, paged=True), fwd("bf16", 256, causal, False, rows=8, paged=True)]
+        + [
+            fwd("fp16", 64, dense, False, paged=True),
+            fwd("bf16", 128, packed, True, paged=True),
+            fwd("fp32", 64, dense, False, paged=True),
+            fwd("bf16", 64, causal, True, "i64", paged=True),
+            fwd("fp16", 64, causal, True, rows=3, paged=True),
+            fwd("bf16", 256, causal, False, rows=8, paged=True),
+        ]
     )
     return specs
 

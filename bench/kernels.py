@@ -12,6 +12,7 @@ GPU the figure that tells a slow kernel at a glance).  Writes a table to stdout 
     python -m bench.kernels [--op NAME] [--dtype bf16|fp16|fp32] [--quick] [--out DIR] [--device cpu|cuda]
     python -m bench.kernels --static [--out DIR]   # GPU report without a GPU (bench/static.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,9 @@ def _drafts_from(logits, K, g):
 def _verify_shapes(quick):
     models = ["smollm2-135m"] if quick else list(MODELS)
     batches = [1, 8] if quick else [1, 8, 64]
-    return [dict(model=m, V=MODELS[m]["V"], B=b, K=k) for m in models for b in batches for k in ([4] if quick else [4, 8])]
+    return [
+        dict(model=m, V=MODELS[m]["V"], B=b, K=k) for m in models for b in batches for k in ([4] if quick else [4, 8])
+    ]
 
 
 def _make_verify(s, dtype, device):
@@ -93,15 +96,24 @@ def _make_verify_flattened(s, dtype, device):
     counts = _ragged_counts(s["B"], s["K"], g)
     logits = torch.randn(int(counts.sum()) + s["B"], s["V"], generator=g).to(device=device, dtype=dtype)
     drafts = _drafts_from(logits[_flat_rows(counts).to(device)][None], int(counts.sum()), g)[0]
-    return dict(target_logits=logits, draft_token_ids=drafts.to(torch.int32),
-                cu_num_draft_tokens=counts.cumsum(0).to(device=device, dtype=torch.int32), max_spec_len=s["K"],
-                bytes=nbytes(logits))
+    return dict(
+        target_logits=logits,
+        draft_token_ids=drafts.to(torch.int32),
+        cu_num_draft_tokens=counts.cumsum(0).to(device=device, dtype=torch.int32),
+        max_spec_len=s["K"],
+        bytes=nbytes(logits),
+    )
 
 
 def _tree_shapes(quick):
     models = ["smollm2-135m"] if quick else list(MODELS)
     batches = [1, 8] if quick else [1, 8, 64]
-    return [dict(model=m, V=MODELS[m]["V"], B=b, N=n) for m in models for b in batches for n in ([16] if quick else [16, 64])]
+    return [
+        dict(model=m, V=MODELS[m]["V"], B=b, N=n)
+        for m in models
+        for b in batches
+        for n in ([16] if quick else [16, 64])
+    ]
 
 
 def _make_tree_verify(s, dtype, device):
@@ -120,9 +132,14 @@ def _make_rejection(s, dtype, device):
     target = torch.softmax(logits, -1).to(device)
     draft = torch.softmax(logits[:, :K] + torch.randn(B, K, V, generator=g), -1).to(device)
     tokens = torch.multinomial(draft.reshape(-1, V).cpu(), 1, generator=g).reshape(B, K).to(device)
-    return dict(target_probs=target, draft_probs=draft, draft_tokens=tokens,
-                uniform_samples=torch.rand(B, K, generator=g).to(device), sample_uniforms=torch.rand(B, generator=g).to(device),
-                bytes=nbytes(target, draft))
+    return dict(
+        target_probs=target,
+        draft_probs=draft,
+        draft_tokens=tokens,
+        uniform_samples=torch.rand(B, K, generator=g).to(device),
+        sample_uniforms=torch.rand(B, generator=g).to(device),
+        bytes=nbytes(target, draft),
+    )
 
 
 def _make_rejection_flattened(s, dtype, device):
@@ -134,10 +151,16 @@ def _make_rejection_flattened(s, dtype, device):
     target = torch.softmax(logits, -1).to(device)
     draft = torch.softmax(logits[_flat_rows(counts)] + torch.randn(T, V, generator=g), -1).to(device)
     tokens = torch.multinomial(draft.cpu(), 1, generator=g)[:, 0].to(device=device, dtype=torch.int32)
-    return dict(target_probs=target, draft_probs=draft, draft_token_ids=tokens,
-                cu_num_draft_tokens=counts.cumsum(0).to(device=device, dtype=torch.int32), max_spec_len=K,
-                uniform_samples=torch.rand(T, generator=g).to(device), sample_uniforms=torch.rand(B, generator=g).to(device),
-                bytes=nbytes(target, draft))
+    return dict(
+        target_probs=target,
+        draft_probs=draft,
+        draft_token_ids=tokens,
+        cu_num_draft_tokens=counts.cumsum(0).to(device=device, dtype=torch.int32),
+        max_spec_len=K,
+        uniform_samples=torch.rand(T, generator=g).to(device),
+        sample_uniforms=torch.rand(B, generator=g).to(device),
+        bytes=nbytes(target, draft),
+    )
 
 
 def _make_tree_rejection(s, dtype, device):
@@ -146,9 +169,14 @@ def _make_tree_rejection(s, dtype, device):
     target = torch.softmax(torch.randn(B, N, V, generator=g), -1).to(device)
     parents = random_tree(N, g)
     tokens = target.argmax(-1).gather(1, parents.clamp(min=0).to(device)[None].expand(B, -1)).clone()
-    return dict(target_probs=target, tree_tokens=tokens, tree_parents=parents.to(device),
-                uniform_samples=torch.rand(B, N - 1, generator=g).to(device), sample_uniforms=torch.rand(B, generator=g).to(device),
-                bytes=nbytes(target))
+    return dict(
+        target_probs=target,
+        tree_tokens=tokens,
+        tree_parents=parents.to(device),
+        uniform_samples=torch.rand(B, N - 1, generator=g).to(device),
+        sample_uniforms=torch.rand(B, generator=g).to(device),
+        bytes=nbytes(target),
+    )
 
 
 def _make_sampling(s, dtype, device):
@@ -159,7 +187,9 @@ def _make_sampling(s, dtype, device):
 
 def _attention_shapes(quick):
     if quick:
-        return [dict(model="smollm2-135m", B=1, N=n, prefix=p, **MODELS["smollm2-135m"]) for n in (1, 16) for p in (512,)]
+        return [
+            dict(model="smollm2-135m", B=1, N=n, prefix=p, **MODELS["smollm2-135m"]) for n in (1, 16) for p in (512,)
+        ]
     out = []
     for m in ("smollm2-135m", "llama3-8b"):
         for b in (1, 8):
@@ -256,8 +286,9 @@ def _make_compact(s, dtype, device):
     indices = (torch.arange(M) + torch.randint(0, 3, (B, M), generator=g).cumsum(1)).to(device)
     counts = torch.randint(M // 2, M + 1, (B,), generator=g).to(device)
     moved = int(counts.sum()) * L * 2 * Hkv * D * cache.element_size()
-    return dict(kv_cache=cache, cache_seqlens=seqlens, accepted_indices=indices, num_accepted=counts, bytes=2 * moved,
-                **paged)
+    return dict(
+        kv_cache=cache, cache_seqlens=seqlens, accepted_indices=indices, num_accepted=counts, bytes=2 * moved, **paged
+    )
 
 
 def _index_select_loop(i):
@@ -290,39 +321,115 @@ def _args(i, *names):
 
 
 ENTRIES = [
-    Entry("verify_greedy", _verify_shapes, _make_verify,
-          lambda i, b: sk.verify_greedy(i["target_logits"], i["draft_tokens"], backend=b)),
-    Entry("verify_greedy_flattened", _verify_shapes, _make_verify_flattened,
-          lambda i, b: sk.verify_greedy_flattened(i["target_logits"], i["draft_token_ids"], i["cu_num_draft_tokens"],
-                                                  max_spec_len=i["max_spec_len"], backend=b)),
-    Entry("verify_tree_greedy", _tree_shapes, _make_tree_verify,
-          lambda i, b: sk.verify_tree_greedy(i["target_logits"], i["tree_tokens"], i["tree_parents"], backend=b)),
-    Entry("rejection_sample", _verify_shapes, _make_rejection,
-          lambda i, b: sk.rejection_sample(i["target_probs"], i["draft_probs"], i["draft_tokens"], backend=b,
-                                           **_args(i, "uniform_samples", "sample_uniforms"))),
-    Entry("rejection_sample_flattened", _verify_shapes, _make_rejection_flattened,
-          lambda i, b: sk.rejection_sample_flattened(i["target_probs"], i["draft_probs"], i["draft_token_ids"],
-                                                     i["cu_num_draft_tokens"], max_spec_len=i["max_spec_len"], backend=b,
-                                                     **_args(i, "uniform_samples", "sample_uniforms"))),
-    Entry("tree_rejection_sample", _tree_shapes, _make_tree_rejection,
-          lambda i, b: sk.tree_rejection_sample(i["target_probs"], i["tree_tokens"], i["tree_parents"], backend=b,
-                                                **_args(i, "uniform_samples", "sample_uniforms"))),
-    Entry("sampling_probs", _verify_shapes, _make_sampling,
-          lambda i, b: sk.sampling_probs(i["logits"], i["temperature"], i["top_k"], i["top_p"], backend=b),
-          same=lambda a, b: torch.allclose(a[0], b[0], atol=1e-5, rtol=1e-4)),
-    Entry("tree_attention", _attention_shapes, _make_attention,
-          lambda i, b: sk.tree_attention(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"], i["tree_mask"], backend=b),
-          same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
-          baselines={"sdpa_dense_mask": _sdpa_dense}),
-    Entry("tree_attention", _paged_attention_shapes, _make_paged_attention,  # paged KV cache (block_table)
-          lambda i, b: sk.tree_attention(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"], i["tree_mask"],
-                                         block_table=i["block_table"], backend=b),
-          same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
-          baselines={"sdpa_dense_mask": _sdpa_paged}),
-    Entry("compact_kv_cache", _compact_shapes, _make_compact,
-          lambda i, b: sk.compact_kv_cache(i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_accepted"], backend=b,
-                                           **_args(i, "block_table", "kv_layout")),
-          baselines={"index_select_loop": _index_select_loop}),
+    Entry(
+        "verify_greedy",
+        _verify_shapes,
+        _make_verify,
+        lambda i, b: sk.verify_greedy(i["target_logits"], i["draft_tokens"], backend=b),
+    ),
+    Entry(
+        "verify_greedy_flattened",
+        _verify_shapes,
+        _make_verify_flattened,
+        lambda i, b: sk.verify_greedy_flattened(
+            i["target_logits"],
+            i["draft_token_ids"],
+            i["cu_num_draft_tokens"],
+            max_spec_len=i["max_spec_len"],
+            backend=b,
+        ),
+    ),
+    Entry(
+        "verify_tree_greedy",
+        _tree_shapes,
+        _make_tree_verify,
+        lambda i, b: sk.verify_tree_greedy(i["target_logits"], i["tree_tokens"], i["tree_parents"], backend=b),
+    ),
+    Entry(
+        "rejection_sample",
+        _verify_shapes,
+        _make_rejection,
+        lambda i, b: sk.rejection_sample(
+            i["target_probs"],
+            i["draft_probs"],
+            i["draft_tokens"],
+            backend=b,
+            **_args(i, "uniform_samples", "sample_uniforms"),
+        ),
+    ),
+    Entry(
+        "rejection_sample_flattened",
+        _verify_shapes,
+        _make_rejection_flattened,
+        lambda i, b: sk.rejection_sample_flattened(
+            i["target_probs"],
+            i["draft_probs"],
+            i["draft_token_ids"],
+            i["cu_num_draft_tokens"],
+            max_spec_len=i["max_spec_len"],
+            backend=b,
+            **_args(i, "uniform_samples", "sample_uniforms"),
+        ),
+    ),
+    Entry(
+        "tree_rejection_sample",
+        _tree_shapes,
+        _make_tree_rejection,
+        lambda i, b: sk.tree_rejection_sample(
+            i["target_probs"],
+            i["tree_tokens"],
+            i["tree_parents"],
+            backend=b,
+            **_args(i, "uniform_samples", "sample_uniforms"),
+        ),
+    ),
+    Entry(
+        "sampling_probs",
+        _verify_shapes,
+        _make_sampling,
+        lambda i, b: sk.sampling_probs(i["logits"], i["temperature"], i["top_k"], i["top_p"], backend=b),
+        same=lambda a, b: torch.allclose(a[0], b[0], atol=1e-5, rtol=1e-4),
+    ),
+    Entry(
+        "tree_attention",
+        _attention_shapes,
+        _make_attention,
+        lambda i, b: sk.tree_attention(
+            i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"], i["tree_mask"], backend=b
+        ),
+        same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
+        baselines={"sdpa_dense_mask": _sdpa_dense},
+    ),
+    Entry(
+        "tree_attention",
+        _paged_attention_shapes,
+        _make_paged_attention,  # paged KV cache (block_table)
+        lambda i, b: sk.tree_attention(
+            i["q"],
+            i["k_cache"],
+            i["v_cache"],
+            i["cache_seqlens"],
+            i["tree_mask"],
+            block_table=i["block_table"],
+            backend=b,
+        ),
+        same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
+        baselines={"sdpa_dense_mask": _sdpa_paged},
+    ),
+    Entry(
+        "compact_kv_cache",
+        _compact_shapes,
+        _make_compact,
+        lambda i, b: sk.compact_kv_cache(
+            i["kv_cache"],
+            i["cache_seqlens"],
+            i["accepted_indices"],
+            i["num_accepted"],
+            backend=b,
+            **_args(i, "block_table", "kv_layout"),
+        ),
+        baselines={"index_select_loop": _index_select_loop},
+    ),
 ]
 
 
@@ -388,24 +495,47 @@ def run(args) -> List[Dict]:
         ideal_us = inputs["bytes"] / (copy_bw * 1e9) * 1e6 if copy_bw > 0 else None
         for name, t in timings.items():
             gbps = inputs["bytes"] / (t["median_us"] * 1e-6) / 1e9
-            rows.append({
-                "op": entry.op, "backend": name, "dtype": str(dtype).replace("torch.", ""),
-                "shape": shape, "shape_str": " ".join(f"{k}={v}" for k, v in shape.items() if k in SHOWN),
-                **t, "speedup_vs_reference": ref_us / t["median_us"], "bytes": inputs["bytes"],
-                "gbps": gbps, "ideal_us": ideal_us,
-                "copy_bw_share": ideal_us / t["median_us"] if ideal_us else None,
-            })
+            rows.append(
+                {
+                    "op": entry.op,
+                    "backend": name,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "shape": shape,
+                    "shape_str": " ".join(f"{k}={v}" for k, v in shape.items() if k in SHOWN),
+                    **t,
+                    "speedup_vs_reference": ref_us / t["median_us"],
+                    "bytes": inputs["bytes"],
+                    "gbps": gbps,
+                    "ideal_us": ideal_us,
+                    "copy_bw_share": ideal_us / t["median_us"] if ideal_us else None,
+                }
+            )
     write_jsonl(out / "kernels.jsonl", rows, {**env, "copy_bandwidth_gbps": copy_bw})
     plot(rows, out / "kernels.png", env)
     print(f"# bench.kernels on {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
-    print(f"# roofline: copy bandwidth measured in this run {copy_bw:.0f} GB/s (read + write of one large copy); "
-          "'ideal us' = bytes that must move / that bandwidth, '% roofline' = ideal / median")
-    print(format_table(rows, [
-        ("op", "op", "{}"), ("shape", "shape_str", "{}"), ("backend", "backend", "{}"), ("dtype", "dtype", "{}"),
-        ("median us", "median_us", "{:.1f}"), ("p20 us", "p20_us", "{:.1f}"), ("p80 us", "p80_us", "{:.1f}"),
-        ("x ref", "speedup_vs_reference", "{:.2f}"), ("bytes", "bytes", "{:.3g}"), ("GB/s", "gbps", "{:.1f}"),
-        ("ideal us", "ideal_us", "{:.1f}"), ("% roofline", "copy_bw_share", "{:.0%}"),
-    ]))
+    print(
+        f"# roofline: copy bandwidth measured in this run {copy_bw:.0f} GB/s (read + write of one large copy); "
+        "'ideal us' = bytes that must move / that bandwidth, '% roofline' = ideal / median"
+    )
+    print(
+        format_table(
+            rows,
+            [
+                ("op", "op", "{}"),
+                ("shape", "shape_str", "{}"),
+                ("backend", "backend", "{}"),
+                ("dtype", "dtype", "{}"),
+                ("median us", "median_us", "{:.1f}"),
+                ("p20 us", "p20_us", "{:.1f}"),
+                ("p80 us", "p80_us", "{:.1f}"),
+                ("x ref", "speedup_vs_reference", "{:.2f}"),
+                ("bytes", "bytes", "{:.3g}"),
+                ("GB/s", "gbps", "{:.1f}"),
+                ("ideal us", "ideal_us", "{:.1f}"),
+                ("% roofline", "copy_bw_share", "{:.0%}"),
+            ],
+        )
+    )
     print(f"# wrote {out / 'kernels.jsonl'} and {out / 'kernels.png'}")
     return rows
 
@@ -427,8 +557,9 @@ def plot(rows: List[Dict], path, env) -> None:
     title = f"specdec_kernels on {env['device']} (commit {env['commit']})"
     if missing:
         title += "\nno fast path measured here (reference only): " + ", ".join(missing)
-    fig, axes = plt.subplots(max(1, len(drawn)), 1, figsize=(11, 2.6 * max(1, len(drawn)) + 0.6), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        max(1, len(drawn)), 1, figsize=(11, 2.6 * max(1, len(drawn)) + 0.6), squeeze=False, layout="constrained"
+    )
     if not drawn:
         axes[0, 0].axis("off")
         axes[0, 0].text(0.5, 0.5, "no fast path measured on this machine", ha="center", va="center")
@@ -460,9 +591,12 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small set of shapes (CI)")
     parser.add_argument("--out", help="output folder (default bench_out/)")
     parser.add_argument("--device", choices=["cpu", "cuda"])
-    parser.add_argument("--static", action="store_true",
-                        help="no timing: compile every launcher configuration for sm_90 and sm_80 and report registers, "
-                             "spills, shared memory and occupancy (bench/static.py; no GPU needed)")
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="no timing: compile every launcher configuration for sm_90 and sm_80 and report registers, "
+        "spills, shared memory and occupancy (bench/static.py; no GPU needed)",
+    )
     args = parser.parse_args(argv)
     if args.static:
         from bench import static

@@ -16,6 +16,7 @@ same position, and the length of the common prefix), as a measure of the quality
                              [--methods plain,ngram-k8,...] [--typical 0.09 --temperature 0.3]
                              [--jsonl FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--methods", default=None, help="comma-separated subset of the greedy methods")
-    p.add_argument("--typical", type=float, default=None, help="run the typical-acceptance comparison with this epsilon (LOSSY)")
+    p.add_argument(
+        "--typical", type=float, default=None, help="run the typical-acceptance comparison with this epsilon (LOSSY)"
+    )
     p.add_argument("--temperature", type=float, default=0.3)
     p.add_argument("--jsonl", default=None, help="append one JSON line per method here")
     args = p.parse_args(argv)
@@ -71,7 +74,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     config, sd, tok = load_checkpoint()
     model = Transformer.from_hf(config, sd)
     ids = [int(i) for i in args.ids.split(",")]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": spec_bench_prompt(i)}], add_generation_prompt=True, return_dict=False) for i in ids]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": spec_bench_prompt(i)}], add_generation_prompt=True, return_dict=False
+        )
+        for i in ids
+    ]
     stops = [tok.eos_token_id]
     N = args.max_new_tokens
     SpeculativeDecoder(model, stop_token_ids=stops).generate([prompts[0]], 8)  # warm-up
@@ -104,8 +112,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 while n < min(len(r.tokens[0]), len(g)) and r.tokens[0][n] == g[n]:
                     n += 1
                 prefix.append(n)
-            out.update(identical=all(r.tokens[0] == g for r, g in zip(rows, greedy)), same_position=same,
-                       greedy_tokens=sum(len(g) for g in greedy), common_prefix=prefix)
+            out.update(
+                identical=all(r.tokens[0] == g for r, g in zip(rows, greedy)),
+                same_position=same,
+                greedy_tokens=sum(len(g) for g in greedy),
+                common_prefix=prefix,
+            )
         drafters = {}
         for r in rows:
             for d, c in r.stats.drafters.items():
@@ -143,15 +155,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     base = plain["tokens_per_s"]
     print(f"\nSpec-Bench ids {ids}, max_new_tokens {N}, threads {args.threads}, CPU, float32")
-    print(f"{'method':34s} {'tok/s':>7s} {'speed-up':>8s} {'acc.len':>7s} {'mean K':>6s}  greedy-identical / same-position")
+    print(
+        f"{'method':34s} {'tok/s':>7s} {'speed-up':>8s} {'acc.len':>7s} {'mean K':>6s}  greedy-identical / same-position"
+    )
     for row in table:
         same = f"{row['identical']} / {row['same_position']}/{row['greedy_tokens']}" if "identical" in row else ""
-        print(f"{row['method']:34s} {row['tokens_per_s']:7.2f} {row['tokens_per_s'] / base:8.2f} "
-              f"{row['mean_accepted_length']:7.2f} {row['mean_k']:6.2f}  {same}")
+        print(
+            f"{row['method']:34s} {row['tokens_per_s']:7.2f} {row['tokens_per_s'] / base:8.2f} "
+            f"{row['mean_accepted_length']:7.2f} {row['mean_k']:6.2f}  {same}"
+        )
     if args.jsonl:
         with open(args.jsonl, "a", encoding="utf-8") as f:
             for row in table:
-                f.write(json.dumps({**row, "ids": ids, "max_new_tokens": N, "threads": args.threads, "time": time.time()}) + "\n")
+                f.write(
+                    json.dumps({**row, "ids": ids, "max_new_tokens": N, "threads": args.threads, "time": time.time()})
+                    + "\n"
+                )
     return 0
 
 

@@ -20,6 +20,7 @@ generate call after a warm-up), and whether every request's tokens equal its ``a
 tokens.  Writes a table, ``shared_prefix.jsonl`` and ``shared_prefix.png`` to --out; exits
 with status 1 when a batched run does not reproduce the ``alone`` tokens.
 """
+
 from __future__ import annotations
 
 import sys
@@ -77,13 +78,23 @@ def run(args, ctx, questions, env) -> int:
     common = min(common_prefix_length(prompts[0], p) for p in prompts[1:]) if len(prompts) > 1 else 0
     methods = scenario_methods(ctx)
     names = [m for m in args.methods.split(",") if m] if args.methods else list(SCENARIO_METHODS)
-    print(f"# shared-prefix scenario: {len(prompts)} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
-          f"tokens sharing their first {common}; block size {BLOCK_SIZE}; <= {args.max_new_tokens} new tokens, greedy",
-          file=sys.stderr)
+    print(
+        f"# shared-prefix scenario: {len(prompts)} requests, prompts of {min(map(len, prompts))}..{max(map(len, prompts))} "
+        f"tokens sharing their first {common}; block size {BLOCK_SIZE}; <= {args.max_new_tokens} new tokens, greedy",
+        file=sys.stderr,
+    )
     writer = JsonlWriter(Path(args.out_path) / "shared_prefix.jsonl", env)
-    config = {"kind": "config", "scenario": "shared-prefix", "batch": len(prompts), "common_prefix_tokens": common,
-              "prompt_tokens": [len(p) for p in prompts], "block_size": BLOCK_SIZE, "max_new_tokens": args.max_new_tokens,
-              "methods": names, "model": "SmolLM2-135M-Instruct"}
+    config = {
+        "kind": "config",
+        "scenario": "shared-prefix",
+        "batch": len(prompts),
+        "common_prefix_tokens": common,
+        "prompt_tokens": [len(p) for p in prompts],
+        "block_size": BLOCK_SIZE,
+        "max_new_tokens": args.max_new_tokens,
+        "methods": names,
+        "model": "SmolLM2-135M-Instruct",
+    }
     writer.write(config)
     rows = []
     failed = False
@@ -92,8 +103,9 @@ def run(args, ctx, questions, env) -> int:
         decoders = {
             "alone": SpeculativeDecoder(ctx.model, make(), stop_token_ids=[ctx.eos_token_id]),
             "paged": SpeculativeDecoder(ctx.model, make(), stop_token_ids=[ctx.eos_token_id], block_size=BLOCK_SIZE),
-            "shared": SpeculativeDecoder(ctx.model, make(), stop_token_ids=[ctx.eos_token_id], block_size=BLOCK_SIZE,
-                                         share_prefix=True),
+            "shared": SpeculativeDecoder(
+                ctx.model, make(), stop_token_ids=[ctx.eos_token_id], block_size=BLOCK_SIZE, share_prefix=True
+            ),
         }
         for mode, dec in decoders.items():  # warm-up (allocator, lazy initialisation)
             dec.generate(prompts[:1] if mode == "alone" else prompts[:2], WARMUP_TOKENS, num_draft_tokens=k)
@@ -103,24 +115,47 @@ def run(args, ctx, questions, env) -> int:
             alone_tokens.append(result.tokens[0])
             alone_s += s
             alone_stats.append(result.stats)
-        runs = {"alone": (alone_tokens, alone_s, {
-            "prefill_tokens": sum(st.prefill_tokens for st in alone_stats),
-            "shared_prefill_tokens": 0,
-            "draft_model_tokens": sum(st.draft_model_tokens for st in alone_stats),
-            "kv_cache_bytes": max(st.kv_cache_bytes for st in alone_stats),
-        })}
+        runs = {
+            "alone": (
+                alone_tokens,
+                alone_s,
+                {
+                    "prefill_tokens": sum(st.prefill_tokens for st in alone_stats),
+                    "shared_prefill_tokens": 0,
+                    "draft_model_tokens": sum(st.draft_model_tokens for st in alone_stats),
+                    "kv_cache_bytes": max(st.kv_cache_bytes for st in alone_stats),
+                },
+            )
+        }
         for mode in ("paged", "shared"):
             result, s = _timed(decoders[mode], prompts, args.max_new_tokens, k, ctx.device)
             st = result.stats
-            runs[mode] = (result.tokens, s, {"prefill_tokens": st.prefill_tokens, "shared_prefill_tokens": st.shared_prefill_tokens,
-                                              "draft_model_tokens": st.draft_model_tokens, "kv_cache_bytes": st.kv_cache_bytes})
+            runs[mode] = (
+                result.tokens,
+                s,
+                {
+                    "prefill_tokens": st.prefill_tokens,
+                    "shared_prefill_tokens": st.shared_prefill_tokens,
+                    "draft_model_tokens": st.draft_model_tokens,
+                    "kv_cache_bytes": st.kv_cache_bytes,
+                },
+            )
         for mode, (tokens, seconds, counts) in runs.items():
             same = [first_mismatch(t, a) is None for t, a in zip(tokens, alone_tokens)]
             new = sum(len(t) for t in tokens)
-            row = {"kind": "run", "method": name, "mode": mode, "batch": 1 if mode == "alone" else len(prompts),
-                   "new_tokens": new, "seconds": seconds, "tokens_per_s": new / seconds if seconds > 0 else None,
-                   **counts, "kv_cache_mib": counts["kv_cache_bytes"] / 2**20,
-                   "same_as_alone": all(same), "same_count": f"{sum(same)}/{len(same)}"}
+            row = {
+                "kind": "run",
+                "method": name,
+                "mode": mode,
+                "batch": 1 if mode == "alone" else len(prompts),
+                "new_tokens": new,
+                "seconds": seconds,
+                "tokens_per_s": new / seconds if seconds > 0 else None,
+                **counts,
+                "kv_cache_mib": counts["kv_cache_bytes"] / 2**20,
+                "same_as_alone": all(same),
+                "same_count": f"{sum(same)}/{len(same)}",
+            }
             rows.append(row)
             writer.write(row)
             if not all(same):
@@ -135,19 +170,35 @@ def run(args, ctx, questions, env) -> int:
     for r in rows:  # ratios against the unshared paged batch of the same method
         base = next(x for x in rows if x["method"] == r["method"] and x["mode"] == "paged")
         r["prefill_vs_paged"] = r["prefill_tokens"] / base["prefill_tokens"] if base["prefill_tokens"] else None
-        r["draft_vs_paged"] = r["draft_model_tokens"] / base["draft_model_tokens"] if base["draft_model_tokens"] else None
+        r["draft_vs_paged"] = (
+            r["draft_model_tokens"] / base["draft_model_tokens"] if base["draft_model_tokens"] else None
+        )
         r["speed_vs_paged"] = (r["tokens_per_s"] or 0) / base["tokens_per_s"] if base["tokens_per_s"] else None
     out = Path(args.out_path)
     write_jsonl(out / "shared_prefix.jsonl", [config] + rows, env)
-    print(f"# shared-prefix batch: SmolLM2-135M-Instruct, {env['dtype']}, {env['device']}, torch {env['torch']}, commit "
-          f"{env['commit']}; {len(prompts)} requests sharing a {common}-token prefix; <= {args.max_new_tokens} new tokens")
-    print(format_table(rows, [
-        ("method", "method", "{}"), ("mode", "mode", "{}"), ("batch", "batch", "{}"),
-        ("prefill pos", "prefill_tokens", "{}"), ("x paged", "prefill_vs_paged", "{:.2f}"),
-        ("shared tok", "shared_prefill_tokens", "{}"), ("draft pos", "draft_model_tokens", "{}"),
-        ("x paged", "draft_vs_paged", "{:.2f}"), ("KV MiB", "kv_cache_mib", "{:.1f}"),
-        ("tokens/s", "tokens_per_s", "{:.1f}"), ("x paged", "speed_vs_paged", "{:.2f}"), ("same as alone", "same_count", "{}"),
-    ]))
+    print(
+        f"# shared-prefix batch: SmolLM2-135M-Instruct, {env['dtype']}, {env['device']}, torch {env['torch']}, commit "
+        f"{env['commit']}; {len(prompts)} requests sharing a {common}-token prefix; <= {args.max_new_tokens} new tokens"
+    )
+    print(
+        format_table(
+            rows,
+            [
+                ("method", "method", "{}"),
+                ("mode", "mode", "{}"),
+                ("batch", "batch", "{}"),
+                ("prefill pos", "prefill_tokens", "{}"),
+                ("x paged", "prefill_vs_paged", "{:.2f}"),
+                ("shared tok", "shared_prefill_tokens", "{}"),
+                ("draft pos", "draft_model_tokens", "{}"),
+                ("x paged", "draft_vs_paged", "{:.2f}"),
+                ("KV MiB", "kv_cache_mib", "{:.1f}"),
+                ("tokens/s", "tokens_per_s", "{:.1f}"),
+                ("x paged", "speed_vs_paged", "{:.2f}"),
+                ("same as alone", "same_count", "{}"),
+            ],
+        )
+    )
     plot(rows, out / "shared_prefix.png", env, len(prompts), common)
     print(f"# wrote {out / 'shared_prefix.jsonl'} and {out / 'shared_prefix.png'}")
     if failed:
@@ -168,8 +219,11 @@ def plot(rows: List[Dict], path: Path, env: Dict, batch: int, common: int) -> No
     colors = {"alone": "tab:gray", "paged": "tab:blue", "shared": "tab:green"}
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     width = 0.8 / len(modes)
-    for ax, key, title in zip(axes, ["tokens_per_s", "prefill_tokens", "kv_cache_mib"],
-                              ["new tokens/s (all requests)", "target prefill positions computed", "KV cache MiB (peak)"]):
+    for ax, key, title in zip(
+        axes,
+        ["tokens_per_s", "prefill_tokens", "kv_cache_mib"],
+        ["new tokens/s (all requests)", "target prefill positions computed", "KV cache MiB (peak)"],
+    ):
         for j, mode in enumerate(modes):
             vals = [next((r[key] or 0 for r in rows if r["method"] == m and r["mode"] == mode), 0) for m in methods]
             ax.bar([i + j * width for i in range(len(methods))], vals, width, label=mode, color=colors[mode])
@@ -177,8 +231,11 @@ def plot(rows: List[Dict], path: Path, env: Dict, batch: int, common: int) -> No
         ax.set_xticklabels(methods, fontsize=8)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{batch} requests sharing a {common}-token system prompt, SmolLM2-135M-Instruct, {env['dtype']} on "
-                 f"{env['device']} (commit {env['commit']})", fontsize=9)
+    fig.suptitle(
+        f"{batch} requests sharing a {common}-token system prompt, SmolLM2-135M-Instruct, {env['dtype']} on "
+        f"{env['device']} (commit {env['commit']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,6 +18,7 @@ given as an argument (default 132, an H100 / H200 SXM), turned into compilation 
 ``tests/bench/test_static_report.py`` fails when any default configuration spills registers or a
 verification/sampling kernel has a fused multiply-add.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,12 @@ BATCHES = (1, 8, 64, 256)
 TREE_NODES = (8, 64)
 # H, Hkv, D, dtype: SmolLM2 and Llama-3-8B in bf16, Gemma-2B's D = 256 in bf16 (the largest
 # tiles), SmolLM2 in fp32 (IEEE dots; fp32 at D = 256 spills, see tree attention's block_sizes)
-ATTENTION_MODELS = {"smollm2": (9, 3, 64, "bf16"), "llama3-8b": (32, 8, 128, "bf16"), "gemma-2b": (8, 1, 256, "bf16"),
-                    "smollm2-fp32": (9, 3, 64, "fp32")}
+ATTENTION_MODELS = {
+    "smollm2": (9, 3, 64, "bf16"),
+    "llama3-8b": (32, 8, 128, "bf16"),
+    "gemma-2b": (8, 1, 256, "bf16"),
+    "smollm2-fp32": (9, 3, 64, "fp32"),
+}
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,12 @@ def occupancy(registers: int, warps: int, smem_bytes: int, arch: Arch) -> Dict[s
     limits["shared memory"] = arch.smem_per_sm // smem if smem_bytes <= arch.smem_per_block else 0
     limiter = min(limits, key=lambda k: limits[k])
     blocks = limits[limiter]
-    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * warps, "occupancy": blocks * warps / arch.max_warps,
-            "limiter": limiter}
+    return {
+        "blocks_per_sm": blocks,
+        "warps_per_sm": blocks * warps,
+        "occupancy": blocks * warps / arch.max_warps,
+        "limiter": limiter,
+    }
 
 
 def _ptxas() -> str:
@@ -117,8 +126,19 @@ def ptxas_usage(ptx: str) -> Dict[str, int]:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([_ptxas(), "-v", "-lineinfo", f"--gpu-name={target.group(1) if target else 'sm_90a'}",
-                               src, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                _ptxas(),
+                "-v",
+                "-lineinfo",
+                f"--gpu-name={target.group(1) if target else 'sm_90a'}",
+                src,
+                "-o",
+                os.path.join(tmp, "k.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+        )
     if proc.returncode:
         raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
     log = proc.stderr + proc.stdout
@@ -137,8 +157,7 @@ def fp_contractions(ptx: str) -> int:
     feeds an ``add``/``sub`` of the same type.  ``mul.rn`` (``_mul_rn``) is never fused.  Float
     division and ``exp`` expand into FMAs only in SASS, so they do not count."""
     muls = {(m.group(2), m.group(1)) for m in _PTX_MUL.finditer(ptx)}
-    fed = sum(1 for m in _PTX_ADD.finditer(ptx)
-              for reg in re.findall(r"%\w+", m.group(2)) if (reg, m.group(1)) in muls)
+    fed = sum(1 for m in _PTX_ADD.finditer(ptx) for reg in re.findall(r"%\w+", m.group(2)) if (reg, m.group(1)) in muls)
     return len(_PTX_FMA.findall(ptx)) + fed
 
 
@@ -162,8 +181,20 @@ _ONES = {
     "_tree_attention_combine_kernel": ("stride_od",),
 }
 _DIV16 = {
-    "_tree_attention_fwd_kernel": ("stride_qb", "stride_qn", "stride_qh", "stride_kb", "stride_kh", "stride_ks",
-                                   "stride_vb", "stride_vh", "stride_vs", "stride_ob", "stride_on", "stride_oh"),
+    "_tree_attention_fwd_kernel": (
+        "stride_qb",
+        "stride_qn",
+        "stride_qh",
+        "stride_kb",
+        "stride_kh",
+        "stride_ks",
+        "stride_vb",
+        "stride_vh",
+        "stride_vs",
+        "stride_ob",
+        "stride_on",
+        "stride_oh",
+    ),
     "_tree_attention_combine_kernel": ("stride_ob", "stride_on", "stride_oh"),
     "_argmax_partials_kernel": ("V", "stride_b", "stride_r"),
     "_rejection_partials_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
@@ -227,8 +258,18 @@ def launcher_specs(sm_count: Optional[int] = None) -> List[dict]:
             cfg = rs.launch_config(B, 15, V, sms)
             for flat in (False, True):
                 for has_draft in (True, False):
-                    add(aot.rejection_specs(has_draft, cfg, prob="*bf16", tok="*i32" if flat else "*i64", flat=flat,
-                                            bonus_ids=flat and not has_draft, cu="*i32" if flat else "*i64"), shape)
+                    add(
+                        aot.rejection_specs(
+                            has_draft,
+                            cfg,
+                            prob="*bf16",
+                            tok="*i32" if flat else "*i64",
+                            flat=flat,
+                            bonus_ids=flat and not has_draft,
+                            cu="*i32" if flat else "*i64",
+                        ),
+                        shape,
+                    )
             # sampling_probs: every stage, top-k and top-p on
             cfg = sp.launch_config(B, V, sms)
             add(aot.sampling_probs_specs(True, True, cfg, "*bf16"), shape)
@@ -239,8 +280,13 @@ def launcher_specs(sm_count: Optional[int] = None) -> List[dict]:
                     cfg = trs.launch_config(B, n, V, sms, has_draft=has_draft)
                     add(aot.tree_rejection_specs(has_draft, cfg, prob="*bf16"), f"{shape} N={n}")
     accept = vg.launch_config(1, 32, 31, VOCABS["llama3"], sms)
-    for i, c, flat, bonus_ids in (("i32", "i64", False, False), ("i64", "i64", False, False),
-                                  ("i32", "i32", True, False), ("i32", "i32", True, True), ("i64", "i64", True, True)):
+    for i, c, flat, bonus_ids in (
+        ("i32", "i64", False, False),
+        ("i64", "i64", False, False),
+        ("i32", "i32", True, False),
+        ("i32", "i32", True, True),
+        ("i64", "i64", True, True),
+    ):
         add(aot.accept_spec(i, c, flat, bonus_ids, accept), "K <= 31")
     for n in TREE_NODES:
         walk = vtg.launch_config(1, n, VOCABS["llama3"], sms)
@@ -253,8 +299,10 @@ def launcher_specs(sm_count: Optional[int] = None) -> List[dict]:
             for split in (False, True):
                 cfg = ta.launch_config(1, Hkv, n, G, D, sms, ieee=dtype == "fp32", num_splits=2 if split else 1)
                 for paged in (False, True):
-                    add(aot.tree_attention_fwd_spec(dtype, D, mask, cfg, paged=paged),
-                        f"{model} H={H} Hkv={Hkv} D={D} N={n}")
+                    add(
+                        aot.tree_attention_fwd_spec(dtype, D, mask, cfg, paged=paged),
+                        f"{model} H={H} Hkv={Hkv} D={D} N={n}",
+                    )
         cfg = ta.launch_config(1, Hkv, 1, G, D, sms, ieee=dtype == "fp32", num_splits=2)
         add(aot.tree_attention_combine_spec(dtype, D, cfg), f"{model} D={D}")
     return [as_launched(s) for s in _dedupe(specs)]
@@ -271,18 +319,30 @@ def compile_spec(spec: dict, capability: int) -> Dict[str, object]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    row: Dict[str, object] = {"kernel": spec["name"], "function": spec["kernel"].__name__, "arch": capability,
-                              "shapes": spec.get("shapes", "")}
+    row: Dict[str, object] = {
+        "kernel": spec["name"],
+        "function": spec["kernel"].__name__,
+        "arch": capability,
+        "shapes": spec.get("shapes", ""),
+    }
     try:
-        src = ASTSource(fn=spec["kernel"], signature=spec["signature"], constexprs=spec.get("constexprs", {}),
-                        attrs=spec.get("attrs"))
+        src = ASTSource(
+            fn=spec["kernel"],
+            signature=spec["signature"],
+            constexprs=spec.get("constexprs", {}),
+            attrs=spec.get("attrs"),
+        )
         compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=spec.get("options"))
         usage = ptxas_usage(compiled.asm["ptx"])
         usage["fp_contractions"] = fp_contractions(compiled.asm["ptx"])
         warps = int(compiled.metadata.num_warps)
         dynamic = int(compiled.metadata.shared)
-        row.update(usage, warps=warps, dynamic_smem=dynamic,
-                   **occupancy(usage["registers"], warps, usage["static_smem"] + dynamic, ARCHS[capability]))
+        row.update(
+            usage,
+            warps=warps,
+            dynamic_smem=dynamic,
+            **occupancy(usage["registers"], warps, usage["static_smem"] + dynamic, ARCHS[capability]),
+        )
     except Exception as e:  # noqa: BLE001  (every failure is reported)
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
     return row
@@ -293,8 +353,9 @@ def _job(args):
     return compile_spec(launcher_specs(sm_count)[index], capability)
 
 
-def collect(archs: Sequence[int] = (90, 80), jobs: Optional[int] = None,
-            sm_count: Optional[int] = None) -> List[Dict[str, object]]:
+def collect(
+    archs: Sequence[int] = (90, 80), jobs: Optional[int] = None, sm_count: Optional[int] = None
+) -> List[Dict[str, object]]:
     """``compile_spec`` for every launcher configuration (``launcher_specs(sm_count)``) and
     architecture, in worker processes (the Triton interpreter switched off in them)."""
     os.environ.pop("TRITON_INTERPRET", None)
@@ -310,15 +371,25 @@ def collect(archs: Sequence[int] = (90, 80), jobs: Optional[int] = None,
 
 
 COLUMNS = [
-    ("kernel", "kernel", "{}"), ("arch", "arch", "sm_{}"), ("warps", "warps", "{}"), ("regs", "registers", "{}"),
-    ("spill st", "spill_stores", "{}"), ("spill ld", "spill_loads", "{}"), ("stack", "stack", "{}"),
-    ("fma", "fp_contractions", "{}"), ("smem static", "static_smem", "{}"), ("smem dyn", "dynamic_smem", "{}"), ("blocks/SM", "blocks_per_sm", "{}"),
-    ("occupancy", "occupancy", "{:.0%}"), ("limited by", "limiter", "{}"),
+    ("kernel", "kernel", "{}"),
+    ("arch", "arch", "sm_{}"),
+    ("warps", "warps", "{}"),
+    ("regs", "registers", "{}"),
+    ("spill st", "spill_stores", "{}"),
+    ("spill ld", "spill_loads", "{}"),
+    ("stack", "stack", "{}"),
+    ("fma", "fp_contractions", "{}"),
+    ("smem static", "static_smem", "{}"),
+    ("smem dyn", "dynamic_smem", "{}"),
+    ("blocks/SM", "blocks_per_sm", "{}"),
+    ("occupancy", "occupancy", "{:.0%}"),
+    ("limited by", "limiter", "{}"),
 ]
 
 
-def main(out_dir, archs: Sequence[int] = (90, 80), sm_count: Optional[int] = None,
-         jobs: Optional[int] = None) -> List[Dict[str, object]]:
+def main(
+    out_dir, archs: Sequence[int] = (90, 80), sm_count: Optional[int] = None, jobs: Optional[int] = None
+) -> List[Dict[str, object]]:
     """Compile, print the table and write ``static.jsonl`` into ``out_dir``; exit status 1
     when a configuration fails to compile.  ``sm_count``: the GPU the launchers choose for
     (default ``bench.aot_specs.TARGET_SM_COUNT``)."""
@@ -329,15 +400,19 @@ def main(out_dir, archs: Sequence[int] = (90, 80), sm_count: Optional[int] = Non
     rows = collect(archs, jobs, sm_count)
     env = environment()
     write_jsonl(out_dir / "static.jsonl", rows, env)
-    print(f"# bench.kernels --static: Triton {env['triton']}, commit {env['commit']}; ptxas -v of each launcher "
-          f"configuration at realistic shapes for a GPU of {sm_count} SMs (no GPU needed)")
+    print(
+        f"# bench.kernels --static: Triton {env['triton']}, commit {env['commit']}; ptxas -v of each launcher "
+        f"configuration at realistic shapes for a GPU of {sm_count} SMs (no GPU needed)"
+    )
     print(format_table([r for r in rows if "error" not in r], COLUMNS))
     failed = [r for r in rows if "error" in r]
     for r in failed:
         print(f"# FAILED {r['kernel']} sm_{r['arch']}: {r['error']}", file=sys.stderr)
     spills = [r for r in rows if r.get("spill_stores") or r.get("spill_loads")]
-    print(f"# {len(rows)} kernel configurations, {len(failed)} failed, {len(spills)} spill registers; "
-          f"fma: multiplies fused with an add (allowed in tree attention only)")
+    print(
+        f"# {len(rows)} kernel configurations, {len(failed)} failed, {len(spills)} spill registers; "
+        f"fma: multiplies fused with an add (allowed in tree attention only)"
+    )
     print(f"# wrote {out_dir / 'static.jsonl'}")
     if failed:
         raise SystemExit(1)
@@ -354,8 +429,12 @@ def cli(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="output folder (default bench_out/)")
     parser.add_argument("--archs", default="90,80", help="compute capabilities, comma-separated (default 90,80)")
-    parser.add_argument("--sm-count", type=int, default=TARGET_SM_COUNT,
-                        help=f"SMs of the GPU the launchers choose for (default {TARGET_SM_COUNT}: H100 / H200 SXM)")
+    parser.add_argument(
+        "--sm-count",
+        type=int,
+        default=TARGET_SM_COUNT,
+        help=f"SMs of the GPU the launchers choose for (default {TARGET_SM_COUNT}: H100 / H200 SXM)",
+    )
     parser.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
     args = parser.parse_args(argv)
     archs = [int(a) for a in args.archs.split(",") if a]

@@ -15,6 +15,7 @@ ratio that the adaptive draft length and end-to-end projections use.  Writes a t
     python -m bench.step_cost [--models smollm2-135m,llama3-8b] [--dtype bf16] [--prefix 1024]
                               [--sizes 1,2,4,8,16,32,64] [--device cuda] [--out DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,31 @@ from specdec_kernels.tree import ancestor_mask
 
 MODELS = {
     # SmolLM2-135M-Instruct (the real model's shape) and Llama-3-8B
-    "smollm2-135m": ModelArgs(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                              head_dim=64, intermediate_size=1536, rope_theta=100000.0, tie_word_embeddings=True),
-    "llama3-8b": ModelArgs(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                           head_dim=128, intermediate_size=14336, rope_theta=500000.0),
+    "smollm2-135m": ModelArgs(
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": ModelArgs(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+    ),
     # a tiny shape for tests
-    "tiny": ModelArgs(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                      intermediate_size=128),
+    "tiny": ModelArgs(
+        vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128
+    ),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -82,8 +101,17 @@ def measure(name: str, args: ModelArgs, dtype, device, prefix: int, sizes: List[
             t = time_fn(step, device, min_time)
             if kind == "decode":
                 base = t["median_us"]
-            rows.append({"model": name, "kind": kind, "N": n, "prefix": prefix, "dtype": str(dtype).replace("torch.", ""),
-                         **t, "ratio_to_decode": t["median_us"] / base})
+            rows.append(
+                {
+                    "model": name,
+                    "kind": kind,
+                    "N": n,
+                    "prefix": prefix,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    **t,
+                    "ratio_to_decode": t["median_us"] / base,
+                }
+            )
     model = cache = None  # free them before the next model is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -105,7 +133,9 @@ def plot(rows: List[Dict], path, env) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for model in dict.fromkeys(r["model"] for r in rows):
         for kind, style in (("chain", "-o"), ("tree", "--s")):
-            pts = [(1, 1.0)] + [(r["N"], r["ratio_to_decode"]) for r in rows if r["model"] == model and r["kind"] == kind]
+            pts = [(1, 1.0)] + [
+                (r["N"], r["ratio_to_decode"]) for r in rows if r["model"] == model and r["kind"] == kind
+            ]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{model} {kind}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens verified per forward (N)")
@@ -120,7 +150,9 @@ def plot(rows: List[Dict], path, env) -> None:
 
 def main(argv=None) -> List[Dict]:
     parser = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", help=f"comma-separated from {list(MODELS)} (default: smollm2-135m, plus llama3-8b on GPU)")
+    parser.add_argument(
+        "--models", help=f"comma-separated from {list(MODELS)} (default: smollm2-135m, plus llama3-8b on GPU)"
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on GPU, fp32 on CPU")
     parser.add_argument("--prefix", type=int, default=1024, help="cached tokens before the block")
     parser.add_argument("--sizes", default="2,4,8,16,32,64", help="block sizes N besides 1")
@@ -130,7 +162,11 @@ def main(argv=None) -> List[Dict]:
     a = parser.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    names = a.models.split(",") if a.models else (["smollm2-135m", "llama3-8b"] if device.type == "cuda" else ["smollm2-135m"])
+    names = (
+        a.models.split(",")
+        if a.models
+        else (["smollm2-135m", "llama3-8b"] if device.type == "cuda" else ["smollm2-135m"])
+    )
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise SystemExit(f"--models: unknown {unknown}; choose from {list(MODELS)}")
@@ -144,9 +180,22 @@ def main(argv=None) -> List[Dict]:
     write_jsonl(out / "step_cost.jsonl", rows, env)
     plot(rows, out / "step_cost.png", env)
     print(f"# bench.step_cost on {env['device']}, torch {env['torch']}, commit {env['commit']}")
-    print(format_table(rows, [("model", "model", "{}"), ("kind", "kind", "{}"), ("N", "N", "{}"), ("prefix", "prefix", "{}"),
-                              ("dtype", "dtype", "{}"), ("median us", "median_us", "{:.1f}"), ("p20 us", "p20_us", "{:.1f}"),
-                              ("p80 us", "p80_us", "{:.1f}"), ("cost / decode", "ratio_to_decode", "{:.2f}")]))
+    print(
+        format_table(
+            rows,
+            [
+                ("model", "model", "{}"),
+                ("kind", "kind", "{}"),
+                ("N", "N", "{}"),
+                ("prefix", "prefix", "{}"),
+                ("dtype", "dtype", "{}"),
+                ("median us", "median_us", "{:.1f}"),
+                ("p20 us", "p20_us", "{:.1f}"),
+                ("p80 us", "p80_us", "{:.1f}"),
+                ("cost / decode", "ratio_to_decode", "{:.2f}"),
+            ],
+        )
+    )
     return rows
 
 

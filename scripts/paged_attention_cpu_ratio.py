@@ -5,6 +5,7 @@ Run with OMP_NUM_THREADS=1 for the single-thread numbers:
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/paged_attention_cpu_ratio.py [NHD|HND]
 (the pool layout, default NHD).  Prints one row per (B, prefix, N) with times in microseconds and the paged/dense ratios.
 """
+
 import sys
 import time
 
@@ -30,7 +31,9 @@ def main() -> None:
     H, Hkv, D, bs = 9, 3, 64, 16
     layout = sys.argv[1] if len(sys.argv) > 1 else "NHD"
     print(f"threads={torch.get_num_threads()} H={H} Hkv={Hkv} D={D} block_size={bs} fp32 {layout}")
-    print(f"{'B':>2} {'prefix':>6} {'N':>3} {'dense_us':>9} {'native_us':>9} {'ptorch_us':>9} {'native/dense':>12} {'torch/dense':>11}")
+    print(
+        f"{'B':>2} {'prefix':>6} {'N':>3} {'dense_us':>9} {'native_us':>9} {'ptorch_us':>9} {'native/dense':>12} {'torch/dense':>11}"
+    )
     for B in (1, 4):
         for prefix in (512, 2048):
             for N in (1, 4, 16):
@@ -47,20 +50,30 @@ def main() -> None:
                 pv = torch.randn(nb, bs, Hkv, D)
                 for b in range(B):
                     for j in range(M):
-                        pk[perm[b, j]] = k[b, :, j * bs:(j + 1) * bs].transpose(0, 1)
-                        pv[perm[b, j]] = v[b, :, j * bs:(j + 1) * bs].transpose(0, 1)
+                        pk[perm[b, j]] = k[b, :, j * bs : (j + 1) * bs].transpose(0, 1)
+                        pv[perm[b, j]] = v[b, :, j * bs : (j + 1) * bs].transpose(0, 1)
                 if layout == "HND":
                     pk, pv = pk.transpose(1, 2).contiguous(), pv.transpose(1, 2).contiguous()
                 reps = 200 if B * prefix <= 2048 else 60
                 dense = median_us(lambda: sk.tree_attention(q, k, v, lens, backend="torch", validate=False), reps)
-                nat = median_us(lambda: sk.tree_attention(q, pk, pv, lens, block_table=perm, kv_layout=layout, backend="native",
-                                                          validate=False), reps)
-                pt = median_us(lambda: sk.tree_attention(q, pk, pv, lens, block_table=perm, kv_layout=layout, backend="torch",
-                                                         validate=False), reps)
+                nat = median_us(
+                    lambda: sk.tree_attention(
+                        q, pk, pv, lens, block_table=perm, kv_layout=layout, backend="native", validate=False
+                    ),
+                    reps,
+                )
+                pt = median_us(
+                    lambda: sk.tree_attention(
+                        q, pk, pv, lens, block_table=perm, kv_layout=layout, backend="torch", validate=False
+                    ),
+                    reps,
+                )
                 a = sk.tree_attention(q, k, v, lens, backend="torch")
                 c = sk.tree_attention(q, pk, pv, lens, block_table=perm, kv_layout=layout, backend="native")
                 assert torch.allclose(a, c, atol=1e-4, rtol=1e-4)
-                print(f"{B:>2} {prefix:>6} {N:>3} {dense:9.1f} {nat:9.1f} {pt:9.1f} {nat / dense:12.2f} {pt / dense:11.2f}")
+                print(
+                    f"{B:>2} {prefix:>6} {N:>3} {dense:9.1f} {nat:9.1f} {pt:9.1f} {nat / dense:12.2f} {pt / dense:11.2f}"
+                )
 
 
 if __name__ == "__main__":

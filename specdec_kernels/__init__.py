@@ -12,6 +12,7 @@ Importing the package registers each op as a torch custom op, ``torch.ops.specde
 argument normalisation, checks, random numbers).  Nothing here touches a GPU at import, and
 triton is imported only when a Triton kernel is first needed.
 """
+
 from specdec_kernels import reference, tree
 from specdec_kernels._backend import reset as reset_backends
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
@@ -43,6 +44,7 @@ def has_native_kernel(name: str, device_type: str) -> bool:
     from specdec_kernels import _native
 
     return _native.has_kernel(name, device_type)
+
 
 __all__ = [
     "RejectionSampleDetails",

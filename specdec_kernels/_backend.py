@@ -14,6 +14,7 @@ cannot serve is an error; ``SPECDEC_BACKEND`` names a preference and ops without
 choose automatically.  The Triton interpreter is never chosen automatically.  The choice is
 made once per (op, device type, explicit backend) and kept for the process.
 """
+
 from __future__ import annotations
 
 import importlib.util

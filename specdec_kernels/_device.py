@@ -8,6 +8,7 @@ interpreter keep the GPU choices.  The ``launch_config`` functions of the launch
 SM count (or ``None``) as an argument, so a report can ask for the configuration of a GPU
 that is not here (``bench/static.py``).
 """
+
 from __future__ import annotations
 
 import functools

@@ -23,6 +23,7 @@ leaves the tensors whatever ``cu`` holds (``validate=False`` skips the value che
 ``start_b .. start_b + n_b - 1`` and, with bonus rows, target rows ``start_b + b .. start_b +
 b + n_b`` (all inside ``[0, T + B)`` because ``start_b + n_b <= end_b <= T``).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple

@@ -21,6 +21,7 @@ The public ops never read tensor values (no ``.item()``, ``.tolist()``, no branc
 values) on the paths that CUDA graphs and ``torch.compile`` use: value checks are the Python
 fronts' business and run only with ``validate=True`` (the default on CPU tensors).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, Optional

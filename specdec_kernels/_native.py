@@ -6,6 +6,7 @@ in Python (``specdec_kernels._library``) and dispatch to them.  It is loaded on 
 (the first op call that could use it), never at import, and when it is missing the package
 says so once and falls back to the reference.  This module imports nothing of the package.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -27,7 +28,9 @@ def load() -> bool:
             if hasattr(torch.ops.specdec, "compact_kv_cache_native"):
                 torch.library.register_fake("specdec::compact_kv_cache_native")(_compact_kv_cache_native_fake)
             if hasattr(torch.ops.specdec, "paged_compact_kv_cache_native"):
-                torch.library.register_fake("specdec::paged_compact_kv_cache_native")(_paged_compact_kv_cache_native_fake)
+                torch.library.register_fake("specdec::paged_compact_kv_cache_native")(
+                    _paged_compact_kv_cache_native_fake
+                )
             if hasattr(torch.ops.specdec, "paged_tree_attention_native"):
                 torch.library.register_fake("specdec::paged_tree_attention_native")(_paged_tree_attention_native_fake)
         except (ImportError, OSError) as e:
@@ -48,7 +51,10 @@ def _check_fake_caches(caches, first_form: str, buffer_form: str):
         torch._check(t.dtype == first.dtype, lambda: f"caches[{k}] must have dtype {first.dtype}, got {t.dtype}")
         torch._check(t.device == first.device, lambda: f"caches[{k}] must be on {first.device}, got {t.device}")
         for d in range(4):
-            torch._check(t.shape[t.dim() - 4 + d] == inner[d], lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}")
+            torch._check(
+                t.shape[t.dim() - 4 + d] == inner[d],
+                lambda: f"caches[{k}] must end in {tuple(inner)}, got {tuple(t.shape)}",
+            )
         if t.dim() == 6:
             torch._check(t.shape[1] == 2, lambda: f"caches[{k}] must be {buffer_form}, got {tuple(t.shape)}")
     return inner
@@ -58,24 +64,32 @@ def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_a
     """Fake (meta) implementation of specdec::compact_kv_cache_native: shape checks, no output."""
     inner = _check_fake_caches(caches, "[B, Hkv, S, D] or [L, 2, B, Hkv, S, D]", "[L, 2, B, Hkv, S, D]")
     B = inner[0]
-    for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
-                          ("num_accepted", num_accepted, 1)):
+    for name, t, ndim in (
+        ("cache_seqlens", cache_seqlens, 1),
+        ("accepted_indices", accepted_indices, 2),
+        ("num_accepted", num_accepted, 1),
+    ):
         torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
         torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
         torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
     return None
 
 
-def _paged_compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table,
-                                        kv_layout="NHD", validate=False):
+def _paged_compact_kv_cache_native_fake(
+    caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", validate=False
+):
     """Fake (meta) implementation of specdec::paged_compact_kv_cache_native: shape checks, no
     output.  ``caches``: [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv,
     block_size, D] ("HND") pools and/or [L, 2, ...] buffers of them."""
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     _check_fake_caches(caches, "a 4-D pool or a 6-D [L, 2, ...] buffer", "[L, 2, ...] (keys and values)")
     B = cache_seqlens.shape[0] if cache_seqlens.dim() == 1 else -1
-    for name, t, ndim in (("cache_seqlens", cache_seqlens, 1), ("accepted_indices", accepted_indices, 2),
-                          ("num_accepted", num_accepted, 1), ("block_table", block_table, 2)):
+    for name, t, ndim in (
+        ("cache_seqlens", cache_seqlens, 1),
+        ("accepted_indices", accepted_indices, 2),
+        ("num_accepted", num_accepted, 1),
+        ("block_table", block_table, 2),
+    ):
         torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
         torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
         torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
@@ -88,17 +102,28 @@ def _paged_tree_attention_native_fake(q, k_cache, v_cache, cache_seqlens, tree_m
     [num_blocks, Hkv, block_size, D] ("HND"); tree_mask None or bool [N, N] / [B, N, N]."""
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     torch._check(q.dim() == 4, lambda: f"q must be [B, N, H, D], got {tuple(q.shape)}")
-    torch._check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-                 lambda: f"k_cache and v_cache must be 4-D pools of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    torch._check(k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, lambda: "k_cache and v_cache must have q's dtype")
+    torch._check(
+        k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+        lambda: (
+            f"k_cache and v_cache must be 4-D pools of one shape, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        ),
+    )
+    torch._check(
+        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, lambda: "k_cache and v_cache must have q's dtype"
+    )
     torch._check(k_cache.shape[3] == q.shape[3], lambda: "k_cache's head dim must match q's")
     Hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     torch._check(q.shape[2] % Hkv == 0, lambda: "q's heads must be a multiple of k_cache's heads")
-    torch._check(block_table.dim() == 2 and block_table.shape[0] == q.shape[0] and block_table.dtype == torch.int32,
-                 lambda: "block_table must be int32 [B, max_blocks_per_seq]")
+    torch._check(
+        block_table.dim() == 2 and block_table.shape[0] == q.shape[0] and block_table.dtype == torch.int32,
+        lambda: "block_table must be int32 [B, max_blocks_per_seq]",
+    )
     torch._check(cache_seqlens.dim() == 1 and cache_seqlens.shape[0] == q.shape[0], lambda: "cache_seqlens must be [B]")
     if tree_mask is not None:
-        torch._check(tree_mask.dtype == torch.bool and tree_mask.dim() in (2, 3), lambda: "tree_mask must be bool [N, N] or [B, N, N]")
+        torch._check(
+            tree_mask.dtype == torch.bool and tree_mask.dim() in (2, 3),
+            lambda: "tree_mask must be bool [N, N] or [B, N, N]",
+        )
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -143,7 +168,11 @@ def warn_fallback(name: str, device_type: str) -> None:
     if (name, device_type) in _warned:
         return
     _warned.add((name, device_type))
-    why = f"the extension failed to load ({_state['error']})" if _state["loaded"] is False else f"it has no {device_type} kernel"
+    why = (
+        f"the extension failed to load ({_state['error']})"
+        if _state["loaded"] is False
+        else f"it has no {device_type} kernel"
+    )
     build = build_info()
     if build and not build.get("extension"):
         why += f"; at install: {build.get('reason')}"

@@ -30,6 +30,7 @@ the bonus token, ``sample_uniforms [B]``).  The Python fronts make them in one o
 
 Coins past a sequence's count are never read; the fronts fill them with 0.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional, Sequence, Tuple, Union
@@ -55,7 +56,9 @@ def _mulhilo32(a: torch.Tensor, m: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return (hi_part >> 16) + (low >> 32), low & _MASK32
 
 
-def philox4x32(counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor], rounds: int = 10) -> Tuple[torch.Tensor, ...]:
+def philox4x32(
+    counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor], rounds: int = 10
+) -> Tuple[torch.Tensor, ...]:
     """Philox4x32 (Salmon et al. 2011) on int64 tensors holding 32-bit words.
 
     Args:

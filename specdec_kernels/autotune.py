@@ -9,6 +9,7 @@ hits both alike), and the faster median wins for the rest of the process, as an 
 would.  The calls being measured do the real work (their results are used), so measuring
 costs only the slower candidate's extra time on a few calls.
 """
+
 from __future__ import annotations
 
 import os
@@ -88,10 +89,14 @@ class RuntimeChoice:
         """What was chosen so far: one dict per shape class (key, choice, median ms per candidate)."""
         rows = []
         for key, times in self._times.items():
-            rows.append({
-                "what": self.name, "key": repr(key[0]), "choice": self._chosen.get(key),
-                **{f"{c}_ms": statistics.median(v) * 1e3 if v else None for c, v in times.items()},
-            })
+            rows.append(
+                {
+                    "what": self.name,
+                    "key": repr(key[0]),
+                    "choice": self._chosen.get(key),
+                    **{f"{c}_ms": statistics.median(v) * 1e3 if v else None for c, v in times.items()},
+                }
+            )
         return rows
 
     def reset(self) -> None:

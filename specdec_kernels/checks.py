@@ -6,6 +6,7 @@ what it got, so a caller sees at once which input is wrong.  Value checks (range
 indices and parents) read tensor contents: they are cheap on CPU tensors and cost a device
 synchronisation on CUDA, so the public ops run them by default only on CPU tensors.
 """
+
 from __future__ import annotations
 
 import operator

@@ -20,6 +20,7 @@ The draft length K is adaptive by default (``--adaptive/--no-adaptive``;
 fixed K for every drafter measured); ``--num-draft-tokens`` is then the largest K.  ``--typical EPS`` replaces
 lossless rejection sampling by Medusa's typical acceptance at temperature > 0: LOSSY.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,30 @@ from typing import List, Optional
 
 import torch
 
-DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "medusa-tree", "eagle", "eagle-tree", "lookahead", "multi", "none")
-DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "medusa": 4, "medusa-tree": 4, "eagle": 6, "eagle-tree": 7, "lookahead": 4,
-             "multi": 4, "none": 0}
+DRAFTERS = (
+    "ngram",
+    "layerskip",
+    "draft-model",
+    "medusa",
+    "medusa-tree",
+    "eagle",
+    "eagle-tree",
+    "lookahead",
+    "multi",
+    "none",
+)
+DEFAULT_K = {
+    "ngram": 8,
+    "layerskip": 4,
+    "draft-model": 4,
+    "medusa": 4,
+    "medusa-tree": 4,
+    "eagle": 6,
+    "eagle-tree": 7,
+    "lookahead": 4,
+    "multi": 4,
+    "none": 0,
+}
 SUB_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "eagle", "lookahead")
 ENSEMBLE_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "eagle")  # with chain distributions
 
@@ -123,7 +145,9 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--medusa-heads {args.medusa_heads!r} is not a heads file ({type(e).__name__})")
     if args.draft_model is not None and "draft-model" in uses:
         if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
-            p.error(f"--draft-model must be a local transformers checkpoint folder (with config.json), got {args.draft_model!r}")
+            p.error(
+                f"--draft-model must be a local transformers checkpoint folder (with config.json), got {args.draft_model!r}"
+            )
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -132,35 +156,72 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--prompt-file", help="read the user message from this file")
     src.add_argument("--question-id", type=int, help="a Spec-Bench question (81..560), first turn")
-    p.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (none: plain decoding; multi: see --drafters)")
-    p.add_argument("--ensemble", action="store_true",
-                   help="with --drafter multi: average the drafters' distributions into one chain (learnt weights) instead of merging their drafts")
-    p.add_argument("--drafters", default="ngram,layerskip",
-                   help=f"with --drafter multi: the drafters whose drafts are merged into one tree, comma-separated from {', '.join(SUB_DRAFTERS)}")
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="choose K every step (--num-draft-tokens is then the largest K); default: on "
-                        "(adaptive.default_policy: a cost model for every drafter)")
-    p.add_argument("--policy", choices=("cost-model", "heuristic"), default="cost-model", help="the adaptive policy with --adaptive")
-    p.add_argument("--typical", type=float, default=None, metavar="EPS",
-                   help="LOSSY: typical acceptance (Medusa) with posterior threshold EPS (e.g. 0.09) instead of lossless "
-                        "rejection sampling, at temperature > 0 only; the output no longer follows the model's distribution exactly")
+    p.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default="ngram",
+        help="draft source (none: plain decoding; multi: see --drafters)",
+    )
+    p.add_argument(
+        "--ensemble",
+        action="store_true",
+        help="with --drafter multi: average the drafters' distributions into one chain (learnt weights) instead of merging their drafts",
+    )
+    p.add_argument(
+        "--drafters",
+        default="ngram,layerskip",
+        help=f"with --drafter multi: the drafters whose drafts are merged into one tree, comma-separated from {', '.join(SUB_DRAFTERS)}",
+    )
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="choose K every step (--num-draft-tokens is then the largest K); default: on "
+        "(adaptive.default_policy: a cost model for every drafter)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=("cost-model", "heuristic"),
+        default="cost-model",
+        help="the adaptive policy with --adaptive",
+    )
+    p.add_argument(
+        "--typical",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="LOSSY: typical acceptance (Medusa) with posterior threshold EPS (e.g. 0.09) instead of lossless "
+        "rejection sampling, at temperature > 0 only; the output no longer follows the model's distribution exactly",
+    )
     p.add_argument("--tree", action="store_true", help="draft token trees instead of chains")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="draft depth K (default 8 for ngram, 4 otherwise)")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="draft depth K (default 8 for ngram, 4 otherwise)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true", help="also run plain greedy and transformers' generate")
     p.add_argument("--layers", type=int, default=None, help="layers of the layer-skip / cut draft model (default half)")
-    p.add_argument("--draft-model", default=None, help="a transformers Llama checkpoint directory with the target's tokenizer")
+    p.add_argument(
+        "--draft-model", default=None, help="a transformers Llama checkpoint directory with the target's tokenizer"
+    )
     p.add_argument("--tree-widths", default="2,2", help="children per node by depth for model drafters' trees")
-    p.add_argument("--medusa-heads", default=None, help="a Medusa heads file (default: the shipped SmolLM2 heads); "
-                   "--drafter medusa-tree (or medusa --tree) drafts the tree stored with them")
+    p.add_argument(
+        "--medusa-heads",
+        default=None,
+        help="a Medusa heads file (default: the shipped SmolLM2 heads); "
+        "--drafter medusa-tree (or medusa --tree) drafts the tree stored with them",
+    )
     p.add_argument("--max-ngram", type=int, default=5, help="longest suffix the n-gram drafter matches")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: the engine measures 1, half and all of torch's threads on the "
-                        "first decode steps and keeps the fastest)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: the engine measures 1, half and all of torch's threads on the "
+        "first decode steps and keeps the fastest)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt text as it is")
     p.add_argument("--json", action="store_true", help="print the statistics as one JSON line too")
@@ -172,7 +233,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.ensemble and args.drafter != "multi":
         p.error("--ensemble averages the drafters of --drafter multi")
     if args.ensemble and [d for d in args.sub_drafters if d not in ENSEMBLE_DRAFTERS]:
-        p.error(f"--ensemble: every drafter of --drafters must come from {', '.join(ENSEMBLE_DRAFTERS)}, got {args.drafters!r}")
+        p.error(
+            f"--ensemble: every drafter of --drafters must come from {', '.join(ENSEMBLE_DRAFTERS)}, got {args.drafters!r}"
+        )
     _validate(p, args)
     if args.typical is not None and not 0 < args.typical <= 1:
         p.error("--typical must lie in (0, 1]")
@@ -214,7 +277,10 @@ def build_drafter(args, model, name=None):
             hf = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=torch.float32)
             draft = Transformer.from_hf_model(hf).to(model.device)
         else:
-            print(f"(no --draft-model given: the target's first {layers} layers serve as a separate draft model)", file=sys.stderr)
+            print(
+                f"(no --draft-model given: the target's first {layers} layers serve as a separate draft model)",
+                file=sys.stderr,
+            )
             draft = model.truncated(layers)
         return DraftModelDrafter(draft, tree_widths=widths)
     return None
@@ -232,14 +298,14 @@ class _Stream:
         self.count = len(self.tokens)
         text = self.tok.decode(self.tokens, skip_special_tokens=True)
         if text.startswith(self.shown) and not text.endswith("\ufffd"):  # a whole character more
-            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.write(text[len(self.shown) :])
             sys.stdout.flush()
             self.shown = text
 
     def finish(self) -> None:
         text = self.tok.decode(self.tokens, skip_special_tokens=True)
         if text.startswith(self.shown):
-            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.write(text[len(self.shown) :])
         self.shown = text
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -267,7 +333,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.no_chat_template:
         ids = tok(text)["input_ids"]
     else:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+        )
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     k = args.num_draft_tokens if args.num_draft_tokens is not None else DEFAULT_K[args.drafter]
     stops = [tok.eos_token_id]
@@ -281,13 +349,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedule = CostModelPolicy(0, k) if args.policy == "cost-model" else HeuristicPolicy(k_max=k)
     else:
         schedule = k
-    decoder = SpeculativeDecoder(model, drafter, stop_token_ids=stops, typical=args.typical if not sampling.greedy else None,
-                                 threads=args.threads or "auto")
+    decoder = SpeculativeDecoder(
+        model,
+        drafter,
+        stop_token_ids=stops,
+        typical=args.typical if not sampling.greedy else None,
+        threads=args.threads or "auto",
+    )
     SpeculativeDecoder(model).generate([ids[-8:]], 2)  # warm-up (first-call costs stay out of the timings)
     stream = _Stream(tok)
     try:
-        result = decoder.generate([ids], args.max_new_tokens, num_draft_tokens=schedule, sampling=sampling,
-                                  seeds=[args.seed], on_step=stream)
+        result = decoder.generate(
+            [ids], args.max_new_tokens, num_draft_tokens=schedule, sampling=sampling, seeds=[args.seed], on_step=stream
+        )
     except KeyboardInterrupt:
         stream.finish()
         print(f"(interrupted after {stream.count} generated tokens)", file=sys.stderr)
@@ -309,14 +383,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         hf.to(args.device)
         with torch.inference_mode():
             t = time.perf_counter()
-            out = hf.generate(torch.tensor([ids], device=args.device), max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops[0])
+            out = hf.generate(
+                torch.tensor([ids], device=args.device),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                eos_token_id=stops[0],
+            )
             hf_time = time.perf_counter() - t
         hf_tokens = out[0, len(ids) :].tolist()
         print("\n--- compare (greedy)")
         print(f"ours, plain greedy:        {plain.stats.tokens_per_second:7.1f} tokens/s ({plain.stats.tokens} tokens)")
         print(f"transformers generate:     {len(hf_tokens) / hf_time:7.1f} tokens/s ({len(hf_tokens)} tokens)")
-        print(f"ours, {args.drafter} ({mode}): {result.stats.tokens_per_second:7.1f} tokens/s, "
-              f"{result.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x plain")
+        print(
+            f"ours, {args.drafter} ({mode}): {result.stats.tokens_per_second:7.1f} tokens/s, "
+            f"{result.stats.tokens_per_second / plain.stats.tokens_per_second:.2f}x plain"
+        )
         print(f"plain greedy == transformers greedy: {plain.tokens[0] == hf_tokens}")
         if sampling.greedy:
             print(f"{args.drafter} greedy == plain greedy:       {result.tokens[0] == plain.tokens[0]}")

@@ -5,6 +5,7 @@ A token tree is a parent list in topological order: ``parents[0] = -1`` (node 0 
 the last committed token) and ``0 <= parents[i] < i``.  Plain Python lists or int tensors are
 accepted; tensors come back as int64 (or bool for masks) on the input's device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,7 +49,9 @@ def as_parents(parents: Parents, device=None) -> torch.Tensor:
     if not isinstance(parents, torch.Tensor):
         rows = list(parents)
         if rows and all(isinstance(r, (list, tuple)) for r in rows):  # (batch, N) as nested lists
-            parents = torch.tensor([as_int_list(f"parents[{b}]", r) for b, r in enumerate(rows)], dtype=torch.int64, device=device)
+            parents = torch.tensor(
+                [as_int_list(f"parents[{b}]", r) for b, r in enumerate(rows)], dtype=torch.int64, device=device
+            )
         else:
             parents = torch.tensor(as_int_list("parents", rows), dtype=torch.int64, device=device)
     if parents.dim() not in (1, 2):
@@ -187,7 +190,9 @@ class TokenTree:
         return tree_depths(self.parents)
 
 
-def merge_trees(root_token: int, trees: Sequence[Tuple[Sequence[int], Sequence[int]]], max_nodes: Optional[int] = None) -> TokenTree:
+def merge_trees(
+    root_token: int, trees: Sequence[Tuple[Sequence[int], Sequence[int]]], max_nodes: Optional[int] = None
+) -> TokenTree:
     """Merge several draft trees below one root into one trie (shared prefixes deduplicated).
 
     Args:
@@ -227,8 +232,10 @@ def merge_trees(root_token: int, trees: Sequence[Tuple[Sequence[int], Sequence[i
             raise ValueError(f"trees[{d}]: parents[0] must be -1 (node 0 is the root), got {parents[0]}")
         bad = next((i for i in range(1, len(parents)) if not 0 <= parents[i] < i), None)
         if bad is not None:
-            raise ValueError(f"trees[{d}]: parents must satisfy 0 <= parents[i] < i (topological order); "
-                             f"node {bad} has parent {parents[bad]}")
+            raise ValueError(
+                f"trees[{d}]: parents must satisfy 0 <= parents[i] < i (topological order); "
+                f"node {bad} has parent {parents[bad]}"
+            )
         where = {0: 0}
         for i in range(1, len(tokens)):
             parent = where.get(parents[i])

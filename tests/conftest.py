@@ -5,6 +5,7 @@ must be set before the kernels are imported, so it is set here, before anything 
 specdec_kernels.  With CUDA the same tests run on the GPU (and SPECDEC_TEST_LARGE=1, set by
 scripts/gpu_check.sh, selects larger shapes).
 """
+
 import os
 
 import pytest
@@ -50,7 +51,9 @@ def _native_op_marker(request):
         device = "cuda" if HAS_CUDA else "cpu"
         if not _native.has_kernel(marker.args[0], device):
             if os.environ.get("SPECDEC_REQUIRE_NATIVE") == "1":
-                pytest.fail(f"SPECDEC_REQUIRE_NATIVE=1 but specdec_kernels._C has no {device} kernel for {marker.args[0]}")
+                pytest.fail(
+                    f"SPECDEC_REQUIRE_NATIVE=1 but specdec_kernels._C has no {device} kernel for {marker.args[0]}"
+                )
             pytest.skip(f"specdec_kernels._C has no {device} kernel for {marker.args[0]} (extension not built)")
 
 

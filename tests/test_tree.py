@@ -1,4 +1,5 @@
 """specdec_kernels.tree: masks, depths, Medusa choices and trie merging, worked by hand."""
+
 import pytest
 import torch
 
@@ -89,10 +90,21 @@ BAD_HELPER_CALLS = {
     "negative_token": (lambda: tree.merge_chains(5, [[1, -1]]), ValueError, "tokens"),
     "negative_root": (lambda: tree.merge_chains(-1, [[1]]), ValueError, "root_token"),
     "float_tokens": (lambda: tree.merge_chains(5, [[1.5]]), TypeError, "chains"),
-    "merge_bad_root": (lambda: tree.merge_trees(5, [([5, 1], [0, 0])]), ValueError, r"trees\[0\]: parents\[0\] must be -1"),
-    "merge_forward_parent": (lambda: tree.merge_trees(5, [([5, 1], [-1, 0]), ([5, 1, 2], [-1, 2, 0])]), ValueError,
-                             r"trees\[1\]: parents must satisfy 0 <= parents\[i\] < i .*node 1 has parent 2"),
-    "merge_negative_parent": (lambda: tree.merge_trees(5, [([5, 1, 2], [-1, 0, -1])]), ValueError, "node 2 has parent -1"),
+    "merge_bad_root": (
+        lambda: tree.merge_trees(5, [([5, 1], [0, 0])]),
+        ValueError,
+        r"trees\[0\]: parents\[0\] must be -1",
+    ),
+    "merge_forward_parent": (
+        lambda: tree.merge_trees(5, [([5, 1], [-1, 0]), ([5, 1, 2], [-1, 2, 0])]),
+        ValueError,
+        r"trees\[1\]: parents must satisfy 0 <= parents\[i\] < i .*node 1 has parent 2",
+    ),
+    "merge_negative_parent": (
+        lambda: tree.merge_trees(5, [([5, 1, 2], [-1, 0, -1])]),
+        ValueError,
+        "node 2 has parent -1",
+    ),
     "merge_float_parents": (lambda: tree.merge_trees(5, [([5, 1], [-1, 0.5])]), TypeError, "parents"),
 }
 

@@ -1,5 +1,6 @@
 """Shared test helpers: the repository root, the distribution tests' threshold and draw count,
 one tolerance table per dtype, seeded generators, statistics, the backends that run here."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -14,6 +14,7 @@ Quick start::
     print(tok.decode(result.tokens[0]))
     print(result.stats.summary())
 """
+
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.medusa import MedusaDrafter, MedusaHeads, load_medusa_heads
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter, LayerSkipDrafter, ModelDrafter

@@ -16,6 +16,7 @@ distribution (``Draft.probs is None``; the verifier treats q as one-hot).  A dra
 samples passes the distribution it sampled from (``sampling_probs`` of its logits, with the
 same temperature / top-k / top-p as the target).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -116,7 +117,9 @@ class Draft:
             parents[b, :n] = torch.tensor(p, dtype=torch.int64)
             num[b] = n
             chain = chain and list(p) == list(range(-1, n - 1))
-        return Draft(tokens.to(device), parents.to(device), num.to(device), None, chain if is_chain is None else is_chain)
+        return Draft(
+            tokens.to(device), parents.to(device), num.to(device), None, chain if is_chain is None else is_chain
+        )
 
 
 def chain_parents(n: int) -> List[int]:
@@ -150,7 +153,9 @@ class Drafter:
         a KV cache of their own lay it out the same way (dense, paged, prefix sharing)."""
         self.cache_layout = layout
 
-    def propose(self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]) -> Draft:
+    def propose(
+        self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]
+    ) -> Draft:
         raise NotImplementedError
 
     def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
@@ -171,7 +176,9 @@ class Drafter:
         second-to-last token (after ``start``, for the first root); rows where ``active[b]``
         is false are meaningless (finished sequences, or a one-token prompt)."""
 
-    def observe_context(self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]) -> None:
+    def observe_context(
+        self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]
+    ) -> None:
         """Called only when ``wants_hidden`` is true and ``context_window`` > 0, before
         ``observe_hidden``: ``hidden[b]`` (n_b, hidden_size), the target's final hidden
         states of sequence b's positions ``first_positions[b]`` .. + n_b - 1 (consecutive;
@@ -180,12 +187,16 @@ class Drafter:
         root), after each step the accepted path (root first).  Entries where
         ``active[b]`` is false are meaningless."""
 
-
     # ------------------------------------------------------------------ chain distributions
     # Optional: drafters that implement these two methods can take part in ensemble
     # averaging (``MultiDrafter(ensemble=True)``), where someone else picks the chain.
-    def chain_begin(self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool],
-                    vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def chain_begin(
+        self,
+        histories: Sequence[Sequence[int]],
+        num_draft_tokens: Sequence[int],
+        active: Sequence[bool],
+        vocab_size: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Start a chain below each root and return this drafter's distribution of its first
         draft token, instead of drafting.
 

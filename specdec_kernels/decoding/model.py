@@ -22,6 +22,7 @@ Weights come from a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k
 ``MistralForCausalLM`` (its config and state dict), see ``Transformer.from_hf``; settings this
 forward does not implement are refused (``unsupported_hf_config``).
 """
+
 from __future__ import annotations
 
 import os
@@ -137,15 +138,19 @@ def unsupported_hf_config(config) -> List[str]:
     if sliding and window is not None and max_pos is not None and window >= max_pos:
         sliding = []  # the window covers every position: plain causal attention
     if sliding:
-        problems.append(f"sliding_window={window} < max_position_embeddings={max_pos} (sliding-window attention is not implemented)")
+        problems.append(
+            f"sliding_window={window} < max_position_embeddings={max_pos} (sliding-window attention is not implemented)"
+        )
     other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other:
         problems.append(f"layer_types {other} (only full attention layers are implemented)")
     rope = _rope_parameters(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
-        problems.append(f"rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)}; "
-                        "dynamic and longrope change the frequencies with the sequence length)")
+        problems.append(
+            f"rope_type {rope_type!r} (supported: {', '.join(STATIC_ROPE_TYPES)}; "
+            "dynamic and longrope change the frequencies with the sequence length)"
+        )
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
             problems.append(f"{name}={getattr(config, name)} (soft-capping is not implemented)")
@@ -256,9 +261,17 @@ def linear_choices() -> List[Dict]:
     """The choices ``linear`` made in this process (for reports such as bench.e2e's): per shape
     class the path taken and the best measured time of each path in milliseconds."""
     return [
-        {"weight": list(k[0]), "dtype": str(k[1]).replace("torch.", ""), "rows": {1: "1", 2: "2", 4: "3-4", 8: "5-8", 16: "9-16"}[k[2]],
-         "threads": k[3], "choice": c, **{f"{p}_ms": (_LINEAR_TIMES[k][p] * 1e3 if k in _LINEAR_TIMES and p in _LINEAR_TIMES[k]
-                                                      else None) for p in LINEAR_PATHS}}
+        {
+            "weight": list(k[0]),
+            "dtype": str(k[1]).replace("torch.", ""),
+            "rows": {1: "1", 2: "2", 4: "3-4", 8: "5-8", 16: "9-16"}[k[2]],
+            "threads": k[3],
+            "choice": c,
+            **{
+                f"{p}_ms": (_LINEAR_TIMES[k][p] * 1e3 if k in _LINEAR_TIMES and p in _LINEAR_TIMES[k] else None)
+                for p in LINEAR_PATHS
+            },
+        }
         for k, c in _LINEAR_CHOICE.items()
     ]
 
@@ -314,9 +327,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-           tree_mask: Optional[torch.Tensor], backend: Optional[str] = None,
-           block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    backend: Optional[str] = None,
+    block_table: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The engine's ``tree_attention`` (one call per layer and forward): the public op's results.
 
     A dense cache goes straight to the registered op ``torch.ops.specdec.tree_attention``:
@@ -330,10 +349,20 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
     backend: None (automatic) or a backend name of ``tree_attention``.
     """
     if block_table is None:
-        return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, q.shape[-1] ** -0.5, 0,
-                                                backend or "")
-    return specdec_kernels.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=block_table,
-                                          kv_layout="NHD", backend=backend, validate=False)
+        return torch.ops.specdec.tree_attention(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, q.shape[-1] ** -0.5, 0, backend or ""
+        )
+    return specdec_kernels.tree_attention(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        tree_mask,
+        block_table=block_table,
+        kv_layout="NHD",
+        backend=backend,
+        validate=False,
+    )
 
 
 class Block(nn.Module):
@@ -421,7 +450,9 @@ class Transformer(nn.Module):
 
         def take(name: str) -> torch.Tensor:
             if name not in state_dict:
-                raise KeyError(f"state dict has no {name!r} (needed by a {config.model_type} model of {args.num_layers} layers)")
+                raise KeyError(
+                    f"state dict has no {name!r} (needed by a {config.model_type} model of {args.num_layers} layers)"
+                )
             used.add(name)
             return state_dict[name]
 
@@ -436,7 +467,9 @@ class Transformer(nn.Module):
                 sd[f"layers.{i}.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
             sd[f"layers.{i}.wo.weight"] = take(p + "self_attn.o_proj.weight")
             sd[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-            sd[f"layers.{i}.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            sd[f"layers.{i}.w13.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+            )
             sd[f"layers.{i}.w2.weight"] = take(p + "mlp.down_proj.weight")
         sd["norm.weight"] = take("model.norm.weight")
         if args.tie_word_embeddings:
@@ -445,16 +478,20 @@ class Transformer(nn.Module):
                 used.add("lm_head.weight")
                 same = head.data_ptr() == embed.data_ptr() or (head.shape == embed.shape and torch.equal(head, embed))
                 if not same:
-                    raise ValueError("tie_word_embeddings=True but the state dict's lm_head.weight differs from "
-                                     "model.embed_tokens.weight (which one is the head?)")
+                    raise ValueError(
+                        "tie_word_embeddings=True but the state dict's lm_head.weight differs from "
+                        "model.embed_tokens.weight (which one is the head?)"
+                    )
             sd["output.weight"] = embed
         else:
             sd["output.weight"] = take("lm_head.weight")
         extra = sorted(k for k in state_dict if k not in used and not k.endswith("rotary_emb.inv_freq"))
         if extra:
             more = f" ... ({len(extra)} in all)" if len(extra) > 8 else ""
-            raise ValueError(f"the state dict holds weights a {config.model_type} model of {args.num_layers} layers "
-                             f"does not use (ignoring them would run a different model): {extra[:8]}{more}")
+            raise ValueError(
+                f"the state dict holds weights a {config.model_type} model of {args.num_layers} layers "
+                f"does not use (ignoring them would run a different model): {extra[:8]}{more}"
+            )
         sd = {k: v.detach().to(dtype=dtype) for k, v in sd.items()}
         missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
         if missing or unexpected:
@@ -484,7 +521,9 @@ class Transformer(nn.Module):
             ValueError, KeyError: as ``from_hf``.
         """
         if not hasattr(hf_model, "config") or not callable(getattr(hf_model, "state_dict", None)):
-            raise TypeError(f"hf_model must be a transformers causal LM (with .config and .state_dict()), got {type(hf_model).__name__}")
+            raise TypeError(
+                f"hf_model must be a transformers causal LM (with .config and .state_dict()), got {type(hf_model).__name__}"
+            )
         return cls.from_hf(hf_model.config, hf_model.state_dict(), dtype=dtype)
 
     def truncated(self, num_layers: int) -> "Transformer":

@@ -93,8 +93,13 @@ def _try_scaled8(blocks: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Ten
 def _packable(weight: torch.Tensor, who: str) -> bool:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{who}: weight must be a tensor, got {type(weight).__name__}")
-    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.shape[1] % BLOCK == 0 and weight.numel() > 0)
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.shape[1] % BLOCK == 0
+        and weight.numel() > 0
+    )
 
 
 def pack_weight_reference(weight: torch.Tensor) -> Optional[PackedWeight]:
@@ -107,7 +112,7 @@ def pack_weight_reference(weight: torch.Tensor) -> Optional[PackedWeight]:
         found = _try_affine4(blocks)
         if found is not None:
             q, d, m = found
-            codes = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).reshape(O, I // 2).contiguous()
+            codes = (q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)).reshape(O, I // 2).contiguous()
             return PackedWeight(AFFINE4, codes, d.contiguous(), m.contiguous(), (O, I))
         found8 = _try_scaled8(blocks)
         if found8 is None:
@@ -164,10 +169,14 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, *, portable: bool = Fal
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"packed_linear: x must be a tensor, got {type(x).__name__}")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
-        raise ValueError(f"packed_linear: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        raise ValueError(
+            f"packed_linear: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     flat = x.reshape(-1, I)
     if _have_kernel():
-        out = torch.ops.specdec.packed_linear_native(flat, packed.codes, packed.scales, packed.mins, packed.kind, portable)
+        out = torch.ops.specdec.packed_linear_native(
+            flat, packed.codes, packed.scales, packed.mins, packed.kind, portable
+        )
     else:
         out = F.linear(flat, packed.dequantize())
     return out.view(*x.shape[:-1], O)
@@ -199,8 +208,10 @@ def register(weight: torch.Tensor, packed: PackedWeight) -> None:
         ValueError: ``packed`` is not the form of a float32 CPU weight of ``weight``'s shape.
     """
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or tuple(weight.shape) != tuple(packed.shape):
-        raise ValueError(f"register: a packed form of shape {packed.shape} does not fit a {weight.dtype} weight "
-                         f"{tuple(weight.shape)} on {weight.device}")
+        raise ValueError(
+            f"register: a packed form of shape {packed.shape} does not fit a {weight.dtype} weight "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
     key = id(weight)
     _PACKED[key] = (weakref.ref(weight, lambda _r, k=key: _PACKED.pop(k, None)), _stamp(weight), packed)
 

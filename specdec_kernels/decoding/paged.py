@@ -19,6 +19,7 @@ ends mid-block, is copied into the follower's own block once the leader has been
 writes after its prefill (draft trees, compaction) are always its own: shared blocks hold
 only slots below ``shared[b] <= cache_seqlens[b]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -136,7 +137,15 @@ class PagedKVCache:
         blocks: per sequence, its physical blocks in logical order (a list of ints).
     """
 
-    def __init__(self, pool: torch.Tensor, block_table: torch.Tensor, block_size: int, source: List[int], shared: List[int], blocks: List[List[int]]):
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        source: List[int],
+        shared: List[int],
+        blocks: List[List[int]],
+    ):
         self.pool = pool
         self.block_table = block_table
         self.block_size = block_size
@@ -217,9 +226,14 @@ class PagedKVCache:
     def rows(self, index: Sequence[int]) -> "PagedKVCache":
         """The same pool with the block tables of the sequences ``index`` only (a sub-batch)."""
         idx = list(index)
-        return PagedKVCache(self.pool, self.block_table[torch.tensor(idx, dtype=torch.int64, device=self.block_table.device)],
-                            self.block_size, [self.source[b] for b in idx], [self.shared[b] for b in idx],
-                            [self.blocks[b] for b in idx])
+        return PagedKVCache(
+            self.pool,
+            self.block_table[torch.tensor(idx, dtype=torch.int64, device=self.block_table.device)],
+            self.block_size,
+            [self.source[b] for b in idx],
+            [self.shared[b] for b in idx],
+            [self.blocks[b] for b in idx],
+        )
 
     def physical_slots(self, cache_seqlens: torch.Tensor, num_new: int) -> torch.Tensor:
         """Flat pool slots ``block * block_size + offset`` of the logical slots
@@ -257,5 +271,12 @@ class PagedKVCache:
     def compact(self, cache_seqlens: torch.Tensor, accepted_indices: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Move the accepted tree nodes' K/V into place (``compact_kv_cache`` through the block
         table, every layer in one call)."""
-        compact_kv_cache(self.pool, cache_seqlens, accepted_indices, num_accepted, block_table=self.block_table, kv_layout="NHD",
-                         validate=False)  # the engine keeps its writes in private blocks (copy-on-write)
+        compact_kv_cache(
+            self.pool,
+            cache_seqlens,
+            accepted_indices,
+            num_accepted,
+            block_table=self.block_table,
+            kv_layout="NHD",
+            validate=False,
+        )  # the engine keeps its writes in private blocks (copy-on-write)

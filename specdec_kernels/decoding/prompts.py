@@ -1,4 +1,5 @@
 """Spec-Bench prompts shipped with the package (``specdec_kernels/data/spec_bench``)."""
+
 from __future__ import annotations
 
 import json

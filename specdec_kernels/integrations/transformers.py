@@ -45,6 +45,7 @@ Example::
                                max_new_tokens=128)          # == model.generate(..., do_sample=False)
     out = speculative_generate(model, input_ids, assistant_model=small, tree=(2, 2), max_new_tokens=128)
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -147,14 +148,18 @@ def specdec_tree_attention(
     B, H, N, D = query.shape
     window = kwargs.get("sliding_window")
     if window is not None and max(step.starts) + N > window:
-        raise ValueError(f"{ATTENTION_NAME}: layer {layer} has a sliding window of {window} tokens, shorter than the "
-                         f"{max(step.starts) + N} attended: sliding-window attention is not implemented")
+        raise ValueError(
+            f"{ATTENTION_NAME}: layer {layer} has a sliding window of {window} tokens, shorter than the "
+            f"{max(step.starts) + N} attended: sliding-window attention is not implemented"
+        )
     cache = step.kv_cache
     if not isinstance(layer, int) or not 0 <= layer < cache.shape[0]:
         raise ValueError(f"{ATTENTION_NAME}: attention layer_idx {layer!r} outside the cache's {cache.shape[0]} layers")
     if key.shape[1] != cache.shape[3] or key.shape[3] != cache.shape[5] or key.shape[0] != B or key.shape[2] != N:
-        raise ValueError(f"{ATTENTION_NAME}: layer {layer} keys of shape {tuple(key.shape)} do not fit the KV cache "
-                         f"[L, 2, B, Hkv={cache.shape[3]}, S, D={cache.shape[5]}]")
+        raise ValueError(
+            f"{ATTENTION_NAME}: layer {layer} keys of shape {tuple(key.shape)} do not fit the KV cache "
+            f"[L, 2, B, Hkv={cache.shape[3]}, S, D={cache.shape[5]}]"
+        )
     k_cache, v_cache = cache[layer, 0], cache[layer, 1]  # [B, Hkv, S, D]
     if min(step.starts) == max(step.starts):
         s = step.starts[0]
@@ -166,8 +171,16 @@ def specdec_tree_attention(
         k_cache[b_idx, :, slots] = key.transpose(1, 2)
         v_cache[b_idx, :, slots] = value.transpose(1, 2)
     q = query.transpose(1, 2).contiguous()  # (B, N, H, D)
-    out = tree_attention(q, k_cache, v_cache, step.cache_seqlens, step.tree_mask, sm_scale=kwargs.get("scaling"),
-                         backend=step.backend, validate=False)
+    out = tree_attention(
+        q,
+        k_cache,
+        v_cache,
+        step.cache_seqlens,
+        step.tree_mask,
+        sm_scale=kwargs.get("scaling"),
+        backend=step.backend,
+        validate=False,
+    )
     step.layers_seen.add(layer)
     return out, None
 
@@ -239,9 +252,13 @@ def unsupported_model(model) -> List[str]:
             problems.append(f"{name}={getattr(config, name)} (attention soft-capping is not implemented)")
     if not getattr(config, "is_causal", True):
         problems.append("is_causal=False (bidirectional attention)")
-    kinds = sorted({t for t in (getattr(config, "layer_types", None) or []) if t not in ("full_attention", "sliding_attention")})
+    kinds = sorted(
+        {t for t in (getattr(config, "layer_types", None) or []) if t not in ("full_attention", "sliding_attention")}
+    )
     if kinds:
-        problems.append(f"layer_types {kinds} (only attention layers; recurrent / linear-attention layers are not supported)")
+        problems.append(
+            f"layer_types {kinds} (only attention layers; recurrent / linear-attention layers are not supported)"
+        )
     return problems
 
 
@@ -281,7 +298,9 @@ class HFCausalLM:
 
     def __init__(self, model, *, attention_backend: Optional[str] = None):
         if not isinstance(model, transformers.PreTrainedModel):
-            raise TypeError(f"model must be a transformers PreTrainedModel (a *ForCausalLM), got {type(model).__name__}")
+            raise TypeError(
+                f"model must be a transformers PreTrainedModel (a *ForCausalLM), got {type(model).__name__}"
+            )
         problems = unsupported_model(model)
         if problems:
             raise ValueError(f"{type(model).__name__} cannot be verified with {ATTENTION_NAME}: " + "; ".join(problems))
@@ -367,13 +386,19 @@ class HFCausalLM:
                 fit, a layer whose attention did not go through the interface.
         """
         if num_layers is not None and num_layers != self.args.num_layers:
-            raise ValueError(f"num_layers={num_layers}: a transformers model runs all its {self.args.num_layers} layers here")
+            raise ValueError(
+                f"num_layers={num_layers}: a transformers model runs all its {self.args.num_layers} layers here"
+            )
         if return_hidden:
-            raise ValueError("return_hidden is not available for transformers models (drafters that want hidden states)")
+            raise ValueError(
+                "return_hidden is not available for transformers models (drafters that want hidden states)"
+            )
         B, N = tokens.shape
         starts = cache_seqlens.tolist()
         if kv_cache.dim() != 6 or kv_cache.shape[0] < self.args.num_layers or kv_cache.shape[2] != B:
-            raise ValueError(f"kv_cache must have shape (L={self.args.num_layers}, 2, B={B}, Hkv, S, D), got {tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must have shape (L={self.args.num_layers}, 2, B={B}, Hkv, S, D), got {tuple(kv_cache.shape)}"
+            )
         if B and max(starts) + N > kv_cache.shape[4]:
             raise ValueError(f"cache_seqlens + N ({max(starts) + N}) exceed the cache's {kv_cache.shape[4]} slots")
         rows = None
@@ -387,17 +412,23 @@ class HFCausalLM:
             rows = torch.searchsorted(wanted, logit_rows.to(wanted.device).contiguous())
         step = _Forward(kv_cache, cache_seqlens.to(torch.int32), tree_mask, starts, self.attention_backend)
         if self.hf.config._attn_implementation != ATTENTION_NAME:
-            raise RuntimeError(f"the model's attention implementation was changed to {self.hf.config._attn_implementation!r} "
-                               f"while an HFCausalLM uses it (it must stay {ATTENTION_NAME!r})")
+            raise RuntimeError(
+                f"the model's attention implementation was changed to {self.hf.config._attn_implementation!r} "
+                f"while an HFCausalLM uses it (it must stay {ATTENTION_NAME!r})"
+            )
         token = _CURRENT.set(step)
         try:
-            out = self.hf(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=keep, return_dict=True)
+            out = self.hf(
+                input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=keep, return_dict=True
+            )
         finally:
             _CURRENT.reset(token)
         if len(step.layers_seen) != self.args.num_layers:
             missing = sorted(set(range(self.args.num_layers)) - step.layers_seen)
-            raise ValueError(f"layers {missing[:8]} of {type(self.hf).__name__} did not attend through {ATTENTION_NAME} "
-                             "(their attention bypasses transformers' AttentionInterface): cannot verify trees with it")
+            raise ValueError(
+                f"layers {missing[:8]} of {type(self.hf).__name__} did not attend through {ATTENTION_NAME} "
+                "(their attention bypasses transformers' AttentionInterface): cannot verify trees with it"
+            )
         if no_logits:
             return None
         logits = out.logits.float()
@@ -434,7 +465,9 @@ def _check_int(name: str, value, low: int, allow_none: bool = False) -> None:
 def _prompts(input_ids, attention_mask, pad_token_id, stops, vocab: int) -> List[List[int]]:
     """Left-padded ids and mask -> the real tokens of each row."""
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}")
+        raise TypeError(
+            f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}"
+        )
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -450,14 +483,18 @@ def _prompts(input_ids, attention_mask, pad_token_id, stops, vocab: int) -> List
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+            )
         m = attention_mask.cpu()
         if not bool(((m == 0) | (m == 1)).all()):
             raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
         mask = m.bool()
     if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
-        raise ValueError("attention_mask: only left padding is supported (a row has a token before a padding slot); "
-                         "tokenize with padding_side='left', as generate expects")
+        raise ValueError(
+            "attention_mask: only left padding is supported (a row has a token before a padding slot); "
+            "tokenize with padding_side='left', as generate expects"
+        )
     if not bool(mask.any(dim=1).all()):
         raise ValueError("attention_mask: every row needs at least one token")
     prompts = [row[m].tolist() for row, m in zip(ids, mask)]
@@ -565,17 +602,28 @@ def speculative_generate(
     # ---- arguments, all checked before any model work
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model must be a transformers causal LM (PreTrainedModel), got {type(model).__name__}")
-    sources = [n for n, v in (("assistant_model", assistant_model), ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
-                              ("drafter", drafter)) if v is not None]
+    sources = [
+        n
+        for n, v in (
+            ("assistant_model", assistant_model),
+            ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
+            ("drafter", drafter),
+        )
+        if v is not None
+    ]
     if len(sources) > 1:
         raise ValueError(f"give at most one draft source, got {' and '.join(sources)}")
     if assistant_model is not None and not isinstance(assistant_model, transformers.PreTrainedModel):
-        raise TypeError(f"assistant_model must be a transformers causal LM (PreTrainedModel), got {type(assistant_model).__name__}")
+        raise TypeError(
+            f"assistant_model must be a transformers causal LM (PreTrainedModel), got {type(assistant_model).__name__}"
+        )
     if drafter is not None and not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a specdec_kernels.decoding.Drafter, got {type(drafter).__name__}")
     if drafter is not None and getattr(drafter, "wants_hidden", False):
-        raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} wants the target's hidden states, "
-                         "which this path does not provide")
+        raise ValueError(
+            f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} wants the target's hidden states, "
+            "which this path does not provide"
+        )
     _check_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 1, allow_none=True)
     _check_int("max_matching_ngram_size", max_matching_ngram_size, 1, allow_none=True)
     if max_matching_ngram_size is not None and prompt_lookup_num_tokens is None:
@@ -602,10 +650,14 @@ def speculative_generate(
         raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
     if tree is not None and not isinstance(tree, bool):
         if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__"):
-            raise TypeError(f"tree must be None, a bool or a sequence of ints (children per depth), got {type(tree).__name__}")
+            raise TypeError(
+                f"tree must be None, a bool or a sequence of ints (children per depth), got {type(tree).__name__}"
+            )
         tree = tuple(tree)
         if not tree or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in tree):
-            raise ValueError(f"tree must be a non-empty sequence of ints >= 1 (children per node by depth), got {tree!r}")
+            raise ValueError(
+                f"tree must be a non-empty sequence of ints >= 1 (children per node by depth), got {tree!r}"
+            )
         if assistant_model is None:
             raise ValueError("tree as widths per depth needs assistant_model (prompt lookup takes tree=True)")
     if tree and drafter is not None:
@@ -614,7 +666,9 @@ def speculative_generate(
         _check_int("num_draft_tokens", num_draft_tokens, 0)
 
     gen_config = getattr(model, "generation_config", None)
-    stops = _token_list("eos_token_id", eos_token_id if eos_token_id is not None else getattr(gen_config, "eos_token_id", None))
+    stops = _token_list(
+        "eos_token_id", eos_token_id if eos_token_id is not None else getattr(gen_config, "eos_token_id", None)
+    )
     if pad_token_id is None:
         pad_token_id = getattr(gen_config, "pad_token_id", None)
         if pad_token_id is None:
@@ -627,8 +681,10 @@ def speculative_generate(
     if assistant_model is not None:
         a_vocab = _text_config(assistant_model).vocab_size
         if a_vocab != vocab:
-            raise ValueError(f"assistant_model's vocabulary ({a_vocab}) differs from the model's ({vocab}): "
-                             "speculative decoding needs the same tokenizer")
+            raise ValueError(
+                f"assistant_model's vocabulary ({a_vocab}) differs from the model's ({vocab}): "
+                "speculative decoding needs the same tokenizer"
+            )
         problems = unsupported_model(assistant_model)
         if problems:
             raise ValueError(f"assistant_model cannot run with {ATTENTION_NAME}: " + "; ".join(problems))
@@ -639,8 +695,10 @@ def speculative_generate(
     for who, m in (("model", model), ("assistant_model", assistant_model)):
         window = getattr(_text_config(m), "sliding_window", None) if m is not None else None
         if isinstance(window, int) and longest > window:
-            raise ValueError(f"{who} has a sliding window of {window} tokens, shorter than the prompt plus max_new_tokens "
-                             f"({longest}): sliding-window attention is not implemented")
+            raise ValueError(
+                f"{who} has a sliding window of {window} tokens, shorter than the prompt plus max_new_tokens "
+                f"({longest}): sliding-window attention is not implemented"
+            )
 
     if do_sample:
         sampling = SamplingParams(float(temperature), top_k or None, top_p)
@@ -662,7 +720,9 @@ def speculative_generate(
             the_drafter: Drafter = NgramDrafter(max_matching_ngram_size or 5, tree=bool(tree))
             k = prompt_lookup_num_tokens
         elif assistant_model is not None:
-            assistant = target if assistant_model is model else HFCausalLM(assistant_model, attention_backend=attention_backend)
+            assistant = (
+                target if assistant_model is model else HFCausalLM(assistant_model, attention_backend=attention_backend)
+            )
             widths = None if not tree else (DEFAULT_TREE_WIDTHS if tree is True else tree)
             the_drafter = ModelDrafter(assistant, tree_widths=widths)
             k = DEFAULT_ASSISTANT_TOKENS

@@ -64,6 +64,7 @@ draft tokens, accepted drafts, all greedy / all sampled): how a test or a benchm
 that the plugin ran, and in which processes.  A debugging aid: it reads the output on the
 host every step (a synchronisation on GPU).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -79,9 +80,17 @@ TESTED_VLLM = ("0.32.0",)
 
 # the parameters of vllm.v1.sample.rejection_sampler.rejection_sample in vLLM 0.32.0
 EXPECTED_PARAMETERS = (
-    "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
-    "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
-    "synthetic_conditional_rates", "use_fp64_gumbel",
+    "draft_token_ids",
+    "num_draft_tokens",
+    "max_spec_len",
+    "cu_num_draft_tokens",
+    "draft_probs",
+    "target_logits",
+    "bonus_token_ids",
+    "sampling_metadata",
+    "synthetic_mode",
+    "synthetic_conditional_rates",
+    "use_fp64_gumbel",
 )
 EXPECTED_UNIFORM_PARAMETERS = ("num_tokens", "num_draft_tokens", "generators", "device")
 EXPECTED_EXPAND_PARAMETERS = ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")
@@ -128,9 +137,11 @@ def _problems(rs: Any, metadata_cls: Any) -> List[str]:
     params = tuple(inspect.signature(fn).parameters)
     if params != EXPECTED_PARAMETERS:
         problems.append(f"rejection_sample takes {params}, expected {EXPECTED_PARAMETERS}")
-    for name, expected in (("generate_uniform_probs", EXPECTED_UNIFORM_PARAMETERS),
-                           ("expand_batch_to_tokens", EXPECTED_EXPAND_PARAMETERS),
-                           ("apply_sampling_constraints", EXPECTED_CONSTRAINTS_PARAMETERS)):
+    for name, expected in (
+        ("generate_uniform_probs", EXPECTED_UNIFORM_PARAMETERS),
+        ("expand_batch_to_tokens", EXPECTED_EXPAND_PARAMETERS),
+        ("apply_sampling_constraints", EXPECTED_CONSTRAINTS_PARAMETERS),
+    ):
         other = _ORIGINAL.get(name, getattr(rs, name, None))  # vLLM's own, also once replaced
         if other is None or tuple(inspect.signature(other).parameters) != expected:
             problems.append(f"{name} is missing or does not take {expected}")
@@ -185,14 +196,16 @@ def install() -> None:
     if problems:
         raise RuntimeError(
             f"specdec_kernels vLLM plugin: written against vLLM {', '.join(TESTED_VLLM)}, and vLLM "
-            f"{getattr(vllm, '__version__', '?')} differs: " + "; ".join(problems)
+            f"{getattr(vllm, '__version__', '?')} differs: "
+            + "; ".join(problems)
             + f". Unset {ENV_SWITCH} to run vLLM's own rejection sampler."
         )
     runner = os.environ.get(V2_RUNNER_ENV)
     if runner is not None and runner.strip().lower() in ("1", "true", "yes", "on"):
         raise RuntimeError(
             f"specdec_kernels vLLM plugin: {V2_RUNNER_ENV}={runner} asks for vLLM's Model Runner V2, whose "
-            f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}")
+            f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}"
+        )
     if runner is None:
         os.environ[V2_RUNNER_ENV] = "0"
         _ORIGINAL.setdefault("env:" + V2_RUNNER_ENV, None)
@@ -214,10 +227,14 @@ def install() -> None:
             "specdec_kernels vLLM plugin: the package imported from %s has no compiled extension, so vLLM's drafts "
             "are verified by the PyTorch reference (slow). A process started inside a source checkout imports the "
             "checkout: start vLLM elsewhere, or install the package built (scripts/setup_vllm_env.sh)",
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package's folder
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )  # the package's folder
     if getattr(vllm, "__version__", None) not in TESTED_VLLM:
-        _logger().warning("specdec_kernels vLLM plugin: tested with vLLM %s, running on %s (its internals matched)",
-                          ", ".join(TESTED_VLLM), getattr(vllm, "__version__", "?"))
+        _logger().warning(
+            "specdec_kernels vLLM plugin: tested with vLLM %s, running on %s (its internals matched)",
+            ", ".join(TESTED_VLLM),
+            getattr(vllm, "__version__", "?"),
+        )
 
 
 def _refuse_model_runner_v2() -> None:
@@ -236,7 +253,8 @@ def _refuse_model_runner_v2() -> None:
     def refuse(self, *args, **kwargs):
         raise RuntimeError(
             f"specdec_kernels vLLM plugin: vLLM is building Model Runner V2's rejection sampler, which the plugin "
-            f"does not replace; set {V2_RUNNER_ENV}=0 (and no feature that needs that runner), or unset {ENV_SWITCH}")
+            f"does not replace; set {V2_RUNNER_ENV}=0 (and no feature that needs that runner), or unset {ENV_SWITCH}"
+        )
 
     cls.__init__ = refuse
 
@@ -267,8 +285,9 @@ def installed() -> bool:
     return "rejection_sample" in _ORIGINAL
 
 
-def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
-                     replace_to: int = 0) -> torch.Tensor:
+def expand_to_tokens(
+    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> torch.Tensor:
     """Request values [B] repeated over each request's draft positions: [num_tokens], x's dtype.
 
     What vLLM's ``expand_batch_to_tokens`` computes (``x = [a, b, c]``, ``cu = [2, 5, 6]`` ->
@@ -284,8 +303,9 @@ def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: i
 _EXPAND_STATE: Dict[str, Any] = {}
 
 
-def checked_expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
-                                   replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+def checked_expand_batch_to_tokens(
+    x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> torch.Tensor:
     """vLLM's ``expand_batch_to_tokens``, checked once per process against ``expand_to_tokens``.
 
     vLLM expands each request's temperature, top-k and top-p over its draft positions with it
@@ -302,8 +322,10 @@ def checked_expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor,
         if original is None:  # not installed: nothing to check, ours (not cached)
             return expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
         cu = torch.tensor([3, 5], dtype=torch.int32, device=x.device)
-        probes = (torch.tensor([0.5, 0.0], dtype=torch.float32, device=x.device),
-                  torch.tensor([3, 7], dtype=torch.int32, device=x.device))
+        probes = (
+            torch.tensor([0.5, 0.0], dtype=torch.float32, device=x.device),
+            torch.tensor([3, 7], dtype=torch.int32, device=x.device),
+        )
         use_ours = False
         for probe in probes:
             if use_ours:
@@ -318,14 +340,16 @@ def checked_expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor,
         if use_ours:
             _logger().warning(
                 "specdec_kernels vLLM plugin: vLLM's expand_batch_to_tokens gives wrong values on this platform "
-                "(vLLM 0.32.0's CPU kernel leaves non-int64 outputs unwritten); using a PyTorch equivalent")
+                "(vLLM 0.32.0's CPU kernel leaves non-int64 outputs unwritten); using a PyTorch equivalent"
+            )
     if use_ours:
         return expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
     return _ORIGINAL["expand_batch_to_tokens"](x, cu_num_tokens, num_tokens, replace_from, replace_to)
 
 
-def apply_sampling_constraints(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                               sampling_metadata: Any) -> torch.Tensor:
+def apply_sampling_constraints(
+    logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor, sampling_metadata: Any
+) -> torch.Tensor:
     """vLLM's ``apply_sampling_constraints`` (temperature, top-k, top-p of the draft rows),
     except on a step with no draft tokens, where there is nothing to constrain.
 
@@ -339,8 +363,9 @@ def apply_sampling_constraints(logits: torch.Tensor, cu_num_draft_tokens: torch.
     return _ORIGINAL["apply_sampling_constraints"](logits, cu_num_draft_tokens, sampling_metadata)
 
 
-def resample_uniforms(num_draft_tokens: List[int], generators: Dict[int, torch.Generator],
-                      device: torch.device) -> torch.Tensor:
+def resample_uniforms(
+    num_draft_tokens: List[int], generators: Dict[int, torch.Generator], device: torch.device
+) -> torch.Tensor:
     """One uniform in [0, 1) per request for resampling after a rejection, float64, [B].
 
     A request with a seed (an entry in ``generators``, vLLM's batch index -> generator) and
@@ -393,8 +418,18 @@ def rejection_sample(
     """
     if synthetic_mode:
         return _ORIGINAL["rejection_sample"](
-            draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
-            bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
+            draft_token_ids,
+            num_draft_tokens,
+            max_spec_len,
+            cu_num_draft_tokens,
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+            synthetic_mode,
+            synthetic_conditional_rates,
+            use_fp64_gumbel,
+        )
     from vllm.v1.sample import rejection_sampler as rs
 
     import specdec_kernels as sk
@@ -404,16 +439,26 @@ def rejection_sample(
     bonus = bonus_token_ids.reshape(batch)
     greedy_out = sampled_out = None
     if not sampling_metadata.all_random:
-        greedy_out, _ = sk.verify_greedy_flattened(target_logits, draft_token_ids, cu_num_draft_tokens, bonus,
-                                                   max_spec_len=max_spec_len, validate=False)
+        greedy_out, _ = sk.verify_greedy_flattened(
+            target_logits, draft_token_ids, cu_num_draft_tokens, bonus, max_spec_len=max_spec_len, validate=False
+        )
     if not sampling_metadata.all_greedy:
         target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)
-        coins = rs.generate_uniform_probs(draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators,
-                                          device)
+        coins = rs.generate_uniform_probs(
+            draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators, device
+        )
         final = resample_uniforms(num_draft_tokens, sampling_metadata.generators, device)
         sampled_out, _ = sk.rejection_sample_flattened(
-            target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus, max_spec_len=max_spec_len,
-            uniform_samples=coins, sample_uniforms=final, validate=False)
+            target_probs,
+            draft_probs,
+            draft_token_ids,
+            cu_num_draft_tokens,
+            bonus,
+            max_spec_len=max_spec_len,
+            uniform_samples=coins,
+            sample_uniforms=final,
+            validate=False,
+        )
     if greedy_out is None:
         out = sampled_out
     elif sampled_out is None:
@@ -432,13 +477,30 @@ def _record_stats(out: torch.Tensor, num_draft_tokens: List[int], sampling_metad
         return
     emitted = (out >= 0).sum(dim=1).tolist()
     accepted = sum(max(e - 1, 0) for e, n in zip(emitted, num_draft_tokens) if n > 0)
-    line = {"pid": os.getpid(), "requests": len(num_draft_tokens), "draft_tokens": int(sum(num_draft_tokens)),
-            "accepted": int(accepted), "all_greedy": bool(sampling_metadata.all_greedy),
-            "all_random": bool(sampling_metadata.all_random)}
+    line = {
+        "pid": os.getpid(),
+        "requests": len(num_draft_tokens),
+        "draft_tokens": int(sum(num_draft_tokens)),
+        "accepted": int(accepted),
+        "all_greedy": bool(sampling_metadata.all_greedy),
+        "all_random": bool(sampling_metadata.all_random),
+    }
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
 
-__all__ = ["install", "uninstall", "installed", "register", "rejection_sample", "resample_uniforms",
-           "expand_to_tokens", "checked_expand_batch_to_tokens", "apply_sampling_constraints",
-           "enabled_by_env", "TESTED_VLLM", "ENV_SWITCH", "ENV_STATS"]
+__all__ = [
+    "install",
+    "uninstall",
+    "installed",
+    "register",
+    "rejection_sample",
+    "resample_uniforms",
+    "expand_to_tokens",
+    "checked_expand_batch_to_tokens",
+    "apply_sampling_constraints",
+    "enabled_by_env",
+    "TESTED_VLLM",
+    "ENV_SWITCH",
+    "ENV_STATS",
+]

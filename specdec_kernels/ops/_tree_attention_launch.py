@@ -5,6 +5,7 @@ flash-decoding split heuristic at import or on every call, and must not import t
 Triton launcher (``ops/_triton/tree_attention.py``) launches with ``launch_config``, and
 ``bench/static.py`` asks it for the configurations of a GPU that is not here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,18 @@ class TreeAttentionLaunch:
     combine_num_warps: int = 4
 
 
-def launch_config(batch: int, kv_heads: int, num_queries: int, group: int, head_dim: int, sm_count: Optional[int], *,
-                  capacity: int = 0, ieee: bool = False, num_splits: Optional[int] = None) -> TreeAttentionLaunch:
+def launch_config(
+    batch: int,
+    kv_heads: int,
+    num_queries: int,
+    group: int,
+    head_dim: int,
+    sm_count: Optional[int],
+    *,
+    capacity: int = 0,
+    ieee: bool = False,
+    num_splits: Optional[int] = None,
+) -> TreeAttentionLaunch:
     """The launch configuration of tree attention.
 
     Args:
@@ -93,8 +104,17 @@ def launch_config(batch: int, kv_heads: int, num_queries: int, group: int, head_
     return TreeAttentionLaunch(block_m, block_n, block_d, num_warps, num_splits, grid, block_r, combine_grid)
 
 
-def choose_num_splits(batch: int, kv_heads: int, num_queries: int, group: int, capacity: int, head_dim: int,
-                      device: torch.device, ieee: bool = False) -> int:
+def choose_num_splits(
+    batch: int,
+    kv_heads: int,
+    num_queries: int,
+    group: int,
+    capacity: int,
+    head_dim: int,
+    device: torch.device,
+    ieee: bool = False,
+) -> int:
     """The automatic prefix split of ``launch_config`` on ``device`` (1 off CUDA)."""
-    return launch_config(batch, kv_heads, num_queries, group, head_dim, sm_count(device), capacity=capacity,
-                         ieee=ieee).num_splits
+    return launch_config(
+        batch, kv_heads, num_queries, group, head_dim, sm_count(device), capacity=capacity, ieee=ieee
+    ).num_splits

@@ -45,6 +45,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -94,7 +95,7 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
         return False
     offsets = torch.zeros((), dtype=torch.int64)
     for st, n in zip(t.stride(), t.shape):
-        offsets = (offsets[..., None] + torch.arange(n, dtype=torch.int64) * st)
+        offsets = offsets[..., None] + torch.arange(n, dtype=torch.int64) * st
     return bool((torch.bincount(offsets.reshape(-1)) > 1).any()) if offsets.numel() else False
 
 
@@ -115,8 +116,10 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     addresses = not torch.compiler.is_compiling() and not any(is_fake(t) for t in views)
     for i, t in enumerate(views):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)) or (addresses and _overlaps_itself(t)):
-            raise ValueError(f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension, or rows closer "
-                             "than their length) and cannot be written in place")
+            raise ValueError(
+                f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension, or rows closer "
+                "than their length) and cannot be written in place"
+            )
     if not addresses:
         return
     by_storage = {}
@@ -136,7 +139,9 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
         for start, _, i, t in group:
             covered = torch.as_strided(mark, t.shape, t.stride(), start - lo)
             if bool((covered > 0).any()):
-                raise ValueError(f"kv_cache[{i}] overlaps (aliases) another cache: they share elements and would be compacted twice")
+                raise ValueError(
+                    f"kv_cache[{i}] overlaps (aliases) another cache: they share elements and would be compacted twice"
+                )
             covered += 1
 
 
@@ -242,8 +247,10 @@ def check_paged_compact_kv_cache_args(
     B = cache_seqlens.shape[0]
     check_tensor("accepted_indices", accepted_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
     if accepted_indices.shape[0] != B:
-        raise ValueError(f"accepted_indices must have shape ({B}, M) (one row per cache_seqlens entry), got "
-                         f"{tuple(accepted_indices.shape)}")
+        raise ValueError(
+            f"accepted_indices must have shape ({B}, M) (one row per cache_seqlens entry), got "
+            f"{tuple(accepted_indices.shape)}"
+        )
     check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=device)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have shape ({B}, max_blocks_per_seq), got {tuple(block_table.shape)}")
@@ -262,8 +269,10 @@ def check_paged_compact_kv_cache_args(
             raise ValueError("cache_seqlens must be >= 0")
         capacity = block_table.shape[1] * block_size
         if (counted & (start + idx >= capacity)).any():
-            raise ValueError(f"cache_seqlens + accepted_indices must be below the capacity of the block table, "
-                             f"max_blocks_per_seq * block_size = {block_table.shape[1]} * {block_size} = {capacity}")
+            raise ValueError(
+                f"cache_seqlens + accepted_indices must be below the capacity of the block table, "
+                f"max_blocks_per_seq * block_size = {block_table.shape[1]} * {block_size} = {capacity}"
+            )
         table = block_table.to(torch.int64)
         for what, slots in (("source", start + idx), ("destination", start + pos)):
             blocks = table.gather(1, torch.where(counted, slots, 0) // block_size)
@@ -271,8 +280,10 @@ def check_paged_compact_kv_cache_args(
             if bad.any():
                 b, i = (int(v) for v in bad.nonzero()[0])
                 j = int(slots[b, i]) // block_size
-                raise ValueError(f"block_table[{b}, {j}] = {int(table[b, j])} (the block of a {what} slot) must be a "
-                                 f"block of the pool, 0..{num_blocks - 1}")
+                raise ValueError(
+                    f"block_table[{b}, {j}] = {int(table[b, j])} (the block of a {what} slot) must be a "
+                    f"block of the pool, 0..{num_blocks - 1}"
+                )
         _check_paged_sharing(cache_seqlens, idx, counted, block_table, block_size)
     return views, B, block_size, M, n
 
@@ -292,7 +303,9 @@ def _impl(
     backend: str = "",
 ) -> None:
     kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=False)
+    views, _, _, _, n = check_compact_kv_cache_args(
+        kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=False
+    )
     chosen = _backend.resolve("compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
     if chosen == "native":
         # One [L, 2, B, Hkv, S, D] buffer goes over whole (the kernels read its strides);
@@ -325,30 +338,38 @@ def _paged_impl(
     backend: str = "",
 ) -> None:
     kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_paged_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted,
-                                                          block_table, kv_layout, validate=False)
+    views, _, _, _, n = check_paged_compact_kv_cache_args(
+        kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate=False
+    )
     chosen = _backend.resolve("paged_compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
     if chosen == "native":
         native_caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
-        torch.ops.specdec.paged_compact_kv_cache_native(native_caches, cache_seqlens, accepted_indices, n, block_table,
-                                                        kv_layout, False)
+        torch.ops.specdec.paged_compact_kv_cache_native(
+            native_caches, cache_seqlens, accepted_indices, n, block_table, kv_layout, False
+        )
         return
     _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, n, block_table)
 
 
 def _paged_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", backend=""):
     """Shape checks only (the op writes its pools in place)."""
-    check_paged_compact_kv_cache_args(_as_kv_cache(caches), cache_seqlens, accepted_indices, num_accepted, block_table,
-                                      kv_layout, validate=False)
+    check_paged_compact_kv_cache_args(
+        _as_kv_cache(caches), cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate=False
+    )
     _library.check_backend_name(backend)
     return _native._paged_compact_kv_cache_native_fake(
-        caches, cache_seqlens, accepted_indices, num_accepted if num_accepted is not None else cache_seqlens,
-        block_table, kv_layout,
+        caches,
+        cache_seqlens,
+        accepted_indices,
+        num_accepted if num_accepted is not None else cache_seqlens,
+        block_table,
+        kv_layout,
     )
 
 
-paged_op = _library.define("paged_compact_kv_cache", _paged_impl, cpu=_paged_impl, cuda=_paged_impl, fake=_paged_fake,
-                           mutates_args=("caches",))
+paged_op = _library.define(
+    "paged_compact_kv_cache", _paged_impl, cpu=_paged_impl, cuda=_paged_impl, fake=_paged_fake, mutates_args=("caches",)
+)
 
 
 def compact_kv_cache(
@@ -416,18 +437,17 @@ def compact_kv_cache(
     """
     check_kv_layout(kv_layout)
     if block_table is not None:
-        views, _, _, _, n = check_paged_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted,
-                                                              block_table, kv_layout, validate)
+        views, _, _, _, n = check_paged_compact_kv_cache_args(
+            kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate
+        )
         caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
-        torch.ops.specdec.paged_compact_kv_cache(caches, cache_seqlens, accepted_indices, n, block_table, kv_layout,
-                                                 backend or "")
+        torch.ops.specdec.paged_compact_kv_cache(
+            caches, cache_seqlens, accepted_indices, n, block_table, kv_layout, backend or ""
+        )
         return
     views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate)
     caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
     torch.ops.specdec.compact_kv_cache(caches, cache_seqlens, accepted_indices, n, backend or "")
-
-
-
 
 
 def register_fake(paged: bool = False) -> bool:

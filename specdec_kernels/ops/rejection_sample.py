@@ -11,6 +11,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple, Union
@@ -144,12 +145,18 @@ def _triton_decomposition(args, kwargs):
     n = x["num_draft_tokens"]
     n = torch.full((B,), K1 - 1, dtype=torch.int64, device=p.device) if n is None else n.to(torch.int64)
     return torch.ops.specdec.rejection_sample_triton(
-        p, x["draft_probs"], x["draft_tokens"], n,
-        x["uniform_samples"].to(torch.float32), x["sample_uniforms"].to(torch.float32),
+        p,
+        x["draft_probs"],
+        x["draft_tokens"],
+        n,
+        x["uniform_samples"].to(torch.float32),
+        x["sample_uniforms"].to(torch.float32),
     )
 
 
-op = _library.define("rejection_sample", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+op = _library.define(
+    "rejection_sample", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+)
 
 
 def rejection_sample(
@@ -229,11 +236,20 @@ def rejection_sample(
     """
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
     coins, final_u = draw_uniforms(
-        B, K, target_probs.device, generator, uniform_samples, sample_uniforms,
-        coin_counts=n, seeds=seeds, offsets=offsets, validate=validate,
+        B,
+        K,
+        target_probs.device,
+        generator,
+        uniform_samples,
+        sample_uniforms,
+        coin_counts=n,
+        seeds=seeds,
+        offsets=offsets,
+        validate=validate,
     )
-    out, acc = torch.ops.specdec.rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u,
-                                                  backend or "")
+    out, acc = torch.ops.specdec.rejection_sample(
+        target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or ""
+    )
     if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
         return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
     return out, acc

@@ -13,6 +13,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -32,8 +33,15 @@ OP = "rejection_sample_flattened"
 
 
 def rejection_details_flattened(
-    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, max_spec_len,
-    output_tokens, num_accepted,
+    target_probs,
+    draft_probs,
+    draft_token_ids,
+    cu_num_draft_tokens,
+    bonus_token_ids,
+    coins,
+    max_spec_len,
+    output_tokens,
+    num_accepted,
 ) -> RejectionSampleDetails:
     """``RejectionSampleDetails`` of a flattened call: gathers of B * max_spec_len values and a
     NaN scan of the rows (run only when asked)."""
@@ -57,11 +65,28 @@ def rejection_details_flattened(
     return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
 
 
-def _check(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, uniform_samples,
-           sample_uniforms, max_spec_len):
+def _check(
+    target_probs,
+    draft_probs,
+    draft_token_ids,
+    cu_num_draft_tokens,
+    bonus_token_ids,
+    uniform_samples,
+    sample_uniforms,
+    max_spec_len,
+):
     """The registered op's checks (no values read); returns (FlatBatch, coins, sample uniforms)."""
-    flat = check_flattened_args("target_probs", target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
-                                bonus_token_ids, max_spec_len, validate=False, probs=True)
+    flat = check_flattened_args(
+        "target_probs",
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate=False,
+        probs=True,
+    )
     device = target_probs.device
     coins = check_uniforms("uniform_samples", uniform_samples, (flat.num_tokens,), device, validate=False)
     final = check_uniforms("sample_uniforms", sample_uniforms, (flat.batch,), device, validate=False)
@@ -79,8 +104,16 @@ def _impl(
     max_spec_len: int,
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _, coins, final = _check(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
-                             uniform_samples, sample_uniforms, max_spec_len)
+    _, coins, final = _check(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        uniform_samples,
+        sample_uniforms,
+        max_spec_len,
+    )
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, max_spec_len)
     if name == "triton":
@@ -93,10 +126,27 @@ def _impl(
     return _rejection_sample_flattened(target_probs, draft_probs, *args)
 
 
-def _fake(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, uniform_samples,
-          sample_uniforms, max_spec_len, backend=""):
-    flat, _, _ = _check(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
-                        uniform_samples, sample_uniforms, max_spec_len)
+def _fake(
+    target_probs,
+    draft_probs,
+    draft_token_ids,
+    cu_num_draft_tokens,
+    bonus_token_ids,
+    uniform_samples,
+    sample_uniforms,
+    max_spec_len,
+    backend="",
+):
+    flat, _, _ = _check(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        uniform_samples,
+        sample_uniforms,
+        max_spec_len,
+    )
     _library.check_backend_name(backend)
     new = lambda *shape: target_probs.new_empty(shape, dtype=torch.int64)  # noqa: E731
     return new(flat.batch, max_spec_len + 1), new(flat.batch)
@@ -108,8 +158,14 @@ def _triton_decomposition(args, kwargs):
     if _backend.resolve(OP, p.device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
     return torch.ops.specdec.rejection_sample_flattened_triton(
-        p, x["draft_probs"], x["draft_token_ids"], x["cu_num_draft_tokens"], x["bonus_token_ids"],
-        x["uniform_samples"].to(torch.float32), x["sample_uniforms"].to(torch.float32), x["max_spec_len"],
+        p,
+        x["draft_probs"],
+        x["draft_token_ids"],
+        x["cu_num_draft_tokens"],
+        x["bonus_token_ids"],
+        x["uniform_samples"].to(torch.float32),
+        x["sample_uniforms"].to(torch.float32),
+        x["max_spec_len"],
     )
 
 
@@ -191,10 +247,28 @@ def rejection_sample_flattened(
         spans from cu_num_draft_tokens and addresses the flat rows directly; with
         bonus_token_ids, fully accepted requests skip the sampling passes.
     """
-    flat = check_flattened_args("target_probs", target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
-                                bonus_token_ids, max_spec_len, validate, probs=True)
-    coins, final_u = flattened_uniforms(flat, cu_num_draft_tokens, target_probs.device, generator, uniform_samples,
-                                        sample_uniforms, seeds=seeds, offsets=offsets, validate=validate)
+    flat = check_flattened_args(
+        "target_probs",
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate,
+        probs=True,
+    )
+    coins, final_u = flattened_uniforms(
+        flat,
+        cu_num_draft_tokens,
+        target_probs.device,
+        generator,
+        uniform_samples,
+        sample_uniforms,
+        seeds=seeds,
+        offsets=offsets,
+        validate=validate,
+    )
     args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids)
     out, acc = torch.ops.specdec.rejection_sample_flattened(*args, coins, final_u, flat.max_spec_len, backend or "")
     if return_details:

@@ -11,6 +11,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -63,6 +64,8 @@ def check_sampling_args(logits, temperature, top_k, top_p, validate=None):
             raise ValueError(f"top_p must lie in (0, 1], got {p.flatten().tolist()[:8]}")
     # NaN top_p (unchecked input) acts as 1, on every backend
     return t, k, torch.nan_to_num(p, nan=1.0)
+
+
 def _impl(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -76,11 +79,16 @@ def _impl(
         from specdec_kernels.ops._triton.sampling_probs import sampling_probs_triton
 
         B = logits.shape[0]
-        return sampling_probs_triton(logits, t.reshape(B), k.reshape(B), p.reshape(B), top_k is not None, top_p is not None)
+        return sampling_probs_triton(
+            logits, t.reshape(B), k.reshape(B), p.reshape(B), top_k is not None, top_p is not None
+        )
     if name == "native":
         B = logits.shape[0]
         return torch.ops.specdec.sampling_probs_native(
-            logits.contiguous(), t.reshape(B), None if top_k is None else k.reshape(B), None if top_p is None else p.reshape(B)
+            logits.contiguous(),
+            t.reshape(B),
+            None if top_k is None else k.reshape(B),
+            None if top_p is None else p.reshape(B),
         )
     return _sampling_probs(logits, t, k, p)
 
@@ -100,14 +108,18 @@ def _triton_decomposition(args, kwargs):
     B = logits.shape[0]
     k, p = x["top_k"], x["top_p"]
     return torch.ops.specdec.sampling_probs_triton(
-        logits, x["temperature"].to(torch.float32),
+        logits,
+        x["temperature"].to(torch.float32),
         torch.zeros(B, dtype=torch.int64, device=logits.device) if k is None else k.to(torch.int64),
         torch.ones(B, dtype=torch.float32, device=logits.device) if p is None else p.to(torch.float32),
-        k is not None, p is not None,
+        k is not None,
+        p is not None,
     )
 
 
-op = _library.define("sampling_probs", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+op = _library.define(
+    "sampling_probs", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+)
 
 
 def sampling_probs(
@@ -169,5 +181,9 @@ def sampling_probs(
     t, k, p = check_sampling_args(logits, temperature, top_k, top_p, validate)
     B = logits.shape[0]
     return torch.ops.specdec.sampling_probs(
-        logits, t.reshape(B), None if top_k is None else k.reshape(B), None if top_p is None else p.reshape(B), backend or ""
+        logits,
+        t.reshape(B),
+        None if top_k is None else k.reshape(B),
+        None if top_p is None else p.reshape(B),
+        backend or "",
     )

@@ -50,6 +50,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -85,8 +86,9 @@ PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
 # the automatic CPU backends: the C++ kernel or the SDPA path, measured per shape class (see
 # specdec_kernels.autotune); the environment variables force one
 DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_DENSE_ATTENTION")
-PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), trials=3,
-                                 env="SPECDEC_PAGED_ATTENTION")
+PAGED_CPU_CHOICE = RuntimeChoice(
+    "paged_tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_PAGED_ATTENTION"
+)
 
 # head dims every backend takes (multiples of 16 up to 256)
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
@@ -140,7 +142,9 @@ def blocks_needed(cache_seqlens: torch.Tensor, num_new: int, block_size: int) ->
     return (cache_seqlens.to(torch.int64) + num_new + block_size - 1) // block_size
 
 
-def check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, validate=None):
+def check_paged_tree_attention_args(
+    q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, validate=None
+):
     """Validate the arguments of ``tree_attention`` over a paged cache.
 
     Returns (B, N, H, D, Hkv, capacity, block_size, num_blocks), capacity =
@@ -153,16 +157,22 @@ def check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mas
     _check_q_and_caches(q, k_cache, v_cache)
     B, N, H, D = q.shape
     num_blocks, block_size, Hkv, _ = pool_geometry(k_cache, kv_layout)
-    what = {"NHD": "(num_blocks, block_size, kv_heads, head_dim) for kv_layout='NHD'",
-            "HND": "(num_blocks, kv_heads, block_size, head_dim) for kv_layout='HND'"}[kv_layout]
+    what = {
+        "NHD": "(num_blocks, block_size, kv_heads, head_dim) for kv_layout='NHD'",
+        "HND": "(num_blocks, kv_heads, block_size, head_dim) for kv_layout='HND'",
+    }[kv_layout]
     check_shape("k_cache", k_cache, k_cache.shape[:3] + (D,), what + ", head_dim matching q")
     check_shape("v_cache", v_cache, tuple(k_cache.shape), "like k_cache")
     if num_blocks < 1 or block_size < 1:
-        raise ValueError(f"k_cache must hold at least one block of at least one slot, got shape {tuple(k_cache.shape)} ({what})")
+        raise ValueError(
+            f"k_cache must hold at least one block of at least one slot, got shape {tuple(k_cache.shape)} ({what})"
+        )
     _check_heads_seqlens_mask(q, Hkv, cache_seqlens, tree_mask)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
     max_blocks = block_table.shape[1]
-    check_shape("block_table", block_table, (B, max_blocks), "(batch, max_blocks_per_seq): one row of block ids per sequence")
+    check_shape(
+        "block_table", block_table, (B, max_blocks), "(batch, max_blocks_per_seq): one row of block ids per sequence"
+    )
     capacity = max_blocks * block_size
     if N > capacity:
         raise ValueError(
@@ -176,7 +186,10 @@ def check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, tree_mas
                 f"cache_seqlens + N must lie in [N, capacity={capacity}] (block_table has {max_blocks} blocks of "
                 f"{block_size} slots; the N new keys are already in the cache), got cache_seqlens in {lo}..{hi} with N={N}"
             )
-        used = torch.arange(max_blocks, device=block_table.device)[None, :] < blocks_needed(cache_seqlens, N, block_size)[:, None]
+        used = (
+            torch.arange(max_blocks, device=block_table.device)[None, :]
+            < blocks_needed(cache_seqlens, N, block_size)[:, None]
+        )
         wrong = used & ((block_table < 0) | (block_table >= num_blocks))
         if bool(wrong.any()):
             b, j = (int(x) for x in wrong.nonzero()[0])
@@ -219,7 +232,9 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     W = packed_mask_words(N)
     padded = torch.zeros(*mask.shape[:-1], W * 32, dtype=torch.int64, device=mask.device)
     padded[..., :N] = mask
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=mask.device), torch.arange(32, device=mask.device))
+    weights = torch.bitwise_left_shift(
+        torch.ones(32, dtype=torch.int64, device=mask.device), torch.arange(32, device=mask.device)
+    )
     words = (padded.view(*mask.shape[:-1], W, 32) * weights).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement into int32
     return words.to(torch.int32)
@@ -237,13 +252,13 @@ def _check_packed_mask(tree_mask: torch.Tensor, B: int, N: int, device) -> None:
     check_tensor("tree_mask", tree_mask, ndim=(2, 3), dtypes=(torch.int32,), device=device)
     W = packed_mask_words(N)
     if tree_mask.dim() == 2:
-        check_shape("tree_mask", tree_mask, (N, W), "bit-packed ancestor mask for the batch, ceil(N/32) int32 words a row")
+        check_shape(
+            "tree_mask", tree_mask, (N, W), "bit-packed ancestor mask for the batch, ceil(N/32) int32 words a row"
+        )
     else:
-        check_shape("tree_mask", tree_mask, (B, N, W), "bit-packed ancestor mask per sequence, ceil(N/32) int32 words a row")
-
-
-
-
+        check_shape(
+            "tree_mask", tree_mask, (B, N, W), "bit-packed ancestor mask per sequence, ceil(N/32) int32 words a row"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -267,7 +282,9 @@ def _impl(
     backend: str = "",
 ) -> torch.Tensor:
     packed = tree_mask is not None and tree_mask.dtype == torch.int32
-    B, N, H, D, Hkv, S = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False)
+    B, N, H, D, Hkv, S = check_tree_attention_args(
+        q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False
+    )
     if packed:
         _check_packed_mask(tree_mask, B, N, q.device)
     _check_num_splits(num_splits)
@@ -298,16 +315,24 @@ def _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     SDPA (its GEMMs win for many tree nodes), whichever runs faster here, measured on the first
     real calls of each shape class, thread count included ($SPECDEC_DENSE_ATTENTION forces one)."""
     B, N, H, D = q.shape
-    key = (next_pow2(N), next_pow2(B), next_pow2(k_cache.shape[2]), H, k_cache.shape[1], D, q.dtype,
-           torch.get_num_threads())
+    key = (
+        next_pow2(N),
+        next_pow2(B),
+        next_pow2(k_cache.shape[2]),
+        H,
+        k_cache.shape[1],
+        D,
+        q.dtype,
+        torch.get_num_threads(),
+    )
     return DENSE_CPU_CHOICE(key, lambda name: _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale))
-
-
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
     packed = tree_mask is not None and tree_mask.dtype == torch.int32
-    B, N, _, _, _, _ = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False)
+    B, N, _, _, _, _ = check_tree_attention_args(
+        q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False
+    )
     if packed:
         _check_packed_mask(tree_mask, B, N, q.device)
     _check_num_splits(num_splits)
@@ -331,7 +356,9 @@ def _triton_decomposition(args, kwargs):
     )
 
 
-op = _library.define("tree_attention", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+op = _library.define(
+    "tree_attention", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -346,8 +373,9 @@ def _mask_kind(tree_mask) -> int:
 def _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate):
     """The shape checks of the paged op (values with ``validate``); returns the paged geometry."""
     packed = tree_mask is not None and tree_mask.dtype == torch.int32
-    dims = check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask,
-                                           block_table, kv_layout, validate=validate)
+    dims = check_paged_tree_attention_args(
+        q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, block_table, kv_layout, validate=validate
+    )
     if packed:
         _check_packed_mask(tree_mask, dims[0], dims[1], q.device)
     _check_num_splits(num_splits)
@@ -366,24 +394,37 @@ def _paged_impl(
     num_splits: int = 0,
     backend: str = "",
 ) -> torch.Tensor:
-    B, N, H, D, Hkv, capacity, _, _ = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table,
-                                                   kv_layout, num_splits, validate=False)
+    B, N, H, D, Hkv, capacity, _, _ = _check_paged(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
+    )
     name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
         splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
-        return paged_tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
-                                           _mask_kind(tree_mask), sm_scale, splits)
+        return paged_tree_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            tree_mask,
+            block_table,
+            kv_layout,
+            _mask_kind(tree_mask),
+            sm_scale,
+            splits,
+        )
     mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
 
     def run(name: str) -> torch.Tensor:
         if name == "native":
-            return torch.ops.specdec.paged_tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, block_table,
-                                                                 kv_layout, sm_scale)
+            return torch.ops.specdec.paged_tree_attention_native(
+                q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
+            )
         if name == "torch":
-            return sdpa_paged_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout,
-                                               sm_scale).contiguous()
+            return sdpa_paged_tree_attention(
+                q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
+            ).contiguous()
         return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
 
     if name == "native" and not backend:
@@ -395,7 +436,9 @@ def _paged_impl(
     return run(name)
 
 
-def _paged_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, num_splits=0, backend=""):
+def _paged_fake(
+    q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, num_splits=0, backend=""
+):
     _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False)
     _library.check_backend_name(backend)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -411,13 +454,27 @@ def _paged_triton_decomposition(args, kwargs):
     capacity = x["block_table"].shape[1] * block_size
     splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
     return torch.ops.specdec.paged_tree_attention_triton(
-        q, x["k_cache"], x["v_cache"], x["cache_seqlens"], tree_mask, x["block_table"], x["kv_layout"],
-        _mask_kind(tree_mask), x["sm_scale"], splits,
+        q,
+        x["k_cache"],
+        x["v_cache"],
+        x["cache_seqlens"],
+        tree_mask,
+        x["block_table"],
+        x["kv_layout"],
+        _mask_kind(tree_mask),
+        x["sm_scale"],
+        splits,
     )
 
 
-paged_op = _library.define("paged_tree_attention", _paged_impl, cpu=_paged_impl, cuda=_paged_impl, fake=_paged_fake,
-                           triton_decomposition=_paged_triton_decomposition)
+paged_op = _library.define(
+    "paged_tree_attention",
+    _paged_impl,
+    cpu=_paged_impl,
+    cuda=_paged_impl,
+    fake=_paged_fake,
+    triton_decomposition=_paged_triton_decomposition,
+)
 
 
 def tree_attention(
@@ -505,10 +562,13 @@ def tree_attention(
     check_kv_layout(kv_layout)
     packed = isinstance(tree_mask, torch.Tensor) and tree_mask.dtype == torch.int32
     if block_table is None:
-        B, N, H, D, Hkv, S = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate)
+        B, N, H, D, Hkv, S = check_tree_attention_args(
+            q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate
+        )
     else:
-        B, N, H, D = check_paged_tree_attention_args(q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask,
-                                                     block_table, kv_layout, validate)[:4]
+        B, N, H, D = check_paged_tree_attention_args(
+            q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, block_table, kv_layout, validate
+        )[:4]
     if packed:
         _check_packed_mask(tree_mask, B, N, q.device)
     if num_splits is not None:
@@ -518,6 +578,9 @@ def tree_attention(
             raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
     scale = D**-0.5 if sm_scale is None else float(sm_scale)
     if block_table is not None:
-        return torch.ops.specdec.paged_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout,
-                                                      scale, num_splits or 0, backend or "")
-    return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or "")
+        return torch.ops.specdec.paged_tree_attention(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, num_splits or 0, backend or ""
+        )
+    return torch.ops.specdec.tree_attention(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or ""
+    )

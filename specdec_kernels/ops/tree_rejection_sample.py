@@ -12,6 +12,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -32,7 +33,9 @@ def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, dr
     device = target_probs.device
     B, N, V = target_probs.shape
     if N < 1:
-        raise ValueError(f"target_probs must have N >= 1 rows (the root at least), got shape {tuple(target_probs.shape)}")
+        raise ValueError(
+            f"target_probs must have N >= 1 rows (the root at least), got shape {tuple(target_probs.shape)}"
+        )
     if V < 1:
         raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
     check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
@@ -58,7 +61,9 @@ def _impl(
     B, N, _, parents, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
     )
-    coins, final_u = draw_uniforms(B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    coins, final_u = draw_uniforms(
+        B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False
+    )
     name = _backend.resolve("tree_rejection_sample", target_probs.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
@@ -70,9 +75,12 @@ def _impl(
     return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
 
 
-def _fake(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms, backend=""):
-    B, N, _, _, _ = check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes,
-                                                     validate=False)
+def _fake(
+    target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms, backend=""
+):
+    B, N, _, _, _ = check_tree_rejection_sample_args(
+        target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
+    )
     draw_uniforms(B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
     _library.check_backend_name(backend)
     B, N, _ = target_probs.shape
@@ -94,8 +102,13 @@ def _triton_decomposition(args, kwargs):
     n = x["num_nodes"]
     n = torch.full((B,), N, dtype=torch.int64, device=p.device) if n is None else n.to(torch.int64)
     return torch.ops.specdec.tree_rejection_sample_triton(
-        p, x["tree_tokens"], parents, x["draft_probs"], n,
-        x["uniform_samples"].to(torch.float32), x["sample_uniforms"].to(torch.float32),
+        p,
+        x["tree_tokens"],
+        parents,
+        x["draft_probs"],
+        n,
+        x["uniform_samples"].to(torch.float32),
+        x["sample_uniforms"].to(torch.float32),
     )
 
 
@@ -184,10 +197,20 @@ def tree_rejection_sample(
         float64 rounding of a boundary (the kernels sum a row in chunks, the reference in
         PyTorch's order).  Workspaces: see docs/API.md.
     """
-    B, N, _, _, n = check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate)
+    B, N, _, _, n = check_tree_rejection_sample_args(
+        target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate
+    )
     coins, final_u = draw_uniforms(
-        B, N - 1, target_probs.device, generator, uniform_samples, sample_uniforms,
-        coin_counts=(n - 1).clamp(min=0), seeds=seeds, offsets=offsets, validate=validate,
+        B,
+        N - 1,
+        target_probs.device,
+        generator,
+        uniform_samples,
+        sample_uniforms,
+        coin_counts=(n - 1).clamp(min=0),
+        seeds=seeds,
+        offsets=offsets,
+        validate=validate,
     )
     return torch.ops.specdec.tree_rejection_sample(
         target_probs, tree_tokens, tree_parents, draft_probs, n, coins, final_u, backend or ""

@@ -9,6 +9,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -60,7 +61,9 @@ def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
     _library.check_backend_name(backend)
     B, K1, _ = target_logits.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    torch._check(num_draft_tokens is None or num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")
+    torch._check(
+        num_draft_tokens is None or num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)"
+    )
     return target_logits.new_empty((B, K1), dtype=torch.int64), target_logits.new_empty((B,), dtype=torch.int64)
 
 
@@ -75,7 +78,9 @@ def _triton_decomposition(args, kwargs):
     return torch.ops.specdec.verify_greedy_triton(x["target_logits"], x["draft_tokens"], n.to(torch.int64), 0, 0)
 
 
-op = _library.define("verify_greedy", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+op = _library.define(
+    "verify_greedy", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+)
 
 
 def verify_greedy(

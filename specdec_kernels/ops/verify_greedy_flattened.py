@@ -11,6 +11,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -33,14 +34,23 @@ def _impl(
     max_spec_len: int,
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    check_flattened_args("target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
-                         max_spec_len, validate=False)
+    check_flattened_args(
+        "target_logits",
+        target_logits,
+        None,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate=False,
+    )
     name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.verify_greedy import verify_greedy_flattened_triton
 
-        return verify_greedy_flattened_triton(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
-                                              max_spec_len)
+        return verify_greedy_flattened_triton(
+            target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len
+        )
     if name == "native":
         return torch.ops.specdec.verify_greedy_flattened_native(
             target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len
@@ -50,8 +60,16 @@ def _impl(
 
 def _fake(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, backend=""):
     # the eager op's checks that need no values: the same ValueError/TypeError when traced
-    check_flattened_args("target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
-                         max_spec_len, validate=False)
+    check_flattened_args(
+        "target_logits",
+        target_logits,
+        None,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate=False,
+    )
     _library.check_backend_name(backend)
     B = cu_num_draft_tokens.shape[0]
     new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int64)  # noqa: E731
@@ -63,8 +81,13 @@ def _triton_decomposition(args, kwargs):
     if _backend.resolve(OP, x["target_logits"].device, x["backend"] or None, IMPLEMENTED) != "triton":
         return None
     return torch.ops.specdec.verify_greedy_flattened_triton(
-        x["target_logits"], x["draft_token_ids"], x["cu_num_draft_tokens"], x["bonus_token_ids"], x["max_spec_len"],
-        0, 0,
+        x["target_logits"],
+        x["draft_token_ids"],
+        x["cu_num_draft_tokens"],
+        x["bonus_token_ids"],
+        x["max_spec_len"],
+        0,
+        0,
     )
 
 
@@ -122,8 +145,16 @@ def verify_greedy_flattened(
     chosen once per process and device type), "reference", "native" or "triton". validate: None
     (value checks on CPU tensors only), True or False (docs/API.md#backends).
     """
-    flat = check_flattened_args("target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens,
-                                bonus_token_ids, max_spec_len, validate)
+    flat = check_flattened_args(
+        "target_logits",
+        target_logits,
+        None,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate,
+    )
     return torch.ops.specdec.verify_greedy_flattened(
         target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids, flat.max_spec_len, backend or ""
     )

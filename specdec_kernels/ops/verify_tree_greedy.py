@@ -11,6 +11,7 @@ One slice: the front below checks the arguments (values once, when ``validate`` 
 calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
 backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -29,7 +30,9 @@ def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_
     device = target_logits.device
     B, N, V = target_logits.shape
     if N < 1:
-        raise ValueError(f"target_logits must have N >= 1 rows (the root at least), got shape {tuple(target_logits.shape)}")
+        raise ValueError(
+            f"target_logits must have N >= 1 rows (the root at least), got shape {tuple(target_logits.shape)}"
+        )
     if V < 1:
         raise ValueError(f"target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
     check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
@@ -46,7 +49,9 @@ def _impl(
     num_nodes: Optional[torch.Tensor] = None,
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, _, _, parents, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=False)
+    _, _, _, parents, n = check_verify_tree_greedy_args(
+        target_logits, tree_tokens, tree_parents, num_nodes, validate=False
+    )
     name = _backend.resolve("verify_tree_greedy", target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
@@ -76,7 +81,9 @@ def _triton_decomposition(args, kwargs):
     B, N, _ = logits.shape
     n = x["num_nodes"]
     n = torch.full((B,), N, dtype=torch.int64, device=logits.device) if n is None else n.to(torch.int64)
-    return torch.ops.specdec.verify_tree_greedy_triton(logits, x["tree_tokens"], x["tree_parents"].to(torch.int64), n, 0, 0)
+    return torch.ops.specdec.verify_tree_greedy_triton(
+        logits, x["tree_tokens"], x["tree_parents"].to(torch.int64), n, 0, 0
+    )
 
 
 op = _library.define(

@@ -6,6 +6,7 @@ paper or algorithm.  ``op(..., backend="reference")`` runs a reference behind th
 checks.  ``mass`` and ``sample_from_weights`` are the inverse-CDF sampling shared by the
 sampling references (and by engines that sample the same way).
 """
+
 from specdec_kernels.reference.compact_kv_cache import compact_kv_cache
 from specdec_kernels.reference.rejection_sample import mass, rejection_sample, sample_from_weights
 from specdec_kernels.reference.rejection_sample_flattened import rejection_sample_flattened

@@ -1,4 +1,5 @@
 """Reference KV-cache compaction after verification (plain PyTorch, no argument checks), dense or paged."""
+
 from __future__ import annotations
 
 from collections import abc

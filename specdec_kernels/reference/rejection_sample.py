@@ -1,5 +1,6 @@
 """Reference lossless rejection sampling of a chain of draft tokens (plain PyTorch, no argument
 checks), and the inverse-CDF sampling shared by the references of the sampling ops."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -40,8 +41,9 @@ def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, token, torch.zeros_like(token))
 
 
-def accept_tests(p_x: torch.Tensor, q_x: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor,
-                 coins: torch.Tensor, vocab: int) -> torch.Tensor:
+def accept_tests(
+    p_x: torch.Tensor, q_x: torch.Tensor, tokens: torch.Tensor, counted: torch.Tensor, coins: torch.Tensor, vocab: int
+) -> torch.Tensor:
     """Each draft's own accept test (bool, the shape of ``p_x``): ``u * q(x) < p(x)`` in float32
     for an id inside the vocabulary at a counted position; p(x) = 0 (or NaN) never accepts."""
     in_vocab = (tokens >= 0) & (tokens < vocab)
@@ -68,7 +70,11 @@ def _rejection_sample(target_probs, draft_probs, draft_tokens, num_draft_tokens,
     if draft_probs is not None:
         q_row = draft_probs.float().gather(1, row.clamp(max=K - 1)).squeeze(1) if K else torch.zeros_like(p_row)
     else:
-        at = tokens.gather(1, num_accepted.clamp(max=max(K - 1, 0))[:, None]) if K else torch.full((B, 1), -1, device=device)
+        at = (
+            tokens.gather(1, num_accepted.clamp(max=max(K - 1, 0))[:, None])
+            if K
+            else torch.full((B, 1), -1, device=device)
+        )
         q_row = torch.zeros_like(p_row)
         q_row.scatter_(1, at.clamp(0, V - 1), ((at >= 0) & (at < V)).float())
     residual = mass(p_row - q_row)

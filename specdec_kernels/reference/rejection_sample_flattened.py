@@ -1,5 +1,6 @@
 """Reference lossless rejection sampling of draft chains in the flattened (vLLM v1) layout
 (plain PyTorch, no value checks)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -89,8 +90,18 @@ def flattened_uniforms(
         explicit = check_uniforms("uniform_samples", uniform_samples, (T,), device, validate)
         uniform_samples = torch.zeros((B, K), dtype=torch.float32, device=device)  # stands in for the padded coins
     counts = draft_counts(cu_num_draft_tokens, T).clamp(max=K)
-    coins, final = draw_uniforms(B, K, device, generator, uniform_samples, sample_uniforms,
-                                 coin_counts=counts, seeds=seeds, offsets=offsets, validate=validate)
+    coins, final = draw_uniforms(
+        B,
+        K,
+        device,
+        generator,
+        uniform_samples,
+        sample_uniforms,
+        coin_counts=counts,
+        seeds=seeds,
+        offsets=offsets,
+        validate=validate,
+    )
     return (explicit if explicit is not None else flatten_coins(coins, cu_num_draft_tokens, T)), final
 
 
@@ -117,9 +128,34 @@ def rejection_sample_flattened(
     normalised as the op does, without value checks
     (``rejection_sample_flattened(..., backend="reference")`` runs this with the op's checks).
     """
-    flat = check_flattened_args("target_probs", target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
-                                bonus_token_ids, max_spec_len, validate=False, probs=True)
-    coins, final_u = flattened_uniforms(flat, cu_num_draft_tokens, target_probs.device, generator, uniform_samples,
-                                        sample_uniforms, seeds=seeds, offsets=offsets)
-    return _rejection_sample_flattened(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
-                                       flat.bonus_token_ids, coins, final_u, flat.max_spec_len)
+    flat = check_flattened_args(
+        "target_probs",
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate=False,
+        probs=True,
+    )
+    coins, final_u = flattened_uniforms(
+        flat,
+        cu_num_draft_tokens,
+        target_probs.device,
+        generator,
+        uniform_samples,
+        sample_uniforms,
+        seeds=seeds,
+        offsets=offsets,
+    )
+    return _rejection_sample_flattened(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        flat.bonus_token_ids,
+        coins,
+        final_u,
+        flat.max_spec_len,
+    )

@@ -1,5 +1,6 @@
 """Reference temperature / top-k / top-p processing of logits into probabilities (plain PyTorch,
 no argument checks)."""
+
 from __future__ import annotations
 
 from typing import Union
@@ -40,7 +41,9 @@ def _sampling_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     return torch.where(greedy | infinite, one_hot, probs)
 
 
-def sampling_probs(logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = None, top_p: Param = None) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, temperature: Param = 1.0, top_k: Param = None, top_p: Param = None
+) -> torch.Tensor:
     """Temperature, top-k, softmax, top-p (Holtzman et al. 2020) and renormalisation, in
     Hugging Face's order (reference of ``specdec_kernels.sampling_probs``).
 

@@ -7,6 +7,7 @@ and a block table that lists, per sequence, the physical block of each logical b
 paged reference gathers each sequence's logical slots through its table into a dense cache
 and then runs the dense math, so both forms share one definition of the result.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -32,7 +33,9 @@ def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, kv_layout: s
     return blocks.reshape(B, Hkv, max_blocks * block_size, D)  # [B, Hkv, M, block_size, D] -> slots
 
 
-def visible_keys(cache_seqlens: torch.Tensor, tree_mask: Optional[torch.Tensor], num_new: int, capacity: int) -> torch.Tensor:
+def visible_keys(
+    cache_seqlens: torch.Tensor, tree_mask: Optional[torch.Tensor], num_new: int, capacity: int
+) -> torch.Tensor:
     """Which cache slots each new query may attend to: bool [B, N, S].
 
     Slots before cache_seqlens[b] (the prefix) are visible to every query; slot

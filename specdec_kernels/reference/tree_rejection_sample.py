@@ -1,4 +1,5 @@
 """Reference multi-candidate rejection sampling over a token tree (plain PyTorch, no argument checks)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -102,4 +103,6 @@ def tree_rejection_sample(
     if num_nodes is None:
         num_nodes = torch.full((B,), N, dtype=torch.int64, device=target_probs.device)
     coins, final_u = draw_uniforms(B, N - 1, target_probs.device, generator, uniform_samples, sample_uniforms)
-    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, num_nodes.to(torch.int64), coins, final_u)
+    return _tree_rejection_sample(
+        target_probs, tree_tokens, parents, draft_probs, num_nodes.to(torch.int64), coins, final_u
+    )

@@ -1,5 +1,6 @@
 """Reference greedy verification of draft chains in the flattened (vLLM v1) layout (plain PyTorch,
 no value checks)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -53,8 +54,15 @@ def verify_greedy_flattened(
     checks (``verify_greedy_flattened(..., backend="reference")`` runs this with the op's checks).
     """
     flat = check_flattened_args(
-        "target_logits", target_logits, None, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len,
+        "target_logits",
+        target_logits,
+        None,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
         validate=False,
     )
-    return _verify_greedy_flattened(target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids,
-                                    flat.max_spec_len)
+    return _verify_greedy_flattened(
+        target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids, flat.max_spec_len
+    )

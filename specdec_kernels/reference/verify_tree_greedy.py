@@ -1,4 +1,5 @@
 """Reference greedy verification of a token tree (plain PyTorch, no argument checks)."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple

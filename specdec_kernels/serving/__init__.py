@@ -4,12 +4,19 @@
 flat ``predicts`` and ``accept_index`` outputs) for greedy tree verification and tree
 rejection sampling, and the conversion of its trees from and to parent lists.  Nothing is imported until a name is used.
 """
+
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["sglang", "verify_tree_greedy_sglang", "tree_rejection_sample_sglang", "from_sglang_tree", "to_sglang_tree",
-           "SGLangTree"]
+__all__ = [
+    "sglang",
+    "verify_tree_greedy_sglang",
+    "tree_rejection_sample_sglang",
+    "from_sglang_tree",
+    "to_sglang_tree",
+    "SGLangTree",
+]
 
 _NAMES = {
     "sglang": None,

@@ -17,6 +17,7 @@ own.  Costs beyond the op: the tree walk (at most 2N - 1 small tensor steps), on
 that permutes the (B, N, V) rows into our node order (a copy, also when the order is already
 the identity), and for the sampler one float64-accumulated row sum of the target rows.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -40,6 +41,7 @@ from specdec_kernels.tree import Parents, as_parents
 
 SGLangOutputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
+
 # SGLang's launcher floors threshold_acc at this value before dividing by it.
 class SGLangTree(NamedTuple):
     """A SGLang linked-list tree renumbered into our parent-list form (``from_sglang_tree``).
@@ -62,6 +64,7 @@ class SGLangTree(NamedTuple):
     num_nodes: torch.Tensor
     depths: torch.Tensor
 
+
 def _check_links(name: str, t, shape=None, device=None) -> None:
     check_tensor(name, t, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device)
     if shape is not None:
@@ -70,6 +73,7 @@ def _check_links(name: str, t, shape=None, device=None) -> None:
         raise ValueError(f"{name} must hold at least the root (N >= 1), got shape {tuple(t.shape)}")
     if t.device.type == "meta":
         raise ValueError(f"{name} is on the meta device: walking a token tree needs its link values")
+
 
 def from_sglang_tree(
     retrive_next_token: torch.Tensor,
@@ -140,7 +144,9 @@ def from_sglang_tree(
             out_of_range = (t < -1) | (t >= N)
             if out_of_range.any():
                 b, i = (int(v) for v in out_of_range.nonzero()[0])
-                raise ValueError(f"{name} must hold local node indices in -1..{N - 1}, got {int(t[b, i])} at [{b}, {i}]")
+                raise ValueError(
+                    f"{name} must hold local node indices in -1..{N - 1}, got {int(t[b, i])} at [{b}, {i}]"
+                )
     # unchecked, an out-of-range link ends its list
     next_token, next_sibling = (torch.where((t >= 0) & (t < N), t, -1) for t in links.values())
     B = next_token.shape[0]
@@ -217,6 +223,7 @@ def from_sglang_tree(
     shape = batch_shape + (N,)
     return SGLangTree(parents.reshape(shape), order.reshape(shape), count.reshape(batch_shape), depths.reshape(shape))
 
+
 def to_sglang_tree(
     parents: Parents,
     num_nodes: Union[None, int, torch.Tensor] = None,
@@ -276,10 +283,15 @@ def _check_tree_args(candidates, retrive_index, retrive_next_token, retrive_next
     check_tensor("candidates", candidates, ndim=2, dtypes=INDEX_DTYPES)
     B, N = candidates.shape
     if N < 1:
-        raise ValueError(f"candidates must have N >= 1 columns (the root at least), got shape {tuple(candidates.shape)}")
+        raise ValueError(
+            f"candidates must have N >= 1 columns (the root at least), got shape {tuple(candidates.shape)}"
+        )
     device = candidates.device
-    for name, t in (("retrive_index", retrive_index), ("retrive_next_token", retrive_next_token),
-                    ("retrive_next_sibling", retrive_next_sibling)):
+    for name, t in (
+        ("retrive_index", retrive_index),
+        ("retrive_next_token", retrive_next_token),
+        ("retrive_next_sibling", retrive_next_sibling),
+    ):
         check_tensor(name, t, ndim=2, dtypes=INDEX_DTYPES, device=device)
         check_shape(name, t, (B, N), "one entry per tree node, like candidates")
     num_spec_step = as_int("num_spec_step", num_spec_step)
@@ -327,7 +339,9 @@ def _in_our_order(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return rows[torch.arange(rows.shape[0], device=rows.device)[:, None], order]
 
 
-def _to_sglang_outputs(output_tokens, accepted_nodes, num_accepted, order, retrive_index, num_spec_step) -> SGLangOutputs:
+def _to_sglang_outputs(
+    output_tokens, accepted_nodes, num_accepted, order, retrive_index, num_spec_step
+) -> SGLangOutputs:
     B, N = output_tokens.shape
     if num_spec_step > N:
         pad = output_tokens.new_full((B, num_spec_step - N), -1)
@@ -402,12 +416,18 @@ def verify_tree_greedy_sglang(
     ``target_predict`` SGLang's caller computes.  Outputs are new tensors (SGLang's kernel
     fills caller buffers).  With ``validate=False`` nothing reads tensor values on the host.
     """
-    B, N, S = _check_tree_args(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate)
+    B, N, S = _check_tree_args(
+        candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate
+    )
     logits = _rows("target_logits", target_logits, B, N, candidates.device)
     tree, num_nodes = _convert(retrive_next_token, retrive_next_sibling, S, validate)
     out = verify_tree_greedy(
-        _in_our_order(logits, tree.order), candidates.gather(1, tree.order), tree.parents, num_nodes,
-        backend=backend, validate=False,  # the converted tree is valid by construction
+        _in_our_order(logits, tree.order),
+        candidates.gather(1, tree.order),
+        tree.parents,
+        num_nodes,
+        backend=backend,
+        validate=False,  # the converted tree is valid by construction
     )
     return _to_sglang_outputs(*out, tree.order, retrive_index, S)
 
@@ -554,7 +574,9 @@ def tree_rejection_sample_sglang(
     accumulated test (over-sampling that token); our op removes a rejected token once and
     never accepts a repeat, so tokens can differ from SGLang's there (ours stay lossless).
     """
-    B, N, S = _check_tree_args(candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate)
+    B, N, S = _check_tree_args(
+        candidates, retrive_index, retrive_next_token, retrive_next_sibling, num_spec_step, validate
+    )
     device = candidates.device
     p = _rows("target_probs", target_probs, B, N, device)
     V = p.shape[2]
@@ -584,7 +606,9 @@ def tree_rejection_sample_sglang(
     if q is not None and want_value_checks(validate, q):
         # a node with children whose draft row is all zero would be read as q = 0 (lossy)
         real = (torch.arange(1, N, device=device)[None, :] < num_nodes[:, None]).to(torch.int64)
-        has_children = torch.zeros((B, N), dtype=torch.int64, device=device).scatter_add(1, tree.parents[:, 1:], real) > 0
+        has_children = (
+            torch.zeros((B, N), dtype=torch.int64, device=device).scatter_add(1, tree.parents[:, 1:], real) > 0
+        )
         empty = has_children & ~nonzero_rows.gather(1, tree.order)
         if bool(empty.any()):
             b, i = (int(v) for v in empty.nonzero()[0])
@@ -604,8 +628,14 @@ def tree_rejection_sample_sglang(
     else:
         coins = uniform_samples.to(torch.float32).gather(1, tree.order)[:, 1:].contiguous()
     out = tree_rejection_sample(
-        p_ours, tokens, tree.parents, None if q is None else _in_our_order(q, tree.order), num_nodes,
-        uniform_samples=coins, sample_uniforms=uniform_samples_for_final_sampling.to(torch.float32),
-        backend=backend, validate=False,  # tree valid by construction; uniforms checked above
+        p_ours,
+        tokens,
+        tree.parents,
+        None if q is None else _in_our_order(q, tree.order),
+        num_nodes,
+        uniform_samples=coins,
+        sample_uniforms=uniform_samples_for_final_sampling.to(torch.float32),
+        backend=backend,
+        validate=False,  # tree valid by construction; uniforms checked above
     )
     return _to_sglang_outputs(*out, tree.order, retrive_index, S)

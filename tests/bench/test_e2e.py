@@ -2,6 +2,7 @@
 every requested method, our drafters reproduce our greedy tokens, a method that does not is
 flagged and fails the run, and the plot is written.  Prompt selection and method names are
 checked without the model."""
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,29 @@ needs_model = pytest.mark.skipif(
 )
 
 QUESTIONS = [
-    {"question_id": 1, "category": "coding", "turns": [
-        "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))", "second turn unused"]},
+    {
+        "question_id": 1,
+        "category": "coding",
+        "turns": [
+            "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+            "second turn unused",
+        ],
+    },
     {"question_id": 2, "category": "coding", "turns": ["Write a haiku about cats."]},
     {"question_id": 3, "category": "chat", "turns": ["Say hello."]},
     {"question_id": 4, "category": "chat", "turns": ["Say goodbye."]},
 ]
-METHODS = ["greedy", "ngram-chain", "ngram-tree", "layerskip-tree", "medusa-tree", "eagle-tree", "lookahead", "ensemble", "hf-greedy"]
+METHODS = [
+    "greedy",
+    "ngram-chain",
+    "ngram-tree",
+    "layerskip-tree",
+    "medusa-tree",
+    "eagle-tree",
+    "lookahead",
+    "ensemble",
+    "hf-greedy",
+]
 NEW_TOKENS = 16
 
 
@@ -83,8 +100,22 @@ def test_demo_options_and_overrides():
 @needs_model
 def test_two_prompts_all_methods(prompts_file, tmp_path, capsys, restore_threads):
     out = tmp_path / "out"
-    rc = e2e.main(["--prompts", str(prompts_file), "--per-category", "1", "--max-new-tokens", str(NEW_TOKENS),
-                   "--methods", ",".join(METHODS), "--threads", "2", "--out", str(out)])
+    rc = e2e.main(
+        [
+            "--prompts",
+            str(prompts_file),
+            "--per-category",
+            "1",
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--methods",
+            ",".join(METHODS),
+            "--threads",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "same tokens" in stdout and all(m in stdout for m in METHODS)
@@ -127,8 +158,24 @@ def test_a_method_that_changes_tokens_fails_the_run(prompts_file, tmp_path, caps
 
     monkeypatch.setitem(e2e.METHODS, "broken", e2e.Method("broken", "ours", "flips the last token", broken))
     out = tmp_path / "out"
-    rc = e2e.main(["--prompts", str(prompts_file), "--categories", "chat", "--per-category", "1", "--max-new-tokens", "4",
-                   "--methods", "broken", "--threads", "1", "--out", str(out)])
+    rc = e2e.main(
+        [
+            "--prompts",
+            str(prompts_file),
+            "--categories",
+            "chat",
+            "--per-category",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--methods",
+            "broken",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 1
     captured = capsys.readouterr()
     assert "MISMATCH" in captured.out and "broken" in captured.err
@@ -180,8 +227,26 @@ def test_shared_prefix_scenario(prompts_file, tmp_path, capsys, restore_threads)
     requests decoded alone, sharing computes fewer prefill positions, draft positions and
     cache bytes than the same batch without it."""
     out = tmp_path / "out"
-    rc = e2e.main(["--prompts", str(prompts_file), "--per-category", "2", "--scenario", "shared-prefix", "--batch", "3",
-                   "--methods", "greedy,layerskip-tree", "--max-new-tokens", "6", "--threads", "2", "--out", str(out)])
+    rc = e2e.main(
+        [
+            "--prompts",
+            str(prompts_file),
+            "--per-category",
+            "2",
+            "--scenario",
+            "shared-prefix",
+            "--batch",
+            "3",
+            "--methods",
+            "greedy,layerskip-tree",
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "same as alone" in capsys.readouterr().out
     assert (out / "shared_prefix.png").stat().st_size > 0
@@ -197,4 +262,7 @@ def test_shared_prefix_scenario(prompts_file, tmp_path, capsys, restore_threads)
         assert shared["shared_prefill_tokens"] >= 2 * (config["common_prefix_tokens"] // 16) * 16
         assert shared["prefill_tokens"] <= paged["prefill_tokens"] - shared["shared_prefill_tokens"] + 3 * 16
         assert shared["kv_cache_bytes"] < paged["kv_cache_bytes"]
-    assert runs[("layerskip-tree", "shared")]["draft_model_tokens"] < runs[("layerskip-tree", "paged")]["draft_model_tokens"]
+    assert (
+        runs[("layerskip-tree", "shared")]["draft_model_tokens"]
+        < runs[("layerskip-tree", "paged")]["draft_model_tokens"]
+    )

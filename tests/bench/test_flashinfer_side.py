@@ -1,5 +1,6 @@
 """bench.flashinfer_side (the GPU check's side-by-side with FlashInfer): flags are checked
 before any work, and without CUDA it says so and exits 2 (its pairs run on the GPU machine)."""
+
 import pytest
 import torch
 
@@ -17,4 +18,3 @@ def test_without_cuda_it_exits_2(tmp_path, capsys):
     assert flashinfer_side.main(["--out", str(tmp_path)]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "flashinfer.jsonl").exists()
-

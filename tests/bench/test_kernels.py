@@ -1,4 +1,5 @@
 """`python -m bench.kernels --quick` runs, checks results, and its JSON covers every op and backend."""
+
 import importlib
 import importlib.util
 import json
@@ -47,8 +48,11 @@ def test_plot_draws_only_ops_with_data_and_names_the_rest(tmp_path, monkeypatch)
 
     monkeypatch.setattr(plt.Figure, "suptitle", spy)
     row = dict(shape_str="B=1", speedup_vs_reference=2.0)
-    rows = [dict(op="a", backend="reference", **row), dict(op="a", backend="torch", **row),
-            dict(op="b", backend="reference", **row)]
+    rows = [
+        dict(op="a", backend="reference", **row),
+        dict(op="a", backend="torch", **row),
+        dict(op="b", backend="reference", **row),
+    ]
     kernels.plot(rows, tmp_path / "p.png", {"device": "cpu", "commit": "abc"})
     assert seen["axes"] == 1  # only op a has a fast path
     assert "reference only): b" in seen["title"]

@@ -1,5 +1,6 @@
 """``python -m bench.kernels --static``: every launcher configuration compiles for sm_80 and
 sm_90 with no register spills (no GPU needed), and the occupancy arithmetic is right."""
+
 import json
 import os
 import subprocess
@@ -14,13 +15,18 @@ from tests.utils import ROOT
 pytestmark = pytest.mark.serial
 
 
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("static")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "bench.kernels", "--static", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.kernels", "--static", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "static.jsonl")]
     return rows, proc.stdout
@@ -35,16 +41,30 @@ def test_every_configuration_compiles_for_both_architectures(report):
     assert all(a == {80, 90} for a in by_kernel.values())
     # every Triton kernel function of the package appears in some launcher configuration
     functions = {r["function"] for r in rows}
-    assert functions >= {"_argmax_partials_kernel", "_verify_greedy_accept_kernel", "_verify_tree_greedy_walk_kernel",
-                         "_rejection_partials_kernel", "_rejection_sample_kernel", "_sampling_probs_kernel",
-                         "_tree_level_kernel", "_tree_walk_kernel", "_tree_final_partials_kernel",
-                         "_tree_final_sample_kernel", "_tree_attention_fwd_kernel", "_tree_attention_combine_kernel"}
+    assert functions >= {
+        "_argmax_partials_kernel",
+        "_verify_greedy_accept_kernel",
+        "_verify_tree_greedy_walk_kernel",
+        "_rejection_partials_kernel",
+        "_rejection_sample_kernel",
+        "_sampling_probs_kernel",
+        "_tree_level_kernel",
+        "_tree_walk_kernel",
+        "_tree_final_partials_kernel",
+        "_tree_final_sample_kernel",
+        "_tree_attention_fwd_kernel",
+        "_tree_attention_combine_kernel",
+    }
 
 
 def test_no_default_configuration_spills_registers(report):
     rows, _ = report
-    spills = [f"{r['kernel']} sm_{r['arch']}: {r['registers']} registers, {r['spill_stores']} B spill stores, "
-              f"{r['spill_loads']} B spill loads" for r in rows if r["spill_stores"] or r["spill_loads"]]
+    spills = [
+        f"{r['kernel']} sm_{r['arch']}: {r['registers']} registers, {r['spill_stores']} B spill stores, "
+        f"{r['spill_loads']} B spill loads"
+        for r in rows
+        if r["spill_stores"] or r["spill_loads"]
+    ]
     assert not spills, "\n".join(spills)
 
 
@@ -52,8 +72,11 @@ def test_verification_and_sampling_kernels_have_no_fused_multiply_add(report):
     """Their float64 arithmetic must round as the reference's separate PyTorch ops do; only
     tree attention (compared within a tolerance) may fuse."""
     rows, _ = report
-    fused = [f"{r['kernel']} sm_{r['arch']}: {r['fp_contractions']}" for r in rows
-             if r["fp_contractions"] and not r["function"].startswith("_tree_attention")]
+    fused = [
+        f"{r['kernel']} sm_{r['arch']}: {r['fp_contractions']}"
+        for r in rows
+        if r["fp_contractions"] and not r["function"].startswith("_tree_attention")
+    ]
     assert not fused, "\n".join(fused)
     # the detector sees the contractions that tree attention's dots and rescaling do have
     assert any(r["fp_contractions"] for r in rows if r["function"].startswith("_tree_attention"))
@@ -93,8 +116,12 @@ def test_report_fields_are_consistent(report):
 def test_occupancy_golden_cases():
     sm90, sm80 = static.ARCHS[90], static.ARCHS[80]
     # 128 registers x 32 threads = 4096 per warp: 16 warps fit, 4 blocks of 4 warps: 25%
-    assert static.occupancy(128, 4, 0, sm90) == {"blocks_per_sm": 4, "warps_per_sm": 16, "occupancy": 0.25,
-                                                  "limiter": "registers"}
+    assert static.occupancy(128, 4, 0, sm90) == {
+        "blocks_per_sm": 4,
+        "warps_per_sm": 16,
+        "occupancy": 0.25,
+        "limiter": "registers",
+    }
     # 32 registers: 64 warps by registers; 4-warp blocks hit the warp limit (16 blocks, 100%)
     assert static.occupancy(32, 4, 0, sm90)["occupancy"] == 1.0
     # 1-warp blocks: the 32-block limit caps at half the warps
@@ -114,8 +141,9 @@ def test_as_launched_specializes_like_the_jit():
     from bench import aot_specs
     from specdec_kernels.ops._triton import tree_attention as ta
 
-    spec = static.as_launched(aot_specs.tree_attention_fwd_spec("bf16", 64, ta.MASK_BOOL,
-                                                                aot_specs.tree_attention_config("bf16", 64)))
+    spec = static.as_launched(
+        aot_specs.tree_attention_fwd_spec("bf16", 64, ta.MASK_BOOL, aot_specs.tree_attention_config("bf16", 64))
+    )
     assert spec["signature"]["stride_kd"] == "constexpr" and spec["constexprs"]["stride_kd"] == 1
     q_index = spec["kernel"].arg_names.index("Q")
     assert spec["attrs"][(q_index,)] == [["tt.divisibility", 16]]
@@ -133,5 +161,12 @@ def test_launcher_specs_are_the_launchers_configurations():
         for V in static.VOCABS.values():
             for B in static.BATCHES:
                 cfg = rs.launch_config(B, 15, V, sms)
-                tiles, lanes = f"BLOCK_B={cfg.vocab.block_b} BLOCK_V={cfg.vocab.block_v}", f"BLOCK_S={cfg.vocab.block_s}"
-                assert any(n.startswith("rejection_sample ") and tiles in n and n.endswith(lanes) for n in names), (sms, V, B)
+                tiles, lanes = (
+                    f"BLOCK_B={cfg.vocab.block_b} BLOCK_V={cfg.vocab.block_v}",
+                    f"BLOCK_S={cfg.vocab.block_s}",
+                )
+                assert any(n.startswith("rejection_sample ") and tiles in n and n.endswith(lanes) for n in names), (
+                    sms,
+                    V,
+                    B,
+                )

@@ -1,4 +1,5 @@
 """`python -m bench.step_cost` runs on a tiny random model and writes its JSON and plot."""
+
 import importlib.util
 import json
 
@@ -6,8 +7,22 @@ from bench import step_cost
 
 
 def test_tiny_step_cost(tmp_path):
-    rows = step_cost.main(["--models", "tiny", "--prefix", "32", "--sizes", "2,4", "--min-time", "0.01",
-                           "--out", str(tmp_path), "--device", "cpu"])
+    rows = step_cost.main(
+        [
+            "--models",
+            "tiny",
+            "--prefix",
+            "32",
+            "--sizes",
+            "2,4",
+            "--min-time",
+            "0.01",
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ]
+    )
     lines = [json.loads(x) for x in (tmp_path / "step_cost.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["N"]) for r in lines] == [("decode", 1), ("chain", 2), ("tree", 2), ("chain", 4), ("tree", 4)]
     assert lines[0]["ratio_to_decode"] == 1.0 and all(r["median_us"] > 0 for r in lines)

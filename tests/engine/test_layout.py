@@ -1,5 +1,6 @@
 """The decoding package's layout: the engine depends on no drafter, every drafter lives in
 ``decoding.drafters`` under its name."""
+
 from __future__ import annotations
 
 import ast
@@ -23,21 +24,31 @@ def imported_modules(path: Path):
             yield from (f"{node.module}.{a.name}" for a in node.names)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "engine").glob("*.py")) + [ROOT / "draft.py", ROOT / "model.py", ROOT / "paged.py"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted((ROOT / "engine").glob("*.py")) + [ROOT / "draft.py", ROOT / "model.py", ROOT / "paged.py"],
+    ids=lambda p: p.name,
+)
 def test_the_engine_imports_no_drafter_and_no_trainer(path):
-    bad = [m for m in imported_modules(path) if m.startswith(("specdec_kernels.decoding.drafters", "specdec_kernels.decoding.training"))]
+    bad = [
+        m
+        for m in imported_modules(path)
+        if m.startswith(("specdec_kernels.decoding.drafters", "specdec_kernels.decoding.training"))
+    ]
     assert not bad, f"{path.name} imports {bad}"
 
 
-@pytest.mark.parametrize("module,names", [
-    ("ngram", ["NgramDrafter"]),
-    ("model_drafter", ["ModelDrafter", "DraftModelDrafter", "LayerSkipDrafter"]),
-    ("medusa", ["MedusaDrafter", "MedusaHeads"]),
-    ("eagle", ["EagleDrafter", "EagleHead"]),
-    ("lookahead", ["LookaheadDrafter"]),
-    ("multi", ["MultiDrafter"]),
-])
+@pytest.mark.parametrize(
+    "module,names",
+    [
+        ("ngram", ["NgramDrafter"]),
+        ("model_drafter", ["ModelDrafter", "DraftModelDrafter", "LayerSkipDrafter"]),
+        ("medusa", ["MedusaDrafter", "MedusaHeads"]),
+        ("eagle", ["EagleDrafter", "EagleHead"]),
+        ("lookahead", ["LookaheadDrafter"]),
+        ("multi", ["MultiDrafter"]),
+    ],
+)
 def test_each_drafter_lives_under_its_name(module, names):
     mod = importlib.import_module(f"specdec_kernels.decoding.drafters.{module}")
     for name in names:

@@ -2,6 +2,7 @@
 against a teacher-forced pass, the Jacobi step and the n-gram pool by hand, greedy identity
 (tiny model: ragged batch, K 0..7, paged cache, inside MultiDrafter; the real model), the
 target distribution at temperature > 0 (chi-square)."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,7 +47,9 @@ def test_the_engine_hands_over_the_targets_argmax_at_every_node(tiny):
         ctx = prompt[:-1] + [nodes[j] for j in path_to(parents, i)]
         with torch.inference_mode():
             T = len(ctx)
-            logits = tiny(torch.tensor([ctx]), torch.arange(T)[None], tiny.new_kv_cache(1, T), torch.zeros(1, dtype=torch.int32))
+            logits = tiny(
+                torch.tensor([ctx]), torch.arange(T)[None], tiny.new_kv_cache(1, T), torch.zeros(1, dtype=torch.int32)
+            )
         assert int(argmax[0, i]) == int(logits[0, -1].argmax()), i
 
 
@@ -135,9 +138,16 @@ def test_one_draft_node_holds_the_likeliest_ngram_by_hand():
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 7], ids=lambda k: f"K{k}")
-@pytest.mark.parametrize("config", [{}, {"window": 7, "ngram": 5, "guesses": 7, "max_nodes": 64}, {"pool_from_history": True, "ngram": 2},
-                                    {"window": 1, "ngram": 2, "guesses": 3, "max_nodes": 2, "pool_from_history": True, "window_first": False}],
-                         ids=["default", "spec-bench", "history", "one-node"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"window": 7, "ngram": 5, "guesses": 7, "max_nodes": 64},
+        {"pool_from_history": True, "ngram": 2},
+        {"window": 1, "ngram": 2, "guesses": 3, "max_nodes": 2, "pool_from_history": True, "window_first": False},
+    ],
+    ids=["default", "spec-bench", "history", "one-node"],
+)
 def test_greedy_equals_plain_greedy(tiny, k, config):
     plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 24)
     d = LookaheadDrafter(**config)
@@ -154,7 +164,9 @@ def test_greedy_inside_a_multi_drafter(tiny, block_size):
     plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 24)
     la = LookaheadDrafter()
     multi = MultiDrafter([NgramDrafter(), la], max_nodes=12)
-    result = SpeculativeDecoder(tiny, multi, stop_token_ids=[3], block_size=block_size).generate(PROMPTS, 24, num_draft_tokens=4)
+    result = SpeculativeDecoder(tiny, multi, stop_token_ids=[3], block_size=block_size).generate(
+        PROMPTS, 24, num_draft_tokens=4
+    )
     assert result.tokens == plain.tokens
     assert la.ngrams_added > 0
 
@@ -166,7 +178,9 @@ def test_a_draft_cut_by_the_engine_leaves_the_cut_nodes_unknown(tiny, multi):
     plain = SpeculativeDecoder(tiny, stop_token_ids=[3]).generate(PROMPTS, 20)
     la = LookaheadDrafter(window=6, ngram=3, guesses=2)
     drafter = MultiDrafter([NgramDrafter(), la], max_nodes=None) if multi else la
-    result = SpeculativeDecoder(tiny, drafter, stop_token_ids=[3], max_draft_nodes=3).generate(PROMPTS, 20, num_draft_tokens=6)
+    result = SpeculativeDecoder(tiny, drafter, stop_token_ids=[3], max_draft_nodes=3).generate(
+        PROMPTS, 20, num_draft_tokens=6
+    )
     assert result.tokens == plain.tokens
     assert len(result.stats.proposed_at) <= 2  # depth at most 2: root + 2 nodes fed
 
@@ -178,7 +192,8 @@ def test_sampling_keeps_the_target_distribution(tiny):
     prompt = PROMPTS[2]
     B = 3000
     result = SpeculativeDecoder(tiny, LookaheadDrafter(pool_from_history=True, ngram=2)).generate(
-        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
+        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B))
+    )
     out = torch.tensor(result.tokens)
     assert result.stats.accepted_draft_tokens > 0
     for j, marginal in enumerate(exact_marginals(tiny, prompt, sp, 3)):

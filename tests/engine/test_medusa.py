@@ -4,6 +4,7 @@ over (prefill and the last accepted node of chains and trees), greedy equivalenc
 output distribution when sampling on a tiny random Llama, the training command end to end
 on a tiny model, the tree tuning, the held-out split; on SmolLM2-135M-Instruct the shipped
 heads: they load, draft, and chain / tree decoding equals plain greedy decoding."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,7 +49,13 @@ def teacher_forced_hidden(model, ids):
     """(T, hidden): the final hidden state of every position of ids, one prefill pass."""
     T = len(ids)
     with torch.inference_mode():
-        _, h = model(torch.tensor([ids]), torch.arange(T)[None], model.new_kv_cache(1, T), torch.zeros(1, dtype=torch.int32), return_hidden=True)
+        _, h = model(
+            torch.tensor([ids]),
+            torch.arange(T)[None],
+            model.new_kv_cache(1, T),
+            torch.zeros(1, dtype=torch.int32),
+            return_hidden=True,
+        )
     return h[0]
 
 
@@ -66,11 +73,26 @@ def trained_heads(tiny, tiny_data, request):
     (a random-weight model has nothing to generalise: the tests that need accepted drafts
     decode these same prompts)."""
     ex = tiny_data
-    heads = MedusaHeads(HIDDEN, 3, token_conditioned=request.param != "medusa", context_window=6 if request.param == "context" else 0)
-    train_medusa.train_heads(heads, tiny.output.weight, ex.hidden, ex.labels, steps=300, batch=128, lr=1e-2, seed=0,
-                             tokens=ex.path, embedding=tiny.tok_embeddings.weight,
-                             teacher=ex.teacher, teacher_states=ex.states, distill=0.0,
-                             context=ex if request.param == "context" else None, segment=8)
+    heads = MedusaHeads(
+        HIDDEN, 3, token_conditioned=request.param != "medusa", context_window=6 if request.param == "context" else 0
+    )
+    train_medusa.train_heads(
+        heads,
+        tiny.output.weight,
+        ex.hidden,
+        ex.labels,
+        steps=300,
+        batch=128,
+        lr=1e-2,
+        seed=0,
+        tokens=ex.path,
+        embedding=tiny.tok_embeddings.weight,
+        teacher=ex.teacher,
+        teacher_states=ex.states,
+        distill=0.0,
+        context=ex if request.param == "context" else None,
+        segment=8,
+    )
     return heads
 
 
@@ -82,11 +104,25 @@ def test_distillation_fits_the_target_distribution(tiny, tiny_data):
     kl = {}
     for distill in (0.0, 1.0):
         heads = MedusaHeads(HIDDEN, 3, token_conditioned=True)
-        train_medusa.train_heads(heads, W_out, ex.hidden, ex.labels, steps=200, batch=128, lr=1e-2, seed=0,
-                                 tokens=ex.path, embedding=tiny.tok_embeddings.weight,
-                                 teacher=ex.teacher, teacher_states=ex.states, distill=distill)
+        train_medusa.train_heads(
+            heads,
+            W_out,
+            ex.hidden,
+            ex.labels,
+            steps=200,
+            batch=128,
+            lr=1e-2,
+            seed=0,
+            tokens=ex.path,
+            embedding=tiny.tok_embeddings.weight,
+            teacher=ex.teacher,
+            teacher_states=ex.states,
+            distill=distill,
+        )
         with torch.no_grad():
-            logp = heads.logits(ex.hidden.float(), W_out, embeddings=tiny.tok_embeddings.weight[ex.path]).log_softmax(-1)
+            logp = heads.logits(ex.hidden.float(), W_out, embeddings=tiny.tok_embeddings.weight[ex.path]).log_softmax(
+                -1
+            )
             has = ex.teacher >= 0
             target = (ex.states[ex.teacher.clamp(min=0)].float() @ W_out.T).log_softmax(-1)
             kl[distill] = ((target.exp() * (target - logp)).sum(-1) * has).sum().item() / has.sum().item()
@@ -103,7 +139,9 @@ def test_heads_by_hand(k):
     for i in range(k):
         torch.testing.assert_close(out[:, :, i], h + F.silu(h @ heads.weight[i].T))
     W_out = torch.randn(V, HIDDEN)
-    torch.testing.assert_close(heads.logits(h, W_out, num_heads=min(k, 2)), out[:, :, : min(k, 2)] @ W_out.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        heads.logits(h, W_out, num_heads=min(k, 2)), out[:, :, : min(k, 2)] @ W_out.T, rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 5], ids=lambda k: f"k{k}")
@@ -121,7 +159,9 @@ def test_conditioned_heads_by_hand(k):
         torch.testing.assert_close(heads.step(i, out[:, :, i - 1] if i else h, emb[:, :, i]), s, rtol=1e-4, atol=1e-4)
     W_out = torch.randn(V, HIDDEN)
     m = min(k, 2)
-    torch.testing.assert_close(heads.logits(h, W_out, num_heads=m, embeddings=emb), out[:, :, :m] @ W_out.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        heads.logits(h, W_out, num_heads=m, embeddings=emb), out[:, :, :m] @ W_out.T, rtol=1e-5, atol=1e-4
+    )
     # a head only sees the path up to its own token: later embeddings do not change it
     emb2 = emb.clone()
     emb2[:, :, k - 1] += 1.0
@@ -139,7 +179,12 @@ def test_zero_heads_equal_the_base_head(tiny, conditioned):
     h = teacher_forced_hidden(tiny, ids)
     emb = path_embeddings(tiny, ids, 4) if conditioned else None
     with torch.inference_mode():
-        base = tiny(torch.tensor([ids]), torch.arange(len(ids))[None], tiny.new_kv_cache(1, len(ids)), torch.zeros(1, dtype=torch.int32))[0]
+        base = tiny(
+            torch.tensor([ids]),
+            torch.arange(len(ids))[None],
+            tiny.new_kv_cache(1, len(ids)),
+            torch.zeros(1, dtype=torch.int32),
+        )[0]
         logits = heads.logits(h, tiny.output.weight, embeddings=emb)  # (T, 4, V)
     for i in range(4):
         torch.testing.assert_close(logits[:, i], base, rtol=1e-5, atol=1e-4)
@@ -148,7 +193,11 @@ def test_zero_heads_equal_the_base_head(tiny, conditioned):
 
 def test_save_load_round_trip(tmp_path, tiny):
     heads = random_heads(3)
-    heads.config = {"base_model": "tiny", "base_fingerprint": model_fingerprint(tiny), "tree_choices": [[0], [1], [0, 0]]}
+    heads.config = {
+        "base_model": "tiny",
+        "base_fingerprint": model_fingerprint(tiny),
+        "tree_choices": [[0], [1], [0, 0]],
+    }
     path = tmp_path / "h.pt"
     heads.save(path)
     back = MedusaHeads.load(path)
@@ -174,12 +223,20 @@ def test_conditioned_save_load_round_trip(tmp_path):
 def test_format_1_files_still_load(tmp_path):
     """Files written before token-conditioned heads (format 1: one 'weight' tensor)."""
     w = torch.randn(2, HIDDEN, HIDDEN).half()
-    torch.save({"config": {"format": 1, "hidden_size": HIDDEN, "num_heads": 2, "tree_choices": [[0]]},
-                "state_dict": {"weight": w}}, tmp_path / "old.pt")
+    torch.save(
+        {
+            "config": {"format": 1, "hidden_size": HIDDEN, "num_heads": 2, "tree_choices": [[0]]},
+            "state_dict": {"weight": w},
+        },
+        tmp_path / "old.pt",
+    )
     back = MedusaHeads.load(tmp_path / "old.pt")
     assert not back.token_conditioned and back.tree_choices == [(0,)]
     torch.testing.assert_close(back.weight, w.float())
-    torch.save({"config": {"format": 99, "hidden_size": HIDDEN, "num_heads": 2}, "state_dict": {"weight": w}}, tmp_path / "new.pt")
+    torch.save(
+        {"config": {"format": 99, "hidden_size": HIDDEN, "num_heads": 2}, "state_dict": {"weight": w}},
+        tmp_path / "new.pt",
+    )
     with pytest.raises(ValueError, match="format 99"):
         MedusaHeads.load(tmp_path / "new.pt")
 
@@ -211,21 +268,61 @@ def test_bad_arguments(tmp_path, tiny):
     with pytest.raises(ValueError, match="Y"):
         train_medusa.train_heads(MedusaHeads(HIDDEN, 3), tiny.output.weight, X, Y, **kw)
     with pytest.raises(ValueError, match="tokens must have"):
-        train_medusa.train_heads(conditioned, tiny.output.weight, X, Y, tokens=Y[:, :1], embedding=tiny.tok_embeddings.weight, **kw)
+        train_medusa.train_heads(
+            conditioned, tiny.output.weight, X, Y, tokens=Y[:, :1], embedding=tiny.tok_embeddings.weight, **kw
+        )
     with pytest.raises(ValueError, match="teacher must have"):
-        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y[:3], teacher_states=X, distill=1.0, **kw)
+        train_medusa.train_heads(
+            MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y[:3], teacher_states=X, distill=1.0, **kw
+        )
     with pytest.raises(ValueError, match="teacher rows"):
-        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y + 4, teacher_states=X, distill=1.0, **kw)
-    torch.save({"config": {"format": 2, "hidden_size": HIDDEN, "num_heads": 2, "token_conditioned": True},
-                "state_dict": {"weight": torch.zeros(2, HIDDEN, HIDDEN)}}, tmp_path / "half.pt")
+        train_medusa.train_heads(
+            MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y + 4, teacher_states=X, distill=1.0, **kw
+        )
+    torch.save(
+        {
+            "config": {"format": 2, "hidden_size": HIDDEN, "num_heads": 2, "token_conditioned": True},
+            "state_dict": {"weight": torch.zeros(2, HIDDEN, HIDDEN)},
+        },
+        tmp_path / "half.pt",
+    )
     with pytest.raises(ValueError, match="do not fit"):
         MedusaHeads.load(tmp_path / "half.pt")
     with pytest.raises(ValueError, match="distill"):
-        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0, distill=0.5)
+        train_medusa.train_heads(
+            MedusaHeads(HIDDEN, 2),
+            tiny.output.weight,
+            torch.zeros(4, HIDDEN),
+            torch.zeros(4, 2, dtype=torch.int64),
+            steps=1,
+            batch=2,
+            lr=1e-3,
+            seed=0,
+            distill=0.5,
+        )
     with pytest.raises(ValueError, match="distill must lie"):
-        train_medusa.train_heads(MedusaHeads(HIDDEN, 2), tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0, distill=1.5)
+        train_medusa.train_heads(
+            MedusaHeads(HIDDEN, 2),
+            tiny.output.weight,
+            torch.zeros(4, HIDDEN),
+            torch.zeros(4, 2, dtype=torch.int64),
+            steps=1,
+            batch=2,
+            lr=1e-3,
+            seed=0,
+            distill=1.5,
+        )
     with pytest.raises(ValueError, match="tokens"):
-        train_medusa.train_heads(conditioned, tiny.output.weight, torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64), steps=1, batch=2, lr=1e-3, seed=0)
+        train_medusa.train_heads(
+            conditioned,
+            tiny.output.weight,
+            torch.zeros(4, HIDDEN),
+            torch.zeros(4, 2, dtype=torch.int64),
+            steps=1,
+            batch=2,
+            lr=1e-3,
+            seed=0,
+        )
     with pytest.raises(ValueError, match="hidden size"):
         MedusaDrafter(tiny, MedusaHeads(HIDDEN * 2, 2))
     with pytest.raises(ValueError, match="choices"):
@@ -414,7 +511,9 @@ def test_sampling_keeps_the_target_distribution(tiny, trained_heads, tree):
     prompt = [5, 17, 33, 2, 90, 41, 7]
     B = 3000
     drafter = MedusaDrafter(tiny, trained_heads, tree=tree, choices=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
-    result = SpeculativeDecoder(tiny, drafter).generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
+    result = SpeculativeDecoder(tiny, drafter).generate(
+        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B))
+    )
     out = torch.tensor(result.tokens)
     assert out.shape == (B, 3)
     s = result.stats
@@ -470,7 +569,9 @@ def test_context_layer_by_hand():
     out = heads.contextualize(hidden, nxt, valid, num_queries=2)
     assert out.shape == (1, 2, 6)
     for i, t in enumerate((3, 4)):
-        torch.testing.assert_close(out[0, i], context_by_hand(heads, hidden[0], nxt[0], valid[0], t), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            out[0, i], context_by_hand(heads, hidden[0], nxt[0], valid[0], t), rtol=1e-4, atol=1e-4
+        )
     # row 0 is outside both windows, row 2 invalid: changing them changes nothing
     h2, n2 = hidden.clone(), nxt.clone()
     h2[0, 0] += 5
@@ -479,8 +580,12 @@ def test_context_layer_by_hand():
     torch.testing.assert_close(heads.contextualize(h2, n2, valid, num_queries=2), out)
     # three invalid rows in front (a later start): the same queries
     pad = torch.randn(1, 3, 6, generator=g)
-    shifted = heads.contextualize(torch.cat([pad, hidden], 1), torch.cat([pad, nxt], 1),
-                                  torch.cat([torch.zeros(1, 3, dtype=torch.bool), valid], 1), num_queries=2)
+    shifted = heads.contextualize(
+        torch.cat([pad, hidden], 1),
+        torch.cat([pad, nxt], 1),
+        torch.cat([torch.zeros(1, 3, dtype=torch.bool), valid], 1),
+        num_queries=2,
+    )
     torch.testing.assert_close(shifted, out, rtol=1e-4, atol=1e-5)
 
 
@@ -500,15 +605,22 @@ def test_context_save_load_round_trip(tmp_path):
         torch.testing.assert_close(getattr(back, name), p.detach().half().float())
     # a format-2 file (no context layer) still loads
     state = {k: v.half() for k, v in random_heads(2, seed=6, conditioned=True).state_dict().items()}
-    torch.save({"config": {"format": 2, "hidden_size": HIDDEN, "num_heads": 2, "token_conditioned": True},
-                "state_dict": state}, tmp_path / "f2.pt")
+    torch.save(
+        {
+            "config": {"format": 2, "hidden_size": HIDDEN, "num_heads": 2, "token_conditioned": True},
+            "state_dict": state,
+        },
+        tmp_path / "f2.pt",
+    )
     old = MedusaHeads.load(tmp_path / "f2.pt")
     assert old.token_conditioned and old.context_window == 0
     # heads without a context layer are still written as format 2
     old.save(tmp_path / "again.pt")
     assert torch.load(tmp_path / "again.pt", weights_only=True)["config"]["format"] == 2
-    torch.save({"config": {"format": 3, "hidden_size": HIDDEN, "num_heads": 2, "context_window": 4}, "state_dict": state},
-               tmp_path / "broken.pt")
+    torch.save(
+        {"config": {"format": 3, "hidden_size": HIDDEN, "num_heads": 2, "context_window": 4}, "state_dict": state},
+        tmp_path / "broken.pt",
+    )
     with pytest.raises(ValueError, match="config"):
         MedusaHeads.load(tmp_path / "broken.pt")
 
@@ -532,8 +644,18 @@ def test_context_bad_arguments(tiny):
         heads.contextualize(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 2, HIDDEN), torch.ones(1, 2))
     X, Y = torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="context"):
-        train_medusa.train_heads(heads, tiny.output.weight, X, Y, steps=1, batch=2, lr=1e-3, seed=0,
-                                 tokens=Y, embedding=tiny.tok_embeddings.weight)
+        train_medusa.train_heads(
+            heads,
+            tiny.output.weight,
+            X,
+            Y,
+            steps=1,
+            batch=2,
+            lr=1e-3,
+            seed=0,
+            tokens=Y,
+            embedding=tiny.tok_embeddings.weight,
+        )
 
 
 def test_context_states_stay_inside_each_sequence(tiny, tiny_data):
@@ -689,7 +811,9 @@ def test_examples_labels_by_hand():
     # soft labels: head i at t reads the target's distribution at t + i + 1, whose argmax is the label
     assert teacher.tolist() == [[1, 2], [2, 3], [3, 4], [4, 5], [5, 6], [6, -1]] and torch.equal(states, hidden)
     assert torch.equal((states[teacher[:, :1]].float() @ W_out.T).argmax(-1), Y[:, :1])
-    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=False)[:5]  # from the prompt's second-to-last token on
+    X, Y, T, teacher, states = train_medusa.examples(data, 2, prompt=False)[
+        :5
+    ]  # from the prompt's second-to-last token on
     assert Y.tolist() == expected[3:] and torch.equal(X, hidden[3:6]) and T.tolist() == [[5, 6], [6, 7], [7, 8]]
     assert teacher.tolist() == [[4, 5], [5, 6], [6, -1]]
     # two sequences: the second's rows are offset by the first's recorded states
@@ -708,7 +832,9 @@ def test_recorded_hidden_states_match_teacher_forcing(tiny):
     recorder = train_medusa.HiddenRecorder()
     with torch.inference_mode():
         recorder.prepare(tiny, prompts)
-        result = SpeculativeDecoder(tiny, recorder, prefill_chunk=3, stop_token_ids=[3]).generate(prompts, 9, num_draft_tokens=0)
+        result = SpeculativeDecoder(tiny, recorder, prefill_chunk=3, stop_token_ids=[3]).generate(
+            prompts, 9, num_draft_tokens=0
+        )
     for b, p in enumerate(prompts):
         full = p + result.tokens[b]
         got = torch.stack(recorder.hidden[b]).float()
@@ -737,9 +863,34 @@ def test_split_keeps_the_bench_prompts_out():
 def test_training_command_end_to_end(tmp_path, kind):
     out = tmp_path / "heads.pt"
     # token-conditioned heads with a context layer of window 32 by default
-    flag = {"context": [], "conditioned": ["--context-window", "0"], "medusa": ["--no-token-conditioned", "--context-window", "0"]}[kind]
-    assert train_medusa.main(["--random-model", "--steps", "2", "--batch", "8", "--heads", "2", "--new-tokens", "6",
-                              "--tree-nodes", "5", "--out", str(out), "--seed", "1"] + flag) == 0
+    flag = {
+        "context": [],
+        "conditioned": ["--context-window", "0"],
+        "medusa": ["--no-token-conditioned", "--context-window", "0"],
+    }[kind]
+    assert (
+        train_medusa.main(
+            [
+                "--random-model",
+                "--steps",
+                "2",
+                "--batch",
+                "8",
+                "--heads",
+                "2",
+                "--new-tokens",
+                "6",
+                "--tree-nodes",
+                "5",
+                "--out",
+                str(out),
+                "--seed",
+                "1",
+            ]
+            + flag
+        )
+        == 0
+    )
     heads = load_medusa_heads(out)
     conditioned = kind != "medusa"
     assert heads.num_heads == 2 and torch.count_nonzero(heads.weight) > 0
@@ -753,7 +904,12 @@ def test_training_command_end_to_end(tmp_path, kind):
     model = train_medusa.tiny_random_model(1)
     assert cfg["base_fingerprint"] == model_fingerprint(model)
     plain = SpeculativeDecoder(model).generate([[1, 2, 3]], 8).tokens
-    assert SpeculativeDecoder(model, MedusaDrafter(model, heads, tree=True)).generate([[1, 2, 3]], 8, num_draft_tokens=2).tokens == plain
+    assert (
+        SpeculativeDecoder(model, MedusaDrafter(model, heads, tree=True))
+        .generate([[1, 2, 3]], 8, num_draft_tokens=2)
+        .tokens
+        == plain
+    )
 
 
 # ---------------------------------------------------------------------------- the real model
@@ -818,7 +974,9 @@ def test_shipped_heads_predict_the_greedy_text(real):
                 s0 = torch.cat([s0, h[-1:]])  # (the last row is never scored)
             for name, hd in (("trained", heads), ("zero", MedusaHeads(heads.hidden_size, heads.num_heads))):
                 x = s0 if hd is heads else h
-                best = hd.logits(x, model.output.weight, embeddings=emb if hd.token_conditioned else None).argmax(-1)  # (T, k)
+                best = hd.logits(x, model.output.weight, embeddings=emb if hd.token_conditioned else None).argmax(
+                    -1
+                )  # (T, k)
                 for i in range(heads.num_heads):
                     ts = range(len(p) - 2, len(full) - i - 2)
                     hits[name][i] += sum(int(best[t, i]) == full[t + i + 2] for t in ts)

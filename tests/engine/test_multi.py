@@ -3,6 +3,7 @@ trees (hand-worked), the accepted path mapped back to each sub-drafter's own nod
 counters, a layer-skip sub-drafter's cache kept as exact as when it drafts alone, greedy
 equivalence on the tiny and the real model, and the target distribution at temperature > 0.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -133,9 +134,7 @@ def tiny_greedy(tiny):
     return SpeculativeDecoder(tiny[1]).generate(PROMPTS, 20).tokens
 
 
-@pytest.mark.parametrize(
-    "tree", [False, True], ids=["chains", "ngram-tree+layerskip-tree"]
-)
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "ngram-tree+layerskip-tree"])
 @pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"K{k}")
 def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k):
     """A ragged batch returns the plain greedy tokens, and the layer-skip sub-drafter drafts
@@ -173,7 +172,9 @@ def test_tiny_sampling_keeps_the_target_distribution(tiny):
     prompt = ngram_friendly_prompt(model, sp)
     B = 3000
     multi = MultiDrafter([NgramDrafter(tree=True), LayerSkipDrafter(model, 2)])
-    result = SpeculativeDecoder(model, multi).generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
+    result = SpeculativeDecoder(model, multi).generate(
+        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B))
+    )
     out = torch.tensor(result.tokens)
     assert result.stats.accepted_draft_tokens > 0.1 * result.stats.sequence_steps
     for j, marginal in enumerate(exact_marginals(model, prompt, sp, 3)):
@@ -193,7 +194,10 @@ def real():
 
     config, state_dict, tok = load_checkpoint()
     model = Transformer.from_hf(config, state_dict)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False) for t in REAL_PROMPTS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in REAL_PROMPTS
+    ]
     plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
     return model, tok, prompts, [plain.generate([p], 16).tokens[0] for p in prompts]
 
@@ -202,7 +206,9 @@ def real():
 def test_real_model_multi_draft_is_greedy(real):
     model, tok, prompts, greedy = real
     multi = MultiDrafter([NgramDrafter(tree=True), LayerSkipDrafter(model, 24, tree_widths=(2,))], max_depths=(None, 2))
-    result = SpeculativeDecoder(model, multi, stop_token_ids=[tok.eos_token_id]).generate(prompts, 16, num_draft_tokens=4)
+    result = SpeculativeDecoder(model, multi, stop_token_ids=[tok.eos_token_id]).generate(
+        prompts, 16, num_draft_tokens=4
+    )
     assert result.tokens == greedy
     c = result.stats.drafters
     assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
@@ -247,9 +253,15 @@ def test_cli_builds_a_multi_drafter(tiny):
     drafter = generate.build_drafter(args, model)
     assert isinstance(drafter, MultiDrafter) and drafter.names == ["ngram", "layerskip"]
     assert drafter.drafters[0].tree and drafter.drafters[1].tree_widths == (2, 2)
-    assert generate.parse_args(["--prompt", "x", "--no-adaptive", "--typical", "0.09", "--temperature", "0.7"]).adaptive is False
-    for bad in (["--prompt", "x", "--drafter", "multi", "--drafters", "ngram,nope"], ["--prompt", "x", "--typical", "0"],
-                ["--prompt", "x", "--drafter", "multi", "--drafters", ""]):
+    assert (
+        generate.parse_args(["--prompt", "x", "--no-adaptive", "--typical", "0.09", "--temperature", "0.7"]).adaptive
+        is False
+    )
+    for bad in (
+        ["--prompt", "x", "--drafter", "multi", "--drafters", "ngram,nope"],
+        ["--prompt", "x", "--typical", "0"],
+        ["--prompt", "x", "--drafter", "multi", "--drafters", ""],
+    ):
         with pytest.raises(SystemExit):
             generate.parse_args(bad)
 

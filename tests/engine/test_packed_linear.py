@@ -5,6 +5,7 @@
 with the decoded weight, over odd shapes; each output row independent of the other rows; inputs
 read in place from views inside guard buffers; and the real SmolLM2, whose every weight packs.
 """
+
 import pytest
 import torch
 
@@ -136,8 +137,9 @@ def test_inputs_are_read_in_place_inside_guard_buffers():
         big[3 : 3 + t.shape[0]] = t
         return big[3 : 3 + t.shape[0]]
 
-    guarded = packed.PackedWeight(p.kind, inside(p.codes, 0xFF), inside(p.scales, float("nan")),
-                                  inside(p.mins, float("nan")), p.shape)
+    guarded = packed.PackedWeight(
+        p.kind, inside(p.codes, 0xFF), inside(p.scales, float("nan")), inside(p.mins, float("nan")), p.shape
+    )
     x = torch.randn(5, I)
     xg = inside(x, float("nan"))
     want = packed.packed_linear(x, p)

@@ -6,6 +6,7 @@ decoding equals decoding every prompt alone (greedy, every model drafter, chains
 while the shared prefix is computed once (prefill and draft-model positions counted) and
 the cache takes fewer blocks.  The same on the real model in ``test_real_model``.
 """
+
 from __future__ import annotations
 
 import os
@@ -125,22 +126,35 @@ def test_paged_equals_dense(tiny, one_thread, name):  # noqa: F811
 
 
 # block sizes 1, one that divides no length here (7), and the engine's usual 16
-CASES = [("none", 1), ("none", 7), ("layerskip-tree", 1), ("layerskip-tree", 7), ("layerskip-tree", 16),
-         ("ngram-tree", 16), ("layerskip-chain", 16), ("multi", 7)]
+CASES = [
+    ("none", 1),
+    ("none", 7),
+    ("layerskip-tree", 1),
+    ("layerskip-tree", 7),
+    ("layerskip-tree", 16),
+    ("ngram-tree", 16),
+    ("layerskip-chain", 16),
+    ("multi", 7),
+]
 
 
 @pytest.mark.parametrize("name,block_size", CASES)
 def test_shared_prefix_equals_each_prompt_alone(tiny, one_thread, name, block_size):  # noqa: F811
     model = tiny[1]
     prompts = prompts_with_shared_prefix()
-    alone = [SpeculativeDecoder(model, DRAFTERS[name](model)).generate([p], 20, num_draft_tokens=3).tokens[0] for p in prompts]
+    alone = [
+        SpeculativeDecoder(model, DRAFTERS[name](model)).generate([p], 20, num_draft_tokens=3).tokens[0]
+        for p in prompts
+    ]
     shared = SpeculativeDecoder(model, DRAFTERS[name](model), block_size=block_size, share_prefix=True)
     result = shared.generate(prompts, 20, num_draft_tokens=3)
     assert result.tokens == alone
     s = result.stats
     # the 37 system tokens are computed once: three followers take them from the leader
     assert s.shared_prefill_tokens == 3 * len(SYSTEM)
-    unshared = SpeculativeDecoder(model, DRAFTERS[name](model), block_size=block_size).generate(prompts, 20, num_draft_tokens=3)
+    unshared = SpeculativeDecoder(model, DRAFTERS[name](model), block_size=block_size).generate(
+        prompts, 20, num_draft_tokens=3
+    )
     assert unshared.tokens == alone
     assert s.prefill_tokens < unshared.stats.prefill_tokens
     assert s.kv_cache_bytes < unshared.stats.kv_cache_bytes
@@ -158,9 +172,12 @@ def test_shared_prefix_sampling_follows_seeds(tiny, one_thread):  # noqa: F811
     prompts = prompts_with_shared_prefix()
     sp = SamplingParams(temperature=0.8, top_k=20)
     seeds = [11, 12, 13, 14, 15]
-    alone = [SpeculativeDecoder(model, NgramDrafter(tree=True)).generate([p], 16, num_draft_tokens=3, sampling=sp,
-                                                                            seeds=[s]).tokens[0]
-             for p, s in zip(prompts, seeds)]
+    alone = [
+        SpeculativeDecoder(model, NgramDrafter(tree=True))
+        .generate([p], 16, num_draft_tokens=3, sampling=sp, seeds=[s])
+        .tokens[0]
+        for p, s in zip(prompts, seeds)
+    ]
     shared = SpeculativeDecoder(model, NgramDrafter(tree=True), block_size=8, share_prefix=True)
     assert shared.generate(prompts, 16, num_draft_tokens=3, sampling=sp, seeds=seeds).tokens == alone
 
@@ -168,16 +185,19 @@ def test_shared_prefix_sampling_follows_seeds(tiny, one_thread):  # noqa: F811
 def test_identical_prompts_share_all_but_the_root(tiny, one_thread):  # noqa: F811
     model = tiny[1]
     p = SYSTEM + [1, 2, 3]
-    result = SpeculativeDecoder(model, LayerSkipDrafter(model, 1), block_size=4, share_prefix=True).generate([p, p, p], 12,
-                                                                                                        num_draft_tokens=2)
+    result = SpeculativeDecoder(model, LayerSkipDrafter(model, 1), block_size=4, share_prefix=True).generate(
+        [p, p, p], 12, num_draft_tokens=2
+    )
     alone = SpeculativeDecoder(model, LayerSkipDrafter(model, 1)).generate([p], 12, num_draft_tokens=2).tokens[0]
     assert result.tokens == [alone] * 3
     assert result.stats.shared_prefill_tokens == 2 * (len(p) - 1)
 
 
 # ---------------------------------------------------------------------- the real model
-SYSTEM_TEXT = ("You are a careful assistant of a public library. Answer briefly and exactly, give units with every "
-               "number, and say so when you do not know. The library opens at nine and closes at eight on weekdays.")
+SYSTEM_TEXT = (
+    "You are a careful assistant of a public library. Answer briefly and exactly, give units with every "
+    "number, and say so when you do not know. The library opens at nine and closes at eight on weekdays."
+)
 QUESTION_TEXTS = ["When does the library open?", "Write a haiku about books.", "What is 12 times 11?"]
 
 
@@ -197,11 +217,19 @@ def test_real_model_shared_system_prompt(real_model, one_thread):  # noqa: F811
     greedy decoding equals decoding each request alone, and the shared prefix is computed
     once in the target and in the drafter."""
     model, tok = real_model
-    prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": q}],
-                                       add_generation_prompt=True, return_dict=False) for q in QUESTION_TEXTS]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": q}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        for q in QUESTION_TEXTS
+    ]
     make = lambda: LayerSkipDrafter(model, 24, tree_widths=(2, 2))  # noqa: E731
     stop = [tok.eos_token_id]
-    alone = [SpeculativeDecoder(model, make(), stop_token_ids=stop).generate([p], 16, num_draft_tokens=3) for p in prompts]
+    alone = [
+        SpeculativeDecoder(model, make(), stop_token_ids=stop).generate([p], 16, num_draft_tokens=3) for p in prompts
+    ]
     shared = SpeculativeDecoder(model, make(), stop_token_ids=stop, block_size=16, share_prefix=True)
     result = shared.generate(prompts, 16, num_draft_tokens=3)
     assert result.tokens == [r.tokens[0] for r in alone]
@@ -213,6 +241,8 @@ def test_real_model_shared_system_prompt(real_model, one_thread):  # noqa: F811
     assert s.prefill_tokens <= sum(r.stats.prefill_tokens for r in alone) - s.shared_prefill_tokens + 3 * 16
     # the drafter's compute against the same batch without sharing (same batched drafting):
     # at least the shared positions fewer, up to one block of padding per request
-    unshared = SpeculativeDecoder(model, make(), stop_token_ids=stop, block_size=16).generate(prompts, 16, num_draft_tokens=3)
+    unshared = SpeculativeDecoder(model, make(), stop_token_ids=stop, block_size=16).generate(
+        prompts, 16, num_draft_tokens=3
+    )
     assert unshared.tokens == result.tokens
     assert unshared.stats.draft_model_tokens - s.draft_model_tokens >= s.shared_prefill_tokens - 3 * 16

@@ -5,6 +5,7 @@ on every root-to-node path); our plain greedy decoding against transformers' ``g
 every drafter, chain and tree, against our plain greedy; stop tokens inside an accepted
 block; max_new_tokens below one block; ragged batches; K changing between steps.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -40,7 +41,9 @@ def real():
 
 
 def chat(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,9 @@ def test_every_matmul_weight_packs_exactly(real):
     for path in ("packed", "f_linear"):
         with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
             mp.setenv(LINEAR_ENV, path)
-            logits[path] = model(ids, torch.arange(8)[None], model.new_kv_cache(1, 8), torch.zeros(1, dtype=torch.int32))
+            logits[path] = model(
+                ids, torch.arange(8)[None], model.new_kv_cache(1, 8), torch.zeros(1, dtype=torch.int32)
+            )
             one = model(ids[:, :1], torch.arange(1)[None], model.new_kv_cache(1, 8), torch.zeros(1, dtype=torch.int32))
         close(one[0, 0], logits[path][0, 0])  # row 0 of the 8-token pass is the 1-token pass
     close(logits["packed"], logits["f_linear"])
@@ -121,7 +126,9 @@ def test_plain_greedy_matches_transformers_generate(real, prompts, greedy):
     _, hf, tok = real
     for prompt, ours in zip(prompts, greedy):
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id)
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id
+            )
         assert ours == out[0, len(prompt) :].tolist()
     assert greedy[1][-1] == tok.eos_token_id and len(greedy[1]) < NEW_TOKENS  # one stops early
     assert len(greedy[0]) == NEW_TOKENS
@@ -175,7 +182,9 @@ def test_max_new_tokens_below_one_block(real, prompts, greedy):
 
 def test_k_changes_between_steps(real, prompts, greedy):
     model, _, tok = real
-    decoder = SpeculativeDecoder(model, LayerSkipDrafter(model, 24, tree_widths=(2,)), stop_token_ids=[tok.eos_token_id])
+    decoder = SpeculativeDecoder(
+        model, LayerSkipDrafter(model, 24, tree_widths=(2,)), stop_token_ids=[tok.eos_token_id]
+    )
     schedule = [3, 0, 6, 1, 2, 5]
     result = decoder.generate(prompts, NEW_TOKENS, num_draft_tokens=lambda step, state: schedule[step % len(schedule)])
     assert result.tokens == greedy

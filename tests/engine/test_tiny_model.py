@@ -1,6 +1,7 @@
 """Decoding engine on a tiny random-weight Llama (vocab 111): forward vs transformers,
 greedy equivalence of every drafter, stop tokens, max_new_tokens, ragged batches, changing
 K, and the output distribution at temperature > 0 (chi-square)."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ def hf_greedy(hf, prompt, n):
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 # ---------------------------------------------------------------------------- the forward
@@ -188,9 +189,18 @@ def test_bad_arguments(tiny):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=0.0)
-    other = Transformer.from_hf_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=V + 1, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1)))
+    other = Transformer.from_hf_model(
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=V + 1,
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+            )
+        )
+    )
     with pytest.raises(ValueError, match="vocabulary"):
         SpeculativeDecoder(model, DraftModelDrafter(other))
 
@@ -243,7 +253,10 @@ def test_sampling_depends_only_on_each_sequence_seed(tiny):
     sp = SamplingParams(temperature=1.0)
     decoder = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,)))
     batch = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[7, 8, 9]).tokens
-    alone = [decoder.generate([p], 12, num_draft_tokens=3, sampling=sp, seeds=[s]).tokens[0] for p, s in zip(PROMPTS, [7, 8, 9])]
+    alone = [
+        decoder.generate([p], 12, num_draft_tokens=3, sampling=sp, seeds=[s]).tokens[0]
+        for p, s in zip(PROMPTS, [7, 8, 9])
+    ]
     assert batch == alone
     again = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[7, 8, 9]).tokens
     assert again == batch
@@ -254,7 +267,9 @@ def test_sampling_depends_only_on_each_sequence_seed(tiny):
 def test_one_token_prompt(tiny):
     """A prompt of one token has nothing to prefill: its first step feeds it as the root."""
     hf, model = tiny
-    result = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,))).generate([[64], PROMPTS[0]], 6, num_draft_tokens=3)
+    result = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,))).generate(
+        [[64], PROMPTS[0]], 6, num_draft_tokens=3
+    )
     assert result.tokens[0] == hf_greedy(hf, [64], 6)
     assert result.stats.prefill_passes == 1  # the longer prompt still prefills
     alone = SpeculativeDecoder(model, NgramDrafter()).generate([[64]], 6)
@@ -276,24 +291,75 @@ class ScriptedDrafter(Drafter):
 
 BAD_DRAFTS = {
     "wrong_root": (lambda hs: Draft.from_lists([([h[-1] + 1, 3], [-1, 0]) for h in hs]), ValueError, "root"),
-    "token_outside_vocab": (lambda hs: Draft.from_lists([([h[-1], V + 7], [-1, 0]) for h in hs]), ValueError, "vocabulary"),
+    "token_outside_vocab": (
+        lambda hs: Draft.from_lists([([h[-1], V + 7], [-1, 0]) for h in hs]),
+        ValueError,
+        "vocabulary",
+    ),
     "negative_token": (lambda hs: Draft.from_lists([([h[-1], -2], [-1, 0]) for h in hs]), ValueError, "vocabulary"),
-    "no_root": (lambda hs: Draft(torch.zeros(len(hs), 1, dtype=torch.long), torch.full((len(hs), 1), -1),
-                                 torch.zeros(len(hs), dtype=torch.long)), ValueError, "num_nodes"),
+    "no_root": (
+        lambda hs: Draft(
+            torch.zeros(len(hs), 1, dtype=torch.long),
+            torch.full((len(hs), 1), -1),
+            torch.zeros(len(hs), dtype=torch.long),
+        ),
+        ValueError,
+        "num_nodes",
+    ),
     "wrong_batch": (lambda hs: Draft.from_lists([([hs[0][-1]], [-1])]), ValueError, "B="),
     "not_a_draft": (lambda hs: None, TypeError, "Draft"),
-    "parent_out_of_range": (lambda hs: Draft.from_lists([([h[-1], 3, 4], [-1, 0, 5]) for h in hs]), ValueError, "parents"),
-    "parent_after_child": (lambda hs: Draft.from_lists([([h[-1], 3, 4], [-1, 2, 0]) for h in hs]), ValueError, "parents"),
-    "root_with_parent": (lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([[0, 0]] * len(hs)),
-                                          torch.full((len(hs),), 2)), ValueError, "parents"),
-    "float_tokens": (lambda hs: Draft(torch.tensor([[float(h[-1]), 3.0] for h in hs]), torch.tensor([[-1, 0]] * len(hs)),
-                                      torch.full((len(hs),), 2)), TypeError, "integers"),
-    "one_d_parents": (lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([-1, 0]),
-                                       torch.full((len(hs),), 2)), ValueError, "parents must have shape"),
-    "chain_flag_on_a_tree": (lambda hs: Draft(torch.tensor([[h[-1], 3, 4] for h in hs]), torch.tensor([[-1, 0, 0]] * len(hs)),
-                                              torch.full((len(hs),), 3), None, True), ValueError, "is_chain"),
-    "probs_of_the_wrong_shape": (lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([[-1, 0]] * len(hs)),
-                                                  torch.full((len(hs),), 2), torch.ones(len(hs), 2, 5)), ValueError, "probs"),
+    "parent_out_of_range": (
+        lambda hs: Draft.from_lists([([h[-1], 3, 4], [-1, 0, 5]) for h in hs]),
+        ValueError,
+        "parents",
+    ),
+    "parent_after_child": (
+        lambda hs: Draft.from_lists([([h[-1], 3, 4], [-1, 2, 0]) for h in hs]),
+        ValueError,
+        "parents",
+    ),
+    "root_with_parent": (
+        lambda hs: Draft(
+            torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([[0, 0]] * len(hs)), torch.full((len(hs),), 2)
+        ),
+        ValueError,
+        "parents",
+    ),
+    "float_tokens": (
+        lambda hs: Draft(
+            torch.tensor([[float(h[-1]), 3.0] for h in hs]),
+            torch.tensor([[-1, 0]] * len(hs)),
+            torch.full((len(hs),), 2),
+        ),
+        TypeError,
+        "integers",
+    ),
+    "one_d_parents": (
+        lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([-1, 0]), torch.full((len(hs),), 2)),
+        ValueError,
+        "parents must have shape",
+    ),
+    "chain_flag_on_a_tree": (
+        lambda hs: Draft(
+            torch.tensor([[h[-1], 3, 4] for h in hs]),
+            torch.tensor([[-1, 0, 0]] * len(hs)),
+            torch.full((len(hs),), 3),
+            None,
+            True,
+        ),
+        ValueError,
+        "is_chain",
+    ),
+    "probs_of_the_wrong_shape": (
+        lambda hs: Draft(
+            torch.tensor([[h[-1], 3] for h in hs]),
+            torch.tensor([[-1, 0]] * len(hs)),
+            torch.full((len(hs),), 2),
+            torch.ones(len(hs), 2, 5),
+        ),
+        ValueError,
+        "probs",
+    ),
 }
 
 
@@ -327,13 +393,17 @@ def test_bad_generate_arguments_are_named(tiny, case):
         call(SpeculativeDecoder(model, NgramDrafter()))
 
 
-@pytest.mark.parametrize("kwargs,err,match", [
-    (dict(drafter="ngram"), TypeError, "drafter"),
-    (dict(stop_token_ids="12"), TypeError, "stop_token_ids"),
-    (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
-    (dict(stop_token_ids=[3, V]), ValueError, "stop_token_ids"),
-    (dict(stop_token_ids=[-5]), ValueError, "stop_token_ids"),
-], ids=["drafter_string", "stop_string", "stop_int", "stop_past_vocab", "stop_negative"])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(drafter="ngram"), TypeError, "drafter"),
+        (dict(stop_token_ids="12"), TypeError, "stop_token_ids"),
+        (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
+        (dict(stop_token_ids=[3, V]), ValueError, "stop_token_ids"),
+        (dict(stop_token_ids=[-5]), ValueError, "stop_token_ids"),
+    ],
+    ids=["drafter_string", "stop_string", "stop_int", "stop_past_vocab", "stop_negative"],
+)
 def test_bad_constructor_arguments_are_named(tiny, kwargs, err, match):
     _, model = tiny
     with pytest.raises(err, match=match):

@@ -2,6 +2,7 @@
 computed by hand on a tiny tree and a chain, off by default in the engine, no effect on
 greedy runs, and one engine step equal to the op applied to the target's own distributions.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,11 @@ def test_thresholds_by_hand():
 def test_tree_by_hand(epsilon, alpha, path, out):
     probs = torch.tensor([P])
     o, nodes, n = typical_acceptance(
-        probs, torch.tensor([TOKENS]), torch.tensor(PARENTS), posterior_threshold=epsilon, posterior_alpha=alpha,
+        probs,
+        torch.tensor([TOKENS]),
+        torch.tensor(PARENTS),
+        posterior_threshold=epsilon,
+        posterior_alpha=alpha,
         sample_uniforms=torch.tensor([0.5]),
     )
     assert n.tolist() == [len(path) - 1]
@@ -68,7 +73,9 @@ def test_chain_and_padding_by_hand():
     probs = torch.tensor([P, P])
     tokens = torch.tensor([TOKENS, [0, 0, 1, 3, 0, 0]])
     parents = torch.tensor([PARENTS, [-1, 0, 1, 2, 3, 4]])
-    o, nodes, n = typical_acceptance(probs, tokens, parents, torch.tensor([6, 3]), sample_uniforms=torch.tensor([0.5, 0.3]))
+    o, nodes, n = typical_acceptance(
+        probs, tokens, parents, torch.tensor([6, 3]), sample_uniforms=torch.tensor([0.5, 0.3])
+    )
     assert n.tolist() == [2, 2]
     assert nodes[1].tolist() == [0, 1, 2, -1, -1, -1]
     assert o[1].tolist() == [0, 1, 1, -1, -1, -1]  # bonus from row 2 (uniform), u = 0.3 -> 1
@@ -97,7 +104,9 @@ def test_off_by_default(tiny, monkeypatch):
     assert decoder.typical is None
     decoder.generate(PROMPTS, 6, num_draft_tokens=3, sampling=sp, seeds=0)
     assert calls == []
-    SpeculativeDecoder(model, LayerSkipDrafter(model, 2), typical=0.09).generate(PROMPTS, 6, num_draft_tokens=3, sampling=sp, seeds=0)
+    SpeculativeDecoder(model, LayerSkipDrafter(model, 2), typical=0.09).generate(
+        PROMPTS, 6, num_draft_tokens=3, sampling=sp, seeds=0
+    )
     assert calls
     with pytest.raises(ValueError, match="typical"):
         SpeculativeDecoder(model, typical=1.5)
@@ -108,7 +117,12 @@ def test_off_by_default(tiny, monkeypatch):
 def test_greedy_unaffected(tiny):
     _, model = tiny
     greedy = SpeculativeDecoder(model).generate(PROMPTS, 12).tokens
-    assert SpeculativeDecoder(model, LayerSkipDrafter(model, 2), typical=0.09).generate(PROMPTS, 12, num_draft_tokens=3).tokens == greedy
+    assert (
+        SpeculativeDecoder(model, LayerSkipDrafter(model, 2), typical=0.09)
+        .generate(PROMPTS, 12, num_draft_tokens=3)
+        .tokens
+        == greedy
+    )
 
 
 @pytest.mark.parametrize("widths", [None, (2, 2)], ids=["chain", "tree"])

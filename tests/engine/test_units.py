@@ -1,5 +1,6 @@
 """Pieces of the decoding engine without a model: n-gram lookup, the n-gram drafter's drafts,
 static draft trees, Draft helpers, statistics."""
+
 from __future__ import annotations
 
 import pytest
@@ -61,7 +62,13 @@ def test_continuations_match_a_brute_force_search():
         min_ngram = int(torch.randint(1, max_ngram + 1, (1,), generator=g))
         k, limit = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 6, (1,), generator=g))
         want = _brute_continuations(history, k, max_ngram, min_ngram, limit)
-        assert ngram_continuations(history, k, max_ngram, min_ngram, limit) == want, (history, k, max_ngram, min_ngram, limit)
+        assert ngram_continuations(history, k, max_ngram, min_ngram, limit) == want, (
+            history,
+            k,
+            max_ngram,
+            min_ngram,
+            limit,
+        )
 
 
 def test_ngram_drafter_chain_and_tree():
@@ -70,14 +77,18 @@ def test_ngram_drafter_chain_and_tree():
     assert chain.is_chain and chain.probs is None
     assert chain.num_nodes.tolist() == [4, 1, 1]
     assert chain.tokens[0].tolist() == [6, 7, 2, 5] and chain.tokens[1, 0] == 3
-    tree = NgramDrafter(2, tree=True, max_chains=3, max_nodes=None, tokens_per_match=None).propose(histories, [3, 3, 3], [True, True, False])
+    tree = NgramDrafter(2, tree=True, max_chains=3, max_nodes=None, tokens_per_match=None).propose(
+        histories, [3, 3, 3], [True, True, False]
+    )
     assert not tree.is_chain
     # root 6; chains [7, 2, 5], [9, 1, 5], [7, 8, 5] share the first 7
     n = int(tree.num_nodes[0])
     assert tree.tokens[0, :n].tolist() == [6, 7, 2, 5, 9, 1, 5, 8, 5]
     assert tree.parents[0, :n].tolist() == [-1, 0, 1, 2, 0, 4, 5, 1, 7]
     assert tree.num_nodes[1:].tolist() == [1, 1]  # no match; inactive
-    capped = NgramDrafter(2, tree=True, max_chains=3, max_nodes=5, tokens_per_match=None).propose(histories[:1], [3], [True])
+    capped = NgramDrafter(2, tree=True, max_chains=3, max_nodes=5, tokens_per_match=None).propose(
+        histories[:1], [3], [True]
+    )
     assert capped.num_nodes.tolist() == [5]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramDrafter(2, 3)
@@ -85,13 +96,17 @@ def test_ngram_drafter_chain_and_tree():
         NgramDrafter(max_nodes=1)
 
 
-@pytest.mark.parametrize("widths,depth,max_nodes,parents", [
-    ((), 3, 64, [-1, 0, 1, 2]),
-    ((2,), 3, 64, [-1, 0, 0, 1, 2, 3, 4]),
-    ((2, 2), 2, 64, [-1, 0, 0, 1, 1, 2, 2]),
-    ((3, 1, 2), 3, 64, [-1, 0, 0, 0, 1, 2, 3, 4, 4, 5, 5, 6, 6]),
-    ((2, 2), 3, 5, [-1, 0, 0, 1, 1]),
-], ids=["chain", "w2", "w2-2", "w3-1-2", "cut"])
+@pytest.mark.parametrize(
+    "widths,depth,max_nodes,parents",
+    [
+        ((), 3, 64, [-1, 0, 1, 2]),
+        ((2,), 3, 64, [-1, 0, 0, 1, 2, 3, 4]),
+        ((2, 2), 2, 64, [-1, 0, 0, 1, 1, 2, 2]),
+        ((3, 1, 2), 3, 64, [-1, 0, 0, 0, 1, 2, 3, 4, 4, 5, 5, 6, 6]),
+        ((2, 2), 3, 5, [-1, 0, 0, 1, 1]),
+    ],
+    ids=["chain", "w2", "w2-2", "w3-1-2", "cut"],
+)
 def test_tree_shape(widths, depth, max_nodes, parents):
     got, depths = tree_shape(widths, depth, max_nodes)
     assert got == parents
@@ -175,8 +190,13 @@ def test_linear_paths_agree_and_the_choice_is_measured_once(monkeypatch):
         assert (report["packed_ms"] is not None) == (n_paths == 3)
     # another path needs a clear win: a near tie keeps F.linear; the fastest clear winner is taken
     key = m._linear_key(4, w_q)
-    for times, want in (((1.0, 1.0, 1.0), "f_linear"), ((0.95, 0.95, 0.95), "f_linear"), ((0.5, 0.5, 0.5), "skinny"),
-                        ((0.5, 0.5, 0.4), "packed"), ((0.95, 0.95, 0.4), "packed")):
+    for times, want in (
+        ((1.0, 1.0, 1.0), "f_linear"),
+        ((0.95, 0.95, 0.95), "f_linear"),
+        ((0.5, 0.5, 0.5), "skinny"),
+        ((0.5, 0.5, 0.4), "packed"),
+        ((0.95, 0.95, 0.4), "packed"),
+    ):
         m._LINEAR_CHOICE.pop(key, None)
         m._LINEAR_TRIALS[key] = {"f_linear": [1.0] * 3, "skinny": [times[0]] * 3, "packed": [times[1]] * 2}
         clock = iter([0.0, times[2]])

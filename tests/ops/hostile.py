@@ -5,6 +5,7 @@ index at and beyond its range, every tensor a view inside a guard buffer full of
 NaN.  Each backend must give the reference's answer for the clamped input and never read the
 guards (a read would change the answer: the sentinels are chosen to do so).
 """
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """Every Triton kernel compiles ahead of time for sm_80 and sm_90 (no GPU needed)."""
+
 import json
 import os
 import subprocess

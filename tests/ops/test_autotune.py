@@ -1,5 +1,6 @@
 """specdec_kernels.autotune.RuntimeChoice: the faster candidate per shape class, measured
 on real calls; forced by its environment variable; the default under tracing."""
+
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ def runner(delays, calls):
         calls.append(name)
         time.sleep(delays[name])
         return name.upper()
+
     return run
 
 

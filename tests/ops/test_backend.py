@@ -1,4 +1,5 @@
 """Backend choice: explicit choices, the environment variable, fallback with one warning."""
+
 import warnings
 
 import pytest
@@ -149,7 +150,9 @@ def test_first_use_warning_says_why_the_extension_is_missing(monkeypatch):
     monkeypatch.setitem(_native._state, "error", ImportError("no _C"))
     sk.reset_backends()  # the choice is made once per process
     monkeypatch.setattr(_native, "_warned", set())
-    monkeypatch.setattr(_native, "build_info", lambda: {"extension": False, "reason": "the C++/CUDA build failed: no g++"})
+    monkeypatch.setattr(
+        _native, "build_info", lambda: {"extension": False, "reason": "the C++/CUDA build failed: no g++"}
+    )
     with pytest.warns(RuntimeWarning, match="at install: the C\\+\\+/CUDA build failed: no g\\+\\+"):
         _native.warn_fallback("compact_kv_cache", "cpu")
 

@@ -1,5 +1,6 @@
 """The public ops as torch custom ops: registration at import, opcheck, fake tensors,
 torch.compile(fullgraph=True) without graph breaks, and serving-safe randomness."""
+
 import json
 import subprocess
 import sys
@@ -12,8 +13,13 @@ from specdec_kernels import _random
 from tests.utils import DRAWS, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
 
 PUBLIC_OPS = (
-    "verify_greedy", "verify_tree_greedy", "rejection_sample", "tree_rejection_sample",
-    "sampling_probs", "tree_attention", "compact_kv_cache",
+    "verify_greedy",
+    "verify_tree_greedy",
+    "rejection_sample",
+    "tree_rejection_sample",
+    "sampling_probs",
+    "tree_attention",
+    "compact_kv_cache",
 )
 PARENTS = [-1, 0, 0, 1, 1, 2]  # a 6-node token tree
 
@@ -187,7 +193,9 @@ def test_every_op_runs_under_fake_tensor_mode_with_validate_false():
         tl, tp, tq, tokens, parents, tn, tcoins, tfinal = map(fake, tree)
         out, nodes, acc = sk.verify_tree_greedy(tl, tokens, parents, tn, validate=False)
         assert out.shape == (2, 6) and nodes.shape == (2, 6)
-        out, nodes, acc = sk.tree_rejection_sample(tp, tokens, parents, tq, tn, seeds=seeds[:2], offsets=offsets[:2], validate=False)
+        out, nodes, acc = sk.tree_rejection_sample(
+            tp, tokens, parents, tq, tn, seeds=seeds[:2], offsets=offsets[:2], validate=False
+        )
         assert out.shape == (2, 6)
         aq, ak, av, alens, amask = map(fake, attention)
         assert sk.tree_attention(aq, ak, av, alens, amask, validate=False).shape == aq.shape
@@ -198,16 +206,36 @@ def test_every_op_runs_under_fake_tensor_mode_with_validate_false():
 # --------------------------------------------------------------------------- torch.compile
 
 
-def _decode_step(logits, drafts, n, q_probs, tl, tokens, parents, tn, aq, ak, av, alens, amask, cache, clens, cidx, cn,
-                 seeds, offsets):
+def _decode_step(
+    logits,
+    drafts,
+    n,
+    q_probs,
+    tl,
+    tokens,
+    parents,
+    tn,
+    aq,
+    ak,
+    av,
+    alens,
+    amask,
+    cache,
+    clens,
+    cidx,
+    cn,
+    seeds,
+    offsets,
+):
     """One decode step through every op, chain and tree, greedy and sampling."""
     out_g, acc_g = sk.verify_greedy(logits, drafts, n, validate=False)
     p = sk.sampling_probs(logits, temperature=0.8, top_k=20, top_p=0.95, validate=False)
     out_s, acc_s = sk.rejection_sample(p, q_probs, drafts, n, seeds=seeds, offsets=offsets, validate=False)
     out_tg, nodes_tg, acc_tg = sk.verify_tree_greedy(tl, tokens, parents, tn, validate=False)
     tp = sk.sampling_probs(tl, temperature=1.0, validate=False)
-    out_ts, nodes_ts, acc_ts = sk.tree_rejection_sample(tp, tokens, parents, None, tn, seeds=seeds[:2], offsets=offsets[:2],
-                                                        validate=False)
+    out_ts, nodes_ts, acc_ts = sk.tree_rejection_sample(
+        tp, tokens, parents, None, tn, seeds=seeds[:2], offsets=offsets[:2], validate=False
+    )
     attn = sk.tree_attention(aq, ak, av, alens, amask, validate=False)
     sk.compact_kv_cache(cache, clens, cidx, cn, validate=False)
     return out_g, acc_g, out_s, acc_s, out_tg, nodes_tg, out_ts, nodes_ts, attn * 2
@@ -219,7 +247,27 @@ def _step_args():
     aq, ak, av, alens, amask = _attention_inputs()
     cache, clens, cidx, cn = _cache_inputs()
     seeds, offsets = torch.tensor([11, 12, 13]), torch.tensor([0, 7, 100])
-    return [logits, drafts, n, q, tl, tokens, parents, tn, aq, ak, av, alens, amask, cache, clens, cidx, cn, seeds, offsets]
+    return [
+        logits,
+        drafts,
+        n,
+        q,
+        tl,
+        tokens,
+        parents,
+        tn,
+        aq,
+        ak,
+        av,
+        alens,
+        amask,
+        cache,
+        clens,
+        cidx,
+        cn,
+        seeds,
+        offsets,
+    ]
 
 
 def test_decode_step_compiles_fullgraph_without_graph_breaks():
@@ -268,7 +316,7 @@ def _padded(probs1, q1, drafts1, K):
     probs = torch.softmax(torch.randn(3, K + 1, V, generator=g), -1)
     q = torch.softmax(torch.randn(3, K, V, generator=g), -1)
     drafts = torch.randint(0, V, (3, K), generator=g)
-    probs[1, :K1 + 1] = probs1[0]
+    probs[1, : K1 + 1] = probs1[0]
     q[1, :K1] = q1[0]
     drafts[1, :K1] = drafts1[0]
     return probs, q, drafts, torch.tensor([K, K1, 1])
@@ -300,7 +348,7 @@ def test_request_alone_equals_request_in_padded_batch(mode, backend):
         out, acc = sk.rejection_sample(probs, q, drafts, n, **batch_kw, backend=backend)
         assert int(acc[1]) == int(acc1[0]), seed
         assert out[1, : K1 + 1].tolist() == out1[0].tolist(), seed
-        assert (out[1, K1 + 1:] == -1).all()
+        assert (out[1, K1 + 1 :] == -1).all()
 
 
 @pytest.mark.parametrize("backend", runnable_backends("tree_rejection_sample", "cpu"))
@@ -313,10 +361,25 @@ def test_tree_request_alone_equals_request_in_padded_batch(backend):
         tp = torch.softmax(torch.randn(2, len(PARENTS), V, generator=g) * 2, -1)
         tq = torch.softmax(torch.randn(2, len(PARENTS), V, generator=g) * 2, -1)
         tokens = torch.randint(0, V, (2, len(PARENTS)), generator=g)
-        alone = sk.tree_rejection_sample(tp[1:, :N1], tokens[1:, :N1], parents[:N1], tq[1:, :N1],
-                                         seeds=torch.tensor([seed]), offsets=torch.tensor([seed]), backend=backend)
-        batch = sk.tree_rejection_sample(tp, tokens, parents, tq, torch.tensor([6, N1]),
-                                         seeds=torch.tensor([3, seed]), offsets=torch.tensor([8, seed]), backend=backend)
+        alone = sk.tree_rejection_sample(
+            tp[1:, :N1],
+            tokens[1:, :N1],
+            parents[:N1],
+            tq[1:, :N1],
+            seeds=torch.tensor([seed]),
+            offsets=torch.tensor([seed]),
+            backend=backend,
+        )
+        batch = sk.tree_rejection_sample(
+            tp,
+            tokens,
+            parents,
+            tq,
+            torch.tensor([6, N1]),
+            seeds=torch.tensor([3, seed]),
+            offsets=torch.tensor([8, seed]),
+            backend=backend,
+        )
         assert int(batch[2][1]) == int(alone[2][0])
         assert batch[0][1, :N1].tolist() == alone[0][0].tolist()
 
@@ -326,15 +389,19 @@ def test_batch_permutation_invariance_with_seeds():
     seeds, offsets = torch.tensor([5, 6, 7]), torch.tensor([0, 40, 3])
     out, acc = sk.rejection_sample(probs, q, drafts, n, seeds=seeds, offsets=offsets)
     perm = torch.tensor([2, 0, 1])
-    out_p, acc_p = sk.rejection_sample(probs[perm], q[perm], drafts[perm], n[perm], seeds=seeds[perm], offsets=offsets[perm])
+    out_p, acc_p = sk.rejection_sample(
+        probs[perm], q[perm], drafts[perm], n[perm], seeds=seeds[perm], offsets=offsets[perm]
+    )
     assert torch.equal(out_p, out[perm]) and torch.equal(acc_p, acc[perm])
 
 
 def test_philox_mode_is_the_same_on_every_backend():
     logits, probs, q, drafts, n, coins, final = _chain_inputs(seed=9)
     seeds, offsets = torch.tensor([1, 2, 3]), torch.tensor([5, 5, 5])
-    results = [sk.rejection_sample(probs, q, drafts, n, seeds=seeds, offsets=offsets, backend=b)
-               for b in runnable_backends("rejection_sample", "cpu")]
+    results = [
+        sk.rejection_sample(probs, q, drafts, n, seeds=seeds, offsets=offsets, backend=b)
+        for b in runnable_backends("rejection_sample", "cpu")
+    ]
     for r in results[1:]:
         assert all(torch.equal(x, y) for x, y in zip(r, results[0]))
 
@@ -347,8 +414,9 @@ def test_zero_drafts_consume_no_coin():
     seeds, offsets = torch.tensor([42]), torch.tensor([17])
     outs = []
     for K in (0, 1, 4):
-        out, acc = sk.rejection_sample(p[:, : K + 1], None, torch.zeros(1, K, dtype=torch.long), torch.tensor([0]),
-                                       seeds=seeds, offsets=offsets)
+        out, acc = sk.rejection_sample(
+            p[:, : K + 1], None, torch.zeros(1, K, dtype=torch.long), torch.tensor([0]), seeds=seeds, offsets=offsets
+        )
         outs.append(int(out[0, 0]))
     assert outs[0] == outs[1] == outs[2]
     assert outs[0] == int(_sample_token(p[0, 0], _random.philox_uniforms(seeds, offsets, 1, 1)[0, 0]))
@@ -369,8 +437,9 @@ def test_seeds_and_offsets_are_checked():
     with pytest.raises(TypeError, match="offsets must have dtype"):
         sk.rejection_sample(probs, q, drafts, n, seeds=torch.tensor([1, 2, 3]), offsets=torch.zeros(3))
     with pytest.raises(ValueError, match="not both"):
-        sk.rejection_sample(probs, q, drafts, n, seeds=torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 3]),
-                            generator=gen(0))
+        sk.rejection_sample(
+            probs, q, drafts, n, seeds=torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 3]), generator=gen(0)
+        )
     with pytest.raises(ValueError, match="row indices"):
         sk.rejection_sample(probs, q, drafts, n, generator={3: gen(0)})
     with pytest.raises(TypeError, match="torch.Generator"):
@@ -383,8 +452,9 @@ def test_float64_uniform_just_below_one_still_accepts_p_equal_q():
     q = torch.tensor([[[0.5, 0.5]]])
     u = torch.tensor([[1 - 1e-9]], dtype=torch.float64)
     for backend in runnable_backends("rejection_sample", "cpu"):
-        out, acc = sk.rejection_sample(p, q, torch.tensor([[0]]), uniform_samples=u,
-                                       sample_uniforms=torch.tensor([0.25]), backend=backend)
+        out, acc = sk.rejection_sample(
+            p, q, torch.tensor([[0]]), uniform_samples=u, sample_uniforms=torch.tensor([0.25]), backend=backend
+        )
         assert int(acc[0]) == 1, backend
 
 
@@ -408,9 +478,12 @@ def test_philox_mode_chi_square():
     # tree: one root, three sampled children
     N = 4
     parents = torch.tensor([-1, 0, 0, 0])
-    tokens = torch.cat([torch.zeros(R, 1, dtype=torch.long), torch.multinomial(q, R * 3, replacement=True, generator=g).view(R, 3)], 1)
-    out, _, _ = sk.tree_rejection_sample(p.expand(R, N, V).contiguous(), tokens, parents, q.expand(R, N, V).contiguous(),
-                                         seeds=seeds, offsets=offsets)
+    tokens = torch.cat(
+        [torch.zeros(R, 1, dtype=torch.long), torch.multinomial(q, R * 3, replacement=True, generator=g).view(R, 3)], 1
+    )
+    out, _, _ = sk.tree_rejection_sample(
+        p.expand(R, N, V).contiguous(), tokens, parents, q.expand(R, N, V).contiguous(), seeds=seeds, offsets=offsets
+    )
     assert chi_square_pvalue(out[:, 0], p) > P_THRESHOLD
 
 

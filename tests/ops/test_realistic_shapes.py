@@ -4,6 +4,7 @@ With SPECDEC_TEST_LARGE=1 (set by scripts/gpu_check.sh on a GPU machine) the sha
 real ones (Llama-3-8B / Qwen2.5-7B vocabularies, batch 64, 64-node trees, prefix 4096, 32
 layers); otherwise scaled-down versions of the same cases run here, in the Triton interpreter.
 """
+
 import pytest
 import torch
 
@@ -15,11 +16,17 @@ from tests.utils import assert_close, runnable_backends
 
 FAST = lambda op: [b for b in runnable_backends(op) if b != "reference"]  # noqa: E731
 
-VERIFY = [dict(B=64, K=8, V=128256), dict(B=1, K=8, V=49152), dict(B=8, K=5, V=152064)] if LARGE else [
-    dict(B=3, K=5, V=1000), dict(B=1, K=8, V=4099)]
+VERIFY = (
+    [dict(B=64, K=8, V=128256), dict(B=1, K=8, V=49152), dict(B=8, K=5, V=152064)]
+    if LARGE
+    else [dict(B=3, K=5, V=1000), dict(B=1, K=8, V=4099)]
+)
 TREES = [dict(B=64, N=64, V=128256), dict(B=1, N=16, V=49152)] if LARGE else [dict(B=2, N=9, V=777)]
-ATTN = [dict(B=8, H=32, Hkv=8, D=128, P=4096, N=64), dict(B=1, H=9, Hkv=3, D=64, P=16384, N=16)] if LARGE else [
-    dict(B=2, H=9, Hkv=3, D=64, P=100, N=7)]
+ATTN = (
+    [dict(B=8, H=32, Hkv=8, D=128, P=4096, N=64), dict(B=1, H=9, Hkv=3, D=64, P=16384, N=16)]
+    if LARGE
+    else [dict(B=2, H=9, Hkv=3, D=64, P=100, N=7)]
+)
 COMPACT = [dict(L=32, B=8, Hkv=8, S=4096, D=128, M=8)] if LARGE else [dict(L=4, B=3, Hkv=3, S=64, D=64, M=8)]
 
 

@@ -48,6 +48,7 @@ Example::
     decoder = SpeculativeDecoder(model, drafter, stop_token_ids=[tok.eos_token_id])
     result = decoder.generate([ids], max_new_tokens=128, num_draft_tokens=6)
 """
+
 from __future__ import annotations
 
 import math
@@ -95,11 +96,28 @@ class EagleHead(nn.Module):
             head_dim, window < 1.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, *,
-                 window: int = 256, rope_theta: float = 10000.0, eps: float = 1e-6, config: Optional[dict] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        *,
+        window: int = 256,
+        rope_theta: float = 10000.0,
+        eps: float = 1e-6,
+        config: Optional[dict] = None,
+    ):
         super().__init__()
-        for name, v in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("intermediate_size", intermediate_size), ("window", window)):
+        for name, v in (
+            ("hidden_size", hidden_size),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("intermediate_size", intermediate_size),
+            ("window", window),
+        ):
             if isinstance(v, bool) or int(v) != v or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if num_heads % num_kv_heads:
@@ -107,7 +125,12 @@ class EagleHead(nn.Module):
         if head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embedding), got {head_dim}")
         H, I = int(hidden_size), int(intermediate_size)
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = H, int(num_heads), int(num_kv_heads), int(head_dim)
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
+            H,
+            int(num_heads),
+            int(num_kv_heads),
+            int(head_dim),
+        )
         self.intermediate_size, self.window, self.rope_theta, self.eps = I, int(window), float(rope_theta), float(eps)
 
         def init(*shape):
@@ -133,11 +156,27 @@ class EagleHead(nn.Module):
         self.token_ranking = None if ranking is None else _token_ids(ranking, None, "ranking")
 
     @classmethod
-    def for_model(cls, model: Transformer, *, window: int = 256, intermediate_size: Optional[int] = None, config: Optional[dict] = None) -> "EagleHead":
+    def for_model(
+        cls,
+        model: Transformer,
+        *,
+        window: int = 256,
+        intermediate_size: Optional[int] = None,
+        config: Optional[dict] = None,
+    ) -> "EagleHead":
         """A fresh head shaped like one of ``model``'s layers (EAGLE's choice)."""
         a = model.args
-        return cls(a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, intermediate_size or a.intermediate_size,
-                   window=window, rope_theta=a.rope_theta, eps=a.rms_norm_eps, config=config)
+        return cls(
+            a.hidden_size,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            intermediate_size or a.intermediate_size,
+            window=window,
+            rope_theta=a.rope_theta,
+            eps=a.rms_norm_eps,
+            config=config,
+        )
 
     # ------------------------------------------------------------------ the layer, in parts
     def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
@@ -174,7 +213,9 @@ class EagleHead(nn.Module):
         gate, up = linear(F.rms_norm(a, (self.hidden_size,), self.ffn_norm, self.eps), self.w13).chunk(2, dim=-1)
         return a + linear(F.silu(gate) * up, self.w2)
 
-    def forward(self, features: torch.Tensor, embeddings: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, embeddings: torch.Tensor, valid: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Teacher-forced step over consecutive positions: g_t for every t.
 
         Args:
@@ -191,7 +232,11 @@ class EagleHead(nn.Module):
         pos = torch.arange(L, device=u.device).expand(B, L)
         q, k, v = self.project(u, pos)
         causal = torch.ones(L, L, dtype=torch.bool, device=u.device).tril()
-        mask = causal.expand(B, L, L) if valid is None else (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=u.device)
+        mask = (
+            causal.expand(B, L, L)
+            if valid is None
+            else (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=u.device)
+        )
         return self.finish(u, self.attend(q, k, v, mask))
 
     # ------------------------------------------------------------------ files
@@ -199,9 +244,18 @@ class EagleHead(nn.Module):
         """Write the weights (fp16) and the config to ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        config = {**self.config, "format": FORMAT, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
-                  "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
-                  "window": self.window, "rope_theta": self.rope_theta, "eps": self.eps}
+        config = {
+            **self.config,
+            "format": FORMAT,
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "window": self.window,
+            "rope_theta": self.rope_theta,
+            "eps": self.eps,
+        }
         state = {k: v.detach().to(torch.float16).cpu() for k, v in self.state_dict().items()}
         payload = {"config": config, "state_dict": state}
         if self.token_ranking is not None:
@@ -225,12 +279,23 @@ class EagleHead(nn.Module):
         if c.get("format") != FORMAT:
             raise ValueError(f"{path}: EAGLE head format {c.get('format')}, this version reads {FORMAT}")
         try:
-            head = cls(int(c["hidden_size"]), int(c["num_heads"]), int(c["num_kv_heads"]), int(c["head_dim"]), int(c["intermediate_size"]),
-                       window=int(c["window"]), rope_theta=float(c["rope_theta"]), eps=float(c["eps"]), config=c)
+            head = cls(
+                int(c["hidden_size"]),
+                int(c["num_heads"]),
+                int(c["num_kv_heads"]),
+                int(c["head_dim"]),
+                int(c["intermediate_size"]),
+                window=int(c["window"]),
+                rope_theta=float(c["rope_theta"]),
+                eps=float(c["eps"]),
+                config=c,
+            )
             head.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
             head.set_token_ranking(payload.get("token_ranking"))
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{path}: a config or weights this version cannot read ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"{path}: a config or weights this version cannot read ({type(e).__name__}: {e})"
+            ) from None
         return head.to(device=device, dtype=dtype).eval()
 
 
@@ -256,7 +321,9 @@ def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:
     return t
 
 
-def load_eagle_head(path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu") -> EagleHead:
+def load_eagle_head(
+    path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu"
+) -> EagleHead:
     """The shipped SmolLM2-135M-Instruct head (``path`` None) or a head from a file."""
     return EagleHead.load(SHIPPED if path is None else path, dtype=dtype, device=device)
 
@@ -302,19 +369,33 @@ class EagleDrafter(Drafter):
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, model: Transformer, head: Union[EagleHead, str, Path, None] = None, *, tree: bool = True, top_k: int = 10,
-                 max_nodes: int = 64, max_depth: int = 7, check_fingerprint: bool = True,
-                 draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto"):
+    def __init__(
+        self,
+        model: Transformer,
+        head: Union[EagleHead, str, Path, None] = None,
+        *,
+        tree: bool = True,
+        top_k: int = 10,
+        max_nodes: int = 64,
+        max_depth: int = 7,
+        check_fingerprint: bool = True,
+        draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto",
+    ):
         for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
             if isinstance(v, bool) or int(v) != v or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if head is None or isinstance(head, (str, Path)):
             head = load_eagle_head(head, dtype=model.dtype, device=model.device)
         if head.hidden_size != model.args.hidden_size:
-            raise ValueError(f"the head's hidden size ({head.hidden_size}) differs from the model's ({model.args.hidden_size})")
+            raise ValueError(
+                f"the head's hidden size ({head.hidden_size}) differs from the model's ({model.args.hidden_size})"
+            )
         if check_fingerprint and head.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
-            warnings.warn(f"EAGLE head trained on {head.config.get('base_model', 'another model')} is used with a different "
-                          "model: decoding stays exact, but fewer drafts will be accepted", stacklevel=2)
+            warnings.warn(
+                f"EAGLE head trained on {head.config.get('base_model', 'another model')} is used with a different "
+                "model: decoding stays exact, but fewer drafts will be accepted",
+                stacklevel=2,
+            )
         self.model = model
         self.head = head.to(device=model.device, dtype=model.dtype).eval()
         self.tree = bool(tree)
@@ -356,7 +437,9 @@ class EagleDrafter(Drafter):
             return None
         if isinstance(spec, bool):
             raise ValueError(f'draft_vocab must be "auto", None, an int or token ids, got {spec!r}')
-        if isinstance(spec, numbers.Integral) or (isinstance(spec, torch.Tensor) and spec.dim() == 0 and not spec.dtype.is_floating_point):
+        if isinstance(spec, numbers.Integral) or (
+            isinstance(spec, torch.Tensor) and spec.dim() == 0 and not spec.dtype.is_floating_point
+        ):
             n = int(spec)
             if n < 1:
                 raise ValueError(f"draft_vocab must be >= 1 tokens, got {n}")
@@ -365,7 +448,9 @@ class EagleDrafter(Drafter):
             if ranking is None:
                 raise ValueError("draft_vocab as a size needs a head that stores its token ranking (this one has none)")
             if int(ranking.max()) >= V:
-                raise ValueError(f"the head's token ranking holds token {int(ranking.max())}, outside the model's vocabulary of {V}")
+                raise ValueError(
+                    f"the head's token ranking holds token {int(ranking.max())}, outside the model's vocabulary of {V}"
+                )
             ids = ranking[:n]
         else:
             ids = _token_ids(spec, V, "draft_vocab")
@@ -451,10 +536,14 @@ class EagleDrafter(Drafter):
         # the node pool: per running sequence, tokens, parents, scores (log path
         # probability), depths; node 0 is the root
         top = logp[:, 0].topk(k, dim=-1)
-        tok = torch.cat([torch.tensor([[roots[b]] for b in run], device=dev), self._tokens(top.indices)], dim=1)  # (R, 1 + k)
+        tok = torch.cat(
+            [torch.tensor([[roots[b]] for b in run], device=dev), self._tokens(top.indices)], dim=1
+        )  # (R, 1 + k)
         par = torch.cat([torch.full((R, 1), -1, device=dev), torch.zeros(R, k, dtype=torch.int64, device=dev)], dim=1)
         score = torch.cat([torch.zeros(R, 1, device=dev), top.values], dim=1)
-        dep = torch.cat([torch.zeros(R, 1, dtype=torch.int64, device=dev), torch.ones(R, k, dtype=torch.int64, device=dev)], dim=1)
+        dep = torch.cat(
+            [torch.zeros(R, 1, dtype=torch.int64, device=dev), torch.ones(R, k, dtype=torch.int64, device=dev)], dim=1
+        )
         frontier = torch.arange(1, 1 + k, device=dev).expand(R, k)  # pool ids of the nodes to expand next
         parent_g = g.expand(R, k, -1)  # the head output of each frontier node's parent
         # expanded nodes' keys / values and ancestor sets (over the expanded slots)
@@ -463,13 +552,17 @@ class EagleDrafter(Drafter):
         anc = torch.zeros(R, k, 0, dtype=torch.bool, device=dev)  # frontier node -> expanded ancestors
         for d in range(1, D):
             u = head.inputs(parent_g, E[tok.gather(1, frontier)])
-            q, kk, vv = head.project(u, (torch.tensor([self._end[b] for b in run], device=dev)[:, None] + d).expand(R, k))
+            q, kk, vv = head.project(
+                u, (torch.tensor([self._end[b] for b in run], device=dev)[:, None] + d).expand(R, k)
+            )
             tree_k, tree_v = torch.cat([tree_k, kk], dim=1), torch.cat([tree_v, vv], dim=1)
             own = torch.zeros(R, k, k, dtype=torch.bool, device=dev)
             own[:, torch.arange(k), torch.arange(k)] = True
             anc = torch.cat([anc, own], dim=2)  # (R, k, n_exp + k): ancestors and itself
             mask = torch.cat([ctx_ok[:, None].expand(R, k, S), anc], dim=2)
-            g_f = head.finish(u, head.attend(q, torch.cat([ctx_k, tree_k], 1), torch.cat([ctx_v, tree_v], 1), mask))  # (R, k, H)
+            g_f = head.finish(
+                u, head.attend(q, torch.cat([ctx_k, tree_k], 1), torch.cat([ctx_v, tree_v], 1), mask)
+            )  # (R, k, H)
             logp = torch.log_softmax(self._logits(g_f), dim=-1)
             ctop = logp.topk(k, dim=-1)  # (R, k, k) children of each frontier node
             cand_score = (score.gather(1, frontier)[:, :, None] + ctop.values).reshape(R, k * k)

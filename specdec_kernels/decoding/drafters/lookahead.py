@@ -39,6 +39,7 @@ the defaults here are smaller.  Drafts are deterministic (``Draft.probs`` is Non
 verification keeps greedy decoding's output and rejection sampling with q one-hot keeps
 sampling exact (the Jacobi guesses are the target's argmax whatever the temperature).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -78,9 +79,22 @@ class LookaheadDrafter(Drafter):
     name = "lookahead"
     wants_target_argmax = True
 
-    def __init__(self, window: int = 4, ngram: int = 3, guesses: int = 2, *, max_nodes: int = 16,
-                 pool_from_history: bool = False, window_first: bool = True):
-        for name, v, lo in (("window", window, 1), ("ngram", ngram, 2), ("guesses", guesses, 0), ("max_nodes", max_nodes, 2)):
+    def __init__(
+        self,
+        window: int = 4,
+        ngram: int = 3,
+        guesses: int = 2,
+        *,
+        max_nodes: int = 16,
+        pool_from_history: bool = False,
+        window_first: bool = True,
+    ):
+        for name, v, lo in (
+            ("window", window, 1),
+            ("ngram", ngram, 2),
+            ("guesses", guesses, 0),
+            ("max_nodes", max_nodes, 2),
+        ):
             if isinstance(v, bool) or int(v) != v or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         for name, v in (("pool_from_history", pool_from_history), ("window_first", window_first)):

@@ -62,6 +62,7 @@ Example::
     decoder = SpeculativeDecoder(model, drafter, stop_token_ids=[tok.eos_token_id])
     result = decoder.generate([ids], max_new_tokens=128, num_draft_tokens=4)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -90,11 +91,32 @@ BASE_MODEL = MODEL_NAME
 # Fallback tree (27 nodes with the root) for heads stored without a tuned tree: top ranks of
 # the first heads, in the spirit of Medusa's sparse trees.
 GENERIC_CHOICES = (
-    (0,), (1,), (2,), (3,), (4,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 2), (2, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
-    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 0, 0),
+    (0,),
+    (1,),
+    (2,),
+    (3,),
+    (4,),
+    (0, 0),
+    (0, 1),
+    (0, 2),
+    (1, 0),
+    (1, 1),
+    (2, 0),
+    (3, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 1, 0),
+    (1, 0, 0),
+    (0, 0, 2),
+    (2, 0, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 1),
+    (0, 0, 1, 0),
+    (0, 1, 0, 0),
+    (1, 0, 0, 0),
+    (0, 0, 0, 0, 0),
+    (0, 0, 0, 0, 1),
+    (0, 0, 0, 0, 0, 0),
 )
 
 
@@ -147,8 +169,17 @@ class MedusaHeads(nn.Module):
             or an odd or non-positive context_head_dim.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int = 4, *, token_conditioned: bool = False, context_window: int = 0,
-                 context_heads: Optional[int] = None, context_head_dim: Optional[int] = None, config: Optional[dict] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 4,
+        *,
+        token_conditioned: bool = False,
+        context_window: int = 0,
+        context_heads: Optional[int] = None,
+        context_head_dim: Optional[int] = None,
+        config: Optional[dict] = None,
+    ):
         super().__init__()
         if hidden_size < 1:
             raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
@@ -170,7 +201,10 @@ class MedusaHeads(nn.Module):
             if nh < 1:
                 raise ValueError(f"context_heads must be >= 1, got {context_heads}")
             if hd < 2 or hd % 2:
-                raise ValueError(f"context_head_dim must be even and >= 2, got {hd}" + (" (from hidden_size)" if context_head_dim is None else ""))
+                raise ValueError(
+                    f"context_head_dim must be even and >= 2, got {hd}"
+                    + (" (from hidden_size)" if context_head_dim is None else "")
+                )
             self.context_heads, self.context_head_dim = nh, hd
             bound = 1.0 / math.sqrt(2 * hidden_size)  # nn.Linear's default initialisation
             self.context_qkv = nn.Parameter(torch.empty(3 * nh * hd, 2 * hidden_size).uniform_(-bound, bound))
@@ -187,8 +221,13 @@ class MedusaHeads(nn.Module):
         if hidden.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden must have last dimension {self.hidden_size}, got shape {tuple(hidden.shape)}")
 
-    def contextualize(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, valid: Optional[torch.Tensor] = None,
-                      num_queries: int = 1) -> torch.Tensor:
+    def contextualize(
+        self,
+        hidden: torch.Tensor,
+        next_embeddings: torch.Tensor,
+        valid: Optional[torch.Tensor] = None,
+        num_queries: int = 1,
+    ) -> torch.Tensor:
         """The context attention layer (``context_window`` > 0): s_0 for the last
         ``num_queries`` of R consecutive positions j (oldest first).
 
@@ -222,8 +261,10 @@ class MedusaHeads(nn.Module):
         if not self.context_window:
             raise ValueError("contextualize() needs heads with a context layer (context_window > 0)")
         if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size or next_embeddings.shape != hidden.shape:
-            raise ValueError(f"hidden and next_embeddings must both have shape (B, R, {self.hidden_size}), got "
-                             f"{tuple(hidden.shape)} and {tuple(next_embeddings.shape)}")
+            raise ValueError(
+                f"hidden and next_embeddings must both have shape (B, R, {self.hidden_size}), got "
+                f"{tuple(hidden.shape)} and {tuple(next_embeddings.shape)}"
+            )
         B, R, H = hidden.shape
         if not 1 <= num_queries <= R:
             raise ValueError(f"num_queries must lie in 1..{R}, got {num_queries}")
@@ -240,10 +281,12 @@ class MedusaHeads(nn.Module):
         q = _rope(q[:, R - Q :].reshape(B, Q, nh, hd), pos[R - Q :])
         k = _rope(k.reshape(B, R, nh, hd), pos)
         v = v.reshape(B, R, nh, hd)
-        offset = (pos[R - Q :, None] - pos[None, :])  # (Q, R): query row - key row
+        offset = pos[R - Q :, None] - pos[None, :]  # (Q, R): query row - key row
         mask = valid[:, None, :] & (offset >= 0) & (offset < self.context_window)
         mask = mask | (offset == 0)  # a query always sees itself (keeps padded queries finite)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None])
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
+        )
         return h[:, R - Q :] + linear(a.transpose(1, 2).reshape(B, Q, nh * hd), self.context_out)
 
     def step(self, i: int, state: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
@@ -267,12 +310,18 @@ class MedusaHeads(nn.Module):
         if not 0 <= i < self.num_heads:
             raise ValueError(f"i must lie in 0..{self.num_heads - 1}, got {i}")
         if state.shape[-1] != self.hidden_size or embedding.shape[-1] != self.hidden_size:
-            raise ValueError(f"state and embedding must have last dimension {self.hidden_size}, got {tuple(state.shape)} and {tuple(embedding.shape)}")
+            raise ValueError(
+                f"state and embedding must have last dimension {self.hidden_size}, got {tuple(state.shape)} and {tuple(embedding.shape)}"
+            )
         state = state.to(self.weight.dtype)
-        pre = linear(state, self.weight[i]) + linear(embedding.to(self.weight.dtype), self.token_weight[i]) + self.bias[i]
+        pre = (
+            linear(state, self.weight[i]) + linear(embedding.to(self.weight.dtype), self.token_weight[i]) + self.bias[i]
+        )
         return state + F.silu(pre)
 
-    def forward(self, hidden: torch.Tensor, num_heads: Optional[int] = None, embeddings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, num_heads: Optional[int] = None, embeddings: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The heads' hidden states (the output head's inputs).
 
         Args:
@@ -300,15 +349,27 @@ class MedusaHeads(nn.Module):
             return h.unsqueeze(-2) + F.silu(proj)
         if embeddings is None:
             raise ValueError("token-conditioned heads need embeddings (the path's token embeddings)")
-        if embeddings.shape[:-2] != h.shape[:-1] or embeddings.shape[-2] < k or embeddings.shape[-1] != self.hidden_size:
-            raise ValueError(f"embeddings must have shape {tuple(h.shape[:-1]) + (k, self.hidden_size)}, got {tuple(embeddings.shape)}")
+        if (
+            embeddings.shape[:-2] != h.shape[:-1]
+            or embeddings.shape[-2] < k
+            or embeddings.shape[-1] != self.hidden_size
+        ):
+            raise ValueError(
+                f"embeddings must have shape {tuple(h.shape[:-1]) + (k, self.hidden_size)}, got {tuple(embeddings.shape)}"
+            )
         states, state = [], h
         for i in range(k):
             state = self.step(i, state, embeddings[..., i, :])
             states.append(state)
         return torch.stack(states, dim=-2)
 
-    def logits(self, hidden: torch.Tensor, output_weight: torch.Tensor, num_heads: Optional[int] = None, embeddings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def logits(
+        self,
+        hidden: torch.Tensor,
+        output_weight: torch.Tensor,
+        num_heads: Optional[int] = None,
+        embeddings: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Each head's next-token logits through the shared output head.
 
         Args:
@@ -329,9 +390,16 @@ class MedusaHeads(nn.Module):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # format 2 readers can still read heads without a context layer
-        config = {**self.config, "format": FORMAT if self.context_window else 2, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
-                  "token_conditioned": self.token_conditioned, "context_window": self.context_window,
-                  "context_heads": self.context_heads, "context_head_dim": self.context_head_dim}
+        config = {
+            **self.config,
+            "format": FORMAT if self.context_window else 2,
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "token_conditioned": self.token_conditioned,
+            "context_window": self.context_window,
+            "context_heads": self.context_heads,
+            "context_head_dim": self.context_head_dim,
+        }
         state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in self.state_dict().items()}
         payload = {"config": config, "state_dict": state}
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -352,12 +420,20 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"{path} is not a Medusa heads file (no config / state_dict)")
         config = dict(payload["config"])
         if config.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"{path}: Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}")
+            raise ValueError(
+                f"{path}: Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}"
+            )
         try:
             window = int(config.get("context_window", 0))
-            heads = cls(int(config["hidden_size"]), int(config["num_heads"]), token_conditioned=bool(config.get("token_conditioned", False)),
-                        context_window=window, context_heads=int(config["context_heads"]) if window else None,
-                        context_head_dim=int(config["context_head_dim"]) if window else None, config=config)
+            heads = cls(
+                int(config["hidden_size"]),
+                int(config["num_heads"]),
+                token_conditioned=bool(config.get("token_conditioned", False)),
+                context_window=window,
+                context_heads=int(config["context_heads"]) if window else None,
+                context_head_dim=int(config["context_head_dim"]) if window else None,
+                config=config,
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: a config this version cannot read ({type(e).__name__}: {e})") from None
         try:
@@ -383,7 +459,9 @@ def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return rotate(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
 
-def load_medusa_heads(path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu") -> MedusaHeads:
+def load_medusa_heads(
+    path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu"
+) -> MedusaHeads:
     """The shipped SmolLM2-135M-Instruct heads (``path`` None) or heads from a file.
 
     Raises:
@@ -431,7 +509,9 @@ class MedusaDrafter(Drafter):
         if heads is None or isinstance(heads, (str, Path)):
             heads = load_medusa_heads(heads, dtype=model.dtype, device=model.device)
         if heads.hidden_size != model.args.hidden_size:
-            raise ValueError(f"the heads' hidden size ({heads.hidden_size}) differs from the model's ({model.args.hidden_size})")
+            raise ValueError(
+                f"the heads' hidden size ({heads.hidden_size}) differs from the model's ({model.args.hidden_size})"
+            )
         if check_fingerprint and heads.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
             warnings.warn(
                 f"Medusa heads trained on {heads.config.get('base_model', 'another model')} "
@@ -475,7 +555,9 @@ class MedusaDrafter(Drafter):
                 kids = [[i for i in range(1, n) if self.tree_depths[i] == d + 1] for d in range(self.tree_depths[-1])]
                 as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=model.device)  # noqa: E731
                 self._expand_idx = [as_t(nodes) for nodes in by_depth]
-                self._expand_parent_slot = [as_t([0] if d == 0 else [slot[par[p]] for p in nodes]) for d, nodes in enumerate(by_depth)]
+                self._expand_parent_slot = [
+                    as_t([0] if d == 0 else [slot[par[p]] for p in nodes]) for d, nodes in enumerate(by_depth)
+                ]
                 self._child_idx = [as_t(c) for c in kids]
                 self._child_slot = [as_t([slot[par[i]] for i in c]) for c in kids]
                 self._child_rank = [self._rank_of_node.to(model.device)[c] for c in self._child_idx]
@@ -574,8 +656,10 @@ class MedusaDrafter(Drafter):
         heads follow the chain's tokens when they are token-conditioned."""
         B = len(histories)
         roots = [h[-1] for h in histories]
-        depth = [min(int(k), self.num_heads) if a and known else 0
-                 for k, a, known in zip(num_draft_tokens, active, self._known or [False] * B)]
+        depth = [
+            min(int(k), self.num_heads) if a and known else 0
+            for k, a, known in zip(num_draft_tokens, active, self._known or [False] * B)
+        ]
         self._chain = None
         if self._hidden is None or max(depth) == 0:
             return torch.zeros(B, vocab_size), torch.zeros(B, dtype=torch.bool)
@@ -614,7 +698,9 @@ class MedusaDrafter(Drafter):
     def _chain_draft(roots: List[int], best: torch.Tensor, depth: List[int]) -> Draft:
         """A chain draft: each root followed by the first depth[b] of best[b] (B, D)."""
         best = best.cpu().tolist()
-        return Draft.from_lists([([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True)
+        return Draft.from_lists(
+            [([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True
+        )
 
     def _tree_draft(self, tokens: torch.Tensor, depth: List[int]) -> Draft:
         """The static tree's first N nodes with these tokens (B, N); each sequence keeps
@@ -642,7 +728,9 @@ class MedusaDrafter(Drafter):
         tokens[:, 0] = root_t
         states = hidden.unsqueeze(1)  # the head states of the previous depth's expanders; the root's: h_t
         for d in range(D):
-            states = self.heads.step(d, states[:, self._expand_parent_slot[d]], E[tokens[:, self._expand_idx[d]]])  # (B, n_d, hidden)
+            states = self.heads.step(
+                d, states[:, self._expand_parent_slot[d]], E[tokens[:, self._expand_idx[d]]]
+            )  # (B, n_d, hidden)
             top = linear(states.to(W_out.dtype), W_out).topk(self._child_width[d], dim=-1).indices  # (B, n_d, width)
             tokens[:, self._child_idx[d]] = top[:, self._child_slot[d], self._child_rank[d]]
         return self._tree_draft(tokens, depth)

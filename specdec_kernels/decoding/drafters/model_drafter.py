@@ -19,6 +19,7 @@ distribution is returned as ``Draft.probs``.
 ``observe`` compacts the drafter's cache to the accepted path (``compact_kv_cache``), so
 the accepted drafts it had fed need not be fed again.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -68,7 +69,15 @@ class ModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model: Transformer, *, num_layers: Optional[int] = None, tree_widths: Optional[Sequence[int]] = None, max_nodes: int = 64, deterministic: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        num_layers: Optional[int] = None,
+        tree_widths: Optional[Sequence[int]] = None,
+        max_nodes: int = 64,
+        deterministic: bool = False,
+    ):
         L = model.args.num_layers
         if num_layers is not None and not 1 <= num_layers <= L:
             raise ValueError(f"num_layers must lie in 1..{L}, got {num_layers}")
@@ -91,7 +100,9 @@ class ModelDrafter(Drafter):
         layout = getattr(self, "cache_layout", None)
         if layout is not None and layout.paged:
             # the drafter's cache holds each prompt but its last token (the root) before drafting
-            self.cache = PagedKVCache.allocate(self.model, [list(h[:-1]) for h in histories], capacity, layout, self.num_layers)
+            self.cache = PagedKVCache.allocate(
+                self.model, [list(h[:-1]) for h in histories], capacity, layout, self.num_layers
+            )
             self._prefill_pending = True
         else:
             self.cache = self.model.new_kv_cache(len(histories), capacity, self.num_layers)
@@ -255,7 +266,7 @@ class ModelDrafter(Drafter):
                 cache.copy_shared_tails()
                 continue
             P = max(todo[b] for b in rows)
-            block = [list(histories[b][starts[b]: len(histories[b]) - 1]) + [0] * (P - todo[b]) for b in rows]
+            block = [list(histories[b][starts[b] : len(histories[b]) - 1]) + [0] * (P - todo[b]) for b in rows]
             positions = [[starts[b] + j for j in range(P)] for b in rows]
             self._forward(block, positions, [starts[b] for b in rows], None, [[]] * len(rows), cache=cache.rows(rows))
         for b in range(B):
@@ -274,7 +285,12 @@ class ModelDrafter(Drafter):
                 device = self.cache.pool.device
                 self.cache.compact(root.to(device).to(torch.int32), accepted_nodes.to(device), count.to(device))
             else:
-                compact_kv_cache(self.cache, root.to(self.cache.device), accepted_nodes.to(self.cache.device), count.to(self.cache.device))
+                compact_kv_cache(
+                    self.cache,
+                    root.to(self.cache.device),
+                    accepted_nodes.to(self.cache.device),
+                    count.to(self.cache.device),
+                )
         for b, a in enumerate(active):
             if a:
                 self.seqlens[b] = self._root_slot[b] + 1 + int(fed[b])
@@ -288,8 +304,18 @@ class LayerSkipDrafter(ModelDrafter):
 
     name = "layerskip"
 
-    def __init__(self, target: Transformer, num_layers: int, *, tree_widths=None, max_nodes: int = 64, deterministic: bool = False):
-        super().__init__(target, num_layers=num_layers, tree_widths=tree_widths, max_nodes=max_nodes, deterministic=deterministic)
+    def __init__(
+        self,
+        target: Transformer,
+        num_layers: int,
+        *,
+        tree_widths=None,
+        max_nodes: int = 64,
+        deterministic: bool = False,
+    ):
+        super().__init__(
+            target, num_layers=num_layers, tree_widths=tree_widths, max_nodes=max_nodes, deterministic=deterministic
+        )
 
 
 class DraftModelDrafter(ModelDrafter):

@@ -41,6 +41,7 @@ target's", the exponentially weighted average forecaster with log loss), then mi
 the uniform weights in proportion ``WEIGHT_SHARE`` (fixed share, Herbster & Warmuth 1998)
 so that a drafter that fell behind can come back.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,7 +67,9 @@ WEIGHT_SHARE = 0.05  # ensemble weights: the uniform share mixed in after each u
 LOG_FLOOR = 1e-6  # ensemble weights: q_i(x) below this counts as this (a zero would never recover)
 
 
-def map_to_merged(merged_tokens: Sequence[int], merged_parents: Sequence[int], tokens: Sequence[int], parents: Sequence[int]) -> List[int]:
+def map_to_merged(
+    merged_tokens: Sequence[int], merged_parents: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+) -> List[int]:
     """Merged-tree index of every node of one draft (-1 where ``max_nodes`` cut it).
 
     The merged tree is a trie (siblings never share a token), so a draft node is the child
@@ -190,16 +193,24 @@ class MultiDrafter(Drafter):
         if ensemble:
             for i, d in enumerate(drafters):
                 if not d.has_chain_distributions:
-                    raise TypeError(f"drafters[{i}] ({type(d).__name__}) hands over no chain distributions "
-                                    "(chain_begin / chain_extend), which ensemble averaging needs")
+                    raise TypeError(
+                        f"drafters[{i}] ({type(d).__name__}) hands over no chain distributions "
+                        "(chain_begin / chain_extend), which ensemble averaging needs"
+                    )
             if not vocabs:
                 raise ValueError("ensemble averaging needs the vocabulary size: at least one drafter with vocab_size")
         if weights is not None:
             if not ensemble:
                 raise ValueError("weights apply to ensemble averaging only (ensemble=True)")
             weights = [float(w) for w in weights]
-            if len(weights) != len(drafters) or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-                raise ValueError(f"weights must be one finite weight >= 0 per drafter ({len(drafters)}), not all 0, got {weights}")
+            if (
+                len(weights) != len(drafters)
+                or any(not math.isfinite(w) or w < 0 for w in weights)
+                or sum(weights) <= 0
+            ):
+                raise ValueError(
+                    f"weights must be one finite weight >= 0 per drafter ({len(drafters)}), not all 0, got {weights}"
+                )
         self.ensemble = bool(ensemble)
         self.weights = weights
         self.learn_weights = (weights is None) if learn_weights is None else bool(learn_weights)
@@ -230,7 +241,10 @@ class MultiDrafter(Drafter):
     @property
     def context_window(self) -> int:
         """The longest ``context_window`` of the sub-drafters that want hidden states."""
-        return max([int(getattr(d, "context_window", 0) or 0) for d in self.drafters if getattr(d, "wants_hidden", False)] or [0])
+        return max(
+            [int(getattr(d, "context_window", 0) or 0) for d in self.drafters if getattr(d, "wants_hidden", False)]
+            or [0]
+        )
 
     def observe_context(self, hidden, first_positions, active) -> None:
         """Forward the committed positions' hidden states to the sub-drafters with a context
@@ -264,7 +278,9 @@ class MultiDrafter(Drafter):
             own, own_n = argmax, num_nodes
             if not self.ensemble and self._last is not None:
                 per_seq, widths = self._last[1], self._last[2]
-                own = torch.full((argmax.shape[0], max(widths[i], 1)), -1, dtype=argmax.dtype)  # -1: cut from the merged tree
+                own = torch.full(
+                    (argmax.shape[0], max(widths[i], 1)), -1, dtype=argmax.dtype
+                )  # -1: cut from the merged tree
                 own_n = torch.ones(argmax.shape[0], dtype=torch.int64)
                 for b, (_, maps, _) in enumerate(per_seq):
                     ids = maps[i]

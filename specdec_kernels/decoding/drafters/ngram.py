@@ -1,4 +1,5 @@
 """N-gram drafting: prompt lookup decoding (Saxena 2023) over the prompt and the generated text."""
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -172,7 +173,9 @@ class NgramDrafter(Drafter):
         for h, k, a in zip(histories, num_draft_tokens, active):
             root = h[-1]
             limit = self.max_chains if self.tree else 1
-            chains = ngram_continuations(h, k, self.max_ngram, self.min_ngram, limit, self.tokens_per_match) if a else []
+            chains = (
+                ngram_continuations(h, k, self.max_ngram, self.min_ngram, limit, self.tokens_per_match) if a else []
+            )
             if not chains:
                 trees.append(([root], [-1]))
             elif not self.tree:

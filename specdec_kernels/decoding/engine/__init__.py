@@ -9,6 +9,7 @@
 The engine talks to drafters only through the interface in ``decoding.draft`` (``Drafter``,
 ``Draft``); every drafter lives in ``decoding.drafters`` and none is imported here.
 """
+
 from specdec_kernels.decoding.engine.loop import DecodeState, GenerationResult, SpeculativeDecoder, StepRecord
 
 __all__ = ["DecodeState", "GenerationResult", "SpeculativeDecoder", "StepRecord"]

@@ -22,13 +22,24 @@ reaches depth j given that depth j was requested (this folds in drafts that come
 shorter than K, e.g. an n-gram lookup without a match), and the step takes
 ``T(K) = t_draft(K) + t_verify(nodes(K))``.  The policy picks ``argmax_K E(K) / T(K)``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence
 
 #: name -> K used by ``default_policy`` as the fixed K, and the cap of adaptive policies
-DEFAULT_K = {"ngram": 8, "layerskip": 4, "draft-model": 4, "multi": 6, "medusa": 4, "medusa-tree": 4, "eagle": 6, "eagle-tree": 7,
-             "lookahead": 4, "none": 0}
+DEFAULT_K = {
+    "ngram": 8,
+    "layerskip": 4,
+    "draft-model": 4,
+    "multi": 6,
+    "medusa": 4,
+    "medusa-tree": 4,
+    "eagle": 6,
+    "eagle-tree": 7,
+    "lookahead": 4,
+    "none": 0,
+}
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -180,7 +191,13 @@ class LinearCost:
     """
 
     def __init__(
-        self, a: Optional[float] = None, b: Optional[float] = None, *, proportional: bool = False, decay: float = 0.1, min_count: int = 3
+        self,
+        a: Optional[float] = None,
+        b: Optional[float] = None,
+        *,
+        proportional: bool = False,
+        decay: float = 0.1,
+        min_count: int = 3,
     ):
         self.fixed = (a, b) if a is not None and b is not None else None
         self.proportional = proportional
@@ -330,7 +347,11 @@ class CostModelPolicy(DraftLengthPolicy):
             req = sum(r[j] for r in self.requested)
             hit = sum(r[j] for r in self.reached)
             prior = self.prior_ratio * prev
-            r = (hit + self.prior_strength * prior) / (req + self.prior_strength) if req + self.prior_strength > 0 else prior
+            r = (
+                (hit + self.prior_strength * prior) / (req + self.prior_strength)
+                if req + self.prior_strength > 0
+                else prior
+            )
             prev = min(r, prev)
             rates.append(prev)
         return rates
@@ -373,7 +394,9 @@ class CostModelPolicy(DraftLengthPolicy):
         else:
             times = self.step_times()
             batch = self.batch_rates()
-            choice = [best_draft_length(self.sequence_rates(b, batch), times, self.k_min) for b in range(state.batch_size)]
+            choice = [
+                best_draft_length(self.sequence_rates(b, batch), times, self.k_min) for b in range(state.batch_size)
+            ]
             if self.explore_every and self.steps % self.explore_every == 0:
                 choice = [min(k + 1, self.k_max) for k in choice]
         self.last_choice = choice
@@ -452,4 +475,3 @@ def resolve_policy(policy, drafter) -> Optional[DraftLengthPolicy]:
             raise ValueError(f"policy must be None, a DraftLengthPolicy or one of {sorted(makers)}, got {policy!r}")
         return makers[policy]()
     raise TypeError(f"policy must be None, a name or a DraftLengthPolicy, got {type(policy).__name__}")
-

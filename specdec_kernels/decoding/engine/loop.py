@@ -22,6 +22,7 @@ through the table), and with ``share_prefix=True`` prompts of a batch that begin
 tokens (a common system prompt) share the KV blocks of that prefix, computed once, with
 copy-on-write of the block where they diverge.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,6 +58,7 @@ def _per_sequence(name: str, value, batch: int) -> List[int]:
             raise ValueError(f"{name} must be an int or one per sequence ({batch}), got {len(out)} values")
         return out
     return [as_int(name, value)] * batch
+
 
 DraftSchedule = Union[int, Sequence[int], Callable[[int, "DecodeState"], Union[int, Sequence[int]]]]
 _DRAFT_SEED_OFFSET = 0x5DEECE66D
@@ -282,11 +284,15 @@ class SpeculativeDecoder:
         if not isinstance(model, Transformer) and not getattr(type(model), "_specdec_decode_target", False):
             raise TypeError(f"model must be a specdec_kernels.decoding.Transformer, got {type(model).__name__}")
         if drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(f"drafter must be a Drafter (e.g. NgramDrafter()) or None, got {type(drafter).__name__} {drafter!r}")
+            raise TypeError(
+                f"drafter must be a Drafter (e.g. NgramDrafter()) or None, got {type(drafter).__name__} {drafter!r}"
+            )
         self.model = model
         self.drafter = drafter if drafter is not None else NoDrafter()
         if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
-            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}")
+            raise TypeError(
+                f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}"
+            )
         stops = as_int_list("stop_token_ids", stop_token_ids)
         if stops and (min(stops) < 0 or max(stops) >= model.args.vocab_size):
             raise ValueError(f"stop_token_ids must lie in [0, {model.args.vocab_size}), got {sorted(stops)}")
@@ -309,9 +315,14 @@ class SpeculativeDecoder:
         self.typical_alpha = typical_alpha
         if share_prefix and block_size is None:
             raise ValueError("share_prefix=True needs a paged cache: give block_size (e.g. 16)")
-        self.cache_layout = CacheLayout(paged=block_size is not None, block_size=block_size or 16, share_prefix=bool(share_prefix))
-        if not (threads is None or threads == "auto" or (isinstance(threads, int) and not isinstance(threads, bool)
-                                                        and 1 <= threads <= 1024)):
+        self.cache_layout = CacheLayout(
+            paged=block_size is not None, block_size=block_size or 16, share_prefix=bool(share_prefix)
+        )
+        if not (
+            threads is None
+            or threads == "auto"
+            or (isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= 1024)
+        ):
             raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
         self.threads = threads
         vocab = getattr(self.drafter, "vocab_size", None)
@@ -417,7 +428,11 @@ class SpeculativeDecoder:
         if self.cache_layout.paged:
             # the shared prefix never reaches the positions whose hidden states a Medusa-style
             # drafter needs from this sequence's own prefill (its context window, its last token)
-            keep = max(1, int(getattr(self.drafter, "context_window", 0) or 0)) if getattr(self.drafter, "wants_hidden", False) else 0
+            keep = (
+                max(1, int(getattr(self.drafter, "context_window", 0) or 0))
+                if getattr(self.drafter, "wants_hidden", False)
+                else 0
+            )
             prefixes = [h[: max(0, len(h) - 1 - keep)] for h in histories]
             kv_cache = PagedKVCache.allocate(self.model, prefixes, capacity, self.cache_layout)
         else:
@@ -432,7 +447,9 @@ class SpeculativeDecoder:
             generators=make_generators(seeds, B),
             sampling=sampling,
         )
-        state.stats.kv_cache_bytes = kv_cache.nbytes if isinstance(kv_cache, PagedKVCache) else kv_cache.numel() * kv_cache.element_size()
+        state.stats.kv_cache_bytes = (
+            kv_cache.nbytes if isinstance(kv_cache, PagedKVCache) else kv_cache.numel() * kv_cache.element_size()
+        )
         t = time.perf_counter()
         prefill_hidden = self._prefill(state)
         state.stats.prefill_time = time.perf_counter() - t
@@ -506,11 +523,23 @@ class SpeculativeDecoder:
                     lo = [starts[b] + c for b in rows_b]
                     want = [range(max(first[b], lo[r]), min(fed[b], lo[r] + n)) for r, b in enumerate(rows_b)]
                     m = max(1, max(len(w) for w in want))
-                    rows = torch.tensor([[(w[min(i, len(w) - 1)] - lo[r]) if len(w) else 0 for i in range(m)]
-                                         for r, w in enumerate(want)], dtype=torch.int64, device=device)
+                    rows = torch.tensor(
+                        [
+                            [(w[min(i, len(w) - 1)] - lo[r]) if len(w) else 0 for i in range(m)]
+                            for r, w in enumerate(want)
+                        ],
+                        dtype=torch.int64,
+                        device=device,
+                    )
                     _, hidden = self.model(
-                        block.to(device), positions.to(device), sub, seqlens, None,
-                        logit_rows=rows, return_hidden=True, compute_logits=False,
+                        block.to(device),
+                        positions.to(device),
+                        sub,
+                        seqlens,
+                        None,
+                        logit_rows=rows,
+                        return_hidden=True,
+                        compute_logits=False,
                     )
                     for r, (b, w) in enumerate(zip(rows_b, want)):
                         if len(w):
@@ -572,7 +601,9 @@ class SpeculativeDecoder:
             if isinstance(state.kv_cache, PagedKVCache):
                 state.kv_cache.compact(state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
             else:
-                compact_kv_cache(state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
+                compact_kv_cache(
+                    state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device)
+                )
         state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
         t3 = time.perf_counter()
         if self._target_argmax is not None:  # e.g. lookahead decoding's Jacobi update
@@ -623,44 +654,60 @@ class SpeculativeDecoder:
             if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
                 raise TypeError(f"drafter {name!r}: Draft.{part} must hold integers (int64), got {t.dtype}")
         if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or draft.num_nodes.shape != (B,):
-            raise ValueError(f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
-                             f"{tuple(draft.tokens.shape)} and {tuple(draft.num_nodes.shape)}")
+            raise ValueError(
+                f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
+                f"{tuple(draft.tokens.shape)} and {tuple(draft.num_nodes.shape)}"
+            )
         n = draft.num_nodes.tolist()
         if min(n) < 1 or max(n) > draft.tokens.shape[1]:
-            raise ValueError(f"drafter {name!r}: num_nodes must lie in 1..{draft.tokens.shape[1]} (the root counts), got {n}")
+            raise ValueError(
+                f"drafter {name!r}: num_nodes must lie in 1..{draft.tokens.shape[1]} (the root counts), got {n}"
+            )
         N = draft.tokens.shape[1]
         if draft.parents.shape != (B, N):
-            raise ValueError(f"drafter {name!r}: Draft.parents must have shape (B={B}, N={N}) like tokens, "
-                             f"got {tuple(draft.parents.shape)}")
+            raise ValueError(
+                f"drafter {name!r}: Draft.parents must have shape (B={B}, N={N}) like tokens, "
+                f"got {tuple(draft.parents.shape)}"
+            )
         parents = draft.parents.cpu().to(torch.int64)
         node = torch.arange(N)
         bad_parent = (node[None, 1:] <= parents[:, 1:]) | (parents[:, 1:] < 0)
         bad_parent = torch.cat([(parents[:, :1] != -1), bad_parent], dim=1)
         if bad_parent.any():
             b, i = (int(v) for v in bad_parent.nonzero()[0])
-            raise ValueError(f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
-                             f"(padding nodes too); sequence {b}, node {i} has parent {int(parents[b, i])}")
+            raise ValueError(
+                f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
+                f"(padding nodes too); sequence {b}, node {i} has parent {int(parents[b, i])}"
+            )
         if draft.is_chain:
             used_nodes = node[None, 1:] < torch.tensor(n)[:, None]
             if (used_nodes & (parents[:, 1:] != node[None, :-1])).any():
-                raise ValueError(f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)")
+                raise ValueError(
+                    f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)"
+                )
         if draft.probs is not None:
             p = draft.probs
             if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.shape != (B, N, V):
-                raise ValueError(f"drafter {name!r}: Draft.probs must be a float tensor (B={B}, N={N}, V={V}) or None, got "
-                                 f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+                raise ValueError(
+                    f"drafter {name!r}: Draft.probs must be a float tensor (B={B}, N={N}, V={V}) or None, got "
+                    f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
+                )
         tokens = draft.tokens.cpu()
         roots = tokens[:, 0].tolist()
         for b in range(B):
             if active[b] and roots[b] != state.histories[b][-1]:
-                raise ValueError(f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
-                                 f"token {state.histories[b][-1]}")
+                raise ValueError(
+                    f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
+                    f"token {state.histories[b][-1]}"
+                )
         used = torch.arange(tokens.shape[1]) < torch.tensor(n)[:, None]
         bad = used & ((tokens < 0) | (tokens >= V))
         if bad.any():
             b, i = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
-                             f"is outside the vocabulary [0, {V})")
+            raise ValueError(
+                f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
+                f"is outside the vocabulary [0, {V})"
+            )
         return draft
 
     def _verify(self, state: DecodeState, draft: Draft):

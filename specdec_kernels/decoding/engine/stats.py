@@ -1,4 +1,5 @@
 """Statistics of a speculative decoding run."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

@@ -23,6 +23,7 @@ Documented choices: p_i is the distribution the engine samples from
 tokens with p > 0 (Medusa adds 1e-5 inside the logarithm of the temperature-scaled
 softmax).
 """
+
 from __future__ import annotations
 
 import math

@@ -31,6 +31,7 @@ The shipped ``specdec_kernels/data/eagle/smollm2-135m-instruct.pt`` was made wit
 command stored in its ``config["training"]["command"]`` (see docs/ENGINE.md).  ``--random-model``
 runs the whole pipeline on a tiny random Llama (a smoke test, seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,14 @@ def feature_rows(data: SelfDistilled, output_weight: torch.Tensor, chunk: int = 
     return FeatureRows(torch.cat(states), torch.cat(nexts), torch.cat(labels), torch.cat(ends))
 
 
-def unrolled(head: EagleHead, embedding: torch.Tensor, f: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor,
-             unroll: int) -> List[torch.Tensor]:
+def unrolled(
+    head: EagleHead,
+    embedding: torch.Tensor,
+    f: torch.Tensor,
+    next_tokens: torch.Tensor,
+    valid: torch.Tensor,
+    unroll: int,
+) -> List[torch.Tensor]:
     """The head's outputs over segments with training-time test.
 
     Args:
@@ -137,9 +144,23 @@ def unrolled(head: EagleHead, embedding: torch.Tensor, f: torch.Tensor, next_tok
     return outs
 
 
-def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps: int, segments: int, segment: int, unroll: int,
-               lr: float, seed: int, reg: float = 0.1, distill: float = 1.0, frequent: int = 4096, negatives: int = 2048,
-               desc: str = "train") -> List[float]:
+def train_head(
+    head: EagleHead,
+    model: Transformer,
+    rows: FeatureRows,
+    *,
+    steps: int,
+    segments: int,
+    segment: int,
+    unroll: int,
+    lr: float,
+    seed: int,
+    reg: float = 0.1,
+    distill: float = 1.0,
+    frequent: int = 4096,
+    negatives: int = 2048,
+    desc: str = "train",
+) -> List[float]:
     """Train ``head`` on the feature rows (see the module docstring); returns every step's loss.
 
     Raises:
@@ -173,7 +194,9 @@ def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps:
             outs = unrolled(head, E, f, rows.next_tokens[idx], valid, U)
             # step s at row t: the truth is row t + s (its feature; the target's distribution
             # over the token after it and its argmax)
-            labels = torch.stack([torch.where(valid[:, s : s + L], rows.labels[idx[:, s : s + L]], -100) for s in range(1, U + 1)])
+            labels = torch.stack(
+                [torch.where(valid[:, s : s + L], rows.labels[idx[:, s : s + L]], -100) for s in range(1, U + 1)]
+            )
             c = softmax.draw(labels, g)
             W_c = W_bf[c.tokens].T
             total = torch.zeros(())
@@ -199,8 +222,14 @@ def train_head(head: EagleHead, model: Transformer, rows: FeatureRows, *, steps:
 
 
 @torch.no_grad()
-def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: int, segment: int,
-              draft_vocab: Optional[torch.Tensor] = None) -> Dict[str, object]:
+def agreement(
+    head: EagleHead,
+    model: Transformer,
+    rows: FeatureRows,
+    unroll: int,
+    segment: int,
+    draft_vocab: Optional[torch.Tensor] = None,
+) -> Dict[str, object]:
     """Top-1 agreement of the head with the target at each unrolled depth (teacher-forced
     tokens, the head's own features), over consecutive segments of every sequence, and the
     expected accepted length of a chain of ``unroll`` drafts (1 + the sum over depths of
@@ -240,7 +269,9 @@ def agreement(head: EagleHead, model: Transformer, rows: FeatureRows, unroll: in
     return {"top1": top1, "chain_expected_accepted_length": expected, "positions": [int((h >= 0).sum()) for h in H]}
 
 
-def evaluate(model, head, prompts, new_tokens: int, stop_ids, batch: int = 8, max_nodes: int = 64, top_k: int = 8) -> Dict[str, dict]:
+def evaluate(
+    model, head, prompts, new_tokens: int, stop_ids, batch: int = 8, max_nodes: int = 64, top_k: int = 8
+) -> Dict[str, dict]:
     """Mean accepted length of EAGLE chain and dynamic-tree decoding at temperature 0, and
     whether the outputs equal plain greedy decoding (``evaluate_drafters``)."""
     drafters = {}
@@ -251,10 +282,14 @@ def evaluate(model, head, prompts, new_tokens: int, stop_ids, batch: int = 8, ma
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.training.eagle", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m specdec_kernels.decoding.training.eagle", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     p.add_argument("--segments", type=int, default=8, help="segments per minibatch")
-    p.add_argument("--segment", type=int, default=128, help="consecutive positions per segment (= the drafter's window)")
+    p.add_argument(
+        "--segment", type=int, default=128, help="consecutive positions per segment (= the drafter's window)"
+    )
     p.add_argument("--unroll", type=int, default=3, help="training-time test steps (1: teacher forcing only)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width (default: the target's)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -262,10 +297,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--distill", type=float, default=1.0, help="weight of the soft labels against the argmax, in [0, 1]")
     p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
-    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
-                   help="the draft vocabulary the head recommends: the N most frequent training labels (0: the whole vocabulary)")
-    p.add_argument("--draft-vocab-only", action="store_true",
-                   help="train nothing: store the training labels' token ranking and --draft-vocab in the head at --out")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=DRAFT_VOCAB,
+        help="the draft vocabulary the head recommends: the N most frequent training labels (0: the whole vocabulary)",
+    )
+    p.add_argument(
+        "--draft-vocab-only",
+        action="store_true",
+        help="train nothing: store the training labels' token ranking and --draft-vocab in the head at --out",
+    )
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
     add_data_arguments(p)
     args = p.parse_args(argv)
@@ -296,18 +338,31 @@ def rank_tokens(head: EagleHead, train_rows: FeatureRows, tune_rows: FeatureRows
     vocab = ranking[:size] if 0 < size < vocab_size else torch.arange(vocab_size)
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[vocab] = True
-    return {"size": int(vocab.numel()), "ranked_tokens": int(ranking.numel()), "tune_coverage": float(inside[tune_rows.labels].float().mean())}
+    return {
+        "size": int(vocab.numel()),
+        "ranked_tokens": int(ranking.numel()),
+        "tune_coverage": float(inside[tune_rows.labels].float().mean()),
+    }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     setup = prepare(args)
-    model, fingerprint, base, stops, bench_p = setup.model, setup.fingerprint, setup.base_model, setup.stop_ids, setup.bench_prompts
+    model, fingerprint, base, stops, bench_p = (
+        setup.model,
+        setup.fingerprint,
+        setup.base_model,
+        setup.stop_ids,
+        setup.bench_prompts,
+    )
     train_rows = feature_rows(setup.train, model.output.weight)
     tune_rows = feature_rows(setup.tune, model.output.weight)
     t_data = time.perf_counter() - t0
-    print(f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions", file=sys.stderr)
+    print(
+        f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions",
+        file=sys.stderr,
+    )
 
     V = model.args.vocab_size
     if args.draft_vocab_only:
@@ -315,24 +370,46 @@ def main(argv=None) -> int:
         vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
         ids = None if head.config["draft_vocab_size"] is None else head.token_ranking[: head.config["draft_vocab_size"]]
         report = agreement(head, model, tune_rows, args.unroll, args.segment, ids)
-        head.config["draft_vocab"] = {**vocab, "command": training_record("specdec_kernels.decoding.training.eagle", argv, args)["command"],
-                                      "tune_top1": report["top1"]}
+        head.config["draft_vocab"] = {
+            **vocab,
+            "command": training_record("specdec_kernels.decoding.training.eagle", argv, args)["command"],
+            "tune_top1": report["top1"],
+        }
         head.save(args.out)
-        print(f"draft vocabulary {vocab['size']} tokens: {vocab['tune_coverage']:.4f} of the tuning labels; top-1 agreement by "
-              f"depth {[round(a, 3) for a in report['top1']]}; saved {args.out}", file=sys.stderr)
+        print(
+            f"draft vocabulary {vocab['size']} tokens: {vocab['tune_coverage']:.4f} of the tuning labels; top-1 agreement by "
+            f"depth {[round(a, 3) for a in report['top1']]}; saved {args.out}",
+            file=sys.stderr,
+        )
         return 0
     head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
     t1 = time.perf_counter()
-    losses = train_head(head, model, train_rows, steps=args.steps, segments=args.segments, segment=args.segment, unroll=args.unroll,
-                        lr=args.lr, seed=args.seed, reg=args.reg, distill=args.distill, frequent=args.frequent, negatives=args.negatives)
+    losses = train_head(
+        head,
+        model,
+        train_rows,
+        steps=args.steps,
+        segments=args.segments,
+        segment=args.segment,
+        unroll=args.unroll,
+        lr=args.lr,
+        seed=args.seed,
+        reg=args.reg,
+        distill=args.distill,
+        frequent=args.frequent,
+        negatives=args.negatives,
+    )
     t_train = time.perf_counter() - t1
     vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
     report = agreement(head, model, tune_rows, args.unroll, args.segment)
     if head.config["draft_vocab_size"] is not None:
         ids = head.token_ranking[: head.config["draft_vocab_size"]]
         vocab["tune_top1"] = agreement(head, model, tune_rows, args.unroll, args.segment, ids)["top1"]
-    print(f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
-          f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}", file=sys.stderr)
+    print(
+        f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
+        f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}",
+        file=sys.stderr,
+    )
     head.config = {
         "base_model": base,
         "base_fingerprint": fingerprint,

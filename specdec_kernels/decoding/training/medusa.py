@@ -59,6 +59,7 @@ trained weights slightly, but not the recipe.
 ``--random-model`` trains on a tiny random-weight Llama with random prompts instead (a smoke
 test of the whole pipeline, in seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,7 +129,13 @@ class Examples(NamedTuple):
     seq_start: torch.Tensor
 
 
-def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_weight: Optional[torch.Tensor] = None, chunk: int = 2048) -> Examples:
+def examples(
+    data: SelfDistilled,
+    num_heads: int,
+    prompt: bool = True,
+    output_weight: Optional[torch.Tensor] = None,
+    chunk: int = 2048,
+) -> Examples:
     """Training examples (``Examples``): hidden states X (M, hidden) fp16 at positions t;
     labels Y (M, k) int64: Y[:, i] is the target's prediction of the token at t + i + 2
     (-100 where the text ends first); the path tokens T (M, k) int64: T[:, i] is the text's
@@ -166,7 +173,9 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
         if n_prompt > 1:
             if W_out is None:
                 raise ValueError("examples over prompt positions need output_weight (the target's head)")
-            pred = torch.cat([(h[j : min(j + chunk, n_prompt)].float() @ W_out.T).argmax(-1) for j in range(1, n_prompt, chunk)])
+            pred = torch.cat(
+                [(h[j : min(j + chunk, n_prompt)].float() @ W_out.T).argmax(-1) for j in range(1, n_prompt, chunk)]
+            )
             seq[first + 2 : first + 1 + n_prompt] = pred
         pos = first + torch.arange(T)
         lab = torch.full((T, num_heads), -100, dtype=torch.int64)
@@ -188,11 +197,21 @@ def examples(data: SelfDistilled, num_heads: int, prompt: bool = True, output_we
         teach.append(tea[keep])
         where.append(start + skip + keep.nonzero()[:, 0])
     states = torch.cat(list(data.hidden)) if data.hidden else torch.zeros(0, 0, dtype=torch.float16)
-    return Examples(torch.cat(xs), torch.cat(ys), torch.cat(ts), torch.cat(teach), states, torch.cat(where),
-                    torch.cat(nexts), torch.cat(starts))
+    return Examples(
+        torch.cat(xs),
+        torch.cat(ys),
+        torch.cat(ts),
+        torch.cat(teach),
+        states,
+        torch.cat(where),
+        torch.cat(nexts),
+        torch.cat(starts),
+    )
 
 
-def context_batch(heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, query_rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def context_batch(
+    heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, query_rows: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """s_0 from the context layer (``MedusaHeads.contextualize``) for segments of
     consecutive positions.
 
@@ -215,7 +234,9 @@ def context_batch(heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, que
     # when its first position is an example); once broken, a run stays broken
     continues = (query_rows == first + torch.arange(L)) & (ex.seq_start[query_rows.clamp(max=N - 1)] == seq)
     continues = continues.cumprod(dim=1).bool()
-    keys = first - (W - 1) + torch.arange(W - 1 + L)  # (S, W - 1 + L): the window before the first query, then the queries
+    keys = (
+        first - (W - 1) + torch.arange(W - 1 + L)
+    )  # (S, W - 1 + L): the window before the first query, then the queries
     valid = (keys >= seq) & (keys < N)
     keys = keys.clamp(0, N - 1)
     valid &= ex.seq_start[keys] == seq
@@ -234,7 +255,9 @@ def run_starts(ex: Examples) -> torch.Tensor:
 
 
 @torch.no_grad()
-def context_states(heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, segment: int = 64, chunk: int = 64) -> torch.Tensor:
+def context_states(
+    heads: MedusaHeads, embedding: torch.Tensor, ex: Examples, segment: int = 64, chunk: int = 64
+) -> torch.Tensor:
     """(M, hidden) float32: s_0 of every example of ``ex`` through the context layer (the
     examples' h_t when the heads have none)."""
     if not heads.context_window:
@@ -330,7 +353,9 @@ def train_heads(
     if context is not None and context.rows.shape[0] != X.shape[0]:
         raise ValueError(f"context must be the Examples of X ({X.shape[0]} rows), got {context.rows.shape[0]}")
     if X.ndim != 2 or Y.ndim != 2 or Y.shape[0] != X.shape[0] or Y.shape[1] != heads.num_heads:
-        raise ValueError(f"X must be (M, hidden) and Y (M, {heads.num_heads}), got {tuple(X.shape)} and {tuple(Y.shape)}")
+        raise ValueError(
+            f"X must be (M, hidden) and Y (M, {heads.num_heads}), got {tuple(X.shape)} and {tuple(Y.shape)}"
+        )
     if heads.token_conditioned and tokens.shape != Y.shape:
         raise ValueError(f"tokens must have Y's shape {tuple(Y.shape)}, got {tuple(tokens.shape)}")
     if distill > 0:
@@ -344,7 +369,9 @@ def train_heads(
     if heads.context_window:
         L = min(segment, batch)
         brk = run_starts(context)
-        run_first = torch.cummax(torch.where(brk, torch.arange(brk.numel()), 0), dim=0).values  # each example's run's first
+        run_first = torch.cummax(
+            torch.where(brk, torch.arange(brk.numel()), 0), dim=0
+        ).values  # each example's run's first
     from tqdm import tqdm
 
     g = torch.Generator().manual_seed(seed)
@@ -380,11 +407,15 @@ def train_heads(
             if distill > 0:
                 # per label: (1 - distill) hard + distill soft; hard alone where the target's
                 # distribution was not recorded (a sequence's last label)
-                hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")  # (batch, k)
+                hard = F.cross_entropy(
+                    logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+                )  # (batch, k)
                 ti = teacher[idx]
                 has = ti >= 0
                 with torch.no_grad():
-                    soft_p = torch.softmax((teacher_states[ti.clamp(min=0)].to(torch.bfloat16) @ W_c).float() + bias, dim=-1)
+                    soft_p = torch.softmax(
+                        (teacher_states[ti.clamp(min=0)].to(torch.bfloat16) @ W_c).float() + bias, dim=-1
+                    )
                 soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
                 per = torch.where(has, (1 - distill) * hard + distill * soft, hard)
                 valid = target >= 0
@@ -397,8 +428,15 @@ def train_heads(
 
 
 @torch.no_grad()
-def true_ranks(heads: MedusaHeads, output_weight: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, chunk: int = 512,
-               tokens: Optional[torch.Tensor] = None, embedding: Optional[torch.Tensor] = None) -> torch.Tensor:
+def true_ranks(
+    heads: MedusaHeads,
+    output_weight: torch.Tensor,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    chunk: int = 512,
+    tokens: Optional[torch.Tensor] = None,
+    embedding: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """(M, k) int64: the rank of each label in its head's ranking (0 = argmax), -1 where
     the label is missing.  Token-conditioned heads read the true path (``tokens``, through
     ``embedding``): the ranking a tree node sees when the path to it is the right one."""
@@ -443,31 +481,58 @@ def best_tree(ranks: torch.Tensor, max_nodes: int, max_rank: int = 10) -> Tuple[
 def evaluate(model, heads, prompts, new_tokens: int, stop_ids, tree_choices=None, batch: int = 8) -> Dict[str, dict]:
     """Mean accepted length of Medusa chain and tree decoding at temperature 0 on the prompts,
     and whether the outputs equal plain greedy decoding (``evaluate_drafters``)."""
-    drafters = {name: (MedusaDrafter(model, heads, tree=tree, choices=tree_choices if tree else None), heads.num_heads)
-                for name, tree in (("medusa", False), ("medusa-tree", True))}
+    drafters = {
+        name: (MedusaDrafter(model, heads, tree=tree, choices=tree_choices if tree else None), heads.num_heads)
+        for name, tree in (("medusa", False), ("medusa-tree", True))
+    }
     return evaluate_drafters(model, prompts, new_tokens, stop_ids, drafters, batch)
 
 
 # ---------------------------------------------------------------------- CLI
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m specdec_kernels.decoding.training.medusa", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m specdec_kernels.decoding.training.medusa", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
-    p.add_argument("--token-conditioned", action=argparse.BooleanOptionalAction, default=True,
-                   help="heads that also read the draft path's tokens (Hydra); --no-token-conditioned: plain Medusa heads")
-    p.add_argument("--context-window", type=int, default=32,
-                   help="positions the heads' context attention layer sees (Hydra++ prefix attention); 0: none")
-    p.add_argument("--context-heads", type=int, default=None, help="attention heads of the context layer (head dimension 64; default hidden / 64)")
-    p.add_argument("--segment", type=int, default=16, help="consecutive positions per minibatch run (context layer only)")
+    p.add_argument(
+        "--token-conditioned",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="heads that also read the draft path's tokens (Hydra); --no-token-conditioned: plain Medusa heads",
+    )
+    p.add_argument(
+        "--context-window",
+        type=int,
+        default=32,
+        help="positions the heads' context attention layer sees (Hydra++ prefix attention); 0: none",
+    )
+    p.add_argument(
+        "--context-heads",
+        type=int,
+        default=None,
+        help="attention heads of the context layer (head dimension 64; default hidden / 64)",
+    )
+    p.add_argument(
+        "--segment", type=int, default=16, help="consecutive positions per minibatch run (context layer only)"
+    )
     p.add_argument("--steps", type=int, default=4000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--distill", type=float, default=1.0,
-                   help="weight of the soft labels (the target's own distribution) against its argmax, in [0, 1]")
+    p.add_argument(
+        "--distill",
+        type=float,
+        default=1.0,
+        help="weight of the soft labels (the target's own distribution) against its argmax, in [0, 1]",
+    )
     p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
-    p.add_argument("--prompt-positions", action=argparse.BooleanOptionalAction, default=True,
-                   help="also train on prompt positions (labels: the target's argmax there)")
+    p.add_argument(
+        "--prompt-positions",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train on prompt positions (labels: the target's argmax there)",
+    )
     p.add_argument("--tree-nodes", type=int, default=64, help="nodes of the tuned tree, root included")
     p.add_argument("--out", default=str(SHIPPED), help="where the heads go")
     add_data_arguments(p)
@@ -489,7 +554,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     setup = prepare(args)
-    model, fingerprint, base, stops, bench_p = setup.model, setup.fingerprint, setup.base_model, setup.stop_ids, setup.bench_prompts
+    model, fingerprint, base, stops, bench_p = (
+        setup.model,
+        setup.fingerprint,
+        setup.base_model,
+        setup.stop_ids,
+        setup.bench_prompts,
+    )
     train_d, tune_d = setup.train, setup.tune
     t_data = time.perf_counter() - t0
 
@@ -497,24 +568,48 @@ def main(argv=None) -> int:
     tune = examples(tune_d, args.heads, prompt=False)
     X, Y = ex.hidden, ex.labels
     print(f"{X.shape[0]} training positions, {tune.hidden.shape[0]} tuning positions", file=sys.stderr)
-    heads = MedusaHeads(model.args.hidden_size, args.heads, token_conditioned=args.token_conditioned, context_window=args.context_window,
-                         context_heads=args.context_heads)
+    heads = MedusaHeads(
+        model.args.hidden_size,
+        args.heads,
+        token_conditioned=args.token_conditioned,
+        context_window=args.context_window,
+        context_heads=args.context_heads,
+    )
     E = model.tok_embeddings.weight
     t1 = time.perf_counter()
-    losses = train_heads(heads, model.output.weight, X, Y, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                         weight_decay=args.weight_decay, frequent=args.frequent, negatives=args.negatives, tokens=ex.path, embedding=E,
-                         teacher=ex.teacher, teacher_states=ex.states, distill=args.distill,
-                         context=ex if args.context_window else None, segment=args.segment)
+    losses = train_heads(
+        heads,
+        model.output.weight,
+        X,
+        Y,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+        weight_decay=args.weight_decay,
+        frequent=args.frequent,
+        negatives=args.negatives,
+        tokens=ex.path,
+        embedding=E,
+        teacher=ex.teacher,
+        teacher_states=ex.states,
+        distill=args.distill,
+        context=ex if args.context_window else None,
+        segment=args.segment,
+    )
     t_train = time.perf_counter() - t1
 
-    ranks = true_ranks(heads, model.output.weight, context_states(heads, E, tune), tune.labels, tokens=tune.path, embedding=E)
+    ranks = true_ranks(
+        heads, model.output.weight, context_states(heads, E, tune), tune.labels, tokens=tune.path, embedding=E
+    )
     top1 = [(ranks[:, i] == 0).float()[ranks[:, i] >= 0].mean().item() for i in range(args.heads)]
     choices, expected = best_tree(ranks, args.tree_nodes)
-    chain_expected = 1.0 + sum(
-        (ranks[:, : i + 1] == 0).all(dim=1).float().mean().item() for i in range(args.heads)
+    chain_expected = 1.0 + sum((ranks[:, : i + 1] == 0).all(dim=1).float().mean().item() for i in range(args.heads))
+    print(
+        f"tuning set: top-1 accuracy by head {[round(a, 3) for a in top1]}; expected accepted length "
+        f"chain {chain_expected:.2f}, tree ({len(choices) + 1} nodes) {expected:.2f}",
+        file=sys.stderr,
     )
-    print(f"tuning set: top-1 accuracy by head {[round(a, 3) for a in top1]}; expected accepted length "
-          f"chain {chain_expected:.2f}, tree ({len(choices) + 1} nodes) {expected:.2f}", file=sys.stderr)
 
     heads.config = {
         "base_model": base,

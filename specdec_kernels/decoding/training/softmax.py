@@ -7,6 +7,7 @@ Target Vocabulary for Neural Machine Translation"): the most frequent labels of 
 the minibatch's own labels, and tokens drawn uniformly from the rest of the vocabulary,
 whose logits get + log(rest / drawn), the mass of the tokens not drawn.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,7 +82,9 @@ class SampledSoftmax:
             draw = draw[~torch.isin(draw, extra)]
             cands = torch.cat([self.common, extra, draw])
             bias = torch.zeros(cands.numel())
-            bias[self.common.numel() + extra.numel() :] = math.log((self.rest.numel() - extra.numel()) / max(1, draw.numel()))
+            bias[self.common.numel() + extra.numel() :] = math.log(
+                (self.rest.numel() - extra.numel()) / max(1, draw.numel())
+            )
         else:
             cands, bias = torch.arange(V), torch.zeros(V)
         remap = torch.full((V,), -100, dtype=torch.int64)
@@ -98,7 +101,8 @@ class Optimiser:
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
         warm = max(1, steps // 20)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+            self.opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        )
         self.losses: list = []
         self.bar = bar
 

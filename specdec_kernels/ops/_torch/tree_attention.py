@@ -4,6 +4,7 @@
 On CPU the automatic backend measures this against the C++ kernel per shape class
 (``specdec_kernels.ops.tree_attention``); on CUDA it is chosen only explicitly.
 """
+
 from __future__ import annotations
 
 import threading
@@ -110,7 +111,7 @@ def sdpa_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale)
             Bm = tm.shape[0] if tm.dim() == 3 else 1
             attn_mask = torch.zeros(Bm, N, G, T, dtype=q.dtype, device=q.device)
             tree_add = torch.zeros(tm.shape, dtype=q.dtype, device=q.device).masked_fill_(~tm, float("-inf"))
-            attn_mask[..., T - N:] = tree_add.view(Bm, N, 1, N)
+            attn_mask[..., T - N :] = tree_add.view(Bm, N, 1, N)
             attn_mask = attn_mask.view(Bm, 1, N * G, T)
     else:
         vis = visible_keys(lens_t, tree_mask, N, T)  # [B, N, T]

@@ -16,6 +16,7 @@ stops at the first index whose CDF exceeds ``u * total`` and that has mass.  The
 order differs from the reference's sequential ``cumsum``, so kernel and reference agree
 except when ``u * total`` lies within float64 rounding of a CDF boundary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,9 @@ ROUNDED_MUL = tl.constexpr(not triton.knobs.runtime.interpret)
 PROGRAMS_PER_SM = 8
 
 
-def split_vocab(num_tiles: int, row_programs: int, sm_count: Optional[int],
-                num_splits: Optional[int] = None) -> Tuple[int, int]:
+def split_vocab(
+    num_tiles: int, row_programs: int, sm_count: Optional[int], num_splits: Optional[int] = None
+) -> Tuple[int, int]:
     """(S, tiles_per_split): how many chunks each row's ``num_tiles`` vocabulary tiles are
     cut into, so that ``row_programs * S`` programs fill a GPU of ``sm_count`` SMs (about
     ``PROGRAMS_PER_SM`` per SM) even at batch 1.  Every chunk gets at least one tile; chunk s
@@ -92,8 +94,15 @@ class VocabSplit:
         return max(2, next_pow2(self.splits))
 
 
-def vocab_split(vocab: int, rows: int, sm_count: Optional[int], *, max_tile_cuda: int = 1024,
-                tile: Optional[Tuple[int, int]] = None, num_splits: Optional[int] = None) -> VocabSplit:
+def vocab_split(
+    vocab: int,
+    rows: int,
+    sm_count: Optional[int],
+    *,
+    max_tile_cuda: int = 1024,
+    tile: Optional[Tuple[int, int]] = None,
+    num_splits: Optional[int] = None,
+) -> VocabSplit:
     """The tiles (``tile_sizes``) and chunks (``split_vocab``) of a launch over ``rows`` rows of
     ``vocab`` entries on a GPU of ``sm_count`` SMs (None: the interpreter).
 

@@ -7,6 +7,7 @@ kernels serve the flattened (vLLM v1) layout with ``FLAT=True``
 (``torch.ops.specdec.rejection_sample_flattened_triton``): each request's rows are found from
 ``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,22 @@ from specdec_kernels.ops._triton._sampling_common import (
 
 
 @triton.jit
-def _chain_rows(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, rows, rmask, K, T, stride_tb, stride_tk,
-                stride_db, stride_dk, FLAT: tl.constexpr, BONUS_IDS: tl.constexpr):
+def _chain_rows(
+    tokens_ptr,
+    num_draft_ptr,
+    target_ptr,
+    draft_ptr,
+    rows,
+    rmask,
+    K,
+    T,
+    stride_tb,
+    stride_tk,
+    stride_db,
+    stride_dk,
+    FLAT: tl.constexpr,
+    BONUS_IDS: tl.constexpr,
+):
     """(n, tok0, t_rows, d_rows) of each of the [BB] requests: its draft count (clamped to
     0..K), its first flat draft, and the pointers of its first target and draft rows."""
     rows64 = rows.to(tl.int64)
@@ -63,8 +78,21 @@ def _chain_rows(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, rows, rmask, K
 
 
 @triton.jit
-def _chain_walk(tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk,
-                HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr):
+def _chain_walk(
+    tokens_ptr,
+    coins_ptr,
+    t_rows,
+    d_rows,
+    tok0,
+    n,
+    rmask,
+    K,
+    V,
+    stride_tk,
+    stride_dk,
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Accept/reject along the chain: x_j is accepted iff u_j * q_j(x_j) < p_j(x_j) in float32,
     until the first rejection.  Returns the accepted count [BB] int32."""
     num_acc = tl.zeros([BLOCK_B], dtype=tl.int32)
@@ -87,17 +115,49 @@ def _chain_walk(tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, str
 
 
 @triton.jit
-def _chain_state(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb,
-                 stride_tk, stride_db, stride_dk, FLAT: tl.constexpr, BONUS_IDS: tl.constexpr,
-                 HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr):
+def _chain_state(
+    tokens_ptr,
+    num_draft_ptr,
+    target_ptr,
+    draft_ptr,
+    coins_ptr,
+    rows,
+    rmask,
+    K,
+    V,
+    T,
+    stride_tb,
+    stride_tk,
+    stride_db,
+    stride_dk,
+    FLAT: tl.constexpr,
+    BONUS_IDS: tl.constexpr,
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Everything before the vocabulary scan, for the [BB] requests ``rows``: (tok0, num_acc,
     rejected, need, p_rows, q_rows, at).  The row to sample from is the residual
     max(0, p - q) at the first rejection (p itself if that has no mass), else the bonus row
     after the last draft; with BONUS_IDS a fully accepted request has no row (``need`` off)."""
-    n, tok0, t_rows, d_rows = _chain_rows(tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, rows, rmask, K, T,
-                                          stride_tb, stride_tk, stride_db, stride_dk, FLAT, BONUS_IDS)
-    num_acc = _chain_walk(tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk,
-                          HAS_DRAFT, BLOCK_B)
+    n, tok0, t_rows, d_rows = _chain_rows(
+        tokens_ptr,
+        num_draft_ptr,
+        target_ptr,
+        draft_ptr,
+        rows,
+        rmask,
+        K,
+        T,
+        stride_tb,
+        stride_tk,
+        stride_db,
+        stride_dk,
+        FLAT,
+        BONUS_IDS,
+    )
+    num_acc = _chain_walk(
+        tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk, HAS_DRAFT, BLOCK_B
+    )
     rejected = rmask & (num_acc < n)
     if BONUS_IDS:
         need = rejected
@@ -157,8 +217,25 @@ def _rejection_partials_kernel(
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
     _, _, rejected, need, p_rows, q_rows, at = _chain_state(
-        tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb, stride_tk,
-        stride_db, stride_dk, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B)
+        tokens_ptr,
+        num_draft_ptr,
+        target_ptr,
+        draft_ptr,
+        coins_ptr,
+        rows,
+        rmask,
+        K,
+        V,
+        T,
+        stride_tb,
+        stride_tk,
+        stride_db,
+        stride_dk,
+        FLAT,
+        BONUS_IDS,
+        HAS_DRAFT,
+        BLOCK_B,
+    )
     tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
     tot_r = tl.zeros([BLOCK_B], dtype=tl.float64)
     last_p = tl.full([BLOCK_B], -1, tl.int32)
@@ -215,8 +292,25 @@ def _rejection_sample_kernel(
     rmask = rows < B
     rows64 = rows.to(tl.int64)
     tok0, num_acc, rejected, need, p_rows, q_rows, at = _chain_state(
-        tokens_ptr, num_draft_ptr, target_ptr, draft_ptr, coins_ptr, rows, rmask, K, V, T, stride_tb, stride_tk,
-        stride_db, stride_dk, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B)
+        tokens_ptr,
+        num_draft_ptr,
+        target_ptr,
+        draft_ptr,
+        coins_ptr,
+        rows,
+        rmask,
+        K,
+        V,
+        T,
+        stride_tb,
+        stride_tk,
+        stride_db,
+        stride_dk,
+        FLAT,
+        BONUS_IDS,
+        HAS_DRAFT,
+        BLOCK_B,
+    )
 
     # the chunks' masses, one vector load per row (no loop over chunks)
     mass_p, mass_r, last_p, last_r = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
@@ -281,8 +375,15 @@ class RejectionSampleLaunch:
         return (self.vocab.row_blocks,)
 
 
-def launch_config(batch: int, num_drafts: int, vocab: int, sm_count: Optional[int], *,
-                  tile: Optional[Tuple[int, int]] = None, num_splits: Optional[int] = None) -> RejectionSampleLaunch:
+def launch_config(
+    batch: int,
+    num_drafts: int,
+    vocab: int,
+    sm_count: Optional[int],
+    *,
+    tile: Optional[Tuple[int, int]] = None,
+    num_splits: Optional[int] = None,
+) -> RejectionSampleLaunch:
     """The launch configuration for ``batch`` requests of up to ``num_drafts`` (K) drafts over
     ``vocab`` entries, on a GPU of ``sm_count`` SMs (None: the interpreter).  ``tile`` and
     ``num_splits`` override the choice (see ``vocab_split``)."""
@@ -290,22 +391,62 @@ def launch_config(batch: int, num_drafts: int, vocab: int, sm_count: Optional[in
     return RejectionSampleLaunch(split, next_pow2(num_drafts + 1), sample_num_warps(split.block_v))
 
 
-def _launch_chain(target, draft, tokens, counts, bonus, coins, final_u, out, num_accepted, B, K, V, T,
-                  strides, *, flat, bonus_ids, has_draft):
+def _launch_chain(
+    target,
+    draft,
+    tokens,
+    counts,
+    bonus,
+    coins,
+    final_u,
+    out,
+    num_accepted,
+    B,
+    K,
+    V,
+    T,
+    strides,
+    *,
+    flat,
+    bonus_ids,
+    has_draft,
+):
     """The two launches of one call (``launch_config``)."""
     device = target.device
     cfg = launch_config(B, K, V, _device.sm_count(device))
     S, tiles_per_split = cfg.vocab.splits, cfg.vocab.tiles_per_split
     part_mass = torch.empty((2, S, B), dtype=torch.float64, device=device)
     part_last = torch.empty((2, S, B), dtype=torch.int32, device=device)
-    meta = dict(FLAT=flat, BONUS_IDS=bonus_ids, HAS_DRAFT=has_draft, BLOCK_B=cfg.vocab.block_b,
-                BLOCK_V=cfg.vocab.block_v)
+    meta = dict(
+        FLAT=flat, BONUS_IDS=bonus_ids, HAS_DRAFT=has_draft, BLOCK_B=cfg.vocab.block_b, BLOCK_V=cfg.vocab.block_v
+    )
     launch(_rejection_partials_kernel)[cfg.vocab.grid](
-        target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta)
+        target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta
+    )
     launch(_rejection_sample_kernel)[cfg.sample_grid](
-        target, draft, tokens, counts, bonus, coins, final_u, part_mass, part_last, out, num_accepted,
-        B, K, V, T, *strides, S, tiles_per_split, KP=cfg.kp, BLOCK_S=cfg.vocab.block_s,
-        num_warps=cfg.sample_num_warps, **meta)
+        target,
+        draft,
+        tokens,
+        counts,
+        bonus,
+        coins,
+        final_u,
+        part_mass,
+        part_last,
+        out,
+        num_accepted,
+        B,
+        K,
+        V,
+        T,
+        *strides,
+        S,
+        tiles_per_split,
+        KP=cfg.kp,
+        BLOCK_S=cfg.vocab.block_s,
+        num_warps=cfg.sample_num_warps,
+        **meta,
+    )
 
 
 def _rejection_sample_triton_impl(
@@ -352,13 +493,31 @@ def _rejection_sample_triton_impl(
     else:  # empty tensors may have no storage; the kernel never reads these
         tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
     counts = num_draft_tokens.to(torch.int64).contiguous()
-    _launch_chain(target, draft, tokens, counts, counts, coins, sample_uniforms.to(torch.float32).contiguous(), out,
-                  num_accepted, B, K, V, 0,
-                  (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0),
-                  flat=False, bonus_ids=False, has_draft=has_draft)
+    _launch_chain(
+        target,
+        draft,
+        tokens,
+        counts,
+        counts,
+        coins,
+        sample_uniforms.to(torch.float32).contiguous(),
+        out,
+        num_accepted,
+        B,
+        K,
+        V,
+        0,
+        (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0),
+        flat=False,
+        bonus_ids=False,
+        has_draft=has_draft,
+    )
     return out, num_accepted
 
-def _rejection_sample_triton_fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms):
+
+def _rejection_sample_triton_fake(
+    target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms
+):
     B, K1, _ = target_probs.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
     return (
@@ -367,7 +526,10 @@ def _rejection_sample_triton_fake(target_probs, draft_probs, draft_tokens, num_d
     )
 
 
-rejection_sample_triton = kernel_op("rejection_sample_triton", _rejection_sample_triton_impl, _rejection_sample_triton_fake)
+rejection_sample_triton = kernel_op(
+    "rejection_sample_triton", _rejection_sample_triton_impl, _rejection_sample_triton_fake
+)
+
 
 def _rejection_sample_flattened_triton_impl(
     target_probs: torch.Tensor,
@@ -421,14 +583,38 @@ def _rejection_sample_flattened_triton_impl(
         tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
     cu = cu_num_draft_tokens.contiguous()
     bonus = bonus_token_ids.contiguous() if bonus_token_ids is not None else cu  # unused without BONUS_IDS
-    _launch_chain(target, draft, tokens, cu, bonus, coins, sample_uniforms.to(torch.float32).contiguous(), out,
-                  num_accepted, B, K, V, T, (0, target.stride(0), 0, draft.stride(0) if has_draft else 0),
-                  flat=True, bonus_ids=bonus_token_ids is not None, has_draft=has_draft)
+    _launch_chain(
+        target,
+        draft,
+        tokens,
+        cu,
+        bonus,
+        coins,
+        sample_uniforms.to(torch.float32).contiguous(),
+        out,
+        num_accepted,
+        B,
+        K,
+        V,
+        T,
+        (0, target.stride(0), 0, draft.stride(0) if has_draft else 0),
+        flat=True,
+        bonus_ids=bonus_token_ids is not None,
+        has_draft=has_draft,
+    )
     return out, num_accepted
 
 
-def _rejection_sample_flattened_triton_fake(target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens,
-                                            bonus_token_ids, uniform_samples, sample_uniforms, max_spec_len):
+def _rejection_sample_flattened_triton_fake(
+    target_probs,
+    draft_probs,
+    draft_token_ids,
+    cu_num_draft_tokens,
+    bonus_token_ids,
+    uniform_samples,
+    sample_uniforms,
+    max_spec_len,
+):
     B = cu_num_draft_tokens.shape[0]
     torch._check(target_probs.dim() == 2, lambda: "target_probs must be [T + B, V] or [T, V]")
     return (
@@ -438,5 +624,7 @@ def _rejection_sample_flattened_triton_fake(target_probs, draft_probs, draft_tok
 
 
 rejection_sample_flattened_triton = kernel_op(
-    "rejection_sample_flattened_triton", _rejection_sample_flattened_triton_impl, _rejection_sample_flattened_triton_fake
+    "rejection_sample_flattened_triton",
+    _rejection_sample_flattened_triton_impl,
+    _rejection_sample_flattened_triton_fake,
 )

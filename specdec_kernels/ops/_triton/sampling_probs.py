@@ -26,6 +26,7 @@ A pass reads the interval left by the pass before (written by the chunk-0 progra
 of two ping-pong buffers) and that pass's per-chunk pivot counts, so no program ever waits
 for another inside a launch.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -41,6 +42,7 @@ from specdec_kernels.ops._triton._sampling_common import VocabSplit, vocab_split
 _INT32_MIN = tl.constexpr(-2147483648)
 _INT32_MAX = tl.constexpr(2147483647)
 
+
 @triton.jit
 def _scaled_logits(l_rows, tdiv, rmask, offs, V):
     """Logits / temperature in float32 (IEEE division), -inf outside the vocabulary."""
@@ -48,6 +50,7 @@ def _scaled_logits(l_rows, tdiv, rmask, offs, V):
     x = tl.load(l_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
     # padding lanes: loaded as 0 (with temperature inf, -inf / inf would be NaN), then -inf
     return tl.where(m2, tl.math.div_rn(x, tdiv[:, None]), float("-inf")), m2
+
 
 @triton.jit
 def _order_key(y):
@@ -111,8 +114,21 @@ def _row_stats(stat_key_ptr, stat_idx_ptr, stat_max_ptr, stat_flag_ptr, rows64, 
 
 
 @triton.jit
-def _search_state(cnt_ptr, ivl_ptr, PASS, rows64, rmask, R, S, init_lo, init_hi, EXTRA: tl.constexpr,
-                  NP: tl.constexpr, W: tl.constexpr, BLOCK_B: tl.constexpr):
+def _search_state(
+    cnt_ptr,
+    ivl_ptr,
+    PASS,
+    rows64,
+    rmask,
+    R,
+    S,
+    init_lo,
+    init_hi,
+    EXTRA: tl.constexpr,
+    NP: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """The interval (lo, hi] that pass ``PASS`` of a search starts from, before refinement:
     the initial one for pass 0, else the interval of pass PASS - 1 (``ivl_ptr`` [2, 2, R]
     int64, ping-pong) with that pass's pivots and the column sums ``tot`` [BB, NP] (float64)
@@ -205,8 +221,9 @@ def _sampling_probs_kernel(
         tl.store(stat_max_ptr + part, ymax, mask=rmask)
         tl.store(stat_flag_ptr + part, has_nan.to(tl.int32) + 2 * has_inf.to(tl.int32), mask=rmask)
     else:
-        best_idx, ymax, has_nan, has_inf = _row_stats(stat_key_ptr, stat_idx_ptr, stat_max_ptr, stat_flag_ptr,
-                                                      rows64, rmask, R, S, BLOCK_B)
+        best_idx, ymax, has_nan, has_inf = _row_stats(
+            stat_key_ptr, stat_idx_ptr, stat_max_ptr, stat_flag_ptr, rows64, rmask, R, S, BLOCK_B
+        )
         bad = has_nan | (ymax == float("-inf"))  # NaN, or no finite mass at all: NaN out
         # temperature 0, or a +inf logit after temperature (an infinite logit, or a temperature
         # so small that the division overflows): one-hot at the argmax, the first +inf
@@ -225,10 +242,20 @@ def _sampling_probs_kernel(
             else:
                 k_pass = PASS * 0 + NUM_PASSES  # after the last pass
             lo, hi, piv, tot, _ = _search_state(
-                kcnt_ptr, kivl_ptr, k_pass, rows64, rmask, R, S,
+                kcnt_ptr,
+                kivl_ptr,
+                k_pass,
+                rows64,
+                rmask,
+                R,
+                S,
                 tl.full([BLOCK_B], -2147483649, tl.int64),  # #(key > lo) = V >= k
                 tl.full([BLOCK_B], 2147483647, tl.int64),  # #(key > hi) = 0 < k
-                False, NP, NP, BLOCK_B)
+                False,
+                NP,
+                NP,
+                BLOCK_B,
+            )
             if k_pass > 0:
                 lo, hi = _refine(lo, hi, piv, tot < k.to(tl.float64)[:, None])
                 piv = _pivots(lo, hi, NP)
@@ -278,10 +305,20 @@ def _sampling_probs_kernel(
                 else:
                     p_pass = PASS * 0 + NUM_PASSES  # after the last pass
                 lo, hi, piv, tot, tot_lo = _search_state(
-                    pmass_ptr, pivl_ptr, p_pass, rows64, rmask, R, S,
+                    pmass_ptr,
+                    pivl_ptr,
+                    p_pass,
+                    rows64,
+                    rmask,
+                    R,
+                    S,
                     tl.full([BLOCK_B], -1, tl.int64),  # mass above: everything (>= top_p)
                     tl.full([BLOCK_B], 2139095040, tl.int64),  # bits of +inf: no probability above
-                    True, NP, NP + 1, BLOCK_B)
+                    True,
+                    NP,
+                    NP + 1,
+                    BLOCK_B,
+                )
                 if p_pass > 0:
                     below = tot < top_p64[:, None]
                     # the mass above the new lo: that of the largest pivot not below (the smallest
@@ -322,13 +359,22 @@ def _sampling_probs_kernel(
                     y, m2 = _scaled_logits(l_rows, tdiv, rmask, offs, V)
                     kept = m2 & live[:, None] & (_order_key(y).to(tl.int64) >= keep_key[:, None])
                     p = tl.where(kept, tl.exp(y - ymax[:, None]) / denom[:, None], 0.0)
-                    p = tl.where(p.to(tl.int32, bitcast=True).to(tl.int64) >= keep_bits[:, None], p / psum[:, None], 0.0)
+                    p = tl.where(
+                        p.to(tl.int32, bitcast=True).to(tl.int64) >= keep_bits[:, None], p / psum[:, None], 0.0
+                    )
                     one_hot = tl.where(offs[None, :] == best_idx[:, None], 1.0, 0.0)
                     res = tl.where(one_hot_row[:, None], one_hot, tl.where(bad[:, None], float("nan"), p))
                     tl.store(out_ptr + rows64[:, None] * V + offs[None, :], res, mask=m2)
 
-def launch_config(rows: int, vocab: int, sm_count: Optional[int], *, tile: Optional[Tuple[int, int]] = None,
-                  num_splits: Optional[int] = None) -> VocabSplit:
+
+def launch_config(
+    rows: int,
+    vocab: int,
+    sm_count: Optional[int],
+    *,
+    tile: Optional[Tuple[int, int]] = None,
+    num_splits: Optional[int] = None,
+) -> VocabSplit:
     """The launch configuration of every stage (one grid for all of them): ``rows`` rows of
     ``vocab`` logits in tiles of at most 512 elements on a GPU of ``sm_count`` SMs (None: the
     interpreter); Triton's default warps.  ``tile`` and ``num_splits`` override the choice
@@ -377,11 +423,31 @@ def _sampling_probs_triton_impl(
     kivl = torch.empty((2, 2, R) if use_top_k else (1,), dtype=i64, device=device)
     pmass = torch.empty((2, S, R, NPIV + 1) if use_top_p else (1,), dtype=torch.float64, device=device)
     pivl = torch.empty((2, 2, R) if use_top_p else (1,), dtype=i64, device=device)
-    args = (x, out, temperature.to(torch.float32).contiguous(), top_k.to(i64).contiguous(),
-            top_p.to(torch.float32).contiguous(), stat_key, stat_idx, stat_max, stat_flag, kcnt, kivl, den, pmass, pivl,
-            R, V, R // B, x.stride(0), S, tiles_per_split)
-    meta = dict(HAS_TOPK=use_top_k, HAS_TOPP=use_top_p, NP=NPIV, NUM_PASSES=PASSES, BLOCK_B=cfg.block_b,
-                BLOCK_V=cfg.block_v)
+    args = (
+        x,
+        out,
+        temperature.to(torch.float32).contiguous(),
+        top_k.to(i64).contiguous(),
+        top_p.to(torch.float32).contiguous(),
+        stat_key,
+        stat_idx,
+        stat_max,
+        stat_flag,
+        kcnt,
+        kivl,
+        den,
+        pmass,
+        pivl,
+        R,
+        V,
+        R // B,
+        x.stride(0),
+        S,
+        tiles_per_split,
+    )
+    meta = dict(
+        HAS_TOPK=use_top_k, HAS_TOPP=use_top_p, NP=NPIV, NUM_PASSES=PASSES, BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v
+    )
     kernel = launch(_sampling_probs_kernel)[cfg.grid]
     kernel(*args, 0, STAGE=STATS, **meta)
     for i in range(PASSES if use_top_k else 0):
@@ -391,6 +457,7 @@ def _sampling_probs_triton_impl(
         kernel(*args, i, STAGE=TOPP, **meta)
     kernel(*args, 0, STAGE=FINAL, **meta)
     return out.reshape(logits.shape)
+
 
 def _sampling_probs_triton_fake(logits, temperature, top_k, top_p, use_top_k, use_top_p):
     torch._check(temperature.shape == (logits.shape[0],), lambda: "temperature must have shape (B,)")

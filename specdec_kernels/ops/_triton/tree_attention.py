@@ -6,6 +6,7 @@ merges the flash-decoding splits by log-sum-exp.  The same forward kernel reads 
 (``PAGED``): each key tile looks up its block ids in the block table and addresses the pool
 through its strides, so the NHD and HND layouts and every block size share the kernel.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,8 +31,19 @@ _jit = triton.jit
 
 
 @_jit
-def _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks, stride_vb, stride_vs,
-             PAGED: tl.constexpr):
+def _kv_rows(
+    offs_k,
+    k_ok,
+    bt_base,
+    stride_tj,
+    page_size,
+    num_blocks,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    PAGED: tl.constexpr,
+):
     """Offsets of the rows of cache slots ``offs_k`` from the K and V bases of this program.
 
     Dense: slot * slot stride.  PAGED: the slot's block id from the block table (loaded only
@@ -52,9 +64,27 @@ def _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
 
 
 @_jit
-def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, vis, offs_d, d_ok,
-                 stride_kd, stride_vd, qk_scale,
-                 IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    bad,
+    q,
+    k_base,
+    v_base,
+    k_rows,
+    v_rows,
+    k_ok,
+    vis,
+    offs_d,
+    d_ok,
+    stride_kd,
+    stride_vd,
+    qk_scale,
+    IEEE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    MAY_BE_EMPTY: tl.constexpr,
+):
     """Online-softmax update with one tile of keys (rows k_rows / v_rows from the bases, loaded
     where k_ok; visible where vis).
 
@@ -67,8 +97,7 @@ def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, vi
     to fp32 (exact for bf16 products, as tensor cores compute them): the interpreter of
     triton 3.6 multiplies bf16 tiles as their uint16 storage.
     """
-    kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None] * stride_kd,
-                 mask=d_ok[:, None] & k_ok[None, :], other=0.0)
+    kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
     if MAY_BE_EMPTY:
         k32 = kt.to(tl.float32)
         k_bad = (k32 != k32) | (tl.abs(k32) == float("inf"))
@@ -89,8 +118,7 @@ def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, vi
     alpha = tl.exp2(m_i - m_new_safe)
     p = tl.exp2(s - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    vt = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd,
-                 mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+    vt = tl.load(v_base + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     if MAY_BE_EMPTY:
         v32 = vt.to(tl.float32)
         v_bad = (v32 != v32) | (tl.abs(v32) == float("inf"))
@@ -107,11 +135,41 @@ def _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, vi
 
 
 @_jit
-def _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok, offs_d, d_ok,
-               bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-               stride_mi, stride_mj, qk_scale,
-               BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-               PAGED: tl.constexpr):
+def _tree_tile(
+    acc,
+    m_i,
+    l_i,
+    bad,
+    q,
+    k_base,
+    v_base,
+    m_base,
+    j0,
+    tree_hi,
+    seqlen,
+    qi,
+    row_ok,
+    offs_d,
+    d_ok,
+    bt_base,
+    stride_tj,
+    page_size,
+    num_blocks,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    stride_mi,
+    stride_mj,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    PAGED: tl.constexpr,
+):
     """Tree keys seqlen + j0 .. seqlen + j0 + BLOCK_N - 1: key seqlen + j visible to row (i, g) iff mask[i, j]."""
     offs_j = j0 + tl.arange(0, BLOCK_N)
     j_ok = offs_j < tree_hi
@@ -124,25 +182,92 @@ def _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqle
     else:
         words = tl.load(m_base + qi[:, None] * stride_mi + (offs_j // 32)[None, :] * stride_mj, mask=ok, other=0)
         vis = ok & (((words >> (offs_j % 32)[None, :]) & 1) != 0)
-    k_rows, v_rows = _kv_rows(seqlen + offs_j, j_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
-                              stride_vb, stride_vs, PAGED)
-    return _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, j_ok, vis, offs_d, d_ok,
-                        stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, True)
+    k_rows, v_rows = _kv_rows(
+        seqlen + offs_j,
+        j_ok,
+        bt_base,
+        stride_tj,
+        page_size,
+        num_blocks,
+        stride_kb,
+        stride_ks,
+        stride_vb,
+        stride_vs,
+        PAGED,
+    )
+    return _attend_tile(
+        acc,
+        m_i,
+        l_i,
+        bad,
+        q,
+        k_base,
+        v_base,
+        k_rows,
+        v_rows,
+        j_ok,
+        vis,
+        offs_d,
+        d_ok,
+        stride_kd,
+        stride_vd,
+        qk_scale,
+        IEEE_DOT,
+        UPCAST_DOT,
+        True,
+    )
 
 
 @_jit
 def _tree_attention_fwd_kernel(
-    Q, K, V, SEQLENS, BLOCK_TABLE, MASK, OUT, OPART, LSE,
-    N, S_CAP, G, Hkv, num_splits, page_size, num_blocks, qk_scale,
-    stride_qb, stride_qn, stride_qh, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_tb, stride_tj,
-    stride_mb, stride_mi, stride_mj,
-    stride_ob, stride_on, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr, SPLIT: tl.constexpr, IEEE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PAGED: tl.constexpr,
+    Q,
+    K,
+    V,
+    SEQLENS,
+    BLOCK_TABLE,
+    MASK,
+    OUT,
+    OPART,
+    LSE,
+    N,
+    S_CAP,
+    G,
+    Hkv,
+    num_splits,
+    page_size,
+    num_blocks,
+    qk_scale,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_tb,
+    stride_tj,
+    stride_mb,
+    stride_mi,
+    stride_mj,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """One program: one (sequence, KV head), BLOCK_M rows (node, head of the group), one split.
 
@@ -197,10 +322,30 @@ def _tree_attention_fwd_kernel(
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < hi
-        k_rows, v_rows = _kv_rows(offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks,
-                                  stride_vb, stride_vs, PAGED)
-        acc, m_i, l_i, bad = _attend_tile(acc, m_i, l_i, bad, q, k_base, v_base, k_rows, v_rows, k_ok, k_ok[None, :],
-                                          offs_d, d_ok, stride_kd, stride_vd, qk_scale, IEEE_DOT, UPCAST_DOT, False)
+        k_rows, v_rows = _kv_rows(
+            offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks, stride_vb, stride_vs, PAGED
+        )
+        acc, m_i, l_i, bad = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            bad,
+            q,
+            k_base,
+            v_base,
+            k_rows,
+            v_rows,
+            k_ok,
+            k_ok[None, :],
+            offs_d,
+            d_ok,
+            stride_kd,
+            stride_vd,
+            qk_scale,
+            IEEE_DOT,
+            UPCAST_DOT,
+            False,
+        )
 
     # 2. the tree part, in the last split.
     if pid_s == num_splits - 1:
@@ -211,10 +356,41 @@ def _tree_attention_fwd_kernel(
             tree_hi = N
         m_base = MASK + b64 * stride_mb
         for j0 in tl.range(0, tree_hi, BLOCK_N, num_stages=1):  # a tile or two: not pipelined
-            acc, m_i, l_i, bad = _tree_tile(acc, m_i, l_i, bad, q, k_base, v_base, m_base, j0, tree_hi, seqlen, qi, row_ok,
-                                            offs_d, d_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb,
-                                            stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_mi, stride_mj,
-                                            qk_scale, BLOCK_N, MASK_KIND, IEEE_DOT, UPCAST_DOT, PAGED)
+            acc, m_i, l_i, bad = _tree_tile(
+                acc,
+                m_i,
+                l_i,
+                bad,
+                q,
+                k_base,
+                v_base,
+                m_base,
+                j0,
+                tree_hi,
+                seqlen,
+                qi,
+                row_ok,
+                offs_d,
+                d_ok,
+                bt_base,
+                stride_tj,
+                page_size,
+                num_blocks,
+                stride_kb,
+                stride_ks,
+                stride_kd,
+                stride_vb,
+                stride_vs,
+                stride_vd,
+                stride_mi,
+                stride_mj,
+                qk_scale,
+                BLOCK_N,
+                MASK_KIND,
+                IEEE_DOT,
+                UPCAST_DOT,
+                PAGED,
+            )
 
     if SPLIT:
         # partial results [B * Hkv, M, num_splits, HEAD_DIM] and lse [B * Hkv, M, num_splits], fp32
@@ -224,8 +400,11 @@ def _tree_attention_fwd_kernel(
         o = tl.where(bad[:, None], float("nan"), o)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE + row * num_splits + pid_s, lse, mask=row_ok)
-        tl.store(OPART + (row * num_splits + pid_s)[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            OPART + (row * num_splits + pid_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            o,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
     else:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
         o = tl.where(bad[:, None], float("nan"), o)
@@ -235,10 +414,21 @@ def _tree_attention_fwd_kernel(
 
 @_jit
 def _tree_attention_combine_kernel(
-    OPART, LSE, OUT,
-    num_rows, N, G, Hkv, num_splits,
-    stride_ob, stride_on, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    OPART,
+    LSE,
+    OUT,
+    num_rows,
+    N,
+    G,
+    Hkv,
+    num_splits,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """BLOCK_R output rows per program: log-sum-exp weighted sum of the splits' partial outputs."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # over B * Hkv * G * N
@@ -266,12 +456,25 @@ def _tree_attention_combine_kernel(
         acc = acc * alpha[:, None] + o * w[:, None]
         m = m_new
     out = acc / tl.where(r_ok, den, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
-    tl.store(OUT + b[:, None] * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             out.to(OUT.dtype.element_ty), mask=io_mask)
+    tl.store(
+        OUT + b[:, None] * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out.to(OUT.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_scale: float, num_splits: int,
-            block_table=None, kv_layout: str = "NHD"):
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    tree_mask,
+    mask_kind: int,
+    sm_scale: float,
+    num_splits: int,
+    block_table=None,
+    kv_layout: str = "NHD",
+):
     B, N, H, D = q.shape
     if block_table is None:  # dense [B, Hkv, S, D]: strides (sequence, head, slot, dim)
         Hkv, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -304,18 +507,58 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
     else:
         opart = lse = out  # never written
     launch(_tree_attention_fwd_kernel)[cfg.grid](
-        q, k_cache, v_cache, cache_seqlens, table, mask, out, opart, lse,
-        N, capacity, G, Hkv, num_splits, page_size, num_blocks, sm_scale * _LOG2E,
-        *q.stride(), *k_strides, *v_strides, *table_strides, smb, smi, smj, *out.stride(),
-        HEAD_DIM=D, BLOCK_D=cfg.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        MASK_KIND=mask_kind, SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=sms is None and q.dtype == torch.bfloat16, NUM_STAGES=NUM_STAGES, PAGED=block_table is not None,
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        table,
+        mask,
+        out,
+        opart,
+        lse,
+        N,
+        capacity,
+        G,
+        Hkv,
+        num_splits,
+        page_size,
+        num_blocks,
+        sm_scale * _LOG2E,
+        *q.stride(),
+        *k_strides,
+        *v_strides,
+        *table_strides,
+        smb,
+        smi,
+        smj,
+        *out.stride(),
+        HEAD_DIM=D,
+        BLOCK_D=cfg.block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        MASK_KIND=mask_kind,
+        SPLIT=split,
+        IEEE_DOT=q.dtype == torch.float32,
+        UPCAST_DOT=sms is None and q.dtype == torch.bfloat16,
+        NUM_STAGES=NUM_STAGES,
+        PAGED=block_table is not None,
         num_warps=cfg.num_warps,
     )
     if split:
         launch(_tree_attention_combine_kernel)[cfg.combine_grid](
-            opart, lse, out, B * Hkv * M, N, G, Hkv, num_splits, *out.stride(),
-            HEAD_DIM=D, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r, num_warps=cfg.combine_num_warps,
+            opart,
+            lse,
+            out,
+            B * Hkv * M,
+            N,
+            G,
+            Hkv,
+            num_splits,
+            *out.stride(),
+            HEAD_DIM=D,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=cfg.combine_block_r,
+            num_warps=cfg.combine_num_warps,
         )
     return out
 
@@ -323,7 +566,6 @@ def _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind: int, sm_sc
 # --------------------------------------------------------------------------------------
 # torch.library registration: specdec::tree_attention_triton
 # --------------------------------------------------------------------------------------
-
 
 
 def _tree_attention_triton_impl(
@@ -346,10 +588,16 @@ def _tree_attention_triton_impl(
 
 
 def _check_op_args(tree_mask, mask_kind, num_splits):
-    torch._check(mask_kind in (MASK_CAUSAL, MASK_BOOL, MASK_PACKED), lambda: f"mask_kind must be 0, 1 or 2, got {mask_kind}")
-    torch._check((tree_mask is None) == (mask_kind == MASK_CAUSAL), lambda: "tree_mask must be None exactly when mask_kind is 0")
+    torch._check(
+        mask_kind in (MASK_CAUSAL, MASK_BOOL, MASK_PACKED), lambda: f"mask_kind must be 0, 1 or 2, got {mask_kind}"
+    )
+    torch._check(
+        (tree_mask is None) == (mask_kind == MASK_CAUSAL), lambda: "tree_mask must be None exactly when mask_kind is 0"
+    )
     want = {MASK_BOOL: torch.bool, MASK_PACKED: torch.int32}.get(mask_kind)
-    torch._check(tree_mask is None or tree_mask.dtype == want, lambda: f"tree_mask must be {want} for mask_kind {mask_kind}")
+    torch._check(
+        tree_mask is None or tree_mask.dtype == want, lambda: f"tree_mask must be {want} for mask_kind {mask_kind}"
+    )
     torch._check(1 <= num_splits <= MAX_SPLITS, lambda: f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
 
 
@@ -388,24 +636,30 @@ def _paged_tree_attention_triton_impl(
     """
     _check_paged_op_args(q, k_cache, block_table, kv_layout)
     _check_op_args(tree_mask, mask_kind, num_splits)
-    return _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout)
+    return _launch(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout
+    )
 
 
 def _check_paged_op_args(q, k_cache, block_table, kv_layout):
     torch._check(kv_layout in KV_LAYOUTS, lambda: f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
-    torch._check(block_table.dim() == 2 and block_table.dtype == torch.int32, lambda: "block_table must be int32 [B, max_blocks]")
+    torch._check(
+        block_table.dim() == 2 and block_table.dtype == torch.int32, lambda: "block_table must be int32 [B, max_blocks]"
+    )
     torch._check(k_cache.shape[0] >= 1, lambda: "k_cache must hold at least one block")
     heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     torch._check(q.shape[2] % heads == 0, lambda: "q's heads must be a multiple of k_cache's heads")
 
 
-def _paged_tree_attention_triton_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, mask_kind,
-                                      sm_scale, num_splits):
+def _paged_tree_attention_triton_fake(
+    q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, mask_kind, sm_scale, num_splits
+):
     _check_paged_op_args(q, k_cache, block_table, kv_layout)
     _check_op_args(tree_mask, mask_kind, num_splits)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-paged_tree_attention_triton = kernel_op("paged_tree_attention_triton", _paged_tree_attention_triton_impl,
-                                        _paged_tree_attention_triton_fake)
+paged_tree_attention_triton = kernel_op(
+    "paged_tree_attention_triton", _paged_tree_attention_triton_impl, _paged_tree_attention_triton_fake
+)

@@ -22,6 +22,7 @@ as r_{k-1} when r_k has no mass, and then every later update fails as well), so
    by inverse CDF as the chain op does: its weights (stored, B x V float64) and chunk masses
    over (row blocks, chunks), then a search inside the one chunk that holds u * total.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -293,8 +294,24 @@ def _zeroed(cols, rej, nrej, NP: tl.constexpr, rmask):
 
 
 @triton.jit
-def _final_state(target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr, rows, rmask, B, N, stride_tb, stride_tn,
-                 stride_db, stride_dn, HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr, NP: tl.constexpr):
+def _final_state(
+    target_ptr,
+    draft_ptr,
+    tsum_ptr,
+    state_ptr,
+    rej_ptr,
+    rows,
+    rmask,
+    B,
+    N,
+    stride_tb,
+    stride_tn,
+    stride_db,
+    stride_dn,
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    NP: tl.constexpr,
+):
     """(p_rows, q_rows, ts_rows, n_upd, rej, nrej) of the [BB] sequences: the last node's rows
     and how its residual is rebuilt."""
     rows64 = rows.to(tl.int64)
@@ -311,14 +328,18 @@ def _final_state(target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr, rows, rmas
     else:
         n_upd = tl.zeros_like(count)
         nrej = count
-        rej = tl.load(rej_ptr + rows64[:, None] * NP + slots[None, :], mask=rmask[:, None] & (slots[None, :] < count[:, None]),
-                      other=-1)
+        rej = tl.load(
+            rej_ptr + rows64[:, None] * NP + slots[None, :],
+            mask=rmask[:, None] & (slots[None, :] < count[:, None]),
+            other=-1,
+        )
     return p_rows, q_rows, ts_rows, n_upd, rej, nrej
 
 
 @triton.jit
-def _final_tile(p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, cols, inside, HAS_DRAFT: tl.constexpr,
-                NP: tl.constexpr):
+def _final_tile(
+    p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, cols, inside, HAS_DRAFT: tl.constexpr, NP: tl.constexpr
+):
     """Weights of the final sample at the [BB, BV] columns ``cols``: (residual, target row),
     float64 (0 off ``rmask`` and ``inside``)."""
     m2 = rmask[:, None] & inside
@@ -363,8 +384,23 @@ def _tree_final_partials_kernel(
     rmask = rows < B
     w_rows = weights_ptr + rows.to(tl.int64) * V
     p_rows, q_rows, ts_rows, n_upd, rej, nrej = _final_state(
-        target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr, rows, rmask, B, N, stride_tb, stride_tn, stride_db,
-        stride_dn, HAS_DRAFT, BLOCK_B, NP)
+        target_ptr,
+        draft_ptr,
+        tsum_ptr,
+        state_ptr,
+        rej_ptr,
+        rows,
+        rmask,
+        B,
+        N,
+        stride_tb,
+        stride_tn,
+        stride_db,
+        stride_dn,
+        HAS_DRAFT,
+        BLOCK_B,
+        NP,
+    )
     tot_w = tl.zeros([BLOCK_B], dtype=tl.float64)
     tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
     last_w = tl.full([BLOCK_B], -1, tl.int32)
@@ -372,8 +408,9 @@ def _tree_final_partials_kernel(
     lo = split * TILES_PER_SPLIT * BLOCK_V
     for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
         offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
-        w, p = _final_tile(p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, offs[None, :], (offs < V)[None, :],
-                           HAS_DRAFT, NP)
+        w, p = _final_tile(
+            p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, offs[None, :], (offs < V)[None, :], HAS_DRAFT, NP
+        )
         tl.store(w_rows[:, None] + offs[None, :], w, mask=rmask[:, None] & (offs < V)[None, :])
         tot_w += tl.sum(w, axis=1)
         tot_p += tl.sum(p, axis=1)
@@ -473,9 +510,17 @@ class TreeRejectionSampleLaunch:
     sample_num_warps: int
 
 
-def launch_config(batch: int, num_nodes: int, vocab: int, sm_count: Optional[int], *, has_draft: bool = True,
-                  tile: Optional[Tuple[int, int]] = None, num_splits: Optional[int] = None,
-                  split_levels: Optional[int] = None) -> TreeRejectionSampleLaunch:
+def launch_config(
+    batch: int,
+    num_nodes: int,
+    vocab: int,
+    sm_count: Optional[int],
+    *,
+    has_draft: bool = True,
+    tile: Optional[Tuple[int, int]] = None,
+    num_splits: Optional[int] = None,
+    split_levels: Optional[int] = None,
+) -> TreeRejectionSampleLaunch:
     """The launch configuration for ``batch`` trees of ``num_nodes`` (N) nodes over ``vocab``
     entries on a GPU of ``sm_count`` SMs (None: the interpreter).
 
@@ -487,8 +532,16 @@ def launch_config(batch: int, num_nodes: int, vocab: int, sm_count: Optional[int
     rows = vocab_split(vocab, batch, sm_count, tile=tile, num_splits=num_splits)
     wanted = DEFAULT_SPLIT_LEVELS if split_levels is None else split_levels
     ls = max(0, min(num_nodes - 1, int(wanted))) if has_draft else 0
-    return TreeRejectionSampleLaunch(levels, rows, ls, next_pow2(num_nodes), level_num_warps(levels.block_v),
-                                     WALK_NUM_WARPS, level_num_warps(rows.block_v), sample_num_warps(rows.block_v))
+    return TreeRejectionSampleLaunch(
+        levels,
+        rows,
+        ls,
+        next_pow2(num_nodes),
+        level_num_warps(levels.block_v),
+        WALK_NUM_WARPS,
+        level_num_warps(rows.block_v),
+        sample_num_warps(rows.block_v),
+    )
 
 
 def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -557,17 +610,20 @@ def _tree_rejection_sample_triton_impl(
     part = torch.empty((R, N, S), dtype=torch.float64, device=device)
     tsum = torch.empty((2, R, N), dtype=torch.float64, device=device)
     level_args = (target, draft, parents, counts, part, tsum, R, N, V, *strides, stride_pb, S)
-    level_meta = dict(HAS_DRAFT=has_draft, BLOCK_R=lv.block_b, BLOCK_V=lv.block_v, BLOCK_S=lv.block_s,
-                      num_warps=cfg.level_num_warps)
+    level_meta = dict(
+        HAS_DRAFT=has_draft, BLOCK_R=lv.block_b, BLOCK_V=lv.block_v, BLOCK_S=lv.block_s, num_warps=cfg.level_num_warps
+    )
     if N > 1:  # a tree of the root alone tests nothing: the sample below needs no total
         for level in range(0, LS + 1):
-            launch(_tree_level_kernel)[lv.grid](*level_args, level, level + 1, lv.tiles_per_split, TAIL=False,
-                                                **level_meta)
+            launch(_tree_level_kernel)[lv.grid](
+                *level_args, level, level + 1, lv.tiles_per_split, TAIL=False, **level_meta
+            )
         # the serial levels LS + 1..N - 1 (none without draft distributions or when LS = N - 1);
         # it also stores t_LS, so that the walk reads every total from tsum
         end = N if has_draft else 1
-        launch(_tree_level_kernel)[(lv.row_blocks, 1)](*level_args, LS + 1, end, cdiv(V, lv.block_v), TAIL=True,
-                                                       **level_meta)
+        launch(_tree_level_kernel)[(lv.row_blocks, 1)](
+            *level_args, LS + 1, end, cdiv(V, lv.block_v), TAIL=True, **level_meta
+        )
 
     # 2. the walk over the nodes
     rw = cfg.rows
@@ -575,9 +631,28 @@ def _tree_rejection_sample_triton_impl(
     state = torch.empty((2, B), dtype=torch.int32, device=device)
     rej = torch.empty((B, np_), dtype=torch.int64, device=device) if not has_draft else _dummy(target, torch.int64)
     launch(_tree_walk_kernel)[(rw.row_blocks,)](
-        target, draft, tree_tokens.contiguous(), parents, counts, coins, tsum, out_tokens, out_nodes,
-        num_accepted, state, rej, B, N, V, *strides, stride_pb,
-        HAS_DRAFT=has_draft, BLOCK_B=rw.block_b, NP=np_, num_warps=cfg.walk_num_warps)
+        target,
+        draft,
+        tree_tokens.contiguous(),
+        parents,
+        counts,
+        coins,
+        tsum,
+        out_tokens,
+        out_nodes,
+        num_accepted,
+        state,
+        rej,
+        B,
+        N,
+        V,
+        *strides,
+        stride_pb,
+        HAS_DRAFT=has_draft,
+        BLOCK_B=rw.block_b,
+        NP=np_,
+        num_warps=cfg.walk_num_warps,
+    )
 
     # 3. the final sample from the last node's residual
     S2, tiles2 = rw.splits, rw.tiles_per_split
@@ -586,12 +661,43 @@ def _tree_rejection_sample_triton_impl(
     part_last = torch.empty((2, S2, B), dtype=torch.int32, device=device)
     final_meta = dict(HAS_DRAFT=has_draft, BLOCK_B=rw.block_b, BLOCK_V=rw.block_v, NP=np_)
     launch(_tree_final_partials_kernel)[rw.grid](
-        target, draft, tsum, state, rej, weights, part_mass, part_last, B, N, V, *strides, tiles2,
-        num_warps=cfg.final_partials_num_warps, **final_meta)
+        target,
+        draft,
+        tsum,
+        state,
+        rej,
+        weights,
+        part_mass,
+        part_last,
+        B,
+        N,
+        V,
+        *strides,
+        tiles2,
+        num_warps=cfg.final_partials_num_warps,
+        **final_meta,
+    )
     launch(_tree_final_sample_kernel)[(rw.row_blocks,)](
-        target, state, weights, sample_uniforms.to(torch.float32).contiguous(), part_mass, part_last,
-        out_tokens, num_accepted, B, N, V, target.stride(0), target.stride(1), S2, tiles2,
-        BLOCK_B=rw.block_b, BLOCK_V=rw.block_v, BLOCK_S=rw.block_s, num_warps=cfg.sample_num_warps)
+        target,
+        state,
+        weights,
+        sample_uniforms.to(torch.float32).contiguous(),
+        part_mass,
+        part_last,
+        out_tokens,
+        num_accepted,
+        B,
+        N,
+        V,
+        target.stride(0),
+        target.stride(1),
+        S2,
+        tiles2,
+        BLOCK_B=rw.block_b,
+        BLOCK_V=rw.block_v,
+        BLOCK_S=rw.block_s,
+        num_warps=cfg.sample_num_warps,
+    )
     return out_tokens, out_nodes, num_accepted
 
 
@@ -607,4 +713,6 @@ def _tree_rejection_sample_triton_fake(
     )
 
 
-tree_rejection_sample_triton = kernel_op("tree_rejection_sample_triton", _tree_rejection_sample_triton_impl, _tree_rejection_sample_triton_fake)
+tree_rejection_sample_triton = kernel_op(
+    "tree_rejection_sample_triton", _tree_rejection_sample_triton_impl, _tree_rejection_sample_triton_fake
+)

@@ -35,6 +35,7 @@ compiled).  The Triton 3.6 interpreter turns a runtime ``range`` bound into ``in
 one-element NumPy array, which NumPy >= 2.4 rejects: the test environment pins NumPy 2.3
 (``requirements/dev.txt``); the compiled kernels do not depend on it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -213,8 +214,9 @@ class ArgmaxLaunch:
         return self.rows, self.splits
 
 
-def argmax_launch_config(rows: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None,
-                         num_splits: Optional[int] = None) -> ArgmaxLaunch:
+def argmax_launch_config(
+    rows: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None, num_splits: Optional[int] = None
+) -> ArgmaxLaunch:
     """The split argmax over ``rows`` rows of ``vocab`` logits on a GPU of ``sm_count`` SMs
     (None: the interpreter).
 
@@ -245,8 +247,16 @@ class VerifyGreedyLaunch:
     num_warps: int = 1
 
 
-def launch_config(batch: int, rows: int, num_drafts: int, vocab: int, sm_count: Optional[int], *,
-                  block_v: Optional[int] = None, num_splits: Optional[int] = None) -> VerifyGreedyLaunch:
+def launch_config(
+    batch: int,
+    rows: int,
+    num_drafts: int,
+    vocab: int,
+    sm_count: Optional[int],
+    *,
+    block_v: Optional[int] = None,
+    num_splits: Optional[int] = None,
+) -> VerifyGreedyLaunch:
     """The launch configuration for ``batch`` sequences of up to ``num_drafts`` (K) drafts whose
     ``rows`` logit rows of ``vocab`` entries are scanned (B * (K + 1) padded; the flat rows in
     the flattened layout), on a GPU of ``sm_count`` SMs (None: the interpreter).  ``block_v``
@@ -284,8 +294,16 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
     part_idx = torch.empty((cfg.splits, cfg.rows), dtype=torch.int32, device=logits.device)
     if cfg.rows:
         launch(_argmax_partials_kernel)[cfg.grid](
-            logits, part_val, part_idx, R, V, logits.stride(0), logits.stride(1), cfg.tiles_per_split,
-            BLOCK_V=cfg.block_v, num_warps=cfg.num_warps,
+            logits,
+            part_val,
+            part_idx,
+            R,
+            V,
+            logits.stride(0),
+            logits.stride(1),
+            cfg.tiles_per_split,
+            BLOCK_V=cfg.block_v,
+            num_warps=cfg.num_warps,
         )
     return part_val, part_idx
 
@@ -304,14 +322,29 @@ def _verify_greedy_triton_impl(
     num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
     if B == 0:
         return output_tokens, num_accepted
-    cfg = launch_config(B, B * K1, K, V, _device.sm_count(device), block_v=block_v or None,
-                        num_splits=num_splits or None)
+    cfg = launch_config(
+        B, B * K1, K, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None
+    )
     part_val, part_idx = argmax_partials(target_logits, cfg.argmax)
     counts = num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[cfg.grid](
-        part_val, part_idx, draft_tokens, draft_tokens.stride(0), draft_tokens.stride(1),
-        counts, counts, output_tokens, num_accepted, K, cfg.argmax.splits, B * K1, 0,  # bonus_ptr: unused without BONUS_IDS
-        FLAT=False, BONUS_IDS=False, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        part_val,
+        part_idx,
+        draft_tokens,
+        draft_tokens.stride(0),
+        draft_tokens.stride(1),
+        counts,
+        counts,
+        output_tokens,
+        num_accepted,
+        K,
+        cfg.argmax.splits,
+        B * K1,
+        0,  # bonus_ptr: unused without BONUS_IDS
+        FLAT=False,
+        BONUS_IDS=False,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
     )
     return output_tokens, num_accepted
 
@@ -387,23 +420,39 @@ def _verify_greedy_flattened_triton_impl(
     num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
     if B == 0:
         return output_tokens, num_accepted
-    cfg = launch_config(B, rows, max_spec_len, V, _device.sm_count(device), block_v=block_v or None,
-                        num_splits=num_splits or None)
+    cfg = launch_config(
+        B, rows, max_spec_len, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None
+    )
     # every flat row's argmax, read in place (the rows as one [1, rows, V] batch)
     part_val, part_idx = argmax_partials(target_logits[None], cfg.argmax)
     T = draft_token_ids.shape[0]
     drafts = draft_token_ids if T else torch.zeros(1, dtype=torch.int64, device=device)  # never read when T = 0
     bonus = bonus_token_ids if bonus_token_ids is not None else cu_num_draft_tokens  # unused without BONUS_IDS
     launch(_verify_greedy_accept_kernel)[cfg.grid](
-        part_val, part_idx, drafts, 0, drafts.stride(0), cu_num_draft_tokens, bonus, output_tokens, num_accepted,
-        max_spec_len, cfg.argmax.splits, rows, T,
-        FLAT=True, BONUS_IDS=bonus_token_ids is not None, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        part_val,
+        part_idx,
+        drafts,
+        0,
+        drafts.stride(0),
+        cu_num_draft_tokens,
+        bonus,
+        output_tokens,
+        num_accepted,
+        max_spec_len,
+        cfg.argmax.splits,
+        rows,
+        T,
+        FLAT=True,
+        BONUS_IDS=bonus_token_ids is not None,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
     )
     return output_tokens, num_accepted
 
 
-def _verify_greedy_flattened_triton_fake(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
-                                         max_spec_len, block_v=0, num_splits=0):
+def _verify_greedy_flattened_triton_fake(
+    target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, block_v=0, num_splits=0
+):
     B = cu_num_draft_tokens.shape[0]
     torch._check(target_logits.dim() == 2, lambda: "target_logits must be [T + B, V] or [T, V]")
     return (
@@ -459,5 +508,11 @@ def verify_greedy_flattened_triton(
     rows found from cu_num_draft_tokens).
     """
     return torch.ops.specdec.verify_greedy_flattened_triton(
-        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, block_v or 0, num_splits or 0
+        target_logits,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        block_v or 0,
+        num_splits or 0,
     )

@@ -25,6 +25,7 @@ Tree tokens and parents are only compared, never used as addresses, so out-of-ra
 parents cannot cause out-of-bounds accesses; num_nodes is clamped to N in the kernel.
 Runtime-count loops are ``tl.range`` loops (see ``verify_greedy``'s module docstring).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,8 +104,15 @@ class VerifyTreeGreedyLaunch:
     num_warps: int
 
 
-def launch_config(batch: int, num_nodes: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None,
-                  num_splits: Optional[int] = None) -> VerifyTreeGreedyLaunch:
+def launch_config(
+    batch: int,
+    num_nodes: int,
+    vocab: int,
+    sm_count: Optional[int],
+    *,
+    block_v: Optional[int] = None,
+    num_splits: Optional[int] = None,
+) -> VerifyTreeGreedyLaunch:
     """The launch configuration for ``batch`` trees of ``num_nodes`` (N) nodes over ``vocab``
     entries on a GPU of ``sm_count`` SMs (None: the interpreter); ``block_v`` and
     ``num_splits``: see ``verify_greedy.argmax_launch_config``."""
@@ -133,10 +141,22 @@ def _verify_tree_greedy_triton_impl(
     cfg = launch_config(B, N, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None)
     part_val, part_idx = argmax_partials(target_logits, cfg.argmax)
     launch(_verify_tree_greedy_walk_kernel)[cfg.grid](
-        part_val, part_idx, tree_tokens, tree_tokens.stride(0), tree_tokens.stride(1),
-        parents, parents.stride(0), parents.stride(1), num_nodes.to(torch.int64),
-        output_tokens, accepted_nodes, num_accepted, N, cfg.argmax.splits,
-        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        part_val,
+        part_idx,
+        tree_tokens,
+        tree_tokens.stride(0),
+        tree_tokens.stride(1),
+        parents,
+        parents.stride(0),
+        parents.stride(1),
+        num_nodes.to(torch.int64),
+        output_tokens,
+        accepted_nodes,
+        num_accepted,
+        N,
+        cfg.argmax.splits,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
     )
     return output_tokens, accepted_nodes, num_accepted
 

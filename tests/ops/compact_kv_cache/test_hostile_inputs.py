@@ -1,5 +1,6 @@
 """compact_kv_cache: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 
@@ -14,7 +15,9 @@ def test_compact_kv_cache_refuses_partly_overlapping_caches():
         with pytest.raises(ValueError, match="aliases"):
             sk.compact_kv_cache([a, b], torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]), backend=backend)
     # disjoint views of one buffer are fine
-    sk.compact_kv_cache([base[:, :, 0:12], base[:, :, 12:24]], torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1]))
+    sk.compact_kv_cache(
+        [base[:, :, 0:12], base[:, :, 12:24]], torch.tensor([0]), torch.tensor([[1]]), torch.tensor([1])
+    )
 
 
 def test_compact_kv_cache_refuses_a_cache_whose_rows_overlap():
@@ -33,7 +36,9 @@ def test_compact_kv_cache_reference_clamps_and_skips_like_native():
         results = []
         for backend in rb("compact_kv_cache", "cpu"):
             cache = torch.arange(8.0).view(1, 1, 1, 8, 1).expand(1, 2, 1, 8, 1).reshape(1, 2, 1, 1, 8, 1).clone()
-            sk.compact_kv_cache(cache, torch.tensor(lens), torch.tensor(idx), torch.tensor(n), backend=backend, validate=False)
+            sk.compact_kv_cache(
+                cache, torch.tensor(lens), torch.tensor(idx), torch.tensor(n), backend=backend, validate=False
+            )
             results.append(cache[0, 0, 0, 0, :, 0].tolist())
         assert all(r == results[0] for r in results), (lens, idx, n, results)
         if lens == [-3]:

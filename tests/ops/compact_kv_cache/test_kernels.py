@@ -14,6 +14,7 @@ Two implementations run every correctness case (the ``impl`` fixture):
 Every comparison is bitwise (the op moves bytes): the cache after the kernel must equal the
 cache after ``specdec_kernels.reference.compact_kv_cache`` on a copy of the same input.
 """
+
 import ctypes
 import os
 import re
@@ -113,7 +114,9 @@ def make_layout(cache6, layout):
                 if (2 * l + kv) % 2:
                     layers.append(cache6[l, kv].clone())
                 else:
-                    big = torch.zeros(*cache6.shape[2:4], S + 5, cache6.shape[5], dtype=cache6.dtype, device=cache6.device)
+                    big = torch.zeros(
+                        *cache6.shape[2:4], S + 5, cache6.shape[5], dtype=cache6.dtype, device=cache6.device
+                    )
                     big[:, :, 2 : 2 + S] = cache6[l, kv]
                     layers.append(big[:, :, 2 : 2 + S])
         return layers, lambda: torch.stack(layers).reshape(cache6.shape)
@@ -130,14 +133,36 @@ def emulator(tmp_path_factory):
     if nvcc is None:
         pytest.skip("nvcc not found: cannot build the host emulation of the CUDA kernel")
     out = tmp_path_factory.mktemp("compact_kv_emu") / "compact_kv_emu.so"
-    subprocess.run([nvcc, "-x", "cu", "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_80",
-                    "-DSPECDEC_COMPACT_KV_HOST_EMULATION", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "csrc", "compact_kv_cache.cu"), "-o", str(out)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            nvcc,
+            "-x",
+            "cu",
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC",
+            "-arch=sm_80",
+            "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "csrc", "compact_kv_cache.cu"),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     lib = ctypes.CDLL(str(out))
     lib.specdec_compact_kv_cache_describe.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_describe.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.POINTER(KVSlice),
-                                                      ctypes.c_int64, ctypes.c_int64]
+    lib.specdec_compact_kv_cache_describe.argtypes = [
+        ctypes.POINTER(LaunchArgs),
+        ctypes.POINTER(KVSlice),
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
     lib.specdec_compact_kv_cache_emulate.restype = ctypes.c_int
     lib.specdec_compact_kv_cache_emulate.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int64, ctypes.c_int64]
     lib.specdec_compact_kv_cache_word_bytes.restype = ctypes.c_int
@@ -168,18 +193,27 @@ def emulate_cuda(lib, caches, seqlens, indices, counts, threads=0, blocks=0):
         if t.dim() == 4:
             slices.append((t.data_ptr(), st[0], st[1], st[2]))
         else:
-            slices.extend((t.data_ptr() + l * st[0] + kv * st[1], st[2], st[3], st[4])
-                          for l in range(t.shape[0]) for kv in range(2))
+            slices.extend(
+                (t.data_ptr() + l * st[0] + kv * st[1], st[2], st[3], st[4])
+                for l in range(t.shape[0])
+                for kv in range(2)
+            )
     first = caches[0]
     assert all(t.stride(-1) == 1 for t in caches), "the CUDA kernel needs contiguous rows"
     table = (KVSlice * len(slices))(*[KVSlice(*e) for e in slices])
     a = LaunchArgs()
-    form = lib.specdec_compact_kv_cache_describe(ctypes.byref(a), table, len(slices), first.shape[-1] * first.element_size())
+    form = lib.specdec_compact_kv_cache_describe(
+        ctypes.byref(a), table, len(slices), first.shape[-1] * first.element_size()
+    )
     assert form in (0, 1)
     if form == 0:
         a.table = ctypes.addressof(table)
     a.batch, a.heads, a.capacity = first.shape[-4], first.shape[-3], first.shape[-2]
-    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = seqlens.data_ptr(), seqlens.stride(0), seqlens.dtype == torch.int64
+    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = (
+        seqlens.data_ptr(),
+        seqlens.stride(0),
+        seqlens.dtype == torch.int64,
+    )
     a.accepted_indices, a.indices_int64 = indices.data_ptr(), indices.dtype == torch.int64
     a.indices_stride_b, a.indices_stride_m = indices.stride()
     a.max_accepted = indices.shape[1]
@@ -198,15 +232,17 @@ class Impl:
 
     def op(self, caches, seqlens, indices, counts, **launch):
         if self.lib is None:
-            torch.ops.specdec.compact_kv_cache_native(caches, seqlens.to(self.device), indices.to(self.device),
-                                               counts.to(self.device), False)
+            torch.ops.specdec.compact_kv_cache_native(
+                caches, seqlens.to(self.device), indices.to(self.device), counts.to(self.device), False
+            )
         else:
             self.last = emulate_cuda(self.lib, caches, seqlens, indices, counts, **launch)
 
     def public(self, kv_cache, seqlens, indices, counts, **launch):
         if self.lib is None:
-            sk.compact_kv_cache(kv_cache, seqlens.to(self.device), indices.to(self.device), counts.to(self.device),
-                                backend="native")
+            sk.compact_kv_cache(
+                kv_cache, seqlens.to(self.device), indices.to(self.device), counts.to(self.device), backend="native"
+            )
         else:
             check_compact_kv_cache_args(kv_cache, seqlens, indices, counts)  # valid input only
             self.op(as_cache_list(kv_cache), seqlens, indices, counts, **launch)
@@ -240,7 +276,15 @@ def test_matches_reference_random_trees(impl, layout, dtype, head_dim, counts):
 
 
 # How the CUDA binding describes each layout: 1 = one base and strides, 0 = a table.
-LAYOUT_FORM = {"buffer": 1, "views": 1, "pairs": None, "layers": None, "kv_major": 1, "padded_slots": 1, "mixed_strides": 0}
+LAYOUT_FORM = {
+    "buffer": 1,
+    "views": 1,
+    "pairs": None,
+    "layers": None,
+    "kv_major": 1,
+    "padded_slots": 1,
+    "mixed_strides": 0,
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUT_FORM))
@@ -307,7 +351,9 @@ def test_long_paths_span_many_chunks(impl, dtype):
     assert same_bytes(got, want)
 
 
-@pytest.mark.parametrize("threads,blocks", [(32, 0), (64, 0), (32, 3), (128, 1)], ids=["t32", "t64", "t32_b3", "t128_b1"])
+@pytest.mark.parametrize(
+    "threads,blocks", [(32, 0), (64, 0), (32, 3), (128, 1)], ids=["t32", "t64", "t32_b3", "t128_b1"]
+)
 @pytest.mark.parametrize("head_dim", [8, 67], ids=["D8", "D67"])
 def test_emulated_kernel_with_other_launch_shapes(emulator, threads, blocks, head_dim):
     # Narrower blocks (more chunks per slice) and fewer blocks than slices (the grid-stride
@@ -447,8 +493,12 @@ def test_out_of_range_values_never_leave_the_cache(impl, case, alloc):
 
 
 def good_args(device):
-    return dict(kv_cache=torch.zeros(2, 2, 1, 2, 8, 4, device=device), cache_seqlens=torch.tensor([3], device=device),
-                accepted_indices=torch.tensor([[0, 2]], device=device), num_accepted=torch.tensor([2], device=device))
+    return dict(
+        kv_cache=torch.zeros(2, 2, 1, 2, 8, 4, device=device),
+        cache_seqlens=torch.tensor([3], device=device),
+        accepted_indices=torch.tensor([[0, 2]], device=device),
+        num_accepted=torch.tensor([2], device=device),
+    )
 
 
 PUBLIC_BAD = {
@@ -468,7 +518,11 @@ def test_public_op_rejects_bad_input_on_native(device, case):
     override, err, msg = PUBLIC_BAD[case]
     for k, v in override.items():
         if k == "kv_cache":
-            other = torch.zeros(1, 2, 9, 4, device=device) if v == "shapes" else torch.zeros(1, 2, 8, 4, dtype=torch.float16, device=device)
+            other = (
+                torch.zeros(1, 2, 9, 4, device=device)
+                if v == "shapes"
+                else torch.zeros(1, 2, 8, 4, dtype=torch.float16, device=device)
+            )
             args[k] = [torch.zeros(1, 2, 8, 4, device=device), other]
         elif v == "meta":
             args[k] = args[k].to("meta")
@@ -479,8 +533,12 @@ def test_public_op_rejects_bad_input_on_native(device, case):
 
 
 def native_args(device, **override):
-    args = dict(caches=[torch.zeros(2, 2, 1, 2, 8, 4, device=device)], cache_seqlens=torch.tensor([3], device=device),
-                accepted_indices=torch.tensor([[0, 2]], device=device), num_accepted=torch.tensor([2], device=device))
+    args = dict(
+        caches=[torch.zeros(2, 2, 1, 2, 8, 4, device=device)],
+        cache_seqlens=torch.tensor([3], device=device),
+        accepted_indices=torch.tensor([[0, 2]], device=device),
+        num_accepted=torch.tensor([2], device=device),
+    )
     args.update(override)
     return args
 
@@ -497,11 +555,21 @@ NATIVE_BAD = {
     "count_range": (dict(num_accepted=[3]), ValueError, "num_accepted must lie in 0..2"),
     "no_caches": (dict(caches=[]), ValueError, "at least one"),
     "cache_rank": (dict(caches=lambda d: [torch.zeros(2, 8, 4, device=d)]), ValueError, "caches[0] must be"),
-    "layer_shapes": (dict(caches=lambda d: [torch.zeros(1, 2, 8, 4, device=d), torch.zeros(1, 2, 9, 4, device=d)]),
-                     ValueError, "caches[1] must end in"),
-    "layer_dtypes": (dict(caches=lambda d: [torch.zeros(1, 2, 8, 4, device=d), torch.zeros(1, 2, 8, 4, device=d).half()]),
-                     TypeError, "caches[1] must have the dtype"),
-    "not_kv_pairs": (dict(caches=lambda d: [torch.zeros(2, 3, 1, 2, 8, 4, device=d)]), ValueError, "[L, 2, B, Hkv, S, D]"),
+    "layer_shapes": (
+        dict(caches=lambda d: [torch.zeros(1, 2, 8, 4, device=d), torch.zeros(1, 2, 9, 4, device=d)]),
+        ValueError,
+        "caches[1] must end in",
+    ),
+    "layer_dtypes": (
+        dict(caches=lambda d: [torch.zeros(1, 2, 8, 4, device=d), torch.zeros(1, 2, 8, 4, device=d).half()]),
+        TypeError,
+        "caches[1] must have the dtype",
+    ),
+    "not_kv_pairs": (
+        dict(caches=lambda d: [torch.zeros(2, 3, 1, 2, 8, 4, device=d)]),
+        ValueError,
+        "[L, 2, B, Hkv, S, D]",
+    ),
     "aliasing": (dict(caches=lambda d: [torch.zeros(1, 2, 8, 4, device=d)] * 2), ValueError, "must not alias"),
     "self_overlap": (dict(caches=_expanded), ValueError, "overlaps itself"),
     "index_dtype": (dict(accepted_indices=[[0.0, 2.0]]), TypeError, "accepted_indices must have dtype int32 or int64"),
@@ -537,7 +605,10 @@ def test_opcheck(device, layout, index_dtype):
     assert op_module.register_fake()
     cache = random_cache((2, 2, 2, 2, 10, 67), torch.float16, seed=47, device=device)
     caches = [cache] if layout == "buffer" else [cache[l, kv].clone() for l in range(2) for kv in range(2)]
-    seqlens, indices, n = (t.to(index_dtype).to(device) for t in (torch.tensor([1, 3]), torch.tensor([[0, 2, 3], [1, 2, 5]]), torch.tensor([3, 2])))
+    seqlens, indices, n = (
+        t.to(index_dtype).to(device)
+        for t in (torch.tensor([1, 3]), torch.tensor([[0, 2, 3], [1, 2, 5]]), torch.tensor([3, 2]))
+    )
     torch.library.opcheck(torch.ops.specdec.compact_kv_cache_native.default, (caches, seqlens, indices, n, False))
 
 
@@ -583,8 +654,12 @@ def test_missing_native_op_falls_back_to_reference_with_one_warning(monkeypatch)
 def test_cuda_rejects_strided_head_dim():
     wide = torch.zeros(1, 2, 1, 1, 8, 8, device="cuda")
     with pytest.raises(ValueError, match="last dimension"):
-        torch.ops.specdec.compact_kv_cache_native([wide[..., ::2]], torch.tensor([0], device="cuda"),
-                                           torch.tensor([[1]], device="cuda"), torch.tensor([1], device="cuda"))
+        torch.ops.specdec.compact_kv_cache_native(
+            [wide[..., ::2]],
+            torch.tensor([0], device="cuda"),
+            torch.tensor([[1]], device="cuda"),
+            torch.tensor([1], device="cuda"),
+        )
 
 
 @pytest.mark.requires_cuda

@@ -1,4 +1,5 @@
 """compact_kv_cache: gather from a snapshot copy, overlap hazards, layouts, bad input."""
+
 import re
 from functools import partial
 
@@ -54,8 +55,11 @@ def test_zero_and_identity_moves_change_nothing(compact):
     assert torch.equal(out, cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float64],
-                         ids=["fp32", "fp16", "bf16", "u8", "fp64"])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.float64],
+    ids=["fp32", "fp16", "bf16", "u8", "fp64"],
+)
 def test_random_trees_ragged_batch(compact, dtype):
     g = torch.Generator().manual_seed(0)
     L, B, Hkv, S, D, M = 3, 4, 2, 32, 67, 6
@@ -64,7 +68,6 @@ def test_random_trees_ragged_batch(compact, dtype):
     counts = torch.tensor([0, 6, 3, 2])
     indices = torch.full((B, M), -1)
     for b in range(B):  # a random accepted path: strictly increasing, index >= position
-
         n = int(counts[b])
         offsets = torch.randint(0, 3, (n,), generator=g).cumsum(0)
         indices[b, :n] = torch.arange(n) + offsets
@@ -89,27 +92,45 @@ def test_per_layer_list_layout_matches_the_single_buffer():
 _SHARED = torch.zeros(1, 1, 8, 4)
 BAD = {
     "not_increasing": (dict(accepted_indices=torch.tensor([[2, 2]])), ValueError, "increasing"),
-    "index_below_position": (dict(accepted_indices=torch.tensor([[0, 0]]), num_accepted=torch.tensor([2])), ValueError, ">= i"),
+    "index_below_position": (
+        dict(accepted_indices=torch.tensor([[0, 0]]), num_accepted=torch.tensor([2])),
+        ValueError,
+        ">= i",
+    ),
     "index_beyond_capacity": (dict(accepted_indices=torch.tensor([[0, 9]])), ValueError, "capacity"),
     "count_range": (dict(num_accepted=torch.tensor([3])), ValueError, "num_accepted"),
     "seqlens_shape": (dict(cache_seqlens=torch.tensor([1, 2])), ValueError, "cache_seqlens"),
     "indices_dtype": (dict(accepted_indices=torch.tensor([[0.0, 1.0]])), TypeError, "accepted_indices"),
     "layer_shapes": (dict(kv_cache=[torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 9, 4)]), ValueError, "kv_cache[1]"),
-    "layer_dtypes": (dict(kv_cache=[torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4, dtype=torch.float16)]), TypeError, "kv_cache[1]"),
+    "layer_dtypes": (
+        dict(kv_cache=[torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4, dtype=torch.float16)]),
+        TypeError,
+        "kv_cache[1]",
+    ),
     "cache_rank": (dict(kv_cache=torch.zeros(1, 1, 8, 4)), ValueError, "kv_cache"),
     "cache_type": (dict(kv_cache="cache"), TypeError, "kv_cache"),
     # in-place compaction must write every element once: no self-overlap, no aliasing
-    "expanded_heads": (dict(kv_cache=torch.zeros(1, 2, 1, 1, 8, 4).expand(1, 2, 1, 3, 8, 4)), ValueError, "overlaps itself"),
+    "expanded_heads": (
+        dict(kv_cache=torch.zeros(1, 2, 1, 1, 8, 4).expand(1, 2, 1, 3, 8, 4)),
+        ValueError,
+        "overlaps itself",
+    ),
     "same_tensor_twice": (dict(kv_cache=[_SHARED, _SHARED]), ValueError, "alias"),
     "six_dims_not_kv": (dict(kv_cache=torch.zeros(1, 3, 1, 1, 8, 4)), ValueError, "[L, 2"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.compact_kv_cache, backend="reference"), sk.compact_kv_cache], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.compact_kv_cache, backend="reference"), sk.compact_kv_cache], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
-    args = dict(kv_cache=torch.zeros(1, 2, 1, 1, 8, 4), cache_seqlens=torch.tensor([3]),
-                accepted_indices=torch.tensor([[0, 2]]), num_accepted=torch.tensor([2]))
+    args = dict(
+        kv_cache=torch.zeros(1, 2, 1, 1, 8, 4),
+        cache_seqlens=torch.tensor([3]),
+        accepted_indices=torch.tensor([[0, 2]]),
+        num_accepted=torch.tensor([2]),
+    )
     override, err, name = BAD[case]
     args.update(override)
     snapshot = args["kv_cache"].clone() if isinstance(args["kv_cache"], torch.Tensor) else None
@@ -134,11 +155,28 @@ def test_meta_cache_is_a_shape_only_no_op():
     """On the meta device (shapes without data) the reference backend checks the arguments and
     moves nothing."""
     m = "meta"
-    out = sk.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
-                              torch.tensor([[0, 2]], device=m), torch.tensor([2], device=m), backend="reference")
+    out = sk.compact_kv_cache(
+        torch.zeros(1, 2, 1, 1, 8, 4, device=m),
+        torch.tensor([3], device=m),
+        torch.tensor([[0, 2]], device=m),
+        torch.tensor([2], device=m),
+        backend="reference",
+    )
     assert out is None
-    assert reference.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
-                                      torch.tensor([[0, 2]], device=m), torch.tensor([2], device=m)) is None
+    assert (
+        reference.compact_kv_cache(
+            torch.zeros(1, 2, 1, 1, 8, 4, device=m),
+            torch.tensor([3], device=m),
+            torch.tensor([[0, 2]], device=m),
+            torch.tensor([2], device=m),
+        )
+        is None
+    )
     with pytest.raises(ValueError, match="accepted_indices"):
-        sk.compact_kv_cache(torch.zeros(1, 2, 1, 1, 8, 4, device=m), torch.tensor([3], device=m),
-                            torch.tensor([[0, 2]], device=m)[0], torch.tensor([2], device=m), backend="reference")
+        sk.compact_kv_cache(
+            torch.zeros(1, 2, 1, 1, 8, 4, device=m),
+            torch.tensor([3], device=m),
+            torch.tensor([[0, 2]], device=m)[0],
+            torch.tensor([2], device=m),
+            backend="reference",
+        )

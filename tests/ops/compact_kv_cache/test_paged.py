@@ -14,6 +14,7 @@ SPECDEC_COMPACT_KV_HOST_EMULATION) run on the host block by block, every thread'
 chunk before any thread's stores, the pools described by the binding's own host helper (as
 ``test_kernels.py`` does for the dense kernel).
 """
+
 import ctypes
 import os
 import re
@@ -148,9 +149,16 @@ def as_container(pool, container):
 
 
 class PagedLaunchArgs(ctypes.Structure):  # SpecdecPagedCompactKVArgs in csrc/compact_kv_cache.cuh
-    _fields_ = [("kv", LaunchArgs), ("block_table", ctypes.c_void_p), ("block_table_stride_b", ctypes.c_int64),
-                ("block_table_stride_m", ctypes.c_int64), ("block_table_int64", ctypes.c_int),
-                ("max_blocks_per_seq", ctypes.c_int64), ("block_size", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
+    _fields_ = [
+        ("kv", LaunchArgs),
+        ("block_table", ctypes.c_void_p),
+        ("block_table_stride_b", ctypes.c_int64),
+        ("block_table_stride_m", ctypes.c_int64),
+        ("block_table_int64", ctypes.c_int),
+        ("max_blocks_per_seq", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -160,17 +168,42 @@ def emulator(tmp_path_factory):
     if nvcc is None:
         pytest.skip("nvcc not found: cannot build the host emulation of the CUDA kernel")
     out = tmp_path_factory.mktemp("paged_compact_kv_emu") / "paged_compact_kv_emu.so"
-    subprocess.run([nvcc, "-x", "cu", "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC", "-arch=sm_80",
-                    "-DSPECDEC_COMPACT_KV_HOST_EMULATION", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "csrc", "compact_kv_cache.cu"), "-o", str(out)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            nvcc,
+            "-x",
+            "cu",
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC",
+            "-arch=sm_80",
+            "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "csrc", "compact_kv_cache.cu"),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     lib = ctypes.CDLL(str(out))
     lib.specdec_compact_kv_cache_describe.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_describe.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.POINTER(KVSlice),
-                                                      ctypes.c_int64, ctypes.c_int64]
+    lib.specdec_compact_kv_cache_describe.argtypes = [
+        ctypes.POINTER(LaunchArgs),
+        ctypes.POINTER(KVSlice),
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
     lib.specdec_paged_compact_kv_cache_emulate.restype = ctypes.c_int
-    lib.specdec_paged_compact_kv_cache_emulate.argtypes = [ctypes.POINTER(PagedLaunchArgs), ctypes.c_int64,
-                                                           ctypes.c_int64]
+    lib.specdec_paged_compact_kv_cache_emulate.argtypes = [
+        ctypes.POINTER(PagedLaunchArgs),
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
     lib.specdec_compact_kv_cache_word_bytes.restype = ctypes.c_int
     lib.specdec_compact_kv_cache_word_bytes.argtypes = [ctypes.POINTER(LaunchArgs)]
     return lib
@@ -189,20 +222,28 @@ def emulate_cuda(lib, pools, layout, seqlens, indices, counts, table, threads=0,
         if t.dim() == 4:
             slices.append((t.data_ptr(), st[0], st[head_dim], st[slot_dim]))
         else:
-            slices.extend((t.data_ptr() + l * st[0] + kv * st[1], st[2], st[2 + head_dim], st[2 + slot_dim])
-                          for l in range(t.shape[0]) for kv in range(2))
+            slices.extend(
+                (t.data_ptr() + l * st[0] + kv * st[1], st[2], st[2 + head_dim], st[2 + slot_dim])
+                for l in range(t.shape[0])
+                for kv in range(2)
+            )
     first = pools[0]
     c_slices = (KVSlice * len(slices))(*[KVSlice(*e) for e in slices])
     p = PagedLaunchArgs()
     a = p.kv
-    form = lib.specdec_compact_kv_cache_describe(ctypes.byref(a), c_slices, len(slices),
-                                                 first.shape[-1] * first.element_size())
+    form = lib.specdec_compact_kv_cache_describe(
+        ctypes.byref(a), c_slices, len(slices), first.shape[-1] * first.element_size()
+    )
     assert form in (0, 1)
     if form == 0:
         a.table = ctypes.addressof(c_slices)
     a.batch, a.heads = seqlens.shape[0], first.shape[-4 + head_dim]
     a.capacity = 123456789  # ignored by the paged kernel (set from the table); must not matter
-    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = seqlens.data_ptr(), seqlens.stride(0), seqlens.dtype == torch.int64
+    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = (
+        seqlens.data_ptr(),
+        seqlens.stride(0),
+        seqlens.dtype == torch.int64,
+    )
     a.accepted_indices, a.indices_int64 = indices.data_ptr(), indices.dtype == torch.int64
     a.indices_stride_b, a.indices_stride_m = indices.stride()
     a.max_accepted = indices.shape[1]
@@ -237,8 +278,16 @@ class Impl:
         seqlens, indices, table = seqlens.to(d), indices.to(d), table.to(d)
         counts = counts.to(d) if counts is not None else None
         if self.lib is None:
-            sk.compact_kv_cache(kv_cache, seqlens, indices, counts, block_table=table, kv_layout=layout,
-                                backend=self.name, validate=validate)
+            sk.compact_kv_cache(
+                kv_cache,
+                seqlens,
+                indices,
+                counts,
+                block_table=table,
+                kv_layout=layout,
+                backend=self.name,
+                validate=validate,
+            )
             return
         _, _, _, _, n = check_paged_compact_kv_cache_args(kv_cache, seqlens, indices, counts, table, layout, validate)
         if counts is not None:
@@ -522,9 +571,14 @@ def test_invalid_inputs_stay_inside_the_pool(impl, case):
 
 
 def good_args(**override):
-    args = dict(kv_cache=torch.zeros(2, 2, 6, 4, 2, 3), cache_seqlens=torch.tensor([3, 1]),
-                accepted_indices=torch.tensor([[0, 2], [1, 3]]), num_accepted=torch.tensor([2, 2]),
-                block_table=torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32), kv_layout="NHD")
+    args = dict(
+        kv_cache=torch.zeros(2, 2, 6, 4, 2, 3),
+        cache_seqlens=torch.tensor([3, 1]),
+        accepted_indices=torch.tensor([[0, 2], [1, 3]]),
+        num_accepted=torch.tensor([2, 2]),
+        block_table=torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32),
+        kv_layout="NHD",
+    )
     args.update(override)
     return args
 
@@ -533,40 +587,79 @@ BAD = {
     "layout_name": (dict(kv_layout="NDH"), ValueError, "kv_layout must be 'NHD' or 'HND'"),
     "layout_type": (dict(kv_layout=1), TypeError, "kv_layout must be a str"),
     "table_dtype": (dict(block_table=torch.zeros(2, 3)), TypeError, "block_table must have dtype"),
-    "table_rank": (dict(block_table=torch.zeros(6, dtype=torch.int32)), ValueError, "block_table must have 2 dimensions"),
-    "table_rows": (dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, "block_table must have shape (2, max_blocks_per_seq)"),
-    "table_device": (dict(block_table=torch.zeros(2, 3, dtype=torch.int32, device="meta")), ValueError, "block_table must be on"),
+    "table_rank": (
+        dict(block_table=torch.zeros(6, dtype=torch.int32)),
+        ValueError,
+        "block_table must have 2 dimensions",
+    ),
+    "table_rows": (
+        dict(block_table=torch.zeros(3, 3, dtype=torch.int32)),
+        ValueError,
+        "block_table must have shape (2, max_blocks_per_seq)",
+    ),
+    "table_device": (
+        dict(block_table=torch.zeros(2, 3, dtype=torch.int32, device="meta")),
+        ValueError,
+        "block_table must be on",
+    ),
     "cache_rank": (dict(kv_cache=torch.zeros(2, 6, 4, 2, 3)), ValueError, "kv_cache"),
-    "six_dims_not_kv": (dict(kv_cache=torch.zeros(2, 3, 6, 4, 2, 3)), ValueError, "[L, 2, num_blocks, block_size, Hkv, D]"),
+    "six_dims_not_kv": (
+        dict(kv_cache=torch.zeros(2, 3, 6, 4, 2, 3)),
+        ValueError,
+        "[L, 2, num_blocks, block_size, Hkv, D]",
+    ),
     "layer_shapes": (dict(kv_cache=[torch.zeros(6, 4, 2, 3), torch.zeros(6, 4, 2, 5)]), ValueError, "kv_cache[1]"),
-    "layer_dtypes": (dict(kv_cache=[torch.zeros(6, 4, 2, 3), torch.zeros(6, 4, 2, 3).half()]), TypeError, "kv_cache[1]"),
+    "layer_dtypes": (
+        dict(kv_cache=[torch.zeros(6, 4, 2, 3), torch.zeros(6, 4, 2, 3).half()]),
+        TypeError,
+        "kv_cache[1]",
+    ),
     "aliasing_layers": (dict(kv_cache=[torch.zeros(6, 4, 2, 3)] * 2), ValueError, "alias"),
-    "indices_rows": (dict(accepted_indices=torch.tensor([[0, 2]])), ValueError, "accepted_indices must have shape (2, M)"),
+    "indices_rows": (
+        dict(accepted_indices=torch.tensor([[0, 2]])),
+        ValueError,
+        "accepted_indices must have shape (2, M)",
+    ),
     "not_increasing": (dict(accepted_indices=torch.tensor([[2, 2], [1, 3]])), ValueError, "strictly increasing"),
     "below_position": (dict(accepted_indices=torch.tensor([[0, 0], [1, 3]])), ValueError, ">= i"),
     "count_range": (dict(num_accepted=torch.tensor([3, 0])), ValueError, "num_accepted"),
     "negative_seqlen": (dict(cache_seqlens=torch.tensor([-1, 1])), ValueError, "cache_seqlens must be >= 0"),
     "beyond_table": (dict(cache_seqlens=torch.tensor([10, 1])), ValueError, "capacity of the block table"),
-    "block_minus_one": (dict(block_table=torch.tensor([[0, -1, -1], [2, 3, -1]], dtype=torch.int32)), ValueError,
-                        "block_table[0, 1] = -1"),
-    "block_past_pool": (dict(block_table=torch.tensor([[0, 1, -1], [6, 3, -1]], dtype=torch.int32)), ValueError,
-                        "block_table[1, 0] = 6"),
+    "block_minus_one": (
+        dict(block_table=torch.tensor([[0, -1, -1], [2, 3, -1]], dtype=torch.int32)),
+        ValueError,
+        "block_table[0, 1] = -1",
+    ),
+    "block_past_pool": (
+        dict(block_table=torch.tensor([[0, 1, -1], [6, 3, -1]], dtype=torch.int32)),
+        ValueError,
+        "block_table[1, 0] = 6",
+    ),
     # sequence 1 writes slot 1 (block 0 for it too), which is sequence 0's prefix
-    "writes_into_shared_prefix": (dict(block_table=torch.tensor([[0, 1, -1], [0, 3, -1]], dtype=torch.int32)),
-                                  ValueError, "must not be shared"),
+    "writes_into_shared_prefix": (
+        dict(block_table=torch.tensor([[0, 1, -1], [0, 3, -1]], dtype=torch.int32)),
+        ValueError,
+        "must not be shared",
+    ),
     # both sequences write the same physical slots
-    "two_sequences_write_one_slot": (dict(cache_seqlens=torch.tensor([1, 1]),
-                                          block_table=torch.tensor([[0, 1, -1], [0, 1, -1]], dtype=torch.int32)),
-                                     ValueError, "must not be shared"),
+    "two_sequences_write_one_slot": (
+        dict(cache_seqlens=torch.tensor([1, 1]), block_table=torch.tensor([[0, 1, -1], [0, 1, -1]], dtype=torch.int32)),
+        ValueError,
+        "must not be shared",
+    ),
     # one table naming a block twice: logical slot 4 (block 1) is the prefix slot 0's row
-    "block_twice_in_one_row": (dict(cache_seqlens=torch.tensor([3, 1]),
-                                    block_table=torch.tensor([[0, 0, -1], [2, 3, -1]], dtype=torch.int32)),
-                               ValueError, "must not be shared"),
+    "block_twice_in_one_row": (
+        dict(cache_seqlens=torch.tensor([3, 1]), block_table=torch.tensor([[0, 0, -1], [2, 3, -1]], dtype=torch.int32)),
+        ValueError,
+        "must not be shared",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.compact_kv_cache, backend="reference"), sk.compact_kv_cache], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.compact_kv_cache, backend="reference"), sk.compact_kv_cache], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
     override, err, msg = BAD[case]
     args = good_args(**override)
@@ -577,11 +670,30 @@ def test_bad_input(fn, case):
         assert torch.equal(args["kv_cache"], snapshot)
 
 
-NATIVE_BAD = {k: BAD[k] for k in ("layout_name", "table_dtype", "table_rank", "table_rows", "six_dims_not_kv",
-                                    "layer_shapes", "layer_dtypes", "aliasing_layers", "indices_rows", "not_increasing",
-                                    "below_position", "count_range", "negative_seqlen", "beyond_table",
-                                    "block_minus_one", "block_past_pool", "writes_into_shared_prefix",
-                                    "two_sequences_write_one_slot", "block_twice_in_one_row")}
+NATIVE_BAD = {
+    k: BAD[k]
+    for k in (
+        "layout_name",
+        "table_dtype",
+        "table_rank",
+        "table_rows",
+        "six_dims_not_kv",
+        "layer_shapes",
+        "layer_dtypes",
+        "aliasing_layers",
+        "indices_rows",
+        "not_increasing",
+        "below_position",
+        "count_range",
+        "negative_seqlen",
+        "beyond_table",
+        "block_minus_one",
+        "block_past_pool",
+        "writes_into_shared_prefix",
+        "two_sequences_write_one_slot",
+        "block_twice_in_one_row",
+    )
+}
 NATIVE_MESSAGE = {  # the C++ wording where it differs from the Python front's
     "table_dtype": "block_table must have dtype int32 or int64",
     "table_rows": "block_table must have shape (2, max_blocks_per_seq)",
@@ -604,9 +716,15 @@ def test_native_op_rejects_bad_input_with_validate(device, case):
     caches = [to(c) for c in caches]
     snapshot = [c.clone() for c in caches]
     with pytest.raises(err, match=re.escape(NATIVE_MESSAGE.get(case, msg))):
-        torch.ops.specdec.paged_compact_kv_cache_native(caches, to(args["cache_seqlens"]), to(args["accepted_indices"]),
-                                                        to(args["num_accepted"]), to(args["block_table"]),
-                                                        args["kv_layout"], True)
+        torch.ops.specdec.paged_compact_kv_cache_native(
+            caches,
+            to(args["cache_seqlens"]),
+            to(args["accepted_indices"]),
+            to(args["num_accepted"]),
+            to(args["block_table"]),
+            args["kv_layout"],
+            True,
+        )
     assert all(torch.equal(a, b) for a, b in zip(caches, snapshot))
 
 
@@ -644,8 +762,11 @@ def opcheck_inputs(layout, container, index_dtype, device="cpu"):
 def test_opcheck_public_op(layout, container, index_dtype):
     caches, seqlens, idx, n, table = opcheck_inputs(layout, container, index_dtype)
     for backend in paged_backends():
-        torch.library.opcheck(torch.ops.specdec.paged_compact_kv_cache.default, (caches, seqlens, idx, n, table, layout),
-                              {"backend": backend})
+        torch.library.opcheck(
+            torch.ops.specdec.paged_compact_kv_cache.default,
+            (caches, seqlens, idx, n, table, layout),
+            {"backend": backend},
+        )
     torch.library.opcheck(torch.ops.specdec.paged_compact_kv_cache.default, (caches, seqlens, idx, None, table, layout))
 
 
@@ -655,8 +776,9 @@ def test_opcheck_public_op(layout, container, index_dtype):
 def test_opcheck_native_op(device, layout, container):
     assert op_module.register_fake(paged=True)
     caches, seqlens, idx, n, table = opcheck_inputs(layout, container, torch.int32, device)
-    torch.library.opcheck(torch.ops.specdec.paged_compact_kv_cache_native.default,
-                          (caches, seqlens, idx, n, table, layout, False))
+    torch.library.opcheck(
+        torch.ops.specdec.paged_compact_kv_cache_native.default, (caches, seqlens, idx, n, table, layout, False)
+    )
 
 
 def test_front_runs_under_fake_tensor_mode_with_validate_false():
@@ -731,8 +853,14 @@ def test_cuda_rejects_strided_head_dim():
     wide = torch.zeros(1, 2, 4, 4, 1, 8, device="cuda")
     with pytest.raises(ValueError, match="last dimension"):
         torch.ops.specdec.paged_compact_kv_cache_native(
-            [wide[..., ::2]], torch.tensor([0], device="cuda"), torch.tensor([[1]], device="cuda"),
-            torch.tensor([1], device="cuda"), torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"), "NHD", False)
+            [wide[..., ::2]],
+            torch.tensor([0], device="cuda"),
+            torch.tensor([[1]], device="cuda"),
+            torch.tensor([1], device="cuda"),
+            torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"),
+            "NHD",
+            False,
+        )
 
 
 @pytest.mark.requires_cuda
@@ -742,6 +870,12 @@ def test_cuda_rejects_index_tensors_on_another_device(where):
     args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in good_args().items()}
     args[where] = args[where].cpu()
     with pytest.raises(ValueError, match=f"{where} must be on cuda"):
-        torch.ops.specdec.paged_compact_kv_cache_native([args["kv_cache"]], args["cache_seqlens"],
-                                                        args["accepted_indices"], args["num_accepted"],
-                                                        args["block_table"], "NHD", False)
+        torch.ops.specdec.paged_compact_kv_cache_native(
+            [args["kv_cache"]],
+            args["cache_seqlens"],
+            args["accepted_indices"],
+            args["num_accepted"],
+            args["block_table"],
+            "NHD",
+            False,
+        )

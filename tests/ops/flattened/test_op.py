@@ -10,6 +10,7 @@ Then: [T + B, V] rows against [T, V] + bonus_token_ids, hand-worked cases, -1 pa
 buffers around every flat input, the same generator / seeds giving the padded op's tokens, a
 chi-square test of losslessness, the FlashInfer-style details, bad input, opcheck.
 """
+
 import re
 from functools import partial
 
@@ -81,14 +82,20 @@ def flat_case(counts, V, *, seed=0, dtype=torch.float32, sampled=True, id_dtype=
     for b, s in enumerate(starts_of(counts)):
         rows = torch.arange(s + b, s + b + counts[b])
         likely = torch.rand(counts[b], generator=g) < 0.75
-        drafts[s:s + counts[b]] = torch.where(likely, logits[rows].argmax(-1), drafts[s:s + counts[b]])
-        draft[s:s + counts[b]] += 0.5 * probs[rows]
+        drafts[s : s + counts[b]] = torch.where(likely, logits[rows].argmax(-1), drafts[s : s + counts[b]])
+        draft[s : s + counts[b]] += 0.5 * probs[rows]
         if sampled:  # drafts drawn from the draft distribution, which overlaps the target's
-            pick = torch.multinomial(draft[s:s + counts[b]], 1, generator=g)[:, 0] if counts[b] else drafts[:0]
-            drafts[s:s + counts[b]] = torch.where(likely, pick, drafts[s:s + counts[b]])
+            pick = torch.multinomial(draft[s : s + counts[b]], 1, generator=g)[:, 0] if counts[b] else drafts[:0]
+            drafts[s : s + counts[b]] = torch.where(likely, pick, drafts[s : s + counts[b]])
     return dict(
-        counts=counts, cu=cu, logits=logits.to(dtype), probs=probs.to(dtype), draft=draft.to(dtype) if sampled else None,
-        drafts=drafts.to(id_dtype), coins=torch.rand(T, generator=g) ** 2, final=torch.rand(B, generator=g),
+        counts=counts,
+        cu=cu,
+        logits=logits.to(dtype),
+        probs=probs.to(dtype),
+        draft=draft.to(dtype) if sampled else None,
+        drafts=drafts.to(id_dtype),
+        coins=torch.rand(T, generator=g) ** 2,
+        final=torch.rand(B, generator=g),
     )
 
 
@@ -108,12 +115,12 @@ def padded(case, K=None, seed=1):
     )
     for b, s in enumerate(starts_of(counts)):
         k = counts[b]
-        out["logits"][b, :k + 1] = case["logits"][s + b:s + b + k + 1]
-        out["probs"][b, :k + 1] = case["probs"][s + b:s + b + k + 1]
+        out["logits"][b, : k + 1] = case["logits"][s + b : s + b + k + 1]
+        out["probs"][b, : k + 1] = case["probs"][s + b : s + b + k + 1]
         if case["draft"] is not None:
-            out["draft"][b, :k] = case["draft"][s:s + k]
-        out["drafts"][b, :k] = case["drafts"][s:s + k]
-        out["coins"][b, :k] = case["coins"][s:s + k]
+            out["draft"][b, :k] = case["draft"][s : s + k]
+        out["drafts"][b, :k] = case["drafts"][s : s + k]
+        out["coins"][b, :k] = case["coins"][s : s + k]
     return out
 
 
@@ -161,10 +168,19 @@ def test_rejection_equals_padded(backend, counts, sampled, dtype):
     for seed, (V, id_dtype) in enumerate(((111, torch.int32), (7, torch.int64))):
         c = flat_case(counts, V, seed=seed, dtype=dtype, sampled=sampled, id_dtype=id_dtype)
         p = padded(c)
-        want = reference.rejection_sample(p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"],
-                                          sample_uniforms=c["final"])
-        got = run(sk.rejection_sample_flattened, c["probs"], c["draft"], c["drafts"], c["cu"],
-                  uniform_samples=c["coins"], sample_uniforms=c["final"], backend=backend)
+        want = reference.rejection_sample(
+            p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"], sample_uniforms=c["final"]
+        )
+        got = run(
+            sk.rejection_sample_flattened,
+            c["probs"],
+            c["draft"],
+            c["drafts"],
+            c["cu"],
+            uniform_samples=c["coins"],
+            sample_uniforms=c["final"],
+            backend=backend,
+        )
         assert_same(got, want)
         out, acc = got
         assert torch.equal((out >= 0).sum(1), acc + 1) and (out[out < 0] == -1).all()
@@ -187,8 +203,9 @@ def test_rejection_equals_padded_over_vocabulary_chunks(sampled, bonus_ids):
         for seed, V in enumerate((111, 37)):
             c = flat_case(counts, V, seed=seed, sampled=sampled)
             p = padded(c)
-            want = reference.rejection_sample(p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"],
-                                              sample_uniforms=c["final"])
+            want = reference.rejection_sample(
+                p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"], sample_uniforms=c["final"]
+            )
             probs = c["probs"]
             kwargs = {}
             if bonus_ids:
@@ -198,8 +215,17 @@ def test_rejection_equals_padded_over_vocabulary_chunks(sampled, bonus_ids):
                 keep[ends] = False
                 probs = probs[keep]
                 kwargs["bonus_token_ids"] = want[0].gather(1, want[1][:, None])[:, 0]
-            got = run(sk.rejection_sample_flattened, probs, c["draft"], c["drafts"], c["cu"],
-                      uniform_samples=c["coins"], sample_uniforms=c["final"], backend="triton", **kwargs)
+            got = run(
+                sk.rejection_sample_flattened,
+                probs,
+                c["draft"],
+                c["drafts"],
+                c["cu"],
+                uniform_samples=c["coins"],
+                sample_uniforms=c["final"],
+                backend="triton",
+                **kwargs,
+            )
             assert_same(got, want)  # with bonus ids, full acceptances take the given (reference's) bonus
 
 
@@ -209,8 +235,9 @@ def test_the_parity_cases_cover_every_outcome():
     seen = set()
     for sampled in (True, False):
         c = flat_case(COUNTS["K0_to_16"], 111, sampled=sampled)
-        _, acc = reference.rejection_sample_flattened(c["probs"], c["draft"], c["drafts"], c["cu"],
-                                                      uniform_samples=c["coins"], sample_uniforms=c["final"])
+        _, acc = reference.rejection_sample_flattened(
+            c["probs"], c["draft"], c["drafts"], c["cu"], uniform_samples=c["coins"], sample_uniforms=c["final"]
+        )
         _, gacc = reference.verify_greedy_flattened(c["logits"], c["drafts"], c["cu"])
         for a, n in zip(acc.tolist() + gacc.tolist(), c["counts"] * 2):
             seen.add("none" if n == 0 else "first" if a == 0 else "all" if a == n else "middle")
@@ -221,10 +248,20 @@ def test_the_parity_cases_cover_every_outcome():
 def test_wider_max_spec_len_pads_with_minus_one(backend):
     c = flat_case(COUNTS["ragged"], 37, seed=3)
     p = padded(c, K=9)
-    want = reference.rejection_sample(p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"],
-                                      sample_uniforms=c["final"])
-    got = run(sk.rejection_sample_flattened, c["probs"], c["draft"], c["drafts"], c["cu"], max_spec_len=9,
-              uniform_samples=c["coins"], sample_uniforms=c["final"], backend=backend)
+    want = reference.rejection_sample(
+        p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"], sample_uniforms=c["final"]
+    )
+    got = run(
+        sk.rejection_sample_flattened,
+        c["probs"],
+        c["draft"],
+        c["drafts"],
+        c["cu"],
+        max_spec_len=9,
+        uniform_samples=c["coins"],
+        sample_uniforms=c["final"],
+        backend=backend,
+    )
     assert_same(got, want)
     assert got[0].shape == (6, 10) and (got[0][:, 6:] == -1).all()
     if backend in GREEDY_BACKENDS:
@@ -235,7 +272,9 @@ def test_wider_max_spec_len_pads_with_minus_one(backend):
 # --------------------------------------------------------------------------- [T + B, V] vs [T, V] + bonus ids
 
 
-@pytest.mark.parametrize("counts", [COUNTS["ragged"], COUNTS["all_zero"], COUNTS["K16"]], ids=["ragged", "all_zero", "K16"])
+@pytest.mark.parametrize(
+    "counts", [COUNTS["ragged"], COUNTS["all_zero"], COUNTS["K16"]], ids=["ragged", "all_zero", "K16"]
+)
 @pytest.mark.parametrize("backend", GREEDY_BACKENDS)
 def test_greedy_bonus_token_ids_equal_one_hot_bonus_rows(backend, counts):
     c = flat_case(counts, 23, seed=4)
@@ -249,7 +288,9 @@ def test_greedy_bonus_token_ids_equal_one_hot_bonus_rows(backend, counts):
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
-@pytest.mark.parametrize("counts", [COUNTS["ragged"], COUNTS["all_zero"], COUNTS["K16"]], ids=["ragged", "all_zero", "K16"])
+@pytest.mark.parametrize(
+    "counts", [COUNTS["ragged"], COUNTS["all_zero"], COUNTS["K16"]], ids=["ragged", "all_zero", "K16"]
+)
 @pytest.mark.parametrize("backend", SAMPLE_BACKENDS)
 def test_rejection_bonus_token_ids_equal_one_hot_bonus_rows(backend, counts, sampled):
     c = flat_case(counts, 23, seed=6, sampled=sampled)
@@ -261,8 +302,15 @@ def test_rejection_bonus_token_ids_equal_one_hot_bonus_rows(backend, counts, sam
     got = run(sk.rejection_sample_flattened, draft_rows, c["draft"], c["drafts"], c["cu"], bonus, **kw)
     assert_same(got, want)
     # the bonus is the caller's: it does not consume or depend on the sample uniform
-    moved = run(sk.rejection_sample_flattened, draft_rows, c["draft"], c["drafts"], c["cu"], bonus,
-                **dict(kw, sample_uniforms=torch.rand(len(counts), generator=gen(8))))
+    moved = run(
+        sk.rejection_sample_flattened,
+        draft_rows,
+        c["draft"],
+        c["drafts"],
+        c["cu"],
+        bonus,
+        **dict(kw, sample_uniforms=torch.rand(len(counts), generator=gen(8))),
+    )
     full = got[1] == torch.tensor(counts)
     assert torch.equal(moved[0][full], got[0][full])
 
@@ -293,11 +341,23 @@ def test_greedy_golden(backend):
     out, acc = run(sk.verify_greedy_flattened, logits, torch.tensor([1, 2, 2]), cu, max_spec_len=4, backend=backend)
     assert out.tolist() == [[1, 2, 3, -1, -1], [0, -1, -1, -1, -1], [2, 1, -1, -1, -1]] and acc.tolist() == [2, 0, 1]
     # [T, V] rows 0, 1, 4 and caller-sampled bonus tokens (copied as given, here outside V)
-    out, acc = run(sk.verify_greedy_flattened, logits[[0, 1, 4]], torch.tensor([1, 2, 2]), cu,
-                   torch.tensor([19, 18, 17]), backend=backend)
+    out, acc = run(
+        sk.verify_greedy_flattened,
+        logits[[0, 1, 4]],
+        torch.tensor([1, 2, 2]),
+        cu,
+        torch.tensor([19, 18, 17]),
+        backend=backend,
+    )
     assert out.tolist() == [[1, 2, 19], [18, -1, -1], [2, 17, -1]] and acc.tolist() == [2, 0, 1]
-    out, acc = run(sk.verify_greedy_flattened, logits[[0, 1, 4]], torch.tensor([1, 3, 0]), cu,
-                   torch.tensor([19, 18, 17]), backend=backend)
+    out, acc = run(
+        sk.verify_greedy_flattened,
+        logits[[0, 1, 4]],
+        torch.tensor([1, 3, 0]),
+        cu,
+        torch.tensor([19, 18, 17]),
+        backend=backend,
+    )
     assert out.tolist() == [[1, 2, -1], [18, -1, -1], [2, -1, -1]] and acc.tolist() == [1, 0, 0]
 
 
@@ -314,8 +374,12 @@ def test_rejection_golden(backend):
     #   [.25, .25, .25, 0], threshold 0.5 * 0.75 = 0.375 -> token 1
     # request 1: bonus from P0 with u = 0.75: CDF [.1, .7, .9, 1] -> token 2
     # request 2: 0.99 < 1 accepts 2; bonus from P1 with u = 0.3: CDF [.25, .5, ..] -> token 1
-    kw = dict(uniform_samples=torch.tensor([0.5, 0.3, 0.99]), sample_uniforms=torch.tensor([0.5, 0.75, 0.3]),
-              backend=backend, return_details=True)
+    kw = dict(
+        uniform_samples=torch.tensor([0.5, 0.3, 0.99]),
+        sample_uniforms=torch.tensor([0.5, 0.75, 0.3]),
+        backend=backend,
+        return_details=True,
+    )
     d = run(sk.rejection_sample_flattened, target, None, drafts, cu, **kw)
     assert d.output_tokens.tolist() == [[1, 1, -1], [2, -1, -1], [2, 1, -1]]
     assert d.num_accepted.tolist() == d.emitted_counts.tolist() == [1, 0, 1]
@@ -326,8 +390,16 @@ def test_rejection_golden(backend):
     # draft distributions: q0 = [.1, .9, 0, 0], 0.7 * 0.9 = 0.63 >= 0.6 rejects 1: residual
     # max(0, P0 - q0) = [0, 0, .2, .1], threshold 0.7 * 0.3 = 0.21 -> token 3
     q = torch.tensor([[0.1, 0.9, 0, 0], P1, [0, 0, 1.0, 0]])
-    out, acc = run(sk.rejection_sample_flattened, target, q, drafts, cu, uniform_samples=torch.tensor([0.7, 0.0, 0.5]),
-                   sample_uniforms=torch.tensor([0.7, 0.05, 0.9]), backend=backend)
+    out, acc = run(
+        sk.rejection_sample_flattened,
+        target,
+        q,
+        drafts,
+        cu,
+        uniform_samples=torch.tensor([0.7, 0.0, 0.5]),
+        sample_uniforms=torch.tensor([0.7, 0.05, 0.9]),
+        backend=backend,
+    )
     # request 1: CDF of P0 at 0.05 -> token 0; request 2: 0.5 * 1 < 1 accepts, P1 at 0.9 -> 3
     assert out.tolist() == [[3, -1, -1], [0, -1, -1], [2, 3, -1]] and acc.tolist() == [0, 0, 1]
 
@@ -341,8 +413,12 @@ def test_details_by_hand_counts_tests_after_a_rejection_and_flags_nan_rows(backe
     drafts = torch.tensor([3, 1, 2])
     # request 0: draft 3 on P0: 0.5 * 1 >= 0.1 rejects (num_accepted 0), but draft 1 on P1 would
     # pass (0.1 < 0.25): accepted_counts 1 > emitted 0 (FlashInfer's accepted count)
-    kw = dict(uniform_samples=torch.tensor([0.5, 0.1, 0.2]), sample_uniforms=torch.tensor([0.5, 0.5, 0.5]),
-              backend=backend, return_details=True)
+    kw = dict(
+        uniform_samples=torch.tensor([0.5, 0.1, 0.2]),
+        sample_uniforms=torch.tensor([0.5, 0.5, 0.5]),
+        backend=backend,
+        return_details=True,
+    )
     d = run(sk.rejection_sample_flattened, target, None, drafts, cu, **kw)
     assert isinstance(d, sk.RejectionSampleDetails)
     assert d.num_accepted.tolist() == d.emitted_counts.tolist() == [0, 0, 1]
@@ -386,8 +462,17 @@ def test_details_against_a_hand_loop_and_the_padded_front(backend):
     c = flat_case(COUNTS["K0_to_16"], 29, seed=9)
     c["probs"][[5, 40], 3] = NAN  # two requests' target rows
     c["draft"][70, 0] = NAN  # one request's draft row
-    d = run(sk.rejection_sample_flattened, c["probs"], c["draft"], c["drafts"], c["cu"], uniform_samples=c["coins"],
-            sample_uniforms=c["final"], return_details=True, backend=backend)
+    d = run(
+        sk.rejection_sample_flattened,
+        c["probs"],
+        c["draft"],
+        c["drafts"],
+        c["cu"],
+        uniform_samples=c["coins"],
+        sample_uniforms=c["final"],
+        return_details=True,
+        backend=backend,
+    )
     accepted, valid = _hand_details(c, c["coins"])
     assert d.accepted_counts.tolist() == accepted and d.valid.tolist() == valid
     assert 0 < sum(valid) < len(valid) and (d.accepted_counts >= d.num_accepted).all()
@@ -395,13 +480,29 @@ def test_details_against_a_hand_loop_and_the_padded_front(backend):
     # the padded front's details on the same data (NaN in padding rows is not the request's)
     p = padded(c)
     p["probs"][p["n"] < max(c["counts"]), -1, 0] = NAN  # only rows that are pure padding
-    want = run(sk.rejection_sample, p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"],
-               sample_uniforms=c["final"], return_details=True, backend=backend)
+    want = run(
+        sk.rejection_sample,
+        p["probs"],
+        p["draft"],
+        p["drafts"],
+        p["n"],
+        uniform_samples=p["coins"],
+        sample_uniforms=c["final"],
+        return_details=True,
+        backend=backend,
+    )
     assert type(want) is sk.RejectionSampleDetails
     assert_same(d, want)
     # the default path still returns the plain pair
-    plain = sk.rejection_sample(p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"],
-                                sample_uniforms=c["final"], backend=backend)
+    plain = sk.rejection_sample(
+        p["probs"],
+        p["draft"],
+        p["drafts"],
+        p["n"],
+        uniform_samples=p["coins"],
+        sample_uniforms=c["final"],
+        backend=backend,
+    )
     assert type(plain) is tuple and len(plain) == 2
 
 
@@ -410,9 +511,17 @@ def test_details_with_bonus_ids_own_no_bonus_row():
     rows = without_bonus_rows(c["probs"], c["counts"])
     c2 = dict(c, probs=rows)
     rows[2, 1] = NAN  # request 0's third draft row
-    d = sk.rejection_sample_flattened(rows, c["draft"], c["drafts"], c["cu"], torch.zeros(6, dtype=torch.long),
-                                      uniform_samples=c["coins"], sample_uniforms=c["final"], return_details=True,
-                                      backend="reference")
+    d = sk.rejection_sample_flattened(
+        rows,
+        c["draft"],
+        c["drafts"],
+        c["cu"],
+        torch.zeros(6, dtype=torch.long),
+        uniform_samples=c["coins"],
+        sample_uniforms=c["final"],
+        return_details=True,
+        backend="reference",
+    )
     accepted, valid = _hand_details(c2, c["coins"], bonus_rows=False)
     assert d.accepted_counts.tolist() == accepted and d.valid.tolist() == valid == [False] + [True] * 5
 
@@ -425,19 +534,19 @@ def _guarded(x, fill, pad=5):
     on both sides, so that a read outside ``x`` picks up ``fill``."""
     if x.dim() == 1:
         big = torch.full((x.shape[0] + 2 * pad,), fill, dtype=x.dtype)
-        big[pad:pad + x.shape[0]] = x
-        return big[pad:pad + x.shape[0]]
+        big[pad : pad + x.shape[0]] = x
+        return big[pad : pad + x.shape[0]]
     R, V = x.shape
     big = torch.full((R + 2 * pad, V + 2 * pad), fill, dtype=x.dtype)
-    big[pad:pad + R, pad:pad + V] = x
-    return big[pad:pad + R, pad:pad + V]
+    big[pad : pad + R, pad : pad + V] = x
+    return big[pad : pad + R, pad : pad + V]
 
 
 def _guarded_rows(x, fill, pad=5):
     """Rows only (a contiguous view with neighbours before and after)."""
     big = torch.full((x.shape[0] + 2 * pad, x.shape[1]), fill, dtype=x.dtype)
-    big[pad:pad + x.shape[0]] = x
-    return big[pad:pad + x.shape[0]]
+    big[pad : pad + x.shape[0]] = x
+    return big[pad : pad + x.shape[0]]
 
 
 @pytest.mark.parametrize("guard", [_guarded, _guarded_rows], ids=["rows_and_columns", "rows"])
@@ -451,8 +560,14 @@ def test_greedy_reads_nothing_outside_its_inputs(backend, bonus_ids, guard):
     clean = run(sk.verify_greedy_flattened, logits, c["drafts"], c["cu"], bonus, backend=backend)
     # NaN counts as the maximum: any logit read outside the view would become the argmax; a
     # cu entry read before cu[0] would shift request 0; ids past a span would be compared
-    got = run(sk.verify_greedy_flattened, guard(logits, NAN), _guarded(c["drafts"], 0), _guarded(c["cu"], 1),
-              None if bonus is None else _guarded(bonus, 0), backend=backend)
+    got = run(
+        sk.verify_greedy_flattened,
+        guard(logits, NAN),
+        _guarded(c["drafts"], 0),
+        _guarded(c["cu"], 1),
+        None if bonus is None else _guarded(bonus, 0),
+        backend=backend,
+    )
     assert_same(got, clean)
 
 
@@ -469,9 +584,15 @@ def test_rejection_reads_nothing_outside_its_inputs(backend, bonus_ids, fill):
         clean = run(sk.rejection_sample_flattened, probs, draft, c["drafts"], c["cu"], bonus, **kw)
         # a target value read outside the view (NaN: rejected, huge: accepted and dominating
         # the sampled row) or a draft probability (tiny: accepted) would change the tokens
-        got = run(sk.rejection_sample_flattened, _guarded(probs, fill), None if draft is None else _guarded(draft, 1e-30),
-                  _guarded(c["drafts"], 0), _guarded(c["cu"], 1), None if bonus is None else _guarded(bonus, 0),
-                  **dict(kw, uniform_samples=_guarded(c["coins"], 0.0)))
+        got = run(
+            sk.rejection_sample_flattened,
+            _guarded(probs, fill),
+            None if draft is None else _guarded(draft, 1e-30),
+            _guarded(c["drafts"], 0),
+            _guarded(c["cu"], 1),
+            None if bonus is None else _guarded(bonus, 0),
+            **dict(kw, uniform_samples=_guarded(c["coins"], 0.0)),
+        )
         assert_same(got, clean)
 
 
@@ -485,15 +606,33 @@ def test_garbage_cu_without_validation_stays_in_bounds(backend):
         cu = torch.tensor(bad)
         kw = dict(max_spec_len=4, uniform_samples=c["coins"], sample_uniforms=c["final"], validate=False)
         want = sk.rejection_sample_flattened(c["probs"], c["draft"], c["drafts"], cu, backend="reference", **kw)
-        got = run(sk.rejection_sample_flattened, _guarded(c["probs"], NAN), _guarded(c["draft"], 1e-30),
-                  _guarded(c["drafts"], 0), _guarded(cu, 1), backend=backend, **kw)
+        got = run(
+            sk.rejection_sample_flattened,
+            _guarded(c["probs"], NAN),
+            _guarded(c["draft"], 1e-30),
+            _guarded(c["drafts"], 0),
+            _guarded(cu, 1),
+            backend=backend,
+            **kw,
+        )
         assert_same(got, want)
         assert ((got[0] >= -1) & (got[0] < 11)).all() and (got[1] <= 4).all()
         if backend in GREEDY_BACKENDS:
-            g = run(sk.verify_greedy_flattened, _guarded(c["logits"], NAN), _guarded(c["drafts"], 0), _guarded(cu, 1),
-                    max_spec_len=4, validate=False, backend=backend)
-            assert_same(g, sk.verify_greedy_flattened(c["logits"], c["drafts"], cu, max_spec_len=4, validate=False,
-                                                      backend="reference"))
+            g = run(
+                sk.verify_greedy_flattened,
+                _guarded(c["logits"], NAN),
+                _guarded(c["drafts"], 0),
+                _guarded(cu, 1),
+                max_spec_len=4,
+                validate=False,
+                backend=backend,
+            )
+            assert_same(
+                g,
+                sk.verify_greedy_flattened(
+                    c["logits"], c["drafts"], cu, max_spec_len=4, validate=False, backend="reference"
+                ),
+            )
 
 
 # --------------------------------------------------------------------------- same randoms as padded
@@ -525,11 +664,26 @@ def test_same_generator_or_seeds_give_the_padded_tokens(backend, mode):
     for K in (None, 8):  # max_spec_len from cu, or wider: the padded op then pads to K = 8 too
         p = padded(c, K=K)
         torch.manual_seed(22)  # the default generator, for the rows of a dict without one
-        got = run(sk.rejection_sample_flattened, c["probs"], c["draft"], c["drafts"], c["cu"], max_spec_len=K,
-                  backend=backend, **_random_kwargs(mode, len(counts), 21, c["coins"], None))
+        got = run(
+            sk.rejection_sample_flattened,
+            c["probs"],
+            c["draft"],
+            c["drafts"],
+            c["cu"],
+            max_spec_len=K,
+            backend=backend,
+            **_random_kwargs(mode, len(counts), 21, c["coins"], None),
+        )
         torch.manual_seed(22)
-        want = run(sk.rejection_sample, p["probs"], p["draft"], p["drafts"], p["n"], backend="reference",
-                   **_random_kwargs(mode, len(counts), 21, None, p["coins"]))
+        want = run(
+            sk.rejection_sample,
+            p["probs"],
+            p["draft"],
+            p["drafts"],
+            p["n"],
+            backend="reference",
+            **_random_kwargs(mode, len(counts), 21, None, p["coins"]),
+        )
         assert_same(got, want)
 
 
@@ -541,9 +695,15 @@ def test_a_request_alone_equals_the_request_in_a_ragged_batch_with_seeds():
     seeds, offsets = torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([0, 3, 60, 9, 12, 15])
     out, acc = sk.rejection_sample_flattened(c["probs"], c["draft"], c["drafts"], c["cu"], seeds=seeds, offsets=offsets)
     s, k = starts_of(counts)[2], counts[2]
-    alone = sk.rejection_sample_flattened(c["probs"][s + 2:s + 2 + k + 1], c["draft"][s:s + k], c["drafts"][s:s + k],
-                                          torch.tensor([k]), seeds=seeds[2:3], offsets=offsets[2:3])
-    assert alone[0][0].tolist() == out[2, :k + 1].tolist() and int(alone[1][0]) == int(acc[2])
+    alone = sk.rejection_sample_flattened(
+        c["probs"][s + 2 : s + 2 + k + 1],
+        c["draft"][s : s + k],
+        c["drafts"][s : s + k],
+        torch.tensor([k]),
+        seeds=seeds[2:3],
+        offsets=offsets[2:3],
+    )
+    assert alone[0][0].tolist() == out[2, : k + 1].tolist() and int(alone[1][0]) == int(acc[2])
 
 
 # --------------------------------------------------------------------------- losslessness
@@ -564,13 +724,21 @@ def test_flattened_rejection_sampling_is_lossless():
     P = torch.softmax(torch.randn(4, V, generator=g) * 1.5, -1)
     Q = torch.softmax(torch.log(P[:3]) + torch.randn(3, V, generator=g), -1)
     counts = [r % 4 for r in range(R)]
-    rows_p = torch.cat([P[:k + 1] for k in range(4)] * (R // 4))
+    rows_p = torch.cat([P[: k + 1] for k in range(4)] * (R // 4))
     rows_q = torch.cat([Q[:k] for k in range(4)] * (R // 4))
     drafts = torch.multinomial(rows_q, 1, generator=g)[:, 0]
     cu = torch.tensor(counts).cumsum(0)
     for backend in SAMPLE_BACKENDS:
-        out, acc = run(sk.rejection_sample_flattened, rows_p, rows_q, drafts, cu, max_spec_len=3, generator=gen(17),
-                       backend=backend)
+        out, acc = run(
+            sk.rejection_sample_flattened,
+            rows_p,
+            rows_q,
+            drafts,
+            cu,
+            max_spec_len=3,
+            generator=gen(17),
+            backend=backend,
+        )
         assert chi_square_pvalue(out[:, 0], P[0]) > P_THRESHOLD, backend
         second = out[acc >= 1, 1]
         assert second.numel() > 5000
@@ -584,22 +752,48 @@ def test_flattened_rejection_sampling_is_lossless():
 
 def _good():
     c = flat_case([2, 0, 3], 9, seed=18)
-    return dict(target_probs=c["probs"], draft_probs=c["draft"], draft_token_ids=c["drafts"], cu_num_draft_tokens=c["cu"])
+    return dict(
+        target_probs=c["probs"], draft_probs=c["draft"], draft_token_ids=c["drafts"], cu_num_draft_tokens=c["cu"]
+    )
 
 
 BAD = {
     "cu_dtype": (dict(cu_num_draft_tokens=torch.tensor([2.0, 2.0, 5.0])), TypeError, "cu_num_draft_tokens"),
     "cu_rank": (dict(cu_num_draft_tokens=torch.tensor([[2, 2, 5]])), ValueError, "cu_num_draft_tokens"),
-    "cu_non_monotone": (dict(cu_num_draft_tokens=torch.tensor([3, 2, 5])), ValueError, "cu_num_draft_tokens must be non-decreasing"),
-    "cu_negative": (dict(cu_num_draft_tokens=torch.tensor([-1, 2, 5])), ValueError, "cu_num_draft_tokens must be non-negative"),
+    "cu_non_monotone": (
+        dict(cu_num_draft_tokens=torch.tensor([3, 2, 5])),
+        ValueError,
+        "cu_num_draft_tokens must be non-decreasing",
+    ),
+    "cu_negative": (
+        dict(cu_num_draft_tokens=torch.tensor([-1, 2, 5])),
+        ValueError,
+        "cu_num_draft_tokens must be non-negative",
+    ),
     "cu_last_not_T": (dict(cu_num_draft_tokens=torch.tensor([2, 2, 4])), ValueError, "cu_num_draft_tokens[-1]"),
-    "cu_empty_with_drafts": (dict(cu_num_draft_tokens=torch.zeros(0, dtype=torch.long)), ValueError, "cu_num_draft_tokens"),
+    "cu_empty_with_drafts": (
+        dict(cu_num_draft_tokens=torch.zeros(0, dtype=torch.long)),
+        ValueError,
+        "cu_num_draft_tokens",
+    ),
     "target_rows_T_mismatch": (dict(target_probs=torch.rand(7, 9)), ValueError, "target_probs must have T + B"),
     "target_rank": (dict(target_probs=torch.rand(1, 8, 9)), ValueError, "target_probs"),
     "target_dtype": (dict(target_probs=torch.ones(8, 9, dtype=torch.long)), TypeError, "target_probs"),
-    "bonus_ids_with_bonus_rows": (dict(bonus_token_ids=torch.zeros(3, dtype=torch.long)), ValueError, "target_probs must have T = 5"),
-    "bonus_ids_shape": (dict(target_probs=torch.rand(5, 9), bonus_token_ids=torch.zeros(2, dtype=torch.long)), ValueError, "bonus_token_ids"),
-    "bonus_ids_dtype": (dict(target_probs=torch.rand(5, 9), bonus_token_ids=torch.zeros(3)), TypeError, "bonus_token_ids"),
+    "bonus_ids_with_bonus_rows": (
+        dict(bonus_token_ids=torch.zeros(3, dtype=torch.long)),
+        ValueError,
+        "target_probs must have T = 5",
+    ),
+    "bonus_ids_shape": (
+        dict(target_probs=torch.rand(5, 9), bonus_token_ids=torch.zeros(2, dtype=torch.long)),
+        ValueError,
+        "bonus_token_ids",
+    ),
+    "bonus_ids_dtype": (
+        dict(target_probs=torch.rand(5, 9), bonus_token_ids=torch.zeros(3)),
+        TypeError,
+        "bonus_token_ids",
+    ),
     "draft_ids_rank": (dict(draft_token_ids=torch.zeros(1, 5, dtype=torch.long)), ValueError, "draft_token_ids"),
     "draft_probs_T_mismatch": (dict(draft_probs=torch.rand(6, 9)), ValueError, "draft_probs"),
     "max_spec_len_too_small": (dict(max_spec_len=2), ValueError, "max_spec_len must be at least"),
@@ -614,7 +808,11 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.rejection_sample_flattened, backend="reference"), sk.rejection_sample_flattened], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn",
+    [partial(sk.rejection_sample_flattened, backend="reference"), sk.rejection_sample_flattened],
+    ids=["reference", "public"],
+)
 def test_bad_input_rejection(fn, case):
     args = _good()
     override, err, message = BAD[case]
@@ -623,11 +821,17 @@ def test_bad_input_rejection(fn, case):
         fn(**args)
 
 
-GREEDY_BAD = {k: v for k, v in BAD.items() if not any(s in k for s in ("draft_probs", "uniforms", "seeds", "generator"))}
+GREEDY_BAD = {
+    k: v for k, v in BAD.items() if not any(s in k for s in ("draft_probs", "uniforms", "seeds", "generator"))
+}
 
 
 @pytest.mark.parametrize("case", list(GREEDY_BAD), ids=list(GREEDY_BAD))
-@pytest.mark.parametrize("fn", [partial(sk.verify_greedy_flattened, backend="reference"), sk.verify_greedy_flattened], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn",
+    [partial(sk.verify_greedy_flattened, backend="reference"), sk.verify_greedy_flattened],
+    ids=["reference", "public"],
+)
 def test_bad_input_greedy(fn, case):
     args = _good()
     args["target_logits"] = args.pop("target_probs")
@@ -653,10 +857,14 @@ def _op_args():
     c = flat_case([2, 0, 3, 1], 13, seed=19)
     rows = without_bonus_rows(c["probs"], c["counts"])
     bonus = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
-    greedy = [(c["logits"], c["drafts"], c["cu"], None, 3), (without_bonus_rows(c["logits"], c["counts"]), c["drafts"].int(),
-              c["cu"].int(), bonus, 5)]
-    sample = [(c["probs"], c["draft"], c["drafts"], c["cu"], None, c["coins"], c["final"], 3),
-              (rows, None, c["drafts"], c["cu"], bonus, c["coins"], c["final"], 4)]
+    greedy = [
+        (c["logits"], c["drafts"], c["cu"], None, 3),
+        (without_bonus_rows(c["logits"], c["counts"]), c["drafts"].int(), c["cu"].int(), bonus, 5),
+    ]
+    sample = [
+        (c["probs"], c["draft"], c["drafts"], c["cu"], None, c["coins"], c["final"], 3),
+        (rows, None, c["drafts"], c["cu"], bonus, c["coins"], c["final"], 4),
+    ]
     return greedy, sample
 
 
@@ -668,10 +876,12 @@ def test_opcheck(index):
     for backend in runnable_backends("rejection_sample_flattened", "cpu"):
         torch.library.opcheck(torch.ops.specdec.rejection_sample_flattened.default, sample[index], {"backend": backend})
     if "triton" in GREEDY_BACKENDS:
-        torch.library.opcheck(torch.ops.specdec.verify_greedy_flattened_triton.default,
-                              tuple(dev(a) for a in greedy[index]) + (0, 0))
-        torch.library.opcheck(torch.ops.specdec.rejection_sample_flattened_triton.default,
-                              tuple(dev(a) for a in sample[index]))
+        torch.library.opcheck(
+            torch.ops.specdec.verify_greedy_flattened_triton.default, tuple(dev(a) for a in greedy[index]) + (0, 0)
+        )
+        torch.library.opcheck(
+            torch.ops.specdec.rejection_sample_flattened_triton.default, tuple(dev(a) for a in sample[index])
+        )
 
 
 def test_fronts_run_on_fake_tensors_with_validate_false():
@@ -680,17 +890,28 @@ def test_fronts_run_on_fake_tensors_with_validate_false():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     c = flat_case([2, 0, 3], 9, seed=20)
-    real = (c["probs"], c["draft"], c["drafts"], c["cu"], c["logits"], torch.arange(3), torch.zeros(3, dtype=torch.long),
-            c["coins"], c["final"])
+    real = (
+        c["probs"],
+        c["draft"],
+        c["drafts"],
+        c["cu"],
+        c["logits"],
+        torch.arange(3),
+        torch.zeros(3, dtype=torch.long),
+        c["coins"],
+        c["final"],
+    )
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         probs, draft, drafts, cu, logits, seeds, offsets, coins, final = (mode.from_tensor(t) for t in real)
         out, acc = sk.verify_greedy_flattened(logits, drafts, cu, max_spec_len=3, validate=False)
         assert out.shape == (3, 4) and acc.shape == (3,)
-        d = sk.rejection_sample_flattened(probs, draft, drafts, cu, max_spec_len=4, seeds=seeds, offsets=offsets,
-                                          validate=False, return_details=True)
+        d = sk.rejection_sample_flattened(
+            probs, draft, drafts, cu, max_spec_len=4, seeds=seeds, offsets=offsets, validate=False, return_details=True
+        )
         assert d.output_tokens.shape == (3, 5) and d.valid.dtype == torch.bool
-        out, _ = sk.rejection_sample_flattened(probs, None, drafts, cu, max_spec_len=3, uniform_samples=coins,
-                                               sample_uniforms=final, validate=False)
+        out, _ = sk.rejection_sample_flattened(
+            probs, None, drafts, cu, max_spec_len=3, uniform_samples=coins, sample_uniforms=final, validate=False
+        )
         assert out.shape == (3, 4)
 
 
@@ -703,8 +924,9 @@ def test_compiles_fullgraph_with_max_spec_len_and_validate_false():
 
     def step(logits, probs, draft, drafts, cu, seeds, offsets):
         greedy = sk.verify_greedy_flattened(logits, drafts, cu, max_spec_len=3, validate=False)
-        details = sk.rejection_sample_flattened(probs, draft, drafts, cu, max_spec_len=3, seeds=seeds, offsets=offsets,
-                                                validate=False, return_details=True)
+        details = sk.rejection_sample_flattened(
+            probs, draft, drafts, cu, max_spec_len=3, seeds=seeds, offsets=offsets, validate=False, return_details=True
+        )
         return tuple(greedy) + tuple(details)
 
     args = tuple(dev(a) for a in (c["logits"], c["probs"], c["draft"], c["drafts"], c["cu"], seeds, offsets))

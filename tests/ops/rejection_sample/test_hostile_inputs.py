@@ -1,5 +1,6 @@
 """rejection_sample: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 
@@ -21,12 +22,20 @@ def test_rejection_sample_counts_beyond_k_act_as_k(backend, with_q):
     final = torch.rand(B, generator=g)
     for count in COUNTS:
         n = torch.tensor([count, min(count, K), 2])
-        want = reference.rejection_sample(p, q if with_q else None, drafts, n.clamp(0, K), uniform_samples=coins,
-                                          sample_uniforms=final)
+        want = reference.rejection_sample(
+            p, q if with_q else None, drafts, n.clamp(0, K), uniform_samples=coins, sample_uniforms=final
+        )
         for sentinel in (3, 7):  # the token after the row would change the answer
-            got = sk.rejection_sample(in_guard(p, float("nan")), in_guard(q, float("nan")) if with_q else None,
-                                      in_guard(drafts, sentinel), in_guard(n, 2**40), uniform_samples=in_guard(coins, 0.5),
-                                      sample_uniforms=in_guard(final, 0.5), backend=backend, validate=False)
+            got = sk.rejection_sample(
+                in_guard(p, float("nan")),
+                in_guard(q, float("nan")) if with_q else None,
+                in_guard(drafts, sentinel),
+                in_guard(n, 2**40),
+                uniform_samples=in_guard(coins, 0.5),
+                sample_uniforms=in_guard(final, 0.5),
+                backend=backend,
+                validate=False,
+            )
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (count, sentinel)
 
 
@@ -35,11 +44,24 @@ def test_rejection_sample_k0_with_counts_reads_nothing_before_the_tensors(backen
     """K = 0, draft_probs [2, 0, 8] and num_draft_tokens [1, 1]: once a segfault."""
     p = torch.softmax(torch.randn(2, 1, 8, generator=gen(1)), -1)
     q = torch.empty(2, 0, 8)
-    out, acc = sk.rejection_sample(p, q, torch.empty(2, 0, dtype=torch.long), torch.tensor([1, 1]),
-                                   uniform_samples=torch.empty(2, 0), sample_uniforms=torch.tensor([0.3, 0.9]),
-                                   backend=backend, validate=False)
-    want = reference.rejection_sample(p, q, torch.empty(2, 0, dtype=torch.long), torch.tensor([0, 0]),
-                                      uniform_samples=torch.empty(2, 0), sample_uniforms=torch.tensor([0.3, 0.9]))
+    out, acc = sk.rejection_sample(
+        p,
+        q,
+        torch.empty(2, 0, dtype=torch.long),
+        torch.tensor([1, 1]),
+        uniform_samples=torch.empty(2, 0),
+        sample_uniforms=torch.tensor([0.3, 0.9]),
+        backend=backend,
+        validate=False,
+    )
+    want = reference.rejection_sample(
+        p,
+        q,
+        torch.empty(2, 0, dtype=torch.long),
+        torch.tensor([0, 0]),
+        uniform_samples=torch.empty(2, 0),
+        sample_uniforms=torch.tensor([0.3, 0.9]),
+    )
     assert torch.equal(out, want[0]) and acc.tolist() == [0, 0]
 
 
@@ -47,6 +69,13 @@ def test_rejection_sample_k0_with_counts_reads_nothing_before_the_tensors(backen
 def test_negative_and_nan_uniforms_act_as_zero(backend):
     p = torch.tensor([[[0.0, 0.0, 0.5, 0.5]]])
     for u in (-0.25, float("nan")):
-        out, _ = sk.rejection_sample(p, None, torch.empty(1, 0, dtype=torch.long), sample_uniforms=torch.tensor([u]),
-                                     uniform_samples=torch.empty(1, 0), backend=backend, validate=False)
+        out, _ = sk.rejection_sample(
+            p,
+            None,
+            torch.empty(1, 0, dtype=torch.long),
+            sample_uniforms=torch.tensor([u]),
+            uniform_samples=torch.empty(1, 0),
+            backend=backend,
+            validate=False,
+        )
         assert int(out[0, 0]) == 2  # never a token without mass

@@ -1,6 +1,7 @@
 """rejection_sample: the C++ CPU fast path (csrc/verify_sample_cpu.cpp, backend="native") against
 the reference, on the cases, shapes and dtypes of the Triton kernel tests (test_triton.py),
 token-exact for the same randoms, plus a distribution test on the native path itself."""
+
 import pytest
 import torch
 
@@ -17,12 +18,26 @@ pytestmark = pytest.mark.requires_native_op("rejection_sample")
 @pytest.mark.parametrize("B,K,V", chain_tests.SHAPES, ids=[f"B{b}-K{k}-V{v}" for b, k, v in chain_tests.SHAPES])
 def test_rejection_sample_matches_reference(B, K, V, sampled, dtype):
     for seed in range(3):
-        c = chain_tests.chain_case(B, K, V, sampled=sampled, seed=seed, dtype=dtype,
-                                   index_dtype=torch.int32 if seed % 2 else torch.int64)
-        got = sk.rejection_sample(c["target_probs"], c["draft_probs"], c["draft_tokens"], c["num_draft_tokens"],
-                                  uniform_samples=c["uniform_samples"], sample_uniforms=c["sample_uniforms"], backend="native")
-        want = reference.rejection_sample(c["target_probs"], c["draft_probs"], c["draft_tokens"], c["num_draft_tokens"],
-                                          uniform_samples=c["uniform_samples"], sample_uniforms=c["sample_uniforms"])
+        c = chain_tests.chain_case(
+            B, K, V, sampled=sampled, seed=seed, dtype=dtype, index_dtype=torch.int32 if seed % 2 else torch.int64
+        )
+        got = sk.rejection_sample(
+            c["target_probs"],
+            c["draft_probs"],
+            c["draft_tokens"],
+            c["num_draft_tokens"],
+            uniform_samples=c["uniform_samples"],
+            sample_uniforms=c["sample_uniforms"],
+            backend="native",
+        )
+        want = reference.rejection_sample(
+            c["target_probs"],
+            c["draft_probs"],
+            c["draft_tokens"],
+            c["num_draft_tokens"],
+            uniform_samples=c["uniform_samples"],
+            sample_uniforms=c["sample_uniforms"],
+        )
         assert_same(got, want)
 
 
@@ -30,8 +45,10 @@ def test_rejection_sample_mixed_dtypes_compute_in_float32():
     c = chain_tests.chain_case(3, 4, 111, sampled=True, seed=4)
     p, q = c["target_probs"].to(torch.bfloat16), c["draft_probs"]
     kw = dict(uniform_samples=c["uniform_samples"], sample_uniforms=c["sample_uniforms"])
-    assert_same(sk.rejection_sample(p, q, c["draft_tokens"], c["num_draft_tokens"], backend="native", **kw),
-          reference.rejection_sample(p, q, c["draft_tokens"], c["num_draft_tokens"], **kw))
+    assert_same(
+        sk.rejection_sample(p, q, c["draft_tokens"], c["num_draft_tokens"], backend="native", **kw),
+        reference.rejection_sample(p, q, c["draft_tokens"], c["num_draft_tokens"], **kw),
+    )
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """rejection_sample: hand-worked cases, distribution tests, invariants and bad input."""
+
 import re
 from functools import partial
 
@@ -36,13 +37,17 @@ GOLDEN = {
     # q0(1) = 0.9: 0.7 * 0.9 = 0.63 >= 0.6 rejects; residual max(0, p0 - q0) = [0, 0, .2, .1],
     # threshold 0.7 * 0.3 = 0.21 -> token 3
     "sampled_first_rejected": (
-        probs(P0, P1, P2), probs([0.1, 0.9, 0.0, 0.0], P1), [[1, 0]], [[0.7, 0.0]], [0.7], [[3, -1, -1]], [0]
+        probs(P0, P1, P2),
+        probs([0.1, 0.9, 0.0, 0.0], P1),
+        [[1, 0]],
+        [[0.7, 0.0]],
+        [0.7],
+        [[3, -1, -1]],
+        [0],
     ),
     # p0 == q0 with the draft outside both supports: p(2) = 0 is never accepted; the residual
     # has no mass, so the token comes from p0 itself (all mass on 1)
-    "residual_without_mass": (
-        probs([0, 1.0, 0, 0], P1), probs([0, 1.0, 0, 0]), [[2]], [[0.0]], [0.3], [[1, -1]], [0]
-    ),
+    "residual_without_mass": (probs([0, 1.0, 0, 0], P1), probs([0, 1.0, 0, 0]), [[2]], [[0.0]], [0.3], [[1, -1]], [0]),
     # K = 0: the bonus token only
     "zero_drafts": (probs(P2), None, [[]], [[]], [0.5], [[2]], [0]),
 }
@@ -65,8 +70,12 @@ def test_ragged_counts_take_the_bonus_from_the_row_after_the_last_draft(sample):
     target = torch.tensor([[P1, P1, P2, [1.0, 0, 0, 0]]] * 2)
     drafts = torch.tensor([[0, 1, 2], [0, 1, 2]])
     out, acc = sample(
-        target, None, drafts, torch.tensor([2, 0]),
-        uniform_samples=torch.zeros(2, 3), sample_uniforms=torch.tensor([0.5, 0.1]),
+        target,
+        None,
+        drafts,
+        torch.tensor([2, 0]),
+        uniform_samples=torch.zeros(2, 3),
+        sample_uniforms=torch.tensor([0.5, 0.1]),
     )
     # seq 0 accepts its 2 counted drafts, bonus from row 2 -> token 2; seq 1 has no drafts:
     # bonus from row 0 (uniform) with u = 0.1 -> token 0
@@ -76,7 +85,11 @@ def test_ragged_counts_take_the_bonus_from_the_row_after_the_last_draft(sample):
 def test_ids_out_of_range_are_rejected(sample):
     target = torch.tensor([[P1, P1], [P1, P1]])
     out, acc = sample(
-        target, None, torch.tensor([[-1], [4]]), uniform_samples=torch.zeros(2, 1), sample_uniforms=torch.tensor([0.0, 0.99])
+        target,
+        None,
+        torch.tensor([[-1], [4]]),
+        uniform_samples=torch.zeros(2, 1),
+        sample_uniforms=torch.tensor([0.0, 0.99]),
     )
     assert acc.tolist() == [0, 0] and out.tolist() == [[0, -1], [3, -1]]
 
@@ -147,8 +160,14 @@ def test_invariants_and_batch_independence(sample):
     again = sample(target, draft, tokens, counts, uniform_samples=coins, sample_uniforms=final)
     assert torch.equal(again[0], out)
     for b in (0, 3, 6):
-        one = sample(target[b : b + 1], draft[b : b + 1], tokens[b : b + 1], counts[b : b + 1],
-                     uniform_samples=coins[b : b + 1], sample_uniforms=final[b : b + 1])
+        one = sample(
+            target[b : b + 1],
+            draft[b : b + 1],
+            tokens[b : b + 1],
+            counts[b : b + 1],
+            uniform_samples=coins[b : b + 1],
+            sample_uniforms=final[b : b + 1],
+        )
         assert torch.equal(one[0][0], out[b])
 
 
@@ -178,7 +197,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.rejection_sample, backend="reference"), sk.rejection_sample], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.rejection_sample, backend="reference"), sk.rejection_sample], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
     args = dict(
         target_probs=torch.full((1, 3, 5), 0.2),

@@ -1,6 +1,7 @@
 """rejection_sample, Triton kernel: token-exact parity with the reference for the same randoms,
 distribution tests on the kernel itself, invariants, use of each random number, edge cases,
 and the torch.library registration (opcheck)."""
+
 import pytest
 import torch
 
@@ -63,11 +64,22 @@ def chain_case(B, K, V, *, sampled, seed=0, dtype=torch.float32, ragged=True, in
 def run_both(case, device):
     """(kernel result, reference result), both on CPU, for the same inputs and randoms."""
     c = to_device(case, device)
-    got = kernel(c["target_probs"], c["draft_probs"], c["draft_tokens"], c["num_draft_tokens"],
-                 uniform_samples=c["uniform_samples"], sample_uniforms=c["sample_uniforms"])
-    want = reference_rejection_sample(case["target_probs"], case["draft_probs"], case["draft_tokens"],
-                                      case["num_draft_tokens"], uniform_samples=case["uniform_samples"],
-                                      sample_uniforms=case["sample_uniforms"])
+    got = kernel(
+        c["target_probs"],
+        c["draft_probs"],
+        c["draft_tokens"],
+        c["num_draft_tokens"],
+        uniform_samples=c["uniform_samples"],
+        sample_uniforms=c["sample_uniforms"],
+    )
+    want = reference_rejection_sample(
+        case["target_probs"],
+        case["draft_probs"],
+        case["draft_tokens"],
+        case["num_draft_tokens"],
+        uniform_samples=case["uniform_samples"],
+        sample_uniforms=case["sample_uniforms"],
+    )
     return tuple(t.cpu() for t in got), want
 
 
@@ -134,8 +146,14 @@ def test_strided_inputs(device):
     draft_full = random_probs((6, 3, 74), g)
     draft = draft_full[..., ::2]  # last-dim stride 2: the launcher makes it contiguous
     tokens = torch.randint(0, 37, (6, 3), generator=g)
-    case = dict(target_probs=target, draft_probs=draft, draft_tokens=tokens, num_draft_tokens=None,
-                uniform_samples=torch.rand(6, 3, generator=g), sample_uniforms=torch.rand(6, generator=g))
+    case = dict(
+        target_probs=target,
+        draft_probs=draft,
+        draft_tokens=tokens,
+        num_draft_tokens=None,
+        uniform_samples=torch.rand(6, 3, generator=g),
+        sample_uniforms=torch.rand(6, generator=g),
+    )
     assert_same(*run_both(case, device))
 
 
@@ -148,16 +166,24 @@ def test_invariants(device, sampled):
     B, K, V = 32, 6, 50
     case = chain_case(B, K, V, sampled=sampled, seed=21)
     c = to_device(case, device)
-    out, acc = (t.cpu() for t in kernel(c["target_probs"], c["draft_probs"], c["draft_tokens"],
-                                        c["num_draft_tokens"], uniform_samples=c["uniform_samples"],
-                                        sample_uniforms=c["sample_uniforms"]))
+    out, acc = (
+        t.cpu()
+        for t in kernel(
+            c["target_probs"],
+            c["draft_probs"],
+            c["draft_tokens"],
+            c["num_draft_tokens"],
+            uniform_samples=c["uniform_samples"],
+            sample_uniforms=c["sample_uniforms"],
+        )
+    )
     target, tokens, counts = case["target_probs"], case["draft_tokens"], case["num_draft_tokens"]
     assert out.shape == (B, K + 1) and acc.shape == (B,)
     for b in range(B):
         n = int(acc[b])
         assert 0 <= n <= int(counts[b])
         assert (out[b] != -1).sum() == n + 1  # emitted = accepted + 1
-        assert (out[b, n + 1:] == -1).all()  # -1 padding
+        assert (out[b, n + 1 :] == -1).all()  # -1 padding
         assert torch.equal(out[b, :n], tokens[b, :n])  # accepted drafts are the drafts
         for j in range(n):
             assert target[b, j, tokens[b, j]] > 0  # a zero-probability draft is never accepted
@@ -176,7 +202,9 @@ def test_coins_after_the_first_rejection_and_past_the_count_are_unused(device):
     # coin j is used iff j <= num_accepted and j < count; redraw every other coin
     cols = torch.arange(K)[None, :]
     used = (cols <= acc[:, None]) & (cols < case["num_draft_tokens"][:, None])
-    perturbed = dict(case, uniform_samples=torch.where(used, case["uniform_samples"], torch.rand(B, K, generator=gen(99))))
+    perturbed = dict(
+        case, uniform_samples=torch.where(used, case["uniform_samples"], torch.rand(B, K, generator=gen(99)))
+    )
     again, _ = run_both(perturbed, device)
     assert_same(again, got)
 
@@ -208,9 +236,13 @@ def test_coin_and_sample_uniform_are_distinct_inputs(device):
     outs = {}
     for coin, u in [(0.7, 0.1), (0.7, 0.9), (0.2, 0.1), (0.2, 0.9)]:
         c = to_device(dict(target_probs=target, draft_probs=draft, draft_tokens=tokens), device)
-        out, acc = kernel(c["target_probs"], c["draft_probs"], c["draft_tokens"],
-                          uniform_samples=torch.tensor([[coin]], device=device),
-                          sample_uniforms=torch.tensor([u], device=device))
+        out, acc = kernel(
+            c["target_probs"],
+            c["draft_probs"],
+            c["draft_tokens"],
+            uniform_samples=torch.tensor([[coin]], device=device),
+            sample_uniforms=torch.tensor([u], device=device),
+        )
         outs[(coin, u)] = (out.cpu().tolist(), acc.cpu().tolist())
     # rejected (0.7 * 1 >= 0.5): residual [0, .25, .25], u picks token 1 or 2
     assert outs[(0.7, 0.1)] == ([[1, -1]], [0]) and outs[(0.7, 0.9)] == ([[2, -1]], [0])
@@ -231,8 +263,11 @@ def test_zero_drafts_samples_the_bonus(device):
 
 def test_empty_batch(device):
     for K in (0, 3):
-        out, acc = kernel(torch.rand(0, K + 1, 11, device=device), torch.rand(0, K, 11, device=device),
-                          torch.zeros(0, K, dtype=torch.long, device=device))
+        out, acc = kernel(
+            torch.rand(0, K + 1, 11, device=device),
+            torch.rand(0, K, 11, device=device),
+            torch.zeros(0, K, dtype=torch.long, device=device),
+        )
         assert out.shape == (0, K + 1) and acc.shape == (0,) and out.dtype == acc.dtype == torch.int64
 
 
@@ -243,9 +278,14 @@ def test_residual_without_mass_samples_from_the_target(device):
     p = random_probs((B, 2, V), g, zero_frac=0.0)
     p[:, 0, 4] = 0.0
     p = p / p.sum(-1, keepdim=True)
-    case = dict(target_probs=p, draft_probs=p[:, :1].clone(), draft_tokens=torch.full((B, 1), 4),
-                num_draft_tokens=None, uniform_samples=torch.rand(B, 1, generator=g),
-                sample_uniforms=torch.rand(B, generator=g))
+    case = dict(
+        target_probs=p,
+        draft_probs=p[:, :1].clone(),
+        draft_tokens=torch.full((B, 1), 4),
+        num_draft_tokens=None,
+        uniform_samples=torch.rand(B, 1, generator=g),
+        sample_uniforms=torch.rand(B, generator=g),
+    )
     got, want = run_both(case, device)
     assert_same(got, want)
     assert (got[1] == 0).all() and (got[0][:, 0] != 4).all()
@@ -257,22 +297,36 @@ def test_unnormalised_rows_follow_the_documented_behaviour(device):
     B, V = 8, 5
     base = torch.tensor([0.4, 0.1, 0.2, 0.3, 0.0])
     target = (base * 3).expand(B, 2, V).clone()
-    case = dict(target_probs=target, draft_probs=torch.full((B, 1, V), 0.9), draft_tokens=torch.zeros(B, 1, dtype=torch.long),
-                num_draft_tokens=None, uniform_samples=torch.rand(B, 1, generator=gen(71)),
-                sample_uniforms=torch.linspace(0.05, 0.95, B))
+    case = dict(
+        target_probs=target,
+        draft_probs=torch.full((B, 1, V), 0.9),
+        draft_tokens=torch.zeros(B, 1, dtype=torch.long),
+        num_draft_tokens=None,
+        uniform_samples=torch.rand(B, 1, generator=gen(71)),
+        sample_uniforms=torch.linspace(0.05, 0.95, B),
+    )
     got, want = run_both(case, device)
     assert_same(got, want)
     assert (got[1] == 1).all()  # 1.2 > u * 0.9 for every u
     # bonus weights 3 * base: thresholds u * 3 over the CDF [1.2, 1.5, 2.1, 3.0]
-    expected = [0 if u * 3 < 1.2 else 1 if u * 3 < 1.5 else 2 if u * 3 < 2.1 else 3 for u in torch.linspace(0.05, 0.95, B).tolist()]
+    expected = [
+        0 if u * 3 < 1.2 else 1 if u * 3 < 1.5 else 2 if u * 3 < 2.1 else 3
+        for u in torch.linspace(0.05, 0.95, B).tolist()
+    ]
     assert got[0][:, 1].tolist() == expected
     # a one-hot draft x with p(x) = 0.5 and no other mass: rejected when u >= 0.5, the residual
     # max(0, p - onehot(x)) has no mass, so the token comes from p itself: x again
     target = torch.zeros(2, 2, V)
     target[:, 0, 2] = 0.5
     target[:, 1] = 1.0
-    case = dict(target_probs=target, draft_probs=None, draft_tokens=torch.full((2, 1), 2), num_draft_tokens=None,
-                uniform_samples=torch.tensor([[0.3], [0.7]]), sample_uniforms=torch.tensor([0.5, 0.5]))
+    case = dict(
+        target_probs=target,
+        draft_probs=None,
+        draft_tokens=torch.full((2, 1), 2),
+        num_draft_tokens=None,
+        uniform_samples=torch.tensor([[0.3], [0.7]]),
+        sample_uniforms=torch.tensor([0.5, 0.5]),
+    )
     got, want = run_both(case, device)
     assert_same(got, want)
     assert got[0].tolist() == [[2, 2], [2, -1]] and got[1].tolist() == [1, 0]
@@ -296,8 +350,13 @@ def test_nan_and_negative_probabilities_carry_no_mass(device):
     t2 = torch.full((2, 1, V), float("nan"))
     t2[1] = -1.0
     c = to_device(dict(t=t2), device)
-    out, _ = kernel(c["t"], None, torch.zeros(2, 0, dtype=torch.long, device=device),
-                    uniform_samples=torch.zeros(2, 0, device=device), sample_uniforms=torch.tensor([0.5, 0.9], device=device))
+    out, _ = kernel(
+        c["t"],
+        None,
+        torch.zeros(2, 0, dtype=torch.long, device=device),
+        uniform_samples=torch.zeros(2, 0, device=device),
+        sample_uniforms=torch.tensor([0.5, 0.9], device=device),
+    )
     assert out.cpu().tolist() == [[0], [0]]
 
 
@@ -307,10 +366,10 @@ def test_out_of_range_draft_ids_are_rejected_without_reading_outside(device):
     # the tensors are windows of larger buffers whose surroundings hold huge weights: a read
     # outside the window (an unclamped id) would accept the draft or pull the sample there
     big_t = torch.full((B, K + 1, V + 20), 1e30)
-    big_t[:, :, 10:10 + V] = case["target_probs"]
+    big_t[:, :, 10 : 10 + V] = case["target_probs"]
     big_q = torch.full((B, K, V + 20), 1e-30)
-    big_q[:, :, 10:10 + V] = case["draft_probs"]
-    case["target_probs"], case["draft_probs"] = big_t[:, :, 10:10 + V], big_q[:, :, 10:10 + V]
+    big_q[:, :, 10 : 10 + V] = case["draft_probs"]
+    case["target_probs"], case["draft_probs"] = big_t[:, :, 10 : 10 + V], big_q[:, :, 10 : 10 + V]
     case["draft_tokens"][:, 0] = torch.tensor([-1, V, V + 5, -10, 2**40, -(2**40)])
     for sampled in (True, False):
         c = case if sampled else dict(case, draft_probs=None)
@@ -376,8 +435,9 @@ def test_distribution_negative_control(device):
     q = torch.softmax(logits_q[:1], -1)
     g = gen(7)
     drafts = torch.multinomial(q, DRAWS, replacement=True, generator=g).T.contiguous()
-    out, acc = kernel(p.expand(DRAWS, 2, V).to(device), q.expand(DRAWS, 1, V).to(device), drafts.to(device),
-                      generator=gen(8))
+    out, acc = kernel(
+        p.expand(DRAWS, 2, V).to(device), q.expand(DRAWS, 1, V).to(device), drafts.to(device), generator=gen(8)
+    )
     out, acc = out.cpu(), acc.cpu()
     # wrong: replace the residual samples by fresh samples from p (what a buggy kernel emits)
     wrong = out[:, 0].clone()
@@ -394,6 +454,12 @@ def test_distribution_negative_control(device):
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
 def test_opcheck(device, sampled):
     case = to_device(chain_case(3, 4, 19, sampled=sampled, seed=121), device)
-    args = (case["target_probs"], case["draft_probs"], case["draft_tokens"], case["num_draft_tokens"],
-            case["uniform_samples"], case["sample_uniforms"])
+    args = (
+        case["target_probs"],
+        case["draft_probs"],
+        case["draft_tokens"],
+        case["num_draft_tokens"],
+        case["uniform_samples"],
+        case["sample_uniforms"],
+    )
     torch.library.opcheck(torch.ops.specdec.rejection_sample_triton, args)

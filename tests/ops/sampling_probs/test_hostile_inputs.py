@@ -1,5 +1,6 @@
 """sampling_probs: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 

@@ -1,6 +1,7 @@
 """sampling_probs: the C++ CPU fast path (csrc/verify_sample_cpu.cpp, backend="native") against
 the reference, on the shapes and settings of the Triton kernel tests (test_triton.py), low
 precision and per-sequence parameters, and hand-made rows at the top-k and top-p boundaries."""
+
 import pytest
 import torch
 
@@ -28,8 +29,11 @@ def test_sampling_probs_matches_reference(shape, setting):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_sampling_probs_low_precision_and_per_sequence_parameters(dtype):
     logits = (torch.randn(4, 3, 300, generator=gen(7)) * 4).to(dtype)
-    kw = dict(temperature=torch.tensor([0.5, 1.0, 0.0, 2.0]), top_k=torch.tensor([0, 7, 3, 300]),
-              top_p=torch.tensor([0.8, 1.0, 0.5, 0.3]))
+    kw = dict(
+        temperature=torch.tensor([0.5, 1.0, 0.0, 2.0]),
+        top_k=torch.tensor([0, 7, 3, 300]),
+        top_p=torch.tensor([0.8, 1.0, 0.5, 0.3]),
+    )
     got, want = sk.sampling_probs(logits, backend="native", **kw), reference.sampling_probs(logits, **kw)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got, want, **TOLERANCES[torch.float32])
@@ -38,7 +42,9 @@ def test_sampling_probs_low_precision_and_per_sequence_parameters(dtype):
 def test_sampling_probs_golden_boundaries():
     """Hand-made rows: ties at the top-k boundary kept, -0.0 ties +0.0, the top-p mass-before
     test is strict (mass before a token exactly top_p excludes it)."""
-    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [2.0, 1.0, 0.0, 0.0, -5.0, -0.0]])
+    logits = torch.tensor(
+        [[3.0, 1.0, 1.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [2.0, 1.0, 0.0, 0.0, -5.0, -0.0]]
+    )
     got = sk.sampling_probs(logits, top_k=4, backend="native")
     assert (got[0] > 0).tolist() == [True, True, True, True, False, False]
     assert (got[1] > 0).all()

@@ -1,4 +1,5 @@
 """sampling_probs: hand-worked temperature, top-k and top-p cases, and bad input."""
+
 import math
 import re
 from functools import partial
@@ -89,7 +90,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.sampling_probs, backend="reference"), sk.sampling_probs], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.sampling_probs, backend="reference"), sk.sampling_probs], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
     args = dict(logits=torch.zeros(2, 4))
     override, err, name = BAD[case]

@@ -1,6 +1,7 @@
 """sampling_probs, Triton kernel: the kept set (top-k / top-p, ties included) equals the
 reference's exactly, probabilities agree within float32 rounding, special rows, and the
 torch.library registration (opcheck)."""
+
 import pytest
 import torch
 
@@ -77,7 +78,9 @@ def test_per_sequence_parameters(device):
 
 
 def test_ties_at_the_top_k_boundary_are_kept(device):
-    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [-0.0, 0.0, 1.0, -0.0, -1.0, 0.0]])
+    logits = torch.tensor(
+        [[3.0, 2.0, 2.0, 2.0, 1.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [-0.0, 0.0, 1.0, -0.0, -1.0, 0.0]]
+    )
     got = check(logits, device, top_k=2)
     assert (got[0] > 0).tolist() == [True, True, True, True, False, False]
     assert (got[1] > 0).all()  # all tied
@@ -105,13 +108,15 @@ def test_top_k_keeps_exactly_k_distinct_values(device, top_k):
 @pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # 5 / 1e-38, on purpose
 def test_special_rows(device):
     nan, inf = float("nan"), float("inf")
-    logits = torch.tensor([
-        [0.0, nan, 1.0, nan],  # NaN: a NaN row, or one-hot at the first NaN when greedy
-        [inf, 0.0, 1.0, 2.0],  # +inf: one-hot at the first +inf (as the reference)
-        [-inf, -inf, -inf, -inf],  # no finite logit: NaN row; greedy picks index 0
-        [-inf, 1.0, -inf, 1.0],  # -inf carries no probability; greedy picks the first max
-        [1e30, -1e30, 0.0, 5.0],  # huge logits, finite
-    ])
+    logits = torch.tensor(
+        [
+            [0.0, nan, 1.0, nan],  # NaN: a NaN row, or one-hot at the first NaN when greedy
+            [inf, 0.0, 1.0, 2.0],  # +inf: one-hot at the first +inf (as the reference)
+            [-inf, -inf, -inf, -inf],  # no finite logit: NaN row; greedy picks index 0
+            [-inf, 1.0, -inf, 1.0],  # -inf carries no probability; greedy picks the first max
+            [1e30, -1e30, 0.0, 5.0],  # huge logits, finite
+        ]
+    )
     for t in (1.0, 0.0, 1e-38):  # 1e-38: 5 / 1e-38 overflows to inf
         for k, p in ((None, None), (2, None), (None, 0.5), (1, 0.3)):
             check(logits, device, t, k, p)
@@ -178,7 +183,12 @@ def test_unchecked_top_p_at_or_below_zero_keeps_the_maximum(device):
 
         want = _sampling_probs(logits.float(), *check_sampling_args(logits, 1.0, None, top_p, validate=False))
         assert torch.equal(got > 0, want > 0)
-        assert (got[0] > 0).tolist() == [False, True, False, False] and (got[1] > 0).tolist() == [True, True, False, False]
+        assert (got[0] > 0).tolist() == [False, True, False, False] and (got[1] > 0).tolist() == [
+            True,
+            True,
+            False,
+            False,
+        ]
         torch.testing.assert_close(got, want, **FP32)
 
 
@@ -204,8 +214,11 @@ def test_empty_batch(device):
     assert out.shape == (0, 2, 17)
 
 
-@pytest.mark.parametrize("V,setting", [(151936, dict(temperature=0.8)), (49152, dict(temperature=0.6, top_k=40, top_p=0.9))],
-                         ids=["V151936-temperature", "V49152-topk-topp"])
+@pytest.mark.parametrize(
+    "V,setting",
+    [(151936, dict(temperature=0.8)), (49152, dict(temperature=0.6, top_k=40, top_p=0.9))],
+    ids=["V151936-temperature", "V49152-topk-topp"],
+)
 def test_real_vocabulary_sizes(device, V, setting):
     logits = torch.randn(2, V, generator=gen(V)) * 3
     check(logits, device, **setting)
@@ -215,6 +228,12 @@ def test_real_vocabulary_sizes(device, V, setting):
 def test_opcheck(device, use):
     B, V = 3, 29
     logits = torch.randn(B, 2, V, generator=gen(5)).to(device)
-    args = (logits, torch.tensor([1.0, 0.0, 0.6], device=device), torch.tensor([0, 3, 7], device=device),
-            torch.tensor([1.0, 0.5, 0.8], device=device), use in ("top_k", "both"), use in ("top_p", "both"))
+    args = (
+        logits,
+        torch.tensor([1.0, 0.0, 0.6], device=device),
+        torch.tensor([0, 3, 7], device=device),
+        torch.tensor([1.0, 0.5, 0.8], device=device),
+        use in ("top_k", "both"),
+        use in ("top_p", "both"),
+    )
     torch.library.opcheck(torch.ops.specdec.sampling_probs_triton, args)

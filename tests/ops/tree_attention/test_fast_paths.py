@@ -5,6 +5,7 @@ when there is one.  Expected values come from the reference on the same inputs u
 fp32 (exact), so its float64 result is rounded once, to fp32, and the tolerance table of
 tests/utils applies to the fast path's own error (no scale factor).
 """
+
 import re
 
 import pytest
@@ -38,7 +39,11 @@ def make_inputs(B, N, H, Hkv, S, D, lens, dtype, device, seed=0):
 
 def expected(q, k, v, seqlens, mask=None, **kw):
     """The reference (float64 inside) on the same values in fp32, on CPU."""
-    mask = None if mask is None else (unpack_tree_mask(mask.cpu(), q.shape[1]) if mask.dtype == torch.int32 else mask.cpu())
+    mask = (
+        None
+        if mask is None
+        else (unpack_tree_mask(mask.cpu(), q.shape[1]) if mask.dtype == torch.int32 else mask.cpu())
+    )
     return reference_tree_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), seqlens.cpu(), mask, **kw)
 
 
@@ -149,7 +154,9 @@ def test_each_node_equals_causal_attention_over_its_path(device, backend, dtype)
         slots = torch.tensor(list(range(L)) + [L + j for j in path])
         # the node as a plain decoding query at the end of the gathered chain
         chain = reference_tree_attention(
-            q[:, node : node + 1].float().cpu(), k[:, :, slots].float().cpu(), v[:, :, slots].float().cpu(),
+            q[:, node : node + 1].float().cpu(),
+            k[:, :, slots].float().cpu(),
+            v[:, :, slots].float().cpu(),
             torch.tensor([len(slots) - 1], dtype=torch.int32),
         )
         assert_close(out[:, node], chain[:, 0], dtype)
@@ -163,8 +170,12 @@ def test_mask_none_equals_causal_attention_over_prefix_and_chain(device, backend
     for b, L in enumerate(lens.tolist()):
         for i in range(N):
             # query i alone sees slots 0 .. L + i
-            one = reference_tree_attention(q[b : b + 1, i : i + 1].cpu(), k[b : b + 1].cpu(), v[b : b + 1].cpu(),
-                                           torch.tensor([L + i], dtype=torch.int32))
+            one = reference_tree_attention(
+                q[b : b + 1, i : i + 1].cpu(),
+                k[b : b + 1].cpu(),
+                v[b : b + 1].cpu(),
+                torch.tensor([L + i], dtype=torch.int32),
+            )
             assert_close(out[b, i], one[0, 0], torch.float32)
     chain_mask = ancestor_mask(list(range(-1, N - 1))).to(device)
     assert_close(tree_attention(q, k, v, lens, chain_mask, backend=backend), out, torch.float32)
@@ -271,7 +282,9 @@ def test_opcheck(device, kind, num_splits):
     q, k, v, lens = make_inputs(B, N, H, Hkv, S, D, [3, 30], torch.float32, device)
     mask = ancestor_mask([-1, 0, 0, 1, 2]).to(device)
     mask = [None, mask, pack_tree_mask(mask)][kind]
-    torch.library.opcheck(torch.ops.specdec.tree_attention_triton.default, (q, k, v, lens, mask, kind, 0.25, num_splits))
+    torch.library.opcheck(
+        torch.ops.specdec.tree_attention_triton.default, (q, k, v, lens, mask, kind, 0.25, num_splits)
+    )
 
 
 def test_automatic_choice(device, monkeypatch):
@@ -286,7 +299,9 @@ def test_automatic_choice(device, monkeypatch):
 
 def _good_args(device):
     q, k, v, lens = make_inputs(1, 2, 4, 2, 8, 16, [3], torch.float32, device)
-    return dict(q=q, k_cache=k, v_cache=v, cache_seqlens=lens, tree_mask=torch.ones(2, 2, dtype=torch.bool, device=device))
+    return dict(
+        q=q, k_cache=k, v_cache=v, cache_seqlens=lens, tree_mask=torch.ones(2, 2, dtype=torch.bool, device=device)
+    )
 
 
 BAD = {
@@ -294,10 +309,28 @@ BAD = {
     "mask_batch": (lambda a: dict(tree_mask=torch.ones(2, 2, 2, dtype=torch.bool)), ValueError, "tree_mask"),
     "packed_size": (lambda a: dict(tree_mask=torch.zeros(2, 2, dtype=torch.int32)), ValueError, "tree_mask"),
     "mask_dtype": (lambda a: dict(tree_mask=torch.ones(2, 2, dtype=torch.int64)), TypeError, "tree_mask"),
-    "beyond_capacity": (lambda a: dict(cache_seqlens=torch.tensor([7], dtype=torch.int32)), ValueError, "cache_seqlens"),
-    "negative_seqlen": (lambda a: dict(cache_seqlens=torch.tensor([-1], dtype=torch.int32)), ValueError, "cache_seqlens"),
-    "head_dim_24": (lambda a: dict(q=torch.zeros(1, 2, 4, 24), k_cache=torch.zeros(1, 2, 8, 24), v_cache=torch.zeros(1, 2, 8, 24)), ValueError, "head dim"),
-    "head_dim_272": (lambda a: dict(q=torch.zeros(1, 2, 4, 272), k_cache=torch.zeros(1, 2, 8, 272), v_cache=torch.zeros(1, 2, 8, 272)), ValueError, "head dim"),
+    "beyond_capacity": (
+        lambda a: dict(cache_seqlens=torch.tensor([7], dtype=torch.int32)),
+        ValueError,
+        "cache_seqlens",
+    ),
+    "negative_seqlen": (
+        lambda a: dict(cache_seqlens=torch.tensor([-1], dtype=torch.int32)),
+        ValueError,
+        "cache_seqlens",
+    ),
+    "head_dim_24": (
+        lambda a: dict(q=torch.zeros(1, 2, 4, 24), k_cache=torch.zeros(1, 2, 8, 24), v_cache=torch.zeros(1, 2, 8, 24)),
+        ValueError,
+        "head dim",
+    ),
+    "head_dim_272": (
+        lambda a: dict(
+            q=torch.zeros(1, 2, 4, 272), k_cache=torch.zeros(1, 2, 8, 272), v_cache=torch.zeros(1, 2, 8, 272)
+        ),
+        ValueError,
+        "head dim",
+    ),
     "heads_not_multiple": (lambda a: dict(q=torch.zeros(1, 2, 3, 16)), ValueError, "multiple"),
     "capacity_below_n": (lambda a: dict(q=torch.zeros(1, 9, 4, 16), tree_mask=None), ValueError, "capacity"),
     "num_splits_zero": (lambda a: dict(num_splits=0), ValueError, "num_splits"),
@@ -310,13 +343,20 @@ BAD = {
 def test_bad_input_raises_through_the_public_op(device, backend, case):
     args = _good_args(device)
     override, err, name = BAD[case]
-    args.update({key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in override(args).items()})
+    args.update(
+        {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in override(args).items()}
+    )
     with pytest.raises(err, match=re.escape(name)):
         tree_attention(**args, backend=backend)
 
 
-@pytest.mark.parametrize("seqlens", [[100_000_000, 2], [-100_000_000, 7], [7, -1]], ids=["huge", "very_negative", "one_past"])
-@pytest.mark.parametrize("backend", [b for b in FAST if b == "triton"] or [pytest.param("triton", marks=pytest.mark.skip(reason="no triton"))])
+@pytest.mark.parametrize(
+    "seqlens", [[100_000_000, 2], [-100_000_000, 7], [7, -1]], ids=["huge", "very_negative", "one_past"]
+)
+@pytest.mark.parametrize(
+    "backend",
+    [b for b in FAST if b == "triton"] or [pytest.param("triton", marks=pytest.mark.skip(reason="no triton"))],
+)
 def test_unvalidated_bad_seqlens_never_read_outside_the_cache(device, backend, seqlens):
     """validate=False (the default on CUDA, no host sync) with cache_seqlens outside
     [0, S - N]: the kernel clamps them to that range, so it never loads a key or value outside

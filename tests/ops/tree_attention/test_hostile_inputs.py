@@ -1,5 +1,6 @@
 """tree_attention: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 
@@ -43,7 +44,9 @@ def test_tree_attention_out_of_range_lengths_are_clamped(backend):
     for bad, clamped in ((2**30, S - N), (S, S - N), (-4, 0)):
         lens = torch.tensor([5, bad], dtype=torch.int32)
         want = reference.tree_attention(q, k, v, torch.tensor([5, clamped], dtype=torch.int32))
-        got = sk.tree_attention(q, in_guard(k, float("nan")), in_guard(v, float("nan")), lens, backend=backend, validate=False)
+        got = sk.tree_attention(
+            q, in_guard(k, float("nan")), in_guard(v, float("nan")), lens, backend=backend, validate=False
+        )
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

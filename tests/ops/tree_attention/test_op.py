@@ -1,4 +1,5 @@
 """tree_attention: hand-worked cases, an independent per-query oracle, and bad input."""
+
 import re
 from functools import partial
 
@@ -23,8 +24,13 @@ def test_zero_queries_average_their_visible_values(attend):
     D = 16
     v = torch.zeros(1, 1, 4, D)
     v[0, 0, 0], v[0, 0, 1], v[0, 0, 2], v[0, 0, 3] = 1.0, 3.0, 5.0, 100.0  # slot 3 is beyond the block
-    out = attend(torch.zeros(1, 2, 1, D), torch.randn(1, 1, 4, D), v, torch.tensor([1], dtype=torch.int32),
-                 torch.tensor([[True, False], [False, True]]))
+    out = attend(
+        torch.zeros(1, 2, 1, D),
+        torch.randn(1, 1, 4, D),
+        v,
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([[True, False], [False, True]]),
+    )
     assert torch.allclose(out[0, :, 0], torch.tensor([[2.0] * D, [3.0] * D]))
 
 
@@ -102,7 +108,11 @@ BAD = {
     "mask_size": (dict(tree_mask=torch.ones(3, 3, dtype=torch.bool)), ValueError, "tree_mask"),
     "mask_dtype": (dict(tree_mask=torch.ones(2, 2)), TypeError, "tree_mask"),
     "beyond_capacity": (dict(cache_seqlens=torch.tensor([7], dtype=torch.int32)), ValueError, "cache_seqlens"),
-    "head_dim": (dict(q=torch.zeros(1, 2, 4, 20), k_cache=torch.zeros(1, 2, 8, 20), v_cache=torch.zeros(1, 2, 8, 20)), ValueError, "head dim"),
+    "head_dim": (
+        dict(q=torch.zeros(1, 2, 4, 20), k_cache=torch.zeros(1, 2, 8, 20), v_cache=torch.zeros(1, 2, 8, 20)),
+        ValueError,
+        "head dim",
+    ),
     "heads_not_multiple": (dict(q=torch.zeros(1, 2, 3, 16)), ValueError, "multiple"),
     "kv_dtype": (dict(k_cache=torch.zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError, "k_cache"),
     "kv_shape": (dict(v_cache=torch.zeros(1, 2, 9, 16)), ValueError, "v_cache"),
@@ -111,10 +121,17 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.tree_attention, backend="reference"), sk.tree_attention], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.tree_attention, backend="reference"), sk.tree_attention], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
-    args = dict(q=torch.zeros(1, 2, 4, 16), k_cache=torch.zeros(1, 2, 8, 16), v_cache=torch.zeros(1, 2, 8, 16),
-                cache_seqlens=torch.tensor([3], dtype=torch.int32), tree_mask=torch.ones(2, 2, dtype=torch.bool))
+    args = dict(
+        q=torch.zeros(1, 2, 4, 16),
+        k_cache=torch.zeros(1, 2, 8, 16),
+        v_cache=torch.zeros(1, 2, 8, 16),
+        cache_seqlens=torch.tensor([3], dtype=torch.int32),
+        tree_mask=torch.ones(2, 2, dtype=torch.bool),
+    )
     override, err, name = BAD[case]
     args.update(override)
     with pytest.raises(err, match=re.escape(name)):

@@ -6,6 +6,7 @@ the slots past every sequence filled with NaN, unused table entries -1 or garbag
 paged op must give the dense op's answer on the same data.  Triton runs in the interpreter
 on CPU (tiny shapes), on the GPU when there is one.
 """
+
 import re
 
 import pytest
@@ -51,8 +52,9 @@ def to_pool(dense, table, num_blocks, layout, fill=NAN):
     return pool
 
 
-def paged_case(B, N, H, Hkv, D, lens, block_size, layout, dtype=torch.float32, seed=0, shared=0, extra_blocks=3,
-               pad_entry=-1):
+def paged_case(
+    B, N, H, Hkv, D, lens, block_size, layout, dtype=torch.float32, seed=0, shared=0, extra_blocks=3, pad_entry=-1
+):
     """Dense inputs and the same data paged.
 
     Each sequence uses ceil((lens + N) / block_size) blocks of its table (with one spare
@@ -119,8 +121,12 @@ def test_zero_queries_average_the_values_of_their_logical_slots(device, backend,
         pool = pool.transpose(1, 2).contiguous()
     q = torch.zeros(1, N, 2, D)
     lens = torch.tensor([3], dtype=torch.int32)
-    out = sk.tree_attention(*on(device, q, torch.zeros_like(pool), pool, lens), block_table=table.to(device),
-                            kv_layout=layout, backend=backend).cpu()
+    out = sk.tree_attention(
+        *on(device, q, torch.zeros_like(pool), pool, lens),
+        block_table=table.to(device),
+        kv_layout=layout,
+        backend=backend,
+    ).cpu()
     # node 0 sees slots 0..3 -> mean(1, 11, 21, 31) = 16; node 1 sees 0..4 -> 21
     assert torch.allclose(out[0, :, :, 0], torch.tensor([[16.0, 16.0], [21.0, 21.0]]))
 
@@ -150,8 +156,9 @@ def test_paged_equals_dense(device, backend, case):
     q, k, v, lens_t, table, pk, pv = paged_case(B, N, H, Hkv, D, lens, bs, layout, seed=len(case), shared=shared)
     mask = make_mask(kind, B, N, gen(N))
     want = expected(q, k, v, lens_t, mask)
-    got = sk.tree_attention(*on(device, q, pk, pv, lens_t, mask), block_table=table.to(device), kv_layout=layout,
-                            backend=backend)
+    got = sk.tree_attention(
+        *on(device, q, pk, pv, lens_t, mask), block_table=table.to(device), kv_layout=layout, backend=backend
+    )
     assert got.shape == q.shape and got.dtype == q.dtype and got.device.type == device.type
     assert not got.isnan().any()
     assert_close(got, want, torch.float32)
@@ -188,8 +195,12 @@ def test_sm_scale_int64_lengths_and_a_pool_inside_a_bigger_cache(device, backend
     q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [5, 13], bs, "NHD", seed=8)
     cache = torch.randn(3, 2, *pk.shape)
     cache[1, 0], cache[1, 1] = pk, pv
-    got = sk.tree_attention(*on(device, q, cache[1, 0], cache[1, 1], lens.long()), block_table=table.to(device),
-                            sm_scale=0.3, backend=backend)
+    got = sk.tree_attention(
+        *on(device, q, cache[1, 0], cache[1, 1], lens.long()),
+        block_table=table.to(device),
+        sm_scale=0.3,
+        backend=backend,
+    )
     assert_close(got, expected(q, k, v, lens, None, sm_scale=0.3), torch.float32)
 
 
@@ -205,8 +216,9 @@ def test_pools_with_padded_rows(device, backend, layout):
         buf[..., :D] = pool
         padded.append(buf[..., :D])
     assert not padded[0].is_contiguous()
-    got = sk.tree_attention(*on(device, q, padded[0], padded[1], lens), block_table=table.to(device), kv_layout=layout,
-                            backend=backend)
+    got = sk.tree_attention(
+        *on(device, q, padded[0], padded[1], lens), block_table=table.to(device), kv_layout=layout, backend=backend
+    )
     assert_close(got, expected(q, k, v, lens, None), torch.float32)
 
 
@@ -217,22 +229,36 @@ def test_triton_forced_splits(device, num_splits):
     B, N, H, Hkv, D = 2, 3, 4, 2, 16
     q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [70, 3], 7, "HND", seed=num_splits)
     mask = make_mask("bool", B, N, gen(num_splits))
-    got = sk.tree_attention(*on(device, q, pk, pv, lens, mask), block_table=table.to(device), kv_layout="HND",
-                            num_splits=num_splits, backend="triton")
+    got = sk.tree_attention(
+        *on(device, q, pk, pv, lens, mask),
+        block_table=table.to(device),
+        kv_layout="HND",
+        num_splits=num_splits,
+        backend="triton",
+    )
     assert_close(got, expected(q, k, v, lens, mask), torch.float32)
 
 
 @pytest.mark.parametrize("backend", ALL)
 def test_empty_batch_and_no_queries(device, backend):
     pool = torch.randn(4, 2, 1, 16, device=device)
-    out = sk.tree_attention(torch.zeros(0, 2, 2, 16, device=device), pool, pool,
-                            torch.zeros(0, dtype=torch.int32, device=device),
-                            block_table=torch.zeros(0, 3, dtype=torch.int32, device=device), backend=backend)
+    out = sk.tree_attention(
+        torch.zeros(0, 2, 2, 16, device=device),
+        pool,
+        pool,
+        torch.zeros(0, dtype=torch.int32, device=device),
+        block_table=torch.zeros(0, 3, dtype=torch.int32, device=device),
+        backend=backend,
+    )
     assert out.shape == (0, 2, 2, 16)
-    out = sk.tree_attention(torch.zeros(2, 0, 2, 16, device=device), pool, pool,
-                            torch.tensor([1, 5], dtype=torch.int32, device=device),
-                            block_table=torch.tensor([[0, 1, 2], [3, 2, 1]], dtype=torch.int32, device=device),
-                            backend=backend)
+    out = sk.tree_attention(
+        torch.zeros(2, 0, 2, 16, device=device),
+        pool,
+        pool,
+        torch.tensor([1, 5], dtype=torch.int32, device=device),
+        block_table=torch.tensor([[0, 1, 2], [3, 2, 1]], dtype=torch.int32, device=device),
+        backend=backend,
+    )
     assert out.shape == (2, 0, 2, 16)
 
 
@@ -267,8 +293,13 @@ def test_invisible_slots_never_reach_the_output_dense_and_paged(device, backend,
     for layout in ("NHD", "HND"):
         pk = to_pool(dirty_k, table, int(table.max()) + 4, layout, fill=poison)  # 3 unused blocks of poison
         pv = to_pool(dirty_v, table, int(table.max()) + 4, layout, fill=poison)
-        paged = sk.tree_attention(*on(device, q, pk, pv, lens, mask), block_table=table.to(device), kv_layout=layout,
-                                  backend=backend, validate=False)
+        paged = sk.tree_attention(
+            *on(device, q, pk, pv, lens, mask),
+            block_table=table.to(device),
+            kv_layout=layout,
+            backend=backend,
+            validate=False,
+        )
         assert not paged.isnan().any(), layout
         assert_close(paged, want, torch.float32)
 
@@ -285,8 +316,9 @@ def test_unused_table_entries_are_never_dereferenced(device, backend):
     assert len(pads) >= 4
     for i, (b, j) in enumerate(pads):
         garbage[b, j] = values[i % len(values)]
-    got = sk.tree_attention(*on(device, q, pk, pv, lens), block_table=garbage.to(device), kv_layout="HND",
-                            backend=backend, validate=True)
+    got = sk.tree_attention(
+        *on(device, q, pk, pv, lens), block_table=garbage.to(device), kv_layout="HND", backend=backend, validate=True
+    )
     assert not got.isnan().any()
     assert_close(got, want, torch.float32)
 
@@ -313,13 +345,19 @@ def test_hostile_block_ids_never_read_outside_the_pool(device, backend, layout):
     hostile[0, 0], hostile[0, 1] = -7, 2**31 - 1  # both used by sequence 0 (5 + 2 slots)
     hostile_lens = lens.clone()
     hostile_lens[2] = 2**30  # clamped to capacity - N
-    got = sk.tree_attention(*on(device, q, bufs[0], bufs[1], hostile_lens), block_table=hostile.to(device),
-                            kv_layout=layout, backend=backend, validate=False).cpu()
+    got = sk.tree_attention(
+        *on(device, q, bufs[0], bufs[1], hostile_lens),
+        block_table=hostile.to(device),
+        kv_layout=layout,
+        backend=backend,
+        validate=False,
+    ).cpu()
     assert not got.isnan().any()
     assert_close(got[1], clean[1], torch.float32)
     cap = table.shape[1] * bs
-    want = reference.tree_attention(q, pk, pv, hostile_lens.clamp(0, cap - N), block_table=hostile.clamp(0, nb - 1),
-                                    kv_layout=layout)
+    want = reference.tree_attention(
+        q, pk, pv, hostile_lens.clamp(0, cap - N), block_table=hostile.clamp(0, nb - 1), kv_layout=layout
+    )
     assert_close(got, want, torch.float32)
 
 
@@ -330,9 +368,13 @@ def test_hostile_block_ids_never_read_outside_the_pool(device, backend, layout):
 
 def _good():
     pool = torch.zeros(6, 4, 2, 16)  # NHD: 6 blocks of 4 slots, Hkv 2, D 16
-    return dict(q=torch.zeros(2, 3, 4, 16), k_cache=pool, v_cache=pool.clone(),
-                cache_seqlens=torch.tensor([2, 6], dtype=torch.int32),
-                block_table=torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32))
+    return dict(
+        q=torch.zeros(2, 3, 4, 16),
+        k_cache=pool,
+        v_cache=pool.clone(),
+        cache_seqlens=torch.tensor([2, 6], dtype=torch.int32),
+        block_table=torch.tensor([[0, 1, -1], [2, 3, 4]], dtype=torch.int32),
+    )
 
 
 BAD = {
@@ -340,9 +382,17 @@ BAD = {
     "kv_layout_lower": (dict(kv_layout="nhd"), ValueError, "kv_layout"),
     "k_cache_rank": (dict(k_cache=torch.zeros(6, 4, 32)), ValueError, "k_cache"),
     "v_cache_shape": (dict(v_cache=torch.zeros(6, 4, 2, 32)), ValueError, "v_cache"),
-    "k_cache_head_dim": (dict(k_cache=torch.zeros(6, 4, 2, 32), v_cache=torch.zeros(6, 4, 2, 32)), ValueError, "k_cache"),
+    "k_cache_head_dim": (
+        dict(k_cache=torch.zeros(6, 4, 2, 32), v_cache=torch.zeros(6, 4, 2, 32)),
+        ValueError,
+        "k_cache",
+    ),
     "kv_dtype": (dict(k_cache=torch.zeros(6, 4, 2, 16, dtype=torch.float16)), TypeError, "k_cache"),
-    "heads_not_multiple": (dict(k_cache=torch.zeros(6, 4, 3, 16), v_cache=torch.zeros(6, 4, 3, 16)), ValueError, "multiple"),
+    "heads_not_multiple": (
+        dict(k_cache=torch.zeros(6, 4, 3, 16), v_cache=torch.zeros(6, 4, 3, 16)),
+        ValueError,
+        "multiple",
+    ),
     # the NHD pool read as HND: Hkv = 4 (and block_size 2), which 6 query heads are no multiple of
     "hnd_heads_not_multiple": (dict(kv_layout="HND", q=torch.zeros(2, 3, 6, 16)), ValueError, "multiple"),
     "empty_pool": (dict(k_cache=torch.zeros(0, 4, 2, 16), v_cache=torch.zeros(0, 4, 2, 16)), ValueError, "k_cache"),
@@ -352,12 +402,21 @@ BAD = {
     "table_dtype_float": (dict(block_table=torch.zeros(2, 3)), TypeError, "block_table"),
     "table_below_n": (dict(block_table=torch.zeros(2, 0, dtype=torch.int32)), ValueError, "block_table"),
     "table_too_small": (dict(block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "block_table"),
-    "table_too_small_for_lengths": (dict(block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)), ValueError,
-                                    "block_table"),
-    "used_id_negative": (dict(block_table=torch.tensor([[0, -1, -1], [2, 3, 4]], dtype=torch.int32)), ValueError,
-                         "block_table[0, 1]"),
-    "used_id_past_pool": (dict(block_table=torch.tensor([[0, 1, -1], [2, 3, 6]], dtype=torch.int32)), ValueError,
-                          "block_table[1, 2]"),
+    "table_too_small_for_lengths": (
+        dict(block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)),
+        ValueError,
+        "block_table",
+    ),
+    "used_id_negative": (
+        dict(block_table=torch.tensor([[0, -1, -1], [2, 3, 4]], dtype=torch.int32)),
+        ValueError,
+        "block_table[0, 1]",
+    ),
+    "used_id_past_pool": (
+        dict(block_table=torch.tensor([[0, 1, -1], [2, 3, 6]], dtype=torch.int32)),
+        ValueError,
+        "block_table[1, 2]",
+    ),
     "negative_seqlen": (dict(cache_seqlens=torch.tensor([-1, 6], dtype=torch.int32)), ValueError, "cache_seqlens"),
     "mask_shape": (dict(tree_mask=torch.ones(2, 2, dtype=torch.bool)), ValueError, "tree_mask"),
     "packed_mask_shape": (dict(tree_mask=torch.zeros(3, 2, dtype=torch.int32)), ValueError, "tree_mask"),
@@ -406,8 +465,11 @@ def _op_args(layout="NHD", kind="bool"):
 def test_opcheck_paged_tree_attention(layout, kind):
     q, pk, pv, lens, mask, table = _op_args(layout, kind)
     for backend in runnable_backends("tree_attention", "cpu"):
-        torch.library.opcheck(torch.ops.specdec.paged_tree_attention.default,
-                              (q, pk, pv, lens, mask, table, layout, 0.25), {"backend": backend})
+        torch.library.opcheck(
+            torch.ops.specdec.paged_tree_attention.default,
+            (q, pk, pv, lens, mask, table, layout, 0.25),
+            {"backend": backend},
+        )
 
 
 @pytest.mark.parametrize("layout,kind,splits", [("NHD", 1, 1), ("HND", 2, 2), ("NHD", 0, 3)])
@@ -453,8 +515,14 @@ def test_runs_under_fake_tensor_mode_with_validate_false():
 def test_meta_tensors_give_meta_outputs(backend):
     m = "meta"
     q, pool = torch.zeros(2, 3, 4, 16, device=m), torch.zeros(5, 4, 2, 16, device=m)
-    out = sk.tree_attention(q, pool, pool, torch.tensor([1, 2], dtype=torch.int32, device=m),
-                            block_table=torch.zeros(2, 3, dtype=torch.int32, device=m), backend=backend)
+    out = sk.tree_attention(
+        q,
+        pool,
+        pool,
+        torch.tensor([1, 2], dtype=torch.int32, device=m),
+        block_table=torch.zeros(2, 3, dtype=torch.int32, device=m),
+        backend=backend,
+    )
     assert out.device.type == "meta" and out.shape == q.shape
 
 

@@ -9,6 +9,7 @@ and the slots past every sequence NaN, unused table entries -1.  On top of those
 non-finite keys and values (exactly the queries that see them are NaN), hostile block ids and
 lengths with validate=False (the pool inside a bigger NaN buffer), opcheck of the native op.
 """
+
 import pytest
 import torch
 
@@ -29,8 +30,9 @@ def native(q, pk, pv, lens, mask, table, layout, **kw):
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_native_equals_reference_on_the_paged_cases(case, dtype):
     B, N, H, Hkv, D, lens, bs, layout, kind, shared = CASES[case]
-    q, k, v, lens_t, table, pk, pv = paged_case(B, N, H, Hkv, D, lens, bs, layout, dtype=dtype, seed=len(case),
-                                                shared=shared)
+    q, k, v, lens_t, table, pk, pv = paged_case(
+        B, N, H, Hkv, D, lens, bs, layout, dtype=dtype, seed=len(case), shared=shared
+    )
     mask = make_mask(kind, B, N, gen(N))
     got = native(q, pk, pv, lens_t, mask, table, layout)
     assert got.shape == q.shape and got.dtype == dtype and got.is_contiguous()
@@ -85,8 +87,9 @@ def test_zero_queries_average_the_values_of_their_logical_slots(layout):
     pool = vals[:, :, None, None].expand(6, 2, 1, D).contiguous()
     if layout == "HND":
         pool = pool.transpose(1, 2).contiguous()
-    out = native(torch.zeros(1, N, 2, D), torch.zeros_like(pool), pool, torch.tensor([3], dtype=torch.int32), None,
-                 table, layout)
+    out = native(
+        torch.zeros(1, N, 2, D), torch.zeros_like(pool), pool, torch.tensor([3], dtype=torch.int32), None, table, layout
+    )
     assert torch.equal(out[0, :, :, 0], torch.tensor([[16.0, 16.0], [21.0, 21.0]]))
 
 
@@ -133,7 +136,9 @@ def test_a_query_that_sees_no_key_is_nan_as_in_the_reference():
     mask[0, 1] = False  # sequence 0 has no prefix: its node 1 sees nothing
     got = native(q, pk, pv, lens, mask, table, "NHD")
     want = expected(q, k, v, lens, mask)
-    assert torch.equal(got.isnan(), want.isnan()) and got[0, 1].isnan().all() and want.isnan().sum() == got[0, 1].numel()
+    assert (
+        torch.equal(got.isnan(), want.isnan()) and got[0, 1].isnan().all() and want.isnan().sum() == got[0, 1].numel()
+    )
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -160,8 +165,9 @@ def test_hostile_block_ids_and_lengths_never_read_outside_the_pool(layout):
         assert not got.isnan().any()
         assert_close(got[1], clean[1], torch.float32)
         cap = table.shape[1] * bs
-        want = reference.tree_attention(q, pk, pv, hostile_lens.clamp(0, cap - N), block_table=hostile.clamp(0, nb - 1),
-                                        kv_layout=layout)
+        want = reference.tree_attention(
+            q, pk, pv, hostile_lens.clamp(0, cap - N), block_table=hostile.clamp(0, nb - 1), kv_layout=layout
+        )
         assert_close(got, want, torch.float32)
     neg = lens.clone()
     neg[0] = -5  # acts as 0
@@ -206,11 +212,25 @@ def test_strided_pools_a_layer_of_a_bigger_cache_and_sm_scale(layout):
 
 def test_empty_batch_and_no_queries():
     pool = torch.randn(4, 2, 1, 16)
-    out = native(torch.zeros(0, 2, 2, 16), pool, pool, torch.zeros(0, dtype=torch.int32), None,
-                 torch.zeros(0, 3, dtype=torch.int32), "NHD")
+    out = native(
+        torch.zeros(0, 2, 2, 16),
+        pool,
+        pool,
+        torch.zeros(0, dtype=torch.int32),
+        None,
+        torch.zeros(0, 3, dtype=torch.int32),
+        "NHD",
+    )
     assert out.shape == (0, 2, 2, 16)
-    out = native(torch.zeros(2, 0, 2, 16), pool, pool, torch.tensor([1, 5], dtype=torch.int32), None,
-                 torch.tensor([[0, 1, 2], [3, 2, 1]], dtype=torch.int32), "NHD")
+    out = native(
+        torch.zeros(2, 0, 2, 16),
+        pool,
+        pool,
+        torch.tensor([1, 5], dtype=torch.int32),
+        None,
+        torch.tensor([[0, 1, 2], [3, 2, 1]], dtype=torch.int32),
+        "NHD",
+    )
     assert out.shape == (2, 0, 2, 16)
 
 
@@ -259,8 +279,11 @@ def test_automatic_cpu_backend_is_native_for_both_ops(monkeypatch):
     monkeypatch.delenv("SPECDEC_PAGED_ATTENTION")
     # the dense op's C++ kernel is the paged one over the dense cache (B blocks of S slots)
     dense_k, dense_v = k.nan_to_num(), v.nan_to_num()
-    assert_close(sk.tree_attention(q, dense_k, dense_v, lens, backend="native"),
-                 sk.tree_attention(q, dense_k, dense_v, lens, backend="reference"), torch.float32)
+    assert_close(
+        sk.tree_attention(q, dense_k, dense_v, lens, backend="native"),
+        sk.tree_attention(q, dense_k, dense_v, lens, backend="reference"),
+        torch.float32,
+    )
 
 
 def test_direct_calls_with_bad_arguments_raise():
@@ -280,12 +303,24 @@ def test_direct_calls_with_bad_arguments_raise():
         op(torch.zeros(2, 13, 4, 16), pk, pv, lens, None, table[:, :3], "NHD", 0.25)
 
 
-@pytest.mark.parametrize("layout,kind,dtype", [("NHD", "bool", torch.float32), ("HND", "per_seq", torch.float32),
-                                               ("NHD", "causal", torch.float16), ("HND", "causal", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "layout,kind,dtype",
+    [
+        ("NHD", "bool", torch.float32),
+        ("HND", "per_seq", torch.float32),
+        ("NHD", "causal", torch.float16),
+        ("HND", "causal", torch.bfloat16),
+    ],
+)
 def test_opcheck_native_op(layout, kind, dtype):
     q, k, v, lens, table, pk, pv = paged_case(2, 3, 4, 2, 16, [5, 9], 4, layout, dtype=dtype, seed=13)
     pk, pv = pk.nan_to_num(), pv.nan_to_num()  # opcheck compares outputs with NaN != NaN
     mask = make_mask(kind, 2, 3, gen(13))
-    torch.library.opcheck(torch.ops.specdec.paged_tree_attention_native.default, (q, pk, pv, lens, mask, table, layout, 0.25))
-    torch.library.opcheck(torch.ops.specdec.paged_tree_attention.default, (q, pk, pv, lens, mask, table, layout, 0.25),
-                          {"backend": "native"})
+    torch.library.opcheck(
+        torch.ops.specdec.paged_tree_attention_native.default, (q, pk, pv, lens, mask, table, layout, 0.25)
+    )
+    torch.library.opcheck(
+        torch.ops.specdec.paged_tree_attention.default,
+        (q, pk, pv, lens, mask, table, layout, 0.25),
+        {"backend": "native"},
+    )

@@ -1,5 +1,6 @@
 """tree_rejection_sample: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 
@@ -24,10 +25,17 @@ def test_tree_rejection_sample_hostile_parents_and_counts(backend, parents, with
         n = torch.tensor([count, N])
         kw = dict(uniform_samples=coins, sample_uniforms=final, validate=False)
         ref = sk.tree_rejection_sample(p, tokens, par, q if with_q else None, n, backend="reference", **kw)
-        got = sk.tree_rejection_sample(in_guard(p, float("nan")), in_guard(tokens, 1), in_guard(par, 0),
-                                       in_guard(q, float("nan")) if with_q else None, in_guard(n, 2**40),
-                                       uniform_samples=in_guard(coins, 0.5), sample_uniforms=in_guard(final, 0.5),
-                                       backend=backend, validate=False)
+        got = sk.tree_rejection_sample(
+            in_guard(p, float("nan")),
+            in_guard(tokens, 1),
+            in_guard(par, 0),
+            in_guard(q, float("nan")) if with_q else None,
+            in_guard(n, 2**40),
+            uniform_samples=in_guard(coins, 0.5),
+            sample_uniforms=in_guard(final, 0.5),
+            backend=backend,
+            validate=False,
+        )
         for a, b in zip(got, ref):
             assert torch.equal(a, b), (parents, count)
         assert ((got[0] >= -1) & (got[0] < V)).all()

@@ -1,6 +1,7 @@
 """tree_rejection_sample: the C++ CPU fast path (csrc/verify_sample_cpu.cpp, backend="native")
 against the reference, on the trees, shapes and dtypes of the Triton kernel tests (test_triton.py),
 token-exact for the same randoms, plus a distribution test on the native path itself."""
+
 import pytest
 import torch
 
@@ -37,11 +38,16 @@ def test_native_tree_rejection_sample_distribution():
     p = torch.softmax(torch.randn(V, generator=g), -1)
     q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
     parents = torch.tensor([-1, 0, 0, 0])
-    tokens = torch.cat([torch.zeros(R, 1, dtype=torch.long), torch.multinomial(q, 3 * R, replacement=True, generator=g).view(R, 3)], 1)
-    out, _, _ = sk.tree_rejection_sample(p.expand(R, N, V).contiguous(), tokens, parents, q.expand(R, N, V).contiguous(),
-                                         generator=g, backend="native")
+    tokens = torch.cat(
+        [torch.zeros(R, 1, dtype=torch.long), torch.multinomial(q, 3 * R, replacement=True, generator=g).view(R, 3)], 1
+    )
+    out, _, _ = sk.tree_rejection_sample(
+        p.expand(R, N, V).contiguous(), tokens, parents, q.expand(R, N, V).contiguous(), generator=g, backend="native"
+    )
     assert chi_square_pvalue(out[:, 0], p) > P_THRESHOLD
     top = torch.topk(q, 3).indices
     det = torch.cat([torch.zeros(R, 1, dtype=torch.long), top.expand(R, 3)], 1)
-    out, _, _ = sk.tree_rejection_sample(p.expand(R, N, V).contiguous(), det, parents, None, generator=g, backend="native")
+    out, _, _ = sk.tree_rejection_sample(
+        p.expand(R, N, V).contiguous(), det, parents, None, generator=g, backend="native"
+    )
     assert chi_square_pvalue(out[:, 0], p) > P_THRESHOLD

@@ -1,4 +1,5 @@
 """tree_rejection_sample: hand-worked trees, distribution tests, invariants and bad input."""
+
 import re
 from functools import partial
 
@@ -42,8 +43,12 @@ def test_golden(sample, case):
     target = torch.tensor([[p0, [0, 0, 0, 1.0], [0.5, 0.5, 0, 0]]])
     q = None if draft is None else torch.full((1, 3, 4), 0.25)
     out, nodes, acc = sample(
-        target, torch.tensor(TOKENS), torch.tensor(PARENTS), q,
-        uniform_samples=torch.tensor(coins), sample_uniforms=torch.tensor(final),
+        target,
+        torch.tensor(TOKENS),
+        torch.tensor(PARENTS),
+        q,
+        uniform_samples=torch.tensor(coins),
+        sample_uniforms=torch.tensor(final),
     )
     assert out.tolist() == want_out and nodes.tolist() == want_nodes
     assert acc.tolist() == [len([n for n in want_nodes[0] if n > 0])]
@@ -53,8 +58,11 @@ def test_accepted_path_goes_deep_and_bonus_comes_from_the_leaf(sample):
     # chain-shaped tree 0 -> 1 -> 2 with certain acceptance; the leaf's row puts all mass on 3
     target = torch.tensor([[[0, 1.0, 0, 0], [0, 0, 1.0, 0], [0, 0, 0, 1.0]]])
     out, nodes, acc = sample(
-        target, torch.tensor([[0, 1, 2]]), torch.tensor([-1, 0, 1]),
-        uniform_samples=torch.tensor([[0.99, 0.99]]), sample_uniforms=torch.tensor([0.5]),
+        target,
+        torch.tensor([[0, 1, 2]]),
+        torch.tensor([-1, 0, 1]),
+        uniform_samples=torch.tensor([[0.99, 0.99]]),
+        sample_uniforms=torch.tensor([0.5]),
     )
     assert out.tolist() == [[1, 2, 3]] and nodes.tolist() == [[0, 1, 2]] and acc.tolist() == [2]
 
@@ -79,8 +87,11 @@ def random_case(V=12, seed=0):
     return parents, logits, g
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.6, None, None), (1.0, 6, None), (0.6, None, 0.9)],
-                         ids=["t1.0", "t0.6", "t1.0_topk6", "t0.6_topp0.9"])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, None, None), (0.6, None, None), (1.0, 6, None), (0.6, None, 0.9)],
+    ids=["t1.0", "t0.6", "t1.0_topk6", "t0.6_topp0.9"],
+)
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_children", "topk_children"])
 def test_distribution_matches_target(sampled, temperature, top_k, top_p):
     parents, logits, g = random_case(seed=3)
@@ -117,8 +128,15 @@ def test_invariants_and_batch_independence(sample):
     assert torch.equal((nodes >= 0).sum(1), acc + 1)
     assert (nodes < num_nodes[:, None]).all()
     for b in (0, 2, 5):
-        one = sample(target[b : b + 1], tokens[b : b + 1], parents, None, num_nodes[b : b + 1],
-                     uniform_samples=coins[b : b + 1], sample_uniforms=final[b : b + 1])
+        one = sample(
+            target[b : b + 1],
+            tokens[b : b + 1],
+            parents,
+            None,
+            num_nodes[b : b + 1],
+            uniform_samples=coins[b : b + 1],
+            sample_uniforms=final[b : b + 1],
+        )
         assert torch.equal(one[0][0], out[b]) and torch.equal(one[1][0], nodes[b])
 
 
@@ -133,10 +151,17 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.tree_rejection_sample, backend="reference"), sk.tree_rejection_sample], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn",
+    [partial(sk.tree_rejection_sample, backend="reference"), sk.tree_rejection_sample],
+    ids=["reference", "public"],
+)
 def test_bad_input(fn, case):
-    args = dict(target_probs=torch.full((1, 3, 4), 0.25), tree_tokens=torch.zeros(1, 3, dtype=torch.long),
-                tree_parents=torch.tensor(PARENTS))
+    args = dict(
+        target_probs=torch.full((1, 3, 4), 0.25),
+        tree_tokens=torch.zeros(1, 3, dtype=torch.long),
+        tree_parents=torch.tensor(PARENTS),
+    )
     override, err, name = BAD[case]
     args.update(override)
     with pytest.raises(err, match=re.escape(name)):

@@ -1,6 +1,7 @@
 """tree_rejection_sample, Triton kernel: token-exact parity with the reference for the same
 randoms, distribution tests on the kernel itself, invariants, use of each random number, edge
 cases, and the torch.library registration (opcheck)."""
+
 import pytest
 import torch
 
@@ -44,8 +45,9 @@ def random_parents(N, g, fanout_bias=True):
     return torch.tensor(parents)
 
 
-def tree_case(B, N, V, *, sampled, seed=0, dtype=torch.float32, shared=True, ragged=True,
-              index_dtype=torch.int64, coin_power=1.0):
+def tree_case(
+    B, N, V, *, sampled, seed=0, dtype=torch.float32, shared=True, ragged=True, index_dtype=torch.int64, coin_power=1.0
+):
     g = gen(seed)
     target = random_probs((B, N, V), g)
     if shared:
@@ -93,8 +95,9 @@ ARGS = ("target_probs", "tree_tokens", "tree_parents", "draft_probs", "num_nodes
 def run_both(case, device):
     c = to_device(case, device)
     got = kernel(*(c[a] for a in ARGS), uniform_samples=c["uniform_samples"], sample_uniforms=c["sample_uniforms"])
-    want = reference_tree_rejection_sample(*(case[a] for a in ARGS), uniform_samples=case["uniform_samples"],
-                                           sample_uniforms=case["sample_uniforms"])
+    want = reference_tree_rejection_sample(
+        *(case[a] for a in ARGS), uniform_samples=case["uniform_samples"], sample_uniforms=case["sample_uniforms"]
+    )
     return tuple(t.cpu() for t in got), want
 
 
@@ -118,8 +121,11 @@ def test_matches_reference_low_precision_and_int32_ids(device, dtype, sampled):
     assert_same(*run_both(case, device))
 
 
-@pytest.mark.parametrize("V,sampled", [(49152, True), (128256, False), (151936, True)],
-                         ids=["V49152-sampled", "V128256-deterministic", "V151936-sampled"])
+@pytest.mark.parametrize(
+    "V,sampled",
+    [(49152, True), (128256, False), (151936, True)],
+    ids=["V49152-sampled", "V128256-deterministic", "V151936-sampled"],
+)
 def test_matches_reference_at_real_vocabulary_sizes(device, V, sampled):
     # high coins: several rejections at a node, so the residual is rebuilt over the whole row
     case = tree_case(1, 5, V, sampled=sampled, seed=V, ragged=False, coin_power=0.3)
@@ -135,7 +141,9 @@ def test_many_siblings_many_rejections(device, sampled):
     case["tree_parents"] = parents
     if sampled:
         for c in range(1, N):
-            case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[:, 0]
+            case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[
+                :, 0
+            ]
     got, want = run_both(case, device)
     assert_same(got, want)
     assert ((got[1][:, 1] > 3) | (got[2] == 0)).any()  # three or more rejections at the root
@@ -177,9 +185,12 @@ def test_split_and_serial_residual_levels_match_reference(device, levels, monkey
     case["tree_parents"] = parents
     case["draft_probs"] = random_probs((B, N, V), gen(8 + levels))  # far from the target: many rejections
     for c in range(1, N):
-        case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[:, 0]
-    with mock.patch.object(kernels, "launch_config",
-                           partial(launch_config, split_levels=levels, tile=(16, 16), num_splits=3)):
+        case["tree_tokens"][:, c] = torch.multinomial(case["draft_probs"][:, int(parents[c])], 1, generator=gen(c))[
+            :, 0
+        ]
+    with mock.patch.object(
+        kernels, "launch_config", partial(launch_config, split_levels=levels, tile=(16, 16), num_splits=3)
+    ):
         got, want = run_both(case, device)
     assert_same(got, want)
     assert ((got[1][:, 1] > 4) | (got[2] == 0)).any()  # four or more rejections at the root
@@ -217,11 +228,11 @@ def test_invariants(device, sampled):
     for b in range(B):
         n = int(acc[b])
         path = nodes[b, : n + 1].tolist()
-        assert path[0] == 0 and (nodes[b, n + 1:] == -1).all()
+        assert path[0] == 0 and (nodes[b, n + 1 :] == -1).all()
         for prev, node in zip(path, path[1:]):
             assert int(parents[b, node]) == prev and node < int(counts[b])  # child of the previous node
             assert target[b, prev, tokens[b, node]] > 0  # never accepts a zero-probability token
-        assert (out[b] != -1).sum() == n + 1 and (out[b, n + 1:] == -1).all()  # emitted = accepted + 1
+        assert (out[b] != -1).sum() == n + 1 and (out[b, n + 1 :] == -1).all()  # emitted = accepted + 1
         assert out[b, :n].tolist() == [int(tokens[b, node]) for node in path[1:]]
         tok = int(out[b, n])
         assert 0 <= tok < V and target[b, path[-1], tok] > 0  # the sample has mass at the last node
@@ -278,8 +289,12 @@ def test_the_sample_uniform_only_moves_the_sampled_token(device):
 def test_root_only_and_empty_batch(device, sampled):
     assert_same(*run_both(tree_case(5, 1, 111, sampled=sampled, seed=51), device))
     draft = torch.rand(0, 4, 9, device=device) if sampled else None
-    out, nodes, acc = kernel(torch.rand(0, 4, 9, device=device), torch.zeros(0, 4, dtype=torch.long, device=device),
-                             torch.tensor([-1, 0, 0, 1], device=device), draft)
+    out, nodes, acc = kernel(
+        torch.rand(0, 4, 9, device=device),
+        torch.zeros(0, 4, dtype=torch.long, device=device),
+        torch.tensor([-1, 0, 0, 1], device=device),
+        draft,
+    )
     assert out.shape == nodes.shape == (0, 4) and acc.shape == (0,)
 
 
@@ -291,9 +306,15 @@ def test_residual_without_mass_keeps_the_previous_residual(device):
     p = random_probs((B, 4, V), g, zero_frac=0.0)
     p[:, 0, 4] = 0.0
     p = p / p.sum(-1, keepdim=True)
-    case = dict(target_probs=p, tree_tokens=torch.full((B, 4), 4), tree_parents=torch.tensor([-1, 0, 0, 0]),
-                draft_probs=p.clone(), num_nodes=None, uniform_samples=torch.rand(B, 3, generator=g),
-                sample_uniforms=torch.rand(B, generator=g))
+    case = dict(
+        target_probs=p,
+        tree_tokens=torch.full((B, 4), 4),
+        tree_parents=torch.tensor([-1, 0, 0, 0]),
+        draft_probs=p.clone(),
+        num_nodes=None,
+        uniform_samples=torch.rand(B, 3, generator=g),
+        sample_uniforms=torch.rand(B, generator=g),
+    )
     got, want = run_both(case, device)
     assert_same(got, want)
     assert (got[2] == 0).all() and (got[0][:, 0] != 4).all()
@@ -330,12 +351,12 @@ def test_out_of_range_ids_are_rejected_without_reading_outside(device):
     for sampled in (True, False):
         case = tree_case(B, N, V, sampled=sampled, seed=91, ragged=False)
         big_t = torch.full((B, N, V + 20), 1e30)
-        big_t[:, :, 10:10 + V] = case["target_probs"]
-        case["target_probs"] = big_t[:, :, 10:10 + V]
+        big_t[:, :, 10 : 10 + V] = case["target_probs"]
+        case["target_probs"] = big_t[:, :, 10 : 10 + V]
         if sampled:
             big_q = torch.full((B, N, V + 20), 1e-30)
-            big_q[:, :, 10:10 + V] = case["draft_probs"]
-            case["draft_probs"] = big_q[:, :, 10:10 + V]
+            big_q[:, :, 10 : 10 + V] = case["draft_probs"]
+            case["draft_probs"] = big_q[:, :, 10 : 10 + V]
         case["tree_parents"] = torch.tensor([-1, 0, 0, 1, 2])
         case["tree_tokens"][:, 1] = torch.tensor([-1, V, V + 5, -10, 2**40, -(2**40)])
         got, want = run_both(case, device)
@@ -391,8 +412,9 @@ def test_distribution_negative_control(device):
     tree = torch.tensor([-1, 0, 0, 0])
     children = p[0].argsort(descending=True)[:3]
     tokens = torch.cat([torch.zeros(1, dtype=torch.long), children]).expand(DRAWS, N).contiguous()
-    out, nodes, acc = kernel(p.expand(DRAWS, N, V).to(device), tokens.to(device), tree.to(device), None,
-                             generator=gen(112))
+    out, nodes, acc = kernel(
+        p.expand(DRAWS, N, V).to(device), tokens.to(device), tree.to(device), None, generator=gen(112)
+    )
     out, acc = out.cpu(), acc.cpu()
     assert chi_square_pvalue(out[:, 0], p[0]) > P_THRESHOLD
     wrong = out[:, 0].clone()
@@ -411,6 +433,13 @@ def test_opcheck(device, sampled, shared):
     case = to_device(tree_case(3, 6, 19, sampled=sampled, seed=121, shared=shared), device)
     parents = case["tree_parents"]
     parents = parents.expand(3, 6) if parents.dim() == 1 else parents
-    args = (case["target_probs"], case["tree_tokens"], parents, case["draft_probs"], case["num_nodes"],
-            case["uniform_samples"], case["sample_uniforms"])
+    args = (
+        case["target_probs"],
+        case["tree_tokens"],
+        parents,
+        case["draft_probs"],
+        case["num_nodes"],
+        case["uniform_samples"],
+        case["sample_uniforms"],
+    )
     torch.library.opcheck(torch.ops.specdec.tree_rejection_sample_triton, args)

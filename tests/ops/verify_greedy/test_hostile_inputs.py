@@ -1,5 +1,6 @@
 """verify_greedy: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 
@@ -17,8 +18,9 @@ def test_verify_greedy_hostile_counts(backend):
     for count in COUNTS:
         n = torch.tensor([count, 1, K])
         want = reference.verify_greedy(logits, drafts, n.clamp(0, K))
-        got = sk.verify_greedy(in_guard(logits, float("nan")), in_guard(drafts, 3), in_guard(n, 2**40),
-                               backend=backend, validate=False)
+        got = sk.verify_greedy(
+            in_guard(logits, float("nan")), in_guard(drafts, 3), in_guard(n, 2**40), backend=backend, validate=False
+        )
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), count
 
 

@@ -1,6 +1,7 @@
 """verify_greedy: the C++ CPU fast path (csrc/verify_sample_cpu.cpp, backend="native") against
 the reference, on the shapes and dtypes of the Triton kernel tests (test_triton.py), NaN rows and
 strided logits, and torch.argmax's rule (NaN, +-inf, the first of tied maxima) in its argmax."""
+
 import pytest
 import torch
 
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.requires_native_op("verify_greedy")
 def test_verify_greedy_matches_reference(shape, dtype):
     for seed, id_dtype in enumerate((torch.int32, torch.int64)):
         logits, drafts, counts = verify_tests.make_case(*shape, dtype=dtype, id_dtype=id_dtype, seed=seed)
-        assert_same(sk.verify_greedy(logits, drafts, counts, backend="native"), reference.verify_greedy(logits, drafts, counts))
+        assert_same(
+            sk.verify_greedy(logits, drafts, counts, backend="native"), reference.verify_greedy(logits, drafts, counts)
+        )
 
 
 def test_verify_greedy_nan_rows_and_strided_logits():

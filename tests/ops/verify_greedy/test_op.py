@@ -1,4 +1,5 @@
 """verify_greedy: golden cases worked out by hand, invariants and bad input, on every backend."""
+
 import re
 from functools import partial
 
@@ -108,18 +109,36 @@ def test_invariants_on_random_inputs(verify):
 
 BAD = {
     "logits_rank": (lambda: (torch.zeros(4, 11), torch.zeros(1, 3, dtype=torch.long)), ValueError, "target_logits"),
-    "logits_dtype": (lambda: (torch.zeros(1, 4, 11, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.long)), TypeError, "target_logits"),
+    "logits_dtype": (
+        lambda: (torch.zeros(1, 4, 11, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.long)),
+        TypeError,
+        "target_logits",
+    ),
     "drafts_dtype": (lambda: (torch.zeros(1, 4, 11), torch.zeros(1, 3)), TypeError, "draft_tokens"),
-    "batch_mismatch": (lambda: (torch.zeros(2, 4, 11), torch.zeros(3, 3, dtype=torch.long)), ValueError, "draft_tokens"),
+    "batch_mismatch": (
+        lambda: (torch.zeros(2, 4, 11), torch.zeros(3, 3, dtype=torch.long)),
+        ValueError,
+        "draft_tokens",
+    ),
     "missing_bonus_row": (lambda: (torch.zeros(1, 3, 11), torch.zeros(1, 3, dtype=torch.long)), ValueError, "K+1"),
-    "counts_range": (lambda: (torch.zeros(1, 4, 11), torch.zeros(1, 3, dtype=torch.long), torch.tensor([4])), ValueError, "num_draft_tokens"),
-    "counts_shape": (lambda: (torch.zeros(2, 4, 11), torch.zeros(2, 3, dtype=torch.long), torch.tensor([1])), ValueError, "num_draft_tokens"),
+    "counts_range": (
+        lambda: (torch.zeros(1, 4, 11), torch.zeros(1, 3, dtype=torch.long), torch.tensor([4])),
+        ValueError,
+        "num_draft_tokens",
+    ),
+    "counts_shape": (
+        lambda: (torch.zeros(2, 4, 11), torch.zeros(2, 3, dtype=torch.long), torch.tensor([1])),
+        ValueError,
+        "num_draft_tokens",
+    ),
     "not_a_tensor": (lambda: ([[0.0]], torch.zeros(1, 0, dtype=torch.long)), TypeError, "target_logits"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.verify_greedy, backend="reference"), sk.verify_greedy], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.verify_greedy, backend="reference"), sk.verify_greedy], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
     make, err, name = BAD[case]
     with pytest.raises(err, match=re.escape(name)):

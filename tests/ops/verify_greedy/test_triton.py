@@ -5,6 +5,7 @@ counts), all logit dtypes and both id dtypes, the split argmax over the vocabula
 inputs, and the edge cases of torch.argmax (NaN, ties) and of the drafts (out-of-range ids,
 -1, entries past the count).
 """
+
 import pytest
 import torch
 
@@ -49,8 +50,20 @@ def assert_matches_reference(device, logits, drafts, counts, **tiling):
 
 # (B, K, V): batch 1 and uneven batches, K in 0..8 and 16, vocab 1, 7, 111, 1000.
 SHAPES = [
-    (1, 0, 7), (3, 0, 111), (1, 1, 1), (8, 2, 1), (3, 3, 111), (8, 4, 7), (1, 5, 1000),
-    (8, 5, 111), (3, 6, 7), (3, 7, 1000), (1, 8, 111), (8, 8, 7), (3, 16, 111), (8, 16, 7),
+    (1, 0, 7),
+    (3, 0, 111),
+    (1, 1, 1),
+    (8, 2, 1),
+    (3, 3, 111),
+    (8, 4, 7),
+    (1, 5, 1000),
+    (8, 5, 111),
+    (3, 6, 7),
+    (3, 7, 1000),
+    (1, 8, 111),
+    (8, 8, 7),
+    (3, 16, 111),
+    (8, 16, 7),
 ]
 
 
@@ -110,7 +123,9 @@ def test_split_ties_and_nans_across_chunks(device):
     logits[0, 4, [99, 50]] = INF  # tie of +inf -> 50
     drafts = torch.tensor([[20, 80, 33, 0]])
     for block_v, num_splits in [(16, 7), (16, 2), (32, 4), (128, 1)]:
-        out, acc = assert_matches_reference(device, logits, drafts, torch.tensor([4]), block_v=block_v, num_splits=num_splits)
+        out, acc = assert_matches_reference(
+            device, logits, drafts, torch.tensor([4]), block_v=block_v, num_splits=num_splits
+        )
         assert out.tolist() == [[20, 80, 33, 0, 50]] and acc.tolist() == [4]
 
 
@@ -173,7 +188,9 @@ def test_zero_drafts(device):
 
 @pytest.mark.parametrize("K", [0, 3])
 def test_empty_batch(device, K):
-    out, acc = run_triton(device, torch.zeros(0, K + 1, 11), torch.zeros(0, K, dtype=torch.int32), torch.zeros(0, dtype=torch.int64))
+    out, acc = run_triton(
+        device, torch.zeros(0, K + 1, 11), torch.zeros(0, K, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    )
     assert out.shape == (0, K + 1) and acc.shape == (0,)
     assert out.dtype == torch.int64 and acc.dtype == torch.int64
 
@@ -200,7 +217,9 @@ def test_strided_inputs(device):
 def test_public_op_dispatches_to_triton(device):
     assert "triton" in op.IMPLEMENTED
     logits, drafts, counts = make_case(3, 4, 111, torch.float16, torch.int32, seed=2)
-    out, acc = sk.verify_greedy(logits.to(device), drafts.to(device), counts.to(torch.int32).to(device), backend="triton")
+    out, acc = sk.verify_greedy(
+        logits.to(device), drafts.to(device), counts.to(torch.int32).to(device), backend="triton"
+    )
     want_out, want_acc = reference.verify_greedy(logits, drafts, counts)
     assert torch.equal(out.cpu(), want_out) and torch.equal(acc.cpu(), want_acc)
     out, acc = sk.verify_greedy(logits.to(device), drafts.to(device), backend="triton")  # counts None: all K

@@ -1,5 +1,6 @@
 """verify_tree_greedy: hostile inputs with value checks off (validate=False, the CUDA default); the
 guard buffers and the rule they check are described in tests/ops/hostile.py."""
+
 import pytest
 import torch
 
@@ -20,9 +21,17 @@ def test_verify_tree_greedy_hostile_parents_and_counts(backend, parents):
     par = torch.tensor(parents)
     for count in COUNTS:
         n = torch.tensor([count, N])
-        want = reference.verify_tree_greedy(logits, tokens, torch.tensor(TREE), n.clamp(0, N)) if parents == TREE else None
-        got = sk.verify_tree_greedy(in_guard(logits, float("nan")), in_guard(tokens, 1), in_guard(par, 0),
-                                    in_guard(n, 2**40), backend=backend, validate=False)
+        want = (
+            reference.verify_tree_greedy(logits, tokens, torch.tensor(TREE), n.clamp(0, N)) if parents == TREE else None
+        )
+        got = sk.verify_tree_greedy(
+            in_guard(logits, float("nan")),
+            in_guard(tokens, 1),
+            in_guard(par, 0),
+            in_guard(n, 2**40),
+            backend=backend,
+            validate=False,
+        )
         ref = sk.verify_tree_greedy(logits, tokens, par, n, backend="reference", validate=False)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), (parents, count)
@@ -40,5 +49,7 @@ def test_verify_tree_greedy_backward_parent_never_accepted_out_of_order(backend)
     for i in range(4):
         logits[0, i, i + 1] = 5.0  # the argmax after node i is token i + 1
     tokens = torch.tensor([[0, 1, 4, 2]])
-    out, nodes, acc = sk.verify_tree_greedy(logits, tokens, torch.tensor([-1, 0, 3, 1]), backend=backend, validate=False)
+    out, nodes, acc = sk.verify_tree_greedy(
+        logits, tokens, torch.tensor([-1, 0, 3, 1]), backend=backend, validate=False
+    )
     assert nodes[0].tolist() == [0, 1, 3, -1] and int(acc[0]) == 2

@@ -1,4 +1,5 @@
 """verify_tree_greedy: hand-worked trees, invariants and bad input, on every backend."""
+
 import re
 from functools import partial
 
@@ -92,7 +93,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize("fn", [partial(sk.verify_tree_greedy, backend="reference"), sk.verify_tree_greedy], ids=["reference", "public"])
+@pytest.mark.parametrize(
+    "fn", [partial(sk.verify_tree_greedy, backend="reference"), sk.verify_tree_greedy], ids=["reference", "public"]
+)
 def test_bad_input(fn, case):
     args = dict(
         target_logits=torch.zeros(1, 3, 5),

@@ -4,6 +4,7 @@ Random topological trees (one shared by the batch, or one per sequence) up to 10
 ragged num_nodes, all logit dtypes and both id dtypes, trees where a later sibling is the
 match, the split argmax over the vocabulary, strided inputs and the argmax edge cases.
 """
+
 import pytest
 import torch
 
@@ -161,7 +162,9 @@ def test_nan_and_tied_rows(device):
     logits[1, 0, 25] = NAN  # NaN after the max -> 25
     logits[2, 0, [33, 6, 19]] = 50.0  # tie -> 6
     tokens = torch.tensor([[0, 0, 1, 2], [0, 25, 0, 0], [0, 6, 0, 0]])
-    out, nodes, acc = assert_matches_reference(device, logits, tokens, parents, torch.tensor([4, 4, 4]), block_v=16, num_splits=3)
+    out, nodes, acc = assert_matches_reference(
+        device, logits, tokens, parents, torch.tensor([4, 4, 4]), block_v=16, num_splits=3
+    )
     assert out[:, 0].tolist() == [0, 25, 6] and (acc >= 1).all()
     assert ((out >= -1) & (out < V)).all()
 
@@ -193,15 +196,25 @@ def test_strided_inputs(device):
 
 
 def test_empty_batch(device):
-    outs = run_triton(device, torch.zeros(0, 5, 11), torch.zeros(0, 5, dtype=torch.int64), torch.tensor([-1, 0, 0, 1, 1]), torch.zeros(0, dtype=torch.int64))
+    outs = run_triton(
+        device,
+        torch.zeros(0, 5, 11),
+        torch.zeros(0, 5, dtype=torch.int64),
+        torch.tensor([-1, 0, 0, 1, 1]),
+        torch.zeros(0, dtype=torch.int64),
+    )
     assert [tuple(t.shape) for t in outs] == [(0, 5), (0, 5), (0,)]
     assert all(t.dtype == torch.int64 for t in outs)
 
 
 def test_public_op_dispatches_to_triton(device):
     assert "triton" in op.IMPLEMENTED
-    logits, tokens, parents, num_nodes = make_case(3, 15, 7, shared=True, dtype=torch.float16, id_dtype=torch.int32, seed=5)
-    got = sk.verify_tree_greedy(logits.to(device), tokens.to(device), parents.to(device), num_nodes.to(torch.int32).to(device), backend="triton")
+    logits, tokens, parents, num_nodes = make_case(
+        3, 15, 7, shared=True, dtype=torch.float16, id_dtype=torch.int32, seed=5
+    )
+    got = sk.verify_tree_greedy(
+        logits.to(device), tokens.to(device), parents.to(device), num_nodes.to(torch.int32).to(device), backend="triton"
+    )
     want = reference.verify_tree_greedy(logits, tokens, parents, num_nodes)
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
     got = sk.verify_tree_greedy(logits.to(device), tokens.to(device), parents.to(device), backend="triton")  # all nodes
