@@ -15,6 +15,7 @@
 Self-distillation on the target's own outputs follows Medusa-2 (Cai et al. 2024) and
 EAGLE (Li et al. 2024): the drafter learns what the target says, not what a dataset says.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,12 @@ BENCH_PER_CATEGORY = 2
 
 
 # ---------------------------------------------------------------------- prompts
-def split_questions(questions: Sequence[dict], per_category: int, long_per_category: Optional[int] = None, long_categories: Sequence[str] = ()) -> Tuple[List[dict], List[dict], List[dict]]:
+def split_questions(
+    questions: Sequence[dict],
+    per_category: int,
+    long_per_category: Optional[int] = None,
+    long_categories: Sequence[str] = (),
+) -> Tuple[List[dict], List[dict], List[dict]]:
     """(train, tune, bench) Spec-Bench questions, each list in file order.
 
     bench: the first 2 questions of each category (those ``bench.e2e`` evaluates); tune: the
@@ -63,7 +69,9 @@ def split_questions(questions: Sequence[dict], per_category: int, long_per_categ
 
 
 def chat_ids(tokenizer, text: str) -> List[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
 
 
 # ---------------------------------------------------------------------- data
@@ -132,7 +140,12 @@ class SelfDistilled:
     hidden: List[torch.Tensor]
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "prompt_lengths": self.prompt_lengths, "first": self.first, "hidden": self.hidden}
+        return {
+            "tokens": self.tokens,
+            "prompt_lengths": self.prompt_lengths,
+            "first": self.first,
+            "hidden": self.hidden,
+        }
 
 
 def length_batches(lengths: Sequence[int], max_batch: int, max_tokens: int) -> List[List[int]]:
@@ -150,7 +163,16 @@ def length_batches(lengths: Sequence[int], max_batch: int, max_tokens: int) -> L
     return batches
 
 
-def generate_data(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, batch: int, stop_ids: Sequence[int], desc: str = "generate", partial: Optional[Path] = None, max_tokens: int = 4096) -> SelfDistilled:
+def generate_data(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    batch: int,
+    stop_ids: Sequence[int],
+    desc: str = "generate",
+    partial: Optional[Path] = None,
+    max_tokens: int = 4096,
+) -> SelfDistilled:
     """Greedy continuations of every prompt and the hidden states, in batches of similar
     lengths (``length_batches(lengths, batch, max_tokens)``).
 
@@ -170,7 +192,11 @@ def generate_data(model: Transformer, prompts: Sequence[Sequence[int]], new_toke
             recorder.prepare(model, [prompts[i] for i in idx])
             result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
             for j, i in enumerate(idx):
-                h = torch.stack(recorder.hidden[j]) if recorder.hidden[j] else torch.zeros(0, model.args.hidden_size, dtype=torch.float16)
+                h = (
+                    torch.stack(recorder.hidden[j])
+                    if recorder.hidden[j]
+                    else torch.zeros(0, model.args.hidden_size, dtype=torch.float16)
+                )
                 out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
             bar.update(len(idx))
             if partial is not None:
@@ -200,14 +226,22 @@ def cached_data(path: Optional[Path], make) -> SelfDistilled:
     return data
 
 
-
 def tiny_random_model(seed: int = 0):
     """A 2-layer random Llama (vocab 111, hidden 64, head dim 16) as our Transformer, for smoke tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=111, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.5)
+    cfg = LlamaConfig(
+        vocab_size=111,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+    )
     return Transformer.from_hf_model(LlamaForCausalLM(cfg).eval())
 
 
@@ -216,7 +250,13 @@ def load_target(args):
     if args.random_model:
         model = tiny_random_model(args.seed)
         g = torch.Generator().manual_seed(args.seed)
-        rand = lambda n: [torch.randint(0, 111, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]  # noqa: E731
+
+        def rand(n):
+            return [
+                torch.randint(0, 111, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(n)
+            ]
+
         return model, rand(6), rand(3), rand(2), [], "tiny-random-llama"
     from specdec_kernels.decoding.loading import MODEL_NAME, load_smollm2
     from specdec_kernels.decoding.prompts import spec_bench_questions
@@ -228,26 +268,43 @@ def load_target(args):
     return model, ids(train), ids(tune), ids(bench), [tok.eos_token_id], MODEL_NAME
 
 
-
 def default_cache_dir(cache_dir: Optional[str] = None) -> Path:
     """Where generated data is cached: ``cache_dir``, else $SPECDEC_CACHE_DIR, else
     ~/.cache/specdec_kernels, with ``self-distilled`` appended."""
-    return Path(cache_dir or os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec_kernels") / "self-distilled"
+    return (
+        Path(cache_dir or os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec_kernels")
+        / "self-distilled"
+    )
 
 
-def cache_path(cache: Optional[Path], tag: str, fingerprint: str, new_tokens: int, gen_batch: int, gen_max_tokens: int,
-               prompts: Sequence[Sequence[int]]) -> Optional[Path]:
+def cache_path(
+    cache: Optional[Path],
+    tag: str,
+    fingerprint: str,
+    new_tokens: int,
+    gen_batch: int,
+    gen_max_tokens: int,
+    prompts: Sequence[Sequence[int]],
+) -> Optional[Path]:
     """The cache file of one prompt set (None when ``cache`` is None): named by ``tag`` and a
     hash of everything the data depends on (the target's fingerprint, the generation
     settings, the prompts' token ids)."""
     if cache is None:
         return None
-    key = hashlib.sha256(json.dumps([fingerprint, new_tokens, gen_batch, gen_max_tokens, [list(p) for p in prompts]]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([fingerprint, new_tokens, gen_batch, gen_max_tokens, [list(p) for p in prompts]]).encode()
+    ).hexdigest()[:16]
     return cache / f"{tag}-{key}.pt"
 
 
-def self_distilled_sets(model: Transformer, fingerprint: str, sets: Dict[str, Sequence[Sequence[int]]], args, stop_ids: Sequence[int],
-                        cache: Optional[Path]) -> List[SelfDistilled]:
+def self_distilled_sets(
+    model: Transformer,
+    fingerprint: str,
+    sets: Dict[str, Sequence[Sequence[int]]],
+    args,
+    stop_ids: Sequence[int],
+    cache: Optional[Path],
+) -> List[SelfDistilled]:
     """``SelfDistilled`` data of each named prompt set, from the cache or generated (and
     then cached): the target's greedy continuations of ``args.new_tokens`` tokens, in
     batches of ``args.gen_batch`` prompts and ``args.gen_max_tokens`` padded tokens."""
@@ -255,8 +312,21 @@ def self_distilled_sets(model: Transformer, fingerprint: str, sets: Dict[str, Se
     with torch.inference_mode():
         for tag, prompts in sets.items():
             path = cache_path(cache, tag, fingerprint, args.new_tokens, args.gen_batch, args.gen_max_tokens, prompts)
-            out.append(cached_data(path, lambda part, prompts=prompts, tag=tag: generate_data(
-                model, prompts, args.new_tokens, args.gen_batch, stop_ids, f"generate ({tag})", part, args.gen_max_tokens)))
+            out.append(
+                cached_data(
+                    path,
+                    lambda part, prompts=prompts, tag=tag: generate_data(
+                        model,
+                        prompts,
+                        args.new_tokens,
+                        args.gen_batch,
+                        stop_ids,
+                        f"generate ({tag})",
+                        part,
+                        args.gen_max_tokens,
+                    ),
+                )
+            )
     return out
 
 
@@ -266,14 +336,26 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     threads, the bench evaluation, the tiny random smoke test."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-category", type=int, default=76, help="training questions per Spec-Bench category at most")
-    p.add_argument("--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories")
-    p.add_argument("--long-categories", default="summarization,rag", help="comma-separated categories with long prompts")
+    p.add_argument(
+        "--long-per-category", type=int, default=76, help="training questions at most in the long-prompt categories"
+    )
+    p.add_argument(
+        "--long-categories", default="summarization,rag", help="comma-separated categories with long prompts"
+    )
     p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
     p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
-    p.add_argument("--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most")
-    p.add_argument("--cache-dir", default=None, help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)")
+    p.add_argument(
+        "--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most"
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache of generated data (default $SPECDEC_CACHE_DIR or ~/.cache/specdec_kernels)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length")
+    p.add_argument(
+        "--evaluate", action="store_true", help="then decode the bench prompts and report mean accepted length"
+    )
     p.add_argument("--eval-tokens", type=int, default=128, help="new tokens per prompt in --evaluate")
     p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
 
@@ -289,12 +371,20 @@ def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def training_record(prog_module: str, argv: Optional[Sequence[str]], args: argparse.Namespace) -> dict:
     """What a trained file records of how it was made: the command and every option."""
-    return {"command": f"python -m {prog_module} " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")}}
+    return {
+        "command": f"python -m {prog_module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **{k: v for k, v in vars(args).items() if k not in ("out", "cache_dir", "threads", "evaluate")},
+    }
 
 
-def evaluate_drafters(model: Transformer, prompts: Sequence[Sequence[int]], new_tokens: int, stop_ids: Sequence[int],
-                      drafters: Dict[str, Tuple[Drafter, int]], batch: int = 8) -> Dict[str, dict]:
+def evaluate_drafters(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    stop_ids: Sequence[int],
+    drafters: Dict[str, Tuple[Drafter, int]],
+    batch: int = 8,
+) -> Dict[str, dict]:
     """Decode the prompts at temperature 0 with each named (drafter, K) and with plain
     decoding: per drafter the mean accepted length, tokens, target passes, seconds, and
     whether every output equals plain greedy decoding."""
@@ -313,16 +403,23 @@ def evaluate_drafters(model: Transformer, prompts: Sequence[Sequence[int]], new_
             steps += r.stats.sequence_steps
             passes += r.stats.target_passes
         emitted = sum(len(x) for x in tokens)
-        results[name] = {"mean_accepted_length": emitted / max(steps, 1), "tokens": emitted, "target_passes": passes,
-                         "seconds": time.perf_counter() - t, "equals_plain_greedy": tokens == ref}
+        results[name] = {
+            "mean_accepted_length": emitted / max(steps, 1),
+            "tokens": emitted,
+            "target_passes": passes,
+            "seconds": time.perf_counter() - t,
+            "equals_plain_greedy": tokens == ref,
+        }
     return results
 
 
 def print_evaluation(results: Dict[str, dict]) -> None:
     """One line per drafter of ``evaluate_drafters``' results, then the JSON."""
     for name, r in results.items():
-        print(f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, "
-              f"{r['target_passes']} target passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}")
+        print(
+            f"{name}: mean accepted length {r['mean_accepted_length']:.3f} ({r['tokens']} tokens, "
+            f"{r['target_passes']} target passes, {r['seconds']:.0f} s), equals plain greedy: {r['equals_plain_greedy']}"
+        )
     print(json.dumps(results))
 
 
@@ -348,7 +445,10 @@ def prepare(args: argparse.Namespace) -> TrainingSetup:
     torch.manual_seed(args.seed)
     model, train_p, tune_p, bench_p, stops, base = load_target(args)
     fingerprint = model_fingerprint(model)
-    print(f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)", file=sys.stderr)
+    print(
+        f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)",
+        file=sys.stderr,
+    )
     cache = None if args.random_model else default_cache_dir(args.cache_dir)
     tune_d, train_d = self_distilled_sets(model, fingerprint, {"tune": tune_p, "train": train_p}, args, stops, cache)
     return TrainingSetup(model, fingerprint, base, train_d, tune_d, bench_p, list(stops))
