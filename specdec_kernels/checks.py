@@ -124,6 +124,26 @@ def check_parents(name: str, parents, batch: int, num_nodes: int, device, valida
     return parents.to(torch.int64).expand(batch, num_nodes) if parents.dim() == 1 else parents.to(torch.int64)
 
 
+def check_scores(name: str, t, rows: str) -> Tuple[int, int, int]:
+    """Check a (batch, rows, vocab) float tensor of scores or probabilities with at least one
+    row (``rows`` says which, in the message) and a vocabulary of at least 1; return its shape."""
+    check_tensor(name, t, ndim=3, dtypes=FLOAT_DTYPES)
+    B, R, V = t.shape
+    if R < 1:
+        raise ValueError(f"{name} must have {rows}, got shape {tuple(t.shape)}")
+    if V < 1:
+        raise ValueError(f"{name} must have a vocabulary of at least 1, got shape {tuple(t.shape)}")
+    return B, R, V
+
+
+def check_tree(rows_name: str, tree_tokens, tree_parents, batch: int, num_nodes: int, device, validate) -> torch.Tensor:
+    """Check a token tree's ``tree_tokens`` (batch, N) and ``tree_parents`` (N,) or (batch, N)
+    against the (batch, N, vocab) tensor ``rows_name``; return the parents as int64 (batch, N)."""
+    check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    check_shape("tree_tokens", tree_tokens, (batch, num_nodes), f"one token per tree node, like {rows_name}' rows")
+    return check_parents("tree_parents", tree_parents, batch, num_nodes, device, validate)
+
+
 def check_probs(name: str, t, ndim: int, device=None) -> torch.Tensor:
     return check_tensor(name, t, ndim=ndim, dtypes=FLOAT_DTYPES, device=device)
 

@@ -20,7 +20,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_probs, check_shape, check_tensor
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_probs, check_scores, check_shape, check_tensor
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -86,13 +86,8 @@ def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens,
 
 def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=None):
     """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64)."""
-    check_probs("target_probs", target_probs, 3)
+    B, K1, V = check_scores("target_probs", target_probs, "K+1 >= 1 rows per sequence")
     device = target_probs.device
-    B, K1, V = target_probs.shape
-    if K1 < 1:
-        raise ValueError(f"target_probs must have K+1 >= 1 rows per sequence, got shape {tuple(target_probs.shape)}")
-    if V < 1:
-        raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
     K = K1 - 1
     check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_shape("draft_tokens", draft_tokens, (B, K), "target_probs needs K+1 rows for K draft tokens")

@@ -21,7 +21,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._random import GeneratorArg, draw_uniforms
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_parents, check_probs, check_shape, check_tensor
+from specdec_kernels.checks import check_counts, check_probs, check_scores, check_shape, check_tree
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -29,18 +29,9 @@ IMPLEMENTED = ("reference", "native", "triton")
 
 def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=None):
     """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    check_probs("target_probs", target_probs, 3)
+    B, N, V = check_scores("target_probs", target_probs, "N >= 1 rows (the root at least)")
     device = target_probs.device
-    B, N, V = target_probs.shape
-    if N < 1:
-        raise ValueError(
-            f"target_probs must have N >= 1 rows (the root at least), got shape {tuple(target_probs.shape)}"
-        )
-    if V < 1:
-        raise ValueError(f"target_probs must have a vocabulary of at least 1, got shape {tuple(target_probs.shape)}")
-    check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    check_shape("tree_tokens", tree_tokens, (B, N), "one token per tree node, like target_probs' rows")
-    parents = check_parents("tree_parents", tree_parents, B, N, device, validate)
+    parents = check_tree("target_probs", tree_tokens, tree_parents, B, N, device, validate)
     if draft_probs is not None:
         check_probs("draft_probs", draft_probs, 3, device)
         check_shape("draft_probs", draft_probs, (B, N, V), "row i: the distribution node i's children were drawn from")

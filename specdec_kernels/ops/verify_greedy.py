@@ -17,21 +17,16 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library, reference
-from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_shape, check_tensor
+from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_scores, check_shape, check_tensor
 
 IMPLEMENTED = ("reference", "native", "triton")
 
 
 def check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=None):
     """Validate the arguments of ``verify_greedy``; return (B, K, V, num_draft_tokens int64)."""
-    check_tensor("target_logits", target_logits, ndim=3, dtypes=FLOAT_DTYPES)
+    B, K1, V = check_scores("target_logits", target_logits, "K+1 >= 1 rows per sequence")
     device = target_logits.device
     check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    B, K1, V = target_logits.shape
-    if K1 < 1:
-        raise ValueError(f"target_logits must have K+1 >= 1 rows per sequence, got shape {tuple(target_logits.shape)}")
-    if V < 1:
-        raise ValueError(f"target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
     K = K1 - 1
     check_shape("draft_tokens", draft_tokens, (B, K), "target_logits needs K+1 rows for K draft tokens")
     n = check_counts("num_draft_tokens", num_draft_tokens, B, K, device, validate)

@@ -19,25 +19,16 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library, reference
-from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_counts, check_parents, check_shape, check_tensor
+from specdec_kernels.checks import check_counts, check_scores, check_tree
 
 IMPLEMENTED = ("reference", "native", "triton")
 
 
 def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=None):
     """Validate the arguments of ``verify_tree_greedy``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    check_tensor("target_logits", target_logits, ndim=3, dtypes=FLOAT_DTYPES)
+    B, N, V = check_scores("target_logits", target_logits, "N >= 1 rows (the root at least)")
     device = target_logits.device
-    B, N, V = target_logits.shape
-    if N < 1:
-        raise ValueError(
-            f"target_logits must have N >= 1 rows (the root at least), got shape {tuple(target_logits.shape)}"
-        )
-    if V < 1:
-        raise ValueError(f"target_logits must have a vocabulary of at least 1, got shape {tuple(target_logits.shape)}")
-    check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    check_shape("tree_tokens", tree_tokens, (B, N), "one token per tree node, like target_logits' rows")
-    parents = check_parents("tree_parents", tree_parents, B, N, device, validate)
+    parents = check_tree("target_logits", tree_tokens, tree_parents, B, N, device, validate)
     n = check_counts("num_nodes", num_nodes, B, N, device, validate)
     return B, N, V, parents, n
 
