@@ -62,7 +62,9 @@ _CHOSEN: dict = {}  # (op, device type, explicit backend or None) -> backend nam
 
 def reset() -> None:
     """Read the environment variables again and forget every backend chosen so far
-    (public as ``specdec_kernels.reset_backends``).
+    (public as ``specdec_kernels.reset_backends``); the run-time choices
+    (``specdec_kernels.autotune.RuntimeChoice``, e.g. ``SPECDEC_DENSE_ATTENTION``) read theirs
+    again too.
 
     The choice of each op's backend is made once per process and device type (the first
     call), and ``SPECDEC_BACKEND`` / ``TRITON_INTERPRET`` are read when the package is
@@ -72,6 +74,9 @@ def reset() -> None:
     _read_environment()
     _CHOSEN.clear()
     _TRITON.clear()
+    from specdec_kernels import autotune
+
+    autotune.read_environment_again()
 
 
 def interpreter_on() -> bool:

@@ -15,11 +15,21 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import weakref
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+# every RuntimeChoice, so that ``read_environment_again`` reaches them all
+_CHOICES: "weakref.WeakSet[RuntimeChoice]" = weakref.WeakSet()
+
+
+def read_environment_again() -> None:
+    """Every RuntimeChoice reads its environment variable again (``reset_backends`` calls this)."""
+    for choice in list(_CHOICES):
+        choice.read_environment()
 
 
 class RuntimeChoice:
@@ -45,10 +55,22 @@ class RuntimeChoice:
         self.env = env
         self._chosen: Dict[Hashable, str] = {}
         self._times: Dict[Hashable, Dict[str, List[float]]] = {}
+        self.read_environment()
+        _CHOICES.add(self)
+
+    def read_environment(self) -> None:
+        """Read the environment variable (at construction, and again here: ``reset_backends``
+        calls this for every choice)."""
+        self._env_value = os.environ.get(self.env, "auto") if self.env else "auto"
 
     def forced(self) -> Optional[str]:
-        """The candidate forced by the environment variable, or None."""
-        value = os.environ.get(self.env, "auto") if self.env else "auto"
+        """The candidate forced by the environment variable (as read at construction or by the
+        last ``read_environment``), or None.
+
+        Raises:
+            ValueError: the variable names no candidate.
+        """
+        value = self._env_value
         if value in ("", "auto"):
             return None
         if value not in self.candidates:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import specdec_kernels as sk
 from specdec_kernels.decoding import (
     Draft,
     Drafter,
@@ -439,6 +440,7 @@ def test_forward_outside_inference_mode_works_and_matches(tiny, monkeypatch):
     _, model = tiny
     # the same paths for both calls (while a shape class is being measured, calls alternate)
     monkeypatch.setenv("SPECDEC_DENSE_ATTENTION", "native")
+    sk.reset_backends()  # environment variables are read at import and on reset
     monkeypatch.setenv("SPECDEC_LINEAR", "f_linear")
     tok, pos = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
     lens = torch.tensor([0], dtype=torch.int32)

@@ -46,10 +46,12 @@ def test_environment_forces_and_is_checked(monkeypatch):
     calls = []
     choice = RuntimeChoice("t", ("a", "b"), env="SPECDEC_TEST_CHOICE")
     monkeypatch.setenv("SPECDEC_TEST_CHOICE", "b")
+    choice.read_environment()  # read at construction and on reset_backends()
     for _ in range(4):
         choice("k", runner({"a": 0.0, "b": 0.0}, calls))
     assert calls == ["b"] * 4 and choice.choices() == []
     monkeypatch.setenv("SPECDEC_TEST_CHOICE", "c")
+    choice.read_environment()
     with pytest.raises(ValueError, match="SPECDEC_TEST_CHOICE"):
         choice("k", runner({"a": 0.0, "b": 0.0}, calls))
 

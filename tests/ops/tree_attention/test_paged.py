@@ -494,6 +494,7 @@ def test_registered_op_checks_shapes_for_direct_callers():
 def test_the_front_calls_the_paged_op_and_matches_it(monkeypatch):
     # the automatic CPU path picks native or torch by timing; pin it so the two calls agree bit for bit
     monkeypatch.setenv("SPECDEC_PAGED_ATTENTION", "native")
+    sk.reset_backends()  # environment variables are read at import and on reset
     q, pk, pv, lens, mask, table = _op_args()
     a = torch.ops.specdec.paged_tree_attention(q, pk, pv, lens, mask, table, "NHD", 16**-0.5)
     assert torch.equal(a, sk.tree_attention(q, pk, pv, lens, mask, block_table=table))

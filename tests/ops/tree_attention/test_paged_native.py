@@ -272,11 +272,14 @@ def test_automatic_cpu_backend_is_native_for_both_ops(monkeypatch):
     # SPECDEC_PAGED_ATTENTION pins it, for users who need one path's bits
     for name, out in (("native", by_native), ("torch", by_torch)):
         monkeypatch.setenv("SPECDEC_PAGED_ATTENTION", name)
+        sk.reset_backends()  # environment variables are read at import and on reset
         assert torch.equal(sk.tree_attention(q, pk, pv, lens, block_table=table), out)
     monkeypatch.setenv("SPECDEC_PAGED_ATTENTION", "fastest")
+    sk.reset_backends()  # environment variables are read at import and on reset
     with pytest.raises(ValueError, match="SPECDEC_PAGED_ATTENTION"):
         sk.tree_attention(q, pk, pv, lens, block_table=table)
     monkeypatch.delenv("SPECDEC_PAGED_ATTENTION")
+    sk.reset_backends()  # environment variables are read at import and on reset
     # the dense op's C++ kernel is the paged one over the dense cache (B blocks of S slots)
     dense_k, dense_v = k.nan_to_num(), v.nan_to_num()
     assert_close(
