@@ -134,6 +134,11 @@ def check_flattened_args(
                 f"cu_num_draft_tokens[-1] must equal the number of draft tokens "
                 f"T = draft_token_ids.numel() = {T}, got {last}"
             )
+    if max_spec_len is None and B > 0 and not _has_values(cu_num_draft_tokens):
+        raise ValueError(
+            "max_spec_len=None is computed from the values of cu_num_draft_tokens, which this call cannot "
+            "read (a fake or meta tensor): pass max_spec_len"
+        )
     if max_spec_len is None or checked:
         largest = int(draft_counts(cu_num_draft_tokens, T).max()) if B > 0 else 0
         if max_spec_len is None:
@@ -143,6 +148,13 @@ def check_flattened_args(
                 f"max_spec_len must be at least the largest draft count max(K_b) = {largest}, got {max_spec_len}"
             )
     return FlatBatch(B, T, V, max_spec_len, bonus_token_ids)
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read on the host: not a meta or fake tensor."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
 
 
 def spans(cu_num_draft_tokens: torch.Tensor, num_tokens: int, max_spec_len: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,7 @@ from specdec_kernels._device import next_pow2
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_kv_layout,
     check_shape,
     check_tensor,
@@ -168,7 +169,7 @@ def check_paged_tree_attention_args(
             f"k_cache must hold at least one block of at least one slot, got shape {tuple(k_cache.shape)} ({what})"
         )
     _check_heads_seqlens_mask(q, Hkv, cache_seqlens, tree_mask)
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=q.device)
+    check_tensor("block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, device=q.device)
     max_blocks = block_table.shape[1]
     check_shape(
         "block_table", block_table, (B, max_blocks), "(batch, max_blocks_per_seq): one row of block ids per sequence"
@@ -397,6 +398,7 @@ def _paged_impl(
     B, N, H, D, Hkv, capacity, _, _ = _check_paged(
         q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
     )
+    block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
     name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
@@ -459,7 +461,7 @@ def _paged_triton_decomposition(args, kwargs):
         x["v_cache"],
         x["cache_seqlens"],
         tree_mask,
-        x["block_table"],
+        x["block_table"].to(torch.int32),
         x["kv_layout"],
         _mask_kind(tree_mask),
         x["sm_scale"],
@@ -514,7 +516,8 @@ def tree_attention(
             cache_seqlens + N <= capacity.
         tree_mask: bool, shape (N, N) or (batch, N, N); mask[i, j] is true when node j is node
             i or one of its ancestors.  None means the causal chain.
-        block_table: None (dense cache) or int32, shape (batch, max_blocks_per_seq): logical
+        block_table: None (dense cache) or int32/int64 (vLLM's int32 read in place, int64
+            converted), shape (batch, max_blocks_per_seq): logical
             slot s of sequence b lives at offset s % block_size of physical block
             block_table[b, s // block_size]; capacity = max_blocks_per_seq * block_size.
             Blocks may come in any order and be shared between sequences (a common prefix).
@@ -533,7 +536,7 @@ def tree_attention(
 
     Raises:
         TypeError: wrong dtypes (k/v must share q's dtype; the mask must be bool; the block
-            table int32).
+            table int32 or int64).
         ValueError: wrong ranks or shapes, heads not a multiple of kv_heads, unsupported
             head_dim, a kv_layout other than "NHD"/"HND", cache_seqlens + N beyond capacity,
             a used block id outside [0, num_blocks) (the last two checked on CPU tensors).

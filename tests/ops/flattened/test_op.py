@@ -933,3 +933,26 @@ def test_compiles_fullgraph_with_max_spec_len_and_validate_false():
     eager = step(*args)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
     assert_same(cpu(compiled), cpu(eager))
+
+
+@pytest.mark.parametrize("op", ["verify_greedy_flattened", "rejection_sample_flattened"])
+def test_max_spec_len_none_under_fake_tensors_names_max_spec_len(op):
+    """max_spec_len=None needs cu_num_draft_tokens' values: a fake or meta call says so, naming
+    the argument, instead of failing inside a host read; with max_spec_len it traces."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for device in ("meta", None):
+        ctx = FakeTensorMode() if device is None else torch.device(device)
+        with ctx:
+            rows = torch.rand(5, 11)
+            ids, cu = torch.zeros(3, dtype=torch.int64), torch.tensor([1, 3])
+            extra = () if op == "verify_greedy_flattened" else (None,)
+            kwargs = (
+                {}
+                if op == "verify_greedy_flattened"
+                else dict(uniform_samples=torch.zeros(3), sample_uniforms=torch.zeros(2))
+            )
+            with pytest.raises(ValueError, match="max_spec_len"):
+                getattr(sk, op)(rows, *extra, ids, cu, validate=False, **kwargs)
+            out, acc = getattr(sk, op)(rows, *extra, ids, cu, max_spec_len=2, validate=False, **kwargs)
+            assert out.shape == (2, 3) and acc.shape == (2,)

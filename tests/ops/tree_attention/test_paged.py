@@ -189,6 +189,19 @@ def test_dtypes(device, backend, dtype):
 
 
 @pytest.mark.parametrize("backend", ALL)
+def test_int64_block_table_gives_the_int32_result(device, backend):
+    """vLLM's tables are int32 and other stacks' int64: both are taken, with the same bits."""
+    B, N, H, Hkv, D = 2, 4, 4, 2, 16
+    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [6, 17], 4, "NHD", seed=9)
+    mask = make_mask("per_seq", B, N, gen(9))
+    args = on(device, q, pk, pv, lens, mask)
+    want = sk.tree_attention(*args, block_table=table.to(device), backend=backend)
+    got = sk.tree_attention(*args, block_table=table.long().to(device), backend=backend)
+    assert torch.equal(got, want)
+    assert_close(got, expected(q, k, v, lens, mask), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ALL)
 def test_sm_scale_int64_lengths_and_a_pool_inside_a_bigger_cache(device, backend):
     # the pool of one layer of a [L, 2, num_blocks, bs, Hkv, D] cache, int64 cache_seqlens
     B, N, H, Hkv, D, bs = 2, 3, 4, 2, 16, 4
@@ -398,7 +411,11 @@ BAD = {
     "empty_pool": (dict(k_cache=torch.zeros(0, 4, 2, 16), v_cache=torch.zeros(0, 4, 2, 16)), ValueError, "k_cache"),
     "table_rank": (dict(block_table=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "block_table"),
     "table_rows": (dict(block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32)), ValueError, "block_table"),
-    "table_dtype_int64": (dict(block_table=torch.tensor([[0, 1, -1], [2, 3, 4]])), TypeError, "block_table"),
+    "table_dtype_float": (
+        dict(block_table=torch.tensor([[0.0, 1.0, -1.0], [2.0, 3.0, 4.0]])),
+        TypeError,
+        "block_table",
+    ),
     "table_dtype_float": (dict(block_table=torch.zeros(2, 3)), TypeError, "block_table"),
     "table_below_n": (dict(block_table=torch.zeros(2, 0, dtype=torch.int32)), ValueError, "block_table"),
     "table_too_small": (dict(block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "block_table"),
@@ -434,7 +451,7 @@ def test_bad_input_raises_naming_the_argument(device, backend, case):
         sk.tree_attention(**args, backend=backend)
 
 
-@pytest.mark.parametrize("case", ["kv_layout", "table_too_small_for_lengths", "used_id_negative", "table_dtype_int64"])
+@pytest.mark.parametrize("case", ["kv_layout", "table_too_small_for_lengths", "used_id_negative", "table_dtype_float"])
 def test_reference_backend_raises_alike(case):
     args = _good()
     override, err, name = BAD[case]
