@@ -411,11 +411,6 @@ BAD = {
     "empty_pool": (dict(k_cache=torch.zeros(0, 4, 2, 16), v_cache=torch.zeros(0, 4, 2, 16)), ValueError, "k_cache"),
     "table_rank": (dict(block_table=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "block_table"),
     "table_rows": (dict(block_table=torch.tensor([[0, 1, 2]], dtype=torch.int32)), ValueError, "block_table"),
-    "table_dtype_float": (
-        dict(block_table=torch.tensor([[0.0, 1.0, -1.0], [2.0, 3.0, 4.0]])),
-        TypeError,
-        "block_table",
-    ),
     "table_dtype_float": (dict(block_table=torch.zeros(2, 3)), TypeError, "block_table"),
     "table_below_n": (dict(block_table=torch.zeros(2, 0, dtype=torch.int32)), ValueError, "block_table"),
     "table_too_small": (dict(block_table=torch.tensor([[0], [1]], dtype=torch.int32)), ValueError, "block_table"),
