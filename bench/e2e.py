@@ -1288,6 +1288,7 @@ def print_tables(
                 ("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
                 ("TTFT ms", "ttft_ms", "{:.0f}"),
                 ("tok/CPU-s", "tokens_per_cpu_s", "{:.1f}"),
+                ("decode tok/CPU-s", "decode_tokens_per_cpu_s", "{:.1f}"),
                 ("accepted len", "mean_accepted_length", "{:.2f}"),
                 ("mean K", "mean_draft_length", "{:.2f}"),
                 ("x greedy", "speedup_vs_greedy", "{:.2f}"),
