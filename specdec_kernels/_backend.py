@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from specdec_kernels import _native
+from specdec_kernels import _native, autotune
 
 BACKENDS = ("reference", "triton", "native", "torch")
 ENV_VAR = "SPECDEC_BACKEND"
@@ -68,14 +68,12 @@ def reset() -> None:
 
     The choice of each op's backend is made once per process and device type (the first
     call), and ``SPECDEC_BACKEND`` / ``TRITON_INTERPRET`` are read when the package is
-    imported: call this after changing either, or after the extension became loadable.
+    imported: call this after changing either.
     Triton kernels already imported keep the interpreter setting they were imported with.
     """
     _read_environment()
     _CHOSEN.clear()
     _TRITON.clear()
-    from specdec_kernels import autotune
-
     autotune.read_environment_again()
 
 

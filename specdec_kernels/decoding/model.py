@@ -3,7 +3,7 @@
 Every forward feeds a block of N new tokens per sequence whose keys and values are
 written into a static KV cache (layout ``[L, 2, B, Hkv, S, D]``, the layout of
 ``compact_kv_cache``, or a paged pool with block tables, ``paged.PagedKVCache``) and attends
-through ``specdec_kernels.tree_attention``:
+through the registered ``tree_attention`` ops (``attend``):
 
 * prefill: the prompt as a chain (``tree_mask=None``);
 * plain decoding: N = 1;
@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import specdec_kernels
 from specdec_kernels import SUPPORTED_HEAD_DIMS
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.paged import PagedKVCache
@@ -338,30 +337,21 @@ def attend(
 ) -> torch.Tensor:
     """The engine's ``tree_attention`` (one call per layer and forward): the public op's results.
 
-    A dense cache goes straight to the registered op ``torch.ops.specdec.tree_attention``:
-    it runs the op's shape checks and its backend choice, and skips the Python front, whose
-    argument normalisation and checks the engine does not need (every tensor here is built
-    by the engine, int32 lengths, bool masks, scale ``D ** -0.5``).  A paged pool (the op
-    takes no block table) goes through the public front with ``validate=False``.
+    The call goes straight to the registered op, ``torch.ops.specdec.tree_attention`` (dense
+    cache) or ``torch.ops.specdec.paged_tree_attention`` (NHD pools with ``block_table``): it
+    runs the op's shape checks and its backend choice, and skips the Python front, whose
+    argument normalisation and value checks the engine does not need (every tensor here is
+    built by the engine: int32 lengths, bool masks, scale ``D ** -0.5``).
 
     Args: q [B, N, H, D]; k_cache, v_cache [B, Hkv, S, D], or NHD pools with ``block_table``;
     cache_seqlens int32 [B]; tree_mask bool [N, N] / [B, N, N] or None (a chain);
     backend: None (automatic) or a backend name of ``tree_attention``.
     """
+    scale = q.shape[-1] ** -0.5
     if block_table is None:
-        return torch.ops.specdec.tree_attention(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, q.shape[-1] ** -0.5, 0, backend or ""
-        )
-    return specdec_kernels.tree_attention(
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        tree_mask,
-        block_table=block_table,
-        kv_layout="NHD",
-        backend=backend,
-        validate=False,
+        return torch.ops.specdec.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, scale, 0, backend or "")
+    return torch.ops.specdec.paged_tree_attention(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, "NHD", scale, 0, backend or ""
     )
 
 
