@@ -46,6 +46,13 @@ inline bool cpu_has_avx2_fma() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 }
+
+// Whether this CPU (and its OS) runs AVX-512 F/BW/VL with VNNI (asked once per process).
+inline bool cpu_has_avx512_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
 #endif
 
 }  // namespace specdec

@@ -2,7 +2,8 @@
 //
 // The native ops' schemas are declared once, here (namespace `specdec`); their kernels are
 // registered per device with TORCH_LIBRARY_IMPL in the other sources: on CPU
-// compact_kv_cache.cpp, verify_sample_cpu.cpp, paged_attention_cpu.cpp and packed_linear_cpu.cpp;
+// compact_kv_cache.cpp, verify_sample_cpu.cpp, paged_attention_cpu.cpp, packed_linear_cpu.cpp,
+// packed_linear_int8_cpu.cpp and decoder_layer_cpu.cpp;
 // on CUDA compact_kv_cache_cuda.cpp, a thin binding over the torch-free kernel compact_kv_cache.cu.
 // common.h holds the helpers the sources share.  Importing this module registers the ops as
 // torch.ops.specdec.<name>_native.
@@ -73,12 +74,28 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 
   // CPU matrix product y = x @ W^T with W stored block-quantised (csrc/packed_linear_cpu.cpp):
   // x float32 [R, I]; kind 0 "affine4" (ggml Q4_1: codes uint8 [O, I / 2], scales and mins
-  // float32 [O, I / 32]) or 1 "scaled8" (ggml Q8_0: codes int8 as uint8 [O, I], scales); returns
-  // float32 [R, O].  portable=true skips the AVX2 path (for tests).
+  // float32 [O, I / 32]), 1 "scaled8" (ggml Q8_0: codes int8 as uint8 [O, I], scales) or 2
+  // "float32" (codes the float32 weight [O, I], scales unused); returns float32 [R, O], each row
+  // independent of the others.  portable=true skips the AVX2 path (for tests).
   m.def(
       "packed_linear_native(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int kind, bool portable=False) "
       "-> Tensor");
   // The exact packed form of a float32 CPU weight [O, I]: (kind 0 affine4 / 1 scaled8 / -1 none,
   // codes, scales, mins), checked element by element (see csrc/packed_linear_cpu.cpp).
   m.def("packed_weight_native(Tensor weight) -> (int, Tensor, Tensor, Tensor)");
+  // One decoder layer of the engine's model (csrc/decoder_layer_cpu.cpp): Block.forward's ops in
+  // one call, writing the block's keys and values into k_cache / v_cache; weights holds 4 linears x 3
+  // slots whose kinds say which product reads them.
+  m.def(
+      "decoder_layer_native(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? tree_mask, Tensor? qkv_bias, "
+      "Tensor?[] weights, int[] kinds, int[] out_features, int num_heads, int num_kv_heads) -> Tensor");
+  // The same product with 8-bit activations (csrc/packed_linear_int8_cpu.cpp): x float32 [R, I]
+  // quantised per block of 32; weights interleaved in groups of 8 output rows (qw uint8 [G, I / 32,
+  // 128 (affine4) or 256 (scaled8)], dw and mw float32 [G, I / 32, 8]); out_features O; isa 0 best,
+  // 1 portable, 2 AVX2, 3 AVX-512 VNNI.  Returns float32 [R, O].  packed_linear_int8_isas_native()
+  // (defined beside it) lists the isa levels this CPU runs.
+  m.def(
+      "packed_linear_int8_native(Tensor x, Tensor qw, Tensor dw, Tensor? mw, int kind, int out_features, int isa=0) "
+      "-> Tensor");
 }

@@ -4,7 +4,9 @@
 //
 //   kind 0, "affine4" (ggml Q4_1): W[o, 32 j + i] = q * d[o, j] + m[o, j], q in 0..15 stored as
 //           nibbles: byte 16 j + i of row o holds q(i) in its low and q(i + 16) in its high bits;
-//   kind 1, "scaled8" (ggml Q8_0): W[o, 32 j + i] = q * d[o, j], q an int8 at [o, 32 j + i].
+//   kind 1, "scaled8" (ggml Q8_0): W[o, 32 j + i] = q * d[o, j], q an int8 at [o, 32 j + i];
+//   kind 2, "float32": W itself, float32 [O, I] (a weight with no packed form, multiplied in the
+//           same fixed order so that its rows are independent too).
 //
 // d and m are float32 here.  The Python side (specdec_kernels/decoding/packed.py) packs a weight
 // only when these formulas give back every float32 element bit for bit (d taken from fp16,
@@ -75,11 +77,15 @@ float dot_portable(const float* w, const float* x, int64_t I) {
 
 void rows_portable(int kind, const uint8_t* codes, const float* d, const float* m, const float* x, float* y, int64_t R,
                    int64_t I, int64_t O, int64_t o0, int64_t o1) {
-  std::vector<float> w(I);
-  const int64_t nb = I / QBLOCK, row_bytes = kind == 0 ? I / 2 : I;
+  std::vector<float> w(kind == 2 ? 0 : I);
+  const int64_t nb = I / QBLOCK, row_bytes = kind == 0 ? I / 2 : kind == 1 ? I : 4 * I;
   for (int64_t o = o0; o < o1; ++o) {
-    decode_row_portable(kind, codes + o * row_bytes, d + o * nb, m ? m + o * nb : nullptr, I, w.data());
-    for (int64_t r = 0; r < R; ++r) y[r * O + o] = dot_portable(w.data(), x + r * I, I);
+    const float* wr = reinterpret_cast<const float*>(codes + o * row_bytes);
+    if (kind != 2) {
+      decode_row_portable(kind, codes + o * row_bytes, d + o * nb, m ? m + o * nb : nullptr, I, w.data());
+      wr = w.data();
+    }
+    for (int64_t r = 0; r < R; ++r) y[r * O + o] = dot_portable(wr, x + r * I, I);
   }
 }
 
@@ -141,13 +147,18 @@ __attribute__((target("avx2,fma"))) inline void dots_avx2(int kind, const uint8_
 __attribute__((target("avx2,fma"))) void rows_avx2(int kind, const uint8_t* codes, const float* d, const float* m,
                                                    const float* x, float* y, int64_t R, int64_t I, int64_t O,
                                                    int64_t o0, int64_t o1) {
-  std::vector<float> buf(R > 2 ? I : 0);
-  const int64_t nb = I / QBLOCK, row_bytes = kind == 0 ? I / 2 : I;
+  std::vector<float> buf(R > 2 && kind != 2 ? I : 0);
+  const int64_t nb = I / QBLOCK, row_bytes = kind == 0 ? I / 2 : kind == 1 ? I : 4 * I;
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* c = codes + o * row_bytes;
     const float* dr = d + o * nb;
     const float* mr = m ? m + o * nb : nullptr;
-    if (R == 1) {
+    if (kind == 2) {  // the float32 row is its own decoded form
+      const float* wr = reinterpret_cast<const float*>(c);
+      int64_t r = 0;
+      for (; r + 2 <= R; r += 2) dots_avx2<2, false>(kind, c, dr, mr, wr, x + r * I, I, y + r * O + o, O);
+      if (r < R) dots_avx2<1, false>(kind, c, dr, mr, wr, x + r * I, I, y + r * O + o, O);
+    } else if (R == 1) {
       dots_avx2<1, true>(kind, c, dr, mr, nullptr, x, I, y + o, O);
     } else if (R == 2) {
       dots_avx2<2, true>(kind, c, dr, mr, nullptr, x, I, y + o, O);
@@ -165,22 +176,25 @@ __attribute__((target("avx2,fma"))) void rows_avx2(int kind, const uint8_t* code
 }
 #endif
 
-// x [R, I] float32 contiguous; codes uint8 [O, I / 2] (kind 0) or int8 viewed as uint8 [O, I]
-// (kind 1); scales float32 [O, I / 32]; mins float32 [O, I / 32] (kind 0 only).  Returns [R, O].
+// x [R, I] float32 contiguous; codes uint8 [O, I / 2] (kind 0), int8 viewed as uint8 [O, I]
+// (kind 1) or the float32 weight [O, I] (kind 2); scales float32 [O, I / 32] (kinds 0 and 1);
+// mins float32 [O, I / 32] (kind 0 only).  Returns [R, O].
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& mins, int64_t kind, bool portable) {
-  TORCH_CHECK_VALUE(kind == 0 || kind == 1, "packed_linear: kind must be 0 (affine4) or 1 (scaled8), got ", kind);
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "packed_linear: kind must be 0 (affine4), 1 (scaled8) or 2 (float32), got ",
+                    kind);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be float32 [R, I]");
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte, "packed_linear: codes must be uint8 [O, *]");
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == (kind == 2 ? at::kFloat : at::kByte),
+                    "packed_linear: codes must be ", kind == 2 ? "float32" : "uint8", " [O, *]");
   const int64_t R = x.size(0), I = x.size(1), O = codes.size(0);
   TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0, "packed_linear: the input size must be a positive multiple of 32, got ",
                     I);
   TORCH_CHECK_VALUE(codes.size(1) == (kind == 0 ? I / 2 : I), "packed_linear: codes must be [O, ",
                     kind == 0 ? I / 2 : I, "] for inputs of size ", I);
-  TORCH_CHECK_VALUE(
-      scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == O && scales.size(1) == I / QBLOCK,
-      "packed_linear: scales must be float32 [O, I / 32]");
-  TORCH_CHECK_VALUE(kind == 1 || (given(mins) && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes()),
+  TORCH_CHECK_VALUE(kind == 2 || (scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == O &&
+                                  scales.size(1) == I / QBLOCK),
+                    "packed_linear: scales must be float32 [O, I / 32]");
+  TORCH_CHECK_VALUE(kind != 0 || (given(mins) && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes()),
                     "packed_linear: affine4 needs mins, float32 [O, I / 32]");
   TORCH_CHECK_VALUE(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
                     "packed_linear: CPU tensors only");
@@ -189,13 +203,13 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const
   at::Tensor y = at::empty({R, O}, x.options());
   if (R == 0 || O == 0) return y;
   const float* xp = xc.data_ptr<float>();
-  const uint8_t* cp = cc.data_ptr<uint8_t>();
-  const float* dp = sc.data_ptr<float>();
+  const uint8_t* cp = static_cast<const uint8_t*>(cc.data_ptr());
+  const float* dp = kind == 2 ? nullptr : sc.data_ptr<float>();
   const float* mp = kind == 0 ? mc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int k = int(kind);
   // about 64 KiB of weight rows per task, at least 16 rows
-  const int64_t grain = std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(1, cc.size(1)));
+  const int64_t grain = std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(1, cc.size(1) * cc.element_size()));
   at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
 #ifdef SPECDEC_X86
     if (!portable && cpu_has_avx2_fma()) return rows_avx2(k, cp, dp, mp, xp, yp, R, I, O, o0, o1);

@@ -11,8 +11,10 @@ the packed form moves 0.75 (affine4) or 1.125 (scaled8) bytes per element instea
 The product itself (``packed_linear``, the C++ kernel ``torch.ops.specdec.packed_linear_native``)
 decodes each weight row into float32 and accumulates in float32, so it is the same weight's
 matrix product; only the order of the float32 additions differs from ``F.linear``'s.  It is
-one of the paths that ``decoding.model.linear`` measures at run time (``linear_choice``), taken
-only where it is measured faster on the machine at hand.
+the path ``decoding.model.linear`` takes for such a weight in passes of up to 64 rows (its
+summation order does not depend on the number of rows, so every row is independent of the
+others).  ``packed_linear_int8`` is the other numerics: 8-bit activations, the GGUF's own
+arithmetic (``Transformer.numerics = "int8"``).
 
 A weight that is not exactly representable (any other checkpoint, a fine-tuned weight) is left
 alone: ``pack_weight`` returns None and the product stays ``F.linear``.
@@ -140,7 +142,7 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     Raises:
         TypeError: weight is not a tensor.
     """
-    if not _packable(weight, "pack_weight") or not _have_kernel():
+    if not _packable(weight, "pack_weight") or not has_kernel():
         return None
     O, I = weight.shape
     kind, codes, scales, mins = torch.ops.specdec.packed_weight_native(weight.detach())
@@ -173,7 +175,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, *, portable: bool = Fal
             f"packed_linear: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
     flat = x.reshape(-1, I)
-    if _have_kernel():
+    if has_kernel():
         out = torch.ops.specdec.packed_linear_native(
             flat, packed.codes, packed.scales, packed.mins, packed.kind, portable
         )
@@ -182,19 +184,223 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, *, portable: bool = Fal
     return out.view(*x.shape[:-1], O)
 
 
-_HAVE_KERNEL = []
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, *, portable: bool = False) -> torch.Tensor:
+    """``x @ weight.T`` for a float32 weight with no packed form, in the fixed summation order of
+    ``packed_linear`` (the C++ kernel's kind "float32"): each output row depends only on its own
+    input row, whatever the number of rows (``F.linear``'s BLAS picks other orders for other
+    shapes).
+
+    Args:
+        x: float32 [..., I] on CPU.
+        weight: float32 [O, I] on CPU, I a multiple of 32.
+        portable: use the kernel's portable path, not its AVX2 one (for tests).
+
+    Returns:
+        float32 [..., O].
+
+    Raises:
+        ValueError / TypeError: x or weight is not a float32 CPU tensor of those shapes, or the
+            C++ extension is missing.
+    """
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rowwise_linear: {name} must be a tensor, got {type(t).__name__}")
+    if not _packable(weight, "rowwise_linear"):
+        raise ValueError(
+            f"rowwise_linear: weight must be float32 [O, I] on CPU with I a multiple of {BLOCK}, got "
+            f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
+    O, I = weight.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
+        raise ValueError(
+            f"rowwise_linear: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    if not has_kernel():
+        raise ValueError("rowwise_linear needs the C++ extension (specdec_kernels.load_native())")
+    empty = torch.empty(0)
+    out = torch.ops.specdec.packed_linear_native(x.reshape(-1, I), weight.detach(), empty, None, 2, portable)
+    return out.view(*x.shape[:-1], O)
 
 
-def _have_kernel() -> bool:
-    if not _HAVE_KERNEL:
+# ---------------------------------------------------------------- 8-bit activations
+GROUP = 8  # output rows per interleaved group of the int8 product
+ISA_NAMES = {1: "portable", 2: "avx2", 3: "avx512-vnni"}
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A packed weight laid out for ``packed_linear_int8``: groups of 8 output rows, interleaved.
+
+    ``qw`` uint8 [G, I / 32, 128] (AFFINE4: per block, four 32-byte chunks c whose byte
+    ``4 o + k`` holds the code of input ``32 j + 4 c + k`` of output ``8 g + o`` in its low nibble
+    and of input ``32 j + 16 + 4 c + k`` in its high nibble) or [G, I / 32, 256] (SCALED8: eight
+    chunks t, byte ``4 o + k`` the int8 code of input ``32 j + 4 t + k``); ``dw`` (and ``mw`` for
+    AFFINE4) float32 [G, I / 32, 8].  G = ceil(O / 8); the last group is padded with zero rows.
+    """
+
+    kind: int
+    qw: torch.Tensor
+    dw: torch.Tensor
+    mw: Optional[torch.Tensor]
+    shape: Tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product streams: codes, scales and mins."""
+        return sum(t.numel() * t.element_size() for t in (self.qw, self.dw, self.mw) if t is not None)
+
+
+def interleave(packed: PackedWeight) -> Int8Weight:
+    """The ``Int8Weight`` layout of a ``PackedWeight`` (the same codes, scales and mins, reordered;
+    one pass in PyTorch, about 0.1 s for SmolLM2).
+
+    Raises:
+        TypeError: ``packed`` is not a PackedWeight.
+    """
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"interleave: packed must be a PackedWeight, got {type(packed).__name__}")
+    O, I = packed.shape
+    nb, G = I // BLOCK, -(-O // GROUP)
+    pad = G * GROUP - O
+    if packed.kind == AFFINE4:
+        c = packed.codes.view(O, nb, BLOCK // 2)
+        q = torch.cat([c & 0x0F, c >> 4], dim=-1)  # [O, nb, 32] codes in input order
+    else:
+        q = packed.codes.view(O, nb, BLOCK)  # int8 codes as bytes
+    q = F.pad(q, (0, 0, 0, 0, 0, pad)).view(G, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, t, o, k]
+    if packed.kind == AFFINE4:
+        q = q[:, :, :4] | (q[:, :, 4:] << 4)
+    qw = q.reshape(G, nb, -1).contiguous()
+
+    def by_group(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if t is None:
+            return None
+        return F.pad(t, (0, 0, 0, pad)).view(G, GROUP, nb).permute(0, 2, 1).contiguous()
+
+    return Int8Weight(packed.kind, qw, by_group(packed.scales), by_group(packed.mins), (O, I))
+
+
+def int8_isas() -> Tuple[str, ...]:
+    """The instruction-set paths of ``packed_linear_int8`` this CPU runs, by name ("portable",
+    "avx2", "avx512-vnni"), asked of the CPU at run time; () without the C++ extension."""
+    if not has_kernel("packed_linear_int8"):
+        return ()
+    return tuple(ISA_NAMES[i] for i in torch.ops.specdec.packed_linear_int8_isas_native())
+
+
+def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 8-bit activations of ``packed_linear_int8``, in PyTorch: blocks of 32 inputs,
+    ``q = round_half_even(x * (1 / d))`` with ``d = max|x| / 127``, clamped to -127..127.
+
+    Args:
+        x: float32 [R, I], I a multiple of 32.
+
+    Returns:
+        (q int8 [R, I], d float32 [R, I / 32], s float32 [R, I / 32] the exact block sums of x,
+        here summed in float64).  A block with inf or nan gets d = nan.
+    """
+    R, I = x.shape
+    blocks = x.view(R, I // BLOCK, BLOCK)
+    finite = torch.isfinite(blocks).all(-1)
+    d = blocks.abs().amax(-1) / 127
+    d = torch.where(finite, d, torch.full_like(d, float("nan")))
+    inv = torch.where(finite & (d > 0), 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(R, I), d, blocks.double().sum(-1).float()
+
+
+def packed_linear_int8_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """``packed_linear_int8`` in plain PyTorch (float64 over the same integer block sums): the
+    reference the kernel is tested against, within float32 summation-order error.
+
+    Args:
+        x: float32 [R, I] on CPU.  weight: a ``PackedWeight`` of shape [O, I].
+
+    Returns:
+        float64 [R, O]: ``sum_j (d_j(o) * dx_j) * isum_j(o) + m_j(o) * sx_j``.
+    """
+    O, I = weight.shape
+    nb = I // BLOCK
+    q, dx, sx = quantize_activations(x.reshape(-1, I))
+    if weight.kind == AFFINE4:
+        c = weight.codes.view(O, nb, BLOCK // 2)
+        qw = torch.cat([c & 0x0F, c >> 4], dim=-1).long()
+    else:
+        qw = weight.codes.view(torch.int8).view(O, nb, BLOCK).long()
+    isum = torch.einsum("ojk,rjk->roj", qw, q.view(-1, nb, BLOCK).long()).double()  # exact integers
+    y = (isum * (weight.scales.double()[None] * dx.double()[:, None])).sum(-1)
+    if weight.kind == AFFINE4:
+        y = y + (weight.mins.double()[None] * sx.double()[:, None]).sum(-1)
+    return y
+
+
+def packed_linear_int8(x: torch.Tensor, weight: Int8Weight, *, isa: Optional[str] = None) -> torch.Tensor:
+    """``x @ W.T`` with 8-bit activations: ggml's Q4_1 x Q8_1 / Q8_0 x Q8_0 arithmetic.
+
+    Each block of 32 inputs of each row of ``x`` is quantised to int8 (``quantize_activations``);
+    its integer dot product with the weight's codes is exact, scaled by both blocks' scales and
+    accumulated in float32 with fused multiply-adds (the affine4 minimum term uses the exact
+    input sums).  This is an approximation of the float32 product (the activation rounding, at
+    most half a step of ``max|x| / 127`` per input), the one llama.cpp computes.  Every ISA path
+    gives the same bits, and a row's output does not depend on the other rows (see
+    csrc/packed_linear_int8_cpu.cpp).
+
+    Args:
+        x: float32 [..., I] on CPU.
+        weight: from ``interleave``.
+        isa: None (the best path this CPU runs) or one of ``int8_isas()`` (forced, for tests and
+            benchmarks).
+
+    Returns:
+        float32 [..., O].
+
+    Raises:
+        TypeError / ValueError: x is not a float32 CPU tensor with I inputs; an isa this CPU cannot
+            run (or any isa without the C++ extension).
+    """
+    O, I = weight.shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"packed_linear_int8: x must be a tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
+        raise ValueError(
+            f"packed_linear_int8: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    codes = {name: i for i, name in ISA_NAMES.items()}
+    if isa is not None and isa not in int8_isas():
+        raise ValueError(f"packed_linear_int8: isa must be None or one of {int8_isas()} on this CPU, got {isa!r}")
+    if not has_kernel("packed_linear_int8"):
+        raise ValueError("packed_linear_int8 needs the C++ extension (specdec_kernels.load_native())")
+    flat = x.reshape(-1, I)
+    out = torch.ops.specdec.packed_linear_int8_native(
+        flat, weight.qw, weight.dw, weight.mw, weight.kind, O, codes[isa] if isa else 0
+    )
+    return out.view(*x.shape[:-1], O)
+
+
+_HAVE_KERNEL: Dict[str, bool] = {}
+
+
+def has_kernel(name: str = "packed_linear") -> bool:
+    """Whether the extension has the CPU kernel ``name`` of this module ("packed_linear",
+    "packed_linear_int8") or of the engine ("decoder_layer"): asked once per process."""
+    if name not in _HAVE_KERNEL:
         from specdec_kernels import has_native_kernel
 
-        _HAVE_KERNEL.append(has_native_kernel("packed_linear", "cpu"))
-    return _HAVE_KERNEL[0]
+        _HAVE_KERNEL[name] = has_native_kernel(name, "cpu")
+    return _HAVE_KERNEL[name]
 
 
-# weight (by identity) -> (weak reference, weight version at packing, packed form)
-_PACKED: Dict[int, Tuple[weakref.ref, int, PackedWeight]] = {}
+_GENERATION = [0]  # counts the changes of the registry below (register, unregister, stale entries)
+
+
+def generation() -> int:
+    """A number that changes whenever a packed form is registered, dropped or found stale (for
+    callers that cache what ``packed_form`` returned)."""
+    return _GENERATION[0]
+
+
+# weight (by identity) -> [weak reference, stamp at packing, packed form, its Int8Weight or None]
+_PACKED: Dict[int, list] = {}
 
 
 def _stamp(weight: torch.Tensor) -> tuple:
@@ -213,7 +419,8 @@ def register(weight: torch.Tensor, packed: PackedWeight) -> None:
             f"{tuple(weight.shape)} on {weight.device}"
         )
     key = id(weight)
-    _PACKED[key] = (weakref.ref(weight, lambda _r, k=key: _PACKED.pop(k, None)), _stamp(weight), packed)
+    _GENERATION[0] += 1
+    _PACKED[key] = [weakref.ref(weight, lambda _r, k=key: _PACKED.pop(k, None)), _stamp(weight), packed, None]
 
 
 def packed_form(weight: torch.Tensor) -> Optional[PackedWeight]:
@@ -228,8 +435,22 @@ def packed_form(weight: torch.Tensor) -> Optional[PackedWeight]:
         return None
     if entry[1] != _stamp(weight):  # the codes are stale
         _PACKED.pop(id(weight), None)
+        _GENERATION[0] += 1
         return None
     return entry[2]
+
+
+def int8_form(weight: torch.Tensor) -> Optional[Int8Weight]:
+    """The ``Int8Weight`` of ``weight``'s registered packed form (made on first use and kept with
+    it: about as many bytes again as the packed form), or None when it has none (see
+    ``packed_form``)."""
+    p = packed_form(weight)
+    if p is None:
+        return None
+    entry = _PACKED[id(weight)]
+    if entry[3] is None:
+        entry[3] = interleave(p)
+    return entry[3]
 
 
 def unregister(weight: torch.Tensor) -> None:
@@ -237,3 +458,4 @@ def unregister(weight: torch.Tensor) -> None:
     entry = _PACKED.get(id(weight))
     if entry is not None and entry[0]() is weight:
         del _PACKED[id(weight)]
+        _GENERATION[0] += 1

@@ -164,7 +164,7 @@ def test_bad_arguments_raise_naming_them():
     op = torch.ops.specdec.packed_linear_native
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="kind"):
-        op(x, p.codes, p.scales, p.mins, 2, False)
+        op(x, p.codes, p.scales, p.mins, 3, False)
     with pytest.raises(ValueError, match="codes"):
         op(x, p.codes[:, :16].contiguous(), p.scales, p.mins, 0, False)
     with pytest.raises(ValueError, match="scales"):

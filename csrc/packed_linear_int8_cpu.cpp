@@ -1,0 +1,366 @@
+// CPU matrix product with 8-bit activations over block-quantised weights
+// (torch.ops.specdec.packed_linear_int8_native): the arithmetic of ggml's Q4_1 x Q8_1 and
+// Q8_0 x Q8_0 dot products, the one llama.cpp uses, laid out so that a pass of several tokens
+// reads and unpacks each weight block once.
+//
+// Activations.  Each row of x [R, I] is cut into blocks of 32 inputs; block j of row r becomes
+// int8 codes qx = round_half_even(x * (1 / dx)) with dx = max|x| / 127 (qx in -127..127), and the
+// exact float32 sum sx of its 32 inputs (in index order).  A block holding inf or nan gets
+// dx = nan, so its outputs are nan, as a float product's would be.
+//
+// Weights (decoding/packed.py: interleave) come in groups of 8 output rows (the last group padded
+// with zero rows).  Per group and input block j:
+//   kind 0 "affine4" (Q4_1, w = q * d + m, q in 0..15): 128 bytes, four chunks c of 32 bytes;
+//     byte 4 o + k of chunk c holds q(o, 32 j + 4 c + k) in its low nibble and
+//     q(o, 32 j + 16 + 4 c + k) in its high nibble;
+//   kind 1 "scaled8" (Q8_0, w = q * d, q int8): 256 bytes, eight chunks t of 32 bytes, byte
+//     4 o + k of chunk t holding q(o, 32 j + 4 t + k);
+//   d and m: float32 [groups, blocks, 8].
+// So one 32-byte chunk pairs 8 output rows with 4 consecutive inputs, and a dot of 4 unsigned by
+// 4 signed bytes per 32-bit lane (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd)
+// against the 4 activation codes broadcast gives 8 outputs at once; eight chunks finish the
+// block's integer sum isum(o) = sum_i q(o, i) qx(i), which is exact in int32 on every path.
+//
+// Per output o and row r, in one fixed order (j ascending), with fused multiply-adds:
+//   acc  = fma(float(isum_j(o)), d_j(o) * dx_j, acc)       (float32)
+//   accm = fma(m_j(o), sx_j, accm)                          (affine4 only; the weight's minimum
+//                                                            times the exact input sum)
+//   y = acc + accm
+// Nothing in it depends on the other rows, their number, the thread split or the instruction
+// set: the portable path, the AVX2 path and the AVX-512 VNNI path give the same bits (tested),
+// and a row's output is the same in a pass of 1 or of 64 rows.
+//
+// Paths: isa 1 portable C++, 2 AVX2, 3 AVX-512 VNNI (256-bit vectors: AVX512VL + VNNI), 0 the
+// best one this CPU runs (the probes of common.h, asked at run time).  Rows are taken four (VNNI)
+// or two (AVX2) at a time against the group's unpacked chunks held in registers; groups are split
+// over at::parallel_for.
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+constexpr int64_t QBLOCK = 32;
+constexpr int64_t GROUP = 8;  // output rows per interleaved group
+enum Isa : int64_t { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512_VNNI = 3 };
+
+bool isa_supported(int64_t isa) {
+#ifdef SPECDEC_X86
+  if (isa == ISA_AVX2) return cpu_has_avx2_fma();
+  if (isa == ISA_AVX512_VNNI) return cpu_has_avx2_fma() && cpu_has_avx512_vnni();
+#endif
+  return isa == ISA_PORTABLE;
+}
+
+// The quantised activations of one call: codes [R, I], and per row and block dx, sx, and the
+// sum of the codes (the scaled8 VNNI path's correction).
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> qsum;
+};
+
+void quantize_rows(const float* x, int64_t R, int64_t I, QuantX& out) {
+  const int64_t nb = I / QBLOCK;
+  out.q.assign(R * I, 0);
+  out.d.assign(R * nb, 0.0f);
+  out.s.assign(R * nb, 0.0f);
+  out.qsum.assign(R * nb, 0);
+  for (int64_t b = 0; b < R * nb; ++b) {
+    const float* v = x + b * QBLOCK;
+    float amax = 0.0f, sum = 0.0f;
+    bool finite = true;
+    for (int64_t i = 0; i < QBLOCK; ++i) {
+      finite = finite && std::isfinite(v[i]);
+      amax = std::max(amax, std::fabs(v[i]));
+      sum += v[i];
+    }
+    const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float id = finite && d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t qs = 0;
+    for (int64_t i = 0; i < QBLOCK; ++i) {
+      const float c = std::nearbyint(v[i] * id);  // round half to even (the default rounding mode)
+      const int8_t q = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, c)));
+      out.q[b * QBLOCK + i] = q;
+      qs += q;
+    }
+    out.d[b] = d;
+    out.s[b] = sum;
+    out.qsum[b] = qs;
+  }
+}
+
+// ---------------------------------------------------------------- portable path
+// One group against one row: y[0..7] (all 8 lanes; the caller keeps the valid ones).
+void group_row_portable(int kind, const uint8_t* qw, const float* dw, const float* mw, int64_t nb, const int8_t* qx,
+                        const float* dx, const float* sx, float* y) {
+  float acc[GROUP] = {}, accm[GROUP] = {};
+  const int64_t chunk_bytes = kind == 0 ? 128 : 256;
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* wb = qw + j * chunk_bytes;
+    const int8_t* xb = qx + j * QBLOCK;
+    for (int64_t o = 0; o < GROUP; ++o) {
+      int32_t isum = 0;
+      for (int64_t t = 0; t < 8; ++t)
+        for (int64_t k = 0; k < 4; ++k) {
+          int32_t w;
+          if (kind == 0) {
+            const uint8_t byte = wb[(t & 3) * 32 + o * 4 + k];
+            w = t < 4 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            w = static_cast<int8_t>(wb[t * 32 + o * 4 + k]);
+          }
+          isum += w * int32_t(xb[t * 4 + k]);
+        }
+      acc[o] = std::fma(float(isum), dw[j * GROUP + o] * dx[j], acc[o]);
+      if (kind == 0) accm[o] = std::fma(mw[j * GROUP + o], sx[j], accm[o]);
+    }
+  }
+  for (int64_t o = 0; o < GROUP; ++o) y[o] = acc[o] + accm[o];
+}
+
+void groups_portable(int kind, const uint8_t* qw, const float* dw, const float* mw, int64_t nb, const QuantX& qx,
+                     int64_t R, int64_t I, int64_t O, float* y, int64_t g0, int64_t g1) {
+  const int64_t group_bytes = nb * (kind == 0 ? 128 : 256);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t valid = std::min<int64_t>(GROUP, O - g * GROUP);
+    for (int64_t r = 0; r < R; ++r) {
+      float out[GROUP];
+      group_row_portable(kind, qw + g * group_bytes, dw + g * nb * GROUP, mw ? mw + g * nb * GROUP : nullptr, nb,
+                         qx.q.data() + r * I, qx.d.data() + r * nb, qx.s.data() + r * nb, out);
+      std::memcpy(y + r * O + g * GROUP, out, valid * sizeof(float));
+    }
+  }
+}
+
+#ifdef SPECDEC_X86
+__attribute__((target("avx2,fma"))) inline __m256i load_chunk(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+__attribute__((target("avx2,fma"))) inline void store_group(float* dst, __m256 v, int64_t valid) {
+  if (valid == GROUP) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    float tmp[GROUP];
+    _mm256_storeu_ps(tmp, v);
+    std::memcpy(dst, tmp, valid * sizeof(float));
+  }
+}
+
+// The 8 chunks of block j of a group, as unsigned (affine4) or signed (scaled8) bytes.
+__attribute__((target("avx2,fma"))) inline void unpack_block(int kind, const uint8_t* wb, __m256i w[8]) {
+  if (kind == 0) {
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i b = load_chunk(wb + 32 * c);
+      w[c] = _mm256_and_si256(b, lo);
+      w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo);
+    }
+  } else {
+    for (int t = 0; t < 8; ++t) w[t] = load_chunk(wb + 32 * t);
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 path
+// isum for one row: affine4 sums the 8 vpmaddubsw results in int16 (each at most 2 * 15 * 127,
+// eight of them 30480 < 32767: exact); scaled8 multiplies |w| by x with w's sign (at most
+// 2 * 128 * 127 = 32512 per pair: exact) and widens each chunk.
+__attribute__((target("avx2,fma"))) inline __m256i isum_avx2(int kind, const __m256i w[8], const __m256i aw[8],
+                                                             const int8_t* xb) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (kind == 0) {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t)
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(load_i32(xb + 4 * t))));
+    return _mm256_madd_epi16(s16, ones);
+  }
+  __m256i s32 = _mm256_setzero_si256();
+  for (int t = 0; t < 8; ++t) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xb + 4 * t)), w[t]);
+    s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[t], xs), ones));
+  }
+  return s32;
+}
+
+template <int kind, int RB>
+__attribute__((target("avx2,fma"))) void group_rows_avx2(const uint8_t* qw, const float* dw, const float* mw,
+                                                         int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+                                                         int64_t I, float* y, int64_t O, int64_t valid) {
+  __m256 acc[RB], accm[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  const int64_t chunk_bytes = kind == 0 ? 128 : 256;
+  for (int64_t j = 0; j < nb; ++j) {
+    __m256i w[8], aw[8];
+    unpack_block(kind, qw + j * chunk_bytes, w);
+    if (kind == 1)
+      for (int t = 0; t < 8; ++t) aw[t] = _mm256_abs_epi8(w[t]);
+    const __m256 d = _mm256_loadu_ps(dw + j * GROUP);
+    for (int r = 0; r < RB; ++r) {
+      const __m256i isum = isum_avx2(kind, w, aw, qx + r * I + j * QBLOCK);
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + j]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+      if (kind == 0)
+        accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + j * GROUP), _mm256_set1_ps(sx[r * nb + j]), accm[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) store_group(y + r * O, _mm256_add_ps(acc[r], accm[r]), valid);
+}
+
+// ---------------------------------------------------------------- AVX-512 VNNI path (256-bit)
+// affine4: vpdpbusd of the unsigned codes by the signed activations.  scaled8: the signed codes
+// are made unsigned by adding 128 (xor 0x80), and 128 * (sum of the block's activation codes) is
+// subtracted again: exact in int32.
+template <int kind, int RB>
+__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) void group_rows_vnni(
+    const uint8_t* qw, const float* dw, const float* mw, int64_t nb, const int8_t* qx, const float* dx, const float* sx,
+    const int32_t* qsum, int64_t I, float* y, int64_t O, int64_t valid) {
+  __m256 acc[RB], accm[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = accm[r] = _mm256_setzero_ps();
+  const int64_t chunk_bytes = kind == 0 ? 128 : 256;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t j = 0; j < nb; ++j) {
+    __m256i w[8];
+    unpack_block(kind, qw + j * chunk_bytes, w);
+    if (kind == 1)
+      for (int t = 0; t < 8; ++t) w[t] = _mm256_xor_si256(w[t], flip);
+    const __m256 d = _mm256_loadu_ps(dw + j * GROUP);
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* xb = qx + r * I + j * QBLOCK;
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // two chains, one exact sum
+      for (int t = 0; t < 8; t += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, w[t], _mm256_set1_epi32(load_i32(xb + 4 * t)));
+        s1 = _mm256_dpbusd_epi32(s1, w[t + 1], _mm256_set1_epi32(load_i32(xb + 4 * t + 4)));
+      }
+      __m256i isum = _mm256_add_epi32(s0, s1);
+      if (kind == 1) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * qsum[r * nb + j]));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + j]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);
+      if (kind == 0)
+        accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(mw + j * GROUP), _mm256_set1_ps(sx[r * nb + j]), accm[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) store_group(y + r * O, _mm256_add_ps(acc[r], accm[r]), valid);
+}
+
+void groups_simd(int64_t isa, int kind, const uint8_t* qw, const float* dw, const float* mw, int64_t nb,
+                 const QuantX& qx, int64_t R, int64_t I, int64_t O, float* y, int64_t g0, int64_t g1) {
+  const int64_t group_bytes = nb * (kind == 0 ? 128 : 256);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t valid = std::min<int64_t>(GROUP, O - g * GROUP);
+    const uint8_t* w = qw + g * group_bytes;
+    const float* d = dw + g * nb * GROUP;
+    const float* m = mw ? mw + g * nb * GROUP : nullptr;
+    int64_t r = 0;
+    auto rows = [&](auto rb) {
+      constexpr int RB = decltype(rb)::value;
+      const int64_t off = r * nb;
+      const int8_t* xq = qx.q.data() + r * I;
+      float* yr = y + r * O + g * GROUP;
+      if (isa == ISA_AVX512_VNNI) {
+        const int32_t* qs = qx.qsum.data() + off;
+        if (kind == 0)
+          group_rows_vnni<0, RB>(w, d, m, nb, xq, qx.d.data() + off, qx.s.data() + off, qs, I, yr, O, valid);
+        else
+          group_rows_vnni<1, RB>(w, d, m, nb, xq, qx.d.data() + off, qx.s.data() + off, qs, I, yr, O, valid);
+      } else if (kind == 0) {
+        group_rows_avx2<0, RB>(w, d, m, nb, xq, qx.d.data() + off, qx.s.data() + off, I, yr, O, valid);
+      } else {
+        group_rows_avx2<1, RB>(w, d, m, nb, xq, qx.d.data() + off, qx.s.data() + off, I, yr, O, valid);
+      }
+      r += RB;
+    };
+    if (isa == ISA_AVX512_VNNI) {
+      while (r + 8 <= R) rows(std::integral_constant<int, 8>());
+      while (r + 4 <= R) rows(std::integral_constant<int, 4>());
+    }
+    while (r + 2 <= R) rows(std::integral_constant<int, 2>());
+    if (r < R) rows(std::integral_constant<int, 1>());
+  }
+}
+#endif
+
+// x [R, I] float32; qw uint8 [G, I / 32, 128 or 256]; dw float32 [G, I / 32, 8]; mw like dw
+// (affine4 only); out_features O <= 8 G.  Returns [R, O].
+at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dw,
+                                  const c10::optional<at::Tensor>& mw, int64_t kind, int64_t out_features,
+                                  int64_t isa) {
+  TORCH_CHECK_VALUE(kind == 0 || kind == 1, "packed_linear_int8: kind must be 0 (affine4) or 1 (scaled8), got ", kind);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_int8: x must be float32 [R, I]");
+  const int64_t R = x.size(0), I = x.size(1), nb = I / QBLOCK, O = out_features;
+  TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0,
+                    "packed_linear_int8: the input size must be a positive multiple of 32, got ", I);
+  TORCH_CHECK_VALUE(
+      qw.dim() == 3 && qw.scalar_type() == at::kByte && qw.size(1) == nb && qw.size(2) == (kind == 0 ? 128 : 256),
+      "packed_linear_int8: qw must be uint8 [groups, ", nb, ", ", kind == 0 ? 128 : 256, "]");
+  const int64_t G = qw.size(0);
+  TORCH_CHECK_VALUE(O >= 0 && O <= G * GROUP && O > (G - 1) * GROUP,
+                    "packed_linear_int8: out_features must lie in (8 (groups - 1), 8 groups], got ", O, " for ", G,
+                    " groups");
+  TORCH_CHECK_VALUE(
+      dw.scalar_type() == at::kFloat && dw.dim() == 3 && dw.size(0) == G && dw.size(1) == nb && dw.size(2) == GROUP,
+      "packed_linear_int8: dw must be float32 [groups, I / 32, 8]");
+  TORCH_CHECK_VALUE(kind == 1 || (given(mw) && mw->scalar_type() == at::kFloat && mw->sizes() == dw.sizes()),
+                    "packed_linear_int8: affine4 needs mw, float32 [groups, I / 32, 8]");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && qw.device().is_cpu() && dw.device().is_cpu(),
+                    "packed_linear_int8: CPU tensors only");
+  TORCH_CHECK_VALUE(isa >= ISA_BEST && isa <= ISA_AVX512_VNNI, "packed_linear_int8: isa must lie in 0..3, got ", isa);
+  int64_t path = isa;
+  if (path == ISA_BEST)
+    path = isa_supported(ISA_AVX512_VNNI) ? ISA_AVX512_VNNI : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
+  TORCH_CHECK_VALUE(isa_supported(path), "packed_linear_int8: this CPU cannot run isa ", path);
+  const at::Tensor xc = x.contiguous(), wc = qw.contiguous(), dc = dw.contiguous();
+  const at::Tensor mc = kind == 0 ? mw->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({R, O}, x.options());
+  if (R == 0 || O == 0) return y;
+  QuantX qx;
+  quantize_rows(xc.data_ptr<float>(), R, I, qx);
+  const uint8_t* wp = wc.data_ptr<uint8_t>();
+  const float* dp = dc.data_ptr<float>();
+  const float* mp = kind == 0 ? mc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int k = int(kind);
+  // about 64 KiB of weight codes per task
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nb * (kind == 0 ? 128 : 256)));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+#ifdef SPECDEC_X86
+    if (path != ISA_PORTABLE) return groups_simd(path, k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
+#endif
+    groups_portable(k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
+  });
+  return y;
+}
+
+// The isa levels of packed_linear_int8 this CPU runs (1 portable, 2 AVX2, 3 AVX-512 VNNI).
+std::vector<int64_t> packed_linear_int8_isas_cpu() {
+  std::vector<int64_t> out;
+  for (int64_t isa : {ISA_PORTABLE, ISA_AVX2, ISA_AVX512_VNNI})
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("packed_linear_int8_native", &specdec::packed_linear_int8_cpu); }
+
+// No tensor argument to dispatch on: declared with its function (the one schema outside extension.cpp).
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("packed_linear_int8_isas_native() -> int[]", &specdec::packed_linear_int8_isas_cpu);
+}
