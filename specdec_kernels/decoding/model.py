@@ -26,7 +26,6 @@ forward does not implement are refused (``unsupported_hf_config``).
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -162,143 +161,95 @@ def unsupported_hf_config(config) -> List[str]:
     return problems
 
 
-SKINNY_ROWS = 16  # on CPU, up to this many rows may take the weight @ x.T path of ``linear``
-SKINNY_CHUNK = 8
-LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default: measure), "f_linear", "skinny" or "packed" (forced)
-LINEAR_PATHS = ("f_linear", "skinny", "packed")
+ROW_INDEPENDENT_ROWS = 64  # CPU passes up to this many rows take the row-independent products of ``linear``
+LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default) or "f_linear" (every float32 product through F.linear)
+NUMERICS = ("float32", "int8")
+NUMERICS_ENV = "SPECDEC_NUMERICS"  # the default of Transformer.numerics ("float32" or "int8")
 PACK_ENV = "SPECDEC_PACK_WEIGHTS"  # "0": from_hf registers no packed weights
 
-# shape class -> "f_linear", "skinny" or "packed", chosen by measurement once per process
-_LINEAR_CHOICE: Dict[tuple, str] = {}
-_LINEAR_TIMES: Dict[tuple, Dict[str, float]] = {}
+
+def default_numerics() -> str:
+    """$SPECDEC_NUMERICS, else "float32": the numerics a new ``Transformer`` starts with.
+
+    Raises:
+        ValueError: the variable is set to something else.
+    """
+    value = os.environ.get(NUMERICS_ENV, "") or "float32"
+    if value not in NUMERICS:
+        raise ValueError(f"${NUMERICS_ENV} must be one of {NUMERICS}, got {value!r}")
+    return value
 
 
-def _skinny(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    rows = flat.shape[0]
-    if rows == 1:
-        return (weight @ torch.cat([flat, flat]).T)[:, :1].T
-    return torch.cat([(weight @ flat[i : i + SKINNY_CHUNK].T).T for i in range(0, rows, SKINNY_CHUNK)])
+def linear_path(rows: int, weight: torch.Tensor, numerics: str = "float32") -> str:
+    """The path ``linear`` takes for ``rows`` rows times ``weight``, by a fixed rule (never by a
+    measurement, so that identical calls give identical bits and a pass's rows do not depend on
+    its size):
+
+    * "int8": numerics "int8" and a float32 CPU weight with a registered packed form
+      (``decoding.packed``): 8-bit activations, every number of rows;
+    * "packed": numerics "float32", a packed form, at most ``ROW_INDEPENDENT_ROWS`` rows: the exact
+      float32 product read from the block-quantised codes;
+    * "rowwise": numerics "float32", a float32 CPU weight without a packed form, at most
+      ``ROW_INDEPENDENT_ROWS`` rows: ``packed.rowwise_linear``;
+    * "f_linear": anything else (CUDA, other dtypes, longer prefill chunks, no C++ extension, or
+      $SPECDEC_LINEAR=f_linear for the float32 paths).
+
+    The first three compute each row alone in one fixed order, so a row's output is the same bits
+    in a decode step of one token and in a verification pass of up to 64: what keeps speculative
+    output identical to greedy output.
+
+    Raises:
+        ValueError: an unknown ``numerics`` or $SPECDEC_LINEAR value.
+    """
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    forced = os.environ.get(LINEAR_ENV, "") or "auto"
+    if forced not in ("auto", "f_linear"):
+        raise ValueError(f"${LINEAR_ENV} must be 'auto' or 'f_linear', got {forced!r}")
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or rows == 0 or not packed.has_kernel():
+        return "f_linear"
+    has_packed = packed.packed_form(weight) is not None
+    if numerics == "int8" and has_packed and packed.has_kernel("packed_linear_int8"):
+        return "int8"
+    if forced == "f_linear" or rows > ROW_INDEPENDENT_ROWS:
+        return "f_linear"
+    if has_packed:
+        return "packed"
+    return "rowwise" if weight.shape[1] % packed.BLOCK == 0 else "f_linear"
 
 
-def _row_class(rows: int) -> int:
-    """Rows rounded up to a power of two (1, 2, 4, 8, 16): the shape classes of ``linear_choice``."""
-    return 1 << max(0, rows - 1).bit_length()
-
-
-_LINEAR_TRIALS: Dict[tuple, Dict[str, List[float]]] = {}
-LINEAR_TRIALS = 3  # timed calls of each path per shape class before the choice
-
-
-_LOOK_UP = object()  # "find the weight's packed form" (callers that have it pass it down)
-
-
-def _packed(weight: torch.Tensor, packed_weight) -> Optional["packed.PackedWeight"]:
-    return packed.packed_form(weight) if packed_weight is _LOOK_UP else packed_weight
-
-
-def _linear_key(rows: int, weight: torch.Tensor, packed_weight=_LOOK_UP) -> tuple:
-    has_packed = _packed(weight, packed_weight) is not None
-    return (tuple(weight.shape), weight.dtype, _row_class(rows), torch.get_num_threads(), has_packed)
-
-
-def _paths(weight: torch.Tensor, packed_weight=_LOOK_UP) -> Tuple[str, ...]:
-    return LINEAR_PATHS if _packed(weight, packed_weight) is not None else LINEAR_PATHS[:2]
-
-
-def linear_choice(rows: int, weight: torch.Tensor, packed_weight=_LOOK_UP) -> Optional[str]:
-    """Which CPU path ``linear`` takes for ``rows`` rows times ``weight``: "f_linear",
-    "skinny", "packed", or None while it is still being measured.
-
-    Forced by $SPECDEC_LINEAR ("f_linear", "skinny" or "packed"; "packed" where the weight has no
-    packed form is "f_linear"); otherwise measured on the real calls, like an autotuner: the
-    first calls of a shape class (weight shape and dtype, rows 1 / 2 / 3-4 / 5-8 / 9-16, thread count,
-    whether the weight has a packed form) take the paths in turn, ``LINEAR_TRIALS`` timed calls
-    each, in place, with the caches as a decode step leaves them (a weight streamed from memory,
-    not a warm copy: timing repeated calls on one weight favours whichever path fits the cache);
-    then the fastest by best time is kept for the process, a path other than ``F.linear`` only
-    when at least 10% faster than it.  ``F.linear`` is the default.  A machine-specific speed
-    choice is never hard-coded: on the development machine the skinny path was about 2x faster at
-    2 threads, on an AVX-512 Xeon 3x slower.  The packed path (``decoding.packed``: the same
-    weight read from its exact block-quantised form) exists only for weights registered with
-    ``packed.register`` (``Transformer.pack_weights``); ``packed_weight`` is that form when the
-    caller has looked it up already (None: none)."""
-    forced = os.environ.get(LINEAR_ENV, "auto")
-    if forced in LINEAR_PATHS:
-        return forced if forced in _paths(weight, packed_weight) else "f_linear"
-    if forced not in ("", "auto"):
-        raise ValueError(f"${LINEAR_ENV} must be 'auto' or one of {LINEAR_PATHS}, got {forced!r}")
-    return _LINEAR_CHOICE.get(_linear_key(rows, weight, packed_weight))
-
-
-def _run_linear(path: str, flat: torch.Tensor, weight: torch.Tensor, packed_weight=_LOOK_UP) -> torch.Tensor:
-    if path == "skinny":
-        return _skinny(flat, weight)
-    if path == "packed":
-        return packed.packed_linear(flat, _packed(weight, packed_weight))
-    return F.linear(flat, weight)
-
-
-def _timed_linear(flat: torch.Tensor, weight: torch.Tensor, packed_weight=_LOOK_UP) -> torch.Tensor:
-    """One measured call of a shape class still being tuned (see ``linear_choice``)."""
-    packed_weight = _packed(weight, packed_weight)
-    key = _linear_key(flat.shape[0], weight, packed_weight)
-    times = _LINEAR_TRIALS.setdefault(key, {p: [] for p in _paths(weight, packed_weight)})
-    path = min(times, key=lambda p: len(times[p]))  # in turn: the least timed next
-    t = time.perf_counter()
-    out = _run_linear(path, flat, weight, packed_weight)
-    times[path].append(time.perf_counter() - t)
-    if all(len(v) >= LINEAR_TRIALS for v in times.values()):
-        best = {p: min(v) for p, v in times.items()}
-        fast = [p for p in best if p == "f_linear" or best[p] < 0.9 * best["f_linear"]]
-        _LINEAR_CHOICE[key] = min(fast, key=lambda p: best[p])
-        _LINEAR_TIMES[key] = best
-        del _LINEAR_TRIALS[key]
-    return out
-
-
-def linear_choices() -> List[Dict]:
-    """The choices ``linear`` made in this process (for reports such as bench.e2e's): per shape
-    class the path taken and the best measured time of each path in milliseconds."""
-    return [
-        {
-            "weight": list(k[0]),
-            "dtype": str(k[1]).replace("torch.", ""),
-            "rows": {1: "1", 2: "2", 4: "3-4", 8: "5-8", 16: "9-16"}[k[2]],
-            "threads": k[3],
-            "choice": c,
-            **{
-                f"{p}_ms": (_LINEAR_TIMES[k][p] * 1e3 if k in _LINEAR_TIMES and p in _LINEAR_TIMES[k] else None)
-                for p in LINEAR_PATHS
-            },
-        }
-        for k, c in _LINEAR_CHOICE.items()
-    ]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (no bias).
+def linear(x: torch.Tensor, weight: torch.Tensor, numerics: str = "float32") -> torch.Tensor:
+    """``x @ weight.T`` (no bias), on the path ``linear_path`` gives.
 
     On CPU a decode or verify step multiplies a few rows by a large weight, which is bound by
-    streaming the weight from memory.  Some BLAS builds stream it several times faster as
-    ``weight @ x.T`` (a skinny right operand, in chunks of at most 8 rows; a single row doubled)
-    than as ``x @ weight.T``; others are several times slower that way; and a weight with an
-    exact block-quantised form (``decoding.packed``) can be read in a fifth of the bytes.  So
-    for up to 16 rows on CPU the path is measured at run time on the real calls
-    (``linear_choice``); elsewhere (CUDA, more rows) it is ``F.linear``.
+    streaming the weight from memory: a weight with an exact block-quantised form
+    (``decoding.packed``, SmolLM2's GGUF weights) is read in a fifth of the bytes, and with
+    numerics "int8" its products use integer dot products (``packed.packed_linear_int8``).
     """
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows > SKINNY_ROWS or rows == 0:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    path = linear_path(rows, weight, numerics)
+    if path == "f_linear":
         return F.linear(x, weight)
-    packed_weight = packed.packed_form(weight)  # looked up once per call (identity + stamp check)
-    choice = linear_choice(rows, weight, packed_weight)
-    if choice == "f_linear":
-        return F.linear(x, weight)
-    flat = x.reshape(rows, x.shape[-1])
-    if choice is None:
-        out = _timed_linear(flat, weight, packed_weight)
-    else:
-        out = _run_linear(choice, flat, weight, packed_weight)
-    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+    if path == "int8":
+        return packed.packed_linear_int8(x, packed.int8_form(weight))
+    if path == "packed":
+        return packed.packed_linear(x, packed.packed_form(weight))
+    return packed.rowwise_linear(x, weight)
+
+
+FUSED_ENV = "SPECDEC_FUSED_LAYER"  # "0": every layer through the Python ops of Block.forward
+
+
+def _linear_slots(path: str, weight: torch.Tensor) -> Tuple[int, List[Optional[torch.Tensor]], int]:
+    """(kind, three weight slots, out features) of one linear for ``decoder_layer_native``."""
+    O = weight.shape[0]
+    if path == "int8":
+        w = packed.int8_form(weight)
+        return (4 if w.kind == packed.AFFINE4 else 5), [w.qw, w.dw, w.mw], O
+    if path == "packed":
+        p = packed.packed_form(weight)
+        return p.kind, [p.codes, p.scales, p.mins], O
+    return (2 if path == "rowwise" else 3), [weight, None, None], O
 
 
 class RMSNorm(nn.Module):
@@ -368,11 +319,66 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.numerics = "float32"  # set through Transformer.numerics
+
+    def fused_args(self, rows: int) -> Optional[tuple]:
+        """The weight arguments of ``decoder_layer_native`` for a pass of ``rows`` rows, or None
+        where the layer runs its Python ops: the fused call needs the extension, float32 CPU
+        weights, at most ``ROW_INDEPENDENT_ROWS`` rows, and $SPECDEC_FUSED_LAYER not "0".  Cached
+        while the weights, the numerics and the packed registry stay the same."""
+        weights = (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight)
+        key = (
+            self.numerics,
+            rows <= ROW_INDEPENDENT_ROWS,
+            packed.generation(),
+            os.environ.get(LINEAR_ENV, ""),
+            os.environ.get(FUSED_ENV, ""),
+            tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in weights),
+        )
+        cached = getattr(self, "_fused_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        args = None
+        usable = (
+            rows <= ROW_INDEPENDENT_ROWS
+            and os.environ.get(FUSED_ENV, "") != "0"
+            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
+            and packed.has_kernel("decoder_layer")
+        )
+        if usable:
+            slots = [_linear_slots(linear_path(rows, w, self.numerics), w) for w in weights]
+            args = (
+                [t for _, ts, _ in slots for t in ts],
+                [k for k, _, _ in slots],
+                [o for _, _, o in slots],
+            )
+        self._fused_cache = (key, args)
+        return args
 
     def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend, block_table=None):
         B, N, _ = x.shape
+        if block_table is None and backend in (None, "native") and x.dtype == torch.float32 and x.device.type == "cpu":
+            fused = self.fused_args(B * N)
+            if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)
+                return torch.ops.specdec.decoder_layer_native(
+                    x,
+                    self.attention_norm.weight,
+                    self.ffn_norm.weight,
+                    self.attention_norm.eps,
+                    cos,
+                    sin,
+                    layer_cache[0],
+                    layer_cache[1],
+                    cache_seqlens,
+                    tree_mask,
+                    self.wqkv.bias,
+                    *fused,
+                    self.args.num_heads,
+                    self.args.num_kv_heads,
+                )
         H, Hkv, D = self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
-        qkv = linear(self.attention_norm(x), self.wqkv.weight)
+        nx = self.numerics
+        qkv = linear(self.attention_norm(x), self.wqkv.weight, nx)
         if self.wqkv.bias is not None:  # Qwen2's q/k/v biases (others: no bias, no extra op)
             qkv = qkv + self.wqkv.bias
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -383,9 +389,9 @@ class Block(nn.Module):
         write(k_cache, k)
         write(v_cache, v)
         attn = attend(q, k_cache, v_cache, cache_seqlens, tree_mask, backend, block_table)
-        x = x + linear(attn.reshape(B, N, H * D), self.wo.weight)
-        gate, up = linear(self.ffn_norm(x), self.w13.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w2.weight)
+        x = x + linear(attn.reshape(B, N, H * D), self.wo.weight, nx)
+        gate, up = linear(self.ffn_norm(x), self.w13.weight, nx).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w2.weight, nx)
 
 
 class Transformer(nn.Module):
@@ -405,6 +411,29 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = 1.0
         self.attention_backend: Optional[str] = None  # tree_attention's backend=; None: automatic
+        self.numerics = default_numerics()
+
+    @property
+    def numerics(self) -> str:
+        """The arithmetic of the CPU matrix products (``linear_path``): "float32" (the model's own
+        float32 products, as transformers computes them but for the order of additions) or
+        "int8" (8-bit activations against the packed GGUF codes, llama.cpp's arithmetic; only
+        weights with a packed form, see ``pack_weights``).  Both keep every row of a pass
+        independent of the others, so speculative output equals greedy output in either.
+        Setting it sets every layer's (layers shared with ``truncated`` models included).
+
+        Raises:
+            ValueError: set to anything else.
+        """
+        return self._numerics
+
+    @numerics.setter
+    def numerics(self, value: str) -> None:
+        if value not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {value!r}")
+        self._numerics = value
+        for layer in self.layers:
+            layer.numerics = value
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -421,7 +450,7 @@ class Transformer(nn.Module):
         With ``pack`` (default) a float32 model on CPU also registers the exact block-quantised
         form of each matrix-product weight that has one (``pack_weights``: a GGUF's Q4_1 / Q8_0
         weights de-quantised by transformers, as SmolLM2's; about 0.5 s for it), which ``linear``
-        then measures against ``F.linear``; $SPECDEC_PACK_WEIGHTS=0 turns this off.  Moving the
+        then reads (see ``linear_path``); $SPECDEC_PACK_WEIGHTS=0 turns this off.  Moving the
         model to another device leaves the packed forms behind (they are CPU-only).
 
         Raises:
@@ -535,11 +564,12 @@ class Transformer(nn.Module):
         small.norm, small.output = self.norm, self.output
         small.inv_freq, small.attention_scaling = self.inv_freq, self.attention_scaling
         small.attention_backend = self.attention_backend
+        small.numerics = self.numerics
         return small.eval()
 
     def pack_weights(self) -> Dict[str, str]:
         """Find the exact block-quantised form of each matrix-product weight (``decoding.packed``)
-        and register it, so that ``linear`` can measure the packed path against ``F.linear``.
+        and register it, so that ``linear`` reads it (``linear_path``: the "packed" and "int8" paths).
 
         Only a float32 CPU weight that its codes give back bit for bit is packed (SmolLM2 from
         its Q4_1 / Q8_0 GGUF: every one); the model's results do not change beyond the order of
@@ -671,6 +701,6 @@ class Transformer(nn.Module):
                 return (None, None) if return_hidden else None
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         if not return_hidden:
-            return linear(self.norm(x), self.output.weight).float() if compute_logits else None
+            return linear(self.norm(x), self.output.weight, self._numerics).float() if compute_logits else None
         hidden = self.norm(x)
-        return (linear(hidden, self.output.weight).float() if compute_logits else None), hidden
+        return (linear(hidden, self.output.weight, self._numerics).float() if compute_logits else None), hidden

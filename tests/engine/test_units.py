@@ -143,10 +143,11 @@ def test_stats():
     assert DecodeStats().mean_accepted_length == 0.0 and DecodeStats().tokens_per_second == 0.0
 
 
-def test_linear_paths_agree_and_the_choice_is_measured_once(monkeypatch):
-    """Every CPU path of ``linear`` computes x @ W.T; the choice between them is measured on the
-    first real calls of a shape class (in turn, timed), then kept, reported, and can be forced
-    ($SPECDEC_LINEAR).  A weight with an exact packed form has the packed path too."""
+def test_linear_paths_follow_a_fixed_rule_and_agree(monkeypatch):
+    """``linear`` takes its CPU path by a rule (``linear_path``), never by timing: a packed weight
+    reads its codes (float32, or 8-bit activations with numerics "int8"), any other float32
+    weight takes the row-independent kernel, up to 64 rows; longer passes, other dtypes and
+    $SPECDEC_LINEAR=f_linear take F.linear.  Every float32 path computes x @ W.T."""
     from specdec_kernels.decoding import model as m
     from specdec_kernels.decoding import packed
 
@@ -160,47 +161,36 @@ def test_linear_paths_agree_and_the_choice_is_measured_once(monkeypatch):
     pw = packed.pack_weight(w_q)
     assert pw is not None and pw.kind == packed.AFFINE4
     packed.register(w_q, pw)
-    for name in ("_LINEAR_CHOICE", "_LINEAR_TIMES", "_LINEAR_TRIALS"):
-        monkeypatch.setattr(m, name, {})
-    for weight, paths in ((w, ("f_linear", "skinny")), (w_q, ("f_linear", "skinny", "packed"))):
-        for rows in (1, 2, 3, 5, 8, 9, 16, 17):
-            x = torch.randn(rows, 64, generator=g)
+    monkeypatch.delenv(m.LINEAR_ENV, raising=False)
+    odd = torch.randn(300, 48, generator=g)  # inputs not a multiple of 32: no kernel takes it
+    for rows in (1, 2, 3, 17, 64):
+        assert m.linear_path(rows, w) == "rowwise"
+        assert m.linear_path(rows, w_q) == "packed"
+        assert m.linear_path(rows, w_q, "int8") == "int8"
+        assert m.linear_path(rows, w, "int8") == "rowwise"  # no codes: int8 has nothing to read
+        assert m.linear_path(rows, odd) == "f_linear"
+        assert m.linear_path(rows, w_q.double()) == "f_linear"
+    assert m.linear_path(65, w) == "f_linear" and m.linear_path(65, w_q) == "f_linear"
+    assert m.linear_path(65, w_q, "int8") == "int8"  # one arithmetic for every pass
+    for rows in (1, 2, 5, 16, 64, 65):
+        x = torch.randn(rows, 64, generator=g)
+        for weight in (w, w_q):
             want = torch.nn.functional.linear(x, weight)
-            for forced in ("f_linear", "skinny", "packed") + ("auto",) * 12:
-                monkeypatch.setenv(m.LINEAR_ENV, forced)
-                torch.testing.assert_close(m.linear(x, weight), want, rtol=1e-5, atol=1e-5)
-            if rows <= m.SKINNY_ROWS:  # more rows always take F.linear, unmeasured
-                assert m.linear_choice(rows, weight) in paths
-    monkeypatch.setenv(m.LINEAR_ENV, "packed")
-    assert m.linear_choice(2, w) == "f_linear"  # no packed form: forcing it means F.linear
+            torch.testing.assert_close(m.linear(x, weight), want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(m.linear(x, weight), m.linear(x, weight))  # identical calls, identical bits
+        # 8-bit activations: within the rounding of the activations (half a step of max|x| / 127
+        # per input, times the weights' magnitudes)
+        step = x.view(rows, 2, 32).abs().amax(-1) / 127
+        bound = (step[:, None, :] / 2 * w_q.view(300, 2, 32).abs().sum(-1)[None]).sum(-1) + 1e-4
+        assert ((m.linear(x, w_q, "int8") - x @ w_q.T).abs() <= bound).all()
+    monkeypatch.setenv(m.LINEAR_ENV, "f_linear")
+    assert m.linear_path(2, w_q) == "f_linear" and m.linear_path(2, w) == "f_linear"
+    assert m.linear_path(2, w_q, "int8") == "int8"  # the numerics is the model's, not a speed choice
     monkeypatch.setenv(m.LINEAR_ENV, "fastest")
     with pytest.raises(ValueError, match="SPECDEC_LINEAR"):
         m.linear(torch.randn(2, 64), w)
-    monkeypatch.setenv(m.LINEAR_ENV, "auto")
-    for weight, n_paths in ((w, 2), (w_q, 3)):
-        m._LINEAR_CHOICE.clear()
-        for i in range(n_paths * m.LINEAR_TRIALS - 1):
-            m.linear(torch.randn(2, 64), weight)
-            assert m.linear_choice(2, weight) is None  # still measuring
-        m.linear(torch.randn(2, 64), weight)
-        assert m.linear_choice(2, weight) in ("f_linear", "skinny", "packed")[:n_paths]  # decided after 3 calls of each
-        (report,) = [c for c in m.linear_choices() if c["rows"] == "2" and c["weight"] == [300, 64]]
-        assert report["choice"] == m.linear_choice(2, weight)
-        assert report["f_linear_ms"] > 0 and report["skinny_ms"] > 0
-        assert (report["packed_ms"] is not None) == (n_paths == 3)
-    # another path needs a clear win: a near tie keeps F.linear; the fastest clear winner is taken
-    key = m._linear_key(4, w_q)
-    for times, want in (
-        ((1.0, 1.0, 1.0), "f_linear"),
-        ((0.95, 0.95, 0.95), "f_linear"),
-        ((0.5, 0.5, 0.5), "skinny"),
-        ((0.5, 0.5, 0.4), "packed"),
-        ((0.95, 0.95, 0.4), "packed"),
-    ):
-        m._LINEAR_CHOICE.pop(key, None)
-        m._LINEAR_TRIALS[key] = {"f_linear": [1.0] * 3, "skinny": [times[0]] * 3, "packed": [times[1]] * 2}
-        clock = iter([0.0, times[2]])
-        monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
-        m._timed_linear(torch.randn(4, 64), w_q)
-        monkeypatch.setattr(m.time, "perf_counter", __import__("time").perf_counter)
-        assert m.linear_choice(4, w_q) == want, times
+    monkeypatch.delenv(m.LINEAR_ENV)
+    with pytest.raises(ValueError, match="numerics"):
+        m.linear(torch.randn(2, 64), w, "int4")
+    packed.unregister(w_q)
+    assert m.linear_path(2, w_q, "int8") == "rowwise"
