@@ -1191,10 +1191,10 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
     from specdec_kernels.decoding.model import linear_choices
 
     config["linear_choices"] = linear_choices()  # the CPU matmul paths measured in this run
-    from specdec_kernels.ops.tree_attention import DENSE_CPU_CHOICE, PAGED_CPU_CHOICE
+    from specdec_kernels.ops.tree_attention import automatic_cpu_path
 
-    config["paged_attention_choices"] = PAGED_CPU_CHOICE.choices()  # paged caches only (shared-prefix scenario)
-    config["attention_choices"] = DENSE_CPU_CHOICE.choices()  # dense caches, CPU: C++ kernel or SDPA
+    # the automatic CPU attention paths (fixed, not measured: "native" unless an environment variable forces "torch")
+    config["attention_cpu_path"] = {"dense": automatic_cpu_path(paged=False), "paged": automatic_cpu_path(paged=True)}
     threads = {}
     for r in rows:
         for cls, n in (r.get("threads") or {}).items():
@@ -1210,8 +1210,7 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
             f"{c['choice']}" + (f" ({times})" if times else ""),
             file=sys.stderr,
         )
-    for c in config["attention_choices"]:
-        print(f"# tree_attention {c['key']}: {c['choice']}", file=sys.stderr)
+    print(f"# tree_attention on CPU: {config['attention_cpu_path']}", file=sys.stderr)
     for what, counts in threads.items():
         print(
             f"# decode-step threads, {what}: " + ", ".join(f"{n} on {k} prompt(s)" for n, k in sorted(counts.items())),

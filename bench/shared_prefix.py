@@ -161,12 +161,10 @@ def run(args, ctx, questions, env) -> int:
             if not all(same):
                 failed = True
     writer.close()
-    from specdec_kernels.ops.tree_attention import PAGED_CPU_CHOICE
+    from specdec_kernels.ops.tree_attention import automatic_cpu_path
 
-    config["paged_attention_choices"] = PAGED_CPU_CHOICE.choices()  # measured at run time (CPU)
-    for c in config["paged_attention_choices"]:
-        times = ", ".join(f"{k[:-3]} {v:.2f} ms" for k, v in c.items() if k.endswith("_ms") and v is not None)
-        print(f"# paged attention on CPU, class {c['key']}: {c['choice']} ({times})", file=sys.stderr)
+    config["paged_attention_cpu_path"] = automatic_cpu_path(paged=True)  # fixed: "native" unless forced
+    print(f"# paged attention on CPU: {config['paged_attention_cpu_path']}", file=sys.stderr)
     for r in rows:  # ratios against the unshared paged batch of the same method
         base = next(x for x in rows if x["method"] == r["method"] and x["mode"] == "paged")
         r["prefill_vs_paged"] = r["prefill_tokens"] / base["prefill_tokens"] if base["prefill_tokens"] else None

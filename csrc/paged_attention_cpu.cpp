@@ -4,12 +4,22 @@
 // The algorithm of tree_attention's Triton kernel (specdec_kernels.ops.tree_attention), on the CPU: for each
 // (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
 // h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row load) walk the
-// cache slots in chunks of CHUNK slots with an online softmax (flash attention, Dao et al. 2022;
-// fp32 scores and accumulators):
+// keys they see in chunks of CHUNK keys with an online softmax (flash attention, Dao et al. 2022;
+// fp32 scores and accumulators).  Row i sees the prefix, slots 0 .. cache_seqlens[b] - 1, then the
+// tree slots cache_seqlens[b] + j with tree_mask[i, j] (the causal chain j <= i when there is no
+// mask; N = 1 is plain decoding), in slot order:
 //
-//   1. the prefix, slots 0 .. cache_seqlens[b] - 1, visible to every row;
-//   2. the tree part, slots cache_seqlens[b] + j (j < N), visible to node i iff tree_mask[i, j]
-//      (the causal chain j <= i when there is no mask).
+//   1. the whole chunks of the prefix, slots 0 .. P - 1 (P: cache_seqlens[b] rounded down to a
+//      multiple of CHUNK), for all rows at once;
+//   2. the rest of each node's list, row group by row group (the G heads of node i): the prefix
+//      slots P .. cache_seqlens[b] - 1, then the node's visible tree slots, in chunks of CHUNK of
+//      that list.  A node never touches a slot it cannot see.
+//
+// So the chunks a row's softmax walks are the CHUNK-aligned pieces of its own list of visible keys,
+// and each row's arithmetic is the same whichever rows share its call (row blocks only share loads):
+// a row's output is bit-identical whether it is computed alone, with its ancestors as part of the
+// prefix (N = 1, decoding), or inside a pass of any N, chain or tree, and whatever the other
+// sequences of the batch hold (tests/ops/tree_attention/test_row_independence.py).
 //
 // K/V rows are read through the block table in place (logical slot s of sequence b is slot
 // s % block_size of block block_table[b, s / block_size]): nothing is gathered.  fp16 / bf16
@@ -138,15 +148,16 @@ SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float*
 }
 
 // One online-softmax step of R query rows (q: R x D fp32, already times sm_scale) over T key
-// slots (row pointers kp[t], vp[t] into fp32 data).  vis: R x T visibility (nullptr: all
-// visible).  m, l, acc (R x D): the running maximum, sum and output of each row; bad: rows
-// that saw a non-finite key.  scores: R x T floats of scratch (the scores, then the weights),
-// skip: R x T bytes of scratch (used with vis).
+// slots that every row sees (row pointers kp[t], vp[t] into fp32 data).  m, l, acc (R x D): the
+// running maximum, sum and output of each row; bad: rows that saw a non-finite key.  scores:
+// R x T floats of scratch (the scores, then the weights).  Each row's arithmetic depends on its
+// own q, the T keys and values and its state only: the same for any R (blocks of rows share
+// loads, not sums).
 // Built twice, picked at load time (SPECDEC_TARGET_CLONES): for FMA, which implies AVX (256-bit
 // float vectors), and for the baseline.
 SPECDEC_TARGET_CLONES("fma")
 void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, const float* const* vp, int64_t T,
-                  const uint8_t* vis, float* m, float* l, uint8_t* bad, float* acc, float* scores, uint8_t* skip) {
+                  float* m, float* l, uint8_t* bad, float* acc, float* scores) {
   int64_t r0 = 0;
   for (; r0 + 4 <= R; r0 += 4) dot_rows<4>(q, r0, D, kp, T, scores);
   switch (R - r0) {
@@ -155,15 +166,13 @@ void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, 
     case 1: dot_rows<1>(q, r0, D, kp, T, scores); break;
     default: break;
   }
-  // per row: mask, running maximum, rescale, probabilities (in place of the scores)
+  // per row: running maximum, rescale, probabilities (in place of the scores)
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores + r * T;
     float mc = NEG_INF;
     for (int64_t t = 0; t < T; ++t) {
       float s = sr[t];
-      if (vis != nullptr && !vis[r * T + t]) {
-        s = NEG_INF;
-      } else if (!std::isfinite(s)) {  // a non-finite key (or query): this row's output is NaN
+      if (!std::isfinite(s)) {  // a non-finite key (or query): this row's output is NaN
         bad[r] = 1;
         s = NEG_INF;
       }
@@ -178,9 +187,7 @@ void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, 
       l[r] *= alpha;
       m[r] = m_new;
     }
-    if (vis != nullptr)
-      for (int64_t t = 0; t < T; ++t) skip[r * T + t] = sr[t] == NEG_INF;
-    if (m_new == NEG_INF) {  // nothing visible and finite so far: zero weights
+    if (m_new == NEG_INF) {  // nothing finite so far: zero weights
       for (int64_t t = 0; t < T; ++t) sr[t] = 0.0f;
       continue;
     }
@@ -201,33 +208,16 @@ void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, 
         sum += p[e];
       }
     }
-    l[r] += sum;  // weights are 0 where invisible
+    l[r] += sum;
   }
-  if (vis == nullptr) {  // prefix: every slot visible, rows blocked by 4
-    int64_t r1 = 0;
-    for (; r1 + 4 <= R; r1 += 4) pv_rows<4>(scores, r1, D, vp, T, acc);
-    switch (R - r1) {
-      case 3: pv_rows<3>(scores, r1, D, vp, T, acc); break;
-      case 2: pv_rows<2>(scores, r1, D, vp, T, acc); break;
-      case 1: pv_rows<1>(scores, r1, D, vp, T, acc); break;
-      default: break;
-    }
-    return;
-  }
-  // tree part: a row never touches the value of a slot it cannot see (it may hold NaN)
-  for (int64_t r = 0; r < R; ++r) {
-    const float* pr = scores + r * T;
-    float* ar = acc + r * D;
-    for (int64_t d = 0; d < D; d += 16) {
-      v8sf a0 = load8(ar + d), a1 = load8(ar + d + 8);
-      for (int64_t t = 0; t < T; ++t) {
-        if (skip[r * T + t]) continue;
-        a0 += pr[t] * load8(vp[t] + d);
-        a1 += pr[t] * load8(vp[t] + d + 8);
-      }
-      store8(ar + d, a0);
-      store8(ar + d + 8, a1);
-    }
+  // weighted values, rows blocked by 4
+  int64_t r1 = 0;
+  for (; r1 + 4 <= R; r1 += 4) pv_rows<4>(scores, r1, D, vp, T, acc);
+  switch (R - r1) {
+    case 3: pv_rows<3>(scores, r1, D, vp, T, acc); break;
+    case 2: pv_rows<2>(scores, r1, D, vp, T, acc); break;
+    case 1: pv_rows<1>(scores, r1, D, vp, T, acc); break;
+    default: break;
   }
 }
 
@@ -266,9 +256,13 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t groups = Hkv / HG;
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(HG * R * D), acc(HG * R * D), m(HG * R), l(HG * R), scores(R * CHUNK);
-    std::vector<uint8_t> bad(HG * R), vis(R * CHUNK), skip(R * CHUNK);
+    std::vector<uint8_t> bad(HG * R);
+    // rows of the prefix chunks (kp, vp), of the slots after them (tk, tv: fewer than CHUNK + N),
+    // and one node's list of visible ones among those (nk, nv); fp16/bf16 rows converted into *conv
+    const int64_t tail_max = CHUNK + N;
     std::vector<float> kconv(is_f32 ? 0 : CHUNK * D), vconv(is_f32 ? 0 : CHUNK * D);
-    std::vector<const float*> kp(CHUNK), vp(CHUNK);
+    std::vector<float> tkconv(is_f32 ? 0 : tail_max * D), tvconv(is_f32 ? 0 : tail_max * D);
+    std::vector<const float*> kp(CHUNK), vp(CHUNK), tk(tail_max), tv(tail_max), nk(tail_max), nv(tail_max);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / groups, h0 = (task % groups) * HG;
       const int64_t len = clamp64(lens[b], 0, capacity - N);
@@ -284,9 +278,10 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
       std::fill(m.begin(), m.end(), NEG_INF);
       std::fill(l.begin(), l.end(), 0.0f);
       std::fill(bad.begin(), bad.end(), 0);
-      // point kp/vp at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
-      // else converted)
-      auto load = [&](int64_t h, int64_t s0, int64_t T) {
+      // point kd/vd at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
+      // else converted into kc/vc, T * D floats each)
+      auto load = [&](int64_t h, int64_t s0, int64_t T, const float** kd_out, const float** vd_out, float* kc,
+                      float* vc) {
         for (int64_t t = 0; t < T; ++t) {
           const int64_t s = s0 + t;  // < len + N <= capacity: inside the table row
           const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
@@ -294,15 +289,15 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
           const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
           const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
           if constexpr (is_f32) {
-            kp[t] = reinterpret_cast<const float*>(k);
-            vp[t] = reinterpret_cast<const float*>(v);
+            kd_out[t] = reinterpret_cast<const float*>(k);
+            vd_out[t] = reinterpret_cast<const float*>(v);
           } else {
-            float* kd = kconv.data() + t * D;
-            float* vd = vconv.data() + t * D;
+            float* kd = kc + t * D;
+            float* vd = vc + t * D;
             for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(k[d]);
             for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(v[d]);
-            kp[t] = kd;
-            vp[t] = vd;
+            kd_out[t] = kd;
+            vd_out[t] = vd;
           }
         }
       };
@@ -324,26 +319,38 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
           }
         }
       };
-      for (int64_t s0 = 0; s0 < len; s0 += CHUNK) {
-        const int64_t T = std::min(CHUNK, len - s0);
-        prefetch(s0 + T);
+      // 1. the whole chunks of the prefix, for all rows at once
+      const int64_t P = len / CHUNK * CHUNK;
+      for (int64_t s0 = 0; s0 < P; s0 += CHUNK) {
+        prefetch(s0 + CHUNK);
         for (int64_t lh = 0; lh < HG; ++lh) {
-          load(h0 + lh, s0, T);
-          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), T, nullptr, m.data() + lh * R,
-                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data(), skip.data());
+          load(h0 + lh, s0, CHUNK, kp.data(), vp.data(), kconv.data(), vconv.data());
+          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), CHUNK, m.data() + lh * R,
+                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data());
         }
       }
+      // 2. per node i (its G rows): the list of prefix slots P .. len - 1, then its visible tree
+      //    slots in slot order; chunk c of the list holds the node's visible keys number
+      //    P + c * CHUNK .. P + c * CHUNK + CHUNK - 1 (counted from slot 0), as a decode step
+      //    with its ancestors in the prefix would chunk them
       const bool* mb = has_mask ? mp + b * mask_bstride : nullptr;
-      for (int64_t j0 = 0; j0 < N; j0 += CHUNK) {
-        const int64_t T = std::min(CHUNK, N - j0);
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t i = r / G;
-          for (int64_t t = 0; t < T; ++t) vis[r * T + t] = has_mask ? mb[i * N + j0 + t] : (j0 + t <= i);
-        }
-        for (int64_t lh = 0; lh < HG; ++lh) {
-          load(h0 + lh, len + j0, T);
-          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), T, vis.data(), m.data() + lh * R,
-                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data(), skip.data());
+      const int64_t rest = len - P;  // prefix slots after the whole chunks, < CHUNK
+      for (int64_t lh = 0; lh < HG; ++lh) {
+        load(h0 + lh, P, rest + N, tk.data(), tv.data(), tkconv.data(), tvconv.data());
+        for (int64_t i = 0; i < N; ++i) {
+          int64_t n = rest;
+          std::copy(tk.begin(), tk.begin() + rest, nk.begin());
+          std::copy(tv.begin(), tv.begin() + rest, nv.begin());
+          for (int64_t j = 0; j < N; ++j)
+            if (has_mask ? mb[i * N + j] : j <= i) {
+              nk[n] = tk[rest + j];
+              nv[n] = tv[rest + j];
+              ++n;
+            }
+          const int64_t r = lh * R + i * G;
+          for (int64_t c0 = 0; c0 < n; c0 += CHUNK)
+            attend_chunk(qbuf.data() + r * D, G, D, nk.data() + c0, nv.data() + c0, std::min(CHUNK, n - c0),
+                         m.data() + r, l.data() + r, bad.data() + r, acc.data() + r * D, scores.data());
         }
       }
       const float nan = std::numeric_limits<float>::quiet_NaN();

@@ -19,7 +19,11 @@ The last split also walks the tree part.
 
 ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` over the cache sliced to
 ``max(cache_seqlens) + N`` slots with the equivalent boolean mask; GQA by viewing q as
-``[B, Hkv, N * G, D]`` (the cache is never repeated).  The CPU fast path of the decode engine.
+``[B, Hkv, N * G, D]`` (the cache is never repeated).  The automatic CPU backend only where the
+extension lacks the C++ kernel or an environment variable forces it (see "Automatic CPU path").
+
+``"native"``: the C++ CPU kernel (csrc/paged_attention_cpu.cpp), for both ops (a dense cache is
+read as a pool of B blocks of S slots).
 
 ``"reference"``: dense float64 softmax (``specdec_kernels.reference.tree_attention``).
 
@@ -33,11 +37,26 @@ with ``PAGED``: each key tile looks its block ids up in the table (clamped into 
 addresses the pool through its strides, so both layouts and any block size share one kernel.
 The torch backend gathers the blocks that cover ``max(cache_seqlens) + N`` slots (all of the
 table off CPU, where reading the lengths would synchronise) into a dense cache view and runs
-the SDPA path above.  The paged op also has ``"native"`` (its automatic CPU backend when the
-extension has it): ``torch.ops.specdec.paged_tree_attention_native``, a C++ kernel
-(csrc/paged_attention_cpu.cpp) that reads K/V through the block table in place, no gather, with
-the same online softmax as the Triton kernel (one task per sequence and KV head, fp32
-accumulation; fp16/bf16 converted on load).
+the SDPA path above.  The paged op's ``"native"`` is
+``torch.ops.specdec.paged_tree_attention_native``, the C++ kernel (csrc/paged_attention_cpu.cpp)
+that reads K/V through the block table in place, no gather, with the same online softmax as the
+Triton kernel (one task per sequence and KV head, fp32 accumulation; fp16/bf16 converted on load).
+
+Automatic CPU path
+------------------
+On CPU both ops take the C++ kernel whenever the extension has it, for every shape: a fixed
+rule, never a timing, so identical calls give identical bits from the first call on.  The C++
+kernel is also row-independent: a query row's output is bit-identical whether it is computed
+alone (N = 1, its ancestors part of the prefix) or inside a pass of any N, chain or tree, and
+whatever the other sequences of the batch hold; SDPA is not (its GEMMs and vectorised sums
+round a row differently with the number of query rows, the number of key slots and where the
+masked slots fall).  SDPA was at most about 1.3x faster, and only for N >= 64 (measured at 1
+thread, H=9, Hkv=3, D=64, fp32, prefix 300..1000: native / SDPA ms at N = 1: 0.04 / 0.12,
+N = 8: 0.15 / 0.23, N = 64: 1.1 / 0.9 and 3.1 / 2.4, N = 256: 5.6 / 5.1 and 14.6 / 11.6),
+not enough to give up either property.  ``SPECDEC_DENSE_ATTENTION`` (dense cache) and
+``SPECDEC_PAGED_ATTENTION`` (paged) = ``native`` | ``torch`` | ``auto`` force one path (read at
+import and on ``reset_backends()``; see :func:`automatic_cpu_path`); SDPA also serves where the
+extension lacks the kernel.
 
 Bit-packed masks
 ----------------
@@ -58,7 +77,6 @@ from typing import Optional
 import torch
 
 from specdec_kernels import _backend, _library
-from specdec_kernels._device import next_pow2
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import (
     FLOAT_DTYPES,
@@ -84,12 +102,28 @@ from specdec_kernels.reference.tree_attention import paged_tree_attention as _pa
 # B blocks of S slots), the automatic CPU backend of both ops when the extension has it.
 IMPLEMENTED = ("reference", "torch", "triton", "native")
 PAGED_IMPLEMENTED = ("reference", "torch", "triton", "native")
-# the automatic CPU backends: the C++ kernel or the SDPA path, measured per shape class (see
-# specdec_kernels.autotune); the environment variables force one
-DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_DENSE_ATTENTION")
-PAGED_CPU_CHOICE = RuntimeChoice(
-    "paged_tree_attention on CPU", ("native", "torch"), trials=3, env="SPECDEC_PAGED_ATTENTION"
-)
+# The environment variables that force the automatic CPU path of each op ("native" or "torch";
+# "auto" or unset: "native").  Only their reading is used (at import and on reset_backends(), a
+# ValueError naming the variable for any other value): nothing is measured, see
+# automatic_cpu_path and "Automatic CPU path" above.
+DENSE_CPU_CHOICE = RuntimeChoice("tree_attention on CPU", ("native", "torch"), env="SPECDEC_DENSE_ATTENTION")
+PAGED_CPU_CHOICE = RuntimeChoice("paged_tree_attention on CPU", ("native", "torch"), env="SPECDEC_PAGED_ATTENTION")
+
+
+def automatic_cpu_path(paged: bool = False) -> str:
+    """The path the automatic CPU backend of ``tree_attention`` takes where the extension has
+    the C++ kernel: ``"native"``, or ``"torch"`` (SDPA) where ``$SPECDEC_PAGED_ATTENTION``
+    (``paged=True``, a paged cache) or ``$SPECDEC_DENSE_ATTENTION`` (a dense cache) says so.
+
+    The same for every shape, batch and call (no timing), so the automatic backend is
+    deterministic and row-independent (the module docstring, "Automatic CPU path").  The
+    variables are read at import and on ``reset_backends()``.
+
+    Raises:
+        ValueError: the variable is set to something other than "auto", "native" or "torch".
+    """
+    return (PAGED_CPU_CHOICE if paged else DENSE_CPU_CHOICE).forced() or "native"
+
 
 # head dims every backend takes (multiples of 16 up to 256)
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
@@ -299,7 +333,7 @@ def _impl(
     mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
 
     if name == "native" and not backend:
-        return _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+        name = automatic_cpu_path(paged=False)  # the C++ kernel unless $SPECDEC_DENSE_ATTENTION=torch
     return _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
 
 
@@ -309,24 +343,6 @@ def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     if name == "torch":
         return sdpa_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
     return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
-
-
-def _dense_cpu_auto(q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
-    """The automatic CPU backend of the dense op: the C++ kernel (fastest for few queries) or
-    SDPA (its GEMMs win for many tree nodes), whichever runs faster here, measured on the first
-    real calls of each shape class, thread count included ($SPECDEC_DENSE_ATTENTION forces one)."""
-    B, N, H, D = q.shape
-    key = (
-        next_pow2(N),
-        next_pow2(B),
-        next_pow2(k_cache.shape[2]),
-        H,
-        k_cache.shape[1],
-        D,
-        q.dtype,
-        torch.get_num_threads(),
-    )
-    return DENSE_CPU_CHOICE(key, lambda name: _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale))
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
@@ -418,24 +434,17 @@ def _paged_impl(
         )
     mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
 
-    def run(name: str) -> torch.Tensor:
-        if name == "native":
-            return torch.ops.specdec.paged_tree_attention_native(
-                q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
-            )
-        if name == "torch":
-            return sdpa_paged_tree_attention(
-                q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
-            ).contiguous()
-        return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
-
     if name == "native" and not backend:
-        # automatic on CPU: the C++ kernel (no gather; fastest for few queries) or the gather +
-        # SDPA path (its GEMMs win for many tree nodes), whichever runs faster here, measured on
-        # the first real calls of each shape class (SPECDEC_PAGED_ATTENTION forces one)
-        key = (next_pow2(N), next_pow2(B), next_pow2(capacity), H, Hkv, D, q.dtype, kv_layout, torch.get_num_threads())
-        return PAGED_CPU_CHOICE(key, run)
-    return run(name)
+        name = automatic_cpu_path(paged=True)  # the C++ kernel unless $SPECDEC_PAGED_ATTENTION=torch
+    if name == "native":
+        return torch.ops.specdec.paged_tree_attention_native(
+            q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
+        )
+    if name == "torch":
+        return sdpa_paged_tree_attention(
+            q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
+        ).contiguous()
+    return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
 
 
 def _paged_fake(

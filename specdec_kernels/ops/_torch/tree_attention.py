@@ -1,8 +1,11 @@
 """The "torch" backend of ``tree_attention``: ``scaled_dot_product_attention`` over the cache
 (dense), or over the blocks a paged cache's table names, gathered into a per-thread workspace.
 
-On CPU the automatic backend measures this against the C++ kernel per shape class
-(``specdec_kernels.ops.tree_attention``); on CUDA it is chosen only explicitly.
+On CPU the automatic backend takes the C++ kernel instead wherever the extension has it (this
+path is not row-independent: SDPA rounds a row differently with the number of query rows and of
+key slots; ``specdec_kernels.ops.tree_attention``, "Automatic CPU path"), this one where it
+lacks it or ``SPECDEC_DENSE_ATTENTION`` / ``SPECDEC_PAGED_ATTENTION`` = ``torch`` forces it; on
+CUDA it is chosen only explicitly.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ def test_automatic_choice(device, monkeypatch):
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
     specdec_kernels.reset_backends()  # the choice is made once per process
     assert {"reference", "torch", "triton", "native"} <= set(ta_ops.IMPLEMENTED)
-    # CUDA: Triton; CPU: the C++ kernel (itself measured against SDPA) when built, else SDPA
+    # CUDA: Triton; CPU: the C++ kernel when built, else SDPA
     native = _backend._can_run("native", "tree_attention", device) is None
     want = "triton" if device.type == "cuda" else "native" if native else "torch"
     assert _backend.resolve("tree_attention", device, None, ta_ops.IMPLEMENTED) == want
