@@ -161,7 +161,7 @@ def unsupported_hf_config(config) -> List[str]:
     return problems
 
 
-ROW_INDEPENDENT_ROWS = 64  # CPU passes up to this many rows take the row-independent products of ``linear``
+ROW_INDEPENDENT_ROWS = 64  # CPU passes of up to this many tokens per sequence take the row-independent products
 LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default) or "f_linear" (every float32 product through F.linear)
 NUMERICS = ("float32", "int8")
 NUMERICS_ENV = "SPECDEC_NUMERICS"  # the default of Transformer.numerics ("float32" or "int8")
@@ -181,22 +181,24 @@ def default_numerics() -> str:
 
 
 def linear_path(rows: int, weight: torch.Tensor, numerics: str = "float32") -> str:
-    """The path ``linear`` takes for ``rows`` rows times ``weight``, by a fixed rule (never by a
-    measurement, so that identical calls give identical bits and a pass's rows do not depend on
-    its size):
+    """The path ``linear`` takes for a pass of ``rows`` tokens per sequence times ``weight``, by a
+    fixed rule (never by a measurement, so that identical calls give identical bits and a pass's
+    rows do not depend on its size or on the other sequences of the batch):
 
     * "int8": numerics "int8" and a float32 CPU weight with a registered packed form
       (``decoding.packed``): 8-bit activations, every number of rows;
-    * "packed": numerics "float32", a packed form, at most ``ROW_INDEPENDENT_ROWS`` rows: the exact
-      float32 product read from the block-quantised codes;
+    * "packed": numerics "float32", a packed form, at most ``ROW_INDEPENDENT_ROWS`` tokens per
+      sequence: the exact float32 product read from the block-quantised codes;
     * "rowwise": numerics "float32", a float32 CPU weight without a packed form, at most
-      ``ROW_INDEPENDENT_ROWS`` rows: ``packed.rowwise_linear``;
-    * "f_linear": anything else (CUDA, other dtypes, longer prefill chunks, no C++ extension, or
-      $SPECDEC_LINEAR=f_linear for the float32 paths).
+      ``ROW_INDEPENDENT_ROWS`` tokens per sequence: ``packed.rowwise_linear``;
+    * "f_linear": anything else (CUDA, other dtypes, float32 prefill chunks of more than 64 tokens,
+      no C++ extension, or $SPECDEC_LINEAR=f_linear for the float32 paths).
 
     The first three compute each row alone in one fixed order, so a row's output is the same bits
-    in a decode step of one token and in a verification pass of up to 64: what keeps speculative
-    output identical to greedy output.
+    in a decode step of one token and in a verification pass of up to 64, whatever the batch:
+    what keeps speculative output identical to greedy output.  (A long float32 prefill through
+    ``F.linear`` is the same in a greedy and a speculative run of the same batch, but BLAS may
+    round a row differently in another batch; numerics "int8" has no such exception.)
 
     Raises:
         ValueError: an unknown ``numerics`` or $SPECDEC_LINEAR value.
@@ -226,8 +228,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, numerics: str = "float32") -> 
     (``decoding.packed``, SmolLM2's GGUF weights) is read in a fifth of the bytes, and with
     numerics "int8" its products use integer dot products (``packed.packed_linear_int8``).
     """
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    path = linear_path(rows, weight, numerics)
+    rows = x.shape[-2] if x.dim() >= 3 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)  # per sequence
+    path = linear_path(rows if x.numel() else 0, weight, numerics)
     if path == "f_linear":
         return F.linear(x, weight)
     if path == "int8":
@@ -322,9 +324,10 @@ class Block(nn.Module):
         self.numerics = "float32"  # set through Transformer.numerics
 
     def fused_args(self, rows: int) -> Optional[tuple]:
-        """The weight arguments of ``decoder_layer_native`` for a pass of ``rows`` rows, or None
-        where the layer runs its Python ops: the fused call needs the extension, float32 CPU
-        weights, at most ``ROW_INDEPENDENT_ROWS`` rows, and $SPECDEC_FUSED_LAYER not "0".  Cached
+        """The weight arguments of ``decoder_layer_native`` for a pass of ``rows`` tokens per
+        sequence, or None where the layer runs its Python ops: the fused call needs the extension,
+        float32 CPU weights, at most ``ROW_INDEPENDENT_ROWS`` tokens, and $SPECDEC_FUSED_LAYER not
+        "0".  Cached
         while the weights, the numerics and the packed registry stay the same."""
         weights = (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight)
         key = (
@@ -358,7 +361,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend, block_table=None):
         B, N, _ = x.shape
         if block_table is None and backend in (None, "native") and x.dtype == torch.float32 and x.device.type == "cpu":
-            fused = self.fused_args(B * N)
+            fused = self.fused_args(N)
             if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)
                 return torch.ops.specdec.decoder_layer_native(
                     x,
