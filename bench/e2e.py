@@ -97,6 +97,9 @@ DEMO = dict(
         "ngram-chain",
         "ngram-tree",
         "eagle-adaptive",
+        "greedy-int8",
+        "ngram-chain-int8",
+        "ngram-tree-int8",
         "hf-greedy",
         "hf-prompt-lookup",
         "llamacpp-greedy",
@@ -166,6 +169,8 @@ class Method:
 
 
 METHODS: Dict[str, Method] = {}
+INT8_SUFFIX = "-int8"
+_OURS_CALLS: Dict[str, tuple] = {}  # name -> the arguments of ours(), to build the int8 twins
 
 
 def register(method: Method) -> Method:
@@ -223,6 +228,7 @@ def ours(
     adaptive: bool = False,
     k_max: Optional[int] = None,
     default: bool = True,
+    numerics: str = "float32",
     **params,
 ) -> Method:
     """A method of our engine: ``SpeculativeDecoder(ctx.model, make_drafter(ctx))``.
@@ -237,12 +243,29 @@ def ours(
             the drafter (``adaptive.default_policy``, a fresh one per prompt), K <= k_max.
         k_max: the largest K of the adaptive policy (default: the engine's ``DEFAULT_K``).
         default: run when --methods is not given.
+        numerics: the model's ``Transformer.numerics`` while the method runs: "float32" (the
+            model's own products) or "int8" (8-bit activations, llama.cpp's arithmetic); its
+            tokens are checked against our greedy decoding in the same numerics.
         **params: settings written to the JSON lines.
 
     --num-draft-tokens replaces a fixed K and the adaptive policy's k_max (not a schedule).
     """
     if adaptive == (num_draft_tokens is not None):
         raise ValueError(f"{name}: give either num_draft_tokens or adaptive=True")
+    if numerics not in ("float32", "int8"):
+        raise ValueError(f"{name}: numerics must be 'float32' or 'int8', got {numerics!r}")
+    _OURS_CALLS[name] = (
+        make_drafter,
+        description,
+        dict(
+            num_draft_tokens=num_draft_tokens,
+            adaptive=adaptive,
+            k_max=k_max,
+            default=default,
+            numerics=numerics,
+            **params,
+        ),
+    )
 
     def run(ctx: Context, prompt: List[int], max_new_tokens: int) -> Run:
         from specdec_kernels.decoding import SpeculativeDecoder
@@ -251,6 +274,7 @@ def ours(
         if name not in ctx.cache:
             ctx.cache[name] = SpeculativeDecoder(ctx.model, make_drafter(ctx), stop_token_ids=[ctx.eos_token_id])
         decoder = ctx.cache[name]
+        ctx.model.numerics = numerics  # drafters built on the model share its layers, so its numerics
         if adaptive:
             k = default_policy(decoder.drafter, ctx.num_draft_tokens or k_max)
         elif isinstance(num_draft_tokens, int) and num_draft_tokens > 0 and ctx.num_draft_tokens is not None:
@@ -290,7 +314,12 @@ def ours(
         settings = {"num_draft_tokens": "adaptive", "k_max": k_max}
     else:
         settings = {"num_draft_tokens": num_draft_tokens if isinstance(num_draft_tokens, int) else "schedule"}
-    return Method(name, "ours", description, run, {**settings, **params}, default)
+    return Method(name, "ours", description, run, {**settings, "numerics": numerics, **params}, default)
+
+
+def greedy_baseline(method: Method) -> str:
+    """The method whose tokens ``method``'s must equal: our greedy decoding in its numerics."""
+    return "greedy" + INT8_SUFFIX if method.params.get("numerics") == "int8" else "greedy"
 
 
 def transformers_method(
@@ -852,6 +881,18 @@ def _register_builtin() -> None:
 
 
 _register_builtin()
+# every method of ours again with 8-bit activations (``Transformer.numerics = "int8"``), run on
+# request (--methods, --demo): greedy-int8, ngram-chain-int8, ...
+for _name, (_make, _description, _kwargs) in list(_OURS_CALLS.items()):
+    if _kwargs["numerics"] == "float32" and _name + INT8_SUFFIX not in METHODS:
+        register(
+            ours(
+                _name + INT8_SUFFIX,
+                _make,
+                _description + ", int8 activations",
+                **{**_kwargs, "numerics": "int8", "default": False},
+            )
+        )
 
 
 def select_methods(spec: Optional[str]) -> List[Method]:
@@ -1068,7 +1109,8 @@ def run(args) -> int:
         for q in questions
     ]
     # our greedy decoding always runs first: it is what "same tokens" compares against
-    needed = [METHODS["greedy"]] + [m for m in methods if m.name != "greedy"]
+    baselines = ["greedy"] + ["greedy" + INT8_SUFFIX] * any(greedy_baseline(m) != "greedy" for m in methods)
+    needed = [METHODS[b] for b in baselines] + [m for m in methods if m.name not in baselines]
     env = {
         **environment(),
         "threads": torch.get_num_threads(),
@@ -1130,15 +1172,15 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
     jobs = [(i, m) for i in range(len(prompts)) for m in needed]
     bar = tqdm(total=len(jobs), desc="bench.e2e", file=sys.stderr, mininterval=1.0) if tqdm else None
     rows: List[Dict] = []
-    greedy_tokens: Dict[int, List[int]] = {}
+    greedy_tokens: Dict[str, Dict[int, List[int]]] = {}  # baseline method -> prompt -> tokens
     for i, q in enumerate(questions):  # methods interleaved per prompt: load drift hits all alike
         for m in needed:
             if bar:
                 bar.set_postfix_str(f"{q['category']}/{q['question_id']} {m.name}")
             r = m.run(ctx, prompts[i], args.max_new_tokens)
-            if m.name == "greedy":
-                greedy_tokens[i] = r.tokens
-            diff = first_mismatch(r.tokens, greedy_tokens[i])
+            if m.name in ("greedy", "greedy" + INT8_SUFFIX):
+                greedy_tokens.setdefault(m.name, {})[i] = r.tokens
+            diff = first_mismatch(r.tokens, greedy_tokens[greedy_baseline(m)][i])
             rows.append(
                 {
                     "kind": "prompt",

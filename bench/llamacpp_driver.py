@@ -24,7 +24,8 @@ One JSON object per line on stdin, one answer per line on stdout (``{"ok": true,
 * ``{"op": "pass_cost", "model", "threads", "prefix", "sizes", "tokens", "min_time"}``: the
   wall time of one target pass of N tokens (``Llama.eval``, logits for every row) after the
   ``prefix`` token ids are cached, for each N in ``sizes`` (``tokens`` supplies the ids);
-  answer ``rows`` of ``N``, ``median_us``, ``p20_us``, ``p80_us``, ``reps``.
+  answer ``rows`` of ``N``, ``median_us``, ``p20_us``, ``p80_us``, ``reps``, and ``prefill_us``
+  (the median of 3 passes over the prefix itself, from an empty cache).
 * ``{"op": "quit"}``.
 
 Every model loads with ``use_extra_bufts = False`` where llama.cpp has that parameter: with
@@ -139,8 +140,12 @@ def pass_cost(req: dict) -> dict:
     ids = [int(t) for t in req["tokens"]]
     min_time = float(req.get("min_time", 0.5))
     llm = _llama(req["model"], int(req["threads"]), True, len(prefix) + max(sizes))
-    llm.reset()
-    llm.eval(prefix)
+    prefill = []
+    for _ in range(3):  # the prefix's own pass (prefill), timed: the median of 3
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prefix)
+        prefill.append(time.perf_counter() - t)
     rows = []
     for n in sizes:
         block = ids[:n]
@@ -164,7 +169,7 @@ def pass_cost(req: dict) -> dict:
             }
         )
     llm.pass_sizes.clear()
-    return {"rows": rows, "prefix": len(prefix)}
+    return {"rows": rows, "prefix": len(prefix), "prefill_us": statistics.median(prefill) * 1e6}
 
 
 def info(req: dict) -> dict:

@@ -28,7 +28,9 @@ ratio that the adaptive draft length and end-to-end projections use.  Writes a t
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -66,7 +68,8 @@ MODELS = {
     ),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-REAL = "smollm2-135m-real"  # --real: the real weights of SmolLM2-135M-Instruct
+REAL = "smollm2-135m-real"
+NUMERICS = ("float32", "int8")  # --real: the real weights of SmolLM2-135M-Instruct
 REAL_PREFIX = 300
 REAL_SIZES = "2,4,8,16,64"
 
@@ -94,28 +97,72 @@ def measure(name: str, args: ModelArgs, dtype, device, prefix: int, sizes: List[
     return measure_model(name, random_model(args, dtype, device), prefix, sizes, min_time)
 
 
+def streamed_bytes(model: Transformer) -> int:
+    """Bytes of matrix-product weights a one-token pass of ``model`` reads in its numerics: the
+    int8 layout or the packed codes where a weight has them, else the weight itself."""
+    from specdec_kernels.decoding import packed
+    from specdec_kernels.decoding.model import linear_path
+
+    total = 0
+    weights = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for w in weights:
+        path = linear_path(1, w, model.numerics)
+        form = packed.int8_form(w) if path == "int8" else packed.packed_form(w) if path == "packed" else None
+        total += form.nbytes if form is not None else w.numel() * w.element_size()
+    return total
+
+
 def measure_model(
-    name: str, model: Transformer, prefix: int, sizes: List[int], min_time: float, ids: Optional[List[int]] = None
+    name: str,
+    model: Transformer,
+    prefix: int,
+    sizes: List[int],
+    min_time: float,
+    ids: Optional[List[int]] = None,
+    numerics: str = "float32",
 ) -> List[Dict]:
     """Time one forward of N tokens after ``prefix`` cached ones, for N = 1 and each size:
-    decode (N = 1), chain and tree.  ``ids``: the prefix's token ids followed by the blocks'
-    (at least prefix + max(sizes)); the model then computes the prefix's cache itself.  None:
-    a random cache and random blocks (their contents do not change the cost)."""
+    decode (N = 1), chain and tree, with ``model.numerics = numerics``.  ``ids``: the prefix's
+    token ids followed by the blocks' (at least prefix + max(sizes)); the model then computes the
+    prefix's cache itself, and that prefill is timed too (a row of kind "prefill", the median of
+    3).  None: a random cache and random blocks (their contents do not change the cost)."""
     device, dtype, args = model.device, model.dtype, model.args
+    model.numerics = numerics
     capacity = prefix + max(sizes)
     cache = model.new_kv_cache(1, capacity)
     seqlens = torch.tensor([prefix], dtype=torch.int32, device=device)
+    rows = []
     if ids is None:
         cache.normal_(0.0, 1.0)
     else:
-        with torch.inference_mode():
-            model(
-                torch.tensor([ids[:prefix]], device=device),
-                torch.arange(prefix, device=device)[None],
-                cache,
-                torch.zeros(1, dtype=torch.int32, device=device),
-            )
-    rows = []
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model(
+                    torch.tensor([ids[:prefix]], device=device),
+                    torch.arange(prefix, device=device)[None],
+                    cache,
+                    torch.zeros(1, dtype=torch.int32, device=device),
+                )
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        rows.append(
+            {
+                "engine": "ours",
+                "model": name,
+                "numerics": numerics,
+                "kind": "prefill",
+                "N": prefix,
+                "prefix": 0,
+                "dtype": str(dtype).replace("torch.", ""),
+                "median_us": statistics.median(times) * 1e6,
+                "p20_us": min(times) * 1e6,
+                "p80_us": max(times) * 1e6,
+                "ratio_to_decode": None,
+            }
+        )
     base = None
     for n in sorted(set(sizes) | {1}):
         if ids is None:
@@ -140,6 +187,7 @@ def measure_model(
                 {
                     "engine": "ours",
                     "model": name,
+                    "numerics": numerics,
                     "kind": kind,
                     "N": n,
                     "prefix": prefix,
@@ -205,7 +253,18 @@ def measure_llamacpp(
     finally:
         driver.close()
     base = next(r["median_us"] for r in answer["rows"] if r["N"] == 1)
-    rows = [
+    prefill = {
+        "engine": "llama.cpp",
+        "model": REAL,
+        "kind": "prefill",
+        "N": prefix,
+        "prefix": 0,
+        "dtype": "gguf",
+        "median_us": answer["prefill_us"],
+        "ratio_to_decode": None,
+        "threads": threads,
+    }
+    rows = [prefill] + [
         {
             "engine": "llama.cpp",
             "model": REAL,
@@ -227,23 +286,32 @@ def measure_llamacpp(
 
 
 def side_by_side(rows: List[Dict]) -> List[Dict]:
-    """Per N: our chain pass (decode at N = 1) and llama.cpp's, their costs relative to their
-    one-token pass, and ours over llama.cpp's time."""
-    ours = {r["N"]: r for r in rows if r.get("engine") == "ours" and r["model"] == REAL and r["kind"] != "tree"}
-    theirs = {r["N"]: r for r in rows if r.get("engine") == "llama.cpp"}
+    """Per N (and the prefill, N = the prefix): our chain pass (decode at N = 1) in each numerics
+    and llama.cpp's, their costs relative to their one-token pass, and ours over llama.cpp's time."""
+
+    def by_n(engine: str, numerics: Optional[str] = None) -> Dict[str, Dict]:
+        return {
+            ("prefill" if r["kind"] == "prefill" else r["N"]): r
+            for r in rows
+            if r.get("engine") == engine
+            and r["model"] == REAL
+            and r["kind"] != "tree"
+            and (numerics is None or r.get("numerics") == numerics)
+        }
+
+    theirs = by_n("llama.cpp")
+    ours = {nx: by_n("ours", nx) for nx in NUMERICS}
+    keys = [k for k in theirs if any(k in o for o in ours.values())]
     out = []
-    for n in sorted(set(ours) & set(theirs)):
-        a, b = ours[n], theirs[n]
-        out.append(
-            {
-                "N": n,
-                "ours_ms": a["median_us"] / 1e3,
-                "ours_ratio": a["ratio_to_decode"],
-                "llamacpp_ms": b["median_us"] / 1e3,
-                "llamacpp_ratio": b["ratio_to_decode"],
-                "ours_over_llamacpp": a["median_us"] / b["median_us"],
-            }
-        )
+    for k in sorted(keys, key=lambda k: (k == "prefill", k if k != "prefill" else 0)):
+        b = theirs[k]
+        row = {"N": k, "llamacpp_ms": b["median_us"] / 1e3, "llamacpp_ratio": b["ratio_to_decode"]}
+        for nx, o in ours.items():
+            if k in o:
+                row[f"{nx}_ms"] = o[k]["median_us"] / 1e3
+                row[f"{nx}_ratio"] = o[k]["ratio_to_decode"]
+                row[f"{nx}_over_llamacpp"] = o[k]["median_us"] / b["median_us"]
+        out.append(row)
     return out
 
 
@@ -293,7 +361,15 @@ def main(argv=None) -> List[Dict]:
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument("--out")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds of timing per point on CPU")
+    parser.add_argument(
+        "--numerics",
+        help="comma-separated from float32,int8: Transformer.numerics of our passes (default: float32,int8 "
+        "with --real, else float32)",
+    )
     a = parser.parse_args(argv)
+    numerics = (a.numerics or ("float32,int8" if a.real else "float32")).split(",")
+    if not numerics or any(n not in NUMERICS for n in numerics):
+        parser.error(f"--numerics must name some of {','.join(NUMERICS)}, got {a.numerics!r}")
     if a.real and a.models:
         parser.error("--real measures the real SmolLM2 weights: give it without --models")
     if a.threads is not None and a.threads < 1:
@@ -327,7 +403,9 @@ def main(argv=None) -> List[Dict]:
 
         model, tokenizer = load_smollm2(dtype=dtype, device=device)
         ids = real_ids(tokenizer, prefix + max(sizes))
-        rows += [{**r, "threads": threads} for r in measure_model(name, model.eval(), prefix, sizes, a.min_time, ids)]
+        for nx in numerics:
+            got = measure_model(name, model.eval(), prefix, sizes, a.min_time, ids, numerics=nx)
+            rows += [{**r, "threads": threads, "streamed_bytes": streamed_bytes(model)} for r in got]
         model = None
         if a.no_llamacpp:
             continue
@@ -363,21 +441,44 @@ def main(argv=None) -> List[Dict]:
     if both:
         print(
             f"# one pass of N tokens after {prefix} cached, logits for every row, {threads} threads: ours (chain) "
-            "beside llama.cpp on the same GGUF"
+            "in each numerics beside llama.cpp on the same GGUF; N = prefill: the prefix's own pass"
+        )
+        cols = [("N", "N", "{}")]
+        for nx in NUMERICS:
+            cols += [(f"{nx} ms", f"{nx}_ms", "{:.2f}"), ("x N=1", f"{nx}_ratio", "{:.2f}")]
+            cols += [("/ llama.cpp", f"{nx}_over_llamacpp", "{:.2f}")]
+        cols += [("llama.cpp ms", "llamacpp_ms", "{:.2f}"), ("x N=1", "llamacpp_ratio", "{:.2f}")]
+        print(format_table(both, cols))
+    ours_decode = [r for r in rows if r.get("engine") == "ours" and r["kind"] == "decode" and "streamed_bytes" in r]
+    if ours_decode and device.type == "cpu":
+        from bench.common import copy_bandwidth_gbps
+
+        gbps = copy_bandwidth_gbps(device)
+        stream = []
+        for r in ours_decode:
+            stream_ms = r["streamed_bytes"] / (gbps * 1e9) * 1e3
+            r["copy_gbps"] = gbps
+            r["stream_once_ms"] = stream_ms
+            r["decode_over_stream"] = r["median_us"] / 1e3 / stream_ms
+            r["streamed_mb"] = r["streamed_bytes"] / 1e6
+            stream.append(r)
+        print(
+            f"# a one-token pass against streaming its weights once at the copy bandwidth measured now "
+            f"({gbps:.1f} GB/s, bytes read + written per second)"
         )
         print(
             format_table(
-                both,
+                stream,
                 [
-                    ("N", "N", "{}"),
-                    ("ours ms", "ours_ms", "{:.2f}"),
-                    ("ours x N=1", "ours_ratio", "{:.2f}"),
-                    ("llama.cpp ms", "llamacpp_ms", "{:.2f}"),
-                    ("llama.cpp x N=1", "llamacpp_ratio", "{:.2f}"),
-                    ("ours / llama.cpp", "ours_over_llamacpp", "{:.2f}"),
+                    ("numerics", "numerics", "{}"),
+                    ("weight MB", "streamed_mb", "{:.1f}"),
+                    ("stream once ms", "stream_once_ms", "{:.2f}"),
+                    ("decode us", "median_us", "{:.0f}"),
+                    ("decode / stream", "decode_over_stream", "{:.2f}"),
                 ],
             )
         )
+        write_jsonl(out / "step_cost.jsonl", rows + skipped, env)
     for r in skipped:
         print(f"# skipped llama.cpp: {r['reason']}")
     return rows

@@ -68,15 +68,22 @@ def test_kernel_against_float64_reference_over_row_counts(form, shape, isa):
 @pytest.mark.parametrize("form", list(MAKERS))
 def test_every_isa_path_gives_the_portable_bits(form):
     """The integer block sums are exact on every path and the float32 steps are the same fused
-    multiply-adds in the same order: the AVX2 and VNNI paths equal the portable one bit for bit."""
+    multiply-adds in the same order: the AVX2 and VNNI paths (256- and 512-bit) equal the
+    portable one bit for bit, at any thread count."""
     assert "portable" in ISAS and len(ISAS) >= 1
     w = MAKERS[form][0](61, 320, seed=7)
     iw = packed.interleave(packed.pack_weight(w))
     x = torch.randn(19, 320, generator=torch.Generator().manual_seed(4)) * 3
     want = packed.packed_linear_int8(x, iw, isa="portable")
-    for isa in ISAS:
-        assert torch.equal(packed.packed_linear_int8(x, iw, isa=isa), want), isa
-    assert torch.equal(packed.packed_linear_int8(x, iw), want)  # the automatic choice
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):  # the groups split over threads differently (pairs of groups or one)
+            torch.set_num_threads(n)
+            for isa in ISAS:
+                assert torch.equal(packed.packed_linear_int8(x, iw, isa=isa), want), (isa, n)
+            assert torch.equal(packed.packed_linear_int8(x, iw), want)  # the automatic choice
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("isa", ISAS)
