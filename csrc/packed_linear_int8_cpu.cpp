@@ -30,8 +30,9 @@
 // set: the portable path, the AVX2 path and the AVX-512 VNNI path give the same bits (tested),
 // and a row's output is the same in a pass of 1 or of 64 rows.
 //
-// Paths: isa 1 portable C++, 2 AVX2, 3 AVX-512 VNNI (two groups at a time in 512-bit vectors, a
-// last odd group in 256-bit ones), 0 the best one this CPU runs (the probes of common.h, asked at
+// Paths: isa 1 portable C++, 2 AVX2, 3 AVX-512 VNNI (256-bit vectors: AVX512VL + VNNI; two groups
+// in 512-bit vectors ran faster in cache but slower streaming from memory on the development
+// machine, so they are not used), 0 the best one this CPU runs (the probes of common.h, asked at
 // run time).  Rows are taken four (VNNI) or two (AVX2) at a time against the group's unpacked
 // chunks held in registers; groups are split over at::parallel_for.
 #include "common.h"
@@ -259,68 +260,11 @@ __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) void gr
   for (int r = 0; r < RB; ++r) store_group(y + r * O, _mm256_add_ps(acc[r], accm[r]), valid);
 }
 
-// 8 floats at a (low half) and 8 at b (high half)
-__attribute__((target("avx2,fma,avx512f"))) inline __m512 pair512(const float* a, const float* b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a))),
-                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
-}
-
-// Two groups in the halves of 512-bit vectors (the same arithmetic lane by lane as
-// group_rows_vnni): one vpdpbusd per chunk feeds 16 outputs.
-template <int kind, int RB>
-__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))) void group_pair_vnni512(
-    const uint8_t* qw, int64_t group_bytes, const float* dw, const float* mw, int64_t nb, const int8_t* qx,
-    const float* dx, const float* sx, const int32_t* qsum, int64_t I, float* y, int64_t O, int64_t valid1) {
-  __m512 acc[RB], accm[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
-  const int64_t chunk_bytes = kind == 0 ? 128 : 256;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  for (int64_t j = 0; j < nb; ++j) {
-    const uint8_t* w0 = qw + j * chunk_bytes;
-    const uint8_t* w1 = qw + group_bytes + j * chunk_bytes;
-    __m512i w[8];
-    if (kind == 0) {
-      for (int c = 0; c < 4; ++c) {
-        const __m512i b =
-            _mm512_inserti64x4(_mm512_castsi256_si512(load_chunk(w0 + 32 * c)), load_chunk(w1 + 32 * c), 1);
-        w[c] = _mm512_and_si512(b, lo4);
-        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
-      }
-    } else {
-      for (int t = 0; t < 8; ++t)
-        w[t] = _mm512_xor_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(load_chunk(w0 + 32 * t)), load_chunk(w1 + 32 * t), 1), flip);
-    }
-    const __m512 d = pair512(dw + j * GROUP, dw + nb * GROUP + j * GROUP);
-    const __m512 m = kind == 0 ? pair512(mw + j * GROUP, mw + nb * GROUP + j * GROUP) : _mm512_setzero_ps();
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* xb = qx + r * I + j * QBLOCK;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int t = 0; t < 8; t += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[t], _mm512_set1_epi32(load_i32(xb + 4 * t)));
-        s1 = _mm512_dpbusd_epi32(s1, w[t + 1], _mm512_set1_epi32(load_i32(xb + 4 * t + 4)));
-      }
-      __m512i isum = _mm512_add_epi32(s0, s1);
-      if (kind == 1) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * qsum[r * nb + j]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + j])), acc[r]);
-      if (kind == 0) accm[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + j]), accm[r]);
-    }
-  }
-  for (int r = 0; r < RB; ++r) {
-    const __m512 v = _mm512_add_ps(acc[r], accm[r]);
-    store_group(y + r * O, _mm512_castps512_ps256(v), GROUP);
-    store_group(y + r * O + GROUP, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), valid1);
-  }
-}
-
 void groups_simd(int64_t isa, int kind, const uint8_t* qw, const float* dw, const float* mw, int64_t nb,
                  const QuantX& qx, int64_t R, int64_t I, int64_t O, float* y, int64_t g0, int64_t g1) {
   const int64_t group_bytes = nb * (kind == 0 ? 128 : 256);
-  for (int64_t g = g0; g < g1;) {
-    // VNNI: two groups at a time in 512-bit vectors (all but the last group of the call are full)
-    const bool pair = isa == ISA_AVX512_VNNI && g + 1 < g1;
-    const int64_t valid = std::min<int64_t>(GROUP, O - (g + pair) * GROUP);  // of the last group taken
+  for (int64_t g = g0; g < g1;) {  // one group of 8 output rows at a time
+    const int64_t valid = std::min<int64_t>(GROUP, O - g * GROUP);
     const uint8_t* w = qw + g * group_bytes;
     const float* d = dw + g * nb * GROUP;
     const float* m = mw ? mw + g * nb * GROUP : nullptr;
@@ -332,12 +276,7 @@ void groups_simd(int64_t isa, int kind, const uint8_t* qw, const float* dw, cons
       const float *dxr = qx.d.data() + off, *sxr = qx.s.data() + off;
       const int32_t* qs = qx.qsum.data() + off;
       float* yr = y + r * O + g * GROUP;
-      if (pair) {
-        if (kind == 0)
-          group_pair_vnni512<0, RB>(w, group_bytes, d, m, nb, xq, dxr, sxr, qs, I, yr, O, valid);
-        else
-          group_pair_vnni512<1, RB>(w, group_bytes, d, m, nb, xq, dxr, sxr, qs, I, yr, O, valid);
-      } else if (isa == ISA_AVX512_VNNI) {
+      if (isa == ISA_AVX512_VNNI) {
         if (kind == 0)
           group_rows_vnni<0, RB>(w, d, m, nb, xq, dxr, sxr, qs, I, yr, O, valid);
         else
@@ -353,7 +292,7 @@ void groups_simd(int64_t isa, int kind, const uint8_t* qw, const float* dw, cons
       while (r + 4 <= R) rows(std::integral_constant<int, 4>());
     while (r + 2 <= R) rows(std::integral_constant<int, 2>());
     if (r < R) rows(std::integral_constant<int, 1>());
-    g += pair ? 2 : 1;
+    ++g;
   }
 }
 
