@@ -1230,9 +1230,15 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
 
     writer.close()
     config["methods"] = [m.name for m in shown]
-    from specdec_kernels.decoding.model import linear_choices
+    from collections import Counter
 
-    config["linear_choices"] = linear_choices()  # the CPU matmul paths measured in this run
+    from specdec_kernels.decoding import packed
+    from specdec_kernels.decoding.model import linear_path
+
+    # the CPU matmul paths of a decode or verify pass (a fixed rule, see decoding.model.linear_path)
+    weights = [m.weight for m in ctx.model.modules() if isinstance(m, torch.nn.Linear)]
+    config["linear_paths"] = {nx: dict(Counter(linear_path(1, w, nx) for w in weights)) for nx in ("float32", "int8")}
+    config["int8_isa"] = (packed.int8_isas() or ("none",))[-1]
     from specdec_kernels.ops.tree_attention import automatic_cpu_path
 
     # the automatic CPU attention paths (fixed, not measured: "native" unless an environment variable forces "torch")
@@ -1243,15 +1249,10 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
             threads.setdefault(f"{r['method']} {cls}", {}).setdefault(n, 0)
             threads[f"{r['method']} {cls}"][n] += 1
     config["thread_choices"] = threads  # per method and step class: {threads: prompts}
-    for c in config["linear_choices"]:
-        times = ", ".join(
-            f"{p} {c[p + '_ms']:.2f} ms" for p in ("f_linear", "skinny", "packed") if c.get(p + "_ms") is not None
-        )
-        print(
-            f"# linear {c['weight'][0]}x{c['weight'][1]} {c['dtype']}, {c['rows']} rows, {c['threads']} threads: "
-            f"{c['choice']}" + (f" ({times})" if times else ""),
-            file=sys.stderr,
-        )
+    print(
+        f"# linear paths of a pass (weights per path): {config['linear_paths']}; int8 kernel: {config['int8_isa']}",
+        file=sys.stderr,
+    )
     print(f"# tree_attention on CPU: {config['attention_cpu_path']}", file=sys.stderr)
     for what, counts in threads.items():
         print(
