@@ -215,6 +215,32 @@ def test_tiny_adaptive_is_greedy(tiny, policy):
         assert len(s.draft_lengths) == s.sequence_steps and s.policy
 
 
+def test_cost_model_starts_from_the_decoders_measured_pass_costs(tiny):
+    """The target pass's cost curve measured by earlier requests (same numerics, threads, batch)
+    is where the next request's cost model starts: its verify cost is known before its first
+    step, and the curve grows with every request; outputs stay greedy."""
+    _, model = tiny
+    greedy = SpeculativeDecoder(model).generate(PROMPTS[:1], 24).tokens
+    seen = []
+
+    class Spy(CostModelPolicy):
+        def start(self, state):
+            super().start(state)
+            seen.append({x: p[0] for x, p in self.verify_cost.points.items()})
+
+    decoder = SpeculativeDecoder(model, NgramDrafter(), policy=Spy(0, 6))
+    for _ in range(3):
+        assert decoder.generate(PROMPTS[:1], 24).tokens == greedy
+    assert seen[0] == {}  # the first request measures from scratch
+    assert seen[1] and sum(seen[2].values()) > sum(seen[1].values())  # then starts from the curve, which grows
+    (curve,) = decoder.pass_costs.values()
+    assert set(curve.points) >= set(seen[1])
+    fixed = SpeculativeDecoder(model, NgramDrafter(), policy=Spy(0, 6, verify_cost=(1.0, 0.0)))
+    fixed.generate(PROMPTS[:1], 8)
+    fixed.generate(PROMPTS[:1], 8)
+    assert seen[-1] == {}  # fixed costs are not replaced by measurements
+
+
 # ---------------------------------------------------------------------------- real model
 @real_only
 def test_real_model_adaptive_is_greedy():

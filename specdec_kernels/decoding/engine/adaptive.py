@@ -253,7 +253,10 @@ class CostModelPolicy(DraftLengthPolicy):
     batch ``prior_ratio * r_{j-1}`` (strength ``prior_strength``; r_0 = 1), so unseen
     positions are expected to accept geometrically less; rates are made non-increasing.
 
-    Cost: ``t_draft(K)`` (0 for K = 0) is a line fitted to the batch's measured draft time
+    Cost: the target pass's cost curve is measured on the machine at hand, never assumed: the
+    ``SpeculativeDecoder`` keeps the verify times of earlier requests of the same kind (numerics,
+    threads, batch size; ``state.pass_costs``), and a new request starts from that curve and adds
+    its own passes to it.  ``t_draft(K)`` (0 for K = 0) is a line fitted to the batch's measured draft time
     (the drafter's propose and observe; the first step's is left out, as it includes a
     model drafter's own prefill of the prompt) against the largest K of the step, proportional
     to K while one K was seen; ``t_verify(n)`` a line fitted to the measured verify time
@@ -333,6 +336,11 @@ class CostModelPolicy(DraftLengthPolicy):
         d, v = self._draft_cost_arg, self._verify_cost_arg
         self.draft_cost = LinearCost(*(d or (None, None)), proportional=True)
         self.verify_cost = LinearCost(*(v or (None, None)))
+        # the decoder's pass-cost curve of earlier requests of this kind (state.pass_costs): the
+        # verify cost starts from it, and this request's passes are added to it
+        self.shared_cost = getattr(state, "pass_costs", None) if v is None else None
+        if self.shared_cost is not None:
+            self.verify_cost.points = {x: list(p) for x, p in self.shared_cost.points.items()}
         self.verify_by_k = LinearCost()  # verify seconds per K requested (a K seen often enough)
         self.nodes: Dict[int, List[float]] = {}  # K -> [count, mean nodes per sequence]
         self.heuristic = HeuristicPolicy(self.k_init, self.k_min, self.k_max)
@@ -421,6 +429,8 @@ class CostModelPolicy(DraftLengthPolicy):
                 self.draft_cost.add(k_step, record.draft_time)
             self.verify_cost.add(record.block_width, record.verify_time)
             self.verify_by_k.add(k_step, record.verify_time)
+            if self.shared_cost is not None:
+                self.shared_cost.add(record.block_width, record.verify_time)
 
     def describe(self) -> str:
         return f"cost-model(K in [{self.k_min}, {self.k_max}])"

@@ -43,7 +43,7 @@ from specdec_kernels import (
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import as_int, as_int_list
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, resolve_policy
+from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, LinearCost, resolve_policy
 from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.typical import typical_acceptance
 from specdec_kernels.decoding.model import Transformer
@@ -132,6 +132,9 @@ class DecodeState:
     sampling: SamplingParams
     stats: DecodeStats = field(default_factory=DecodeStats)
     last_step: Optional[StepRecord] = None
+    # the target pass's measured cost by nodes per sequence, kept by the decoder across calls of
+    # the same kind (numerics, threads, batch size): adaptive policies start from it
+    pass_costs: Optional[object] = None
 
     @property
     def batch_size(self) -> int:
@@ -325,6 +328,7 @@ class SpeculativeDecoder:
         ):
             raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
         self.threads = threads
+        self.pass_costs: dict = {}  # (numerics, threads, batch, threads arg) -> LinearCost of the target pass
         vocab = getattr(self.drafter, "vocab_size", None)
         if vocab is not None and vocab != model.args.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({model.args.vocab_size})")
@@ -364,6 +368,8 @@ class SpeculativeDecoder:
             num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
         policy = num_draft_tokens if isinstance(num_draft_tokens, DraftLengthPolicy) else None
         if policy is not None:
+            kind = (getattr(self.model, "numerics", None), torch.get_num_threads(), state.batch_size, self.threads)
+            state.pass_costs = self.pass_costs.setdefault(kind, LinearCost())
             policy.start(state)
             state.stats.policy = policy.describe()
         step = 0
