@@ -104,6 +104,14 @@ def _packable(weight: torch.Tensor, who: str) -> bool:
     )
 
 
+def _check_x(who: str, x, I: int) -> None:
+    """TypeError / ValueError naming ``x`` unless it is a float32 CPU tensor [..., I]."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{who}: x must be a tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
+        raise ValueError(f"{who}: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
 def pack_weight_reference(weight: torch.Tensor) -> Optional[PackedWeight]:
     """``pack_weight`` in plain PyTorch (the reference the C++ packer is tested against)."""
     if not _packable(weight, "pack_weight_reference") or not bool(torch.isfinite(weight).all()):
@@ -168,12 +176,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, *, portable: bool = Fal
         ValueError / TypeError: x is not float32 on CPU with I inputs.
     """
     O, I = packed.shape
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"packed_linear: x must be a tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
-        raise ValueError(
-            f"packed_linear: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
-        )
+    _check_x("packed_linear", x, I)
     flat = x.reshape(-1, I)
     if has_kernel():
         out = torch.ops.specdec.packed_linear_native(
@@ -211,10 +214,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, *, portable: bool = Fa
             f"{weight.dtype} {tuple(weight.shape)} on {weight.device}"
         )
     O, I = weight.shape
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
-        raise ValueError(
-            f"rowwise_linear: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
-        )
+    _check_x("rowwise_linear", x, I)
     if not has_kernel():
         raise ValueError("rowwise_linear needs the C++ extension (specdec_kernels.load_native())")
     empty = torch.empty(0)
@@ -359,12 +359,7 @@ def packed_linear_int8(x: torch.Tensor, weight: Int8Weight, *, isa: Optional[str
             run (or any isa without the C++ extension).
     """
     O, I = weight.shape
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"packed_linear_int8: x must be a tensor, got {type(x).__name__}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != I:
-        raise ValueError(
-            f"packed_linear_int8: x must be float32 [..., {I}] on CPU, got {x.dtype} {tuple(x.shape)} on {x.device}"
-        )
+    _check_x("packed_linear_int8", x, I)
     codes = {name: i for i, name in ISA_NAMES.items()}
     if isa is not None and isa not in int8_isas():
         raise ValueError(f"packed_linear_int8: isa must be None or one of {int8_isas()} on this CPU, got {isa!r}")
