@@ -1,18 +1,20 @@
 """vLLM beside our engine on the same Spec-Bench prompts: ``python -m bench.vllm``.
 
-Four methods, greedy, batch 1 (one prompt at a time), the same prompt token ids:
+Seven methods, greedy, batch 1 (one prompt at a time), the same prompt token ids:
 
 * ``vllm-greedy``: vLLM without speculation;
 * ``vllm-ngram``: vLLM's n-gram speculation (``prompt_lookup_min`` 2, ``max`` 4, K drafts)
   verified by vLLM's own rejection sampler;
 * ``vllm-ngram-specdec``: the same engine with our plugin switched on
   (``specdec_kernels.integrations.vllm``): vLLM's drafts verified by our ops;
-* ``ours-ngram``: our engine's n-gram drafter (``NgramDrafter``, chain, K drafts) and decode
-  loop on SmolLM2 (``specdec_kernels.decoding``).
+* ``ours-greedy``, ``ours-ngram``: our engine plain, and with its n-gram drafter
+  (``NgramDrafter``, chain, K drafts), on SmolLM2 (``specdec_kernels.decoding``), float32;
+* ``ours-greedy-int8``, ``ours-ngram-int8``: the same with 8-bit activations
+  (``Transformer.numerics = "int8"``).
 
 Every timed call is also a checked one, and no figure is written unless the checks pass:
 every round of a method gives the same tokens, both vLLM n-gram runs give vLLM greedy's
-tokens (speculation is lossless), the plugin's accepted-token count equals vLLM's, and the
+tokens and our n-gram runs our greedy's in the same numerics (speculation is lossless), the plugin's accepted-token count equals vLLM's, and the
 plugin's own call log (``SPECDEC_VLLM_STATS``) shows that it verified the drafts.  Reported per method: tokens/s (generated tokens over the wall time of the
 generation calls, warm engine), the mean accepted length (tokens per target pass, the bonus
 token included), and draft/accepted counts; ``--rounds`` timed rounds of each method (vLLM's
@@ -228,37 +230,54 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+OURS = (  # name, n-gram drafts or plain, Transformer.numerics
+    ("ours-greedy", False, "float32"),
+    ("ours-ngram", True, "float32"),
+    ("ours-greedy-int8", False, "int8"),
+    ("ours-ngram-int8", True, "int8"),
+)
+
+
 def _ours(prompts: List[List[int]], k: int, max_new_tokens: int, eos: int, rounds: int) -> List[Dict[str, Any]]:
-    """Our engine, n-gram chain drafts, greedy, batch 1: one result per round (driver format)."""
+    """Our engine, greedy, batch 1, plain and with n-gram chain drafts, in both numerics: one
+    result per method and round (driver format), rounds interleaved across the methods."""
     import torch
 
     from specdec_kernels.decoding import NgramDrafter, SpeculativeDecoder
     from specdec_kernels.decoding.loading import load_smollm2
 
     model, _ = load_smollm2(dtype=torch.float32)
-    decoder = SpeculativeDecoder(model, NgramDrafter(), stop_token_ids=[eos])
-    decoder.generate([prompts[0]], 8, num_draft_tokens=k)  # warm-up
+    decoders = {
+        name: (SpeculativeDecoder(model, NgramDrafter() if ngram else None, stop_token_ids=[eos]), numerics)
+        for name, ngram, numerics in OURS
+    }
+    for decoder, numerics in decoders.values():  # warm-up
+        model.numerics = numerics
+        decoder.generate([prompts[0]], 8, num_draft_tokens=k)
     out = []
     for i in range(rounds):
-        tokens, seconds, passes, drafts, accepted = [], [], 0, 0, 0
-        for p in prompts:
-            t = time.perf_counter()
-            r = decoder.generate([p], max_new_tokens, num_draft_tokens=k)
-            seconds.append(time.perf_counter() - t)
-            tokens.append(r.tokens[0])
-            passes += r.stats.target_passes
-            drafts += r.stats.draft_tokens
-            accepted += r.stats.accepted_draft_tokens
-        out.append(
-            {
-                "name": f"ours-ngram/{i}",
-                "tokens": tokens,
-                "seconds": seconds,
-                "target_passes": passes,
-                "draft_tokens": drafts,
-                "accepted_tokens": accepted,
-            }
-        )
+        for name, (decoder, numerics) in decoders.items():
+            model.numerics = numerics
+            tokens, seconds, passes, drafts, accepted = [], [], 0, 0, 0
+            for p in prompts:
+                t = time.perf_counter()
+                r = decoder.generate([p], max_new_tokens, num_draft_tokens=k)
+                seconds.append(time.perf_counter() - t)
+                tokens.append(r.tokens[0])
+                passes += r.stats.target_passes
+                drafts += r.stats.draft_tokens
+                accepted += r.stats.accepted_draft_tokens
+            out.append(
+                {
+                    "name": f"{name}/{i}",
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "target_passes": passes,
+                    "draft_tokens": drafts,
+                    "accepted_tokens": accepted,
+                }
+            )
+    model.numerics = "float32"
     return out
 
 
@@ -353,8 +372,11 @@ def run(args: argparse.Namespace) -> int:
     if groups["vllm-ngram"][0]["accepted_tokens"] != groups["vllm-ngram-specdec"][0]["accepted_tokens"]:
         problems.append("the plugin's accepted-token count differs from vLLM's")
     same_as_vllm = sum(a == b for a, b in zip(groups["ours-ngram"][0]["tokens"], reference))
+    for plain, spec_name in (("ours-greedy", "ours-ngram"), ("ours-greedy-int8", "ours-ngram-int8")):
+        if groups[spec_name][0]["tokens"] != groups[plain][0]["tokens"]:
+            problems.append(f"{spec_name} tokens differ from {plain}")
     rows = []
-    for name in ("vllm-greedy", "vllm-ngram", "vllm-ngram-specdec", "ours-ngram"):
+    for name in ("vllm-greedy", "vllm-ngram", "vllm-ngram-specdec") + tuple(n for n, _, _ in OURS):
         runs = groups[name]
         r = runs[0]
         generated = sum(len(t) for t in r["tokens"])
