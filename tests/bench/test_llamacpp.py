@@ -173,12 +173,15 @@ def test_step_cost_real_skips_llamacpp_without_its_environment(no_llamacpp, tmp_
     rows = step_cost.main(
         ["--real", "--threads", "1", "--sizes", "2", "--min-time", "0.01", "--out", str(tmp_path), "--device", "cpu"]
     )
-    assert [(r["engine"], r["kind"], r["N"]) for r in rows] == [
-        ("ours", "decode", 1),
-        ("ours", "chain", 2),
-        ("ours", "tree", 2),
+    want = [("prefill", 300), ("decode", 1), ("chain", 2), ("tree", 2)]
+    assert [(r["engine"], r["numerics"], r["kind"], r["N"]) for r in rows] == [
+        ("ours", nx, kind, n) for nx in ("float32", "int8") for kind, n in want
     ]
-    assert all(r["model"] == step_cost.REAL and r["prefix"] == 300 and r["threads"] == 1 for r in rows)
+    assert all(r["model"] == step_cost.REAL and r["threads"] == 1 for r in rows)
+    assert all(r["prefix"] == (0 if r["kind"] == "prefill" else 300) for r in rows)
+    assert all(r["streamed_bytes"] > 0 and r["median_us"] > 0 for r in rows)
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert all(r["decode_over_stream"] > 0 and r["copy_gbps"] > 0 for r in decode)
     assert "# skipped llama.cpp: no llama.cpp environment" in capsys.readouterr().out
     lines = read_jsonl(tmp_path / "step_cost.jsonl")
     assert lines[-1]["kind"] == "skipped" and "setup_llamacpp_env.sh" in lines[-1]["reason"]
@@ -191,9 +194,11 @@ def test_step_cost_real_beside_llamacpp(tmp_path, capsys, restore_threads):
         ["--real", "--threads", "1", "--sizes", "2,4", "--min-time", "0.01", "--out", str(tmp_path), "--device", "cpu"]
     )
     theirs = [r for r in rows if r["engine"] == "llama.cpp"]
-    assert [(r["kind"], r["N"]) for r in theirs] == [("decode", 1), ("chain", 2), ("chain", 4)]
-    assert all(r["median_us"] > 0 and r["p20_us"] <= r["p80_us"] and r["threads"] == 1 for r in theirs)
-    assert theirs[0]["ratio_to_decode"] == 1.0
+    assert [(r["kind"], r["N"]) for r in theirs] == [("prefill", 300), ("decode", 1), ("chain", 2), ("chain", 4)]
+    assert all(r["median_us"] > 0 and r["threads"] == 1 for r in theirs)
+    assert all(r["p20_us"] <= r["p80_us"] for r in theirs[1:])
+    assert theirs[1]["ratio_to_decode"] == 1.0
     both = step_cost.side_by_side(rows)
-    assert [b["N"] for b in both] == [1, 2, 4] and all(b["ours_over_llamacpp"] > 0 for b in both)
+    assert [b["N"] for b in both] == [1, 2, 4, "prefill"]
+    assert all(b[f"{nx}_over_llamacpp"] > 0 for b in both for nx in ("float32", "int8"))
     assert "beside llama.cpp" in capsys.readouterr().out
