@@ -14,6 +14,30 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's "model name" on Linux; else the platform's), and its
+    core count, e.g. "AMD EPYC, 2 cores"."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "CPU"
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def cpu_features() -> str:
+    """The vector instruction sets the CPU reports that our kernels and llama.cpp's care about."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return ""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8", "amx_tile")
+    return " ".join(w for w in wanted if w in flags)
+
+
 def environment() -> Dict[str, str]:
     """Device, library versions, git commit and time: stamped on every JSON line."""
     try:
@@ -36,9 +60,10 @@ def environment() -> Dict[str, str]:
         device = torch.cuda.get_device_name()
     else:
         n = torch.get_num_threads()
-        device = f"CPU ({platform.processor() or platform.machine()}, {n} thread{'' if n == 1 else 's'})"
+        device = f"{cpu_model()} ({n} thread{'' if n == 1 else 's'})"
     return {
         "device": device,
+        "cpu_features": cpu_features(),
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
