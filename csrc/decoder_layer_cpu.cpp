@@ -44,12 +44,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 }
 
 at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dw, const OptT& mw,
-                              int64_t kind, int64_t out_features) {
+                              int64_t kind, int64_t out_features, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("specdec::packed_linear_int8_native", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                          int64_t, int64_t)>();
-  return op.call(x, qw, dw, mw, kind, out_features, 0);
+  return op.call(x, qw, dw, mw, kind, out_features, isa);
 }
 
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqlens,
@@ -68,14 +68,15 @@ at::Tensor slot(const std::vector<OptT>& w, int64_t i, int64_t s) {
 }
 
 // y = x @ W_i^T on the path kinds[i] names; x [rows, in].
-at::Tensor run_linear(const at::Tensor& x, const std::vector<OptT>& w, int64_t i, int64_t kind, int64_t out) {
+at::Tensor run_linear(const at::Tensor& x, const std::vector<OptT>& w, int64_t i, int64_t kind, int64_t out,
+                      int64_t isa) {
   switch (kind) {
     case 0: return packed_linear(x, slot(w, i, 0), slot(w, i, 1), slot(w, i, 2), 0);
     case 1: return packed_linear(x, slot(w, i, 0), slot(w, i, 1), c10::nullopt, 1);
     case 2: return packed_linear(x, slot(w, i, 0), at::empty({0}, x.options()), c10::nullopt, 2);
     case 3: return at::linear(x, slot(w, i, 0));
-    case 4: return packed_linear_int8(x, slot(w, i, 0), slot(w, i, 1), slot(w, i, 2), 0, out);
-    case 5: return packed_linear_int8(x, slot(w, i, 0), slot(w, i, 1), c10::nullopt, 1, out);
+    case 4: return packed_linear_int8(x, slot(w, i, 0), slot(w, i, 1), slot(w, i, 2), 0, out, isa);
+    case 5: return packed_linear_int8(x, slot(w, i, 0), slot(w, i, 1), c10::nullopt, 1, out, isa);
     default: TORCH_CHECK_VALUE(false, "decoder_layer: kinds[", i, "] must lie in 0..5, got ", kind);
   }
 }
@@ -109,7 +110,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
                              double eps, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
                              at::Tensor v_cache, const at::Tensor& cache_seqlens, const OptT& tree_mask,
                              const OptT& qkv_bias, const std::vector<OptT>& weights, at::IntArrayRef kinds,
-                             at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads) {
+                             at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
   TORCH_CHECK_VALUE(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                     "decoder_layer: x must be float32 [B, N, hidden] on the CPU");
   TORCH_CHECK_VALUE(weights.size() == 12 && kinds.size() == 4 && out_features.size() == 4,
@@ -147,7 +148,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 
   at::Tensor xn = at::empty({rows, hidden}, opts);
   rms_norm_rows(x.data_ptr<float>(), w_attn.data_ptr<float>(), rows, hidden, eps, xn.data_ptr<float>());
-  at::Tensor qkv = run_linear(xn, weights, 0, kinds[0], out_features[0]);
+  at::Tensor qkv = run_linear(xn, weights, 0, kinds[0], out_features[0], isa);
   if (given(qkv_bias)) qkv = qkv + *qkv_bias;
   qkv = qkv.contiguous();
 
@@ -178,7 +179,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
       }
   }
   const at::Tensor attn = tree_attention(q, k_cache, v_cache, lens, tree_mask, std::pow(double(D), -0.5));
-  at::Tensor h = run_linear(attn.reshape({rows, H * D}), weights, 1, kinds[1], out_features[1]).contiguous();
+  at::Tensor h = run_linear(attn.reshape({rows, H * D}), weights, 1, kinds[1], out_features[1], isa).contiguous();
   {  // h = x + attention output (one rounding per element, as x + y)
     float* hp = h.data_ptr<float>();
     const float* xp = x.data_ptr<float>();
@@ -186,10 +187,10 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   }
   at::Tensor hn = at::empty({rows, hidden}, opts);
   rms_norm_rows(h.data_ptr<float>(), w_ffn.data_ptr<float>(), rows, hidden, eps, hn.data_ptr<float>());
-  const at::Tensor gu = run_linear(hn, weights, 2, kinds[2], out_features[2]);
+  const at::Tensor gu = run_linear(hn, weights, 2, kinds[2], out_features[2], isa);
   const int64_t inter = out_features[2] / 2;
   const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
-  at::Tensor out = run_linear(act, weights, 3, kinds[3], out_features[3]).contiguous();
+  at::Tensor out = run_linear(act, weights, 3, kinds[3], out_features[3], isa).contiguous();
   {
     float* o = out.data_ptr<float>();
     const float* hp = h.data_ptr<float>();

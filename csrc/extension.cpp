@@ -85,11 +85,11 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("packed_weight_native(Tensor weight) -> (int, Tensor, Tensor, Tensor)");
   // One decoder layer of the engine's model (csrc/decoder_layer_cpu.cpp): Block.forward's ops in
   // one call, writing the block's keys and values into k_cache / v_cache; weights holds 4 linears x 3
-  // slots whose kinds say which product reads them.
+  // slots whose kinds say which product reads them; isa: the int8 products' path (0: the best).
   m.def(
       "decoder_layer_native(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? tree_mask, Tensor? qkv_bias, "
-      "Tensor?[] weights, int[] kinds, int[] out_features, int num_heads, int num_kv_heads) -> Tensor");
+      "Tensor?[] weights, int[] kinds, int[] out_features, int num_heads, int num_kv_heads, int isa=0) -> Tensor");
   // The same product with 8-bit activations (csrc/packed_linear_int8_cpu.cpp): x float32 [R, I]
   // quantised per block of 32; weights interleaved in groups of 8 output rows (qw uint8 [G, I / 32,
   // 128 (affine4) or 256 (scaled8)], dw and mw float32 [G, I / 32, 8]); out_features O; isa 0 best,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS
+from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.paged import PagedKVCache
 
@@ -220,23 +221,46 @@ def linear_path(rows: int, weight: torch.Tensor, numerics: str = "float32") -> s
     return "rowwise" if weight.shape[1] % packed.BLOCK == 0 else "f_linear"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, numerics: str = "float32") -> torch.Tensor:
-    """``x @ weight.T`` (no bias), on the path ``linear_path`` gives.
+def linear(x: torch.Tensor, weight: torch.Tensor, numerics: str = "float32", isa: Optional[str] = None) -> torch.Tensor:
+    """``x @ weight.T`` (no bias), on the path ``linear_path`` gives (``isa``: the int8 path's
+    instruction set, one of ``packed.int8_isas()``; None: the best this CPU runs).
 
     On CPU a decode or verify step multiplies a few rows by a large weight, which is bound by
     streaming the weight from memory: a weight with an exact block-quantised form
     (``decoding.packed``, SmolLM2's GGUF weights) is read in a fifth of the bytes, and with
     numerics "int8" its products use integer dot products (``packed.packed_linear_int8``).
+    Where autograd records (grad enabled and x or the weight requiring grad, as when an EAGLE
+    head's layer is trained) it is ``F.linear``: the native kernels have no backward.
     """
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight)  # training (an EAGLE head's layer): the native kernels have no backward
     rows = x.shape[-2] if x.dim() >= 3 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)  # per sequence
     path = linear_path(rows if x.numel() else 0, weight, numerics)
     if path == "f_linear":
         return F.linear(x, weight)
     if path == "int8":
-        return packed.packed_linear_int8(x, packed.int8_form(weight))
+        return packed.packed_linear_int8(x, packed.int8_form(weight), isa=isa)
     if path == "packed":
         return packed.packed_linear(x, packed.packed_form(weight))
     return packed.rowwise_linear(x, weight)
+
+
+INT8_ISA_ENV = "SPECDEC_INT8_ISA"  # forces the int8 products' instruction set ("avx2", "avx512-vnni", ...)
+_INT8_ISA_CHOICE: list = []
+
+
+def _int8_isa_choice() -> Optional[RuntimeChoice]:
+    """The run-time choice of the int8 products' instruction set: the vector paths this CPU runs
+    (the portable one only where there is none), the widest first, timed on whole passes per
+    pass shape (tokens per sequence, threads, layers run) as they happen; None where there is
+    nothing to choose.  Every path gives the same bits, so the choice changes speed only."""
+    if not _INT8_ISA_CHOICE:
+        isas = [i for i in reversed(packed.int8_isas()) if i != "portable"] or list(packed.int8_isas())
+        _INT8_ISA_CHOICE.append(
+            RuntimeChoice("int8 products' instruction set", isas, trials=3, env=INT8_ISA_ENV) if isas else None
+        )
+    choice = _INT8_ISA_CHOICE[0]
+    return choice if choice is not None and (len(choice.candidates) > 1 or choice.forced()) else None
 
 
 FUSED_ENV = "SPECDEC_FUSED_LAYER"  # "0": every layer through the Python ops of Block.forward
@@ -322,6 +346,7 @@ class Block(nn.Module):
         self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.numerics = "float32"  # set through Transformer.numerics
+        self.isa: Optional[str] = None  # the int8 products' instruction set of the current pass (None: the best)
 
     def fused_args(self, rows: int) -> Optional[tuple]:
         """The weight arguments of ``decoder_layer_native`` for a pass of ``rows`` tokens per
@@ -360,7 +385,16 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend, block_table=None):
         B, N, _ = x.shape
-        if block_table is None and backend in (None, "native") and x.dtype == torch.float32 and x.device.type == "cpu":
+        differentiable = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in self.parameters())
+        )
+        if (
+            block_table is None
+            and backend in (None, "native")
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not differentiable  # training a head's layer: the Python ops, which autograd follows
+        ):
             fused = self.fused_args(N)
             if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)
                 return torch.ops.specdec.decoder_layer_native(
@@ -378,10 +412,12 @@ class Block(nn.Module):
                     *fused,
                     self.args.num_heads,
                     self.args.num_kv_heads,
+                    packed.isa_code(self.isa),
                 )
         H, Hkv, D = self.args.num_heads, self.args.num_kv_heads, self.args.head_dim
         nx = self.numerics
-        qkv = linear(self.attention_norm(x), self.wqkv.weight, nx)
+        isa = self.isa
+        qkv = linear(self.attention_norm(x), self.wqkv.weight, nx, isa)
         if self.wqkv.bias is not None:  # Qwen2's q/k/v biases (others: no bias, no extra op)
             qkv = qkv + self.wqkv.bias
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
@@ -392,9 +428,9 @@ class Block(nn.Module):
         write(k_cache, k)
         write(v_cache, v)
         attn = attend(q, k_cache, v_cache, cache_seqlens, tree_mask, backend, block_table)
-        x = x + linear(attn.reshape(B, N, H * D), self.wo.weight, nx)
-        gate, up = linear(self.ffn_norm(x), self.w13.weight, nx).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w2.weight, nx)
+        x = x + linear(attn.reshape(B, N, H * D), self.wo.weight, nx, isa)
+        gate, up = linear(self.ffn_norm(x), self.w13.weight, nx, isa).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w2.weight, nx, isa)
 
 
 class Transformer(nn.Module):
@@ -415,6 +451,7 @@ class Transformer(nn.Module):
         self.attention_scaling = 1.0
         self.attention_backend: Optional[str] = None  # tree_attention's backend=; None: automatic
         self.numerics = default_numerics()
+        self._isa: Optional[str] = None
 
     @property
     def numerics(self) -> str:
@@ -651,6 +688,42 @@ class Transformer(nn.Module):
             ``compute_logits`` is False.  With ``return_hidden`` a pair ``(logits, hidden)``,
             hidden of shape (B, N or R, hidden_size) in the model's dtype (None when R = 0).
         """
+        args = (
+            tokens,
+            positions,
+            kv_cache,
+            cache_seqlens,
+            tree_mask,
+            num_layers,
+            logit_rows,
+            return_hidden,
+            compute_logits,
+        )
+        choice = _int8_isa_choice() if self._numerics == "int8" and tokens.device.type == "cpu" else None
+        if choice is None:
+            return self._forward(None, *args)
+        # the int8 products' instruction set, measured on whole passes (every path gives the same bits)
+        n_class = 1 << max(0, tokens.shape[1] - 1).bit_length()  # tokens per sequence, rounded up to a power of 2
+        key = (n_class, torch.get_num_threads(), num_layers or len(self.layers), logit_rows is None)
+        return choice(key, lambda isa: self._forward(isa, *args))
+
+    def _forward(
+        self,
+        isa,
+        tokens,
+        positions,
+        kv_cache,
+        cache_seqlens,
+        tree_mask,
+        num_layers,
+        logit_rows,
+        return_hidden,
+        compute_logits,
+    ):
+        """``forward``'s body; ``isa``: the int8 products' instruction set (None: the best)."""
+        self._isa = isa
+        for layer in self.layers:
+            layer.isa = isa
         B, N = tokens.shape
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         freqs = positions[..., None].float() * self.inv_freq
@@ -704,6 +777,10 @@ class Transformer(nn.Module):
                 return (None, None) if return_hidden else None
             x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
         if not return_hidden:
-            return linear(self.norm(x), self.output.weight, self._numerics).float() if compute_logits else None
+            return (
+                linear(self.norm(x), self.output.weight, self._numerics, self._isa).float() if compute_logits else None
+            )
         hidden = self.norm(x)
-        return (linear(hidden, self.output.weight, self._numerics).float() if compute_logits else None), hidden
+        return (
+            linear(hidden, self.output.weight, self._numerics, self._isa).float() if compute_logits else None
+        ), hidden

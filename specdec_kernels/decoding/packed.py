@@ -280,6 +280,16 @@ def interleave(packed: PackedWeight) -> Int8Weight:
     return Int8Weight(packed.kind, qw, by_group(packed.scales), by_group(packed.mins), (O, I))
 
 
+def isa_code(isa: Optional[str]) -> int:
+    """The kernels' number of an instruction-set path name (0 for None: the best one)."""
+    if isa is None:
+        return 0
+    codes = {name: i for i, name in ISA_NAMES.items()}
+    if isa not in codes:
+        raise ValueError(f"isa must be None or one of {tuple(codes)}, got {isa!r}")
+    return codes[isa]
+
+
 def int8_isas() -> Tuple[str, ...]:
     """The instruction-set paths of ``packed_linear_int8`` this CPU runs, by name ("portable",
     "avx2", "avx512-vnni"), asked of the CPU at run time; () without the C++ extension."""
@@ -360,14 +370,13 @@ def packed_linear_int8(x: torch.Tensor, weight: Int8Weight, *, isa: Optional[str
     """
     O, I = weight.shape
     _check_x("packed_linear_int8", x, I)
-    codes = {name: i for i, name in ISA_NAMES.items()}
     if isa is not None and isa not in int8_isas():
         raise ValueError(f"packed_linear_int8: isa must be None or one of {int8_isas()} on this CPU, got {isa!r}")
     if not has_kernel("packed_linear_int8"):
         raise ValueError("packed_linear_int8 needs the C++ extension (specdec_kernels.load_native())")
     flat = x.reshape(-1, I)
     out = torch.ops.specdec.packed_linear_int8_native(
-        flat, weight.qw, weight.dw, weight.mw, weight.kind, O, codes[isa] if isa else 0
+        flat, weight.qw, weight.dw, weight.mw, weight.kind, O, isa_code(isa)
     )
     return out.view(*x.shape[:-1], O)
 

@@ -183,3 +183,33 @@ def test_numerics_setting(models):
     finally:
         model.numerics = "float32"
     assert packed.int8_form(model.layers[0].wqkv.weight) is not None
+
+
+def test_int8_instruction_set_is_measured_and_changes_no_bit(models, monkeypatch):
+    """The int8 products' instruction set is chosen by timing whole passes (it changes speed
+    only: every path gives the same bits), and $SPECDEC_INT8_ISA forces one."""
+    from specdec_kernels.decoding import model as m
+
+    choice = m._int8_isa_choice()
+    isas = [i for i in packed.int8_isas() if i != "portable"]
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs one vector path of the int8 product ({isas}): nothing to choose")
+    assert choice is not None and set(choice.candidates) == set(isas)
+    model = models["coded"]
+    model.numerics = "int8"
+    g = torch.Generator().manual_seed(2)
+    prefixes = torch.randint(0, model.args.vocab_size, (1, PREFIX), generator=g)
+    tokens = torch.randint(0, model.args.vocab_size, (1, 3), generator=g)
+    try:
+        choice.reset()
+        outs = [run_pass(model, prefixes, tokens, None) for _ in range(2 * choice.trials + 1)]
+        assert all(torch.equal(o, outs[0]) for o in outs)  # trials of both paths: the same bits
+        assert any(c["choice"] in isas for c in choice.choices())  # decided for the 3-token passes
+        for isa in isas:
+            monkeypatch.setenv(m.INT8_ISA_ENV, isa)
+            choice.read_environment()
+            assert torch.equal(run_pass(model, prefixes, tokens, None), outs[0]), isa
+    finally:
+        monkeypatch.delenv(m.INT8_ISA_ENV, raising=False)
+        choice.read_environment()
+        model.numerics = "float32"
