@@ -352,8 +352,7 @@ class Block(nn.Module):
         """The weight arguments of ``decoder_layer_native`` for a pass of ``rows`` tokens per
         sequence, or None where the layer runs its Python ops: the fused call needs the extension,
         float32 CPU weights, at most ``ROW_INDEPENDENT_ROWS`` tokens, and $SPECDEC_FUSED_LAYER not
-        "0".  Cached
-        while the weights, the numerics and the packed registry stay the same."""
+        "0".  Cached while the weights, the numerics and the packed registry stay the same."""
         weights = (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight)
         key = (
             self.numerics,
