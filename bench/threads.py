@@ -6,8 +6,8 @@ torch's count, ``threads="auto"`` with one decoder kept for the whole run (as a 
 keep it: the measurement and its budget carry over between calls) and ``"auto"`` with a new
 decoder per call (the worst case: every call measures anew), each idle and under a synthetic
 load (``--load`` busy processes, default one per CPU, started before the loaded calls and
-stopped after them).  Conditions, settings and prompts are interleaved over ``--reps``
-repetitions.  A call is stopped after ``--cap`` seconds (more threads under load can be 50
+stopped after them).  Conditions alternate over ``--reps`` repetitions, the settings in a
+seeded random order within each condition.  A call is stopped after ``--cap`` seconds (more threads under load can be 50
 times slower) after its prefill, and then counts the tokens it had made in that time.
 
 The thread choice governs the decode steps only; the prefill runs with torch's count in every
@@ -28,6 +28,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import statistics
 import sys
 import time
@@ -155,12 +156,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"# {env['device']}, load: {args.load} busy processes, torch threads {every}", file=sys.stderr)
     calls: List[Dict] = []
     greedy: Dict[int, List[int]] = {}
+    order = random.Random(0)
     for rep in range(args.reps):
         conditions = ("idle", "loaded") if rep % 2 == 0 else ("loaded", "idle")
         for condition in conditions:
             with Load(args.load) if condition == "loaded" else contextlib.nullcontext():
                 names = list(settings)
-                names = names[rep % len(names) :] + names[: rep % len(names)]
+                order.shuffle(names)  # no setting always follows the same one
                 for name in names:
                     for i, prompt in zip(ids, prompts):
                         r = timed_generate(settings[name](), prompt, args.max_new_tokens, args.cap)
