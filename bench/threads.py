@@ -7,17 +7,19 @@ keep it: the measurement and its budget carry over between calls) and ``"auto"``
 decoder per call (the worst case: every call measures anew), each idle and under a synthetic
 load (``--load`` busy processes, default one per CPU, started before the loaded calls and
 stopped after them).  Conditions alternate over ``--reps`` repetitions, the settings in a
-seeded random order within each condition.  A call is stopped after ``--cap`` seconds (more threads under load can be 50
-times slower) after its prefill, and then counts the tokens it had made in that time.
+seeded random order within each condition.  A call is stopped ``--cap`` seconds after its
+prefill (more threads under load can be 50 times slower) and then counts the tokens it had
+made in that time.
 
 The thread choice governs the decode steps only; the prefill runs with torch's count in every
 setting.  So per condition and setting: decode tokens/s (generated tokens / wall time after
 the prefill) median, min and max over the calls; the median of call tokens/s (prefill
 included); the mean 1-minute load average (other work on the machine shows there); how many
-calls were capped; the counts "auto" ran its steps with (per call, at its end).  The table, then one JSON line per row on stdout; one per
-call with ``--jsonl``; all stamped with ``bench.common.environment()``.
+calls were capped; the counts "auto" ran its steps with (per call, at its end).  The table,
+then one JSON line per row, on stdout; one line per call with ``--jsonl``; all stamped with
+``bench.common.environment()``.
 
-    python -m bench.threads [--ids 125,165] [--max-new-tokens 32] [--reps 3] [--cap 6]
+    python -m bench.threads [--ids 125,165] [--max-new-tokens 32] [--reps 3] [--cap 5]
                             [--load N] [--jsonl FILE]
 """
 
@@ -120,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ids", default=",".join(map(str, DEFAULT_IDS)), help="Spec-Bench question ids")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--cap", type=float, default=6.0, help="seconds after which a call is stopped")
+    p.add_argument("--cap", type=float, default=5.0, help="seconds after which a call is stopped")
     p.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes of the loaded condition")
     p.add_argument("--jsonl", default=None, help="write one JSON line per call here")
     args = p.parse_args(argv)
