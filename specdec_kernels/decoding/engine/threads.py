@@ -13,9 +13,10 @@ cannot cost more than a bounded share of the time:
   the first trial that is not is the end of the round (the remaining trials and counts are
   not run), so a slow count costs one step, not three;
 * trials of counts above one take at most ``budget`` of the decoding time: a round starts
-  only while the time of all past trials is at most ``budget`` times the time of all steps
-  (the state is the decoder's, kept across ``generate`` calls, so a loaded machine pays for
-  a slow trial once and then waits until the decoding time has grown to amortise it);
+  only if the time of all past trials plus that of the class's last trial step (what the
+  next may cost) is at most ``budget`` times the time of all steps (the state is the
+  decoder's, kept across ``generate`` calls, so a loaded machine pays for a slow trial once
+  and then waits until the decoding time has grown to amortise it and the next);
 * a chosen count above one is dropped (back to one thread, and measured again under the
   budget) as soon as two steps in a row are slower than the one-thread median it was chosen
   against: load that starts after the choice costs two steps (its steps that are slower than
@@ -87,6 +88,7 @@ class _Class:
     reference: Optional[float] = None  # the one-thread median the chosen count (above one) beat
     round: Optional[Dict[int, List[float]]] = None  # count -> times, while measuring
     pending: Optional[int] = None  # the count being timed
+    last_trial: float = 0.0  # seconds of the class's latest trial step (what the next may cost)
     started: Dict[str, float] = field(default_factory=dict)  # budget at the round's start (log)
 
 
@@ -105,7 +107,8 @@ class ThreadChoice:
 
     Attributes:
         rounds: one dict per finished round: key, times (count -> seconds), choice, and the
-            trial and total time recorded when it started.
+            trial and total time recorded when it started and the class's last trial step
+            before it.
         trial_time: seconds of steps run to time counts above the fewest, and of steps with a
             chosen count above the fewest that were slower than the fewest's median.
         total_time: seconds of all recorded steps.
@@ -133,18 +136,23 @@ class ThreadChoice:
             cls = self.classes[key] = _Class(self.counts[0], deque(maxlen=self.trials))
         return cls
 
-    def _may_try(self) -> bool:
-        return self.trial_time <= self.budget * self.total_time
+    def _may_try(self, cls: _Class) -> bool:
+        # costing what the class's last trial step did, the next keeps trials within the budget
+        return self.trial_time + cls.last_trial <= self.budget * self.total_time
 
     def count(self, key: Hashable) -> int:
         """The thread count for the next step of shape class ``key`` (starting a round of
         measurement where one is due and the budget allows)."""
         cls = self._class(key)
         if cls.round is None and cls.best == self.counts[0] and len(self.counts) > 1:
-            if len(cls.recent) >= self.trials and self._may_try():
+            if len(cls.recent) >= self.trials and self._may_try(cls):
                 cls.round = {cls.best: list(cls.recent)}
                 cls.pending = self.counts[1]
-                cls.started = {"trial_time": self.trial_time, "total_time": self.total_time}
+                cls.started = {
+                    "trial_time": self.trial_time,
+                    "total_time": self.total_time,
+                    "last_trial": cls.last_trial,
+                }
         return cls.pending if cls.round is not None else cls.best
 
     def record(self, key: Hashable, count: int, seconds: float) -> None:
@@ -173,6 +181,7 @@ class ThreadChoice:
                 cls.recent.clear()
             return
         self.trial_time += seconds
+        cls.last_trial = seconds
         got = cls.round.setdefault(count, [])
         got.append(seconds)
         ahead = max(c for c in cls.round if c < count)  # the choice so far, which this count must beat
