@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import SpeculativeDecoder
-from specdec_kernels.decoding.engine.threads import MARGIN, ThreadChoice, fewest_clearly_faster
+from specdec_kernels.decoding.engine import threads
+from specdec_kernels.decoding.engine.threads import MARGIN, ThreadChoice, TrialBudget, fewest_clearly_faster
 from tests.engine.tiny import tiny  # noqa: F401 (fixture)
 
 
@@ -50,7 +51,8 @@ def drive(choice, key, step_time, steps):
 
 
 def test_loaded_machine_pays_one_slow_trial_then_the_budget_holds_it_off():
-    choice = ThreadChoice([1, 2])
+    budget = TrialBudget()
+    choice = ThreadChoice([1, 2], budget=budget)
     loaded = {1: 0.04, 2: 2.0}.__getitem__  # two threads 50x slower, as measured under load
     used = drive(choice, "tokens<=1", loaded, 2400)
     # three reference steps at one thread, one trial with two threads (not clearly faster:
@@ -62,14 +64,20 @@ def test_loaded_machine_pays_one_slow_trial_then_the_budget_holds_it_off():
     assert second["choice"] == 1 and second["trial_time"] == 2.0
     # the second trial started as soon as the budget allowed it (past trials plus one more
     # like the last within 5% of all step time), and not before
-    assert second["last_trial"] == 2.0
-    assert second["total_time"] * choice.budget >= 4.0 > (second["total_time"] - 0.04) * choice.budget
+    assert second["next_cost"] == 2.0
+    assert second["total_time"] * budget.share >= 4.0 > (second["total_time"] - 0.04) * budget.share
     assert 1900 < trials[1] < 2000  # about 2 * 2 s / 5% / 40 ms steps later
-    assert choice.trial_time <= choice.budget * choice.total_time
+    assert budget.trial_time <= budget.share * budget.total_time
+    # a new decoder's choice (a new call of a one-shot API) on the same process budget: its
+    # reference steps, then no trial, as one like the process's last would break the budget
+    fresh = ThreadChoice([1, 2], budget=budget)
+    before = budget.trial_time
+    assert drive(fresh, "tokens<=1", loaded, 50) == [1] * 50 and budget.trial_time == before
+    assert drive(ThreadChoice([1, 2], budget=TrialBudget()), "tokens<=1", loaded, 5) == [1, 1, 1, 2, 1]
 
 
 def test_idle_machine_gets_more_threads_and_load_after_the_choice_drops_them():
-    choice = ThreadChoice([1, 4, 8])
+    choice = ThreadChoice([1, 4, 8], budget=TrialBudget())
     idle = {1: 0.04, 4: 0.012, 8: 0.008}.__getitem__
     used = drive(choice, "k", idle, 20)
     assert used[:9] == [1, 1, 1, 4, 4, 4, 8, 8, 8] and set(used[9:]) == {8}
@@ -80,7 +88,7 @@ def test_idle_machine_gets_more_threads_and_load_after_the_choice_drops_them():
     assert used[:2] == [8, 8] and used[2:] == [1, 1, 1, 1]
     assert choice.chosen("k") == 1
     # one noisy slow step of the chosen count alone does not
-    choice = ThreadChoice([1, 2])
+    choice = ThreadChoice([1, 2], budget=TrialBudget())
     drive(choice, "k", {1: 0.04, 2: 0.02}.__getitem__, 12)
     times = iter([0.02, 0.09, 0.02, 0.02])
     drive(choice, "k", lambda n: next(times), 4)
@@ -88,7 +96,7 @@ def test_idle_machine_gets_more_threads_and_load_after_the_choice_drops_them():
 
 
 def test_a_noisy_trial_ends_the_round_with_fewer_threads():
-    choice = ThreadChoice([1, 2])
+    choice = ThreadChoice([1, 2], budget=TrialBudget())
     times = iter([0.04, 0.04, 0.04, 0.01, 0.045])  # second trial of two threads: not clearly faster
     used = drive(choice, "k", lambda n: next(times), 5)
     assert used == [1, 1, 1, 2, 2]
@@ -105,14 +113,17 @@ def _spin(stop):
             pass
 
 
-def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny):
+def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny, monkeypatch):
     """Busy processes, one per CPU, load the machine while the engine decodes with
-    threads="auto" (torch's count 2, so candidates 1 and 2).  Every round's choice is what the
-    rule gives for the times it recorded, a choice above one thread had every trial clearly
-    faster, trials stayed within the budget when they started, stats.threads reports the
-    choice, and the tokens equal one thread's."""
+    threads="auto" (torch's count 2, so candidates 1 and 2).  In every round, read from its
+    recorded times: two threads were chosen only if each of their three trials was clearly
+    faster than one thread's median, and one thread kept only if the last trial of two (the
+    one that ended the round) was not; trials started within the budget; stats.threads
+    reports the choice; the tokens equal one thread's."""
     hf, model = tiny
     prompts = [[5, 17, 33, 2, 9], [64, 3, 12, 99]]
+    budget = TrialBudget()  # this test's own, not what earlier tests spent of the process's
+    monkeypatch.setattr(threads, "PROCESS_BUDGET", budget)
     saved = torch.get_num_threads()
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
@@ -136,11 +147,12 @@ def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny):
         torch.set_num_threads(saved)
     assert [r.tokens for r in got] == want * 2
     choice = decoder.thread_choices[2]
-    assert choice.counts == (1, 2) and choice.rounds  # the first round ends after at most 4 steps
+    assert choice.budget is budget and choice.counts == (1, 2)
+    assert choice.rounds  # the first round ends after at most 4 steps
     for r in choice.rounds:
         times = r["times"]
         assert len(times[1]) == choice.trials
-        assert r["trial_time"] + r["last_trial"] <= choice.budget * r["total_time"]
+        assert r["trial_time"] + r["next_cost"] <= budget.share * r["total_time"]
         assert len(times.get(2, ())) <= choice.trials
         clear = [t * (1 + MARGIN) < statistics.median(times[1]) for t in times[2]]
         if r["choice"] == 2:
@@ -150,4 +162,4 @@ def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny):
     for r in got:
         assert set(r.stats.threads) == {"tokens<=1"}
     assert got[-1].stats.threads["tokens<=1"] == choice.chosen("tokens<=1")
-    assert choice.trial_time <= choice.budget * choice.total_time + max(max(r["times"][2]) for r in choice.rounds)
+    assert budget.trial_time <= budget.share * budget.total_time + max(max(r["times"][2]) for r in choice.rounds)

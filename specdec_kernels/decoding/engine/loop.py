@@ -175,10 +175,11 @@ class _StepThreads:
     default) and is the reference; a count with more threads is timed on a few steps and
     wins only if every one of them was clearly faster (``threads.MARGIN``) than the median
     of fewer threads, the first step that is not ending the trial; trials take at most
-    ``threads.BUDGET`` of the decoding time, so a loaded machine, where OpenMP threads wait
-    on each other and two threads were measured 50 times slower than one, pays for one slow
-    trial and then amortises it; a chosen count above one that becomes slower than one
-    thread was (load that starts after the choice) is dropped after two steps.  Under
+    ``threads.BUDGET`` of the process's decoding time (``threads.PROCESS_BUDGET``), so a
+    loaded machine, where OpenMP threads wait on each other and two threads were measured 50
+    times slower than one, pays for one slow trial and then amortises it, also where every
+    call makes a new decoder; a chosen count above one that becomes slower than one thread
+    was (load that starts after the choice) is dropped after two steps.  Under
     torch.compile or a dispatch mode nothing is measured and torch's count is kept.  An int
     pins the count; None leaves torch's setting alone.  torch's setting is restored when the
     call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".  The count never changes
@@ -263,10 +264,9 @@ class SpeculativeDecoder:
         threads: intra-op threads of the decode steps on CPU.  "auto" (default): one thread
             unless more (half or all of ``torch.get_num_threads()``) were measured clearly
             faster on this decoder's own steps, per step shape class; trials of more threads
-            take at most 5% of the decoding time and the measurements are kept across
-            ``generate`` calls, so reuse the decoder (see ``_StepThreads`` and
-            ``engine.threads``; on a machine with other load fewer threads can be many
-            times faster); an int pins it; None leaves torch's setting.  ``stats.threads``
+            take at most 5% of the process's decoding time and the measurements are kept
+            across ``generate`` calls (see ``_StepThreads`` and ``engine.threads``; on a
+            machine with other load fewer threads can be many times faster); an int pins it; None leaves torch's setting.  ``stats.threads``
             says what the steps ran with.  The count never changes the tokens.
 
     Raises:

@@ -12,11 +12,13 @@ cannot cost more than a bounded share of the time:
   one of its steps, raised by ``margin``, was faster than the median of the current winner;
   the first trial that is not is the end of the round (the remaining trials and counts are
   not run), so a slow count costs one step, not three;
-* trials of counts above one take at most ``budget`` of the decoding time: a round starts
-  only if the time of all past trials plus that of the class's last trial step (what the
-  next may cost) is at most ``budget`` times the time of all steps (the state is the
-  decoder's, kept across ``generate`` calls, so a loaded machine pays for a slow trial once
-  and then waits until the decoding time has grown to amortise it and the next);
+* trials of counts above one take at most ``BUDGET`` of the decoding time of the process
+  (``TrialBudget``, shared by every decoder unless given one): a round starts only if the
+  time of all past trials plus that of the last trial step (what the next may cost) is at
+  most ``BUDGET`` times the time of all steps, so a loaded machine pays for a slow trial
+  once and then waits until the decoding time has grown to amortise it and the next, also
+  where every call makes a new decoder (the references and choices are the decoder's, kept
+  across its ``generate`` calls);
 * a chosen count above one is dropped (back to one thread, and measured again under the
   budget) as soon as two steps in a row are slower than the one-thread median it was chosen
   against: load that starts after the choice costs two steps (its steps that are slower than
@@ -35,6 +37,39 @@ from typing import Deque, Dict, Hashable, List, Mapping, Optional, Sequence
 TRIALS = 3  # timed steps of each count with more threads (and the one-thread reference)
 MARGIN = 0.1  # more threads must be this much faster, on every trial, than fewer
 BUDGET = 0.05  # trials of counts above one: at most this share of the decoding time
+
+
+class TrialBudget:
+    """The time of trial steps against the time of all steps, shared by ``ThreadChoice`` s.
+
+    Args:
+        share: the most trial time, as a share (>= 0) of all step time.
+
+    Attributes:
+        trial_time: seconds of steps run to time counts above the fewest, and of steps with a
+            chosen count above the fewest that were slower than the fewest's median.
+        total_time: seconds of all recorded steps.
+        last_trial: seconds of the latest trial step (what the next may cost, where its
+            class has had none).
+
+    Raises:
+        ValueError: share < 0.
+    """
+
+    def __init__(self, share: float = BUDGET):
+        if share < 0:
+            raise ValueError(f"share must be >= 0, got {share}")
+        self.share = share
+        self.trial_time = 0.0
+        self.total_time = 0.0
+        self.last_trial = 0.0
+
+    def allows(self, next_cost: float) -> bool:
+        """Whether a trial step costing ``next_cost`` seconds keeps trials within the share."""
+        return self.trial_time + next_cost <= self.share * self.total_time
+
+
+PROCESS_BUDGET = TrialBudget()  # the default of every ThreadChoice
 
 
 def fewest_clearly_faster(times: Mapping[int, Sequence[float]], margin: float = MARGIN, trials: int = TRIALS) -> int:
@@ -88,7 +123,7 @@ class _Class:
     reference: Optional[float] = None  # the one-thread median the chosen count (above one) beat
     round: Optional[Dict[int, List[float]]] = None  # count -> times, while measuring
     pending: Optional[int] = None  # the count being timed
-    last_trial: float = 0.0  # seconds of the class's latest trial step (what the next may cost)
+    last_trial: Optional[float] = None  # seconds of the class's latest trial step (what the next may cost)
     started: Dict[str, float] = field(default_factory=dict)  # budget at the round's start (log)
 
 
@@ -103,32 +138,34 @@ class ThreadChoice:
         counts: the candidate thread counts (>= 1); the fewest is the safe default.
         trials: timed steps per count with more threads, and of the reference.
         margin: how much faster, on every trial, more threads must be.
-        budget: the most trial time of counts above the fewest, as a share of all step time.
+        budget: the account of trial time (default ``PROCESS_BUDGET``, the process's).
 
     Attributes:
         rounds: one dict per finished round: key, times (count -> seconds), choice, and the
-            trial and total time recorded when it started and the class's last trial step
-            before it.
-        trial_time: seconds of steps run to time counts above the fewest, and of steps with a
-            chosen count above the fewest that were slower than the fewest's median.
-        total_time: seconds of all recorded steps.
+            budget's trial and total time when it started and the cost the next trial step
+            was expected to have (next_cost).
 
     Raises:
-        ValueError: no counts, a count below 1, trials < 1, margin < 0 or budget < 0.
+        ValueError: no counts, a count below 1, trials < 1 or margin < 0.
     """
 
-    def __init__(self, counts: Sequence[int], trials: int = TRIALS, margin: float = MARGIN, budget: float = BUDGET):
+    def __init__(
+        self,
+        counts: Sequence[int],
+        trials: int = TRIALS,
+        margin: float = MARGIN,
+        budget: Optional[TrialBudget] = None,
+    ):
         counts = sorted({int(c) for c in counts})
         if not counts or counts[0] < 1:
             raise ValueError(f"counts must be thread counts >= 1, got {counts}")
-        if trials < 1 or margin < 0 or budget < 0:
-            raise ValueError(f"need trials >= 1, margin >= 0, budget >= 0; got {trials}, {margin}, {budget}")
+        if trials < 1 or margin < 0:
+            raise ValueError(f"need trials >= 1 and margin >= 0; got {trials}, {margin}")
         self.counts = tuple(counts)
-        self.trials, self.margin, self.budget = trials, margin, budget
+        self.trials, self.margin = trials, margin
+        self.budget = budget if budget is not None else PROCESS_BUDGET
         self.classes: Dict[Hashable, _Class] = {}
         self.rounds: List[Dict] = []
-        self.trial_time = 0.0
-        self.total_time = 0.0
 
     def _class(self, key: Hashable) -> _Class:
         cls = self.classes.get(key)
@@ -136,22 +173,22 @@ class ThreadChoice:
             cls = self.classes[key] = _Class(self.counts[0], deque(maxlen=self.trials))
         return cls
 
-    def _may_try(self, cls: _Class) -> bool:
-        # costing what the class's last trial step did, the next keeps trials within the budget
-        return self.trial_time + cls.last_trial <= self.budget * self.total_time
+    def _next_cost(self, cls: _Class) -> float:
+        # what the next trial step may cost: the class's last, else the process's last
+        return cls.last_trial if cls.last_trial is not None else self.budget.last_trial
 
     def count(self, key: Hashable) -> int:
         """The thread count for the next step of shape class ``key`` (starting a round of
         measurement where one is due and the budget allows)."""
         cls = self._class(key)
         if cls.round is None and cls.best == self.counts[0] and len(self.counts) > 1:
-            if len(cls.recent) >= self.trials and self._may_try(cls):
+            if len(cls.recent) >= self.trials and self.budget.allows(self._next_cost(cls)):
                 cls.round = {cls.best: list(cls.recent)}
                 cls.pending = self.counts[1]
                 cls.started = {
-                    "trial_time": self.trial_time,
-                    "total_time": self.total_time,
-                    "last_trial": cls.last_trial,
+                    "trial_time": self.budget.trial_time,
+                    "total_time": self.budget.total_time,
+                    "next_cost": self._next_cost(cls),
                 }
         return cls.pending if cls.round is not None else cls.best
 
@@ -168,20 +205,20 @@ class ThreadChoice:
             raise ValueError(f"count: the step of {key!r} should have run with {expected} threads, got {count}")
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds}")
-        self.total_time += seconds
+        self.budget.total_time += seconds
         if cls.round is None:
             cls.recent.append(seconds)
             if cls.best == self.counts[0]:
                 return
             if seconds > cls.reference:  # more threads, slower than one thread was: as a failed trial
-                self.trial_time += seconds
+                self.budget.trial_time += seconds
             last = list(cls.recent)[-2:]
             if len(last) == 2 and min(last) > cls.reference:
                 cls.best, cls.reference = self.counts[0], None  # slower than one thread was: load came
                 cls.recent.clear()
             return
-        self.trial_time += seconds
-        cls.last_trial = seconds
+        self.budget.trial_time += seconds
+        cls.last_trial = self.budget.last_trial = seconds
         got = cls.round.setdefault(count, [])
         got.append(seconds)
         ahead = max(c for c in cls.round if c < count)  # the choice so far, which this count must beat
