@@ -39,9 +39,10 @@ one-token passes do).
 
 On a CPU shared with other work, OpenMP threads wait on each other (on the 2-core
 development machine, busy with other jobs, 2 threads once ran plain decoding 2.6x slower than
-1).  So our engine's decode steps measure their thread count on every request (1, half and
-all of torch's threads; ``SpeculativeDecoder(threads="auto")``) and the run reports what they
-chose; ``--threads N`` sets torch's count for every method (``--demo``: 1).
+1).  So our engine's decode steps run with one thread unless more (half or all of torch's
+threads) were measured clearly faster on the decoder's own steps
+(``SpeculativeDecoder(threads="auto")``, ``decoding/engine/threads.py``) and the run reports
+what they chose; ``--threads N`` sets torch's count for every method (``--demo``: 1).
 
 Methods are a registry (``METHODS``, name -> ``Method``); add one with, e.g.::
 

@@ -1,5 +1,5 @@
 """Run-time choice between implementations whose speed depends on the machine (public: the
-ops and the engine both use it).
+ops use it; the engine's step thread count has its own rule, ``decoding/engine/threads.py``).
 
 Which of two correct CPU paths is faster depends on the CPU, its vector units, its caches
 and its load (a matmul path tuned on one x86 machine ran 3x slower than ``F.linear`` on

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -40,11 +40,11 @@ from specdec_kernels import (
     verify_greedy,
     verify_tree_greedy,
 )
-from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import as_int, as_int_list
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, LinearCost, resolve_policy
 from specdec_kernels.decoding.engine.stats import DecodeStats
+from specdec_kernels.decoding.engine.threads import ThreadChoice
 from specdec_kernels.decoding.engine.typical import typical_acceptance
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
@@ -168,21 +168,29 @@ THREADS_ENV = "SPECDEC_ENGINE_THREADS"  # forces the thread count of threads="au
 class _StepThreads:
     """The intra-op thread count of the decode steps of one ``generate`` call.
 
-    ``"auto"`` on CPU: candidates 1, half and all of ``torch.get_num_threads()`` (the threads
-    torch would use); the first steps of each step shape class (the verified block's size
-    rounded up to a power of two) take them in turn, timed (``specdec_kernels.autotune.RuntimeChoice``: 3 each,
-    the faster median wins), and the rest of the call keeps the faster.  Measured again on every
-    call, so a machine that gets loaded (where OpenMP threads wait on each other and more
-    threads can be several times slower) or idle is followed from one request to the next.
-    An int pins the count; None leaves torch's setting alone.  torch's setting is restored when
-    the call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".
+    ``"auto"`` on CPU: the candidates are 1, half and all of ``torch.get_num_threads()`` (the
+    threads torch would use), chosen per step shape class ("tokens<=N": the verified block's
+    size rounded up to a power of two) by the decoder's ``threads.ThreadChoice`` for that
+    count, which lives as long as the decoder: a new class runs with one thread (the safe
+    default) and is the reference; a count with more threads is timed on a few steps and
+    wins only if every one of them was clearly faster (``threads.MARGIN``) than the median
+    of fewer threads, the first step that is not ending the trial; trials take at most
+    ``threads.BUDGET`` of the process's decoding time (``threads.PROCESS_BUDGET``), so a
+    loaded machine, where OpenMP threads wait on each other and two threads were measured 50
+    times slower than one, pays for one slow trial and then amortises it, also where every
+    call makes a new decoder; a chosen count above one that becomes slower than one thread
+    was (load that starts after the choice) is dropped after two steps.  Under
+    torch.compile or a dispatch mode nothing is measured and torch's count is kept.  An int
+    pins the count; None leaves torch's setting alone.  torch's setting is restored when the
+    call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".  The count never changes
+    results.
     """
 
-    def __init__(self, threads, device: torch.device, stats: DecodeStats):
+    def __init__(self, threads, device: torch.device, stats: DecodeStats, choices: Dict[int, ThreadChoice]):
         self.saved = torch.get_num_threads()
         self.stats = stats
         self.fixed: Optional[int] = None
-        self.choice: Optional[RuntimeChoice] = None
+        self.choice: Optional[ThreadChoice] = None
         if threads is None or device.type != "cpu":
             return
         if threads != "auto":
@@ -194,10 +202,11 @@ class _StepThreads:
                 raise ValueError(f"${THREADS_ENV} must be 'auto' or an int in 1..1024, got {forced!r}")
             self.fixed = int(forced)
             return
-        # torch's count first: the one RuntimeChoice runs where it cannot measure (a dispatch mode)
-        candidates = sorted({1, max(1, self.saved // 2), self.saved}, reverse=True)
+        candidates = sorted({1, max(1, self.saved // 2), self.saved})
         if len(candidates) > 1:
-            self.choice = RuntimeChoice("decode-step threads", [str(c) for c in candidates], trials=3)
+            self.choice = choices.get(self.saved)
+            if self.choice is None:
+                self.choice = choices[self.saved] = ThreadChoice(candidates)
 
     def run(self, step: Callable[[], object], k, state) -> None:
         if self.choice is None:
@@ -206,18 +215,19 @@ class _StepThreads:
                 self.stats.threads.setdefault("all", self.fixed)
             step()
             return
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+            self.restore()  # nothing to measure: torch's count
+            step()
+            return
         ks = k if isinstance(k, (list, tuple)) else [k] * state.batch_size
         tokens = sum(int(x) + 1 for x, done in zip(ks, state.done) if not done)
         key = f"tokens<={1 << max(0, tokens - 1).bit_length()}"
-
-        def run(name: str):
-            torch.set_num_threads(int(name))
-            return step()
-
-        self.choice(key, run)
-        chosen = self.choice.chosen(key)
-        if chosen is not None:
-            self.stats.threads[key] = int(chosen)
+        n = self.choice.count(key)
+        torch.set_num_threads(n)
+        t = time.perf_counter()
+        step()
+        self.choice.record(key, n, time.perf_counter() - t)
+        self.stats.threads[key] = self.choice.chosen(key)
 
     def restore(self) -> None:
         if torch.get_num_threads() != self.saved:
@@ -251,11 +261,13 @@ class SpeculativeDecoder:
         share_prefix: with ``block_size``: prompts of a batch that share at least
             ``block_size`` leading tokens share their KV blocks (target and model drafters),
             computed once.  Greedy outputs are those of decoding each prompt alone.
-        threads: intra-op threads of the decode steps on CPU.  "auto" (default): measured on
-            every ``generate`` call, per step shape class, among 1, half and all of
-            ``torch.get_num_threads()`` (see ``_StepThreads``; on a machine with other load
-            fewer threads can be several times faster); an int pins it; None leaves torch's
-            setting.  ``stats.threads`` says what the steps ran with.
+        threads: intra-op threads of the decode steps on CPU.  "auto" (default): one thread
+            unless more (half or all of ``torch.get_num_threads()``) were measured clearly
+            faster on this decoder's own steps, per step shape class; trials of more threads
+            take at most 5% of the process's decoding time and the measurements are kept
+            across ``generate`` calls (see ``_StepThreads`` and ``engine.threads``; on a
+            machine with other load fewer threads can be many times faster); an int pins it; None leaves torch's setting.  ``stats.threads``
+            says what the steps ran with.  The count never changes the tokens.
 
     Raises:
         ValueError: threads is none of those.
@@ -328,6 +340,8 @@ class SpeculativeDecoder:
         ):
             raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
         self.threads = threads
+        # torch's thread count -> the step thread choice of threads="auto", kept across calls
+        self.thread_choices: Dict[int, ThreadChoice] = {}
         self.pass_costs: dict = {}  # (numerics, threads, batch, threads arg) -> LinearCost of the target pass
         vocab = getattr(self.drafter, "vocab_size", None)
         if vocab is not None and vocab != model.args.vocab_size:
@@ -375,7 +389,7 @@ class SpeculativeDecoder:
         step = 0
         if on_step is not None:
             on_step(state)
-        threads = _StepThreads(self.threads, self.model.device, state.stats)
+        threads = _StepThreads(self.threads, self.model.device, state.stats, self.thread_choices)
         try:
             while not state.finished:
                 if policy is not None:

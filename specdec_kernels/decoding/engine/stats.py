@@ -27,9 +27,9 @@ class DecodeStats:
             the accepted nodes: see ``multi.DRAFTER_COUNTERS``); empty otherwise.
         threads: the intra-op thread count the decode steps ran with, per step shape class
             ("tokens<=N": the verified block's size rounded up to a power of two), as the
-            engine's ``threads="auto"`` measured it or as it was given ("all" when given);
-            empty when unchanged.  A class still being measured when the call ended (fewer
-            than 3 steps per candidate) is not listed.
+            engine's ``threads="auto"`` chose it by the end of the call (1 while more
+            threads were not measured clearly faster; the steps that timed other counts ran
+            with those) or as it was given ("all" when given); empty when unchanged.
         prefill_tokens: positions the target computed in the prefill (prompt tokens, plus the
             padding of ragged chunks; a shared prefix counts once).
         shared_prefill_tokens: prompt tokens whose K/V a sequence took from another one's

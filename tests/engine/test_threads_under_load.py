@@ -1,0 +1,165 @@
+"""threads="auto" on a loaded machine: the choice rule (fewest threads unless more were
+clearly faster on every trial), its budget for trials and its reaction to load that starts
+after the choice, with injected step times; and the engine under a synthetic load of busy
+processes, checked on the choice's logic and the tokens (no timing assertions)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import SpeculativeDecoder
+from specdec_kernels.decoding.engine import threads
+from specdec_kernels.decoding.engine.threads import MARGIN, ThreadChoice, TrialBudget, fewest_clearly_faster
+from tests.engine.tiny import tiny  # noqa: F401 (fixture)
+
+
+def test_rule_keeps_the_fewest_unless_more_are_clearly_faster_every_time():
+    ms = 1e-3
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 2: [5 * ms] * 3}) == 2
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 2: [10 * ms] * 3}) == 1  # a tie keeps one thread
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 2: [9.5 * ms] * 3}) == 1  # within the margin
+    # a lower median is not enough: one trial of two threads was slow (a noisy, loaded machine)
+    times = {1: [10 * ms, 10 * ms, 10 * ms], 2: [3 * ms, 3 * ms, 40 * ms]}
+    assert statistics.median(times[2]) < statistics.median(times[1]) and fewest_clearly_faster(times) == 1
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 2: [4 * ms] * 2}) == 1  # too few trials
+    # a chain: 8 beats 1, 16 beats 8; 16 must beat 8 (not only 1)
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 8: [4 * ms] * 3, 16: [2 * ms] * 3}) == 16
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 8: [4 * ms] * 3, 16: [3.9 * ms] * 3}) == 8
+    # a count that is not clearly faster ends the comparison
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 8: [10 * ms] * 3, 16: [1 * ms] * 3}) == 1
+    assert fewest_clearly_faster({1: [10 * ms] * 3, 2: [8 * ms] * 3}, margin=0.3) == 1
+    for bad in ({}, {0: [1.0]}, {1: []}, {1: [-1.0]}):
+        with pytest.raises(ValueError, match="times"):
+            fewest_clearly_faster(bad)
+    with pytest.raises(ValueError, match="margin"):
+        fewest_clearly_faster({1: [1.0]}, margin=-0.1)
+
+
+def drive(choice, key, step_time, steps):
+    """Run ``steps`` steps of ``key`` whose time is ``step_time(count)``; the counts used."""
+    used = []
+    for _ in range(steps):
+        n = choice.count(key)
+        used.append(n)
+        choice.record(key, n, step_time(n))
+    return used
+
+
+def test_loaded_machine_pays_one_slow_trial_then_the_budget_holds_it_off():
+    budget = TrialBudget()
+    choice = ThreadChoice([1, 2], budget=budget)
+    loaded = {1: 0.04, 2: 2.0}.__getitem__  # two threads 50x slower, as measured under load
+    used = drive(choice, "tokens<=1", loaded, 2400)
+    # three reference steps at one thread, one trial with two threads (not clearly faster:
+    # the round ends at once), then one thread until the trial's 2 s are within 5% of the time
+    trials = [i for i, n in enumerate(used) if n == 2]
+    assert trials[0] == 3 and used[:3] == [1, 1, 1] and len(trials) == 2
+    first, second = choice.rounds
+    assert first["times"] == {1: [0.04] * 3, 2: [2.0]} and first["choice"] == 1
+    assert second["choice"] == 1 and second["trial_time"] == 2.0
+    # the second trial started as soon as the budget allowed it (past trials plus one more
+    # like the last within 5% of all step time), and not before
+    assert second["next_cost"] == 2.0
+    assert second["total_time"] * budget.share >= 4.0 > (second["total_time"] - 0.04) * budget.share
+    assert 1900 < trials[1] < 2000  # about 2 * 2 s / 5% / 40 ms steps later
+    assert budget.trial_time <= budget.share * budget.total_time
+    # a new decoder's choice (a new call of a one-shot API) on the same process budget: its
+    # reference steps, then no trial, as one like the process's last would break the budget
+    fresh = ThreadChoice([1, 2], budget=budget)
+    before = budget.trial_time
+    assert drive(fresh, "tokens<=1", loaded, 50) == [1] * 50 and budget.trial_time == before
+    assert drive(ThreadChoice([1, 2], budget=TrialBudget()), "tokens<=1", loaded, 5) == [1, 1, 1, 2, 1]
+
+
+def test_idle_machine_gets_more_threads_and_load_after_the_choice_drops_them():
+    choice = ThreadChoice([1, 4, 8], budget=TrialBudget())
+    idle = {1: 0.04, 4: 0.012, 8: 0.008}.__getitem__
+    used = drive(choice, "k", idle, 20)
+    assert used[:9] == [1, 1, 1, 4, 4, 4, 8, 8, 8] and set(used[9:]) == {8}
+    assert choice.chosen("k") == 8 and choice.rounds[0]["choice"] == 8
+    # load starts: eight threads become slower than one thread was; two such steps drop them
+    loaded = {1: 0.06, 4: 0.5, 8: 1.0}.__getitem__
+    used = drive(choice, "k", loaded, 6)
+    assert used[:2] == [8, 8] and used[2:] == [1, 1, 1, 1]
+    assert choice.chosen("k") == 1
+    # one noisy slow step of the chosen count alone does not
+    choice = ThreadChoice([1, 2], budget=TrialBudget())
+    drive(choice, "k", {1: 0.04, 2: 0.02}.__getitem__, 12)
+    times = iter([0.02, 0.09, 0.02, 0.02])
+    drive(choice, "k", lambda n: next(times), 4)
+    assert choice.chosen("k") == 2
+
+
+def test_a_noisy_trial_ends_the_round_with_fewer_threads():
+    choice = ThreadChoice([1, 2], budget=TrialBudget())
+    times = iter([0.04, 0.04, 0.04, 0.01, 0.045])  # second trial of two threads: not clearly faster
+    used = drive(choice, "k", lambda n: next(times), 5)
+    assert used == [1, 1, 1, 2, 2]
+    assert choice.rounds[-1]["choice"] == 1 and choice.chosen("k") == 1
+    with pytest.raises(ValueError, match="count"):
+        choice.record("k", 2, 0.01)  # the class runs with one thread now
+    with pytest.raises(ValueError, match="counts"):
+        ThreadChoice([0, 2])
+
+
+def _spin(stop):
+    while not stop.is_set():
+        for _ in range(100_000):
+            pass
+
+
+def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny, monkeypatch):
+    """Busy processes, one per CPU, load the machine while the engine decodes with
+    threads="auto" (torch's count 2, so candidates 1 and 2).  In every round, read from its
+    recorded times: two threads were chosen only if each of their three trials was clearly
+    faster than one thread's median, and one thread kept only if the last trial of two (the
+    one that ended the round) was not; trials started within the budget; stats.threads
+    reports the choice; the tokens equal one thread's."""
+    hf, model = tiny
+    prompts = [[5, 17, 33, 2, 9], [64, 3, 12, 99]]
+    budget = TrialBudget()  # this test's own, not what earlier tests spent of the process's
+    monkeypatch.setattr(threads, "PROCESS_BUDGET", budget)
+    saved = torch.get_num_threads()
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    busy = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 2)]
+    try:
+        torch.set_num_threads(1)
+        want = [
+            SpeculativeDecoder(model, None, threads=1).generate([p], 40, num_draft_tokens=0).tokens for p in prompts
+        ]
+        for p in busy:
+            p.start()
+        torch.set_num_threads(2)
+        decoder = SpeculativeDecoder(model, None)
+        got = [decoder.generate([p], 40, num_draft_tokens=0) for p in prompts * 2]
+    finally:
+        stop.set()
+        for p in busy:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        torch.set_num_threads(saved)
+    assert [r.tokens for r in got] == want * 2
+    choice = decoder.thread_choices[2]
+    assert choice.budget is budget and choice.counts == (1, 2)
+    assert choice.rounds  # the first round ends after at most 4 steps
+    for r in choice.rounds:
+        times = r["times"]
+        assert len(times[1]) == choice.trials
+        assert r["trial_time"] + r["next_cost"] <= budget.share * r["total_time"]
+        assert len(times.get(2, ())) <= choice.trials
+        clear = [t * (1 + MARGIN) < statistics.median(times[1]) for t in times[2]]
+        if r["choice"] == 2:
+            assert len(clear) == choice.trials and all(clear)
+        else:  # one thread kept: the last trial of two was not clearly faster, and ended the round
+            assert not clear[-1] and all(clear[:-1])
+    for r in got:
+        assert set(r.stats.threads) == {"tokens<=1"}
+    assert got[-1].stats.threads["tokens<=1"] == choice.chosen("tokens<=1")
+    assert budget.trial_time <= budget.share * budget.total_time + max(max(r["times"][2]) for r in choice.rounds)
