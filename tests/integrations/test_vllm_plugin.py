@@ -496,7 +496,15 @@ def test_bench_vllm_checks_then_reports(vllm_env, tmp_path):
     )
     assert code == 0
     rows = [json.loads(line) for line in (tmp_path / "vllm.jsonl").read_text().splitlines()]
-    assert [r["method"] for r in rows] == ["vllm-greedy", "vllm-ngram", "vllm-ngram-specdec", "ours-ngram"]
+    assert [r["method"] for r in rows] == [
+        "vllm-greedy",
+        "vllm-ngram",
+        "vllm-ngram-specdec",
+        "ours-greedy",
+        "ours-ngram",
+        "ours-greedy-int8",
+        "ours-ngram-int8",
+    ]
     assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 and r["vllm"] == "0.32.0" for r in rows)
     assert rows[1]["accepted_tokens"] == rows[2]["accepted_tokens"]
     assert "vLLM 0.32.0, commit" in (tmp_path / "vllm.md").read_text() and (tmp_path / "vllm.png").exists()
