@@ -72,6 +72,15 @@ def environment() -> Dict[str, str]:
     }
 
 
+def chat_prompt_ids(tokenizer, texts: Sequence[str]) -> List[List[int]]:
+    """Token ids of each text as one user turn through the tokenizer's chat template, with the
+    generation prompt (what every benchmark feeds every engine)."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in texts
+    ]
+
+
 def time_fn(fn: Callable[[], object], device: torch.device, min_run_time: float = 0.2) -> Dict[str, float]:
     """Median and 20th/80th percentiles of one call, in microseconds.
 

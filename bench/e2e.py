@@ -68,7 +68,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from bench.common import JsonlWriter, environment, format_table, out_dir, uncommitted_changes, write_jsonl
+from bench.common import (
+    JsonlWriter,
+    chat_prompt_ids,
+    environment,
+    format_table,
+    out_dir,
+    uncommitted_changes,
+    write_jsonl,
+)
 
 PACKAGED_PROMPTS = Path(__file__).resolve().parent.parent / "specdec_kernels" / "data" / "spec_bench" / "question.jsonl"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1103,12 +1111,7 @@ def run(args) -> int:
             rank[q["category"]] = rank.get(q["category"], -1) + 1
             order.append((rank[q["category"]], len(order), q))
         return shared_prefix.run(args, ctx, [q for _, _, q in sorted(order, key=lambda x: x[:2])], env)
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=False
-        )
-        for q in questions
-    ]
+    prompts = chat_prompt_ids(tok, [q["turns"][0] for q in questions])
     # our greedy decoding always runs first: it is what "same tokens" compares against
     baselines = ["greedy"] + ["greedy" + INT8_SUFFIX] * any(greedy_baseline(m) != "greedy" for m in methods)
     needed = [METHODS[b] for b in baselines] + [m for m in methods if m.name not in baselines]

@@ -67,6 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from bench.common import chat_prompt_ids
     from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, Transformer
     from specdec_kernels.decoding.loading import load_checkpoint
     from specdec_kernels.decoding.prompts import spec_bench_prompt
@@ -74,12 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     config, sd, tok = load_checkpoint()
     model = Transformer.from_hf(config, sd)
     ids = [int(i) for i in args.ids.split(",")]
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": spec_bench_prompt(i)}], add_generation_prompt=True, return_dict=False
-        )
-        for i in ids
-    ]
+    prompts = chat_prompt_ids(tok, [spec_bench_prompt(i) for i in ids])
     stops = [tok.eos_token_id]
     N = args.max_new_tokens
     SpeculativeDecoder(model, stop_token_ids=stops).generate([prompts[0]], 8)  # warm-up

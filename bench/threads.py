@@ -129,19 +129,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.max_new_tokens < 1 or args.reps < 1 or args.cap <= 0 or args.load < 1:
         p.error("--max-new-tokens, --reps and --load must be >= 1 and --cap > 0")
 
-    from bench.common import JsonlWriter, environment, format_table
+    from bench.common import JsonlWriter, chat_prompt_ids, environment, format_table
     from specdec_kernels.decoding import SpeculativeDecoder
     from specdec_kernels.decoding.loading import load_smollm2
     from specdec_kernels.decoding.prompts import spec_bench_prompt
 
     model, tok = load_smollm2()
     ids = [int(i) for i in args.ids.split(",")]
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": spec_bench_prompt(i)}], add_generation_prompt=True, return_dict=False
-        )
-        for i in ids
-    ]
+    prompts = chat_prompt_ids(tok, [spec_bench_prompt(i) for i in ids])
     stops = [tok.eos_token_id]
     every = torch.get_num_threads()
     env = environment()

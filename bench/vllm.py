@@ -284,7 +284,7 @@ def _ours(prompts: List[List[int]], k: int, max_new_tokens: int, eos: int, round
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.common import environment, format_table, out_dir, write_jsonl
+    from bench.common import chat_prompt_ids, environment, format_table, out_dir, write_jsonl
     from bench.e2e import default_prompts_file, load_questions
     from specdec_kernels.decoding.loading import load_checkpoint
 
@@ -298,12 +298,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.prompts) if args.prompts else default_prompts_file(), args.per_category, args.categories
     )
     _, _, tok = load_checkpoint()
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_dict=False
-        )
-        for q in questions
-    ]
+    prompts = chat_prompt_ids(tok, [q["turns"][0] for q in questions])
     eos = int(tok.eos_token_id)
     model_dir = export_smollm2()
     env = {"VLLM_CPU_OMP_THREADS_BIND": _threads_bind(args.threads)}
