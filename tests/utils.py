@@ -146,3 +146,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def restore_threads():
+    """Put torch's intra-op thread count back after a test that sets it (a benchmark's --threads)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

@@ -12,6 +12,7 @@ import torch
 
 from bench import e2e
 from specdec_kernels.decoding.loading import have_smollm2
+from tests.utils import restore_threads  # noqa: F401 (fixture)
 
 # the bench CLI on the real model, threads of its own: run apart from the parallel test workers (scripts/run_tests.sh)
 pytestmark = pytest.mark.serial
@@ -52,13 +53,6 @@ def prompts_file(tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return path
-
-
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def read_jsonl(path):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from bench import e2e, llamacpp, step_cost
 from specdec_kernels.decoding.loading import have_smollm2
+from tests.utils import restore_threads  # noqa: F401 (fixture)
 
 # the bench CLIs start processes (the llama.cpp driver) and threads of their own
 pytestmark = pytest.mark.serial
@@ -38,13 +38,6 @@ def prompts_file(tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps(QUESTION) + "\n")
     return path
-
-
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
