@@ -33,11 +33,24 @@ class SamplingParams:
     """Temperature, top-k and top-p, applied to target and drafter alike (``sampling_probs``).
 
     temperature 0 is greedy decoding (verified with ``verify_greedy`` / ``verify_tree_greedy``).
+
+    ``coupling`` says how a sampling run (temperature > 0) draws its tokens:
+
+    * ``"gumbel"`` (default): the position-keyed Gumbel coupling of ``coupling.py``.  A
+      sequence's token at index t is ``argmax(log p_t + G(seed, t))``, so a seeded request's
+      tokens depend only on its seed, prompt and these parameters: not on the drafter, K,
+      an adaptive policy's choices, the batch or the machine's timing, and they equal plain
+      sampling without drafts.
+    * ``"rejection"``: lossless rejection sampling with ``max(0, p - q)`` residuals
+      (``rejection_sample`` / ``tree_rejection_sample``), the best acceptance for drafters
+      that sample their drafts.  The coins a step draws depend on its K, so the tokens do too:
+      the engine takes it only with a fixed K (``num_draft_tokens`` and no adaptive policy).
     """
 
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
+    coupling: str = "gumbel"
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -46,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.coupling not in ("gumbel", "rejection"):
+            raise ValueError(f"coupling must be 'gumbel' or 'rejection', got {self.coupling!r}")
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +156,10 @@ class Drafter:
     wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
     context_window = 0  # > 0 (with wants_hidden): the engine also calls observe_context
     wants_target_argmax = False  # True: the engine calls observe_target_argmax (lookahead decoding)
+    #: set by the engine before ``start`` in a sampling run with the Gumbel coupling: a drafter
+    #: that samples its drafts draws them with ``coupling.noise(b, t)`` (``argmax log q + G``,
+    #: the Gumbel-top-k for several children), so that they match the target's own samples
+    coupling = None
 
     def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
         """Reset for a new batch: ``capacity`` cache slots per sequence; ``generators`` one

@@ -158,21 +158,25 @@ def test_greedy_equals_plain_greedy(tiny, trained, k):
         assert set(result.stats.drafters) == {"eagle", "ngram", "layerskip"}
 
 
-@pytest.mark.parametrize("block_size", [None, 4], ids=["dense", "paged"])
-def test_sampling_keeps_the_target_distribution(tiny, trained, block_size):
-    """The mixture q goes to rejection sampling: each of the first 3 emitted tokens follows
-    the target's marginal over 3000 seeds (P_THRESHOLD 1e-3 per token and test)."""
+@pytest.mark.parametrize(
+    "block_size, coupling", [(None, "rejection"), (4, "rejection"), (None, "gumbel")], ids=["dense", "paged", "gumbel"]
+)
+def test_sampling_keeps_the_target_distribution(tiny, trained, block_size, coupling):
+    """The mixture q goes to rejection sampling (or, with the Gumbel coupling, its Gumbel-max
+    is the draft): each of the first 3 emitted tokens follows the target's marginal over 3000
+    seeds (P_THRESHOLD 1e-3 per token and test)."""
     head, _ = trained
+    sp = SamplingParams(temperature=SP.temperature, top_k=SP.top_k, top_p=SP.top_p, coupling=coupling)
     prompt = train_prompts()[0]
     prompt = prompt + SpeculativeDecoder(tiny).generate([prompt], 5).tokens[0]
     B = 3000
     multi = MultiDrafter(members(tiny, head), ensemble=True)
     result = SpeculativeDecoder(tiny, multi, block_size=block_size).generate(
-        [prompt] * B, 3, num_draft_tokens=3, sampling=SP, seeds=list(range(B))
+        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B))
     )
     out = torch.tensor(result.tokens)
     assert result.stats.accepted_draft_tokens > 0.3 * result.stats.sequence_steps
-    for j, marginal in enumerate(exact_marginals(tiny, prompt, SP, 3)):
+    for j, marginal in enumerate(exact_marginals(tiny, prompt, sp, 3)):
         assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
 
 

@@ -12,9 +12,12 @@ accepted drafts it did not feed) as a chain ending at the root, then drafts:
   mask, and expands the deepest level.
 
 At temperature 0 (or with ``deterministic=True``) the children are the argmax / top-w tokens
-(distinct) and no distribution is handed over; otherwise they are sampled i.i.d. from
-``sampling_probs`` of the drafter's logits with each sequence's own generator, and that
-distribution is returned as ``Draft.probs``.
+(distinct) and no distribution is handed over.  With the engine's Gumbel coupling (the
+default when sampling) they are the Gumbel-top-w of the log of ``sampling_probs`` of the
+drafter's logits with the target's own noise of that token index (``coupling.py``), and no
+distribution is handed over either; otherwise (``coupling="rejection"``) they are sampled
+i.i.d. from that distribution with each sequence's own generator, and the distribution is
+returned as ``Draft.probs``.
 
 ``observe`` compacts the drafter's cache to the accepted path (``compact_kv_cache``), so
 the accepted drafts it had fed need not be fed again.
@@ -27,6 +30,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from specdec_kernels import compact_kv_cache, sampling_probs
+from specdec_kernels.decoding.coupling import gumbel_top_k
 from specdec_kernels.decoding.draft import Draft, Drafter, draft_distribution
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import PagedKVCache, length_groups
@@ -137,14 +141,23 @@ class ModelDrafter(Drafter):
             logit_rows=None if rows is None else as_t(rows),
         )
 
-    def _children(self, logits: torch.Tensor, width: int, active):
+    def _children(self, logits: torch.Tensor, width: int, active, index: Sequence[int]):
         """Children of R nodes per sequence: logits (B, R, V) -> tokens (B, R, width) and the
-        distribution they were drawn from (B, R, V), or None when greedy."""
+        distribution they were drawn from (B, R, V), or None when greedy or drawn with the
+        Gumbel coupling (the Gumbel-top-``width`` of ``log q`` with the noise of token index
+        ``index[b]``, which the target's own sample uses: ``coupling.py``)."""
         sp = self.sampling
         if sp.greedy or self.deterministic:
             return logits.topk(width, dim=-1).indices.cpu(), None
         B, R, V = logits.shape
         q = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+        if self.coupling is not None:
+            picks = torch.zeros(B, R, width, dtype=torch.int64)
+            logq = q.float().log().cpu()
+            for b in range(B):
+                if active[b]:
+                    picks[b] = gumbel_top_k(logq[b], self.coupling.noise(b, index[b]), width)[1]
+            return picks, None
         picks = torch.zeros(B, R, width, dtype=torch.int64)
         q_cpu = q.cpu()
         for b in range(B):
@@ -187,7 +200,7 @@ class ModelDrafter(Drafter):
         tokens = torch.zeros(B, N, dtype=torch.int64)
         tokens[:, 0] = torch.tensor([h[-1] for h in histories])
         probs = None
-        if not (self.sampling.greedy or self.deterministic):
+        if not (self.sampling.greedy or self.deterministic or self.coupling is not None):
             probs = torch.zeros(B, N, self.model.args.vocab_size, dtype=torch.float32)
 
         # 2) expand level by level; node i's K/V go to slot root_slot + i
@@ -209,7 +222,9 @@ class ModelDrafter(Drafter):
             # a sequence draws only for the depths it asked for: its randomness never depends
             # on the rest of the batch
             wanted = [a and k >= d for a, k in zip(active, num_draft_tokens)]
-            picks, q = self._children(logits, width, wanted)  # (B, len(level), width)
+            # children at depth d predict token index len(history) + d - 1
+            index = [len(h) + d - 1 for h in histories]
+            picks, q = self._children(logits, width, wanted, index)  # (B, len(level), width)
             for r, node in enumerate(level):
                 kids = [c for c in children if parents[c] == node]
                 tokens[:, kids] = picks[:, r, : len(kids)]

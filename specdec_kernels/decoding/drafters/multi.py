@@ -33,7 +33,9 @@ and each draft token is drawn from that mixture (at temperature 0: its argmax), 
 at a time, with each sequence's own generator.  The mixture q is handed to the verifier as
 ``Draft.probs``: it is exactly the distribution the token was drawn from, so rejection
 sampling (``rejection_sample`` with ``max(0, p - q)`` residuals) keeps the target's
-distribution.  The weights are given (``weights``) or learnt per sequence from what the
+distribution.  With the engine's Gumbel coupling (the default when sampling) the token is
+instead the mixture's Gumbel-max with the target's noise of that token index
+(``coupling.py``) and no distribution is handed over.  The weights are given (``weights``) or learnt per sequence from what the
 target committed (``learn_weights``): after each step w_i is multiplied by q_i(x) of every
 committed token x whose position the chain reached (the accepted drafts and the token the
 target chose at the first rejection; Bayes' rule for "which drafter's distribution is the
@@ -50,6 +52,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from specdec_kernels.decoding.coupling import gumbel_top_k
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.tree import merge_trees
 
@@ -320,6 +323,7 @@ class MultiDrafter(Drafter):
             # each sub-drafter draws from generators of its own, derived per sequence
             own = [torch.Generator().manual_seed((g.initial_seed() + 7919 * (i + 1)) % 2**63) for g in generators]
             t = time.perf_counter()
+            d.coupling = self.coupling
             d.start(histories, capacity, sampling, own)
             self.counters[name]["propose_time"] += time.perf_counter() - t
 
@@ -437,7 +441,8 @@ class MultiDrafter(Drafter):
         greedy = self.sampling.greedy
         tokens = torch.zeros(B, D + 1, dtype=torch.int64)
         tokens[:, 0] = torch.tensor(roots)
-        probs = None if greedy else torch.zeros(B, D + 1, V)
+        coupled = not greedy and self.coupling is not None  # Gumbel coupling: no q handed over
+        probs = None if greedy or coupled else torch.zeros(B, D + 1, V)
         member_q = torch.zeros(M, B, D, V)
         member_has = torch.zeros(M, B, D, dtype=torch.bool)
         depth = [0] * B  # drafted depth per sequence
@@ -462,6 +467,9 @@ class MultiDrafter(Drafter):
                     continue
                 if greedy:
                     tokens[b, d] = int(q[b].argmax())
+                elif coupled:  # the mixture's Gumbel-max with the target's noise of this index
+                    noise = self.coupling.noise(b, len(histories[b]) + d - 1)
+                    tokens[b, d] = int(gumbel_top_k(q[b].clamp(min=0).log(), noise, 1)[1][0])
                 else:
                     tokens[b, d] = int(torch.multinomial(q[b], 1, generator=self.generators[b]))
                     probs[b, d - 1] = q[b]

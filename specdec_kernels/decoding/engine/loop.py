@@ -4,9 +4,12 @@ One step per target forward pass (see ``model.py`` for the position convention):
 
 1. the drafter proposes a chain or a token tree per sequence (root = last committed token);
 2. the target model scores the whole block in one pass through ``tree_attention``;
-3. verification: ``verify_greedy`` / ``verify_tree_greedy`` at temperature 0, lossless
-   ``rejection_sample`` / ``tree_rejection_sample`` otherwise (Leviathan et al. 2023, Chen
-   et al. 2023, SpecInfer), with ``sampling_probs`` giving the target's distribution;
+3. verification: ``verify_greedy`` / ``verify_tree_greedy`` at temperature 0; when sampling,
+   with ``sampling_probs`` giving the target's distribution, either the same greedy
+   verification of the Gumbel-perturbed log-probabilities (the default coupling,
+   ``coupling.py``: a seeded sequence's tokens do not depend on the drafts, K or the batch) or
+   lossless ``rejection_sample`` / ``tree_rejection_sample`` (``coupling="rejection"``;
+   Leviathan et al. 2023, Chen et al. 2023, SpecInfer);
 4. the accepted drafts and the bonus token are emitted (cut at a stop token and at
    ``max_new_tokens``); the accepted nodes' K/V are moved into place with
    ``compact_kv_cache``; ``cache_seqlens`` advances by the accepted drafts plus the root.
@@ -41,8 +44,9 @@ from specdec_kernels import (
     verify_tree_greedy,
 )
 from specdec_kernels.checks import as_int, as_int_list
+from specdec_kernels.decoding.coupling import GumbelCoupling
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, LinearCost, resolve_policy
+from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, FixedPolicy, LinearCost, resolve_policy
 from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.threads import ThreadChoice
 from specdec_kernels.decoding.engine.typical import typical_acceptance
@@ -118,6 +122,7 @@ class DecodeState:
             the sequence is unfinished).
         done: per sequence, finished (stop token or max_new_tokens).
         generators: one torch.Generator per sequence for verification (sampling).
+        coupling: the run's ``GumbelCoupling`` (sampling with ``coupling="gumbel"``), else None.
         stats: the run's ``DecodeStats``.
         last_step: the ``StepRecord`` of the latest step (None before the first).
     """
@@ -135,6 +140,7 @@ class DecodeState:
     # the target pass's measured cost by nodes per sequence, kept by the decoder across calls of
     # the same kind (numerics, threads, batch size): adaptive policies start from it
     pass_costs: Optional[object] = None
+    coupling: Optional[GumbelCoupling] = None
 
     @property
     def batch_size(self) -> int:
@@ -367,20 +373,41 @@ class SpeculativeDecoder:
                 ``schedule(step, state)`` returning either, or a ``DraftLengthPolicy``
                 (``adaptive.py``) consulted every step.  None: the decoder's ``policy``,
                 or K = 4 when it has none.
-            sampling: temperature / top-k / top-p; default greedy.
+            sampling: temperature / top-k / top-p and coupling; default greedy.
             seeds: per-sequence seeds (list), a base seed (int; sequence b uses seed + b) or
-                None; sequence b's tokens depend only on its own seed.
+                None.  With the default Gumbel coupling sequence b's sampled tokens depend
+                only on its own seed, prompt and ``sampling``: not on the drafter, K, the
+                policy, the batch or the machine's timing.  With ``coupling="rejection"`` they
+                also depend on the K of each step, which must then be fixed by the caller.
             on_step: called with the state after the prefill and after every step (streaming,
                 progress; ``state.generated(b)`` holds sequence b's tokens so far).
 
         Returns:
             GenerationResult(tokens, stats).
+
+        Raises:
+            ValueError: ``coupling="rejection"`` with an adaptive draft-length policy (its K
+                would depend on the batch and the machine's timing, and so would the
+                tokens); and as ``start``.
         """
         t0 = time.perf_counter()
-        state = self.start(prompts, max_new_tokens, sampling, seeds)
         if num_draft_tokens is None:
             num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
         policy = num_draft_tokens if isinstance(num_draft_tokens, DraftLengthPolicy) else None
+        if (
+            isinstance(sampling, SamplingParams)
+            and not sampling.greedy
+            and sampling.coupling == "rejection"
+            and policy is not None
+            and not isinstance(policy, FixedPolicy)
+            and not isinstance(self.drafter, NoDrafter)
+        ):
+            raise ValueError(
+                f"sampling.coupling='rejection' needs a fixed draft length: the {policy.describe()} policy "
+                "chooses K from the batch's acceptance and the measured costs, and rejection sampling's "
+                "tokens depend on K; pass num_draft_tokens=<int>, or use coupling='gumbel'"
+            )
+        state = self.start(prompts, max_new_tokens, sampling, seeds)
         if policy is not None:
             kind = (getattr(self.model, "numerics", None), torch.get_num_threads(), state.batch_size, self.threads)
             state.pass_costs = self.pass_costs.setdefault(kind, LinearCost())
@@ -467,6 +494,8 @@ class SpeculativeDecoder:
             generators=make_generators(seeds, B),
             sampling=sampling,
         )
+        if not sampling.greedy and sampling.coupling == "gumbel":
+            state.coupling = GumbelCoupling([g.initial_seed() for g in state.generators], V)
         state.stats.kv_cache_bytes = (
             kv_cache.nbytes if isinstance(kv_cache, PagedKVCache) else kv_cache.numel() * kv_cache.element_size()
         )
@@ -476,6 +505,7 @@ class SpeculativeDecoder:
         t = time.perf_counter()
         if hasattr(self.drafter, "set_cache_layout"):  # model drafters lay out their caches like the target's
             self.drafter.set_cache_layout(self.cache_layout)
+        self.drafter.coupling = state.coupling
         self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
         if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters, fresh each run
             self.drafter.bind_stats(state.stats)
@@ -753,7 +783,14 @@ class SpeculativeDecoder:
         if getattr(self.drafter, "wants_target_argmax", False):
             self._target_argmax = logits.argmax(dim=-1).cpu()
         sp = state.sampling
-        if sp.greedy:
+        if not sp.greedy and state.coupling is not None and self.typical is None:
+            # the Gumbel coupling: node i predicts token index positions[i] + 1; greedy
+            # verification of log p + G accepts a draft exactly when it is the target's sample
+            target_probs = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
+            valid = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
+            index = torch.where(valid, positions + 1, -1)
+            logits = state.coupling.perturb(target_probs.log(), index.cpu())
+        if sp.greedy or (state.coupling is not None and self.typical is None):
             if draft.is_chain:
                 out, num_accepted = verify_greedy(logits, tokens[:, 1:], num_nodes - 1)
             else:
@@ -826,6 +863,8 @@ class SpeculativeDecoder:
                     state.done[b] = True
                     break
             state.histories[b].extend(new)
+            if state.coupling is not None:
+                state.coupling.commit(b, len(state.histories[b]))
             if len(state.generated(b)) >= state.max_new_tokens[b]:
                 state.done[b] = True
             state.stats.record(depths[b], accepted[b], len(new))
