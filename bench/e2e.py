@@ -663,6 +663,18 @@ def _register_builtin() -> None:
     )
     register(
         ours(
+            "eagle-tree-sized",
+            lambda ctx: EagleDrafter(ctx.model, top_k=10, max_nodes=64),
+            f"EAGLE head, dynamic tree top-10, nodes sized by the measured pass cost (<= 64), cost-model K<={tree_k}",
+            adaptive=True,
+            k_max=tree_k,
+            head=EAGLE_SHIPPED.name,
+            top_k=10,
+            max_nodes=64,
+        )
+    )
+    register(
+        ours(
             "eagle-tree-adaptive",
             lambda ctx: EagleDrafter(ctx.model, top_k=3, max_nodes=12),
             f"EAGLE head, dynamic tree top-3, 12 nodes, cost-model K<={tree_k}",

@@ -64,6 +64,7 @@ from torch import nn
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 
 FORMAT = 1
@@ -336,7 +337,14 @@ class EagleDrafter(Drafter):
         head: an ``EagleHead``, a path to a head file, or None for the shipped head.
         tree: draft EAGLE-2's dynamic tree; False: a chain (the head's argmax at each depth).
         top_k: nodes expanded per depth and children per expanded node (tree only).
-        max_nodes: the tree's node budget, root included (tree only).
+        max_nodes: the tree's largest node budget, root included (tree only).
+        size_by_cost: (tree only) each step, keep per sequence the number of nodes that
+            maximises expected tokens per second (``adaptive.TreeBudget``: EAGLE-2's rule,
+            the expected accepted length as the sum of the kept nodes' path probabilities,
+            scaled by the acceptance this drafter measures as it runs, against the step cost
+            by node count that the engine's cost-model policy measured on this machine),
+            at most ``max_nodes``; without a cost-model policy ``max_nodes``.  False: always
+            ``max_nodes``.
         max_depth: the deepest draft; the engine's K (``num_draft_tokens``) caps it further.
         check_fingerprint: warn when the head was trained on another model.
         draft_vocab: the tokens the head may draft (FR-Spec, Zhao et al. 2025; EAGLE-3's
@@ -353,6 +361,7 @@ class EagleDrafter(Drafter):
     no drafts.
 
     Attributes:
+        budget: the ``TreeBudget`` (size_by_cost) or None; the engine hands it its policy.
         path_logprobs: after each ``propose``, per sequence, the head's log path probability
             (natural log, float; the head's softmax over the draft vocabulary) of every node
             of its draft, root (0.0) first.
@@ -378,6 +387,7 @@ class EagleDrafter(Drafter):
         top_k: int = 10,
         max_nodes: int = 64,
         max_depth: int = 7,
+        size_by_cost: bool = True,
         check_fingerprint: bool = True,
         draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto",
     ):
@@ -402,6 +412,7 @@ class EagleDrafter(Drafter):
         self.top_k = int(top_k) if tree else 1
         self.max_nodes = int(max_nodes)
         self.max_depth = int(max_depth)
+        self.budget = TreeBudget(self.max_nodes) if self.tree and size_by_cost else None
         self.context_window = self.head.window  # the engine hands over the committed positions' features
         W_out = model.output.weight
         self.draft_vocab = self._draft_vocab(draft_vocab)
@@ -478,6 +489,15 @@ class EagleDrafter(Drafter):
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
         self._reset(len(histories))
+        if self.budget is not None:
+            self.budget.start(len(histories))
+
+    def observe(self, accepted_nodes, num_accepted, active) -> None:
+        """Counts each sequence's accepted drafts for the tree budget's calibration."""
+        if self.budget is not None:
+            for b, (n, a) in enumerate(zip(num_accepted.tolist(), active)):
+                if a:
+                    self.budget.update(b, int(n))
 
     def observe_context(self, hidden, first_positions, active) -> None:
         """Keep the committed positions' features until ``propose`` feeds them to the head's
@@ -638,7 +658,8 @@ class EagleDrafter(Drafter):
 
     def _select(self, roots, run, depth, tok, par, score, dep) -> Draft:
         """Rerank each running sequence's pool by path probability (ties: shallower first),
-        keep the best ``max_nodes - 1`` no deeper than its depth, in topological order."""
+        keep the best ``n - 1`` no deeper than its depth (n: the budget's choice, else
+        ``max_nodes``), in topological order."""
         trees = [([r], [-1]) for r in roots]
         self.path_logprobs = [[0.0] for _ in roots]
         for r, b in enumerate(run):
@@ -646,7 +667,12 @@ class EagleDrafter(Drafter):
             ok = (dep[r] <= depth[b]) & (torch.arange(n) > 0)
             ids = ok.nonzero()[:, 0].tolist()
             ids.sort(key=lambda i: (-float(score[r, i]), int(dep[r, i]), i))
-            keep = sorted(ids[: self.max_nodes - 1], key=lambda i: (int(dep[r, i]), -float(score[r, i]), i))
+            n_keep = self.max_nodes
+            if self.budget is not None:
+                values = [math.exp(float(score[r, i])) for i in ids[: self.max_nodes - 1]]
+                n_keep = self.budget.choose(b, values)
+                self.budget.kept(b, values[: n_keep - 1])
+            keep = sorted(ids[: n_keep - 1], key=lambda i: (int(dep[r, i]), -float(score[r, i]), i))
             where = {0: 0}
             t, p = [roots[b]], [-1]
             for i in keep:

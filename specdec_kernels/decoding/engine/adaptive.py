@@ -83,6 +83,112 @@ def best_draft_length(rates: Sequence[float], step_time: Sequence[float], k_min:
     return best
 
 
+def best_tree_size(values: Sequence[float], step_time: Sequence[float], n_min: int = 1) -> int:
+    """The node count n (root included) of a dynamic draft tree that maximises expected
+    tokens per second, EAGLE-2's expected-accepted-length rule with a measured cost.
+
+    Keeping the n - 1 best candidate nodes (values in descending order) emits, in
+    expectation, ``E(n) = 1 + values[0] + ... + values[n - 2]`` tokens: a node's value is the
+    probability that the accepted path passes through it (EAGLE-2, Li et al. 2024: the
+    drafter's path probability, here times a measured calibration), and the emitted tokens
+    are the bonus token plus the accepted nodes.  The step costs ``step_time[n]``.
+
+    Args:
+        values: the candidates' values, non-increasing, each in [0, 1].
+        step_time: step_time[n] > 0 for n = 0 .. N (entry 0 unused), e.g. the draft time plus
+            the measured target pass over n tokens; N = len(step_time) - 1 caps n, and so does
+            len(values) + 1.
+        n_min: the smallest n allowed (>= 1).
+
+    Returns:
+        The best n in [n_min, min(N, len(values) + 1)]; ties go to the smaller n.
+
+    Raises:
+        ValueError: n_min < 1 or above N, a step time <= 0, values not non-increasing.
+
+    Example: values (0.6, 0.3, 0.25, 0.15, 0.1) and a pass whose 8 tokens cost 1.8 times one
+    (``T(n) = 1 + (n - 1) * 0.8 / 7``) give E = 1, 1.6, 1.9, 2.15, 2.3, 2.4 and E / T = 1,
+    1.436, 1.546, 1.601, 1.578, 1.527 for n = 1..6: n = 4.  A flat cost (a GPU below its
+    compute bound) keeps every node.
+    """
+    N = min(len(step_time) - 1, len(values) + 1)
+    if not 1 <= n_min <= max(N, 1):
+        raise ValueError(f"n_min must lie in 1..{max(N, 1)}, got {n_min}")
+    if min(step_time[1:], default=1.0) <= 0:
+        raise ValueError(f"step_time must be > 0, got {list(step_time)}")
+    if any(values[i] < values[i + 1] for i in range(len(values) - 1)):
+        raise ValueError("values must be non-increasing (the candidates' order)")
+    best, best_rate, expected = n_min, -1.0, 1.0 + float(sum(values[: n_min - 1]))
+    for n in range(n_min, N + 1):
+        if n > n_min:
+            expected += float(values[n - 2])
+        rate = expected / step_time[n]
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = n, rate
+    return best
+
+
+class TreeBudget:
+    """Node budgets of a dynamic draft tree, per sequence and step: ``best_tree_size`` of the
+    drafter's path probabilities times a calibration measured as it runs, against the step
+    cost by node count of a ``CostModelPolicy`` (the decoder's measured pass-cost curve).
+
+    The calibration of sequence b is ``(accepted + prior) / (predicted + prior)``: accepted
+    drafts over the sum of the kept nodes' path probabilities, over its steps so far (a head
+    that is over-confident gets smaller trees).  Without a cost (no cost-model policy, or
+    before its costs are known) the budget is ``max_nodes``.
+
+    Args:
+        max_nodes: the most nodes, root included (>= 1).
+        min_nodes: the fewest (1 <= min_nodes <= max_nodes).
+        prior: pseudo-count of the calibration's prior of 1 (>= 0).
+
+    Raises:
+        ValueError: bounds out of range, a negative prior.
+    """
+
+    def __init__(self, max_nodes: int, min_nodes: int = 1, prior: float = 4.0):
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}, {max_nodes}")
+        if prior < 0:
+            raise ValueError(f"prior must be >= 0, got {prior}")
+        self.max_nodes, self.min_nodes, self.prior = int(max_nodes), int(min_nodes), float(prior)
+        self.cost = None  # a CostModelPolicy (set by the engine each run) or None
+        self.start(0)
+
+    def start(self, batch: int) -> None:
+        """Forget the calibration: a new batch of ``batch`` sequences."""
+        self.predicted = [0.0] * batch
+        self.accepted = [0.0] * batch
+        self.last_predicted = [0.0] * batch
+
+    def calibration(self, b: int) -> float:
+        """Measured accepted drafts per unit of predicted path probability of sequence b."""
+        return (self.accepted[b] + self.prior) / (self.predicted[b] + self.prior) if self.prior else 1.0
+
+    def choose(self, b: int, values: Sequence[float]) -> int:
+        """The node count for sequence b from its candidates' path probabilities (descending)."""
+        cap = min(self.max_nodes, len(values) + 1)
+        times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
+        if times is None:
+            return cap
+        c = self.calibration(b)
+        scaled = [min(1.0, c * float(v)) for v in values[: cap - 1]]
+        for i in range(1, len(scaled)):  # calibrated values stay non-increasing
+            scaled[i] = min(scaled[i], scaled[i - 1])
+        return best_tree_size(scaled, times, min(self.min_nodes, cap))
+
+    def kept(self, b: int, values: Sequence[float]) -> None:
+        """The path probabilities of the nodes sequence b's draft keeps (its prediction)."""
+        self.last_predicted[b] = float(sum(values))
+
+    def update(self, b: int, num_accepted: int) -> None:
+        """Sequence b accepted ``num_accepted`` drafts of the tree it was last given."""
+        self.predicted[b] += self.last_predicted[b]
+        self.accepted[b] += float(num_accepted)
+        self.last_predicted[b] = 0.0
+
+
 class DraftLengthPolicy:
     """Base class: chooses the draft length K per sequence each step.
 
@@ -394,6 +500,17 @@ class CostModelPolicy(DraftLengthPolicy):
             t = (self.draft_cost(k) if k > 0 else 0.0) + verify
             out.append(max(t, 1e-9))
         return out
+
+    def step_times_by_nodes(self, max_nodes: int) -> Optional[List[float]]:
+        """Estimated seconds of a step whose tree has n nodes per sequence, n = 0..max_nodes
+        (entry 0 unused; a floor of 1e-9): the draft time at the last step's largest K plus
+        the verify line at n nodes.  None during the warm-up or before a verify time is known
+        (``TreeBudget`` then keeps its largest tree, which also measures large passes)."""
+        if self.steps < self.warmup or not self.verify_cost.known:
+            return None
+        k = max(self.last_choice) if self.last_choice else self.k_max
+        draft = self.draft_cost(k) if k > 0 else 0.0
+        return [max(draft + self.verify_cost(n), 1e-9) for n in range(max_nodes + 1)]
 
     # ------------------------------------------------------------------ interface
     def choose(self, state) -> List[int]:

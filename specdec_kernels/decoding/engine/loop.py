@@ -46,7 +46,13 @@ from specdec_kernels import (
 from specdec_kernels.checks import as_int, as_int_list
 from specdec_kernels.decoding.coupling import GumbelCoupling
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy, FixedPolicy, LinearCost, resolve_policy
+from specdec_kernels.decoding.engine.adaptive import (
+    CostModelPolicy,
+    DraftLengthPolicy,
+    FixedPolicy,
+    LinearCost,
+    resolve_policy,
+)
 from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.threads import ThreadChoice
 from specdec_kernels.decoding.engine.typical import typical_acceptance
@@ -413,6 +419,11 @@ class SpeculativeDecoder:
             state.pass_costs = self.pass_costs.setdefault(kind, LinearCost())
             policy.start(state)
             state.stats.policy = policy.describe()
+        # a drafter that sizes its tree by the measured step cost (``adaptive.TreeBudget``)
+        # reads it from this run's cost-model policy
+        budget = getattr(self.drafter, "budget", None)
+        if budget is not None:
+            budget.cost = policy if isinstance(policy, CostModelPolicy) else None
         step = 0
         if on_step is not None:
             on_step(state)
@@ -431,6 +442,8 @@ class SpeculativeDecoder:
                     on_step(state)
         finally:
             threads.restore()
+            if budget is not None:
+                budget.cost = None
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
 

@@ -1,0 +1,108 @@
+"""Trees sized by the measured pass cost (``adaptive.best_tree_size``, ``TreeBudget``, and
+EAGLE-2's dynamic tree through the engine): the rule against hand-worked cost curves, the
+calibration by hand, and greedy identity whatever size the rule picks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specdec_kernels.decoding import SpeculativeDecoder
+from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget, best_tree_size
+from tests.engine.test_eagle import random_head
+from tests.engine.tiny import PROMPTS, tiny  # noqa: F401 (fixture)
+
+VALUES = [0.6, 0.3, 0.25, 0.15, 0.1]
+
+
+def cpu_curve(n_max, ratio8=1.8):
+    """A pass of 8 tokens costs ratio8 times one token, linear in between (entry 0 unused)."""
+    return [1.0] + [1 + (n - 1) * (ratio8 - 1) / 7 for n in range(1, n_max + 1)]
+
+
+def test_best_tree_size_by_hand():
+    # E = 1, 1.6, 1.9, 2.15, 2.3, 2.4; T = 1 + (n - 1) * 0.8 / 7; E/T = 1, 1.436, 1.546, 1.601, 1.578, 1.527
+    assert best_tree_size(VALUES, cpu_curve(6)) == 4
+    # a GPU below its compute bound: the pass costs the same up to 64 tokens, every node pays
+    values = [0.9**i for i in range(1, 64)]
+    assert best_tree_size(values, [1.0] * 65) == 64
+    # the same values on the CPU curve, by hand: E(n) = 10 - 9 * 0.9^(n - 1), T(n) = 1 + (n - 1) * 0.8 / 7;
+    # n = 8: 5.6953 / 1.8 = 3.1641, n = 9: 6.1258 / 1.9143 = 3.2000, n = 10: 6.5132 / 2.0286 = 3.2107,
+    # n = 11: 6.8619 / 2.1429 = 3.2022
+    assert best_tree_size(values, cpu_curve(64)) == 10
+    # the cost line caps n, and so do the candidates
+    assert best_tree_size(VALUES, [1.0] * 4) == 3
+    assert best_tree_size(VALUES, [1.0] * 20) == 6
+    assert best_tree_size([], cpu_curve(8)) == 1
+    assert best_tree_size(VALUES, cpu_curve(6, ratio8=50.0), n_min=2) == 2
+    with pytest.raises(ValueError, match="non-increasing"):
+        best_tree_size([0.1, 0.5], cpu_curve(3))
+    with pytest.raises(ValueError, match="n_min"):
+        best_tree_size(VALUES, cpu_curve(6), n_min=0)
+    with pytest.raises(ValueError, match="step_time"):
+        best_tree_size(VALUES, [1.0, 0.0, 1.0])
+
+
+def test_tree_budget_calibration_by_hand():
+    budget = TreeBudget(max_nodes=16, prior=4.0)
+    budget.start(2)
+    assert budget.choose(0, VALUES) == 6  # no cost known: the largest tree the candidates allow
+    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: cpu_curve(n))
+    assert budget.calibration(0) == 1.0 and budget.choose(0, VALUES) == 4
+    # sequence 0 kept nodes worth 1.3 on each of 10 steps and accepted nothing: calibration 4 / 17
+    for _ in range(10):
+        budget.kept(0, VALUES[:4])
+        budget.update(0, 0)
+    assert budget.calibration(0) == pytest.approx(4 / 17)
+    # scaled values 0.1412, 0.0706, 0.0588: E = 1, 1.1412, 1.2118, 1.2706; E/T = 1, 1.0241, 0.9863, 0.9462
+    assert budget.choose(0, VALUES) == 2
+    assert budget.calibration(1) == 1.0 and budget.choose(1, VALUES) == 4  # the other sequence is its own
+    # a head that is better than its confidences: calibration above 1, values capped at 1
+    budget.kept(1, [0.5])
+    budget.update(1, 5)
+    assert budget.calibration(1) == pytest.approx(9 / 4.5)
+    # scaled values 1, 0.6, 0.5, 0.3, 0.2: E/T = 1, 1.795, 2.116, 2.309, 2.333, 2.291: n = 5
+    assert budget.choose(1, VALUES) == 5
+    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: None)  # a policy in its warm-up
+    assert budget.choose(0, VALUES) == 6
+    with pytest.raises(ValueError):
+        TreeBudget(4, min_nodes=5)
+    with pytest.raises(ValueError):
+        TreeBudget(4, prior=-1)
+
+
+def test_cost_model_step_times_by_nodes_by_hand():
+    policy = CostModelPolicy(0, 4, warmup=0, draft_cost=(0.0, 0.1), verify_cost=(1.0, 0.25))
+    policy.start(SimpleNamespace(batch_size=1))
+    policy.last_choice = [3]
+    assert policy.step_times_by_nodes(4) == pytest.approx([1.3 + 0.25 * n for n in range(5)])
+    warm = CostModelPolicy(0, 4, warmup=2)
+    warm.start(SimpleNamespace(batch_size=1))
+    assert warm.step_times_by_nodes(4) is None
+
+
+@pytest.mark.parametrize(
+    "verify_cost, expect_small", [((1.0, 0.5), True), ((1.0, 0.0), False)], ids=["steep-cpu", "flat-gpu"]
+)
+def test_eagle_tree_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, expect_small):
+    """EAGLE-2's tree on the tiny model: a steep pass cost (each extra token half a pass) gives
+    small trees, a flat one the full budget; the output is plain greedy either way."""
+    _, model = tiny
+    plain = SpeculativeDecoder(model).generate(PROMPTS, 12, 0).tokens
+    drafter = EagleDrafter(model, random_head(), tree=True, top_k=4, max_nodes=16, check_fingerprint=False)
+    nodes = []
+    decoder = SpeculativeDecoder(model, drafter)
+    policy = CostModelPolicy(0, 4, warmup=0, explore_every=0, draft_cost=(0.0, 0.01), verify_cost=verify_cost)
+    out = decoder.generate(
+        PROMPTS, 12, policy, on_step=lambda st: nodes.extend(len(p) for p in getattr(drafter, "path_logprobs", []))
+    )
+    assert out.tokens == plain
+    drafted = [n for n in nodes if n > 1]
+    assert drafted
+    if expect_small:
+        assert max(drafted) <= 4
+    else:
+        assert max(drafted) == 16
+    assert drafter.budget.cost is None  # handed back after the run
