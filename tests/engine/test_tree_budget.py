@@ -67,6 +67,10 @@ def test_tree_budget_calibration_by_hand():
     assert budget.choose(1, VALUES) == 5
     budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: None)  # a policy in its warm-up
     assert budget.choose(0, VALUES) == 6
+    # the frontier width follows the latest choices: sequence 0 chose 2, sequence 1 chose 5
+    assert budget.width([0], 10) == 2 and budget.width([0, 1], 10) == 5 and budget.width([0, 1], 3) == 3
+    budget.start(2)
+    assert budget.width([0, 1], 10) == 10  # nothing chosen yet: the full width
     with pytest.raises(ValueError):
         TreeBudget(4, min_nodes=5)
     with pytest.raises(ValueError):
@@ -92,17 +96,25 @@ def test_eagle_tree_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, exp
     _, model = tiny
     plain = SpeculativeDecoder(model).generate(PROMPTS, 12, 0).tokens
     drafter = EagleDrafter(model, random_head(), tree=True, top_k=4, max_nodes=16, check_fingerprint=False)
-    nodes = []
+    nodes, widths = [], []
     decoder = SpeculativeDecoder(model, drafter)
     policy = CostModelPolicy(0, 4, warmup=0, explore_every=0, draft_cost=(0.0, 0.01), verify_cost=verify_cost)
     out = decoder.generate(
-        PROMPTS, 12, policy, on_step=lambda st: nodes.extend(len(p) for p in getattr(drafter, "path_logprobs", []))
+        PROMPTS,
+        12,
+        policy,
+        on_step=lambda st: (
+            nodes.extend(len(p) for p in getattr(drafter, "path_logprobs", [])),
+            widths.append(drafter.budget.width(range(len(PROMPTS)), 4)),
+        ),
     )
     assert out.tokens == plain
     drafted = [n for n in nodes if n > 1]
     assert drafted
     if expect_small:
         assert max(drafted) <= 4
+        assert min(widths) < 4  # the frontier shrank with the budget
     else:
         assert max(drafted) == 16
+        assert set(widths) == {4}
     assert drafter.budget.cost is None  # handed back after the run

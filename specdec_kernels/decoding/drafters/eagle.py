@@ -547,7 +547,8 @@ class EagleDrafter(Drafter):
         head, E = self.head, self.model.tok_embeddings.weight
         dev, dt = E.device, E.dtype
         run = [b for b in range(B) if depth[b] > 0]
-        R, k = len(run), self.top_k
+        # the frontier width: top_k, or what the tree budget's latest choices can use
+        R, k = len(run), self.top_k if self.budget is None else self.budget.width(run, self.top_k)
         nkv, hd = head.num_kv_heads, head.head_dim
         ctx_k, ctx_v, ctx_ok, g = self._root_outputs(run)
         S = ctx_k.shape[1]

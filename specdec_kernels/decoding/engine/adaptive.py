@@ -161,6 +161,7 @@ class TreeBudget:
         self.predicted = [0.0] * batch
         self.accepted = [0.0] * batch
         self.last_predicted = [0.0] * batch
+        self.last_nodes: List[Optional[int]] = [None] * batch  # the latest choice per sequence
 
     def calibration(self, b: int) -> float:
         """Measured accepted drafts per unit of predicted path probability of sequence b."""
@@ -176,7 +177,20 @@ class TreeBudget:
         scaled = [min(1.0, c * float(v)) for v in values[: cap - 1]]
         for i in range(1, len(scaled)):  # calibrated values stay non-increasing
             scaled[i] = min(scaled[i], scaled[i - 1])
-        return best_tree_size(scaled, times, min(self.min_nodes, cap))
+        n = best_tree_size(scaled, times, min(self.min_nodes, cap))
+        self.last_nodes[b] = n
+        return n
+
+    def width(self, rows: Sequence[int], top_k: int) -> int:
+        """How many nodes a tree drafter need expand per depth for the sequences ``rows``:
+        the best n - 1 nodes by path probability lie among the n - 1 best of each depth, each
+        with at most n - 1 kept children, so expanding ``min(top_k, n)`` (one spare, so that
+        a budget can grow) loses nothing; n is each sequence's latest choice (``top_k``
+        while any has none)."""
+        last = [self.last_nodes[b] for b in rows] if self.cost is not None else [None]
+        if not last or any(n is None for n in last):
+            return top_k
+        return max(1, min(top_k, max(last)))
 
     def kept(self, b: int, values: Sequence[float]) -> None:
         """The path probabilities of the nodes sequence b's draft keeps (its prediction)."""
