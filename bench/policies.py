@@ -7,8 +7,8 @@ token for token against our plain greedy output; per method the table gives toke
 accepted length (tokens per target pass, bonus included), the mean K requested and the
 speed-up over plain greedy.
 
-Typical part (--typical): at --temperature, each drafter decodes with lossless rejection
-sampling and with typical acceptance (epsilon --typical, LOSSY), the same seeds; reported:
+Typical part (--typical): at --temperature, each drafter decodes losslessly (the engine's
+default Gumbel coupling) and with typical acceptance (epsilon --typical, LOSSY), the same seeds; reported:
 tokens/s, mean accepted length, and agreement with the greedy output (tokens equal at the
 same position, and the length of the common prefix), as a measure of the quality cost.
 
