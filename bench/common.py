@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -194,3 +195,95 @@ def pyplot_or_none(path):
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ---------------------------------------------------------------- flag checks of the benchmark CLIs
+# Each takes the argparse parser and ends the run with its one-line error (exit status 2) naming
+# the flag, so that a bad value is refused before any model loads or any timing starts.
+
+
+def check_range(p, flag: str, value, low, high=None) -> None:
+    """``value`` (an int or float flag; None: not given) lies in [low, high] (no upper bound
+    when ``high`` is None); NaN never does."""
+    if value is None:
+        return
+    if not (value >= low and (high is None or value <= high)):  # NaN fails both
+        p.error(
+            f"{flag} must lie in {low}..{high}, got {value}"
+            if high is not None
+            else f"{flag} must be >= {low}, got {value}"
+        )
+
+
+def int_list(p, flag: str, text: str, low: int = 1, high: Optional[int] = None) -> List[int]:
+    """A comma-separated list of integers in [low, high] (at least one)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, got {text!r}")
+    if not values:
+        p.error(f"{flag} must name at least one integer, got {text!r}")
+    for v in values:
+        check_range(p, flag, v, low, high)
+    return values
+
+
+def spec_bench_ids(p, flag: str, text: str) -> List[int]:
+    """A comma-separated list of the packaged Spec-Bench question ids."""
+    from specdec_kernels.decoding.prompts import spec_bench_questions
+
+    known = {q["question_id"] for q in spec_bench_questions()}
+    ids = int_list(p, flag, text, min(known), max(known))
+    missing = [i for i in ids if i not in known]
+    if missing:
+        p.error(f"{flag}: no Spec-Bench question {missing[0]}")
+    return ids
+
+
+def check_device(p, flag: str, name: Optional[str]) -> None:
+    """``name`` (None: automatic) is a device this torch can use."""
+    if name == "cuda" and not torch.cuda.is_available():
+        p.error(f"{flag} cuda: this torch sees no CUDA device")
+
+
+def check_output_file(p, flag: str, path: Optional[str]) -> None:
+    """``path`` (None: not given) can be written: not a folder, in an existing writable folder."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        p.error(f"{flag} {path!r} is a folder, not a file")
+    if not folder.is_dir():
+        p.error(f"{flag} {path!r}: no folder {str(folder)!r}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        p.error(f"{flag} {path!r} cannot be written")
+
+
+def model_positions() -> Optional[int]:
+    """SmolLM2-135M-Instruct's positions from its config (no weights loaded), or None where the
+    model package is missing (the benchmark then says so itself)."""
+    from specdec_kernels.decoding.loading import have_smollm2, smollm2_config
+
+    return smollm2_config()["max_position_embeddings"] if have_smollm2() else None
+
+
+def too_long(prompts: Sequence[Sequence[int]], max_new_tokens: int, flag: str = "--max-new-tokens") -> Optional[str]:
+    """The error line when the longest prompt plus ``max_new_tokens`` exceeds the model's
+    positions, else None."""
+    positions = model_positions()
+    longest = max((len(x) for x in prompts), default=0)
+    if positions is not None and longest + max_new_tokens > positions:
+        return (
+            f"{flag} {max_new_tokens} plus the longest prompt's {longest} tokens exceed the model's {positions} "
+            f"positions (at most {max(positions - longest, 0)} new tokens)"
+        )
+    return None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the benchmark CLIs, whose errors are one line ("prog: error: ...", exit
+    status 2) like the engine's CLI, rather than the usage text then the error."""
+
+    def error(self, message):  # noqa: D401
+        self.exit(2, f"{self.prog}: error: {message}\n")

@@ -71,9 +71,12 @@ import torch
 from bench.common import (
     JsonlWriter,
     chat_prompt_ids,
+    check_device,
+    check_range,
     environment,
     format_table,
     out_dir,
+    too_long,
     uncommitted_changes,
     write_jsonl,
 )
@@ -81,6 +84,7 @@ from bench.common import (
 PACKAGED_PROMPTS = Path(__file__).resolve().parent.parent / "specdec_kernels" / "data" / "spec_bench" / "question.jsonl"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WARMUP_TOKENS = 32
+MAX_K = 64  # --num-draft-tokens at most (the CLI's bound)
 
 # Our drafters run with the engine's defaults (``NgramDrafter()``, ``adaptive.DEFAULT_K``,
 # ``adaptive.default_policy``); what the engine leaves open is chosen here:
@@ -949,11 +953,12 @@ def load_questions(path: Union[str, Path], per_category: int, categories: Option
         categories: keep only these categories (None: all).
 
     Raises:
-        ValueError: per_category < 1, a line without those fields, or no question left.
+        ValueError: per_category < 1, a line without those fields, a category the file does
+            not have, or no question left.
     """
     if per_category < 1:
         raise ValueError(f"per_category must be >= 1, got {per_category}")
-    kept, counts = [], {}
+    kept, counts, seen = [], {}, set()
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -965,11 +970,17 @@ def load_questions(path: Union[str, Path], per_category: int, categories: Option
             if not isinstance(q, dict) or not {"question_id", "category", "turns"} <= set(q) or not q["turns"]:
                 raise ValueError(f"{path}:{n}: a question needs question_id, category and a non-empty turns list")
             c = q["category"]
+            seen.add(c)
             if categories is not None and c not in categories:
                 continue
             if counts.get(c, 0) < per_category:
                 counts[c] = counts.get(c, 0) + 1
                 kept.append(q)
+    unknown = sorted(set(categories or ()) - seen)
+    if unknown:
+        raise ValueError(
+            f"--categories: {path} has no category {', '.join(unknown)} (it has {', '.join(sorted(seen))})"
+        )
     if not kept:
         raise ValueError(f"no question selected from {path} (categories {categories})")
     return kept
@@ -1064,6 +1075,17 @@ def _effective(m: Method, k: Optional[int]) -> Method:
     return m
 
 
+def shared_prefix_order(questions: List[Dict]) -> List[Dict]:
+    """The questions of the shared-prefix scenario in the order its batch takes them: one
+    question per category first, then the second of each, ...: different questions."""
+    rank: Dict[str, int] = {}
+    order = []
+    for q in questions:
+        rank[q["category"]] = rank.get(q["category"], -1) + 1
+        order.append((rank[q["category"]], len(order), q))
+    return [q for _, _, q in sorted(order, key=lambda x: x[:2])]
+
+
 def run(args) -> int:
     """Run the benchmark described by parsed ``args``; returns the exit status."""
     methods = select_methods(args.methods)
@@ -1101,6 +1123,22 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
+    shared = getattr(args, "scenario", "single") == "shared-prefix"
+    if shared:
+        questions = shared_prefix_order(questions)
+    # the prompts against the model's positions, with its tokenizer alone (before the model loads)
+    from specdec_kernels.decoding.loading import smollm2_tokenizer
+
+    if shared:
+        from bench.shared_prefix import SYSTEM_PROMPT_FILE, shared_prefix_prompts
+
+        ids = shared_prefix_prompts(smollm2_tokenizer(), questions, args.batch, SYSTEM_PROMPT_FILE.read_text().strip())
+    else:
+        ids = chat_prompt_ids(smollm2_tokenizer(), [q["turns"][0] for q in questions])
+    problem = too_long(ids, args.max_new_tokens)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     t = time.perf_counter()
     ctx = build_context(device, dtype, args.num_draft_tokens)
     ctx.threads = torch.get_num_threads()  # --threads, or torch's count: also llama.cpp's
@@ -1116,13 +1154,7 @@ def run(args) -> int:
             "uncommitted": uncommitted_changes(),
         }
         args.out_path = str(out)
-        # one question per category first, then the second of each, ...: different questions
-        rank = {}
-        order = []
-        for q in questions:
-            rank[q["category"]] = rank.get(q["category"], -1) + 1
-            order.append((rank[q["category"]], len(order), q))
-        return shared_prefix.run(args, ctx, [q for _, _, q in sorted(order, key=lambda x: x[:2])], env)
+        return shared_prefix.run(args, ctx, questions, env)
     prompts = chat_prompt_ids(tok, [q["turns"][0] for q in questions])
     # our greedy decoding always runs first: it is what "same tokens" compares against
     baselines = ["greedy"] + ["greedy" + INT8_SUFFIX] * any(greedy_baseline(m) != "greedy" for m in methods)
@@ -1436,7 +1468,9 @@ def plot(summary: List[Dict], path: Path, env: Dict, max_new_tokens: int) -> Non
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
+    from bench.common import ArgumentParser
+
+    p = ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n")[0])
     p.add_argument(
         "--prompts", help=f"a Spec-Bench question.jsonl (default: the packaged copy, {PACKAGED_PROMPTS.name})"
     )
@@ -1461,7 +1495,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "requests with one long shared system prompt, with and without prefix sharing "
         "(bench/shared_prefix.py; --methods from greedy, layerskip-tree, ngram-tree)",
     )
-    p.add_argument("--batch", type=int, default=8, help="requests of the shared-prefix scenario (default 8)")
+    p.add_argument("--batch", type=int, default=None, help="requests of the shared-prefix scenario (default 8)")
     p.add_argument(
         "--demo",
         action="store_true",
@@ -1482,16 +1516,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             args.methods = ",".join(DEMO["methods"])
         if "--threads" not in given:
             args.threads = DEMO["threads"]
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    if args.per_category < 1:
-        p.error("--per-category must be >= 1")
-    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
-        p.error("--num-draft-tokens must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
-    if args.batch < 2:
-        p.error("--batch must be >= 2")
+    # one line naming the flag, before any work (the prompts' lengths against the model's
+    # positions are checked in run(), with the tokenizer, before the model loads)
+    check_range(p, "--max-new-tokens", args.max_new_tokens, 1)
+    check_range(p, "--per-category", args.per_category, 1)
+    check_range(p, "--num-draft-tokens", args.num_draft_tokens, 1, MAX_K)
+    check_range(p, "--threads", args.threads, 1, 1024)
+    check_device(p, "--device", args.device)
+    if args.batch is not None and args.scenario != "shared-prefix":
+        p.error("--batch sizes the shared-prefix scenario: give --scenario shared-prefix too")
+    args.batch = 8 if args.batch is None else args.batch
+    check_range(p, "--batch", args.batch, 2)
     args.categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     if args.scenario == "shared-prefix":
         from bench.shared_prefix import SCENARIO_METHODS

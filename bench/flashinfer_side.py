@@ -25,7 +25,6 @@ JIT compile fails or runs out of time leaves the others' figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -241,15 +240,21 @@ def _row(op: str, shape: str, ours, theirs, counterpart: str, nbytes: int, **ext
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.flashinfer_side", description=__doc__.split("\n")[0])
+    from bench.common import ArgumentParser, out_dir
+
+    p = ArgumentParser(prog="python -m bench.flashinfer_side", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench_out", help="output folder (default bench_out/)")
     p.add_argument("--pairs", default="sampling,rejection,attention", help="comma-separated subset, in order")
     args = p.parse_args(argv)
     pairs = {"sampling": sampling_pairs, "rejection": rejection_pairs, "attention": attention_pairs}
     chosen = [x for x in args.pairs.split(",") if x]
     bad = [x for x in chosen if x not in pairs]
-    if bad:
-        p.error(f"--pairs: unknown {bad}; valid: {', '.join(pairs)}")
+    if bad or not chosen:
+        p.error(f"--pairs: unknown {bad}; valid: {', '.join(pairs)}" if bad else "--pairs names no pair")
+    try:
+        out_dir(args.out, "bench_out")  # checked before any work
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         print("bench.flashinfer_side: no CUDA device; nothing to compare", file=sys.stderr)
         return 2

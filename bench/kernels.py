@@ -15,7 +15,6 @@ GPU the figure that tells a slow kernel at a glance).  Writes a table to stdout 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from dataclasses import dataclass, field
@@ -24,7 +23,16 @@ from typing import Callable, Dict, List
 import torch
 
 import specdec_kernels as sk
-from bench.common import copy_bandwidth_gbps, environment, format_table, out_dir, pyplot_or_none, time_fn, write_jsonl
+from bench.common import (
+    check_device,
+    copy_bandwidth_gbps,
+    environment,
+    format_table,
+    out_dir,
+    pyplot_or_none,
+    time_fn,
+    write_jsonl,
+)
 from specdec_kernels import _backend
 from specdec_kernels.tree import ancestor_mask
 
@@ -456,8 +464,6 @@ def _result(entry: Entry, inputs: Dict, fn) -> object:
 def run(args) -> List[Dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    env = environment()
-    copy_bw = copy_bandwidth_gbps(device)
     entries = [e for e in ENTRIES if args.op in (None, e.op)]
     if not entries:
         raise SystemExit(f"--op must be one of {[e.op for e in ENTRIES]}")
@@ -465,6 +471,8 @@ def run(args) -> List[Dict]:
         out = out_dir(args.out, "bench_out")  # checked before the work, not after it
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    env = environment()
+    copy_bw = copy_bandwidth_gbps(device)
     jobs = [(e, s) for e in entries for s in e.shapes(args.quick)]
     try:
         from tqdm import tqdm
@@ -585,7 +593,9 @@ def plot(rows: List[Dict], path, env) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
+    from bench.common import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--op", help="one op only")
     parser.add_argument("--dtype", choices=list(DTYPES), help="logits/cache dtype (default bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--quick", action="store_true", help="small set of shapes (CI)")
@@ -598,6 +608,16 @@ def main(argv=None):
         "spills, shared memory and occupancy (bench/static.py; no GPU needed)",
     )
     args = parser.parse_args(argv)
+    ops = list(dict.fromkeys(e.op for e in ENTRIES))
+    if args.op is not None and args.op not in ops:
+        parser.error(f"--op must be one of {', '.join(ops)}, got {args.op!r}")
+    if args.static and (args.op or args.dtype or args.quick or args.device):
+        parser.error("--static compiles every launcher configuration: it takes --out only")
+    check_device(parser, "--device", args.device)
+    try:
+        out_dir(args.out, "bench_out")  # checked before any work
+    except ValueError as e:
+        parser.error(str(e))
     if args.static:
         from bench import static
 

@@ -19,7 +19,6 @@ same position, and the length of the common prefix), as a measure of the quality
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -54,7 +53,9 @@ def methods(model) -> Dict[str, Callable]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.policies", description=__doc__.split("\n\n")[0])
+    from bench.common import ArgumentParser
+
+    p = ArgumentParser(prog="python -m bench.policies", description=__doc__.split("\n\n")[0])
     p.add_argument("--ids", default=",".join(map(str, DEFAULT_IDS)), help="Spec-Bench question ids")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
@@ -62,20 +63,51 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--typical", type=float, default=None, help="run the typical-acceptance comparison with this epsilon (LOSSY)"
     )
-    p.add_argument("--temperature", type=float, default=0.3)
+    p.add_argument(
+        "--temperature", type=float, default=None, help="with --typical: the sampling temperature (default 0.3)"
+    )
     p.add_argument("--jsonl", default=None, help="append one JSON line per method here")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
 
-    from bench.common import chat_prompt_ids
+    from bench.common import chat_prompt_ids, check_output_file, check_range, spec_bench_ids, too_long
+    from specdec_kernels.checks import sampling_temperature, temperature_is_greedy
     from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, Transformer
-    from specdec_kernels.decoding.loading import load_checkpoint
+    from specdec_kernels.decoding.loading import load_checkpoint, smollm2_tokenizer
     from specdec_kernels.decoding.prompts import spec_bench_prompt
 
+    # every flag and combination, before the model loads (one line naming the flag)
+    ids = spec_bench_ids(p, "--ids", args.ids)
+    check_range(p, "--max-new-tokens", args.max_new_tokens, 1)
+    check_range(p, "--threads", args.threads, 1, 1024)
+    if args.methods is not None:
+        if args.typical is not None:
+            p.error("--methods picks greedy methods; --typical runs its own comparison (ngram-k8, layerskip-k4)")
+        unknown = [m for m in args.methods.split(",") if m not in methods(None)]
+        if unknown or not args.methods.strip(","):
+            p.error(f"--methods must name methods from {', '.join(methods(None))}, got {args.methods!r}")
+    if args.typical is None and args.temperature is not None:
+        p.error("--temperature is the sampling temperature of --typical's comparison: give --typical too")
+    if args.typical is not None:
+        check_range(p, "--typical", args.typical, 0.0, 1.0)
+        if args.typical == 0:
+            p.error("--typical must lie in (0, 1], got 0.0")
+        args.temperature = 0.3 if args.temperature is None else args.temperature
+        try:
+            sampling_temperature("--temperature", args.temperature, finite=True)
+        except ValueError as e:
+            p.error(str(e))
+        if temperature_is_greedy(args.temperature):
+            p.error(f"--temperature must be > 0 with --typical (greedy runs verify exactly), got {args.temperature}")
+    check_output_file(p, "--jsonl", args.jsonl)
+    tok = smollm2_tokenizer()
+    prompts = chat_prompt_ids(tok, [spec_bench_prompt(i) for i in ids])
+    problem = too_long(prompts, args.max_new_tokens)
+    if problem:
+        p.error(problem)
+
+    torch.set_num_threads(args.threads)
     config, sd, tok = load_checkpoint()
     model = Transformer.from_hf(config, sd)
-    ids = [int(i) for i in args.ids.split(",")]
-    prompts = chat_prompt_ids(tok, [spec_bench_prompt(i) for i in ids])
     stops = [tok.eos_token_id]
     N = args.max_new_tokens
     SpeculativeDecoder(model, stop_token_ids=stops).generate([prompts[0]], 8)  # warm-up

@@ -421,12 +421,10 @@ def main(
 
 def cli(argv=None) -> None:
     """``python -m bench.static [--out DIR] [--archs 90,80] [--sm-count N] [--jobs J]``."""
-    import argparse
-
     from bench.aot_specs import TARGET_SM_COUNT
-    from bench.common import out_dir
+    from bench.common import ArgumentParser, check_range, int_list, out_dir
 
-    parser = argparse.ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m bench.static", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="output folder (default bench_out/)")
     parser.add_argument("--archs", default="90,80", help="compute capabilities, comma-separated (default 90,80)")
     parser.add_argument(
@@ -437,14 +435,16 @@ def cli(argv=None) -> None:
     )
     parser.add_argument("--jobs", type=int, help="worker processes (default: one per CPU)")
     args = parser.parse_args(argv)
-    archs = [int(a) for a in args.archs.split(",") if a]
+    archs = int_list(parser, "--archs", args.archs, 0)
     unknown = [a for a in archs if a not in ARCHS]
-    if unknown or args.sm_count < 1:
-        raise SystemExit(f"error: --archs takes {sorted(ARCHS)}, --sm-count a positive count")
+    if unknown:
+        parser.error(f"--archs takes {', '.join(map(str, sorted(ARCHS)))}, got {args.archs!r}")
+    check_range(parser, "--sm-count", args.sm_count, 1)
+    check_range(parser, "--jobs", args.jobs, 1, 1024)
     try:
         out = out_dir(args.out, "bench_out")
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        parser.error(str(e))
     main(out, archs, args.sm_count, args.jobs)
 
 

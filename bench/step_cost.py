@@ -27,7 +27,6 @@ ratio that the adaptive draft length and end-to-end projections use.  Writes a t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -35,7 +34,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from bench.common import environment, format_table, out_dir, pyplot_or_none, time_fn, write_jsonl
+from bench.common import (
+    check_device,
+    check_range,
+    environment,
+    format_table,
+    int_list,
+    model_positions,
+    out_dir,
+    pyplot_or_none,
+    time_fn,
+    write_jsonl,
+)
 from specdec_kernels.decoding.model import ModelArgs, Transformer
 from specdec_kernels.tree import ancestor_mask
 
@@ -72,6 +82,7 @@ REAL = "smollm2-135m-real"
 NUMERICS = ("float32", "int8")  # --real: the real weights of SmolLM2-135M-Instruct
 REAL_PREFIX = 300
 REAL_SIZES = "2,4,8,16,64"
+MAX_BLOCK = 128  # --sizes at most (the engine's max_draft_nodes)
 
 
 def random_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Transformer:
@@ -343,7 +354,9 @@ def plot(rows: List[Dict], path, env) -> None:
 
 
 def main(argv=None) -> List[Dict]:
-    parser = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n")[0])
+    from bench.common import ArgumentParser
+
+    parser = ArgumentParser(prog="python -m bench.step_cost", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--models", help=f"comma-separated from {list(MODELS)} (default: smollm2-135m, plus llama3-8b on GPU)"
     )
@@ -372,12 +385,17 @@ def main(argv=None) -> List[Dict]:
         parser.error(f"--numerics must name some of {','.join(NUMERICS)}, got {a.numerics!r}")
     if a.real and a.models:
         parser.error("--real measures the real SmolLM2 weights: give it without --models")
-    if a.threads is not None and a.threads < 1:
-        parser.error("--threads must be >= 1")
+    check_range(parser, "--threads", a.threads, 1, 1024)
+    check_range(parser, "--prefix", a.prefix, 0)
+    if not 0 < a.min_time < float("inf"):  # NaN included
+        parser.error(f"--min-time must be a finite number of seconds > 0, got {a.min_time}")
+    if a.no_llamacpp and not a.real:
+        parser.error("--no-llamacpp: llama.cpp runs with --real only")
+    check_device(parser, "--device", a.device)
+    prefix = a.prefix if a.prefix is not None else (REAL_PREFIX if a.real else 1024)
+    sizes = int_list(parser, "--sizes", a.sizes or (REAL_SIZES if a.real else "2,4,8,16,32,64"), 1, MAX_BLOCK)
     if a.threads:
         torch.set_num_threads(a.threads)
-    prefix = a.prefix if a.prefix is not None else (REAL_PREFIX if a.real else 1024)
-    sizes = [int(s) for s in (a.sizes or (REAL_SIZES if a.real else "2,4,8,16,32,64")).split(",") if s]
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     names = (
@@ -389,8 +407,19 @@ def main(argv=None) -> List[Dict]:
     )
     unknown = [n for n in names if n not in MODELS and n != REAL]
     if unknown:
-        raise SystemExit(f"--models: unknown {unknown}; choose from {list(MODELS)}")
-    out = out_dir(a.out, "bench_out")
+        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    for name in names:
+        positions = (
+            (model_positions() or MODELS["smollm2-135m"].max_position) if name == REAL else MODELS[name].max_position
+        )
+        if prefix + max(sizes) > positions:
+            parser.error(
+                f"--prefix {prefix} plus the largest of --sizes ({max(sizes)}) exceed {name}'s {positions} positions"
+            )
+    try:
+        out = out_dir(a.out, "bench_out")
+    except ValueError as e:
+        parser.error(str(e))
     env = environment()
     threads = torch.get_num_threads()
     rows, skipped = [], []

@@ -25,7 +25,6 @@ then one JSON line per row, on stdout; one line per call with ``--jsonl``; all s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import multiprocessing
@@ -118,7 +117,9 @@ def timed_generate(decoder, prompt: List[int], max_new_tokens: int, cap: float) 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n\n")[0])
+    from bench.common import ArgumentParser
+
+    p = ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n\n")[0])
     p.add_argument("--ids", default=",".join(map(str, DEFAULT_IDS)), help="Spec-Bench question ids")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
@@ -126,16 +127,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes of the loaded condition")
     p.add_argument("--jsonl", default=None, help="write one JSON line per call here")
     args = p.parse_args(argv)
-    if args.max_new_tokens < 1 or args.reps < 1 or args.cap <= 0 or args.load < 1:
-        p.error("--max-new-tokens, --reps and --load must be >= 1 and --cap > 0")
 
-    from bench.common import JsonlWriter, chat_prompt_ids, environment, format_table
+    from bench.common import (
+        JsonlWriter,
+        chat_prompt_ids,
+        check_output_file,
+        check_range,
+        environment,
+        format_table,
+        spec_bench_ids,
+        too_long,
+    )
     from specdec_kernels.decoding import SpeculativeDecoder
-    from specdec_kernels.decoding.loading import load_smollm2
+    from specdec_kernels.decoding.loading import load_smollm2, smollm2_tokenizer
     from specdec_kernels.decoding.prompts import spec_bench_prompt
 
+    # every flag before the model loads or a busy process starts (one line naming the flag)
+    ids = spec_bench_ids(p, "--ids", args.ids)
+    check_range(p, "--max-new-tokens", args.max_new_tokens, 1)
+    check_range(p, "--reps", args.reps, 1)
+    check_range(p, "--load", args.load, 1, 1024)
+    if not 0 < args.cap < float("inf"):  # NaN included
+        p.error(f"--cap must be a finite number of seconds > 0, got {args.cap}")
+    check_output_file(p, "--jsonl", args.jsonl)
+    problem = too_long(chat_prompt_ids(smollm2_tokenizer(), [spec_bench_prompt(i) for i in ids]), args.max_new_tokens)
+    if problem:
+        p.error(problem)
+
     model, tok = load_smollm2()
-    ids = [int(i) for i in args.ids.split(",")]
     prompts = chat_prompt_ids(tok, [spec_bench_prompt(i) for i in ids])
     stops = [tok.eos_token_id]
     every = torch.get_num_threads()

@@ -195,9 +195,10 @@ def _threads_bind(threads: int) -> str:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    from bench.common import ArgumentParser
     from bench.e2e import default_prompts_file
 
-    p = argparse.ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", default=None, help=f"Spec-Bench question.jsonl (default: {default_prompts_file()})")
     p.add_argument("--per-category", type=int, default=1, help="questions per category (default 1)")
     p.add_argument("--categories", nargs="*", default=None, help="Spec-Bench categories (default: all)")
@@ -219,6 +220,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
+    from bench.common import check_range
+
+    check_range(p, "--num-speculative-tokens", args.num_speculative_tokens, 1, 64)
     if args.threads > (os.cpu_count() or 1):
         p.error(f"--threads {args.threads} exceeds this machine's {os.cpu_count()} CPUs")
     if args.prompts is not None and not Path(args.prompts).is_file():
@@ -284,9 +288,9 @@ def _ours(prompts: List[List[int]], k: int, max_new_tokens: int, eos: int, round
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.common import chat_prompt_ids, environment, format_table, out_dir, write_jsonl
+    from bench.common import chat_prompt_ids, environment, format_table, out_dir, too_long, write_jsonl
     from bench.e2e import default_prompts_file, load_questions
-    from specdec_kernels.decoding.loading import load_checkpoint
+    from specdec_kernels.decoding.loading import smollm2_tokenizer
 
     try:
         out = out_dir(args.out, "bench_out")  # checked before the work, not after it
@@ -294,11 +298,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    questions = load_questions(
-        Path(args.prompts) if args.prompts else default_prompts_file(), args.per_category, args.categories
-    )
-    _, _, tok = load_checkpoint()
+    try:
+        questions = load_questions(
+            Path(args.prompts) if args.prompts else default_prompts_file(), args.per_category, args.categories
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = smollm2_tokenizer()  # the tokenizer alone: the prompts are checked before any model work
     prompts = chat_prompt_ids(tok, [q["turns"][0] for q in questions])
+    problem = too_long(prompts, args.max_new_tokens)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     eos = int(tok.eos_token_id)
     model_dir = export_smollm2()
     env = {"VLLM_CPU_OMP_THREADS_BIND": _threads_bind(args.threads)}

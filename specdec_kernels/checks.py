@@ -9,6 +9,8 @@ synchronisation on CUDA, so the public ops run them by default only on CPU tenso
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -41,6 +43,90 @@ def as_int_list(name: str, values) -> List[int]:
             raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
         values = values.tolist()
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+# float32, the dtype the sampling kernels take: its largest finite value, its smallest normal
+# value, and the largest positive number that rounds to 0.0 in it (round to nearest, ties to even)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+FLOAT32_ROUNDS_TO_ZERO = 2.0**-150
+INT64_MAX = 2**63 - 1
+
+
+def as_real(name: str, value, *, finite: bool = False) -> float:
+    """``value`` as a Python float: an int, a float or another real number (numpy's, a
+    ``Fraction``), never a bool, not NaN, and finite when ``finite``.  The range checks of the
+    callers compare the value as given, before any rounding.
+
+    Raises:
+        TypeError: a bool, a string, a tensor or anything else that is not a real number.
+        ValueError: NaN, or an infinity when ``finite``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if value != value:  # NaN, in any real type
+        raise ValueError(f"{name} must be a number, got NaN")
+    if finite and value in (math.inf, -math.inf):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def sampling_temperature(name: str, value, *, finite: bool = False) -> float:
+    """A sampling temperature checked as given (a real number >= 0; finite when ``finite``;
+    +inf otherwise allowed: a uniform distribution), returned as the value the float32
+    kernels take.  Rounding to float32 never carries it out of its range: a value above
+    float32's largest (3.4e38) becomes that largest value (a near-uniform distribution that
+    keeps the order of the logits for top-k), and a positive value <= 2**-150 rounds to 0.0,
+    greedy decoding (the limit of ever smaller temperatures; ``temperature_is_greedy``).
+
+    Raises:
+        TypeError: not a real number (a bool included).
+        ValueError: NaN, negative, or infinite when ``finite`` (the message names ``name``).
+    """
+    value = as_real(name, value, finite=finite)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (0 is greedy), got {value}")
+    if value > FLOAT32_MAX and value != math.inf:
+        return FLOAT32_MAX
+    return float(value)
+
+
+def temperature_is_greedy(temperature) -> bool:
+    """Whether the kernels decode greedily at this (checked) temperature: it is 0, or so small
+    that it rounds to 0.0 in float32 (<= 2**-150)."""
+    return temperature <= FLOAT32_ROUNDS_TO_ZERO
+
+
+def sampling_top_p(name: str, value) -> float:
+    """A top-p checked as given (a real number in (0, 1]), returned as the value the float32
+    kernels take: a positive value below float32's smallest normal (1.2e-38, e.g. 1e-50, which
+    would round to 0.0, outside the range) becomes that smallest normal.  The nucleus is the
+    same either way: the most probable token and its ties, since a row's largest probability
+    is at least 1 / vocab.
+
+    Raises:
+        TypeError: not a real number (a bool included).
+        ValueError: NaN or outside (0, 1] (the message names ``name``).
+    """
+    value = as_real(name, value)
+    if not 0 < value <= 1:
+        raise ValueError(f"{name} must lie in (0, 1], got {value}")
+    return max(float(value), FLOAT32_TINY)
+
+
+def sampling_top_k(name: str, value) -> int:
+    """A top-k checked as given (an int >= 0; 0 disables it), returned as the value the int64
+    kernels take: one above int64's range becomes int64's largest (>= the vocabulary either
+    way: disabled).
+
+    Raises:
+        TypeError: not an int (a bool or a float, even an integral one, included).
+        ValueError: negative (the message names ``name``).
+    """
+    value = as_int(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (0 disables it), got {value}")
+    return min(value, INT64_MAX)
 
 
 def check_tensor(

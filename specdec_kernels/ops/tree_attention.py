@@ -79,8 +79,10 @@ import torch
 from specdec_kernels import _backend, _library
 from specdec_kernels.autotune import RuntimeChoice
 from specdec_kernels.checks import (
+    FLOAT32_MAX,
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    as_real,
     check_kv_layout,
     check_shape,
     check_tensor,
@@ -533,7 +535,8 @@ def tree_attention(
             Entries past the ceil((cache_seqlens[b] + N) / block_size) blocks a sequence
             uses are never read and may hold anything (-1 padding).
         kv_layout: "NHD" or "HND", the layout of the paged pools (ignored for a dense cache).
-        sm_scale: softmax scale, default head_dim ** -0.5.
+        sm_scale: softmax scale, a finite real number within float32's range, default
+            head_dim ** -0.5.
         tree_mask: also the bit-packed int32 form of ``pack_tree_mask``,
             shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
         num_splits: Triton backend only (others ignore it): split each sequence's prefix
@@ -547,7 +550,8 @@ def tree_attention(
         TypeError: wrong dtypes (k/v must share q's dtype; the mask must be bool; the block
             table int32 or int64).
         ValueError: wrong ranks or shapes, heads not a multiple of kv_heads, unsupported
-            head_dim, a kv_layout other than "NHD"/"HND", cache_seqlens + N beyond capacity,
+            head_dim, a kv_layout other than "NHD"/"HND", sm_scale NaN, infinite or beyond
+            float32's range, cache_seqlens + N beyond capacity,
             a used block id outside [0, num_blocks) (the last two checked on CPU tensors).
 
     Example:
@@ -588,7 +592,9 @@ def tree_attention(
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
-    scale = D**-0.5 if sm_scale is None else float(sm_scale)
+    scale = D**-0.5 if sm_scale is None else float(as_real("sm_scale", sm_scale, finite=True))
+    if abs(scale) > FLOAT32_MAX:  # checked as given: the kernels scale in float32, where it would be inf
+        raise ValueError(f"sm_scale must fit float32 (|sm_scale| <= {FLOAT32_MAX:.4g}), got {sm_scale}")
     if block_table is not None:
         return torch.ops.specdec.paged_tree_attention(
             q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, num_splits or 0, backend or ""

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,10 @@ from tests.engine.tiny import real_only
 
 # the CLI on the real model, concurrent processes: run apart from the parallel test workers (scripts/run_tests.sh)
 pytestmark = pytest.mark.serial
+
+DATA = Path(generate.__file__).parent / "data"
+SHIPPED_MEDUSA = str(DATA / "medusa" / "smollm2-135m-instruct.pt")
+SHIPPED_EAGLE = str(DATA / "eagle" / "smollm2-135m-instruct.pt")
 
 
 def test_missing_model_package_says_how_to_install(monkeypatch):
@@ -142,6 +150,32 @@ def test_parse_args():
             generate.parse_args(bad)
 
 
+# what --json reports as "tree" for each drafter's flags (from --drafter on): whether it drafts trees
+EXPECTED_TREE = {
+    ("--drafter", "ngram", "--compare"): False,
+    ("--drafter", "draft-model", "--layers", "4", "--tree", "--temperature", "0.7", "--top-p", "0.9"): True,
+    ("--drafter", "eagle-tree", "--compare"): True,
+    ("--drafter", "lookahead"): True,
+    ("--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--temperature", "0.7"): False,
+    ("--drafter", "ngram", "--temperature", "0.7", "--top-p", "1e-50"): False,
+    ("--drafter", "ngram", "--tree"): True,
+    ("--drafter", "layerskip"): False,
+    ("--drafter", "layerskip", "--tree"): True,
+    ("--drafter", "draft-model"): False,
+    ("--drafter", "medusa"): False,
+    ("--drafter", "medusa", "--tree"): True,
+    ("--drafter", "medusa-tree"): True,
+    ("--drafter", "eagle"): False,
+    ("--drafter", "eagle", "--tree"): True,
+    ("--drafter", "eagle-tree"): True,
+    ("--drafter", "multi"): True,
+    ("--drafter", "multi", "--drafters", "ngram"): False,
+    ("--drafter", "multi", "--drafters", "ngram", "--tree"): True,
+    ("--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble"): False,
+    ("--drafter", "none"): False,
+}
+
+
 @real_only
 @pytest.mark.parametrize(
     "argv",
@@ -173,8 +207,16 @@ def test_parse_args():
             "--temperature",
             "0.7",
         ],
+        ["--question-id", "121", "--drafter", "ngram", "--temperature", "0.7", "--top-p", "1e-50"],
     ],
-    ids=["ngram-compare", "draft-model-tree-sampling", "eagle-tree-compare", "lookahead", "ensemble-sampling"],
+    ids=[
+        "ngram-compare",
+        "draft-model-tree-sampling",
+        "eagle-tree-compare",
+        "lookahead",
+        "ensemble-sampling",
+        "top-p-below-float32",
+    ],
 )
 def test_cli_runs(argv, capsys):
     threads = torch.get_num_threads()
@@ -184,6 +226,10 @@ def test_cli_runs(argv, capsys):
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "mean accepted length" in out and "tokens/s" in out and "acceptance by depth" in out
+    report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert report["tree"] is EXPECTED_TREE[tuple(argv[argv.index("--drafter") :])], report
+    if "--top-p" in argv and argv[argv.index("--top-p") + 1] == "1e-50":  # the one most probable token
+        assert report["tokens"] == 12
     if "--compare" in argv:
         assert "plain greedy == transformers greedy: True" in out
         assert f"{argv[argv.index('--drafter') + 1]} greedy == plain greedy:" in out
@@ -213,9 +259,41 @@ BAD_FLAGS = [
     (["--prompt", "x", "--num-draft-tokens", "1000"], "--num-draft-tokens"),
     (["--prompt", "x", "--drafter", "eagle", "--ensemble"], "--ensemble"),
     (["--prompt", "x", "--drafter", "multi", "--drafters", "eagle,lookahead", "--ensemble"], "--ensemble"),
+    # sampling values checked as the engine takes them (finite; --typical in (0, 1], NaN not)
+    (["--prompt", "x", "--temperature", "inf"], "--temperature"),
+    (["--prompt", "x", "--top-p", "nan"], "--top-p"),
+    (["--prompt", "x", "--top-p", "1.0000001"], "--top-p"),
+    (["--prompt", "x", "--temperature", "0.5", "--typical", "nan"], "--typical"),
+    # flags of one drafter given to another (never silently ignored)
+    (["--prompt", "x", "--drafters", "ngram,layerskip"], "--drafters"),
+    (["--prompt", "x", "--drafter", "eagle", "--max-ngram", "3"], "--max-ngram"),
+    (["--prompt", "x", "--drafter", "ngram", "--layers", "3"], "--layers"),
+    (["--prompt", "x", "--drafter", "medusa", "--draft-model", "/nonexistent"], "--draft-model"),
+    (["--prompt", "x", "--drafter", "draft-model", "--draft-model", "/nonexistent", "--layers", "3"], "--layers"),
+    (["--prompt", "x", "--drafter", "layerskip", "--tree-widths", "2,2"], "--tree-widths"),
+    (["--prompt", "x", "--drafter", "ngram", "--tree", "--tree-widths", "2,2"], "--tree-widths"),
+    (["--prompt", "x", "--drafter", "lookahead", "--tree"], "--tree"),
+    (["--prompt", "x", "--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--tree"], "--tree"),
+    (["--prompt", "x", "--drafter", "ngram", "--medusa-heads", "/nonexistent.pt"], "--medusa-heads"),
+    (["--prompt", "x", "--drafter", "medusa", "--eagle-head", "/nonexistent.pt"], "--eagle-head"),
+    (["--prompt", "x", "--drafter", "none", "--num-draft-tokens", "3"], "--num-draft-tokens"),
+    (["--prompt", "x", "--drafter", "none", "--adaptive"], "--adaptive"),
+    (["--prompt", "x", "--drafter", "none", "--typical", "0.1", "--temperature", "0.5"], "--typical"),
+    (["--prompt", "x", "--no-adaptive", "--policy", "heuristic"], "--policy"),
+    (["--prompt", "x", "--numerics", "int8", "--device", "cuda"], "--numerics"),
+    # head files of the wrong kind, read without loading them
+    (["--prompt", "x", "--drafter", "medusa", "--medusa-heads", SHIPPED_EAGLE], "--medusa-heads"),
+    (["--prompt", "x", "--drafter", "eagle-tree", "--eagle-head", SHIPPED_MEDUSA], "--eagle-head"),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--prompt", "x", "--device", "cuda"], "--device"))
+if have_smollm2():  # against the model's config, read before the model loads
+    BAD_FLAGS += [
+        (["--prompt", "x", "--max-new-tokens", "8192"], "--max-new-tokens"),
+        (["--question-id", "121", "--max-new-tokens", "8150", "--drafter", "none"], "--max-new-tokens"),
+        (["--prompt", "x", "--no-chat-template", "--max-new-tokens", "8192"], "--max-new-tokens"),
+        (["--prompt", "x", "--drafter", "layerskip", "--layers", "30"], "--layers"),
+    ]
 
 
 @pytest.mark.parametrize("argv,flag", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
@@ -224,6 +302,9 @@ def test_every_bad_flag_fails_before_loading_with_one_line(argv, flag, monkeypat
 
     monkeypatch.setattr(
         decoding, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded before the flags were checked")
+    )
+    monkeypatch.setattr(
+        loading, "load_checkpoint", lambda *a, **k: pytest.fail("the weights loaded before the flags were checked")
     )
     with pytest.raises(SystemExit) as e:
         generate.main(argv)
@@ -246,25 +327,71 @@ def test_prompt_file_errors_name_the_problem(tmp_path, capsys):
     assert generate.parse_args(["--prompt-file", str(good)]).prompt == "Rename x to y"
 
 
-def test_garbage_medusa_heads_file_is_refused(tmp_path, capsys):
-    junk = tmp_path / "heads.pt"
+def test_head_files_of_another_kind_are_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """--medusa-heads / --eagle-head: a file that is not a torch file, a torch file that is no
+    head file, or the other drafter's head file is refused, one line naming the flag, from the
+    file alone (memory-mapped, the weights never read); the shipped files pass."""
+    from specdec_kernels.decoding.drafters.medusa import MedusaHeads
+
+    monkeypatch.setattr(loading, "load_checkpoint", lambda *a, **k: pytest.fail("the model loaded"))
+    junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint")
-    with pytest.raises(SystemExit) as e:
-        generate.parse_args(["--prompt", "x", "--drafter", "medusa-tree", "--medusa-heads", str(junk)])
-    assert e.value.code == 2 and "not a heads file" in capsys.readouterr().err
+    state = tmp_path / "state.pt"
+    torch.save({"w": torch.zeros(3)}, state)
+    small = tmp_path / "small.pt"
+    MedusaHeads(64, 2).save(small)  # a Medusa heads file, but for a hidden size of 64
+    for flag, drafter, kind, other in (
+        ("--medusa-heads", "medusa-tree", "Medusa heads file", SHIPPED_EAGLE),
+        ("--eagle-head", "eagle", "EAGLE head file", SHIPPED_MEDUSA),
+    ):
+        cases = [(junk, f"not a{'n' if kind[0] == 'E' else ''} {kind}"), (state, "no config"), (other, "not a")]
+        if flag == "--medusa-heads" and have_smollm2():
+            cases.append((small, "hidden size 64, the model's is 576"))
+        for path, what in cases:
+            with pytest.raises(SystemExit) as e:
+                generate.parse_args(["--prompt", "x", "--drafter", drafter, flag, str(path), "--max-new-tokens", "4"])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and len(err) == 1 and flag in err[0] and what in err[0], err
+        shipped = SHIPPED_MEDUSA if flag == "--medusa-heads" else SHIPPED_EAGLE
+        args = generate.parse_args(["--prompt", "x", "--drafter", drafter, flag, shipped, "--max-new-tokens", "4"])
+        assert getattr(args, flag[2:].replace("-", "_")) == shipped
 
 
-def test_ctrl_c_prints_the_text_so_far_and_exits_130(monkeypatch, capsys):
-    """An interrupt mid-generation: the text so far, one line on stderr, exit status 130."""
+def test_sampling_values_pass_as_the_engine_takes_them(capsys):
+    """--top-p 1e-50 lies in (0, 1] and --temperature 1e-50 is >= 0: both accepted (they were
+    checked after a cast to float32, or accepted and then failed mid-run), the temperature
+    with a note that it decodes greedily; the engine's SamplingParams takes the same values."""
+    from specdec_kernels.decoding import SamplingParams
 
-    class Tok:
-        eos_token_id = 0
+    for argv in (["--temperature", "0.7", "--top-p", "1e-50"], ["--temperature", "1e-50"], ["--temperature", "1e50"]):
+        args = generate.parse_args(["--prompt", "x", "--max-new-tokens", "4"] + argv)
+        SamplingParams(args.temperature, args.top_k, args.top_p)
+    assert "rounds to 0 in float32: greedy decoding" in capsys.readouterr().err
 
-        def apply_chat_template(self, *a, **k):
-            return [1, 2, 3]
 
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(f"<{i}>" for i in ids)
+class _Tok:
+    eos_token_id = 0
+
+    def __call__(self, text):
+        return {"input_ids": [1, 2, 3]}
+
+    def apply_chat_template(self, *a, **k):
+        return [1, 2, 3]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """main() with a stand-in model, tokenizer, drafter and decoder (no real work): the
+    decoder's calls go to ``calls``; ``interrupt`` names the call that raises KeyboardInterrupt
+    ("load", "generate" (the run itself) or "compare" (--compare's plain greedy run))."""
+    import specdec_kernels.decoding as decoding
+    from specdec_kernels.decoding import GenerationResult
+    from specdec_kernels.decoding.engine.stats import DecodeStats
+
+    box = {"interrupt": None, "calls": []}
 
     class State:
         def generated(self, b):
@@ -277,17 +404,69 @@ def test_ctrl_c_prints_the_text_so_far_and_exits_130(monkeypatch, capsys):
             pass
 
         def generate(self, prompts, n, on_step=None, **k):
-            if on_step is None:  # the warm-up
-                return None
-            on_step(State())
+            call = "warm-up" if n == 2 and on_step is None and not box["calls"] else "compare"
+            call = "generate" if on_step is not None else call
+            box["calls"].append(call)
+            if box["interrupt"] == call:
+                if on_step is not None:
+                    on_step(State())
+                raise KeyboardInterrupt
+            return GenerationResult([[7, 8]], DecodeStats())
+
+    def load(*a, **k):
+        if box["interrupt"] == "load":
             raise KeyboardInterrupt
+        return type("M", (), {"args": None})(), _Tok()
 
-    import specdec_kernels.decoding as decoding
-
-    monkeypatch.setattr(decoding, "load_smollm2", lambda *a, **k: (type("M", (), {"args": None})(), Tok()))
+    monkeypatch.setattr(decoding, "load_smollm2", load)
     monkeypatch.setattr(decoding, "SpeculativeDecoder", Decoder)
     monkeypatch.setattr(generate, "build_drafter", lambda *a, **k: None)
-    assert generate.main(["--prompt", "x", "--drafter", "none", "--no-adaptive"]) == 130
+    return box
+
+
+@pytest.mark.parametrize("where", ["load", "generate", "compare"])
+def test_ctrl_c_exits_130_with_one_line(where, fake_engine, capsys):
+    """Ctrl-C anywhere (the model load, the generation, --compare's runs): exit status 130 and
+    one line on stderr, no traceback; mid-generation the text so far is printed first."""
+    fake_engine["interrupt"] = where
+    assert generate.main(["--prompt", "x", "--drafter", "none", "--no-adaptive", "--compare"]) == 130
     out = capsys.readouterr()
-    assert "<7><8>" in out.out
-    assert out.err.strip().splitlines()[-1] == "(interrupted after 2 generated tokens)"
+    assert "Traceback" not in out.err
+    last = out.err.strip().splitlines()[-1]
+    if where == "generate":
+        assert "<7><8>" in out.out and last == "(interrupted after 2 generated tokens)"
+    elif where == "compare":
+        assert "mean accepted length" in out.out and last.startswith("(interrupted during --compare")
+    else:
+        assert last == "(interrupted)"
+
+
+@pytest.mark.parametrize("flags", list(EXPECTED_TREE), ids=[" ".join(f) for f in EXPECTED_TREE])
+def test_json_reports_what_each_drafter_drafts(flags, fake_engine, capsys):
+    """--json's "tree" (and the summary's chain / tree) is what the drafter drafts: always
+    trees for medusa-tree, eagle-tree, lookahead and a multi-draft merge of several drafters,
+    chains for --ensemble and none ("tree": false for eagle-tree, lookahead and multi was
+    reported from --tree alone)."""
+    argv = ["--prompt", "x", "--max-new-tokens", "4", "--json"] + [f for f in flags if f != "--compare"]
+    assert generate.main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    want = EXPECTED_TREE[flags]
+    assert report["tree"] is want and report["drafter"] == flags[1]
+    assert f"--- {flags[1]} ({'tree' if want else 'chain'}," in out
+    if flags[1] == "multi":
+        assert report["multi_drafters"] == (flags[3].split(",") if "--drafters" in flags else ["ngram", "layerskip"])
+
+
+def test_bad_combination_from_the_command_line_exits_2_with_one_line():
+    """The real entry point (``python -m specdec_kernels.generate``): exit status 2 and one
+    line, the model never loaded."""
+    argv = ["--prompt", "x", "--drafters", "ngram"]
+    if have_smollm2():
+        argv = ["--prompt", "x", "--max-new-tokens", "8192"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec_kernels.generate", *argv], capture_output=True, text=True, timeout=300
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and argv[-2] in lines[0], proc.stderr
+    assert "model loaded" not in proc.stderr and not proc.stdout

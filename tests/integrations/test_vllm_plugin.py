@@ -101,6 +101,42 @@ def test_entry_module_passes_a_typo_on_to_the_check(monkeypatch):
         specdec_kernels_vllm.register()
 
 
+@pytest.mark.parametrize(
+    "env,err,name",
+    [
+        ({plugin.ENV_STATS: "/nonexistent-folder/stats.jsonl"}, ValueError, plugin.ENV_STATS),
+        ({plugin.ENV_STATS: "{tmp}"}, ValueError, plugin.ENV_STATS),  # a folder, not a file
+        ({plugin.V2_RUNNER_ENV: "false"}, ValueError, plugin.V2_RUNNER_ENV),  # vLLM reads int(value)
+        ({plugin.V2_RUNNER_ENV: "on "}, RuntimeError, plugin.V2_RUNNER_ENV),
+        ({plugin.V2_RUNNER_ENV: "2"}, RuntimeError, plugin.V2_RUNNER_ENV),  # nonzero: Model Runner V2
+    ],
+    ids=["stats-no-folder", "stats-a-folder", "v2-not-an-int", "v2-on", "v2-two"],
+)
+def test_environment_is_checked_before_vllm_is_imported(monkeypatch, tmp_path, env, err, name):
+    """The plugin's variables are checked when the entry point switches it on, naming the
+    variable, before vLLM is imported (a bad stats path failed at the first verification step,
+    a VLLM_USE_V2_MODEL_RUNNER that vLLM cannot read stopped vLLM at start-up, and "2" left V2
+    on, bypassing the plugin)."""
+    import specdec_kernels_vllm
+
+    monkeypatch.setenv(plugin.ENV_SWITCH, "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v.replace("{tmp}", str(tmp_path)))
+    had_vllm = "vllm" in sys.modules
+    with pytest.raises(err, match=name):
+        specdec_kernels_vllm.register()
+    assert ("vllm" in sys.modules) == had_vllm and not plugin.installed()
+    monkeypatch.setenv(plugin.ENV_SWITCH, "0")  # switched off: nothing is checked or imported
+    specdec_kernels_vllm.register()
+
+
+def test_good_environment_passes_the_check(monkeypatch, tmp_path):
+    monkeypatch.setenv(plugin.ENV_SWITCH, "1")
+    monkeypatch.setenv(plugin.ENV_STATS, str(tmp_path / "stats.jsonl"))
+    monkeypatch.setenv(plugin.V2_RUNNER_ENV, "0")
+    plugin.check_environment()
+
+
 @pytest.mark.parametrize("broken", [True, False])
 def test_expand_probe_keeps_vllms_function_only_where_it_is_right(monkeypatch, broken):
     calls = []

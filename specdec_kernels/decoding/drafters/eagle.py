@@ -266,21 +266,18 @@ class EagleHead(nn.Module):
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "EagleHead":
-        """Read a head written by ``save``.
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: not an EAGLE head file, another format, or weights that do not fit.
-        """
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    def _from_payload(cls, path, payload) -> "EagleHead":
+        """The (uninitialised) head that ``payload``'s config describes, on the current default
+        device, after checking that the payload is an EAGLE head file."""
         if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
             raise ValueError(f"{path} is not an EAGLE head file (no config / state_dict)")
         c = dict(payload["config"])
+        if not ("num_kv_heads" in c and "window" in c) and "num_heads" in c:
+            raise ValueError(f"{path} is a Medusa heads file, not an EAGLE head file")
         if c.get("format") != FORMAT:
             raise ValueError(f"{path}: EAGLE head format {c.get('format')}, this version reads {FORMAT}")
         try:
-            head = cls(
+            return cls(
                 int(c["hidden_size"]),
                 int(c["num_heads"]),
                 int(c["num_kv_heads"]),
@@ -291,13 +288,58 @@ class EagleHead(nn.Module):
                 eps=float(c["eps"]),
                 config=c,
             )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: a config this version cannot read ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "EagleHead":
+        """Read a head written by ``save``.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not an EAGLE head file (a Medusa heads file included), another format,
+                or weights that do not fit.
+        """
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        head = cls._from_payload(path, payload)
+        try:
             head.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
             head.set_token_ranking(payload.get("token_ranking"))
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
             raise ValueError(
                 f"{path}: a config or weights this version cannot read ({type(e).__name__}: {e})"
             ) from None
         return head.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def file_config(cls, path: Union[str, Path]) -> dict:
+        """The config of the head file at ``path``, checked as ``load`` checks the file (kind,
+        format, weight names and shapes) without reading the weights: the file is
+        memory-mapped and the head is built on the meta device (milliseconds, for checks
+        before a model loads).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not an EAGLE head file (not a torch file, a Medusa heads file, another
+                format), or weights whose names or shapes do not fit the config.
+        """
+        try:
+            payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001  (anything torch cannot read is not a head file)
+            raise ValueError(f"{path} is not an EAGLE head file ({type(e).__name__})") from None
+        with torch.device("meta"):
+            head = cls._from_payload(path, payload)
+        state = payload["state_dict"]
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{path}: its state_dict is not a dict of tensors")
+        want = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        got = {k: tuple(v.shape) for k, v in state.items()}
+        if want != got:
+            wrong = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+            raise ValueError(f"{path}: the weights do not fit the config ({', '.join(wrong[:4])})")
+        return head.config
 
 
 def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:

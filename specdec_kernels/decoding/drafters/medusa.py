@@ -407,25 +407,21 @@ class MedusaHeads(nn.Module):
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "MedusaHeads":
-        """Read heads written by ``save``.
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: not a Medusa heads file, a format this version cannot read, or
-                weights that do not fit the config.
-        """
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+    def _from_payload(cls, path, payload) -> "MedusaHeads":
+        """The (uninitialised) heads that ``payload``'s config describes, on the current
+        default device, after checking that the payload is a Medusa heads file."""
         if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
             raise ValueError(f"{path} is not a Medusa heads file (no config / state_dict)")
         config = dict(payload["config"])
+        if "num_kv_heads" in config and "window" in config:
+            raise ValueError(f"{path} is an EAGLE head file, not a Medusa heads file")
         if config.get("format") not in READABLE_FORMATS:
             raise ValueError(
                 f"{path}: Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}"
             )
         try:
             window = int(config.get("context_window", 0))
-            heads = cls(
+            return cls(
                 int(config["hidden_size"]),
                 int(config["num_heads"]),
                 token_conditioned=bool(config.get("token_conditioned", False)),
@@ -436,17 +432,63 @@ class MedusaHeads(nn.Module):
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: a config this version cannot read ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "MedusaHeads":
+        """Read heads written by ``save``.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a Medusa heads file (an EAGLE head file included), a format this
+                version cannot read, or weights that do not fit the config.
+        """
+        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        heads = cls._from_payload(path, payload)
         try:
             heads.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
         except (RuntimeError, AttributeError) as e:
             raise ValueError(f"{path}: the weights do not fit the config ({e})") from None
         return heads.to(device=device, dtype=dtype).eval()
 
+    @classmethod
+    def file_config(cls, path: Union[str, Path]) -> dict:
+        """The config of the heads file at ``path``, checked as ``load`` checks the file
+        (kind, format, weight names and shapes) without reading the weights: the file is
+        memory-mapped and the heads are built on the meta device (milliseconds, for checks
+        before a model loads).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a Medusa heads file (not a torch file, an EAGLE head file, another
+                format), or weights whose names or shapes do not fit the config.
+        """
+        try:
+            payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # noqa: BLE001  (anything torch cannot read is not a heads file)
+            raise ValueError(f"{path} is not a Medusa heads file ({type(e).__name__})") from None
+        with torch.device("meta"):
+            heads = cls._from_payload(path, payload)
+        _check_weight_shapes(path, heads, payload["state_dict"])
+        return heads.config
+
     @property
     def tree_choices(self) -> Optional[List[tuple]]:
         """The tuned tree stored with the weights (choice paths), or None."""
         c = self.config.get("tree_choices")
         return [tuple(p) for p in c] if c else None
+
+
+def _check_weight_shapes(path, module: nn.Module, state_dict) -> None:
+    """Raise ValueError unless ``state_dict`` holds exactly ``module``'s weights, shape for shape."""
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(f"{path}: its state_dict is not a dict of tensors")
+    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state_dict.items()}
+    if want != got:
+        wrong = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        raise ValueError(f"{path}: the weights do not fit the config ({', '.join(wrong[:4])})")
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

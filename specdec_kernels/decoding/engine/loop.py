@@ -43,7 +43,7 @@ from specdec_kernels import (
     verify_greedy,
     verify_tree_greedy,
 )
-from specdec_kernels.checks import as_int, as_int_list
+from specdec_kernels.checks import as_int, as_int_list, as_real
 from specdec_kernels.decoding.coupling import GumbelCoupling
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.engine.adaptive import (
@@ -282,7 +282,10 @@ class SpeculativeDecoder:
             says what the steps ran with.  The count never changes the tokens.
 
     Raises:
-        ValueError: threads is none of those.
+        ValueError: threads is none of those; typical outside (0, 1] or NaN; typical_alpha
+            not finite and > 0, or without typical; prefill_chunk or max_draft_nodes < 1.
+        TypeError: typical or typical_alpha not a real number (a bool included);
+            prefill_chunk or max_draft_nodes not an int.
 
     Example::
 
@@ -324,9 +327,9 @@ class SpeculativeDecoder:
         if stops and (min(stops) < 0 or max(stops) >= model.args.vocab_size):
             raise ValueError(f"stop_token_ids must lie in [0, {model.args.vocab_size}), got {sorted(stops)}")
         self.stop_token_ids = frozenset(stops)
-        if prefill_chunk < 1:
+        if as_int("prefill_chunk", prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if max_draft_nodes < 1:
+        if as_int("max_draft_nodes", max_draft_nodes) < 1:
             raise ValueError(f"max_draft_nodes must be >= 1, got {max_draft_nodes}")
         self.prefill_chunk = prefill_chunk
         self.max_draft_nodes = max_draft_nodes
@@ -334,10 +337,12 @@ class SpeculativeDecoder:
         self._target_argmax: Optional[torch.Tensor] = None  # the block's argmax tokens, for wants_target_argmax
         resolve_policy(policy, self.drafter)  # raises on a bad policy now rather than later
         self.policy = policy
-        if typical is not None and not 0 < typical <= 1:
+        if typical is not None and not 0 < as_real("typical", typical) <= 1:
             raise ValueError(f"typical (the posterior threshold epsilon) must lie in (0, 1] or be None, got {typical}")
-        if typical_alpha is not None and (typical is None or typical_alpha <= 0):
-            raise ValueError(f"typical_alpha must be > 0 and needs typical, got {typical_alpha}")
+        if typical_alpha is not None and (
+            typical is None or not 0 < as_real("typical_alpha", typical_alpha, finite=True)
+        ):
+            raise ValueError(f"typical_alpha must be finite, > 0 and needs typical, got {typical_alpha}")
         self.typical = typical
         self.typical_alpha = typical_alpha
         if share_prefix and block_size is None:

@@ -33,6 +33,7 @@ import torch
 
 from specdec_kernels.checks import (
     INDEX_DTYPES,
+    as_real,
     check_counts,
     check_parents,
     check_probs,
@@ -104,17 +105,20 @@ def typical_acceptance(
             num_accepted + 1 tokens).
 
     Raises:
-        ValueError: epsilon outside (0, 1], delta <= 0, shapes that do not match, a
+        ValueError: epsilon NaN or outside (0, 1], delta <= 0 or not finite, shapes that do not match, a
             malformed parent list, counts outside 1..N, uniforms outside [0, 1).
-        TypeError: wrong dtypes.
+        TypeError: wrong dtypes; epsilon or delta not a real number (a bool included).
 
     Example: root distribution p_0 = (0.5, 0.3, 0.2) has H = 1.0297 nats, so with
     epsilon 0.09 (delta 0.3) the threshold is min(0.09, 0.3 * 0.357) = 0.09 and a draft
     token 2 (p = 0.2) is accepted while a token with p = 0.05 would not be.
     """
-    if not 0 < posterior_threshold <= 1:
+    if not 0 < as_real("posterior_threshold", posterior_threshold) <= 1:
         raise ValueError(f"posterior_threshold must lie in (0, 1], got {posterior_threshold}")
-    alpha = math.sqrt(posterior_threshold) if posterior_alpha is None else float(posterior_alpha)
+    if posterior_alpha is None:
+        alpha = math.sqrt(posterior_threshold)
+    else:
+        alpha = float(as_real("posterior_alpha", posterior_alpha, finite=True))
     if alpha <= 0:
         raise ValueError(f"posterior_alpha must be > 0, got {posterior_alpha}")
     check_probs("target_probs", target_probs, 3)
