@@ -160,6 +160,11 @@ def _check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error("--adaptive: --drafter none drafts nothing (plain decoding)")
     if args.policy is not None and args.adaptive is False:
         p.error("--policy chooses the adaptive policy, and --no-adaptive fixes K")
+    if args.coupling == "rejection" and args.temperature > 0 and args.drafter != "none" and args.adaptive is not False:
+        p.error(
+            "--coupling rejection: rejection sampling's tokens depend on each step's K, so it needs a fixed K "
+            "(--no-adaptive); the default gumbel coupling works with any K"
+        )
     if args.numerics == "int8" and args.device != "cpu":
         p.error(f"--numerics int8 is the CPU matrix products; --device {args.device} computes in float32")
     args.policy_given = args.policy is not None
@@ -353,6 +358,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "rejection sampling, at temperature > 0 only; the output no longer follows the model's distribution exactly",
     )
     p.add_argument(
+        "--coupling",
+        choices=("gumbel", "rejection"),
+        default="gumbel",
+        help="how sampling (temperature > 0) draws tokens: gumbel (default; a seed's tokens do not depend on the "
+        "drafter, K or the policy and equal plain sampling's) or rejection (max(0, p - q) residuals; needs "
+        "--no-adaptive)",
+    )
+    p.add_argument(
         "--tree",
         action="store_true",
         help=f"draft token trees instead of chains ({', '.join(TREE_DRAFTERS[:-2])}; lookahead and multi always "
@@ -519,7 +532,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"(model loaded in {time.perf_counter() - t:.1f} s)", file=sys.stderr)
     model.numerics = args.numerics
     ids = args.prompt_ids if args.prompt_ids is not None else prompt_ids(args, tok)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, coupling=args.coupling)
     k = args.num_draft_tokens if args.num_draft_tokens is not None else DEFAULT_K[args.drafter]
     stops = [tok.eos_token_id]
 
@@ -610,8 +623,16 @@ def _compare(args, model, ids, stops, sampling, result, mode, SpeculativeDecoder
     print(f"plain greedy == transformers greedy: {plain.tokens[0] == hf_tokens}{note}")
     if sampling.greedy:
         print(f"{args.drafter} greedy == plain greedy:       {result.tokens[0] == plain.tokens[0]}")
+    elif sampling.coupling == "gumbel":
+        # the Gumbel coupling: the same seed gives plain sampling's tokens, whatever the drafts
+        sampled = SpeculativeDecoder(model, None, stop_token_ids=stops).generate(
+            [ids], args.max_new_tokens, sampling=sampling, seeds=[args.seed]
+        )
+        print(f"{args.drafter} sampled == plain sampled (seed {args.seed}): {result.tokens[0] == sampled.tokens[0]}")
     else:
-        print(f"({args.drafter} sampled at temperature {args.temperature}: not comparable token for token)")
+        print(
+            f"({args.drafter} sampled at temperature {args.temperature} by rejection: not comparable token for token)"
+        )
 
 
 if __name__ == "__main__":

@@ -153,7 +153,18 @@ def test_parse_args():
 # what --json reports as "tree" for each drafter's flags (from --drafter on): whether it drafts trees
 EXPECTED_TREE = {
     ("--drafter", "ngram", "--compare"): False,
-    ("--drafter", "draft-model", "--layers", "4", "--tree", "--temperature", "0.7", "--top-p", "0.9"): True,
+    (
+        "--drafter",
+        "draft-model",
+        "--layers",
+        "4",
+        "--tree",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--compare",
+    ): True,
     ("--drafter", "eagle-tree", "--compare"): True,
     ("--drafter", "lookahead"): True,
     ("--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--temperature", "0.7"): False,
@@ -193,6 +204,7 @@ EXPECTED_TREE = {
             "0.7",
             "--top-p",
             "0.9",
+            "--compare",
         ],
         ["--question-id", "81", "--drafter", "eagle-tree", "--compare"],
         ["--question-id", "81", "--drafter", "lookahead"],
@@ -232,8 +244,11 @@ def test_cli_runs(argv, capsys):
         assert report["tokens"] == 12
     if "--compare" in argv:
         assert "plain greedy == transformers greedy: True" in out
-        assert f"{argv[argv.index('--drafter') + 1]} greedy == plain greedy:" in out
-        assert out.split(" greedy == plain greedy:")[1].split()[0] == "True"
+        if "--temperature" in argv:  # the Gumbel coupling: the seed's tokens are plain sampling's
+            assert f"{argv[argv.index('--drafter') + 1]} sampled == plain sampled (seed 0): True" in out
+        else:
+            assert f"{argv[argv.index('--drafter') + 1]} greedy == plain greedy:" in out
+            assert out.split(" greedy == plain greedy:")[1].split()[0] == "True"
 
 
 BAD_FLAGS = [
@@ -278,6 +293,8 @@ BAD_FLAGS = [
     (["--prompt", "x", "--drafter", "medusa", "--eagle-head", "/nonexistent.pt"], "--eagle-head"),
     (["--prompt", "x", "--drafter", "none", "--num-draft-tokens", "3"], "--num-draft-tokens"),
     (["--prompt", "x", "--drafter", "none", "--adaptive"], "--adaptive"),
+    (["--prompt", "x", "--drafter", "ngram", "--temperature", "0.5", "--coupling", "rejection"], "--coupling"),
+    (["--prompt", "x", "--coupling", "maximal"], "--coupling"),
     (["--prompt", "x", "--drafter", "none", "--typical", "0.1", "--temperature", "0.5"], "--typical"),
     (["--prompt", "x", "--no-adaptive", "--policy", "heuristic"], "--policy"),
     (["--prompt", "x", "--numerics", "int8", "--device", "cuda"], "--numerics"),
