@@ -17,10 +17,13 @@ Two layers:
    ``generate`` normally.
 
 2. **A generate-level drop-in**, ``speculative_generate(model, input_ids, ...)``: the
-   arguments transformers users know from ``model.generate`` (``attention_mask`` with left
-   padding, ``assistant_model=``, ``prompt_lookup_num_tokens=``, ``max_new_tokens``,
-   ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``)
-   and the output of ``generate`` (prompt plus new tokens, finished rows padded).  It runs
+   arguments of ``model.generate`` (a ``GenerationConfig`` and its fields, resolved by
+   transformers as generate resolves them; ``attention_mask`` with left padding,
+   ``assistant_model=``, ``prompt_lookup_num_tokens=``, ``assistant_early_exit=``, logits
+   processors, stopping criteria, streamers; what cannot be honoured exactly is refused) and
+   the output of ``generate`` (prompt plus new tokens, finished rows padded, or a
+   ``GenerateDecoderOnlyOutput``); also a ``custom_generate`` loop for ``model.generate``
+   (``_hf_generate.py`` holds the pieces).  It runs
    the package's decode loop (``specdec_kernels.decoding.SpeculativeDecoder``) over
    ``HFCausalLM``: drafts (prompt lookup / n-gram, chains or trees; an assistant model with
    its own cache, chains or static trees), one target forward per step, verification with
@@ -44,13 +47,15 @@ Example::
     out = speculative_generate(model, input_ids, attention_mask=mask, prompt_lookup_num_tokens=8,
                                max_new_tokens=128)          # == model.generate(..., do_sample=False)
     out = speculative_generate(model, input_ids, assistant_model=small, tree=(2, 2), max_new_tokens=128)
+    out = model.generate(**batch, custom_generate=speculative_generate, prompt_lookup_num_tokens=8)
 """
 
 from __future__ import annotations
 
 import contextvars
-import math
-import numbers
+import copy
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Set, Tuple, Union
 
@@ -61,13 +66,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS, tree_attention
-from specdec_kernels.checks import sampling_temperature, sampling_top_p
+from specdec_kernels.checks import sampling_temperature, sampling_top_k, sampling_top_p
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
 from specdec_kernels.decoding.drafters.ngram import NgramDrafter
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.engine.stats import DecodeStats
+from specdec_kernels.integrations import _hf_generate
 
 ATTENTION_NAME = "specdec_tree"
 DEFAULT_TREE_WIDTHS = (2, 2)  # assistant-model trees with tree=True: 2 children at depths 1 and 2
@@ -156,7 +162,10 @@ def specdec_tree_attention(
         )
     cache = step.kv_cache
     if not isinstance(layer, int) or not 0 <= layer < cache.shape[0]:
-        raise ValueError(f"{ATTENTION_NAME}: attention layer_idx {layer!r} outside the cache's {cache.shape[0]} layers")
+        raise ValueError(
+            f"{ATTENTION_NAME}: attention layer_idx {layer!r} outside the cache's {cache.shape[0]} layers "
+            "(early exit needs a model whose forward runs only config.num_hidden_layers layers)"
+        )
     if key.shape[1] != cache.shape[3] or key.shape[3] != cache.shape[5] or key.shape[0] != B or key.shape[2] != N:
         raise ValueError(
             f"{ATTENTION_NAME}: layer {layer} keys of shape {tuple(key.shape)} do not fit the KV cache "
@@ -277,13 +286,40 @@ class TargetArgs:
     max_position: int
 
 
+_SWAP_LOCK = threading.Lock()
+# model -> [HFCausalLM instances using it, the attention implementation to restore after the last]
+_IN_USE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _early_exit_model(model, num_layers: int):
+    """``model`` running only its first ``num_layers`` decoder layers, then its final norm and head
+    (generate's ``assistant_early_exit``): a shallow copy sharing every weight whose base model
+    has a config copy with ``num_hidden_layers = num_layers`` (transformers' decoders run
+    ``layers[: config.num_hidden_layers]``).  The shared model is never modified, so other
+    threads can run it meanwhile."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, torch.nn.Module) or not hasattr(base, "config"):
+        raise ValueError(f"assistant_early_exit: {type(model).__name__} has no base model to exit early from")
+    config = copy.copy(base.config)
+    config.num_hidden_layers = num_layers
+    short_base = copy.copy(base)
+    short_base.config = config
+    short = copy.copy(model)
+    short._modules = dict(model._modules)
+    short._modules[prefix] = short_base
+    return short
+
+
 class HFCausalLM:
     """A transformers causal LM with the call interface of ``specdec_kernels.decoding.Transformer``
     (what ``SpeculativeDecoder`` and ``ModelDrafter`` use), attending through ``"specdec_tree"``.
 
     Construction switches the model's attention implementation to ``"specdec_tree"`` (which
     behaves as ``"sdpa"`` outside our forwards); ``restore()`` (or leaving the ``with`` block)
-    puts the previous one back.
+    puts the previous one back.  The switch is counted per model: several ``HFCausalLM`` of one
+    model (``speculative_generate`` running in several threads) share it, and the last one
+    restored restores it, so one finishing never pulls the implementation from under another.
 
     Args:
         model: a transformers ``*ForCausalLM`` (decoder-only, attention through
@@ -320,16 +356,33 @@ class HFCausalLM:
             max_position=int(getattr(config, "max_position_embeddings", None) or 2**31 - 1),
         )
         self.attention_backend = attention_backend
-        self._previous = model.config._attn_implementation
-        if self._previous != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
+        self._exits: dict = {}  # num_layers -> the model running its first num_layers layers
+        self._restored = True
+        with _SWAP_LOCK:
+            entry = _IN_USE.get(model)
+            if entry is None:
+                previous = model.config._attn_implementation
+                if previous != ATTENTION_NAME:
+                    model.set_attn_implementation(ATTENTION_NAME)
+                entry = _IN_USE[model] = [0, previous]
+            entry[0] += 1
         self._restored = False
 
     def restore(self) -> None:
-        """Put the model's previous attention implementation back (idempotent)."""
-        if not self._restored and self._previous != ATTENTION_NAME:
-            self.hf.set_attn_implementation(self._previous)
-        self._restored = True
+        """Release the model (idempotent): the last ``HFCausalLM`` of a model to be restored puts its
+        previous attention implementation back; others, in other threads, keep running on it."""
+        with _SWAP_LOCK:
+            if self._restored:
+                return
+            self._restored = True
+            entry = _IN_USE.get(self.hf)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _IN_USE[self.hf]
+                if entry[1] != ATTENTION_NAME:
+                    self.hf.set_attn_implementation(entry[1])
 
     def __enter__(self) -> "HFCausalLM":
         return self
@@ -376,7 +429,8 @@ class HFCausalLM:
                 slots ``cache_seqlens[b] + i``.
             cache_seqlens: (B,) int32, tokens already cached per sequence; + N <= S.
             tree_mask: bool (N, N) / (B, N, N) ancestor mask of the block, None = chain.
-            num_layers: None or all the layers (layer skipping is not available here).
+            num_layers: None or all the layers; fewer: only the first num_layers layers, then the
+                final norm and head (early exit; the cache then holds num_layers layers).
             logit_rows: (B, R) int64: logits of these block rows only (R = 0: none).
             compute_logits: False: run for the cache writes only, return None.
 
@@ -384,23 +438,26 @@ class HFCausalLM:
             (B, N or R, vocab) float32 logits, or None (R = 0, compute_logits False).
 
         Raises:
-            ValueError: num_layers below the model's layers, return_hidden, a cache that does not
-                fit, a layer whose attention did not go through the interface.
+            ValueError: num_layers outside 1..layers, return_hidden, a cache that does not fit, a
+                layer whose attention did not go through the interface, early exit on a model
+                whose forward does not stop at ``config.num_hidden_layers``.
         """
-        if num_layers is not None and num_layers != self.args.num_layers:
-            raise ValueError(
-                f"num_layers={num_layers}: a transformers model runs all its {self.args.num_layers} layers here"
-            )
+        layers = self.args.num_layers if num_layers is None else num_layers
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.args.num_layers:
+            raise ValueError(f"num_layers must lie in 1..{self.args.num_layers}, got {num_layers!r}")
+        hf = self.hf
+        if layers < self.args.num_layers:
+            hf = self._exits.get(layers)
+            if hf is None:
+                hf = self._exits[layers] = _early_exit_model(self.hf, layers)
         if return_hidden:
             raise ValueError(
                 "return_hidden is not available for transformers models (drafters that want hidden states)"
             )
         B, N = tokens.shape
         starts = cache_seqlens.tolist()
-        if kv_cache.dim() != 6 or kv_cache.shape[0] < self.args.num_layers or kv_cache.shape[2] != B:
-            raise ValueError(
-                f"kv_cache must have shape (L={self.args.num_layers}, 2, B={B}, Hkv, S, D), got {tuple(kv_cache.shape)}"
-            )
+        if kv_cache.dim() != 6 or kv_cache.shape[0] < layers or kv_cache.shape[2] != B:
+            raise ValueError(f"kv_cache must have shape (L={layers}, 2, B={B}, Hkv, S, D), got {tuple(kv_cache.shape)}")
         if B and max(starts) + N > kv_cache.shape[4]:
             raise ValueError(f"cache_seqlens + N ({max(starts) + N}) exceed the cache's {kv_cache.shape[4]} slots")
         rows = None
@@ -420,13 +477,11 @@ class HFCausalLM:
             )
         token = _CURRENT.set(step)
         try:
-            out = self.hf(
-                input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=keep, return_dict=True
-            )
+            out = hf(input_ids=tokens, position_ids=positions, use_cache=False, logits_to_keep=keep, return_dict=True)
         finally:
             _CURRENT.reset(token)
-        if len(step.layers_seen) != self.args.num_layers:
-            missing = sorted(set(range(self.args.num_layers)) - step.layers_seen)
+        if step.layers_seen != set(range(layers)):
+            missing = sorted(set(range(layers)) - step.layers_seen)
             raise ValueError(
                 f"layers {missing[:8]} of {type(self.hf).__name__} did not attend through {ATTENTION_NAME} "
                 "(their attention bypasses transformers' AttentionInterface): cannot verify trees with it"
@@ -464,8 +519,7 @@ def _check_int(name: str, value, low: int, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def _prompts(input_ids, attention_mask, pad_token_id, stops, vocab: int) -> List[List[int]]:
-    """Left-padded ids and mask -> the real tokens of each row."""
+def _check_input_ids(input_ids) -> None:
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(
             f"input_ids must be a torch.LongTensor of shape (batch, length), got {type(input_ids).__name__}"
@@ -473,25 +527,23 @@ def _prompts(input_ids, attention_mask, pad_token_id, stops, vocab: int) -> List
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must have shape (batch >= 1, length >= 1), got {tuple(input_ids.shape)}")
+        hint = " (one prompt: input_ids[None]; generate fails on 1-D input_ids too)" if input_ids.dim() == 1 else ""
+        raise ValueError(f"input_ids must have shape (batch >= 1, length >= 1), got {tuple(input_ids.shape)}{hint}")
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask, vocab: int) -> Tuple[List[List[int]], List[int]]:
+    """Left-padded ids and their 0/1 mask -> (the real tokens of each row, each row's padding)."""
     ids = input_ids.cpu().to(torch.int64)
-    if attention_mask is None:
-        # as generate: padding is inferred from pad_token_id when it is not the EOS token
-        if pad_token_id is not None and pad_token_id not in stops and bool((ids == pad_token_id).any()):
-            mask = ids != pad_token_id
-        else:
-            mask = torch.ones_like(ids, dtype=torch.bool)
-    else:
-        if not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
-            )
-        m = attention_mask.cpu()
-        if not bool(((m == 0) | (m == 1)).all()):
-            raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
-        mask = m.bool()
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a tensor or None, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
+    m = attention_mask.cpu()
+    if not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
+    mask = m.bool()
     if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
         raise ValueError(
             "attention_mask: only left padding is supported (a row has a token before a padding slot); "
@@ -503,119 +555,232 @@ def _prompts(input_ids, attention_mask, pad_token_id, stops, vocab: int) -> List
     for b, p in enumerate(prompts):
         if min(p) < 0 or max(p) >= vocab:
             raise ValueError(f"input_ids row {b} holds token ids outside [0, {vocab})")
-    return prompts
+    return prompts, (~mask).sum(dim=1).tolist()
+
+
+# generate's arguments this loop cannot reproduce exactly: (GenerationConfig field, is it set?, why)
+_REFUSED_FIELDS = (
+    ("num_beams", lambda v: v is not None and v > 1, "beam search keeps several hypotheses per row"),
+    ("num_beam_groups", lambda v: v is not None and v > 1, "group beam search"),
+    ("diversity_penalty", lambda v: bool(v), "group beam search"),
+    ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search"),
+    ("dola_layers", lambda v: v is not None, "DoLa decoding"),
+    ("constraints", lambda v: v is not None, "constrained beam search"),
+    ("force_words_ids", lambda v: v is not None, "constrained beam search"),
+    ("use_mtp", lambda v: bool(v), "multi-token prediction heads are not implemented here"),
+    ("speculation_type", lambda v: v is not None, "only our own drafters are implemented here"),
+    ("assistant_ensemble_weight", lambda v: v is not None, "ensemble verification is lossy"),
+    ("guidance_scale", lambda v: v is not None and v != 1, "classifier-free guidance runs a second batch"),
+    ("watermarking_config", lambda v: v is not None, "watermarking processors assume one call per token"),
+    ("output_attentions", lambda v: bool(v), "attentions are not computed by our kernel"),
+    ("output_hidden_states", lambda v: bool(v), "hidden states are not returned by this loop"),
+    ("cache_implementation", lambda v: v == "quantized", "a quantized cache changes the numbers"),
+)
+# model inputs generate passes on (or a caller may), and what this loop does with them
+_MODEL_KWARGS = ("attention_mask", "position_ids", "logits_to_keep", "use_cache", "cache", "past_key_values")
+
+
+def _refuse_config(gen_config, prepared: bool) -> None:
+    for name, is_set, why in _REFUSED_FIELDS:
+        value = getattr(gen_config, name, None)
+        if is_set(value):
+            raise ValueError(f"speculative_generate does not support {name}={value!r}: {why}")
+    if gen_config.token_healing and not prepared:
+        raise ValueError("speculative_generate does not support token_healing=True (call model.heal_tokens first)")
+    if not isinstance(gen_config.do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {type(gen_config.do_sample).__name__}")
+    for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
+        _check_int(name, getattr(gen_config, name, None), 0, allow_none=True)
+    top_p = gen_config.top_p
+    if gen_config.do_sample and top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+            raise TypeError(f"top_p must be a number or None, got {type(top_p).__name__}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    schedule = gen_config.num_assistant_tokens_schedule
+    if schedule not in (None, "constant", "heuristic", "heuristic_transient"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule must be 'constant', 'heuristic' or 'heuristic_transient', got {schedule!r}"
+        )
+
+
+def _check_model_kwargs(model_kwargs: dict, mask: torch.Tensor) -> None:
+    """Inputs beside input_ids: those generate itself hands a custom loop are checked or ignored
+    (our KV cache replaces transformers'); anything else is refused by name."""
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_KWARGS)
+    if unknown:
+        raise ValueError(
+            f"speculative_generate does not take {unknown} (not GenerationConfig fields, and model inputs "
+            "other than attention_mask are not supported; typos of generate's arguments show up here too)"
+        )
+    for name in ("cache", "past_key_values"):
+        cache = model_kwargs.get(name)
+        if cache is not None and (not hasattr(cache, "get_seq_length") or cache.get_seq_length() != 0):
+            raise ValueError(f"{name}: a filled transformers cache cannot be continued here (our KV cache is used)")
+    use_cache = model_kwargs.get("use_cache")
+    if use_cache is not None and not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__}")
+    positions = model_kwargs.get("position_ids")
+    if positions is not None:
+        m = mask.cpu().long()
+        expected = (m.cumsum(-1) - 1).masked_fill(m == 0, 0)
+        if not isinstance(positions, torch.Tensor) or tuple(positions.shape) != tuple(m.shape):
+            raise ValueError(f"position_ids must have input_ids' shape {tuple(m.shape)}")
+        if not torch.equal(positions.cpu().long(), expected):
+            raise ValueError(
+                "position_ids must be those of the attention mask (cumulative count of tokens - 1, as generate "
+                "derives them); other positions are not supported"
+            )
 
 
 def speculative_generate(
     model,
-    input_ids: torch.Tensor,
-    *,
-    attention_mask: Optional[torch.Tensor] = None,
+    input_ids: Optional[torch.Tensor] = None,
+    generation_config: Optional["transformers.GenerationConfig"] = None,
+    logits_processor: Optional["transformers.LogitsProcessorList"] = None,
+    stopping_criteria: Optional["transformers.StoppingCriteriaList"] = None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus: Optional[bool] = None,
     assistant_model=None,
-    prompt_lookup_num_tokens: Optional[int] = None,
-    max_matching_ngram_size: Optional[int] = None,
+    streamer=None,
+    negative_prompt_ids: Optional[torch.Tensor] = None,
+    negative_prompt_attention_mask: Optional[torch.Tensor] = None,
+    *,
     drafter: Optional[Drafter] = None,
     tree: Union[None, bool, Sequence[int]] = None,
     num_draft_tokens: Union[None, int, DraftLengthPolicy] = None,
-    max_new_tokens: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    eos_token_id: Union[None, int, Sequence[int]] = None,
-    pad_token_id: Optional[int] = None,
     seed: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
     attention_backend: Optional[str] = None,
     return_stats: bool = False,
-) -> Union[torch.Tensor, Tuple[torch.Tensor, DecodeStats]]:
+    tokenizer=None,
+    assistant_tokenizer=None,
+    **kwargs,
+) -> Union[torch.Tensor, "transformers.generation.utils.GenerateDecoderOnlyOutput", Tuple[object, DecodeStats]]:
     """Speculative decoding of a transformers causal LM with our tree attention and
-    verification ops: a drop-in for ``model.generate`` with ``assistant_model=`` or
-    ``prompt_lookup_num_tokens=`` (any batch size, left padding, chains or token trees).
+    verification ops: ``model.generate``'s arguments, defaults and output, decoded by drafting
+    and verifying (any batch size, left padding, chains or token trees).  It is also a
+    ``custom_generate`` callable: ``model.generate(**batch, custom_generate=speculative_generate)``.
 
-    Drafts come from exactly one source (none: plain decoding through our kernels):
+    Drafts come from at most one source (none: plain decoding through our kernels):
     ``prompt_lookup_num_tokens`` (prompt lookup decoding, Saxena 2023: our ``NgramDrafter``),
     ``assistant_model`` (a smaller transformers model with the same vocabulary, run through
-    ``"specdec_tree"`` with its own KV cache: Leviathan et al. 2023) or ``drafter`` (any
+    ``"specdec_tree"`` with its own KV cache: Leviathan et al. 2023), ``assistant_early_exit``
+    (the target's first layers, then its norm and head, LayerSkip-style) or ``drafter`` (any
     ``specdec_kernels.decoding.Drafter`` that needs no hidden states).  Each step the target
     scores the root and all drafts in one forward; greedy runs keep the longest path the
     target's argmax agrees with (``verify_greedy`` / ``verify_tree_greedy``), sampling runs use
-    lossless rejection sampling (``rejection_sample`` / ``tree_rejection_sample``) on
-    ``sampling_probs(logits, temperature, top_k, top_p)``; the accepted nodes' K/V are
-    compacted in place (``compact_kv_cache``).
+    lossless rejection sampling (``rejection_sample`` / ``tree_rejection_sample``); the accepted
+    nodes' K/V are compacted in place (``compact_kv_cache``).
+
+    Generate's arguments.  The generation config is resolved by transformers as ``generate``
+    does (``generation_config`` or the model's, updated by keyword arguments, generate's
+    defaults: 20 new tokens, greedy, ``top_k=50`` when sampling, ...), and transformers' own
+    logits processors and stopping criteria are built from it.  Honoured exactly:
+    ``max_new_tokens`` / ``max_length``, ``min_new_tokens`` / ``min_length``, ``eos_token_id``
+    (an int or a list), ``pad_token_id`` (default: the first EOS), ``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``epsilon_cutoff``,
+    ``eta_cutoff``, ``top_h``, ``repetition_penalty``, ``no_repeat_ngram_size``,
+    ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``, ``begin_suppress_tokens``,
+    ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
+    ``remove_invalid_values``, ``renormalize_logits``, ``logits_processor`` (row-wise ones),
+    ``prefix_allowed_tokens_fn``, ``stopping_criteria``, ``stop_strings`` (with
+    ``tokenizer``), ``max_time`` (checked after each step's tokens), ``streamer``,
+    ``return_dict_in_generate`` with ``output_scores`` / ``output_logits``,
+    ``num_return_sequences`` (sampling), ``num_assistant_tokens`` and
+    ``num_assistant_tokens_schedule`` ("heuristic": per row, not kept across calls),
+    ``max_matching_ngram_size`` (default 5 here, 2 in generate; speed only).  The processors
+    are applied, with each node's own context, to the target's logits of every draft node and
+    to an assistant model's logits, so the verified distribution is generate's and
+    verification stays lossless; temperature / top-k / top-p alone run in our fused
+    ``sampling_probs``.  Accepted without effect on the output: ``use_cache``,
+    ``cache_implementation`` (but "quantized"), ``compile_config``, ``prefill_chunk_size``,
+    ``assistant_confidence_threshold`` (not implemented: a speed knob), ``synced_gpus=False``.
+    Refused with a ``ValueError`` naming them: ``num_beams > 1`` and the other beam, contrastive,
+    DoLa and constrained modes, ``guidance_scale``, ``negative_prompt_ids``,
+    ``watermarking_config``, ``use_mtp``, ``speculation_type``, ``assistant_ensemble_weight``
+    (lossy), ``output_attentions``, ``output_hidden_states``, ``token_healing``,
+    ``assistant_tokenizer`` (different vocabularies), ``synced_gpus=True``, model inputs other
+    than ``attention_mask`` (e.g. ``inputs_embeds``), a filled cache, stopping criteria beside
+    EOS / length in a batch without ``eos_token_id`` (generate then keeps decoding stopped
+    rows), processors that need the whole batch.
 
     Args:
         model: the target, a transformers ``*ForCausalLM`` (see ``unsupported_model``).  Its
             attention implementation is switched to ``"specdec_tree"`` during the call and
-            restored after.
-        input_ids: (B, P) integer token ids, left-padded when the prompts differ in length.
-        attention_mask: (B, P) 0/1, 0 on the left padding; None: all tokens, or (as
-            ``generate``) ``input_ids != pad_token_id`` when pad_token_id is given, occurs in
-            input_ids and is not an EOS token.
+            restored by the last of concurrent calls on it (threads may share a model).
+        input_ids: (B, P) integer token ids, left-padded when the prompts differ in length
+            (1-D is refused, as generate fails on it; use ``input_ids[None]``).
+        generation_config: a ``transformers.GenerationConfig`` (None: the model's).
+        logits_processor: extra transformers logits processors; each must be row-wise.
+        stopping_criteria: extra transformers stopping criteria, called per row with that
+            row's (1, length) input_ids after every emitted token.
+        prefix_allowed_tokens_fn: generate's constraint ``fn(batch_id, input_ids_row)``.
+        synced_gpus: None or False.
         assistant_model: a transformers causal LM with the target's vocabulary size.
-        prompt_lookup_num_tokens: >= 1: draft this many tokens (K) by prompt lookup.
-        max_matching_ngram_size: prompt lookup's longest suffix match (default 5).
+        streamer: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``, ...):
+            ``put`` the prompt (B, P), then the new tokens as (B, n) blocks of whole columns
+            (finished rows padded), then ``end()``.
+        negative_prompt_ids, negative_prompt_attention_mask: refused (guidance).
         drafter: a ``Drafter`` instance instead (e.g. ``NgramDrafter(tree=True, max_chains=4)``).
         tree: None / False: chains.  True: token trees (prompt lookup: up to 2 matches merged;
-            assistant: children per node ``DEFAULT_TREE_WIDTHS``).  A sequence of ints
-            (assistant only): the static tree's children per node by depth, e.g. (3, 2, 1).
-        num_draft_tokens: draft depth K per step: an int >= 0, or a ``DraftLengthPolicy``
-            (e.g. ``specdec_kernels.decoding.CostModelPolicy(0, 8)``) choosing K every step.
-            None: ``prompt_lookup_num_tokens`` for prompt lookup, ``DEFAULT_ASSISTANT_TOKENS``
-            for an assistant model or a drafter.
-        max_new_tokens: >= 0 tokens to generate per row at most (EOS included).
-        do_sample: False: greedy (the output equals ``model.generate(do_sample=False)``).
-            True: sample from ``sampling_probs`` with temperature / top_k / top_p (the
-            generation config's sampling defaults are not read).
-        temperature: finite and > 0, with do_sample (as ``SamplingParams`` takes it: one
-            <= 2**-150 rounds to 0 in float32 and decodes greedily).
-        top_k: None or 0 (off), or >= 1.
-        top_p: None (off) or in (0, 1].
-        eos_token_id: an int or ints that end a row (emitted, then the row stops); None: the
-            model's generation config; [] : none.
-        pad_token_id: fills finished rows; None: the generation config's, else the first EOS,
-            else 0.
+            assistant / early exit: children per node ``DEFAULT_TREE_WIDTHS``).  A sequence of
+            ints (assistant / early exit): the static tree's children per node by depth.
+        num_draft_tokens: draft depth K per step: an int >= 0 or a ``DraftLengthPolicy``;
+            overrides ``num_assistant_tokens``.  None: ``prompt_lookup_num_tokens`` for prompt
+            lookup; ``num_assistant_tokens`` when set (generate's default of 20 assumes its
+            confidence cut-off, not implemented here, so unset it is
+            ``DEFAULT_ASSISTANT_TOKENS``; through ``custom_generate`` a value equal to that
+            default counts as unset) for an assistant or early exit; the default for a drafter.
         seed: sampling seed; row b draws from its own generator seeded ``seed + b`` (its tokens
             do not depend on the rest of the batch).
-        generator: a ``torch.Generator`` to draw the seed from instead (not with seed).
+        generator: a ``torch.Generator`` to draw the seed from instead (not with seed).  None
+            of both: seeds from torch's global generator.
         attention_backend: ``tree_attention`` backend (None: automatic).
         return_stats: also return the run's ``DecodeStats`` (target passes, acceptance, times).
+        tokenizer: for ``stop_strings``.
+        assistant_tokenizer: refused.
+        **kwargs: ``GenerationConfig`` fields (``max_new_tokens``, ``do_sample``,
+            ``prompt_lookup_num_tokens``, ``assistant_early_exit``, ...) and
+            ``attention_mask`` ((B, P) 0/1, 0 on the left padding; None: inferred as generate
+            does, from pad_token_id unless it is an EOS token).  What ``generate`` hands a
+            custom loop (``position_ids`` of the mask, ``logits_to_keep``, ``use_cache``, an
+            empty ``cache``) is accepted.
 
     Returns:
         (B, P + T) int64 on input_ids' device: input_ids followed by the new tokens, T the
-        longest row's new tokens; rows that stopped earlier are padded with pad_token_id
-        (the layout of ``generate``'s output).  With ``return_stats``: (tokens, stats).
+        longest row's new tokens; rows that stopped earlier are padded with the pad token (the
+        layout of ``generate``'s output).  With ``return_dict_in_generate``: a
+        ``GenerateDecoderOnlyOutput`` with ``sequences`` and, when asked for, ``scores`` /
+        ``logits`` (one (B, V) float32 tensor per new position, as generate; positions after a
+        row stopped hold NaN), no cache.  With ``return_stats``: (that, stats).
 
     Raises:
         TypeError: model / assistant_model not transformers models, input_ids not an integer
             tensor, drafter not a Drafter, an argument of the wrong type (the message names it).
-        ValueError: more than one draft source, prompt_lookup_num_tokens < 1, right padding,
-            token ids outside the vocabulary, an assistant with another vocabulary size,
-            temperature <= 0 with do_sample, top_k < 0, top_p outside (0, 1], seed with
-            generator, a tree form that does not fit the draft source, prompts plus
-            max_new_tokens longer than the model's positions or its sliding window, a model
-            ``unsupported_model`` refuses.
+        ValueError: what transformers' generate refuses (its message), more than one draft
+            source, right padding, token ids outside the vocabulary, an assistant with another
+            vocabulary size, seed with generator, a tree form that does not fit the draft
+            source, prompts plus new tokens longer than the model's positions or its sliding
+            window, a model ``unsupported_model`` refuses, the refused arguments above.
 
     Example::
 
-        out = speculative_generate(model, batch.input_ids, attention_mask=batch.attention_mask,
-                                   prompt_lookup_num_tokens=8, max_new_tokens=64)
+        out = speculative_generate(model, **batch, prompt_lookup_num_tokens=8, max_new_tokens=64)
+        out = model.generate(**batch, custom_generate=speculative_generate, prompt_lookup_num_tokens=8)
         texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
     """
-    # ---- arguments, all checked before any model work
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    # ---- our own arguments, all checked before any model work
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model must be a transformers causal LM (PreTrainedModel), got {type(model).__name__}")
-    sources = [
-        n
-        for n, v in (
-            ("assistant_model", assistant_model),
-            ("prompt_lookup_num_tokens", prompt_lookup_num_tokens),
-            ("drafter", drafter),
-        )
-        if v is not None
-    ]
-    if len(sources) > 1:
-        raise ValueError(f"give at most one draft source, got {' and '.join(sources)}")
+    if input_ids is None:
+        input_ids = kwargs.pop("inputs", None)
+    if input_ids is None:
+        raise ValueError("input_ids is required (generate's start from bos_token_id alone is not supported)")
+    _check_input_ids(input_ids)
     if assistant_model is not None and not isinstance(assistant_model, transformers.PreTrainedModel):
         raise TypeError(
             f"assistant_model must be a transformers causal LM (PreTrainedModel), got {type(assistant_model).__name__}"
@@ -627,22 +792,6 @@ def speculative_generate(
             f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} wants the target's hidden states, "
             "which this path does not provide"
         )
-    _check_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens, 1, allow_none=True)
-    _check_int("max_matching_ngram_size", max_matching_ngram_size, 1, allow_none=True)
-    if max_matching_ngram_size is not None and prompt_lookup_num_tokens is None:
-        raise ValueError("max_matching_ngram_size needs prompt_lookup_num_tokens")
-    _check_int("max_new_tokens", max_new_tokens, 0)
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if do_sample:  # checked as given, as SamplingParams and sampling_probs check it
-        if temperature != temperature or not 0 < temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number > 0 with do_sample=True, got {temperature}")
-        temperature = sampling_temperature("temperature", temperature, finite=True)
-    _check_int("top_k", top_k, 0, allow_none=True)
-    if top_p is not None:
-        sampling_top_p("top_p", top_p)  # TypeError / ValueError naming top_p
     if seed is not None and generator is not None:
         raise ValueError("give seed or generator, not both")
     _check_int("seed", seed, 0, allow_none=True)
@@ -650,6 +799,97 @@ def speculative_generate(
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if not isinstance(return_stats, bool):
         raise TypeError(f"return_stats must be a bool, got {type(return_stats).__name__}")
+    if num_draft_tokens is not None and not isinstance(num_draft_tokens, DraftLengthPolicy):
+        _check_int("num_draft_tokens", num_draft_tokens, 0)
+    if synced_gpus:
+        raise ValueError("speculative_generate does not support synced_gpus=True (one process decodes)")
+    for name, value in (
+        ("negative_prompt_ids", negative_prompt_ids),
+        ("negative_prompt_attention_mask", negative_prompt_attention_mask),
+    ):
+        if value is not None:
+            raise ValueError(f"speculative_generate does not support {name} (classifier-free guidance)")
+    if assistant_tokenizer is not None:
+        raise ValueError(
+            "speculative_generate does not support assistant_tokenizer: the assistant must share the "
+            "target's vocabulary (universal assisted decoding is not implemented)"
+        )
+
+    # ---- generate's configuration: transformers resolves it, as generate does
+    # generate itself calls a custom_generate loop with a prepared config (special-token tensors
+    # set), its own logits processors and stopping criteria, and inputs already expanded
+    prepared = generation_config is not None and hasattr(generation_config, "_eos_token_tensor")
+    device = model.device
+    if prepared:
+        gen_config, model_kwargs = generation_config, dict(kwargs)
+        # generate has filled in its defaults: its default depth counts as unset
+        default_k = transformers.GenerationConfig._get_default_generation_params()["num_assistant_tokens"]
+        explicit_k = (
+            gen_config.num_assistant_tokens != default_k or model.generation_config.num_assistant_tokens is not None
+        )
+        has_default_max_length = has_default_min_length = False
+    else:
+        if generation_config is not None and not isinstance(generation_config, transformers.GenerationConfig):
+            raise TypeError(
+                f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
+            )
+        own = model.generation_config
+        has_default_max_length = (
+            kwargs.get("max_length") is None
+            and (generation_config is None or generation_config.max_length is None)
+            and own.max_length is None
+        )
+        has_default_min_length = (
+            kwargs.get("min_length") is None
+            and (generation_config is None or generation_config.min_length is None)
+            and own.min_length is None
+        )
+        explicit_k = (
+            kwargs.get("num_assistant_tokens") is not None
+            or (generation_config is not None and generation_config.num_assistant_tokens is not None)
+            or own.num_assistant_tokens is not None
+        )
+        # sampling values exactly as given, named, before transformers' own checks (which take
+        # a string temperature for a bad value) and before any cast
+        for name, check in (
+            ("temperature", lambda n, v: sampling_temperature(n, v, finite=True)),
+            ("top_k", sampling_top_k),
+            ("top_p", sampling_top_p),
+        ):
+            if kwargs.get(name) is not None:
+                check(name, kwargs[name])
+        gen_config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    _refuse_config(gen_config, prepared)
+    stops = _token_list("eos_token_id", gen_config.eos_token_id)
+    vocab = _text_config(model).vocab_size
+    if stops and (min(stops) < 0 or max(stops) >= vocab):
+        raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {stops}")
+    _check_int("pad_token_id", gen_config.pad_token_id, 0, allow_none=True)
+    attention_mask = model_kwargs.pop("attention_mask", None)
+
+    # the draft source
+    lookup = gen_config.prompt_lookup_num_tokens
+    early_exit = gen_config.assistant_early_exit
+    sources = [
+        n
+        for n, v in (
+            ("assistant_model", assistant_model),
+            ("prompt_lookup_num_tokens", lookup),
+            ("assistant_early_exit", early_exit),
+            ("drafter", drafter),
+        )
+        if v is not None
+    ]
+    if len(sources) > 1:
+        raise ValueError(f"give at most one draft source, got {' and '.join(sources)}")
+    _check_int("prompt_lookup_num_tokens", lookup, 1, allow_none=True)
+    _check_int("max_matching_ngram_size", gen_config.max_matching_ngram_size, 1, allow_none=True)
+    _check_int("num_assistant_tokens", gen_config.num_assistant_tokens, 0, allow_none=True)
+    layers = _text_config(model).num_hidden_layers
+    if early_exit is not None:
+        _check_int("assistant_early_exit", early_exit, 1)
+        if early_exit >= layers:
+            raise ValueError(f"assistant_early_exit must be below the model's {layers} layers, got {early_exit}")
     if tree is not None and not isinstance(tree, bool):
         if isinstance(tree, (str, bytes)) or not hasattr(tree, "__iter__"):
             raise TypeError(
@@ -660,26 +900,12 @@ def speculative_generate(
             raise ValueError(
                 f"tree must be a non-empty sequence of ints >= 1 (children per node by depth), got {tree!r}"
             )
-        if assistant_model is None:
-            raise ValueError("tree as widths per depth needs assistant_model (prompt lookup takes tree=True)")
+        if assistant_model is None and early_exit is None:
+            raise ValueError(
+                "tree as widths per depth needs assistant_model or assistant_early_exit (prompt lookup takes tree=True)"
+            )
     if tree and drafter is not None:
         raise ValueError("tree: configure the drafter's own tree instead (e.g. NgramDrafter(tree=True))")
-    if num_draft_tokens is not None and not isinstance(num_draft_tokens, DraftLengthPolicy):
-        _check_int("num_draft_tokens", num_draft_tokens, 0)
-
-    gen_config = getattr(model, "generation_config", None)
-    stops = _token_list(
-        "eos_token_id", eos_token_id if eos_token_id is not None else getattr(gen_config, "eos_token_id", None)
-    )
-    if pad_token_id is None:
-        pad_token_id = getattr(gen_config, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = stops[0] if stops else 0
-    _check_int("pad_token_id", pad_token_id, 0)
-    vocab = _text_config(model).vocab_size
-    prompts = _prompts(input_ids, attention_mask, pad_token_id if attention_mask is None else None, stops, vocab)
-    if stops and (min(stops) < 0 or max(stops) >= vocab):
-        raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {stops}")
     if assistant_model is not None:
         a_vocab = _text_config(assistant_model).vocab_size
         if a_vocab != vocab:
@@ -693,6 +919,79 @@ def speculative_generate(
     problems = unsupported_model(model)
     if problems:
         raise ValueError(f"model cannot be verified with {ATTENTION_NAME}: " + "; ".join(problems))
+
+    # ---- inputs, lengths, processors and criteria: transformers' own, as generate builds them
+    ids = input_ids.to(device)
+    mask = attention_mask.to(device) if isinstance(attention_mask, torch.Tensor) else attention_mask
+    if not prepared:
+        n_ret = gen_config.num_return_sequences or 1
+        if n_ret > 1:  # generate's expansion: each prompt n times in a row
+            ids = ids.repeat_interleave(n_ret, dim=0)
+            mask = mask.repeat_interleave(n_ret, dim=0) if isinstance(mask, torch.Tensor) else mask
+        if gen_config.eos_token_id is not None and len(_token_list("eos_token_id", gen_config.eos_token_id)) == 0:
+            # eos_token_id=[]: no stop token (transformers' preparation indexes the first EOS)
+            gen_config.eos_token_id = None
+        model._prepare_special_tokens(gen_config, mask is not None, device=device, batch_size=ids.shape[0])
+        if mask is None:
+            mask = model._prepare_attention_mask_for_generation(ids, gen_config, {})
+    elif mask is None:  # generate drops an all-ones mask before calling a custom loop
+        mask = torch.ones_like(ids)
+    B, P = ids.shape
+    prompts, pad_lengths = _prompts(ids, mask, vocab)
+    _check_model_kwargs(model_kwargs, mask)
+    if prepared:
+        processors = logits_processor if logits_processor is not None else transformers.LogitsProcessorList()
+        criteria = stopping_criteria if stopping_criteria is not None else transformers.StoppingCriteriaList()
+    else:
+        gen_config = model._prepare_generated_length(
+            generation_config=gen_config,
+            has_default_max_length=has_default_max_length,
+            has_default_min_length=has_default_min_length,
+            model_input_name="input_ids",
+            input_ids_length=P,
+            inputs_tensor=ids,
+        )
+        model._validate_generated_length(gen_config, P, has_default_max_length)
+        processors = model._get_logits_processor(
+            generation_config=gen_config,
+            input_ids_seq_length=P,
+            encoder_input_ids=ids,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            logits_processor=logits_processor if logits_processor is not None else transformers.LogitsProcessorList(),
+            device=device,
+            model_kwargs={"attention_mask": mask},
+        )
+        criteria = model._get_stopping_criteria(
+            generation_config=gen_config,
+            stopping_criteria=stopping_criteria
+            if stopping_criteria is not None
+            else transformers.StoppingCriteriaList(),
+            tokenizer=tokenizer,
+        )
+    rows = _hf_generate.row_processors(processors, B)
+    fused = _hf_generate.kernel_sampling(processors, gen_config.do_sample)
+    max_new_tokens = gen_config.max_length - P
+    others = transformers.StoppingCriteriaList()
+    has_eos = False
+    for c in criteria:
+        if isinstance(c, MaxLengthCriteria):
+            max_new_tokens = min(max_new_tokens, c.max_length - P)
+        elif isinstance(c, EosTokenCriteria):
+            has_eos = True
+            stops = sorted(set(stops) | set(_token_list("eos_token_id", c.eos_token_id)))
+        else:
+            has_eos = has_eos or hasattr(c, "eos_token_id")
+            others.append(c)
+    if others and not has_eos and B > 1:
+        raise ValueError(
+            f"stopping criteria {[type(c).__name__ for c in others]} in a batch without eos_token_id: generate "
+            "then keeps decoding the rows they stop until every row stops, which this loop does not do; "
+            "set eos_token_id (or decode one row at a time)"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_length ({gen_config.max_length}) leaves no new token after the {P} input tokens")
+    pad = gen_config._pad_token_tensor
+    pad_token_id = int(pad.flatten()[0]) if isinstance(pad, torch.Tensor) else (stops[0] if stops else 0)
     longest = max(len(p) for p in prompts) + max_new_tokens + 1
     for who, m in (("model", model), ("assistant_model", assistant_model)):
         window = getattr(_text_config(m), "sliding_window", None) if m is not None else None
@@ -701,50 +1000,101 @@ def speculative_generate(
                 f"{who} has a sliding window of {window} tokens, shorter than the prompt plus max_new_tokens "
                 f"({longest}): sliding-window attention is not implemented"
             )
-
-    if do_sample:
-        sampling = SamplingParams(temperature, top_k or None, top_p)
+    want_scores = bool(gen_config.return_dict_in_generate and gen_config.output_scores)
+    want_logits = bool(gen_config.return_dict_in_generate and gen_config.output_logits)
+    if gen_config.do_sample:
+        sampling = fused if fused is not None else SamplingParams(1.0)  # the processors did the rest
     else:
         sampling = SamplingParams()
     if generator is not None:
         seed = int(torch.randint(0, 2**62, (), generator=generator))
-    seeds = seed  # None: the engine draws one seed per row from torch's global generator
+    prefixes = [ids[b, : pad_lengths[b]].tolist() for b in range(B)]
+    if num_draft_tokens is not None:
+        k = num_draft_tokens
+    elif lookup is not None:
+        k = lookup
+    elif assistant_model is not None or early_exit is not None:
+        start = gen_config.num_assistant_tokens if explicit_k and gen_config.num_assistant_tokens is not None else None
+        start = DEFAULT_ASSISTANT_TOKENS if start is None else start
+        heuristic = gen_config.num_assistant_tokens_schedule in ("heuristic", "heuristic_transient")
+        k = _hf_generate.heuristic_schedule(start) if heuristic else start
+    elif drafter is not None:
+        k = DEFAULT_ASSISTANT_TOKENS
+    else:
+        k = 0
 
     # ---- the run
-    B, P = input_ids.shape
-    if max_new_tokens == 0:
-        out = input_ids.clone()
-        return (out, DecodeStats()) if return_stats else out
-    target = HFCausalLM(model, attention_backend=attention_backend)
-    assistant = None
+    if streamer is not None and not prepared:  # generate puts the prompt before calling a custom loop
+        streamer.put(ids.cpu())
+    process = None if fused is not None else rows  # logits processors inside the forwards
+    target_core = HFCausalLM(model, attention_backend=attention_backend)
+    assistant_core = None
     try:
-        if prompt_lookup_num_tokens is not None:
-            the_drafter: Drafter = NgramDrafter(max_matching_ngram_size or 5, tree=bool(tree))
-            k = prompt_lookup_num_tokens
+        record = want_scores or want_logits
+        target = target_core
+        if process is not None or record:
+            target = _hf_generate.ProcessedModel(target_core, process, prefixes, record=record)
+        wrapped = [target] if target is not target_core else []
+
+        def drafting(core):
+            if process is None:
+                return core
+            w = _hf_generate.ProcessedModel(core, process, prefixes)
+            wrapped.append(w)
+            return w
+
+        widths = None if not tree else (DEFAULT_TREE_WIDTHS if tree is True else tree)
+        if lookup is not None:
+            the_drafter: Drafter = NgramDrafter(gen_config.max_matching_ngram_size or 5, tree=bool(tree))
         elif assistant_model is not None:
-            assistant = (
-                target if assistant_model is model else HFCausalLM(assistant_model, attention_backend=attention_backend)
+            assistant_core = (
+                target_core
+                if assistant_model is model
+                else HFCausalLM(assistant_model, attention_backend=attention_backend)
             )
-            widths = None if not tree else (DEFAULT_TREE_WIDTHS if tree is True else tree)
-            the_drafter = ModelDrafter(assistant, tree_widths=widths)
-            k = DEFAULT_ASSISTANT_TOKENS
+            the_drafter = ModelDrafter(drafting(assistant_core), tree_widths=widths)
+        elif early_exit is not None:
+            the_drafter = ModelDrafter(drafting(target_core), num_layers=early_exit, tree_widths=widths)
         elif drafter is not None:
-            the_drafter, k = drafter, DEFAULT_ASSISTANT_TOKENS
+            the_drafter = drafter
         else:
-            the_drafter, k = NoDrafter(), 0
-        if num_draft_tokens is not None:
-            k = num_draft_tokens
-        decoder = SpeculativeDecoder(target, the_drafter, stop_token_ids=stops)
-        result = decoder.generate(prompts, max_new_tokens, num_draft_tokens=k, sampling=sampling, seeds=seeds)
+            the_drafter = NoDrafter()
+        hook = _hf_generate.StopAndScore(
+            others,
+            prefixes,
+            target if record else None,
+            rows if fused is not None else None,
+            want_scores,
+            want_logits,
+        )
+        feed = _hf_generate.StreamFeed(streamer, B, pad_token_id) if streamer is not None else None
+
+        def on_step(state) -> None:
+            for w in wrapped:
+                w.state = state
+            if feed is not None:
+                feed(state)
+
+        decoder = SpeculativeDecoder(
+            target, the_drafter, stop_token_ids=stops, stop_check=hook if hook.needed else None
+        )
+        result = decoder.generate(
+            prompts, max_new_tokens, num_draft_tokens=k, sampling=sampling, seeds=seed, on_step=on_step
+        )
     finally:
-        if assistant is not None and assistant is not target:
-            assistant.restore()
-        target.restore()
+        if assistant_core is not None and assistant_core is not target_core:
+            assistant_core.restore()
+        target_core.restore()
+    if streamer is not None:
+        streamer.end()
 
     T = max(len(t) for t in result.tokens)
     out = torch.full((B, P + T), pad_token_id, dtype=torch.int64)
-    out[:, :P] = input_ids.cpu()
+    out[:, :P] = ids.cpu()
     for b, t in enumerate(result.tokens):
         out[b, P : P + len(t)] = torch.tensor(t, dtype=torch.int64)
     out = out.to(input_ids.device)
+    if gen_config.return_dict_in_generate:
+        extra = hook.tuples(T, vocab, input_ids.device)
+        out = GenerateDecoderOnlyOutput(sequences=out, scores=extra["scores"], logits=extra["logits"])
     return (out, result.stats) if return_stats else out

@@ -172,8 +172,8 @@ def test_greedy_other_families_of_the_interface():
 def test_zero_new_tokens_and_stats():
     hf = tiny_family("llama")
     ids, mask = left_padded(BATCH)
-    out, stats = speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=0, return_stats=True)
-    assert torch.equal(out, ids) and stats.tokens == 0
+    with pytest.raises(ValueError, match="max_new_tokens"):  # as generate
+        speculative_generate(hf, ids, attention_mask=mask, max_new_tokens=0)
     out, stats = speculative_generate(
         hf, ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=3, return_stats=True
     )
@@ -239,8 +239,8 @@ def test_sampled_first_tokens_follow_the_target(how):
     prompt = [5, 17, 33, 5, 17, 33, 5, 17]  # prompt lookup proposes 33, 5, ... after "5 17"
     n = 1500
     temperature, top_k = 1.3, (None if how == "lookup" else 20)
-    if how == "lookup":
-        kw = dict(prompt_lookup_num_tokens=2, temperature=temperature)
+    if how == "lookup":  # top_k=0: off (generate's default is 50)
+        kw = dict(prompt_lookup_num_tokens=2, temperature=temperature, top_k=0)
     else:
         kw = dict(
             assistant_model=tiny_family("llama", seed=1), num_draft_tokens=2, temperature=temperature, top_k=top_k
@@ -347,7 +347,7 @@ BAD = [
     (dict(generator=3), TypeError, "generator"),
     (dict(eos_token_id="2"), TypeError, "eos_token_id"),
     (dict(eos_token_id=[V]), ValueError, "eos_token_id"),
-    (dict(max_matching_ngram_size=2), ValueError, "max_matching_ngram_size"),
+    (dict(max_matching_ngram_size=0, prompt_lookup_num_tokens=2), ValueError, "max_matching_ngram_size"),
 ]
 
 
@@ -374,7 +374,7 @@ def test_hfcausallm_refuses_layer_skip_and_hidden():
         cache = target.new_kv_cache(1, 8)
         x, pos, lens = torch.tensor([[1, 2]]), torch.arange(2)[None], torch.zeros(1, dtype=torch.int32)
         with pytest.raises(ValueError, match="num_layers"):
-            target(x, pos, cache, lens, num_layers=1)
+            target(x, pos, cache, lens, num_layers=3)  # more than the model's 2 (fewer: early exit)
         with pytest.raises(ValueError, match="return_hidden"):
             target(x, pos, cache, lens, return_hidden=True)
         with pytest.raises(ValueError, match="slots"):

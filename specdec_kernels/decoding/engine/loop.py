@@ -255,6 +255,12 @@ class SpeculativeDecoder:
             one token per target pass.
         stop_token_ids: tokens that end a sequence (emitted, then the sequence stops), e.g.
             the tokenizer's EOS.
+        stop_check: None, or ``stop_check(b, history, new) -> Optional[int]`` called each step
+            for every sequence that emits tokens, after the cuts at a stop token and at
+            max_new_tokens: ``history`` the committed tokens of sequence b before this step,
+            ``new`` (non-empty) the tokens it is about to emit.  None emits them all; an int i
+            in 1..len(new) emits ``new[:i]`` and ends the sequence (e.g. stop strings, a
+            caller's stopping criteria).
         prefill_chunk: prompt tokens fed per prefill pass.
         max_draft_nodes: the most tree nodes (root included) one step may feed; drafts are
             cut to it (and to the cache's capacity).
@@ -301,6 +307,7 @@ class SpeculativeDecoder:
         drafter: Optional[Drafter] = None,
         *,
         stop_token_ids: Sequence[int] = (),
+        stop_check: Optional[Callable[[int, List[int], List[int]], Optional[int]]] = None,
         prefill_chunk: int = 512,
         max_draft_nodes: int = 128,
         policy=None,
@@ -327,6 +334,9 @@ class SpeculativeDecoder:
         if stops and (min(stops) < 0 or max(stops) >= model.args.vocab_size):
             raise ValueError(f"stop_token_ids must lie in [0, {model.args.vocab_size}), got {sorted(stops)}")
         self.stop_token_ids = frozenset(stops)
+        if stop_check is not None and not callable(stop_check):
+            raise TypeError(f"stop_check must be callable or None, got {type(stop_check).__name__}")
+        self.stop_check = stop_check
         if as_int("prefill_chunk", prefill_chunk) < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if as_int("max_draft_nodes", max_draft_nodes) < 1:
@@ -880,6 +890,13 @@ class SpeculativeDecoder:
                     new = new[: i + 1]
                     state.done[b] = True
                     break
+            if self.stop_check is not None and new:
+                keep = self.stop_check(b, state.histories[b], new)
+                if keep is not None:
+                    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= len(new):
+                        raise ValueError(f"stop_check must return None or an int in 1..{len(new)}, got {keep!r}")
+                    new = new[:keep]
+                    state.done[b] = True
             state.histories[b].extend(new)
             if state.coupling is not None:
                 state.coupling.commit(b, len(state.histories[b]))
