@@ -139,10 +139,12 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.medusa_heads is not None and uses & {"medusa", "medusa-tree"}:
         if not os.path.isfile(args.medusa_heads):
             p.error(f"--medusa-heads {args.medusa_heads!r}: no such file")
+        from specdec_kernels.decoding.drafters.medusa import MedusaHeads
+
         try:
-            torch.load(args.medusa_heads, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            p.error(f"--medusa-heads {args.medusa_heads!r} is not a heads file ({type(e).__name__})")
+            MedusaHeads.load(args.medusa_heads)
+        except ValueError as e:  # names the file and what is wrong with it
+            p.error(f"--medusa-heads: {e}")
     if args.draft_model is not None and "draft-model" in uses:
         if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
             p.error(

@@ -251,7 +251,8 @@ def test_garbage_medusa_heads_file_is_refused(tmp_path, capsys):
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as e:
         generate.parse_args(["--prompt", "x", "--drafter", "medusa-tree", "--medusa-heads", str(junk)])
-    assert e.value.code == 2 and "not a heads file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{junk}: not a Medusa heads file" in err and "torch.save archive" in err
 
 
 def test_ctrl_c_prints_the_text_so_far_and_exits_130(monkeypatch, capsys):
