@@ -35,8 +35,9 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor num_accepted, Tensor block_table, str kv_layout=\"NHD\", bool validate=False) -> ()");
 
   // CPU fast paths of the verification and sampling ops (csrc/verify_sample_cpu.cpp), on
-  // inputs the Python op validated and made contiguous; the kernels clamp every count and index
-  // they use as an address.
+  // inputs the Python op validated; the [..., V] tensors are read in place through their strides
+  // (expanded, sliced and transposed ones too), and the kernels clamp every count and index they
+  // use as an address.
   m.def("verify_greedy_native(Tensor target_logits, Tensor draft_tokens, Tensor num_draft_tokens) -> (Tensor, Tensor)");
   // The flattened (vLLM v1) forms: target rows [T + B, V] (bonus rows inline) or [T, V] with
   // bonus_token_ids [B]; drafts [T]; cu_num_draft_tokens [B] an inclusive cumsum; output

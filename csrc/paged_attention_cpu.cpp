@@ -23,7 +23,9 @@
 //
 // K/V rows are read through the block table in place (logical slot s of sequence b is slot
 // s % block_size of block block_table[b, s / block_size]): nothing is gathered.  fp16 / bf16
-// rows are converted to fp32 as they are loaded, one chunk at a time.
+// rows, and rows whose head-dim stride is not 1, are converted to fp32 as they are loaded, one
+// chunk at a time.  q, k and v are read through their strides: views and expanded (stride-0)
+// inputs, e.g. one prefix cache shared by the batch, cost no copy.
 //
 // Bounds, whatever the caller passes: cache_seqlens is clamped into [0, capacity - N] (capacity =
 // max_blocks_per_seq * block_size), as the reference does, so every table entry read lies inside
@@ -231,11 +233,15 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t Hkv = nhd ? k_cache.size(2) : k_cache.size(1);
   const int64_t G = H / Hkv, R = G * N;
   const int64_t max_blocks = table.size(1), capacity = max_blocks * block_size;
-  // pool strides (block, slot, head); the head-dim stride is 1
+  // pool strides (block, slot, head, head dim) and q's: every tensor is read in place, whatever
+  // its strides (an expanded, stride-0 dimension included)
   const int64_t ksb = k_cache.stride(0), kss = nhd ? k_cache.stride(1) : k_cache.stride(2),
-                ksh = nhd ? k_cache.stride(2) : k_cache.stride(1);
+                ksh = nhd ? k_cache.stride(2) : k_cache.stride(1), ksd = k_cache.stride(3);
   const int64_t vsb = v_cache.stride(0), vss = nhd ? v_cache.stride(1) : v_cache.stride(2),
-                vsh = nhd ? v_cache.stride(2) : v_cache.stride(1);
+                vsh = nhd ? v_cache.stride(2) : v_cache.stride(1), vsd = v_cache.stride(3);
+  const int64_t qsb = q.stride(0), qsn = q.stride(1), qsh = q.stride(2), qsd = q.stride(3);
+  // fp32 rows of adjacent elements are used in place; others are converted into a buffer
+  const bool convert = !std::is_same<scalar_t, float>::value || ksd != 1 || vsd != 1;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kbase = k_cache.data_ptr<scalar_t>();
   const scalar_t* vbase = v_cache.data_ptr<scalar_t>();
@@ -245,7 +251,6 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
   const int64_t mask_bstride = has_mask && mask.dim() == 3 ? N * N : 0;
   scalar_t* op = out.data_ptr<scalar_t>();
-  constexpr bool is_f32 = std::is_same<scalar_t, float>::value;
   const float scale = static_cast<float>(sm_scale);
 
   // A task is one sequence and HG of its KV heads, which walk the slots chunk by chunk
@@ -260,8 +265,8 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
     // rows of the prefix chunks (kp, vp), of the slots after them (tk, tv: fewer than CHUNK + N),
     // and one node's list of visible ones among those (nk, nv); fp16/bf16 rows converted into *conv
     const int64_t tail_max = CHUNK + N;
-    std::vector<float> kconv(is_f32 ? 0 : CHUNK * D), vconv(is_f32 ? 0 : CHUNK * D);
-    std::vector<float> tkconv(is_f32 ? 0 : tail_max * D), tvconv(is_f32 ? 0 : tail_max * D);
+    std::vector<float> kconv(convert ? CHUNK * D : 0), vconv(convert ? CHUNK * D : 0);
+    std::vector<float> tkconv(convert ? tail_max * D : 0), tvconv(convert ? tail_max * D : 0);
     std::vector<const float*> kp(CHUNK), vp(CHUNK), tk(tail_max), tv(tail_max), nk(tail_max), nv(tail_max);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / groups, h0 = (task % groups) * HG;
@@ -270,9 +275,9 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
       for (int64_t lh = 0; lh < HG; ++lh)
         for (int64_t i = 0; i < N; ++i)
           for (int64_t g = 0; g < G; ++g) {
-            const scalar_t* src = qp + ((b * N + i) * H + (h0 + lh) * G + g) * D;
+            const scalar_t* src = qp + b * qsb + i * qsn + ((h0 + lh) * G + g) * qsh;
             float* dst = qbuf.data() + (lh * R + i * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qsd]) * scale;
           }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), NEG_INF);
@@ -288,14 +293,14 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
           const int64_t off = s % block_size;
           const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
           const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
-          if constexpr (is_f32) {
+          if (!convert) {
             kd_out[t] = reinterpret_cast<const float*>(k);
             vd_out[t] = reinterpret_cast<const float*>(v);
           } else {
             float* kd = kc + t * D;
             float* vd = vc + t * D;
-            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(k[d]);
-            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(v[d]);
+            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(k[d * ksd]);
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(v[d * vsd]);
             kd_out[t] = kd;
             vd_out[t] = vd;
           }
@@ -404,7 +409,10 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
   TORCH_CHECK_VALUE(N <= block_table.size(1) * block_size, "block_table's capacity is smaller than q's N new keys");
   at::Tensor mask;
   if (given(tree_mask)) {
-    mask = tree_mask->contiguous();
+    // a mask shared by the batch (a stride-0 batch dimension) is read as the one [N, N] mask
+    mask = tree_mask->dim() == 3 && tree_mask->size(0) > 0 && tree_mask->stride(0) == 0
+               ? tree_mask->select(0, 0).contiguous()
+               : tree_mask->contiguous();
     TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool, "tree_mask must be bool (unpack the int32 form first)");
     TORCH_CHECK_VALUE(mask.device().is_cpu(), "tree_mask must be on the CPU");
     TORCH_CHECK_VALUE((mask.dim() == 2 && mask.size(0) == N && mask.size(1) == N) ||
@@ -413,9 +421,9 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
   }
   at::Tensor out = at::empty(q_in.sizes(), q_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (B == 0 || N == 0) return out;
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
-  const at::Tensor v = v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  const at::Tensor& q = q_in;  // q, k and v are read in place through their strides
+  const at::Tensor& k = k_in;
+  const at::Tensor& v = v_in;
   const at::Tensor lens = cache_seqlens.to(at::kLong).contiguous();
   const at::Tensor table = block_table.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_tree_attention_cpu", [&] {

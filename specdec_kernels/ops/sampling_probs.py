@@ -110,7 +110,7 @@ def _impl(
     if name == "native":
         B = logits.shape[0]
         return torch.ops.specdec.sampling_probs_native(
-            logits.contiguous(),
+            logits,  # read in place, any strides
             t.reshape(B),
             None if top_k is None else k.reshape(B),
             None if top_p is None else p.reshape(B),

@@ -21,7 +21,11 @@ def _sampling_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     sorted_x = x.sort(dim=-1, descending=True).values
     kth = sorted_x.gather(-1, (k - 1).expand(*x.shape[:-1], 1))
     x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    # softmax with a float64 denominator rounded once to float32: torch.softmax's float32 sum
+    # on the CPU is off by up to 1.4e-5 at V = 128k (its vector lanes add V / 16 terms each),
+    # which moves the nucleus below; NaN, +inf and all--inf rows give NaN here as there
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    probs = e * (1.0 / e.double().sum(dim=-1, keepdim=True)).float()
 
     # top-p: the nucleus is the smallest set of the most probable tokens whose mass reaches
     # top_p; every token as probable as the least probable member is kept (ties kept).
@@ -31,7 +35,7 @@ def _sampling_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     threshold = sorted_p.gather(-1, size - 1)
     nucleus = (probs >= threshold) | (top_p >= 1)
     probs = torch.where(nucleus, probs, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs / probs.double().sum(dim=-1, keepdim=True).float()
 
     # Temperature 0, or a +inf logit after temperature (an infinite logit, or a temperature so
     # small that the division overflows): one-hot at the argmax (the first +inf), not NaN.

@@ -61,6 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels import _files
+from specdec_kernels._files import BadFileError
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
@@ -68,6 +70,7 @@ from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 
 FORMAT = 1
+KIND = "eagle-head"  # config["kind"] of the files ``EagleHead.save`` writes
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "eagle" / "smollm2-135m-instruct.pt"
 
 
@@ -146,6 +149,7 @@ class EagleHead(nn.Module):
         self.w13 = init(2 * I, H)
         self.w2 = init(H, I)
         self.config: Dict = dict(config or {})
+        self.source: Optional[str] = None  # the file it was loaded from (``load``), for messages
         self.token_ranking: Optional[torch.Tensor] = None
 
     def set_token_ranking(self, ranking: Union[torch.Tensor, Sequence[int], None]) -> None:
@@ -247,6 +251,7 @@ class EagleHead(nn.Module):
         path.parent.mkdir(parents=True, exist_ok=True)
         config = {
             **self.config,
+            "kind": KIND,
             "format": FORMAT,
             "hidden_size": self.hidden_size,
             "num_heads": self.num_heads,
@@ -261,21 +266,24 @@ class EagleHead(nn.Module):
         payload = {"config": config, "state_dict": state}
         if self.token_ranking is not None:
             payload["token_ranking"] = self.token_ranking.to(torch.int32)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(path)
+        _files.atomic_torch_save(payload, path)  # a reader never sees half a file
 
     @classmethod
     def _from_payload(cls, path, payload) -> "EagleHead":
         """The (uninitialised) head that ``payload``'s config describes, on the current default
         device, after checking that the payload is an EAGLE head file."""
         if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-            raise ValueError(f"{path} is not an EAGLE head file (no config / state_dict)")
+            raise BadFileError(path, "not an EAGLE head file (no config / state_dict)")
+        if not isinstance(payload["config"], dict) or not isinstance(payload["state_dict"], dict):
+            raise BadFileError(path, "not an EAGLE head file (config and state_dict must be dicts)")
         c = dict(payload["config"])
-        if not ("num_kv_heads" in c and "window" in c) and "num_heads" in c:
-            raise ValueError(f"{path} is a Medusa heads file, not an EAGLE head file")
+        state = payload["state_dict"]
+        # files before config["kind"]: Medusa heads have "weight" and no "fc"
+        kind = c.get("kind", "medusa-heads" if "weight" in state and "fc" not in state else KIND)
+        if kind != KIND:
+            raise BadFileError(path, f"not an EAGLE head file (a {kind!r} file)")
         if c.get("format") != FORMAT:
-            raise ValueError(f"{path}: EAGLE head format {c.get('format')}, this version reads {FORMAT}")
+            raise BadFileError(path, f"EAGLE head format {c.get('format')}, this version reads {FORMAT}")
         try:
             return cls(
                 int(c["hidden_size"]),
@@ -289,26 +297,30 @@ class EagleHead(nn.Module):
                 config=c,
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: a config this version cannot read ({type(e).__name__}: {e})") from None
+            raise BadFileError(path, f"a config this version cannot read ({type(e).__name__}: {e})") from None
 
     @classmethod
     def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "EagleHead":
-        """Read a head written by ``save``.
+        """Read a head written by ``save`` (the shipped one is first checked against the
+        package's SHA-256 manifest; every file's zip members against their CRC-32).
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not an EAGLE head file (a Medusa heads file included), another format,
-                or weights that do not fit.
+            ValueError (``BadFileError``, the message starting with the path): an empty,
+                truncated or corrupt file (a shipped file not matching the manifest), not an
+                EAGLE head file (another kind of file, Medusa heads included), another format
+                version, or a config or weights that do not fit.
         """
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        payload = _files.load_torch(path, "EAGLE head")
         head = cls._from_payload(path, payload)
         try:
             head.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
             head.set_token_ranking(payload.get("token_ranking"))
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-            raise ValueError(
-                f"{path}: a config or weights this version cannot read ({type(e).__name__}: {e})"
+            raise BadFileError(
+                path, f"a config or weights this version cannot read ({type(e).__name__}: {e})"
             ) from None
+        head.source = str(path)
         return head.to(device=device, dtype=dtype).eval()
 
     @classmethod
@@ -367,7 +379,11 @@ def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:
 def load_eagle_head(
     path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu"
 ) -> EagleHead:
-    """The shipped SmolLM2-135M-Instruct head (``path`` None) or a head from a file."""
+    """The shipped SmolLM2-135M-Instruct head (``path`` None) or a head from a file.
+
+    Raises:
+        FileNotFoundError, ValueError: as ``EagleHead.load``.
+    """
     return EagleHead.load(SHIPPED if path is None else path, dtype=dtype, device=device)
 
 
@@ -438,14 +454,16 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if head is None or isinstance(head, (str, Path)):
             head = load_eagle_head(head, dtype=model.dtype, device=model.device)
+        source = f" ({head.source})" if head.source else ""
         if head.hidden_size != model.args.hidden_size:
             raise ValueError(
                 f"the head's hidden size ({head.hidden_size}) differs from the model's ({model.args.hidden_size})"
+                f"{source}: a head for another model"
             )
         if check_fingerprint and head.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
             warnings.warn(
-                f"EAGLE head trained on {head.config.get('base_model', 'another model')} is used with a different "
-                "model: decoding stays exact, but fewer drafts will be accepted",
+                f"EAGLE head{source} trained on {head.config.get('base_model', 'another model')} is used with a "
+                "different model: decoding stays exact, but fewer drafts will be accepted",
                 stacklevel=2,
             )
         self.model = model

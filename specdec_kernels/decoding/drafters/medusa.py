@@ -77,6 +77,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels import _files
+from specdec_kernels._files import BadFileError
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.loading import MODEL_NAME
 from specdec_kernels.decoding.model import Transformer, linear, rotate
@@ -84,6 +86,7 @@ from specdec_kernels.tree import medusa_choices_to_tree
 
 FORMAT = 3  # 1: unconditioned heads only, 2: no context attention (both still read)
 READABLE_FORMATS = (1, 2, 3)
+KIND = "medusa-heads"  # config["kind"] of the files ``MedusaHeads.save`` writes
 CONTEXT_ROPE_THETA = 10000.0
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "medusa" / "smollm2-135m-instruct.pt"
 BASE_MODEL = MODEL_NAME
@@ -210,6 +213,7 @@ class MedusaHeads(nn.Module):
             self.context_qkv = nn.Parameter(torch.empty(3 * nh * hd, 2 * hidden_size).uniform_(-bound, bound))
             self.context_out = nn.Parameter(torch.zeros(hidden_size, nh * hd))
         self.config: Dict = dict(config or {})
+        self.source: Optional[str] = None  # the file it was loaded from (``load``), for messages
 
     def _num_heads(self, num_heads: Optional[int]) -> int:
         k = self.num_heads if num_heads is None else num_heads
@@ -392,6 +396,7 @@ class MedusaHeads(nn.Module):
         # format 2 readers can still read heads without a context layer
         config = {
             **self.config,
+            "kind": KIND,
             "format": FORMAT if self.context_window else 2,
             "hidden_size": self.hidden_size,
             "num_heads": self.num_heads,
@@ -402,22 +407,24 @@ class MedusaHeads(nn.Module):
         }
         state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in self.state_dict().items()}
         payload = {"config": config, "state_dict": state}
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(path)
+        _files.atomic_torch_save(payload, path)  # a reader never sees half a file
 
     @classmethod
     def _from_payload(cls, path, payload) -> "MedusaHeads":
         """The (uninitialised) heads that ``payload``'s config describes, on the current
         default device, after checking that the payload is a Medusa heads file."""
         if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-            raise ValueError(f"{path} is not a Medusa heads file (no config / state_dict)")
+            raise BadFileError(path, "not a Medusa heads file (no config / state_dict)")
+        if not isinstance(payload["config"], dict) or not isinstance(payload["state_dict"], dict):
+            raise BadFileError(path, "not a Medusa heads file (config and state_dict must be dicts)")
         config = dict(payload["config"])
-        if "num_kv_heads" in config and "window" in config:
-            raise ValueError(f"{path} is an EAGLE head file, not a Medusa heads file")
+        # files before config["kind"]: an EAGLE head has "fc"
+        kind = config.get("kind", "eagle-head" if "fc" in payload["state_dict"] else KIND)
+        if kind != KIND:
+            raise BadFileError(path, f"not a Medusa heads file (a {kind!r} file)")
         if config.get("format") not in READABLE_FORMATS:
-            raise ValueError(
-                f"{path}: Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}"
+            raise BadFileError(
+                path, f"Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}"
             )
         try:
             window = int(config.get("context_window", 0))
@@ -431,23 +438,27 @@ class MedusaHeads(nn.Module):
                 config=config,
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: a config this version cannot read ({type(e).__name__}: {e})") from None
+            raise BadFileError(path, f"a config this version cannot read ({type(e).__name__}: {e})") from None
 
     @classmethod
     def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "MedusaHeads":
-        """Read heads written by ``save``.
+        """Read heads written by ``save`` (the shipped ones are first checked against the
+        package's SHA-256 manifest; every file's zip members against their CRC-32).
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not a Medusa heads file (an EAGLE head file included), a format this
-                version cannot read, or weights that do not fit the config.
+            ValueError (``BadFileError``, the message starting with the path): an empty,
+                truncated or corrupt file (a shipped file not matching the manifest), not a
+                Medusa heads file (another kind of file, an EAGLE head included), a format
+                this version cannot read, or weights that do not fit the config.
         """
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
+        payload = _files.load_torch(path, "Medusa heads")
         heads = cls._from_payload(path, payload)
         try:
             heads.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
         except (RuntimeError, AttributeError) as e:
-            raise ValueError(f"{path}: the weights do not fit the config ({e})") from None
+            raise BadFileError(path, f"the weights do not fit the config ({e})") from None
+        heads.source = str(path)
         return heads.to(device=device, dtype=dtype).eval()
 
     @classmethod
@@ -507,7 +518,7 @@ def load_medusa_heads(
     """The shipped SmolLM2-135M-Instruct heads (``path`` None) or heads from a file.
 
     Raises:
-        FileNotFoundError: the file is missing.
+        FileNotFoundError, ValueError: as ``MedusaHeads.load``.
     """
     return MedusaHeads.load(SHIPPED if path is None else path, dtype=dtype, device=device)
 
@@ -550,13 +561,15 @@ class MedusaDrafter(Drafter):
     ):
         if heads is None or isinstance(heads, (str, Path)):
             heads = load_medusa_heads(heads, dtype=model.dtype, device=model.device)
+        source = f" ({heads.source})" if heads.source else ""
         if heads.hidden_size != model.args.hidden_size:
             raise ValueError(
                 f"the heads' hidden size ({heads.hidden_size}) differs from the model's ({model.args.hidden_size})"
+                f"{source}: heads for another model"
             )
         if check_fingerprint and heads.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
             warnings.warn(
-                f"Medusa heads trained on {heads.config.get('base_model', 'another model')} "
+                f"Medusa heads{source} trained on {heads.config.get('base_model', 'another model')} "
                 f"(fingerprint {heads.config.get('base_fingerprint')}) are used with a different model: "
                 "decoding stays exact, but fewer drafts will be accepted",
                 stacklevel=2,

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels import _files
+from specdec_kernels._files import BadFileError
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
@@ -147,6 +150,27 @@ class SelfDistilled:
             "hidden": self.hidden,
         }
 
+    @classmethod
+    def from_dict(cls, d, path, expected: Optional[int] = None) -> "SelfDistilled":
+        """The data of a cache file's dict (``to_dict``'s), checked: the four lists, of one
+        length (``expected`` when given), token lists of ints, 2-D hidden-state tensors.
+
+        Raises:
+            BadFileError: naming ``path``, when anything is missing or of another shape.
+        """
+        keys = ("tokens", "prompt_lengths", "first", "hidden")
+        if not isinstance(d, dict) or any(not isinstance(d.get(k), list) for k in keys):
+            raise BadFileError(path, f"not a self-distilled data cache (a dict of the lists {keys} was expected)")
+        n = {len(d[k]) for k in keys}
+        if len(n) != 1 or (expected is not None and n != {expected}):
+            raise BadFileError(path, f"a self-distilled data cache of other prompts (list lengths {sorted(n)})")
+        for i, (t, h) in enumerate(zip(d["tokens"], d["hidden"])):
+            if not isinstance(t, list) or not all(isinstance(x, int) for x in t):
+                raise BadFileError(path, f"sequence {i}'s tokens are not a list of ints")
+            if not isinstance(h, torch.Tensor) or h.dim() != 2:
+                raise BadFileError(path, f"sequence {i}'s hidden states are not a 2-D tensor")
+        return cls(d["tokens"], d["prompt_lengths"], d["first"], d["hidden"])
+
 
 def length_batches(lengths: Sequence[int], max_batch: int, max_tokens: int) -> List[List[int]]:
     """Indices grouped into batches of similar lengths (shortest first): at most ``max_batch``
@@ -177,14 +201,16 @@ def generate_data(
     lengths (``length_batches(lengths, batch, max_tokens)``).
 
     ``partial``: a file where finished batches are kept, so that an interrupted run resumes
-    where it stopped (same batches, so the same numbers)."""
+    where it stopped (same batches, so the same numbers); it is replaced atomically after each
+    batch, and one that cannot be read (truncated, corrupt, other prompts) is reported with a
+    warning and started over, never used."""
     from tqdm import tqdm
 
     recorder = HiddenRecorder()
     decoder = SpeculativeDecoder(model, recorder, stop_token_ids=stop_ids)
     out: Dict[int, tuple] = {}
     if partial is not None and partial.exists():
-        out = {int(i): tuple(v) for i, v in torch.load(partial, map_location="cpu", weights_only=True).items()}
+        out = _read_partial(partial, len(prompts))
     with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
         for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
             if all(i in out for i in idx):
@@ -200,9 +226,7 @@ def generate_data(
                 out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
             bar.update(len(idx))
             if partial is not None:
-                partial.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({i: list(v) for i, v in out.items()}, partial.with_suffix(".tmp"))
-                os.replace(partial.with_suffix(".tmp"), partial)
+                _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
     return SelfDistilled(
         tokens=[out[i][0] for i in range(len(prompts))],
         prompt_lengths=[len(p) for p in prompts],
@@ -211,17 +235,38 @@ def generate_data(
     )
 
 
-def cached_data(path: Optional[Path], make) -> SelfDistilled:
+def _read_partial(partial: Path, num_prompts: int) -> Dict[int, tuple]:
+    """The finished batches kept in ``partial`` ({prompt index: (tokens, first, hidden)}), or
+    {} (with a warning naming the file) when it cannot be read or holds other prompts."""
+    try:
+        d = _files.load_torch(partial, "self-distilled partial data")
+        if not isinstance(d, dict) or not all(
+            isinstance(i, int) and 0 <= i < num_prompts and isinstance(v, (list, tuple)) and len(v) == 3
+            for i, v in d.items()
+        ):
+            raise BadFileError(partial, f"not the partial data of these {num_prompts} prompts")
+        return {int(i): tuple(v) for i, v in d.items()}
+    except BadFileError as e:
+        warnings.warn(f"specdec_kernels: {e}; starting the data over", RuntimeWarning, stacklevel=3)
+        return {}
+
+
+def cached_data(path: Optional[Path], make, expected: Optional[int] = None) -> SelfDistilled:
+    """The self-distilled data cached at ``path``, or ``make(partial path)``'s, then cached
+    there (written atomically: a temporary file, then ``os.replace``).  A cache file that
+    cannot be read (empty, truncated, corrupt, not a data cache, not ``expected`` sequences) is
+    reported with a warning naming it and regenerated, never used."""
     if path is not None and path.exists():
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        print(f"(self-distilled data from the cache {path})", file=sys.stderr)
-        return SelfDistilled(d["tokens"], d["prompt_lengths"], d["first"], d["hidden"])
+        try:
+            data = SelfDistilled.from_dict(_files.load_torch(path, "self-distilled data cache"), path, expected)
+        except BadFileError as e:
+            warnings.warn(f"specdec_kernels: {e}; regenerating it", RuntimeWarning, stacklevel=2)
+        else:
+            print(f"(self-distilled data from the cache {path})", file=sys.stderr)
+            return data
     data = make(None if path is None else path.with_suffix(".partial"))
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(data.to_dict(), tmp)
-        os.replace(tmp, path)
+        _files.atomic_torch_save(data.to_dict(), path)
         path.with_suffix(".partial").unlink(missing_ok=True)
     return data
 
@@ -325,6 +370,7 @@ def self_distilled_sets(
                         part,
                         args.gen_max_tokens,
                     ),
+                    expected=len(prompts),
                 )
             )
     return out
