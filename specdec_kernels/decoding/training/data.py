@@ -31,6 +31,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels._optional import require
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
@@ -178,7 +179,7 @@ def generate_data(
 
     ``partial``: a file where finished batches are kept, so that an interrupted run resumes
     where it stopped (same batches, so the same numbers)."""
-    from tqdm import tqdm
+    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
 
     recorder = HiddenRecorder()
     decoder = SpeculativeDecoder(model, recorder, stop_token_ids=stop_ids)
