@@ -15,6 +15,9 @@
   SPECDEC_REQUIRE_NATIVE=1 (CI sets it, so a broken extension fails CI).
 - With the extension built, the torch requirement is the torch it was built against
   (``torch==X.Y.*``: the extension's C++ ABI is that torch's).
+- The extension carries no debug information: ``-g0`` after Python's own ``-g`` and a stripped
+  link (``-s``; the dynamic symbols Python and torch look up stay).  SPECDEC_DEBUG=1 builds it
+  with ``-g`` and unstripped, for a debugger.
 """
 
 import glob
@@ -33,6 +36,10 @@ def _log(msg):
 
 BUILD_INFO = os.path.join(ROOT, "specdec_kernels", "_build_info.json")
 REQUIRE_NATIVE = os.environ.get("SPECDEC_REQUIRE_NATIVE") == "1"
+DEBUG = os.environ.get("SPECDEC_DEBUG") == "1"
+# appended after Python's CFLAGS (which hold -g) and to the link: no debug sections, no symbol table
+DEBUG_CFLAGS = ["-g"] if DEBUG else ["-g0"]
+STRIP_LDFLAGS = [] if DEBUG else ["-s"]
 
 
 def _record(built: bool, reason: str, build_lib: str = None) -> None:
@@ -42,7 +49,7 @@ def _record(built: bool, reason: str, build_lib: str = None) -> None:
     for path in paths:
         if os.path.isdir(os.path.dirname(path)):
             with open(path, "w") as f:
-                json.dump({"extension": built, "reason": reason}, f)
+                json.dump({"extension": built, "reason": reason, "debug": DEBUG}, f)
 
 
 def _extensions():
@@ -84,7 +91,7 @@ def _extensions():
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     # OpenMP in both builds: at::parallel_for in the CPU kernels is serial without it.
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", "-std=c++17", "-fopenmp"] + DEBUG_CFLAGS
     if with_cuda:
         ext = CUDAExtension(
             "specdec_kernels._C",
@@ -92,7 +99,7 @@ def _extensions():
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + STRIP_LDFLAGS,
         )
     else:
         ext = CppExtension(
@@ -100,7 +107,7 @@ def _extensions():
             cpu_sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
             extra_compile_args={"cxx": cxx},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + STRIP_LDFLAGS,
         )
 
     class OptionalBuildExt(BuildExtension):

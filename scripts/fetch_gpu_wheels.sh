@@ -4,7 +4,7 @@
 # to the GPU machine (the repository and .whl/) must fit in 64 MiB, so matplotlib and its
 # dependencies stay home (the benchmarks skip their plots without it).
 #
-# FlashInfer for the side-by-side (bench/flashinfer_side.py): flashinfer-python 0.5.3 (7 MB,
+# FlashInfer for the side-by-side (specdec_kernels/bench/flashinfer_side.py): flashinfer-python 0.5.3 (7 MB,
 # its CUDA sources JIT-compiled on the GPU machine) and the small packages it imports;
 # 0.7.x is a 101 MB wheel and does not fit.
 set -euo pipefail

@@ -2,7 +2,7 @@
 # GPU check: on a machine with an NVIDIA GPU and no internet (torch, triton, nvcc and ninja
 # installed; our other Python dependencies may be missing), build the CUDA extension, run the
 # whole test suite on CUDA with larger shapes, run the kernel benchmarks (with the roofline), the
-# side-by-side with FlashInfer (bench/flashinfer_side.py) and the engine's verify/decode cost
+# side-by-side with FlashInfer (specdec_kernels/bench/flashinfer_side.py) and the engine's verify/decode cost
 # ratio, and write logs, JSON, plots and a summary to OUT_DIR.  Budget: under 8 minutes (the
 # time limits below add up to 480 s).
 #
@@ -49,12 +49,12 @@ step pytest 140 "$PY" -m pytest -q -m "not vllm" --junitxml="$OUT/pytest.xml" -p
 tail -n 3 "$OUT/pytest.log" | tee -a "$SUMMARY"
 # Kernel benchmarks (every op and backend, real model shapes), then the engine's verify/decode
 # cost ratio with random weights at SmolLM2-135M and Llama-3-8B sizes (the real weights stay home).
-step bench_kernels 90 "$PY" -m bench.kernels --out "$OUT"
+step bench_kernels 90 "$PY" -m specdec_kernels.bench.kernels --out "$OUT"
 grep -v '^#' "$OUT/bench_kernels.log" | tail -n 120 >>"$SUMMARY"
 # ours beside FlashInfer on the same shapes (its JIT compile included in the limit); the pairs
 # run one after another, so a limit that cuts the last one keeps the others' rows in the log
-step flashinfer 95 "$PY" -m bench.flashinfer_side --out "$OUT"
+step flashinfer 95 "$PY" -m specdec_kernels.bench.flashinfer_side --out "$OUT"
 grep -E '^(# ours|op |rejection|sampling|tree_att|# .*(rows|FAILED))' "$OUT/flashinfer.log" >>"$SUMMARY"
-step step_cost 40 "$PY" -m bench.step_cost --out "$OUT"
+step step_cost 40 "$PY" -m specdec_kernels.bench.step_cost --out "$OUT"
 grep -v '^#' "$OUT/step_cost.log" | tail -n 40 >>"$SUMMARY"
 note "== done in ${SECONDS}s"

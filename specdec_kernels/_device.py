@@ -6,7 +6,7 @@ One device rule for every launcher: a CUDA device gets the GPU choices, sized by
 or of the prefix, since its programs run one after another).  CUDA tensors under the
 interpreter keep the GPU choices.  The ``launch_config`` functions of the launchers take that
 SM count (or ``None``) as an argument, so a report can ask for the configuration of a GPU
-that is not here (``bench/static.py``).
+that is not here (``specdec_kernels/bench/static.py``).
 """
 
 from __future__ import annotations

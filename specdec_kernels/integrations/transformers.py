@@ -60,12 +60,9 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-import transformers
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS, tree_attention
+from specdec_kernels._optional import TRANSFORMERS_INTEGRATION_MIN, require
 from specdec_kernels.checks import sampling_temperature, sampling_top_k, sampling_top_p
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
@@ -73,7 +70,19 @@ from specdec_kernels.decoding.drafters.ngram import NgramDrafter
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.engine.stats import DecodeStats
-from specdec_kernels.integrations import _hf_generate
+
+# a missing or too old transformers is named here, not by a failed import below
+transformers = require(
+    "transformers",
+    purpose="specdec_kernels.integrations.transformers",
+    extra="transformers",
+    min_version=TRANSFORMERS_INTEGRATION_MIN,
+)
+from transformers import AttentionInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from specdec_kernels.integrations import _hf_generate  # noqa: E402  (imports transformers' generation)
 
 ATTENTION_NAME = "specdec_tree"
 DEFAULT_TREE_WIDTHS = (2, 2)  # assistant-model trees with tree=True: 2 children at depths 1 and 2

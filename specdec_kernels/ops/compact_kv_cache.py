@@ -295,6 +295,15 @@ def _as_kv_cache(caches):
     return list(caches)
 
 
+def _op_caches(kv_cache, views) -> List[torch.Tensor]:
+    """The front's kv_cache as the registered op's (and the native kernels') list: one
+    [L, 2, ...] buffer whole (its slices are found through its strides), otherwise the 4-D
+    per-layer views (a 5-D per-layer [2, ...] tensor as its keys and values)."""
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 6:
+        return [kv_cache]
+    return list(views)
+
+
 def _impl(
     caches: List[torch.Tensor],
     cache_seqlens: torch.Tensor,
@@ -310,18 +319,23 @@ def _impl(
     if chosen == "native":
         # One [L, 2, B, Hkv, S, D] buffer goes over whole (the kernels read its strides);
         # otherwise the [B, Hkv, S, D] views.  Value checks are the front's (validate=).
-        native_caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
-        torch.ops.specdec.compact_kv_cache_native(native_caches, cache_seqlens, accepted_indices, n, False)
+        torch.ops.specdec.compact_kv_cache_native(
+            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, False
+        )
         return
     _compact_kv_cache(views, cache_seqlens, accepted_indices, n)
 
 
 def _fake(caches, cache_seqlens, accepted_indices, num_accepted=None, backend=""):
     """Shape checks only: nothing to compute (the op writes its caches in place)."""
-    check_compact_kv_cache_args(_as_kv_cache(caches), cache_seqlens, accepted_indices, num_accepted, validate=False)
+    kv_cache = _as_kv_cache(caches)
+    views = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=False)[0]
     _library.check_backend_name(backend)
     return _native._compact_kv_cache_native_fake(
-        caches, cache_seqlens, accepted_indices, num_accepted if num_accepted is not None else cache_seqlens
+        _op_caches(kv_cache, views),
+        cache_seqlens,
+        accepted_indices,
+        num_accepted if num_accepted is not None else cache_seqlens,
     )
 
 
@@ -343,9 +357,8 @@ def _paged_impl(
     )
     chosen = _backend.resolve("paged_compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
     if chosen == "native":
-        native_caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
         torch.ops.specdec.paged_compact_kv_cache_native(
-            native_caches, cache_seqlens, accepted_indices, n, block_table, kv_layout, False
+            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, block_table, kv_layout, False
         )
         return
     _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, n, block_table)
@@ -353,12 +366,13 @@ def _paged_impl(
 
 def _paged_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", backend=""):
     """Shape checks only (the op writes its pools in place)."""
-    check_paged_compact_kv_cache_args(
-        _as_kv_cache(caches), cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate=False
-    )
+    kv_cache = _as_kv_cache(caches)
+    views = check_paged_compact_kv_cache_args(
+        kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate=False
+    )[0]
     _library.check_backend_name(backend)
     return _native._paged_compact_kv_cache_native_fake(
-        caches,
+        _op_caches(kv_cache, views),
         cache_seqlens,
         accepted_indices,
         num_accepted if num_accepted is not None else cache_seqlens,
@@ -405,7 +419,11 @@ def compact_kv_cache(
             ("NHD", vLLM's per-layer (num_blocks, block_size, kv_heads, head_dim) stacked) or
             (L, 2, num_blocks, kv_heads, block_size, head_dim) ("HND"), or a sequence of
             per-layer pools (num_blocks, block_size, kv_heads, head_dim) (or HND), flat or
-            (key, value) pairs.  Any dtype.  Modified in place.
+            (key, value) pairs.  Also, in both forms, one layer's keys and values as one 5-D
+            tensor (2, ...) (keys at [0], values at [1]: vLLM's per-layer ``kv_cache``, e.g.
+            (2, num_blocks, block_size, kv_heads, head_dim)), or a sequence of such tensors
+            (vLLM's ``kv_caches``, one per layer).  Any dtype; any strides (a
+            (num_blocks, 2, ...) allocation goes in as ``t.transpose(0, 1)``).  Modified in place.
         cache_seqlens: Shape (batch,), int32/int64: committed tokens before the new block.
         accepted_indices: Shape (batch, M), int32/int64: node indices of the accepted path
             relative to cache_seqlens[b], strictly increasing, accepted_indices[b, i] >= i,
@@ -440,14 +458,12 @@ def compact_kv_cache(
         views, _, _, _, n = check_paged_compact_kv_cache_args(
             kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate
         )
-        caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
         torch.ops.specdec.paged_compact_kv_cache(
-            caches, cache_seqlens, accepted_indices, n, block_table, kv_layout, backend or ""
+            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, block_table, kv_layout, backend or ""
         )
         return
     views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate)
-    caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else views
-    torch.ops.specdec.compact_kv_cache(caches, cache_seqlens, accepted_indices, n, backend or "")
+    torch.ops.specdec.compact_kv_cache(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, backend or "")
 
 
 def register_fake(paged: bool = False) -> bool:

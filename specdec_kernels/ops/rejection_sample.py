@@ -150,7 +150,13 @@ def _triton_decomposition(args, kwargs):
 
 
 op = _library.define(
-    "rejection_sample", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+    "rejection_sample",
+    _impl,
+    cpu=_impl,
+    cuda=_impl,
+    fake=_fake,
+    triton_decomposition=_triton_decomposition,
+    grad_inputs="ignore",
 )
 
 

@@ -490,10 +490,25 @@ paged_op = _library.define(
 )
 
 
+def _split_kv(k_cache, v_cache):
+    """(k_cache, v_cache): with v_cache None, k_cache is one layer's keys and values in one
+    5-D tensor, keys at [0] and values at [1] (vLLM's per-layer ``kv_cache``), split into views."""
+    if v_cache is not None:
+        return k_cache, v_cache
+    check_tensor("k_cache", k_cache, ndim=5)
+    if k_cache.shape[0] != 2:
+        raise ValueError(
+            "with v_cache None, k_cache must hold one layer's keys and values, shape (2, batch, kv_heads, capacity, "
+            "head_dim) or, paged, (2, num_blocks, block_size, kv_heads, head_dim) (vLLM's per-layer kv_cache; HND: "
+            f"(2, num_blocks, kv_heads, block_size, head_dim)), got {tuple(k_cache.shape)}"
+        )
+    return k_cache[0], k_cache[1]
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     cache_seqlens: torch.Tensor,
     tree_mask: Optional[torch.Tensor] = None,
     *,
@@ -522,7 +537,10 @@ def tree_attention(
             kv_heads, head_dim) for kv_layout "NHD" (vLLM's and FlashInfer's default) or
             (num_blocks, kv_heads, block_size, head_dim) for "HND"; any block_size >= 1.
             heads must be a multiple of kv_heads (GQA; query head h reads kv head
-            h // (heads / kv_heads)).
+            h // (heads / kv_heads)).  With v_cache None, k_cache holds both: one layer's
+            keys and values as one tensor (2, ...) of either form, keys at [0] and values at
+            [1] (vLLM's per-layer ``kv_cache``, (2, num_blocks, block_size, kv_heads,
+            head_dim)); any strides.
         cache_seqlens: Shape (batch,), int32/int64: committed tokens per sequence, with
             cache_seqlens + N <= capacity.
         tree_mask: bool, shape (N, N) or (batch, N, N); mask[i, j] is true when node j is node
@@ -549,9 +567,10 @@ def tree_attention(
     Raises:
         TypeError: wrong dtypes (k/v must share q's dtype; the mask must be bool; the block
             table int32 or int64).
-        ValueError: wrong ranks or shapes, heads not a multiple of kv_heads, unsupported
-            head_dim, a kv_layout other than "NHD"/"HND", sm_scale NaN, infinite or beyond
-            float32's range, cache_seqlens + N beyond capacity,
+        ValueError: wrong ranks or shapes (with v_cache None: k_cache not 5-D (2, ...)),
+            heads not a multiple of kv_heads, unsupported head_dim, a kv_layout other than
+            "NHD"/"HND", sm_scale NaN, infinite or beyond float32's range, cache_seqlens + N
+            beyond capacity,
             a used block id outside [0, num_blocks) (the last two checked on CPU tensors).
 
     Example:
@@ -576,6 +595,7 @@ def tree_attention(
     num_splits=0, backend)``.
     """
     check_kv_layout(kv_layout)
+    k_cache, v_cache = _split_kv(k_cache, v_cache)
     packed = isinstance(tree_mask, torch.Tensor) and tree_mask.dtype == torch.int32
     if block_table is None:
         B, N, H, D, Hkv, S = check_tree_attention_args(

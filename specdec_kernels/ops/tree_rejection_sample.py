@@ -104,7 +104,13 @@ def _triton_decomposition(args, kwargs):
 
 
 op = _library.define(
-    "tree_rejection_sample", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+    "tree_rejection_sample",
+    _impl,
+    cpu=_impl,
+    cuda=_impl,
+    fake=_fake,
+    triton_decomposition=_triton_decomposition,
+    grad_inputs="ignore",
 )
 
 

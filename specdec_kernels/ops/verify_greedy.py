@@ -74,7 +74,13 @@ def _triton_decomposition(args, kwargs):
 
 
 op = _library.define(
-    "verify_greedy", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+    "verify_greedy",
+    _impl,
+    cpu=_impl,
+    cuda=_impl,
+    fake=_fake,
+    triton_decomposition=_triton_decomposition,
+    grad_inputs="ignore",
 )
 
 

@@ -91,7 +91,9 @@ def _triton_decomposition(args, kwargs):
     )
 
 
-op = _library.define(OP, _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition)
+op = _library.define(
+    OP, _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition, grad_inputs="ignore"
+)
 
 
 def verify_greedy_flattened(

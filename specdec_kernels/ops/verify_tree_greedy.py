@@ -78,7 +78,13 @@ def _triton_decomposition(args, kwargs):
 
 
 op = _library.define(
-    "verify_tree_greedy", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
+    "verify_tree_greedy",
+    _impl,
+    cpu=_impl,
+    cuda=_impl,
+    fake=_fake,
+    triton_decomposition=_triton_decomposition,
+    grad_inputs="ignore",
 )
 
 

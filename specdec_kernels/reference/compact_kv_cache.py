@@ -38,15 +38,35 @@ class BufferViews(abc.Sequence):
         return self.buffer[i // self._pairs, i % self._pairs]
 
 
+def _layer_layout(layout: str) -> str:
+    """One layer's form of a 6-D ``layout``: "[L, 2, B, ...]" -> "[2, B, ...]"."""
+    return layout.replace("[L, ", "[", 1)
+
+
+def _split_layer(name: str, t: torch.Tensor, layout: str) -> list:
+    """One layer's 5-D keys-and-values tensor (vLLM's per-layer ``kv_cache``: keys at [0],
+    values at [1]) as its two 4-D views."""
+    if t.shape[0] != 2:
+        raise ValueError(
+            f"{name} must be one layer's keys and values {_layer_layout(layout)} (a 5-D tensor whose first "
+            f"dimension is 2), got shape {tuple(t.shape)}"
+        )
+    return [t[0], t[1]]
+
+
 def cache_views(kv_cache: KVCache, layout: str = DENSE_LAYOUT) -> Sequence[torch.Tensor]:
     """The cache as a list of 4-D tensors, one per layer's keys or values (views, nothing copied).
 
     Accepts one 6-D tensor (``layout``: [L, 2, B, Hkv, S, D] for a dense cache, or a paged
-    pool such as [L, 2, num_blocks, block_size, Hkv, D]), a flat sequence of the 4-D per-layer
-    tensors, or a sequence of (key, value) pairs of them.
+    pool such as [L, 2, num_blocks, block_size, Hkv, D]), one layer's 5-D [2, ...] tensor
+    (keys at [0], values at [1]: vLLM's per-layer ``kv_cache``, e.g.
+    [2, num_blocks, block_size, Hkv, D]), or a sequence of layers, each given as its two 4-D
+    tensors (flat, or as a (key, value) pair) or as one 5-D [2, ...] tensor.
     """
     if isinstance(kv_cache, torch.Tensor):
-        check_tensor("kv_cache", kv_cache, ndim=6)
+        check_tensor("kv_cache", kv_cache, ndim=(5, 6))
+        if kv_cache.dim() == 5:
+            return _split_layer("kv_cache", kv_cache, layout)
         if kv_cache.shape[1] != 2:
             raise ValueError(f"kv_cache must be {layout} (keys and values), got shape {tuple(kv_cache.shape)}")
         # index, never flatten: flatten copies a buffer whose first two dims do not merge
@@ -58,6 +78,8 @@ def cache_views(kv_cache: KVCache, layout: str = DENSE_LAYOUT) -> Sequence[torch
     for i, item in enumerate(kv_cache):
         if isinstance(item, (list, tuple)):
             flat.extend(item)
+        elif isinstance(item, torch.Tensor) and item.dim() == 5:
+            flat.extend(_split_layer(f"kv_cache[{i}]", item, layout))
         else:
             flat.append(item)
     for i, t in enumerate(flat):

@@ -82,7 +82,7 @@ def _tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale):
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: Optional[torch.Tensor],
     cache_seqlens: torch.Tensor,
     tree_mask: Optional[torch.Tensor] = None,
     *,
@@ -96,9 +96,12 @@ def tree_attention(
     masking, then cast; a paged cache is first gathered through its block table.
 
     Same arguments (a bool or None ``tree_mask``), shapes, dtypes and results as the op, whose
-    docstring has them (without ``num_splits``, ``backend`` and ``validate``); no argument
-    checks (``tree_attention(..., backend="reference")`` runs this with the op's checks).
+    docstring has them (without ``num_splits``, ``backend`` and ``validate``; v_cache None:
+    k_cache is one layer's keys and values (2, ...)); no argument checks
+    (``tree_attention(..., backend="reference")`` runs this with the op's checks).
     """
+    if v_cache is None:  # vLLM's per-layer kv_cache: keys at [0], values at [1]
+        k_cache, v_cache = k_cache[0], k_cache[1]
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if block_table is None:
         return _tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, scale)

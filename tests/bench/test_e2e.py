@@ -1,4 +1,4 @@
-"""`python -m bench.e2e` on the real model (two prompts, few tokens): the JSON lines cover
+"""`python -m specdec_kernels.bench.e2e` on the real model (two prompts, few tokens): the JSON lines cover
 every requested method, our drafters reproduce our greedy tokens, a method that does not is
 flagged and fails the run, and the plot is written.  Prompt selection and method names are
 checked without the model."""
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench import e2e
+from specdec_kernels.bench import e2e
 from specdec_kernels.decoding.loading import have_smollm2
 from tests.utils import restore_threads  # noqa: F401 (fixture)
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from bench import e2e, flashinfer_side, kernels, policies, static, step_cost, threads
-from bench import vllm as bench_vllm
+from specdec_kernels.bench import e2e, flashinfer_side, kernels, policies, static, step_cost, threads
+from specdec_kernels.bench import vllm as bench_vllm
 from specdec_kernels.decoding import have_smollm2, loading
 
 NO_FOLDER = "/nonexistent-folder/out.jsonl"

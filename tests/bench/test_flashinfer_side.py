@@ -4,7 +4,7 @@ before any work, and without CUDA it says so and exits 2 (its pairs run on the G
 import pytest
 import torch
 
-from bench import flashinfer_side
+from specdec_kernels.bench import flashinfer_side
 
 
 def test_unknown_pair_is_refused():

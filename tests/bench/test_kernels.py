@@ -1,4 +1,4 @@
-"""`python -m bench.kernels --quick` runs, checks results, and its JSON covers every op and backend."""
+"""`python -m specdec_kernels.bench.kernels --quick` runs, checks results, and its JSON covers every op and backend."""
 
 import importlib
 import importlib.util
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from bench import kernels
 from specdec_kernels import _backend
+from specdec_kernels.bench import kernels
 
 # the bench CLI, timing with all threads: run apart from the parallel test workers (scripts/run_tests.sh)
 pytestmark = pytest.mark.serial

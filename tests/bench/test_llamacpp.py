@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from bench import e2e, llamacpp, step_cost
+from specdec_kernels.bench import e2e, llamacpp, step_cost
 from specdec_kernels.decoding.loading import have_smollm2
 from tests.utils import restore_threads  # noqa: F401 (fixture)
 

@@ -1,4 +1,4 @@
-"""``python -m bench.kernels --static``: every launcher configuration compiles for sm_80 and
+"""``python -m specdec_kernels.bench.kernels --static``: every launcher configuration compiles for sm_80 and
 sm_90 with no register spills (no GPU needed), and the occupancy arithmetic is right."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench import static
+from specdec_kernels.bench import static
 from tests.utils import ROOT
 
 # compiles every kernel configuration in worker processes: run apart from the parallel test workers (scripts/run_tests.sh)
@@ -20,7 +20,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("static")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.kernels", "--static", "--out", str(out)],
+        [sys.executable, "-m", "specdec_kernels.bench.kernels", "--static", "--out", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -138,7 +138,7 @@ def test_occupancy_golden_cases():
 def test_as_launched_specializes_like_the_jit():
     """Unit head-dim strides become constants and pointers carry divisibility 16, as Triton's
     JIT specializes a real launch."""
-    from bench import aot_specs
+    from specdec_kernels.bench import aot_specs
     from specdec_kernels.ops._triton import tree_attention as ta
 
     spec = static.as_launched(

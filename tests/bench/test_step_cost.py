@@ -1,9 +1,9 @@
-"""`python -m bench.step_cost` runs on a tiny random model and writes its JSON and plot."""
+"""`python -m specdec_kernels.bench.step_cost` runs on a tiny random model and writes its JSON and plot."""
 
 import importlib.util
 import json
 
-from bench import step_cost
+from specdec_kernels.bench import step_cost
 
 
 def test_tiny_step_cost(tmp_path):

@@ -217,7 +217,7 @@ def test_entry_point_and_extras_are_declared():
 
 @pytest.fixture(scope="module")
 def vllm_env() -> str:
-    from bench.vllm import vllm_python
+    from specdec_kernels.bench.vllm import vllm_python
 
     try:
         return vllm_python()
@@ -246,7 +246,7 @@ DIST_TOP_K = 3
 
 
 def _prompts():
-    from bench.e2e import default_prompts_file, load_questions
+    from specdec_kernels.bench.e2e import default_prompts_file, load_questions
     from specdec_kernels.decoding.loading import load_checkpoint
 
     _, _, tok = load_checkpoint()
@@ -266,7 +266,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def tp1(vllm_env, prompts, tmp_path_factory) -> dict:
-    from bench.vllm import export_smollm2, run_driver
+    from specdec_kernels.bench.vllm import export_smollm2, run_driver
 
     stats = tmp_path_factory.mktemp("vllm") / "tp1.jsonl"
     n = len(prompts)
@@ -297,7 +297,7 @@ def tp1(vllm_env, prompts, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(vllm_env, prompts, tmp_path_factory) -> dict:
-    from bench.vllm import export_smollm2, run_driver
+    from specdec_kernels.bench.vllm import export_smollm2, run_driver
 
     stats = tmp_path_factory.mktemp("vllm") / "tp2.jsonl"
     spec = {
@@ -511,8 +511,8 @@ def test_tensor_parallel_2_with_the_plugin_matches_tp1_greedy(tp1, tp2):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_vllm_checks_then_reports(vllm_env, tmp_path):
-    """``python -m bench.vllm`` end to end on one prompt (both vLLM engines and ours)."""
-    from bench import vllm as bench_vllm
+    """``python -m specdec_kernels.bench.vllm`` end to end on one prompt (both vLLM engines and ours)."""
+    from specdec_kernels.bench import vllm as bench_vllm
 
     code = bench_vllm.main(
         [
@@ -547,7 +547,7 @@ def test_bench_vllm_checks_then_reports(vllm_env, tmp_path):
 
 
 def test_bench_vllm_validates_flags_before_any_work(tmp_path, capsys):
-    from bench import vllm as bench_vllm
+    from specdec_kernels.bench import vllm as bench_vllm
 
     for argv, message in (
         (["--rounds", "0"], "--rounds"),

@@ -1,6 +1,6 @@
 """Compile every Triton kernel ahead of time for sm_80 and sm_90, without a GPU.
 
-The specs come from ``bench/aot_specs.py`` (``AOT_SPECS``: per module of
+The specs come from ``specdec_kernels/bench/aot_specs.py`` (``AOT_SPECS``: per module of
 ``specdec_kernels.ops._triton``, dicts with ``kernel`` (the @triton.jit function),
 ``signature`` (argument name -> Triton type string such as "*fp32", "i32", or "constexpr"),
 ``constexprs`` (name -> value) and ``options``, built from the launchers' ``launch_config``),
@@ -23,14 +23,14 @@ import sys
 
 _ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)  # the repo root (bench/ lives there)
+)  # the repo root (the checkout's specdec_kernels lives there)
 
 
 def _specs_by_module():
-    """{module name: (module, its specs in bench.aot_specs.AOT_SPECS)} for every module of
+    """{module name: (module, its specs in specdec_kernels.bench.aot_specs.AOT_SPECS)} for every module of
     specdec_kernels.ops._triton."""
     import specdec_kernels.ops._triton as ops_pkg
-    from bench.aot_specs import AOT_SPECS
+    from specdec_kernels.bench.aot_specs import AOT_SPECS
 
     out = {}
     for info in pkgutil.iter_modules(ops_pkg.__path__):
@@ -67,10 +67,14 @@ def main() -> int:
 
     from triton.runtime.jit import JITFunction
 
-    from bench.aot_specs import AOT_SPECS
+    from specdec_kernels.bench.aot_specs import AOT_SPECS
 
     by_module = _specs_by_module()
-    missing = [f"bench.aot_specs.AOT_SPECS[{name!r}] (no such module)" for name in AOT_SPECS if name not in by_module]
+    missing = [
+        f"specdec_kernels.bench.aot_specs.AOT_SPECS[{name!r}] (no such module)"
+        for name in AOT_SPECS
+        if name not in by_module
+    ]
     jobs = []
     for name, (module, specs) in by_module.items():
         covered = {id(s["kernel"]) for s in specs}

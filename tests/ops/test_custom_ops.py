@@ -2,6 +2,7 @@
 torch.compile(fullgraph=True) without graph breaks, and serving-safe randomness."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -167,6 +168,88 @@ def test_registered_op_checks_shapes_for_direct_callers():
         torch.ops.specdec.verify_greedy(logits, drafts[:, :2], n)
     with pytest.raises(ValueError, match="backend must be one of"):
         torch.ops.specdec.verify_greedy(logits, drafts, n, "fast")
+
+
+# --------------------------------------------------------------------------- autograd
+
+# the ops with floating-point or in-place outputs, and the first argument of _op_calls' calls
+# that requires grad in _requiring_grad's copy
+INFERENCE_ONLY = {"sampling_probs": "logits", "tree_attention": "q", "compact_kv_cache": "caches[0]"}
+
+
+def _requiring_grad(args):
+    """``args`` with every floating-point tensor (lists included) copied into a leaf that
+    requires grad."""
+
+    def leaf(t):
+        return t.detach().clone().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return tuple([leaf(t) for t in a] if isinstance(a, list) else leaf(a) for a in args)
+
+
+def _clone(args):
+    return tuple([t.clone() for t in a] if isinstance(a, list) else a for a in args)
+
+
+def _results(name, args, out):
+    """The op's results as a list of tensors: its outputs, or the caches it writes."""
+    if name == "compact_kv_cache":
+        return list(args[0])
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+@pytest.mark.parametrize("index", range(len(_op_calls())))
+def test_an_input_requiring_grad_is_an_error_or_gives_outputs_without_grad(index):
+    """The ops have no backward: with grad mode on, an input that requires grad is a
+    ValueError naming the op and the argument for ops with floating-point or in-place outputs;
+    the ops returning ids and counts run as torch.argmax does.  No call warns (the silent
+    "no autograd kernel" fallback is gone), and under no_grad the results are the plain ones."""
+    import warnings
+
+    name, args = _op_calls()[index]
+    op = getattr(torch.ops.specdec, name)
+    plain = _clone(args)
+    expected = _results(name, plain, op(*plain))
+    grad_args = _requiring_grad(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if name in INFERENCE_ONLY:
+            argument = re.escape(INFERENCE_ONLY[name])
+            with pytest.raises(
+                ValueError, match=rf"specdec_kernels\.{name} .*inference-only.* {argument} requires grad"
+            ):
+                op(*grad_args)
+            with torch.no_grad():
+                got = _results(name, grad_args, op(*grad_args))
+        else:
+            got = _results(name, grad_args, op(*grad_args))
+            assert not any(g.requires_grad for g in got)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert torch.equal(g.detach(), e), name
+
+
+def test_fronts_name_the_op_and_the_argument_that_requires_grad():
+    q, k, v, lens, mask = _attention_inputs()
+    with pytest.raises(ValueError, match=r"tree_attention .*inference-only.*k_cache requires grad"):
+        sk.tree_attention(q, k.requires_grad_(), v, lens, mask)
+    k = k.detach()
+    pool = k.transpose(1, 2).reshape(-1, 1, k.shape[1], k.shape[3])  # S blocks of one slot a sequence
+    table = torch.arange(pool.shape[0], dtype=torch.int32).view(2, -1)
+    qg = q.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"specdec_kernels.tree_attention \(torch.ops.specdec.paged_tree_attention\)"):
+        sk.tree_attention(qg, pool, pool, lens, mask, block_table=table)
+    with torch.inference_mode():  # the engine's mode: no autograd kernel runs at all
+        out = sk.tree_attention(qg, pool, pool, lens, mask, block_table=table)
+    assert torch.equal(out, sk.tree_attention(q, pool, pool, lens, mask, block_table=table))
+    cache, clens, cidx, cn = _cache_inputs()
+    with pytest.raises(ValueError, match=r"compact_kv_cache .*inference-only"):
+        sk.compact_kv_cache(cache.clone().requires_grad_(), clens, cidx, cn)
+    logits = _chain_inputs()[0].requires_grad_()
+    with pytest.raises(ValueError, match=r"sampling_probs .*inference-only.*logits requires grad"):
+        sk.sampling_probs(logits, temperature=0.7)
+    out, n = sk.verify_greedy(logits, logits[:, :-1].argmax(-1))  # ids: no error, no grad
+    assert not out.requires_grad and n.tolist() == [4, 4, 4]
 
 
 # --------------------------------------------------------------------------- fake tensors

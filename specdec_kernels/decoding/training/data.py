@@ -34,6 +34,7 @@ import torch
 
 from specdec_kernels import _files
 from specdec_kernels._files import BadFileError
+from specdec_kernels._optional import require
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
@@ -204,7 +205,7 @@ def generate_data(
     where it stopped (same batches, so the same numbers); it is replaced atomically after each
     batch, and one that cannot be read (truncated, corrupt, other prompts) is reported with a
     warning and started over, never used."""
-    from tqdm import tqdm
+    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
 
     recorder = HiddenRecorder()
     decoder = SpeculativeDecoder(model, recorder, stop_token_ids=stop_ids)

