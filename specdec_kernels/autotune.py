@@ -8,12 +8,18 @@ class time each candidate in turn, ``trials`` times (alternating, so that a chan
 hits both alike), and the faster median wins for the rest of the process, as an autotuner
 would.  The calls being measured do the real work (their results are used), so measuring
 costs only the slower candidate's extra time on a few calls.
+
+Thread safety: a choice's bookkeeping is guarded by a lock (the calls themselves run outside
+it), so concurrent first calls from several threads each time a candidate and the choice is
+made once; a candidate timed while another thread's call runs beside it is slower for both
+alike.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import threading
 import time
 import weakref
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, TypeVar
@@ -55,6 +61,7 @@ class RuntimeChoice:
         self.env = env
         self._chosen: Dict[Hashable, str] = {}
         self._times: Dict[Hashable, Dict[str, List[float]]] = {}
+        self._lock = threading.Lock()  # guards _chosen and _times (never held while a candidate runs)
         self.read_environment()
         _CHOICES.add(self)
 
@@ -92,15 +99,18 @@ class RuntimeChoice:
         chosen = self._chosen.get(key)
         if chosen is not None:
             return run(chosen)
-        times = self._times.setdefault(key, {c: [] for c in names})
-        candidate = min(names, key=lambda c: len(times[c]))  # alternate: the least timed next
+        with self._lock:
+            times = self._times.setdefault(key, {c: [] for c in names})
+            candidate = min(names, key=lambda c: len(times[c]))  # alternate: the least timed next
         t = time.perf_counter()
         out = run(candidate)
-        times[candidate].append(time.perf_counter() - t)
-        if all(len(v) >= self.trials for v in times.values()):
-            # the first call of each may include one-time costs (page faults, lazy loading)
-            medians = {c: statistics.median(v[1:] if len(v) > 1 else v) for c, v in times.items()}
-            self._chosen[key] = min(names, key=lambda c: medians[c])
+        elapsed = time.perf_counter() - t
+        with self._lock:
+            times[candidate].append(elapsed)
+            if key not in self._chosen and all(len(v) >= self.trials for v in times.values()):
+                # the first call of each may include one-time costs (page faults, lazy loading)
+                medians = {c: statistics.median(v[1:] if len(v) > 1 else v) for c, v in times.items()}
+                self._chosen[key] = min(names, key=lambda c: medians[c])
         return out
 
     def chosen(self, key: Hashable) -> Optional[str]:
@@ -110,7 +120,9 @@ class RuntimeChoice:
     def choices(self) -> List[Dict]:
         """What was chosen so far: one dict per shape class (key, choice, median ms per candidate)."""
         rows = []
-        for key, times in self._times.items():
+        with self._lock:
+            snapshot = [(key, {c: list(v) for c, v in times.items()}) for key, times in self._times.items()]
+        for key, times in snapshot:
             rows.append(
                 {
                     "what": self.name,
@@ -123,5 +135,6 @@ class RuntimeChoice:
 
     def reset(self) -> None:
         """Forget every measurement and choice (tests)."""
-        self._chosen.clear()
-        self._times.clear()
+        with self._lock:
+            self._chosen.clear()
+            self._times.clear()

@@ -614,3 +614,67 @@ print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "triton": "triton" i
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120, env=env)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"dynamo": False, "triton": False}
+
+
+# --------------------------------------------------------------------------- bit-stable automatic backend
+
+
+def _fresh(args):
+    """Copies of the tensors (compact_kv_cache writes its caches in place)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a.clone())
+        elif isinstance(a, list):
+            out.append([t.clone() for t in a])
+        else:
+            out.append(a)
+    return out
+
+
+def _flat(result):
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (list, tuple)):
+        return [t for r in result for t in _flat(r)]
+    return []
+
+
+@pytest.mark.parametrize("index", range(len(_op_calls())))
+def test_fifty_identical_calls_give_identical_bits(index):
+    """The automatic backend (every runtime choice included) returns the same bits on 50
+    identical calls from fresh copies of the inputs; compact_kv_cache's result is its
+    caches."""
+    name, args = _op_calls()[index]
+    op = getattr(torch.ops.specdec, name).default
+    first = None
+    for _ in range(50):
+        call = _fresh(args)
+        result = op(*call)
+        got = _flat(call[0]) if name == "compact_kv_cache" else _flat(result)
+        if first is None:
+            first = got
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(first, got)), name
+
+
+def _dtype_calls(dtype):
+    """The ops whose floating-point inputs come in bf16 / fp16 / fp32, in that dtype."""
+    logits, *_, drafts, n, _c, _f = _chain_inputs()
+    tl, _tp, _tq, tokens, parents, tn, _tc, _tf = _tree_inputs()
+    aq, ak, av, alens, amask = _attention_inputs()
+    cache, clens, cidx, cn = _cache_inputs()
+    B = logits.shape[0]
+    return [
+        ("verify_greedy", (logits.to(dtype), drafts, n)),
+        ("verify_tree_greedy", (tl.to(dtype), tokens, parents, tn)),
+        ("sampling_probs", (logits.to(dtype), torch.full((B,), 0.7), torch.tensor([5, 0, 40]), torch.full((B,), 0.9))),
+        ("tree_attention", (aq.to(dtype), ak.to(dtype), av.to(dtype), alens, amask, 0.25)),
+        ("compact_kv_cache", ([cache.to(dtype)], clens, cidx, cn)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_opcheck_every_float_dtype_on_the_automatic_backend(dtype):
+    for name, args in _dtype_calls(dtype):
+        torch.library.opcheck(getattr(torch.ops.specdec, name).default, args)

@@ -29,6 +29,7 @@ copy-on-write of the block where they diverge.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -370,6 +371,7 @@ class SpeculativeDecoder:
         # torch's thread count -> the step thread choice of threads="auto", kept across calls
         self.thread_choices: Dict[int, ThreadChoice] = {}
         self.pass_costs: dict = {}  # (numerics, threads, batch, threads arg) -> LinearCost of the target pass
+        self._in_use = threading.Lock()  # one generate at a time: the drafter holds a run's state
         vocab = getattr(self.drafter, "vocab_size", None)
         if vocab is not None and vocab != model.args.vocab_size:
             raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({model.args.vocab_size})")
@@ -410,7 +412,23 @@ class SpeculativeDecoder:
             ValueError: ``coupling="rejection"`` with an adaptive draft-length policy (its K
                 would depend on the batch and the machine's timing, and so would the
                 tokens); and as ``start``.
+            RuntimeError: this decoder is decoding already (another thread, or a call from
+                ``on_step``): one ``generate`` at a time per decoder; decoders in several
+                threads may share one model.
         """
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError(
+                f"this SpeculativeDecoder (drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r}) "
+                "is decoding already, in another thread or in an on_step callback: its drafter and caches hold "
+                "that run's state; make one decoder per thread (they may share the model)"
+            )
+        try:
+            return self._generate(prompts, max_new_tokens, num_draft_tokens, sampling, seeds, on_step)
+        finally:
+            self._in_use.release()
+
+    def _generate(self, prompts, max_new_tokens, num_draft_tokens, sampling, seeds, on_step) -> GenerationResult:
+        """``generate``'s body (the caller holds ``_in_use``)."""
         t0 = time.perf_counter()
         if num_draft_tokens is None:
             num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
