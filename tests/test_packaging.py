@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec_kernels._optional import TRANSFORMERS_ENGINE_MIN, TRANSFORMERS_INTEGRATION_MIN
+from specdec_kernels.optional import TRANSFORMERS_ENGINE_MIN, TRANSFORMERS_INTEGRATION_MIN
 from tests.utils import ROOT
 
 IGNORED = shutil.ignore_patterns(
@@ -187,7 +187,7 @@ def test_the_built_extension_has_no_debug_sections():
 
 
 def test_a_missing_library_is_named_with_its_install_and_extra():
-    from specdec_kernels._optional import require
+    from specdec_kernels.optional import require
 
     with pytest.raises(
         ModuleNotFoundError,

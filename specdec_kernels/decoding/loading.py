@@ -21,10 +21,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels import _files
-from specdec_kernels._files import BadFileError
-from specdec_kernels._optional import TRANSFORMERS_ENGINE_MIN, require
+from specdec_kernels import files as _files
 from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.files import BadFileError
+from specdec_kernels.optional import TRANSFORMERS_ENGINE_MIN, require
 
 MODEL_NAME = "SmolLM2-135M-Instruct"  # the model the shipped drafters were trained on
 # what its GGUF must say: architecture, layers, hidden size, vocabulary
@@ -93,7 +93,7 @@ def check_gguf(path: str) -> None:
     """
     import gguf
 
-    p = _files._existing(path, "GGUF model")
+    p = _files.existing_file(path, "GGUF model")
     size = p.stat().st_size
     with open(p, "rb") as f:
         head = f.read(8)

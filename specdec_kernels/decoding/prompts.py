@@ -6,8 +6,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Union
 
-from specdec_kernels import _files
-from specdec_kernels._files import BadFileError
+from specdec_kernels import files as _files
+from specdec_kernels.files import BadFileError
 
 SPEC_BENCH = Path(__file__).resolve().parent.parent / "data" / "spec_bench" / "question.jsonl"
 

@@ -62,7 +62,6 @@ from typing import List, Optional, Sequence, Set, Tuple, Union
 import torch
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS, tree_attention
-from specdec_kernels._optional import TRANSFORMERS_INTEGRATION_MIN, require
 from specdec_kernels.checks import sampling_temperature, sampling_top_k, sampling_top_p
 from specdec_kernels.decoding.draft import Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.model_drafter import ModelDrafter
@@ -70,6 +69,7 @@ from specdec_kernels.decoding.drafters.ngram import NgramDrafter
 from specdec_kernels.decoding.engine.adaptive import DraftLengthPolicy
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.engine.stats import DecodeStats
+from specdec_kernels.optional import TRANSFORMERS_INTEGRATION_MIN, require
 
 # a missing or too old transformers is named here, not by a failed import below
 transformers = require(

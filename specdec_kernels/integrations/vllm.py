@@ -78,7 +78,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from specdec_kernels._optional import require
+from specdec_kernels.optional import require
 
 ENV_SWITCH = "SPECDEC_VLLM"
 ENV_STATS = "SPECDEC_VLLM_STATS"

@@ -19,11 +19,11 @@ import warnings
 import pytest
 import torch
 
-from specdec_kernels import _files
-from specdec_kernels._files import BadFileError
+from specdec_kernels import files as _files
 from specdec_kernels.decoding import loading, prompts
 from specdec_kernels.decoding.drafters import eagle, medusa
 from specdec_kernels.decoding.training import data as train_data
+from specdec_kernels.files import BadFileError
 from tests.engine.heads import HIDDEN, tiny  # noqa: F401  (fixture)
 
 TEXT = b"this is a text file, not a model\n"
@@ -323,7 +323,7 @@ def test_writers_replace_files_atomically(tmp_path):
 # ------------------------------------------------------------------ the manifest (class 2)
 def test_manifest_lists_every_shipped_file_with_its_digest():
     """Regenerates the manifest of specdec_kernels/data and compares: it cannot go stale.
-    After changing a shipped file, refresh it with `python -m specdec_kernels._files update`."""
+    After changing a shipped file, refresh it with `python -m specdec_kernels.files update`."""
     assert _files.read_manifest() == _files.compute_manifest(), (
         f"specdec_kernels/data/{_files.MANIFEST_NAME} is stale: run `{_files.REFRESH_COMMAND}`"
     )

@@ -61,13 +61,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_kernels import _files
-from specdec_kernels._files import BadFileError
+from specdec_kernels import files as _files
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.medusa import model_fingerprint
 from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.model import Transformer, linear, rotate
+from specdec_kernels.files import BadFileError
 
 FORMAT = 1
 KIND = "eagle-head"  # config["kind"] of the files ``EagleHead.save`` writes

@@ -77,11 +77,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_kernels import _files
-from specdec_kernels._files import BadFileError
+from specdec_kernels import files as _files
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.loading import MODEL_NAME
 from specdec_kernels.decoding.model import Transformer, linear, rotate
+from specdec_kernels.files import BadFileError
 from specdec_kernels.tree import medusa_choices_to_tree
 
 FORMAT = 3  # 1: unconditioned heads only, 2: no context attention (both still read)

@@ -32,12 +32,12 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from specdec_kernels import _files
-from specdec_kernels._files import BadFileError
-from specdec_kernels._optional import require
+from specdec_kernels import files as _files
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.files import BadFileError
+from specdec_kernels.optional import require
 
 HELD_OUT_PER_CATEGORY = 4  # never trained on: 2 evaluated by bench.e2e, 2 for tuning the tree
 BENCH_PER_CATEGORY = 2

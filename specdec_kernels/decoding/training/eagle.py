@@ -43,7 +43,6 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from specdec_kernels._optional import require
 from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.training.data import (
@@ -56,6 +55,7 @@ from specdec_kernels.decoding.training.data import (
     training_record,
 )
 from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax, label_ranking
+from specdec_kernels.optional import require
 
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
 DRAFT_VOCAB = 4096  # the recommended draft vocabulary: the sampled softmax's always-present labels (--frequent)

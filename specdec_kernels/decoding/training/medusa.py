@@ -71,7 +71,6 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from specdec_kernels._optional import require
 from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
     MedusaDrafter,
@@ -100,6 +99,7 @@ from specdec_kernels.decoding.training.data import (  # noqa: F401  (HiddenRecor
     training_record,
 )
 from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax
+from specdec_kernels.optional import require
 
 
 class Examples(NamedTuple):

@@ -10,8 +10,8 @@ Shipped data (everything under ``specdec_kernels/data``) is listed with its SHA-
 ``data/MANIFEST.sha256`` (``sha256sum`` format: ``cd specdec_kernels/data && sha256sum -c
 MANIFEST.sha256`` checks it by hand).  A reader given a path under ``data/`` checks the file
 against it first (once per path, modification time and size in a process); after changing a
-shipped file, refresh the manifest with ``python -m specdec_kernels._files update``
-(``python -m specdec_kernels._files check`` compares without writing).
+shipped file, refresh the manifest with ``python -m specdec_kernels.files update``
+(``python -m specdec_kernels.files check`` compares without writing).
 
 Files this package writes (head files, caches) are ``torch.save`` archives, zip files with a
 CRC-32 per member: ``load_torch`` checks every member's CRC before unpickling, so a flipped
@@ -34,7 +34,7 @@ PathLike = Union[str, os.PathLike]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MANIFEST_NAME = "MANIFEST.sha256"
-REFRESH_COMMAND = "python -m specdec_kernels._files update"
+REFRESH_COMMAND = "python -m specdec_kernels.files update"
 
 # (resolved path, mtime_ns, size) of files already found intact in this process
 _verified: Dict[Tuple[str, int, int], bool] = {}
@@ -145,9 +145,19 @@ def verify_shipped(path: PathLike) -> None:
 
 
 # ------------------------------------------------------------------ readers
-def _existing(path: PathLike, kind: str) -> Path:
+def existing_file(path: PathLike, kind: str) -> Path:
     """``path`` as a Path after the checks every reader makes: it exists, is a file, is not
-    empty, and matches the manifest when shipped."""
+    empty, and matches the manifest when shipped.
+
+    Args:
+        path: the file.
+        kind: what it should be, for the messages ("GGUF model", "EAGLE head").
+
+    Raises:
+        FileNotFoundError: no such file.
+        BadFileError: not a regular file, empty, or a shipped file whose SHA-256 differs from
+            the manifest's.
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(2, f"no {kind} file", str(path))
@@ -175,7 +185,7 @@ def load_torch(path: PathLike, kind: str) -> Any:
     """
     import torch
 
-    path = _existing(path, kind)
+    path = existing_file(path, kind)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic[:2] != b"PK":
@@ -207,7 +217,7 @@ def read_text(path: PathLike, kind: str) -> str:
         FileNotFoundError: no such file.
         BadFileError: empty, not UTF-8 text, or a shipped file not matching the manifest.
     """
-    path = _existing(path, kind)
+    path = existing_file(path, kind)
     raw = path.read_bytes()
     try:
         return raw.decode("utf-8")
@@ -281,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     difference (each differing path printed)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args not in (["update"], ["check"]):
-        print("usage: python -m specdec_kernels._files update|check", file=sys.stderr)
+        print("usage: python -m specdec_kernels.files update|check", file=sys.stderr)
         return 2
     if args == ["update"]:
         entries = write_manifest()
