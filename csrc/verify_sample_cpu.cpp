@@ -732,11 +732,13 @@ void sampling_rows(const Rows<T>& logits, float* out, const float* temperature, 
         has_nan |= std::isnan(x[i]);
         has_inf |= x[i] == std::numeric_limits<float>::infinity();
       }
-      if (greedy || (has_inf && !has_nan)) {  // one-hot at the argmax (first max, NaN first)
+      if (greedy || (has_inf && !has_nan)) {
+        // one-hot at the largest logit (first max, NaN first): the limit of T -> 0, also where
+        // a tiny temperature made several logits +inf
         int64_t best = 0;
         for (int64_t i = 1; i < V; ++i) {
           if (std::isnan(x[best])) break;
-          if (std::isnan(x[i]) || x[i] > x[best]) best = i;
+          if (std::isnan(x[i]) || f32(row[i]) > f32(row[best])) best = i;
         }
         std::fill(o, o + V, 0.0f);
         o[best] = 1.0f;

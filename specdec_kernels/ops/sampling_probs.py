@@ -166,7 +166,8 @@ def sampling_probs(
         temperature: float >= 0, or a float tensor of shape (batch,).  0 is greedy: the row
             becomes one-hot at ``torch.argmax`` (first maximum, NaN counts as maximum).  A row
             with a +inf logit after temperature (an infinite logit, or a temperature so small
-            that the division overflows) is one-hot at its first +inf as well.  Computed in
+            that the division overflows) is one-hot at its largest logit as well (the limit of
+            T -> 0; the first of equal ones).  Computed in
             float32: a positive temperature <= 2**-150 rounds to 0 (greedy), one above
             float32's largest value (3.4e38) acts as that value; +inf gives a uniform row.
         top_k: int >= 0 or integer tensor (batch,); keep the logits >= the k-th largest (ties
@@ -209,8 +210,8 @@ def sampling_probs(
         and the probabilities at the nucleus boundary are not within float32 rounding of each
         other: two logits a few ulps apart can give one float32 probability in one and two in
         the other, and a tie at the boundary is kept whole.  A row holding NaN after
-        temperature, or only -inf, gives NaN everywhere, and a row holding +inf is one-hot at
-        its first +inf, as in the reference.
+        temperature, or only -inf, gives NaN everywhere, and a row holding +inf after
+        temperature is one-hot at its largest logit, as in the reference.
     """
     t, k, p = check_sampling_args(logits, temperature, top_k, top_p, validate)
     B = logits.shape[0]

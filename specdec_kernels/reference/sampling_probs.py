@@ -38,10 +38,11 @@ def _sampling_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     probs = probs / probs.double().sum(dim=-1, keepdim=True).float()
 
     # Temperature 0, or a +inf logit after temperature (an infinite logit, or a temperature so
-    # small that the division overflows): one-hot at the argmax (the first +inf), not NaN.
+    # small that the division overflows): one-hot at the largest logit (the first of equal
+    # ones), the limit of T -> 0, not NaN and not the first logit that overflowed.
     scaled = logits.float() / torch.where(greedy, torch.ones_like(temperature), temperature)
     infinite = (scaled == float("inf")).any(dim=-1, keepdim=True) & ~scaled.isnan().any(dim=-1, keepdim=True)
-    one_hot = torch.zeros_like(probs).scatter_(-1, scaled.argmax(dim=-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.float().argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy | infinite, one_hot, probs)
 
 

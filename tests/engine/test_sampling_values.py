@@ -156,3 +156,18 @@ def test_typical_acceptance_values_are_checked_as_given(tiny):
         with pytest.raises(err, match=name):
             typical_acceptance(probs, tokens, parents, **kw)
     typical_acceptance(probs, tokens, parents, posterior_threshold=1e-50)  # in (0, 1]: float64 math, no cast
+
+
+def test_a_temperature_that_overflows_the_division_is_one_hot_at_the_largest_logit():
+    """temperature 1e-40 is a positive float32 (subnormal): logits / T overflow to +inf for
+    several tokens, and the row must be the limit of T -> 0, one-hot at the largest logit, not
+    at the first logit that overflowed (token 0 of row 0), on every backend that runs here."""
+    from tests.utils import runnable_backends
+
+    logits = torch.tensor([[1.0, 2.0, 0.5, -3.0, 1.5], [0.25, -1.0, 0.75, 0.75, 0.1]])
+    want = torch.nn.functional.one_hot(torch.tensor([1, 2]), 5).float()
+    backends = runnable_backends("sampling_probs", "cpu")
+    assert {"reference", "native"} <= set(backends)
+    for backend in backends:
+        out = sk.sampling_probs(logits, temperature=1e-40, backend=backend)
+        assert torch.equal(out, want), backend

@@ -206,7 +206,10 @@ def _sampling_probs_kernel(
             offs = lo_col + t * BLOCK_V + tl.arange(0, BLOCK_V)
             y, m2 = _scaled_logits(l_rows, tdiv, rmask, offs, V)
             isnan = y != y
-            key = tl.where(isnan, _INT32_MAX, _order_key(y))
+            # the argmax of the logits themselves: a temperature so small that the division
+            # overflows makes several +inf, and the limit of T -> 0 is the largest logit
+            x = tl.load(l_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+            key = tl.where(isnan, _INT32_MAX, _order_key(x))
             key = tl.where(m2, key, _INT32_MIN)
             tile_best = tl.max(key, axis=1)
             tile_idx = tl.min(tl.where(key == tile_best[:, None], offs[None, :], _INT32_MAX), axis=1)
@@ -226,7 +229,7 @@ def _sampling_probs_kernel(
         )
         bad = has_nan | (ymax == float("-inf"))  # NaN, or no finite mass at all: NaN out
         # temperature 0, or a +inf logit after temperature (an infinite logit, or a temperature
-        # so small that the division overflows): one-hot at the argmax, the first +inf
+        # so small that the division overflows): one-hot at the largest logit
         one_hot_row = greedy | (has_inf & ~has_nan)
         live = rmask & ~one_hot_row & ~bad  # rows whose probabilities are computed
         ymax = tl.where(live, ymax, 0.0)  # finite on every row: no inf - inf below

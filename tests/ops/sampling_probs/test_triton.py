@@ -237,3 +237,13 @@ def test_opcheck(device, use):
         use in ("top_p", "both"),
     )
     torch.library.opcheck(torch.ops.specdec.sampling_probs_triton, args)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in divide:RuntimeWarning")  # on purpose
+def test_an_overflowing_division_is_one_hot_at_the_largest_logit(device):
+    """temperature 1e-40 (a float32 subnormal): several logits overflow to +inf, and the row is
+    one-hot at the largest logit (the limit of T -> 0), not at the first +inf (golden)."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, -3.0, 1.5], [0.25, -1.0, 0.75, 0.75, 0.1]])
+    for k, p in ((None, None), (2, None), (None, 0.5)):
+        got = check(logits, device, 1e-40, k, p)
+        assert got.argmax(-1).tolist() == [1, 2] and torch.equal(got.sum(-1), torch.ones(2))
