@@ -20,6 +20,7 @@
   with ``-g`` and unstripped, for a debugger.
 """
 
+import collections
 import glob
 import json
 import os
@@ -71,6 +72,12 @@ def _extensions():
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cpu_sources = [s for s in cpp if not s.endswith("_cuda.cpp")]
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "*.cu"))) + [s for s in cpp if s.endswith("_cuda.cpp")]
+    # torch's ninja build names each object after its source's stem (csrc/x.cpp and csrc/x.cu would
+    # both be build/.../csrc/x.o, and ninja refuses the whole CUDA build), so stems must be unique.
+    stems = collections.Counter(os.path.splitext(os.path.basename(s))[0] for s in sorted(set(cpp + cuda_sources)))
+    clashes = sorted(stem for stem, n in stems.items() if n > 1)
+    if clashes:
+        raise SystemExit(f"specdec_kernels setup: error: csrc/ sources share a name stem {clashes}; rename one")
     with_cuda = (
         torch.version.cuda is not None
         and CUDA_HOME is not None

@@ -1,5 +1,5 @@
 // compact_kv_cache: CUDA binding (thin): checks, then one launch of the torch-free kernel in
-// compact_kv_cache.cu on the current stream.
+// compact_kv_cache_kernel.cu on the current stream.
 //
 // The caches are handed to the kernel in its strided form (one base pointer and strides) when
 // they are evenly spaced in memory with equal strides, which is the case for one

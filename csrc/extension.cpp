@@ -4,7 +4,7 @@
 // registered per device with TORCH_LIBRARY_IMPL in the other sources: on CPU
 // compact_kv_cache.cpp, verify_sample_cpu.cpp, paged_attention_cpu.cpp, packed_linear_cpu.cpp,
 // packed_linear_int8_cpu.cpp and decoder_layer_cpu.cpp;
-// on CUDA compact_kv_cache_cuda.cpp, a thin binding over the torch-free kernel compact_kv_cache.cu.
+// on CUDA compact_kv_cache_cuda.cpp, a thin binding over the torch-free kernel compact_kv_cache_kernel.cu.
 // common.h holds the helpers the sources share.  Importing this module registers the ops as
 // torch.ops.specdec.<name>_native.
 #include <Python.h>

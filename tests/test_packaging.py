@@ -265,3 +265,33 @@ def test_checkout_shims_forward_to_the_installed_benchmarks(tmp_path):
         out.returncode,
         out.stderr[-2000:],
     )
+
+
+def test_extension_sources_have_distinct_name_stems():
+    """torch's ninja build writes csrc/<stem>.o for every source, so csrc/x.cpp beside csrc/x.cu makes
+    ninja refuse the whole CUDA build ("multiple rules generate ...", seen on an H200): setup.py
+    refuses such a tree, and this keeps it from being committed."""
+    sources = sorted(p.name for p in Path(ROOT, "csrc").iterdir() if p.suffix in (".cpp", ".cu"))
+    stems = [os.path.splitext(name)[0] for name in sources]
+    assert len(sources) >= 2
+    assert len(set(stems)) == len(stems), sources
+
+
+def test_setup_refuses_sources_that_share_a_name_stem(tmp_path):
+    src = Path(ROOT, "setup.py").read_text()
+    assert "share a name stem" in src
+    (tmp_path / "csrc").mkdir()
+    for name in ("a.cpp", "a.cu"):
+        (tmp_path / "csrc" / name).write_text("")
+    shutil.copy(Path(ROOT, "setup.py"), tmp_path / "setup.py")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(Path(ROOT, name), tmp_path / name)
+    res = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0
+    assert "share a name stem ['a']" in res.stderr + res.stdout

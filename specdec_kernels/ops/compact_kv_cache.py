@@ -3,7 +3,7 @@
 
 Backends: "reference" (``specdec_kernels.reference.compact_kv_cache``) and "native"
 (``torch.ops.specdec.compact_kv_cache_native`` from the extension ``specdec_kernels._C``:
-``csrc/compact_kv_cache.cpp`` on CPU, ``csrc/compact_kv_cache.cu`` on CUDA).
+``csrc/compact_kv_cache.cpp`` on CPU, ``csrc/compact_kv_cache_kernel.cu`` on CUDA).
 
 Native design:
 

@@ -4,7 +4,7 @@ Two implementations run every correctness case (the ``impl`` fixture):
 
 - ``native``: the public op with backend="native" on the ``device`` fixture: the CPU kernel
   here, the CUDA kernel where there is a GPU;
-- ``cuda_emulated``: the CUDA kernel's own code (``csrc/compact_kv_cache.cu`` built by nvcc
+- ``cuda_emulated``: the CUDA kernel's own code (``csrc/compact_kv_cache_kernel.cu`` built by nvcc
   with SPECDEC_COMPACT_KV_HOST_EMULATION) run on the host, block by block, every thread's
   loads of a chunk before any thread's stores, with the real launch configuration; the
   caches are described by the same host helper the CUDA binding uses.  It checks the
@@ -147,7 +147,7 @@ def emulator(tmp_path_factory):
             "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
             "-I",
             os.path.join(ROOT, "csrc"),
-            os.path.join(ROOT, "csrc", "compact_kv_cache.cu"),
+            os.path.join(ROOT, "csrc", "compact_kv_cache_kernel.cu"),
             "-o",
             str(out),
         ],

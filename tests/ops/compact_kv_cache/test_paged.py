@@ -9,7 +9,7 @@ sequence (spare blocks, slack) must be unchanged.
 
 Implementations (the ``impl`` fixture): the public op with backend "reference" and "native"
 on the ``device`` fixture (the C++ kernel on CPU, the CUDA kernel on a GPU), and
-``cuda_emulated``: the CUDA kernel's own code (``csrc/compact_kv_cache.cu`` built by nvcc with
+``cuda_emulated``: the CUDA kernel's own code (``csrc/compact_kv_cache_kernel.cu`` built by nvcc with
 SPECDEC_COMPACT_KV_HOST_EMULATION) run on the host block by block, every thread's loads of a
 chunk before any thread's stores, the pools described by the binding's own host helper (as
 ``test_kernels.py`` does for the dense kernel).
@@ -193,7 +193,7 @@ def emulator(tmp_path_factory):
             "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
             "-I",
             os.path.join(ROOT, "csrc"),
-            os.path.join(ROOT, "csrc", "compact_kv_cache.cu"),
+            os.path.join(ROOT, "csrc", "compact_kv_cache_kernel.cu"),
             "-o",
             str(out),
         ],
