@@ -42,6 +42,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs sm_{sm.args[0]}0 or newer"))
 
 
+def pytest_runtest_logreport(report):
+    """With SPECDEC_FAILURE_LOG=path, append each failure's traceback to that file as it happens
+    (scripts/gpu_check.sh: a run cut short by its time limit still leaves the failures behind)."""
+    path = os.environ.get("SPECDEC_FAILURE_LOG")
+    # under pytest-xdist the controller sees each report again (with .node set): write it once
+    if path and report.failed and getattr(report, "node", None) is None:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture(autouse=True)
 def _native_op_marker(request):
     marker = request.node.get_closest_marker("requires_native_op")

@@ -161,7 +161,12 @@ def test_installed_torch_requirement_matches_the_build():
     import importlib.metadata
 
     info = _native.build_info()
-    reqs = importlib.metadata.requires("specdec-kernels") or []
+    try:
+        reqs = importlib.metadata.requires("specdec-kernels") or []
+    except importlib.metadata.PackageNotFoundError:
+        # a checkout used in place (setup.py build_ext --inplace, as scripts/gpu_check.sh does)
+        # has no installed metadata to compare; CI installs the package
+        pytest.skip("specdec-kernels is not installed: no metadata to compare with the build")
     torch_req = [r for r in reqs if r.startswith("torch")]
     if info.get("extension"):
         major, minor = torch.__version__.split("+")[0].split(".")[:2]

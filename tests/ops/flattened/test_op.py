@@ -494,7 +494,8 @@ def test_details_against_a_hand_loop_and_the_padded_front(backend):
     assert type(want) is sk.RejectionSampleDetails
     assert_same(d, want)
     # the default path still returns the plain pair
-    plain = sk.rejection_sample(
+    plain = run(
+        sk.rejection_sample,
         p["probs"],
         p["draft"],
         p["drafts"],
@@ -876,6 +877,11 @@ def test_opcheck(index):
     for backend in runnable_backends("rejection_sample_flattened", "cpu"):
         torch.library.opcheck(torch.ops.specdec.rejection_sample_flattened.default, sample[index], {"backend": backend})
     if "triton" in GREEDY_BACKENDS:
+        # the Triton ops are registered when their modules are first imported, which another
+        # test in this process may or may not have done yet
+        import specdec_kernels.ops._triton.rejection_sample  # noqa: F401
+        import specdec_kernels.ops._triton.verify_greedy  # noqa: F401
+
         torch.library.opcheck(
             torch.ops.specdec.verify_greedy_flattened_triton.default, tuple(dev(a) for a in greedy[index]) + (0, 0)
         )

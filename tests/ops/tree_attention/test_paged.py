@@ -311,9 +311,9 @@ def test_empty_batch_and_no_queries(device, backend):
     assert out.shape == (2, 0, 2, 16)
 
 
-def test_kv_layout_is_ignored_by_the_dense_op():
+def test_kv_layout_is_ignored_by_the_dense_op(device):
     q, k, v, lens, _, _, _ = paged_case(2, 3, 4, 2, 16, [4, 9], 4, "NHD", seed=9)
-    k, v = k.nan_to_num(), v.nan_to_num()
+    q, k, v, lens = q.to(device), k.nan_to_num().to(device), v.nan_to_num().to(device), lens.to(device)
     for backend in ALL:
         a = sk.tree_attention(q, k, v, lens, backend=backend)
         assert torch.equal(sk.tree_attention(q, k, v, lens, kv_layout="HND", backend=backend), a)
@@ -471,6 +471,17 @@ BAD = {
 }
 
 
+# cases that only a read of tensor values finds: checked by default on CPU tensors, and on CUDA
+# tensors only with validate=True (the default there reads no values: no host sync)
+VALUE_CASES = {
+    "table_too_small",
+    "table_too_small_for_lengths",
+    "used_id_negative",
+    "used_id_past_pool",
+    "negative_seqlen",
+}
+
+
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
 @pytest.mark.parametrize("backend", ALL)
 def test_bad_input_raises_naming_the_argument(device, backend, case):
@@ -478,8 +489,9 @@ def test_bad_input_raises_naming_the_argument(device, backend, case):
     override, err, name = BAD[case]
     args.update(override)
     args = {key: (val.to(device) if isinstance(val, torch.Tensor) else val) for key, val in args.items()}
+    validate = {"validate": True} if case in VALUE_CASES and device.type == "cuda" else {}
     with pytest.raises(err, match=re.escape(name)):
-        sk.tree_attention(**args, backend=backend)
+        sk.tree_attention(**args, backend=backend, **validate)
 
 
 @pytest.mark.parametrize("case", ["kv_layout", "table_too_small_for_lengths", "used_id_negative", "table_dtype_float"])
