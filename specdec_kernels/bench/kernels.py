@@ -503,6 +503,12 @@ def run(args) -> List[Dict]:
         ideal_us = inputs["bytes"] / (copy_bw * 1e9) * 1e6 if copy_bw > 0 else None
         for name, t in timings.items():
             gbps = inputs["bytes"] / (t["median_us"] * 1e-6) / 1e9
+            # one line per measurement as it is made: a run cut short by a time limit keeps them
+            print(
+                f"# measured {entry.op} [{' '.join(f'{k}={v}' for k, v in shape.items() if k in SHOWN)}] {name}: "
+                f"median {t['median_us']:.1f} us, {gbps:.1f} GB/s",
+                flush=True,
+            )
             rows.append(
                 {
                     "op": entry.op,
