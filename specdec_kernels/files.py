@@ -50,6 +50,11 @@ class BadFileError(ValueError):
         super().__init__(f"{self.path}: {reason}")
 
 
+def _a(kind: str) -> str:
+    """``kind`` with its indefinite article ("an EAGLE head", "a Medusa heads")."""
+    return ("an " if kind[:1].upper() in "AEIOU" else "a ") + kind
+
+
 def sha256_file(path: PathLike) -> str:
     """The SHA-256 of a file's bytes, hex."""
     digest = hashlib.sha256()
@@ -164,7 +169,7 @@ def existing_file(path: PathLike, kind: str) -> Path:
     if not path.is_file():
         raise BadFileError(path, f"not a file (a {kind} file was expected)")
     if path.stat().st_size == 0:
-        raise BadFileError(path, f"empty (0 bytes), not a {kind} file")
+        raise BadFileError(path, f"empty (0 bytes), not {_a(kind)} file")
     verify_shipped(path)
     return path
 
@@ -189,7 +194,7 @@ def load_torch(path: PathLike, kind: str) -> Any:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic[:2] != b"PK":
-        raise BadFileError(path, f"not a {kind} file (not a torch.save archive: it starts with {magic!r})")
+        raise BadFileError(path, f"not {_a(kind)} file (not a torch.save archive: it starts with {magic!r})")
     st = path.stat()
     key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
     if key not in _verified:
@@ -210,6 +215,55 @@ def load_torch(path: PathLike, kind: str) -> Any:
     return obj
 
 
+def check_state_dict_shapes(path: PathLike, module: Any, state_dict: Any) -> None:
+    """Check that ``state_dict`` holds exactly ``module``'s weights, name for name and shape
+    for shape (``module`` may live on the meta device).
+
+    Raises:
+        BadFileError: not a dict of tensors, or names or shapes that differ (the first four
+            differing names are given).
+    """
+    import torch
+
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise BadFileError(path, "its state_dict is not a dict of tensors")
+    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state_dict.items()}
+    if want != got:
+        wrong = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        raise BadFileError(path, f"the weights do not fit the config ({', '.join(wrong[:4])})")
+
+
+def peek_module(path: PathLike, kind: str, build: Callable[[Any], Any]) -> Any:
+    """The module a weights file describes, built on the meta device and checked against the
+    file's weight names and shapes without reading the weights: the file is memory-mapped, so
+    this takes milliseconds (for checks before a model loads).
+
+    Args:
+        path: a ``torch.save`` archive holding a dict with a ``state_dict``.
+        kind: what the file should be, for the messages ("EAGLE head").
+        build: makes the module from the file's payload (called under ``torch.device("meta")``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        BadFileError: anything torch cannot read, a payload ``build`` refuses, or weights
+            that do not fit (see ``check_state_dict_shapes``).
+    """
+    import torch
+
+    path = existing_file(path, kind)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001  (anything torch cannot read is not such a file)
+        raise BadFileError(path, f"not {_a(kind)} file ({type(e).__name__})") from None
+    if not isinstance(payload, dict):
+        raise BadFileError(path, f"not {_a(kind)} file (it holds a {type(payload).__name__})")
+    with torch.device("meta"):
+        module = build(payload)
+    check_state_dict_shapes(path, module, payload.get("state_dict"))
+    return module
+
+
 def read_text(path: PathLike, kind: str) -> str:
     """A UTF-8 text file's contents.
 
@@ -222,7 +276,7 @@ def read_text(path: PathLike, kind: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadFileError(path, f"not a {kind} file (not UTF-8 text at byte {e.start})") from None
+        raise BadFileError(path, f"not {_a(kind)} file (not UTF-8 text at byte {e.start})") from None
 
 
 def read_jsonl(path: PathLike, kind: str, fields: Dict[str, type]) -> List[dict]:
@@ -245,19 +299,19 @@ def read_jsonl(path: PathLike, kind: str, fields: Dict[str, type]) -> List[dict]
         except json.JSONDecodeError as e:
             cut = n == len(text.splitlines()) and not text.endswith("\n")
             why = "truncated: its last line is incomplete JSON" if cut else f"line {n} is not JSON ({e.msg})"
-            raise BadFileError(path, f"{why}; not a {kind} file") from None
+            raise BadFileError(path, f"{why}; not {_a(kind)} file") from None
         if not isinstance(rec, dict):
-            raise BadFileError(path, f"line {n} is a JSON {type(rec).__name__}, not a {kind} record")
+            raise BadFileError(path, f"line {n} is a JSON {type(rec).__name__}, not {_a(kind)} record")
         for name, typ in fields.items():
             if name not in rec:
-                raise BadFileError(path, f"line {n} has no {name!r}: not a {kind} record")
+                raise BadFileError(path, f"line {n} has no {name!r}: not {_a(kind)} record")
             if not isinstance(rec[name], typ) or (typ is int and isinstance(rec[name], bool)):
                 raise BadFileError(
                     path, f"line {n}: {name!r} is a {type(rec[name]).__name__}, not a {typ.__name__} ({kind})"
                 )
         records.append(rec)
     if not records:
-        raise BadFileError(path, f"holds no record: not a {kind} file")
+        raise BadFileError(path, f"holds no record: not {_a(kind)} file")
     return records
 
 

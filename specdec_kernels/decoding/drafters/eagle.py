@@ -335,22 +335,7 @@ class EagleHead(nn.Module):
             ValueError: not an EAGLE head file (not a torch file, a Medusa heads file, another
                 format), or weights whose names or shapes do not fit the config.
         """
-        try:
-            payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001  (anything torch cannot read is not a head file)
-            raise ValueError(f"{path} is not an EAGLE head file ({type(e).__name__})") from None
-        with torch.device("meta"):
-            head = cls._from_payload(path, payload)
-        state = payload["state_dict"]
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise ValueError(f"{path}: its state_dict is not a dict of tensors")
-        want = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in state.items()}
-        if want != got:
-            wrong = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
-            raise ValueError(f"{path}: the weights do not fit the config ({', '.join(wrong[:4])})")
+        head = _files.peek_module(path, "EAGLE head", lambda payload: cls._from_payload(path, payload))
         return head.config
 
 

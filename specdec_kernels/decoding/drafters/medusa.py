@@ -473,15 +473,7 @@ class MedusaHeads(nn.Module):
             ValueError: not a Medusa heads file (not a torch file, an EAGLE head file, another
                 format), or weights whose names or shapes do not fit the config.
         """
-        try:
-            payload = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001  (anything torch cannot read is not a heads file)
-            raise ValueError(f"{path} is not a Medusa heads file ({type(e).__name__})") from None
-        with torch.device("meta"):
-            heads = cls._from_payload(path, payload)
-        _check_weight_shapes(path, heads, payload["state_dict"])
+        heads = _files.peek_module(path, "Medusa heads", lambda payload: cls._from_payload(path, payload))
         return heads.config
 
     @property
@@ -489,17 +481,6 @@ class MedusaHeads(nn.Module):
         """The tuned tree stored with the weights (choice paths), or None."""
         c = self.config.get("tree_choices")
         return [tuple(p) for p in c] if c else None
-
-
-def _check_weight_shapes(path, module: nn.Module, state_dict) -> None:
-    """Raise ValueError unless ``state_dict`` holds exactly ``module``'s weights, shape for shape."""
-    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise ValueError(f"{path}: its state_dict is not a dict of tensors")
-    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state_dict.items()}
-    if want != got:
-        wrong = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
-        raise ValueError(f"{path}: the weights do not fit the config ({', '.join(wrong[:4])})")
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
