@@ -1,9 +1,13 @@
 """What the tests that run the CUDA kernel's own code on the host share (test_kernels.py,
-test_paged.py): the ctypes mirrors of csrc/compact_kv_cache.cuh's structs and the nvcc locator."""
+test_paged.py): the ctypes mirrors of csrc/compact_kv_cache.cuh's structs, the nvcc locator
+and the build of the kernel source as a host library (the ``emulator`` fixture in conftest.py)."""
 
 import ctypes
 import os
 import shutil
+import subprocess
+
+from tests.utils import ROOT
 
 
 class KVSlice(ctypes.Structure):  # SpecdecKVSlice in csrc/compact_kv_cache.cuh
@@ -59,3 +63,62 @@ def find_nvcc():
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     found = shutil.which("nvcc") or os.path.join(home, "bin", "nvcc")
     return found if os.path.exists(found) else None
+
+
+class PagedLaunchArgs(ctypes.Structure):  # SpecdecPagedCompactKVArgs in csrc/compact_kv_cache.cuh
+    _fields_ = [
+        ("kv", LaunchArgs),
+        ("block_table", ctypes.c_void_p),
+        ("block_table_stride_b", ctypes.c_int64),
+        ("block_table_stride_m", ctypes.c_int64),
+        ("block_table_int64", ctypes.c_int),
+        ("max_blocks_per_seq", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+    ]
+
+
+def build_emulator(nvcc: str, out: str) -> ctypes.CDLL:
+    """csrc/compact_kv_cache_kernel.cu compiled by nvcc as a host library (the kernel's own
+    code, SPECDEC_COMPACT_KV_HOST_EMULATION), its entry points typed."""
+    subprocess.run(
+        [
+            nvcc,
+            "-x",
+            "cu",
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC",
+            "-arch=sm_80",
+            "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
+            "-I",
+            os.path.join(ROOT, "csrc"),
+            os.path.join(ROOT, "csrc", "compact_kv_cache_kernel.cu"),
+            "-o",
+            out,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    lib = ctypes.CDLL(out)
+    lib.specdec_compact_kv_cache_describe.restype = ctypes.c_int
+    lib.specdec_compact_kv_cache_describe.argtypes = [
+        ctypes.POINTER(LaunchArgs),
+        ctypes.POINTER(KVSlice),
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
+    lib.specdec_compact_kv_cache_emulate.restype = ctypes.c_int
+    lib.specdec_compact_kv_cache_emulate.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int64, ctypes.c_int64]
+    lib.specdec_paged_compact_kv_cache_emulate.restype = ctypes.c_int
+    lib.specdec_paged_compact_kv_cache_emulate.argtypes = [
+        ctypes.POINTER(PagedLaunchArgs),
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
+    lib.specdec_compact_kv_cache_word_bytes.restype = ctypes.c_int
+    lib.specdec_compact_kv_cache_word_bytes.argtypes = [ctypes.POINTER(LaunchArgs)]
+    return lib

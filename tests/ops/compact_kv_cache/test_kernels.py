@@ -16,9 +16,7 @@ cache after ``specdec_kernels.reference.compact_kv_cache`` on a copy of the same
 """
 
 import ctypes
-import os
 import re
-import subprocess
 import warnings
 
 import pytest
@@ -28,8 +26,7 @@ import specdec_kernels as sk
 from specdec_kernels import _native, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
 from specdec_kernels.ops.compact_kv_cache import check_compact_kv_cache_args
-from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs, find_nvcc
-from tests.utils import ROOT
+from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs
 
 native = pytest.mark.requires_native_op("compact_kv_cache")
 
@@ -124,50 +121,6 @@ def make_layout(cache6, layout):
 
 
 # --------------------------------------------------------------------------- CUDA kernel on the host
-
-
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    """The CUDA kernel source compiled for host emulation (ctypes library)."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot build the host emulation of the CUDA kernel")
-    out = tmp_path_factory.mktemp("compact_kv_emu") / "compact_kv_emu.so"
-    subprocess.run(
-        [
-            nvcc,
-            "-x",
-            "cu",
-            "-std=c++17",
-            "-O1",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC",
-            "-arch=sm_80",
-            "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
-            "-I",
-            os.path.join(ROOT, "csrc"),
-            os.path.join(ROOT, "csrc", "compact_kv_cache_kernel.cu"),
-            "-o",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    lib = ctypes.CDLL(str(out))
-    lib.specdec_compact_kv_cache_describe.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_describe.argtypes = [
-        ctypes.POINTER(LaunchArgs),
-        ctypes.POINTER(KVSlice),
-        ctypes.c_int64,
-        ctypes.c_int64,
-    ]
-    lib.specdec_compact_kv_cache_emulate.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_emulate.argtypes = [ctypes.POINTER(LaunchArgs), ctypes.c_int64, ctypes.c_int64]
-    lib.specdec_compact_kv_cache_word_bytes.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_word_bytes.argtypes = [ctypes.POINTER(LaunchArgs)]
-    return lib
 
 
 def as_cache_list(kv_cache):

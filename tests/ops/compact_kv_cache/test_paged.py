@@ -16,9 +16,7 @@ chunk before any thread's stores, the pools described by the binding's own host 
 """
 
 import ctypes
-import os
 import re
-import subprocess
 from functools import partial
 
 import pytest
@@ -29,8 +27,7 @@ from specdec_kernels import _backend, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
 from specdec_kernels.ops.compact_kv_cache import check_paged_compact_kv_cache_args
 from specdec_kernels.reference.compact_kv_cache import _paged_compact_kv_cache, cache_views
-from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs, find_nvcc
-from tests.utils import ROOT
+from tests.ops.compact_kv_cache.host_emulation import KVSlice, PagedLaunchArgs
 
 OP = "paged_compact_kv_cache"
 native = pytest.mark.requires_native_op(OP)
@@ -157,67 +154,6 @@ def as_container(pool, container):
 
 
 # --------------------------------------------------------------------------- CUDA kernel on the host
-
-
-class PagedLaunchArgs(ctypes.Structure):  # SpecdecPagedCompactKVArgs in csrc/compact_kv_cache.cuh
-    _fields_ = [
-        ("kv", LaunchArgs),
-        ("block_table", ctypes.c_void_p),
-        ("block_table_stride_b", ctypes.c_int64),
-        ("block_table_stride_m", ctypes.c_int64),
-        ("block_table_int64", ctypes.c_int),
-        ("max_blocks_per_seq", ctypes.c_int64),
-        ("block_size", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64),
-    ]
-
-
-@pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    """The CUDA kernel source compiled for host emulation (ctypes library)."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found: cannot build the host emulation of the CUDA kernel")
-    out = tmp_path_factory.mktemp("paged_compact_kv_emu") / "paged_compact_kv_emu.so"
-    subprocess.run(
-        [
-            nvcc,
-            "-x",
-            "cu",
-            "-std=c++17",
-            "-O1",
-            "-shared",
-            "-Xcompiler",
-            "-fPIC",
-            "-arch=sm_80",
-            "-DSPECDEC_COMPACT_KV_HOST_EMULATION",
-            "-I",
-            os.path.join(ROOT, "csrc"),
-            os.path.join(ROOT, "csrc", "compact_kv_cache_kernel.cu"),
-            "-o",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    lib = ctypes.CDLL(str(out))
-    lib.specdec_compact_kv_cache_describe.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_describe.argtypes = [
-        ctypes.POINTER(LaunchArgs),
-        ctypes.POINTER(KVSlice),
-        ctypes.c_int64,
-        ctypes.c_int64,
-    ]
-    lib.specdec_paged_compact_kv_cache_emulate.restype = ctypes.c_int
-    lib.specdec_paged_compact_kv_cache_emulate.argtypes = [
-        ctypes.POINTER(PagedLaunchArgs),
-        ctypes.c_int64,
-        ctypes.c_int64,
-    ]
-    lib.specdec_compact_kv_cache_word_bytes.restype = ctypes.c_int
-    lib.specdec_compact_kv_cache_word_bytes.argtypes = [ctypes.POINTER(LaunchArgs)]
-    return lib
 
 
 def emulate_cuda(lib, pools, layout, seqlens, indices, counts, table, threads=0, blocks=0):
