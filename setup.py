@@ -24,6 +24,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import sys
 
 from setuptools import find_packages, setup
@@ -53,11 +54,32 @@ def _record(built: bool, reason: str, build_lib: str = None) -> None:
                 json.dump({"extension": built, "reason": reason, "debug": DEBUG}, f)
 
 
+def _cuda_home() -> None:
+    """Set CUDA_HOME where torch would guess wrong.  Without CUDA_HOME or CUDA_PATH, torch takes
+    the parent of the folder that holds the ``nvcc`` on PATH.  Where that nvcc is a wrapper
+    script (/usr/local/bin/nvcc calling /usr/local/cuda-13.0/bin/nvcc), the guess (/usr/local)
+    has no CUDA headers and the build fails on ``cuda_runtime.h``.  Then the toolkit at
+    /usr/local/cuda is used, if it has the headers."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    guess = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    fallback = "/usr/local/cuda"
+    if not os.path.exists(os.path.join(guess, "include", "cuda_runtime.h")) and os.path.exists(
+        os.path.join(fallback, "include", "cuda_runtime.h")
+    ):
+        _log(f"{nvcc} is not inside a CUDA toolkit: CUDA_HOME={fallback}")
+        os.environ["CUDA_HOME"] = fallback
+
+
 def _extensions():
     if os.environ.get("SPECDEC_SKIP_EXTENSION") == "1":
         _log("SPECDEC_SKIP_EXTENSION=1: no extension built")
         _record(False, "installed with SPECDEC_SKIP_EXTENSION=1")
         return [], {}, None
+    _cuda_home()
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
