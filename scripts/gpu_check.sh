@@ -52,7 +52,7 @@ fi
 PYTEST_ARGS=(-q -m "not vllm and not serial" -p no:cacheprovider --junitxml="$OUT/pytest.xml" -rfE)
 "$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${SPECDEC_GPU_WORKERS:-15}" --dist worksteal)
 "$PY" -m pytest --help 2>/dev/null | grep -q -- --session-timeout && PYTEST_ARGS+=(--session-timeout 160)
-step pytest 175 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/ops tests/test_tree.py
+step pytest 175 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/ops tests/test_tree.py tests/bench/test_timing.py
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -n 40 | tee -a "$SUMMARY"
 # Kernel benchmarks (every op and backend, real model shapes), then the engine's verify/decode
 # cost ratio with random weights at SmolLM2-135M and Llama-3-8B sizes (the real weights stay home).

@@ -102,6 +102,34 @@ def time_fn(fn: Callable[[], object], device: torch.device, min_run_time: float 
     return {"median_us": m.median * 1e6, "p20_us": pick(0.2) * 1e6, "p80_us": pick(0.8) * 1e6}
 
 
+def time_graph_replay(fn: Callable[[], object], device: torch.device) -> Optional[Dict[str, float]]:
+    """Median and 20th/80th percentiles, in microseconds, of one replay of ``fn`` captured in a
+    CUDA graph: the GPU time of its kernels without the host's per-call work (Python checks,
+    dispatch, Triton's launcher), which ``time_fn`` measures as well when a call's kernels are
+    shorter than its host work.  None off CUDA, and where ``fn`` cannot be captured (a path
+    that reads tensor values on the host, such as the references)."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles and allocator warm-up outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001  (capture refuses host reads with several error types)
+        torch.cuda.synchronize()
+        return None
+    median, p20, p80 = triton.testing.do_bench(graph.replay, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)
+    return {"median_us": median * 1e3, "p20_us": p20 * 1e3, "p80_us": p80 * 1e3}
+
+
 def copy_bandwidth_gbps(device: torch.device, nbytes: Optional[int] = None) -> float:
     """Achieved copy bandwidth of ``device`` (bytes read + bytes written per second, GB/s),
     measured now with one large ``copy_`` (1 GiB on CUDA, 256 MiB on CPU, beyond the caches):
