@@ -1,7 +1,8 @@
 """``python -m specdec_kernels.bench.flashinfer_side``: our Triton kernels beside FlashInfer's, same shapes,
 same run (CUDA only).
 
-Three pairs, each checked before it is timed (``triton.testing.do_bench``, median):
+Three pairs, each checked before it is timed (``triton.testing.do_bench``, median; on CUDA both
+as eager calls and as CUDA-graph replays, the kernels alone, where a side can be captured):
 
 - ``rejection_sample`` (ours, chain, draft distributions) against FlashInfer's
   ``chain_speculative_sampling``: B requests of K = 4 drafts over V = 128,256, float32
@@ -225,8 +226,16 @@ def attention_pairs(device) -> List[Dict]:
 
 
 def _row(op: str, shape: str, ours, theirs, counterpart: str, nbytes: int, **extra) -> Dict:
+    from specdec_kernels.bench.common import time_graph_replay
+
     t_ours, t_theirs = _time_us(ours), _time_us(theirs)
+    # the kernels alone, each side captured in a CUDA graph (None where capture is refused)
+    g_ours, g_theirs = (time_graph_replay(fn, torch.device("cuda")) for fn in (ours, theirs))
+    g_ours, g_theirs = (g["median_us"] if g else None for g in (g_ours, g_theirs))
     return {
+        "graph_ours_us": g_ours,
+        "graph_flashinfer_us": g_theirs,
+        "graph_ratio_ours_over_flashinfer": g_ours / g_theirs if g_ours and g_theirs else None,
         "op": op,
         "shape": shape,
         "flashinfer": counterpart,
@@ -237,6 +246,18 @@ def _row(op: str, shape: str, ours, theirs, counterpart: str, nbytes: int, **ext
         "ours_gbps": nbytes / (t_ours * 1e-6) / 1e9,
         **extra,
     }
+
+
+def format_row(r: Dict) -> str:
+    """One line of the table: eager times and ratio, then the graph replays' ('-': not captured)."""
+    ratio = r["ratio_ours_over_flashinfer"]
+    graph = [r["graph_ours_us"], r["graph_flashinfer_us"], r["graph_ratio_ours_over_flashinfer"]]
+    cells = ["-" if v is None else f"{v:.2f}" if i == 2 else f"{v:.1f}" for i, v in enumerate(graph)]
+    return (
+        f"{r['op']:<16} {r['shape']:<44} {r['flashinfer']:<52} {r['ours_us']:>8.1f} "
+        f"{r['flashinfer_us']:>8.1f} {ratio:>8.2f}{'' if math.isfinite(ratio) else ' ?'}"
+        f"                {cells[0]:>8} {cells[1]:>8} {cells[2]:>8}"
+    )
 
 
 def main(argv=None) -> int:
@@ -274,7 +295,8 @@ def main(argv=None) -> int:
         f"# ours / FlashInfer on {env['gpu']}, torch {env['torch']}, flashinfer {env['flashinfer']}; below 1: ours faster"
     )
     print(
-        f"{'op':<16} {'shape':<44} {'FlashInfer counterpart':<52} {'ours us':>8} {'FI us':>8} {'ours/FI':>8}",
+        f"{'op':<16} {'shape':<44} {'FlashInfer counterpart':<52} {'ours us':>8} {'FI us':>8} {'ours/FI':>8}"
+        f"  graph replay: {'ours us':>8} {'FI us':>8} {'ours/FI':>8}",
         flush=True,
     )
     status = 0
@@ -290,11 +312,7 @@ def main(argv=None) -> int:
                 continue
             for r in got:
                 f.write(json.dumps({**env, **r}) + "\n")
-                ratio = r["ratio_ours_over_flashinfer"]
-                print(
-                    f"{r['op']:<16} {r['shape']:<44} {r['flashinfer']:<52} {r['ours_us']:>8.1f} "
-                    f"{r['flashinfer_us']:>8.1f} {ratio:>8.2f}" + ("" if math.isfinite(ratio) else " ?")
-                )
+                print(format_row(r), flush=True)
             f.flush()
             print(f"# {name}: {len(got)} rows in {time.perf_counter() - t0:.0f} s (JIT compile included)", flush=True)
     return status
