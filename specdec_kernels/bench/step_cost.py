@@ -194,6 +194,12 @@ def measure_model(
             t = time_fn(step, device, min_time)
             if kind == "decode":
                 base = t["median_us"]
+            # one line per point as it is measured: a run cut short by a time limit keeps them
+            print(
+                f"# measured {name} {numerics} {kind} N={n}: median {t['median_us']:.1f} us, "
+                f"{t['median_us'] / base:.2f}x decode",
+                flush=True,
+            )
             rows.append(
                 {
                     "engine": "ours",
