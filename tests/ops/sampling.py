@@ -1,5 +1,17 @@
-"""Settings shared by the Triton tests of the chain and the tree sampler (rejection_sample,
-tree_rejection_sample)."""
+"""Settings and cases shared by the tests of the samplers (rejection_sample,
+tree_rejection_sample, their flattened layout)."""
+
+import torch
+
+
+def random_probs(shape, g, zero_frac=0.3):
+    """Rows of random probabilities with some exact zeros, normalised (float32); every row keeps
+    some mass at token 0."""
+    x = torch.rand(shape, generator=g)
+    x = torch.where(torch.rand(shape, generator=g) < zero_frac, torch.zeros_like(x), x)
+    x[..., 0] += 1e-3
+    return x / x.sum(-1, keepdim=True)
+
 
 # vocabulary chunks (the batch-1 split): (BLOCK_B, BLOCK_V, chunks per row); chunk counts above
 # the tile count are clamped, several tiles per chunk and an uneven last chunk occur

@@ -19,6 +19,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
+from tests.ops.sampling import random_probs
 from tests.utils import DRAWS, DTYPE_IDS, DTYPES, NAN, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
 
 GREEDY_BACKENDS = runnable_backends("verify_greedy_flattened")
@@ -62,13 +63,6 @@ def starts_of(counts):
     return [sum(counts[:b]) for b in range(len(counts))]
 
 
-def random_probs(rows, V, g, zero_frac=0.3):
-    x = torch.rand(rows, V, generator=g)
-    x = torch.where(torch.rand(rows, V, generator=g) < zero_frac, torch.zeros_like(x), x)
-    x[:, 0] += 1e-3
-    return x / x.sum(-1, keepdim=True)
-
-
 def flat_case(counts, V, *, seed=0, dtype=torch.float32, sampled=True, id_dtype=torch.int64):
     """A flattened batch: logits and probs [T + B, V], draft probs [T, V], drafts [T] that
     often equal the target's argmax (long accepted runs), coins [T], sample uniforms [B]."""
@@ -76,8 +70,8 @@ def flat_case(counts, V, *, seed=0, dtype=torch.float32, sampled=True, id_dtype=
     B, T = len(counts), sum(counts)
     cu = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(id_dtype)
     logits = torch.randn(T + B, V, generator=g)
-    probs = random_probs(T + B, V, g)
-    draft = 0.5 * random_probs(T, V, g)
+    probs = random_probs((T + B, V), g)
+    draft = 0.5 * random_probs((T, V), g)
     drafts = torch.randint(0, V, (T,), generator=g)
     for b, s in enumerate(starts_of(counts)):
         rows = torch.arange(s + b, s + b + counts[b])
@@ -107,8 +101,8 @@ def padded(case, K=None, seed=1):
     V = case["logits"].shape[1]
     out = dict(
         logits=torch.randn(B, K + 1, V, generator=g).to(case["logits"].dtype),
-        probs=random_probs(B * (K + 1), V, g).reshape(B, K + 1, V).to(case["probs"].dtype),
-        draft=None if case["draft"] is None else random_probs(B * K, V, g).reshape(B, K, V).to(case["draft"].dtype),
+        probs=random_probs((B * (K + 1), V), g).reshape(B, K + 1, V).to(case["probs"].dtype),
+        draft=None if case["draft"] is None else random_probs((B * K, V), g).reshape(B, K, V).to(case["draft"].dtype),
         drafts=torch.randint(0, V, (B, K), generator=g),
         coins=torch.rand(B, K, generator=g),
         n=torch.tensor(counts, dtype=torch.int64),

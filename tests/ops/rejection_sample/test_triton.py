@@ -8,7 +8,7 @@ import torch
 from specdec_kernels.ops import rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.rejection_sample import rejection_sample as reference_rejection_sample
-from tests.ops.sampling import TARGETS, TILINGS
+from tests.ops.sampling import TARGETS, TILINGS, random_probs
 from tests.utils import (
     DRAWS,
     DTYPE_IDS,
@@ -26,14 +26,6 @@ pytestmark = requires_triton("rejection_sample")
 
 def kernel(*args, **kwargs):
     return op.rejection_sample(*args, backend="triton", **kwargs)
-
-
-def random_probs(shape, g, zero_frac=0.3):
-    """Rows with some exact zeros, normalised (float32)."""
-    x = torch.rand(shape, generator=g)
-    x = torch.where(torch.rand(shape, generator=g) < zero_frac, torch.zeros_like(x), x)
-    x[..., 0] += 1e-3  # every row keeps some mass
-    return x / x.sum(-1, keepdim=True)
 
 
 def chain_case(B, K, V, *, sampled, seed=0, dtype=torch.float32, ragged=True, index_dtype=torch.int64):

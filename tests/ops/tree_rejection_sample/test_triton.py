@@ -8,7 +8,7 @@ import torch
 from specdec_kernels.ops import tree_rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.tree_rejection_sample import tree_rejection_sample as reference_tree_rejection_sample
-from tests.ops.sampling import TARGETS, TILINGS
+from tests.ops.sampling import TARGETS, TILINGS, random_probs
 from tests.utils import (
     DRAWS,
     DTYPE_IDS,
@@ -26,13 +26,6 @@ pytestmark = requires_triton("tree_rejection_sample")
 
 def kernel(*args, **kwargs):
     return op.tree_rejection_sample(*args, backend="triton", **kwargs)
-
-
-def random_probs(shape, g, zero_frac=0.3):
-    x = torch.rand(shape, generator=g)
-    x = torch.where(torch.rand(shape, generator=g) < zero_frac, torch.zeros_like(x), x)
-    x[..., 0] += 1e-3
-    return x / x.sum(-1, keepdim=True)
 
 
 def random_parents(N, g, fanout_bias=True):
