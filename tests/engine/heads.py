@@ -1,6 +1,6 @@
 """What the tests of the draft heads (EAGLE, Medusa) and of the drafters built on them (ensemble,
 lookahead) share: the tiny model as our Transformer alone, its hidden size, the prompts they
-decode and the prompts the heads are trained on."""
+decode, the prompts the heads are trained on, and the target's hidden states they read."""
 
 from __future__ import annotations
 
@@ -23,3 +23,18 @@ def tiny():
 def train_prompts():
     g = torch.Generator().manual_seed(3)
     return PROMPTS + [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(12)]
+
+
+def final_hidden(model, ids):
+    """(T, hidden): the target's final hidden state (after its final norm) of every position of
+    ``ids``, one teacher-forced prefill pass."""
+    T = len(ids)
+    with torch.inference_mode():
+        _, h = model(
+            torch.tensor([ids]),
+            torch.arange(T)[None],
+            model.new_kv_cache(1, T),
+            torch.zeros(1, dtype=torch.int32),
+            return_hidden=True,
+        )
+    return h[0]

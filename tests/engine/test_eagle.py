@@ -18,7 +18,7 @@ from specdec_kernels.decoding.drafters.medusa import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import label_ranking
-from tests.engine.heads import HIDDEN, PROMPTS, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
@@ -37,20 +37,6 @@ def random_head(window=16, seed=0, scale=None):
                     else torch.randn(p.shape, generator=g) * (scale or 0.2)
                 )
     return head
-
-
-def features(model, ids):
-    """(T, H): the target's final hidden state (after its final norm) of every position."""
-    T = len(ids)
-    with torch.inference_mode():
-        _, h = model(
-            torch.tensor([ids]),
-            torch.arange(T)[None],
-            model.new_kv_cache(1, T),
-            torch.zeros(1, dtype=torch.int32),
-            return_hidden=True,
-        )
-    return h[0]
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +214,7 @@ def reference_tree(head, model, feats, history, top_k, max_nodes, depth, vocab=N
 
 def propose_after(drafter, model, history, k):
     """Propose for one sequence whose committed features come from teacher forcing."""
-    feats = features(model, history)
+    feats = final_hidden(model, history)
     drafter.start([history], 256, SamplingParams(), None)
     first = max(0, len(history) - 1 - drafter.context_window)
     drafter.observe_context([feats[first : len(history) - 1]], [first], [True])
@@ -365,7 +351,7 @@ def test_draft_vocab_chain_distribution_is_the_heads_over_it(tiny, sampling):
     with torch.inference_mode():
         for d in (full, restricted):
             d.start(hist, 256, sampling, None)
-            feats = [features(tiny, h) for h in hist]
+            feats = [final_hidden(tiny, h) for h in hist]
             d.observe_context([f[: len(h) - 1] for f, h in zip(feats, hist)], [0, 0], [True, True])
         p_full, _ = full.chain_begin(hist, [2, 2], [True, True], V)
         p_res, has = restricted.chain_begin(hist, [2, 2], [True, True], V)
@@ -397,7 +383,7 @@ def test_batched_drafts_equal_one_sequence_at_a_time(tiny):
     drafter = EagleDrafter(tiny, head, top_k=3, max_nodes=12)
     with torch.inference_mode():
         drafter.start(hist, 256, SamplingParams(), None)
-        feats = [features(tiny, h) for h in hist]
+        feats = [final_hidden(tiny, h) for h in hist]
         firsts = [max(0, len(h) - 1 - 16) for h in hist]
         drafter.observe_context([f[a : len(h) - 1] for f, a, h in zip(feats, firsts, hist)], firsts, [True] * 4)
         draft = drafter.propose(hist, ks, active)

@@ -21,8 +21,8 @@ from specdec_kernels.decoding import (
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter
 from specdec_kernels.decoding.drafters.ngram import ngram_next_counts
-from tests.engine.heads import PROMPTS, tiny, train_prompts  # noqa: F401 (fixture)
-from tests.engine.test_eagle import features, random_head, tiny_rows, trained  # noqa: F401 (fixtures)
+from tests.engine.heads import PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.test_eagle import random_head, tiny_rows, trained  # noqa: F401 (fixtures)
 from tests.engine.test_medusa import random_heads
 from tests.engine.tiny import V, exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
@@ -41,7 +41,7 @@ def started(drafters, histories, sampling, tiny):
     for d in drafters:
         d.start(histories, 256, sampling, [torch.Generator().manual_seed(b) for b in range(len(histories))])
         if getattr(d, "wants_hidden", False):
-            feats = [features(tiny, h) for h in histories]
+            feats = [final_hidden(tiny, h) for h in histories]
             if d.context_window:
                 firsts = [max(0, len(h) - 1 - d.context_window) for h in histories]
                 d.observe_context(
@@ -100,7 +100,7 @@ def test_medusa_without_aligned_context_has_no_opinion(tiny):
     d = MedusaDrafter(tiny, random_heads(3, context=4))
     hist = [PROMPTS[0]]
     d.start(hist, 64, SamplingParams(), None)
-    d.observe_hidden(features(tiny, hist[0])[-2:-1], [True])
+    d.observe_hidden(final_hidden(tiny, hist[0])[-2:-1], [True])
     assert int(d.propose(hist, [3], [True]).num_nodes[0]) == 1
     probs, has = d.chain_begin(hist, [3], [True], V)
     assert not bool(has.any())

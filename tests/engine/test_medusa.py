@@ -21,7 +21,7 @@ from specdec_kernels.decoding.drafters.medusa import (
 )
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
-from tests.engine.heads import HIDDEN, PROMPTS, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
@@ -43,20 +43,6 @@ def path_embeddings(model, ids, k):
     T = len(ids)
     idx = (torch.arange(T)[:, None] + 1 + torch.arange(k)).clamp(max=T - 1)
     return model.tok_embeddings.weight.detach()[torch.tensor(ids)[idx]]
-
-
-def teacher_forced_hidden(model, ids):
-    """(T, hidden): the final hidden state of every position of ids, one prefill pass."""
-    T = len(ids)
-    with torch.inference_mode():
-        _, h = model(
-            torch.tensor([ids]),
-            torch.arange(T)[None],
-            model.new_kv_cache(1, T),
-            torch.zeros(1, dtype=torch.int32),
-            return_hidden=True,
-        )
-    return h[0]
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +162,7 @@ def test_zero_heads_equal_the_base_head(tiny, conditioned):
     heads = MedusaHeads(HIDDEN, 4, token_conditioned=conditioned)
     assert all(torch.count_nonzero(p) == 0 for p in heads.parameters())
     ids = [5, 17, 33, 2, 90, 41, 7, 8]
-    h = teacher_forced_hidden(tiny, ids)
+    h = final_hidden(tiny, ids)
     emb = path_embeddings(tiny, ids, 4) if conditioned else None
     with torch.inference_mode():
         base = tiny(
@@ -473,7 +459,7 @@ def test_engine_hands_over_the_last_accepted_hidden_state(tiny, kind):
     positions = {b: [] for b in range(len(PROMPTS))}
     for b, pos, h in drafter.seen:
         full = PROMPTS[b] + plain[b]
-        torch.testing.assert_close(h, teacher_forced_hidden(tiny, full)[pos], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(h, final_hidden(tiny, full)[pos], rtol=1e-4, atol=1e-4)
         positions[b].append(pos)
     for b, p in enumerate(PROMPTS):
         assert (positions[b][0] == len(p) - 2) == (len(p) >= 2)  # the prefill's hidden state
@@ -710,7 +696,7 @@ def test_engine_hands_over_the_context(tiny, chunk):
     for b, p in enumerate(PROMPTS):
         calls = [(first, rows) for bb, first, rows in drafter.context if bb == b]
         full = p + plain[b]
-        ref = teacher_forced_hidden(tiny, full)
+        ref = final_hidden(tiny, full)
         if len(p) == 1:
             assert all(first >= 0 for first, _ in calls) and (not calls or calls[0][0] == 0)
         else:
@@ -754,7 +740,7 @@ def test_context_drafts_use_the_recent_hidden_states(tiny, tree):
     for b, pos, s0 in drafter.seen:
         full = PROMPTS[b] + plain[b]
         lo = max(0, pos - W + 1)
-        h = teacher_forced_hidden(tiny, full)[lo : pos + 1]
+        h = final_hidden(tiny, full)[lo : pos + 1]
         nxt = E[torch.tensor(full[lo + 1 : pos + 2])]
         # fp32; the hidden states differ by ~1e-5 between chunked and one-pass prefills, which
         # the random (scale 0.3) context weights amplify
@@ -839,7 +825,7 @@ def test_recorded_hidden_states_match_teacher_forcing(tiny):
         full = p + result.tokens[b]
         got = torch.stack(recorder.hidden[b]).float()
         assert got.shape[0] == len(full) - 2  # the last token's own hidden state is never needed
-        torch.testing.assert_close(got, teacher_forced_hidden(tiny, full)[: len(full) - 2], rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(got, final_hidden(tiny, full)[: len(full) - 2], rtol=2e-3, atol=2e-3)
 
 
 def test_split_keeps_the_bench_prompts_out():
@@ -943,7 +929,7 @@ def test_shipped_heads_load_and_draft(real):
     drafter = MedusaDrafter(model, tree=True)
     ids = prompts[1] + greedy[1][:10]
     drafter.start([ids], 256, SamplingParams(), None)
-    h = teacher_forced_hidden(model, ids)
+    h = final_hidden(model, ids)
     if heads.context_window:  # the committed positions before the root, as the engine hands them over
         first = max(0, len(ids) - 1 - heads.context_window)
         drafter.observe_context([h[first : len(ids) - 1]], [first], [True])
@@ -964,7 +950,7 @@ def test_shipped_heads_predict_the_greedy_text(real):
     total = [0] * heads.num_heads
     for p, g in zip(prompts, greedy):
         full = p + g
-        h = teacher_forced_hidden(model, full)
+        h = final_hidden(model, full)
         with torch.inference_mode():
             emb = path_embeddings(model, full, heads.num_heads) if heads.token_conditioned else None
             s0 = h
