@@ -21,23 +21,8 @@ def test_rejection_sample_matches_reference(B, K, V, sampled, dtype):
         c = chain_tests.chain_case(
             B, K, V, sampled=sampled, seed=seed, dtype=dtype, index_dtype=torch.int32 if seed % 2 else torch.int64
         )
-        got = sk.rejection_sample(
-            c["target_probs"],
-            c["draft_probs"],
-            c["draft_tokens"],
-            c["num_draft_tokens"],
-            uniform_samples=c["uniform_samples"],
-            sample_uniforms=c["sample_uniforms"],
-            backend="native",
-        )
-        want = reference.rejection_sample(
-            c["target_probs"],
-            c["draft_probs"],
-            c["draft_tokens"],
-            c["num_draft_tokens"],
-            uniform_samples=c["uniform_samples"],
-            sample_uniforms=c["sample_uniforms"],
-        )
+        got = chain_tests.call_case(sk.rejection_sample, c, backend="native")
+        want = chain_tests.call_case(reference.rejection_sample, c)
         assert_same(got, want)
 
 

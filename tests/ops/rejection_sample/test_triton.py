@@ -53,25 +53,23 @@ def chain_case(B, K, V, *, sampled, seed=0, dtype=torch.float32, ragged=True, in
     )
 
 
-def run_both(case, device):
-    """(kernel result, reference result), both on CPU, for the same inputs and randoms."""
-    c = to_device(case, device)
-    got = kernel(
+def call_case(fn, c, **kwargs):
+    """``fn`` (the public op or the reference) on a case of ``chain_case``, its randoms given."""
+    return fn(
         c["target_probs"],
         c["draft_probs"],
         c["draft_tokens"],
         c["num_draft_tokens"],
         uniform_samples=c["uniform_samples"],
         sample_uniforms=c["sample_uniforms"],
+        **kwargs,
     )
-    want = reference_rejection_sample(
-        case["target_probs"],
-        case["draft_probs"],
-        case["draft_tokens"],
-        case["num_draft_tokens"],
-        uniform_samples=case["uniform_samples"],
-        sample_uniforms=case["sample_uniforms"],
-    )
+
+
+def run_both(case, device):
+    """(kernel result, reference result), both on CPU, for the same inputs and randoms."""
+    got = call_case(kernel, to_device(case, device))
+    want = call_case(reference_rejection_sample, case)
     return tuple(t.cpu() for t in got), want
 
 
@@ -158,17 +156,7 @@ def test_invariants(device, sampled):
     B, K, V = 32, 6, 50
     case = chain_case(B, K, V, sampled=sampled, seed=21)
     c = to_device(case, device)
-    out, acc = (
-        t.cpu()
-        for t in kernel(
-            c["target_probs"],
-            c["draft_probs"],
-            c["draft_tokens"],
-            c["num_draft_tokens"],
-            uniform_samples=c["uniform_samples"],
-            sample_uniforms=c["sample_uniforms"],
-        )
-    )
+    out, acc = (t.cpu() for t in call_case(kernel, c))
     target, tokens, counts = case["target_probs"], case["draft_tokens"], case["num_draft_tokens"]
     assert out.shape == (B, K + 1) and acc.shape == (B,)
     for b in range(B):
