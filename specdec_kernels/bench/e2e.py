@@ -102,7 +102,8 @@ LLAMACPP_PROMPT_LOOKUP = (10, 2)  # num_pred_tokens: llama-cpp-python's default,
 FAMILIES = ("ours", "transformers", "llama.cpp")
 
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
-# code, and one with much (extraction); the full default run is the figure to quote
+# code, and one with much (extraction); the full default run is the figure to quote.  The
+# methods include the best lossless one measured overall (ngram-adaptive-int8, docs/MEASUREMENTS.md)
 DEMO = dict(
     categories=["writing", "coding", "extraction"],
     per_category=1,
@@ -111,10 +112,12 @@ DEMO = dict(
         "greedy",
         "ngram-chain",
         "ngram-tree",
+        "ngram-adaptive",
         "eagle-adaptive",
         "greedy-int8",
         "ngram-chain-int8",
         "ngram-tree-int8",
+        "ngram-adaptive-int8",
         "hf-greedy",
         "hf-prompt-lookup",
         "llamacpp-greedy",
