@@ -160,6 +160,14 @@ class EagleHead(nn.Module):
         """
         self.token_ranking = None if ranking is None else _token_ids(ranking, None, "ranking")
 
+    @property
+    def recommended_draft_vocab(self) -> Optional[torch.Tensor]:
+        """The draft vocabulary the head file recommends: the first ``config["draft_vocab_size"]``
+        tokens of ``token_ranking`` (int64, most frequent first), or None (the whole vocabulary)
+        when the head has no ranking or no size."""
+        n = self.config.get("draft_vocab_size")
+        return None if self.token_ranking is None or not n else self.token_ranking[: int(n)]
+
     @classmethod
     def for_model(
         cls,

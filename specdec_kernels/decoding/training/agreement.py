@@ -69,9 +69,7 @@ def eagle_agreement(model: Transformer, head: EagleHead, data: SelfDistilled, de
     from specdec_kernels.decoding.training.eagle import agreement, feature_rows
 
     rows = feature_rows(data, model.output.weight)
-    size = head.config.get("draft_vocab_size")
-    ids = None if size is None or head.token_ranking is None else head.token_ranking[:size]
-    return agreement(head, model, rows, depth, SEGMENT, ids)
+    return agreement(head, model, rows, depth, SEGMENT, head.recommended_draft_vocab)
 
 
 def medusa_agreement(model: Transformer, heads: MedusaHeads, data: SelfDistilled) -> Dict[str, object]:
@@ -176,7 +174,7 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 111, (len(r["prompt"]) % 9 + 2,), generator=g).tolist() for r in args.records]
         H = model.args.hidden_size
-        eagle = None if args.eagle == "none" else EagleHead(H, 4, 2, H // 4, 2 * H).eval()
+        eagle = None if args.eagle == "none" else EagleHead.for_model(model).eval()
         medusa = None if args.medusa == "none" else MedusaHeads(H, 3).eval()
         stops: List[int] = []
         target = "tiny-random-llama"

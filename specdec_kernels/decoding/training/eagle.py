@@ -369,8 +369,7 @@ def main(argv=None) -> int:
     if args.draft_vocab_only:
         head = EagleHead.load(args.out)
         vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
-        ids = None if head.config["draft_vocab_size"] is None else head.token_ranking[: head.config["draft_vocab_size"]]
-        report = agreement(head, model, tune_rows, args.unroll, args.segment, ids)
+        report = agreement(head, model, tune_rows, args.unroll, args.segment, head.recommended_draft_vocab)
         head.config["draft_vocab"] = {
             **vocab,
             "command": training_record("specdec_kernels.decoding.training.eagle", argv, args)["command"],
@@ -403,8 +402,8 @@ def main(argv=None) -> int:
     t_train = time.perf_counter() - t1
     vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
     report = agreement(head, model, tune_rows, args.unroll, args.segment)
-    if head.config["draft_vocab_size"] is not None:
-        ids = head.token_ranking[: head.config["draft_vocab_size"]]
+    ids = head.recommended_draft_vocab
+    if ids is not None:
         vocab["tune_top1"] = agreement(head, model, tune_rows, args.unroll, args.segment, ids)["top1"]
     print(
         f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
