@@ -104,50 +104,70 @@ SPECDEC_INLINE v8sf exp8_nonpos(v8sf x) {
   return under ? zero : res;
 }
 
-// acc[r] += sum_t probs[r * T + t] v_t for RB rows r0 .. r0 + RB - 1 at once (each value row
-// loaded once per RB rows), every slot visible.
-template <int RB>
-SPECDEC_INLINE void pv_rows(const float* probs, int64_t r0, int64_t D, const float* const* vp, int64_t T, float* acc) {
-  for (int64_t d = 0; d < D; d += 16) {
-    v8sf a0[RB], a1[RB];
-    for (int e = 0; e < RB; ++e) {
-      a0[e] = load8(acc + (r0 + e) * D + d);
-      a1[e] = load8(acc + (r0 + e) * D + d + 8);
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const v8sf v0 = load8(vp[t] + d), v1 = load8(vp[t] + d + 8);
-      for (int e = 0; e < RB; ++e) {
-        const float p = probs[(r0 + e) * T + t];
-        a0[e] += p * v0;
-        a1[e] += p * v1;
-      }
-    }
-    for (int e = 0; e < RB; ++e) {
-      store8(acc + (r0 + e) * D + d, a0[e]);
-      store8(acc + (r0 + e) * D + d + 8, a1[e]);
-    }
+// Runs Rows::run<RB>(r0, args...) over R rows: blocks of RB = 4 rows, then one block of the
+// 1 to 3 rows left (RB is a template argument so that each block keeps its rows in registers).
+template <typename Rows, typename... Args>
+SPECDEC_INLINE void in_row_blocks(int64_t R, Args... args) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= R; r0 += 4) Rows::template run<4>(r0, args...);
+  switch (R - r0) {
+    case 3: Rows::template run<3>(r0, args...); break;
+    case 2: Rows::template run<2>(r0, args...); break;
+    case 1: Rows::template run<1>(r0, args...); break;
+    default: break;
   }
 }
 
-// scores[r * T + t] = q_r . k_t for RB query rows r0 .. r0 + RB - 1 at once (each key row is
-// loaded once per RB rows; D a multiple of 16).
-template <int RB>
-SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float* const* kp, int64_t T, float* scores) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* k = kp[t];
-    v8sf c0[RB], c1[RB];
-    for (int e = 0; e < RB; ++e) c0[e] = c1[e] = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
+// acc[r] += sum_t probs[r * T + t] v_t for RB rows r0 .. r0 + RB - 1 at once (each value row
+// loaded once per RB rows), every slot visible.
+struct PvRows {
+  template <int RB>
+  static SPECDEC_INLINE void run(int64_t r0, const float* probs, int64_t D, const float* const* vp, int64_t T,
+                                 float* acc) {
     for (int64_t d = 0; d < D; d += 16) {
-      const v8sf k0 = load8(k + d), k1 = load8(k + d + 8);
+      v8sf a0[RB], a1[RB];
       for (int e = 0; e < RB; ++e) {
-        const float* qr = q + (r0 + e) * D + d;
-        c0[e] += load8(qr) * k0;
-        c1[e] += load8(qr + 8) * k1;
+        a0[e] = load8(acc + (r0 + e) * D + d);
+        a1[e] = load8(acc + (r0 + e) * D + d + 8);
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        const v8sf v0 = load8(vp[t] + d), v1 = load8(vp[t] + d + 8);
+        for (int e = 0; e < RB; ++e) {
+          const float p = probs[(r0 + e) * T + t];
+          a0[e] += p * v0;
+          a1[e] += p * v1;
+        }
+      }
+      for (int e = 0; e < RB; ++e) {
+        store8(acc + (r0 + e) * D + d, a0[e]);
+        store8(acc + (r0 + e) * D + d + 8, a1[e]);
       }
     }
-    for (int e = 0; e < RB; ++e) scores[(r0 + e) * T + t] = hsum8(c0[e] + c1[e]);
   }
-}
+};
+
+// scores[r * T + t] = q_r . k_t for RB query rows r0 .. r0 + RB - 1 at once (each key row is
+// loaded once per RB rows; D a multiple of 16).
+struct DotRows {
+  template <int RB>
+  static SPECDEC_INLINE void run(int64_t r0, const float* q, int64_t D, const float* const* kp, int64_t T,
+                                 float* scores) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* k = kp[t];
+      v8sf c0[RB], c1[RB];
+      for (int e = 0; e < RB; ++e) c0[e] = c1[e] = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t d = 0; d < D; d += 16) {
+        const v8sf k0 = load8(k + d), k1 = load8(k + d + 8);
+        for (int e = 0; e < RB; ++e) {
+          const float* qr = q + (r0 + e) * D + d;
+          c0[e] += load8(qr) * k0;
+          c1[e] += load8(qr + 8) * k1;
+        }
+      }
+      for (int e = 0; e < RB; ++e) scores[(r0 + e) * T + t] = hsum8(c0[e] + c1[e]);
+    }
+  }
+};
 
 // One online-softmax step of R query rows (q: R x D fp32, already times sm_scale) over T key
 // slots that every row sees (row pointers kp[t], vp[t] into fp32 data).  m, l, acc (R x D): the
@@ -160,14 +180,7 @@ SPECDEC_INLINE void dot_rows(const float* q, int64_t r0, int64_t D, const float*
 SPECDEC_TARGET_CLONES("fma")
 void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, const float* const* vp, int64_t T,
                   float* m, float* l, uint8_t* bad, float* acc, float* scores) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= R; r0 += 4) dot_rows<4>(q, r0, D, kp, T, scores);
-  switch (R - r0) {
-    case 3: dot_rows<3>(q, r0, D, kp, T, scores); break;
-    case 2: dot_rows<2>(q, r0, D, kp, T, scores); break;
-    case 1: dot_rows<1>(q, r0, D, kp, T, scores); break;
-    default: break;
-  }
+  in_row_blocks<DotRows>(R, q, D, kp, T, scores);
   // per row: running maximum, rescale, probabilities (in place of the scores)
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores + r * T;
@@ -213,14 +226,7 @@ void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, 
     l[r] += sum;
   }
   // weighted values, rows blocked by 4
-  int64_t r1 = 0;
-  for (; r1 + 4 <= R; r1 += 4) pv_rows<4>(scores, r1, D, vp, T, acc);
-  switch (R - r1) {
-    case 3: pv_rows<3>(scores, r1, D, vp, T, acc); break;
-    case 2: pv_rows<2>(scores, r1, D, vp, T, acc); break;
-    case 1: pv_rows<1>(scores, r1, D, vp, T, acc); break;
-    default: break;
-  }
+  in_row_blocks<PvRows>(R, static_cast<const float*>(scores), D, vp, T, acc);
 }
 
 template <typename scalar_t>
