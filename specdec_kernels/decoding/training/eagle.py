@@ -48,15 +48,23 @@ from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.training.data import (
     SelfDistilled,
     add_data_arguments,
+    add_training_arguments,
     check_data_arguments,
+    check_training_arguments,
     evaluate_drafters,
     prepare,
-    print_evaluation,
+    training_options,
     training_record,
 )
-from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax, label_ranking
-from specdec_kernels.optional import require
+from specdec_kernels.decoding.training.softmax import (
+    Optimiser,
+    candidate_logits,
+    hard_and_soft_losses,
+    label_ranking,
+    output_head_softmax,
+)
 
+PROG_MODULE = "specdec_kernels.decoding.training.eagle"
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
 DRAFT_VOCAB = 4096  # the recommended draft vocabulary: the sampled softmax's always-present labels (--frequent)
 
@@ -174,50 +182,41 @@ def train_head(
         raise ValueError(f"distill must lie in [0, 1], got {distill}")
     if reg < 0:
         raise ValueError(f"reg must be >= 0, got {reg}")
-    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
-
     g = torch.Generator().manual_seed(seed)
     E = model.tok_embeddings.weight.detach().float()
-    W_out = model.output.weight.detach().float()
-    W_bf = W_out.to(torch.bfloat16)
-    softmax = SampledSoftmax(rows.labels, W_out.shape[0], frequent, negatives)
+    softmax, W_bf = output_head_softmax(model.output.weight, rows.labels, frequent, negatives)
     N, L, U = rows.states.shape[0], segment, unroll
     head.float().train()
     offsets = torch.arange(L + U)
-    with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
-        optimiser = Optimiser(head.parameters(), lr, steps, 0.0, bar)
-        for step in bar:
-            start = torch.randint(0, N, (segments,), generator=g)
-            idx = start[:, None] + offsets  # (B, L + U)
-            valid = idx < rows.seq_end[start][:, None]
-            idx = torch.minimum(idx, rows.seq_end[start][:, None] - 1)
-            f = rows.states[idx].float()
-            outs = unrolled(head, E, f, rows.next_tokens[idx], valid, U)
-            # step s at row t: the truth is row t + s (its feature; the target's distribution
-            # over the token after it and its argmax)
-            labels = torch.stack(
-                [torch.where(valid[:, s : s + L], rows.labels[idx[:, s : s + L]], -100) for s in range(1, U + 1)]
-            )
-            c = softmax.draw(labels, g)
-            W_c = W_bf[c.tokens].T
-            total = torch.zeros(())
-            weight = 0.0
-            for s, out in enumerate(outs, start=1):
-                truth = f[:, s : s + L]
-                ok = valid[:, s : s + L]
-                target = c.targets(labels[s - 1])
-                logits = (out.to(torch.bfloat16) @ W_c).float() + c.bias
-                hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
-                with torch.no_grad():
-                    soft_p = torch.softmax((truth.to(torch.bfloat16) @ W_c).float() + c.bias, dim=-1)
-                soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
-                per = (1 - distill) * hard + distill * soft
-                if reg:
-                    per = per + reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
-                w = STEP_DECAY ** (s - 1)
-                total = total + w * (per * ok).sum() / ok.sum().clamp(min=1)
-                weight += w
-            optimiser.step(total / weight)
+    optimiser = Optimiser(head.parameters(), lr, steps, 0.0)
+    for _ in optimiser.run(desc):
+        start = torch.randint(0, N, (segments,), generator=g)
+        idx = start[:, None] + offsets  # (B, L + U)
+        valid = idx < rows.seq_end[start][:, None]
+        idx = torch.minimum(idx, rows.seq_end[start][:, None] - 1)
+        f = rows.states[idx].float()
+        outs = unrolled(head, E, f, rows.next_tokens[idx], valid, U)
+        # step s at row t: the truth is row t + s (its feature; the target's distribution
+        # over the token after it and its argmax)
+        labels = torch.stack(
+            [torch.where(valid[:, s : s + L], rows.labels[idx[:, s : s + L]], -100) for s in range(1, U + 1)]
+        )
+        c = softmax.draw(labels, g)
+        W_c = W_bf[c.tokens].T
+        total = torch.zeros(())
+        weight = 0.0
+        for s, out in enumerate(outs, start=1):
+            truth = f[:, s : s + L]
+            ok = valid[:, s : s + L]
+            logits = candidate_logits(out, W_c, c.bias)
+            hard, soft = hard_and_soft_losses(logits, c.targets(labels[s - 1]), truth, W_c, c.bias)
+            per = (1 - distill) * hard + distill * soft
+            if reg:
+                per = per + reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
+            w = STEP_DECAY ** (s - 1)
+            total = total + w * (per * ok).sum() / ok.sum().clamp(min=1)
+            weight += w
+        optimiser.step(total / weight)
     head.eval()
     return optimiser.losses
 
@@ -283,21 +282,14 @@ def evaluate(
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m specdec_kernels.decoding.training.eagle", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+    p = argparse.ArgumentParser(prog=f"python -m {PROG_MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--segments", type=int, default=8, help="segments per minibatch")
     p.add_argument(
         "--segment", type=int, default=128, help="consecutive positions per segment (= the drafter's window)"
     )
     p.add_argument("--unroll", type=int, default=3, help="training-time test steps (1: teacher forcing only)")
     p.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width (default: the target's)")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reg", type=float, default=0.1, help="weight of the feature regression (smooth L1)")
-    p.add_argument("--distill", type=float, default=1.0, help="weight of the soft labels against the argmax, in [0, 1]")
-    p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
-    p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
     p.add_argument(
         "--draft-vocab",
         type=int,
@@ -310,16 +302,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="train nothing: store the training labels' token ranking and --draft-vocab in the head at --out",
     )
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
+    add_training_arguments(p, steps=2000)
     add_data_arguments(p)
     args = p.parse_args(argv)
+    check_training_arguments(p, args)
     check_data_arguments(p, args)
-    for name in ("steps", "segments", "segment", "unroll"):
+    for name in ("segments", "segment", "unroll"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.intermediate_size is not None and args.intermediate_size < 1:
         p.error("--intermediate-size must be >= 1")
-    if not 0.0 <= args.distill <= 1.0:
-        p.error("--distill must lie in [0, 1]")
     if args.reg < 0:
         p.error("--reg must be >= 0")
     if args.draft_vocab < 0:
@@ -350,13 +342,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     setup = prepare(args)
-    model, fingerprint, base, stops, bench_p = (
-        setup.model,
-        setup.fingerprint,
-        setup.base_model,
-        setup.stop_ids,
-        setup.bench_prompts,
-    )
+    model = setup.model
     train_rows = feature_rows(setup.train, model.output.weight)
     tune_rows = feature_rows(setup.tune, model.output.weight)
     t_data = time.perf_counter() - t0
@@ -372,7 +358,7 @@ def main(argv=None) -> int:
         report = agreement(head, model, tune_rows, args.unroll, args.segment, head.recommended_draft_vocab)
         head.config["draft_vocab"] = {
             **vocab,
-            "command": training_record("specdec_kernels.decoding.training.eagle", argv, args)["command"],
+            "command": training_record(PROG_MODULE, argv, args)["command"],
             "tune_top1": report["top1"],
         }
         head.save(args.out)
@@ -388,16 +374,11 @@ def main(argv=None) -> int:
         head,
         model,
         train_rows,
-        steps=args.steps,
         segments=args.segments,
         segment=args.segment,
         unroll=args.unroll,
-        lr=args.lr,
-        seed=args.seed,
         reg=args.reg,
-        distill=args.distill,
-        frequent=args.frequent,
-        negatives=args.negatives,
+        **training_options(args),
     )
     t_train = time.perf_counter() - t1
     vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
@@ -410,28 +391,17 @@ def main(argv=None) -> int:
         f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}",
         file=sys.stderr,
     )
+    figures = {
+        "tune_top1": report["top1"],
+        "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
+        "seconds": {"data": round(t_data), "training": round(t_train)},
+    }
     head.config = {
-        "base_model": base,
-        "base_fingerprint": fingerprint,
-        "training": {
-            **training_record("specdec_kernels.decoding.training.eagle", argv, args),
-            "train_positions": int(train_rows.states.shape[0]),
-            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "tune_top1": report["top1"],
-            "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
-            "seconds": {"data": round(t_data), "training": round(t_train)},
-        },
+        **setup.trained_config(training_record(PROG_MODULE, argv, args), train_rows.states.shape[0], losses, figures),
         "draft_vocab_size": head.config["draft_vocab_size"],
         "draft_vocab": vocab,
     }
-    head.save(args.out)
-    print(f"saved {args.out} (data {t_data:.0f} s, training {t_train:.0f} s)", file=sys.stderr)
-    if args.evaluate:
-        head = EagleHead.load(args.out)
-        with torch.inference_mode():
-            res = evaluate(model, head, bench_p, args.eval_tokens, stops)
-        print_evaluation(res)
-    return 0
+    return setup.save_and_evaluate(head, EagleHead.load, evaluate, args, (t_data, t_train))
 
 
 if __name__ == "__main__":

@@ -82,10 +82,12 @@ from specdec_kernels.decoding.training.data import (  # noqa: F401  (HiddenRecor
     HiddenRecorder,
     SelfDistilled,
     add_data_arguments,
+    add_training_arguments,
     cache_path,
     cached_data,
     chat_ids,
     check_data_arguments,
+    check_training_arguments,
     default_cache_dir,
     evaluate_drafters,
     generate_data,
@@ -96,10 +98,17 @@ from specdec_kernels.decoding.training.data import (  # noqa: F401  (HiddenRecor
     self_distilled_sets,
     split_questions,
     tiny_random_model,
+    training_options,
     training_record,
 )
-from specdec_kernels.decoding.training.softmax import Optimiser, SampledSoftmax
-from specdec_kernels.optional import require
+from specdec_kernels.decoding.training.softmax import (
+    Optimiser,
+    candidate_logits,
+    hard_and_soft_losses,
+    output_head_softmax,
+)
+
+PROG_MODULE = "specdec_kernels.decoding.training.medusa"
 
 
 class Examples(NamedTuple):
@@ -373,57 +382,42 @@ def train_heads(
         run_first = torch.cummax(
             torch.where(brk, torch.arange(brk.numel()), 0), dim=0
         ).values  # each example's run's first
-    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
-
     g = torch.Generator().manual_seed(seed)
-    W_out = output_weight.detach().float()
-    V = W_out.shape[0]
-    softmax = SampledSoftmax(Y, V, frequent, negatives)
-    W_bf = W_out.to(torch.bfloat16)
+    softmax, W_bf = output_head_softmax(output_weight, Y, frequent, negatives)
     heads.train()
-    with tqdm(range(steps), desc=desc, unit="step", file=sys.stderr) as bar:
-        optimiser = Optimiser(heads.parameters(), lr, steps, weight_decay, bar)
-        for step in bar:
-            if heads.context_window:
-                # a run of L examples starts up to L - 1 before a uniformly drawn one (not
-                # before its run's first), so that a run's first examples are drawn too
-                m = torch.randint(0, X.shape[0], (batch // L,), generator=g)
-                back = torch.randint(0, L, (batch // L,), generator=g)
-                first = torch.maximum(run_first[m], m - back)
-                seg = (first[:, None] + torch.arange(L)).clamp(max=X.shape[0] - 1)
-                s0, continues = context_batch(heads, E, context, context.rows[seg])
-                idx, s0 = seg.reshape(-1), s0.reshape(-1, s0.shape[-1])
-                y = torch.where(continues.reshape(-1, 1), Y[idx], -100)
-            else:
-                idx = torch.randint(0, X.shape[0], (batch,), generator=g)
-                s0 = X[idx].float()
-                y = Y[idx]
-            c = softmax.draw(y, g)
-            cands, bias = c.tokens, c.bias
-            target = c.targets(y)
-            emb = E[tokens[idx]] if heads.token_conditioned else None
-            states = heads(s0, embeddings=emb)  # (batch, k, hidden)
-            W_c = W_bf[cands].T
-            logits = (states.to(torch.bfloat16) @ W_c).float() + bias
-            if distill > 0:
-                # per label: (1 - distill) hard + distill soft; hard alone where the target's
-                # distribution was not recorded (a sequence's last label)
-                hard = F.cross_entropy(
-                    logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
-                )  # (batch, k)
-                ti = teacher[idx]
-                has = ti >= 0
-                with torch.no_grad():
-                    soft_p = torch.softmax(
-                        (teacher_states[ti.clamp(min=0)].to(torch.bfloat16) @ W_c).float() + bias, dim=-1
-                    )
-                soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
-                per = torch.where(has, (1 - distill) * hard + distill * soft, hard)
-                valid = target >= 0
-                loss = (per * valid).sum() / valid.sum().clamp(min=1)
-            else:
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-            optimiser.step(loss)
+    optimiser = Optimiser(heads.parameters(), lr, steps, weight_decay)
+    for _ in optimiser.run(desc):
+        if heads.context_window:
+            # a run of L examples starts up to L - 1 before a uniformly drawn one (not
+            # before its run's first), so that a run's first examples are drawn too
+            m = torch.randint(0, X.shape[0], (batch // L,), generator=g)
+            back = torch.randint(0, L, (batch // L,), generator=g)
+            first = torch.maximum(run_first[m], m - back)
+            seg = (first[:, None] + torch.arange(L)).clamp(max=X.shape[0] - 1)
+            s0, continues = context_batch(heads, E, context, context.rows[seg])
+            idx, s0 = seg.reshape(-1), s0.reshape(-1, s0.shape[-1])
+            y = torch.where(continues.reshape(-1, 1), Y[idx], -100)
+        else:
+            idx = torch.randint(0, X.shape[0], (batch,), generator=g)
+            s0 = X[idx].float()
+            y = Y[idx]
+        c = softmax.draw(y, g)
+        target = c.targets(y)
+        emb = E[tokens[idx]] if heads.token_conditioned else None
+        states = heads(s0, embeddings=emb)  # (batch, k, hidden)
+        W_c = W_bf[c.tokens].T
+        logits = candidate_logits(states, W_c, c.bias)
+        if distill > 0:
+            # per label: (1 - distill) hard + distill soft; hard alone where the target's
+            # distribution was not recorded (a sequence's last label)
+            ti = teacher[idx]
+            hard, soft = hard_and_soft_losses(logits, target, teacher_states[ti.clamp(min=0)], W_c, c.bias)
+            per = torch.where(ti >= 0, (1 - distill) * hard + distill * soft, hard)
+            valid = target >= 0
+            loss = (per * valid).sum() / valid.sum().clamp(min=1)
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+        optimiser.step(loss)
     heads.eval()
     return optimiser.losses
 
@@ -491,9 +485,7 @@ def evaluate(model, heads, prompts, new_tokens: int, stop_ids, tree_choices=None
 
 # ---------------------------------------------------------------------- CLI
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m specdec_kernels.decoding.training.medusa", description=__doc__.split("\n\n")[0]
-    )
+    p = argparse.ArgumentParser(prog=f"python -m {PROG_MODULE}", description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=4, help="number of Medusa heads (draft depth)")
     p.add_argument(
         "--token-conditioned",
@@ -516,18 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--segment", type=int, default=16, help="consecutive positions per minibatch run (context layer only)"
     )
-    p.add_argument("--steps", type=int, default=4000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=256, help="positions per minibatch")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument(
-        "--distill",
-        type=float,
-        default=1.0,
-        help="weight of the soft labels (the target's own distribution) against its argmax, in [0, 1]",
-    )
-    p.add_argument("--frequent", type=int, default=4096, help="most frequent labels always in the sampled softmax")
-    p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
     p.add_argument(
         "--prompt-positions",
         action=argparse.BooleanOptionalAction,
@@ -536,16 +518,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--tree-nodes", type=int, default=64, help="nodes of the tuned tree, root included")
     p.add_argument("--out", default=str(SHIPPED), help="where the heads go")
+    add_training_arguments(p, steps=4000)
     add_data_arguments(p)
     args = p.parse_args(argv)
-    if not 0.0 <= args.distill <= 1.0:
-        p.error("--distill must lie in [0, 1]")
+    check_training_arguments(p, args)
     if args.context_window < 0:
         p.error("--context-window must be >= 0")
     if args.context_heads is not None and args.context_heads < 1:
         p.error("--context-heads must be >= 1")
     check_data_arguments(p, args)
-    for name in ("heads", "segment", "steps", "batch", "tree_nodes"):
+    for name in ("heads", "segment", "batch", "tree_nodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -555,18 +537,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     setup = prepare(args)
-    model, fingerprint, base, stops, bench_p = (
-        setup.model,
-        setup.fingerprint,
-        setup.base_model,
-        setup.stop_ids,
-        setup.bench_prompts,
-    )
-    train_d, tune_d = setup.train, setup.tune
+    model = setup.model
     t_data = time.perf_counter() - t0
 
-    ex = examples(train_d, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
-    tune = examples(tune_d, args.heads, prompt=False)
+    ex = examples(setup.train, args.heads, prompt=args.prompt_positions, output_weight=model.output.weight)
+    tune = examples(setup.tune, args.heads, prompt=False)
     X, Y = ex.hidden, ex.labels
     print(f"{X.shape[0]} training positions, {tune.hidden.shape[0]} tuning positions", file=sys.stderr)
     heads = MedusaHeads(
@@ -583,20 +558,15 @@ def main(argv=None) -> int:
         model.output.weight,
         X,
         Y,
-        steps=args.steps,
         batch=args.batch,
-        lr=args.lr,
-        seed=args.seed,
         weight_decay=args.weight_decay,
-        frequent=args.frequent,
-        negatives=args.negatives,
         tokens=ex.path,
         embedding=E,
         teacher=ex.teacher,
         teacher_states=ex.states,
-        distill=args.distill,
         context=ex if args.context_window else None,
         segment=args.segment,
+        **training_options(args),
     )
     t_train = time.perf_counter() - t1
 
@@ -612,27 +582,12 @@ def main(argv=None) -> int:
         file=sys.stderr,
     )
 
+    figures = {"tune_top1": top1, "tune_expected_accepted_length": {"chain": chain_expected, "tree": expected}}
     heads.config = {
-        "base_model": base,
-        "base_fingerprint": fingerprint,
+        **setup.trained_config(training_record(PROG_MODULE, argv, args), X.shape[0], losses, figures),
         "tree_choices": [list(c) for c in choices],
-        "training": {
-            **training_record("specdec_kernels.decoding.training.medusa", argv, args),
-            "train_positions": int(X.shape[0]),
-            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "tune_top1": top1,
-            "tune_expected_accepted_length": {"chain": chain_expected, "tree": expected},
-        },
     }
-    heads.save(args.out)
-    print(f"saved {args.out} (data {t_data:.0f} s, training {t_train:.0f} s)", file=sys.stderr)
-
-    if args.evaluate:
-        heads = MedusaHeads.load(args.out)
-        with torch.inference_mode():
-            res = evaluate(model, heads, bench_p, args.eval_tokens, stops)
-        print_evaluation(res)
-    return 0
+    return setup.save_and_evaluate(heads, MedusaHeads.load, evaluate, args, (t_data, t_train))
 
 
 if __name__ == "__main__":

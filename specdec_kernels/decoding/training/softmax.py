@@ -1,4 +1,4 @@
-"""The sampled softmax and the optimiser both trainers use.
+"""The sampled softmax, its losses and the optimiser both trainers use.
 
 The sampled softmax: a drafter's logits through the target's frozen
 output head cost a 49152-way softmax per label (about 5 s a minibatch on a 2-core CPU), so
@@ -11,9 +11,13 @@ whose logits get + log(rest / drawn), the mass of the tokens not drawn.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+import sys
+from typing import Iterator, NamedTuple, Tuple
 
 import torch
+import torch.nn.functional as F
+
+from specdec_kernels.optional import require
 
 
 class Candidates(NamedTuple):
@@ -92,6 +96,37 @@ class SampledSoftmax:
         return Candidates(cands, bias, remap)
 
 
+def output_head_softmax(
+    output_weight: torch.Tensor, labels: torch.Tensor, frequent: int, negatives: int
+) -> Tuple[SampledSoftmax, torch.Tensor]:
+    """The sampled softmax over the vocabulary of the frozen output head ``output_weight``
+    (V, hidden) for these ``labels`` (``SampledSoftmax``), and that head (V, hidden) in
+    bfloat16, the dtype the trainers' logits are computed in."""
+    W = output_weight.detach().float()
+    return SampledSoftmax(labels, W.shape[0], frequent, negatives), W.to(torch.bfloat16)
+
+
+def candidate_logits(states: torch.Tensor, W_c: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """(..., C) float32 logits of ``states`` (..., hidden) over one minibatch's candidates:
+    ``W_c`` (hidden, C) bfloat16, the output head's candidate rows transposed, and their
+    ``bias`` (C,) (``Candidates.bias``); the product in bfloat16."""
+    return (states.to(torch.bfloat16) @ W_c).float() + bias
+
+
+def hard_and_soft_losses(
+    logits: torch.Tensor, target: torch.Tensor, teacher_states: torch.Tensor, W_c: torch.Tensor, bias: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per label, the cross-entropy of ``logits`` (B, k, C) over the candidates against
+    ``target`` (B, k) candidate indices (hard; 0 where -100) and against the target model's
+    own distribution over the candidates, the ``candidate_logits`` of ``teacher_states``
+    (B, k, hidden) without gradient (soft): two (B, k) float32 tensors."""
+    hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+    with torch.no_grad():
+        soft_p = torch.softmax(candidate_logits(teacher_states, W_c, bias), dim=-1)
+    soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+    return hard, soft
+
+
 class Optimiser:
     """AdamW (betas 0.9, 0.98) with a linear warm-up over the first 5 % of ``steps`` and a
     cosine decay to 0 (Loshchilov & Hutter 2019); ``step(loss)`` takes one step and records
@@ -105,6 +140,19 @@ class Optimiser:
         )
         self.losses: list = []
         self.bar = bar
+        self.steps = steps
+
+    def run(self, desc: str = "train") -> Iterator[int]:
+        """The steps 0 .. ``steps`` - 1, under a tqdm progress bar named ``desc`` (on stderr)
+        that shows the running loss.
+
+        Raises:
+            ImportError: tqdm is not installed (the engine extra).
+        """
+        tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
+        with tqdm(range(self.steps), desc=desc, unit="step", file=sys.stderr) as bar:
+            self.bar = bar
+            yield from bar
 
     def step(self, loss: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)
