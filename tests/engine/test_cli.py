@@ -15,6 +15,7 @@ import torch
 from specdec_kernels import generate
 from specdec_kernels.decoding import have_smollm2, loading
 from specdec_kernels.decoding.prompts import spec_bench_prompt, spec_bench_questions
+from tests.engine.model_cache import write_model_cache
 from tests.engine.tiny import real_only
 
 # the CLI on the real model, concurrent processes: run apart from the parallel test workers (scripts/run_tests.sh)
@@ -63,14 +64,7 @@ def test_cache_key_is_the_content_not_the_mtime(tmp_path):
 
 
 def test_truncated_cache_is_rebuilt_with_a_warning_naming_it(tmp_path):
-    import json
-
-    stamp = {"size": 1, "sha256_head_tail": "0" * 64, "format": 1}
-    where = loading.cache_dir(str(tmp_path), stamp)
-    where.mkdir(parents=True)
-    (where / "source.json").write_text(json.dumps(stamp))
-    (where / "config.json").write_text("{}")
-    torch.save({"w": torch.zeros(1000)}, where / "state_dict.pt")
+    where, stamp = write_model_cache(tmp_path, {"w": torch.zeros(1000)})
     raw = (where / "state_dict.pt").read_bytes()
     (where / "state_dict.pt").write_bytes(raw[: len(raw) // 2])
     with pytest.warns(RuntimeWarning, match=re.escape(str(where))):
@@ -150,24 +144,27 @@ def test_parse_args():
             generate.parse_args(bad)
 
 
+# the drafter flags of two of test_cli_runs' runs
+DRAFT_MODEL_TREE_SAMPLING = (
+    "--drafter",
+    "draft-model",
+    "--layers",
+    "4",
+    "--tree",
+    "--temperature",
+    "0.7",
+    "--top-p",
+    "0.9",
+    "--compare",
+)
+ENSEMBLE_SAMPLING = ("--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--temperature", "0.7")
 # what --json reports as "tree" for each drafter's flags (from --drafter on): whether it drafts trees
 EXPECTED_TREE = {
     ("--drafter", "ngram", "--compare"): False,
-    (
-        "--drafter",
-        "draft-model",
-        "--layers",
-        "4",
-        "--tree",
-        "--temperature",
-        "0.7",
-        "--top-p",
-        "0.9",
-        "--compare",
-    ): True,
+    DRAFT_MODEL_TREE_SAMPLING: True,
     ("--drafter", "eagle-tree", "--compare"): True,
     ("--drafter", "lookahead"): True,
-    ("--drafter", "multi", "--drafters", "eagle,ngram", "--ensemble", "--temperature", "0.7"): False,
+    ENSEMBLE_SAMPLING: False,
     ("--drafter", "ngram", "--temperature", "0.7", "--top-p", "1e-50"): False,
     ("--drafter", "ngram", "--tree"): True,
     ("--drafter", "layerskip"): False,
@@ -192,33 +189,10 @@ EXPECTED_TREE = {
     "argv",
     [
         ["--prompt", "Repeat exactly: one two three one two three", "--drafter", "ngram", "--compare"],
-        [
-            "--question-id",
-            "121",
-            "--drafter",
-            "draft-model",
-            "--layers",
-            "4",
-            "--tree",
-            "--temperature",
-            "0.7",
-            "--top-p",
-            "0.9",
-            "--compare",
-        ],
+        ["--question-id", "121", *DRAFT_MODEL_TREE_SAMPLING],
         ["--question-id", "81", "--drafter", "eagle-tree", "--compare"],
         ["--question-id", "81", "--drafter", "lookahead"],
-        [
-            "--question-id",
-            "82",
-            "--drafter",
-            "multi",
-            "--drafters",
-            "eagle,ngram",
-            "--ensemble",
-            "--temperature",
-            "0.7",
-        ],
+        ["--question-id", "82", *ENSEMBLE_SAMPLING],
         ["--question-id", "121", "--drafter", "ngram", "--temperature", "0.7", "--top-p", "1e-50"],
     ],
     ids=[

@@ -19,7 +19,7 @@ from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import label_ranking
 from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
-from tests.engine.tiny import V, exact_marginals, real_only
+from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -580,15 +580,7 @@ def test_training_command_end_to_end(tmp_path):
 # ---------------------------------------------------------------------------- the shipped head
 @pytest.fixture(scope="module")
 def real():
-    from specdec_kernels.decoding import load_smollm2
-
-    model, tok = load_smollm2()
-    prompts = [
-        train_data.chat_ids(tok, t) for t in ("Give three tips for staying healthy.", "Write a haiku about the sea.")
-    ]
-    plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
-    greedy = [plain.generate([p], 32).tokens[0] for p in prompts]
-    return model, tok, prompts, greedy
+    return real_greedy(["Give three tips for staying healthy.", "Write a haiku about the sea."])
 
 
 @real_only
@@ -620,11 +612,8 @@ def test_shipped_head_loads(real):
 @real_only
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_real_greedy_equals_plain_greedy(real, tree):
-    model, tok, prompts, greedy = real
-    decoder = SpeculativeDecoder(model, EagleDrafter(model, tree=tree), stop_token_ids=[tok.eos_token_id])
-    result = decoder.generate(prompts, 32, num_draft_tokens=6)
-    assert result.tokens == greedy
-    s = result.stats
+    model = real[0]
+    s = real_stats_equal_to_greedy(real, EagleDrafter(model, tree=tree), 6)
     # an untrained head is accepted almost never (1.0); bench.e2e measured 1.56 (chain) and 2.26
     # (64-node tree) on 13 prompts, and these two prompts' 32 tokens give about 1.3 and 1.8
     assert s.accepted_draft_tokens > 0 and s.mean_accepted_length > (1.4 if tree else 1.15), s.mean_accepted_length

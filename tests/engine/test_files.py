@@ -25,6 +25,7 @@ from specdec_kernels.decoding.drafters import eagle, medusa
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.files import BadFileError
 from tests.engine.heads import HIDDEN, tiny  # noqa: F401  (fixture)
+from tests.engine.model_cache import write_model_cache
 
 TEXT = b"this is a text file, not a model\n"
 
@@ -106,58 +107,68 @@ def _drafter_of_other_model(make_drafter, write_small):
     return read, fault
 
 
+def _damaged(write, damage):
+    """A fault: a good file from ``write``, then ``damage(path)``."""
+
+    def fault(tmp, path):
+        write(path)
+        damage(path)
+
+    return fault
+
+
 COMMON = {
     "empty": (_replace(b""), "empty"),
     "text": (_replace(TEXT), "not a"),
 }
 
+
+def _head_file_reader(write, read, faults):
+    """A reader of head files: the ``COMMON`` faults and a truncated file, then ``faults``."""
+    return dict(
+        write=write,
+        read=read,
+        faults={**COMMON, "truncated": (_damaged(write, _truncate), "truncated"), **faults},
+    )
+
+
+def _saved_heads_reader(write, load, other_kind, write_other, words):
+    """A reader of a saved heads file (``load(path)``): also a flipped byte, a file of the
+    ``other_kind`` (whose message must hold ``words``) and an unknown format."""
+    return _head_file_reader(
+        write,
+        lambda path, model: load(path),
+        {
+            "one byte flipped": (_damaged(write, _flip_middle), "corrupt"),
+            f"{other_kind} file": (_other_kind(write_other), words),
+            "format 99": (_with_format(write, 99), "format 99"),
+        },
+    )
+
+
 READERS = {
-    "eagle-head": dict(
-        write=_write_eagle,
-        read=lambda path, model: eagle.EagleHead.load(path),
-        faults={
-            **COMMON,
-            "truncated": (lambda tmp, path: (_write_eagle(path), _truncate(path)), "truncated"),
-            "one byte flipped": (lambda tmp, path: (_write_eagle(path), _flip_middle(path)), "corrupt"),
-            "medusa file": (_other_kind(_write_medusa), "not an EAGLE head file"),
-            "format 99": (_with_format(_write_eagle, 99), "format 99"),
-        },
+    "eagle-head": _saved_heads_reader(
+        _write_eagle, eagle.EagleHead.load, "medusa", _write_medusa, "not an EAGLE head file"
     ),
-    "medusa-heads": dict(
-        write=_write_medusa,
-        read=lambda path, model: medusa.MedusaHeads.load(path),
-        faults={
-            **COMMON,
-            "truncated": (lambda tmp, path: (_write_medusa(path), _truncate(path)), "truncated"),
-            "one byte flipped": (lambda tmp, path: (_write_medusa(path), _flip_middle(path)), "corrupt"),
-            "eagle file": (_other_kind(_write_eagle), "not a Medusa heads file"),
-            "format 99": (_with_format(_write_medusa, 99), "format 99"),
-        },
+    "medusa-heads": _saved_heads_reader(
+        _write_medusa, medusa.MedusaHeads.load, "eagle", _write_eagle, "not a Medusa heads file"
     ),
-    "eagle-drafter": dict(
-        write=_write_eagle,
-        read=lambda path, model: eagle.EagleDrafter(model, path),
-        faults={
-            **COMMON,
-            "truncated": (lambda tmp, path: (_write_eagle(path), _truncate(path)), "truncated"),
-            "other model": (lambda tmp, path: _eagle_head(32).save(path), "another model"),
-        },
+    "eagle-drafter": _head_file_reader(
+        _write_eagle,
+        lambda path, model: eagle.EagleDrafter(model, path),
+        {"other model": (lambda tmp, path: _eagle_head(32).save(path), "another model")},
     ),
-    "medusa-drafter": dict(
-        write=_write_medusa,
-        read=lambda path, model: medusa.MedusaDrafter(model, path),
-        faults={
-            **COMMON,
-            "truncated": (lambda tmp, path: (_write_medusa(path), _truncate(path)), "truncated"),
-            "other model": (lambda tmp, path: _medusa_heads(32).save(path), "another model"),
-        },
+    "medusa-drafter": _head_file_reader(
+        _write_medusa,
+        lambda path, model: medusa.MedusaDrafter(model, path),
+        {"other model": (lambda tmp, path: _medusa_heads(32).save(path), "another model")},
     ),
     "spec-bench-prompts": dict(
         write=_write_questions,
         read=lambda path, model: prompts.read_questions(path),
         faults={
             "empty": (_replace(b""), "empty"),
-            "truncated": (lambda tmp, path: (_write_questions(path), _truncate(path)), "truncated"),
+            "truncated": (_damaged(_write_questions, _truncate), "truncated"),
             "binary": (_other_kind(_write_eagle), "not UTF-8"),
             "other json": (_replace(b'{"model": "llama"}\n'), "no 'question_id'"),
             "not json lines": (_replace(TEXT), "not JSON"),
@@ -292,12 +303,7 @@ def test_a_bad_cache_is_named_and_rebuilt_never_used(tmp_path, fault):
     assert str(partial) in msg and (words in msg or "partial data" in msg), msg
 
     # the converted-model cache (state_dict.pt; a bad one is rebuilt by load_checkpoint)
-    stamp = {"size": 1, "sha256_head_tail": "0" * 64, "format": 1}
-    where = loading.cache_dir(str(tmp_path), stamp)
-    where.mkdir(parents=True)
-    (where / "source.json").write_text(json.dumps(stamp))
-    (where / "config.json").write_text("{}")
-    torch.save({"w": torch.arange(4096.0)}, where / "state_dict.pt")
+    where, stamp = write_model_cache(tmp_path, {"w": torch.arange(4096.0)})
     damage(where / "state_dict.pt")
     with pytest.warns(RuntimeWarning) as w:
         assert loading._read_cache(where, stamp) is None

@@ -18,8 +18,8 @@ import torch
 
 from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter, SpeculativeDecoder, Transformer
 from specdec_kernels.decoding.model import unsupported_hf_config
-from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
 from tests.engine.families import COMMON, PROMPTS, family_config, logit_scale, tiny_family
+from tests.engine.tiny import tree_step_and_paths
 from tests.utils import TOLERANCES, assert_close, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -68,20 +68,8 @@ def test_tree_step_matches_transformers_paths(family):
     parents = [-1, 0, 0, 1, 1, 3, 2]
     prompts = [PROMPTS[0], PROMPTS[2]]
     trees = torch.tensor([[0, 3, 50, 3, 60, 61, 9], [0, 4, 5, 6, 7, 8, 9]])
-    trees[:, 0] = torch.tensor([p[-1] for p in prompts])
-    cache = model.new_kv_cache(2, 32)
-    seqlens = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32)
-    with torch.inference_mode():
-        for b, p in enumerate(prompts):  # prefill each sequence to its own length
-            one = model.new_kv_cache(1, 32)
-            model(torch.tensor([p[:-1]]), torch.arange(len(p) - 1)[None], one, torch.zeros(1, dtype=torch.int32))
-            cache[:, :, b] = one[:, :, 0]
-        logits = model(trees, seqlens.long()[:, None] + tree_depths(parents), cache, seqlens, ancestor_mask(parents))
-        for b, p in enumerate(prompts):
-            for node in range(len(parents)):
-                path = [int(trees[b, i]) for i in path_to(parents, node)]
-                ref = hf(torch.tensor([p[:-1] + path])).logits[0, -1]
-                assert_close(logits[b, node], ref, torch.float32, scale=logit_scale(ref))
+    for ours, ref in tree_step_and_paths(hf, model, prompts, trees, parents):
+        assert_close(ours, ref, torch.float32, scale=logit_scale(ref))
 
 
 def test_qwen2_biases_are_used():

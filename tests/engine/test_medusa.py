@@ -22,7 +22,7 @@ from specdec_kernels.decoding.drafters.medusa import (
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree
 from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
-from tests.engine.tiny import V, exact_marginals, real_only
+from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -52,6 +52,27 @@ def tiny_data(tiny):
     return train_medusa.examples(data, 3, output_weight=tiny.output.weight)
 
 
+def train_on_tiny_data(heads, tiny, ex, *, steps, distill, **options):
+    """``train_heads`` on ``tiny_data`` with its path tokens and the target's soft labels
+    (batch 128, lr 1e-2, seed 0)."""
+    return train_medusa.train_heads(
+        heads,
+        tiny.output.weight,
+        ex.hidden,
+        ex.labels,
+        steps=steps,
+        batch=128,
+        lr=1e-2,
+        seed=0,
+        tokens=ex.path,
+        embedding=tiny.tok_embeddings.weight,
+        teacher=ex.teacher,
+        teacher_states=ex.states,
+        distill=distill,
+        **options,
+    )
+
+
 @pytest.fixture(scope="module", params=["medusa", "conditioned", "context"])
 def trained_heads(tiny, tiny_data, request):
     """Heads (plain Medusa, token-conditioned, or token-conditioned with a context layer of
@@ -62,22 +83,8 @@ def trained_heads(tiny, tiny_data, request):
     heads = MedusaHeads(
         HIDDEN, 3, token_conditioned=request.param != "medusa", context_window=6 if request.param == "context" else 0
     )
-    train_medusa.train_heads(
-        heads,
-        tiny.output.weight,
-        ex.hidden,
-        ex.labels,
-        steps=300,
-        batch=128,
-        lr=1e-2,
-        seed=0,
-        tokens=ex.path,
-        embedding=tiny.tok_embeddings.weight,
-        teacher=ex.teacher,
-        teacher_states=ex.states,
-        distill=0.0,
-        context=ex if request.param == "context" else None,
-        segment=8,
+    train_on_tiny_data(
+        heads, tiny, ex, steps=300, distill=0.0, context=ex if request.param == "context" else None, segment=8
     )
     return heads
 
@@ -90,21 +97,7 @@ def test_distillation_fits_the_target_distribution(tiny, tiny_data):
     kl = {}
     for distill in (0.0, 1.0):
         heads = MedusaHeads(HIDDEN, 3, token_conditioned=True)
-        train_medusa.train_heads(
-            heads,
-            W_out,
-            ex.hidden,
-            ex.labels,
-            steps=200,
-            batch=128,
-            lr=1e-2,
-            seed=0,
-            tokens=ex.path,
-            embedding=tiny.tok_embeddings.weight,
-            teacher=ex.teacher,
-            teacher_states=ex.states,
-            distill=distill,
-        )
+        train_on_tiny_data(heads, tiny, ex, steps=200, distill=distill)
         with torch.no_grad():
             logp = heads.logits(ex.hidden.float(), W_out, embeddings=tiny.tok_embeddings.weight[ex.path]).log_softmax(
                 -1
@@ -274,41 +267,13 @@ def test_bad_arguments(tmp_path, tiny):
     )
     with pytest.raises(ValueError, match="do not fit"):
         MedusaHeads.load(tmp_path / "half.pt")
-    with pytest.raises(ValueError, match="distill"):
-        train_medusa.train_heads(
-            MedusaHeads(HIDDEN, 2),
-            tiny.output.weight,
-            torch.zeros(4, HIDDEN),
-            torch.zeros(4, 2, dtype=torch.int64),
-            steps=1,
-            batch=2,
-            lr=1e-3,
-            seed=0,
-            distill=0.5,
-        )
-    with pytest.raises(ValueError, match="distill must lie"):
-        train_medusa.train_heads(
-            MedusaHeads(HIDDEN, 2),
-            tiny.output.weight,
-            torch.zeros(4, HIDDEN),
-            torch.zeros(4, 2, dtype=torch.int64),
-            steps=1,
-            batch=2,
-            lr=1e-3,
-            seed=0,
-            distill=1.5,
-        )
-    with pytest.raises(ValueError, match="tokens"):
-        train_medusa.train_heads(
-            conditioned,
-            tiny.output.weight,
-            torch.zeros(4, HIDDEN),
-            torch.zeros(4, 2, dtype=torch.int64),
-            steps=1,
-            batch=2,
-            lr=1e-3,
-            seed=0,
-        )
+    for heads, options, match in (
+        (MedusaHeads(HIDDEN, 2), dict(distill=0.5), "distill"),
+        (MedusaHeads(HIDDEN, 2), dict(distill=1.5), "distill must lie"),
+        (conditioned, {}, "tokens"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            train_medusa.train_heads(heads, tiny.output.weight, X, Y, **kw, **options)
     with pytest.raises(ValueError, match="hidden size"):
         MedusaDrafter(tiny, MedusaHeads(HIDDEN * 2, 2))
     with pytest.raises(ValueError, match="choices"):
@@ -908,13 +873,7 @@ REAL_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def real():
-    from specdec_kernels.decoding import load_smollm2
-
-    model, tok = load_smollm2()
-    prompts = [train_medusa.chat_ids(tok, t) for t in REAL_PROMPTS]
-    plain = SpeculativeDecoder(model, stop_token_ids=[tok.eos_token_id])
-    greedy = [plain.generate([p], 32).tokens[0] for p in prompts]
-    return model, tok, prompts, greedy
+    return real_greedy(REAL_PROMPTS)
 
 
 @real_only
@@ -981,9 +940,6 @@ def test_shipped_heads_predict_the_greedy_text(real):
 @real_only
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_real_greedy_equals_plain_greedy(real, tree):
-    model, tok, prompts, greedy = real
-    decoder = SpeculativeDecoder(model, MedusaDrafter(model, tree=tree), stop_token_ids=[tok.eos_token_id])
-    result = decoder.generate(prompts, 32, num_draft_tokens=4)
-    assert result.tokens == greedy
-    s = result.stats
+    model = real[0]
+    s = real_stats_equal_to_greedy(real, MedusaDrafter(model, tree=tree), 4)
     assert s.accepted_draft_tokens > 0 and s.mean_accepted_length > 1.0

@@ -153,14 +153,20 @@ def test_inputs_are_read_in_place_inside_guard_buffers():
     assert torch.equal(packed.packed_linear(xs[::2], p), want)
 
 
+def assert_rejects_bad_x(product, weight) -> None:
+    """``product(x, weight)``, for a weight of 64 inputs, refuses an x that is not float32, not
+    [..., 64] or not a tensor, naming x."""
+    with pytest.raises(ValueError, match="x must be float32"):
+        product(torch.randn(2, 64).double(), weight)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        product(torch.randn(2, 32), weight)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        product([1.0], weight)
+
+
 def test_bad_arguments_raise_naming_them():
     p = packed.pack_weight(q4_1_weight(4, 64))
-    with pytest.raises(ValueError, match="x must be float32"):
-        packed.packed_linear(torch.randn(2, 64).double(), p)
-    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
-        packed.packed_linear(torch.randn(2, 32), p)
-    with pytest.raises(TypeError, match="x must be a tensor"):
-        packed.packed_linear([1.0], p)
+    assert_rejects_bad_x(packed.packed_linear, p)
     op = torch.ops.specdec.packed_linear_native
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="kind"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import packed
-from tests.engine.test_packed_linear import MAKERS
+from tests.engine.test_packed_linear import MAKERS, assert_rejects_bad_x
 
 pytestmark = pytest.mark.requires_native_op("packed_linear_int8")  # skipped without the extension, failed in CI
 
@@ -184,12 +184,7 @@ def test_inputs_are_read_in_place_inside_guard_buffers():
 def test_bad_arguments_raise_naming_them():
     p = packed.pack_weight(MAKERS["affine4"][0](4, 64))
     iw = packed.interleave(p)
-    with pytest.raises(ValueError, match="x must be float32"):
-        packed.packed_linear_int8(torch.randn(2, 64).double(), iw)
-    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
-        packed.packed_linear_int8(torch.randn(2, 32), iw)
-    with pytest.raises(TypeError, match="x must be a tensor"):
-        packed.packed_linear_int8([1.0], iw)
+    assert_rejects_bad_x(packed.packed_linear_int8, iw)
     with pytest.raises(ValueError, match="isa"):
         packed.packed_linear_int8(torch.randn(2, 64), iw, isa="avx1024")
     with pytest.raises(TypeError, match="PackedWeight"):

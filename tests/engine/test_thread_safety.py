@@ -13,6 +13,16 @@ from specdec_kernels.decoding import NgramDrafter, SamplingParams, SpeculativeDe
 from tests.engine.tiny import PROMPTS, tiny  # noqa: F401 (fixture)
 
 
+def run_side_by_side(work, n: int, timeout: float) -> None:
+    """Run ``work(0)`` .. ``work(n - 1)`` each in its own thread, all started before any is
+    awaited; wait up to ``timeout`` seconds for each."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
 def test_runtime_choice_concurrent_first_calls():
     """Four threads enter a fresh choice's first calls together (all four inside ``run`` at
     once, and ``choices()`` read while they record): every call returns its own result, each
@@ -35,11 +45,7 @@ def test_runtime_choice_concurrent_first_calls():
         except Exception as e:  # noqa: BLE001  (reported below)
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    run_side_by_side(work, 4, timeout=60)
     assert not errors, errors
     assert sorted((i, call) for i, call, _ in results) == [(i, c) for i in range(4) for c in range(6)]
     rows = choice.choices()
@@ -110,10 +116,6 @@ def test_two_decoders_share_one_model_across_threads(tiny):
         finally:
             lockstep.abort()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_side_by_side(work, 2, timeout=120)
     assert not errors, errors
     assert [out[0], out[1]] == alone

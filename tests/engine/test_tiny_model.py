@@ -18,8 +18,15 @@ from specdec_kernels.decoding import (
     SpeculativeDecoder,
     Transformer,
 )
-from specdec_kernels.tree import ancestor_mask, path_to, tree_depths
-from tests.engine.tiny import PROMPTS, OracleDrafter, V, exact_marginals, ngram_friendly_prompt, tiny  # noqa: F401 (fixture)
+from tests.engine.tiny import (  # noqa: F401 (fixture)
+    PROMPTS,
+    OracleDrafter,
+    V,
+    exact_marginals,
+    ngram_friendly_prompt,
+    tiny,
+    tree_step_and_paths,
+)
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -57,21 +64,8 @@ def test_tree_step_matches_transformers_paths(tiny):
     parents = [-1, 0, 0, 1, 1, 3, 2]
     prompts = [PROMPTS[0], PROMPTS[2]]
     trees = torch.tensor([[7, 3, 50, 3, 60, 61, 9], [11, 4, 5, 6, 7, 8, 9]])
-    cache = model.new_kv_cache(2, 32)
-    seqlens = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32)
-    with torch.inference_mode():
-        for b, p in enumerate(prompts):  # prefill each sequence to its own length
-            one = model.new_kv_cache(1, 32)
-            model(torch.tensor([p[:-1]]), torch.arange(len(p) - 1)[None], one, torch.zeros(1, dtype=torch.int32))
-            cache[:, :, b] = one[:, :, 0]
-        trees[:, 0] = torch.tensor([p[-1] for p in prompts])
-        depth = tree_depths(parents)
-        logits = model(trees, seqlens.long()[:, None] + depth, cache, seqlens, ancestor_mask(parents))
-        for b, p in enumerate(prompts):
-            for node in range(len(parents)):
-                path = [int(trees[b, i]) for i in path_to(parents, node)]
-                ref = hf(torch.tensor([p[:-1] + path])).logits[0, -1]
-                torch.testing.assert_close(logits[b, node], ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
+    for ours, ref in tree_step_and_paths(hf, model, prompts, trees, parents):
+        torch.testing.assert_close(ours, ref, atol=1e-4 * ref.abs().max().item(), rtol=0)
 
 
 def test_truncated_model_is_first_layers(tiny):
