@@ -34,6 +34,20 @@ TARGET_SM_COUNT = 132
 # --------------------------------------------------------------------------------------
 
 
+# the argmax partials (values, indices) that ``_argmax_partials_kernel`` writes and the accept
+# and tree-walk kernels read
+PARTIALS = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
+# the accept kernel's variants: (draft ids, counts, flat, bonus_ids): padded (counts int64),
+# flattened with vLLM's int32 ids and cu and with int64, bonus rows or ids
+ACCEPT_VARIANTS = (
+    ("i32", "i64", False, False),
+    ("i64", "i64", False, False),
+    ("i32", "i32", True, False),
+    ("i32", "i32", True, True),
+    ("i64", "i64", True, True),
+)
+
+
 def argmax_spec(dtype: str, cfg: vg.ArgmaxLaunch, name: str) -> dict:
     """``_argmax_partials_kernel`` over ``dtype`` ("fp32", "fp16", "bf16") logits."""
     return dict(
@@ -41,8 +55,7 @@ def argmax_spec(dtype: str, cfg: vg.ArgmaxLaunch, name: str) -> dict:
         name=name,
         signature={
             "logits_ptr": f"*{dtype}",
-            "part_val_ptr": "*fp32",
-            "part_idx_ptr": "*i32",
+            **PARTIALS,
             "R": "i32",
             "V": "i32",
             "stride_b": "i64",
@@ -61,8 +74,7 @@ def accept_spec(ids: str, cu: str, flat: bool, bonus_ids: bool, cfg: vg.VerifyGr
         kernel=vg._verify_greedy_accept_kernel,
         name=f"verify_greedy._verify_greedy_accept_kernel[{ids}, cu {cu}, flat={flat}, bonus_ids={bonus_ids}]",
         signature={
-            "part_val_ptr": "*fp32",
-            "part_idx_ptr": "*i32",
+            **PARTIALS,
             "draft_ptr": f"*{ids}",
             "stride_db": "i32",
             "stride_dk": "i32",
@@ -89,8 +101,7 @@ def tree_walk_spec(ids: str, cfg: vtg.VerifyTreeGreedyLaunch, suffix: str = "") 
         kernel=vtg._verify_tree_greedy_walk_kernel,
         name=f"verify_tree_greedy._verify_tree_greedy_walk_kernel[{ids}]{suffix}",
         signature={
-            "part_val_ptr": "*fp32",
-            "part_idx_ptr": "*i32",
+            **PARTIALS,
             "tokens_ptr": f"*{ids}",
             "stride_tb": "i32",
             "stride_tn": "i32",
@@ -505,22 +516,13 @@ def _aot_specs() -> Dict[str, List[dict]]:
     large_v, llama2_v = 128256, 32000  # Llama-3's and Llama-2's vocabularies
     specs: Dict[str, List[dict]] = {}
 
-    # the largest argmax tile (every logits dtype); the accept kernel with 32 lanes (K = 31),
-    # padded (counts int64), flattened with vLLM's int32 ids and cu and with int64, bonus rows or ids
+    # the largest argmax tile (every logits dtype); the accept kernel with 32 lanes (K = 31), in
+    # each of its variants
     argmax = vg.argmax_launch_config(8, large_v, sms)
     accept = vg.launch_config(1, 32, 31, large_v, sms)
     specs["verify_greedy"] = [
         argmax_spec(f, argmax, f"verify_greedy._argmax_partials_kernel[{f}]") for f in ("fp32", "fp16", "bf16")
-    ] + [
-        accept_spec(i, c, flat, bonus_ids, accept)
-        for i, c, flat, bonus_ids in (
-            ("i32", "i64", False, False),
-            ("i64", "i64", False, False),
-            ("i32", "i32", True, False),
-            ("i32", "i32", True, True),
-            ("i64", "i64", True, True),
-        )
-    ]
+    ] + [accept_spec(i, c, flat, bonus_ids, accept) for i, c, flat, bonus_ids in ACCEPT_VARIANTS]
     # the per-node argmax is verify_greedy's kernel; the walk over 128 nodes
     walk = vtg.launch_config(1, 128, large_v, sms)
     specs["verify_tree_greedy"] = [tree_walk_spec(i, walk) for i in ("i32", "i64")]

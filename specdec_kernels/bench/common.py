@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,8 +141,24 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: Optional[int] = None) -> f
     return 2 * nbytes / (t["median_us"] * 1e-6) / 1e9
 
 
-def format_table(rows: Sequence[Dict], columns: Sequence[tuple]) -> str:
-    """An aligned text table; ``columns`` are (header, key, format) triples."""
+Column = Tuple[str, str, str]  # (header, key, format): one column of ``format_table``
+
+
+def column(key: str, header: Optional[str] = None, fmt: str = "{}") -> Column:
+    """The ``format_table`` column of the rows' ``key``, each value formatted with ``fmt``
+    (``str.format``), under ``header`` (default: the key itself)."""
+    return (header or key, key, fmt)
+
+
+# columns that several benchmarks print
+METHOD = column("method")
+DTYPE = column("dtype")
+TOKENS_PER_S = column("tokens_per_s", "tokens/s", "{:.1f}")
+TIME_US = [column(f"{q}_us", f"{q} us", "{:.1f}") for q in ("median", "p20", "p80")]  # time_fn's figures
+
+
+def format_table(rows: Sequence[Dict], columns: Sequence[Column]) -> str:
+    """An aligned text table; ``columns`` are (header, key, format) triples (see ``column``)."""
     cells = [[h for h, _, _ in columns]]
     for r in rows:
         cells.append([("" if r.get(k) is None else f.format(r[k])) for _, k, f in columns])
@@ -230,6 +246,18 @@ def pyplot_or_none(path):
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path, title: Optional[str] = None) -> None:
+    """Write a matplotlib figure to ``path`` (PNG, 110 dpi) and close it: laid out tight, under
+    ``title`` (the figure's own title, font size 9; None: none)."""
+    import matplotlib.pyplot as plt
+
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------- flag checks of the benchmark CLIs

@@ -69,14 +69,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from specdec_kernels.bench.common import (
+    METHOD,
+    TOKENS_PER_S,
     JsonlWriter,
     chat_prompt_ids,
     check_device,
     check_range,
+    column,
     environment,
     format_table,
     out_dir,
     pyplot_or_none,
+    save_figure,
     too_long,
     uncommitted_changes,
     write_jsonl,
@@ -237,6 +241,22 @@ class _Clock:
         return {"ttft_s": self.ttft, "cpu_seconds": self.cpu, "cpu_ttft_s": self.cpu_ttft}
 
 
+def _engine_run(tokens: List[int], seconds: float, stats: Any, extra: Dict[str, Any], **clocks) -> Run:
+    """The ``Run`` of a generation by our engine (ours, or ours in transformers): the passes,
+    accepted length and draft counts of its ``stats`` (``DecodeStats``); ``clocks``: the
+    first-token and CPU times measured."""
+    return Run(
+        tokens,
+        seconds,
+        stats.target_passes,
+        stats.mean_accepted_length,
+        stats.draft_tokens,
+        stats.accepted_draft_tokens,
+        extra,
+        **clocks,
+    )
+
+
 def ours(
     name: str,
     make_drafter: Callable[[Context], Any],
@@ -317,16 +337,7 @@ def ours(
             extra["drafters"] = s.drafters
         if s.threads:
             extra["threads"] = s.threads  # the decode steps' thread counts (measured by the engine's "auto")
-        return Run(
-            result.tokens[0],
-            seconds,
-            s.target_passes,
-            s.mean_accepted_length,
-            s.draft_tokens,
-            s.accepted_draft_tokens,
-            extra,
-            **clock.fields(),
-        )
+        return _engine_run(result.tokens[0], seconds, s, extra, **clock.fields())
 
     if adaptive:
         settings = {"num_draft_tokens": "adaptive", "k_max": k_max}
@@ -460,16 +471,7 @@ def hf_ours_method(
         _sync(ctx.device)
         seconds = clock.stop()
         extra = {"mean_draft_length": s.mean_draft_length if s.draft_lengths else None}
-        return Run(
-            out[0, len(prompt) :].tolist(),
-            seconds,
-            s.target_passes,
-            s.mean_accepted_length,
-            s.draft_tokens,
-            s.accepted_draft_tokens,
-            extra,
-            cpu_seconds=clock.cpu,
-        )
+        return _engine_run(out[0, len(prompt) :].tolist(), seconds, s, extra, cpu_seconds=clock.cpu)
 
     return Method(name, "transformers", description, run, params, default)
 
@@ -547,293 +549,165 @@ def _register_builtin() -> None:
     from specdec_kernels.decoding.drafters.multi import MultiDrafter
     from specdec_kernels.decoding.engine.adaptive import DEFAULT_K
 
+    def add(
+        name: str,
+        make_drafter: Callable[[Context], Any],
+        text: str,
+        *,
+        k: Optional[int] = None,
+        k_max: Optional[int] = None,
+        policy: str = "cost-model",
+        default: bool = True,
+        **params,
+    ) -> None:
+        """Registers ``ours(name, make_drafter, ...)`` at the fixed draft depth ``k``, or with the
+        engine's default policy choosing K <= ``k_max``; its description is ``text`` followed by
+        that K (", K=4", or ", cost-model K<=4" with ``policy`` naming the policy)."""
+        if k_max is not None:
+            description = f"{text}, {policy} K<={k_max}"
+            register(ours(name, make_drafter, description, adaptive=True, k_max=k_max, default=default, **params))
+        else:
+            register(ours(name, make_drafter, f"{text}, K={k}", num_draft_tokens=k, default=default, **params))
+
+    def eagle(
+        name: str, text: str, *, k: Optional[int] = None, k_max: Optional[int] = None, default: bool = True, **drafter
+    ) -> None:
+        """The shipped EAGLE head: ``EagleDrafter(ctx.model, **drafter)``; the JSON lines name the
+        head and the drafter's settings but ``tree``."""
+        shown = {key: value for key, value in drafter.items() if key != "tree"}
+        make = lambda ctx: EagleDrafter(ctx.model, **drafter)  # noqa: E731
+        add(name, make, text, k=k, k_max=k_max, default=default, head=EAGLE_SHIPPED.name, **shown)
+
+    def lookahead(
+        name: str,
+        window: int,
+        ngram: int,
+        guesses: int,
+        *,
+        history: bool = False,
+        note: str = "",
+        k: Optional[int] = None,
+        k_max: Optional[int] = None,
+        default: bool = True,
+        hidden: Optional[Dict[str, Any]] = None,
+        **shown,
+    ) -> None:
+        """``LookaheadDrafter(window, ngram, guesses, pool_from_history=history, **hidden, **shown)``
+        described as "lookahead W=.. N=.. G=.." (+ history n-grams, + ``note``); the JSON lines
+        hold W, N, G, pool_from_history where set, and the settings ``shown``."""
+        drafter = {"pool_from_history": history, **(hidden or {}), **shown}
+        make = lambda ctx: LookaheadDrafter(window, ngram, guesses, **drafter)  # noqa: E731
+        text = f"lookahead W={window} N={ngram} G={guesses}" + (" + history n-grams" if history else "") + note
+        params = dict(window=window, ngram=ngram, guesses=guesses, **({"pool_from_history": True} if history else {}))
+        add(name, make, text, k=k, k_max=k_max, default=default, **params, **shown)
+
     ngram_k, model_k, multi_k = DEFAULT_K["ngram"], DEFAULT_K["layerskip"], DEFAULT_K["multi"]
     L = LAYERSKIP_LAYERS
     register(ours("greedy", lambda ctx: None, "plain greedy, 1 token/pass", num_draft_tokens=0))
     # the n-gram drafter with the engine's defaults (a fixed K: its drafts cost no model pass)
-    register(
-        ours("ngram-chain", lambda ctx: NgramDrafter(), f"prompt lookup chain, K={ngram_k}", num_draft_tokens=ngram_k)
-    )
-    register(
-        ours(
-            "ngram-tree",
-            lambda ctx: NgramDrafter(tree=True),
-            f"prompt lookup tree, K={ngram_k}",
-            num_draft_tokens=ngram_k,
-        )
-    )
-    register(
-        ours(
-            "ngram-adaptive",
-            lambda ctx: NgramDrafter(tree=True),
-            f"prompt lookup tree, cost-model K<={ngram_k}",
-            adaptive=True,
-            k_max=ngram_k,
-        )
-    )
+    add("ngram-chain", lambda ctx: NgramDrafter(), "prompt lookup chain", k=ngram_k)
+    add("ngram-tree", lambda ctx: NgramDrafter(tree=True), "prompt lookup tree", k=ngram_k)
+    add("ngram-adaptive", lambda ctx: NgramDrafter(tree=True), "prompt lookup tree", k_max=ngram_k)
     # model drafters with the engine's default adaptive draft length (cost model, K <= k_max)
-    register(
-        ours(
-            "layerskip-chain",
-            lambda ctx: LayerSkipDrafter(ctx.model, L),
-            f"layer-skip chain, {L} layers, adaptive K<={model_k}",
-            adaptive=True,
-            k_max=model_k,
-            layers=L,
-        )
-    )
-    register(
-        ours(
-            "layerskip-tree",
-            lambda ctx: LayerSkipDrafter(ctx.model, L, tree_widths=LAYERSKIP_TREE),
-            f"layer-skip tree {LAYERSKIP_TREE}, {L} layers, adaptive K<={model_k}",
-            adaptive=True,
-            k_max=model_k,
-            layers=L,
-            tree_widths=list(LAYERSKIP_TREE),
-        )
+    layerskip = lambda ctx: LayerSkipDrafter(ctx.model, L)  # noqa: E731
+    layerskip_chain = f"layer-skip chain, {L} layers"
+    add("layerskip-chain", layerskip, layerskip_chain, k_max=model_k, policy="adaptive", layers=L)
+    add(
+        "layerskip-tree",
+        lambda ctx: LayerSkipDrafter(ctx.model, L, tree_widths=LAYERSKIP_TREE),
+        f"layer-skip tree {LAYERSKIP_TREE}, {L} layers",
+        k_max=model_k,
+        policy="adaptive",
+        layers=L,
+        tree_widths=list(LAYERSKIP_TREE),
     )
     # the shipped Medusa heads (a fixed K: all heads come out of one head pass); the tree is
     # the one tuned with the weights (held-out prompts)
     medusa_k = DEFAULT_K["medusa"]
-    register(
-        ours(
-            "medusa-chain",
-            lambda ctx: MedusaDrafter(ctx.model),
-            f"Medusa heads chain, K={medusa_k}",
-            num_draft_tokens=medusa_k,
-            heads=SHIPPED.name,
-        )
+    add("medusa-chain", lambda ctx: MedusaDrafter(ctx.model), "Medusa heads chain", k=medusa_k, heads=SHIPPED.name)
+    add(
+        "medusa-adaptive",
+        lambda ctx: MedusaDrafter(ctx.model),
+        "Medusa heads chain",
+        k_max=medusa_k,
+        heads=SHIPPED.name,
     )
-    register(
-        ours(
-            "medusa-adaptive",
-            lambda ctx: MedusaDrafter(ctx.model),
-            f"Medusa heads chain, cost-model K<={medusa_k}",
-            adaptive=True,
-            k_max=medusa_k,
-            heads=SHIPPED.name,
-        )
-    )
-    register(
-        ours(
-            "medusa-tree",
-            lambda ctx: MedusaDrafter(ctx.model, tree=True),
-            f"Medusa heads, tuned static tree, K={medusa_k}",
-            num_draft_tokens=medusa_k,
-            heads=SHIPPED.name,
-        )
+    add(
+        "medusa-tree",
+        lambda ctx: MedusaDrafter(ctx.model, tree=True),
+        "Medusa heads, tuned static tree",
+        k=medusa_k,
+        heads=SHIPPED.name,
     )
     # the shipped EAGLE-style head: a chain, and EAGLE-2's dynamic tree at Medusa's node budget
     # (64) and at half of it (a CPU pays for every node)
-    eagle_k = DEFAULT_K["eagle"]
-    register(
-        ours(
-            "eagle-chain",
-            lambda ctx: EagleDrafter(ctx.model, tree=False),
-            f"EAGLE head chain, K={eagle_k}",
-            num_draft_tokens=eagle_k,
-            head=EAGLE_SHIPPED.name,
-        )
+    eagle_k, tree_k = DEFAULT_K["eagle"], DEFAULT_K["eagle-tree"]
+    eagle("eagle-chain", "EAGLE head chain", k=eagle_k, tree=False)
+    eagle("eagle-tree", "EAGLE head, dynamic tree top-10, 64 nodes", k=tree_k, top_k=10, max_nodes=64)
+    eagle("eagle-tree-32", "EAGLE head, dynamic tree top-6, 32 nodes", k=tree_k, default=False, top_k=6, max_nodes=32)
+    eagle("eagle-adaptive", "EAGLE head chain", k_max=eagle_k, tree=False)
+    eagle(
+        "eagle-tree-sized",
+        "EAGLE head, dynamic tree top-10, nodes sized by the measured pass cost (<= 64)",
+        k_max=tree_k,
+        top_k=10,
+        max_nodes=64,
     )
-    tree_k = DEFAULT_K["eagle-tree"]
-    register(
-        ours(
-            "eagle-tree",
-            lambda ctx: EagleDrafter(ctx.model, top_k=10, max_nodes=64),
-            f"EAGLE head, dynamic tree top-10, 64 nodes, K={tree_k}",
-            num_draft_tokens=tree_k,
-            head=EAGLE_SHIPPED.name,
-            top_k=10,
-            max_nodes=64,
-        )
-    )
-    register(
-        ours(
-            "eagle-tree-32",
-            lambda ctx: EagleDrafter(ctx.model, top_k=6, max_nodes=32),
-            f"EAGLE head, dynamic tree top-6, 32 nodes, K={tree_k}",
-            num_draft_tokens=tree_k,
-            head=EAGLE_SHIPPED.name,
-            top_k=6,
-            max_nodes=32,
-            default=False,
-        )
-    )
-    register(
-        ours(
-            "eagle-adaptive",
-            lambda ctx: EagleDrafter(ctx.model, tree=False),
-            f"EAGLE head chain, cost-model K<={eagle_k}",
-            adaptive=True,
-            k_max=eagle_k,
-            head=EAGLE_SHIPPED.name,
-        )
-    )
-    register(
-        ours(
-            "eagle-tree-sized",
-            lambda ctx: EagleDrafter(ctx.model, top_k=10, max_nodes=64),
-            f"EAGLE head, dynamic tree top-10, nodes sized by the measured pass cost (<= 64), cost-model K<={tree_k}",
-            adaptive=True,
-            k_max=tree_k,
-            head=EAGLE_SHIPPED.name,
-            top_k=10,
-            max_nodes=64,
-        )
-    )
-    register(
-        ours(
-            "eagle-tree-adaptive",
-            lambda ctx: EagleDrafter(ctx.model, top_k=3, max_nodes=12),
-            f"EAGLE head, dynamic tree top-3, 12 nodes, cost-model K<={tree_k}",
-            adaptive=True,
-            k_max=tree_k,
-            default=False,
-            head=EAGLE_SHIPPED.name,
-            top_k=3,
-            max_nodes=12,
-        )
+    eagle(
+        "eagle-tree-adaptive",
+        "EAGLE head, dynamic tree top-3, 12 nodes",
+        k_max=tree_k,
+        default=False,
+        top_k=3,
+        max_nodes=12,
     )
     # the same head drafting over the whole vocabulary (no draft vocabulary): what it buys
-    register(
-        ours(
-            "eagle-chain-full-vocab",
-            lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
-            f"EAGLE head chain, whole vocabulary, K={eagle_k}",
-            num_draft_tokens=eagle_k,
-            default=False,
-            head=EAGLE_SHIPPED.name,
-            draft_vocab=None,
-        )
-    )
-    register(
-        ours(
-            "eagle-adaptive-full-vocab",
-            lambda ctx: EagleDrafter(ctx.model, tree=False, draft_vocab=None),
-            f"EAGLE head chain, whole vocabulary, cost-model K<={eagle_k}",
-            adaptive=True,
-            k_max=eagle_k,
-            default=False,
-            head=EAGLE_SHIPPED.name,
-            draft_vocab=None,
-        )
-    )
+    full_vocab = "EAGLE head chain, whole vocabulary"
+    eagle("eagle-chain-full-vocab", full_vocab, k=eagle_k, default=False, tree=False, draft_vocab=None)
+    eagle("eagle-adaptive-full-vocab", full_vocab, k_max=eagle_k, default=False, tree=False, draft_vocab=None)
     # lookahead (Jacobi) decoding: the CPU-sized defaults and Spec-Bench's W=7, N=5, G=7
     la_k = DEFAULT_K["lookahead"]
-    register(
-        ours(
-            "lookahead",
-            lambda ctx: LookaheadDrafter(),
-            f"lookahead W=4 N=3 G=2, K={la_k}",
-            num_draft_tokens=la_k,
-            window=4,
-            ngram=3,
-            guesses=2,
-        )
-    )
+    lookahead("lookahead", 4, 3, 2, k=la_k)
     # the same drafter with bigrams (N=2), 3 guesses, the history's n-grams in the pool, and
     # the cost model's K (which cuts the window and the n-grams to K): on a CPU, where every
     # node of a pass costs, it measures how far to look ahead instead of assuming it
-    register(
-        ours(
-            "lookahead-adaptive",
-            lambda ctx: LookaheadDrafter(4, 2, 3, max_nodes=8, pool_from_history=True),
-            f"lookahead W=4 N=2 G=3 + history n-grams, cost-model K<={la_k}",
-            adaptive=True,
-            k_max=la_k,
-            window=4,
-            ngram=2,
-            guesses=3,
-            pool_from_history=True,
-        )
-    )
-    register(
-        ours(
-            "lookahead-k1",
-            lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=8, pool_from_history=True),
-            "lookahead W=1 N=2 G=3 + history n-grams, K=1",
-            num_draft_tokens=1,
-            default=False,
-            window=1,
-            ngram=2,
-            guesses=3,
-            pool_from_history=True,
-        )
-    )
+    lookahead("lookahead-adaptive", 4, 2, 3, history=True, k_max=la_k, hidden=dict(max_nodes=8))
+    lookahead("lookahead-k1", 1, 2, 3, history=True, k=1, default=False, hidden=dict(max_nodes=8))
     # one draft node (root + 1 token: a pass costs about what a one-token pass does on a CPU),
     # holding the likeliest n-gram: a recurring 3-4 token suffix's continuation, else the
     # pool's newest, else a short history match, else the Jacobi window's token
-    register(
-        ours(
-            "lookahead-one-node",
-            lambda ctx: LookaheadDrafter(1, 2, 3, max_nodes=2, pool_from_history=True, window_first=False),
-            "lookahead W=1 N=2 G=3 + history n-grams, one draft node, n-grams first, K=1",
-            num_draft_tokens=1,
-            window=1,
-            ngram=2,
-            guesses=3,
-            pool_from_history=True,
-            max_nodes=2,
-            window_first=False,
-        )
-    )
-    register(
-        ours(
-            "lookahead-specbench",
-            lambda ctx: LookaheadDrafter(7, 5, 7, max_nodes=64),
-            "lookahead W=7 N=5 G=7, K=7",
-            num_draft_tokens=7,
-            default=False,
-            window=7,
-            ngram=5,
-            guesses=7,
-        )
-    )
+    one_node = ", one draft node, n-grams first"
+    lookahead("lookahead-one-node", 1, 2, 3, history=True, note=one_node, k=1, max_nodes=2, window_first=False)
+    lookahead("lookahead-specbench", 7, 5, 7, k=7, default=False, hidden=dict(max_nodes=64))
     # ensemble averaging: the EAGLE head's and prompt lookup's distributions mixed (weights
     # learnt per sequence), one chain drawn from the mixture
-    register(
-        ours(
-            "ensemble",
-            lambda ctx: MultiDrafter([EagleDrafter(ctx.model, tree=False), NgramDrafter()], ensemble=True),
-            f"ensemble average of EAGLE chain + n-gram, learnt weights, K={eagle_k}",
-            num_draft_tokens=eagle_k,
-            members=["eagle", "ngram"],
-        )
+    add(
+        "ensemble",
+        lambda ctx: MultiDrafter([EagleDrafter(ctx.model, tree=False), NgramDrafter()], ensemble=True),
+        "ensemble average of EAGLE chain + n-gram, learnt weights",
+        k=eagle_k,
+        members=["eagle", "ngram"],
     )
-    register(
-        ours(
-            "multi",
-            lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
-            f"n-gram + layer-skip ({L} layers) merged tree, adaptive K<={multi_k}",
-            adaptive=True,
-            k_max=multi_k,
-            layers=L,
-        )
+    add(
+        "multi",
+        lambda ctx: MultiDrafter([NgramDrafter(), LayerSkipDrafter(ctx.model, L)]),
+        f"n-gram + layer-skip ({L} layers) merged tree",
+        k_max=multi_k,
+        policy="adaptive",
+        layers=L,
     )
     # no smaller model shares SmolLM2-135M's tokenizer here: the "draft model" is the target's
     # first layers as a separate model, i.e. layer-skip again, so it runs on request only
-    register(
-        ours(
-            "draftmodel-chain",
-            lambda ctx: DraftModelDrafter(ctx.model.truncated(DRAFT_MODEL_LAYERS)),
-            f"draft model = first {DRAFT_MODEL_LAYERS} layers, chain, adaptive K<={model_k}",
-            adaptive=True,
-            k_max=model_k,
-            default=False,
-            layers=DRAFT_MODEL_LAYERS,
-        )
+    add(
+        "draftmodel-chain",
+        lambda ctx: DraftModelDrafter(ctx.model.truncated(DRAFT_MODEL_LAYERS)),
+        f"draft model = first {DRAFT_MODEL_LAYERS} layers, chain",
+        k_max=model_k,
+        policy="adaptive",
+        default=False,
+        layers=DRAFT_MODEL_LAYERS,
     )
-    register(
-        ours(
-            "layerskip-chain-fixed",
-            lambda ctx: LayerSkipDrafter(ctx.model, L),
-            f"layer-skip chain, {L} layers, K={model_k}",
-            num_draft_tokens=model_k,
-            default=False,
-            layers=L,
-        )
-    )
+    add("layerskip-chain-fixed", layerskip, layerskip_chain, k=model_k, default=False, layers=L)
     register(transformers_method("hf-greedy", {}, "transformers generate, greedy"))
     register(
         transformers_method(
@@ -1361,8 +1235,8 @@ def print_tables(
         s["ttft_ms"] = None if s.get("ttft_s") is None else 1e3 * s["ttft_s"]
     # the llama.cpp columns only when llama.cpp's greedy ran
     llamacpp = [
-        ("x llama.cpp", "speedup_vs_llamacpp_greedy", "{:.2f}"),
-        ("same as llama.cpp", "same_as_llamacpp_greedy_count", "{}"),
+        column("speedup_vs_llamacpp_greedy", "x llama.cpp", "{:.2f}"),
+        column("same_as_llamacpp_greedy_count", "same as llama.cpp"),
     ]
     if not any(s.get("speedup_vs_llamacpp_greedy") is not None for s in overall):
         llamacpp = []
@@ -1380,21 +1254,21 @@ def print_tables(
         format_table(
             overall,
             [
-                ("method", "method", "{}"),
-                ("family", "family", "{}"),
-                ("settings", "description", "{}"),
-                ("tokens/s", "tokens_per_s", "{:.1f}"),
-                ("decode tok/s", "decode_tokens_per_s", "{:.1f}"),
-                ("TTFT ms", "ttft_ms", "{:.0f}"),
-                ("tok/CPU-s", "tokens_per_cpu_s", "{:.1f}"),
-                ("decode tok/CPU-s", "decode_tokens_per_cpu_s", "{:.1f}"),
-                ("accepted len", "mean_accepted_length", "{:.2f}"),
-                ("mean K", "mean_draft_length", "{:.2f}"),
-                ("x greedy", "speedup_vs_greedy", "{:.2f}"),
-                ("x hf-greedy", "speedup_vs_hf_greedy", "{:.2f}"),
+                METHOD,
+                column("family"),
+                column("description", "settings"),
+                TOKENS_PER_S,
+                column("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+                column("ttft_ms", "TTFT ms", "{:.0f}"),
+                column("tokens_per_cpu_s", "tok/CPU-s", "{:.1f}"),
+                column("decode_tokens_per_cpu_s", "decode tok/CPU-s", "{:.1f}"),
+                column("mean_accepted_length", "accepted len", "{:.2f}"),
+                column("mean_draft_length", "mean K", "{:.2f}"),
+                column("speedup_vs_greedy", "x greedy", "{:.2f}"),
+                column("speedup_vs_hf_greedy", "x hf-greedy", "{:.2f}"),
             ]
             + llamacpp
-            + [("same tokens", "same_str", "{}")],
+            + [column("same_str", "same tokens")],
         )
     )
     for name, reason in (skipped or {}).items():
@@ -1402,9 +1276,9 @@ def print_tables(
     methods = [s["method"] for s in overall]
     categories = list(dict.fromkeys(s["scope"] for s in summary if s["scope"] != "overall"))
     for title, key, fmt in [
-        ("tokens/s", "tokens_per_s", "{:.1f}"),
-        ("mean accepted length", "mean_accepted_length", "{:.2f}"),
-        ("speed-up vs our greedy", "speedup_vs_greedy", "{:.2f}"),
+        TOKENS_PER_S,
+        column("mean_accepted_length", "mean accepted length", "{:.2f}"),
+        column("speedup_vs_greedy", "speed-up vs our greedy", "{:.2f}"),
     ]:
         table = []
         for c in categories + ["overall"]:
@@ -1414,7 +1288,7 @@ def print_tables(
                     row[s["method"]] = s[key]
             table.append(row)
         print(f"# {title} by category")
-        print(format_table(table, [("category", "category", "{}")] + [(m, m, fmt) for m in methods]))
+        print(format_table(table, [column("category")] + [column(m, fmt=fmt) for m in methods]))
     if any(not s["same_tokens"] for s in summary):
         print("# same tokens: see the overall table; per prompt in e2e.jsonl (first_mismatch)")
 
@@ -1464,14 +1338,12 @@ def plot(summary: List[Dict], path: Path, env: Dict, max_new_tokens: int) -> Non
     bottom.set_ylabel("tokens/s")
     bottom.set_title("per category", fontsize=9)
     bottom.legend(fontsize=7, ncol=min(5, len(methods)))
-    fig.suptitle(
+    save_figure(
+        fig,
+        path,
         f"SmolLM2-135M-Instruct, batch 1, greedy, <= {max_new_tokens} new tokens, {env['dtype']} on "
         f"{env['device']} (commit {env['commit']})",
-        fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -20,14 +20,17 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import _backend
 from specdec_kernels.bench.common import (
+    DTYPE,
+    TIME_US,
     check_device,
+    column,
     copy_bandwidth_gbps,
     environment,
     format_table,
@@ -59,14 +62,21 @@ def nbytes(*tensors) -> int:
 
 @dataclass
 class Entry:
-    """One op's benchmark: shapes, inputs, how to call a backend, and how to check it."""
+    """One op's benchmark: shapes, inputs, the op's arguments among them, and how to check it."""
 
     op: str
     shapes: Callable[[bool], List[Dict]]
     make: Callable[[Dict, torch.dtype, torch.device], Dict]
-    call: Callable[[Dict, str], object]
+    args: Tuple[str, ...]  # the op's arguments, by name, from the inputs
+    optional: Tuple[str, ...] = ()  # arguments passed where the inputs hold them
     same: Callable[[object, object], bool] = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
     baselines: Dict[str, Callable[[Dict], object]] = field(default_factory=dict)
+
+    def call(self, inputs: Dict, backend: str) -> object:
+        """``sk.<op>`` on ``backend`` with its arguments from ``inputs`` (by keyword)."""
+        kwargs = {n: inputs[n] for n in self.args}
+        kwargs.update(_args(inputs, *self.optional))
+        return getattr(sk, self.op)(**kwargs, backend=backend)
 
 
 def _drafts_from(logits, K, g):
@@ -331,114 +341,73 @@ def _args(i, *names):
     return {n: i[n] for n in names if n in i}
 
 
+SAMPLE_UNIFORMS = ("uniform_samples", "sample_uniforms")  # a sampling op's coins, where given
+ATTENTION = ("q", "k_cache", "v_cache", "cache_seqlens", "tree_mask")
+
+
+def _attention_close(a, b) -> bool:
+    return torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2)
+
+
 ENTRIES = [
-    Entry(
-        "verify_greedy",
-        _verify_shapes,
-        _make_verify,
-        lambda i, b: sk.verify_greedy(i["target_logits"], i["draft_tokens"], backend=b),
-    ),
+    Entry("verify_greedy", _verify_shapes, _make_verify, ("target_logits", "draft_tokens")),
     Entry(
         "verify_greedy_flattened",
         _verify_shapes,
         _make_verify_flattened,
-        lambda i, b: sk.verify_greedy_flattened(
-            i["target_logits"],
-            i["draft_token_ids"],
-            i["cu_num_draft_tokens"],
-            max_spec_len=i["max_spec_len"],
-            backend=b,
-        ),
+        ("target_logits", "draft_token_ids", "cu_num_draft_tokens", "max_spec_len"),
     ),
-    Entry(
-        "verify_tree_greedy",
-        _tree_shapes,
-        _make_tree_verify,
-        lambda i, b: sk.verify_tree_greedy(i["target_logits"], i["tree_tokens"], i["tree_parents"], backend=b),
-    ),
+    Entry("verify_tree_greedy", _tree_shapes, _make_tree_verify, ("target_logits", "tree_tokens", "tree_parents")),
     Entry(
         "rejection_sample",
         _verify_shapes,
         _make_rejection,
-        lambda i, b: sk.rejection_sample(
-            i["target_probs"],
-            i["draft_probs"],
-            i["draft_tokens"],
-            backend=b,
-            **_args(i, "uniform_samples", "sample_uniforms"),
-        ),
+        ("target_probs", "draft_probs", "draft_tokens"),
+        SAMPLE_UNIFORMS,
     ),
     Entry(
         "rejection_sample_flattened",
         _verify_shapes,
         _make_rejection_flattened,
-        lambda i, b: sk.rejection_sample_flattened(
-            i["target_probs"],
-            i["draft_probs"],
-            i["draft_token_ids"],
-            i["cu_num_draft_tokens"],
-            max_spec_len=i["max_spec_len"],
-            backend=b,
-            **_args(i, "uniform_samples", "sample_uniforms"),
-        ),
+        ("target_probs", "draft_probs", "draft_token_ids", "cu_num_draft_tokens", "max_spec_len"),
+        SAMPLE_UNIFORMS,
     ),
     Entry(
         "tree_rejection_sample",
         _tree_shapes,
         _make_tree_rejection,
-        lambda i, b: sk.tree_rejection_sample(
-            i["target_probs"],
-            i["tree_tokens"],
-            i["tree_parents"],
-            backend=b,
-            **_args(i, "uniform_samples", "sample_uniforms"),
-        ),
+        ("target_probs", "tree_tokens", "tree_parents"),
+        SAMPLE_UNIFORMS,
     ),
     Entry(
         "sampling_probs",
         _verify_shapes,
         _make_sampling,
-        lambda i, b: sk.sampling_probs(i["logits"], i["temperature"], i["top_k"], i["top_p"], backend=b),
+        ("logits", "temperature", "top_k", "top_p"),
         same=lambda a, b: torch.allclose(a[0], b[0], atol=1e-5, rtol=1e-4),
     ),
     Entry(
         "tree_attention",
         _attention_shapes,
         _make_attention,
-        lambda i, b: sk.tree_attention(
-            i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"], i["tree_mask"], backend=b
-        ),
-        same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
+        ATTENTION,
+        same=_attention_close,
         baselines={"sdpa_dense_mask": _sdpa_dense},
     ),
     Entry(
         "tree_attention",
         _paged_attention_shapes,
         _make_paged_attention,  # paged KV cache (block_table)
-        lambda i, b: sk.tree_attention(
-            i["q"],
-            i["k_cache"],
-            i["v_cache"],
-            i["cache_seqlens"],
-            i["tree_mask"],
-            block_table=i["block_table"],
-            backend=b,
-        ),
-        same=lambda a, b: torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2),
+        ATTENTION + ("block_table",),
+        same=_attention_close,
         baselines={"sdpa_dense_mask": _sdpa_paged},
     ),
     Entry(
         "compact_kv_cache",
         _compact_shapes,
         _make_compact,
-        lambda i, b: sk.compact_kv_cache(
-            i["kv_cache"],
-            i["cache_seqlens"],
-            i["accepted_indices"],
-            i["num_accepted"],
-            backend=b,
-            **_args(i, "block_table", "kv_layout"),
-        ),
+        ("kv_cache", "cache_seqlens", "accepted_indices", "num_accepted"),
+        ("block_table", "kv_layout"),
         baselines={"index_select_loop": _index_select_loop},
     ),
 ]
@@ -549,20 +518,18 @@ def run(args) -> List[Dict]:
         format_table(
             rows,
             [
-                ("op", "op", "{}"),
-                ("shape", "shape_str", "{}"),
-                ("backend", "backend", "{}"),
-                ("dtype", "dtype", "{}"),
-                ("median us", "median_us", "{:.1f}"),
-                ("p20 us", "p20_us", "{:.1f}"),
-                ("p80 us", "p80_us", "{:.1f}"),
-                ("x ref", "speedup_vs_reference", "{:.2f}"),
-                ("bytes", "bytes", "{:.3g}"),
-                ("GB/s", "gbps", "{:.1f}"),
-                ("graph us", "graph_median_us", "{:.1f}"),
-                ("graph GB/s", "graph_gbps", "{:.1f}"),
-                ("ideal us", "ideal_us", "{:.1f}"),
-                ("% roofline", "copy_bw_share", "{:.0%}"),
+                column("op"),
+                column("shape_str", "shape"),
+                column("backend"),
+                DTYPE,
+                *TIME_US,
+                column("speedup_vs_reference", "x ref", "{:.2f}"),
+                column("bytes", fmt="{:.3g}"),
+                column("gbps", "GB/s", "{:.1f}"),
+                column("graph_median_us", "graph us", "{:.1f}"),
+                column("graph_gbps", "graph GB/s", "{:.1f}"),
+                column("ideal_us", "ideal us", "{:.1f}"),
+                column("copy_bw_share", "% roofline", "{:.0%}"),
             ],
         )
     )

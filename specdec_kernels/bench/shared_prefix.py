@@ -28,7 +28,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
-from specdec_kernels.bench.common import JsonlWriter, format_table, pyplot_or_none, write_jsonl
+from specdec_kernels.bench.common import (
+    METHOD,
+    TOKENS_PER_S,
+    JsonlWriter,
+    column,
+    format_table,
+    pyplot_or_none,
+    save_figure,
+    write_jsonl,
+)
 
 SYSTEM_PROMPT_FILE = Path(__file__).resolve().parent / "data" / "shared_system_prompt.txt"
 BLOCK_SIZE = 16
@@ -182,18 +191,18 @@ def run(args, ctx, questions, env) -> int:
         format_table(
             rows,
             [
-                ("method", "method", "{}"),
-                ("mode", "mode", "{}"),
-                ("batch", "batch", "{}"),
-                ("prefill pos", "prefill_tokens", "{}"),
-                ("x paged", "prefill_vs_paged", "{:.2f}"),
-                ("shared tok", "shared_prefill_tokens", "{}"),
-                ("draft pos", "draft_model_tokens", "{}"),
-                ("x paged", "draft_vs_paged", "{:.2f}"),
-                ("KV MiB", "kv_cache_mib", "{:.1f}"),
-                ("tokens/s", "tokens_per_s", "{:.1f}"),
-                ("x paged", "speed_vs_paged", "{:.2f}"),
-                ("same as alone", "same_count", "{}"),
+                METHOD,
+                column("mode"),
+                column("batch"),
+                column("prefill_tokens", "prefill pos"),
+                column("prefill_vs_paged", "x paged", "{:.2f}"),
+                column("shared_prefill_tokens", "shared tok"),
+                column("draft_model_tokens", "draft pos"),
+                column("draft_vs_paged", "x paged", "{:.2f}"),
+                column("kv_cache_mib", "KV MiB", "{:.1f}"),
+                TOKENS_PER_S,
+                column("speed_vs_paged", "x paged", "{:.2f}"),
+                column("same_count", "same as alone"),
             ],
         )
     )
@@ -227,11 +236,9 @@ def plot(rows: List[Dict], path: Path, env: Dict, batch: int, common: int) -> No
         ax.set_xticklabels(methods, fontsize=8)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
-    fig.suptitle(
+    save_figure(
+        fig,
+        path,
         f"{batch} requests sharing a {common}-token system prompt, SmolLM2-135M-Instruct, {env['dtype']} on "
         f"{env['device']} (commit {env['commit']})",
-        fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

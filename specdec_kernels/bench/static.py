@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from specdec_kernels.bench.common import column
+
 # Realistic shapes (target models users run with speculative decoding)
 VOCABS = {"llama3": 128256, "qwen2": 151936, "smollm2": 49152, "llama2": 32000}
 BATCHES = (1, 8, 64, 256)
@@ -280,13 +282,7 @@ def launcher_specs(sm_count: Optional[int] = None) -> List[dict]:
                     cfg = trs.launch_config(B, n, V, sms, has_draft=has_draft)
                     add(aot.tree_rejection_specs(has_draft, cfg, prob="*bf16"), f"{shape} N={n}")
     accept = vg.launch_config(1, 32, 31, VOCABS["llama3"], sms)
-    for i, c, flat, bonus_ids in (
-        ("i32", "i64", False, False),
-        ("i64", "i64", False, False),
-        ("i32", "i32", True, False),
-        ("i32", "i32", True, True),
-        ("i64", "i64", True, True),
-    ):
+    for i, c, flat, bonus_ids in aot.ACCEPT_VARIANTS:
         add(aot.accept_spec(i, c, flat, bonus_ids, accept), "K <= 31")
     for n in TREE_NODES:
         walk = vtg.launch_config(1, n, VOCABS["llama3"], sms)
@@ -371,19 +367,19 @@ def collect(
 
 
 COLUMNS = [
-    ("kernel", "kernel", "{}"),
-    ("arch", "arch", "sm_{}"),
-    ("warps", "warps", "{}"),
-    ("regs", "registers", "{}"),
-    ("spill st", "spill_stores", "{}"),
-    ("spill ld", "spill_loads", "{}"),
-    ("stack", "stack", "{}"),
-    ("fma", "fp_contractions", "{}"),
-    ("smem static", "static_smem", "{}"),
-    ("smem dyn", "dynamic_smem", "{}"),
-    ("blocks/SM", "blocks_per_sm", "{}"),
-    ("occupancy", "occupancy", "{:.0%}"),
-    ("limited by", "limiter", "{}"),
+    column("kernel"),
+    column("arch", fmt="sm_{}"),
+    column("warps"),
+    column("registers", "regs"),
+    column("spill_stores", "spill st"),
+    column("spill_loads", "spill ld"),
+    column("stack"),
+    column("fp_contractions", "fma"),
+    column("static_smem", "smem static"),
+    column("dynamic_smem", "smem dyn"),
+    column("blocks_per_sm", "blocks/SM"),
+    column("occupancy", fmt="{:.0%}"),
+    column("limiter", "limited by"),
 ]
 
 

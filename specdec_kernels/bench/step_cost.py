@@ -35,14 +35,18 @@ from typing import Dict, List, Optional
 import torch
 
 from specdec_kernels.bench.common import (
+    DTYPE,
+    TIME_US,
     check_device,
     check_range,
+    column,
     environment,
     format_table,
     int_list,
     model_positions,
     out_dir,
     pyplot_or_none,
+    save_figure,
     time_fn,
     write_jsonl,
 )
@@ -354,9 +358,7 @@ def plot(rows: List[Dict], path, env) -> None:
     ax.set_title(f"verify cost vs decode, {env['device']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> List[Dict]:
@@ -459,16 +461,14 @@ def main(argv=None) -> List[Dict]:
         format_table(
             rows,
             [
-                ("engine", "engine", "{}"),
-                ("model", "model", "{}"),
-                ("kind", "kind", "{}"),
-                ("N", "N", "{}"),
-                ("prefix", "prefix", "{}"),
-                ("dtype", "dtype", "{}"),
-                ("median us", "median_us", "{:.1f}"),
-                ("p20 us", "p20_us", "{:.1f}"),
-                ("p80 us", "p80_us", "{:.1f}"),
-                ("cost / decode", "ratio_to_decode", "{:.2f}"),
+                column("engine"),
+                column("model"),
+                column("kind"),
+                column("N"),
+                column("prefix"),
+                DTYPE,
+                *TIME_US,
+                column("ratio_to_decode", "cost / decode", "{:.2f}"),
             ],
         )
     )
@@ -478,11 +478,11 @@ def main(argv=None) -> List[Dict]:
             f"# one pass of N tokens after {prefix} cached, logits for every row, {threads} threads: ours (chain) "
             "in each numerics beside llama.cpp on the same GGUF; N = prefill: the prefix's own pass"
         )
-        cols = [("N", "N", "{}")]
+        cols = [column("N")]
         for nx in NUMERICS:
-            cols += [(f"{nx} ms", f"{nx}_ms", "{:.2f}"), ("x N=1", f"{nx}_ratio", "{:.2f}")]
-            cols += [("/ llama.cpp", f"{nx}_over_llamacpp", "{:.2f}")]
-        cols += [("llama.cpp ms", "llamacpp_ms", "{:.2f}"), ("x N=1", "llamacpp_ratio", "{:.2f}")]
+            cols += [column(f"{nx}_ms", f"{nx} ms", "{:.2f}"), column(f"{nx}_ratio", "x N=1", "{:.2f}")]
+            cols += [column(f"{nx}_over_llamacpp", "/ llama.cpp", "{:.2f}")]
+        cols += [column("llamacpp_ms", "llama.cpp ms", "{:.2f}"), column("llamacpp_ratio", "x N=1", "{:.2f}")]
         print(format_table(both, cols))
     ours_decode = [r for r in rows if r.get("engine") == "ours" and r["kind"] == "decode" and "streamed_bytes" in r]
     if ours_decode and device.type == "cpu":
@@ -505,11 +505,11 @@ def main(argv=None) -> List[Dict]:
             format_table(
                 stream,
                 [
-                    ("numerics", "numerics", "{}"),
-                    ("weight MB", "streamed_mb", "{:.1f}"),
-                    ("stream once ms", "stream_once_ms", "{:.2f}"),
-                    ("decode us", "median_us", "{:.0f}"),
-                    ("decode / stream", "decode_over_stream", "{:.2f}"),
+                    column("numerics"),
+                    column("streamed_mb", "weight MB", "{:.1f}"),
+                    column("stream_once_ms", "stream once ms", "{:.2f}"),
+                    column("median_us", "decode us", "{:.0f}"),
+                    column("decode_over_stream", "decode / stream", "{:.2f}"),
                 ],
             )
         )

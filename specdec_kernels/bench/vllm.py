@@ -292,7 +292,16 @@ def _ours(prompts: List[List[int]], k: int, max_new_tokens: int, eos: int, round
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from specdec_kernels.bench.common import chat_prompt_ids, environment, format_table, out_dir, too_long, write_jsonl
+    from specdec_kernels.bench.common import (
+        METHOD,
+        chat_prompt_ids,
+        column,
+        environment,
+        format_table,
+        out_dir,
+        too_long,
+        write_jsonl,
+    )
     from specdec_kernels.bench.e2e import default_prompts_file, load_questions
     from specdec_kernels.decoding.loading import smollm2_tokenizer
 
@@ -425,13 +434,13 @@ def run(args: argparse.Namespace) -> int:
     table = format_table(
         rows,
         [
-            ("method", "method", "{}"),
-            ("tokens/s (median)", "tokens_per_s", "{:.1f}"),
-            ("min-max", "spread", "{}"),
-            ("x vllm-greedy", "speedup_vs_vllm_greedy", "{:.2f}"),
-            ("accepted length", "mean_accepted_length", "{:.2f}"),
-            ("drafts", "draft_tokens", "{}"),
-            ("accepted", "accepted_tokens", "{}"),
+            METHOD,
+            column("tokens_per_s", "tokens/s (median)", "{:.1f}"),
+            column("spread", "min-max"),
+            column("speedup_vs_vllm_greedy", "x vllm-greedy", "{:.2f}"),
+            column("mean_accepted_length", "accepted length", "{:.2f}"),
+            column("draft_tokens", "drafts"),
+            column("accepted_tokens", "accepted"),
         ],
     )
     footer = (
