@@ -177,9 +177,34 @@ def _pick_token(found, last, total):
 
 
 @triton.jit
-def _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, mass0, mass1, last0, last1):
-    """Store chunk ``split``'s masses and last indices with mass of two weight rows, for the
-    [BB] rows ``rows``, into [2, S, B] tables (float64 masses, int32 indices)."""
+def _no_chunk_partials(BLOCK_B: tl.constexpr):
+    """The running partials of a chunk of two weight rows before its first tile: (mass0, mass1)
+    [BB] float64 zeros and (last0, last1) [BB] int32 -1 (no index with mass yet)."""
+    mass0 = tl.zeros([BLOCK_B], dtype=tl.float64)
+    mass1 = tl.zeros([BLOCK_B], dtype=tl.float64)
+    last0 = tl.full([BLOCK_B], -1, tl.int32)
+    last1 = tl.full([BLOCK_B], -1, tl.int32)
+    return mass0, mass1, last0, last1
+
+
+@triton.jit
+def _add_chunk_partials(partials, w0, w1, offs):
+    """``partials`` (``_no_chunk_partials``) after one tile of the two weight rows ``w0`` and
+    ``w1`` [BB, BV] (float64) at the columns ``offs`` [BV]: masses summed, tile by tile."""
+    mass0, mass1, last0, last1 = partials
+    mass0 += tl.sum(w0, axis=1)
+    mass1 += tl.sum(w1, axis=1)
+    last0 = _last_with_mass(w0, offs, last0)
+    last1 = _last_with_mass(w1, offs, last1)
+    return mass0, mass1, last0, last1
+
+
+@triton.jit
+def _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, partials):
+    """Store chunk ``split``'s ``partials`` (``_add_chunk_partials``: the masses and last indices
+    with mass of two weight rows), for the [BB] rows ``rows``, into [2, S, B] tables (float64
+    masses, int32 indices)."""
+    mass0, mass1, last0, last1 = partials
     at = split.to(tl.int64) * B + rows.to(tl.int64)
     tl.store(part_mass_ptr + at, mass0, mask=rmask)
     tl.store(part_mass_ptr + S * B + at, mass1, mask=rmask)
@@ -214,3 +239,30 @@ def _find_chunk(w_s, cum, threshold, searching, BLOCK_S: tl.constexpr):
     base = tl.sum(tl.where(cs[None, :] < chunk[:, None], w_s, 0.0), axis=1)
     chunk = tl.where(chunk == NOT_FOUND, -1, chunk)
     return chunk, base, searching & (chunk >= 0)
+
+
+@triton.jit
+def _start_search(
+    use0, partials, final_u_ptr, rows64, live, TILES_PER_SPLIT, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    """The start of the inverse-CDF search of the [BB] rows over their weight row 0 (the
+    residual) where ``use0``, else row 1 (the target row), from the chunks' ``partials``
+    (``_load_chunk_partials``): ``u * total`` with u read from ``final_u_ptr`` for the ``live``
+    rows, then the chunk that holds it (``_find_chunk``).
+
+    Returns (total, last, threshold, searching, lo, carry, found): the row's mass and last
+    index with mass, the threshold, the rows that have a chunk to search, the first column of
+    that chunk (of ``TILES_PER_SPLIT`` tiles of ``BLOCK_V``), and the state of
+    ``_cdf_search_tile`` before its first tile."""
+    mass0, mass1, last0, last1 = partials
+    w_s = tl.where(use0[:, None], mass0, mass1)  # [BB, BLOCK_S]: the sampled row's chunk masses
+    cum = tl.cumsum(w_s, axis=1)  # inclusive, in chunk order
+    total = tl.max(cum, axis=1)  # the last chunk's running sum (masses are >= 0)
+    last = tl.where(use0, last0, last1)
+    # the first chunk where the running CDF exceeds u * total (and that has mass)
+    u_final = tl.load(final_u_ptr + rows64, mask=live, other=0.0).to(tl.float64)
+    threshold = u_final * total
+    chunk, base, searching = _find_chunk(w_s, cum, threshold, live & (total > 0), BLOCK_S)
+    found = tl.full(total.shape, NOT_FOUND, tl.int32)
+    lo = tl.maximum(chunk, 0) * (TILES_PER_SPLIT * BLOCK_V)
+    return total, last, threshold, searching, lo, base, found

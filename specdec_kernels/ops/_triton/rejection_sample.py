@@ -20,39 +20,28 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
 from specdec_kernels._library import kernel_op, launch
+from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
 from specdec_kernels.ops._triton._sampling_common import (
-    NOT_FOUND,
     VocabSplit,
+    _add_chunk_partials,
     _cdf_search_tile,
-    _find_chunk,
-    _last_with_mass,
     _load_chunk_partials,
     _mass64,
+    _no_chunk_partials,
     _pick_token,
+    _start_search,
     _store_chunk_partials,
     vocab_split,
 )
 
 
 @triton.jit
-def _chain_rows(
-    tokens_ptr,
-    num_draft_ptr,
-    target_ptr,
-    draft_ptr,
-    rows,
-    rmask,
-    K,
-    T,
-    stride_tb,
-    stride_tk,
-    stride_db,
-    stride_dk,
-    FLAT: tl.constexpr,
-    BONUS_IDS: tl.constexpr,
-):
+def _chain_rows(ptrs, strides, rows, rmask, K, T, FLAT: tl.constexpr, BONUS_IDS: tl.constexpr):
     """(n, tok0, t_rows, d_rows) of each of the [BB] requests: its draft count (clamped to
-    0..K), its first flat draft, and the pointers of its first target and draft rows."""
+    0..K), its first flat draft, and the pointers of its first target and draft rows.
+    ``ptrs`` and ``strides``: the kernels' tensors and row strides (see ``_chain_state``)."""
+    target_ptr, draft_ptr, _, num_draft_ptr, _ = ptrs
+    stride_tb, stride_tk, stride_db, stride_dk = strides
     rows64 = rows.to(tl.int64)
     if FLAT:
         # request spans from the inclusive cumsum, clamped as in specdec_kernels/_flattened.py:
@@ -116,20 +105,13 @@ def _chain_walk(
 
 @triton.jit
 def _chain_state(
-    tokens_ptr,
-    num_draft_ptr,
-    target_ptr,
-    draft_ptr,
-    coins_ptr,
+    ptrs,
+    strides,
     rows,
     rmask,
     K,
     V,
     T,
-    stride_tb,
-    stride_tk,
-    stride_db,
-    stride_dk,
     FLAT: tl.constexpr,
     BONUS_IDS: tl.constexpr,
     HAS_DRAFT: tl.constexpr,
@@ -138,23 +120,13 @@ def _chain_state(
     """Everything before the vocabulary scan, for the [BB] requests ``rows``: (tok0, num_acc,
     rejected, need, p_rows, q_rows, at).  The row to sample from is the residual
     max(0, p - q) at the first rejection (p itself if that has no mass), else the bonus row
-    after the last draft; with BONUS_IDS a fully accepted request has no row (``need`` off)."""
-    n, tok0, t_rows, d_rows = _chain_rows(
-        tokens_ptr,
-        num_draft_ptr,
-        target_ptr,
-        draft_ptr,
-        rows,
-        rmask,
-        K,
-        T,
-        stride_tb,
-        stride_tk,
-        stride_db,
-        stride_dk,
-        FLAT,
-        BONUS_IDS,
-    )
+    after the last draft; with BONUS_IDS a fully accepted request has no row (``need`` off).
+
+    ``ptrs`` = (target_ptr, draft_ptr, tokens_ptr, num_draft_ptr, coins_ptr) and ``strides`` =
+    (stride_tb, stride_tk, stride_db, stride_dk): the kernels' arguments of those names."""
+    _, _, tokens_ptr, _, coins_ptr = ptrs
+    _, stride_tk, _, stride_dk = strides
+    n, tok0, t_rows, d_rows = _chain_rows(ptrs, strides, rows, rmask, K, T, FLAT, BONUS_IDS)
     num_acc = _chain_walk(
         tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk, HAS_DRAFT, BLOCK_B
     )
@@ -216,41 +188,18 @@ def _rejection_partials_kernel(
     S = tl.num_programs(1)
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
+    ptrs = (target_ptr, draft_ptr, tokens_ptr, num_draft_ptr, coins_ptr)
+    strides = (stride_tb, stride_tk, stride_db, stride_dk)
     _, _, rejected, need, p_rows, q_rows, at = _chain_state(
-        tokens_ptr,
-        num_draft_ptr,
-        target_ptr,
-        draft_ptr,
-        coins_ptr,
-        rows,
-        rmask,
-        K,
-        V,
-        T,
-        stride_tb,
-        stride_tk,
-        stride_db,
-        stride_dk,
-        FLAT,
-        BONUS_IDS,
-        HAS_DRAFT,
-        BLOCK_B,
+        ptrs, strides, rows, rmask, K, V, T, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B
     )
-    tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
-    tot_r = tl.zeros([BLOCK_B], dtype=tl.float64)
-    last_p = tl.full([BLOCK_B], -1, tl.int32)
-    last_r = tl.full([BLOCK_B], -1, tl.int32)
+    partials = _no_chunk_partials(BLOCK_B)
     lo = split * TILES_PER_SPLIT * BLOCK_V
     for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
         offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
         p, q = _chain_tile(p_rows, q_rows, at, rejected, need, offs[None, :], (offs < V)[None, :], HAS_DRAFT)
-        wp = _mass64(p)
-        wr = _mass64(p - q)
-        tot_p += tl.sum(wp, axis=1)
-        tot_r += tl.sum(wr, axis=1)
-        last_p = _last_with_mass(wp, offs, last_p)
-        last_r = _last_with_mass(wr, offs, last_r)
-    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, tot_p, tot_r, last_p, last_r)
+        partials = _add_chunk_partials(partials, _mass64(p), _mass64(p - q), offs)
+    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, partials)
 
 
 @triton.jit
@@ -291,46 +240,21 @@ def _rejection_sample_kernel(
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
+    ptrs = (target_ptr, draft_ptr, tokens_ptr, num_draft_ptr, coins_ptr)
+    strides = (stride_tb, stride_tk, stride_db, stride_dk)
     tok0, num_acc, rejected, need, p_rows, q_rows, at = _chain_state(
-        tokens_ptr,
-        num_draft_ptr,
-        target_ptr,
-        draft_ptr,
-        coins_ptr,
-        rows,
-        rmask,
-        K,
-        V,
-        T,
-        stride_tb,
-        stride_tk,
-        stride_db,
-        stride_dk,
-        FLAT,
-        BONUS_IDS,
-        HAS_DRAFT,
-        BLOCK_B,
+        ptrs, strides, rows, rmask, K, V, T, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B
     )
 
     # the chunks' masses, one vector load per row (no loop over chunks)
     mass_p, mass_r, last_p, last_r = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
-    tot_r = tl.sum(mass_r, axis=1)
-    use_q = rejected & (tot_r > 0)
-    w_s = tl.where(use_q[:, None], mass_r, mass_p)  # [BB, BLOCK_S]: the sampled row's chunk masses
-    cum = tl.cumsum(w_s, axis=1)  # inclusive, in chunk order
-    total = tl.max(cum, axis=1)  # the last chunk's running sum (masses are >= 0)
-    last = tl.where(use_q, last_r, last_p)
+    use_q = rejected & (tl.sum(mass_r, axis=1) > 0)  # the residual has mass
     at = tl.where(use_q, at, -1)
-
-    # the first chunk where the running CDF exceeds u * total (and that has mass)
-    u_final = tl.load(final_u_ptr + rows64, mask=need, other=0.0).to(tl.float64)
-    threshold = u_final * total
-    chunk, base, searching = _find_chunk(w_s, cum, threshold, need & (total > 0), BLOCK_S)
+    total, last, threshold, searching, lo, carry, found = _start_search(
+        use_q, (mass_r, mass_p, last_r, last_p), final_u_ptr, rows64, need, TILES_PER_SPLIT, BLOCK_V, BLOCK_S
+    )
 
     # inverse CDF inside that chunk (columns per row: the chunks differ between rows)
-    found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
-    carry = base
-    lo = tl.maximum(chunk, 0) * (TILES_PER_SPLIT * BLOCK_V)
     for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
         cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
         p, q = _chain_tile(p_rows, q_rows, at, use_q & searching, searching, cols, cols < V, HAS_DRAFT)
@@ -348,10 +272,6 @@ def _rejection_sample_kernel(
     out = tl.where(c2 == num_acc[:, None], sampled[:, None], tl.where(keep, toks, -1))
     tl.store(out_ptr + rows64[:, None] * (K + 1) + c2, out, mask=rmask[:, None] & (c2 < K + 1))
     tl.store(num_accepted_ptr + rows64, num_acc.to(tl.int64), mask=rmask)
-
-
-def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(1, dtype=dtype, device=like.device)
 
 
 def sample_num_warps(block_v: int) -> int:
@@ -391,34 +311,58 @@ def launch_config(
     return RejectionSampleLaunch(split, next_pow2(num_drafts + 1), sample_num_warps(split.block_v))
 
 
+def _row_strides(x: torch.Tensor, flat: bool) -> Tuple[int, int]:
+    """(sequence, row) strides of a target or draft tensor: a flattened tensor's rows are its
+    first dimension (sequence stride 0: the kernels find the rows from the counts)."""
+    return (0, x.stride(0)) if flat else (x.stride(0), x.stride(1))
+
+
 def _launch_chain(
-    target,
-    draft,
-    tokens,
-    counts,
-    bonus,
-    coins,
-    final_u,
-    out,
-    num_accepted,
-    B,
-    K,
-    V,
-    T,
-    strides,
-    *,
-    flat,
-    bonus_ids,
-    has_draft,
-):
-    """The two launches of one call (``launch_config``)."""
-    device = target.device
-    cfg = launch_config(B, K, V, _device.sm_count(device))
+    target_probs: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    coins: torch.Tensor,
+    final_u: torch.Tensor,
+    K: int,
+    bonus_ids: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The two launches of one call (``launch_config``) in either layout: padded (a [B, K + 1, V]
+    target) or flattened (``FLAT``: a [T + B, V] target, or [T, V] with ``bonus_ids``).
+
+    Allocates the outputs (B = ``counts.shape[0]``), reads the last dimensions unit-stride and
+    stands one-element dummies for the empty tensors the kernels never read.  Returns
+    (output_tokens (B, K + 1) int64, num_accepted (B,) int64)."""
+    flat = target_probs.dim() == 2
+    B, V = counts.shape[0], target_probs.shape[-1]
+    out, num_accepted = new_int64(target_probs, (B, K + 1), (B,))
+    if B == 0:
+        return out, num_accepted
+    T = tokens.shape[0] if flat else 0
+    target = unit_stride(target_probs)
+    if target.shape[0] == 0:  # flattened, T = 0 with bonus ids: nothing is read
+        target = dummy(target, target.dtype)
+    has_draft = draft_probs is not None and (T > 0 or not flat)
+    draft = unit_stride(draft_probs) if has_draft else target
+    if tokens.numel() > 0:
+        tokens = tokens.contiguous()
+        coins = coins.to(torch.float32).contiguous()
+    else:  # empty tensors may have no storage; the kernels never read these
+        tokens, coins = dummy(target, torch.int64), dummy(target, torch.float32)
+    counts = counts.contiguous()
+    bonus = bonus_ids.contiguous() if bonus_ids is not None else counts  # unused without BONUS_IDS
+    (stride_tb, stride_tk), (stride_db, stride_dk) = _row_strides(target, flat), _row_strides(draft, flat)
+    strides = (stride_tb, stride_tk, stride_db, stride_dk if has_draft else 0)
+    cfg = launch_config(B, K, V, _device.sm_count(target.device))
     S, tiles_per_split = cfg.vocab.splits, cfg.vocab.tiles_per_split
-    part_mass = torch.empty((2, S, B), dtype=torch.float64, device=device)
-    part_last = torch.empty((2, S, B), dtype=torch.int32, device=device)
+    part_mass = torch.empty((2, S, B), dtype=torch.float64, device=target.device)
+    part_last = torch.empty((2, S, B), dtype=torch.int32, device=target.device)
     meta = dict(
-        FLAT=flat, BONUS_IDS=bonus_ids, HAS_DRAFT=has_draft, BLOCK_B=cfg.vocab.block_b, BLOCK_V=cfg.vocab.block_v
+        FLAT=flat,
+        BONUS_IDS=bonus_ids is not None,
+        HAS_DRAFT=has_draft,
+        BLOCK_B=cfg.vocab.block_b,
+        BLOCK_V=cfg.vocab.block_v,
     )
     launch(_rejection_partials_kernel)[cfg.vocab.grid](
         target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta
@@ -430,7 +374,7 @@ def _launch_chain(
         counts,
         bonus,
         coins,
-        final_u,
+        final_u.to(torch.float32).contiguous(),
         part_mass,
         part_last,
         out,
@@ -447,6 +391,7 @@ def _launch_chain(
         num_warps=cfg.sample_num_warps,
         **meta,
     )
+    return out, num_accepted
 
 
 def _rejection_sample_triton_impl(
@@ -474,45 +419,9 @@ def _rejection_sample_triton_impl(
         ``u * total`` lies within float64 rounding of a CDF boundary (the kernel sums in
         tiles, the reference sequentially).  The residual is never written to memory.
     """
-    B, K1, V = target_probs.shape
-    K = K1 - 1
-    device = target_probs.device
-    out = torch.empty((B, K1), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
-    if B == 0:
-        return out, num_accepted
-    target = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-    has_draft = draft_probs is not None
-    if has_draft:
-        draft = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
-    else:
-        draft = target
-    if K > 0:
-        tokens = draft_tokens.contiguous()
-        coins = uniform_samples.to(torch.float32).contiguous()
-    else:  # empty tensors may have no storage; the kernel never reads these
-        tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
-    counts = num_draft_tokens.to(torch.int64).contiguous()
-    _launch_chain(
-        target,
-        draft,
-        tokens,
-        counts,
-        counts,
-        coins,
-        sample_uniforms.to(torch.float32).contiguous(),
-        out,
-        num_accepted,
-        B,
-        K,
-        V,
-        0,
-        (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0),
-        flat=False,
-        bonus_ids=False,
-        has_draft=has_draft,
-    )
-    return out, num_accepted
+    K = target_probs.shape[1] - 1
+    counts = num_draft_tokens.to(torch.int64)
+    return _launch_chain(target_probs, draft_probs, draft_tokens, counts, uniform_samples, sample_uniforms, K)
 
 
 def _rejection_sample_triton_fake(
@@ -520,10 +429,7 @@ def _rejection_sample_triton_fake(
 ):
     B, K1, _ = target_probs.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    return (
-        target_probs.new_empty((B, K1), dtype=torch.int64),
-        target_probs.new_empty((B,), dtype=torch.int64),
-    )
+    return new_int64(target_probs, (B, K1), (B,))
 
 
 rejection_sample_triton = kernel_op(
@@ -561,48 +467,16 @@ def _rejection_sample_flattened_triton_impl(
         (output_tokens (B, max_spec_len + 1) int64 with -1 padding, num_accepted (B,) int64):
         the padded kernel's arithmetic on the flat rows, read in place.
     """
-    T, B, V = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0], target_probs.shape[1]
-    K = max_spec_len
-    device = target_probs.device
-    out = torch.empty((B, K + 1), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
-    if B == 0:
-        return out, num_accepted
-    target = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-    if target.shape[0] == 0:  # T = 0 with bonus ids: nothing is read
-        target = _dummy(target, target.dtype)
-    has_draft = draft_probs is not None and T > 0
-    if has_draft:
-        draft = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
-    else:
-        draft = target
-    if T > 0:
-        tokens = draft_token_ids.contiguous()
-        coins = uniform_samples.to(torch.float32).contiguous()
-    else:  # empty tensors may have no storage; the kernel never reads these
-        tokens, coins = _dummy(target, torch.int64), _dummy(target, torch.float32)
-    cu = cu_num_draft_tokens.contiguous()
-    bonus = bonus_token_ids.contiguous() if bonus_token_ids is not None else cu  # unused without BONUS_IDS
-    _launch_chain(
-        target,
-        draft,
-        tokens,
-        cu,
-        bonus,
-        coins,
-        sample_uniforms.to(torch.float32).contiguous(),
-        out,
-        num_accepted,
-        B,
-        K,
-        V,
-        T,
-        (0, target.stride(0), 0, draft.stride(0) if has_draft else 0),
-        flat=True,
-        bonus_ids=bonus_token_ids is not None,
-        has_draft=has_draft,
+    return _launch_chain(
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        uniform_samples,
+        sample_uniforms,
+        max_spec_len,
+        bonus_ids=bonus_token_ids,
     )
-    return out, num_accepted
 
 
 def _rejection_sample_flattened_triton_fake(
@@ -617,10 +491,7 @@ def _rejection_sample_flattened_triton_fake(
 ):
     B = cu_num_draft_tokens.shape[0]
     torch._check(target_probs.dim() == 2, lambda: "target_probs must be [T + B, V] or [T, V]")
-    return (
-        target_probs.new_empty((B, max_spec_len + 1), dtype=torch.int64),
-        target_probs.new_empty((B,), dtype=torch.int64),
-    )
+    return new_int64(target_probs, (B, max_spec_len + 1), (B,))
 
 
 rejection_sample_flattened_triton = kernel_op(

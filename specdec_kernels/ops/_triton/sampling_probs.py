@@ -122,20 +122,33 @@ def _search_state(
     rmask,
     R,
     S,
-    init_lo,
-    init_hi,
-    EXTRA: tl.constexpr,
+    OWN_STAGE: tl.constexpr,
+    MASS: tl.constexpr,
     NP: tl.constexpr,
-    W: tl.constexpr,
+    NUM_PASSES: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """The interval (lo, hi] that pass ``PASS`` of a search starts from, before refinement:
-    the initial one for pass 0, else the interval of pass PASS - 1 (``ivl_ptr`` [2, 2, R]
-    int64, ping-pong) with that pass's pivots and the column sums ``tot`` [BB, NP] (float64)
-    of its per-chunk results ``cnt_ptr`` ([2, S, R, W]: int32 counts, or with EXTRA float64
-    masses and, in column NP, the mass above lo, returned as ``tot_lo``)."""
-    started = PASS > 0
-    prev = (PASS + 1) % 2  # (PASS - 1) % 2 for PASS >= 1
+    """The state of the top-k search (``MASS`` off) or of the top-p search (``MASS``) in this
+    launch: (pass, lo, hi, pivots, tot, tot_lo).  The pass is ``PASS`` in the search's own stage
+    (``OWN_STAGE``), else ``NUM_PASSES`` (after the last pass); the interval (lo, hi] is the one
+    that pass starts from, before refinement: the initial one for pass 0, else the interval of
+    the pass before (``ivl_ptr`` [2, 2, R] int64, ping-pong) with that pass's pivots and the
+    column sums ``tot`` [BB, NP] (float64) of its per-chunk results ``cnt_ptr`` ([2, S, R, W]:
+    top-k, W = NP int32 counts of keys above each pivot; top-p, W = NP + 1 float64 masses and,
+    in column NP, the mass above lo, returned as ``tot_lo``)."""
+    if OWN_STAGE:
+        pass_ = PASS
+    else:
+        pass_ = PASS * 0 + NUM_PASSES  # after the last pass
+    if MASS:
+        init_lo = tl.full([BLOCK_B], -1, tl.int64)  # mass above: everything (>= top_p)
+        init_hi = tl.full([BLOCK_B], 2139095040, tl.int64)  # bits of +inf: no probability above
+    else:
+        init_lo = tl.full([BLOCK_B], -2147483649, tl.int64)  # #(key > lo) = V >= k
+        init_hi = tl.full([BLOCK_B], 2147483647, tl.int64)  # #(key > hi) = 0 < k
+    W: tl.constexpr = NP + 1 if MASS else NP
+    started = pass_ > 0
+    prev = (pass_ + 1) % 2  # (pass - 1) % 2 for pass >= 1
     lo = tl.load(ivl_ptr + (prev * 2) * R + rows64, mask=rmask & started, other=0)
     hi = tl.load(ivl_ptr + (prev * 2 + 1) * R + rows64, mask=rmask & started, other=0)
     lo = tl.where(started, lo, init_lo)
@@ -147,9 +160,9 @@ def _search_state(
     for s in tl.range(0, tl.where(started, S, 0)):
         row_base = base + (s * R + rows64) * W
         tot += tl.load(row_base[:, None] + cols[None, :], mask=rmask[:, None], other=0).to(tl.float64)
-        if EXTRA:
+        if MASS:
             tot_lo += tl.load(row_base + NP, mask=rmask, other=0.0)
-    return lo, hi, _pivots(lo, hi, NP), tot, tot_lo
+    return pass_, lo, hi, _pivots(lo, hi, NP), tot, tot_lo
 
 
 @triton.jit
@@ -240,24 +253,8 @@ def _sampling_probs_kernel(
             k = tl.load(topk_ptr + seq, mask=rmask, other=0)
             k = tl.where((k <= 0) | (k > V), V, k)
             k_active = live & (k < V)
-            if STAGE == _TOPK:
-                k_pass = PASS
-            else:
-                k_pass = PASS * 0 + NUM_PASSES  # after the last pass
-            lo, hi, piv, tot, _ = _search_state(
-                kcnt_ptr,
-                kivl_ptr,
-                k_pass,
-                rows64,
-                rmask,
-                R,
-                S,
-                tl.full([BLOCK_B], -2147483649, tl.int64),  # #(key > lo) = V >= k
-                tl.full([BLOCK_B], 2147483647, tl.int64),  # #(key > hi) = 0 < k
-                False,
-                NP,
-                NP,
-                BLOCK_B,
+            k_pass, lo, hi, piv, tot, _ = _search_state(
+                kcnt_ptr, kivl_ptr, PASS, rows64, rmask, R, S, STAGE == _TOPK, False, NP, NUM_PASSES, BLOCK_B
             )
             if k_pass > 0:
                 lo, hi = _refine(lo, hi, piv, tot < k.to(tl.float64)[:, None])
@@ -303,24 +300,8 @@ def _sampling_probs_kernel(
                 # (a nucleus of at least one token): a float64 floor, not a float32 one (denormals
                 # may be flushed to zero on GPUs)
                 top_p64 = tl.maximum(top_p.to(tl.float64), 1e-300)
-                if STAGE == _TOPP:
-                    p_pass = PASS
-                else:
-                    p_pass = PASS * 0 + NUM_PASSES  # after the last pass
-                lo, hi, piv, tot, tot_lo = _search_state(
-                    pmass_ptr,
-                    pivl_ptr,
-                    p_pass,
-                    rows64,
-                    rmask,
-                    R,
-                    S,
-                    tl.full([BLOCK_B], -1, tl.int64),  # mass above: everything (>= top_p)
-                    tl.full([BLOCK_B], 2139095040, tl.int64),  # bits of +inf: no probability above
-                    True,
-                    NP,
-                    NP + 1,
-                    BLOCK_B,
+                p_pass, lo, hi, piv, tot, tot_lo = _search_state(
+                    pmass_ptr, pivl_ptr, PASS, rows64, rmask, R, S, STAGE == _TOPP, True, NP, NUM_PASSES, BLOCK_B
                 )
                 if p_pass > 0:
                     below = tot < top_p64[:, None]

@@ -9,7 +9,7 @@ through its strides, so the NHD and HND layouts and every block size share the k
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import triton
@@ -18,7 +18,14 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._library import kernel_op, launch
 from specdec_kernels.checks import KV_LAYOUTS, pool_geometry
-from specdec_kernels.ops._tree_attention_launch import MASK_BOOL, MASK_CAUSAL, MASK_PACKED, MAX_SPLITS, launch_config
+from specdec_kernels.ops._tree_attention_launch import (
+    MASK_BOOL,
+    MASK_CAUSAL,
+    MASK_PACKED,
+    MAX_SPLITS,
+    TreeAttentionLaunch,
+    launch_config,
+)
 
 _LOG2E = 1.4426950408889634
 # software-pipelining depth of the prefix key loop (loads of later tiles overlap this one's math)
@@ -31,26 +38,18 @@ _jit = triton.jit
 
 
 @_jit
-def _kv_rows(
-    offs_k,
-    k_ok,
-    bt_base,
-    stride_tj,
-    page_size,
-    num_blocks,
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    PAGED: tl.constexpr,
-):
+def _kv_rows(offs_k, k_ok, cache, PAGED: tl.constexpr):
     """Offsets of the rows of cache slots ``offs_k`` from the K and V bases of this program.
 
     Dense: slot * slot stride.  PAGED: the slot's block id from the block table (loaded only
     where k_ok, so entries past a sequence's blocks are never read; clamped into
     [0, num_blocks), so no id makes the kernel read outside the pool), times the block stride,
-    plus its offset in the block times the slot stride.
+    plus its offset in the block times the slot stride.  ``cache``: see ``_attend_tile``.
     """
+    _, _, k_strides, v_strides, table = cache
+    stride_kb, stride_ks, _ = k_strides
+    stride_vb, stride_vs, _ = v_strides
+    bt_base, stride_tj, page_size, num_blocks = table
     if PAGED:
         blk = tl.load(bt_base + (offs_k // page_size) * stride_tj, mask=k_ok, other=0)
         blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
@@ -65,28 +64,25 @@ def _kv_rows(
 
 @_jit
 def _attend_tile(
-    acc,
-    m_i,
-    l_i,
-    bad,
-    q,
-    k_base,
-    v_base,
-    k_rows,
-    v_rows,
+    state,
+    query,
+    cache,
+    offs_k,
     k_ok,
     vis,
-    offs_d,
-    d_ok,
-    stride_kd,
-    stride_vd,
-    qk_scale,
     IEEE_DOT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    PAGED: tl.constexpr,
     MAY_BE_EMPTY: tl.constexpr,
 ):
-    """Online-softmax update with one tile of keys (rows k_rows / v_rows from the bases, loaded
-    where k_ok; visible where vis).
+    """Online-softmax update of ``state`` = (acc, m_i, l_i, bad) with one tile of keys: the
+    cache slots ``offs_k`` (loaded where k_ok; visible where vis).
+
+    ``query`` = (q, offs_d, d_ok, qk_scale): the program's query tile, its head-dimension lanes
+    and the softmax scale times log2(e).  ``cache`` = (k_base, v_base, (stride_kb, stride_ks,
+    stride_kd), (stride_vb, stride_vs, stride_vd), (bt_base, stride_tj, page_size, num_blocks)):
+    the K and V bases of this program, their (sequence or block, slot, dim) strides and, PAGED,
+    the sequence's block table row (see ``_kv_rows``).
 
     MAY_BE_EMPTY (the tree tiles, whose keys only some rows see): keys and values that are not
     finite are replaced by 0 before the products, so a key a row cannot see never reaches it through a
@@ -97,6 +93,12 @@ def _attend_tile(
     to fp32 (exact for bf16 products, as tensor cores compute them): the interpreter of
     triton 3.6 multiplies bf16 tiles as their uint16 storage.
     """
+    acc, m_i, l_i, bad = state
+    q, offs_d, d_ok, qk_scale = query
+    k_base, v_base, k_strides, v_strides, _ = cache
+    stride_kd = k_strides[2]
+    stride_vd = v_strides[2]
+    k_rows, v_rows = _kv_rows(offs_k, k_ok, cache, PAGED)
     kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None] * stride_kd, mask=d_ok[:, None] & k_ok[None, :], other=0.0)
     if MAY_BE_EMPTY:
         k32 = kt.to(tl.float32)
@@ -135,44 +137,9 @@ def _attend_tile(
 
 
 @_jit
-def _tree_tile(
-    acc,
-    m_i,
-    l_i,
-    bad,
-    q,
-    k_base,
-    v_base,
-    m_base,
-    j0,
-    tree_hi,
-    seqlen,
-    qi,
-    row_ok,
-    offs_d,
-    d_ok,
-    bt_base,
-    stride_tj,
-    page_size,
-    num_blocks,
-    stride_kb,
-    stride_ks,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vd,
-    stride_mi,
-    stride_mj,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-    PAGED: tl.constexpr,
-):
-    """Tree keys seqlen + j0 .. seqlen + j0 + BLOCK_N - 1: key seqlen + j visible to row (i, g) iff mask[i, j]."""
-    offs_j = j0 + tl.arange(0, BLOCK_N)
-    j_ok = offs_j < tree_hi
+def _tree_visible(m_base, offs_j, j_ok, qi, row_ok, stride_mi, stride_mj, MASK_KIND: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] visibility of the tree keys seqlen + offs_j: key seqlen + j visible to
+    row (i, g) iff mask[i, j] (MASK_KIND 0: the causal chain, j <= i)."""
     ok = row_ok[:, None] & j_ok[None, :]
     if MASK_KIND == 0:
         vis = ok & (offs_j[None, :] <= qi[:, None])
@@ -182,40 +149,7 @@ def _tree_tile(
     else:
         words = tl.load(m_base + qi[:, None] * stride_mi + (offs_j // 32)[None, :] * stride_mj, mask=ok, other=0)
         vis = ok & (((words >> (offs_j % 32)[None, :]) & 1) != 0)
-    k_rows, v_rows = _kv_rows(
-        seqlen + offs_j,
-        j_ok,
-        bt_base,
-        stride_tj,
-        page_size,
-        num_blocks,
-        stride_kb,
-        stride_ks,
-        stride_vb,
-        stride_vs,
-        PAGED,
-    )
-    return _attend_tile(
-        acc,
-        m_i,
-        l_i,
-        bad,
-        q,
-        k_base,
-        v_base,
-        k_rows,
-        v_rows,
-        j_ok,
-        vis,
-        offs_d,
-        d_ok,
-        stride_kd,
-        stride_vd,
-        qk_scale,
-        IEEE_DOT,
-        UPCAST_DOT,
-        True,
-    )
+    return vis
 
 
 @_jit
@@ -310,6 +244,11 @@ def _tree_attention_fwd_kernel(
         v_base = V + b64 * stride_vb + kvh64 * stride_vh
         bt_base = BLOCK_TABLE
 
+    query = (q, offs_d, d_ok, qk_scale)
+    k_strides = (stride_kb, stride_ks, stride_kd)
+    v_strides = (stride_vb, stride_vs, stride_vd)
+    cache = (k_base, v_base, k_strides, v_strides, (bt_base, stride_tj, page_size, num_blocks))
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -322,32 +261,11 @@ def _tree_attention_fwd_kernel(
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_k = start + tl.arange(0, BLOCK_N)
         k_ok = offs_k < hi
-        k_rows, v_rows = _kv_rows(
-            offs_k, k_ok, bt_base, stride_tj, page_size, num_blocks, stride_kb, stride_ks, stride_vb, stride_vs, PAGED
-        )
         acc, m_i, l_i, bad = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            bad,
-            q,
-            k_base,
-            v_base,
-            k_rows,
-            v_rows,
-            k_ok,
-            k_ok[None, :],
-            offs_d,
-            d_ok,
-            stride_kd,
-            stride_vd,
-            qk_scale,
-            IEEE_DOT,
-            UPCAST_DOT,
-            False,
+            (acc, m_i, l_i, bad), query, cache, offs_k, k_ok, k_ok[None, :], IEEE_DOT, UPCAST_DOT, PAGED, False
         )
 
-    # 2. the tree part, in the last split.
+    # 2. the tree part, in the last split: key seqlen + j visible to row (i, g) iff mask[i, j].
     if pid_s == num_splits - 1:
         if MASK_KIND == 0:
             # causal chain: the rows of this tile see nodes up to their largest node index
@@ -356,40 +274,12 @@ def _tree_attention_fwd_kernel(
             tree_hi = N
         m_base = MASK + b64 * stride_mb
         for j0 in tl.range(0, tree_hi, BLOCK_N, num_stages=1):  # a tile or two: not pipelined
-            acc, m_i, l_i, bad = _tree_tile(
-                acc,
-                m_i,
-                l_i,
-                bad,
-                q,
-                k_base,
-                v_base,
-                m_base,
-                j0,
-                tree_hi,
-                seqlen,
-                qi,
-                row_ok,
-                offs_d,
-                d_ok,
-                bt_base,
-                stride_tj,
-                page_size,
-                num_blocks,
-                stride_kb,
-                stride_ks,
-                stride_kd,
-                stride_vb,
-                stride_vs,
-                stride_vd,
-                stride_mi,
-                stride_mj,
-                qk_scale,
-                BLOCK_N,
-                MASK_KIND,
-                IEEE_DOT,
-                UPCAST_DOT,
-                PAGED,
+            offs_j = j0 + tl.arange(0, BLOCK_N)
+            j_ok = offs_j < tree_hi
+            vis = _tree_visible(m_base, offs_j, j_ok, qi, row_ok, stride_mi, stride_mj, MASK_KIND)
+            keys = seqlen + offs_j
+            acc, m_i, l_i, bad = _attend_tile(
+                (acc, m_i, l_i, bad), query, cache, keys, j_ok, vis, IEEE_DOT, UPCAST_DOT, PAGED, True
             )
 
     if SPLIT:
@@ -463,6 +353,27 @@ def _tree_attention_combine_kernel(
     )
 
 
+def fwd_constexprs(
+    cfg: TreeAttentionLaunch, head_dim: int, mask_kind: int, *, ieee: bool, upcast: bool, paged: bool
+) -> Dict[str, object]:
+    """The constexpr arguments of ``_tree_attention_fwd_kernel`` in launch ``cfg``
+    (``launch_config``) over heads of ``head_dim`` with ``mask_kind`` (``MASK_*``): ``ieee``,
+    fp32 inputs (full-precision dots); ``upcast``, bf16 dots on fp32 operands (the
+    interpreter); ``paged``, a paged cache."""
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=cfg.block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        MASK_KIND=mask_kind,
+        SPLIT=cfg.num_splits > 1,
+        IEEE_DOT=ieee,
+        UPCAST_DOT=upcast,
+        NUM_STAGES=NUM_STAGES,
+        PAGED=paged,
+    )
+
+
 def _launch(
     q,
     k_cache,
@@ -493,7 +404,8 @@ def _launch(
     if B == 0 or N == 0 or H == 0:
         return out
     sms = _device.sm_count(q.device)
-    cfg = launch_config(B, Hkv, N, G, D, sms, ieee=q.dtype == torch.float32, num_splits=num_splits)
+    ieee, paged = q.dtype == torch.float32, block_table is not None
+    cfg = launch_config(B, Hkv, N, G, D, sms, ieee=ieee, num_splits=num_splits)
     if mask_kind == MASK_CAUSAL:
         mask, smb, smi, smj = cache_seqlens, 0, 0, 0  # never read
     else:
@@ -532,16 +444,7 @@ def _launch(
         smi,
         smj,
         *out.stride(),
-        HEAD_DIM=D,
-        BLOCK_D=cfg.block_d,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        MASK_KIND=mask_kind,
-        SPLIT=split,
-        IEEE_DOT=q.dtype == torch.float32,
-        UPCAST_DOT=sms is None and q.dtype == torch.bfloat16,
-        NUM_STAGES=NUM_STAGES,
-        PAGED=block_table is not None,
+        **fwd_constexprs(cfg, D, mask_kind, ieee=ieee, upcast=sms is None and q.dtype == torch.bfloat16, paged=paged),
         num_warps=cfg.num_warps,
     )
     if split:

@@ -35,16 +35,17 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import cdiv, next_pow2
 from specdec_kernels._library import kernel_op, launch
+from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
 from specdec_kernels.ops._triton._sampling_common import (
-    NOT_FOUND,
     VocabSplit,
+    _add_chunk_partials,
     _cdf_search_tile,
-    _find_chunk,
-    _last_with_mass,
     _load_chunk_partials,
     _mass64,
     _mul_rn,
+    _no_chunk_partials,
     _pick_token,
+    _start_search,
     _store_chunk_partials,
     vocab_split,
 )
@@ -294,26 +295,13 @@ def _zeroed(cols, rej, nrej, NP: tl.constexpr, rmask):
 
 
 @triton.jit
-def _final_state(
-    target_ptr,
-    draft_ptr,
-    tsum_ptr,
-    state_ptr,
-    rej_ptr,
-    rows,
-    rmask,
-    B,
-    N,
-    stride_tb,
-    stride_tn,
-    stride_db,
-    stride_dn,
-    HAS_DRAFT: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    NP: tl.constexpr,
-):
+def _final_state(ptrs, strides, rows, rmask, B, N, HAS_DRAFT: tl.constexpr, BLOCK_B: tl.constexpr, NP: tl.constexpr):
     """(p_rows, q_rows, ts_rows, n_upd, rej, nrej) of the [BB] sequences: the last node's rows
-    and how its residual is rebuilt."""
+    and how its residual is rebuilt.  ``ptrs`` = (target_ptr, draft_ptr, tsum_ptr, state_ptr,
+    rej_ptr) and ``strides`` = (stride_tb, stride_tn, stride_db, stride_dn): the arguments of
+    those names of ``_tree_final_partials_kernel``."""
+    target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr = ptrs
+    stride_tb, stride_tn, stride_db, stride_dn = strides
     rows64 = rows.to(tl.int64)
     cur = tl.minimum(tl.maximum(tl.load(state_ptr + rows64, mask=rmask, other=0), 0), N - 1).to(tl.int64)
     count = tl.minimum(tl.maximum(tl.load(state_ptr + B + rows64, mask=rmask, other=0), 0), N - 1)
@@ -383,28 +371,10 @@ def _tree_final_partials_kernel(
     rows = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
     w_rows = weights_ptr + rows.to(tl.int64) * V
-    p_rows, q_rows, ts_rows, n_upd, rej, nrej = _final_state(
-        target_ptr,
-        draft_ptr,
-        tsum_ptr,
-        state_ptr,
-        rej_ptr,
-        rows,
-        rmask,
-        B,
-        N,
-        stride_tb,
-        stride_tn,
-        stride_db,
-        stride_dn,
-        HAS_DRAFT,
-        BLOCK_B,
-        NP,
-    )
-    tot_w = tl.zeros([BLOCK_B], dtype=tl.float64)
-    tot_p = tl.zeros([BLOCK_B], dtype=tl.float64)
-    last_w = tl.full([BLOCK_B], -1, tl.int32)
-    last_p = tl.full([BLOCK_B], -1, tl.int32)
+    ptrs = (target_ptr, draft_ptr, tsum_ptr, state_ptr, rej_ptr)
+    strides = (stride_tb, stride_tn, stride_db, stride_dn)
+    p_rows, q_rows, ts_rows, n_upd, rej, nrej = _final_state(ptrs, strides, rows, rmask, B, N, HAS_DRAFT, BLOCK_B, NP)
+    partials = _no_chunk_partials(BLOCK_B)
     lo = split * TILES_PER_SPLIT * BLOCK_V
     for t in tl.range(0, TILES_PER_SPLIT, num_stages=3):
         offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -412,11 +382,8 @@ def _tree_final_partials_kernel(
             p_rows, q_rows, ts_rows, n_upd, rej, nrej, rmask, offs[None, :], (offs < V)[None, :], HAS_DRAFT, NP
         )
         tl.store(w_rows[:, None] + offs[None, :], w, mask=rmask[:, None] & (offs < V)[None, :])
-        tot_w += tl.sum(w, axis=1)
-        tot_p += tl.sum(p, axis=1)
-        last_w = _last_with_mass(w, offs, last_w)
-        last_p = _last_with_mass(p, offs, last_p)
-    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, tot_w, tot_p, last_w, last_p)
+        partials = _add_chunk_partials(partials, w, p, offs)
+    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, partials)
 
 
 @triton.jit
@@ -449,20 +416,11 @@ def _tree_final_sample_kernel(
     cur = tl.minimum(tl.maximum(tl.load(state_ptr + rows64, mask=rmask, other=0), 0), N - 1).to(tl.int64)
     p_rows = target_ptr + rows64 * stride_tb + cur * stride_tn
     w_rows = weights_ptr + rows64 * V
-    mass_w, mass_p, last_w, last_p = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
-    use_w = tl.sum(mass_w, axis=1) > 0  # else (no residual mass) the target row
-    w_s = tl.where(use_w[:, None], mass_w, mass_p)
-    cum = tl.cumsum(w_s, axis=1)
-    total = tl.max(cum, axis=1)
-    last = tl.where(use_w, last_w, last_p)
-
-    u_final = tl.load(final_u_ptr + rows64, mask=rmask, other=0.0).to(tl.float64)
-    threshold = u_final * total
-    chunk, base, searching = _find_chunk(w_s, cum, threshold, rmask & (total > 0), BLOCK_S)
-
-    found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
-    carry = base
-    lo = tl.maximum(chunk, 0) * (TILES_PER_SPLIT * BLOCK_V)
+    partials = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
+    use_w = tl.sum(partials[0], axis=1) > 0  # else (no residual mass) the target row
+    total, last, threshold, searching, lo, carry, found = _start_search(
+        use_w, partials, final_u_ptr, rows64, rmask, TILES_PER_SPLIT, BLOCK_V, BLOCK_S
+    )
     for t in tl.range(0, TILES_PER_SPLIT):
         cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
         inside = searching[:, None] & (cols < V)
@@ -544,10 +502,6 @@ def launch_config(
     )
 
 
-def _dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(1, dtype=dtype, device=like.device)
-
-
 def _tree_rejection_sample_triton_impl(
     target_probs: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -583,22 +537,17 @@ def _tree_rejection_sample_triton_impl(
     """
     B, N, V = target_probs.shape
     device = target_probs.device
-    out_tokens = torch.empty((B, N), dtype=torch.int64, device=device)
-    out_nodes = torch.empty((B, N), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
+    out_tokens, out_nodes, num_accepted = new_int64(target_probs, (B, N), (B, N), (B,))
     if B == 0:
         return out_tokens, out_nodes, num_accepted
-    target = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
+    target = unit_stride(target_probs)
     has_draft = draft_probs is not None and N > 1
-    if has_draft:
-        draft = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
-    else:
-        draft = target
+    draft = unit_stride(draft_probs) if has_draft else target
     parents = tree_parents if tree_parents.dim() == 2 else tree_parents[None, :]
     if parents.stride(-1) != 1:
         parents = parents.contiguous()
     stride_pb = parents.stride(0) if parents.shape[0] == B and B > 1 else 0
-    coins = uniform_samples.to(torch.float32).contiguous() if N > 1 else _dummy(target, torch.float32)
+    coins = uniform_samples.to(torch.float32).contiguous() if N > 1 else dummy(target, torch.float32)
     counts = num_nodes.to(torch.int64).contiguous()
     strides = (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0)
     cfg = launch_config(B, N, V, _device.sm_count(device), has_draft=has_draft)
@@ -629,7 +578,7 @@ def _tree_rejection_sample_triton_impl(
     rw = cfg.rows
     np_ = cfg.np_
     state = torch.empty((2, B), dtype=torch.int32, device=device)
-    rej = torch.empty((B, np_), dtype=torch.int64, device=device) if not has_draft else _dummy(target, torch.int64)
+    rej = torch.empty((B, np_), dtype=torch.int64, device=device) if not has_draft else dummy(target, torch.int64)
     launch(_tree_walk_kernel)[(rw.row_blocks,)](
         target,
         draft,
@@ -659,7 +608,7 @@ def _tree_rejection_sample_triton_impl(
     weights = torch.empty((B, V), dtype=torch.float64, device=device)
     part_mass = torch.empty((2, S2, B), dtype=torch.float64, device=device)
     part_last = torch.empty((2, S2, B), dtype=torch.int32, device=device)
-    final_meta = dict(HAS_DRAFT=has_draft, BLOCK_B=rw.block_b, BLOCK_V=rw.block_v, NP=np_)
+    tiles = dict(BLOCK_B=rw.block_b, BLOCK_V=rw.block_v)  # the final partials' and the final sample's
     launch(_tree_final_partials_kernel)[rw.grid](
         target,
         draft,
@@ -674,8 +623,10 @@ def _tree_rejection_sample_triton_impl(
         V,
         *strides,
         tiles2,
+        HAS_DRAFT=has_draft,
+        NP=np_,
         num_warps=cfg.final_partials_num_warps,
-        **final_meta,
+        **tiles,
     )
     launch(_tree_final_sample_kernel)[(rw.row_blocks,)](
         target,
@@ -693,10 +644,9 @@ def _tree_rejection_sample_triton_impl(
         target.stride(1),
         S2,
         tiles2,
-        BLOCK_B=rw.block_b,
-        BLOCK_V=rw.block_v,
         BLOCK_S=rw.block_s,
         num_warps=cfg.sample_num_warps,
+        **tiles,
     )
     return out_tokens, out_nodes, num_accepted
 
@@ -706,11 +656,7 @@ def _tree_rejection_sample_triton_fake(
 ):
     B, N, _ = target_probs.shape
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
-    return (
-        target_probs.new_empty((B, N), dtype=torch.int64),
-        target_probs.new_empty((B, N), dtype=torch.int64),
-        target_probs.new_empty((B,), dtype=torch.int64),
-    )
+    return new_int64(target_probs, (B, N), (B, N), (B,))
 
 
 tree_rejection_sample_triton = kernel_op(

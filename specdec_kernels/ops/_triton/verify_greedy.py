@@ -48,7 +48,8 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import cdiv, next_pow2
 from specdec_kernels._library import kernel_op, launch
-from specdec_kernels.ops._triton._sampling_common import split_vocab
+from specdec_kernels.ops._triton._launch import dummy, new_int64
+from specdec_kernels.ops._triton._sampling_common import VocabSplit, split_vocab
 
 # Largest vocabulary tile one program loads at a time (16 elements per thread with 8 warps,
 # several 16-byte loads in flight per thread).  The vocabulary of a small batch is split
@@ -199,19 +200,16 @@ def argmax_num_warps(block_v: int) -> int:
 
 
 @dataclass(frozen=True)
-class ArgmaxLaunch:
-    """``_argmax_partials_kernel`` on ``grid`` (rows, chunks): tiles of ``BLOCK_V`` columns,
-    ``splits`` chunks of ``tiles_per_split`` tiles per row."""
+class ArgmaxLaunch(VocabSplit):
+    """``_argmax_partials_kernel`` on ``grid`` (rows, chunks): a vocabulary split with one row a
+    program (``block_b`` 1, ``row_blocks`` = ``rows``), tiles of ``BLOCK_V`` columns, ``splits``
+    chunks of ``tiles_per_split`` tiles per row, ``num_warps`` warps."""
 
-    rows: int
-    block_v: int
     num_warps: int
-    splits: int
-    tiles_per_split: int
 
     @property
-    def grid(self) -> Tuple[int, int]:
-        return self.rows, self.splits
+    def rows(self) -> int:
+        return self.row_blocks
 
 
 def argmax_launch_config(
@@ -233,7 +231,7 @@ def argmax_launch_config(
         raise ValueError(f"block_v must be a power of two, got {block}")
     # Every split gets at least one tile, so each program starts on a real column.
     splits, tiles_per_split = split_vocab(cdiv(vocab, block), rows, sm_count, num_splits)
-    return ArgmaxLaunch(rows, block, argmax_num_warps(block), splits, tiles_per_split)
+    return ArgmaxLaunch(1, block, rows, splits, tiles_per_split, argmax_num_warps(block))
 
 
 @dataclass(frozen=True)
@@ -308,6 +306,20 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
     return part_val, part_idx
 
 
+def _split_argmax(
+    logits: torch.Tensor, batch: int, num_drafts: int, block_v: int, num_splits: int
+) -> Tuple[VerifyGreedyLaunch, torch.Tensor, torch.Tensor]:
+    """``launch_config`` for ``batch`` sequences of up to ``num_drafts`` drafts whose logit rows
+    are those of ``logits`` [b, rows, V] (0 for ``block_v`` or ``num_splits``: the default),
+    then the split argmax of those rows (``argmax_partials``): (cfg, part_val, part_idx)."""
+    b, rows, V = logits.shape
+    sm_count = _device.sm_count(logits.device)
+    cfg = launch_config(
+        batch, b * rows, num_drafts, V, sm_count, block_v=block_v or None, num_splits=num_splits or None
+    )
+    return (cfg, *argmax_partials(logits, cfg.argmax))
+
+
 def _verify_greedy_triton_impl(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -315,17 +327,12 @@ def _verify_greedy_triton_impl(
     block_v: int = 0,
     num_splits: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    B, K1, V = target_logits.shape
+    B, K1, _ = target_logits.shape
     K = K1 - 1
-    device = target_logits.device
-    output_tokens = torch.empty((B, K1), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
+    output_tokens, num_accepted = new_int64(target_logits, (B, K1), (B,))
     if B == 0:
         return output_tokens, num_accepted
-    cfg = launch_config(
-        B, B * K1, K, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None
-    )
-    part_val, part_idx = argmax_partials(target_logits, cfg.argmax)
+    cfg, part_val, part_idx = _split_argmax(target_logits, B, K, block_v, num_splits)
     counts = num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[cfg.grid](
         part_val,
@@ -353,10 +360,7 @@ def _verify_greedy_triton_fake(target_logits, draft_tokens, num_draft_tokens, bl
     B, K1, _ = target_logits.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
     torch._check(num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")
-    return (
-        target_logits.new_empty((B, K1), dtype=torch.int64),
-        target_logits.new_empty((B,), dtype=torch.int64),
-    )
+    return new_int64(target_logits, (B, K1), (B,))
 
 
 _verify_greedy_triton_op = kernel_op("verify_greedy_triton", _verify_greedy_triton_impl, _verify_greedy_triton_fake)
@@ -413,20 +417,14 @@ def _verify_greedy_flattened_triton_impl(
     block_v: int = 0,
     num_splits: int = 0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    B, K1 = cu_num_draft_tokens.shape[0], max_spec_len + 1
-    rows, V = target_logits.shape
-    device = target_logits.device
-    output_tokens = torch.empty((B, K1), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
+    B = cu_num_draft_tokens.shape[0]
+    output_tokens, num_accepted = new_int64(target_logits, (B, max_spec_len + 1), (B,))
     if B == 0:
         return output_tokens, num_accepted
-    cfg = launch_config(
-        B, rows, max_spec_len, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None
-    )
     # every flat row's argmax, read in place (the rows as one [1, rows, V] batch)
-    part_val, part_idx = argmax_partials(target_logits[None], cfg.argmax)
+    cfg, part_val, part_idx = _split_argmax(target_logits[None], B, max_spec_len, block_v, num_splits)
     T = draft_token_ids.shape[0]
-    drafts = draft_token_ids if T else torch.zeros(1, dtype=torch.int64, device=device)  # never read when T = 0
+    drafts = draft_token_ids if T else dummy(target_logits, torch.int64)  # never read when T = 0
     bonus = bonus_token_ids if bonus_token_ids is not None else cu_num_draft_tokens  # unused without BONUS_IDS
     launch(_verify_greedy_accept_kernel)[cfg.grid](
         part_val,
@@ -440,7 +438,7 @@ def _verify_greedy_flattened_triton_impl(
         num_accepted,
         max_spec_len,
         cfg.argmax.splits,
-        rows,
+        cfg.argmax.rows,
         T,
         FLAT=True,
         BONUS_IDS=bonus_token_ids is not None,
@@ -455,10 +453,7 @@ def _verify_greedy_flattened_triton_fake(
 ):
     B = cu_num_draft_tokens.shape[0]
     torch._check(target_logits.dim() == 2, lambda: "target_logits must be [T + B, V] or [T, V]")
-    return (
-        target_logits.new_empty((B, max_spec_len + 1), dtype=torch.int64),
-        target_logits.new_empty((B,), dtype=torch.int64),
-    )
+    return new_int64(target_logits, (B, max_spec_len + 1), (B,))
 
 
 _verify_greedy_flattened_triton_op = kernel_op(

@@ -37,6 +37,7 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
 from specdec_kernels._library import kernel_op, launch
+from specdec_kernels.ops._triton._launch import new_int64
 from specdec_kernels.ops._triton.verify_greedy import (
     ArgmaxLaunch,
     _combine_partials,
@@ -130,9 +131,7 @@ def _verify_tree_greedy_triton_impl(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, N, V = target_logits.shape
     device = target_logits.device
-    output_tokens = torch.empty((B, N), dtype=torch.int64, device=device)
-    accepted_nodes = torch.empty((B, N), dtype=torch.int64, device=device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=device)
+    output_tokens, accepted_nodes, num_accepted = new_int64(target_logits, (B, N), (B, N), (B,))
     if B == 0:
         return output_tokens, accepted_nodes, num_accepted
     parents = tree_parents.to(torch.int64)
@@ -166,8 +165,7 @@ def _verify_tree_greedy_triton_fake(target_logits, tree_tokens, tree_parents, nu
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
     torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")
     torch._check(num_nodes.shape == (B,), lambda: "num_nodes must have shape (B,)")
-    new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int64)  # noqa: E731
-    return new(B, N), new(B, N), new(B)
+    return new_int64(target_logits, (B, N), (B, N), (B,))
 
 
 _verify_tree_greedy_triton_op = kernel_op(
