@@ -32,7 +32,7 @@ fronts' business and run only with ``validate=True`` (the default on CPU tensors
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -57,11 +57,12 @@ def define(
     name: str,
     schema_fn: Callable,
     *,
-    cpu: Callable,
-    cuda: Callable,
     fake: Callable,
+    cpu: Optional[Callable] = None,
+    cuda: Optional[Callable] = None,
     mutates_args: Iterable[str] = (),
-    triton_decomposition: Optional[Callable] = None,
+    implemented: Sequence[str] = (),
+    decompose_to_triton: bool = False,
     grad_inputs: str = "error",
 ):
     """Register ``specdec::<name>``; return ``torch.ops.specdec.<name>``.
@@ -70,13 +71,18 @@ def define(
         name: the op's name in the ``specdec`` namespace.
         schema_fn: a type-annotated function whose signature is the op's schema; it is also
             the kernel for devices other than CPU and CUDA (it should run the reference).
-        cpu, cuda: the kernels for CPU and CUDA tensors (same signature).
         fake: the fake kernel (shapes, dtypes and devices of the outputs, no data; the same
             argument checks as the eager op that need no values).
+        cpu, cuda: the kernels for CPU and CUDA tensors (same signature); None: ``schema_fn``,
+            which then picks the backend of the tensors' device itself.
         mutates_args: names of the arguments written in place.
-        triton_decomposition: ``(args, kwargs) -> outputs or None``; under functionalization
-            (torch.compile's AOT dispatcher) with real Triton kernels, a non-None result
-            replaces the opaque op (it calls the ``_triton`` op, a ``triton_op``).
+        implemented: the op's backends (``_backend.resolve``); needed with
+            ``decompose_to_triton``.
+        decompose_to_triton: under functionalization (torch.compile's AOT dispatcher) with
+            real Triton kernels, when the op's backend resolves to "triton" on the device of
+            its first argument, replace the opaque op by ``schema_fn`` run on the functional
+            tensors: its shape checks, then its Triton branch, which calls the ``_triton`` op
+            (a ``triton_op``, which inductor sees through).
         grad_inputs: what the op's Autograd kernel does with an input that requires grad
             while grad mode is on: "error" (ValueError: the op is inference-only; for ops with
             floating-point outputs or in-place writes) or "ignore" (outputs are token ids,
@@ -87,28 +93,39 @@ def define(
     schema = torch.library.infer_schema(schema_fn, mutates_args=tuple(mutates_args))
     _LIB.define(f"{name}{schema}")
     _LIB.impl(name, schema_fn, "CompositeExplicitAutograd")
-    _LIB.impl(name, cpu, "CPU")
-    _LIB.impl(name, cuda, "CUDA")
+    _LIB.impl(name, cpu or schema_fn, "CPU")
+    _LIB.impl(name, cuda or schema_fn, "CUDA")
     if grad_inputs == "error":
         _LIB.impl(name, _autograd_kernel(name, schema_fn), "Autograd", with_keyset=True)
     else:  # outputs that never require grad: autograd has nothing to record (no cost, no warning)
         _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
     qualname = f"{NAMESPACE}::{name}"
     torch.library.register_fake(qualname, fake, lib=_LIB)
-    if triton_decomposition is not None and not _backend.interpreter_on():
+    if decompose_to_triton and not _backend.interpreter_on():
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
         def decompose(mode, func, types, args, kwargs):
             with mode:
-                out = triton_decomposition(args, kwargs)
-            if out is None:  # another backend: keep the op opaque, functionalised as usual
-                return mode.__torch_dispatch__(func, types, args, kwargs)
-            return out
+                x = triton_arguments(name, schema_fn, implemented, args, kwargs)
+                if x is not None:
+                    return schema_fn(**x)
+            # another backend: keep the op opaque, functionalised as usual
+            return mode.__torch_dispatch__(func, types, args, kwargs)
 
         torch.library.register_torch_dispatch(qualname, FunctionalTensorMode, decompose, lib=_LIB)
     packet = getattr(torch.ops.specdec, name)
     OPS[name] = packet
     return packet
+
+
+def triton_arguments(name: str, schema_fn: Callable, implemented: Sequence[str], args, kwargs) -> Optional[dict]:
+    """The op's arguments by name (``bound_arguments``) when its backend (the ``backend``
+    argument, resolved for the device of its first argument) is "triton"; else None."""
+    x = bound_arguments(schema_fn, args, kwargs)
+    device = next(iter(x.values())).device
+    if _backend.resolve(name, device, x["backend"] or None, implemented) != "triton":
+        return None
+    return x
 
 
 def _autograd_kernel(name: str, schema_fn: Callable) -> Callable:

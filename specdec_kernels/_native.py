@@ -60,18 +60,26 @@ def _check_fake_caches(caches, first_form: str, buffer_form: str):
     return inner
 
 
+def _check_fake_index_tensors(batch: int, named) -> None:
+    """The fakes' checks of a compaction op's index tensors: ``named`` holds (name, tensor,
+    ndim) triples, each an int32/int64 tensor of that rank with ``batch`` rows."""
+    for name, t, ndim in named:
+        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
+        torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
+        torch._check(t.shape[0] == batch, lambda: f"{name} must have {batch} rows, got {tuple(t.shape)}")
+
+
 def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, validate=False):
     """Fake (meta) implementation of specdec::compact_kv_cache_native: shape checks, no output."""
     inner = _check_fake_caches(caches, "[B, Hkv, S, D] or [L, 2, B, Hkv, S, D]", "[L, 2, B, Hkv, S, D]")
-    B = inner[0]
-    for name, t, ndim in (
-        ("cache_seqlens", cache_seqlens, 1),
-        ("accepted_indices", accepted_indices, 2),
-        ("num_accepted", num_accepted, 1),
-    ):
-        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
-        torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
-        torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
+    _check_fake_index_tensors(
+        inner[0],
+        (
+            ("cache_seqlens", cache_seqlens, 1),
+            ("accepted_indices", accepted_indices, 2),
+            ("num_accepted", num_accepted, 1),
+        ),
+    )
     return None
 
 
@@ -84,15 +92,15 @@ def _paged_compact_kv_cache_native_fake(
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
     _check_fake_caches(caches, "a 4-D pool or a 6-D [L, 2, ...] buffer", "[L, 2, ...] (keys and values)")
     B = cache_seqlens.shape[0] if cache_seqlens.dim() == 1 else -1
-    for name, t, ndim in (
-        ("cache_seqlens", cache_seqlens, 1),
-        ("accepted_indices", accepted_indices, 2),
-        ("num_accepted", num_accepted, 1),
-        ("block_table", block_table, 2),
-    ):
-        torch._check(t.dtype in (torch.int32, torch.int64), lambda: f"{name} must be int32 or int64, got {t.dtype}")
-        torch._check(t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got {tuple(t.shape)}")
-        torch._check(t.shape[0] == B, lambda: f"{name} must have {B} rows, got {tuple(t.shape)}")
+    _check_fake_index_tensors(
+        B,
+        (
+            ("cache_seqlens", cache_seqlens, 1),
+            ("accepted_indices", accepted_indices, 2),
+            ("num_accepted", num_accepted, 1),
+            ("block_table", block_table, 2),
+        ),
+    )
     return None
 
 

@@ -40,10 +40,6 @@ s % block_size of block block_table[b, s // block_size]; a slot outside the tabl
 block outside [0, num_blocks) is skipped, whatever ``validate`` says.  The ascending order
 stays safe in place because the block table is one-to-one on the slots that one call reads
 or writes (shared blocks are refused by the value checks; proof in the C++/CUDA comments).
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -304,6 +300,29 @@ def _op_caches(kv_cache, views) -> List[torch.Tensor]:
     return list(views)
 
 
+def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_accepted, extra, backend):
+    """The kernel of both registered ops (dense: ``extra`` is (), paged: (block_table,
+    kv_layout)): their shape checks, then the native op ``<op_name>_native`` (value checks
+    are the front's, ``validate=``) or the reference."""
+    kv_cache = _as_kv_cache(caches)
+    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, *extra, validate=False)
+    if _backend.resolve(op_name, views[0].device, backend or None, IMPLEMENTED) == "native":
+        # One [L, 2, ...] buffer goes over whole (the kernels read its strides); otherwise the 4-D views.
+        native_op = getattr(torch.ops.specdec, f"{op_name}_native")
+        native_op(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, False)
+    else:
+        reference(views, cache_seqlens, accepted_indices, n, *extra)
+
+
+def _fake_checks(check_args, native_fake, caches, cache_seqlens, accepted_indices, num_accepted, extra, backend):
+    """The fake kernel of both registered ops: shape checks only (they write in place)."""
+    kv_cache = _as_kv_cache(caches)
+    views = check_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, *extra, validate=False)[0]
+    _library.check_backend_name(backend)
+    n = num_accepted if num_accepted is not None else cache_seqlens
+    return native_fake(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra)
+
+
 def _impl(
     caches: List[torch.Tensor],
     cache_seqlens: torch.Tensor,
@@ -311,35 +330,16 @@ def _impl(
     num_accepted: Optional[torch.Tensor] = None,
     backend: str = "",
 ) -> None:
-    kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_compact_kv_cache_args(
-        kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=False
-    )
-    chosen = _backend.resolve("compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
-    if chosen == "native":
-        # One [L, 2, B, Hkv, S, D] buffer goes over whole (the kernels read its strides);
-        # otherwise the [B, Hkv, S, D] views.  Value checks are the front's (validate=).
-        torch.ops.specdec.compact_kv_cache_native(
-            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, False
-        )
-        return
-    _compact_kv_cache(views, cache_seqlens, accepted_indices, n)
+    args = (caches, cache_seqlens, accepted_indices, num_accepted, (), backend)
+    _run("compact_kv_cache", check_compact_kv_cache_args, _compact_kv_cache, *args)
 
 
 def _fake(caches, cache_seqlens, accepted_indices, num_accepted=None, backend=""):
-    """Shape checks only: nothing to compute (the op writes its caches in place)."""
-    kv_cache = _as_kv_cache(caches)
-    views = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=False)[0]
-    _library.check_backend_name(backend)
-    return _native._compact_kv_cache_native_fake(
-        _op_caches(kv_cache, views),
-        cache_seqlens,
-        accepted_indices,
-        num_accepted if num_accepted is not None else cache_seqlens,
-    )
+    args = (caches, cache_seqlens, accepted_indices, num_accepted, (), backend)
+    return _fake_checks(check_compact_kv_cache_args, _native._compact_kv_cache_native_fake, *args)
 
 
-op = _library.define("compact_kv_cache", _impl, cpu=_impl, cuda=_impl, fake=_fake, mutates_args=("caches",))
+op = _library.define("compact_kv_cache", _impl, fake=_fake, mutates_args=("caches",))
 
 
 def _paged_impl(
@@ -351,39 +351,20 @@ def _paged_impl(
     kv_layout: str = "NHD",
     backend: str = "",
 ) -> None:
-    kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_paged_compact_kv_cache_args(
-        kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate=False
-    )
-    chosen = _backend.resolve("paged_compact_kv_cache", views[0].device, backend or None, IMPLEMENTED)
-    if chosen == "native":
-        torch.ops.specdec.paged_compact_kv_cache_native(
-            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, block_table, kv_layout, False
-        )
-        return
-    _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, n, block_table)
+    args = (caches, cache_seqlens, accepted_indices, num_accepted, (block_table, kv_layout), backend)
+    _run("paged_compact_kv_cache", check_paged_compact_kv_cache_args, _paged_reference, *args)
+
+
+def _paged_reference(views, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout):
+    _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, num_accepted, block_table)
 
 
 def _paged_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", backend=""):
-    """Shape checks only (the op writes its pools in place)."""
-    kv_cache = _as_kv_cache(caches)
-    views = check_paged_compact_kv_cache_args(
-        kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate=False
-    )[0]
-    _library.check_backend_name(backend)
-    return _native._paged_compact_kv_cache_native_fake(
-        _op_caches(kv_cache, views),
-        cache_seqlens,
-        accepted_indices,
-        num_accepted if num_accepted is not None else cache_seqlens,
-        block_table,
-        kv_layout,
-    )
+    args = (caches, cache_seqlens, accepted_indices, num_accepted, (block_table, kv_layout), backend)
+    return _fake_checks(check_paged_compact_kv_cache_args, _native._paged_compact_kv_cache_native_fake, *args)
 
 
-paged_op = _library.define(
-    "paged_compact_kv_cache", _paged_impl, cpu=_paged_impl, cuda=_paged_impl, fake=_paged_fake, mutates_args=("caches",)
-)
+paged_op = _library.define("paged_compact_kv_cache", _paged_impl, fake=_paged_fake, mutates_args=("caches",))
 
 
 def compact_kv_cache(

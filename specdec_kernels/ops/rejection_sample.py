@@ -6,10 +6,6 @@ Backends: "reference" (``specdec_kernels.reference.rejection_sample``, every dev
 The registered op takes its random numbers explicitly; the Python front makes them from a
 generator, a dict of generators, or per-sequence Philox seeds and offsets
 (``specdec_kernels._random``).
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -19,11 +15,12 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 
 from specdec_kernels import _backend, _library, _native
+from specdec_kernels._checks import check_chain_args
 from specdec_kernels._random import GeneratorArg, draw_uniforms
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_probs, check_scores, check_shape, check_tensor
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
 IMPLEMENTED = ("reference", "native", "triton")
+OP = "rejection_sample"
 
 
 class RejectionSampleDetails(NamedTuple):
@@ -86,16 +83,7 @@ def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens,
 
 def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=None):
     """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64)."""
-    B, K1, V = check_scores("target_probs", target_probs, "K+1 >= 1 rows per sequence")
-    device = target_probs.device
-    K = K1 - 1
-    check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    check_shape("draft_tokens", draft_tokens, (B, K), "target_probs needs K+1 rows for K draft tokens")
-    if draft_probs is not None:
-        check_probs("draft_probs", draft_probs, 3, device)
-        check_shape("draft_probs", draft_probs, (B, K, V), "one draft distribution per draft token")
-    n = check_counts("num_draft_tokens", num_draft_tokens, B, K, device, validate)
-    return B, K, V, n
+    return check_chain_args("target_probs", target_probs, draft_tokens, num_draft_tokens, validate, draft_probs)
 
 
 def _impl(
@@ -109,7 +97,7 @@ def _impl(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
     coins, final_u = draw_uniforms(B, K, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
-    name = _backend.resolve("rejection_sample", target_probs.device, backend or None, IMPLEMENTED)
+    name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
 
@@ -131,33 +119,7 @@ def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_sam
     return target_probs.new_empty((B, K1), dtype=torch.int64), target_probs.new_empty((B,), dtype=torch.int64)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    p = x["target_probs"]
-    if _backend.resolve("rejection_sample", p.device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    B, K1, _ = p.shape
-    n = x["num_draft_tokens"]
-    n = torch.full((B,), K1 - 1, dtype=torch.int64, device=p.device) if n is None else n.to(torch.int64)
-    return torch.ops.specdec.rejection_sample_triton(
-        p,
-        x["draft_probs"],
-        x["draft_tokens"],
-        n,
-        x["uniform_samples"].to(torch.float32),
-        x["sample_uniforms"].to(torch.float32),
-    )
-
-
-op = _library.define(
-    "rejection_sample",
-    _impl,
-    cpu=_impl,
-    cuda=_impl,
-    fake=_fake,
-    triton_decomposition=_triton_decomposition,
-    grad_inputs="ignore",
-)
+op = _library.define(OP, _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True, grad_inputs="ignore")
 
 
 def rejection_sample(

@@ -8,10 +8,6 @@ Backends: "reference" (plain PyTorch, every device), "native" (the C++ CPU kerne
 No backend copies the rows into a padded layout.  The registered op takes its random numbers
 explicitly (coins [T], sample uniforms [B]); the Python front makes them exactly as the padded
 front does for each request (``specdec_kernels.reference.rejection_sample_flattened.flattened_uniforms``).
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from specdec_kernels import _backend, _library, _native
-from specdec_kernels._flattened import check_flattened_args, positions, take
+from specdec_kernels._flattened import FlatBatch, check_flattened_args, positions, take
 from specdec_kernels._random import GeneratorArg
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
@@ -33,22 +29,14 @@ OP = "rejection_sample_flattened"
 
 
 def rejection_details_flattened(
-    target_probs,
-    draft_probs,
-    draft_token_ids,
-    cu_num_draft_tokens,
-    bonus_token_ids,
-    coins,
-    max_spec_len,
-    output_tokens,
-    num_accepted,
+    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, flat, coins, output_tokens, num_accepted
 ) -> RejectionSampleDetails:
-    """``RejectionSampleDetails`` of a flattened call: gathers of B * max_spec_len values and a
-    NaN scan of the rows (run only when asked)."""
+    """``RejectionSampleDetails`` of a flattened call (``flat``: its checked ``FlatBatch``):
+    gathers of B * max_spec_len values and a NaN scan of the rows (run only when asked)."""
     R, V = target_probs.shape
-    T, B, K = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0], max_spec_len
+    T, B, K = flat.num_tokens, flat.batch, flat.max_spec_len
     device = target_probs.device
-    with_rows = bonus_token_ids is None
+    with_rows = flat.bonus_token_ids is None
     pos = positions(cu_num_draft_tokens, T, K, bonus_rows=with_rows)
     j = torch.arange(K + 1, device=device)
     tokens = take(draft_token_ids.to(torch.int64), pos.flat, pos.counted, -1)
@@ -65,18 +53,12 @@ def rejection_details_flattened(
     return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
 
 
-def _check(
-    target_probs,
-    draft_probs,
-    draft_token_ids,
-    cu_num_draft_tokens,
-    bonus_token_ids,
-    uniform_samples,
-    sample_uniforms,
-    max_spec_len,
-):
-    """The registered op's checks (no values read); returns (FlatBatch, coins, sample uniforms)."""
-    flat = check_flattened_args(
+def check_rejection_sample_flattened_args(
+    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=None
+) -> FlatBatch:
+    """Validate the arguments of ``rejection_sample_flattened`` but the random numbers; return
+    their ``FlatBatch``."""
+    return check_flattened_args(
         "target_probs",
         target_probs,
         draft_probs,
@@ -84,13 +66,16 @@ def _check(
         cu_num_draft_tokens,
         bonus_token_ids,
         max_spec_len,
-        validate=False,
+        validate,
         probs=True,
     )
-    device = target_probs.device
+
+
+def _op_uniforms(flat: FlatBatch, uniform_samples, sample_uniforms, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The registered op's random numbers, checked without reading values: (coins [T], sample
+    uniforms [B]) float32."""
     coins = check_uniforms("uniform_samples", uniform_samples, (flat.num_tokens,), device, validate=False)
-    final = check_uniforms("sample_uniforms", sample_uniforms, (flat.batch,), device, validate=False)
-    return flat, coins, final
+    return coins, check_uniforms("sample_uniforms", sample_uniforms, (flat.batch,), device, validate=False)
 
 
 def _impl(
@@ -104,16 +89,10 @@ def _impl(
     max_spec_len: int,
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    _, coins, final = _check(
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        uniform_samples,
-        sample_uniforms,
-        max_spec_len,
+    flat = check_rejection_sample_flattened_args(
+        target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
+    coins, final = _op_uniforms(flat, uniform_samples, sample_uniforms, target_probs.device)
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, max_spec_len)
     if name == "triton":
@@ -137,41 +116,16 @@ def _fake(
     max_spec_len,
     backend="",
 ):
-    flat, _, _ = _check(
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        uniform_samples,
-        sample_uniforms,
-        max_spec_len,
+    flat = check_rejection_sample_flattened_args(
+        target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
+    coins, final = _op_uniforms(flat, uniform_samples, sample_uniforms, target_probs.device)
     _library.check_backend_name(backend)
     new = lambda *shape: target_probs.new_empty(shape, dtype=torch.int64)  # noqa: E731
     return new(flat.batch, max_spec_len + 1), new(flat.batch)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    p = x["target_probs"]
-    if _backend.resolve(OP, p.device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    return torch.ops.specdec.rejection_sample_flattened_triton(
-        p,
-        x["draft_probs"],
-        x["draft_token_ids"],
-        x["cu_num_draft_tokens"],
-        x["bonus_token_ids"],
-        x["uniform_samples"].to(torch.float32),
-        x["sample_uniforms"].to(torch.float32),
-        x["max_spec_len"],
-    )
-
-
-op = _library.define(
-    OP, _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition, grad_inputs="ignore"
-)
+op = _library.define(OP, _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True, grad_inputs="ignore")
 
 
 def rejection_sample_flattened(
@@ -249,16 +203,8 @@ def rejection_sample_flattened(
         spans from cu_num_draft_tokens and addresses the flat rows directly; with
         bonus_token_ids, fully accepted requests skip the sampling passes.
     """
-    flat = check_flattened_args(
-        "target_probs",
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate,
-        probs=True,
+    flat = check_rejection_sample_flattened_args(
+        target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
     coins, final_u = flattened_uniforms(
         flat,
@@ -271,8 +217,10 @@ def rejection_sample_flattened(
         offsets=offsets,
         validate=validate,
     )
-    args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids)
-    out, acc = torch.ops.specdec.rejection_sample_flattened(*args, coins, final_u, flat.max_spec_len, backend or "")
+    args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens)
+    out, acc = torch.ops.specdec.rejection_sample_flattened(
+        *args, flat.bonus_token_ids, coins, final_u, flat.max_spec_len, backend or ""
+    )
     if return_details:
-        return rejection_details_flattened(*args, coins, flat.max_spec_len, out, acc)
+        return rejection_details_flattened(*args, flat, coins, out, acc)
     return out, acc

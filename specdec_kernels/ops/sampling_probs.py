@@ -6,10 +6,6 @@ Backends: "reference" (``specdec_kernels.reference.sampling_probs``, every devic
 (CUDA, or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.sampling_probs``). The
 registered op takes per-row tensors (temperature [B] float32, top_k [B] int64 or None, top_p [B]
 float32 or None: None skips that stage); the Python front also takes numbers.
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -125,26 +121,7 @@ def _fake(logits, temperature, top_k=None, top_p=None, backend=""):
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    logits = x["logits"]
-    if _backend.resolve("sampling_probs", logits.device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    B = logits.shape[0]
-    k, p = x["top_k"], x["top_p"]
-    return torch.ops.specdec.sampling_probs_triton(
-        logits,
-        x["temperature"].to(torch.float32),
-        torch.zeros(B, dtype=torch.int64, device=logits.device) if k is None else k.to(torch.int64),
-        torch.ones(B, dtype=torch.float32, device=logits.device) if p is None else p.to(torch.float32),
-        k is not None,
-        p is not None,
-    )
-
-
-op = _library.define(
-    "sampling_probs", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
-)
+op = _library.define("sampling_probs", _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True)
 
 
 def sampling_probs(

@@ -64,10 +64,6 @@ Besides the bool ``[N, N]`` / ``[B, N, N]`` mask, every backend accepts the pack
 by :func:`pack_tree_mask`: int32 ``[N, W]`` / ``[B, N, W]`` with ``W = ceil(N / 32)``, where
 bit ``j % 32`` (least significant first) of word ``[i, j // 32]`` is ``mask[i, j]``.  Bits
 for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bits moved).
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -308,6 +304,43 @@ def _check_num_splits(num_splits: int) -> None:
         raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS} (0: automatic), got {num_splits}")
 
 
+def _is_packed(tree_mask) -> bool:
+    """Whether ``tree_mask`` is the bit-packed int32 form of ``pack_tree_mask``."""
+    return isinstance(tree_mask, torch.Tensor) and tree_mask.dtype == torch.int32
+
+
+def _mask_kind(tree_mask) -> int:
+    return MASK_CAUSAL if tree_mask is None else (MASK_PACKED if _is_packed(tree_mask) else MASK_BOOL)
+
+
+def _bool_mask(tree_mask):
+    """``tree_mask`` for the argument checks of the bool form: None when it is packed (checked
+    apart, ``_check_packed_and_splits``)."""
+    return None if _is_packed(tree_mask) else tree_mask
+
+
+def _check_packed_and_splits(tree_mask, dims, device, num_splits: int) -> None:
+    """The checks both ops add to their cache checks (``dims`` starts with B, N): a packed
+    ``tree_mask``'s shape and ``num_splits``."""
+    if _is_packed(tree_mask):
+        _check_packed_mask(tree_mask, dims[0], dims[1], device)
+    _check_num_splits(num_splits)
+
+
+def _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate):
+    """The checks of the dense op (values with ``validate``); returns (B, N, H, D, Hkv, S)."""
+    dims = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, _bool_mask(tree_mask), validate)
+    _check_packed_and_splits(tree_mask, dims, q.device, num_splits)
+    return dims
+
+
+def _triton_splits(num_splits: int, q: torch.Tensor, Hkv: int, capacity: int) -> int:
+    """``num_splits``, or for 0 the automatic choice (``choose_num_splits``) for q and a cache of
+    ``capacity`` slots a sequence."""
+    B, N, H, D = q.shape
+    return num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
+
+
 def _impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -318,21 +351,16 @@ def _impl(
     num_splits: int = 0,
     backend: str = "",
 ) -> torch.Tensor:
-    packed = tree_mask is not None and tree_mask.dtype == torch.int32
-    B, N, H, D, Hkv, S = check_tree_attention_args(
-        q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False
-    )
-    if packed:
-        _check_packed_mask(tree_mask, B, N, q.device)
-    _check_num_splits(num_splits)
+    _, N, _, _, Hkv, S = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate=False)
     name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
 
-        kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if packed else MASK_BOOL)
-        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device, q.dtype == torch.float32)
-        return tree_attention_triton(q, k_cache, v_cache, cache_seqlens, tree_mask, kind, sm_scale, splits)
-    mask = unpack_tree_mask(tree_mask, N) if packed else tree_mask
+        splits = _triton_splits(num_splits, q, Hkv, S)
+        return tree_attention_triton(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
+        )
+    mask = unpack_tree_mask(tree_mask, N) if _is_packed(tree_mask) else tree_mask
 
     if name == "native" and not backend:
         name = automatic_cpu_path(paged=False)  # the C++ kernel unless $SPECDEC_DENSE_ATTENTION=torch
@@ -348,36 +376,14 @@ def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
 
 
 def _fake(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits=0, backend=""):
-    packed = tree_mask is not None and tree_mask.dtype == torch.int32
-    B, N, _, _, _, _ = check_tree_attention_args(
-        q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate=False
-    )
-    if packed:
-        _check_packed_mask(tree_mask, B, N, q.device)
-    _check_num_splits(num_splits)
+    _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate=False)
     _library.check_backend_name(backend)
     torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
     torch._check(q.shape[2] % k_cache.shape[1] == 0, lambda: "q's heads must be a multiple of k_cache's heads")
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    q, tree_mask = x["q"], x["tree_mask"]
-    if _backend.resolve("tree_attention", q.device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    B, N, H, D = q.shape
-    Hkv, S = x["k_cache"].shape[1], x["k_cache"].shape[2]
-    kind = MASK_CAUSAL if tree_mask is None else (MASK_PACKED if tree_mask.dtype == torch.int32 else MASK_BOOL)
-    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, S, D, q.device, q.dtype == torch.float32)
-    return torch.ops.specdec.tree_attention_triton(
-        q, x["k_cache"], x["v_cache"], x["cache_seqlens"], tree_mask, kind, x["sm_scale"], splits
-    )
-
-
-op = _library.define(
-    "tree_attention", _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition
-)
+op = _library.define("tree_attention", _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -385,19 +391,12 @@ op = _library.define(
 # --------------------------------------------------------------------------------------
 
 
-def _mask_kind(tree_mask) -> int:
-    return MASK_CAUSAL if tree_mask is None else (MASK_PACKED if tree_mask.dtype == torch.int32 else MASK_BOOL)
-
-
 def _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate):
-    """The shape checks of the paged op (values with ``validate``); returns the paged geometry."""
-    packed = tree_mask is not None and tree_mask.dtype == torch.int32
+    """The checks of the paged op (values with ``validate``); returns the paged geometry."""
     dims = check_paged_tree_attention_args(
-        q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, block_table, kv_layout, validate=validate
+        q, k_cache, v_cache, cache_seqlens, _bool_mask(tree_mask), block_table, kv_layout, validate=validate
     )
-    if packed:
-        _check_packed_mask(tree_mask, dims[0], dims[1], q.device)
-    _check_num_splits(num_splits)
+    _check_packed_and_splits(tree_mask, dims, q.device, num_splits)
     return dims
 
 
@@ -413,7 +412,7 @@ def _paged_impl(
     num_splits: int = 0,
     backend: str = "",
 ) -> torch.Tensor:
-    B, N, H, D, Hkv, capacity, _, _ = _check_paged(
+    _, N, _, _, Hkv, capacity, _, _ = _check_paged(
         q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
     )
     block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
@@ -421,7 +420,7 @@ def _paged_impl(
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
-        splits = num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
+        splits = _triton_splits(num_splits, q, Hkv, capacity)
         return paged_tree_attention_triton(
             q,
             k_cache,
@@ -434,7 +433,7 @@ def _paged_impl(
             sm_scale,
             splits,
         )
-    mask = unpack_tree_mask(tree_mask, N) if _mask_kind(tree_mask) == MASK_PACKED else tree_mask
+    mask = unpack_tree_mask(tree_mask, N) if _is_packed(tree_mask) else tree_mask
 
     if name == "native" and not backend:
         name = automatic_cpu_path(paged=True)  # the C++ kernel unless $SPECDEC_PAGED_ATTENTION=torch
@@ -457,36 +456,8 @@ def _paged_fake(
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def _paged_triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_paged_impl, args, kwargs)
-    q, tree_mask = x["q"], x["tree_mask"]
-    if _backend.resolve("paged_tree_attention", q.device, x["backend"] or None, PAGED_IMPLEMENTED) != "triton":
-        return None
-    B, N, H, D = q.shape
-    _, block_size, Hkv, _ = pool_geometry(x["k_cache"], x["kv_layout"])
-    capacity = x["block_table"].shape[1] * block_size
-    splits = x["num_splits"] or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
-    return torch.ops.specdec.paged_tree_attention_triton(
-        q,
-        x["k_cache"],
-        x["v_cache"],
-        x["cache_seqlens"],
-        tree_mask,
-        x["block_table"].to(torch.int32),
-        x["kv_layout"],
-        _mask_kind(tree_mask),
-        x["sm_scale"],
-        splits,
-    )
-
-
 paged_op = _library.define(
-    "paged_tree_attention",
-    _paged_impl,
-    cpu=_paged_impl,
-    cuda=_paged_impl,
-    fake=_paged_fake,
-    triton_decomposition=_paged_triton_decomposition,
+    "paged_tree_attention", _paged_impl, fake=_paged_fake, implemented=PAGED_IMPLEMENTED, decompose_to_triton=True
 )
 
 
@@ -596,17 +567,10 @@ def tree_attention(
     """
     check_kv_layout(kv_layout)
     k_cache, v_cache = _split_kv(k_cache, v_cache)
-    packed = isinstance(tree_mask, torch.Tensor) and tree_mask.dtype == torch.int32
     if block_table is None:
-        B, N, H, D, Hkv, S = check_tree_attention_args(
-            q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, validate
-        )
+        D = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)[3]
     else:
-        B, N, H, D = check_paged_tree_attention_args(
-            q, k_cache, v_cache, cache_seqlens, None if packed else tree_mask, block_table, kv_layout, validate
-        )[:4]
-    if packed:
-        _check_packed_mask(tree_mask, B, N, q.device)
+        D = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)[3]
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")

@@ -7,10 +7,6 @@ Backends: "reference" (``specdec_kernels.reference.tree_rejection_sample``, ever
 ``specdec_kernels.ops._triton.tree_rejection_sample``). The tree is passed as tensors; the
 registered op takes its random numbers explicitly, made by the Python front from a generator, a
 dict of generators or Philox seeds and offsets.
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -20,23 +16,17 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library, _native
+from specdec_kernels._checks import check_tree_args
 from specdec_kernels._random import GeneratorArg, draw_uniforms
-from specdec_kernels.checks import check_counts, check_probs, check_scores, check_shape, check_tree
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample
 
 IMPLEMENTED = ("reference", "native", "triton")
+OP = "tree_rejection_sample"
 
 
 def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=None):
     """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    B, N, V = check_scores("target_probs", target_probs, "N >= 1 rows (the root at least)")
-    device = target_probs.device
-    parents = check_tree("target_probs", tree_tokens, tree_parents, B, N, device, validate)
-    if draft_probs is not None:
-        check_probs("draft_probs", draft_probs, 3, device)
-        check_shape("draft_probs", draft_probs, (B, N, V), "row i: the distribution node i's children were drawn from")
-    n = check_counts("num_nodes", num_nodes, B, N, device, validate)
-    return B, N, V, parents, n
+    return check_tree_args("target_probs", target_probs, tree_tokens, tree_parents, num_nodes, validate, draft_probs)
 
 
 def _impl(
@@ -55,7 +45,7 @@ def _impl(
     coins, final_u = draw_uniforms(
         B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False
     )
-    name = _backend.resolve("tree_rejection_sample", target_probs.device, backend or None, IMPLEMENTED)
+    name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
 
@@ -82,36 +72,7 @@ def _fake(
     return new(B, N), new(B, N), new(B)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    p = x["target_probs"]
-    if _backend.resolve("tree_rejection_sample", p.device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    B, N, _ = p.shape
-    parents = x["tree_parents"].to(torch.int64)
-    parents = parents.expand(B, N) if parents.dim() == 1 else parents
-    n = x["num_nodes"]
-    n = torch.full((B,), N, dtype=torch.int64, device=p.device) if n is None else n.to(torch.int64)
-    return torch.ops.specdec.tree_rejection_sample_triton(
-        p,
-        x["tree_tokens"],
-        parents,
-        x["draft_probs"],
-        n,
-        x["uniform_samples"].to(torch.float32),
-        x["sample_uniforms"].to(torch.float32),
-    )
-
-
-op = _library.define(
-    "tree_rejection_sample",
-    _impl,
-    cpu=_impl,
-    cuda=_impl,
-    fake=_fake,
-    triton_decomposition=_triton_decomposition,
-    grad_inputs="ignore",
-)
+op = _library.define(OP, _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True, grad_inputs="ignore")
 
 
 def tree_rejection_sample(

@@ -4,10 +4,6 @@ Backends: "reference" (``specdec_kernels.reference.verify_greedy``, every device
 C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton" (CUDA,
 or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.verify_greedy``, a split
 argmax over V and one acceptance program per sequence).
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -17,20 +13,15 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library, reference
-from specdec_kernels.checks import INDEX_DTYPES, check_counts, check_scores, check_shape, check_tensor
+from specdec_kernels._checks import check_chain_args
 
 IMPLEMENTED = ("reference", "native", "triton")
+OP = "verify_greedy"
 
 
 def check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=None):
     """Validate the arguments of ``verify_greedy``; return (B, K, V, num_draft_tokens int64)."""
-    B, K1, V = check_scores("target_logits", target_logits, "K+1 >= 1 rows per sequence")
-    device = target_logits.device
-    check_tensor("draft_tokens", draft_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    K = K1 - 1
-    check_shape("draft_tokens", draft_tokens, (B, K), "target_logits needs K+1 rows for K draft tokens")
-    n = check_counts("num_draft_tokens", num_draft_tokens, B, K, device, validate)
-    return B, K, V, n
+    return check_chain_args("target_logits", target_logits, draft_tokens, num_draft_tokens, validate)
 
 
 def _impl(
@@ -40,7 +31,7 @@ def _impl(
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=False)
-    name = _backend.resolve("verify_greedy", target_logits.device, backend or None, IMPLEMENTED)
+    name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
 
@@ -62,26 +53,7 @@ def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
     return target_logits.new_empty((B, K1), dtype=torch.int64), target_logits.new_empty((B,), dtype=torch.int64)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    if _backend.resolve("verify_greedy", x["target_logits"].device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    n = x["num_draft_tokens"]
-    if n is None:
-        B, K1, _ = x["target_logits"].shape
-        n = torch.full((B,), K1 - 1, dtype=torch.int64, device=x["target_logits"].device)
-    return torch.ops.specdec.verify_greedy_triton(x["target_logits"], x["draft_tokens"], n.to(torch.int64), 0, 0)
-
-
-op = _library.define(
-    "verify_greedy",
-    _impl,
-    cpu=_impl,
-    cuda=_impl,
-    fake=_fake,
-    triton_decomposition=_triton_decomposition,
-    grad_inputs="ignore",
-)
+op = _library.define(OP, _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True, grad_inputs="ignore")
 
 
 def verify_greedy(

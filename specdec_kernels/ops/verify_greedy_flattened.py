@@ -6,10 +6,6 @@ Backends: "reference" (plain PyTorch, every device), "native" (the C++ CPU kerne
 ``verify_greedy`` kernels, ``specdec_kernels.ops._triton.verify_greedy``: the split argmax over
 all flat rows, then the acceptance kernel with ``FLAT=True``, which derives each request's rows
 from ``cu_num_draft_tokens``).  No backend copies the rows into a padded layout.
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -19,11 +15,27 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library
-from specdec_kernels._flattened import check_flattened_args
+from specdec_kernels._flattened import FlatBatch, check_flattened_args
 from specdec_kernels.reference.verify_greedy_flattened import _verify_greedy_flattened
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "verify_greedy_flattened"
+
+
+def check_verify_greedy_flattened_args(
+    target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=None
+) -> FlatBatch:
+    """Validate the arguments of ``verify_greedy_flattened``; return their ``FlatBatch``."""
+    return check_flattened_args(
+        "target_logits",
+        target_logits,
+        None,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate,
+    )
 
 
 def _impl(
@@ -34,15 +46,8 @@ def _impl(
     max_spec_len: int,
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    check_flattened_args(
-        "target_logits",
-        target_logits,
-        None,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate=False,
+    check_verify_greedy_flattened_args(
+        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
     name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
@@ -60,15 +65,8 @@ def _impl(
 
 def _fake(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, backend=""):
     # the eager op's checks that need no values: the same ValueError/TypeError when traced
-    check_flattened_args(
-        "target_logits",
-        target_logits,
-        None,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate=False,
+    check_verify_greedy_flattened_args(
+        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
     _library.check_backend_name(backend)
     B = cu_num_draft_tokens.shape[0]
@@ -76,24 +74,7 @@ def _fake(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, 
     return new(B, max_spec_len + 1), new(B)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    if _backend.resolve(OP, x["target_logits"].device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    return torch.ops.specdec.verify_greedy_flattened_triton(
-        x["target_logits"],
-        x["draft_token_ids"],
-        x["cu_num_draft_tokens"],
-        x["bonus_token_ids"],
-        x["max_spec_len"],
-        0,
-        0,
-    )
-
-
-op = _library.define(
-    OP, _impl, cpu=_impl, cuda=_impl, fake=_fake, triton_decomposition=_triton_decomposition, grad_inputs="ignore"
-)
+op = _library.define(OP, _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True, grad_inputs="ignore")
 
 
 def verify_greedy_flattened(
@@ -147,15 +128,8 @@ def verify_greedy_flattened(
     chosen once per process and device type), "reference", "native" or "triton". validate: None
     (value checks on CPU tensors only), True or False (docs/API.md#backends).
     """
-    flat = check_flattened_args(
-        "target_logits",
-        target_logits,
-        None,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate,
+    flat = check_verify_greedy_flattened_args(
+        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
     return torch.ops.specdec.verify_greedy_flattened(
         target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids, flat.max_spec_len, backend or ""

@@ -6,10 +6,6 @@ Backends: "reference" (``specdec_kernels.reference.verify_tree_greedy``, every d
 the split argmax of ``verify_greedy`` then one program per sequence walking the nodes once in
 index order). The tree is passed as tensors (parents [N] or [B, N]); no backend walks it on the
 host.
-
-One slice: the front below checks the arguments (values once, when ``validate`` allows) and
-calls the registered op; the op's kernel ``_impl`` (this file) checks shapes only and runs the
-backend chosen once per process and device type: front -> ``_impl`` -> launcher or reference.
 """
 
 from __future__ import annotations
@@ -19,18 +15,15 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library, reference
-from specdec_kernels.checks import check_counts, check_scores, check_tree
+from specdec_kernels._checks import check_tree_args
 
 IMPLEMENTED = ("reference", "native", "triton")
+OP = "verify_tree_greedy"
 
 
 def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=None):
     """Validate the arguments of ``verify_tree_greedy``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    B, N, V = check_scores("target_logits", target_logits, "N >= 1 rows (the root at least)")
-    device = target_logits.device
-    parents = check_tree("target_logits", tree_tokens, tree_parents, B, N, device, validate)
-    n = check_counts("num_nodes", num_nodes, B, N, device, validate)
-    return B, N, V, parents, n
+    return check_tree_args("target_logits", target_logits, tree_tokens, tree_parents, num_nodes, validate)
 
 
 def _impl(
@@ -43,7 +36,7 @@ def _impl(
     _, _, _, parents, n = check_verify_tree_greedy_args(
         target_logits, tree_tokens, tree_parents, num_nodes, validate=False
     )
-    name = _backend.resolve("verify_tree_greedy", target_logits.device, backend or None, IMPLEMENTED)
+    name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
 
@@ -64,28 +57,7 @@ def _fake(target_logits, tree_tokens, tree_parents, num_nodes=None, backend=""):
     return new(B, N), new(B, N), new(B)
 
 
-def _triton_decomposition(args, kwargs):
-    x = _library.bound_arguments(_impl, args, kwargs)
-    logits = x["target_logits"]
-    if _backend.resolve("verify_tree_greedy", logits.device, x["backend"] or None, IMPLEMENTED) != "triton":
-        return None
-    B, N, _ = logits.shape
-    n = x["num_nodes"]
-    n = torch.full((B,), N, dtype=torch.int64, device=logits.device) if n is None else n.to(torch.int64)
-    return torch.ops.specdec.verify_tree_greedy_triton(
-        logits, x["tree_tokens"], x["tree_parents"].to(torch.int64), n, 0, 0
-    )
-
-
-op = _library.define(
-    "verify_tree_greedy",
-    _impl,
-    cpu=_impl,
-    cuda=_impl,
-    fake=_fake,
-    triton_decomposition=_triton_decomposition,
-    grad_inputs="ignore",
-)
+op = _library.define(OP, _impl, fake=_fake, implemented=IMPLEMENTED, decompose_to_triton=True, grad_inputs="ignore")
 
 
 def verify_tree_greedy(
