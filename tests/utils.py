@@ -1,8 +1,11 @@
-"""Shared test helpers: the repository root, the distribution tests' threshold and draw count,
-one tolerance table per dtype, seeded generators, statistics, the backends that run here."""
+"""Shared test helpers: the repository root, the distribution tests' threshold, draw count and
+fit check, one tolerance table per dtype (and the dtype parametrization), seeded generators,
+statistics, the backends that run here, the bad-input tests of the ops, CUDA graph replay."""
 
 from __future__ import annotations
 
+import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,7 @@ TOLERANCES = {
 }
 DTYPES = list(TOLERANCES)
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
+each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)  # a test's ``dtype``: every dtype above
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
@@ -72,6 +76,13 @@ def chi_square_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return float(stats.chisquare(np.array(obs), np.array(exp)).pvalue)
 
 
+def assert_follows(samples: torch.Tensor, probs: torch.Tensor, label=None) -> None:
+    """``samples`` pass the chi-square test of fit to ``probs``: p-value above P_THRESHOLD
+    (``label``, e.g. the backend, named in the failure)."""
+    pvalue = chi_square_pvalue(samples, probs)
+    assert pvalue > P_THRESHOLD, (label, pvalue)
+
+
 def runnable_backends(op_name: str, device=None):
     """The backends of an op (``specdec_kernels.ops.<op>.IMPLEMENTED``) that can run here.
 
@@ -89,6 +100,20 @@ def runnable_backends(op_name: str, device=None):
     return [b for b in module.IMPLEMENTED if _backend._can_run(b, op_name, torch.device(device)) is None]
 
 
+def assert_docstring_is_the_fronts_own(op_name: str) -> None:
+    """``specdec_kernels.<op_name>`` carries the front's own docstring (arguments, returns,
+    errors, its torch.ops name, backend, validate), not the reference's; the reference names the
+    op whose docstring it shares, and checks nothing itself."""
+    import specdec_kernels
+    from specdec_kernels import reference
+
+    doc = getattr(specdec_kernels, op_name).__doc__
+    for part in ("Args:", "Returns:", "Raises:", f"torch.ops.specdec.{op_name}", "backend", "validate"):
+        assert part in doc, part
+    assert "(reference)" not in doc.splitlines()[0]
+    assert f"specdec_kernels.{op_name}" in getattr(reference, op_name).__doc__
+
+
 def to_device(case: dict, device) -> dict:
     """A dict of inputs with its tensors moved to ``device``."""
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
@@ -101,6 +126,29 @@ def assert_same(got, want) -> None:
         assert torch.equal(g, w), f"fast path {g.tolist()} != reference {w.tolist()}"
 
 
+def over_bad_inputs(op, bad: dict):
+    """Parametrize a bad-input test over ``case``, the ids of the table ``bad`` (id ->
+    (arguments, error type, message)), and ``fn``: ``op`` on its reference backend and ``op``
+    as users call it (the default backend)."""
+    by_case = pytest.mark.parametrize("case", list(bad), ids=list(bad))
+    by_fn = pytest.mark.parametrize("fn", [partial(op, backend="reference"), op], ids=["reference", "public"])
+    return lambda test: by_case(by_fn(test))
+
+
+def bad_input_test(op, bad: dict, good):
+    """A test that ``op``, on its reference backend and as users call it, rejects every case of
+    the table ``bad``: id -> (arguments that replace those of ``good()``, the error type, a
+    message the error contains)."""
+
+    @over_bad_inputs(op, bad)
+    def test_bad_input(fn, case):
+        override, err, message = bad[case]
+        with pytest.raises(err, match=re.escape(message)):
+            fn(**{**good(), **override})
+
+    return test_bad_input
+
+
 def requires_triton(op_name: str):
     """Skip a module's tests where the Triton kernel of ``op_name`` cannot run (triton not
     installed, or CPU tensors without TRITON_INTERPRET=1); use as its ``pytestmark``."""
@@ -108,6 +156,21 @@ def requires_triton(op_name: str):
         "triton" not in runnable_backends(op_name),
         reason="Triton cannot run here (not installed, or CPU tensors without TRITON_INTERPRET=1)",
     )
+
+
+def capture_and_replay(launch, out: torch.Tensor, initial: torch.Tensor) -> None:
+    """Capture ``launch()`` in a CUDA graph on a side stream, put ``initial`` back into ``out``
+    (which the capture may have written), then replay the graph and wait for it."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    out.copy_(initial)
+    graph.replay()
+    torch.cuda.synchronize()
 
 
 def on_device(fn, device, **fixed):
@@ -135,6 +198,17 @@ def on_device(fn, device, **fixed):
         return back(fn(*(move(a) for a in args), **fixed, **kwargs))
 
     return wrapped
+
+
+def on_each_backend(op, backends):
+    """A fixture (assign it to the fixture's name in a test module): ``op`` on the test device
+    (``on_device``), once per backend in ``backends``."""
+
+    @pytest.fixture(params=backends)
+    def fixture(request, device):
+        return on_device(op, device, backend=request.param)
+
+    return fixture
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -92,19 +92,28 @@ def test_importing_the_package_touches_no_gpu_and_no_extension():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def _without(module: str) -> str:
+    """Python source that makes every later import of ``module`` (or a submodule) fail, as if it
+    were not installed: the prelude of a subprocess's code."""
+    return f"""
+import builtins
+real = builtins.__import__
+def blocked(name, *a, **k):
+    if name == "{module}" or name.startswith("{module}."):
+        raise ImportError("{module} blocked for this test")
+    return real(name, *a, **k)
+builtins.__import__ = blocked
+"""
+
+
 def test_package_works_without_triton():
     """triton is optional: with it unimportable the ops run on the reference / torch paths."""
     import subprocess
     import sys
 
-    code = """
-import builtins
-real = builtins.__import__
-def blocked(name, *a, **k):
-    if name == "triton" or name.startswith("triton."):
-        raise ImportError("triton blocked for this test")
-    return real(name, *a, **k)
-builtins.__import__ = blocked
+    code = (
+        _without("triton")
+        + """
 import torch, specdec_kernels as sk
 out, acc = sk.verify_greedy(torch.tensor([[[0.0, 1.0], [1.0, 0.0]]]), torch.tensor([[1]]))
 assert out.tolist() == [[1, 0]], out
@@ -118,6 +127,7 @@ except ValueError as e:
 else:
     raise AssertionError("backend='triton' without triton did not raise")
 """
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -128,17 +138,14 @@ def test_build_without_torch_stops_with_a_clear_error():
     import sys
 
     root = ROOT
-    code = """
-import builtins, sys
-real = builtins.__import__
-def blocked(name, *a, **k):
-    if name == "torch" or name.startswith("torch."):
-        raise ImportError("torch blocked for this test")
-    return real(name, *a, **k)
-builtins.__import__ = blocked
+    code = (
+        _without("torch")
+        + """
+import sys
 sys.argv = ["setup.py", "--name"]
 exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__file__": "setup.py", "__name__": "__main__"})
 """
+    )
     env = {k: v for k, v in __import__("os").environ.items() if k != "SPECDEC_SKIP_EXTENSION"}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode != 0

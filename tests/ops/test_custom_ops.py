@@ -11,7 +11,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import _random
-from tests.utils import DRAWS, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
+from tests.utils import DRAWS, P_THRESHOLD, assert_follows, chi_square_pvalue, gen, runnable_backends
 
 PUBLIC_OPS = (
     "verify_greedy",
@@ -327,30 +327,9 @@ def _decode_step(
 def _step_args():
     logits, probs, q, drafts, n, coins, final = _chain_inputs()
     tl, tp, tq, tokens, parents, tn, tcoins, tfinal = _tree_inputs()
-    aq, ak, av, alens, amask = _attention_inputs()
-    cache, clens, cidx, cn = _cache_inputs()
     seeds, offsets = torch.tensor([11, 12, 13]), torch.tensor([0, 7, 100])
-    return [
-        logits,
-        drafts,
-        n,
-        q,
-        tl,
-        tokens,
-        parents,
-        tn,
-        aq,
-        ak,
-        av,
-        alens,
-        amask,
-        cache,
-        clens,
-        cidx,
-        cn,
-        seeds,
-        offsets,
-    ]
+    # the order of _decode_step's parameters
+    return [logits, drafts, n, q, tl, tokens, parents, tn, *_attention_inputs(), *_cache_inputs(), seeds, offsets]
 
 
 def test_decode_step_compiles_fullgraph_without_graph_breaks():
@@ -556,7 +535,7 @@ def test_philox_mode_chi_square():
     drafts = torch.multinomial(q, R, replacement=True, generator=g)[:, None]
     target = p.expand(R, 2, V).contiguous()
     out, _ = sk.rejection_sample(target, q.expand(R, 1, V).contiguous(), drafts, seeds=seeds, offsets=offsets)
-    assert chi_square_pvalue(out[:, 0], p) > P_THRESHOLD
+    assert_follows(out[:, 0], p)
     assert chi_square_pvalue(out[:, 0], q) < P_THRESHOLD  # negative control
     # tree: one root, three sampled children
     N = 4
@@ -567,7 +546,7 @@ def test_philox_mode_chi_square():
     out, _, _ = sk.tree_rejection_sample(
         p.expand(R, N, V).contiguous(), tokens, parents, q.expand(R, N, V).contiguous(), seeds=seeds, offsets=offsets
     )
-    assert chi_square_pvalue(out[:, 0], p) > P_THRESHOLD
+    assert_follows(out[:, 0], p)
 
 
 @pytest.mark.requires_cuda

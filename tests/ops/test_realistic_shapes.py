@@ -12,7 +12,8 @@ import specdec_kernels as sk
 from specdec_kernels import reference
 from specdec_kernels.tree import ancestor_mask
 from tests.conftest import LARGE
-from tests.utils import assert_close, runnable_backends
+from tests.ops.sampling import random_uniforms
+from tests.utils import assert_close, runnable_backends, to_device
 
 FAST = lambda op: [b for b in runnable_backends(op) if b != "reference"]  # noqa: E731
 
@@ -38,6 +39,18 @@ def tree_parents(n, g):
     return torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
 
 
+def parents_argmax(rows, parents):
+    """Tree tokens [B, N]: each node's token is the argmax of its parent's row (the root's own)."""
+    return rows.argmax(-1).gather(1, parents.clamp(min=0)[None].expand(rows.shape[0], -1)).contiguous()
+
+
+def assert_equals_reference(op, backend, *args, **kwargs):
+    """``op`` on ``backend`` gives the reference's integer outputs exactly."""
+    got = getattr(sk, op)(*args, backend=backend, **kwargs)
+    want = getattr(reference, op)(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("backend", FAST("verify_greedy"))
 @pytest.mark.parametrize("s", VERIFY, ids=str)
 def test_verify_greedy(s, backend):
@@ -45,9 +58,7 @@ def test_verify_greedy(s, backend):
     logits = torch.randn(s["B"], s["K"] + 1, s["V"], generator=g, dtype=torch.float32).to(device(), torch.bfloat16)
     drafts = logits[:, :-1].float().argmax(-1)
     drafts[:, s["K"] // 2] += 1
-    got = sk.verify_greedy(logits, drafts, backend=backend)
-    want = reference.verify_greedy(logits, drafts)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_equals_reference("verify_greedy", backend, logits, drafts)
 
 
 @pytest.mark.parametrize("backend", FAST("rejection_sample"))
@@ -59,10 +70,7 @@ def test_rejection_sample(s, backend):
     p = torch.softmax(logits, -1).to(device())
     q = torch.softmax(logits[:, :K] + torch.randn(B, K, V, generator=g), -1).to(device())
     tokens = q.argmax(-1)
-    u, su = torch.rand(B, K, generator=g).to(device()), torch.rand(B, generator=g).to(device())
-    got = sk.rejection_sample(p, q, tokens, uniform_samples=u, sample_uniforms=su, backend=backend)
-    want = reference.rejection_sample(p, q, tokens, uniform_samples=u, sample_uniforms=su)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_equals_reference("rejection_sample", backend, p, q, tokens, **to_device(random_uniforms(B, K, g), device()))
 
 
 @pytest.mark.parametrize("backend", FAST("verify_tree_greedy"))
@@ -71,10 +79,7 @@ def test_verify_tree_greedy(s, backend):
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(s["B"], s["N"], s["V"], generator=g).to(device())
     parents = tree_parents(s["N"], g).to(device())
-    tokens = logits.argmax(-1).gather(1, parents.clamp(min=0)[None].expand(s["B"], -1)).contiguous()
-    got = sk.verify_tree_greedy(logits, tokens, parents, backend=backend)
-    want = reference.verify_tree_greedy(logits, tokens, parents)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_equals_reference("verify_tree_greedy", backend, logits, parents_argmax(logits, parents), parents)
 
 
 @pytest.mark.parametrize("backend", FAST("tree_rejection_sample"))
@@ -84,11 +89,8 @@ def test_tree_rejection_sample(s, backend):
     B, N, V = s["B"], s["N"], s["V"]
     p = torch.softmax(torch.randn(B, N, V, generator=g), -1).to(device())
     parents = tree_parents(N, g).to(device())
-    tokens = p.argmax(-1).gather(1, parents.clamp(min=0)[None].expand(B, -1)).contiguous()
-    u, su = torch.rand(B, N - 1, generator=g).to(device()), torch.rand(B, generator=g).to(device())
-    got = sk.tree_rejection_sample(p, tokens, parents, uniform_samples=u, sample_uniforms=su, backend=backend)
-    want = reference.tree_rejection_sample(p, tokens, parents, uniform_samples=u, sample_uniforms=su)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    randoms = to_device(random_uniforms(B, N - 1, g), device())
+    assert_equals_reference("tree_rejection_sample", backend, p, parents_argmax(p, parents), parents, **randoms)
 
 
 @pytest.mark.parametrize("backend", FAST("tree_attention"))

@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 
+import torch
+
 from tests.utils import ROOT
 
 
@@ -76,6 +78,31 @@ class PagedLaunchArgs(ctypes.Structure):  # SpecdecPagedCompactKVArgs in csrc/co
         ("block_size", ctypes.c_int64),
         ("num_blocks", ctypes.c_int64),
     ]
+
+
+def describe_caches(lib: ctypes.CDLL, a: LaunchArgs, slices: list, row_bytes: int):
+    """The kernel's own host code describes the cache slices (tuples of KVSlice's fields) into
+    ``a``: form 1 is one base and strides, 0 a table of per-cache bases (its address then set
+    in ``a``).  Returns (form, the ctypes table, which must outlive the launch)."""
+    table = (KVSlice * len(slices))(*[KVSlice(*e) for e in slices])
+    form = lib.specdec_compact_kv_cache_describe(ctypes.byref(a), table, len(slices), row_bytes)
+    assert form in (0, 1)
+    if form == 0:
+        a.table = ctypes.addressof(table)
+    return form, table
+
+
+def set_index_args(a: LaunchArgs, seqlens: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> None:
+    """The launch arguments of the index tensors: their data, strides and widths (int32/int64)."""
+    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = (
+        seqlens.data_ptr(),
+        seqlens.stride(0),
+        seqlens.dtype == torch.int64,
+    )
+    a.accepted_indices, a.indices_int64 = indices.data_ptr(), indices.dtype == torch.int64
+    a.indices_stride_b, a.indices_stride_m = indices.stride()
+    a.max_accepted = indices.shape[1]
+    a.num_accepted, a.counts_stride, a.counts_int64 = counts.data_ptr(), counts.stride(0), counts.dtype == torch.int64
 
 
 def build_emulator(nvcc: str, out: str) -> ctypes.CDLL:

@@ -26,7 +26,9 @@ import specdec_kernels as sk
 from specdec_kernels import _native, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
 from specdec_kernels.ops.compact_kv_cache import check_compact_kv_cache_args
-from tests.ops.compact_kv_cache.host_emulation import KVSlice, LaunchArgs
+from tests.ops.compact_kv_cache.cases import one_slot_move, spoil
+from tests.ops.compact_kv_cache.host_emulation import LaunchArgs, describe_caches, set_index_args
+from tests.utils import capture_and_replay
 
 native = pytest.mark.requires_native_op("compact_kv_cache")
 
@@ -153,24 +155,10 @@ def emulate_cuda(lib, caches, seqlens, indices, counts, threads=0, blocks=0):
             )
     first = caches[0]
     assert all(t.stride(-1) == 1 for t in caches), "the CUDA kernel needs contiguous rows"
-    table = (KVSlice * len(slices))(*[KVSlice(*e) for e in slices])
     a = LaunchArgs()
-    form = lib.specdec_compact_kv_cache_describe(
-        ctypes.byref(a), table, len(slices), first.shape[-1] * first.element_size()
-    )
-    assert form in (0, 1)
-    if form == 0:
-        a.table = ctypes.addressof(table)
+    form, _table = describe_caches(lib, a, slices, first.shape[-1] * first.element_size())
     a.batch, a.heads, a.capacity = first.shape[-4], first.shape[-3], first.shape[-2]
-    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = (
-        seqlens.data_ptr(),
-        seqlens.stride(0),
-        seqlens.dtype == torch.int64,
-    )
-    a.accepted_indices, a.indices_int64 = indices.data_ptr(), indices.dtype == torch.int64
-    a.indices_stride_b, a.indices_stride_m = indices.stride()
-    a.max_accepted = indices.shape[1]
-    a.num_accepted, a.counts_stride, a.counts_int64 = counts.data_ptr(), counts.stride(0), counts.dtype == torch.int64
+    set_index_args(a, seqlens, indices, counts)
     assert lib.specdec_compact_kv_cache_emulate(ctypes.byref(a), threads, blocks) == 0
     return form, lib.specdec_compact_kv_cache_word_bytes(ctypes.byref(a))
 
@@ -416,14 +404,7 @@ def test_out_of_range_values_never_leave_the_cache(impl, case, alloc):
     valid_counts[bad] = 0
     want = [v.cpu().clone() for v in views]
     reference.compact_kv_cache(want, seqlens, indices, valid_counts)  # the valid sequences only
-    if "index" in what:
-        indices[bad, what["index"][0]] = what["index"][1]
-    if "row" in what:
-        indices[bad] = torch.tensor(what["row"])
-    if "seqlen" in what:
-        seqlens[bad] = what["seqlen"]
-    if "count" in what:
-        counts[bad] = what["count"]
+    spoil(bad, what, seqlens, indices, counts)
     before = buf.cpu().clone()
     impl.op(views, seqlens, indices, counts)
     if alloc == "guarded":
@@ -607,12 +588,7 @@ def test_missing_native_op_falls_back_to_reference_with_one_warning(monkeypatch)
 def test_cuda_rejects_strided_head_dim():
     wide = torch.zeros(1, 2, 1, 1, 8, 8, device="cuda")
     with pytest.raises(ValueError, match="last dimension"):
-        torch.ops.specdec.compact_kv_cache_native(
-            [wide[..., ::2]],
-            torch.tensor([0], device="cuda"),
-            torch.tensor([[1]], device="cuda"),
-            torch.tensor([1], device="cuda"),
-        )
+        torch.ops.specdec.compact_kv_cache_native([wide[..., ::2]], *one_slot_move("cuda"))
 
 
 @pytest.mark.requires_cuda
@@ -633,16 +609,7 @@ def test_cuda_graph_capture_of_one_buffer():
     seqlens, indices, n = (t.cuda() for t in random_tree_paths(B, M, S, seed=61))
     want = expected_after(cache, seqlens, indices, n)
     got = cache.clone()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            torch.ops.specdec.compact_kv_cache_native([got], seqlens, indices, n, False)
-    torch.cuda.current_stream().wait_stream(stream)
-    got.copy_(cache)
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: torch.ops.specdec.compact_kv_cache_native([got], seqlens, indices, n, False), got, cache)
     assert same_bytes(got, want)
     layers, _ = make_layout(cache.clone(), "mixed_strides")  # unequal strides: the table form
     with pytest.raises(RuntimeError, match="CUDA graph"):

@@ -1,14 +1,13 @@
 """compact_kv_cache: gather from a snapshot copy, overlap hazards, layouts, bad input."""
 
 import re
-from functools import partial
 
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.utils import runnable_backends
+from tests.utils import over_bad_inputs, runnable_backends
 
 BACKENDS = runnable_backends("compact_kv_cache")
 
@@ -137,10 +136,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn", [partial(sk.compact_kv_cache, backend="reference"), sk.compact_kv_cache], ids=["reference", "public"]
-)
+@over_bad_inputs(sk.compact_kv_cache, BAD)
 def test_bad_input(fn, case):
     args = dict(
         kv_cache=torch.zeros(1, 2, 1, 1, 8, 4),

@@ -17,7 +17,6 @@ chunk before any thread's stores, the pools described by the binding's own host 
 
 import ctypes
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -27,7 +26,9 @@ from specdec_kernels import _backend, reference
 from specdec_kernels.ops import compact_kv_cache as op_module
 from specdec_kernels.ops.compact_kv_cache import check_paged_compact_kv_cache_args
 from specdec_kernels.reference.compact_kv_cache import _paged_compact_kv_cache, cache_views
-from tests.ops.compact_kv_cache.host_emulation import KVSlice, PagedLaunchArgs
+from tests.ops.compact_kv_cache.cases import one_slot_move, spoil
+from tests.ops.compact_kv_cache.host_emulation import PagedLaunchArgs, describe_caches, set_index_args
+from tests.utils import capture_and_replay, over_bad_inputs
 
 OP = "paged_compact_kv_cache"
 native = pytest.mark.requires_native_op(OP)
@@ -175,26 +176,12 @@ def emulate_cuda(lib, pools, layout, seqlens, indices, counts, table, threads=0,
                 for kv in range(2)
             )
     first = pools[0]
-    c_slices = (KVSlice * len(slices))(*[KVSlice(*e) for e in slices])
     p = PagedLaunchArgs()
     a = p.kv
-    form = lib.specdec_compact_kv_cache_describe(
-        ctypes.byref(a), c_slices, len(slices), first.shape[-1] * first.element_size()
-    )
-    assert form in (0, 1)
-    if form == 0:
-        a.table = ctypes.addressof(c_slices)
+    form, _c_slices = describe_caches(lib, a, slices, first.shape[-1] * first.element_size())
     a.batch, a.heads = seqlens.shape[0], first.shape[-4 + head_dim]
     a.capacity = 123456789  # ignored by the paged kernel (set from the table); must not matter
-    a.cache_seqlens, a.seqlens_stride, a.seqlens_int64 = (
-        seqlens.data_ptr(),
-        seqlens.stride(0),
-        seqlens.dtype == torch.int64,
-    )
-    a.accepted_indices, a.indices_int64 = indices.data_ptr(), indices.dtype == torch.int64
-    a.indices_stride_b, a.indices_stride_m = indices.stride()
-    a.max_accepted = indices.shape[1]
-    a.num_accepted, a.counts_stride, a.counts_int64 = counts.data_ptr(), counts.stride(0), counts.dtype == torch.int64
+    set_index_args(a, seqlens, indices, counts)
     p.block_table, p.block_table_int64 = table.data_ptr(), table.dtype == torch.int64
     p.block_table_stride_b, p.block_table_stride_m = table.stride()
     p.max_blocks_per_seq, p.num_blocks = table.shape[1], first.shape[-4]
@@ -496,14 +483,7 @@ def test_out_of_range_entries_are_skipped_and_never_leave_the_pool(impl, case, l
     indices = torch.tensor([[0, 2, 3, 6], [1, 2, 4, 5], [1, 2, 3, -1]])
     counts = torch.tensor([4, 4, 3])
     bad, what = SKIPPED[case]
-    if "index" in what:
-        indices[bad, what["index"][0]] = what["index"][1]
-    if "row" in what:
-        indices[bad] = torch.tensor(what["row"])
-    if "seqlen" in what:
-        seqlens[bad] = what["seqlen"]
-    if "count" in what:
-        counts[bad] = what["count"]
+    spoil(bad, what, seqlens, indices, counts)
     if "block" in what:  # the block of the bad sequence's second destination slot
         value = num_blocks if what["block"] == "num_blocks" else what["block"]
         table[bad, (int(seqlens[bad]) + 1) // bs] = value
@@ -629,10 +609,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn", [partial(sk.compact_kv_cache, backend="reference"), sk.compact_kv_cache], ids=["reference", "public"]
-)
+@over_bad_inputs(sk.compact_kv_cache, BAD)
 def test_bad_input(fn, case):
     override, err, msg = BAD[case]
     args = good_args(**override)
@@ -803,16 +780,11 @@ def test_cuda_graph_capture_of_one_pool():
     pool, table = to_paged(dense.cuda(), 16, "NHD", seed=65)
     want = dense_after(dense, seqlens, indices, counts)
     got = pool.clone()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            torch.ops.specdec.paged_compact_kv_cache_native([got], seqlens, indices, counts, table, "NHD", False)
-    torch.cuda.current_stream().wait_stream(stream)
-    got.copy_(pool)
-    graph.replay()
-    torch.cuda.synchronize()
+
+    def launch():
+        torch.ops.specdec.paged_compact_kv_cache_native([got], seqlens, indices, counts, table, "NHD", False)
+
+    capture_and_replay(launch, got, pool)
     assert same_bytes(from_paged(got, table, "NHD", S), want)
     pools, _ = mixed_stride_pools(pool.clone(), "NHD")  # unequal strides: the table form
     with pytest.raises(RuntimeError, match="CUDA graph"):
@@ -827,9 +799,7 @@ def test_cuda_rejects_strided_head_dim():
     with pytest.raises(ValueError, match="last dimension"):
         torch.ops.specdec.paged_compact_kv_cache_native(
             [wide[..., ::2]],
-            torch.tensor([0], device="cuda"),
-            torch.tensor([[1]], device="cuda"),
-            torch.tensor([1], device="cuda"),
+            *one_slot_move("cuda"),
             torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"),
             "NHD",
             False,

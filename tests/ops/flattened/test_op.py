@@ -12,7 +12,6 @@ chi-square test of losslessness, the FlashInfer-style details, bad input, opchec
 """
 
 import re
-from functools import partial
 
 import pytest
 import torch
@@ -20,7 +19,18 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import reference
 from tests.ops.sampling import random_probs
-from tests.utils import DRAWS, DTYPE_IDS, DTYPES, NAN, P_THRESHOLD, chi_square_pvalue, gen, runnable_backends
+from tests.utils import (
+    DRAWS,
+    NAN,
+    P_THRESHOLD,
+    assert_follows,
+    bad_input_test,
+    chi_square_pvalue,
+    each_dtype,
+    gen,
+    over_bad_inputs,
+    runnable_backends,
+)
 
 GREEDY_BACKENDS = runnable_backends("verify_greedy_flattened")
 SAMPLE_BACKENDS = runnable_backends("rejection_sample_flattened")
@@ -118,6 +128,28 @@ def padded(case, K=None, seed=1):
     return out
 
 
+def flat_inputs(case, probs=None):
+    """rejection_sample_flattened's tensor inputs of a flattened case: the target rows (``probs``
+    in place of the case's when given), draft probs, draft ids, cu_num_draft_tokens."""
+    return (case["probs"] if probs is None else probs, case["draft"], case["drafts"], case["cu"])
+
+
+def padded_inputs(p):
+    """rejection_sample's tensor inputs of the padded case: target, draft probs, draft ids, counts."""
+    return (p["probs"], p["draft"], p["drafts"], p["n"])
+
+
+def given_uniforms(case, coins=None):
+    """The case's randoms as keyword arguments: the acceptance coins (``coins`` in place of the
+    flat ones when given, the padded case's for the padded op) and the sample uniforms."""
+    return dict(uniform_samples=case["coins"] if coins is None else coins, sample_uniforms=case["final"])
+
+
+def padded_reference(case, p):
+    """The padded reference's tokens for a flattened case and its padded form, same randoms."""
+    return reference.rejection_sample(*padded_inputs(p), **given_uniforms(case, p["coins"]))
+
+
 def without_bonus_rows(x, counts):
     """[T + B, V] -> the [T, V] draft rows (the bonus rows removed)."""
     keep = torch.ones(x.shape[0], dtype=torch.bool)
@@ -139,7 +171,7 @@ def one_hot_bonus_rows(x, counts, bonus, value):
 # --------------------------------------------------------------------------- parity with padded
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
 @pytest.mark.parametrize("backend", GREEDY_BACKENDS)
 def test_greedy_equals_padded(backend, counts, dtype):
@@ -154,27 +186,15 @@ def test_greedy_equals_padded(backend, counts, dtype):
         assert torch.equal((out >= 0).sum(1), acc + 1) and (out[out < 0] == -1).all()  # -1 padding after the tokens
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
 @pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
 @pytest.mark.parametrize("backend", SAMPLE_BACKENDS)
 def test_rejection_equals_padded(backend, counts, sampled, dtype):
     for seed, (V, id_dtype) in enumerate(((111, torch.int32), (7, torch.int64))):
         c = flat_case(counts, V, seed=seed, dtype=dtype, sampled=sampled, id_dtype=id_dtype)
-        p = padded(c)
-        want = reference.rejection_sample(
-            p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"], sample_uniforms=c["final"]
-        )
-        got = run(
-            sk.rejection_sample_flattened,
-            c["probs"],
-            c["draft"],
-            c["drafts"],
-            c["cu"],
-            uniform_samples=c["coins"],
-            sample_uniforms=c["final"],
-            backend=backend,
-        )
+        want = padded_reference(c, padded(c))
+        got = run(sk.rejection_sample_flattened, *flat_inputs(c), **given_uniforms(c), backend=backend)
         assert_same(got, want)
         out, acc = got
         assert torch.equal((out >= 0).sum(1), acc + 1) and (out[out < 0] == -1).all()
@@ -196,27 +216,17 @@ def test_rejection_equals_padded_over_vocabulary_chunks(sampled, bonus_ids):
     with mock.patch.object(kernels, "launch_config", partial(kernels.launch_config, tile=(2, 16), num_splits=4)):
         for seed, V in enumerate((111, 37)):
             c = flat_case(counts, V, seed=seed, sampled=sampled)
-            p = padded(c)
-            want = reference.rejection_sample(
-                p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"], sample_uniforms=c["final"]
-            )
+            want = padded_reference(c, padded(c))
             probs = c["probs"]
             kwargs = {}
             if bonus_ids:
                 # the [T, V] layout: drop each request's bonus row, pass the reference's bonus tokens
-                keep = torch.ones(probs.shape[0], dtype=torch.bool)
-                ends = torch.cumsum(torch.tensor(counts) + 1, 0) - 1
-                keep[ends] = False
-                probs = probs[keep]
+                probs = without_bonus_rows(probs, counts)
                 kwargs["bonus_token_ids"] = want[0].gather(1, want[1][:, None])[:, 0]
             got = run(
                 sk.rejection_sample_flattened,
-                probs,
-                c["draft"],
-                c["drafts"],
-                c["cu"],
-                uniform_samples=c["coins"],
-                sample_uniforms=c["final"],
+                *flat_inputs(c, probs),
+                **given_uniforms(c),
                 backend="triton",
                 **kwargs,
             )
@@ -242,20 +252,8 @@ def test_the_parity_cases_cover_every_outcome():
 def test_wider_max_spec_len_pads_with_minus_one(backend):
     c = flat_case(COUNTS["ragged"], 37, seed=3)
     p = padded(c, K=9)
-    want = reference.rejection_sample(
-        p["probs"], p["draft"], p["drafts"], p["n"], uniform_samples=p["coins"], sample_uniforms=c["final"]
-    )
-    got = run(
-        sk.rejection_sample_flattened,
-        c["probs"],
-        c["draft"],
-        c["drafts"],
-        c["cu"],
-        max_spec_len=9,
-        uniform_samples=c["coins"],
-        sample_uniforms=c["final"],
-        backend=backend,
-    )
+    want = padded_reference(c, p)
+    got = run(sk.rejection_sample_flattened, *flat_inputs(c), max_spec_len=9, **given_uniforms(c), backend=backend)
     assert_same(got, want)
     assert got[0].shape == (6, 10) and (got[0][:, 6:] == -1).all()
     if backend in GREEDY_BACKENDS:
@@ -290,7 +288,7 @@ def test_rejection_bonus_token_ids_equal_one_hot_bonus_rows(backend, counts, sam
     c = flat_case(counts, 23, seed=6, sampled=sampled)
     bonus = torch.randint(0, 23, (len(counts),), generator=gen(7))
     rows = one_hot_bonus_rows(c["probs"], counts, bonus, 1.0)  # sampling it gives the bonus id for any u
-    kw = dict(uniform_samples=c["coins"], sample_uniforms=c["final"], backend=backend)
+    kw = dict(given_uniforms(c), backend=backend)
     want = run(sk.rejection_sample_flattened, rows, c["draft"], c["drafts"], c["cu"], **kw)
     draft_rows = without_bonus_rows(c["probs"], counts)
     got = run(sk.rejection_sample_flattened, draft_rows, c["draft"], c["drafts"], c["cu"], bonus, **kw)
@@ -335,30 +333,30 @@ def test_greedy_golden(backend):
     out, acc = run(sk.verify_greedy_flattened, logits, torch.tensor([1, 2, 2]), cu, max_spec_len=4, backend=backend)
     assert out.tolist() == [[1, 2, 3, -1, -1], [0, -1, -1, -1, -1], [2, 1, -1, -1, -1]] and acc.tolist() == [2, 0, 1]
     # [T, V] rows 0, 1, 4 and caller-sampled bonus tokens (copied as given, here outside V)
-    out, acc = run(
-        sk.verify_greedy_flattened,
-        logits[[0, 1, 4]],
-        torch.tensor([1, 2, 2]),
-        cu,
-        torch.tensor([19, 18, 17]),
-        backend=backend,
-    )
-    assert out.tolist() == [[1, 2, 19], [18, -1, -1], [2, 17, -1]] and acc.tolist() == [2, 0, 1]
-    out, acc = run(
-        sk.verify_greedy_flattened,
-        logits[[0, 1, 4]],
-        torch.tensor([1, 3, 0]),
-        cu,
-        torch.tensor([19, 18, 17]),
-        backend=backend,
-    )
-    assert out.tolist() == [[1, 2, -1], [18, -1, -1], [2, -1, -1]] and acc.tolist() == [1, 0, 0]
+    for drafts, tokens, accepted in (
+        ([1, 2, 2], [[1, 2, 19], [18, -1, -1], [2, 17, -1]], [2, 0, 1]),
+        ([1, 3, 0], [[1, 2, -1], [18, -1, -1], [2, -1, -1]], [1, 0, 0]),
+    ):
+        bonus = torch.tensor([19, 18, 17])
+        out, acc = run(sk.verify_greedy_flattened, logits[[0, 1, 4]], torch.tensor(drafts), cu, bonus, backend=backend)
+        assert out.tolist() == tokens and acc.tolist() == accepted
 
 
 def _golden_probs():
     # request 0: drafts 1, 3 on rows P0, P1, bonus row P2; request 1: no draft, bonus row P0;
     # request 2: draft 2 on row P2, bonus row P1
     return torch.tensor([P0, P1, P2, P0, P2, P1]), torch.tensor([1, 3, 2]), torch.tensor([2, 2, 3])
+
+
+def _hand_randoms_with_details(coins, sample_uniforms, backend):
+    """Keyword arguments of a hand-worked call: the given coins and sample uniforms, the
+    backend, details requested."""
+    return dict(
+        uniform_samples=torch.tensor(coins),
+        sample_uniforms=torch.tensor(sample_uniforms),
+        backend=backend,
+        return_details=True,
+    )
 
 
 @pytest.mark.parametrize("backend", SAMPLE_BACKENDS)
@@ -368,12 +366,7 @@ def test_rejection_golden(backend):
     #   [.25, .25, .25, 0], threshold 0.5 * 0.75 = 0.375 -> token 1
     # request 1: bonus from P0 with u = 0.75: CDF [.1, .7, .9, 1] -> token 2
     # request 2: 0.99 < 1 accepts 2; bonus from P1 with u = 0.3: CDF [.25, .5, ..] -> token 1
-    kw = dict(
-        uniform_samples=torch.tensor([0.5, 0.3, 0.99]),
-        sample_uniforms=torch.tensor([0.5, 0.75, 0.3]),
-        backend=backend,
-        return_details=True,
-    )
+    kw = _hand_randoms_with_details([0.5, 0.3, 0.99], [0.5, 0.75, 0.3], backend)
     d = run(sk.rejection_sample_flattened, target, None, drafts, cu, **kw)
     assert d.output_tokens.tolist() == [[1, 1, -1], [2, -1, -1], [2, 1, -1]]
     assert d.num_accepted.tolist() == d.emitted_counts.tolist() == [1, 0, 1]
@@ -407,12 +400,7 @@ def test_details_by_hand_counts_tests_after_a_rejection_and_flags_nan_rows(backe
     drafts = torch.tensor([3, 1, 2])
     # request 0: draft 3 on P0: 0.5 * 1 >= 0.1 rejects (num_accepted 0), but draft 1 on P1 would
     # pass (0.1 < 0.25): accepted_counts 1 > emitted 0 (FlashInfer's accepted count)
-    kw = dict(
-        uniform_samples=torch.tensor([0.5, 0.1, 0.2]),
-        sample_uniforms=torch.tensor([0.5, 0.5, 0.5]),
-        backend=backend,
-        return_details=True,
-    )
+    kw = _hand_randoms_with_details([0.5, 0.1, 0.2], [0.5, 0.5, 0.5], backend)
     d = run(sk.rejection_sample_flattened, target, None, drafts, cu, **kw)
     assert isinstance(d, sk.RejectionSampleDetails)
     assert d.num_accepted.tolist() == d.emitted_counts.tolist() == [0, 0, 1]
@@ -456,17 +444,7 @@ def test_details_against_a_hand_loop_and_the_padded_front(backend):
     c = flat_case(COUNTS["K0_to_16"], 29, seed=9)
     c["probs"][[5, 40], 3] = NAN  # two requests' target rows
     c["draft"][70, 0] = NAN  # one request's draft row
-    d = run(
-        sk.rejection_sample_flattened,
-        c["probs"],
-        c["draft"],
-        c["drafts"],
-        c["cu"],
-        uniform_samples=c["coins"],
-        sample_uniforms=c["final"],
-        return_details=True,
-        backend=backend,
-    )
+    d = run(sk.rejection_sample_flattened, *flat_inputs(c), **given_uniforms(c), return_details=True, backend=backend)
     accepted, valid = _hand_details(c, c["coins"])
     assert d.accepted_counts.tolist() == accepted and d.valid.tolist() == valid
     assert 0 < sum(valid) < len(valid) and (d.accepted_counts >= d.num_accepted).all()
@@ -474,30 +452,12 @@ def test_details_against_a_hand_loop_and_the_padded_front(backend):
     # the padded front's details on the same data (NaN in padding rows is not the request's)
     p = padded(c)
     p["probs"][p["n"] < max(c["counts"]), -1, 0] = NAN  # only rows that are pure padding
-    want = run(
-        sk.rejection_sample,
-        p["probs"],
-        p["draft"],
-        p["drafts"],
-        p["n"],
-        uniform_samples=p["coins"],
-        sample_uniforms=c["final"],
-        return_details=True,
-        backend=backend,
-    )
+    kw = dict(given_uniforms(c, p["coins"]), backend=backend)
+    want = run(sk.rejection_sample, *padded_inputs(p), return_details=True, **kw)
     assert type(want) is sk.RejectionSampleDetails
     assert_same(d, want)
     # the default path still returns the plain pair
-    plain = run(
-        sk.rejection_sample,
-        p["probs"],
-        p["draft"],
-        p["drafts"],
-        p["n"],
-        uniform_samples=p["coins"],
-        sample_uniforms=c["final"],
-        backend=backend,
-    )
+    plain = run(sk.rejection_sample, *padded_inputs(p), **kw)
     assert type(plain) is tuple and len(plain) == 2
 
 
@@ -507,13 +467,9 @@ def test_details_with_bonus_ids_own_no_bonus_row():
     c2 = dict(c, probs=rows)
     rows[2, 1] = NAN  # request 0's third draft row
     d = sk.rejection_sample_flattened(
-        rows,
-        c["draft"],
-        c["drafts"],
-        c["cu"],
+        *flat_inputs(c, rows),
         torch.zeros(6, dtype=torch.long),
-        uniform_samples=c["coins"],
-        sample_uniforms=c["final"],
+        **given_uniforms(c),
         return_details=True,
         backend="reference",
     )
@@ -544,24 +500,32 @@ def _guarded_rows(x, fill, pad=5):
     return big[pad : pad + x.shape[0]]
 
 
+def _guarded_ids(drafts, cu, bonus=None):
+    """Draft ids, cu_num_draft_tokens and bonus ids (None stays None) in guard buffers: an id read
+    past a span is 0, a cu entry read before cu[0] is 1."""
+    return _guarded(drafts, 0), _guarded(cu, 1), None if bonus is None else _guarded(bonus, 0)
+
+
+def _small_case_rows(seed, rows, bonus_ids):
+    """A small ragged case, its target ``rows`` ("logits" or "probs") and bonus ids: the
+    [T + B, V] rows and None, or with ``bonus_ids`` the [T, V] rows and ids 3..7."""
+    counts = [2, 0, 4, 1, 0]
+    c = flat_case(counts, 19, seed=seed)
+    if bonus_ids:
+        return c, without_bonus_rows(c[rows], counts), torch.tensor([3, 4, 5, 6, 7])
+    return c, c[rows], None
+
+
 @pytest.mark.parametrize("guard", [_guarded, _guarded_rows], ids=["rows_and_columns", "rows"])
 @pytest.mark.parametrize("bonus_ids", [False, True], ids=["bonus_rows", "bonus_ids"])
 @pytest.mark.parametrize("backend", GREEDY_BACKENDS)
 def test_greedy_reads_nothing_outside_its_inputs(backend, bonus_ids, guard):
-    counts = [2, 0, 4, 1, 0]
-    c = flat_case(counts, 19, seed=11)
-    logits = without_bonus_rows(c["logits"], counts) if bonus_ids else c["logits"]
-    bonus = torch.tensor([3, 4, 5, 6, 7]) if bonus_ids else None
+    c, logits, bonus = _small_case_rows(11, "logits", bonus_ids)
     clean = run(sk.verify_greedy_flattened, logits, c["drafts"], c["cu"], bonus, backend=backend)
     # NaN counts as the maximum: any logit read outside the view would become the argmax; a
     # cu entry read before cu[0] would shift request 0; ids past a span would be compared
     got = run(
-        sk.verify_greedy_flattened,
-        guard(logits, NAN),
-        _guarded(c["drafts"], 0),
-        _guarded(c["cu"], 1),
-        None if bonus is None else _guarded(bonus, 0),
-        backend=backend,
+        sk.verify_greedy_flattened, guard(logits, NAN), *_guarded_ids(c["drafts"], c["cu"], bonus), backend=backend
     )
     assert_same(got, clean)
 
@@ -570,11 +534,8 @@ def test_greedy_reads_nothing_outside_its_inputs(backend, bonus_ids, guard):
 @pytest.mark.parametrize("bonus_ids", [False, True], ids=["bonus_rows", "bonus_ids"])
 @pytest.mark.parametrize("backend", SAMPLE_BACKENDS)
 def test_rejection_reads_nothing_outside_its_inputs(backend, bonus_ids, fill):
-    counts = [2, 0, 4, 1, 0]
-    c = flat_case(counts, 19, seed=12)
-    probs = without_bonus_rows(c["probs"], counts) if bonus_ids else c["probs"]
-    bonus = torch.tensor([3, 4, 5, 6, 7]) if bonus_ids else None
-    kw = dict(uniform_samples=c["coins"], sample_uniforms=c["final"], backend=backend)
+    c, probs, bonus = _small_case_rows(12, "probs", bonus_ids)
+    kw = dict(given_uniforms(c), backend=backend)
     for draft in (c["draft"], None):
         clean = run(sk.rejection_sample_flattened, probs, draft, c["drafts"], c["cu"], bonus, **kw)
         # a target value read outside the view (NaN: rejected, huge: accepted and dominating
@@ -583,9 +544,7 @@ def test_rejection_reads_nothing_outside_its_inputs(backend, bonus_ids, fill):
             sk.rejection_sample_flattened,
             _guarded(probs, fill),
             None if draft is None else _guarded(draft, 1e-30),
-            _guarded(c["drafts"], 0),
-            _guarded(c["cu"], 1),
-            None if bonus is None else _guarded(bonus, 0),
+            *_guarded_ids(c["drafts"], c["cu"], bonus),
             **dict(kw, uniform_samples=_guarded(c["coins"], 0.0)),
         )
         assert_same(got, clean)
@@ -599,14 +558,13 @@ def test_garbage_cu_without_validation_stays_in_bounds(backend):
     c = flat_case(counts, 11, seed=13)
     for bad in ([-4, 2, 99], [5, 1, 6], [2, 2, 2], [7, 8, 9]):
         cu = torch.tensor(bad)
-        kw = dict(max_spec_len=4, uniform_samples=c["coins"], sample_uniforms=c["final"], validate=False)
+        kw = dict(given_uniforms(c), max_spec_len=4, validate=False)
         want = sk.rejection_sample_flattened(c["probs"], c["draft"], c["drafts"], cu, backend="reference", **kw)
         got = run(
             sk.rejection_sample_flattened,
             _guarded(c["probs"], NAN),
             _guarded(c["draft"], 1e-30),
-            _guarded(c["drafts"], 0),
-            _guarded(cu, 1),
+            *_guarded_ids(c["drafts"], cu),
             backend=backend,
             **kw,
         )
@@ -616,8 +574,7 @@ def test_garbage_cu_without_validation_stays_in_bounds(backend):
             g = run(
                 sk.verify_greedy_flattened,
                 _guarded(c["logits"], NAN),
-                _guarded(c["drafts"], 0),
-                _guarded(cu, 1),
+                *_guarded_ids(c["drafts"], cu),
                 max_spec_len=4,
                 validate=False,
                 backend=backend,
@@ -661,10 +618,7 @@ def test_same_generator_or_seeds_give_the_padded_tokens(backend, mode):
         torch.manual_seed(22)  # the default generator, for the rows of a dict without one
         got = run(
             sk.rejection_sample_flattened,
-            c["probs"],
-            c["draft"],
-            c["drafts"],
-            c["cu"],
+            *flat_inputs(c),
             max_spec_len=K,
             backend=backend,
             **_random_kwargs(mode, len(counts), 21, c["coins"], None),
@@ -672,10 +626,7 @@ def test_same_generator_or_seeds_give_the_padded_tokens(backend, mode):
         torch.manual_seed(22)
         want = run(
             sk.rejection_sample,
-            p["probs"],
-            p["draft"],
-            p["drafts"],
-            p["n"],
+            *padded_inputs(p),
             backend="reference",
             **_random_kwargs(mode, len(counts), 21, None, p["coins"]),
         )
@@ -734,10 +685,10 @@ def test_flattened_rejection_sampling_is_lossless():
             generator=gen(17),
             backend=backend,
         )
-        assert chi_square_pvalue(out[:, 0], P[0]) > P_THRESHOLD, backend
+        assert_follows(out[:, 0], P[0], backend)
         second = out[acc >= 1, 1]
         assert second.numel() > 5000
-        assert chi_square_pvalue(second, P[1]) > P_THRESHOLD, backend
+        assert_follows(second, P[1], backend)
     first_drafts = drafts[(cu - torch.tensor(counts))[torch.tensor(counts) > 0]]
     assert chi_square_pvalue(first_drafts, P[0]) < P_THRESHOLD  # negative control: q is not P
 
@@ -802,18 +753,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn",
-    [partial(sk.rejection_sample_flattened, backend="reference"), sk.rejection_sample_flattened],
-    ids=["reference", "public"],
-)
-def test_bad_input_rejection(fn, case):
-    args = _good()
-    override, err, message = BAD[case]
-    args.update(override)
-    with pytest.raises(err, match=re.escape(message)):
-        fn(**args)
+test_bad_input_rejection = bad_input_test(sk.rejection_sample_flattened, BAD, _good)
 
 
 GREEDY_BAD = {
@@ -821,12 +761,7 @@ GREEDY_BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(GREEDY_BAD), ids=list(GREEDY_BAD))
-@pytest.mark.parametrize(
-    "fn",
-    [partial(sk.verify_greedy_flattened, backend="reference"), sk.verify_greedy_flattened],
-    ids=["reference", "public"],
-)
+@over_bad_inputs(sk.verify_greedy_flattened, GREEDY_BAD)
 def test_bad_input_greedy(fn, case):
     args = _good()
     args["target_logits"] = args.pop("target_probs")

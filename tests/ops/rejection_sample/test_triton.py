@@ -8,24 +8,18 @@ import torch
 from specdec_kernels.ops import rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.rejection_sample import rejection_sample as reference_rejection_sample
+from tests.ops import sampling
 from tests.ops.sampling import TARGETS, TILINGS, random_probs
-from tests.utils import (
-    DRAWS,
-    DTYPE_IDS,
-    DTYPES,
-    P_THRESHOLD,
-    assert_same,
-    chi_square_pvalue,
-    gen,
-    requires_triton,
-    to_device,
-)
+from tests.utils import DRAWS, assert_follows, assert_same, each_dtype, gen, requires_triton, to_device
 
 pytestmark = requires_triton("rejection_sample")
 
 
 def kernel(*args, **kwargs):
     return op.rejection_sample(*args, backend="triton", **kwargs)
+
+
+ARGS = ("target_probs", "draft_probs", "draft_tokens", "num_draft_tokens")
 
 
 def chain_case(B, K, V, *, sampled, seed=0, dtype=torch.float32, ragged=True, index_dtype=torch.int64):
@@ -68,9 +62,7 @@ def call_case(fn, c, **kwargs):
 
 def run_both(case, device):
     """(kernel result, reference result), both on CPU, for the same inputs and randoms."""
-    got = call_case(kernel, to_device(case, device))
-    want = call_case(reference_rejection_sample, case)
-    return tuple(t.cpu() for t in got), want
+    return sampling.kernel_and_reference(kernel, reference_rejection_sample, ARGS, case, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +79,7 @@ def test_matches_reference(device, B, K, V, sampled):
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_drafts", "one_hot_drafts"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_matches_reference_low_precision_and_int32_ids(device, dtype, sampled):
     case = chain_case(5, 4, 111, sampled=sampled, seed=3, dtype=dtype, index_dtype=torch.int32)
     assert_same(*run_both(case, device))
@@ -141,8 +133,7 @@ def test_strided_inputs(device):
         draft_probs=draft,
         draft_tokens=tokens,
         num_draft_tokens=None,
-        uniform_samples=torch.rand(6, 3, generator=g),
-        sample_uniforms=torch.rand(6, generator=g),
+        **sampling.random_uniforms(6, 3, g),
     )
     assert_same(*run_both(case, device))
 
@@ -190,21 +181,8 @@ def test_coins_after_the_first_rejection_and_past_the_count_are_unused(device):
 
 
 def test_the_sample_uniform_only_moves_the_sampled_token(device):
-    # the acceptance coins decide the accepted prefix; the separate sample uniform only picks
-    # the residual / bonus token
-    B, K, V = 16, 4, 30
-    case = chain_case(B, K, V, sampled=True, seed=41)
-    base, _ = run_both(case, device)
-    tokens_seen = set()
-    for u in (0.01, 0.3, 0.6, 0.99):
-        moved, want = run_both(dict(case, sample_uniforms=torch.full((B,), u)), device)
-        assert_same(moved, want)
-        assert torch.equal(moved[1], base[1])
-        rows = torch.arange(B)
-        prefix = torch.arange(K + 1)[None, :] < base[1][:, None]
-        assert torch.equal(torch.where(prefix, moved[0], 0), torch.where(prefix, base[0], 0))
-        tokens_seen.add(tuple(moved[0][rows, base[1]].tolist()))
-    assert len(tokens_seen) > 1  # the final token does depend on the sample uniform
+    case = chain_case(16, 4, 30, sampled=True, seed=41)
+    sampling.assert_only_the_sampled_token_moves(run_both, case, device, (0.01, 0.3, 0.6, 0.99))
 
 
 def test_coin_and_sample_uniform_are_distinct_inputs(device):
@@ -253,18 +231,10 @@ def test_empty_batch(device):
 
 def test_residual_without_mass_samples_from_the_target(device):
     # q == p and every draft outside the support: rejected, max(0, p - q) == 0, sample from p
-    B, V = 6, 9
-    g = gen(61)
-    p = random_probs((B, 2, V), g, zero_frac=0.0)
-    p[:, 0, 4] = 0.0
-    p = p / p.sum(-1, keepdim=True)
-    case = dict(
-        target_probs=p,
-        draft_probs=p[:, :1].clone(),
-        draft_tokens=torch.full((B, 1), 4),
-        num_draft_tokens=None,
-        uniform_samples=torch.rand(B, 1, generator=g),
-        sample_uniforms=torch.rand(B, generator=g),
+    B = 6
+    case = sampling.without_mass_at(4, (B, 2, 9), seed=61)
+    case.update(
+        draft_probs=case["target_probs"][:, :1].clone(), draft_tokens=torch.full((B, 1), 4), num_draft_tokens=None
     )
     got, want = run_both(case, device)
     assert_same(got, want)
@@ -389,11 +359,11 @@ def test_distribution_matches_target(device, setting, sampled):
     out, acc = kernel(p.expand(DRAWS, K + 1, V), draft_probs, drafts.to(device), generator=gen(303))
     out, acc = out.cpu(), acc.cpu()
     p = p.cpu()
-    assert chi_square_pvalue(out[:, 0], p[0]) > P_THRESHOLD
+    assert_follows(out[:, 0], p[0])
     # given an accepted first draft, the second token follows the second row
     second = out[acc >= 1, 1]
     assert second.numel() > 1000
-    assert chi_square_pvalue(second, p[1]) > P_THRESHOLD
+    assert_follows(second, p[1])
 
 
 def test_distribution_of_the_bonus_from_an_unnormalised_row(device):
@@ -403,7 +373,7 @@ def test_distribution_of_the_bonus_from_an_unnormalised_row(device):
     p[3] = 0.0
     target = (3 * p).expand(DRAWS, 1, V).to(device)
     out, _ = kernel(target, None, torch.zeros(DRAWS, 0, dtype=torch.long, device=device), generator=gen(112))
-    assert chi_square_pvalue(out.cpu()[:, 0], p) > P_THRESHOLD
+    assert_follows(out.cpu()[:, 0], p)
 
 
 def test_distribution_negative_control(device):
@@ -418,13 +388,7 @@ def test_distribution_negative_control(device):
     out, acc = kernel(
         p.expand(DRAWS, 2, V).to(device), q.expand(DRAWS, 1, V).to(device), drafts.to(device), generator=gen(8)
     )
-    out, acc = out.cpu(), acc.cpu()
-    # wrong: replace the residual samples by fresh samples from p (what a buggy kernel emits)
-    wrong = out[:, 0].clone()
-    rejected = acc == 0
-    wrong[rejected] = torch.multinomial(p[0], int(rejected.sum()), replacement=True, generator=g)
-    assert chi_square_pvalue(out[:, 0], p[0]) > P_THRESHOLD
-    assert chi_square_pvalue(wrong, p[0]) < 1e-6
+    sampling.assert_residual_matters(out.cpu(), acc.cpu(), p[0], g)
 
 
 # ---------------------------------------------------------------------------------------------

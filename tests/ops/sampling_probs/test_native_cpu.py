@@ -8,7 +8,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import reference
 from tests.ops.sampling_probs import test_triton as sampling_tests
-from tests.utils import DTYPE_IDS, DTYPES, TOLERANCES, gen
+from tests.utils import TOLERANCES, each_dtype, gen
 
 pytestmark = pytest.mark.requires_native_op("sampling_probs")
 
@@ -26,7 +26,7 @@ def test_sampling_probs_matches_reference(shape, setting):
     torch.testing.assert_close(got, want, equal_nan=True, **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_sampling_probs_low_precision_and_per_sequence_parameters(dtype):
     logits = (torch.randn(4, 3, 300, generator=gen(7)) * 4).to(dtype)
     kw = dict(

@@ -1,21 +1,17 @@
 """sampling_probs: hand-worked temperature, top-k and top-p cases, and bad input."""
 
 import math
-import re
-from functools import partial
 
 import pytest
 import torch
 
 import specdec_kernels as sk
-from tests.utils import on_device, runnable_backends
+from tests.utils import bad_input_test, on_each_backend, runnable_backends
 
 BACKENDS = runnable_backends("sampling_probs")
 
 
-@pytest.fixture(params=BACKENDS)
-def probs_of(request, device):
-    return on_device(sk.sampling_probs, device, backend=request.param)
+probs_of = on_each_backend(sk.sampling_probs, BACKENDS)
 
 
 LOGITS = torch.tensor([[math.log(1), math.log(2), math.log(3), math.log(4)]])  # softmax = [.1 .2 .3 .4]
@@ -89,13 +85,4 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn", [partial(sk.sampling_probs, backend="reference"), sk.sampling_probs], ids=["reference", "public"]
-)
-def test_bad_input(fn, case):
-    args = dict(logits=torch.zeros(2, 4))
-    override, err, name = BAD[case]
-    args.update(override)
-    with pytest.raises(err, match=re.escape(name)):
-        fn(**args)
+test_bad_input = bad_input_test(sk.sampling_probs, BAD, lambda: dict(logits=torch.zeros(2, 4)))

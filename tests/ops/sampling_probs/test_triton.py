@@ -7,7 +7,7 @@ import torch
 
 from specdec_kernels.ops import sampling_probs as op
 from specdec_kernels.reference.sampling_probs import sampling_probs as reference_sampling_probs
-from tests.utils import DTYPE_IDS, DTYPES, TOLERANCES, gen, requires_triton
+from tests.utils import TOLERANCES, each_dtype, gen, requires_triton
 
 pytestmark = requires_triton("sampling_probs")
 
@@ -60,7 +60,7 @@ def test_matches_reference(device, shape, setting):
     check(logits, device, **SETTINGS[setting])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_low_precision_logits(device, dtype):
     logits = (torch.randn(4, 2, 111, generator=gen(1)) * 4).to(dtype)  # bf16 rounding makes ties too
     for setting in (dict(temperature=0.7), dict(temperature=0.0), dict(top_k=9, top_p=0.7)):

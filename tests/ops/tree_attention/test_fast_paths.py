@@ -17,7 +17,7 @@ from specdec_kernels.ops import tree_attention as ta_ops
 from specdec_kernels.ops.tree_attention import choose_num_splits, pack_tree_mask, tree_attention, unpack_tree_mask
 from specdec_kernels.reference.tree_attention import tree_attention as reference_tree_attention
 from specdec_kernels.tree import ancestor_mask, path_to
-from tests.utils import DTYPE_IDS, DTYPES, assert_close, runnable_backends
+from tests.utils import assert_close, each_dtype, runnable_backends
 
 FAST = [b for b in runnable_backends("tree_attention") if b != "reference"]
 ALL = runnable_backends("tree_attention")
@@ -66,7 +66,7 @@ def tree_mask_for(kind, B, N, seed, device):
 
 
 @pytest.mark.parametrize("D", [16, 64, 80, 128], ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("backend", FAST)
 def test_parity_per_dtype_and_head_dim(device, backend, dtype, D):
     # GQA 9/3, ragged lengths including 0, a random tree per sequence

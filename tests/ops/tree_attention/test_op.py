@@ -1,22 +1,17 @@
 """tree_attention: hand-worked cases, an independent per-query oracle, and bad input."""
 
-import re
-from functools import partial
-
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
 from specdec_kernels.tree import ancestor_mask, path_to
-from tests.utils import DTYPE_IDS, DTYPES, assert_close, on_device, runnable_backends
+from tests.utils import assert_close, bad_input_test, each_dtype, on_each_backend, runnable_backends
 
 BACKENDS = runnable_backends("tree_attention")
 
 
-@pytest.fixture(params=BACKENDS)
-def attend(request, device):
-    return on_device(sk.tree_attention, device, backend=request.param)
+attend = on_each_backend(sk.tree_attention, BACKENDS)
 
 
 def test_zero_queries_average_their_visible_values(attend):
@@ -70,7 +65,7 @@ def oracle(q, k_cache, v_cache, cache_seqlens, mask, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 16), (8, 2, 32)], ids=["gqa9-3_d64", "mha4_d16", "gqa8-2_d32"])
 def test_against_the_oracle(attend, dtype, H, Hkv, D):
     g = torch.Generator().manual_seed(0)
@@ -120,19 +115,14 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn", [partial(sk.tree_attention, backend="reference"), sk.tree_attention], ids=["reference", "public"]
-)
-def test_bad_input(fn, case):
-    args = dict(
+test_bad_input = bad_input_test(
+    sk.tree_attention,
+    BAD,
+    lambda: dict(
         q=torch.zeros(1, 2, 4, 16),
         k_cache=torch.zeros(1, 2, 8, 16),
         v_cache=torch.zeros(1, 2, 8, 16),
         cache_seqlens=torch.tensor([3], dtype=torch.int32),
         tree_mask=torch.ones(2, 2, dtype=torch.bool),
-    )
-    override, err, name = BAD[case]
-    args.update(override)
-    with pytest.raises(err, match=re.escape(name)):
-        fn(**args)
+    ),
+)

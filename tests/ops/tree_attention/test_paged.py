@@ -17,7 +17,7 @@ from specdec_kernels import reference
 from specdec_kernels.ops.tree_attention import pack_tree_mask
 from specdec_kernels.reference.tree_attention import gather_paged_kv
 from specdec_kernels.tree import ancestor_mask
-from tests.utils import DTYPE_IDS, DTYPES, NAN, assert_close, gen, runnable_backends
+from tests.utils import NAN, assert_close, each_dtype, gen, runnable_backends
 
 ALL = runnable_backends("tree_attention")
 
@@ -177,7 +177,7 @@ def test_paged_reference_is_the_dense_reference_on_the_gathered_cache(layout):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("backend", ALL)
 def test_dtypes(device, backend, dtype):
     B, N, H, Hkv, D = 2, 5, 6, 2, 32
@@ -372,6 +372,40 @@ def test_unused_table_entries_are_never_dereferenced(device, backend):
     assert_close(got, want, torch.float32)
 
 
+def hostile_case(layout):
+    """The bounds case of validate=False: 3 sequences (lengths 5, 9, 2, N = 2, block size 4),
+    every block of the pools finite (``pk``, ``pv``) and ``guarded``, the same pools as slices
+    of 3x bigger NaN buffers; the ``hostile`` table holds two block ids that sequence 0 uses
+    outside [0, num_blocks), ``hostile_lens`` a huge length of sequence 2."""
+    B, N, H, Hkv, D, bs = 3, 2, 4, 2, 16, 4
+    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [5, 9, 2], bs, layout, seed=12, extra_blocks=0)
+    pk, pv = pk.nan_to_num(0.25), pv.nan_to_num(0.25)  # every block of the pool finite
+    nb = pk.shape[0]
+    guarded = []
+    for pool in (pk, pv):
+        buf = torch.full((3 * nb, *pool.shape[1:]), NAN)
+        buf[nb : 2 * nb] = pool
+        guarded.append(buf[nb : 2 * nb])
+    hostile = table.clone()
+    hostile[0, 0], hostile[0, 1] = -7, 2**31 - 1  # both used by sequence 0 (5 + 2 slots)
+    hostile_lens = lens.clone()
+    hostile_lens[2] = 2**30  # clamped to capacity - N
+    return dict(q=q, pk=pk, pv=pv, lens=lens, table=table, guarded=guarded, hostile=hostile, hostile_lens=hostile_lens)
+
+
+def assert_clamped(got, case, layout):
+    """``got`` (the output on the hostile case) is finite, sequence 1's output is the clean
+    reference's, and all of it is the reference's on the clamped block ids and lengths."""
+    q, pk, pv, table = case["q"], case["pk"], case["pv"], case["table"]
+    clean = sk.tree_attention(q, pk, pv, case["lens"], block_table=table, kv_layout=layout, backend="reference")
+    assert not got.isnan().any()
+    assert_close(got[1], clean[1], torch.float32)
+    cap, N = table.shape[1] * 4, q.shape[1]
+    hostile_lens, hostile = case["hostile_lens"].clamp(0, cap - N), case["hostile"].clamp(0, pk.shape[0] - 1)
+    want = reference.tree_attention(q, pk, pv, hostile_lens, block_table=hostile, kv_layout=layout)
+    assert_close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("backend", ALL)
 def test_hostile_block_ids_never_read_outside_the_pool(device, backend, layout):
@@ -380,34 +414,15 @@ def test_hostile_block_ids_never_read_outside_the_pool(device, backend, layout):
     would show.  Ids are clamped into the pool (the reference does the same): every output
     is finite, the other sequences' outputs are unchanged, and the hostile sequence's output
     is the reference's on the clamped ids."""
-    B, N, H, Hkv, D, bs = 3, 2, 4, 2, 16, 4
-    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [5, 9, 2], bs, layout, seed=12, extra_blocks=0)
-    pk, pv = pk.nan_to_num(0.25), pv.nan_to_num(0.25)  # every block of the pool finite
-    nb = pk.shape[0]
-    bufs = []
-    for pool in (pk, pv):
-        buf = torch.full((3 * nb, *pool.shape[1:]), NAN)
-        buf[nb : 2 * nb] = pool
-        bufs.append(buf[nb : 2 * nb])
-    clean = sk.tree_attention(q, pk, pv, lens, block_table=table, kv_layout=layout, backend="reference")
-    hostile = table.clone()
-    hostile[0, 0], hostile[0, 1] = -7, 2**31 - 1  # both used by sequence 0 (5 + 2 slots)
-    hostile_lens = lens.clone()
-    hostile_lens[2] = 2**30  # clamped to capacity - N
+    c = hostile_case(layout)
     got = sk.tree_attention(
-        *on(device, q, bufs[0], bufs[1], hostile_lens),
-        block_table=hostile.to(device),
+        *on(device, c["q"], *c["guarded"], c["hostile_lens"]),
+        block_table=c["hostile"].to(device),
         kv_layout=layout,
         backend=backend,
         validate=False,
     ).cpu()
-    assert not got.isnan().any()
-    assert_close(got[1], clean[1], torch.float32)
-    cap = table.shape[1] * bs
-    want = reference.tree_attention(
-        q, pk, pv, hostile_lens.clamp(0, cap - N), block_table=hostile.clamp(0, nb - 1), kv_layout=layout
-    )
-    assert_close(got, want, torch.float32)
+    assert_clamped(got, c, layout)
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,8 +16,16 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _backend, reference
 from specdec_kernels.ops import tree_attention as ta
-from tests.ops.tree_attention.test_paged import CASES, expected, make_mask, paged_case, to_pool
-from tests.utils import DTYPE_IDS, DTYPES, NAN, assert_close, gen, one_thread  # noqa: F401  (one intra-op thread)
+from tests.ops.tree_attention.test_paged import (
+    CASES,
+    assert_clamped,
+    expected,
+    hostile_case,
+    make_mask,
+    paged_case,
+    to_pool,
+)
+from tests.utils import NAN, assert_close, each_dtype, gen, one_thread  # noqa: F401  (one intra-op thread)
 
 pytestmark = pytest.mark.requires_native_op("paged_tree_attention")
 
@@ -26,7 +34,7 @@ def native(q, pk, pv, lens, mask, table, layout, **kw):
     return sk.tree_attention(q, pk, pv, lens, mask, block_table=table, kv_layout=layout, backend="native", **kw)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_native_equals_reference_on_the_paged_cases(case, dtype):
     B, N, H, Hkv, D, lens, bs, layout, kind, shared = CASES[case]
@@ -65,7 +73,7 @@ def test_native_equals_reference_over_shapes(shape):
     assert_close(got, expected(q, k, v, lens_t, mask), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_native_long_prefix_shared_blocks_and_dtypes(dtype):
     B, N, H, Hkv, D, bs = 3, 4, 9, 3, 64, 16
     q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [300, 257, 5], bs, "NHD", dtype=dtype, seed=3, shared=4)
@@ -146,29 +154,11 @@ def test_hostile_block_ids_and_lengths_never_read_outside_the_pool(layout):
     """validate=False, used ids outside [0, num_blocks), a huge length, the pool a slice of a
     3x bigger NaN buffer: all outputs finite, sequence 1 unchanged, and everything equal to the
     reference on the clamped ids and lengths."""
-    B, N, H, Hkv, D, bs = 3, 2, 4, 2, 16, 4
-    q, k, v, lens, table, pk, pv = paged_case(B, N, H, Hkv, D, [5, 9, 2], bs, layout, seed=12, extra_blocks=0)
-    pk, pv = pk.nan_to_num(0.25), pv.nan_to_num(0.25)
-    nb = pk.shape[0]
-    bufs = []
-    for pool in (pk, pv):
-        buf = torch.full((3 * nb, *pool.shape[1:]), NAN)
-        buf[nb : 2 * nb] = pool
-        bufs.append(buf[nb : 2 * nb])
-    clean = reference.tree_attention(q, pk, pv, lens, block_table=table, kv_layout=layout)
-    hostile = table.clone()
-    hostile[0, 0], hostile[0, 1] = -7, 2**31 - 1
-    hostile_lens = lens.clone()
-    hostile_lens[2] = 2**30
+    c = hostile_case(layout)
+    q, pk, pv, lens, table, bufs = c["q"], c["pk"], c["pv"], c["lens"], c["table"], c["guarded"]
     for lens_dtype in (torch.int32, torch.int64):
-        got = native(q, bufs[0], bufs[1], hostile_lens.to(lens_dtype), None, hostile, layout, validate=False)
-        assert not got.isnan().any()
-        assert_close(got[1], clean[1], torch.float32)
-        cap = table.shape[1] * bs
-        want = reference.tree_attention(
-            q, pk, pv, hostile_lens.clamp(0, cap - N), block_table=hostile.clamp(0, nb - 1), kv_layout=layout
-        )
-        assert_close(got, want, torch.float32)
+        got = native(q, *bufs, c["hostile_lens"].to(lens_dtype), None, c["hostile"], layout, validate=False)
+        assert_clamped(got, c, layout)
     neg = lens.clone()
     neg[0] = -5  # acts as 0
     got = native(q, bufs[0], bufs[1], neg, None, table, layout, validate=False)

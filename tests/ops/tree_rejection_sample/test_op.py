@@ -1,14 +1,11 @@
 """tree_rejection_sample: hand-worked trees, distribution tests, invariants and bad input."""
 
-import re
-from functools import partial
-
 import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.utils import DRAWS, P_THRESHOLD, chi_square_pvalue, gen, on_device, runnable_backends
+from tests.utils import DRAWS, assert_follows, bad_input_test, gen, on_each_backend, runnable_backends
 
 BACKENDS = runnable_backends("tree_rejection_sample")
 
@@ -16,9 +13,7 @@ PARENTS = [-1, 0, 0]  # root with two children
 TOKENS = [[9, 1, 2]]
 
 
-@pytest.fixture(params=BACKENDS)
-def sample(request, device):
-    return on_device(sk.tree_rejection_sample, device, backend=request.param)
+sample = on_each_backend(sk.tree_rejection_sample, BACKENDS)
 
 
 GOLDEN = {
@@ -76,7 +71,7 @@ def test_chain_tree_matches_chain_sampler_distribution():
     out, _, _ = reference.tree_rejection_sample(
         target.expand(DRAWS, -1, -1), tokens.expand(DRAWS, -1), torch.arange(-1, K), generator=gen(8)
     )
-    assert chi_square_pvalue(out[:, 0], target[0, 0]) > P_THRESHOLD
+    assert_follows(out[:, 0], target[0, 0])
 
 
 def random_case(V=12, seed=0):
@@ -109,10 +104,10 @@ def test_distribution_matches_target(sampled, temperature, top_k, top_p):
         tokens[:, 4:6] = top[1, :2]
         q = None
     out, nodes, acc = reference.tree_rejection_sample(target.expand(B, -1, -1), tokens, parents, q, generator=g)
-    assert chi_square_pvalue(out[:, 0], target[0, 0]) > P_THRESHOLD
+    assert_follows(out[:, 0], target[0, 0])
     via_node1 = nodes[:, 1] == 1  # next token after accepting node 1 follows row 1
     assert via_node1.sum() > 1000
-    assert chi_square_pvalue(out[via_node1, 1], target[0, 1]) > P_THRESHOLD
+    assert_follows(out[via_node1, 1], target[0, 1])
     assert (target[0, 0][out[:, 0]] > 0).all()
 
 
@@ -150,19 +145,12 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn",
-    [partial(sk.tree_rejection_sample, backend="reference"), sk.tree_rejection_sample],
-    ids=["reference", "public"],
-)
-def test_bad_input(fn, case):
-    args = dict(
+test_bad_input = bad_input_test(
+    sk.tree_rejection_sample,
+    BAD,
+    lambda: dict(
         target_probs=torch.full((1, 3, 4), 0.25),
         tree_tokens=torch.zeros(1, 3, dtype=torch.long),
         tree_parents=torch.tensor(PARENTS),
-    )
-    override, err, name = BAD[case]
-    args.update(override)
-    with pytest.raises(err, match=re.escape(name)):
-        fn(**args)
+    ),
+)

@@ -8,18 +8,9 @@ import torch
 from specdec_kernels.ops import tree_rejection_sample as op
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.reference.tree_rejection_sample import tree_rejection_sample as reference_tree_rejection_sample
+from tests.ops import sampling
 from tests.ops.sampling import TARGETS, TILINGS, random_probs
-from tests.utils import (
-    DRAWS,
-    DTYPE_IDS,
-    DTYPES,
-    P_THRESHOLD,
-    assert_same,
-    chi_square_pvalue,
-    gen,
-    requires_triton,
-    to_device,
-)
+from tests.utils import DRAWS, assert_follows, assert_same, each_dtype, gen, requires_triton, to_device
 
 pytestmark = requires_triton("tree_rejection_sample")
 
@@ -86,12 +77,8 @@ ARGS = ("target_probs", "tree_tokens", "tree_parents", "draft_probs", "num_nodes
 
 
 def run_both(case, device):
-    c = to_device(case, device)
-    got = kernel(*(c[a] for a in ARGS), uniform_samples=c["uniform_samples"], sample_uniforms=c["sample_uniforms"])
-    want = reference_tree_rejection_sample(
-        *(case[a] for a in ARGS), uniform_samples=case["uniform_samples"], sample_uniforms=case["sample_uniforms"]
-    )
-    return tuple(t.cpu() for t in got), want
+    """(kernel result, reference result), both on CPU, for the same inputs and randoms."""
+    return sampling.kernel_and_reference(kernel, reference_tree_rejection_sample, ARGS, case, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +95,7 @@ def test_matches_reference(device, B, N, V, sampled, shared):
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled_children", "deterministic_children"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_matches_reference_low_precision_and_int32_ids(device, dtype, sampled):
     case = tree_case(4, 8, 111, sampled=sampled, seed=3, dtype=dtype, index_dtype=torch.int32, shared=False)
     assert_same(*run_both(case, device))
@@ -262,16 +249,8 @@ def test_coins_of_untested_nodes_are_unused(device, sampled):
 
 
 def test_the_sample_uniform_only_moves_the_sampled_token(device):
-    B, N, V = 16, 7, 30
-    case = tree_case(B, N, V, sampled=True, seed=41)
-    base, _ = run_both(case, device)
-    finals = set()
-    for u in (0.01, 0.4, 0.7, 0.99):
-        moved, want = run_both(dict(case, sample_uniforms=torch.full((B,), u)), device)
-        assert_same(moved, want)
-        assert torch.equal(moved[1], base[1]) and torch.equal(moved[2], base[2])
-        finals.add(tuple(moved[0][torch.arange(B), base[2]].tolist()))
-    assert len(finals) > 1
+    case = tree_case(16, 7, 30, sampled=True, seed=41)
+    sampling.assert_only_the_sampled_token_moves(run_both, case, device, (0.01, 0.4, 0.7, 0.99))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,19 +273,13 @@ def test_root_only_and_empty_batch(device, sampled):
 def test_residual_without_mass_keeps_the_previous_residual(device):
     # q == p at the root and each child's token outside the support: every child is rejected,
     # max(0, p' - q) has no mass each time, so p' stays p and the final sample comes from p
-    B, V = 8, 9
-    g = gen(61)
-    p = random_probs((B, 4, V), g, zero_frac=0.0)
-    p[:, 0, 4] = 0.0
-    p = p / p.sum(-1, keepdim=True)
-    case = dict(
-        target_probs=p,
+    B = 8
+    case = sampling.without_mass_at(4, (B, 4, 9), seed=61)
+    case.update(
         tree_tokens=torch.full((B, 4), 4),
         tree_parents=torch.tensor([-1, 0, 0, 0]),
-        draft_probs=p.clone(),
+        draft_probs=case["target_probs"].clone(),
         num_nodes=None,
-        uniform_samples=torch.rand(B, 3, generator=g),
-        sample_uniforms=torch.rand(B, generator=g),
     )
     got, want = run_both(case, device)
     assert_same(got, want)
@@ -389,11 +362,11 @@ def test_distribution_matches_target(device, setting, sampled):
         draft = None
     out, nodes, acc = kernel(p.expand(DRAWS, N, V), tokens.to(device), TREE.to(device), draft, generator=gen(303))
     out, nodes, acc = out.cpu(), nodes.cpu(), acc.cpu()
-    assert chi_square_pvalue(out[:, 0], pc[0]) > P_THRESHOLD
+    assert_follows(out[:, 0], pc[0])
     # having accepted node 1, the next token follows the target's row at node 1
     via1 = nodes[:, 1] == 1
     assert via1.sum() > 1000
-    assert chi_square_pvalue(out[via1, 1], pc[1]) > P_THRESHOLD
+    assert_follows(out[via1, 1], pc[1])
 
 
 def test_distribution_negative_control(device):
@@ -408,12 +381,7 @@ def test_distribution_negative_control(device):
     out, nodes, acc = kernel(
         p.expand(DRAWS, N, V).to(device), tokens.to(device), tree.to(device), None, generator=gen(112)
     )
-    out, acc = out.cpu(), acc.cpu()
-    assert chi_square_pvalue(out[:, 0], p[0]) > P_THRESHOLD
-    wrong = out[:, 0].clone()
-    rejected = acc == 0
-    wrong[rejected] = torch.multinomial(p[0], int(rejected.sum()), replacement=True, generator=g)
-    assert chi_square_pvalue(wrong, p[0]) < 1e-6
+    sampling.assert_residual_matters(out.cpu(), acc.cpu(), p[0], g)
 
 
 # ---------------------------------------------------------------------------------------------

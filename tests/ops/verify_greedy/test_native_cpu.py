@@ -8,12 +8,12 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import reference
 from tests.ops.verify_greedy import test_triton as verify_tests
-from tests.utils import DTYPE_IDS, DTYPES, assert_same, gen
+from tests.utils import assert_same, each_dtype, gen
 
 pytestmark = pytest.mark.requires_native_op("verify_greedy")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("shape", verify_tests.SHAPES, ids=[f"B{b}-K{k}-V{v}" for b, k, v in verify_tests.SHAPES])
 def test_verify_greedy_matches_reference(shape, dtype):
     for seed, id_dtype in enumerate((torch.int32, torch.int64)):

@@ -1,27 +1,23 @@
 """verify_greedy: golden cases worked out by hand, invariants and bad input, on every backend."""
 
 import re
-from functools import partial
 
 import pytest
 import torch
 
 import specdec_kernels as sk
-from tests.utils import on_device, runnable_backends
+from tests.ops import greedy
+from tests.utils import on_each_backend, over_bad_inputs, runnable_backends
 
 BACKENDS = runnable_backends("verify_greedy")
 
 
 def logits_with_argmax(argmax_rows, vocab=7):
     """Logits [B, K+1, V] whose argmax is the given ids (a clear margin, no ties)."""
-    ids = torch.tensor(argmax_rows)
-    logits = torch.randn(*ids.shape, vocab, generator=torch.Generator().manual_seed(0))
-    return logits.scatter(-1, ids[..., None], 10.0)
+    return greedy.logits_with_argmax(argmax_rows, vocab)
 
 
-@pytest.fixture(params=BACKENDS)
-def verify(request, device):
-    return on_device(sk.verify_greedy, device, backend=request.param)
+verify = on_each_backend(sk.verify_greedy, BACKENDS)
 
 
 # Each case: target argmax per row, drafts, counts -> expected output row and accepted count.
@@ -91,12 +87,8 @@ def test_low_precision_logits(verify, dtype):
 
 
 def test_invariants_on_random_inputs(verify):
-    g = torch.Generator().manual_seed(1)
     B, K, V = 9, 5, 13
-    logits = torch.randn(B, K + 1, V, generator=g)
-    drafts = logits.argmax(-1)[:, :K].clone()
-    corrupt = torch.rand(B, K, generator=g) < 0.3
-    drafts[corrupt] = (drafts[corrupt] + 1) % V
+    logits, drafts, g = greedy.drafts_near_argmax(B, K, V, seed=1, wrong=0.3, shift=1)
     counts = torch.randint(0, K + 1, (B,), generator=g)
     out, acc = verify(logits, drafts, counts)
     emitted = (out >= 0).sum(1)
@@ -135,10 +127,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn", [partial(sk.verify_greedy, backend="reference"), sk.verify_greedy], ids=["reference", "public"]
-)
+@over_bad_inputs(sk.verify_greedy, BAD)
 def test_bad_input(fn, case):
     make, err, name = BAD[case]
     with pytest.raises(err, match=re.escape(name)):

@@ -13,7 +13,7 @@ import specdec_kernels as sk
 from specdec_kernels import reference
 from specdec_kernels.ops import verify_greedy as op
 from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
-from tests.utils import DTYPE_IDS, DTYPES
+from tests.utils import assert_docstring_is_the_fronts_own, each_dtype
 
 NAN, INF = float("nan"), float("inf")
 
@@ -67,7 +67,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"B{b}-K{k}-V{v}" for b, k, v in SHAPES])
 def test_matches_reference(device, shape, dtype):
     B, K, V = shape
@@ -129,7 +129,7 @@ def test_split_ties_and_nans_across_chunks(device):
         assert out.tolist() == [[20, 80, 33, 0, 50]] and acc.tolist() == [4]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_nan_rows(device, dtype):
     V = 37
     logits = torch.randn(4, 3, V, generator=torch.Generator().manual_seed(0))
@@ -147,7 +147,7 @@ def test_nan_rows(device, dtype):
     assert ((out >= -1) & (out < V)).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_ties_take_the_first_index(device, dtype):
     logits = torch.zeros(2, 2, 300, dtype=dtype)
     logits[0, 0, [250, 17, 120]] = 2.0
@@ -228,12 +228,7 @@ def test_public_op_dispatches_to_triton(device):
 
 
 def test_public_docstring_is_the_fronts_own():
-    doc = sk.verify_greedy.__doc__
-    for part in ("Args:", "Returns:", "Raises:", "torch.ops.specdec.verify_greedy", "backend", "validate"):
-        assert part in doc, part
-    assert "(reference)" not in doc.splitlines()[0]
-    # the reference names the op whose docstring it shares, and checks nothing itself
-    assert "specdec_kernels.verify_greedy" in reference.verify_greedy.__doc__
+    assert_docstring_is_the_fronts_own("verify_greedy")
 
 
 def test_opcheck(device):

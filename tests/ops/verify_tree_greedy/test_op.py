@@ -1,14 +1,11 @@
 """verify_tree_greedy: hand-worked trees, invariants and bad input, on every backend."""
 
-import re
-from functools import partial
-
-import pytest
 import torch
 
 import specdec_kernels as sk
 from specdec_kernels import reference
-from tests.utils import on_device, runnable_backends
+from tests.ops import greedy
+from tests.utils import bad_input_test, on_each_backend, runnable_backends
 
 BACKENDS = runnable_backends("verify_tree_greedy")
 
@@ -18,14 +15,11 @@ TOKENS = [11, 5, 7, 2, 8, 9]
 
 
 def logits_with_argmax(argmax, vocab=13):
-    ids = torch.tensor(argmax)
-    base = torch.randn(*ids.shape, vocab, generator=torch.Generator().manual_seed(0))
-    return base.scatter(-1, ids[..., None], 10.0)
+    """Logits [B, N, V] whose argmax is the given ids (a clear margin, no ties)."""
+    return greedy.logits_with_argmax(argmax, vocab)
 
 
-@pytest.fixture(params=BACKENDS)
-def verify(request, device):
-    return on_device(sk.verify_tree_greedy, device, backend=request.param)
+verify = on_each_backend(sk.verify_tree_greedy, BACKENDS)
 
 
 def test_second_child_matches_twice(verify):
@@ -69,12 +63,8 @@ def test_root_only_tree(verify):
 
 
 def test_chain_tree_equals_verify_greedy(verify):
-    g = torch.Generator().manual_seed(3)
     B, K, V = 6, 7, 17
-    logits = torch.randn(B, K + 1, V, generator=g)
-    drafts = logits.argmax(-1)[:, :K].clone()
-    flip = torch.rand(B, K, generator=g) < 0.25
-    drafts[flip] = (drafts[flip] + 3) % V
+    logits, drafts, _ = greedy.drafts_near_argmax(B, K, V, seed=3, wrong=0.25, shift=3)
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), drafts], 1)
     out_t, nodes, acc_t = verify(logits, tokens, torch.arange(-1, K))
     out_c, acc_c = reference.verify_greedy(logits, drafts)
@@ -92,17 +82,12 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
-@pytest.mark.parametrize(
-    "fn", [partial(sk.verify_tree_greedy, backend="reference"), sk.verify_tree_greedy], ids=["reference", "public"]
-)
-def test_bad_input(fn, case):
-    args = dict(
+test_bad_input = bad_input_test(
+    sk.verify_tree_greedy,
+    BAD,
+    lambda: dict(
         target_logits=torch.zeros(1, 3, 5),
         tree_tokens=torch.zeros(1, 3, dtype=torch.long),
         tree_parents=torch.tensor([-1, 0, 1]),
-    )
-    override, err, name = BAD[case]
-    args.update(override)
-    with pytest.raises(err, match=re.escape(name)):
-        fn(**args)
+    ),
+)

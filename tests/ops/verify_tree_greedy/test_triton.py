@@ -12,7 +12,7 @@ import specdec_kernels as sk
 from specdec_kernels import reference
 from specdec_kernels.ops import verify_tree_greedy as op
 from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
-from tests.utils import DTYPE_IDS, DTYPES, NAN
+from tests.utils import NAN, assert_docstring_is_the_fronts_own, each_dtype
 
 
 def random_parents(N, g, bushy):
@@ -78,7 +78,7 @@ def test_matches_reference(device, shape, shared):
         assert_matches_reference(device, logits, tokens, parents, num_nodes)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@each_dtype
 def test_logit_dtypes(device, dtype):
     logits, tokens, parents, num_nodes = make_case(3, 20, 1000, shared=False, dtype=dtype, seed=7, corrupt=0.2)
     assert_matches_reference(device, logits, tokens, parents, num_nodes)
@@ -223,12 +223,7 @@ def test_public_op_dispatches_to_triton(device):
 
 
 def test_public_docstring_is_the_fronts_own():
-    doc = sk.verify_tree_greedy.__doc__
-    for part in ("Args:", "Returns:", "Raises:", "torch.ops.specdec.verify_tree_greedy", "backend", "validate"):
-        assert part in doc, part
-    assert "(reference)" not in doc.splitlines()[0]
-    # the reference names the op whose docstring it shares, and checks nothing itself
-    assert "specdec_kernels.verify_tree_greedy" in reference.verify_tree_greedy.__doc__
+    assert_docstring_is_the_fronts_own("verify_tree_greedy")
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_tree", "per_sequence_tree"])
