@@ -14,6 +14,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels.decoding.model import ModelArgs
+
+# The target models whose shapes the benchmarks use (their transformers configs; the
+# positional fields: vocab, hidden, layers, heads, KV heads, head dim, MLP width).
+MODEL_SHAPES: Dict[str, ModelArgs] = {
+    "smollm2-135m": ModelArgs(49152, 576, 30, 9, 3, 64, 1536, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama3-8b": ModelArgs(128256, 4096, 32, 32, 8, 128, 14336, rope_theta=500000.0),
+    "qwen2.5-7b": ModelArgs(152064, 3584, 28, 28, 4, 128, 18944, rope_theta=1000000.0, qkv_bias=True),
+}
+
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo's "model name" on Linux; else the platform's), and its

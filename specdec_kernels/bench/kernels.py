@@ -28,6 +28,7 @@ import specdec_kernels as sk
 from specdec_kernels import _backend
 from specdec_kernels.bench.common import (
     DTYPE,
+    MODEL_SHAPES,
     TIME_US,
     check_device,
     column,
@@ -42,10 +43,10 @@ from specdec_kernels.bench.common import (
 )
 from specdec_kernels.tree import ancestor_mask
 
+# the ops' view of each target model: vocabulary V, query heads H, KV heads Hkv, head dim D, layers L
 MODELS = {
-    "smollm2-135m": dict(V=49152, H=9, Hkv=3, D=64, L=30),
-    "llama3-8b": dict(V=128256, H=32, Hkv=8, D=128, L=32),
-    "qwen2.5-7b": dict(V=152064, H=28, Hkv=4, D=128, L=28),
+    m: dict(V=a.vocab_size, H=a.num_heads, Hkv=a.num_kv_heads, D=a.head_dim, L=a.num_layers)
+    for m, a in MODEL_SHAPES.items()
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

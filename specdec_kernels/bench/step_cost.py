@@ -36,6 +36,7 @@ import torch
 
 from specdec_kernels.bench.common import (
     DTYPE,
+    MODEL_SHAPES,
     TIME_US,
     check_device,
     check_range,
@@ -54,28 +55,7 @@ from specdec_kernels.decoding.model import ModelArgs, Transformer
 from specdec_kernels.tree import ancestor_mask
 
 MODELS = {
-    # SmolLM2-135M-Instruct (the real model's shape) and Llama-3-8B
-    "smollm2-135m": ModelArgs(
-        vocab_size=49152,
-        hidden_size=576,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    ),
-    "llama3-8b": ModelArgs(
-        vocab_size=128256,
-        hidden_size=4096,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=14336,
-        rope_theta=500000.0,
-    ),
+    **{m: MODEL_SHAPES[m] for m in ("smollm2-135m", "llama3-8b")},
     # a tiny shape for tests
     "tiny": ModelArgs(
         vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128
