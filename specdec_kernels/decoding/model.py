@@ -25,9 +25,10 @@ forward does not implement are refused (``unsupported_hf_config``).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -261,6 +262,30 @@ def _int8_isa_choice() -> Optional[RuntimeChoice]:
         )
     choice = _INT8_ISA_CHOICE[0]
     return choice if choice is not None and (len(choice.candidates) > 1 or choice.forced()) else None
+
+
+def _measured_int8_isa(forward: Callable) -> Callable:
+    """``Transformer.forward`` run with the int8 products' instruction set set on the model
+    (``Transformer.set_int8_isa``): on CPU with int8 numerics the one ``_int8_isa_choice``
+    measures fastest for the pass's shape (tokens per sequence rounded up to a power of 2,
+    threads, layers run, whether every row's logits are computed), else None (the best)."""
+
+    @functools.wraps(forward)
+    def run(self: "Transformer", tokens: torch.Tensor, *args, **kwargs):
+        choice = _int8_isa_choice() if self._numerics == "int8" and tokens.device.type == "cpu" else None
+        if choice is None:
+            self.set_int8_isa(None)
+            return forward(self, tokens, *args, **kwargs)
+
+        def under(isa: Optional[str]):
+            self.set_int8_isa(isa)
+            return forward(self, tokens, *args, **kwargs)
+
+        n_class = 1 << max(0, tokens.shape[1] - 1).bit_length()
+        layers = kwargs.get("num_layers") or len(self.layers)
+        return choice((n_class, torch.get_num_threads(), layers, kwargs.get("logit_rows") is None), under)
+
+    return run
 
 
 FUSED_ENV = "SPECDEC_FUSED_LAYER"  # "0": every layer through the Python ops of Block.forward
@@ -644,7 +669,15 @@ class Transformer(nn.Module):
         L = a.num_layers if num_layers is None else num_layers
         return torch.zeros(L, 2, batch, a.num_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device)
 
+    def set_int8_isa(self, isa: Optional[str]) -> None:
+        """The instruction set of the int8 products in the following passes (a name from
+        ``packed.int8_isas()``; None: the best this CPU runs).  Every choice gives the same bits."""
+        self._isa = isa
+        for layer in self.layers:
+            layer.isa = isa
+
     @torch.no_grad()  # an inference forward that writes its KV cache in place: never differentiated
+    @_measured_int8_isa
     def forward(
         self,
         tokens: torch.Tensor,
@@ -687,42 +720,6 @@ class Transformer(nn.Module):
             ``compute_logits`` is False.  With ``return_hidden`` a pair ``(logits, hidden)``,
             hidden of shape (B, N or R, hidden_size) in the model's dtype (None when R = 0).
         """
-        args = (
-            tokens,
-            positions,
-            kv_cache,
-            cache_seqlens,
-            tree_mask,
-            num_layers,
-            logit_rows,
-            return_hidden,
-            compute_logits,
-        )
-        choice = _int8_isa_choice() if self._numerics == "int8" and tokens.device.type == "cpu" else None
-        if choice is None:
-            return self._forward(None, *args)
-        # the int8 products' instruction set, measured on whole passes (every path gives the same bits)
-        n_class = 1 << max(0, tokens.shape[1] - 1).bit_length()  # tokens per sequence, rounded up to a power of 2
-        key = (n_class, torch.get_num_threads(), num_layers or len(self.layers), logit_rows is None)
-        return choice(key, lambda isa: self._forward(isa, *args))
-
-    def _forward(
-        self,
-        isa,
-        tokens,
-        positions,
-        kv_cache,
-        cache_seqlens,
-        tree_mask,
-        num_layers,
-        logit_rows,
-        return_hidden,
-        compute_logits,
-    ):
-        """``forward``'s body; ``isa``: the int8 products' instruction set (None: the best)."""
-        self._isa = isa
-        for layer in self.layers:
-            layer.isa = isa
         B, N = tokens.shape
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         freqs = positions[..., None].float() * self.inv_freq
