@@ -25,7 +25,7 @@ scores depending on that row's input_ids only), as speculation needs.
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from transformers.generation import logits_process as lp
@@ -172,24 +172,12 @@ class ProcessedModel:
         kv_cache: torch.Tensor,
         cache_seqlens: torch.Tensor,
         tree_mask: Optional[torch.Tensor] = None,
-        *,
-        num_layers: Optional[int] = None,
-        logit_rows: Optional[torch.Tensor] = None,
-        return_hidden: bool = False,
-        compute_logits: bool = True,
+        **options: Any,
     ) -> Optional[torch.Tensor]:
-        """``HFCausalLM.__call__``, then the processors (see the class)."""
-        logits = self.inner(
-            tokens,
-            positions,
-            kv_cache,
-            cache_seqlens,
-            tree_mask,
-            num_layers=num_layers,
-            logit_rows=logit_rows,
-            return_hidden=return_hidden,
-            compute_logits=compute_logits,
-        )
+        """``HFCausalLM.__call__`` (the same arguments; ``options``: its keyword-only ones),
+        then the processors (see the class)."""
+        logits = self.inner(tokens, positions, kv_cache, cache_seqlens, tree_mask, **options)
+        logit_rows = options.get("logit_rows")
         B, N = tokens.shape
         starts = [int(s) for s in cache_seqlens.tolist()]
         block = tokens.tolist()
