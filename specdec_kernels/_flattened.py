@@ -150,6 +150,42 @@ def check_flattened_args(
     return FlatBatch(B, T, V, max_spec_len, bonus_token_ids)
 
 
+def check_greedy_flattened_args(
+    target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=None
+) -> FlatBatch:
+    """``check_flattened_args`` for greedy verification: scores ``target_logits``, no draft
+    probabilities (``verify_greedy_flattened``'s checks and its reference's normalisation)."""
+    return check_flattened_args(
+        "target_logits",
+        target_logits,
+        None,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate,
+    )
+
+
+def check_sampling_flattened_args(
+    target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=None
+) -> FlatBatch:
+    """``check_flattened_args`` for rejection sampling: probabilities ``target_probs`` and
+    ``draft_probs`` (``rejection_sample_flattened``'s checks but the random numbers, and its
+    reference's normalisation)."""
+    return check_flattened_args(
+        "target_probs",
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        max_spec_len,
+        validate,
+        probs=True,
+    )
+
+
 def _has_values(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be read on the host: not a meta or fake tensor."""
     from torch._subclasses.fake_tensor import is_fake

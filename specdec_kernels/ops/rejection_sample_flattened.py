@@ -17,7 +17,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from specdec_kernels import _backend, _library, _native
-from specdec_kernels._flattened import FlatBatch, check_flattened_args, positions, take
+from specdec_kernels._flattened import FlatBatch, check_sampling_flattened_args, positions, take
 from specdec_kernels._random import GeneratorArg
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
@@ -58,16 +58,8 @@ def check_rejection_sample_flattened_args(
 ) -> FlatBatch:
     """Validate the arguments of ``rejection_sample_flattened`` but the random numbers; return
     their ``FlatBatch``."""
-    return check_flattened_args(
-        "target_probs",
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate,
-        probs=True,
+    return check_sampling_flattened_args(
+        target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
 
 

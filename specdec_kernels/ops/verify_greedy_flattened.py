@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from specdec_kernels import _backend, _library
-from specdec_kernels._flattened import FlatBatch, check_flattened_args
+from specdec_kernels._flattened import FlatBatch, check_greedy_flattened_args
 from specdec_kernels.reference.verify_greedy_flattened import _verify_greedy_flattened
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -26,15 +26,8 @@ def check_verify_greedy_flattened_args(
     target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=None
 ) -> FlatBatch:
     """Validate the arguments of ``verify_greedy_flattened``; return their ``FlatBatch``."""
-    return check_flattened_args(
-        "target_logits",
-        target_logits,
-        None,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate,
+    return check_greedy_flattened_args(
+        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
 
 

@@ -7,7 +7,14 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._flattened import FlatBatch, check_flattened_args, draft_counts, flatten_coins, positions, take
+from specdec_kernels._flattened import (
+    FlatBatch,
+    check_sampling_flattened_args,
+    draft_counts,
+    flatten_coins,
+    positions,
+    take,
+)
 from specdec_kernels._random import GeneratorArg, draw_uniforms
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels.reference.rejection_sample import accept_tests, mass, sample_from_weights
@@ -128,16 +135,8 @@ def rejection_sample_flattened(
     normalised as the op does, without value checks
     (``rejection_sample_flattened(..., backend="reference")`` runs this with the op's checks).
     """
-    flat = check_flattened_args(
-        "target_probs",
-        target_probs,
-        draft_probs,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate=False,
-        probs=True,
+    flat = check_sampling_flattened_args(
+        target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
     coins, final_u = flattened_uniforms(
         flat,

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._flattened import check_flattened_args, positions, take
+from specdec_kernels._flattened import check_greedy_flattened_args, positions, take
 
 
 def _verify_greedy_flattened(
@@ -53,15 +53,8 @@ def verify_greedy_flattened(
     ``backend`` and ``validate``); the arguments are normalised as the op does, without value
     checks (``verify_greedy_flattened(..., backend="reference")`` runs this with the op's checks).
     """
-    flat = check_flattened_args(
-        "target_logits",
-        target_logits,
-        None,
-        draft_token_ids,
-        cu_num_draft_tokens,
-        bonus_token_ids,
-        max_spec_len,
-        validate=False,
+    flat = check_greedy_flattened_args(
+        target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
     return _verify_greedy_flattened(
         target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids, flat.max_spec_len
