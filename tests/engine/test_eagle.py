@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead, load_eagle_head
-from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import label_ranking

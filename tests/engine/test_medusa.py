@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from specdec_kernels.decoding import Draft, Drafter, SamplingParams, SpeculativeDecoder
+from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 from specdec_kernels.decoding.drafters.medusa import (
     SHIPPED,
     MedusaDrafter,
     MedusaHeads,
     load_medusa_heads,
-    model_fingerprint,
 )
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.tree import medusa_choices_to_tree

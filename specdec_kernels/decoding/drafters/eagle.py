@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -61,20 +60,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_kernels import files as _files
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
-from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+from specdec_kernels.decoding.drafters.head_file import HeadFile
 from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.model import Transformer, linear, rotate
-from specdec_kernels.files import BadFileError
 
 FORMAT = 1
 KIND = "eagle-head"  # config["kind"] of the files ``EagleHead.save`` writes
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "eagle" / "smollm2-135m-instruct.pt"
 
 
-class EagleHead(nn.Module):
+class EagleHead(HeadFile):
     """The draft head: ``fc`` on [embedding; feature], one Llama decoder layer.
 
     Args:
@@ -99,6 +96,11 @@ class EagleHead(nn.Module):
         ValueError: non-positive sizes, num_heads not a multiple of num_kv_heads, an odd
             head_dim, window < 1.
     """
+
+    KIND = KIND
+    DESCRIPTION, ARTICLE = "EAGLE head", "an"
+    READABLE_FORMATS = (FORMAT,)
+    SHIPPED = SHIPPED
 
     def __init__(
         self,
@@ -253,13 +255,8 @@ class EagleHead(nn.Module):
         return self.finish(u, self.attend(q, k, v, mask))
 
     # ------------------------------------------------------------------ files
-    def save(self, path: Union[str, Path]) -> None:
-        """Write the weights (fp16) and the config to ``path``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        config = {
-            **self.config,
-            "kind": KIND,
+    def _file_fields(self) -> dict:
+        return {
             "format": FORMAT,
             "hidden_size": self.hidden_size,
             "num_heads": self.num_heads,
@@ -270,81 +267,30 @@ class EagleHead(nn.Module):
             "rope_theta": self.rope_theta,
             "eps": self.eps,
         }
-        state = {k: v.detach().to(torch.float16).cpu() for k, v in self.state_dict().items()}
-        payload = {"config": config, "state_dict": state}
-        if self.token_ranking is not None:
-            payload["token_ranking"] = self.token_ranking.to(torch.int32)
-        _files.atomic_torch_save(payload, path)  # a reader never sees half a file
+
+    def _extra_payload(self) -> dict:
+        return {} if self.token_ranking is None else {"token_ranking": self.token_ranking.to(torch.int32)}
+
+    def _read_extra_payload(self, payload: dict) -> None:
+        self.set_token_ranking(payload.get("token_ranking"))
 
     @classmethod
-    def _from_payload(cls, path, payload) -> "EagleHead":
-        """The (uninitialised) head that ``payload``'s config describes, on the current default
-        device, after checking that the payload is an EAGLE head file."""
-        if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-            raise BadFileError(path, "not an EAGLE head file (no config / state_dict)")
-        if not isinstance(payload["config"], dict) or not isinstance(payload["state_dict"], dict):
-            raise BadFileError(path, "not an EAGLE head file (config and state_dict must be dicts)")
-        c = dict(payload["config"])
-        state = payload["state_dict"]
-        # files before config["kind"]: Medusa heads have "weight" and no "fc"
-        kind = c.get("kind", "medusa-heads" if "weight" in state and "fc" not in state else KIND)
-        if kind != KIND:
-            raise BadFileError(path, f"not an EAGLE head file (a {kind!r} file)")
-        if c.get("format") != FORMAT:
-            raise BadFileError(path, f"EAGLE head format {c.get('format')}, this version reads {FORMAT}")
-        try:
-            return cls(
-                int(c["hidden_size"]),
-                int(c["num_heads"]),
-                int(c["num_kv_heads"]),
-                int(c["head_dim"]),
-                int(c["intermediate_size"]),
-                window=int(c["window"]),
-                rope_theta=float(c["rope_theta"]),
-                eps=float(c["eps"]),
-                config=c,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadFileError(path, f"a config this version cannot read ({type(e).__name__}: {e})") from None
+    def _kind_before_kind_field(cls, state: dict) -> str:
+        return "medusa-heads" if "weight" in state and "fc" not in state else KIND
 
     @classmethod
-    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "EagleHead":
-        """Read a head written by ``save`` (the shipped one is first checked against the
-        package's SHA-256 manifest; every file's zip members against their CRC-32).
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError (``BadFileError``, the message starting with the path): an empty,
-                truncated or corrupt file (a shipped file not matching the manifest), not an
-                EAGLE head file (another kind of file, Medusa heads included), another format
-                version, or a config or weights that do not fit.
-        """
-        payload = _files.load_torch(path, "EAGLE head")
-        head = cls._from_payload(path, payload)
-        try:
-            head.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
-            head.set_token_ranking(payload.get("token_ranking"))
-        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-            raise BadFileError(
-                path, f"a config or weights this version cannot read ({type(e).__name__}: {e})"
-            ) from None
-        head.source = str(path)
-        return head.to(device=device, dtype=dtype).eval()
-
-    @classmethod
-    def file_config(cls, path: Union[str, Path]) -> dict:
-        """The config of the head file at ``path``, checked as ``load`` checks the file (kind,
-        format, weight names and shapes) without reading the weights: the file is
-        memory-mapped and the head is built on the meta device (milliseconds, for checks
-        before a model loads).
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: not an EAGLE head file (not a torch file, a Medusa heads file, another
-                format), or weights whose names or shapes do not fit the config.
-        """
-        head = _files.peek_module(path, "EAGLE head", lambda payload: cls._from_payload(path, payload))
-        return head.config
+    def _from_config(cls, c: dict) -> "EagleHead":
+        return cls(
+            int(c["hidden_size"]),
+            int(c["num_heads"]),
+            int(c["num_kv_heads"]),
+            int(c["head_dim"]),
+            int(c["intermediate_size"]),
+            window=int(c["window"]),
+            rope_theta=float(c["rope_theta"]),
+            eps=float(c["eps"]),
+            config=c,
+        )
 
 
 def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:
@@ -369,15 +315,7 @@ def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:
     return t
 
 
-def load_eagle_head(
-    path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu"
-) -> EagleHead:
-    """The shipped SmolLM2-135M-Instruct head (``path`` None) or a head from a file.
-
-    Raises:
-        FileNotFoundError, ValueError: as ``EagleHead.load``.
-    """
-    return EagleHead.load(SHIPPED if path is None else path, dtype=dtype, device=device)
+load_eagle_head = EagleHead.load  # the shipped SmolLM2-135M-Instruct head, or one from a file
 
 
 class EagleDrafter(Drafter):
@@ -445,22 +383,8 @@ class EagleDrafter(Drafter):
         for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
             if isinstance(v, bool) or int(v) != v or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if head is None or isinstance(head, (str, Path)):
-            head = load_eagle_head(head, dtype=model.dtype, device=model.device)
-        source = f" ({head.source})" if head.source else ""
-        if head.hidden_size != model.args.hidden_size:
-            raise ValueError(
-                f"the head's hidden size ({head.hidden_size}) differs from the model's ({model.args.hidden_size})"
-                f"{source}: a head for another model"
-            )
-        if check_fingerprint and head.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
-            warnings.warn(
-                f"EAGLE head{source} trained on {head.config.get('base_model', 'another model')} is used with a "
-                "different model: decoding stays exact, but fewer drafts will be accepted",
-                stacklevel=2,
-            )
         self.model = model
-        self.head = head.to(device=model.device, dtype=model.dtype).eval()
+        self.head = EagleHead.for_target(head, model, check_fingerprint=check_fingerprint)
         self.tree = bool(tree)
         self.top_k = int(top_k) if tree else 1
         self.max_nodes = int(max_nodes)

@@ -65,11 +65,8 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import math
-import warnings
 from bisect import bisect_right
-from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -77,11 +74,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_kernels import files as _files
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
+from specdec_kernels.decoding.drafters.head_file import HeadFile
 from specdec_kernels.decoding.loading import MODEL_NAME
 from specdec_kernels.decoding.model import Transformer, linear, rotate
-from specdec_kernels.files import BadFileError
 from specdec_kernels.tree import medusa_choices_to_tree
 
 FORMAT = 3  # 1: unconditioned heads only, 2: no context attention (both still read)
@@ -123,21 +119,7 @@ GENERIC_CHOICES = (
 )
 
 
-def model_fingerprint(model: Transformer) -> str:
-    """A short content hash of a target model: its shape (``ModelArgs``) and a sample of its
-    final-norm and output-head weights (float32 bytes); 16 hex digits.  Heads trained on one
-    model are meant for that model (they work with another, only with fewer accepted drafts)."""
-    args = asdict(model.args)
-    if not args.get("qkv_bias"):  # a field added later: hashed only when set (old fingerprints stay valid)
-        args.pop("qkv_bias", None)
-    h = hashlib.sha256(repr(sorted(args.items())).encode())
-    h.update(model.norm.weight.detach().float().cpu().contiguous().numpy().tobytes())
-    rows = model.output.weight.detach()[:: max(1, model.args.vocab_size // 64)]
-    h.update(rows.float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-class MedusaHeads(nn.Module):
+class MedusaHeads(HeadFile):
     """``num_heads`` residual blocks on the target's final hidden state, read out by the
     target's own (frozen, shared) output head.
 
@@ -171,6 +153,11 @@ class MedusaHeads(nn.Module):
         ValueError: hidden_size < 1, num_heads < 1, context_window < 0, context_heads < 1,
             or an odd or non-positive context_head_dim.
     """
+
+    KIND = KIND
+    DESCRIPTION, ARTICLE = "Medusa heads", "a"
+    READABLE_FORMATS = READABLE_FORMATS
+    SHIPPED = SHIPPED
 
     def __init__(
         self,
@@ -389,15 +376,9 @@ class MedusaHeads(nn.Module):
         return linear(states, output_weight).float()
 
     # ------------------------------------------------------------------ files
-    def save(self, path: Union[str, Path]) -> None:
-        """Write the heads (fp16 weights) and their config to ``path`` (``torch.save``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # format 2 readers can still read heads without a context layer
-        config = {
-            **self.config,
-            "kind": KIND,
-            "format": FORMAT if self.context_window else 2,
+    def _file_fields(self) -> dict:
+        return {
+            "format": FORMAT if self.context_window else 2,  # format 2 readers can read heads without context
             "hidden_size": self.hidden_size,
             "num_heads": self.num_heads,
             "token_conditioned": self.token_conditioned,
@@ -405,76 +386,23 @@ class MedusaHeads(nn.Module):
             "context_heads": self.context_heads,
             "context_head_dim": self.context_head_dim,
         }
-        state = {k: v.detach().to(torch.float16).cpu().contiguous() for k, v in self.state_dict().items()}
-        payload = {"config": config, "state_dict": state}
-        _files.atomic_torch_save(payload, path)  # a reader never sees half a file
 
     @classmethod
-    def _from_payload(cls, path, payload) -> "MedusaHeads":
-        """The (uninitialised) heads that ``payload``'s config describes, on the current
-        default device, after checking that the payload is a Medusa heads file."""
-        if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-            raise BadFileError(path, "not a Medusa heads file (no config / state_dict)")
-        if not isinstance(payload["config"], dict) or not isinstance(payload["state_dict"], dict):
-            raise BadFileError(path, "not a Medusa heads file (config and state_dict must be dicts)")
-        config = dict(payload["config"])
-        # files before config["kind"]: an EAGLE head has "fc"
-        kind = config.get("kind", "eagle-head" if "fc" in payload["state_dict"] else KIND)
-        if kind != KIND:
-            raise BadFileError(path, f"not a Medusa heads file (a {kind!r} file)")
-        if config.get("format") not in READABLE_FORMATS:
-            raise BadFileError(
-                path, f"Medusa heads format {config.get('format')}, this version reads {READABLE_FORMATS}"
-            )
-        try:
-            window = int(config.get("context_window", 0))
-            return cls(
-                int(config["hidden_size"]),
-                int(config["num_heads"]),
-                token_conditioned=bool(config.get("token_conditioned", False)),
-                context_window=window,
-                context_heads=int(config["context_heads"]) if window else None,
-                context_head_dim=int(config["context_head_dim"]) if window else None,
-                config=config,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadFileError(path, f"a config this version cannot read ({type(e).__name__}: {e})") from None
+    def _kind_before_kind_field(cls, state: dict) -> str:
+        return "eagle-head" if "fc" in state else KIND
 
     @classmethod
-    def load(cls, path: Union[str, Path], *, dtype: torch.dtype = torch.float32, device="cpu") -> "MedusaHeads":
-        """Read heads written by ``save`` (the shipped ones are first checked against the
-        package's SHA-256 manifest; every file's zip members against their CRC-32).
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError (``BadFileError``, the message starting with the path): an empty,
-                truncated or corrupt file (a shipped file not matching the manifest), not a
-                Medusa heads file (another kind of file, an EAGLE head included), a format
-                this version cannot read, or weights that do not fit the config.
-        """
-        payload = _files.load_torch(path, "Medusa heads")
-        heads = cls._from_payload(path, payload)
-        try:
-            heads.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
-        except (RuntimeError, AttributeError) as e:
-            raise BadFileError(path, f"the weights do not fit the config ({e})") from None
-        heads.source = str(path)
-        return heads.to(device=device, dtype=dtype).eval()
-
-    @classmethod
-    def file_config(cls, path: Union[str, Path]) -> dict:
-        """The config of the heads file at ``path``, checked as ``load`` checks the file
-        (kind, format, weight names and shapes) without reading the weights: the file is
-        memory-mapped and the heads are built on the meta device (milliseconds, for checks
-        before a model loads).
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: not a Medusa heads file (not a torch file, an EAGLE head file, another
-                format), or weights whose names or shapes do not fit the config.
-        """
-        heads = _files.peek_module(path, "Medusa heads", lambda payload: cls._from_payload(path, payload))
-        return heads.config
+    def _from_config(cls, config: dict) -> "MedusaHeads":
+        window = int(config.get("context_window", 0))
+        return cls(
+            int(config["hidden_size"]),
+            int(config["num_heads"]),
+            token_conditioned=bool(config.get("token_conditioned", False)),
+            context_window=window,
+            context_heads=int(config["context_heads"]) if window else None,
+            context_head_dim=int(config["context_head_dim"]) if window else None,
+            config=config,
+        )
 
     @property
     def tree_choices(self) -> Optional[List[tuple]]:
@@ -493,15 +421,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return rotate(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
 
-def load_medusa_heads(
-    path: Union[str, Path, None] = None, *, dtype: torch.dtype = torch.float32, device="cpu"
-) -> MedusaHeads:
-    """The shipped SmolLM2-135M-Instruct heads (``path`` None) or heads from a file.
-
-    Raises:
-        FileNotFoundError, ValueError: as ``MedusaHeads.load``.
-    """
-    return MedusaHeads.load(SHIPPED if path is None else path, dtype=dtype, device=device)
+load_medusa_heads = MedusaHeads.load  # the shipped SmolLM2-135M-Instruct heads, or heads from a file
 
 
 class MedusaDrafter(Drafter):
@@ -540,25 +460,10 @@ class MedusaDrafter(Drafter):
         max_nodes: Optional[int] = None,
         check_fingerprint: bool = True,
     ):
-        if heads is None or isinstance(heads, (str, Path)):
-            heads = load_medusa_heads(heads, dtype=model.dtype, device=model.device)
-        source = f" ({heads.source})" if heads.source else ""
-        if heads.hidden_size != model.args.hidden_size:
-            raise ValueError(
-                f"the heads' hidden size ({heads.hidden_size}) differs from the model's ({model.args.hidden_size})"
-                f"{source}: heads for another model"
-            )
-        if check_fingerprint and heads.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
-            warnings.warn(
-                f"Medusa heads{source} trained on {heads.config.get('base_model', 'another model')} "
-                f"(fingerprint {heads.config.get('base_fingerprint')}) are used with a different model: "
-                "decoding stays exact, but fewer drafts will be accepted",
-                stacklevel=2,
-            )
         if max_nodes is not None and max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.model = model
-        self.heads = heads.to(device=model.device, dtype=model.dtype).eval()
+        self.heads = heads = MedusaHeads.for_target(heads, model, check_fingerprint=check_fingerprint)
         self.tree = tree
         if tree:
             paths = choices if choices is not None else (heads.tree_choices or GENERIC_CHOICES)

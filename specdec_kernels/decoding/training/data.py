@@ -575,7 +575,7 @@ class TrainingSetup(NamedTuple):
 def prepare(args: argparse.Namespace) -> TrainingSetup:
     """Threads and seed from ``args``, the target (``load_target``) and the train and tune
     sets' self-distilled data (cached, ``self_distilled_sets``)."""
-    from specdec_kernels.decoding.drafters.medusa import model_fingerprint
+    from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 
     if args.threads:
         torch.set_num_threads(args.threads)
