@@ -33,13 +33,27 @@ Coins past a sequence's count are never read; the fronts fill them with 0.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 from specdec_kernels.checks import INDEX_DTYPES, check_shape, check_tensor, check_uniforms
 
 GeneratorArg = Union[None, torch.Generator, Sequence[torch.Generator], Dict[int, torch.Generator]]
+
+
+class RandomSource(NamedTuple):
+    """Where a sampling op's random numbers come from: the sampling fronts' five randomness
+    keywords (``rejection_sample``'s docstring has their shapes and dtypes) as one value that
+    the fronts hand to ``draw_uniforms``.  Unset fields are None: the default generator.
+    """
+
+    generator: GeneratorArg = None
+    uniform_samples: Optional[torch.Tensor] = None
+    sample_uniforms: Optional[torch.Tensor] = None
+    seeds: Optional[torch.Tensor] = None
+    offsets: Optional[torch.Tensor] = None
+
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -125,19 +139,16 @@ def draw_uniforms(
     batch: int,
     num_coins: int,
     device: torch.device,
-    generator: GeneratorArg = None,
-    uniform_samples: Optional[torch.Tensor] = None,
-    sample_uniforms: Optional[torch.Tensor] = None,
+    source: RandomSource = RandomSource(),
     *,
     coin_counts: Optional[torch.Tensor] = None,
-    seeds: Optional[torch.Tensor] = None,
-    offsets: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Return (uniform_samples [B, C], sample_uniforms [B]) as float32 on ``device``.
 
-    Explicit tensors are checked and used as they are; missing ones come from ``seeds`` and
-    ``offsets`` when given, else from ``generator``, in the order of the module docstring.
+    ``source``'s explicit tensors are checked and used as they are; missing ones come from its
+    ``seeds`` and ``offsets`` when given, else from its ``generator``, in the order of the
+    module docstring.
     ``coin_counts [B]`` (int64) is each sequence's own number of coins, used by the
     per-sequence modes.
 
@@ -148,6 +159,7 @@ def draw_uniforms(
             or devices that do not match, explicit uniforms outside [0, 1) (checked when
             ``validate`` allows).
     """
+    generator, uniform_samples, sample_uniforms, seeds, offsets = source
     if uniform_samples is not None:
         uniform_samples = check_uniforms("uniform_samples", uniform_samples, (batch, num_coins), device, validate)
     if sample_uniforms is not None:

@@ -16,7 +16,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_chain_args
-from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -96,7 +96,9 @@ def _impl(
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    coins, final_u = draw_uniforms(B, K, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    coins, final_u = draw_uniforms(
+        B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
+    )
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
@@ -110,7 +112,7 @@ def _impl(
 
 def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms, backend=""):
     B, K, _, _ = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    draw_uniforms(B, K, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    draw_uniforms(B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False)
     _library.check_backend_name(backend)
     B, K1, _ = target_probs.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
@@ -198,18 +200,8 @@ def rejection_sample(
         kernel sums in tiles and chunks, the reference sequentially).
     """
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
-    coins, final_u = draw_uniforms(
-        B,
-        K,
-        target_probs.device,
-        generator,
-        uniform_samples,
-        sample_uniforms,
-        coin_counts=n,
-        seeds=seeds,
-        offsets=offsets,
-        validate=validate,
-    )
+    source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
+    coins, final_u = draw_uniforms(B, K, target_probs.device, source, coin_counts=n, validate=validate)
     out, acc = torch.ops.specdec.rejection_sample(
         target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or ""
     )

@@ -18,7 +18,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._flattened import FlatBatch, check_sampling_flattened_args, positions, take
-from specdec_kernels._random import GeneratorArg
+from specdec_kernels._random import GeneratorArg, RandomSource
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
 from specdec_kernels.reference.rejection_sample import accept_tests
@@ -198,15 +198,12 @@ def rejection_sample_flattened(
     flat = check_rejection_sample_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
+    source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
     coins, final_u = flattened_uniforms(
         flat,
         cu_num_draft_tokens,
         target_probs.device,
-        generator,
-        uniform_samples,
-        sample_uniforms,
-        seeds=seeds,
-        offsets=offsets,
+        source,
         validate=validate,
     )
     args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens)

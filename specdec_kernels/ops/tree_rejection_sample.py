@@ -17,7 +17,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_tree_args
-from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -43,7 +43,7 @@ def _impl(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
     )
     coins, final_u = draw_uniforms(
-        B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False
+        B, N - 1, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
     )
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     if name == "triton":
@@ -62,7 +62,7 @@ def _fake(
     B, N, _, _, _ = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
     )
-    draw_uniforms(B, N - 1, target_probs.device, None, uniform_samples, sample_uniforms, validate=False)
+    draw_uniforms(B, N - 1, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False)
     _library.check_backend_name(backend)
     B, N, _ = target_probs.shape
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
@@ -158,16 +158,13 @@ def tree_rejection_sample(
     B, N, _, _, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate
     )
+    source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
     coins, final_u = draw_uniforms(
         B,
         N - 1,
         target_probs.device,
-        generator,
-        uniform_samples,
-        sample_uniforms,
+        source,
         coin_counts=(n - 1).clamp(min=0),
-        seeds=seeds,
-        offsets=offsets,
         validate=validate,
     )
     return torch.ops.specdec.tree_rejection_sample(

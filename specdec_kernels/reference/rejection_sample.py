@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
 
 
 def mass(x: torch.Tensor) -> torch.Tensor:
@@ -111,5 +111,5 @@ def rejection_sample(
     K = K1 - 1
     if num_draft_tokens is None:
         num_draft_tokens = torch.full((B,), K, dtype=torch.int64, device=target_probs.device)
-    coins, final_u = draw_uniforms(B, K, target_probs.device, generator, uniform_samples, sample_uniforms)
+    coins, final_u = draw_uniforms(B, K, target_probs.device, RandomSource(generator, uniform_samples, sample_uniforms))
     return _rejection_sample(target_probs, draft_probs, draft_tokens, num_draft_tokens.to(torch.int64), coins, final_u)

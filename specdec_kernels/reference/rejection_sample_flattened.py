@@ -15,7 +15,7 @@ from specdec_kernels._flattened import (
     positions,
     take,
 )
-from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels.reference.rejection_sample import accept_tests, mass, sample_from_weights
 
@@ -74,18 +74,14 @@ def flattened_uniforms(
     flat: FlatBatch,
     cu_num_draft_tokens: torch.Tensor,
     device: torch.device,
-    generator: GeneratorArg = None,
-    uniform_samples: Optional[torch.Tensor] = None,
-    sample_uniforms: Optional[torch.Tensor] = None,
+    source: RandomSource = RandomSource(),
     *,
-    seeds: Optional[torch.Tensor] = None,
-    offsets: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(coins [T], sample uniforms [B]) float32 for a flattened call.
 
     A request gets exactly the numbers the padded front draws for it with K = max_spec_len
-    (``specdec_kernels._random``, same generator state, seeds and offsets): the padded
+    (``specdec_kernels._random``, same ``source``: generator state, seeds and offsets): the padded
     [B, max_spec_len] coins are drawn (or computed from seeds/offsets) and flat draft t of
     request b at position j takes coin [b, j].  Explicit ``uniform_samples`` are [T] (coin t is
     flat draft t's); as in the padded front, a generator still draws the coins it would have
@@ -93,22 +89,12 @@ def flattened_uniforms(
     """
     B, T, K = flat.batch, flat.num_tokens, flat.max_spec_len
     explicit = None
-    if uniform_samples is not None:
-        explicit = check_uniforms("uniform_samples", uniform_samples, (T,), device, validate)
-        uniform_samples = torch.zeros((B, K), dtype=torch.float32, device=device)  # stands in for the padded coins
+    if source.uniform_samples is not None:
+        explicit = check_uniforms("uniform_samples", source.uniform_samples, (T,), device, validate)
+        # stands in for the padded coins
+        source = source._replace(uniform_samples=torch.zeros((B, K), dtype=torch.float32, device=device))
     counts = draft_counts(cu_num_draft_tokens, T).clamp(max=K)
-    coins, final = draw_uniforms(
-        B,
-        K,
-        device,
-        generator,
-        uniform_samples,
-        sample_uniforms,
-        coin_counts=counts,
-        seeds=seeds,
-        offsets=offsets,
-        validate=validate,
-    )
+    coins, final = draw_uniforms(B, K, device, source, coin_counts=counts, validate=validate)
     return (explicit if explicit is not None else flatten_coins(coins, cu_num_draft_tokens, T)), final
 
 
@@ -138,16 +124,8 @@ def rejection_sample_flattened(
     flat = check_sampling_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
-    coins, final_u = flattened_uniforms(
-        flat,
-        cu_num_draft_tokens,
-        target_probs.device,
-        generator,
-        uniform_samples,
-        sample_uniforms,
-        seeds=seeds,
-        offsets=offsets,
-    )
+    source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
+    coins, final_u = flattened_uniforms(flat, cu_num_draft_tokens, target_probs.device, source)
     return _rejection_sample_flattened(
         target_probs,
         draft_probs,

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._random import GeneratorArg, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
 from specdec_kernels.reference.rejection_sample import mass, sample_from_weights
 
 
@@ -102,7 +102,9 @@ def tree_rejection_sample(
     parents = tree_parents.to(torch.int64).expand(B, N)
     if num_nodes is None:
         num_nodes = torch.full((B,), N, dtype=torch.int64, device=target_probs.device)
-    coins, final_u = draw_uniforms(B, N - 1, target_probs.device, generator, uniform_samples, sample_uniforms)
+    coins, final_u = draw_uniforms(
+        B, N - 1, target_probs.device, RandomSource(generator, uniform_samples, sample_uniforms)
+    )
     return _tree_rejection_sample(
         target_probs, tree_tokens, parents, draft_probs, num_nodes.to(torch.int64), coins, final_u
     )
