@@ -17,7 +17,7 @@ from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, Eagle
 from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
-from specdec_kernels.decoding.training.softmax import label_ranking
+from specdec_kernels.decoding.training.softmax import TrainingOptions, label_ranking
 from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
@@ -52,9 +52,8 @@ def trained(tiny, tiny_rows):
     (a random model has nothing to generalise: the tests that need accepted drafts decode
     these same prompts)."""
     head = EagleHead.for_model(tiny, window=16, intermediate_size=96)
-    losses = train_eagle.train_head(
-        head, tiny, tiny_rows, steps=250, segments=8, segment=16, unroll=3, lr=3e-3, seed=0, negatives=4096
-    )
+    options = TrainingOptions(steps=250, lr=3e-3, seed=0, distill=1.0, negatives=4096)
+    losses = train_eagle.train_head(head, tiny, tiny_rows, options, segments=8, segment=16, unroll=3)
     head.set_token_ranking(label_ranking(tiny_rows.labels, V))
     return head, losses
 
@@ -135,7 +134,7 @@ def test_save_load_round_trip(tmp_path):
         torch.testing.assert_close(b, a.half().float(), msg=n)
 
 
-def test_bad_arguments(tmp_path, tiny):
+def test_bad_arguments(tmp_path, tiny, capsys):
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         EagleHead(HIDDEN, 3, 2, 16, 96)
     with pytest.raises(ValueError, match="head_dim must be even"):
@@ -157,8 +156,14 @@ def test_bad_arguments(tmp_path, tiny):
     for bad in (["--steps", "0"], ["--unroll", "0"], ["--distill", "2"], ["--reg", "-1"], ["--threads", "0"]):
         with pytest.raises(SystemExit):
             train_eagle.parse_args(bad)
+    for bad, flag in ((["--lr", "0"], "--lr must be > 0"), (["--negatives", "-1"], "--negatives must be >= 0")):
+        with pytest.raises(SystemExit):
+            train_eagle.parse_args(bad)
+        assert flag in capsys.readouterr().err
     with pytest.raises(ValueError, match="unroll"):
-        train_eagle.train_head(random_head(), tiny, None, steps=1, segments=1, segment=4, unroll=0, lr=1e-3, seed=0)
+        train_eagle.train_head(
+            random_head(), tiny, None, TrainingOptions(steps=1, lr=1e-3, seed=0), segments=1, segment=4, unroll=0
+        )
 
 
 # ---------------------------------------------------------------------------- the dynamic tree

@@ -20,6 +20,7 @@ from specdec_kernels.decoding.drafters.medusa import (
     load_medusa_heads,
 )
 from specdec_kernels.decoding.training import medusa as train_medusa
+from specdec_kernels.decoding.training.softmax import TrainingOptions
 from specdec_kernels.tree import medusa_choices_to_tree
 from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
@@ -60,15 +61,12 @@ def train_on_tiny_data(heads, tiny, ex, *, steps, distill, **options):
         tiny.output.weight,
         ex.hidden,
         ex.labels,
-        steps=steps,
+        TrainingOptions(steps=steps, lr=1e-2, seed=0, distill=distill),
         batch=128,
-        lr=1e-2,
-        seed=0,
         tokens=ex.path,
         embedding=tiny.tok_embeddings.weight,
         teacher=ex.teacher,
         teacher_states=ex.states,
-        distill=distill,
         **options,
     )
 
@@ -243,20 +241,20 @@ def test_bad_arguments(tmp_path, tiny):
     with pytest.raises(ValueError, match="last dimension"):
         conditioned.step(0, torch.zeros(HIDDEN), torch.zeros(HIDDEN + 1))
     X, Y = torch.zeros(4, HIDDEN), torch.zeros(4, 2, dtype=torch.int64)
-    kw = dict(steps=1, batch=2, lr=1e-3, seed=0)
+    one, soft = TrainingOptions(steps=1, lr=1e-3, seed=0), TrainingOptions(steps=1, lr=1e-3, seed=0, distill=1.0)
     with pytest.raises(ValueError, match="Y"):
-        train_medusa.train_heads(MedusaHeads(HIDDEN, 3), tiny.output.weight, X, Y, **kw)
+        train_medusa.train_heads(MedusaHeads(HIDDEN, 3), tiny.output.weight, X, Y, one, batch=2)
     with pytest.raises(ValueError, match="tokens must have"):
         train_medusa.train_heads(
-            conditioned, tiny.output.weight, X, Y, tokens=Y[:, :1], embedding=tiny.tok_embeddings.weight, **kw
+            conditioned, tiny.output.weight, X, Y, one, batch=2, tokens=Y[:, :1], embedding=tiny.tok_embeddings.weight
         )
     with pytest.raises(ValueError, match="teacher must have"):
         train_medusa.train_heads(
-            MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y[:3], teacher_states=X, distill=1.0, **kw
+            MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, soft, batch=2, teacher=Y[:3], teacher_states=X
         )
     with pytest.raises(ValueError, match="teacher rows"):
         train_medusa.train_heads(
-            MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, teacher=Y + 4, teacher_states=X, distill=1.0, **kw
+            MedusaHeads(HIDDEN, 2), tiny.output.weight, X, Y, soft, batch=2, teacher=Y + 4, teacher_states=X
         )
     torch.save(
         {
@@ -269,11 +267,22 @@ def test_bad_arguments(tmp_path, tiny):
         MedusaHeads.load(tmp_path / "half.pt")
     for heads, options, match in (
         (MedusaHeads(HIDDEN, 2), dict(distill=0.5), "distill"),
-        (MedusaHeads(HIDDEN, 2), dict(distill=1.5), "distill must lie"),
         (conditioned, {}, "tokens"),
     ):
         with pytest.raises(ValueError, match=match):
-            train_medusa.train_heads(heads, tiny.output.weight, X, Y, **kw, **options)
+            train_medusa.train_heads(
+                heads, tiny.output.weight, X, Y, TrainingOptions(steps=1, lr=1e-3, seed=0, **options), batch=2
+            )
+    for field, value, match in (
+        ("distill", 1.5, "distill must lie"),
+        ("steps", 0, "steps must be"),
+        ("lr", 0.0, "lr must be"),
+        ("weight_decay", -1.0, "weight_decay must be"),
+        ("frequent", -1, "frequent must be"),
+        ("negatives", -1, "negatives must be"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TrainingOptions(**{"steps": 1, "lr": 1e-3, "seed": 0, field: value})
     with pytest.raises(ValueError, match="hidden size"):
         MedusaDrafter(tiny, MedusaHeads(HIDDEN * 2, 2))
     with pytest.raises(ValueError, match="choices"):
@@ -600,10 +609,8 @@ def test_context_bad_arguments(tiny):
             tiny.output.weight,
             X,
             Y,
-            steps=1,
+            TrainingOptions(steps=1, lr=1e-3, seed=0),
             batch=2,
-            lr=1e-3,
-            seed=0,
             tokens=Y,
             embedding=tiny.tok_embeddings.weight,
         )

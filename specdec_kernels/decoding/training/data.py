@@ -36,6 +36,7 @@ from specdec_kernels import files as _files
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.training.softmax import TrainingOptions
 from specdec_kernels.files import BadFileError
 from specdec_kernels.optional import require
 
@@ -454,19 +455,22 @@ def add_training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--negatives", type=int, default=2048, help="tokens drawn from the rest of the vocabulary per step")
 
 
-def check_training_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``p.error`` (exit 2, one line naming the flag) for a bad flag of ``add_training_arguments``."""
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
-    if not 0.0 <= args.distill <= 1.0:
-        p.error("--distill must lie in [0, 1]")
+def check_training_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, **fields: Any) -> None:
+    """``p.error`` (exit 2, one line naming the flag) for a bad flag of ``add_training_arguments``
+    or a bad one of the other ``TrainingOptions`` ``fields`` (as ``training_options``): the
+    check is ``TrainingOptions``' own, whose message starts with the field's name."""
+    try:
+        training_options(args, **fields)
+    except ValueError as e:
+        name, _, rest = str(e).partition(" ")
+        p.error(f"--{name.replace('_', '-')} {rest}")
 
 
-def training_options(args: argparse.Namespace) -> Dict[str, Any]:
-    """The trainers' train functions' keyword arguments that ``add_training_arguments`` and
+def training_options(args: argparse.Namespace, **fields: Any) -> TrainingOptions:
+    """The trainers' ``TrainingOptions`` from the flags that ``add_training_arguments`` and
     ``add_data_arguments`` set (``TRAINING_OPTIONS``: steps, lr, seed, distill, frequent,
-    negatives), from the parsed flags."""
-    return {name: getattr(args, name) for name in TRAINING_OPTIONS}
+    negatives) and the other ``fields`` a trainer has flags for (medusa: weight_decay)."""
+    return TrainingOptions(**{name: getattr(args, name) for name in TRAINING_OPTIONS}, **fields)
 
 
 def training_record(prog_module: str, argv: Optional[Sequence[str]], args: argparse.Namespace) -> dict:

@@ -57,11 +57,10 @@ from specdec_kernels.decoding.training.data import (
     training_record,
 )
 from specdec_kernels.decoding.training.softmax import (
-    Optimiser,
+    TrainingOptions,
     candidate_logits,
     hard_and_soft_losses,
     label_ranking,
-    output_head_softmax,
 )
 
 PROG_MODULE = "specdec_kernels.decoding.training.eagle"
@@ -157,39 +156,40 @@ def train_head(
     head: EagleHead,
     model: Transformer,
     rows: FeatureRows,
+    options: TrainingOptions,
     *,
-    steps: int,
     segments: int,
     segment: int,
     unroll: int,
-    lr: float,
-    seed: int,
     reg: float = 0.1,
-    distill: float = 1.0,
-    frequent: int = 4096,
-    negatives: int = 2048,
-    desc: str = "train",
 ) -> List[float]:
     """Train ``head`` on the feature rows (see the module docstring); returns every step's loss.
 
+    Args:
+        options: the optimiser's schedule, the sampled softmax and ``distill``, the weight
+            of the soft labels (``TrainingOptions``; the command line's default is 1).
+        segments: segments per minibatch.
+        segment: consecutive positions per segment (the drafter's window).
+        unroll: training-time test steps (1: teacher forcing only).
+        reg: weight of the feature regression (smooth L1).
+
     Raises:
-        ValueError: steps, segments, segment or unroll < 1; distill outside [0, 1]; reg < 0.
+        ValueError: segments, segment or unroll < 1; reg < 0.
     """
-    for name, v in (("steps", steps), ("segments", segments), ("segment", segment), ("unroll", unroll)):
+    for name, v in (("segments", segments), ("segment", segment), ("unroll", unroll)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
-    if not 0.0 <= distill <= 1.0:
-        raise ValueError(f"distill must lie in [0, 1], got {distill}")
     if reg < 0:
         raise ValueError(f"reg must be >= 0, got {reg}")
-    g = torch.Generator().manual_seed(seed)
+    distill = options.distill
+    g = options.generator()
     E = model.tok_embeddings.weight.detach().float()
-    softmax, W_bf = output_head_softmax(model.output.weight, rows.labels, frequent, negatives)
+    softmax, W_bf = options.softmax(model.output.weight, rows.labels)
     N, L, U = rows.states.shape[0], segment, unroll
     head.float().train()
     offsets = torch.arange(L + U)
-    optimiser = Optimiser(head.parameters(), lr, steps, 0.0)
-    for _ in optimiser.run(desc):
+    optimiser = options.optimiser(head.parameters())
+    for _ in optimiser.run(options.desc):
         start = torch.randint(0, N, (segments,), generator=g)
         idx = start[:, None] + offsets  # (B, L + U)
         valid = idx < rows.seq_end[start][:, None]
@@ -374,11 +374,11 @@ def main(argv=None) -> int:
         head,
         model,
         train_rows,
+        training_options(args),
         segments=args.segments,
         segment=args.segment,
         unroll=args.unroll,
         reg=args.reg,
-        **training_options(args),
     )
     t_train = time.perf_counter() - t1
     vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)

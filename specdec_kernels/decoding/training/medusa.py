@@ -102,10 +102,9 @@ from specdec_kernels.decoding.training.data import (  # noqa: F401  (HiddenRecor
     training_record,
 )
 from specdec_kernels.decoding.training.softmax import (
-    Optimiser,
+    TrainingOptions,
     candidate_logits,
     hard_and_soft_losses,
-    output_head_softmax,
 )
 
 PROG_MODULE = "specdec_kernels.decoding.training.medusa"
@@ -296,46 +295,42 @@ def train_heads(
     output_weight: torch.Tensor,
     X: torch.Tensor,
     Y: torch.Tensor,
+    options: TrainingOptions,
     *,
-    steps: int,
     batch: int,
-    lr: float,
-    seed: int,
-    weight_decay: float = 0.0,
-    frequent: int = 4096,
-    negatives: int = 2048,
     tokens: Optional[torch.Tensor] = None,
     embedding: Optional[torch.Tensor] = None,
     teacher: Optional[torch.Tensor] = None,
     teacher_states: Optional[torch.Tensor] = None,
-    distill: float = 0.0,
     context: Optional[Examples] = None,
     segment: int = 16,
-    desc: str = "train",
 ) -> List[float]:
     """Cross-entropy of every head against its labels through the frozen output head, with a
     sampled softmax (the full 49152-token softmax costs too much on a CPU).
 
-    Each step's softmax runs over the ``frequent`` most frequent labels of the data, the
-    batch's other labels, and ``negatives`` tokens drawn uniformly from the rest of the
-    vocabulary whose logits get + log(rest / negatives) (the mass of the tokens not drawn,
-    as in sampled softmax, Jean et al. 2015); with a vocabulary that small, the full softmax.
-    The logits are computed in bfloat16.  AdamW with linear warm-up (5 % of the steps) and
-    cosine decay; minibatches and negatives drawn from ``seed``.
+    Each step's softmax runs over the ``options.frequent`` most frequent labels of the data,
+    the batch's other labels, and ``options.negatives`` tokens drawn uniformly from the rest
+    of the vocabulary whose logits get + log(rest / negatives) (the mass of the tokens not
+    drawn, as in sampled softmax, Jean et al. 2015); with a vocabulary that small, the full
+    softmax.  The logits are computed in bfloat16.  AdamW with linear warm-up (5 % of the
+    steps) and cosine decay (``options``: steps, lr, weight_decay); minibatches and
+    negatives drawn from ``options.seed``.
 
-    With ``distill`` > 0 the loss is (1 - distill) x that cross-entropy + distill x the
-    cross-entropy against the target's own distribution over the same candidate tokens
+    With ``options.distill`` > 0 the loss is (1 - distill) x that cross-entropy + distill x
+    the cross-entropy against the target's own distribution over the same candidate tokens
     (soft labels: the output head applied to h_{t+i+1}, the ``teacher`` rows of
     ``teacher_states``), as in Medusa-2's self-distillation and Hydra's teacher
     distillation: the whole distribution is a richer signal than its argmax.
 
     Args:
         X: (M, hidden) hidden states; Y: (M, k) labels (-100 ignored).
+        options: the optimiser's schedule, the sampled softmax and ``distill``, the weight
+            of the soft-label term (``TrainingOptions``).
+        batch: positions per minibatch.
         tokens, embedding: token-conditioned heads only: the path tokens T (M, k) from
             ``examples`` and the target's input embedding (vocab, hidden), frozen.
-        teacher, teacher_states: for ``distill`` > 0: ``Examples.teacher`` (M, k) and
-            ``Examples.states`` (N, hidden).
-        distill: weight of the soft-label term, in [0, 1].
+        teacher, teacher_states: for ``options.distill`` > 0: ``Examples.teacher`` (M, k)
+            and ``Examples.states`` (N, hidden).
         context: heads with a context layer only: the ``Examples`` that X and Y come from
             (X is then only counted: s_0 comes from their states, rows, next tokens and
             sequence starts); each minibatch is batch // segment runs of ``segment`` (at
@@ -346,14 +341,13 @@ def train_heads(
         The loss of every step.
 
     Raises:
-        ValueError: token-conditioned heads without tokens and embedding; distill outside
-            [0, 1], or > 0 without teacher and teacher_states; heads with a context layer
-            without context or embedding; segment < 1; shapes that do not match.
+        ValueError: token-conditioned heads without tokens and embedding; distill > 0
+            without teacher and teacher_states; heads with a context layer without context
+            or embedding; segment < 1; shapes that do not match.
     """
+    distill = options.distill
     if heads.token_conditioned and (tokens is None or embedding is None):
         raise ValueError("token-conditioned heads train on tokens (the path tokens) and embedding (the target's)")
-    if not 0.0 <= distill <= 1.0:
-        raise ValueError(f"distill must lie in [0, 1], got {distill}")
     if distill > 0 and (teacher is None or teacher_states is None):
         raise ValueError("distill > 0 needs teacher and teacher_states (from examples())")
     if heads.context_window and context is None:
@@ -382,11 +376,11 @@ def train_heads(
         run_first = torch.cummax(
             torch.where(brk, torch.arange(brk.numel()), 0), dim=0
         ).values  # each example's run's first
-    g = torch.Generator().manual_seed(seed)
-    softmax, W_bf = output_head_softmax(output_weight, Y, frequent, negatives)
+    g = options.generator()
+    softmax, W_bf = options.softmax(output_weight, Y)
     heads.train()
-    optimiser = Optimiser(heads.parameters(), lr, steps, weight_decay)
-    for _ in optimiser.run(desc):
+    optimiser = options.optimiser(heads.parameters())
+    for _ in optimiser.run(options.desc):
         if heads.context_window:
             # a run of L examples starts up to L - 1 before a uniformly drawn one (not
             # before its run's first), so that a run's first examples are drawn too
@@ -521,7 +515,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_training_arguments(p, steps=4000)
     add_data_arguments(p)
     args = p.parse_args(argv)
-    check_training_arguments(p, args)
+    check_training_arguments(p, args, weight_decay=args.weight_decay)
     if args.context_window < 0:
         p.error("--context-window must be >= 0")
     if args.context_heads is not None and args.context_heads < 1:
@@ -558,15 +552,14 @@ def main(argv=None) -> int:
         model.output.weight,
         X,
         Y,
+        training_options(args, weight_decay=args.weight_decay),
         batch=args.batch,
-        weight_decay=args.weight_decay,
         tokens=ex.path,
         embedding=E,
         teacher=ex.teacher,
         teacher_states=ex.states,
         context=ex if args.context_window else None,
         segment=args.segment,
-        **training_options(args),
     )
     t_train = time.perf_counter() - t1
 

@@ -1,4 +1,4 @@
-"""The sampled softmax, its losses and the optimiser both trainers use.
+"""The sampled softmax, its losses, the optimiser and the options both trainers use.
 
 The sampled softmax: a drafter's logits through the target's frozen
 output head cost a 49152-way softmax per label (about 5 s a minibatch on a 2-core CPU), so
@@ -6,18 +6,77 @@ each minibatch scores a candidate set instead (Jean et al. 2015, "On Using Very 
 Target Vocabulary for Neural Machine Translation"): the most frequent labels of the data,
 the minibatch's own labels, and tokens drawn uniformly from the rest of the vocabulary,
 whose logits get + log(rest / drawn), the mass of the tokens not drawn.
+
+``TrainingOptions`` bundles what both trainers' train functions take alike: the optimiser's
+schedule (steps, learning rate, weight decay, seed, progress bar), the sampled softmax's
+sizes and the weight of the soft labels.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import Iterator, NamedTuple, Tuple
+from dataclasses import dataclass
+from typing import Iterable, Iterator, NamedTuple, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from specdec_kernels.optional import require
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """The options both trainers' train functions take (``training.eagle.train_head``,
+    ``training.medusa.train_heads``); ``training.data.training_options`` builds them from
+    the command line.
+
+    Attributes:
+        steps: optimiser steps (AdamW, warm-up and cosine decay: ``Optimiser``), >= 1.
+        lr: the peak learning rate, > 0.
+        seed: seeds the minibatches and the sampled softmax's negatives.
+        distill: weight of the soft labels (the target's own distribution) against the hard
+            label (its argmax), in [0, 1]; 0 (the default): the hard label only.
+        weight_decay: AdamW's decoupled weight decay, >= 0.
+        frequent: the most frequent labels always among the sampled softmax's candidates, >= 0.
+        negatives: tokens drawn per step from the rest of the vocabulary, >= 0.
+        desc: the progress bar's name.
+
+    Raises:
+        ValueError: a field out of its range (the message names the field).
+    """
+
+    steps: int
+    lr: float
+    seed: int
+    distill: float = 0.0
+    weight_decay: float = 0.0
+    frequent: int = 4096
+    negatives: int = 2048
+    desc: str = "train"
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill must lie in [0, 1], got {self.distill}")
+        for name in ("weight_decay", "frequent", "negatives"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def optimiser(self, params: Iterable[torch.nn.Parameter]) -> Optimiser:
+        """An ``Optimiser`` of ``params`` with these steps, learning rate and weight decay."""
+        return Optimiser(params, self.lr, self.steps, self.weight_decay)
+
+    def softmax(self, output_weight: torch.Tensor, labels: torch.Tensor) -> Tuple[SampledSoftmax, torch.Tensor]:
+        """``output_head_softmax`` with these ``frequent`` and ``negatives``."""
+        return output_head_softmax(output_weight, labels, self.frequent, self.negatives)
+
+    def generator(self) -> torch.Generator:
+        """A CPU generator seeded with ``seed`` (the minibatches and the negatives)."""
+        return torch.Generator().manual_seed(self.seed)
 
 
 class Candidates(NamedTuple):
