@@ -17,7 +17,7 @@ Importing this module imports triton (the kernels are JIT functions).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from specdec_kernels.ops._triton import rejection_sample as rs
 from specdec_kernels.ops._triton import sampling_probs as sp
@@ -28,6 +28,24 @@ from specdec_kernels.ops._triton import verify_tree_greedy as vtg
 
 # The SM count the configurations are chosen for: H100 / H200 SXM.
 TARGET_SM_COUNT = 132
+
+
+def _spec(
+    kernel, name: str, args: Dict[str, str], constexprs: Dict[str, object], num_warps: Optional[int] = None
+) -> dict:
+    """The spec of ``kernel`` named ``name``: its signature is ``args`` (the runtime arguments, in
+    the kernel's order, -> Triton type) followed by the names of ``constexprs`` typed "constexpr";
+    ``options`` (``num_warps``) only when ``num_warps`` is given."""
+    spec = {
+        "kernel": kernel,
+        "name": name,
+        "signature": {**args, **dict.fromkeys(constexprs, "constexpr")},
+        "constexprs": constexprs,
+    }
+    if num_warps is not None:
+        spec["options"] = {"num_warps": num_warps}
+    return spec
+
 
 # --------------------------------------------------------------------------------------
 # verify_greedy, verify_tree_greedy
@@ -50,10 +68,10 @@ ACCEPT_VARIANTS = (
 
 def argmax_spec(dtype: str, cfg: vg.ArgmaxLaunch, name: str) -> dict:
     """``_argmax_partials_kernel`` over ``dtype`` ("fp32", "fp16", "bf16") logits."""
-    return dict(
-        kernel=vg._argmax_partials_kernel,
-        name=name,
-        signature={
+    return _spec(
+        vg._argmax_partials_kernel,
+        name,
+        {
             "logits_ptr": f"*{dtype}",
             **PARTIALS,
             "R": "i32",
@@ -61,19 +79,18 @@ def argmax_spec(dtype: str, cfg: vg.ArgmaxLaunch, name: str) -> dict:
             "stride_b": "i64",
             "stride_r": "i32",
             "TILES_PER_SPLIT": "i32",
-            "BLOCK_V": "constexpr",
         },
-        constexprs={"BLOCK_V": cfg.block_v},
-        options={"num_warps": cfg.num_warps},
+        {"BLOCK_V": cfg.block_v},
+        cfg.num_warps,
     )
 
 
 def accept_spec(ids: str, cu: str, flat: bool, bonus_ids: bool, cfg: vg.VerifyGreedyLaunch) -> dict:
     """``_verify_greedy_accept_kernel`` with ``ids`` drafts and ``cu`` counts ("i32"/"i64")."""
-    return dict(
-        kernel=vg._verify_greedy_accept_kernel,
-        name=f"verify_greedy._verify_greedy_accept_kernel[{ids}, cu {cu}, flat={flat}, bonus_ids={bonus_ids}]",
-        signature={
+    return _spec(
+        vg._verify_greedy_accept_kernel,
+        f"verify_greedy._verify_greedy_accept_kernel[{ids}, cu {cu}, flat={flat}, bonus_ids={bonus_ids}]",
+        {
             **PARTIALS,
             "draft_ptr": f"*{ids}",
             "stride_db": "i32",
@@ -86,21 +103,18 @@ def accept_spec(ids: str, cu: str, flat: bool, bonus_ids: bool, cfg: vg.VerifyGr
             "S": "i32",
             "num_rows": "i32",
             "T": "i32",
-            "FLAT": "constexpr",
-            "BONUS_IDS": "constexpr",
-            "BLOCK_K": "constexpr",
         },
-        constexprs={"FLAT": flat, "BONUS_IDS": bonus_ids, "BLOCK_K": cfg.block_k},
-        options={"num_warps": cfg.num_warps},
+        {"FLAT": flat, "BONUS_IDS": bonus_ids, "BLOCK_K": cfg.block_k},
+        cfg.num_warps,
     )
 
 
 def tree_walk_spec(ids: str, cfg: vtg.VerifyTreeGreedyLaunch, suffix: str = "") -> dict:
     """``_verify_tree_greedy_walk_kernel`` with ``ids`` tree tokens ("i32"/"i64")."""
-    return dict(
-        kernel=vtg._verify_tree_greedy_walk_kernel,
-        name=f"verify_tree_greedy._verify_tree_greedy_walk_kernel[{ids}]{suffix}",
-        signature={
+    return _spec(
+        vtg._verify_tree_greedy_walk_kernel,
+        f"verify_tree_greedy._verify_tree_greedy_walk_kernel[{ids}]{suffix}",
+        {
             **PARTIALS,
             "tokens_ptr": f"*{ids}",
             "stride_tb": "i32",
@@ -114,10 +128,9 @@ def tree_walk_spec(ids: str, cfg: vtg.VerifyTreeGreedyLaunch, suffix: str = "") 
             "num_accepted_ptr": "*i64",
             "N": "i32",
             "S": "i32",
-            "BLOCK_N": "constexpr",
         },
-        constexprs={"BLOCK_N": cfg.block_n},
-        options={"num_warps": cfg.num_warps},
+        {"BLOCK_N": cfg.block_n},
+        cfg.num_warps,
     )
 
 
@@ -153,24 +166,23 @@ def rejection_specs(
         "stride_dk": "i32",
     }
     meta = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v}
-    partials = {
-        "kernel": rs._rejection_partials_kernel,
-        "name": f"rejection_partials {label}",
-        "signature": {
+    partials = _spec(
+        rs._rejection_partials_kernel,
+        f"rejection_partials {label}",
+        {
             **common,
             "coins_ptr": "*fp32",
             "part_mass_ptr": "*fp64",
             "part_last_ptr": "*i32",
             **strides,
             "TILES_PER_SPLIT": "i32",
-            **{k: "constexpr" for k in meta},
         },
-        "constexprs": meta,
-    }
-    sample = {
-        "kernel": rs._rejection_sample_kernel,
-        "name": f"rejection_sample {label} BLOCK_S={cfg.vocab.block_s}",
-        "signature": {
+        meta,
+    )
+    sample = _spec(
+        rs._rejection_sample_kernel,
+        f"rejection_sample {label} BLOCK_S={cfg.vocab.block_s}",
+        {
             **common,
             "bonus_ptr": cu,
             "coins_ptr": "*fp32",
@@ -182,13 +194,10 @@ def rejection_specs(
             **strides,
             "S": "i32",
             "TILES_PER_SPLIT": "i32",
-            **{k: "constexpr" for k in meta},
-            "KP": "constexpr",
-            "BLOCK_S": "constexpr",
         },
-        "constexprs": {**meta, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
-        "options": {"num_warps": cfg.sample_num_warps},
-    }
+        {**meta, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
+        cfg.sample_num_warps,
+    )
     return [partials, sample]
 
 
@@ -243,18 +252,11 @@ def sampling_probs_specs(
             "BLOCK_B": cfg.block_b,
             "BLOCK_V": cfg.block_v,
         }
-        signature.update({k: "constexpr" for k in constexprs})
-        specs.append(
-            {
-                "kernel": sp._sampling_probs_kernel,
-                "name": (
-                    f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
-                    f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"
-                ),
-                "signature": signature,
-                "constexprs": constexprs,
-            }
+        name = (
+            f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
+            f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"
         )
+        specs.append(_spec(sp._sampling_probs_kernel, name, signature, constexprs))
     return specs
 
 
@@ -286,36 +288,29 @@ def tree_rejection_specs(
         "level": "i32",
         "level_end": "i32",
         "TILES_PER_SPLIT": "i32",
-        "TAIL": "constexpr",
-        "HAS_DRAFT": "constexpr",
-        "BLOCK_R": "constexpr",
-        "BLOCK_V": "constexpr",
-        "BLOCK_S": "constexpr",
     }
     specs = [
-        {
-            "kernel": trs._tree_level_kernel,
-            "name": (
-                f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
-                f"tail={tail} BLOCK_S={lv.block_s}"
-            ),
-            "signature": level_sig,
-            "constexprs": {
+        _spec(
+            trs._tree_level_kernel,
+            f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
+            f"tail={tail} BLOCK_S={lv.block_s}",
+            level_sig,
+            {
                 "TAIL": tail,
                 "HAS_DRAFT": has_draft,
                 "BLOCK_R": lv.block_b,
                 "BLOCK_V": lv.block_v,
                 "BLOCK_S": lv.block_s,
             },
-            "options": {"num_warps": cfg.level_num_warps},
-        }
+            cfg.level_num_warps,
+        )
         for tail in (False, True)
     ]
     specs.append(
-        {
-            "kernel": trs._tree_walk_kernel,
-            "name": f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
-            "signature": {
+        _spec(
+            trs._tree_walk_kernel,
+            f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
+            {
                 "target_ptr": prob,
                 "draft_ptr": prob,
                 "tokens_ptr": tok,
@@ -333,22 +328,19 @@ def tree_rejection_specs(
                 "V": "i32",
                 **strides,
                 "stride_pb": "i32",
-                "HAS_DRAFT": "constexpr",
-                "BLOCK_B": "constexpr",
-                "NP": "constexpr",
             },
-            "constexprs": {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
-            "options": {"num_warps": cfg.walk_num_warps},
-        }
+            {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
+            cfg.walk_num_warps,
+        )
     )
     final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32", "rej_ptr": "*i64"}
     final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "NP": cfg.np_}
     specs.append(
-        {
-            "kernel": trs._tree_final_partials_kernel,
-            "name": f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
+        _spec(
+            trs._tree_final_partials_kernel,
+            f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
             f"BLOCK_B={rw.block_b} NP={cfg.np_}",
-            "signature": {
+            {
                 **final_common,
                 "weights_ptr": "*fp64",
                 "part_mass_ptr": "*fp64",
@@ -358,17 +350,16 @@ def tree_rejection_specs(
                 "V": "i32",
                 **strides,
                 "TILES_PER_SPLIT": "i32",
-                **{k: "constexpr" for k in final_meta},
             },
-            "constexprs": final_meta,
-            "options": {"num_warps": cfg.final_partials_num_warps},
-        }
+            final_meta,
+            cfg.final_partials_num_warps,
+        )
     )
     specs.append(
-        {
-            "kernel": trs._tree_final_sample_kernel,
-            "name": f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
-            "signature": {
+        _spec(
+            trs._tree_final_sample_kernel,
+            f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
+            {
                 "target_ptr": prob,
                 "state_ptr": "*i32",
                 "weights_ptr": "*fp64",
@@ -384,13 +375,10 @@ def tree_rejection_specs(
                 "stride_tn": "i32",
                 "S": "i32",
                 "TILES_PER_SPLIT": "i32",
-                "BLOCK_B": "constexpr",
-                "BLOCK_V": "constexpr",
-                "BLOCK_S": "constexpr",
             },
-            "constexprs": {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
-            "options": {"num_warps": cfg.sample_num_warps},
-        }
+            {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
+            cfg.sample_num_warps,
+        )
     )
     return specs
 
@@ -466,15 +454,13 @@ def tree_attention_fwd_spec(
         NUM_STAGES=ta.NUM_STAGES,
         PAGED=paged,
     )
-    for name in constexprs:
-        sig[name] = "constexpr"
-    return dict(
-        kernel=ta._tree_attention_fwd_kernel,
-        signature=sig,
-        constexprs=constexprs,
-        options=dict(num_warps=cfg.num_warps),
-        name=f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},"
+    return _spec(
+        ta._tree_attention_fwd_kernel,
+        f"tree_attention.fwd[{dtype},D={head_dim},mask={mask_kind},split={int(split)},"
         f"BLOCK_M={cfg.block_m}{',paged' if paged else ''}]",
+        sig,
+        constexprs,
+        cfg.num_warps,
     )
 
 
@@ -493,16 +479,13 @@ def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttention
         "stride_on": "i32",
         "stride_oh": "i32",
         "stride_od": "i32",
-        "HEAD_DIM": "constexpr",
-        "BLOCK_D": "constexpr",
-        "BLOCK_R": "constexpr",
     }
-    return dict(
-        kernel=ta._tree_attention_combine_kernel,
-        signature=sig,
-        constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
-        options=dict(num_warps=cfg.combine_num_warps),
-        name=f"tree_attention.combine[{dtype},D={head_dim}]",
+    return _spec(
+        ta._tree_attention_combine_kernel,
+        f"tree_attention.combine[{dtype},D={head_dim}]",
+        sig,
+        dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
+        cfg.combine_num_warps,
     )
 
 
