@@ -26,29 +26,53 @@ SAMPLE_BACKENDS = runnable_backends("tree_rejection_sample")
 # --------------------------------------------------------------------------- SGLang in Python
 
 
+def sglang_walk(b, candidates, retrive_index, next_token, next_sibling, num_spec_step, predicts, accept):
+    """Row b's walk down SGLang's linked lists, the loop both kernels below share: from the root,
+    at each of the num_spec_step - 1 steps, try the last accepted node's children in list order
+    (retrive_next_token, then retrive_next_sibling) with accept(last accepted node, child); the
+    first one accepted writes its token into predicts at the last accepted node's retrive_index
+    and becomes the last accepted node; a step that accepts none ends the walk.  Returns the
+    row's accept_index, the number of accepted nodes and the last accepted node."""
+    accept_index = [-1] * num_spec_step
+    accept_index[0] = retrive_index[b][0]
+    node, cur, num = 0, 0, 0
+    for _ in range(1, num_spec_step):
+        cur = next_token[b][cur]
+        while cur != -1:
+            if accept(node, cur):
+                predicts[retrive_index[b][node]] = candidates[b][cur]
+                num += 1
+                accept_index[num] = retrive_index[b][cur]
+                node = cur
+                break
+            cur = next_sibling[b][cur]
+        if cur == -1:
+            break
+    return accept_index, num, node
+
+
 def sglang_verify_tree_greedy(candidates, retrive_index, next_token, next_sibling, target_predict, num_spec_step):
-    """SGLang's greedy tree verification; target_predict is flat [B * N], read at retrive_index."""
+    """SGLang's greedy tree verification; target_predict is flat [B * N], read at retrive_index.
+
+    Follows sgl-kernel's ``verify_tree_greedy`` (eagle_utils.cu): a child is accepted when its
+    token is the target's argmax at the last accepted node."""
     B, N = len(candidates), len(candidates[0])
     predicts = [-1] * (B * N)
-    accept_index = [[-1] * num_spec_step for _ in range(B)]
-    accept_num = [0] * B
+    accept_index, accept_num = [], []
     for b in range(B):
-        last = retrive_index[b][0]
-        accept_index[b][0] = last
-        cur, num = 0, 0
-        for _ in range(1, num_spec_step):
-            cur = next_token[b][cur]
-            while cur != -1:
-                if candidates[b][cur] == target_predict[last]:
-                    predicts[last] = candidates[b][cur]
-                    num += 1
-                    accept_index[b][num] = retrive_index[b][cur]
-                    last = retrive_index[b][cur]
-                    break
-                cur = next_sibling[b][cur]
-            if cur == -1:
-                break
-        accept_num[b] = num
+        index, num, node = sglang_walk(
+            b,
+            candidates,
+            retrive_index,
+            next_token,
+            next_sibling,
+            num_spec_step,
+            predicts,
+            lambda node, cur: candidates[b][cur] == target_predict[retrive_index[b][node]],
+        )
+        accept_index.append(index)
+        accept_num.append(num)
+        last = retrive_index[b][node]
         predicts[last] = target_predict[last]
     return predicts, accept_index, accept_num
 
@@ -65,36 +89,36 @@ def sglang_target_only(
     threshold_single=1.0,
     threshold_acc=1.0,
 ):
-    """SGLang's target-only tree sampling (draft_probs zero-initialised, written on rejection)."""
+    """SGLang's target-only tree sampling (draft_probs zero-initialised, written on rejection).
+
+    Follows sgl-kernel's ``tree_speculative_sampling_target_only`` (speculative_sampling.cuh):
+    the children of the last accepted node are tried against its coin with their target
+    probabilities accumulated (relaxed by threshold_acc and threshold_single); the final token
+    is drawn from the last accepted node's target row less the rejected children's."""
     B, N, V = len(target_probs), len(target_probs[0]), len(target_probs[0][0])
     threshold_acc = max(threshold_acc, 1e-9)
     predicts = [-1] * (B * N)
-    accept_index = [[-1] * num_spec_step for _ in range(B)]
-    accept_num = [0] * B
+    accept_index, accept_num = [], []
     for b in range(B):
         marked = [[0.0] * V for _ in range(N)]  # SGLang's draft_probs, written on rejection
-        prob_acc, row, coin = 0.0, 0, coins[b][0]
-        last = retrive_index[b][0]
-        accept_index[b][0] = last
-        cur, num = 0, 0
-        for _ in range(1, num_spec_step):
-            cur = next_token[b][cur]
-            while cur != -1:
-                token = candidates[b][cur]
-                single = target_probs[b][row][token]
-                prob_acc += single
-                if coin <= prob_acc / threshold_acc or single >= threshold_single:
-                    prob_acc, row, coin = 0.0, cur, coins[b][cur]
-                    predicts[last] = token
-                    num += 1
-                    accept_index[b][num] = retrive_index[b][cur]
-                    last = retrive_index[b][cur]
-                    break
-                marked[row][token] = single
-                cur = next_sibling[b][cur]
-            if cur == -1:
-                break
-        accept_num[b] = num
+        prob_acc = 0.0
+
+        def accept(node, cur):
+            nonlocal prob_acc
+            token = candidates[b][cur]
+            single = target_probs[b][node][token]
+            prob_acc += single
+            if coins[b][node] <= prob_acc / threshold_acc or single >= threshold_single:
+                prob_acc = 0.0
+                return True
+            marked[node][token] = single
+            return False
+
+        index, num, row = sglang_walk(
+            b, candidates, retrive_index, next_token, next_sibling, num_spec_step, predicts, accept
+        )
+        accept_index.append(index)
+        accept_num.append(num)
         subtract = marked[row] if num != num_spec_step - 1 else [0.0] * V
         weights = [max(t - d, 0.0) for t, d in zip(target_probs[b][row], subtract)]
         u, acc, token = final_coins[b] * sum(weights), 0.0, None
@@ -105,7 +129,7 @@ def sglang_target_only(
                 break
         if token is None:  # u at or past the total by rounding: the last token with mass
             token = max(v for v, w in enumerate(weights) if w > 0)
-        predicts[last] = token
+        predicts[retrive_index[b][row]] = token
     return predicts, accept_index, accept_num
 
 
@@ -344,6 +368,19 @@ def greedy_case(B, N, V, seed, full=False):
     return candidates, nt, ns, logits
 
 
+def sglang_comparisons(op, device, backend, shape, make_case, seed_stride, steps):
+    """The runs that compare an entry point of specdec_kernels.serving with SGLang's kernel in
+    Python: (op on device with backend, seed, make_case(B, N, V, seed + seed_stride * N),
+    the standard retrive_index, num_spec_step) for seeds 0 and 1 and each num_spec_step of steps."""
+    B, N, V = shape
+    fn = on_device(op, device, backend=backend)
+    for seed in range(2):
+        case = make_case(B, N, V, seed=seed + seed_stride * N)
+        ri = standard_retrive_index(B, N)
+        for num_spec_step in sorted(steps):
+            yield fn, seed, case, ri, num_spec_step
+
+
 GREEDY_SHAPES = [(1, 1, 3), (3, 2, 4), (4, 7, 5), (2, 12, 3), (3, 9, 111)]
 
 
@@ -351,22 +388,19 @@ GREEDY_SHAPES = [(1, 1, 3), (3, 2, 4), (4, 7, 5), (2, 12, 3), (3, 9, 111)]
 @pytest.mark.parametrize("shape", GREEDY_SHAPES, ids=[f"B{b}-N{n}-V{v}" for b, n, v in GREEDY_SHAPES])
 def test_verify_tree_greedy_sglang_matches_sglang(device, backend, shape):
     B, N, V = shape
-    fn = on_device(sg.verify_tree_greedy_sglang, device, backend=backend)
-    for seed in range(2):
-        candidates, nt, ns, logits = greedy_case(B, N, V, seed=seed + 10 * N)
-        ri = standard_retrive_index(B, N)
-        for steps in sorted({1, 2, 3, N + 2}):
-            want = sglang_verify_tree_greedy(
-                candidates.tolist(), ri.tolist(), nt.tolist(), ns.tolist(), logits.argmax(-1).flatten().tolist(), steps
-            )
-            # seed 1: the flat logits layout and int32 ids and links
-            flat = logits.reshape(B * N, V) if seed else logits
-            ids = [x.int() if seed else x for x in (candidates, ri, nt, ns)]
-            predicts, accept_index, accept_num = fn(*ids, flat, num_spec_step=steps)
-            assert predicts.dtype == accept_index.dtype == accept_num.dtype == torch.int32
-            assert accept_index.shape == (B, steps)
-            assert predicts.tolist() == want[0], (steps, seed)
-            assert accept_index.tolist() == want[1] and accept_num.tolist() == want[2]
+    runs = sglang_comparisons(sg.verify_tree_greedy_sglang, device, backend, shape, greedy_case, 10, {1, 2, 3, N + 2})
+    for fn, seed, (candidates, nt, ns, logits), ri, steps in runs:
+        want = sglang_verify_tree_greedy(
+            candidates.tolist(), ri.tolist(), nt.tolist(), ns.tolist(), logits.argmax(-1).flatten().tolist(), steps
+        )
+        # seed 1: the flat logits layout and int32 ids and links
+        flat = logits.reshape(B * N, V) if seed else logits
+        ids = [x.int() if seed else x for x in (candidates, ri, nt, ns)]
+        predicts, accept_index, accept_num = fn(*ids, flat, num_spec_step=steps)
+        assert predicts.dtype == accept_index.dtype == accept_num.dtype == torch.int32
+        assert accept_index.shape == (B, steps)
+        assert predicts.tolist() == want[0], (steps, seed)
+        assert accept_index.tolist() == want[1] and accept_num.tolist() == want[2]
 
 
 def test_verify_tree_greedy_sglang_sometimes_accepts_a_later_sibling():
@@ -458,25 +492,22 @@ SAMPLE_SHAPES = [(1, 1, 5), (3, 2, 4), (4, 7, 6), (3, 9, 17)]
 @pytest.mark.parametrize("shape", SAMPLE_SHAPES, ids=[f"B{b}-N{n}-V{v}" for b, n, v in SAMPLE_SHAPES])
 def test_target_only_sampling_gives_sglang_tokens_for_the_same_uniforms(device, backend, shape):
     B, N, V = shape
-    fn = on_device(sg.tree_rejection_sample_sglang, device, backend=backend)
-    for seed in range(2):
-        candidates, nt, ns, target, coins, final = sampling_case(B, N, V, seed=seed + 7 * N)
-        ri = standard_retrive_index(B, N)
-        for steps in sorted({1, 3, N + 1}):
-            want = python_target_only(candidates, nt, ns, target, coins, final, steps)
-            got = fn(
-                candidates,
-                ri,
-                nt,
-                ns,
-                target,
-                None,
-                num_spec_step=steps,
-                uniform_samples=coins,
-                uniform_samples_for_final_sampling=final,
-            )
-            assert got[0].tolist() == want[0], (seed, steps)
-            assert got[1].tolist() == want[1] and got[2].tolist() == want[2]
+    runs = sglang_comparisons(sg.tree_rejection_sample_sglang, device, backend, shape, sampling_case, 7, {1, 3, N + 1})
+    for fn, seed, (candidates, nt, ns, target, coins, final), ri, steps in runs:
+        want = python_target_only(candidates, nt, ns, target, coins, final, steps)
+        got = fn(
+            candidates,
+            ri,
+            nt,
+            ns,
+            target,
+            None,
+            num_spec_step=steps,
+            uniform_samples=coins,
+            uniform_samples_for_final_sampling=final,
+        )
+        assert got[0].tolist() == want[0], (seed, steps)
+        assert got[1].tolist() == want[1] and got[2].tolist() == want[2]
 
 
 @pytest.mark.parametrize(
