@@ -403,6 +403,29 @@ def test_verify_tree_greedy_sglang_matches_sglang(device, backend, shape):
         assert accept_index.tolist() == want[1] and accept_num.tolist() == want[2]
 
 
+def test_verify_tree_greedy_sglang_accepts_a_later_sibling_by_hand():
+    """Root 0 with children 1, 2 (in that list order) and 3 under 2: the target's argmax at
+    the root is node 2's token, not node 1's, so the walk must go past the list's head.
+    Both our op and the transliteration give the hand-worked result."""
+    V = 10
+    candidates = torch.tensor([[0, 5, 7, 9]])
+    next_token = torch.tensor([[1, -1, 3, -1]])
+    next_sibling = torch.tensor([[-1, 2, -1, -1]])
+    argmax = torch.tensor([[7, 1, 9, 4]])  # the target's argmax at each node
+    logits = torch.nn.functional.one_hot(argmax, V).float()
+    ri = standard_retrive_index(1, 4)
+    predicts, accept_index, accept_num = sg.verify_tree_greedy_sglang(
+        candidates, ri, next_token, next_sibling, logits, num_spec_step=3
+    )
+    assert accept_index.tolist() == [[0, 2, 3]] and accept_num.tolist() == [2]
+    assert [predicts.flatten().tolist()[i] for i in (0, 2, 3)] == [7, 9, 4]  # drafts 2, 3, then the bonus
+    want = sglang_verify_tree_greedy(
+        candidates.tolist(), ri.tolist(), next_token.tolist(), next_sibling.tolist(), argmax.flatten().tolist(), 3
+    )
+    assert want[1] == accept_index.tolist() and want[2] == accept_num.tolist()
+    assert [want[0][i] for i in (0, 2, 3)] == [7, 9, 4]
+
+
 def test_verify_tree_greedy_sglang_sometimes_accepts_a_later_sibling():
     """The random cases exercise list order: some accepted node is not its list's head."""
     hits = 0
