@@ -136,7 +136,8 @@ def format_report(results: Dict[str, Dict[str, dict]]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m specdec_kernels.decoding.training.agreement", description=__doc__.split("\n")[0]
+        prog="python -m specdec_kernels.decoding.training.agreement",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
     )
     p.add_argument("--prompts", default=str(HELDOUT), help="a JSON-lines file of {category, prompt} records")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
