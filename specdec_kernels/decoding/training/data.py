@@ -36,6 +36,7 @@ from specdec_kernels import files as _files
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.training.instruct import FEW_CATEGORIES, written_prompts
 from specdec_kernels.decoding.training.softmax import TrainingOptions
 from specdec_kernels.files import BadFileError
 from specdec_kernels.optional import require
@@ -310,8 +311,39 @@ def tiny_random_model(seed: int = 0) -> Transformer:
     return Transformer.from_hf_model(LlamaForCausalLM(tiny_llama_config()).eval())
 
 
-def load_target(args):
-    """(model, train prompts, tune prompts, bench prompts, stop ids, base-model name)."""
+class TinyTokenizer:
+    """A character tokenizer for the tiny random model's smoke tests (``--random-model``):
+    printable ASCII as ids 3..97 of its 111, a chat template of id 1, the text, id 98."""
+
+    def encode(self, text: str) -> List[int]:
+        return [ord(ch) - 29 for ch in text if 32 <= ord(ch) <= 126]
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, return_dict: bool = False):
+        return [1] + [t for m in messages for t in self.encode(m["content"])] + [98]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(int(t) + 29) for t in ids if 3 <= int(t) <= 97)
+
+
+class Target(NamedTuple):
+    """What ``load_target`` loads: the target, its tokenizer, the prompt sets (token ids), its
+    stop ids and name, and the Spec-Bench questions (train split, all)."""
+
+    model: Transformer
+    tokenizer: Any
+    train: List[List[int]]
+    tune: List[List[int]]
+    bench: List[List[int]]
+    stop_ids: List[int]
+    base_model: str
+    train_questions: List[dict]
+    all_questions: List[dict]
+
+
+def load_target(args) -> Target:
+    """The target and its prompts: SmolLM2-135M-Instruct on the Spec-Bench split
+    (``split_questions``), or with ``--random-model`` a tiny random Llama, random prompts and
+    a few made-up questions of the ``FEW_CATEGORIES`` (for the written prompts' smoke test)."""
     if args.random_model:
         model = tiny_random_model(args.seed)
         g = torch.Generator().manual_seed(args.seed)
@@ -324,15 +356,23 @@ def load_target(args):
                 for _ in range(n)
             ]
 
-        return model, rand(6), rand(3), rand(2), [], "tiny-random-llama"
+        vocab = ("tell", "me", "a", "story", "about", "the", "sea", "write", "code", "that", "sorts", "list", "of")
+        questions = [
+            {"category": c, "turns": [" ".join(vocab[int(i)] for i in torch.randint(0, len(vocab), (9,), generator=g))]}
+            for c in FEW_CATEGORIES
+            for _ in range(HELD_OUT_PER_CATEGORY + 3)
+        ]
+        train_q = split_questions(questions, 3)[0]
+        return Target(model, TinyTokenizer(), rand(6), rand(3), rand(2), [], "tiny-random-llama", train_q, questions)
     from specdec_kernels.decoding.loading import MODEL_NAME, load_smollm2
     from specdec_kernels.decoding.prompts import spec_bench_questions
 
     model, tok = load_smollm2()
     longs = [c.strip() for c in args.long_categories.split(",") if c.strip()]
-    train, tune, bench = split_questions(spec_bench_questions(), args.per_category, args.long_per_category, longs)
+    questions = spec_bench_questions()
+    train, tune, bench = split_questions(questions, args.per_category, args.long_per_category, longs)
     ids = lambda qs: [chat_ids(tok, q["turns"][0]) for q in qs]  # noqa: E731
-    return model, ids(train), ids(tune), ids(bench), [tok.eos_token_id], MODEL_NAME
+    return Target(model, tok, ids(train), ids(tune), ids(bench), [tok.eos_token_id], MODEL_NAME, train, questions)
 
 
 def default_cache_dir(cache_dir: Optional[str] = None) -> Path:
@@ -410,6 +450,17 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--long-categories", default="summarization,rag", help="comma-separated categories with long prompts"
     )
+    p.add_argument(
+        "--written-per-category",
+        type=int,
+        default=0,
+        help="training prompts the target writes per category of --written-categories (Self-Instruct; 0: none)",
+    )
+    p.add_argument(
+        "--written-categories",
+        default=",".join(FEW_CATEGORIES),
+        help="comma-separated categories to write prompts for (default: the 8 with 10 Spec-Bench questions)",
+    )
     p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
     p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
     p.add_argument(
@@ -435,6 +486,18 @@ def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.written_per_category < 0:
+        p.error("--written-per-category must be >= 0")
+    categories = [c.strip() for c in args.written_categories.split(",") if c.strip()]
+    if not categories:
+        p.error("--written-categories names no category")
+    from specdec_kernels.decoding.prompts import spec_bench_questions
+
+    known = {q["category"] for q in spec_bench_questions()}
+    if set(categories) - known:
+        p.error(f"--written-categories: unknown {sorted(set(categories) - known)} (Spec-Bench has {sorted(known)})")
+    if args.random_model and set(categories) - set(FEW_CATEGORIES):
+        p.error(f"--written-categories: --random-model has questions of {list(FEW_CATEGORIES)} only")
 
 
 TRAINING_OPTIONS = ("steps", "lr", "seed", "distill", "frequent", "negatives")
@@ -584,12 +647,37 @@ def prepare(args: argparse.Namespace) -> TrainingSetup:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, train_p, tune_p, bench_p, stops, base = load_target(args)
+    target = load_target(args)
+    model, train_p, stops, base = target.model, list(target.train), target.stop_ids, target.base_model
     fingerprint = model_fingerprint(model)
     print(
-        f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(tune_p)} tune, {len(bench_p)} bench (held out)",
+        f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(target.tune)} tune, "
+        f"{len(target.bench)} bench (held out)",
         file=sys.stderr,
     )
     cache = None if args.random_model else default_cache_dir(args.cache_dir)
-    tune_d, train_d = self_distilled_sets(model, fingerprint, {"tune": tune_p, "train": train_p}, args, stops, cache)
-    return TrainingSetup(model, fingerprint, base, train_d, tune_d, bench_p, list(stops))
+    if args.written_per_category:
+        from specdec_kernels.decoding.training.agreement import HELDOUT, read_prompts
+
+        categories = [c.strip() for c in args.written_categories.split(",") if c.strip()]
+        references = [t for q in target.all_questions for t in q["turns"]] + [
+            r["prompt"] for r in read_prompts(HELDOUT)
+        ]
+        written = written_prompts(
+            model,
+            target.tokenizer,
+            fingerprint,
+            target.train_questions,
+            references,
+            args.written_per_category,
+            categories,
+            seed=args.seed,
+            stop_ids=stops,
+            cache=cache,
+        )
+        train_p += [chat_ids(target.tokenizer, t) for t in written]
+        print(f"{len(written)} written prompts added to the training prompts", file=sys.stderr)
+    tune_d, train_d = self_distilled_sets(
+        model, fingerprint, {"tune": target.tune, "train": train_p}, args, stops, cache
+    )
+    return TrainingSetup(model, fingerprint, base, train_d, tune_d, list(target.bench), list(stops))

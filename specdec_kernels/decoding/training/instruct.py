@@ -1,0 +1,298 @@
+"""New training prompts written by the target itself, for the categories with few questions.
+
+Spec-Bench's eight MT-bench categories (writing, roleplay, reasoning, math, coding,
+extraction, stem, humanities) hold 10 questions each.  With 4 of each held out
+(``data.HELD_OUT_PER_CATEGORY``), a trainer sees 6 prompts of writing or coding against 76
+of translation or QA, and the heads agree least with the target on exactly those kinds of
+text (docs/MEASUREMENTS.md, 2026-12-04).  Following Self-Instruct (Wang et al. 2023, "Self-
+Instruct: Aligning Language Models with Self-Generated Instructions"), the target writes new
+requests of each such category, prompted with a few examples drawn from that category's
+*training* questions only, sampled at a positive temperature.  A request is kept when it is
+new (``NoveltyFilter``): it shares no run of ``NGRAM`` words with any Spec-Bench question,
+held-out ones included, nor with a request kept before, and it has a sensible length.  So the
+benchmark's prompts are never trained on, nor near-copies of them.
+
+The drafters are then trained on the target's continuations of these requests, like on the
+Spec-Bench training questions (``data.self_distilled_sets``); the requests are cached next to
+that data (``cached_prompts``), keyed by everything they depend on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import warnings
+import zlib
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from specdec_kernels import files as _files
+from specdec_kernels.decoding.draft import SamplingParams
+from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
+from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.files import BadFileError
+from specdec_kernels.optional import require
+
+FEW_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+FEW_SHOT = 3  # examples per request prompt
+NGRAM = 8  # a kept request shares no run of this many words with a Spec-Bench question
+MIN_WORDS = 5
+MAX_CHARS = 1500
+ATTEMPTS_PER_PROMPT = 4  # requests drawn at most per prompt asked for, before giving up
+
+
+def words(text: str) -> List[str]:
+    """Lower-cased word tokens of ``text`` (runs of letters, digits and underscores)."""
+    return re.findall(r"\w+", text.lower())
+
+
+def word_ngrams(text: str, n: int) -> Set[Tuple[str, ...]]:
+    """The set of runs of ``n`` consecutive words of ``text`` (empty when it has fewer)."""
+    w = words(text)
+    return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+
+
+class NoveltyFilter:
+    """Keeps a request that is new: at least ``min_words`` words and at most ``max_chars``
+    characters, and no run of ``n`` words shared with a reference text or a request kept
+    before (a request shorter than ``n`` words must not equal one, word for word).
+
+    Args:
+        references: texts a kept request must not copy from (all of Spec-Bench's questions).
+        n, min_words, max_chars: as above, each >= 1.
+
+    Raises:
+        ValueError: n, min_words or max_chars < 1.
+    """
+
+    def __init__(
+        self, references: Iterable[str], n: int = NGRAM, min_words: int = MIN_WORDS, max_chars: int = MAX_CHARS
+    ):
+        for name, v in (("n", n), ("min_words", min_words), ("max_chars", max_chars)):
+            if isinstance(v, bool) or int(v) != v or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        self.n, self.min_words, self.max_chars = int(n), int(min_words), int(max_chars)
+        self.seen: Set[Tuple[str, ...]] = set()
+        self.short: Set[Tuple[str, ...]] = set()
+        for text in references:
+            self._remember(text)
+
+    def _remember(self, text: str) -> None:
+        self.seen |= word_ngrams(text, self.n)
+        w = tuple(words(text))
+        if len(w) < self.n:
+            self.short.add(w)
+
+    def accept(self, text: str) -> bool:
+        """Whether ``text`` is kept; a kept text is remembered (its repeats are refused)."""
+        w = words(text)
+        if len(w) < self.min_words or len(text) > self.max_chars:
+            return False
+        grams = word_ngrams(text, self.n)
+        if grams & self.seen or (len(w) < self.n and tuple(w) in self.short):
+            return False
+        self._remember(text)
+        return True
+
+
+def request_prompt(examples: Sequence[str]) -> str:
+    """The user turn that asks the target for one new request like the ``examples``."""
+    shown = "\n\n".join(f"Request {i + 1}:\n{e.strip()}" for i, e in enumerate(examples))
+    return (
+        f"Here are {len(examples)} requests that users sent to an AI assistant.\n\n{shown}\n\n"
+        "Write one new request of the same kind, on a different topic. Reply with the request only."
+    )
+
+
+_LABEL = re.compile(r"^\s*(?:(?:new\s+)?request(?:\s*\d+)?\s*:|\"|')\s*", re.IGNORECASE)
+
+
+def clean_request(text: str) -> str:
+    """The request in the target's reply: stripped, without a leading "Request N:" label or
+    an opening quote (and its closing one)."""
+    text = text.strip()
+    stripped = _LABEL.sub("", text, count=1)
+    if stripped != text and text[:1] in "\"'" and stripped.endswith(text[:1]):
+        stripped = stripped[:-1]
+    return stripped.strip()
+
+
+def _category_seed(seed: int, category: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(category.encode())) & 0x7FFFFFFF
+
+
+def write_prompts(
+    model: Transformer,
+    encode: Callable[[str], List[int]],
+    decode: Callable[[List[int]], str],
+    examples: Dict[str, Sequence[str]],
+    per_category: int,
+    references: Iterable[str],
+    *,
+    seed: int,
+    stop_ids: Sequence[int],
+    batch: int = 16,
+    max_new_tokens: int = 160,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+    few_shot: int = FEW_SHOT,
+) -> Dict[str, List[str]]:
+    """Up to ``per_category`` new requests per category of ``examples``, written by ``model``.
+
+    Each attempt shows the target ``few_shot`` of the category's examples (drawn with a
+    generator seeded by ``seed`` and the category) in ``request_prompt``, samples its reply
+    at ``temperature`` / ``top_p`` (seeded per attempt, so a run is reproducible), and keeps
+    ``clean_request(reply)`` when a ``NoveltyFilter`` over ``references`` (and the examples)
+    accepts it.  At most ``ATTEMPTS_PER_PROMPT * per_category`` attempts per category, in
+    batches of ``batch``; a category can come back short.
+
+    Args:
+        model: the target.
+        encode: text -> the target's prompt token ids (the chat template applied).
+        decode: generated token ids -> text (special tokens dropped).
+        examples: category -> its training questions' texts (never held-out ones), each
+            category non-empty.
+        per_category: requests wanted per category, >= 0.
+        references: texts no request may copy from (every Spec-Bench question).
+
+    Returns:
+        category -> its kept requests, in the order written.
+
+    Raises:
+        ValueError: per_category < 0, batch, max_new_tokens or few_shot < 1, a category
+            without examples.
+    """
+    for name, v, low in (
+        ("per_category", per_category, 0),
+        ("batch", batch, 1),
+        ("max_new_tokens", max_new_tokens, 1),
+        ("few_shot", few_shot, 1),
+    ):
+        if isinstance(v, bool) or int(v) != v or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    for c, ex in examples.items():
+        if not ex:
+            raise ValueError(f"examples of category {c!r} are empty")
+    tqdm = require("tqdm", purpose="writing training prompts (progress bars)", extra="engine").tqdm
+    novelty = NoveltyFilter([*references, *(e for ex in examples.values() for e in ex)])
+    decoder = SpeculativeDecoder(model, None, stop_token_ids=list(stop_ids))
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    out: Dict[str, List[str]] = {}
+    total = per_category * len(examples)
+    with tqdm(total=total, desc="write prompts", unit="prompt", file=sys.stderr) as bar:
+        for category, ex in examples.items():
+            rng = random.Random(_category_seed(seed, category))
+            kept: List[str] = []
+            attempts = 0
+            while len(kept) < per_category and attempts < ATTEMPTS_PER_PROMPT * per_category:
+                n = min(batch, ATTEMPTS_PER_PROMPT * per_category - attempts)
+                shots = [rng.sample(list(ex), min(few_shot, len(ex))) for _ in range(n)]
+                prompts = [encode(request_prompt(s)) for s in shots]
+                seeds = [_category_seed(seed, category) + attempts + i for i in range(n)]
+                result = decoder.generate(prompts, max_new_tokens, num_draft_tokens=0, sampling=sampling, seeds=seeds)
+                attempts += n
+                for tokens in result.tokens:
+                    text = clean_request(decode([t for t in tokens if t not in stop_ids]))
+                    if len(kept) < per_category and novelty.accept(text):
+                        kept.append(text)
+                        bar.update(1)
+            out[category] = kept
+            bar.update(per_category - len(kept))  # a short category's missing prompts
+    return out
+
+
+def prompts_cache_path(cache: Optional[Path], fingerprint: str, settings: dict) -> Optional[Path]:
+    """The cache file of one set of written requests (None when ``cache`` is None), named by
+    a hash of the target's fingerprint and every setting they depend on."""
+    if cache is None:
+        return None
+    key = zlib.crc32(json.dumps([fingerprint, settings], sort_keys=True).encode())
+    return cache / f"written-prompts-{key:08x}.json"
+
+
+def cached_prompts(path: Optional[Path], make: Callable[[], Dict[str, List[str]]]) -> Dict[str, List[str]]:
+    """The requests cached at ``path``, or ``make()``'s, then cached there atomically.  A file
+    that cannot be read, or is not a dict of lists of strings, is reported with a
+    RuntimeWarning naming it and regenerated, never used."""
+    if path is not None and path.exists():
+        try:
+            d = json.loads(path.read_text())
+            why = "not a cache of written prompts (a dict of lists of strings)"
+        except (OSError, ValueError) as e:
+            d, why = None, f"not readable as JSON ({type(e).__name__}: {e})"
+        if isinstance(d, dict) and all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in d.values()):
+            print(f"(written prompts from the cache {path})", file=sys.stderr)
+            return d
+        warnings.warn(f"specdec_kernels: {BadFileError(path, why)}; regenerating it", RuntimeWarning, stacklevel=2)
+    d = make()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _files.atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1)))
+    return d
+
+
+@torch.inference_mode()
+def written_prompts(
+    model: Transformer,
+    tokenizer,
+    fingerprint: str,
+    train_questions: Sequence[dict],
+    references: Sequence[str],
+    per_category: int,
+    categories: Sequence[str],
+    *,
+    seed: int,
+    stop_ids: Sequence[int],
+    cache: Optional[Path],
+    batch: int = 16,
+) -> List[str]:
+    """``write_prompts`` for ``categories`` from their ``train_questions`` (first turns),
+    never copying any of the ``references`` (every Spec-Bench turn and the held-out prompts of
+    ``training.agreement``), through ``cached_prompts``; the kept requests of every category
+    in one list (categories in the order given).
+
+    Raises:
+        ValueError: a category with no training question, and as ``write_prompts``.
+    """
+    examples: Dict[str, List[str]] = {c: [] for c in categories}
+    for q in train_questions:
+        if q["category"] in examples:
+            examples[q["category"]].append(q["turns"][0])
+    settings = dict(
+        examples=examples,
+        per_category=per_category,
+        seed=seed,
+        batch=batch,
+        few_shot=FEW_SHOT,
+        ngram=NGRAM,
+        attempts=ATTEMPTS_PER_PROMPT,
+        prompt=request_prompt(["{example}"]),
+        references=zlib.crc32(json.dumps(list(references)).encode()),
+    )
+
+    def encode(text: str) -> List[int]:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+        )
+
+    def make() -> Dict[str, List[str]]:
+        return write_prompts(
+            model,
+            encode,
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            examples,
+            per_category,
+            references,
+            seed=seed,
+            stop_ids=stop_ids,
+            batch=batch,
+        )
+
+    written = cached_prompts(prompts_cache_path(cache, fingerprint, settings), make)
+    for c in categories:
+        print(f"  {c}: {len(written.get(c, []))} written prompts", file=sys.stderr)
+    return [t for c in categories for t in written.get(c, [])]
