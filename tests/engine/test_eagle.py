@@ -6,6 +6,7 @@ command end to end."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -622,3 +623,25 @@ def test_real_greedy_equals_plain_greedy(real, tree):
     # an untrained head is accepted almost never (1.0); bench.e2e measured 1.56 (chain) and 2.26
     # (64-node tree) on 13 prompts, and these two prompts' 32 tokens give about 1.3 and 1.8
     assert s.accepted_draft_tokens > 0 and s.mean_accepted_length > (1.4 if tree else 1.15), s.mean_accepted_length
+
+
+def test_training_command_fine_tunes_from_init(tmp_path, capsys):
+    """--init starts from a head file's weights and records where they came from; a head of
+    another window, or no file, stops the command before any data is generated."""
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    base = ["--random-model", "--steps", "1", "--segments", "1", "--segment", "8", "--new-tokens", "4"]
+    assert train_eagle.main(base + ["--out", str(first)]) == 0
+    assert train_eagle.main(base + ["--out", str(second), "--init", str(first)]) == 0
+    a, b = EagleHead.load(first), EagleHead.load(second)
+    init = b.config["training"]["init"]
+    assert init["file"] == str(first) and init["training"]["command"] == a.config["training"]["command"]
+    assert init["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert any(not torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    for extra, message in (
+        (["--segment", "16", "--init", str(first)], "window is 8"),
+        (["--init", str(tmp_path / "none.pt")], "--init"),
+        (["--init", str(first), "--segment", "8", "--intermediate-size", "32"], "--intermediate-size"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            train_eagle.main(["--random-model", "--out", str(second)] + extra)
+        assert e.value.code == 2 and message in capsys.readouterr().err

@@ -27,6 +27,10 @@
    ``--evaluate`` then decodes the held-out bench prompts (the first 2 of each category)
    at temperature 0, chain and dynamic tree, and checks the outputs equal greedy.
 
+``--init PATH`` starts from a head file's weights instead of a fresh head (fine-tuning on new
+data); the new file records the old one's training under ``config["training"]["init"]``.
+``--written-per-category N`` adds training prompts the target writes itself (``training.instruct``).
+
 The shipped ``specdec_kernels/data/eagle/smollm2-135m-instruct.pt`` was made with the
 command stored in its ``config["training"]["command"]`` (see docs/ENGINE.md).  ``--random-model``
 runs the whole pipeline on a tiny random Llama (a smoke test, seconds).
@@ -35,6 +39,7 @@ runs the whole pipeline on a tiny random Llama (a smoke test, seconds).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -302,6 +307,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="train nothing: store the training labels' token ranking and --draft-vocab in the head at --out",
     )
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start from this head file's weights (fine-tuning; its window must equal --segment)",
+    )
     add_training_arguments(p, steps=2000)
     add_data_arguments(p)
     args = p.parse_args(argv)
@@ -318,6 +328,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--draft-vocab must be >= 0")
     if args.draft_vocab_only and not Path(args.out).is_file():
         p.error(f"--draft-vocab-only: no head at --out {args.out}")
+    if args.init is not None:
+        try:
+            window = EagleHead.file_config(args.init)["window"]
+        except (OSError, ValueError) as e:
+            p.error(f"--init: {e}")
+        if window != args.segment:
+            p.error(f"--init: the head's window is {window}, --segment is {args.segment} (they must be equal)")
+        if args.intermediate_size is not None:
+            p.error("--init: the head's sizes come from its file; leave out --intermediate-size")
     return args
 
 
@@ -368,7 +387,16 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 0
-    head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
+    init_config: dict = {}
+    if args.init is not None:
+        head = EagleHead.load(args.init)
+        init_config = dict(head.config)
+        if head.hidden_size != model.args.hidden_size:
+            raise ValueError(
+                f"--init {args.init}: a head of hidden size {head.hidden_size}, the target's is {model.args.hidden_size}"
+            )
+    else:
+        head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
     t1 = time.perf_counter()
     losses = train_head(
         head,
@@ -401,6 +429,12 @@ def main(argv=None) -> int:
         "draft_vocab_size": head.config["draft_vocab_size"],
         "draft_vocab": vocab,
     }
+    if args.init is not None:  # the provenance of the weights it started from
+        head.config["training"]["init"] = {
+            "file": str(args.init),
+            "sha256": hashlib.sha256(Path(args.init).read_bytes()).hexdigest(),
+            "training": init_config.get("training"),
+        }
     return setup.save_and_evaluate(head, EagleHead.load, evaluate, args, (t_data, t_train))
 
 
