@@ -35,6 +35,22 @@ def as_int(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
 
 
+def integer_at_least(name: str, value, low: int) -> int:
+    """``value`` as an int when it is an integer (an int, or a float or tensor of integral
+    value; never a bool) of at least ``low``.
+
+    Raises:
+        ValueError: anything else, naming the argument ("window must be an integer >= 1").
+    """
+    try:
+        ok = not isinstance(value, bool) and int(value) == value and value >= low
+    except (TypeError, ValueError, RuntimeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
 def as_int_list(name: str, values) -> List[int]:
     """``values`` (a sequence of ints, or an integer tensor) as a list of Python ints, each
     checked by ``as_int`` (``name[i]`` in the message)."""

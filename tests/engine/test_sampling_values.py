@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels.checks import FLOAT32_MAX
+from specdec_kernels.checks import FLOAT32_MAX, integer_at_least
 from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.engine.typical import typical_acceptance
 from tests.engine.tiny import PROMPTS, tiny  # noqa: F401 (fixture)
@@ -171,3 +171,15 @@ def test_a_temperature_that_overflows_the_division_is_one_hot_at_the_largest_log
     for backend in backends:
         out = sk.sampling_probs(logits, temperature=1e-40, backend=backend)
         assert torch.equal(out, want), backend
+
+
+@pytest.mark.parametrize("value, low, want", [(3, 1, 3), (0, 0, 0), (2.0, 1, 2), (torch.tensor(5), 5, 5)])
+def test_integer_at_least_accepts(value, low, want):
+    got = integer_at_least("window", value, low)
+    assert got == want and type(got) is int
+
+
+@pytest.mark.parametrize("value", [0, -1, True, False, 1.5, "3", None, float("nan"), torch.tensor([1, 2])])
+def test_integer_at_least_refuses_naming_the_argument(value):
+    with pytest.raises(ValueError, match=r"^window must be an integer >= 1, got "):
+        integer_at_least("window", value, 1)

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
@@ -124,8 +125,7 @@ class EagleHead(HeadFile):
             ("intermediate_size", intermediate_size),
             ("window", window),
         ):
-            if isinstance(v, bool) or int(v) != v or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            integer_at_least(name, v, 1)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if head_dim % 2:
@@ -381,8 +381,7 @@ class EagleDrafter(Drafter):
         draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto",
     ):
         for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
-            if isinstance(v, bool) or int(v) != v or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            integer_at_least(name, v, 1)
         self.model = model
         self.head = EagleHead.for_target(head, model, check_fingerprint=check_fingerprint)
         self.tree = bool(tree)

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.drafters.multi import map_to_merged
 from specdec_kernels.decoding.drafters.ngram import ngram_continuations
@@ -95,8 +96,7 @@ class LookaheadDrafter(Drafter):
             ("guesses", guesses, 0),
             ("max_nodes", max_nodes, 2),
         ):
-            if isinstance(v, bool) or int(v) != v or v < lo:
-                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+            integer_at_least(name, v, lo)
         for name, v in (("pool_from_history", pool_from_history), ("window_first", window_first)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {v!r}")

@@ -74,6 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
 from specdec_kernels.decoding.loading import MODEL_NAME
@@ -175,8 +176,7 @@ class MedusaHeads(HeadFile):
             raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-        if isinstance(context_window, bool) or int(context_window) != context_window or context_window < 0:
-            raise ValueError(f"context_window must be an integer >= 0, got {context_window!r}")
+        integer_at_least("context_window", context_window, 0)
         self.hidden_size, self.num_heads = hidden_size, num_heads
         self.token_conditioned = bool(token_conditioned)
         self.context_window = int(context_window)

@@ -479,15 +479,20 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-model", action="store_true", help="smoke test: a tiny random Llama and random prompts")
 
 
+def flags_at_least(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str], low: int) -> None:
+    """``p.error`` (exit 2, one line naming the flag) for a flag of ``names`` (attribute
+    names; None, an unset optional flag, passes) below ``low``."""
+    for name in names:
+        v = getattr(args, name)
+        if v is not None and v < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}")
+
+
 def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``p.error`` (exit 2, one line naming the flag) for a bad flag of ``add_data_arguments``."""
-    for name in ("per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "eval_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
-    if args.written_per_category < 0:
-        p.error("--written-per-category must be >= 0")
+    names = ("per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "eval_tokens", "threads")
+    flags_at_least(p, args, names, 1)
+    flags_at_least(p, args, ["written_per_category"], 0)
     categories = [c.strip() for c in args.written_categories.split(",") if c.strip()]
     if not categories:
         p.error("--written-categories names no category")

@@ -57,6 +57,7 @@ from specdec_kernels.decoding.training.data import (
     check_data_arguments,
     check_training_arguments,
     evaluate_drafters,
+    flags_at_least,
     prepare,
     training_options,
     training_record,
@@ -317,15 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_training_arguments(p, args)
     check_data_arguments(p, args)
-    for name in ("segments", "segment", "unroll"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.intermediate_size is not None and args.intermediate_size < 1:
-        p.error("--intermediate-size must be >= 1")
-    if args.reg < 0:
-        p.error("--reg must be >= 0")
-    if args.draft_vocab < 0:
-        p.error("--draft-vocab must be >= 0")
+    flags_at_least(p, args, ("segments", "segment", "unroll", "intermediate_size"), 1)
+    flags_at_least(p, args, ("reg", "draft_vocab"), 0)
     if args.draft_vocab_only and not Path(args.out).is_file():
         p.error(f"--draft-vocab-only: no head at --out {args.out}")
     if args.init is not None:

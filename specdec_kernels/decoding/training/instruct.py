@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 import torch
 
 from specdec_kernels import files as _files
+from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding.draft import SamplingParams
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import Transformer
@@ -72,10 +73,9 @@ class NoveltyFilter:
     def __init__(
         self, references: Iterable[str], n: int = NGRAM, min_words: int = MIN_WORDS, max_chars: int = MAX_CHARS
     ):
-        for name, v in (("n", n), ("min_words", min_words), ("max_chars", max_chars)):
-            if isinstance(v, bool) or int(v) != v or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        self.n, self.min_words, self.max_chars = int(n), int(min_words), int(max_chars)
+        self.n, self.min_words, self.max_chars = (
+            integer_at_least(name, v, 1) for name, v in (("n", n), ("min_words", min_words), ("max_chars", max_chars))
+        )
         self.seen: Set[Tuple[str, ...]] = set()
         self.short: Set[Tuple[str, ...]] = set()
         for text in references:
@@ -166,14 +166,9 @@ def write_prompts(
         ValueError: per_category < 0, batch, max_new_tokens or few_shot < 1, a category
             without examples.
     """
-    for name, v, low in (
-        ("per_category", per_category, 0),
-        ("batch", batch, 1),
-        ("max_new_tokens", max_new_tokens, 1),
-        ("few_shot", few_shot, 1),
-    ):
-        if isinstance(v, bool) or int(v) != v or v < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    integer_at_least("per_category", per_category, 0)
+    for name, v in (("batch", batch), ("max_new_tokens", max_new_tokens), ("few_shot", few_shot)):
+        integer_at_least(name, v, 1)
     for c, ex in examples.items():
         if not ex:
             raise ValueError(f"examples of category {c!r} are empty")

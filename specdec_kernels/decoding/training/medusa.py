@@ -90,6 +90,7 @@ from specdec_kernels.decoding.training.data import (  # noqa: F401  (HiddenRecor
     check_training_arguments,
     default_cache_dir,
     evaluate_drafters,
+    flags_at_least,
     generate_data,
     length_batches,
     load_target,
@@ -516,14 +517,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_data_arguments(p)
     args = p.parse_args(argv)
     check_training_arguments(p, args, weight_decay=args.weight_decay)
-    if args.context_window < 0:
-        p.error("--context-window must be >= 0")
-    if args.context_heads is not None and args.context_heads < 1:
-        p.error("--context-heads must be >= 1")
+    flags_at_least(p, args, ["context_window"], 0)
+    flags_at_least(p, args, ("context_heads", "heads", "segment", "batch", "tree_nodes"), 1)
     check_data_arguments(p, args)
-    for name in ("heads", "segment", "batch", "tree_nodes"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
