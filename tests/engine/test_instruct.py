@@ -46,21 +46,20 @@ def test_novelty_filter_bad_sizes(bad):
 @pytest.mark.parametrize(
     "reply, want",
     [
-        ("  Request 4: Plan a trip to Rome.  ", "Plan a trip to Rome."),
-        ('"Describe a sunset."', "Describe a sunset."),
-        ("New request: Sort a list in C.", "Sort a list in C."),
-        ("Plain request.", "Plain request."),
-        ("'Quoted start only", "Quoted start only"),
+        ("  Plan a trip to Rome.  \n\nRequest 5:\nSomething else", "Plan a trip to Rome."),
+        ("Describe a sunset.\nRequest:\nmore", "Describe a sunset."),
+        ("Sort a list in C.\n\n\nTrailing text", "Sort a list in C."),
+        ("Two lines\nof one request.", "Two lines\nof one request."),
+        ("One paragraph.\n\nAnother of the same request.", "One paragraph.\n\nAnother of the same request."),
     ],
 )
 def test_clean_request_by_hand(reply, want):
     assert instruct.clean_request(reply) == want
 
 
-def test_request_prompt_shows_every_example():
+def test_request_prompt_lists_the_examples_and_leaves_the_next_open():
     text = instruct.request_prompt(["First one.", "  Second one. "])
-    assert "Request 1:\nFirst one." in text and "Request 2:\nSecond one." in text
-    assert text.startswith("Here are 2 requests")
+    assert text == "Request 1:\nFirst one.\n\nRequest 2:\nSecond one.\n\nRequest 3:\n"
 
 
 def _write(model, per_category, seed, references=()):
@@ -68,7 +67,7 @@ def _write(model, per_category, seed, references=()):
     examples = {"writing": ["tell me a story about the sea", "write a poem on the moon"], "coding": ["sort a list"]}
     return instruct.write_prompts(
         model,
-        lambda text: tok.apply_chat_template([{"role": "user", "content": text}]),
+        tok.encode,
         tok.decode,
         examples,
         per_category,

@@ -6,8 +6,11 @@ extraction, stem, humanities) hold 10 questions each.  With 4 of each held out
 of translation or QA, and the heads agree least with the target on exactly those kinds of
 text (docs/MEASUREMENTS.md, 2026-12-04).  Following Self-Instruct (Wang et al. 2023, "Self-
 Instruct: Aligning Language Models with Self-Generated Instructions"), the target writes new
-requests of each such category, prompted with a few examples drawn from that category's
-*training* questions only, sampled at a positive temperature.  A request is kept when it is
+requests of each such category.  As in Self-Instruct, it is prompted as a plain language
+model, not as a chat assistant: a numbered list of a few of the category's *training*
+questions, "Request 4:" open at the end, which it continues, sampled at a positive temperature
+(asked in the chat template for "one new request", the 135M model mostly answered as an
+assistant instead).  A request is kept when it is
 new (``NoveltyFilter``): it shares no run of ``NGRAM`` words with any Spec-Bench question,
 held-out ones included, nor with a request kept before, and it has a sensible length.  So the
 benchmark's prompts are never trained on, nor near-copies of them.
@@ -100,25 +103,19 @@ class NoveltyFilter:
 
 
 def request_prompt(examples: Sequence[str]) -> str:
-    """The user turn that asks the target for one new request like the ``examples``."""
-    shown = "\n\n".join(f"Request {i + 1}:\n{e.strip()}" for i, e in enumerate(examples))
-    return (
-        f"Here are {len(examples)} requests that users sent to an AI assistant.\n\n{shown}\n\n"
-        "Write one new request of the same kind, on a different topic. Reply with the request only."
-    )
+    """The text the target continues to write one new request like the ``examples``: the
+    examples as a numbered list of requests, then the next number's label, open."""
+    shown = "".join(f"Request {i + 1}:\n{e.strip()}\n\n" for i, e in enumerate(examples))
+    return f"{shown}Request {len(examples) + 1}:\n"
 
 
-_LABEL = re.compile(r"^\s*(?:(?:new\s+)?request(?:\s*\d+)?\s*:|\"|')\s*", re.IGNORECASE)
+_NEXT = re.compile(r"\n\s*Request\s*\d*\s*:|\n\s*\n\s*\n")
 
 
 def clean_request(text: str) -> str:
-    """The request in the target's reply: stripped, without a leading "Request N:" label or
-    an opening quote (and its closing one)."""
-    text = text.strip()
-    stripped = _LABEL.sub("", text, count=1)
-    if stripped != text and text[:1] in "\"'" and stripped.endswith(text[:1]):
-        stripped = stripped[:-1]
-    return stripped.strip()
+    """The request in the target's continuation: up to the next "Request N:" label (or two
+    empty lines), stripped."""
+    return _NEXT.split(text, maxsplit=1)[0].strip()
 
 
 def _category_seed(seed: int, category: str) -> int:
@@ -137,22 +134,22 @@ def write_prompts(
     stop_ids: Sequence[int],
     batch: int = 16,
     max_new_tokens: int = 160,
-    temperature: float = 1.0,
+    temperature: float = 0.8,
     top_p: float = 0.95,
     few_shot: int = FEW_SHOT,
 ) -> Dict[str, List[str]]:
     """Up to ``per_category`` new requests per category of ``examples``, written by ``model``.
 
     Each attempt shows the target ``few_shot`` of the category's examples (drawn with a
-    generator seeded by ``seed`` and the category) in ``request_prompt``, samples its reply
-    at ``temperature`` / ``top_p`` (seeded per attempt, so a run is reproducible), and keeps
+    generator seeded by ``seed`` and the category) in ``request_prompt``, samples its
+    continuation at ``temperature`` / ``top_p`` (seeded per attempt, so a run is reproducible), and keeps
     ``clean_request(reply)`` when a ``NoveltyFilter`` over ``references`` (and the examples)
     accepts it.  At most ``ATTEMPTS_PER_PROMPT * per_category`` attempts per category, in
     batches of ``batch``; a category can come back short.
 
     Args:
         model: the target.
-        encode: text -> the target's prompt token ids (the chat template applied).
+        encode: text -> the target's token ids (plain text, no chat template).
         decode: generated token ids -> text (special tokens dropped).
         examples: category -> its training questions' texts (never held-out ones), each
             category non-empty.
@@ -266,18 +263,14 @@ def written_prompts(
         ngram=NGRAM,
         attempts=ATTEMPTS_PER_PROMPT,
         prompt=request_prompt(["{example}"]),
+        temperature=0.8,
         references=zlib.crc32(json.dumps(list(references)).encode()),
     )
-
-    def encode(text: str) -> List[int]:
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
-        )
 
     def make() -> Dict[str, List[str]]:
         return write_prompts(
             model,
-            encode,
+            tokenizer.encode,
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             examples,
             per_category,
