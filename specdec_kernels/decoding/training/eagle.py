@@ -415,6 +415,7 @@ def main(argv=None) -> int:
     )
     figures = {
         "tune_top1": report["top1"],
+        "tune_positions": report["positions"],
         "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
         "seconds": {"data": round(t_data), "training": round(t_train)},
     }
