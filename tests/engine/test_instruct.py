@@ -62,7 +62,7 @@ def test_request_prompt_lists_the_examples_and_leaves_the_next_open():
     assert text == "Request 1:\nFirst one.\n\nRequest 2:\nSecond one.\n\nRequest 3:\n"
 
 
-def _write(model, per_category, seed, references=()):
+def _write(model, per_category, seed, references=(), **options):
     tok = train_data.TinyTokenizer()
     examples = {"writing": ["tell me a story about the sea", "write a poem on the moon"], "coding": ["sort a list"]}
     return instruct.write_prompts(
@@ -76,6 +76,7 @@ def _write(model, per_category, seed, references=()):
         stop_ids=[],
         batch=3,
         max_new_tokens=24,
+        **options,
     )
 
 
@@ -116,7 +117,7 @@ def test_cached_prompts_reuses_and_regenerates(tmp_path):
     assert instruct.prompts_cache_path(None, "fp", {}) is None
     calls = []
 
-    def make():
+    def make(done, on_category):
         calls.append(1)
         return {"writing": ["one", "two"]}
 
@@ -127,6 +128,35 @@ def test_cached_prompts_reuses_and_regenerates(tmp_path):
         with pytest.warns(RuntimeWarning, match=path.name):
             assert instruct.cached_prompts(path, make) == {"writing": ["one", "two"]}
     assert len(calls) == 4 and json.loads(path.read_text()) == {"writing": ["one", "two"]}
+    assert instruct.cached_prompts(None, make) == {"writing": ["one", "two"]}
+
+
+def test_an_interrupted_run_resumes_with_the_same_requests(tmp_path):
+    """The categories finished before an interruption are kept in the partial file; the run
+    that resumes writes only the others and ends with what an uninterrupted run writes."""
+    model = train_data.tiny_random_model(0)
+    fresh = _write(model, 2, seed=5)
+    path = tmp_path / "written.json"
+
+    def interrupted(done, on_category):
+        def stop_after_one(category, kept):
+            on_category(category, kept)
+            raise KeyboardInterrupt
+
+        return _write(model, 2, seed=5, done=done, on_category=stop_after_one)
+
+    with pytest.raises(KeyboardInterrupt):
+        instruct.cached_prompts(path, interrupted)
+    partial = json.loads(path.with_suffix(".partial.json").read_text())
+    assert list(partial) == ["writing"] and partial["writing"] == fresh["writing"]
+    seen = []
+
+    def resumed(done, on_category):
+        seen.append(dict(done))
+        return _write(model, 2, seed=5, done=done, on_category=on_category)
+
+    assert instruct.cached_prompts(path, resumed) == fresh
+    assert seen == [partial] and not path.with_suffix(".partial.json").exists()
 
 
 def test_trainer_writes_prompts_end_to_end(tmp_path, capsys):

@@ -8,12 +8,12 @@ text (docs/MEASUREMENTS.md, 2026-12-04).  Following Self-Instruct (Wang et al. 2
 Instruct: Aligning Language Models with Self-Generated Instructions"), the target writes new
 requests of each such category.  As in Self-Instruct, it is prompted as a plain language
 model, not as a chat assistant: a numbered list of a few of the category's *training*
-questions, "Request 4:" open at the end, which it continues, sampled at a positive temperature
-(asked in the chat template for "one new request", the 135M model mostly answered as an
-assistant instead).  A request is kept when it is
-new (``NoveltyFilter``): it shares no run of ``NGRAM`` words with any Spec-Bench question,
-held-out ones included, nor with a request kept before, and it has a sensible length.  So the
-benchmark's prompts are never trained on, nor near-copies of them.
+questions, "Request 4:" open at the end, which it continues, sampled at a positive
+temperature (asked in the chat template for "one new request", the 135M model mostly
+answered as an assistant instead).  A request is kept when it is new (``NoveltyFilter``): it
+shares no run of ``NGRAM`` words with any Spec-Bench question, held-out ones included, nor
+with a request kept before, and it has a sensible length.  So the benchmark's prompts are
+never trained on, nor near-copies of them.
 
 The drafters are then trained on the target's continuations of these requests, like on the
 Spec-Bench training questions (``data.self_distilled_sets``); the requests are cached next to
@@ -47,6 +47,7 @@ NGRAM = 8  # a kept request shares no run of this many words with a Spec-Bench q
 MIN_WORDS = 5
 MAX_CHARS = 1500
 ATTEMPTS_PER_PROMPT = 4  # requests drawn at most per prompt asked for, before giving up
+TEMPERATURE, TOP_P, MAX_NEW_TOKENS = 0.8, 0.95, 160  # how a request is sampled
 
 
 def words(text: str) -> List[str]:
@@ -133,18 +134,20 @@ def write_prompts(
     seed: int,
     stop_ids: Sequence[int],
     batch: int = 16,
-    max_new_tokens: int = 160,
-    temperature: float = 0.8,
-    top_p: float = 0.95,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
     few_shot: int = FEW_SHOT,
+    done: Optional[Dict[str, List[str]]] = None,
+    on_category: Optional[Callable[[str, List[str]], None]] = None,
 ) -> Dict[str, List[str]]:
     """Up to ``per_category`` new requests per category of ``examples``, written by ``model``.
 
     Each attempt shows the target ``few_shot`` of the category's examples (drawn with a
     generator seeded by ``seed`` and the category) in ``request_prompt``, samples its
-    continuation at ``temperature`` / ``top_p`` (seeded per attempt, so a run is reproducible), and keeps
-    ``clean_request(reply)`` when a ``NoveltyFilter`` over ``references`` (and the examples)
-    accepts it.  At most ``ATTEMPTS_PER_PROMPT * per_category`` attempts per category, in
+    continuation at ``temperature`` / ``top_p`` (seeded per attempt, so a run is
+    reproducible), and keeps ``clean_request(continuation)`` when a ``NoveltyFilter`` over
+    ``references`` (and the examples) accepts it.  At most ``ATTEMPTS_PER_PROMPT * per_category`` attempts per category, in
     batches of ``batch``; a category can come back short.
 
     Args:
@@ -154,7 +157,12 @@ def write_prompts(
         examples: category -> its training questions' texts (never held-out ones), each
             category non-empty.
         per_category: requests wanted per category, >= 0.
-        references: texts no request may copy from (every Spec-Bench question).
+        references: texts no request may copy from (every Spec-Bench question, the held-out
+            prompts).
+        done: categories finished by an interrupted run (their requests, taken as they are
+            and counted by the novelty filter); the others are written as in a fresh run.
+        on_category: called with each category and its requests once it is finished (to
+            keep them, so that an interrupted run resumes).
 
     Returns:
         category -> its kept requests, in the order written.
@@ -173,10 +181,17 @@ def write_prompts(
     novelty = NoveltyFilter([*references, *(e for ex in examples.values() for e in ex)])
     decoder = SpeculativeDecoder(model, None, stop_token_ids=list(stop_ids))
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
-    out: Dict[str, List[str]] = {}
+    out: Dict[str, List[str]] = {c: list(v) for c, v in (done or {}).items() if c in examples}
+    for kept in out.values():
+        for text in kept:
+            novelty.accept(text)
     total = per_category * len(examples)
-    with tqdm(total=total, desc="write prompts", unit="prompt", file=sys.stderr) as bar:
+    with tqdm(
+        total=total, desc="write prompts", unit="prompt", file=sys.stderr, initial=per_category * len(out)
+    ) as bar:
         for category, ex in examples.items():
+            if category in out:
+                continue
             rng = random.Random(_category_seed(seed, category))
             kept: List[str] = []
             attempts = 0
@@ -194,7 +209,9 @@ def write_prompts(
                         bar.update(1)
             out[category] = kept
             bar.update(per_category - len(kept))  # a short category's missing prompts
-    return out
+            if on_category is not None:
+                on_category(category, kept)
+    return {c: out[c] for c in examples}
 
 
 def prompts_cache_path(cache: Optional[Path], fingerprint: str, settings: dict) -> Optional[Path]:
@@ -206,24 +223,50 @@ def prompts_cache_path(cache: Optional[Path], fingerprint: str, settings: dict) 
     return cache / f"written-prompts-{key:08x}.json"
 
 
-def cached_prompts(path: Optional[Path], make: Callable[[], Dict[str, List[str]]]) -> Dict[str, List[str]]:
-    """The requests cached at ``path``, or ``make()``'s, then cached there atomically.  A file
-    that cannot be read, or is not a dict of lists of strings, is reported with a
-    RuntimeWarning naming it and regenerated, never used."""
+def _read_requests(path: Path) -> Optional[Dict[str, List[str]]]:
+    """The dict of lists of strings in the JSON file at ``path``, or None (with a
+    RuntimeWarning naming the file) when it cannot be read or holds something else."""
+    try:
+        d = json.loads(path.read_text())
+        why = "not a cache of written prompts (a dict of lists of strings)"
+    except (OSError, ValueError) as e:
+        d, why = None, f"not readable as JSON ({type(e).__name__}: {e})"
+    if isinstance(d, dict) and all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in d.values()):
+        return d
+    warnings.warn(f"specdec_kernels: {BadFileError(path, why)}; regenerating it", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _write_requests(path: Path, d: Dict[str, List[str]]) -> None:
+    _files.atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1)))
+
+
+def cached_prompts(
+    path: Optional[Path],
+    make: Callable[[Dict[str, List[str]], Optional[Callable[[str, List[str]], None]]], Dict[str, List[str]]],
+) -> Dict[str, List[str]]:
+    """The requests cached at ``path``, or ``make(done, on_category)``'s, then cached there
+    atomically.  Meanwhile every finished category is kept in a partial file beside it
+    (``.partial.json``), whose categories ``make`` gets back as ``done`` when an interrupted
+    run starts again.  A file that cannot be read, or is not a dict of lists of strings, is
+    reported with a RuntimeWarning naming it and regenerated, never used."""
     if path is not None and path.exists():
-        try:
-            d = json.loads(path.read_text())
-            why = "not a cache of written prompts (a dict of lists of strings)"
-        except (OSError, ValueError) as e:
-            d, why = None, f"not readable as JSON ({type(e).__name__}: {e})"
-        if isinstance(d, dict) and all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in d.values()):
+        d = _read_requests(path)
+        if d is not None:
             print(f"(written prompts from the cache {path})", file=sys.stderr)
             return d
-        warnings.warn(f"specdec_kernels: {BadFileError(path, why)}; regenerating it", RuntimeWarning, stacklevel=2)
-    d = make()
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _files.atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1)))
+    if path is None:
+        return make({}, None)
+    partial = path.with_suffix(".partial.json")
+    done = (_read_requests(partial) if partial.exists() else None) or {}
+
+    def keep(category: str, requests: List[str]) -> None:
+        done[category] = requests
+        _write_requests(partial, done)
+
+    d = make(dict(done), keep)
+    _write_requests(path, d)
+    partial.unlink(missing_ok=True)
     return d
 
 
@@ -263,11 +306,11 @@ def written_prompts(
         ngram=NGRAM,
         attempts=ATTEMPTS_PER_PROMPT,
         prompt=request_prompt(["{example}"]),
-        temperature=0.8,
+        sampling=[TEMPERATURE, TOP_P, MAX_NEW_TOKENS],
         references=zlib.crc32(json.dumps(list(references)).encode()),
     )
 
-    def make() -> Dict[str, List[str]]:
+    def make(done, on_category) -> Dict[str, List[str]]:
         return write_prompts(
             model,
             tokenizer.encode,
@@ -278,6 +321,8 @@ def written_prompts(
             seed=seed,
             stop_ids=stop_ids,
             batch=batch,
+            done=done,
+            on_category=on_category,
         )
 
     written = cached_prompts(prompts_cache_path(cache, fingerprint, settings), make)
