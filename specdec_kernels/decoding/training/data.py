@@ -311,6 +311,11 @@ def tiny_random_model(seed: int = 0) -> Transformer:
     return Transformer.from_hf_model(LlamaForCausalLM(tiny_llama_config()).eval())
 
 
+def comma_list(text: str) -> List[str]:
+    """The non-empty, stripped items of a comma-separated flag ("writing, coding,")."""
+    return [c.strip() for c in text.split(",") if c.strip()]
+
+
 class TinyTokenizer:
     """A character tokenizer for the tiny random model's smoke tests (``--random-model``):
     printable ASCII as ids 3..97 of its 111, a chat template of id 1, the text, id 98."""
@@ -368,7 +373,7 @@ def load_target(args) -> Target:
     from specdec_kernels.decoding.prompts import spec_bench_questions
 
     model, tok = load_smollm2()
-    longs = [c.strip() for c in args.long_categories.split(",") if c.strip()]
+    longs = comma_list(args.long_categories)
     questions = spec_bench_questions()
     train, tune, bench = split_questions(questions, args.per_category, args.long_per_category, longs)
     ids = lambda qs: [chat_ids(tok, q["turns"][0]) for q in qs]  # noqa: E731
@@ -493,7 +498,7 @@ def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -
     names = ("per_category", "long_per_category", "new_tokens", "gen_batch", "gen_max_tokens", "eval_tokens", "threads")
     flags_at_least(p, args, names, 1)
     flags_at_least(p, args, ["written_per_category"], 0)
-    categories = [c.strip() for c in args.written_categories.split(",") if c.strip()]
+    categories = comma_list(args.written_categories)
     if not categories:
         p.error("--written-categories names no category")
     from specdec_kernels.decoding.prompts import spec_bench_questions
@@ -664,7 +669,7 @@ def prepare(args: argparse.Namespace) -> TrainingSetup:
     if args.written_per_category:
         from specdec_kernels.decoding.training.agreement import HELDOUT, read_prompts
 
-        categories = [c.strip() for c in args.written_categories.split(",") if c.strip()]
+        categories = comma_list(args.written_categories)
         references = [t for q in target.all_questions for t in q["turns"]] + [
             r["prompt"] for r in read_prompts(HELDOUT)
         ]

@@ -383,12 +383,8 @@ def main(argv=None) -> int:
         return 0
     init_config: dict = {}
     if args.init is not None:
-        head = EagleHead.load(args.init)
+        head = EagleHead.for_target(args.init, model)  # its hidden size checked against the target's
         init_config = dict(head.config)
-        if head.hidden_size != model.args.hidden_size:
-            raise ValueError(
-                f"--init {args.init}: a head of hidden size {head.hidden_size}, the target's is {model.args.hidden_size}"
-            )
     else:
         head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
     t1 = time.perf_counter()
