@@ -13,6 +13,17 @@ mkdir -p build
 # vLLM's own environment for the plugin's tests (tests/integrations/test_vllm_plugin.py): they fail, never
 # skip, without it.  SPECDEC_SKIP_VLLM=1 skips this set-up and those tests.
 SKIP_VLLM="${SPECDEC_SKIP_VLLM:-0}"
+# Disk first: the two environments take about 2.2 GB (.venv) and 3.5 GB (.venv-vllm), and pip
+# unpacks wheels beside them.  Short of space, say so now rather than fail minutes later.
+NEED_MB=0
+[ -x "${SPECDEC_VENV:-.venv}/bin/python" ] || NEED_MB=$((NEED_MB + 3000))
+[ "$SKIP_VLLM" = "1" ] || [ -x "${SPECDEC_VLLM_VENV:-.venv-vllm}/bin/vllm" ] || NEED_MB=$((NEED_MB + 4500))
+FREE_MB=$(df -Pm . | awk 'NR == 2 {print $4}')
+if [ -n "$FREE_MB" ] && [ "$FREE_MB" -lt "$NEED_MB" ]; then
+  echo "== only $FREE_MB MB free in $(pwd); the set-up needs about $NEED_MB MB (.venv about 3 GB," \
+    "vLLM's .venv-vllm about 4.5 GB; SPECDEC_SKIP_VLLM=1 skips the latter): free some space first" >&2
+  exit 1
+fi
 VLLM_PID=""
 if [ "$SKIP_VLLM" != "1" ]; then
   echo "== setting up vLLM's environment in the background (log: build/setup_vllm_env.log)"
