@@ -174,6 +174,9 @@ class Drafter:
     name = "drafter"
     wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
     context_window = 0  # > 0 (with wants_hidden): the engine also calls observe_context
+    #: with wants_hidden: target layers whose outputs the engine appends to the final hidden
+    #: state it hands over (``Transformer.forward``'s ``hidden_layers``; EAGLE-3's features)
+    feature_layers: Tuple[int, ...] = ()
     wants_target_argmax = False  # True: the engine calls observe_target_argmax (lookahead decoding)
     #: set by the engine before ``start`` in a sampling run with the Gumbel coupling: a drafter
     #: that samples its drafts draws them with ``coupling.noise(b, t)`` (``argmax log q + G``,
@@ -209,7 +212,9 @@ class Drafter:
 
     def observe_hidden(self, hidden: torch.Tensor, active: Sequence[bool]) -> None:
         """Called only when ``wants_hidden`` is true: ``hidden`` (B, hidden_size), the
-        target's final hidden state (after its final norm) at the position just before the
+        target's final hidden state (after its final norm; with ``feature_layers``
+        (B, hidden_size * (1 + len(feature_layers))): then the outputs of those layers,
+        appended in that order) at the position just before the
         next root, i.e. of the last accepted node (after ``observe``), or of the prompt's
         second-to-last token (after ``start``, for the first root); rows where ``active[b]``
         is false are meaningless (finished sequences, or a one-token prompt)."""
@@ -218,8 +223,8 @@ class Drafter:
         self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]
     ) -> None:
         """Called only when ``wants_hidden`` is true and ``context_window`` > 0, before
-        ``observe_hidden``: ``hidden[b]`` (n_b, hidden_size), the target's final hidden
-        states of sequence b's positions ``first_positions[b]`` .. + n_b - 1 (consecutive;
+        ``observe_hidden``: ``hidden[b]`` (n_b, hidden_size; wider with ``feature_layers``,
+        as for ``observe_hidden``), the target's final hidden states of sequence b's positions ``first_positions[b]`` .. + n_b - 1 (consecutive;
         None or n_b = 0: none), newly committed: after ``start`` the last
         ``context_window`` fed prompt positions (all but the last prompt token, the first
         root), after each step the accepted path (root first).  Entries where

@@ -26,9 +26,10 @@ forward does not implement are refused (``unsupported_hf_config``).
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -457,6 +458,27 @@ class Block(nn.Module):
         return x + linear(F.silu(gate) * up, self.w2.weight, nx, isa)
 
 
+def _layer_taps(hidden_layers: Sequence[int], num_layers: int) -> Tuple[int, ...]:
+    """``hidden_layers`` as a tuple of layer indices in [0, num_layers), checked.
+
+    Raises:
+        TypeError: not a sequence of integers.
+        ValueError: an index outside [0, num_layers), or repeated.
+    """
+    if isinstance(hidden_layers, (str, bytes)) or not isinstance(hidden_layers, Sequence):
+        raise TypeError(f"hidden_layers must be a sequence of layer indices, got {type(hidden_layers).__name__}")
+    taps = []
+    for i in hidden_layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"hidden_layers must hold ints, got {i!r}")
+        if not 0 <= i < num_layers:
+            raise ValueError(f"hidden_layers: layer {i} is outside the {num_layers} layers run")
+        taps.append(int(i))
+    if len(set(taps)) != len(taps):
+        raise ValueError(f"hidden_layers repeats a layer: {taps}")
+    return tuple(taps)
+
+
 class Transformer(nn.Module):
     """Llama-family causal LM over a static KV cache (see the module docstring).
 
@@ -690,6 +712,7 @@ class Transformer(nn.Module):
         logit_rows: Optional[torch.Tensor] = None,
         return_hidden: bool = False,
         compute_logits: bool = True,
+        hidden_layers: Sequence[int] = (),
     ):
         """Feed a block of N new tokens per sequence; return their next-token logits.
 
@@ -714,14 +737,24 @@ class Transformer(nn.Module):
                 final norm, the head's input), e.g. for Medusa heads.
             compute_logits: False skips the head (logits None), e.g. when only the hidden
                 states are wanted.
+            hidden_layers: with ``return_hidden``, also the outputs of these layers (0-based
+                indices among the layers run, each its residual stream before any norm),
+                appended to the final hidden state in this order: EAGLE-3's low-, mid- and
+                high-level features (Li et al. 2025, "EAGLE-3: Scaling up Inference
+                Acceleration of Large Language Models via Training-Time Test").
 
         Returns:
             logits: Shape (B, N or R, vocab), float32, or None when R = 0 or
             ``compute_logits`` is False.  With ``return_hidden`` a pair ``(logits, hidden)``,
-            hidden of shape (B, N or R, hidden_size) in the model's dtype (None when R = 0).
+            hidden of shape (B, N or R, hidden_size * (1 + len(hidden_layers))) in the model's
+            dtype (None when R = 0).
+
+        Raises:
+            ValueError: a ``hidden_layers`` index outside the layers run, or repeated.
         """
         B, N = tokens.shape
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        taps = _layer_taps(hidden_layers, len(layers))
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
@@ -737,10 +770,12 @@ class Transformer(nn.Module):
             def write(cache, new):  # cache [blocks, block_size, Hkv, D], new [B, N, Hkv, D]
                 cache.view(-1, Hkv, D).index_copy_(0, flat, new.reshape(B * N, Hkv, D))
 
-            x = self.tok_embeddings(tokens)
+            x, kept = self.tok_embeddings(tokens), {}
             for i, layer in enumerate(layers):
                 x = layer(x, cos, sin, kv_cache.pool[i], write, seqlens, tree_mask, self.attention_backend, block_table)
-            return self._head(x, logit_rows, return_hidden, compute_logits)
+                if i in taps:
+                    kept[i] = x
+            return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
 
         # Slot writes: one slice when every sequence starts at the same slot, else a scatter.
         starts = cache_seqlens.tolist() if cache_seqlens.device.type == "cpu" else None
@@ -761,22 +796,26 @@ class Transformer(nn.Module):
         if starts is not None:
             kv_cache = kv_cache[..., : max(starts, default=0) + N, :]
 
-        x = self.tok_embeddings(tokens)
+        x, kept = self.tok_embeddings(tokens), {}
         for i, layer in enumerate(layers):
             x = layer(x, cos, sin, kv_cache[i], write, seqlens, tree_mask, self.attention_backend)
-        return self._head(x, logit_rows, return_hidden, compute_logits)
+            if i in taps:
+                kept[i] = x
+        return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
 
-    def _head(self, x, logit_rows, return_hidden, compute_logits):
-        """The final norm and the LM head over the wanted rows (see ``forward``)."""
+    def _head(self, x, logit_rows, return_hidden, compute_logits, extra=()):
+        """The final norm and the LM head over the wanted rows (see ``forward``); ``extra``:
+        layer outputs appended to the returned hidden states."""
         if logit_rows is not None:
             if logit_rows.shape[1] == 0:
                 return (None, None) if return_hidden else None
-            x = x.gather(1, logit_rows[..., None].expand(-1, -1, x.shape[-1]))
+            rows = logit_rows[..., None].expand(-1, -1, x.shape[-1])
+            x = x.gather(1, rows)
+            extra = [e.gather(1, rows) for e in extra]
         if not return_hidden:
             return (
                 linear(self.norm(x), self.output.weight, self._numerics, self._isa).float() if compute_logits else None
             )
         hidden = self.norm(x)
-        return (
-            linear(hidden, self.output.weight, self._numerics, self._isa).float() if compute_logits else None
-        ), hidden
+        logits = linear(hidden, self.output.weight, self._numerics, self._isa).float() if compute_logits else None
+        return logits, (torch.cat([hidden, *extra], dim=-1) if extra else hidden)

@@ -25,9 +25,10 @@ def train_prompts():
     return PROMPTS + [torch.randint(0, V, (6,), generator=g).tolist() for _ in range(12)]
 
 
-def final_hidden(model, ids):
+def final_hidden(model, ids, layers=()):
     """(T, hidden): the target's final hidden state (after its final norm) of every position of
-    ``ids``, one teacher-forced prefill pass."""
+    ``ids``, one teacher-forced prefill pass; with ``layers`` (T, (1 + k) hidden), those
+    layers' outputs appended (EAGLE-3's features)."""
     T = len(ids)
     with torch.inference_mode():
         _, h = model(
@@ -36,5 +37,6 @@ def final_hidden(model, ids):
             model.new_kv_cache(1, T),
             torch.zeros(1, dtype=torch.int32),
             return_hidden=True,
+            hidden_layers=layers,
         )
     return h[0]

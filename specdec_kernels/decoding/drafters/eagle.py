@@ -37,6 +37,18 @@ draft vocabulary): the most frequent tokens of the head's training labels, store
 head (``token_ranking``, ``config["draft_vocab_size"]``).  A token outside it is never
 drafted; the target still verifies every draft, so nothing but the acceptance changes.
 
+EAGLE-3 (Li et al. 2025) feeds the head more than the final hidden state: low-, mid- and
+high-level features, the outputs of several target layers, fused by a linear layer into one
+H-wide feature.  A head with ``feature_layers`` (l_1, ..., l_k) asks the engine for those
+layers' outputs beside f_t (``Drafter.feature_layers``) and reads
+
+    f'_t = W_fuse [f_t; n_1(h^{l_1}_t); ...; n_k(h^{l_k}_t)]
+
+in place of f_t (n_i: an RMS norm with weights of its own, the residual streams' scales
+differ by layer).  Only the committed positions have target features: deeper drafts still
+read the head's own g.  ``with_feature_layers`` widens a head with W_fuse = [I 0 ... 0], which
+drafts exactly as the head did, a starting point for fine-tuning.
+
 Drafts are deterministic (top-k children; ``Draft.probs`` is None): greedy verification
 keeps the output identical to greedy decoding and tree rejection sampling with one-hot q
 keeps sampling exact.
@@ -68,6 +80,7 @@ from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 
 FORMAT = 1
+FEATURE_LAYERS_FORMAT = 2  # the format of files of heads with feature_layers (format 1 readers would drop them)
 KIND = "eagle-head"  # config["kind"] of the files ``EagleHead.save`` writes
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "eagle" / "smollm2-135m-instruct.pt"
 
@@ -86,21 +99,25 @@ class EagleHead(HeadFile):
         config: free-form metadata stored with the weights (base model, fingerprint,
             training command; ``draft_vocab_size``, the draft vocabulary the trainer
             recommends).
+        feature_layers: target layers (0-based) whose outputs the head fuses with the final
+            hidden state (EAGLE-3's multi-layer features); () reads the final hidden state
+            alone (EAGLE).
 
     Attributes (Parameters): ``fc`` (H, 2H) and ``fc_bias`` (H,); ``attention_norm``,
     ``ffn_norm`` (H,); ``wqkv`` ((nh + 2 nkv) hd, H); ``wo`` (H, nh hd); ``w13``
-    (2 I, H); ``w2`` (H, I).  ``token_ranking``: None or (M,) int64 CPU, the tokens of the
+    (2 I, H); ``w2`` (H, I); with k = len(feature_layers) > 0 also ``fuse`` (H, (1 + k) H)
+    and ``feature_norms`` (k, H).  ``token_ranking``: None or (M,) int64 CPU, the tokens of the
     training labels, most frequent first (``set_token_ranking``; the drafter's draft
     vocabulary is its head).
 
     Raises:
         ValueError: non-positive sizes, num_heads not a multiple of num_kv_heads, an odd
-            head_dim, window < 1.
+            head_dim, window < 1, feature_layers not distinct integers >= 0.
     """
 
     KIND = KIND
     DESCRIPTION, ARTICLE = "EAGLE head", "an"
-    READABLE_FORMATS = (FORMAT,)
+    READABLE_FORMATS = (FORMAT, FEATURE_LAYERS_FORMAT)
     SHIPPED = SHIPPED
 
     def __init__(
@@ -115,6 +132,7 @@ class EagleHead(HeadFile):
         rope_theta: float = 10000.0,
         eps: float = 1e-6,
         config: Optional[dict] = None,
+        feature_layers: Sequence[int] = (),
     ):
         super().__init__()
         for name, v in (
@@ -150,6 +168,11 @@ class EagleHead(HeadFile):
         self.ffn_norm = nn.Parameter(torch.ones(H))
         self.w13 = init(2 * I, H)
         self.w2 = init(H, I)
+        self.feature_layers: Tuple[int, ...] = _feature_layers(feature_layers)
+        k = len(self.feature_layers)
+        if k:  # starts as [I 0 ... 0]: the final hidden state alone, as an EAGLE head reads it
+            self.fuse = nn.Parameter(torch.cat([torch.eye(H), torch.zeros(H, k * H)], dim=1))
+            self.feature_norms = nn.Parameter(torch.ones(k, H))
         self.config: Dict = dict(config or {})
         self.source: Optional[str] = None  # the file it was loaded from (``load``), for messages
         self.token_ranking: Optional[torch.Tensor] = None
@@ -178,9 +201,17 @@ class EagleHead(HeadFile):
         window: int = 256,
         intermediate_size: Optional[int] = None,
         config: Optional[dict] = None,
+        feature_layers: Sequence[int] = (),
     ) -> "EagleHead":
-        """A fresh head shaped like one of ``model``'s layers (EAGLE's choice)."""
+        """A fresh head shaped like one of ``model``'s layers (EAGLE's choice).
+
+        Raises:
+            ValueError: a ``feature_layers`` index the model does not have, and as the class.
+        """
         a = model.args
+        bad = [i for i in _feature_layers(feature_layers) if i >= a.num_layers]
+        if bad:
+            raise ValueError(f"feature_layers: the model has {a.num_layers} layers, no layer {bad[0]}")
         return cls(
             a.hidden_size,
             a.num_heads,
@@ -191,9 +222,52 @@ class EagleHead(HeadFile):
             rope_theta=a.rope_theta,
             eps=a.rms_norm_eps,
             config=config,
+            feature_layers=feature_layers,
         )
 
+    def with_feature_layers(self, feature_layers: Sequence[int]) -> "EagleHead":
+        """A copy of this head (weights, config, token ranking) that also reads the outputs of
+        ``feature_layers``, with ``fuse`` = [I 0 ... 0] and unit ``feature_norms``: it drafts
+        exactly as this head does until trained (EAGLE-3 fine-tuning from an EAGLE head).
+
+        Raises:
+            ValueError: this head already reads feature layers; bad ``feature_layers``.
+        """
+        if self.feature_layers:
+            raise ValueError(f"the head already reads feature layers {list(self.feature_layers)}")
+        p = next(self.parameters())
+        wide = EagleHead(
+            **{k: v for k, v in self._file_fields().items() if k != "format"},
+            config=self.config,
+            feature_layers=feature_layers,
+        ).to(device=p.device, dtype=p.dtype)
+        missing, unexpected = wide.load_state_dict(self.state_dict(), strict=False)
+        assert set(missing) == {"fuse", "feature_norms"} and not unexpected, (missing, unexpected)
+        wide.token_ranking, wide.source = self.token_ranking, self.source
+        return wide.train(self.training)
+
     # ------------------------------------------------------------------ the layer, in parts
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the H-wide feature the head reads: ``features`` (..., H)
+        unchanged without ``feature_layers``; else (..., (1 + k) H), the final hidden state
+        then the k layers' outputs, fused (W_fuse [f; n_1(h_1); ...; n_k(h_k)]).
+
+        Raises:
+            ValueError: a last dimension other than (1 + k) H.
+        """
+        H, k = self.hidden_size, len(self.feature_layers)
+        if features.shape[-1] != (1 + k) * H:
+            raise ValueError(
+                f"features must be (..., {(1 + k) * H}) (the final hidden state and {k} layer outputs of"
+                f" width {H}), got {tuple(features.shape)}"
+            )
+        if not k:
+            return features
+        dt = self.fuse.dtype
+        layers = features[..., H:].to(dt).unflatten(-1, (k, H))
+        normed = F.rms_norm(layers, (H,), eps=self.eps) * self.feature_norms
+        return linear(torch.cat([features[..., :H].to(dt), normed.flatten(-2)], dim=-1), self.fuse)
+
     def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """u = fc [embedding; feature] + b: (..., H) from two (..., H) tensors."""
         dt = self.fc.dtype
@@ -234,7 +308,8 @@ class EagleHead(HeadFile):
         """Teacher-forced step over consecutive positions: g_t for every t.
 
         Args:
-            features: (B, L, H) the target's final hidden states f_t of L consecutive positions.
+            features: (B, L, H) the target's final hidden states f_t of L consecutive positions
+                ((B, L, (1 + k) H) with k ``feature_layers``: then their outputs, appended).
             embeddings: (B, L, H) the input embeddings of x_{t+1}.
             valid: (B, L) bool or None: rows that exist (a query sees the valid rows at or
                 before it, and itself).
@@ -243,7 +318,7 @@ class EagleHead(HeadFile):
             (B, L, H): g_t, the head's prediction of f_{t+1}.
         """
         B, L, _ = features.shape
-        u = self.inputs(features, embeddings)
+        u = self.inputs(self.fuse_features(features), embeddings)
         pos = torch.arange(L, device=u.device).expand(B, L)
         q, k, v = self.project(u, pos)
         causal = torch.ones(L, L, dtype=torch.bool, device=u.device).tril()
@@ -257,7 +332,7 @@ class EagleHead(HeadFile):
     # ------------------------------------------------------------------ files
     def _file_fields(self) -> dict:
         return {
-            "format": FORMAT,
+            "format": FEATURE_LAYERS_FORMAT if self.feature_layers else FORMAT,
             "hidden_size": self.hidden_size,
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
@@ -266,6 +341,7 @@ class EagleHead(HeadFile):
             "window": self.window,
             "rope_theta": self.rope_theta,
             "eps": self.eps,
+            **({"feature_layers": list(self.feature_layers)} if self.feature_layers else {}),
         }
 
     def _extra_payload(self) -> dict:
@@ -290,7 +366,26 @@ class EagleHead(HeadFile):
             rope_theta=float(c["rope_theta"]),
             eps=float(c["eps"]),
             config=c,
+            feature_layers=c["feature_layers"] if c["format"] == FEATURE_LAYERS_FORMAT else (),
         )
+
+
+def _feature_layers(layers: Sequence[int]) -> Tuple[int, ...]:
+    """``layers`` as a tuple of distinct layer indices >= 0.
+
+    Raises:
+        ValueError: not a sequence of distinct integers >= 0.
+    """
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise ValueError(f"feature_layers must be a sequence of layer indices, got {layers!r}")
+    out = []
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+            raise ValueError(f"feature_layers must hold layer indices >= 0, got {i!r}")
+        out.append(int(i))
+    if len(set(out)) != len(out):
+        raise ValueError(f"feature_layers repeats a layer: {out}")
+    return tuple(out)
 
 
 def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:
@@ -390,6 +485,7 @@ class EagleDrafter(Drafter):
         self.max_depth = int(max_depth)
         self.budget = TreeBudget(self.max_nodes) if self.tree and size_by_cost else None
         self.context_window = self.head.window  # the engine hands over the committed positions' features
+        self.feature_layers = self.head.feature_layers  # and, for an EAGLE-3 head, these layers' outputs
         W_out = model.output.weight
         self.draft_vocab = self._draft_vocab(draft_vocab)
         if self.draft_vocab is not None:
@@ -498,7 +594,7 @@ class EagleDrafter(Drafter):
             start = first + max(0, skip)
             pos = torch.arange(start, start + rows.shape[0], device=E.device)
             nxt = torch.tensor(history[start + 1 : start + 1 + rows.shape[0]], dtype=torch.int64, device=E.device)
-            u = self.head.inputs(rows.to(E.dtype)[None], E[nxt][None])
+            u = self.head.inputs(self.head.fuse_features(rows.to(E.dtype)[None]), E[nxt][None])
             q, k, v = self.head.project(u, pos[None])
             keys = k[0] if self._keys[b] is None else torch.cat([self._keys[b], k[0]])
             values = v[0] if self._values[b] is None else torch.cat([self._values[b], v[0]])

@@ -162,7 +162,8 @@ class HeadFile(nn.Module):
         checked against the target ``model``, in eval mode, in the model's dtype on its device.
 
         Raises:
-            ValueError: a head of another hidden size than the model's, and as ``load``.
+            ValueError: a head of another hidden size than the model's, one that reads a layer
+                the model does not have (``feature_layers``), and as ``load``.
 
         Warns:
             UserWarning: with ``check_fingerprint``, a head whose stored ``base_fingerprint``
@@ -176,6 +177,12 @@ class HeadFile(nn.Module):
             raise ValueError(
                 f"the hidden size of the {cls.DESCRIPTION} ({head.hidden_size}) differs from the model's"
                 f" ({model.args.hidden_size}){source}: made for another model"
+            )
+        layers = tuple(getattr(head, "feature_layers", ()))
+        if layers and max(layers) >= model.args.num_layers:
+            raise ValueError(
+                f"the {cls.DESCRIPTION}{source} reads layer {max(layers)}'s output, the model has"
+                f" {model.args.num_layers} layers: made for another model"
             )
         if check_fingerprint and head.config.get("base_fingerprint") not in (None, model_fingerprint(model)):
             warnings.warn(

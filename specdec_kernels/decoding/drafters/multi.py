@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -249,22 +249,52 @@ class MultiDrafter(Drafter):
             or [0]
         )
 
+    @property
+    def feature_layers(self) -> Tuple[int, ...]:
+        """The target layers any sub-drafter that wants hidden states asks for, ascending."""
+        return tuple(
+            sorted(
+                {
+                    i
+                    for d in self.drafters
+                    if getattr(d, "wants_hidden", False)
+                    for i in getattr(d, "feature_layers", ())
+                }
+            )
+        )
+
+    def _columns(self, d: Drafter, width: int) -> Optional[torch.Tensor]:
+        """The columns of a hidden-state row ``width`` wide (the final hidden state, then the
+        layers of ``feature_layers``) that sub-drafter ``d`` gets (its own layers, in its
+        order); None when it gets them all."""
+        mine, ours = tuple(getattr(d, "feature_layers", ())), self.feature_layers
+        if mine == ours:
+            return None
+        H = width // (1 + len(ours))
+        blocks = [0] + [1 + ours.index(i) for i in mine]
+        return torch.cat([torch.arange(j * H, (j + 1) * H) for j in blocks])
+
     def observe_context(self, hidden, first_positions, active) -> None:
         """Forward the committed positions' hidden states to the sub-drafters with a context
-        window (each keeps as many as it needs)."""
+        window (each keeps as many as it needs, with the columns of its own ``feature_layers``)."""
+        width = next((h.shape[-1] for h in hidden if h is not None), 0)
         for d, name in zip(self.drafters, self.names):
             if getattr(d, "wants_hidden", False) and getattr(d, "context_window", 0):
                 t = time.perf_counter()
-                d.observe_context(hidden, first_positions, active)
+                cols = self._columns(d, width)
+                mine = hidden if cols is None else [None if h is None else h[:, cols.to(h.device)] for h in hidden]
+                d.observe_context(mine, first_positions, active)
                 self.counters[name]["observe_time"] += time.perf_counter() - t
 
     def observe_hidden(self, hidden: torch.Tensor, active) -> None:
         """Forward the target's hidden state of each sequence's last accepted node (the same
-        for every sub-drafter: it does not depend on who proposed the node)."""
+        for every sub-drafter: it does not depend on who proposed the node), with the columns
+        of its own ``feature_layers``."""
         for d, name in zip(self.drafters, self.names):
             if getattr(d, "wants_hidden", False):
                 t = time.perf_counter()
-                d.observe_hidden(hidden, active)
+                cols = self._columns(d, hidden.shape[-1])
+                d.observe_hidden(hidden if cols is None else hidden[:, cols.to(hidden.device)], active)
                 self.counters[name]["observe_time"] += time.perf_counter() - t
 
     @property

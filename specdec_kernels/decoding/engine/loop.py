@@ -571,16 +571,18 @@ class SpeculativeDecoder:
         (after the copy-on-write of partly shared blocks) the followers from the end of the
         prefix they share, attending to the leader's blocks of it.
 
-        For a drafter that ``wants_hidden`` returns (hidden (B, hidden_size) of each prompt's
-        last fed token, has_hidden per sequence, context, first): with a ``context_window``
-        W > 0, context[b] holds the hidden states of the last W fed positions of sequence b
-        (from position first[b]), else context is None; for other drafters None."""
+        For a drafter that ``wants_hidden`` returns (hidden (B, hidden_size; wider with its
+        ``feature_layers``) of each prompt's last fed token, has_hidden per sequence, context,
+        first): with a ``context_window`` W > 0, context[b] holds the hidden states of the
+        last W fed positions of sequence b (from position first[b]), else context is None;
+        for other drafters None."""
         device = self.model.device
         fed = [n - 1 for n in state.prompt_lengths]
         B = state.batch_size
         wants = getattr(self.drafter, "wants_hidden", False)
         window = int(getattr(self.drafter, "context_window", 0) or 0) if wants else 0
-        last = torch.zeros(B, self.model.args.hidden_size, dtype=self.model.dtype, device=device) if wants else None
+        width = self.model.args.hidden_size * (1 + len(getattr(self.drafter, "feature_layers", ())))
+        last = torch.zeros(B, width, dtype=self.model.dtype, device=device) if wants else None
         first = [max(0, f - max(window, 1)) for f in fed]  # the fed positions whose hidden states are kept
         kept: List[List[torch.Tensor]] = [[] for _ in range(B)]
         cache = state.kv_cache
@@ -636,6 +638,7 @@ class SpeculativeDecoder:
                         logit_rows=rows,
                         return_hidden=True,
                         compute_logits=False,
+                        hidden_layers=tuple(getattr(self.drafter, "feature_layers", ())),
                     )
                     for r, (b, w) in enumerate(zip(rows_b, want)):
                         if len(w):
@@ -821,7 +824,13 @@ class SpeculativeDecoder:
         self._hidden = None
         if getattr(self.drafter, "wants_hidden", False):  # final hidden states for the drafter
             logits, self._hidden = self.model(
-                tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask(), return_hidden=True
+                tokens,
+                positions,
+                state.kv_cache,
+                state.cache_seqlens,
+                trimmed.mask(),
+                return_hidden=True,
+                hidden_layers=tuple(getattr(self.drafter, "feature_layers", ())),
             )
         else:
             logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]

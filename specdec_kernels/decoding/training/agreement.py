@@ -65,10 +65,12 @@ def subset(data: SelfDistilled, idx: Sequence[int]) -> SelfDistilled:
 
 def eagle_agreement(model: Transformer, head: EagleHead, data: SelfDistilled, depth: int) -> Dict[str, object]:
     """``training.eagle.agreement`` on ``data``: top-1 by depth 1..``depth`` (the head's draft
-    vocabulary applied), the chain's expected accepted length and the positions scored."""
-    from specdec_kernels.decoding.training.eagle import agreement, feature_rows
+    vocabulary applied), the chain's expected accepted length and the positions scored.  An
+    EAGLE-3 head (``feature_layers``) reads its layers' outputs (``layer_outputs``)."""
+    from specdec_kernels.decoding.training.eagle import agreement, feature_rows, layer_outputs
 
-    rows = feature_rows(data, model.output.weight)
+    outputs = layer_outputs(model, data, head.feature_layers) if head.feature_layers else None
+    rows = feature_rows(data, model.output.weight, layer_outputs=outputs)
     return agreement(head, model, rows, depth, SEGMENT, head.recommended_draft_vocab)
 
 

@@ -649,9 +649,13 @@ class TrainingSetup(NamedTuple):
         return 0
 
 
-def prepare(args: argparse.Namespace) -> TrainingSetup:
+def prepare(
+    args: argparse.Namespace, check_target: Optional[Callable[[Transformer], Optional[str]]] = None
+) -> TrainingSetup:
     """Threads and seed from ``args``, the target (``load_target``) and the train and tune
-    sets' self-distilled data (cached, ``self_distilled_sets``)."""
+    sets' self-distilled data (cached, ``self_distilled_sets``).  ``check_target(model)``:
+    a message for a flag the loaded target does not fit (printed, exit 2, before any data
+    is generated), or None."""
     from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 
     if args.threads:
@@ -659,6 +663,10 @@ def prepare(args: argparse.Namespace) -> TrainingSetup:
     torch.manual_seed(args.seed)
     target = load_target(args)
     model, train_p, stops, base = target.model, list(target.train), target.stop_ids, target.base_model
+    problem = check_target(model) if check_target is not None else None
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     fingerprint = model_fingerprint(model)
     print(
         f"target {base} ({fingerprint}); prompts: {len(train_p)} train, {len(target.tune)} tune, "

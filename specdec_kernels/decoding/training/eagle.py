@@ -27,6 +27,12 @@
    ``--evaluate`` then decodes the held-out bench prompts (the first 2 of each category)
    at temperature 0, chain and dynamic tree, and checks the outputs equal greedy.
 
+``--feature-layers 1,14,26`` trains an EAGLE-3 head: it also reads those target layers' outputs
+(EAGLE-3's low-, mid- and high-level features, fused with f_t; ``EagleHead``), which a
+teacher-forced pass of the target over each cached sequence computes (cached beside the data).
+With ``--init`` of an EAGLE head the fusion starts as the identity on f_t, so training starts
+from the old head's drafts.
+
 ``--init PATH`` starts from a head file's weights instead of a fresh head (fine-tuning on new
 data); the new file records the old one's training under ``config["training"]["init"]``.
 ``--written-per-category N`` adds training prompts the target writes itself (``training.instruct``).
@@ -40,10 +46,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +63,11 @@ from specdec_kernels.decoding.training.data import (
     add_training_arguments,
     check_data_arguments,
     check_training_arguments,
+    comma_list,
+    default_cache_dir,
     evaluate_drafters,
     flags_at_least,
+    length_batches,
     prepare,
     training_options,
     training_record,
@@ -68,6 +78,7 @@ from specdec_kernels.decoding.training.softmax import (
     hard_and_soft_losses,
     label_ranking,
 )
+from specdec_kernels.files import atomic_torch_save
 
 PROG_MODULE = "specdec_kernels.decoding.training.eagle"
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
@@ -77,7 +88,7 @@ DRAFT_VOCAB = 4096  # the recommended draft vocabulary: the sampled softmax's al
 class FeatureRows(NamedTuple):
     """Every recorded position of the data, sequence after sequence.
 
-    states: (N, H) fp16 f_t; next_tokens: (N,) x_{t+1} (the text); labels: (N,) the
+    states: (N, H) fp16 f_t ((N, (1 + k) H) with k feature layers: their outputs appended); next_tokens: (N,) x_{t+1} (the text); labels: (N,) the
     target's argmax after position t (= x_{t+1} past the prompt); seq_end: (N,) the row
     after the last row of each row's sequence.
     """
@@ -88,15 +99,27 @@ class FeatureRows(NamedTuple):
     seq_end: torch.Tensor
 
 
-def feature_rows(data: SelfDistilled, output_weight: torch.Tensor, chunk: int = 2048) -> FeatureRows:
+def recorded_rows(data: SelfDistilled, s: int) -> int:
+    """How many of sequence s's recorded positions have a next token (the rows it trains on)."""
+    return max(0, min(data.hidden[s].shape[0], len(data.tokens[s]) - 1 - data.first[s]))
+
+
+def feature_rows(
+    data: SelfDistilled,
+    output_weight: torch.Tensor,
+    chunk: int = 2048,
+    layer_outputs: Optional[List[torch.Tensor]] = None,
+) -> FeatureRows:
     """The rows of ``data`` with their next tokens and the target's predictions (its argmax
     through ``output_weight`` where the next token is a prompt token; the text elsewhere,
-    which the target generated greedily).  Sequences with fewer than 2 rows are dropped."""
+    which the target generated greedily).  Sequences with fewer than 2 rows are dropped.
+    ``layer_outputs`` (one (rows, k H) tensor per sequence, ``layer_outputs``): appended to
+    each row's final hidden state."""
     W = output_weight.detach().float()
     states, nexts, labels, ends = [], [], [], []
     n = 0
-    for toks, P, first, h in zip(data.tokens, data.prompt_lengths, data.first, data.hidden):
-        rows = min(h.shape[0], len(toks) - 1 - first)
+    for i, (toks, P, first, h) in enumerate(zip(data.tokens, data.prompt_lengths, data.first, data.hidden)):
+        rows = recorded_rows(data, i)
         if rows < 2:
             continue
         h = h[:rows]
@@ -107,6 +130,8 @@ def feature_rows(data: SelfDistilled, output_weight: torch.Tensor, chunk: int = 
             e = min(s + chunk, n_prompt)
             lab[s:e] = (h[s:e].float() @ W.T).argmax(-1)
         states.append(h.to(torch.float16))
+        if layer_outputs is not None:
+            states[-1] = torch.cat([states[-1], layer_outputs[i][:rows].to(torch.float16)], dim=-1)
         nexts.append(nxt)
         labels.append(lab)
         n += rows
@@ -114,6 +139,72 @@ def feature_rows(data: SelfDistilled, output_weight: torch.Tensor, chunk: int = 
     if not states:
         raise ValueError("the data holds no sequence with at least 2 recorded positions")
     return FeatureRows(torch.cat(states), torch.cat(nexts), torch.cat(labels), torch.cat(ends))
+
+
+@torch.inference_mode()
+def layer_outputs(
+    model: Transformer,
+    data: SelfDistilled,
+    layers: Sequence[int],
+    cache: Optional[Path] = None,
+    max_batch: int = 8,
+    max_tokens: int = 4096,
+) -> List[torch.Tensor]:
+    """The outputs of the target's ``layers`` at every training row of ``data`` (per
+    sequence (``recorded_rows``, len(layers) H) fp16, positions ``first`` on), from a
+    teacher-forced pass over each sequence's tokens, in right-padded batches of similar
+    length (at most ``max_batch`` sequences and ``max_tokens`` padded tokens; padding after
+    a sequence changes none of its positions).  Cached in the directory ``cache`` (None: not
+    cached) under a hash of the model's fingerprint, the layers and the sequences.
+
+    Raises:
+        ValueError: ``layers`` empty or outside the model (``Transformer.forward``).
+    """
+    from specdec_kernels.decoding.drafters.head_file import model_fingerprint
+    from specdec_kernels.optional import require
+
+    tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
+    if not layers:
+        raise ValueError("layers must name at least one layer")
+    layers = tuple(int(i) for i in layers)
+    H = model.args.hidden_size
+    counts = [recorded_rows(data, s) for s in range(len(data.tokens))]
+    ends = [data.first[s] + counts[s] for s in range(len(counts))]  # the positions a pass must reach
+    key = hashlib.sha256(
+        json.dumps([model_fingerprint(model), layers, data.first, [t[:e] for t, e in zip(data.tokens, ends)]]).encode()
+    ).hexdigest()[:16]
+    path = None if cache is None else Path(cache) / f"layers-{key}.pt"
+    if path is not None and path.is_file():
+        out = torch.load(path, weights_only=True)
+        if isinstance(out, list) and [o.shape for o in out] == [(c, len(layers) * H) for c in counts]:
+            return out
+    out: List[torch.Tensor] = [torch.zeros(c, len(layers) * H, dtype=torch.float16) for c in counts]
+    todo = [s for s in range(len(counts)) if counts[s]]
+    batches = length_batches([ends[s] for s in todo], max_batch, max_tokens)
+    for batch in tqdm(batches, desc=f"layer outputs {list(layers)}", unit="batch", file=sys.stderr):
+        seqs = [todo[j] for j in batch]
+        T = max(ends[s] for s in seqs)
+        tokens = torch.zeros(len(seqs), T, dtype=torch.int64)
+        for r, s in enumerate(seqs):
+            tokens[r, : ends[s]] = torch.tensor(data.tokens[s][: ends[s]], dtype=torch.int64)
+        dev = model.device
+        kv = model.new_kv_cache(len(seqs), T)
+        _, hidden = model(
+            tokens.to(dev),
+            torch.arange(T, device=dev).expand(len(seqs), T),
+            kv,
+            torch.zeros(len(seqs), dtype=torch.int32, device=dev),
+            return_hidden=True,
+            compute_logits=False,
+            hidden_layers=layers,
+        )
+        for r, s in enumerate(seqs):
+            f = data.first[s]
+            out[s] = hidden[r, f : f + counts[s], H:].to("cpu", torch.float16).clone()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(out, path)
+    return out
 
 
 def unrolled(
@@ -127,7 +218,8 @@ def unrolled(
     """The head's outputs over segments with training-time test.
 
     Args:
-        f: (B, L + U, H) features of consecutive positions (the segment and U more rows).
+        f: (B, L + U, H) features of consecutive positions (the segment and U more rows);
+            (B, L + U, (1 + k) H) for a head with k ``feature_layers``.
         next_tokens: (B, L + U) the token after each row.
         valid: (B, L + U) bool, rows that belong to the segment's sequence.
         unroll: U >= 1.
@@ -143,7 +235,7 @@ def unrolled(
     eye = torch.eye(L, dtype=torch.bool, device=dev)
     real_mask = (causal[None] & valid[:, None, :L]) | eye
     pos = torch.arange(L, device=dev).expand(B, L)
-    u = head.inputs(f[:, :L], E[next_tokens[:, :L]])
+    u = head.inputs(head.fuse_features(f[:, :L]), E[next_tokens[:, :L]])
     q, k1, v1 = head.project(u, pos)
     g = head.finish(u, head.attend(q, k1, v1, real_mask))
     outs, keys, values = [g], [k1], [v1]
@@ -202,6 +294,7 @@ def train_head(
         idx = torch.minimum(idx, rows.seq_end[start][:, None] - 1)
         f = rows.states[idx].float()
         outs = unrolled(head, E, f, rows.next_tokens[idx], valid, U)
+        f = f[..., : head.hidden_size]  # the truth: the final hidden states
         # step s at row t: the truth is row t + s (its feature; the target's distribution
         # over the token after it and its argmax)
         labels = torch.stack(
@@ -307,6 +400,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="train nothing: store the training labels' token ranking and --draft-vocab in the head at --out",
     )
+    p.add_argument(
+        "--feature-layers",
+        default="",
+        help="comma-separated target layers (0-based) whose outputs the head also reads (EAGLE-3; default none)",
+    )
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
     p.add_argument(
         "--init",
@@ -320,6 +418,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_data_arguments(p, args)
     flags_at_least(p, args, ("segments", "segment", "unroll", "intermediate_size"), 1)
     flags_at_least(p, args, ("reg", "draft_vocab"), 0)
+    try:
+        args.feature_layers = [int(x) for x in comma_list(args.feature_layers)]
+    except ValueError:
+        p.error(f"--feature-layers must be comma-separated layer indices, got {args.feature_layers!r}")
+    if any(i < 0 for i in args.feature_layers) or len(set(args.feature_layers)) != len(args.feature_layers):
+        p.error(f"--feature-layers must be distinct layer indices >= 0, got {args.feature_layers}")
+    if args.draft_vocab_only and args.feature_layers:
+        p.error("--draft-vocab-only trains nothing: leave out --feature-layers")
     if args.draft_vocab_only and not Path(args.out).is_file():
         p.error(f"--draft-vocab-only: no head at --out {args.out}")
     if args.init is not None:
@@ -329,6 +435,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--init: {e}")
         if window != args.segment:
             p.error(f"--init: the head's window is {window}, --segment is {args.segment} (they must be equal)")
+        init_layers = list(EagleHead.file_config(args.init).get("feature_layers", []))
+        if init_layers and args.feature_layers and init_layers != args.feature_layers:
+            p.error(f"--init: the head reads layers {init_layers}, --feature-layers says {args.feature_layers}")
         if args.intermediate_size is not None:
             p.error("--init: the head's sizes come from its file; leave out --intermediate-size")
     return args
@@ -351,13 +460,29 @@ def rank_tokens(head: EagleHead, train_rows: FeatureRows, tune_rows: FeatureRows
     }
 
 
+def check_layers(layers: Sequence[int]):
+    """A ``prepare`` check of the target: ``layers`` (--feature-layers) inside it."""
+
+    def check(model: Transformer) -> Optional[str]:
+        n = model.args.num_layers
+        bad = [i for i in layers if i >= n]
+        return f"--feature-layers: the target has {n} layers, no layer {bad[0]}" if bad else None
+
+    return check
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    setup = prepare(args)
+    layers = list(args.feature_layers)
+    if args.init is not None and not layers:
+        layers = list(EagleHead.file_config(args.init).get("feature_layers", []))
+    setup = prepare(args, check_target=check_layers(layers))
     model = setup.model
-    train_rows = feature_rows(setup.train, model.output.weight)
-    tune_rows = feature_rows(setup.tune, model.output.weight)
+    cache = None if args.random_model else default_cache_dir(args.cache_dir)
+    outputs = [layer_outputs(model, d, layers, cache) if layers else None for d in (setup.train, setup.tune)]
+    train_rows = feature_rows(setup.train, model.output.weight, layer_outputs=outputs[0])
+    tune_rows = feature_rows(setup.tune, model.output.weight, layer_outputs=outputs[1])
     t_data = time.perf_counter() - t0
     print(
         f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions",
@@ -385,8 +510,12 @@ def main(argv=None) -> int:
     if args.init is not None:
         head = EagleHead.for_target(args.init, model)  # its hidden size checked against the target's
         init_config = dict(head.config)
+        if layers and not head.feature_layers:  # EAGLE-3 features on an EAGLE head: fuse = [I 0 ...]
+            head = head.with_feature_layers(layers)
     else:
-        head = EagleHead.for_model(model, window=args.segment, intermediate_size=args.intermediate_size)
+        head = EagleHead.for_model(
+            model, window=args.segment, intermediate_size=args.intermediate_size, feature_layers=layers
+        )
     t1 = time.perf_counter()
     losses = train_head(
         head,
