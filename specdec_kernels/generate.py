@@ -194,9 +194,12 @@ def prompt_ids(args: argparse.Namespace, tok) -> List[int]:
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
 
 
-def _check_heads_file(p: argparse.ArgumentParser, flag: str, path: str, kind, hidden: Optional[int]) -> None:
+def _check_heads_file(
+    p: argparse.ArgumentParser, flag: str, path: str, kind, hidden: Optional[int], layers: Optional[int] = None
+) -> None:
     """``path`` is a heads file of ``kind`` (``MedusaHeads`` / ``EagleHead``) for a model of
-    hidden size ``hidden``: read without its weights (memory-mapped, milliseconds)."""
+    hidden size ``hidden`` and ``layers`` layers (an EAGLE-3 head's ``feature_layers`` among
+    them): read without its weights (memory-mapped, milliseconds)."""
     if not os.path.isfile(path):
         p.error(f"{flag} {path!r}: no such file")
     try:
@@ -205,6 +208,9 @@ def _check_heads_file(p: argparse.ArgumentParser, flag: str, path: str, kind, hi
         p.error(f"{flag} {path!r}: {str(e).replace(str(path), 'the file')}")
     if hidden is not None and config.get("hidden_size") != hidden:
         p.error(f"{flag} {path!r}: heads for hidden size {config.get('hidden_size')}, the model's is {hidden}")
+    read = [int(i) for i in config.get("feature_layers", [])]
+    if layers is not None and read and max(read) >= layers:
+        p.error(f"{flag} {path!r}: the head reads layer {max(read)}'s output, the model has {layers} layers")
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -279,7 +285,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.eagle_head is not None:
         from specdec_kernels.decoding.drafters.eagle import EagleHead
 
-        _check_heads_file(p, "--eagle-head", args.eagle_head, EagleHead, hidden)
+        _check_heads_file(p, "--eagle-head", args.eagle_head, EagleHead, hidden, layers)
     if args.draft_model is not None:
         _check_draft_model(p, args.draft_model, config)
     if config is not None:

@@ -426,9 +426,11 @@ class HFCausalLM:
         logit_rows: Optional[torch.Tensor] = None,
         return_hidden: bool = False,
         compute_logits: bool = True,
+        hidden_layers: Sequence[int] = (),
     ) -> Optional[torch.Tensor]:
         """Feed a block of N new tokens per sequence; return their next-token logits (the
-        contract of ``Transformer.forward``).
+        contract of ``Transformer.forward``; hidden states, ``return_hidden`` and
+        ``hidden_layers``, are not available).
 
         Args:
             tokens: (B, N) int64: the block (for verification: root then drafts).
@@ -447,7 +449,7 @@ class HFCausalLM:
             (B, N or R, vocab) float32 logits, or None (R = 0, compute_logits False).
 
         Raises:
-            ValueError: num_layers outside 1..layers, return_hidden, a cache that does not fit, a
+            ValueError: num_layers outside 1..layers, return_hidden or hidden_layers, a cache that does not fit, a
                 layer whose attention did not go through the interface, early exit on a model
                 whose forward does not stop at ``config.num_hidden_layers``.
         """
@@ -459,7 +461,7 @@ class HFCausalLM:
             hf = self._exits.get(layers)
             if hf is None:
                 hf = self._exits[layers] = _early_exit_model(self.hf, layers)
-        if return_hidden:
+        if return_hidden or len(hidden_layers):
             raise ValueError(
                 "return_hidden is not available for transformers models (drafters that want hidden states)"
             )

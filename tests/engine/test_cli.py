@@ -461,3 +461,17 @@ def test_bad_combination_from_the_command_line_exits_2_with_one_line():
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and argv[-2] in lines[0], proc.stderr
     assert "model loaded" not in proc.stderr and not proc.stdout
+
+
+def test_an_eagle_head_reading_a_layer_the_model_lacks_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """An EAGLE-3 head file (format 2) that reads layer 40's output: SmolLM2 has 30 layers."""
+    from specdec_kernels.decoding.drafters.eagle import EagleHead
+
+    monkeypatch.setattr(loading, "load_checkpoint", lambda *a, **k: pytest.fail("the model loaded"))
+    path = tmp_path / "deep.pt"
+    EagleHead(576, 9, 3, 64, 64, window=8, feature_layers=[2, 40]).save(path)
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(["--prompt", "x", "--drafter", "eagle", "--eagle-head", str(path), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--eagle-head" in err[0], err
+    assert "reads layer 40's output, the model has 30 layers" in err[0], err

@@ -219,6 +219,33 @@ def test_each_drafter_gets_the_columns_of_its_own_layers(tiny):
                     torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
+def test_the_engine_checks_a_drafters_feature_layers(tiny):
+    for bad in ((3,), (0, 0), (-1,), 2, "0", (1.0,)):
+        with pytest.raises(ValueError, match="drafter.feature_layers"):
+            SpeculativeDecoder(tiny, _with_layers(bad))
+    # a drafter that wants no hidden states asks for no layers, whatever it says
+    quiet = _with_layers((7,))
+    quiet.wants_hidden = False
+    SpeculativeDecoder(tiny, quiet)
+
+
+def _with_layers(layers):
+    r = Recorder(())
+    r.feature_layers = layers
+    return r
+
+
+def test_a_transformers_target_refuses_hidden_states_with_one_message():
+    """``HFCausalLM`` has no hidden states: a drafter that wants them, with layers or not,
+    gets the same ValueError (not a TypeError about an unknown keyword)."""
+    from specdec_kernels.integrations.transformers import HFCausalLM
+
+    with HFCausalLM(tiny_llama()) as target:
+        for layers in ((), (1,)):
+            with pytest.raises(ValueError, match="return_hidden is not available for transformers models"):
+                SpeculativeDecoder(target, Recorder(layers)).generate([[5, 17, 33]], 3, num_draft_tokens=2)
+
+
 @pytest.mark.parametrize("block_size", [None, 4], ids=["dense", "paged"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("k", [0, 1, 3, 7], ids=lambda k: f"K{k}")
@@ -283,6 +310,15 @@ def test_trainer_layer_outputs_are_each_sequences_own(tiny, tiny_data, tmp_path,
     assert rows.states.shape == (plain.states.shape[0], 3 * HIDDEN)
     assert torch.equal(rows.states[:, :HIDDEN], plain.states) and torch.equal(rows.labels, plain.labels)
 
+    # a cache file that cannot be read is reported, named, and recomputed
+    (cached,) = list(tmp_path.glob("layers-*.pt"))
+    good = cached.read_bytes()
+    cached.write_bytes(good[: len(good) // 2])
+    with pytest.warns(RuntimeWarning, match=f"{cached.name}.*recomputing"):
+        redone = train_eagle.layer_outputs(tiny, tiny_data, layers, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(redone, out))
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(cached, weights_only=True), out))  # rewritten whole
+
     def no_pass(*a, **k):
         raise AssertionError("the cached layer outputs were recomputed")
 
@@ -311,9 +347,18 @@ def test_training_command_with_feature_layers(tmp_path, capsys):
     assert train_eagle.main(base + ["--init", str(plain), "--feature-layers", "1", "--out", str(widened)]) == 0
     wide = EagleHead.load(widened)
     assert wide.feature_layers == (1,) and wide.config["training"]["init"]["file"] == str(plain)
-    # --init of an EAGLE-3 head keeps its layers
+    # --init of an EAGLE-3 head keeps its layers, and the file records them
     assert train_eagle.main(base + ["--init", str(widened), "--out", str(tmp_path / "again.pt")]) == 0
-    assert EagleHead.load(tmp_path / "again.pt").feature_layers == (1,)
+    again = EagleHead.load(tmp_path / "again.pt")
+    assert again.feature_layers == (1,) and again.config["training"]["feature_layers"] == [1]
+    # --draft-vocab-only reads the layers of the head at --out
+    weights = {k: v.clone() for k, v in again.state_dict().items()}
+    assert (
+        train_eagle.main(base + ["--draft-vocab-only", "--draft-vocab", "20", "--out", str(tmp_path / "again.pt")]) == 0
+    )
+    ranked = EagleHead.load(tmp_path / "again.pt")
+    assert ranked.config["draft_vocab_size"] == 20 and ranked.feature_layers == (1,)
+    assert all(torch.equal(v, weights[k]) for k, v in ranked.state_dict().items())
     model = train_data.tiny_random_model(0)
     r = SpeculativeDecoder(model, EagleDrafter(model, wide)).generate([[1, 2, 3]], 6, num_draft_tokens=3)
     assert r.tokens == SpeculativeDecoder(model).generate([[1, 2, 3]], 6).tokens

@@ -28,11 +28,12 @@ copy-on-write of the block where they diverge.
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -247,6 +248,28 @@ class _StepThreads:
             torch.set_num_threads(self.saved)
 
 
+def _feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]:
+    """``{"hidden_layers": drafter.feature_layers}`` for the target's forward when the drafter
+    wants hidden states and names layers, else {} (so targets without the argument, such as
+    transformers models, are called as before).
+
+    Raises:
+        ValueError: feature_layers not a sequence of distinct ints in [0, the model's layers).
+    """
+    layers = getattr(drafter, "feature_layers", ()) if getattr(drafter, "wants_hidden", False) else ()
+    n = getattr(model.args, "num_layers", None)
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise ValueError(f"drafter.feature_layers must be a sequence of layer indices, got {layers!r}")
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 or (n is not None and i >= n):
+            raise ValueError(
+                f"drafter.feature_layers must hold layer indices of the model ({n} layers), got {list(layers)}"
+            )
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"drafter.feature_layers repeats a layer: {list(layers)}")
+    return {"hidden_layers": tuple(int(i) for i in layers)} if layers else {}
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a Llama-family ``Transformer`` with any ``Drafter``.
 
@@ -290,7 +313,9 @@ class SpeculativeDecoder:
 
     Raises:
         ValueError: threads is none of those; typical outside (0, 1] or NaN; typical_alpha
-            not finite and > 0, or without typical; prefill_chunk or max_draft_nodes < 1.
+            not finite and > 0, or without typical; prefill_chunk or max_draft_nodes < 1; a
+            drafter whose ``feature_layers`` are not distinct layers of the model (read here,
+            once).
         TypeError: typical or typical_alpha not a real number (a bool included);
             prefill_chunk or max_draft_nodes not an int.
 
@@ -327,6 +352,8 @@ class SpeculativeDecoder:
             )
         self.model = model
         self.drafter = drafter if drafter is not None else NoDrafter()
+        # the target layers whose outputs a drafter that wants hidden states also gets (EAGLE-3)
+        self._layer_kwargs = _feature_layer_kwargs(self.drafter, model)
         if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
             raise TypeError(
                 f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__} {stop_token_ids!r}"
@@ -581,7 +608,7 @@ class SpeculativeDecoder:
         B = state.batch_size
         wants = getattr(self.drafter, "wants_hidden", False)
         window = int(getattr(self.drafter, "context_window", 0) or 0) if wants else 0
-        width = self.model.args.hidden_size * (1 + len(getattr(self.drafter, "feature_layers", ())))
+        width = self.model.args.hidden_size * (1 + len(self._layer_kwargs.get("hidden_layers", ())))
         last = torch.zeros(B, width, dtype=self.model.dtype, device=device) if wants else None
         first = [max(0, f - max(window, 1)) for f in fed]  # the fed positions whose hidden states are kept
         kept: List[List[torch.Tensor]] = [[] for _ in range(B)]
@@ -638,7 +665,7 @@ class SpeculativeDecoder:
                         logit_rows=rows,
                         return_hidden=True,
                         compute_logits=False,
-                        hidden_layers=tuple(getattr(self.drafter, "feature_layers", ())),
+                        **self._layer_kwargs,
                     )
                     for r, (b, w) in enumerate(zip(rows_b, want)):
                         if len(w):
@@ -830,7 +857,7 @@ class SpeculativeDecoder:
                 state.cache_seqlens,
                 trimmed.mask(),
                 return_hidden=True,
-                hidden_layers=tuple(getattr(self.drafter, "feature_layers", ())),
+                **self._layer_kwargs,
             )
         else:
             logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]

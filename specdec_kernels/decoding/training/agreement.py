@@ -186,7 +186,8 @@ def main(argv=None) -> int:
 
         model, tok = load_smollm2()
         prompts = [chat_ids(tok, r["prompt"]) for r in args.records]
-        eagle = None if args.eagle == "none" else EagleHead.load(args.eagle)
+        # checked against the target now (its hidden size, the layers an EAGLE-3 head reads), before any data
+        eagle = None if args.eagle == "none" else EagleHead.for_target(args.eagle, model)
         medusa = None if args.medusa == "none" else MedusaHeads.load(args.medusa)
         stops = [tok.eos_token_id]
         target = MODEL_NAME

@@ -49,6 +49,7 @@ import hashlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -78,7 +79,7 @@ from specdec_kernels.decoding.training.softmax import (
     hard_and_soft_losses,
     label_ranking,
 )
-from specdec_kernels.files import atomic_torch_save
+from specdec_kernels.files import BadFileError, atomic_torch_save, load_torch
 
 PROG_MODULE = "specdec_kernels.decoding.training.eagle"
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1)
@@ -155,10 +156,13 @@ def layer_outputs(
     teacher-forced pass over each sequence's tokens, in right-padded batches of similar
     length (at most ``max_batch`` sequences and ``max_tokens`` padded tokens; padding after
     a sequence changes none of its positions).  Cached in the directory ``cache`` (None: not
-    cached) under a hash of the model's fingerprint, the layers and the sequences.
+    cached) under a hash of the model's fingerprint, the layers and the sequences; a cache
+    file that cannot be read, or holds other shapes, is reported with a RuntimeWarning naming
+    it and recomputed.
 
     Raises:
-        ValueError: ``layers`` empty or outside the model (``Transformer.forward``).
+        ValueError: ``layers`` empty or outside the model (``Transformer.forward``); an output
+            beyond float16's range (the residual streams are stored unnormalised in float16).
     """
     from specdec_kernels.decoding.drafters.head_file import model_fingerprint
     from specdec_kernels.optional import require
@@ -175,8 +179,17 @@ def layer_outputs(
     ).hexdigest()[:16]
     path = None if cache is None else Path(cache) / f"layers-{key}.pt"
     if path is not None and path.is_file():
-        out = torch.load(path, weights_only=True)
-        if isinstance(out, list) and [o.shape for o in out] == [(c, len(layers) * H) for c in counts]:
+        try:
+            out = load_torch(path, "layer-output cache")
+            if not (
+                isinstance(out, list)
+                and [getattr(o, "shape", None) for o in out] == [(c, len(layers) * H) for c in counts]
+            ):
+                raise BadFileError(path, "not the layer outputs of these sequences")
+        except BadFileError as e:
+            warnings.warn(f"specdec_kernels: {e}; recomputing it", RuntimeWarning, stacklevel=2)
+        else:
+            print(f"(layer outputs from the cache {path})", file=sys.stderr)
             return out
     out: List[torch.Tensor] = [torch.zeros(c, len(layers) * H, dtype=torch.float16) for c in counts]
     todo = [s for s in range(len(counts)) if counts[s]]
@@ -200,7 +213,12 @@ def layer_outputs(
         )
         for r, s in enumerate(seqs):
             f = data.first[s]
-            out[s] = hidden[r, f : f + counts[s], H:].to("cpu", torch.float16).clone()
+            rows = hidden[r, f : f + counts[s], H:]
+            if rows.numel() and not bool(rows.abs().max() < torch.finfo(torch.float16).max):  # NaN too
+                raise ValueError(
+                    f"layer outputs of layers {list(layers)} reach {float(rows.abs().max()):.3g}, beyond float16's range"
+                )
+            out[s] = rows.to("cpu", torch.float16).clone()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(out, path)
@@ -475,8 +493,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     layers = list(args.feature_layers)
-    if args.init is not None and not layers:
-        layers = list(EagleHead.file_config(args.init).get("feature_layers", []))
+    source = args.init if args.init is not None else (args.out if args.draft_vocab_only else None)
+    if source is not None and not layers:  # the layers the head at --init (or --out) reads
+        layers = list(EagleHead.file_config(source).get("feature_layers", []))
     setup = prepare(args, check_target=check_layers(layers))
     model = setup.model
     cache = None if args.random_model else default_cache_dir(args.cache_dir)
@@ -544,8 +563,9 @@ def main(argv=None) -> int:
         "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
         "seconds": {"data": round(t_data), "training": round(t_train)},
     }
+    record = {**training_record(PROG_MODULE, argv, args), "feature_layers": list(head.feature_layers)}
     head.config = {
-        **setup.trained_config(training_record(PROG_MODULE, argv, args), train_rows.states.shape[0], losses, figures),
+        **setup.trained_config(record, train_rows.states.shape[0], losses, figures),
         "draft_vocab_size": head.config["draft_vocab_size"],
         "draft_vocab": vocab,
     }
