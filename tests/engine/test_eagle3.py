@@ -351,11 +351,19 @@ def test_training_command_with_feature_layers(tmp_path, capsys):
     assert train_eagle.main(base + ["--init", str(widened), "--out", str(tmp_path / "again.pt")]) == 0
     again = EagleHead.load(tmp_path / "again.pt")
     assert again.feature_layers == (1,) and again.config["training"]["feature_layers"] == [1]
-    # --draft-vocab-only reads the layers of the head at --out
+    # --draft-vocab-only reads the layers of the head at --out, whatever --init says (the
+    # command is the training's own flags plus these)
     weights = {k: v.clone() for k, v in again.state_dict().items()}
-    assert (
-        train_eagle.main(base + ["--draft-vocab-only", "--draft-vocab", "20", "--out", str(tmp_path / "again.pt")]) == 0
-    )
+    vocab_only = [
+        "--draft-vocab-only",
+        "--draft-vocab",
+        "20",
+        "--init",
+        str(plain),
+        "--out",
+        str(tmp_path / "again.pt"),
+    ]
+    assert train_eagle.main(base + vocab_only) == 0
     ranked = EagleHead.load(tmp_path / "again.pt")
     assert ranked.config["draft_vocab_size"] == 20 and ranked.feature_layers == (1,)
     assert all(torch.equal(v, weights[k]) for k, v in ranked.state_dict().items())

@@ -493,8 +493,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     layers = list(args.feature_layers)
-    source = args.init if args.init is not None else (args.out if args.draft_vocab_only else None)
-    if source is not None and not layers:  # the layers the head at --init (or --out) reads
+    source = args.out if args.draft_vocab_only else args.init
+    if source is not None and not layers:  # the layers the head at --out (--draft-vocab-only) or --init reads
         layers = list(EagleHead.file_config(source).get("feature_layers", []))
     setup = prepare(args, check_target=check_layers(layers))
     model = setup.model
