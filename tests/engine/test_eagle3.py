@@ -398,3 +398,21 @@ def test_heldout_agreement_reads_the_heads_layers(tiny, tiny_data):
     )
     assert got == train_eagle.agreement(head, tiny, rows, 2, agreement.SEGMENT)
     assert got["positions"][0] > 0
+
+
+def test_heldout_measure_computes_the_layer_outputs_once(tiny, monkeypatch):
+    """``training.agreement.measure`` runs the teacher-forced pass once for every group, and
+    each group's figures are those of its own sequences."""
+    from specdec_kernels.decoding.training import agreement
+
+    head = fused_head((1,), seed=6)
+    prompts = [[5, 17, 33, 2], [12, 99, 8], [64, 3, 7, 7, 1], [4, 4]]
+    categories = ["a", "b", "a", "b"]
+    real, calls = train_eagle.layer_outputs, []
+    monkeypatch.setattr(train_eagle, "layer_outputs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    res = agreement.measure(tiny, prompts, categories, head, None, 6, 2, [])
+    assert len(calls) == 1 and set(res) == {"overall", "a", "b"}
+    with torch.inference_mode():
+        data = train_data.generate_data(tiny, prompts, 6, 8, [], "again")
+    part = agreement.subset(data, [1, 3])
+    assert res["b"]["eagle"] == agreement.eagle_agreement(tiny, head, part, 2, real(tiny, part, (1,)))

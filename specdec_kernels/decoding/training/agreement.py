@@ -63,13 +63,21 @@ def subset(data: SelfDistilled, idx: Sequence[int]) -> SelfDistilled:
     )
 
 
-def eagle_agreement(model: Transformer, head: EagleHead, data: SelfDistilled, depth: int) -> Dict[str, object]:
+def eagle_agreement(
+    model: Transformer,
+    head: EagleHead,
+    data: SelfDistilled,
+    depth: int,
+    outputs: Optional[List[torch.Tensor]] = None,
+) -> Dict[str, object]:
     """``training.eagle.agreement`` on ``data``: top-1 by depth 1..``depth`` (the head's draft
     vocabulary applied), the chain's expected accepted length and the positions scored.  An
-    EAGLE-3 head (``feature_layers``) reads its layers' outputs (``layer_outputs``)."""
+    EAGLE-3 head (``feature_layers``) reads its layers' outputs: ``outputs`` (one per sequence
+    of ``data``, as ``training.eagle.layer_outputs`` returns them), or computed here."""
     from specdec_kernels.decoding.training.eagle import agreement, feature_rows, layer_outputs
 
-    outputs = layer_outputs(model, data, head.feature_layers) if head.feature_layers else None
+    if outputs is None and head.feature_layers:
+        outputs = layer_outputs(model, data, head.feature_layers)
     rows = feature_rows(data, model.output.weight, layer_outputs=outputs)
     return agreement(head, model, rows, depth, SEGMENT, head.recommended_draft_vocab)
 
@@ -107,6 +115,11 @@ def measure(
     """{"overall" and each category: {"eagle": ..., "medusa": ...}} for the given heads."""
     with torch.inference_mode():
         data = generate_data(model, prompts, new_tokens, 8, stop_ids, "generate (held-out)")
+        outputs = None  # an EAGLE-3 head's layer outputs, computed once for every group
+        if eagle is not None and eagle.feature_layers:
+            from specdec_kernels.decoding.training.eagle import layer_outputs
+
+            outputs = layer_outputs(model, data, eagle.feature_layers)
     groups = {"overall": list(range(len(prompts)))}
     for i, c in enumerate(categories):
         groups.setdefault(c, []).append(i)
@@ -116,7 +129,8 @@ def measure(
         res = {}
         with torch.inference_mode():
             if eagle is not None:
-                res["eagle"] = eagle_agreement(model, eagle, part, depth)
+                part_outputs = None if outputs is None else [outputs[i] for i in idx]
+                res["eagle"] = eagle_agreement(model, eagle, part, depth, part_outputs)
             if medusa is not None:
                 res["medusa"] = medusa_agreement(model, medusa, part)
         out[name] = res
