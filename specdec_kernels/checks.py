@@ -61,6 +61,27 @@ def as_int_list(name: str, values) -> List[int]:
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
 
 
+def layer_indices(name: str, layers, num_layers: Optional[int] = None) -> Tuple[int, ...]:
+    """``layers`` (a sequence of ints: layer indices, e.g. EAGLE-3's feature layers) as a
+    tuple of distinct Python ints in [0, num_layers) (no upper bound when None).
+
+    Raises:
+        TypeError: not a sequence (a str included), or an element that is not an int
+            (``as_int``), naming the argument.
+        ValueError: an index below 0 or at least ``num_layers``, or one repeated.
+    """
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, torch.Tensor)):
+        raise TypeError(f"{name} must be a sequence of layer indices, got {type(layers).__name__} {layers!r}")
+    out = tuple(as_int_list(name, layers))
+    for i in out:
+        if i < 0 or (num_layers is not None and i >= num_layers):
+            bound = "" if num_layers is None else f" and below the {num_layers} layers"
+            raise ValueError(f"{name}: layer {i} is not an index >= 0{bound}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} repeats a layer: {list(out)}")
+    return out
+
+
 # float32, the dtype the sampling kernels take: its largest finite value, its smallest normal
 # value, and the largest positive number that rounds to 0.0 in it (round to nearest, ties to even)
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)

@@ -26,7 +26,6 @@ forward does not implement are refused (``unsupported_hf_config``).
 from __future__ import annotations
 
 import functools
-import numbers
 import os
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -37,6 +36,7 @@ from torch import nn
 
 from specdec_kernels import SUPPORTED_HEAD_DIMS
 from specdec_kernels.autotune import RuntimeChoice
+from specdec_kernels.checks import layer_indices
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.paged import PagedKVCache
 
@@ -458,27 +458,6 @@ class Block(nn.Module):
         return x + linear(F.silu(gate) * up, self.w2.weight, nx, isa)
 
 
-def _layer_taps(hidden_layers: Sequence[int], num_layers: int) -> Tuple[int, ...]:
-    """``hidden_layers`` as a tuple of layer indices in [0, num_layers), checked.
-
-    Raises:
-        TypeError: not a sequence of integers.
-        ValueError: an index outside [0, num_layers), or repeated.
-    """
-    if isinstance(hidden_layers, (str, bytes)) or not isinstance(hidden_layers, Sequence):
-        raise TypeError(f"hidden_layers must be a sequence of layer indices, got {type(hidden_layers).__name__}")
-    taps = []
-    for i in hidden_layers:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"hidden_layers must hold ints, got {i!r}")
-        if not 0 <= i < num_layers:
-            raise ValueError(f"hidden_layers: layer {i} is outside the {num_layers} layers run")
-        taps.append(int(i))
-    if len(set(taps)) != len(taps):
-        raise ValueError(f"hidden_layers repeats a layer: {taps}")
-    return tuple(taps)
-
-
 class Transformer(nn.Module):
     """Llama-family causal LM over a static KV cache (see the module docstring).
 
@@ -751,10 +730,11 @@ class Transformer(nn.Module):
 
         Raises:
             ValueError: a ``hidden_layers`` index outside the layers run, or repeated.
+            TypeError: ``hidden_layers`` not a sequence of ints.
         """
         B, N = tokens.shape
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        taps = _layer_taps(hidden_layers, len(layers))
+        taps = layer_indices("hidden_layers", hidden_layers, len(layers))
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)

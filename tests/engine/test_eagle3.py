@@ -118,10 +118,16 @@ def test_fusion_by_hand():
 
 
 def test_bad_feature_layers(tiny):
-    for bad in ([-1], [1, 1], "2", [1.5], [True]):
-        with pytest.raises(ValueError, match="feature_layers"):
+    for bad, err in (
+        ([-1], ValueError),
+        ([1, 1], ValueError),
+        ("2", TypeError),
+        ([1.5], TypeError),
+        ([True], TypeError),
+    ):
+        with pytest.raises(err, match="feature_layers"):
             EagleHead(HIDDEN, 4, 2, 16, 96, feature_layers=bad)
-    with pytest.raises(ValueError, match="no layer 3"):
+    with pytest.raises(ValueError, match="layer 3 is not an index >= 0 and below the 3 layers"):
         EagleHead.for_model(tiny, feature_layers=[3])
     with pytest.raises(ValueError, match="already reads"):
         fused_head((0,)).with_feature_layers((1,))
@@ -220,9 +226,11 @@ def test_each_drafter_gets_the_columns_of_its_own_layers(tiny):
 
 
 def test_the_engine_checks_a_drafters_feature_layers(tiny):
-    for bad in ((3,), (0, 0), (-1,), 2, "0", (1.0,)):
-        with pytest.raises(ValueError, match="drafter.feature_layers"):
+    for bad, err in (((3,), ValueError), ((0, 0), ValueError), ((-1,), ValueError), (2, TypeError), ("0", TypeError)):
+        with pytest.raises(err, match="drafter.feature_layers"):
             SpeculativeDecoder(tiny, _with_layers(bad))
+    with pytest.raises(TypeError, match=r"drafter.feature_layers\[0\] must be an int"):
+        SpeculativeDecoder(tiny, _with_layers((1.0,)))
     # a drafter that wants no hidden states asks for no layers, whatever it says
     quiet = _with_layers((7,))
     quiet.wants_hidden = False
@@ -372,8 +380,8 @@ def test_training_command_with_feature_layers(tmp_path, capsys):
     assert r.tokens == SpeculativeDecoder(model).generate([[1, 2, 3]], 6).tokens
     for flags, message in (
         (["--feature-layers", "a,1"], "comma-separated layer indices"),
-        (["--feature-layers", "1,1"], "distinct"),
-        (["--feature-layers", "-1"], "distinct layer indices >= 0"),
+        (["--feature-layers", "1,1"], "--feature-layers repeats a layer"),
+        (["--feature-layers", "-1"], "--feature-layers: layer -1 is not an index >= 0"),
         (["--init", str(widened), "--feature-layers", "0"], "reads layers [1]"),
         (["--draft-vocab-only", "--feature-layers", "0"], "--draft-vocab-only"),
     ):

@@ -183,3 +183,34 @@ def test_integer_at_least_accepts(value, low, want):
 def test_integer_at_least_refuses_naming_the_argument(value):
     with pytest.raises(ValueError, match=r"^window must be an integer >= 1, got "):
         integer_at_least("window", value, 1)
+
+
+@pytest.mark.parametrize(
+    "layers,n,want",
+    [((), None, ()), ([2, 0], 3, (2, 0)), (torch.tensor([1, 5]), None, (1, 5)), ((torch.tensor(1),), 2, (1,))],
+)
+def test_layer_indices_accepts_in_the_order_given(layers, n, want):
+    from specdec_kernels.checks import layer_indices
+
+    got = layer_indices("feature_layers", layers, n)
+    assert got == want and all(type(i) is int for i in got)
+
+
+@pytest.mark.parametrize(
+    "layers,n,err,message",
+    [
+        ([3], 3, ValueError, "feature_layers: layer 3 is not an index >= 0 and below the 3 layers"),
+        ([-1], None, ValueError, "feature_layers: layer -1 is not an index >= 0"),
+        ([1, 1], None, ValueError, "feature_layers repeats a layer"),
+        ("12", None, TypeError, "feature_layers must be a sequence"),
+        (7, None, TypeError, "feature_layers must be a sequence"),
+        ([1.0], None, TypeError, r"feature_layers\[0\] must be an int"),
+        ([True], None, TypeError, r"feature_layers\[0\] must be an int"),
+        (torch.tensor([0.5]), None, TypeError, "feature_layers must hold integers"),
+    ],
+)
+def test_layer_indices_refuses_naming_the_argument(layers, n, err, message):
+    from specdec_kernels.checks import layer_indices
+
+    with pytest.raises(err, match=message):
+        layer_indices("feature_layers", layers, n)

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec_kernels.checks import integer_at_least
+from specdec_kernels.checks import integer_at_least, layer_indices
 from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
@@ -112,7 +112,8 @@ class EagleHead(HeadFile):
 
     Raises:
         ValueError: non-positive sizes, num_heads not a multiple of num_kv_heads, an odd
-            head_dim, window < 1, feature_layers not distinct integers >= 0.
+            head_dim, window < 1, feature_layers not distinct indices >= 0.
+        TypeError: feature_layers not a sequence of ints.
     """
 
     KIND = KIND
@@ -168,7 +169,7 @@ class EagleHead(HeadFile):
         self.ffn_norm = nn.Parameter(torch.ones(H))
         self.w13 = init(2 * I, H)
         self.w2 = init(H, I)
-        self.feature_layers: Tuple[int, ...] = _feature_layers(feature_layers)
+        self.feature_layers: Tuple[int, ...] = layer_indices("feature_layers", feature_layers)
         k = len(self.feature_layers)
         if k:  # starts as [I 0 ... 0]: the final hidden state alone, as an EAGLE head reads it
             self.fuse = nn.Parameter(torch.cat([torch.eye(H), torch.zeros(H, k * H)], dim=1))
@@ -207,11 +208,10 @@ class EagleHead(HeadFile):
 
         Raises:
             ValueError: a ``feature_layers`` index the model does not have, and as the class.
+            TypeError: as the class.
         """
         a = model.args
-        bad = [i for i in _feature_layers(feature_layers) if i >= a.num_layers]
-        if bad:
-            raise ValueError(f"feature_layers: the model has {a.num_layers} layers, no layer {bad[0]}")
+        layer_indices("feature_layers", feature_layers, a.num_layers)
         return cls(
             a.hidden_size,
             a.num_heads,
@@ -368,24 +368,6 @@ class EagleHead(HeadFile):
             config=c,
             feature_layers=c["feature_layers"] if c["format"] == FEATURE_LAYERS_FORMAT else (),
         )
-
-
-def _feature_layers(layers: Sequence[int]) -> Tuple[int, ...]:
-    """``layers`` as a tuple of distinct layer indices >= 0.
-
-    Raises:
-        ValueError: not a sequence of distinct integers >= 0.
-    """
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise ValueError(f"feature_layers must be a sequence of layer indices, got {layers!r}")
-    out = []
-    for i in layers:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
-            raise ValueError(f"feature_layers must hold layer indices >= 0, got {i!r}")
-        out.append(int(i))
-    if len(set(out)) != len(out):
-        raise ValueError(f"feature_layers repeats a layer: {out}")
-    return tuple(out)
 
 
 def _token_ids(ids, vocab_size: Optional[int], name: str) -> torch.Tensor:

@@ -28,7 +28,6 @@ copy-on-write of the block where they diverge.
 
 from __future__ import annotations
 
-import numbers
 import os
 import threading
 import time
@@ -45,7 +44,7 @@ from specdec_kernels import (
     verify_greedy,
     verify_tree_greedy,
 )
-from specdec_kernels.checks import as_int, as_int_list, as_real
+from specdec_kernels.checks import as_int, as_int_list, as_real, layer_indices
 from specdec_kernels.decoding.coupling import GumbelCoupling
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.engine.adaptive import (
@@ -254,20 +253,12 @@ def _feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]
     transformers models, are called as before).
 
     Raises:
-        ValueError: feature_layers not a sequence of distinct ints in [0, the model's layers).
+        ValueError, TypeError: feature_layers not distinct ints in [0, the model's layers)
+            (``checks.layer_indices``).
     """
     layers = getattr(drafter, "feature_layers", ()) if getattr(drafter, "wants_hidden", False) else ()
-    n = getattr(model.args, "num_layers", None)
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
-        raise ValueError(f"drafter.feature_layers must be a sequence of layer indices, got {layers!r}")
-    for i in layers:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 or (n is not None and i >= n):
-            raise ValueError(
-                f"drafter.feature_layers must hold layer indices of the model ({n} layers), got {list(layers)}"
-            )
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"drafter.feature_layers repeats a layer: {list(layers)}")
-    return {"hidden_layers": tuple(int(i) for i in layers)} if layers else {}
+    layers = layer_indices("drafter.feature_layers", layers, getattr(model.args, "num_layers", None))
+    return {"hidden_layers": layers} if layers else {}
 
 
 class SpeculativeDecoder:
@@ -317,7 +308,8 @@ class SpeculativeDecoder:
             drafter whose ``feature_layers`` are not distinct layers of the model (read here,
             once).
         TypeError: typical or typical_alpha not a real number (a bool included);
-            prefill_chunk or max_draft_nodes not an int.
+            prefill_chunk or max_draft_nodes not an int; ``feature_layers`` not a sequence
+            of ints.
 
     Example::
 

@@ -56,6 +56,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from specdec_kernels.checks import layer_indices
 from specdec_kernels.decoding.drafters.eagle import SHIPPED, EagleDrafter, EagleHead
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.training.data import (
@@ -440,8 +441,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.feature_layers = [int(x) for x in comma_list(args.feature_layers)]
     except ValueError:
         p.error(f"--feature-layers must be comma-separated layer indices, got {args.feature_layers!r}")
-    if any(i < 0 for i in args.feature_layers) or len(set(args.feature_layers)) != len(args.feature_layers):
-        p.error(f"--feature-layers must be distinct layer indices >= 0, got {args.feature_layers}")
+    try:
+        layer_indices("--feature-layers", args.feature_layers)
+    except ValueError as e:
+        p.error(str(e))
     if args.draft_vocab_only and args.feature_layers:
         p.error("--draft-vocab-only trains nothing: leave out --feature-layers")
     if args.draft_vocab_only and not Path(args.out).is_file():
