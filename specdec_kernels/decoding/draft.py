@@ -214,21 +214,21 @@ class Drafter:
         """Called only when ``wants_hidden`` is true: ``hidden`` (B, hidden_size), the
         target's final hidden state (after its final norm; with ``feature_layers``
         (B, hidden_size * (1 + len(feature_layers))): then the outputs of those layers,
-        appended in that order) at the position just before the
-        next root, i.e. of the last accepted node (after ``observe``), or of the prompt's
-        second-to-last token (after ``start``, for the first root); rows where ``active[b]``
-        is false are meaningless (finished sequences, or a one-token prompt)."""
+        appended in that order) at the position just before the next root, i.e. of the last
+        accepted node (after ``observe``), or of the prompt's second-to-last token (after
+        ``start``, for the first root); rows where ``active[b]`` is false are meaningless
+        (finished sequences, or a one-token prompt)."""
 
     def observe_context(
         self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]
     ) -> None:
         """Called only when ``wants_hidden`` is true and ``context_window`` > 0, before
         ``observe_hidden``: ``hidden[b]`` (n_b, hidden_size; wider with ``feature_layers``,
-        as for ``observe_hidden``), the target's final hidden states of sequence b's positions ``first_positions[b]`` .. + n_b - 1 (consecutive;
-        None or n_b = 0: none), newly committed: after ``start`` the last
-        ``context_window`` fed prompt positions (all but the last prompt token, the first
-        root), after each step the accepted path (root first).  Entries where
-        ``active[b]`` is false are meaningless."""
+        as for ``observe_hidden``), the target's final hidden states of sequence b's
+        positions ``first_positions[b]`` .. + n_b - 1 (consecutive; None or n_b = 0: none),
+        newly committed: after ``start`` the last ``context_window`` fed prompt positions
+        (all but the last prompt token, the first root), after each step the accepted path
+        (root first).  Entries where ``active[b]`` is false are meaningless."""
 
     # ------------------------------------------------------------------ chain distributions
     # Optional: drafters that implement these two methods can take part in ensemble

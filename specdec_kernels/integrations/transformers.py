@@ -449,9 +449,10 @@ class HFCausalLM:
             (B, N or R, vocab) float32 logits, or None (R = 0, compute_logits False).
 
         Raises:
-            ValueError: num_layers outside 1..layers, return_hidden or hidden_layers, a cache that does not fit, a
-                layer whose attention did not go through the interface, early exit on a model
-                whose forward does not stop at ``config.num_hidden_layers``.
+            ValueError: num_layers outside 1..layers, return_hidden or hidden_layers, a cache
+                that does not fit, a layer whose attention did not go through the interface,
+                early exit on a model whose forward does not stop at
+                ``config.num_hidden_layers``.
         """
         layers = self.args.num_layers if num_layers is None else num_layers
         if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= self.args.num_layers:

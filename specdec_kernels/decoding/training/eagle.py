@@ -90,9 +90,10 @@ DRAFT_VOCAB = 4096  # the recommended draft vocabulary: the sampled softmax's al
 class FeatureRows(NamedTuple):
     """Every recorded position of the data, sequence after sequence.
 
-    states: (N, H) fp16 f_t ((N, (1 + k) H) with k feature layers: their outputs appended); next_tokens: (N,) x_{t+1} (the text); labels: (N,) the
-    target's argmax after position t (= x_{t+1} past the prompt); seq_end: (N,) the row
-    after the last row of each row's sequence.
+    states: (N, H) fp16 f_t ((N, (1 + k) H) with k feature layers: their outputs
+    appended); next_tokens: (N,) x_{t+1} (the text); labels: (N,) the target's argmax
+    after position t (= x_{t+1} past the prompt); seq_end: (N,) the row after the last row
+    of each row's sequence.
     """
 
     states: torch.Tensor
@@ -451,12 +452,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--draft-vocab-only: no head at --out {args.out}")
     if args.init is not None:
         try:
-            window = EagleHead.file_config(args.init)["window"]
+            init_config = EagleHead.file_config(args.init)
         except (OSError, ValueError) as e:
             p.error(f"--init: {e}")
+        window = init_config["window"]
         if window != args.segment:
             p.error(f"--init: the head's window is {window}, --segment is {args.segment} (they must be equal)")
-        init_layers = list(EagleHead.file_config(args.init).get("feature_layers", []))
+        init_layers = list(init_config.get("feature_layers", []))
         if init_layers and args.feature_layers and init_layers != args.feature_layers:
             p.error(f"--init: the head reads layers {init_layers}, --feature-layers says {args.feature_layers}")
         if args.intermediate_size is not None:
