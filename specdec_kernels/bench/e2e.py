@@ -665,6 +665,10 @@ def _register_builtin() -> None:
     full_vocab = "EAGLE head chain, whole vocabulary"
     eagle("eagle-chain-full-vocab", full_vocab, k=eagle_k, default=False, tree=False, draft_vocab=None)
     eagle("eagle-adaptive-full-vocab", full_vocab, k_max=eagle_k, default=False, tree=False, draft_vocab=None)
+    # the same head drafting with its float32 weights (the drafter's default on CPU reads a
+    # Q8_0 copy, ``EagleHead.quantized``): what the quantized head buys
+    float32_head = "EAGLE head chain, float32 head weights"
+    eagle("eagle-adaptive-float32-head", float32_head, k_max=eagle_k, default=False, tree=False, quantize_head=False)
     # lookahead (Jacobi) decoding: the CPU-sized defaults and Spec-Bench's W=7, N=5, G=7
     la_k = DEFAULT_K["lookahead"]
     lookahead("lookahead", 4, 3, 2, k=la_k)

@@ -159,6 +159,49 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     return PackedWeight(int(kind), codes, scales, mins if kind == AFFINE4 else None, (O, I))
 
 
+def quantize_scaled8(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` rounded to ggml's Q8_0 form: per block of 32 inputs of one output row, the
+    scale ``d`` = amax / 127 rounded to fp16 and codes ``q`` = round(w / d) in [-127, 127]; the
+    result ``q * d`` as float32, which ``pack_weight`` finds exact (the scaled8 form).
+
+    Used for weights we choose to store in 8 bits (an EAGLE head drafting on CPU:
+    ``EagleHead.quantized``), never for the target's: the rounding changes the products.  The
+    relative error of an element is at most half a code step, 1/254 of its block's largest
+    magnitude.
+
+    Args:
+        weight: float32 [O, I], I a multiple of 32, finite, every block's largest magnitude
+            at most 127 x 65504 (fp16's largest scale).
+
+    Returns:
+        float32 [O, I] on ``weight``'s device, without gradient.
+
+    Raises:
+        TypeError: weight is not a tensor.
+        ValueError: not float32 [O, I] with I a multiple of 32, non-finite elements, or a
+            block too large for an fp16 scale.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"quantize_scaled8: weight must be a tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK:
+        raise ValueError(
+            f"quantize_scaled8: weight must be float32 [O, I] with I a multiple of {BLOCK}, got "
+            f"{weight.dtype} {tuple(weight.shape)}"
+        )
+    with torch.no_grad():
+        w = weight.detach()
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("quantize_scaled8: weight has non-finite elements")
+        O, I = w.shape
+        blocks = w.reshape(O, I // BLOCK, BLOCK)
+        d = _fp16_scale(blocks.abs().amax(-1, keepdim=True) / 127)
+        if not bool(torch.isfinite(d).all()):
+            raise ValueError("quantize_scaled8: a block of weight is too large for an fp16 scale (|w| > 127 x 65504)")
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.where(d > 0, (blocks / safe).round(), torch.zeros_like(blocks)).clamp_(-127, 127)
+        return (q * d).reshape(O, I)
+
+
 def packed_linear(x: torch.Tensor, packed: PackedWeight, *, portable: bool = False) -> torch.Tensor:
     """``x @ W.T`` for the weight ``W`` that ``packed`` stands for, float32 accumulation.
 

@@ -227,23 +227,29 @@ def propose_after(drafter, model, history, k):
     return drafter.propose([history], [k], [True]), feats
 
 
+@pytest.mark.parametrize("quantize_head", [False, None], ids=["float32-head", "default-head"])
 @pytest.mark.parametrize("top_k,max_nodes,depth", [(1, 8, 5), (2, 6, 3), (3, 20, 4), (4, 64, 6)])
 @pytest.mark.parametrize("length", [2, 9, 30])
-def test_dynamic_tree_matches_the_node_by_node_reference(tiny, top_k, max_nodes, depth, length):
+def test_dynamic_tree_matches_the_node_by_node_reference(tiny, top_k, max_nodes, depth, length, quantize_head):
     """Length 30 exceeds the window (16): the sliding window is exercised too.  The
     attention weights are scaled up so that which tree ancestors a node attends to moves
     its scores far beyond float32 rounding (random logits are peaked: log path
-    probabilities reach -1000, so the tolerance is relative)."""
+    probabilities reach -1000, so the tolerance is relative).  The reference runs the head
+    that drafts: the one passed in, or the drafter's Q8_0 copy (the default on CPU with the
+    extension)."""
     head = random_head(window=16, scale=0.25, seed=length)
     with torch.no_grad():
         head.wo.mul_(4)
         head.wqkv.mul_(3)
     g = torch.Generator().manual_seed(length)
     history = torch.randint(0, V, (length,), generator=g).tolist()
-    drafter = EagleDrafter(tiny, head, tree=top_k > 1, top_k=top_k, max_nodes=max_nodes, max_depth=8)
+    drafter = EagleDrafter(
+        tiny, head, tree=top_k > 1, top_k=top_k, max_nodes=max_nodes, max_depth=8, quantize_head=quantize_head
+    )
+    assert (drafter.head is head) == (not drafter.head_quantized)
     with torch.inference_mode():
         draft, feats = propose_after(drafter, tiny, history, depth)
-        want_t, want_p, want_s = reference_tree(head, tiny, feats, history, top_k, max_nodes, depth)
+        want_t, want_p, want_s = reference_tree(drafter.head, tiny, feats, history, top_k, max_nodes, depth)
     n = int(draft.num_nodes[0])
     assert draft.tokens[0, :n].tolist() == want_t
     assert draft.parents[0, :n].tolist() == want_p
@@ -269,7 +275,7 @@ def test_draft_vocab_tree_matches_the_node_by_node_reference(tiny, top_k, max_no
     assert drafter.draft_vocab.tolist() == sorted(vocab.tolist())
     with torch.inference_mode():
         draft, feats = propose_after(drafter, tiny, history, depth)
-        want_t, want_p, want_s = reference_tree(head, tiny, feats, history, top_k, max_nodes, depth, vocab)
+        want_t, want_p, want_s = reference_tree(drafter.head, tiny, feats, history, top_k, max_nodes, depth, vocab)
     n = int(draft.num_nodes[0])
     assert draft.tokens[0, :n].tolist() == want_t
     assert draft.parents[0, :n].tolist() == want_p

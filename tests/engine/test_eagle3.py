@@ -169,7 +169,8 @@ def test_fused_dynamic_tree_matches_the_node_by_node_reference(tiny, top_k, max_
         first = max(0, len(history) - 1 - drafter.context_window)
         drafter.observe_context([feats[first : len(history) - 1]], [first], [True])
         draft = drafter.propose([history], [depth], [True])
-        want_t, want_p, want_s = reference_tree(head, tiny, head.fuse_features(feats), history, top_k, max_nodes, depth)
+        h = drafter.head  # the head that drafts (the drafter's Q8_0 copy by default)
+        want_t, want_p, want_s = reference_tree(h, tiny, h.fuse_features(feats), history, top_k, max_nodes, depth)
     n = int(draft.num_nodes[0])
     assert draft.tokens[0, :n].tolist() == want_t and draft.parents[0, :n].tolist() == want_p
     torch.testing.assert_close(torch.tensor(drafter.path_logprobs[0]), torch.tensor(want_s), atol=1e-2, rtol=1e-3)

@@ -63,8 +63,10 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
+import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -77,7 +79,15 @@ from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
 from specdec_kernels.decoding.engine.adaptive import TreeBudget
-from specdec_kernels.decoding.model import Transformer, linear, rotate
+from specdec_kernels.decoding.model import (
+    FUSED_ENV,
+    LINEAR_ENV,
+    Transformer,
+    _linear_slots,
+    linear,
+    linear_path,
+    rotate,
+)
 
 FORMAT = 1
 FEATURE_LAYERS_FORMAT = 2  # the format of files of heads with feature_layers (format 1 readers would drop them)
@@ -177,6 +187,10 @@ class EagleHead(HeadFile):
         self.config: Dict = dict(config or {})
         self.source: Optional[str] = None  # the file it was loaded from (``load``), for messages
         self.token_ranking: Optional[torch.Tensor] = None
+        # the products' numerics (``decoding.model.linear``): "int8" takes 8-bit activations for
+        # the weights with a packed form (a ``quantized`` head's); not stored in files
+        self.numerics = "float32"
+        self._inv_freq: Optional[torch.Tensor] = None  # the rotary frequencies, made on first use
 
     def set_token_ranking(self, ranking: Union[torch.Tensor, Sequence[int], None]) -> None:
         """Store the training labels' tokens, most frequent first (None: forget them).
@@ -246,6 +260,52 @@ class EagleHead(HeadFile):
         wide.token_ranking, wide.source = self.token_ranking, self.source
         return wide.train(self.training)
 
+    MATRICES = ("fc", "wqkv", "wo", "w13", "w2", "fuse")  # the matrix-product weights (fuse: with feature layers)
+
+    def quantized(self) -> "EagleHead":
+        """A copy of this head (eval mode) whose matrix-product weights are rounded to ggml's Q8_0
+        form (``packed.quantize_scaled8``) and registered with their packed forms, so that a
+        draft step on a CPU streams 1.125 bytes per weight instead of 4 and, with
+        ``numerics = "int8"``, multiplies in 8-bit integers (``decoding.model.linear``).
+
+        The rounding changes the head's drafts slightly (a relative error of at most 1/254 of
+        a block's largest weight), never the output: the target verifies every draft.  Norms
+        and the bias stay float32; so does a matrix whose rounded form does not pack (a block
+        of weights below fp16's normal range).  ``self`` is not changed.
+
+        Returns:
+            The copy, with ``config["quantized"] = "q8_0"`` and the names of the rounded
+            matrices in ``quantized_matrices``.
+
+        Raises:
+            ValueError: the head is not float32 on CPU, or the C++ extension (the packed
+                products) is missing.
+        """
+        p = next(self.parameters())
+        if p.dtype != torch.float32 or p.device.type != "cpu" or not packed.has_kernel():
+            raise ValueError(
+                f"quantized() needs a float32 head on CPU and the C++ extension, got {p.dtype} on {p.device}"
+                + ("" if packed.has_kernel() else " without the extension")
+            )
+        # ordinary tensors even when called under inference mode: the packed registry stamps
+        # each weight with its version counter, which inference tensors lack
+        with torch.inference_mode(False), torch.no_grad():
+            out = copy.deepcopy(self).eval()
+            out.config = {**self.config, "quantized": "q8_0"}
+            out.quantized_matrices = []
+            for name in self.MATRICES:
+                w = getattr(out, name, None)
+                if w is None:
+                    continue
+                rounded = packed.quantize_scaled8(w)
+                form = packed.pack_weight(rounded)
+                if form is None:
+                    continue
+                w.copy_(rounded)
+                packed.register(w, form)
+                out.quantized_matrices.append(name)
+        return out
+
     # ------------------------------------------------------------------ the layer, in parts
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features as the H-wide feature the head reads: ``features`` (..., H)
@@ -266,12 +326,12 @@ class EagleHead(HeadFile):
         dt = self.fuse.dtype
         layers = features[..., H:].to(dt).unflatten(-1, (k, H))
         normed = F.rms_norm(layers, (H,), eps=self.eps) * self.feature_norms
-        return linear(torch.cat([features[..., :H].to(dt), normed.flatten(-2)], dim=-1), self.fuse)
+        return linear(torch.cat([features[..., :H].to(dt), normed.flatten(-2)], dim=-1), self.fuse, self.numerics)
 
     def inputs(self, features: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """u = fc [embedding; feature] + b: (..., H) from two (..., H) tensors."""
         dt = self.fc.dtype
-        return linear(torch.cat([embeddings.to(dt), features.to(dt)], dim=-1), self.fc) + self.fc_bias
+        return linear(torch.cat([embeddings.to(dt), features.to(dt)], dim=-1), self.fc, self.numerics) + self.fc_bias
 
     def project(self, u: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of u (B, M, H) at integer positions (B, M): q (B, M, nh,
@@ -279,12 +339,20 @@ class EagleHead(HeadFile):
         B, M, _ = u.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.rms_norm(u, (self.hidden_size,), self.attention_norm, self.eps)
-        q, k, v = linear(x, self.wqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        inv = self.rope_theta ** (-torch.arange(0, hd, 2, device=u.device, dtype=torch.float32) / hd)
+        q, k, v = linear(x, self.wqkv, self.numerics).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        cos, sin = self.rotary(positions, u.dtype)
+        return rotate(q.view(B, M, nh, hd), cos, sin), rotate(k.view(B, M, nkv, hd), cos, sin), v.view(B, M, nkv, hd)
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, M, 1, hd) in ``dtype`` of the rotary angles at integer positions (B, M)
+        (transformers' Llama layout: the hd / 2 frequencies twice)."""
+        hd, dev = self.head_dim, positions.device
+        inv = self._inv_freq
+        if inv is None or inv.device != dev:
+            inv = self._inv_freq = self.rope_theta ** (-torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd)
         ang = positions.to(torch.float32)[..., None] * inv  # (B, M, hd / 2)
         emb = torch.cat((ang, ang), dim=-1)[:, :, None, :]
-        cos, sin = emb.cos().to(u.dtype), emb.sin().to(u.dtype)
-        return rotate(q.view(B, M, nh, hd), cos, sin), rotate(k.view(B, M, nkv, hd), cos, sin), v.view(B, M, nkv, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of q (B, M, nh, hd) over keys / values (B, S, nkv, hd) where mask (B, M,
@@ -298,9 +366,10 @@ class EagleHead(HeadFile):
 
     def finish(self, u: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The layer's output g from its input u and the attention output (both (..., H))."""
-        a = u + linear(attn, self.wo)
-        gate, up = linear(F.rms_norm(a, (self.hidden_size,), self.ffn_norm, self.eps), self.w13).chunk(2, dim=-1)
-        return a + linear(F.silu(gate) * up, self.w2)
+        a = u + linear(attn, self.wo, self.numerics)
+        x = F.rms_norm(a, (self.hidden_size,), self.ffn_norm, self.eps)
+        gate, up = linear(x, self.w13, self.numerics).chunk(2, dim=-1)
+        return a + linear(F.silu(gate) * up, self.w2, self.numerics)
 
     def forward(
         self, features: torch.Tensor, embeddings: torch.Tensor, valid: Optional[torch.Tensor] = None
@@ -422,6 +491,11 @@ class EagleDrafter(Drafter):
             a sequence of token ids; None: the whole vocabulary.  Lossless either way:
             the target verifies every draft, and a chain's distribution (``chain_begin``)
             is the head's over the draft vocabulary, 0 elsewhere, which is what is sampled.
+        quantize_head: draft with ``head.quantized()``, a copy whose matrices are rounded to
+            Q8_0 and read packed (a CPU draft step streams about a quarter of the bytes; with
+            the model's ``numerics`` "int8", 8-bit products).  None (default): when the head
+            is float32 on CPU and the C++ extension is built; True: always (ValueError where
+            it cannot); False: never.  The head passed in is not changed.
 
     A sequence whose features do not reach its root (a one-token prompt's first step) gets
     no drafts.
@@ -433,12 +507,16 @@ class EagleDrafter(Drafter):
             of its draft, root (0.0) first.
         draft_vocab: None (the whole vocabulary) or (Vd,) int64 on the model's device, the
             draft vocabulary, ascending ids.
+        head: the head that drafts (with ``head_quantized``, the drafter's quantized copy).
+        head_quantized: whether it is ``head.quantized()`` (see ``quantize_head``).
 
     Raises:
         ValueError: a head whose hidden size differs from the model's; top_k, max_nodes or
             max_depth < 1; a draft_vocab that is not "auto", None, an int >= 1 or distinct
             ids inside the vocabulary, an int with a head that stores no ranking, or one
-            smaller than top_k.
+            smaller than top_k; quantize_head=True with a head that is not float32 on CPU or
+            without the C++ extension.
+        TypeError: quantize_head not None or a bool.
     """
 
     name = "eagle"
@@ -456,11 +534,20 @@ class EagleDrafter(Drafter):
         size_by_cost: bool = True,
         check_fingerprint: bool = True,
         draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto",
+        quantize_head: Optional[bool] = None,
     ):
         for name, v in (("top_k", top_k), ("max_nodes", max_nodes), ("max_depth", max_depth)):
             integer_at_least(name, v, 1)
+        if quantize_head is not None and not isinstance(quantize_head, bool):
+            raise TypeError(f"quantize_head must be None, True or False, got {quantize_head!r}")
         self.model = model
         self.head = EagleHead.for_target(head, model, check_fingerprint=check_fingerprint)
+        if quantize_head is None:
+            p = next(self.head.parameters())
+            quantize_head = p.dtype == torch.float32 and p.device.type == "cpu" and packed.has_kernel()
+        self.head_quantized = bool(quantize_head)
+        if self.head_quantized:
+            self.head = self.head.quantized()
         self.tree = bool(tree)
         self.top_k = int(top_k) if tree else 1
         self.max_nodes = int(max_nodes)
@@ -482,6 +569,7 @@ class EagleDrafter(Drafter):
         if self._W_draft.shape[0] < self.top_k:
             raise ValueError(f"top_k ({self.top_k}) exceeds the draft vocabulary ({self._W_draft.shape[0]} tokens)")
         self.name = "eagle-tree" if tree else "eagle"
+        self._fused_cache: Optional[tuple] = None  # (key, decoder_layer_native's weight arguments or None)
         self._reset(0)
 
     @property
@@ -542,6 +630,8 @@ class EagleDrafter(Drafter):
 
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
+        if self.head_quantized:  # our copy: its products follow the target's numerics
+            self.head.numerics = self.model.numerics
         self._reset(len(histories))
         if self.budget is not None:
             self.budget.start(len(histories))
@@ -603,6 +693,10 @@ class EagleDrafter(Drafter):
         run = [b for b in range(B) if depth[b] > 0]
         # the frontier width: top_k, or what the tree budget's latest choices can use
         R, k = len(run), self.top_k if self.budget is None else self.budget.width(run, self.top_k)
+        if not self.tree:
+            state = self._chain_start(run)
+            if state is not None:
+                return self._fused_chain(state, roots, run, depth, D)
         nkv, hd = head.num_kv_heads, head.head_dim
         ctx_k, ctx_v, ctx_ok, g = self._root_outputs(run)
         S = ctx_k.shape[1]
@@ -654,9 +748,114 @@ class EagleDrafter(Drafter):
             anc = anc.gather(1, slot[:, :, None].expand(R, k, anc.shape[2]))
         return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
 
+    def _fused_chain(self, state: dict, roots, run, depth, D: int) -> Draft:
+        """``propose``'s chain (top-1 at each depth) through ``_fused_step``: the pool of nodes
+        the tree loop builds with top_k = 1, handed to ``_select``."""
+        E = self.model.tok_embeddings.weight
+        R, dev = len(run), E.device
+        g, total = state["g"], torch.zeros(len(run), device=dev)
+        toks, scores = [torch.tensor([roots[b] for b in run], device=dev)], [total]
+        for d in range(1, D + 1):
+            top = torch.log_softmax(self._logits(g[:, 0]), dim=-1).topk(1, dim=-1)
+            total = total + top.values[:, 0]
+            toks.append(self._tokens(top.indices[:, 0]))
+            scores.append(total)
+            if d < D:
+                g = self._fused_step(state, self.head.inputs(g, E[toks[-1]][:, None]))
+        tok, score = torch.stack(toks, 1), torch.stack(scores, 1)
+        par = torch.arange(-1, D, device=dev).expand(R, D + 1)
+        dep = torch.arange(0, D + 1, device=dev).expand(R, D + 1)
+        return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
+
+    def _fused_layer(self) -> Optional[tuple]:
+        """``decoder_layer_native``'s weight arguments for the head's layer, or None where a chain
+        runs the head's Python ops: the one-call layer needs the extension, float32 CPU weights
+        and $SPECDEC_FUSED_LAYER not "0", as the target's layers do (``Block.fused_args``).
+        Cached while the weights, the head's numerics and the packed registry stay the same."""
+        head = self.head
+        ws = (head.wqkv, head.wo, head.w13, head.w2)
+        key = (
+            head.numerics,
+            packed.generation(),
+            os.environ.get(FUSED_ENV, ""),
+            os.environ.get(LINEAR_ENV, ""),
+            tuple(
+                (-1 if w.is_inference() else w._version, w.data_ptr(), w.dtype, w.device)
+                for w in ws + (head.attention_norm, head.ffn_norm)
+            ),
+        )
+        if self._fused_cache is not None and self._fused_cache[0] == key:
+            return self._fused_cache[1]
+        args = None
+        if (
+            os.environ.get(FUSED_ENV, "") != "0"
+            and packed.has_kernel("decoder_layer")
+            and all(
+                w.device.type == "cpu" and w.dtype == torch.float32 for w in ws + (head.attention_norm, head.ffn_norm)
+            )
+        ):
+            slots = [_linear_slots(linear_path(1, w, head.numerics), w) for w in ws]
+            args = ([t for _, ts, _ in slots for t in ts], [k for k, _, _ in slots], [o for _, _, o in slots])
+        self._fused_cache = (key, args)
+        return args
+
+    def _chain_start(self, run: List[int]) -> Optional[dict]:
+        """A chain's state for the sequences ``run`` when the head's layer runs in one native call
+        per draft step (``_fused_layer``), else None: their committed keys and values in
+        right-padded caches [R, nkv, S + max_depth, hd] with their lengths, and ``g``, the head's
+        output at each root (R, 1, H).  The root's own key and value are the last committed
+        ones; its step writes them again."""
+        fused = self._fused_layer()
+        if fused is None or any(self._keys[b].dtype != torch.float32 for b in run):
+            return None
+        head = self.head
+        n = [self._keys[b].shape[0] for b in run]
+        k_cache = torch.zeros(len(run), head.num_kv_heads, max(n) + self.max_depth, head.head_dim)
+        v_cache = torch.zeros_like(k_cache)
+        for r, b in enumerate(run):
+            k_cache[r, :, : n[r]] = self._keys[b].transpose(0, 1)
+            v_cache[r, :, : n[r]] = self._values[b].transpose(0, 1)
+        state = {
+            "fused": fused,
+            "k": k_cache,
+            "v": v_cache,
+            "lens": torch.tensor(n, dtype=torch.int32) - 1,
+            "ends": torch.tensor([self._end[b] for b in run]),
+            "depth": 0,
+        }
+        state["g"] = self._fused_step(state, torch.stack([self._root[b][0] for b in run])[:, None])
+        return state
+
+    def _fused_step(self, state: dict, u: torch.Tensor) -> torch.Tensor:
+        """The head's layer on one row per sequence, u (R, 1, H) at position end + depth, in one
+        ``decoder_layer_native`` call (the ops of ``project``, ``attend`` and ``finish``; the
+        row attends to the cache's first lens + 1 slots, its own written last): g (R, 1, H)."""
+        head = self.head
+        cos, sin = head.rotary((state["ends"] + state["depth"])[:, None], torch.float32)
+        g = torch.ops.specdec.decoder_layer_native(
+            u.contiguous(),
+            head.attention_norm,
+            head.ffn_norm,
+            head.eps,
+            cos,
+            sin,
+            state["k"],
+            state["v"],
+            state["lens"],
+            None,
+            None,
+            *state["fused"],
+            head.num_heads,
+            head.num_kv_heads,
+            packed.isa_code(None),
+        )
+        state["lens"] = state["lens"] + 1
+        state["depth"] += 1
+        return g
+
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
         """The head's logits over the draft vocabulary: (..., Vd) float32 from g (..., H)."""
-        return linear(g.to(self._W_draft.dtype), self._W_draft).float()
+        return linear(g.to(self._W_draft.dtype), self._W_draft, self.head.numerics).float()
 
     def _root_outputs(self, run: List[int]):
         """For the sequences ``run``: the committed keys and values (left-padded to the
@@ -686,8 +885,11 @@ class EagleDrafter(Drafter):
         if not self._chain_run:
             return probs, torch.zeros(B, dtype=torch.bool)
         with torch.inference_mode():
-            ctx_k, ctx_v, ctx_ok, g = self._root_outputs(self._chain_run)
-        self._chain = {"k": ctx_k, "v": ctx_v, "ok": ctx_ok, "g": g, "depth": 0}
+            self._chain = self._chain_start(self._chain_run)
+            if self._chain is None:
+                ctx_k, ctx_v, ctx_ok, g = self._root_outputs(self._chain_run)
+                self._chain = {"k": ctx_k, "v": ctx_v, "ok": ctx_ok, "g": g, "depth": 0}
+        g = self._chain["g"]
         probs[self._chain_run] = self._full(draft_distribution(self._logits(g[:, 0]), self.sampling)).cpu()
         return probs, torch.tensor(ready)
 
@@ -700,10 +902,15 @@ class EagleDrafter(Drafter):
         if not self._chain_run:
             return probs, torch.zeros(B, dtype=torch.bool)
         c = self._chain
-        c["depth"] += 1
-        d, run, head, E = c["depth"], self._chain_run, self.head, self.model.tok_embeddings.weight
+        run, head, E = self._chain_run, self.head, self.model.tok_embeddings.weight
         tok = tokens.to(E.device)[torch.tensor(run, device=E.device)]
         u = head.inputs(c["g"], E[tok][:, None])
+        if "fused" in c:  # one native call (``_chain_start``)
+            c["g"] = self._fused_step(c, u)
+            probs[run] = self._full(draft_distribution(self._logits(c["g"][:, 0]), self.sampling)).cpu()
+            return probs, torch.tensor([k >= c["depth"] for k in self._chain_ks])
+        c["depth"] += 1
+        d = c["depth"]
         q, k, v = head.project(u, torch.tensor([[self._end[b] + d] for b in run], device=E.device))
         c["k"], c["v"] = torch.cat([c["k"], k], 1), torch.cat([c["v"], v], 1)
         c["ok"] = torch.cat([c["ok"], torch.ones(len(run), 1, dtype=torch.bool, device=E.device)], 1)
