@@ -226,3 +226,35 @@ def test_one_call_chain_distributions_match_the_python_ops(tiny, monkeypatch):
     for p, q in zip(out["1"][0], out["0"][0]):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
     assert [f.tolist() for f in out["1"][1]] == [f.tolist() for f in out["0"][1]]
+
+
+# ---------------------------------------------------------------------------- features wait for a draft
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_steps_without_drafts_leave_the_features_pending(tiny, tree):
+    """A drafter asked for K = 0 ingests nothing; when it drafts again, its drafts equal those
+    of a drafter that ingested every step.  44 positions in blocks of 1-5 pass the head's
+    window (16), so blocks that fall out of it are dropped while they wait."""
+    head = random_head(window=16, scale=0.2, seed=5)
+    g = torch.Generator().manual_seed(5)
+    history = torch.randint(0, V, (45,), generator=g).tolist()
+    feats = final_hidden(tiny, history)
+    lazy, eager = (EagleDrafter(tiny, head, tree=tree, top_k=2, max_nodes=8, max_depth=4) for _ in range(2))
+    for d in (lazy, eager):
+        d.start([history[:3]], 256, SamplingParams(), None)
+    first, sizes, ingested = 0, [2, 5, 1, 3, 4, 5, 2, 5, 1, 4, 3, 5, 4], []
+    with torch.inference_mode():
+        for n in sizes:
+            h = history[: first + n + 1]
+            for d, k in ((lazy, 0), (eager, 1)):
+                d.observe_context([feats[first : first + n]], [first], [True])
+                d.propose([h], [k], [True])
+            ingested.append(lazy._end[0])
+            first += n
+        assert set(ingested) == {-1}  # nothing ingested while K = 0
+        assert len(lazy._pending[0]) < len(sizes)  # old blocks dropped
+        h = history[: first + 1]
+        a, b = lazy.propose([h], [4], [True]), eager.propose([h], [4], [True])
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert a.num_nodes.tolist() == b.num_nodes.tolist() and int(a.num_nodes[0]) > 1
+    assert lazy.path_logprobs == eager.path_logprobs
+    assert torch.equal(lazy._keys[0], eager._keys[0]) and lazy._end[0] == eager._end[0] == first - 1

@@ -625,7 +625,7 @@ class EagleDrafter(Drafter):
         self._keys: List[Optional[torch.Tensor]] = [None] * batch  # (n, nkv, hd) committed positions, last `window`
         self._values: List[Optional[torch.Tensor]] = [None] * batch
         self._end = [-1] * batch  # the last position in the cache
-        self._root: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * batch  # (u, q) of position end
+        self._root: List[Optional[torch.Tensor]] = [None] * batch  # (H,) the head's output at position end
         self._pending: List[List[Tuple[int, torch.Tensor]]] = [[] for _ in range(batch)]
 
     def start(self, histories, capacity, sampling, generators) -> None:
@@ -644,37 +644,75 @@ class EagleDrafter(Drafter):
                     self.budget.update(b, int(n))
 
     def observe_context(self, hidden, first_positions, active) -> None:
-        """Keep the committed positions' features until ``propose`` feeds them to the head's
-        cache (it needs the token that followed each, known by then)."""
+        """Keep the committed positions' features until a step that drafts feeds them to the
+        head's cache (it needs the token that followed each, known by then); blocks that lie
+        wholly before the newest ``window`` positions are dropped (the cache would drop them)."""
         for b, (rows, first, a) in enumerate(zip(hidden, first_positions, active)):
             if a and rows is not None and rows.shape[0]:
-                self._pending[b].append((int(first), rows.detach()))
+                pending = self._pending[b]
+                pending.append((int(first), rows.detach()))
+                oldest = int(first) + rows.shape[0] - self.head.window  # the oldest position still needed
+                while pending and pending[0][0] + pending[0][1].shape[0] <= oldest:
+                    pending.pop(0)
 
     def _ingest(self, b: int, history: Sequence[int]) -> bool:
         """Feed sequence b's pending features (positions up to its root's predecessor) to the
-        head's cache; True when the cache then ends just before the root."""
+        head's cache and compute the head's output at the last of them (the root query, which
+        every draft of the step starts from); True when the cache then ends just before the
+        root.  Called only when the sequence drafts: the features wait in ``_pending``
+        meanwhile.  Rows before the window that ends at the root's predecessor are skipped (a
+        row's key and value depend on that row alone, and the window would drop them).  With
+        ``_fused_layer`` the new rows run through the head's layer in one native call, else
+        through its Python ops."""
         root_pos = len(history) - 1
         E = self.model.tok_embeddings.weight
+        blocks, start = [], None
         for first, rows in self._pending[b]:
-            if first > self._end[b] + 1:  # a gap: start over from these rows
-                self._keys[b] = self._values[b] = None
-                self._end[b] = first - 1
+            lo = max(first, root_pos - self.head.window)
+            if lo > self._end[b] + 1:  # a gap, or nothing cached inside the window: start over
+                self._keys[b] = self._values[b] = self._root[b] = None
+                self._end[b] = lo - 1
+                blocks, start = [], None
             skip = self._end[b] + 1 - first
             rows = rows[max(0, skip) : max(0, root_pos - first)]
             if rows.shape[0] == 0:
                 continue
-            start = first + max(0, skip)
-            pos = torch.arange(start, start + rows.shape[0], device=E.device)
-            nxt = torch.tensor(history[start + 1 : start + 1 + rows.shape[0]], dtype=torch.int64, device=E.device)
-            u = self.head.inputs(self.head.fuse_features(rows.to(E.dtype)[None]), E[nxt][None])
-            q, k, v = self.head.project(u, pos[None])
-            keys = k[0] if self._keys[b] is None else torch.cat([self._keys[b], k[0]])
-            values = v[0] if self._values[b] is None else torch.cat([self._values[b], v[0]])
-            self._keys[b], self._values[b] = keys[-self.head.window :], values[-self.head.window :]
-            self._end[b] = start + rows.shape[0] - 1
-            self._root[b] = (u[0, -1], q[0, -1])
+            start = first + max(0, skip) if start is None else start
+            blocks.append(rows)
+            self._end[b] = first + max(0, skip) + rows.shape[0] - 1
         self._pending[b] = []
+        if blocks:
+            rows = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+            N = rows.shape[0]
+            nxt = torch.tensor(history[start + 1 : start + 1 + N], dtype=torch.int64, device=E.device)
+            u = self.head.inputs(self.head.fuse_features(rows.to(E.dtype)[None]), E[nxt][None])  # (1, N, H)
+            old = 0 if self._keys[b] is None else min(self._keys[b].shape[0], self.head.window - N)
+            fused = self._fused_layer() if E.dtype == torch.float32 else None
+            if fused is not None:
+                keys, values, g = self._fused_rows(b, u, start, old, fused)
+            else:
+                pos = torch.arange(start, start + N, device=E.device)
+                q, k, v = self.head.project(u, pos[None])
+                keys = k[0] if not old else torch.cat([self._keys[b][-old:], k[0]])
+                values = v[0] if not old else torch.cat([self._values[b][-old:], v[0]])
+                ok = torch.ones(1, 1, keys.shape[0], dtype=torch.bool, device=E.device)
+                g = self.head.finish(u[:, -1:], self.head.attend(q[:, -1:], keys[None], values[None], ok))
+            self._keys[b], self._values[b], self._root[b] = keys, values, g[0, -1]
         return self._end[b] == root_pos - 1 and self._root[b] is not None
+
+    def _fused_rows(self, b: int, u: torch.Tensor, start: int, old: int, fused: tuple):
+        """The head's layer over sequence b's new rows u (1, N, H) at positions start.. in one
+        ``decoder_layer_native`` call, after its last ``old`` committed keys: the committed
+        keys and values then ((old + N, nkv, hd) each) and the outputs (1, N, H)."""
+        head, N = self.head, u.shape[1]
+        k_cache = torch.empty(1, head.num_kv_heads, old + N, head.head_dim)
+        v_cache = torch.empty_like(k_cache)
+        if old:
+            k_cache[0, :, :old] = self._keys[b][-old:].transpose(0, 1)
+            v_cache[0, :, :old] = self._values[b][-old:].transpose(0, 1)
+        cos, sin = head.rotary(torch.arange(start, start + N)[None], torch.float32)
+        g = self._layer_call(u, cos, sin, k_cache, v_cache, torch.tensor([old], dtype=torch.int32), fused)
+        return k_cache[0].transpose(0, 1).contiguous(), v_cache[0].transpose(0, 1).contiguous(), g
 
     @torch.inference_mode()
     def propose(self, histories, num_draft_tokens, active) -> Draft:
@@ -682,7 +720,8 @@ class EagleDrafter(Drafter):
         roots = [h[-1] for h in histories]
         depth = [0] * B
         for b in range(B):
-            ready = self._ingest(b, histories[b]) if active[b] else False
+            # a sequence that drafts nothing this step leaves its features pending
+            ready = self._ingest(b, histories[b]) if active[b] and int(num_draft_tokens[b]) > 0 else False
             depth[b] = min(int(num_draft_tokens[b]), self.max_depth) if ready else 0
         D = max(depth)
         if D == 0:
@@ -803,8 +842,8 @@ class EagleDrafter(Drafter):
         """A chain's state for the sequences ``run`` when the head's layer runs in one native call
         per draft step (``_fused_layer``), else None: their committed keys and values in
         right-padded caches [R, nkv, S + max_depth, hd] with their lengths, and ``g``, the head's
-        output at each root (R, 1, H).  The root's own key and value are the last committed
-        ones; its step writes them again."""
+        output at each root (R, 1, H, from ``_ingest``); the first draft step is at position
+        end + 1."""
         fused = self._fused_layer()
         if fused is None or any(self._keys[b].dtype != torch.float32 for b in run):
             return None
@@ -819,39 +858,44 @@ class EagleDrafter(Drafter):
             "fused": fused,
             "k": k_cache,
             "v": v_cache,
-            "lens": torch.tensor(n, dtype=torch.int32) - 1,
+            "lens": torch.tensor(n, dtype=torch.int32),
             "ends": torch.tensor([self._end[b] for b in run]),
-            "depth": 0,
+            "depth": 1,
+            "g": torch.stack([self._root[b] for b in run])[:, None],
         }
-        state["g"] = self._fused_step(state, torch.stack([self._root[b][0] for b in run])[:, None])
         return state
 
     def _fused_step(self, state: dict, u: torch.Tensor) -> torch.Tensor:
         """The head's layer on one row per sequence, u (R, 1, H) at position end + depth, in one
         ``decoder_layer_native`` call (the ops of ``project``, ``attend`` and ``finish``; the
         row attends to the cache's first lens + 1 slots, its own written last): g (R, 1, H)."""
+        cos, sin = self.head.rotary((state["ends"] + state["depth"])[:, None], torch.float32)
+        g = self._layer_call(u, cos, sin, state["k"], state["v"], state["lens"], state["fused"])
+        state["lens"] = state["lens"] + 1
+        state["depth"] += 1
+        return g
+
+    def _layer_call(self, u, cos, sin, k_cache, v_cache, lens, fused) -> torch.Tensor:
+        """``decoder_layer_native`` with the head's layer: u (B, N, H) written after lens[b]
+        slots of the caches [B, nkv, S, hd], causal within the block: the outputs (B, N, H)."""
         head = self.head
-        cos, sin = head.rotary((state["ends"] + state["depth"])[:, None], torch.float32)
-        g = torch.ops.specdec.decoder_layer_native(
+        return torch.ops.specdec.decoder_layer_native(
             u.contiguous(),
             head.attention_norm,
             head.ffn_norm,
             head.eps,
             cos,
             sin,
-            state["k"],
-            state["v"],
-            state["lens"],
+            k_cache,
+            v_cache,
+            lens,
             None,
             None,
-            *state["fused"],
+            *fused,
             head.num_heads,
             head.num_kv_heads,
             packed.isa_code(None),
         )
-        state["lens"] = state["lens"] + 1
-        state["depth"] += 1
-        return g
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
         """The head's logits over the draft vocabulary: (..., Vd) float32 from g (..., H)."""
@@ -860,7 +904,7 @@ class EagleDrafter(Drafter):
     def _root_outputs(self, run: List[int]):
         """For the sequences ``run``: the committed keys and values (left-padded to the
         longest, (R, S, nkv, hd)), their validity (R, S) and the head's output at each root
-        query (R, 1, H)."""
+        query (R, 1, H), computed by ``_ingest``."""
         head, E = self.head, self.model.tok_embeddings.weight
         R, S = len(run), max(self._keys[b].shape[0] for b in run)
         ctx_k = torch.zeros(R, S, head.num_kv_heads, head.head_dim, dtype=E.dtype, device=E.device)
@@ -869,16 +913,14 @@ class EagleDrafter(Drafter):
         for r, b in enumerate(run):
             n = self._keys[b].shape[0]
             ctx_k[r, S - n :], ctx_v[r, S - n :], ctx_ok[r, S - n :] = self._keys[b], self._values[b], True
-        u0 = torch.stack([self._root[b][0] for b in run])[:, None]
-        q0 = torch.stack([self._root[b][1] for b in run])[:, None]
-        return ctx_k, ctx_v, ctx_ok, head.finish(u0, head.attend(q0, ctx_k, ctx_v, ctx_ok[:, None]))
+        return ctx_k, ctx_v, ctx_ok, torch.stack([self._root[b] for b in run])[:, None]
 
     # ------------------------------------------------------------------ chain distributions
     @torch.inference_mode()
     def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
         """The head's distribution of the first draft token (``Drafter.chain_begin``)."""
         B = len(histories)
-        ready = [bool(active[b]) and self._ingest(b, histories[b]) and int(num_draft_tokens[b]) >= 1 for b in range(B)]
+        ready = [bool(active[b]) and int(num_draft_tokens[b]) >= 1 and self._ingest(b, histories[b]) for b in range(B)]
         self._chain_ks = [min(int(k), self.max_depth) if r else 0 for k, r in zip(num_draft_tokens, ready)]
         self._chain_run = [b for b in range(B) if ready[b]]
         probs = torch.zeros(B, vocab_size)
