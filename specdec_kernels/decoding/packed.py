@@ -161,13 +161,16 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
 
 def quantize_scaled8(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` rounded to ggml's Q8_0 form: per block of 32 inputs of one output row, the
-    scale ``d`` = amax / 127 rounded to fp16 and codes ``q`` = round(w / d) in [-127, 127]; the
-    result ``q * d`` as float32, which ``pack_weight`` finds exact (the scaled8 form).
+    scale ``d`` = amax / 127 rounded to fp16 (up to the next fp16 value where rounding to
+    nearest would give amax a code past 127, so that no code clamps) and codes ``q`` = round(w / d) in
+    [-127, 127]; the result ``q * d`` as float32.  ``pack_weight`` finds it exact (the scaled8
+    form) wherever the largest code is 127, which holds unless amax / 127 lies below fp16's
+    normal range (6.1e-5), where fp16 scales are coarse.
 
     Used for weights we choose to store in 8 bits (an EAGLE head drafting on CPU:
-    ``EagleHead.quantized``), never for the target's: the rounding changes the products.  The
-    relative error of an element is at most half a code step, 1/254 of its block's largest
-    magnitude.
+    ``EagleHead.quantized``), never for the target's: the rounding changes the products.  An
+    element moves by at most half a code step, d / 2: 1/254 of its block's largest magnitude up
+    to d's fp16 rounding (2^-11 relative) in fp16's normal range, more below it.
 
     Args:
         weight: float32 [O, I], I a multiple of 32, finite, every block's largest magnitude
@@ -194,7 +197,10 @@ def quantize_scaled8(weight: torch.Tensor) -> torch.Tensor:
             raise ValueError("quantize_scaled8: weight has non-finite elements")
         O, I = w.shape
         blocks = w.reshape(O, I // BLOCK, BLOCK)
-        d = _fp16_scale(blocks.abs().amax(-1, keepdim=True) / 127)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        d16 = (amax / 127).to(torch.float16)
+        low = amax >= d16.float() * 127.5  # amax's code would round past 127: the next fp16 scale up
+        d = torch.where(low, torch.nextafter(d16, torch.full_like(d16, float("inf"))), d16).float()
         if not bool(torch.isfinite(d).all()):
             raise ValueError("quantize_scaled8: a block of weight is too large for an fp16 scale (|w| > 127 x 65504)")
         safe = torch.where(d > 0, d, torch.ones_like(d))

@@ -93,6 +93,9 @@ FORMAT = 1
 FEATURE_LAYERS_FORMAT = 2  # the format of files of heads with feature_layers (format 1 readers would drop them)
 KIND = "eagle-head"  # config["kind"] of the files ``EagleHead.save`` writes
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "eagle" / "smollm2-135m-instruct.pt"
+# the most new rows the head's one-call layer takes whole when a step ingests them (their
+# outputs but the last are not needed: a longer block computes its keys with ``project``)
+FUSED_INGEST_ROWS = 8
 
 
 class EagleHead(HeadFile):
@@ -268,10 +271,11 @@ class EagleHead(HeadFile):
         draft step on a CPU streams 1.125 bytes per weight instead of 4 and, with
         ``numerics = "int8"``, multiplies in 8-bit integers (``decoding.model.linear``).
 
-        The rounding changes the head's drafts slightly (a relative error of at most 1/254 of
-        a block's largest weight), never the output: the target verifies every draft.  Norms
-        and the bias stay float32; so does a matrix whose rounded form does not pack (a block
-        of weights below fp16's normal range).  ``self`` is not changed.
+        The rounding changes the head's drafts slightly (a weight moves by at most about 1/254
+        of its block's largest), never the output: the target verifies every draft.  Norms
+        and the bias stay float32; so does a matrix whose rounded form does not pack (one with
+        a block whose largest magnitude is below 127 x 6.1e-5, fp16's normal range, where the
+        rounded scale may leave its largest code below 127).  ``self`` is not changed.
 
         Returns:
             The copy, with ``config["quantized"] = "q8_0"`` and the names of the rounded
@@ -703,15 +707,24 @@ class EagleDrafter(Drafter):
     def _fused_rows(self, b: int, u: torch.Tensor, start: int, old: int, fused: tuple):
         """The head's layer over sequence b's new rows u (1, N, H) at positions start.. in one
         ``decoder_layer_native`` call, after its last ``old`` committed keys: the committed
-        keys and values then ((old + N, nkv, hd) each) and the outputs (1, N, H)."""
+        keys and values then ((old + N, nkv, hd) each) and the outputs of the rows the call
+        ran ((1, M, H), the last row's last).  Only the last row's output is used: beyond
+        ``FUSED_INGEST_ROWS`` rows (a prompt, a long run of steps without drafts) the others
+        get their keys and values from ``project`` alone instead of the whole layer."""
         head, N = self.head, u.shape[1]
         k_cache = torch.empty(1, head.num_kv_heads, old + N, head.head_dim)
         v_cache = torch.empty_like(k_cache)
         if old:
             k_cache[0, :, :old] = self._keys[b][-old:].transpose(0, 1)
             v_cache[0, :, :old] = self._values[b][-old:].transpose(0, 1)
-        cos, sin = head.rotary(torch.arange(start, start + N)[None], torch.float32)
-        g = self._layer_call(u, cos, sin, k_cache, v_cache, torch.tensor([old], dtype=torch.int32), fused)
+        lead = N - 1 if N > FUSED_INGEST_ROWS else 0
+        if lead:
+            _, k, v = head.project(u[:, :lead], torch.arange(start, start + lead)[None])
+            k_cache[0, :, old : old + lead] = k[0].transpose(0, 1)
+            v_cache[0, :, old : old + lead] = v[0].transpose(0, 1)
+        cos, sin = head.rotary(torch.arange(start + lead, start + N)[None], torch.float32)
+        lens = torch.tensor([old + lead], dtype=torch.int32)
+        g = self._layer_call(u[:, lead:], cos, sin, k_cache, v_cache, lens, fused)
         return k_cache[0].transpose(0, 1).contiguous(), v_cache[0].transpose(0, 1).contiguous(), g
 
     @torch.inference_mode()
@@ -869,6 +882,10 @@ class EagleDrafter(Drafter):
         """The head's layer on one row per sequence, u (R, 1, H) at position end + depth, in one
         ``decoder_layer_native`` call (the ops of ``project``, ``attend`` and ``finish``; the
         row attends to the cache's first lens + 1 slots, its own written last): g (R, 1, H)."""
+        if int(state["lens"].max()) >= state["k"].shape[2]:  # extended past max_depth (an ensemble's longer
+            # chain keeps asking, as the Python ops allow): room for max_depth more steps
+            more = torch.zeros(*state["k"].shape[:2], self.max_depth, state["k"].shape[3])
+            state["k"], state["v"] = torch.cat([state["k"], more], 2), torch.cat([state["v"], more], 2)
         cos, sin = self.head.rotary((state["ends"] + state["depth"])[:, None], torch.float32)
         g = self._layer_call(u, cos, sin, state["k"], state["v"], state["lens"], state["fused"])
         state["lens"] = state["lens"] + 1
