@@ -304,6 +304,45 @@ def _linear_slots(path: str, weight: torch.Tensor) -> Tuple[int, List[Optional[t
     return (2 if path == "rowwise" else 3), [weight, None, None], O
 
 
+def fused_layer_args(
+    owner, weights: Sequence[torch.Tensor], numerics: str, rows: int, norms: Sequence[torch.Tensor] = ()
+) -> Optional[tuple]:
+    """The weight arguments of ``decoder_layer_native`` for a layer whose linears are ``weights``
+    (wqkv, wo, w13, w2) in a pass of ``rows`` tokens per sequence, or None where the layer runs
+    its Python ops: the fused call needs the extension, float32 CPU weights (and ``norms``), at
+    most ``ROW_INDEPENDENT_ROWS`` tokens, and $SPECDEC_FUSED_LAYER not "0".  Cached on ``owner``
+    (a target layer, an EAGLE drafter) while the weights, the numerics and the packed registry
+    stay the same."""
+    checked = tuple(weights) + tuple(norms)
+    key = (
+        numerics,
+        rows <= ROW_INDEPENDENT_ROWS,
+        packed.generation(),
+        os.environ.get(LINEAR_ENV, ""),
+        os.environ.get(FUSED_ENV, ""),
+        tuple((-1 if w.is_inference() else w._version, w.data_ptr(), w.dtype, w.device) for w in checked),
+    )
+    cached = getattr(owner, "_fused_cache", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    args = None
+    usable = (
+        rows <= ROW_INDEPENDENT_ROWS
+        and os.environ.get(FUSED_ENV, "") != "0"
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in checked)
+        and packed.has_kernel("decoder_layer")
+    )
+    if usable:
+        slots = [_linear_slots(linear_path(rows, w, numerics), w) for w in weights]
+        args = (
+            [t for _, ts, _ in slots for t in ts],
+            [k for k, _, _ in slots],
+            [o for _, _, o in slots],
+        )
+    owner._fused_cache = (key, args)
+    return args
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -376,37 +415,10 @@ class Block(nn.Module):
 
     def fused_args(self, rows: int) -> Optional[tuple]:
         """The weight arguments of ``decoder_layer_native`` for a pass of ``rows`` tokens per
-        sequence, or None where the layer runs its Python ops: the fused call needs the extension,
-        float32 CPU weights, at most ``ROW_INDEPENDENT_ROWS`` tokens, and $SPECDEC_FUSED_LAYER not
-        "0".  Cached while the weights, the numerics and the packed registry stay the same."""
-        weights = (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight)
-        key = (
-            self.numerics,
-            rows <= ROW_INDEPENDENT_ROWS,
-            packed.generation(),
-            os.environ.get(LINEAR_ENV, ""),
-            os.environ.get(FUSED_ENV, ""),
-            tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in weights),
+        sequence, or None where the layer runs its Python ops (``fused_layer_args``)."""
+        return fused_layer_args(
+            self, (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight), self.numerics, rows
         )
-        cached = getattr(self, "_fused_cache", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        args = None
-        usable = (
-            rows <= ROW_INDEPENDENT_ROWS
-            and os.environ.get(FUSED_ENV, "") != "0"
-            and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights)
-            and packed.has_kernel("decoder_layer")
-        )
-        if usable:
-            slots = [_linear_slots(linear_path(rows, w, self.numerics), w) for w in weights]
-            args = (
-                [t for _, ts, _ in slots for t in ts],
-                [k for k, _, _ in slots],
-                [o for _, _, o in slots],
-            )
-        self._fused_cache = (key, args)
-        return args
 
     def forward(self, x, cos, sin, layer_cache, write, cache_seqlens, tree_mask, backend, block_table=None):
         B, N, _ = x.shape

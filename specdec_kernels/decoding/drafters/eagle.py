@@ -66,7 +66,6 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -79,15 +78,7 @@ from specdec_kernels.decoding import packed
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
 from specdec_kernels.decoding.engine.adaptive import TreeBudget
-from specdec_kernels.decoding.model import (
-    FUSED_ENV,
-    LINEAR_ENV,
-    Transformer,
-    _linear_slots,
-    linear,
-    linear_path,
-    rotate,
-)
+from specdec_kernels.decoding.model import Transformer, fused_layer_args, linear, rotate
 
 FORMAT = 1
 FEATURE_LAYERS_FORMAT = 2  # the format of files of heads with feature_layers (format 1 readers would drop them)
@@ -573,7 +564,6 @@ class EagleDrafter(Drafter):
         if self._W_draft.shape[0] < self.top_k:
             raise ValueError(f"top_k ({self.top_k}) exceeds the draft vocabulary ({self._W_draft.shape[0]} tokens)")
         self.name = "eagle-tree" if tree else "eagle"
-        self._fused_cache: Optional[tuple] = None  # (key, decoder_layer_native's weight arguments or None)
         self._reset(0)
 
     @property
@@ -820,36 +810,13 @@ class EagleDrafter(Drafter):
         return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
 
     def _fused_layer(self) -> Optional[tuple]:
-        """``decoder_layer_native``'s weight arguments for the head's layer, or None where a chain
-        runs the head's Python ops: the one-call layer needs the extension, float32 CPU weights
-        and $SPECDEC_FUSED_LAYER not "0", as the target's layers do (``Block.fused_args``).
-        Cached while the weights, the head's numerics and the packed registry stay the same."""
+        """``decoder_layer_native``'s weight arguments for the head's layer (one row per sequence
+        and step), or None where it runs the head's Python ops: the target layers' rule
+        (``model.fused_layer_args``), the norms float32 on CPU too."""
         head = self.head
-        ws = (head.wqkv, head.wo, head.w13, head.w2)
-        key = (
-            head.numerics,
-            packed.generation(),
-            os.environ.get(FUSED_ENV, ""),
-            os.environ.get(LINEAR_ENV, ""),
-            tuple(
-                (-1 if w.is_inference() else w._version, w.data_ptr(), w.dtype, w.device)
-                for w in ws + (head.attention_norm, head.ffn_norm)
-            ),
+        return fused_layer_args(
+            self, (head.wqkv, head.wo, head.w13, head.w2), head.numerics, 1, norms=(head.attention_norm, head.ffn_norm)
         )
-        if self._fused_cache is not None and self._fused_cache[0] == key:
-            return self._fused_cache[1]
-        args = None
-        if (
-            os.environ.get(FUSED_ENV, "") != "0"
-            and packed.has_kernel("decoder_layer")
-            and all(
-                w.device.type == "cpu" and w.dtype == torch.float32 for w in ws + (head.attention_norm, head.ffn_norm)
-            )
-        ):
-            slots = [_linear_slots(linear_path(1, w, head.numerics), w) for w in ws]
-            args = ([t for _, ts, _ in slots for t in ts], [k for k, _, _ in slots], [o for _, _, o in slots])
-        self._fused_cache = (key, args)
-        return args
 
     def _chain_start(self, run: List[int]) -> Optional[dict]:
         """A chain's state for the sequences ``run`` when the head's layer runs in one native call
