@@ -40,3 +40,19 @@ def final_hidden(model, ids, layers=()):
             hidden_layers=layers,
         )
     return h[0]
+
+
+def committed(drafter, model, histories, layers=()):
+    """Start a drafter with a context window on ``histories`` and hand it each sequence's
+    committed features (teacher forcing: the last ``context_window`` positions before its root),
+    as the engine does after a prefill; returns each sequence's features of every position
+    (``final_hidden`` with ``layers``)."""
+    from specdec_kernels.decoding import SamplingParams
+
+    drafter.start(histories, 256, SamplingParams(), None)
+    feats = [final_hidden(model, h, layers) for h in histories]
+    firsts = [max(0, len(h) - 1 - drafter.context_window) for h in histories]
+    drafter.observe_context(
+        [f[first : len(h) - 1] for f, first, h in zip(feats, firsts, histories)], firsts, [True] * len(histories)
+    )
+    return feats

@@ -19,7 +19,7 @@ from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import TrainingOptions, label_ranking
-from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
+from tests.engine.heads import HIDDEN, PROMPTS, committed, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
@@ -220,10 +220,7 @@ def reference_tree(head, model, feats, history, top_k, max_nodes, depth, vocab=N
 
 def propose_after(drafter, model, history, k):
     """Propose for one sequence whose committed features come from teacher forcing."""
-    feats = final_hidden(model, history)
-    drafter.start([history], 256, SamplingParams(), None)
-    first = max(0, len(history) - 1 - drafter.context_window)
-    drafter.observe_context([feats[first : len(history) - 1]], [first], [True])
+    (feats,) = committed(drafter, model, [history])
     return drafter.propose([history], [k], [True]), feats
 
 

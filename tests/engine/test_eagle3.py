@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_kernels.decoding import MultiDrafter, SamplingParams, SpeculativeDecoder
+from specdec_kernels.decoding import MultiDrafter, SpeculativeDecoder
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.files import BadFileError
-from tests.engine.heads import HIDDEN, PROMPTS, tiny  # noqa: F401 (fixture)
+from tests.engine.heads import HIDDEN, PROMPTS, committed, tiny  # noqa: F401 (fixture)
 from tests.engine.heads import final_hidden as wide_hidden
 from tests.engine.test_eagle import random_head, reference_tree, rms
 from tests.engine.tiny import V, tiny_llama
@@ -163,11 +163,8 @@ def test_fused_dynamic_tree_matches_the_node_by_node_reference(tiny, top_k, max_
     history = torch.randint(0, V, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     drafter = EagleDrafter(tiny, head, tree=top_k > 1, top_k=top_k, max_nodes=max_nodes, max_depth=8)
     assert drafter.feature_layers == layers
-    feats = wide_hidden(tiny, history, layers)
     with torch.inference_mode():
-        drafter.start([history], 256, SamplingParams(), None)
-        first = max(0, len(history) - 1 - drafter.context_window)
-        drafter.observe_context([feats[first : len(history) - 1]], [first], [True])
+        (feats,) = committed(drafter, tiny, [history], layers)
         draft = drafter.propose([history], [depth], [True])
         h = drafter.head  # the head that drafts (the drafter's Q8_0 copy by default)
         want_t, want_p, want_s = reference_tree(h, tiny, h.fuse_features(feats), history, top_k, max_nodes, depth)

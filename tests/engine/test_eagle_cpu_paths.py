@@ -16,7 +16,7 @@ import torch
 from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, packed
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.model import FUSED_ENV, linear_path
-from tests.engine.heads import PROMPTS, final_hidden, tiny  # noqa: F401 (fixture)
+from tests.engine.heads import PROMPTS, committed, final_hidden, tiny  # noqa: F401 (fixture)
 from tests.engine.test_eagle import random_head, tiny_rows, trained  # noqa: F401 (fixtures)
 from tests.engine.tiny import V
 
@@ -179,18 +179,6 @@ def test_greedy_equals_plain_greedy_with_the_quantized_head(tiny, trained, tree,
 
 
 # ---------------------------------------------------------------------------- the one-call chain step
-def committed(drafter, model, histories):
-    """Start ``drafter`` on ``histories`` with every committed feature handed over (teacher forcing)."""
-    drafter.start(histories, 256, SamplingParams(), None)
-    feats, firsts = [], []
-    for h in histories:
-        f = final_hidden(model, h)
-        first = max(0, len(h) - 1 - drafter.context_window)
-        feats.append(f[first : len(h) - 1])
-        firsts.append(first)
-    drafter.observe_context(feats, firsts, [True] * len(histories))
-
-
 def histories_for(seed):
     """A ragged batch: 2, 9 and 30 tokens (30 exceeds the head's window of 16)."""
     g = torch.Generator().manual_seed(seed)
