@@ -647,6 +647,14 @@ def _register_builtin() -> None:
     eagle("eagle-tree-32", "EAGLE head, dynamic tree top-6, 32 nodes", k=tree_k, default=False, top_k=6, max_nodes=32)
     eagle("eagle-adaptive", "EAGLE head chain", k_max=eagle_k, tree=False)
     eagle(
+        "eagle-adaptive-sized",
+        "EAGLE head chain, cut by the measured pass cost",
+        k_max=eagle_k,
+        default=False,
+        tree=False,
+        size_by_cost=True,
+    )
+    eagle(
         "eagle-tree-sized",
         "EAGLE head, dynamic tree top-10, nodes sized by the measured pass cost (<= 64)",
         k_max=tree_k,

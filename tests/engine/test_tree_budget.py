@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec_kernels.decoding import SpeculativeDecoder
+from specdec_kernels.decoding import SpeculativeDecoder, packed
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget, best_tree_size
 from tests.engine.test_eagle import random_head
@@ -118,3 +118,54 @@ def test_eagle_tree_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, exp
         assert max(drafted) == 16
         assert set(widths) == {4}
     assert drafter.budget.cost is None  # handed back after the run
+
+
+def test_chain_wants_more_by_hand():
+    """A chain drafts deeper while the rule keeps every node so far: on the CPU curve the
+    best n for VALUES is 4 (3 drafts), so 3 values want a 4th and 4 values want no 5th."""
+    budget = TreeBudget(max_nodes=16)
+    budget.start(1)
+    assert budget.wants_more(0, VALUES[:4])  # no cost known: draft on
+    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: cpu_curve(n))
+    assert budget.wants_more(0, VALUES[:1]) and budget.wants_more(0, VALUES[:3])
+    assert not budget.wants_more(0, VALUES[:4]) and not budget.wants_more(0, VALUES)
+    # a flat cost keeps every node; the node budget stops the chain
+    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: [1.0] * (n + 1))
+    assert budget.wants_more(0, VALUES)
+    assert not TreeBudget(max_nodes=4).wants_more(0, VALUES[:3])
+
+
+@pytest.mark.parametrize(
+    "verify_cost, expect_short", [((1.0, 0.5), True), ((1.0, 0.0), False)], ids=["steep-cpu", "flat-gpu"]
+)
+def test_eagle_chain_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, expect_short):
+    """``EagleDrafter(tree=False, size_by_cost=True)``: a steep pass cost cuts the chain (and
+    the draft steps stop at the first node it would not keep), a flat one drafts what the
+    unsized chain drafts; the output is plain greedy either way.  Without size_by_cost a
+    chain has no budget."""
+    _, model = tiny
+    plain = SpeculativeDecoder(model).generate(PROMPTS, 12, 0).tokens
+    nodes, steps = {}, {}
+    for sized in (False, True):
+        drafter = EagleDrafter(model, random_head(), tree=False, size_by_cost=sized, check_fingerprint=False)
+        assert (drafter.budget is not None) == sized
+        policy = CostModelPolicy(4, 4, warmup=0, explore_every=0, draft_cost=(0.0, 0.01), verify_cost=verify_cost)
+        seen = nodes[sized] = []
+        real_step, calls = drafter._fused_step, steps.setdefault(sized, [])
+        drafter._fused_step = lambda *a, real_step=real_step, calls=calls: calls.append(1) or real_step(*a)
+        out = SpeculativeDecoder(model, drafter).generate(
+            PROMPTS,
+            12,
+            policy,
+            on_step=lambda st, d=drafter, seen=seen: seen.append([len(p) for p in getattr(d, "path_logprobs", [])]),
+        )
+        assert out.tokens == plain
+    if expect_short:
+        flat = [n for step in nodes[True] for n in step]
+        assert max(flat) < 5 and max(flat) < max(n for step in nodes[False] for n in step)
+        if packed.has_kernel("decoder_layer"):  # the one-call chain steps (the early stop's path)
+            assert len(steps[True]) < len(steps[False])  # the head stopped drafting early
+    else:
+        assert nodes[True] == nodes[False] and len(steps[True]) == len(steps[False])
+    with pytest.raises(TypeError, match="size_by_cost"):
+        EagleDrafter(model, random_head(), size_by_cost="yes")

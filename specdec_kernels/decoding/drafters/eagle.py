@@ -468,13 +468,15 @@ class EagleDrafter(Drafter):
         tree: draft EAGLE-2's dynamic tree; False: a chain (the head's argmax at each depth).
         top_k: nodes expanded per depth and children per expanded node (tree only).
         max_nodes: the tree's largest node budget, root included (tree only).
-        size_by_cost: (tree only) each step, keep per sequence the number of nodes that
-            maximises expected tokens per second (``adaptive.TreeBudget``: EAGLE-2's rule,
-            the expected accepted length as the sum of the kept nodes' path probabilities,
-            scaled by the acceptance this drafter measures as it runs, against the step cost
-            by node count that the engine's cost-model policy measured on this machine),
-            at most ``max_nodes``; without a cost-model policy ``max_nodes``.  False: always
-            ``max_nodes``.
+        size_by_cost: each step, keep per sequence the number of nodes that maximises
+            expected tokens per second (``adaptive.TreeBudget``: EAGLE-2's rule, the expected
+            accepted length as the sum of the kept nodes' path probabilities, scaled by the
+            acceptance this drafter measures as it runs, against the step cost by node count
+            that the engine's cost-model policy measured on this machine), at most
+            ``max_nodes``; without a cost-model policy ``max_nodes``.  A chain sized so stops
+            drafting at the first node it would not keep (no deeper one would be kept) and
+            verifies only the nodes before it.  None (default): trees are sized, chains are
+            not; True: both; False: neither (a tree keeps ``max_nodes``, a chain its K).
         max_depth: the deepest draft; the engine's K (``num_draft_tokens``) caps it further.
         check_fingerprint: warn when the head was trained on another model.
         draft_vocab: the tokens the head may draft (FR-Spec, Zhao et al. 2025; EAGLE-3's
@@ -526,7 +528,7 @@ class EagleDrafter(Drafter):
         top_k: int = 10,
         max_nodes: int = 64,
         max_depth: int = 7,
-        size_by_cost: bool = True,
+        size_by_cost: Optional[bool] = None,
         check_fingerprint: bool = True,
         draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto",
         quantize_head: Optional[bool] = None,
@@ -547,7 +549,10 @@ class EagleDrafter(Drafter):
         self.top_k = int(top_k) if tree else 1
         self.max_nodes = int(max_nodes)
         self.max_depth = int(max_depth)
-        self.budget = TreeBudget(self.max_nodes) if self.tree and size_by_cost else None
+        if size_by_cost is not None and not isinstance(size_by_cost, bool):
+            raise TypeError(f"size_by_cost must be None, True or False, got {size_by_cost!r}")
+        sized = self.tree if size_by_cost is None else size_by_cost
+        self.budget = TreeBudget(self.max_nodes) if sized else None
         self.context_window = self.head.window  # the engine hands over the committed positions' features
         self.feature_layers = self.head.feature_layers  # and, for an EAGLE-3 head, these layers' outputs
         W_out = model.output.weight
@@ -802,12 +807,26 @@ class EagleDrafter(Drafter):
             total = total + top.values[:, 0]
             toks.append(self._tokens(top.indices[:, 0]))
             scores.append(total)
+            if d < D and not self._chain_wants_more(run, depth, torch.stack(scores[1:], 1)):
+                D = d  # no sequence would keep a deeper node
             if d < D:
                 g = self._fused_step(state, self.head.inputs(g, E[toks[-1]][:, None]))
+            else:
+                break
         tok, score = torch.stack(toks, 1), torch.stack(scores, 1)
         par = torch.arange(-1, D, device=dev).expand(R, D + 1)
         dep = torch.arange(0, D + 1, device=dev).expand(R, D + 1)
         return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
+
+    def _chain_wants_more(self, run: List[int], depth: List[int], scores: torch.Tensor) -> bool:
+        """Whether any running sequence whose chain may go deeper than its nodes so far
+        (scores (R, d): their log path probabilities) would keep a deeper node
+        (``TreeBudget.wants_more``); True without a budget."""
+        if self.budget is None:
+            return True
+        d = scores.shape[1]
+        values = scores.exp().tolist()
+        return any(depth[b] > d and self.budget.wants_more(b, values[r]) for r, b in enumerate(run))
 
     def _fused_layer(self) -> Optional[tuple]:
         """``decoder_layer_native``'s weight arguments for the head's layer (one row per sequence

@@ -181,6 +181,26 @@ class TreeBudget:
         self.last_nodes[b] = n
         return n
 
+    def wants_more(self, b: int, values: Sequence[float]) -> bool:
+        """Whether a chain of sequence b whose nodes so far have the path probabilities
+        ``values`` (non-increasing) is worth drafting deeper: True while ``choose`` would keep
+        every one of them (or without a cost to weigh them against).  A deeper node's value is
+        at most the last one's, and the expected tokens over a step time convex in the nodes
+        (a line, or the CPU's flat-then-steep curve) rise and then fall (a concave sum over a
+        convex cost), so once a node is not kept no deeper one would be.  False too where a
+        deeper node would exceed ``max_nodes``."""
+        cap = len(values) + 1
+        if cap >= self.max_nodes:  # a deeper node would not fit
+            return False
+        times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
+        if times is None:
+            return True
+        c = self.calibration(b)
+        scaled = [min(1.0, c * float(v)) for v in values]
+        for i in range(1, len(scaled)):
+            scaled[i] = min(scaled[i], scaled[i - 1])
+        return best_tree_size(scaled, times, min(self.min_nodes, cap)) == cap
+
     def width(self, rows: Sequence[int], top_k: int) -> int:
         """How many nodes a tree drafter need expand per depth for the sequences ``rows``:
         the best n - 1 nodes by path probability lie among the n - 1 best of each depth, each
