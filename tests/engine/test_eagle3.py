@@ -335,6 +335,93 @@ def test_trainer_layer_outputs_are_each_sequences_own(tiny, tiny_data, tmp_path,
         train_eagle.layer_outputs(tiny, tiny_data, (), None)
 
 
+def test_layers_recorded_with_the_data_are_the_teacher_forced_ones(tiny, tiny_data):
+    """``generate_data(feature_layers=...)``: the same text and final hidden states (bits) as
+    without, each row followed by the layers' outputs of the teacher-forced pass
+    (``layer_outputs``); ``feature_rows`` of it equals the rows with those outputs appended."""
+    layers = (2, 0)
+    prompts = [t[:n] for t, n in zip(tiny_data.tokens, tiny_data.prompt_lengths)]
+    with torch.inference_mode():
+        wide = train_data.generate_data(tiny, prompts, 9, 4, [], "tiny", feature_layers=layers)
+    assert wide.tokens == tiny_data.tokens and wide.first == tiny_data.first
+    forced = train_eagle.layer_outputs(tiny, tiny_data, layers)
+    for s, (h, plain, f) in enumerate(zip(wide.hidden, tiny_data.hidden, forced)):
+        assert h.shape == (plain.shape[0], 3 * HIDDEN) and h.dtype == torch.float16
+        assert torch.equal(h[:, :HIDDEN], plain)
+        torch.testing.assert_close(h[: f.shape[0], HIDDEN:], f, atol=2e-3, rtol=2e-3)
+    rows = train_eagle.feature_rows(wide, tiny.output.weight)
+    ref = train_eagle.feature_rows(tiny_data, tiny.output.weight, layer_outputs=forced)
+    assert rows.states.shape == ref.states.shape and torch.equal(rows.labels, ref.labels)
+    torch.testing.assert_close(rows.states, ref.states, atol=2e-3, rtol=2e-3)
+
+
+def test_generation_numerics_and_layers_are_checked_and_restored(tiny):
+    """The model's own numerics come back after an int8 generation; an unknown numerics or a
+    layer outside the model is refused before any decoding."""
+    prompts = [[5, 17, 33], [64, 3]]
+    with torch.inference_mode():
+        data = train_data.generate_data(tiny, prompts, 4, 2, [], "int8", numerics="int8")
+    assert tiny.numerics == "float32" and len(data.tokens) == 2
+    with pytest.raises(ValueError, match="numerics"):
+        train_data.generate_data(tiny, prompts, 4, 2, [], numerics="int4")
+    with pytest.raises(ValueError, match="feature_layers"):
+        train_data.generate_data(tiny, prompts, 4, 2, [], feature_layers=(LAYERS,))
+    assert tiny.numerics == "float32"
+
+
+def test_data_cache_names(tmp_path):
+    """A default run keeps the cache name it always had (the hash of the fingerprint, the
+    settings and the prompts); int8 numerics and recorded layers each name another file."""
+    import hashlib
+    import json
+
+    prompts = [[1, 2, 3], [4, 5]]
+    old = hashlib.sha256(json.dumps(["fp", 64, 24, 4096, prompts]).encode()).hexdigest()[:16]
+    name = lambda **k: train_data.cache_path(tmp_path, "train", "fp", 64, 24, 4096, prompts, **k).name  # noqa: E731
+    assert name() == f"train-{old}.pt" == name(numerics="float32", feature_layers=())
+    names = {name(), name(numerics="int8"), name(feature_layers=(2, 15)), name(numerics="int8", feature_layers=(2,))}
+    assert len(names) == 4
+    # a cache whose hidden states have another width (other layers) is reported and remade
+    path = tmp_path / "train-x.pt"
+    train_data.cached_data(path, lambda part: _data(4), expected=2)
+    with pytest.warns(RuntimeWarning, match="another width"):
+        got = train_data.cached_data(path, lambda part: _data(8), expected=2, width=8)
+    assert got.hidden[0].shape[1] == 8
+
+
+def _data(width):
+    return train_data.SelfDistilled(
+        tokens=[[1, 2, 3], [4, 5]],
+        prompt_lengths=[1, 1],
+        first=[0, 0],
+        hidden=[torch.zeros(2, width, dtype=torch.float16), torch.zeros(1, width, dtype=torch.float16)],
+    )
+
+
+def test_training_command_records_the_layers_with_the_data(tmp_path, capsys, monkeypatch):
+    """--record-layers: the layers come with the generated data (int8 generation here), no
+    teacher-forced pass runs, and the head reads them; without --feature-layers it is refused."""
+
+    def no_pass(*a, **k):
+        raise AssertionError("a second pass over the data ran")
+
+    monkeypatch.setattr(train_eagle, "layer_outputs", no_pass)
+    out = tmp_path / "recorded.pt"
+    flags = ["--random-model", "--steps", "2", "--segments", "2", "--segment", "8", "--new-tokens", "5"]
+    flags += ["--feature-layers", "1,0", "--record-layers", "--gen-numerics", "int8", "--out", str(out)]
+    assert train_eagle.main(flags) == 0
+    head = EagleHead.load(out)
+    assert head.feature_layers == (1, 0) and head.config["training"]["record_layers"] is True
+    assert head.config["training"]["gen_numerics"] == "int8"
+    for bad, message in (
+        (["--record-layers"], "--record-layers records the --feature-layers"),
+        (["--gen-numerics", "int4"], "--gen-numerics"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            train_eagle.parse_args(["--random-model", "--segment", "8", "--out", str(out)] + bad)
+        assert e.value.code == 2 and message in capsys.readouterr().err, bad
+
+
 def test_training_command_with_feature_layers(tmp_path, capsys):
     """A fresh EAGLE-3 head, then one widened from an EAGLE head by --init: it records its
     layers, drafts through the engine, and its greedy output is the target's.  Bad layers

@@ -295,10 +295,12 @@ def test_a_bad_cache_is_named_and_rebuilt_never_used(tmp_path, fault):
     # the partial file of an interrupted generation
     partial = tmp_path / "train-1.partial"
     _files.atomic_torch_save({0: [[1, 2], 0, torch.zeros(1, 4, dtype=torch.float16)]}, partial)
-    assert list(train_data._read_partial(partial, 3)) == [0]
+    assert list(train_data._read_partial(partial, 3, 4)) == [0]
+    with pytest.warns(RuntimeWarning, match="partial data"):  # hidden states of another width
+        assert train_data._read_partial(partial, 3, 8) == {}
     damage(partial)
     with pytest.warns(RuntimeWarning) as w:
-        assert train_data._read_partial(partial, 3) == {}
+        assert train_data._read_partial(partial, 3, 4) == {}
     msg = " ".join(str(x.message) for x in w)
     assert str(partial) in msg and (words in msg or "partial data" in msg), msg
 

@@ -6,9 +6,11 @@
    each category are what ``bench.e2e`` evaluates and the 3rd and 4th the tuning set;
    neither is ever trained on.
 2. Text and features: the target continues every prompt with its own greedy text
-   (``generate_data``: batched plain decoding with the engine) while ``HiddenRecorder``
-   keeps the target's final hidden state (after its final norm) of every position.  The
-   result (``SelfDistilled``: token ids, fp16 hidden states) is cached on disk
+   (``generate_data``: batched plain decoding with the engine, in the numerics
+   ``--gen-numerics`` names) while ``HiddenRecorder`` keeps the target's final hidden state
+   (after its final norm) of every position, and on request the outputs of some of its
+   layers (EAGLE-3's features) beside it.  The result (``SelfDistilled``: token ids, fp16
+   hidden states) is cached on disk
    (``cached_data``, ``cache_path``), finished batches too, so an interrupted run resumes
    and a second trainer on the same prompts reuses the first one's data.
 
@@ -33,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 import torch
 
 from specdec_kernels import files as _files
+from specdec_kernels.checks import layer_indices
 from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
-from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.model import NUMERICS, Transformer
 from specdec_kernels.decoding.training.instruct import FEW_CATEGORIES, written_prompts
 from specdec_kernels.decoding.training.softmax import TrainingOptions
 from specdec_kernels.files import BadFileError
@@ -91,19 +94,31 @@ class HiddenRecorder(Drafter):
     the prompt tokens the prefill feeds (all but the last), read by a forward hook on the
     target's last decoder layer while the engine prefills (the final norm applied here, as
     ``Transformer.forward`` does), then the root of every step, handed over by the engine
-    through ``observe_hidden`` (the last accepted node: the root, in plain decoding).  Call
-    ``prepare(model, prompts)`` before each ``generate``.
+    through ``observe_hidden`` (the last accepted node: the root, in plain decoding).  With
+    ``feature_layers`` (distinct layer indices of the target) each position's row also holds
+    the outputs of those layers after the final hidden state, in that order (the layout of
+    ``Transformer.forward``'s ``hidden_layers``): hooks on those layers in the prefill, the
+    engine's ``hidden_layers`` in the steps.  Call ``prepare(model, prompts)`` before each
+    ``generate``.
     """
 
     name = "record-hidden"
     wants_hidden = True
+
+    def __init__(self, feature_layers: Sequence[int] = ()) -> None:
+        self.feature_layers = tuple(int(i) for i in feature_layers)
 
     def prepare(self, model: Transformer, prompts: Sequence[Sequence[int]]) -> None:
         self.model = model
         self.fed = [len(p) - 1 for p in prompts]
         self.hidden: List[List[torch.Tensor]] = [[] for _ in prompts]
         self._prefilling = True
-        self._hook = model.layers[-1].register_forward_hook(self._prefill_hook)
+        self._taps: Dict[int, torch.Tensor] = {}
+        self._hooks = [
+            model.layers[i].register_forward_hook(lambda m, a, out, i=i: self._taps.__setitem__(i, out))
+            for i in self.feature_layers
+        ]  # registered first: a tap on the last layer runs before the hook that reads it
+        self._hooks.append(model.layers[-1].register_forward_hook(self._prefill_hook))
 
     def _prefill_hook(self, module, args, output) -> None:
         # Block.forward(x, cos, sin, layer_cache, write, cache_seqlens, ...): a prefill chunk
@@ -111,7 +126,8 @@ class HiddenRecorder(Drafter):
         if not self._prefilling:
             return
         start = int(args[5][0])
-        rows = self.model.norm(output).detach().to(torch.float16).cpu()
+        rows = torch.cat([self.model.norm(output)] + [self._taps[i] for i in self.feature_layers], dim=-1)
+        rows = rows.detach().to(torch.float16).cpu()
         for b, f in enumerate(self.fed):
             n = min(rows.shape[1], f - start)
             if n > 0:
@@ -120,7 +136,9 @@ class HiddenRecorder(Drafter):
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
         self._prefilling = False  # the engine prefills before it starts the drafter
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
+        self._taps = {}
         self._skip_prefill_hidden = True
 
     def propose(self, histories, num_draft_tokens, active) -> Draft:
@@ -140,7 +158,9 @@ class SelfDistilled:
     """Greedy continuations and the target's hidden states.
 
     tokens[s]: prompt + generated ids; prompt_lengths[s]; first[s]: the position of
-    hidden[s][0]; hidden[s]: (T_s, hidden_size) fp16, consecutive positions.
+    hidden[s][0]; hidden[s]: (T_s, hidden_size) fp16, consecutive positions; generated with
+    feature layers (``generate_data``) (T_s, hidden_size * (1 + len(layers))): the final
+    hidden state, then those layers' outputs.
     """
 
     tokens: List[List[int]]
@@ -202,6 +222,8 @@ def generate_data(
     desc: str = "generate",
     partial: Optional[Path] = None,
     max_tokens: int = 4096,
+    numerics: str = "float32",
+    feature_layers: Sequence[int] = (),
 ) -> SelfDistilled:
     """Greedy continuations of every prompt and the hidden states, in batches of similar
     lengths (``length_batches(lengths, batch, max_tokens)``).
@@ -209,14 +231,45 @@ def generate_data(
     ``partial``: a file where finished batches are kept, so that an interrupted run resumes
     where it stopped (same batches, so the same numbers); it is replaced atomically after each
     batch, and one that cannot be read (truncated, corrupt, other prompts) is reported with a
-    warning and started over, never used."""
+    warning and started over, never used.  ``numerics``: the model's ``Transformer.numerics``
+    while it generates ("int8": 8-bit activations against the packed weights, the engine's
+    fastest greedy on a CPU; the model's own numerics come back afterwards).
+    ``feature_layers``: also record these layers' outputs beside each final hidden state
+    (``HiddenRecorder``), so that no second pass over the data computes them.
+
+    Raises:
+        ValueError: an unknown ``numerics``; ``feature_layers`` not distinct layers of the model.
+    """
     tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
 
-    recorder = HiddenRecorder()
+    feature_layers = tuple(layer_indices("feature_layers", feature_layers, model.args.num_layers))
+    recorder = HiddenRecorder(feature_layers)
     decoder = SpeculativeDecoder(model, recorder, stop_token_ids=stop_ids)
+    width = model.args.hidden_size * (1 + len(feature_layers))
     out: Dict[int, tuple] = {}
     if partial is not None and partial.exists():
-        out = _read_partial(partial, len(prompts))
+        out = _read_partial(partial, len(prompts), width)
+    own = model.numerics
+    model.numerics = numerics  # ValueError for an unknown one, before any work
+    try:
+        _generate_batches(
+            model, prompts, new_tokens, batch, max_tokens, recorder, decoder, out, partial, width, tqdm, desc
+        )
+    finally:
+        model.numerics = own
+    return SelfDistilled(
+        tokens=[out[i][0] for i in range(len(prompts))],
+        prompt_lengths=[len(p) for p in prompts],
+        first=[out[i][1] for i in range(len(prompts))],
+        hidden=[out[i][2] for i in range(len(prompts))],
+    )
+
+
+def _generate_batches(
+    model, prompts, new_tokens, batch, max_tokens, recorder, decoder, out, partial, width, tqdm, desc
+):
+    """``generate_data``'s loop: the batches not in ``out`` yet, each added to it (and to the
+    ``partial`` file) as it finishes."""
     with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
         for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
             if all(i in out for i in idx):
@@ -227,27 +280,28 @@ def generate_data(
                 h = (
                     torch.stack(recorder.hidden[j])
                     if recorder.hidden[j]
-                    else torch.zeros(0, model.args.hidden_size, dtype=torch.float16)
+                    else torch.zeros(0, width, dtype=torch.float16)
                 )
                 out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
             bar.update(len(idx))
             if partial is not None:
                 _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
-    return SelfDistilled(
-        tokens=[out[i][0] for i in range(len(prompts))],
-        prompt_lengths=[len(p) for p in prompts],
-        first=[out[i][1] for i in range(len(prompts))],
-        hidden=[out[i][2] for i in range(len(prompts))],
-    )
 
 
-def _read_partial(partial: Path, num_prompts: int) -> Dict[int, tuple]:
-    """The finished batches kept in ``partial`` ({prompt index: (tokens, first, hidden)}), or
-    {} (with a warning naming the file) when it cannot be read or holds other prompts."""
+def _read_partial(partial: Path, num_prompts: int, width: int) -> Dict[int, tuple]:
+    """The finished batches kept in ``partial`` ({prompt index: (tokens, first, hidden)}, the
+    hidden states ``width`` wide), or {} (with a warning naming the file) when it cannot be
+    read or holds other prompts."""
     try:
         d = _files.load_torch(partial, "self-distilled partial data")
         if not isinstance(d, dict) or not all(
-            isinstance(i, int) and 0 <= i < num_prompts and isinstance(v, (list, tuple)) and len(v) == 3
+            isinstance(i, int)
+            and 0 <= i < num_prompts
+            and isinstance(v, (list, tuple))
+            and len(v) == 3
+            and isinstance(v[2], torch.Tensor)
+            and v[2].dim() == 2
+            and v[2].shape[1] == width
             for i, v in d.items()
         ):
             raise BadFileError(partial, f"not the partial data of these {num_prompts} prompts")
@@ -257,14 +311,19 @@ def _read_partial(partial: Path, num_prompts: int) -> Dict[int, tuple]:
         return {}
 
 
-def cached_data(path: Optional[Path], make, expected: Optional[int] = None) -> SelfDistilled:
+def cached_data(
+    path: Optional[Path], make, expected: Optional[int] = None, width: Optional[int] = None
+) -> SelfDistilled:
     """The self-distilled data cached at ``path``, or ``make(partial path)``'s, then cached
     there (written atomically: a temporary file, then ``os.replace``).  A cache file that
-    cannot be read (empty, truncated, corrupt, not a data cache, not ``expected`` sequences) is
-    reported with a warning naming it and regenerated, never used."""
+    cannot be read (empty, truncated, corrupt, not a data cache, not ``expected`` sequences,
+    hidden states not ``width`` wide) is reported with a warning naming it and regenerated,
+    never used."""
     if path is not None and path.exists():
         try:
             data = SelfDistilled.from_dict(_files.load_torch(path, "self-distilled data cache"), path, expected)
+            if width is not None and any(h.shape[1] != width for h in data.hidden):
+                raise BadFileError(path, f"hidden states of another width than {width}")
         except BadFileError as e:
             warnings.warn(f"specdec_kernels: {e}; regenerating it", RuntimeWarning, stacklevel=2)
         else:
@@ -397,15 +456,19 @@ def cache_path(
     gen_batch: int,
     gen_max_tokens: int,
     prompts: Sequence[Sequence[int]],
+    numerics: str = "float32",
+    feature_layers: Sequence[int] = (),
 ) -> Optional[Path]:
     """The cache file of one prompt set (None when ``cache`` is None): named by ``tag`` and a
     hash of everything the data depends on (the target's fingerprint, the generation
-    settings, the prompts' token ids)."""
+    settings, the prompts' token ids, and the numerics and recorded layers where they are
+    not the defaults, so that a default run keeps the name it always had)."""
     if cache is None:
         return None
-    key = hashlib.sha256(
-        json.dumps([fingerprint, new_tokens, gen_batch, gen_max_tokens, [list(p) for p in prompts]]).encode()
-    ).hexdigest()[:16]
+    parts: List[Any] = [fingerprint, new_tokens, gen_batch, gen_max_tokens, [list(p) for p in prompts]]
+    if numerics != "float32" or feature_layers:
+        parts += [numerics, [int(i) for i in feature_layers]]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     return cache / f"{tag}-{key}.pt"
 
 
@@ -416,14 +479,29 @@ def self_distilled_sets(
     args,
     stop_ids: Sequence[int],
     cache: Optional[Path],
+    feature_layers: Sequence[int] = (),
 ) -> List[SelfDistilled]:
     """``SelfDistilled`` data of each named prompt set, from the cache or generated (and
     then cached): the target's greedy continuations of ``args.new_tokens`` tokens, in
-    batches of ``args.gen_batch`` prompts and ``args.gen_max_tokens`` padded tokens."""
+    batches of ``args.gen_batch`` prompts and ``args.gen_max_tokens`` padded tokens, in the
+    numerics ``args.gen_numerics``; with ``feature_layers``, those layers' outputs recorded
+    beside the final hidden states."""
     out = []
+    numerics = getattr(args, "gen_numerics", "float32")
+    width = model.args.hidden_size * (1 + len(feature_layers))
     with torch.inference_mode():
         for tag, prompts in sets.items():
-            path = cache_path(cache, tag, fingerprint, args.new_tokens, args.gen_batch, args.gen_max_tokens, prompts)
+            path = cache_path(
+                cache,
+                tag,
+                fingerprint,
+                args.new_tokens,
+                args.gen_batch,
+                args.gen_max_tokens,
+                prompts,
+                numerics,
+                feature_layers,
+            )
             out.append(
                 cached_data(
                     path,
@@ -436,8 +514,11 @@ def self_distilled_sets(
                         f"generate ({tag})",
                         part,
                         args.gen_max_tokens,
+                        numerics,
+                        feature_layers,
                     ),
                     expected=len(prompts),
+                    width=width,
                 )
             )
     return out
@@ -468,6 +549,12 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--new-tokens", type=int, default=384, help="greedy tokens generated per training prompt")
     p.add_argument("--gen-batch", type=int, default=24, help="prompts decoded together while generating, at most")
+    p.add_argument(
+        "--gen-numerics",
+        choices=NUMERICS,
+        default="float32",
+        help="the target's numerics while it generates the data (int8: 8-bit activations, its fastest greedy on a CPU)",
+    )
     p.add_argument(
         "--gen-max-tokens", type=int, default=4096, help="padded prompt tokens per generation batch, at most"
     )
@@ -650,10 +737,13 @@ class TrainingSetup(NamedTuple):
 
 
 def prepare(
-    args: argparse.Namespace, check_target: Optional[Callable[[Transformer], Optional[str]]] = None
+    args: argparse.Namespace,
+    check_target: Optional[Callable[[Transformer], Optional[str]]] = None,
+    feature_layers: Sequence[int] = (),
 ) -> TrainingSetup:
     """Threads and seed from ``args``, the target (``load_target``) and the train and tune
-    sets' self-distilled data (cached, ``self_distilled_sets``).  ``check_target(model)``:
+    sets' self-distilled data (cached, ``self_distilled_sets``; with ``feature_layers``
+    those layers' outputs recorded beside the final hidden states).  ``check_target(model)``:
     a message for a flag the loaded target does not fit (printed, exit 2, before any data
     is generated), or None."""
     from specdec_kernels.decoding.drafters.head_file import model_fingerprint
@@ -696,6 +786,6 @@ def prepare(
         train_p += [chat_ids(target.tokenizer, t) for t in written]
         print(f"{len(written)} written prompts added to the training prompts", file=sys.stderr)
     tune_d, train_d = self_distilled_sets(
-        model, fingerprint, {"tune": target.tune, "train": train_p}, args, stops, cache
+        model, fingerprint, {"tune": target.tune, "train": train_p}, args, stops, cache, feature_layers
     )
     return TrainingSetup(model, fingerprint, base, train_d, tune_d, list(target.bench), list(stops))

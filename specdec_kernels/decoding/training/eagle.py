@@ -117,8 +117,10 @@ def feature_rows(
     through ``output_weight`` where the next token is a prompt token; the text elsewhere,
     which the target generated greedily).  Sequences with fewer than 2 rows are dropped.
     ``layer_outputs`` (one (rows, k H) tensor per sequence, ``layer_outputs``): appended to
-    each row's final hidden state."""
+    each row's final hidden state.  Data recorded with feature layers (hidden states wider
+    than H, ``generate_data``) keeps its whole rows; its first H columns give the labels."""
     W = output_weight.detach().float()
+    H = W.shape[1]
     states, nexts, labels, ends = [], [], [], []
     n = 0
     for i, (toks, P, first, h) in enumerate(zip(data.tokens, data.prompt_lengths, data.first, data.hidden)):
@@ -131,7 +133,7 @@ def feature_rows(
         n_prompt = max(0, min(rows, P - 1 - first))  # rows whose next token is a prompt token
         for s in range(0, n_prompt, chunk):
             e = min(s + chunk, n_prompt)
-            lab[s:e] = (h[s:e].float() @ W.T).argmax(-1)
+            lab[s:e] = (h[s:e, :H].float() @ W.T).argmax(-1)
         states.append(h.to(torch.float16))
         if layer_outputs is not None:
             states[-1] = torch.cat([states[-1], layer_outputs[i][:rows].to(torch.float16)], dim=-1)
@@ -425,6 +427,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="comma-separated target layers (0-based) whose outputs the head also reads (EAGLE-3; default none)",
     )
+    p.add_argument(
+        "--record-layers",
+        action="store_true",
+        help="record the --feature-layers outputs while generating the data (no second pass over it)",
+    )
     p.add_argument("--out", default=str(SHIPPED), help="where the head goes")
     p.add_argument(
         "--init",
@@ -448,6 +455,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     if args.draft_vocab_only and args.feature_layers:
         p.error("--draft-vocab-only trains nothing: leave out --feature-layers")
+    if args.record_layers and not args.feature_layers:
+        p.error("--record-layers records the --feature-layers outputs: name them")
     if args.draft_vocab_only and not Path(args.out).is_file():
         p.error(f"--draft-vocab-only: no head at --out {args.out}")
     if args.init is not None:
@@ -501,10 +510,12 @@ def main(argv=None) -> int:
     source = args.out if args.draft_vocab_only else args.init
     if source is not None and not layers:  # the layers the head at --out (--draft-vocab-only) or --init reads
         layers = list(EagleHead.file_config(source).get("feature_layers", []))
-    setup = prepare(args, check_target=check_layers(layers))
+    setup = prepare(args, check_target=check_layers(layers), feature_layers=layers if args.record_layers else ())
     model = setup.model
     cache = None if args.random_model else default_cache_dir(args.cache_dir)
-    outputs = [layer_outputs(model, d, layers, cache) if layers else None for d in (setup.train, setup.tune)]
+    # recorded with the data (--record-layers), else one teacher-forced pass over it (cached)
+    separate = layers and not args.record_layers
+    outputs = [layer_outputs(model, d, layers, cache) if separate else None for d in (setup.train, setup.tune)]
     train_rows = feature_rows(setup.train, model.output.weight, layer_outputs=outputs[0])
     tune_rows = feature_rows(setup.tune, model.output.weight, layer_outputs=outputs[1])
     t_data = time.perf_counter() - t0
