@@ -645,14 +645,15 @@ def _register_builtin() -> None:
     eagle("eagle-chain", "EAGLE head chain", k=eagle_k, tree=False)
     eagle("eagle-tree", "EAGLE head, dynamic tree top-10, 64 nodes", k=tree_k, top_k=10, max_nodes=64)
     eagle("eagle-tree-32", "EAGLE head, dynamic tree top-6, 32 nodes", k=tree_k, default=False, top_k=6, max_nodes=32)
-    eagle("eagle-adaptive", "EAGLE head chain", k_max=eagle_k, tree=False)
+    eagle("eagle-adaptive", "EAGLE head chain, cut by the measured pass cost", k_max=eagle_k, tree=False)
+    # the same chain without its cut by the measured pass cost (``size_by_cost=False``)
     eagle(
-        "eagle-adaptive-sized",
-        "EAGLE head chain, cut by the measured pass cost",
+        "eagle-adaptive-uncut",
+        "EAGLE head chain, never cut",
         k_max=eagle_k,
         default=False,
         tree=False,
-        size_by_cost=True,
+        size_by_cost=False,
     )
     eagle(
         "eagle-tree-sized",

@@ -139,15 +139,16 @@ def test_chain_wants_more_by_hand():
     "verify_cost, expect_short", [((1.0, 0.5), True), ((1.0, 0.0), False)], ids=["steep-cpu", "flat-gpu"]
 )
 def test_eagle_chain_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, expect_short):
-    """``EagleDrafter(tree=False, size_by_cost=True)``: a steep pass cost cuts the chain (and
-    the draft steps stop at the first node it would not keep), a flat one drafts what the
-    unsized chain drafts; the output is plain greedy either way.  Without size_by_cost a
-    chain has no budget."""
+    """``EagleDrafter(tree=False)`` (size_by_cost=True, the default): a steep pass cost cuts
+    the chain (and the draft steps stop at the first node it would not keep), a flat one
+    drafts what the uncut chain (size_by_cost=False) drafts; the output is plain greedy
+    either way."""
     _, model = tiny
     plain = SpeculativeDecoder(model).generate(PROMPTS, 12, 0).tokens
     nodes, steps = {}, {}
     for sized in (False, True):
-        drafter = EagleDrafter(model, random_head(), tree=False, size_by_cost=sized, check_fingerprint=False)
+        kwargs = {} if sized else {"size_by_cost": False}
+        drafter = EagleDrafter(model, random_head(), tree=False, check_fingerprint=False, **kwargs)
         assert (drafter.budget is not None) == sized
         policy = CostModelPolicy(4, 4, warmup=0, explore_every=0, draft_cost=(0.0, 0.01), verify_cost=verify_cost)
         seen = nodes[sized] = []
@@ -168,4 +169,4 @@ def test_eagle_chain_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, ex
     else:
         assert nodes[True] == nodes[False] and len(steps[True]) == len(steps[False])
     with pytest.raises(TypeError, match="size_by_cost"):
-        EagleDrafter(model, random_head(), size_by_cost="yes")
+        EagleDrafter(model, random_head(), size_by_cost=1)

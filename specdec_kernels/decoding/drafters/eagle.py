@@ -475,8 +475,8 @@ class EagleDrafter(Drafter):
             that the engine's cost-model policy measured on this machine), at most
             ``max_nodes``; without a cost-model policy ``max_nodes``.  A chain sized so stops
             drafting at the first node it would not keep (no deeper one would be kept) and
-            verifies only the nodes before it.  None (default): trees are sized, chains are
-            not; True: both; False: neither (a tree keeps ``max_nodes``, a chain its K).
+            verifies only the nodes before it.  False: a tree keeps ``max_nodes``, a chain
+            its K.
         max_depth: the deepest draft; the engine's K (``num_draft_tokens``) caps it further.
         check_fingerprint: warn when the head was trained on another model.
         draft_vocab: the tokens the head may draft (FR-Spec, Zhao et al. 2025; EAGLE-3's
@@ -513,7 +513,7 @@ class EagleDrafter(Drafter):
             ids inside the vocabulary, an int with a head that stores no ranking, or one
             smaller than top_k; quantize_head=True with a head that is not float32 on CPU or
             without the C++ extension.
-        TypeError: quantize_head not None or a bool.
+        TypeError: quantize_head not None or a bool; size_by_cost not a bool.
     """
 
     name = "eagle"
@@ -528,7 +528,7 @@ class EagleDrafter(Drafter):
         top_k: int = 10,
         max_nodes: int = 64,
         max_depth: int = 7,
-        size_by_cost: Optional[bool] = None,
+        size_by_cost: bool = True,
         check_fingerprint: bool = True,
         draft_vocab: Union[str, int, Sequence[int], torch.Tensor, None] = "auto",
         quantize_head: Optional[bool] = None,
@@ -549,10 +549,9 @@ class EagleDrafter(Drafter):
         self.top_k = int(top_k) if tree else 1
         self.max_nodes = int(max_nodes)
         self.max_depth = int(max_depth)
-        if size_by_cost is not None and not isinstance(size_by_cost, bool):
-            raise TypeError(f"size_by_cost must be None, True or False, got {size_by_cost!r}")
-        sized = self.tree if size_by_cost is None else size_by_cost
-        self.budget = TreeBudget(self.max_nodes) if sized else None
+        if not isinstance(size_by_cost, bool):
+            raise TypeError(f"size_by_cost must be True or False, got {size_by_cost!r}")
+        self.budget = TreeBudget(self.max_nodes) if size_by_cost else None
         self.context_window = self.head.window  # the engine hands over the committed positions' features
         self.feature_layers = self.head.feature_layers  # and, for an EAGLE-3 head, these layers' outputs
         W_out = model.output.weight
