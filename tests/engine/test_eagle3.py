@@ -325,6 +325,14 @@ def test_trainer_layer_outputs_are_each_sequences_own(tiny, tiny_data, tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(redone, out))
     assert all(torch.equal(a, b) for a, b in zip(torch.load(cached, weights_only=True), out))  # rewritten whole
 
+    tiny.numerics = "int8"  # a pass in other numerics is cached under another name
+    try:
+        train_eagle.layer_outputs(tiny, tiny_data, layers, tmp_path / "int8")
+    finally:
+        tiny.numerics = "float32"
+    assert len(list((tmp_path / "int8").glob("layers-*.pt"))) == 1
+    assert {p.name for p in (tmp_path / "int8").glob("layers-*.pt")}.isdisjoint(p.name for p in tmp_path.glob("*.pt"))
+
     def no_pass(*a, **k):
         raise AssertionError("the cached layer outputs were recomputed")
 
@@ -367,6 +375,23 @@ def test_generation_numerics_and_layers_are_checked_and_restored(tiny):
     with pytest.raises(ValueError, match="feature_layers"):
         train_data.generate_data(tiny, prompts, 4, 2, [], feature_layers=(LAYERS,))
     assert tiny.numerics == "float32"
+
+
+def test_the_recorder_leaves_no_hook_and_refuses_what_float16_cannot_hold(tiny):
+    """A generation that fails (an empty prompt, refused by the engine) leaves no hook on the
+    model; a layer output beyond float16's range is an error naming the layers, not inf."""
+    hooked = lambda: sum(len(layer._forward_hooks) for layer in tiny.layers)  # noqa: E731
+    before = hooked()
+    with torch.inference_mode(), pytest.raises(ValueError):
+        train_data.generate_data(tiny, [[5, 17, 33], []], 4, 2, [], feature_layers=(0, 2))
+    assert hooked() == before
+    big = tiny.layers[0].register_forward_hook(lambda m, a, out: out * 1e6)
+    try:
+        with torch.inference_mode(), pytest.raises(ValueError, match=r"layers \[0\].*float16"):
+            train_data.generate_data(tiny, [[5, 17, 33]], 4, 2, [], feature_layers=(0,))
+    finally:
+        big.remove()
+    assert hooked() == before
 
 
 def test_data_cache_names(tmp_path):
@@ -413,6 +438,10 @@ def test_training_command_records_the_layers_with_the_data(tmp_path, capsys, mon
     head = EagleHead.load(out)
     assert head.feature_layers == (1, 0) and head.config["training"]["record_layers"] is True
     assert head.config["training"]["gen_numerics"] == "int8"
+    plain = tmp_path / "plain.pt"
+    assert train_eagle.main(flags[:9] + ["--out", str(plain)]) == 0
+    assert train_eagle.main(flags[:9] + ["--record-layers", "--init", str(plain), "--out", str(out)]) == 2
+    assert "--record-layers: the head of --init" in capsys.readouterr().err
     for bad, message in (
         (["--record-layers"], "--record-layers records the --feature-layers"),
         (["--gen-numerics", "int4"], "--gen-numerics"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specdec_kernels.decoding import SpeculativeDecoder, packed
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
@@ -121,18 +122,46 @@ def test_eagle_tree_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, exp
 
 
 def test_chain_wants_more_by_hand():
-    """A chain drafts deeper while the rule keeps every node so far: on the CPU curve the
-    best n for VALUES is 4 (3 drafts), so 3 values want a 4th and 4 values want no 5th."""
+    """A chain drafts deeper while the rule could keep a deeper node, each deeper node valued
+    as the last: on the CPU curve VALUES[:3] padded with 0.25 to 5 values gives E/T = 1,
+    1.436, 1.546, 1.601, 1.647, 1.687 (n = 6: draft on), VALUES[:4] padded with 0.15 gives
+    1.601 at n = 4, then 1.578, 1.559 (stop: no 5th node would be kept)."""
     budget = TreeBudget(max_nodes=16)
     budget.start(1)
-    assert budget.wants_more(0, VALUES[:4])  # no cost known: draft on
+    assert budget.wants_more(0, VALUES[:4], depth=5)  # no cost known: draft on
     budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: cpu_curve(n))
-    assert budget.wants_more(0, VALUES[:1]) and budget.wants_more(0, VALUES[:3])
-    assert not budget.wants_more(0, VALUES[:4]) and not budget.wants_more(0, VALUES)
-    # a flat cost keeps every node; the node budget stops the chain
+    assert budget.wants_more(0, VALUES[:1], depth=5) and budget.wants_more(0, VALUES[:3], depth=5)
+    assert not budget.wants_more(0, VALUES[:4], depth=5)
+    assert not budget.wants_more(0, VALUES[:3], depth=3)  # the chain's K reached
+    # a flat cost keeps every node; the node budget and K stop the chain
     budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: [1.0] * (n + 1))
-    assert budget.wants_more(0, VALUES)
-    assert not TreeBudget(max_nodes=4).wants_more(0, VALUES[:3])
+    assert budget.wants_more(0, VALUES[:4], depth=5) and not budget.wants_more(0, VALUES, depth=5)
+    assert not TreeBudget(max_nodes=4).wants_more(0, VALUES[:3], depth=5)
+    # a measured curve that is not convex (a step flat from 3 to 4 nodes, then almost flat):
+    # values 0.5, 0.1, 0.06 want a 4th node, which ``choose`` keeps once it is 0.06
+    steps = [1.0, 10.4, 11.0, 11.6, 12.4, 12.45]
+    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: steps[: n + 1])
+    assert budget.wants_more(0, [0.5, 0.1, 0.06], depth=4)
+    assert budget.choose(0, [0.5, 0.1, 0.06, 0.06]) == 5
+
+
+def test_stopping_a_chain_never_cuts_a_node_the_rule_keeps():
+    """Random falling path probabilities and random rising step costs (convex or not): where
+    ``wants_more`` stops at d nodes, ``choose`` over the whole chain keeps at most d + 1 nodes
+    (root included), so the stop changes nothing that is verified."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        k = int(torch.randint(1, 9, (1,), generator=g))
+        values = sorted(torch.rand(k, generator=g).tolist(), reverse=True)
+        steps = torch.cumsum(torch.rand(k + 2, generator=g) * torch.rand(1, generator=g), 0) + 1.0
+        budget = TreeBudget(max_nodes=int(torch.randint(2, 12, (1,), generator=g)))
+        budget.start(1)
+        budget.cost = SimpleNamespace(step_times_by_nodes=lambda n, s=[0.0] + steps.tolist(): s[: n + 1])
+        full = budget.choose(0, values)
+        for d in range(1, k):
+            if not budget.wants_more(0, values[:d], depth=k):
+                assert full <= d + 1, (values, steps.tolist(), d, full)
+                break
 
 
 @pytest.mark.parametrize(

@@ -467,16 +467,18 @@ class EagleDrafter(Drafter):
         head: an ``EagleHead``, a path to a head file, or None for the shipped head.
         tree: draft EAGLE-2's dynamic tree; False: a chain (the head's argmax at each depth).
         top_k: nodes expanded per depth and children per expanded node (tree only).
-        max_nodes: the tree's largest node budget, root included (tree only).
+        max_nodes: the largest draft, root included (a tree's node budget; it caps a chain
+            only through ``size_by_cost``'s rule, as the chain's K caps it anyway).
         size_by_cost: each step, keep per sequence the number of nodes that maximises
             expected tokens per second (``adaptive.TreeBudget``: EAGLE-2's rule, the expected
             accepted length as the sum of the kept nodes' path probabilities, scaled by the
             acceptance this drafter measures as it runs, against the step cost by node count
             that the engine's cost-model policy measured on this machine), at most
-            ``max_nodes``; without a cost-model policy ``max_nodes``.  A chain sized so stops
-            drafting at the first node it would not keep (no deeper one would be kept) and
-            verifies only the nodes before it.  False: a tree keeps ``max_nodes``, a chain
-            its K.
+            ``max_nodes``; without a cost-model policy ``max_nodes``.  A chain sized so
+            verifies only the nodes the rule keeps, and where its draft steps run in one
+            native call each (``_chain_start``) it stops drafting once the rule could keep no
+            deeper node (``TreeBudget.wants_more``).  False: a tree keeps ``max_nodes``, a
+            chain its K.
         max_depth: the deepest draft; the engine's K (``num_draft_tokens``) caps it further.
         check_fingerprint: warn when the head was trained on another model.
         draft_vocab: the tokens the head may draft (FR-Spec, Zhao et al. 2025; EAGLE-3's
@@ -796,7 +798,8 @@ class EagleDrafter(Drafter):
 
     def _fused_chain(self, state: dict, roots, run, depth, D: int) -> Draft:
         """``propose``'s chain (top-1 at each depth) through ``_fused_step``: the pool of nodes
-        the tree loop builds with top_k = 1, handed to ``_select``."""
+        the tree loop builds with top_k = 1, handed to ``_select``; with a tree budget it
+        stops at the depth where no sequence could keep a deeper node (``_chain_wants_more``)."""
         E = self.model.tok_embeddings.weight
         R, dev = len(run), E.device
         g, total = state["g"], torch.zeros(len(run), device=dev)
@@ -818,14 +821,14 @@ class EagleDrafter(Drafter):
         return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
 
     def _chain_wants_more(self, run: List[int], depth: List[int], scores: torch.Tensor) -> bool:
-        """Whether any running sequence whose chain may go deeper than its nodes so far
-        (scores (R, d): their log path probabilities) would keep a deeper node
-        (``TreeBudget.wants_more``); True without a budget."""
+        """Whether any running sequence could keep a node deeper than its d nodes so far
+        (scores (R, d): their log path probabilities; ``TreeBudget.wants_more`` up to its
+        depth); True without a budget.  A sequence's kept nodes do not depend on whether
+        another one kept the drafting going (``wants_more`` never stops short of them)."""
         if self.budget is None:
             return True
-        d = scores.shape[1]
         values = scores.exp().tolist()
-        return any(depth[b] > d and self.budget.wants_more(b, values[r]) for r, b in enumerate(run))
+        return any(self.budget.wants_more(b, values[r], depth[b]) for r, b in enumerate(run))
 
     def _fused_layer(self) -> Optional[tuple]:
         """``decoder_layer_native``'s weight arguments for the head's layer (one row per sequence

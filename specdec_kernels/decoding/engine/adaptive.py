@@ -181,16 +181,17 @@ class TreeBudget:
         self.last_nodes[b] = n
         return n
 
-    def wants_more(self, b: int, values: Sequence[float]) -> bool:
+    def wants_more(self, b: int, values: Sequence[float], depth: int) -> bool:
         """Whether a chain of sequence b whose nodes so far have the path probabilities
-        ``values`` (non-increasing) is worth drafting deeper: True while ``choose`` would keep
-        every one of them (or without a cost to weigh them against).  A deeper node's value is
-        at most the last one's, and the expected tokens over a step time convex in the nodes
-        (a line, or the CPU's flat-then-steep curve) rise and then fall (a concave sum over a
-        convex cost), so once a node is not kept no deeper one would be.  False too where a
-        deeper node would exceed ``max_nodes``."""
-        cap = len(values) + 1
-        if cap >= self.max_nodes:  # a deeper node would not fit
+        ``values`` (non-increasing) is worth drafting deeper, up to ``depth`` drafts: True
+        where ``choose`` could keep a deeper node, i.e. keeps one when every deeper node is
+        valued as the last (an upper bound: path probabilities only fall along a chain, and
+        lower values deeper down leave the smaller trees' rates as they are and lower the
+        larger ones'), so that stopping never cuts a node ``choose`` would keep, whatever the
+        shape of the cost curve; True without a cost to weigh them against; False where a
+        deeper node would exceed ``depth`` or ``max_nodes``."""
+        cap = min(self.max_nodes, int(depth) + 1)
+        if len(values) + 1 >= cap:  # a deeper node would not fit
             return False
         times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
         if times is None:
@@ -199,7 +200,8 @@ class TreeBudget:
         scaled = [min(1.0, c * float(v)) for v in values]
         for i in range(1, len(scaled)):
             scaled[i] = min(scaled[i], scaled[i - 1])
-        return best_tree_size(scaled, times, min(self.min_nodes, cap)) == cap
+        bound = scaled + [scaled[-1] if scaled else 1.0] * (cap - 1 - len(scaled))
+        return best_tree_size(bound, times, min(self.min_nodes, cap)) > len(values) + 1
 
     def width(self, rows: Sequence[int], top_k: int) -> int:
         """How many nodes a tree drafter need expand per depth for the sequences ``rows``:

@@ -99,7 +99,11 @@ class HiddenRecorder(Drafter):
     the outputs of those layers after the final hidden state, in that order (the layout of
     ``Transformer.forward``'s ``hidden_layers``): hooks on those layers in the prefill, the
     engine's ``hidden_layers`` in the steps.  Call ``prepare(model, prompts)`` before each
-    ``generate``.
+    ``generate`` and ``release()`` after it (``start`` does, once the prefill is done).
+
+    Raises (from the engine's ``generate``):
+        ValueError: a recorded row beyond float16's range (the layer outputs are the
+            unnormalised residual streams).
     """
 
     name = "record-hidden"
@@ -127,18 +131,32 @@ class HiddenRecorder(Drafter):
             return
         start = int(args[5][0])
         rows = torch.cat([self.model.norm(output)] + [self._taps[i] for i in self.feature_layers], dim=-1)
-        rows = rows.detach().to(torch.float16).cpu()
+        rows = self._half(rows)
         for b, f in enumerate(self.fed):
             n = min(rows.shape[1], f - start)
             if n > 0:
                 self.hidden[b].extend(rows[b, :n])
 
+    def _half(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows as float16 on the CPU; ValueError where a value does not fit (or is NaN)."""
+        half = rows.detach().to(torch.float16).cpu()
+        if not bool(torch.isfinite(half).all()):
+            raise ValueError(
+                f"the hidden states or the outputs of layers {list(self.feature_layers)} reach "
+                f"{float(rows.abs().max()):.3g}, beyond float16's range"
+            )
+        return half
+
+    def release(self) -> None:
+        """Remove the prefill's hooks from the model (again: a no-op)."""
+        self._prefilling = False
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
+        self._hooks, self._taps = [], {}
+
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
-        self._prefilling = False  # the engine prefills before it starts the drafter
-        for hook in self._hooks:
-            hook.remove()
-        self._taps = {}
+        self.release()  # the engine prefills before it starts the drafter
         self._skip_prefill_hidden = True
 
     def propose(self, histories, num_draft_tokens, active) -> Draft:
@@ -150,7 +168,7 @@ class HiddenRecorder(Drafter):
             return
         for b, a in enumerate(active):
             if a:
-                self.hidden[b].append(hidden[b].detach().to(torch.float16).cpu())
+                self.hidden[b].append(self._half(hidden[b]))
 
 
 @dataclass
@@ -238,7 +256,8 @@ def generate_data(
     (``HiddenRecorder``), so that no second pass over the data computes them.
 
     Raises:
-        ValueError: an unknown ``numerics``; ``feature_layers`` not distinct layers of the model.
+        ValueError: an unknown ``numerics``; ``feature_layers`` not distinct layers of the model;
+            a recorded value beyond float16's range.
     """
     tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
 
@@ -275,7 +294,10 @@ def _generate_batches(
             if all(i in out for i in idx):
                 continue
             recorder.prepare(model, [prompts[i] for i in idx])
-            result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
+            try:
+                result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
+            finally:
+                recorder.release()  # never leave the hooks on the model
             for j, i in enumerate(idx):
                 h = (
                     torch.stack(recorder.hidden[j])

@@ -178,9 +178,10 @@ def layer_outputs(
     H = model.args.hidden_size
     counts = [recorded_rows(data, s) for s in range(len(data.tokens))]
     ends = [data.first[s] + counts[s] for s in range(len(counts))]  # the positions a pass must reach
-    key = hashlib.sha256(
-        json.dumps([model_fingerprint(model), layers, data.first, [t[:e] for t, e in zip(data.tokens, ends)]]).encode()
-    ).hexdigest()[:16]
+    parts = [model_fingerprint(model), layers, data.first, [t[:e] for t, e in zip(data.tokens, ends)]]
+    if model.numerics != "float32":  # the pass's numerics (a float32 pass keeps the name it had)
+        parts.append(model.numerics)
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     path = None if cache is None else Path(cache) / f"layers-{key}.pt"
     if path is not None and path.is_file():
         try:
@@ -455,7 +456,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     if args.draft_vocab_only and args.feature_layers:
         p.error("--draft-vocab-only trains nothing: leave out --feature-layers")
-    if args.record_layers and not args.feature_layers:
+    if args.record_layers and not args.feature_layers and args.init is None:
         p.error("--record-layers records the --feature-layers outputs: name them")
     if args.draft_vocab_only and not Path(args.out).is_file():
         p.error(f"--draft-vocab-only: no head at --out {args.out}")
@@ -510,12 +511,20 @@ def main(argv=None) -> int:
     source = args.out if args.draft_vocab_only else args.init
     if source is not None and not layers:  # the layers the head at --out (--draft-vocab-only) or --init reads
         layers = list(EagleHead.file_config(source).get("feature_layers", []))
+    if args.record_layers and not layers:
+        print(f"error: --record-layers: the head of --init {args.init} reads no layers", file=sys.stderr)
+        return 2
     setup = prepare(args, check_target=check_layers(layers), feature_layers=layers if args.record_layers else ())
     model = setup.model
     cache = None if args.random_model else default_cache_dir(args.cache_dir)
     # recorded with the data (--record-layers), else one teacher-forced pass over it (cached)
+    # in the numerics the data was generated in
     separate = layers and not args.record_layers
-    outputs = [layer_outputs(model, d, layers, cache) if separate else None for d in (setup.train, setup.tune)]
+    own, model.numerics = model.numerics, args.gen_numerics
+    try:
+        outputs = [layer_outputs(model, d, layers, cache) if separate else None for d in (setup.train, setup.tune)]
+    finally:
+        model.numerics = own
     train_rows = feature_rows(setup.train, model.output.weight, layer_outputs=outputs[0])
     tune_rows = feature_rows(setup.tune, model.output.weight, layer_outputs=outputs[1])
     t_data = time.perf_counter() - t0
