@@ -385,10 +385,14 @@ def test_the_recorder_leaves_no_hook_and_refuses_what_float16_cannot_hold(tiny):
     with torch.inference_mode(), pytest.raises(ValueError):
         train_data.generate_data(tiny, [[5, 17, 33], []], 4, 2, [], feature_layers=(0, 2))
     assert hooked() == before
+    with torch.inference_mode():
+        plain = train_data.generate_data(tiny, [[5, 17, 33]], 4, 2, [])
     big = tiny.layers[0].register_forward_hook(lambda m, a, out: out * 1e6)
     try:
         with torch.inference_mode(), pytest.raises(ValueError, match=r"layers \[0\].*float16"):
             train_data.generate_data(tiny, [[5, 17, 33]], 4, 2, [], feature_layers=(0,))
+        with pytest.raises(ValueError, match=r"layers \[0\].*float16"):  # the teacher-forced pass too
+            train_eagle.layer_outputs(tiny, plain, (0,))
     finally:
         big.remove()
     assert hooked() == before

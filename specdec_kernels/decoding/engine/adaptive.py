@@ -167,17 +167,22 @@ class TreeBudget:
         """Measured accepted drafts per unit of predicted path probability of sequence b."""
         return (self.accepted[b] + self.prior) / (self.predicted[b] + self.prior) if self.prior else 1.0
 
+    def calibrated(self, b: int, values: Sequence[float]) -> List[float]:
+        """Path probabilities (descending) times sequence b's calibration, capped at 1 and
+        kept non-increasing: the values the rule weighs."""
+        c = self.calibration(b)
+        scaled = [min(1.0, c * float(v)) for v in values]
+        for i in range(1, len(scaled)):
+            scaled[i] = min(scaled[i], scaled[i - 1])
+        return scaled
+
     def choose(self, b: int, values: Sequence[float]) -> int:
         """The node count for sequence b from its candidates' path probabilities (descending)."""
         cap = min(self.max_nodes, len(values) + 1)
         times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
         if times is None:
             return cap
-        c = self.calibration(b)
-        scaled = [min(1.0, c * float(v)) for v in values[: cap - 1]]
-        for i in range(1, len(scaled)):  # calibrated values stay non-increasing
-            scaled[i] = min(scaled[i], scaled[i - 1])
-        n = best_tree_size(scaled, times, min(self.min_nodes, cap))
+        n = best_tree_size(self.calibrated(b, values[: cap - 1]), times, min(self.min_nodes, cap))
         self.last_nodes[b] = n
         return n
 
@@ -196,10 +201,7 @@ class TreeBudget:
         times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
         if times is None:
             return True
-        c = self.calibration(b)
-        scaled = [min(1.0, c * float(v)) for v in values]
-        for i in range(1, len(scaled)):
-            scaled[i] = min(scaled[i], scaled[i - 1])
+        scaled = self.calibrated(b, values)
         bound = scaled + [scaled[-1] if scaled else 1.0] * (cap - 1 - len(scaled))
         return best_tree_size(bound, times, min(self.min_nodes, cap)) > len(values) + 1
 

@@ -138,14 +138,7 @@ class HiddenRecorder(Drafter):
                 self.hidden[b].extend(rows[b, :n])
 
     def _half(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows as float16 on the CPU; ValueError where a value does not fit (or is NaN)."""
-        half = rows.detach().to(torch.float16).cpu()
-        if not bool(torch.isfinite(half).all()):
-            raise ValueError(
-                f"the hidden states or the outputs of layers {list(self.feature_layers)} reach "
-                f"{float(rows.abs().max()):.3g}, beyond float16's range"
-            )
-        return half
+        return float16_rows(rows, self.feature_layers)
 
     def release(self) -> None:
         """Remove the prefill's hooks from the model (again: a no-op)."""
@@ -169,6 +162,21 @@ class HiddenRecorder(Drafter):
         for b, a in enumerate(active):
             if a:
                 self.hidden[b].append(self._half(hidden[b]))
+
+
+def float16_rows(rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """``rows`` (hidden states, and the outputs of ``layers``, which are the unnormalised residual
+    streams) as float16 on the CPU, the form the data is kept in.
+
+    Raises:
+        ValueError: naming ``layers``, where a value is beyond float16's range or NaN.
+    """
+    if rows.numel() and not bool(rows.abs().max() < torch.finfo(torch.float16).max):  # NaN too
+        raise ValueError(
+            f"the hidden states or the outputs of layers {list(layers)} reach {float(rows.abs().max()):.3g}, "
+            "beyond float16's range"
+        )
+    return rows.detach().to("cpu", torch.float16, copy=True)
 
 
 @dataclass

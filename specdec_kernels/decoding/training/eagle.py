@@ -69,6 +69,7 @@ from specdec_kernels.decoding.training.data import (
     default_cache_dir,
     evaluate_drafters,
     flags_at_least,
+    float16_rows,
     length_batches,
     prepare,
     training_options,
@@ -218,12 +219,7 @@ def layer_outputs(
         )
         for r, s in enumerate(seqs):
             f = data.first[s]
-            rows = hidden[r, f : f + counts[s], H:]
-            if rows.numel() and not bool(rows.abs().max() < torch.finfo(torch.float16).max):  # NaN too
-                raise ValueError(
-                    f"layer outputs of layers {list(layers)} reach {float(rows.abs().max()):.3g}, beyond float16's range"
-                )
-            out[s] = rows.to("cpu", torch.float16).clone()
+            out[s] = float16_rows(hidden[r, f : f + counts[s], H:], layers)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(out, path)
