@@ -279,9 +279,25 @@ def generate_data(
     own = model.numerics
     model.numerics = numerics  # ValueError for an unknown one, before any work
     try:
-        _generate_batches(
-            model, prompts, new_tokens, batch, max_tokens, recorder, decoder, out, partial, width, tqdm, desc
-        )
+        with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
+            for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
+                if all(i in out for i in idx):
+                    continue
+                recorder.prepare(model, [prompts[i] for i in idx])
+                try:
+                    result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
+                finally:
+                    recorder.release()  # never leave the hooks on the model
+                for j, i in enumerate(idx):
+                    h = (
+                        torch.stack(recorder.hidden[j])
+                        if recorder.hidden[j]
+                        else torch.zeros(0, width, dtype=torch.float16)
+                    )
+                    out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
+                bar.update(len(idx))
+                if partial is not None:
+                    _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
     finally:
         model.numerics = own
     return SelfDistilled(
@@ -290,32 +306,6 @@ def generate_data(
         first=[out[i][1] for i in range(len(prompts))],
         hidden=[out[i][2] for i in range(len(prompts))],
     )
-
-
-def _generate_batches(
-    model, prompts, new_tokens, batch, max_tokens, recorder, decoder, out, partial, width, tqdm, desc
-):
-    """``generate_data``'s loop: the batches not in ``out`` yet, each added to it (and to the
-    ``partial`` file) as it finishes."""
-    with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
-        for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
-            if all(i in out for i in idx):
-                continue
-            recorder.prepare(model, [prompts[i] for i in idx])
-            try:
-                result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
-            finally:
-                recorder.release()  # never leave the hooks on the model
-            for j, i in enumerate(idx):
-                h = (
-                    torch.stack(recorder.hidden[j])
-                    if recorder.hidden[j]
-                    else torch.zeros(0, width, dtype=torch.float16)
-                )
-                out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
-            bar.update(len(idx))
-            if partial is not None:
-                _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
 
 
 def _read_partial(partial: Path, num_prompts: int, width: int) -> Dict[int, tuple]:
