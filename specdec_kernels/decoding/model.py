@@ -25,10 +25,11 @@ forward does not implement are refused (``unsupported_hf_config``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -511,6 +512,21 @@ class Transformer(nn.Module):
         self._numerics = value
         for layer in self.layers:
             layer.numerics = value
+
+    @contextlib.contextmanager
+    def numerics_as(self, value: str) -> Iterator[None]:
+        """``with model.numerics_as("int8"):`` runs the block in those numerics and gives the
+        model its own back afterwards, also when the block raises.
+
+        Raises:
+            ValueError: an unknown ``value`` (before the block runs).
+        """
+        own = self.numerics
+        self.numerics = value
+        try:
+            yield
+        finally:
+            self.numerics = own
 
     # ------------------------------------------------------------------ construction
     @classmethod

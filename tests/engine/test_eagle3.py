@@ -370,6 +370,10 @@ def test_generation_numerics_and_layers_are_checked_and_restored(tiny):
     with torch.inference_mode():
         data = train_data.generate_data(tiny, prompts, 4, 2, [], "int8", numerics="int8")
     assert tiny.numerics == "float32" and len(data.tokens) == 2
+    with pytest.raises(RuntimeError, match="inside"), tiny.numerics_as("int8"):
+        assert tiny.numerics == "int8" and all(layer.numerics == "int8" for layer in tiny.layers)
+        raise RuntimeError("inside")
+    assert tiny.numerics == "float32" and all(layer.numerics == "float32" for layer in tiny.layers)
     with pytest.raises(ValueError, match="numerics"):
         train_data.generate_data(tiny, prompts, 4, 2, [], numerics="int4")
     with pytest.raises(ValueError, match="feature_layers"):

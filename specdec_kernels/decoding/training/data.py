@@ -131,14 +131,11 @@ class HiddenRecorder(Drafter):
             return
         start = int(args[5][0])
         rows = torch.cat([self.model.norm(output)] + [self._taps[i] for i in self.feature_layers], dim=-1)
-        rows = self._half(rows)
+        rows = float16_rows(rows, self.feature_layers)
         for b, f in enumerate(self.fed):
             n = min(rows.shape[1], f - start)
             if n > 0:
                 self.hidden[b].extend(rows[b, :n])
-
-    def _half(self, rows: torch.Tensor) -> torch.Tensor:
-        return float16_rows(rows, self.feature_layers)
 
     def release(self) -> None:
         """Remove the prefill's hooks from the model (again: a no-op)."""
@@ -161,7 +158,7 @@ class HiddenRecorder(Drafter):
             return
         for b, a in enumerate(active):
             if a:
-                self.hidden[b].append(self._half(hidden[b]))
+                self.hidden[b].append(float16_rows(hidden[b], self.feature_layers))
 
 
 def float16_rows(rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
@@ -276,30 +273,29 @@ def generate_data(
     out: Dict[int, tuple] = {}
     if partial is not None and partial.exists():
         out = _read_partial(partial, len(prompts), width)
-    own = model.numerics
-    model.numerics = numerics  # ValueError for an unknown one, before any work
-    try:
-        with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar:
-            for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
-                if all(i in out for i in idx):
-                    continue
-                recorder.prepare(model, [prompts[i] for i in idx])
-                try:
-                    result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
-                finally:
-                    recorder.release()  # never leave the hooks on the model
-                for j, i in enumerate(idx):
-                    h = (
-                        torch.stack(recorder.hidden[j])
-                        if recorder.hidden[j]
-                        else torch.zeros(0, width, dtype=torch.float16)
-                    )
-                    out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
-                bar.update(len(idx))
-                if partial is not None:
-                    _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
-    finally:
-        model.numerics = own
+    # numerics_as: ValueError for an unknown one, before any work
+    with (
+        model.numerics_as(numerics),
+        tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, initial=len(out)) as bar,
+    ):
+        for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
+            if all(i in out for i in idx):
+                continue
+            recorder.prepare(model, [prompts[i] for i in idx])
+            try:
+                result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
+            finally:
+                recorder.release()  # never leave the hooks on the model
+            for j, i in enumerate(idx):
+                h = (
+                    torch.stack(recorder.hidden[j])
+                    if recorder.hidden[j]
+                    else torch.zeros(0, width, dtype=torch.float16)
+                )
+                out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
+            bar.update(len(idx))
+            if partial is not None:
+                _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
     return SelfDistilled(
         tokens=[out[i][0] for i in range(len(prompts))],
         prompt_lengths=[len(p) for p in prompts],

@@ -516,11 +516,8 @@ def main(argv=None) -> int:
     # recorded with the data (--record-layers), else one teacher-forced pass over it (cached)
     # in the numerics the data was generated in
     separate = layers and not args.record_layers
-    own, model.numerics = model.numerics, args.gen_numerics
-    try:
+    with model.numerics_as(args.gen_numerics):
         outputs = [layer_outputs(model, d, layers, cache) if separate else None for d in (setup.train, setup.tune)]
-    finally:
-        model.numerics = own
     train_rows = feature_rows(setup.train, model.output.weight, layer_outputs=outputs[0])
     tune_rows = feature_rows(setup.tune, model.output.weight, layer_outputs=outputs[1])
     t_data = time.perf_counter() - t0
