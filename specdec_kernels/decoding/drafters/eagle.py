@@ -256,6 +256,11 @@ class EagleHead(HeadFile):
 
     MATRICES = ("fc", "wqkv", "wo", "w13", "w2", "fuse")  # the matrix-product weights (fuse: with feature layers)
 
+    def quantizable(self) -> bool:
+        """Whether ``quantized`` can make a copy: a float32 head on CPU, the C++ extension built."""
+        p = next(self.parameters())
+        return p.dtype == torch.float32 and p.device.type == "cpu" and packed.has_kernel()
+
     def quantized(self) -> "EagleHead":
         """A copy of this head (eval mode) whose matrix-product weights are rounded to ggml's Q8_0
         form (``packed.quantize_scaled8``) and registered with their packed forms, so that a
@@ -276,8 +281,8 @@ class EagleHead(HeadFile):
             ValueError: the head is not float32 on CPU, or the C++ extension (the packed
                 products) is missing.
         """
-        p = next(self.parameters())
-        if p.dtype != torch.float32 or p.device.type != "cpu" or not packed.has_kernel():
+        if not self.quantizable():
+            p = next(self.parameters())
             raise ValueError(
                 f"quantized() needs a float32 head on CPU and the C++ extension, got {p.dtype} on {p.device}"
                 + ("" if packed.has_kernel() else " without the extension")
@@ -541,10 +546,7 @@ class EagleDrafter(Drafter):
             raise TypeError(f"quantize_head must be None, True or False, got {quantize_head!r}")
         self.model = model
         self.head = EagleHead.for_target(head, model, check_fingerprint=check_fingerprint)
-        if quantize_head is None:
-            p = next(self.head.parameters())
-            quantize_head = p.dtype == torch.float32 and p.device.type == "cpu" and packed.has_kernel()
-        self.head_quantized = bool(quantize_head)
+        self.head_quantized = self.head.quantizable() if quantize_head is None else quantize_head
         if self.head_quantized:
             self.head = self.head.quantized()
         self.tree = bool(tree)
