@@ -184,3 +184,41 @@ def test_trainer_written_flags_are_checked_before_loading(extra, flag, capsys):
         train_eagle.main(["--random-model", "--out", "/tmp/unused.pt"] + extra)
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_written_prompts_are_sampled_in_the_numerics_asked_for(tmp_path, monkeypatch):
+    """``numerics`` is the model's while it writes (its own numerics come back after), and it
+    is a part of the cache key only when it is not float32, so float32 runs keep their files."""
+    model = train_data.tiny_random_model(0)
+    seen = []
+
+    def fake_write(m, *args, **kw):
+        seen.append(m.numerics)
+        return {"writing": [f"request {len(seen)}"]}
+
+    monkeypatch.setattr(instruct, "write_prompts", fake_write)
+    questions = [{"category": "writing", "turns": ["tell me a story"]}]
+
+    def run(**kw):
+        return instruct.written_prompts(
+            model,
+            train_data.TinyTokenizer(),
+            "fp",
+            questions,
+            [],
+            1,
+            ["writing"],
+            seed=0,
+            stop_ids=[],
+            cache=tmp_path,
+            **kw,
+        )
+
+    assert run() == ["request 1"] and seen == ["float32"]
+    assert run(numerics="float32") == ["request 1"] and len(seen) == 1  # the same cache file
+    assert run(numerics="int8") == ["request 2"] and seen == ["float32", "int8"]  # a new one
+    assert model.numerics == "float32"
+    assert len(list(tmp_path.glob("written-prompts-*.json"))) == 2
+    with pytest.raises(ValueError, match="numerics"):
+        run(numerics="int4")
+    assert model.numerics == "float32"

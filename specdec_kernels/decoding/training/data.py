@@ -798,6 +798,7 @@ def prepare(
             seed=args.seed,
             stop_ids=stops,
             cache=cache,
+            numerics=getattr(args, "gen_numerics", "float32"),
         )
         train_p += [chat_ids(target.tokenizer, t) for t in written]
         print(f"{len(written)} written prompts added to the training prompts", file=sys.stderr)

@@ -284,14 +284,18 @@ def written_prompts(
     stop_ids: Sequence[int],
     cache: Optional[Path],
     batch: int = 16,
+    numerics: str = "float32",
 ) -> List[str]:
     """``write_prompts`` for ``categories`` from their ``train_questions`` (first turns),
     never copying any of the ``references`` (every Spec-Bench turn and the held-out prompts of
     ``training.agreement``), through ``cached_prompts``; the kept requests of every category
-    in one list (categories in the order given).
+    in one list (categories in the order given).  The target samples them in ``numerics``
+    (``Transformer.numerics``; "int8" is its fastest decoding on a CPU), a part of the cache
+    key when it is not "float32" (so float32 runs keep their cache files).
 
     Raises:
-        ValueError: a category with no training question, and as ``write_prompts``.
+        ValueError: a category with no training question, an unknown ``numerics``, and as
+            ``write_prompts``.
     """
     examples: Dict[str, List[str]] = {c: [] for c in categories}
     for q in train_questions:
@@ -309,21 +313,24 @@ def written_prompts(
         sampling=[TEMPERATURE, TOP_P, MAX_NEW_TOKENS],
         references=zlib.crc32(json.dumps(list(references)).encode()),
     )
+    if numerics != "float32":
+        settings["numerics"] = numerics
 
     def make(done, on_category) -> Dict[str, List[str]]:
-        return write_prompts(
-            model,
-            tokenizer.encode,
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            examples,
-            per_category,
-            references,
-            seed=seed,
-            stop_ids=stop_ids,
-            batch=batch,
-            done=done,
-            on_category=on_category,
-        )
+        with model.numerics_as(numerics):
+            return write_prompts(
+                model,
+                tokenizer.encode,
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                examples,
+                per_category,
+                references,
+                seed=seed,
+                stop_ids=stop_ids,
+                batch=batch,
+                done=done,
+                on_category=on_category,
+            )
 
     written = cached_prompts(prompts_cache_path(cache, fingerprint, settings), make)
     for c in categories:
