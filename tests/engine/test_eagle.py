@@ -157,7 +157,15 @@ def test_bad_arguments(tmp_path, tiny, capsys):
     for bad in (["--steps", "0"], ["--unroll", "0"], ["--distill", "2"], ["--reg", "-1"], ["--threads", "0"]):
         with pytest.raises(SystemExit):
             train_eagle.parse_args(bad)
-    for bad, flag in ((["--lr", "0"], "--lr must be > 0"), (["--negatives", "-1"], "--negatives must be >= 0")):
+    for bad, flag in (
+        (["--lr", "0"], "--lr must be a finite number > 0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--negatives", "-1"], "--negatives must be a finite number >= 0"),
+        (["--reg", "nan"], "--reg must be a finite number >= 0"),
+        (["--hass-top-k", "-1"], "--hass-top-k must be a finite number >= 0"),
+        (["--hass-weight", "nan"], "--hass-weight must be a finite number >= 0"),
+        (["--hass-weight", "inf"], "--hass-weight must be a finite number >= 0"),
+    ):
         with pytest.raises(SystemExit):
             train_eagle.parse_args(bad)
         assert flag in capsys.readouterr().err
@@ -429,6 +437,50 @@ def test_chain_features_follow_the_training_unroll(tiny):
         outs = train_eagle.unrolled(head, tiny.tok_embeddings.weight, f, nxt, valid, 4)
         for s, out in enumerate(outs, start=1):
             assert int((out[0, p - 1] @ tiny.output.weight.T).argmax()) == drafts[s - 1], s
+
+
+def test_hass_top_k_term_by_hand():
+    """HASS's top-K distillation term, worked by hand: the teacher's logits are its states
+    (W_c the identity), p = softmax(2, 1, 0, -1); the term is -sum over p's K most likely
+    candidates of p(x) log q(x); K >= C gives the whole soft cross-entropy, K = 0 none."""
+    from specdec_kernels.decoding.training.softmax import hard_and_soft_losses
+
+    teacher = torch.tensor([[[1.0, 2.0, -1.0, 0.0]]])  # candidates 1, 0, 3, 2 by probability
+    W_c = torch.eye(4, dtype=torch.bfloat16)
+    bias = torch.zeros(4)
+    logits = torch.tensor([[[0.5, -0.25, 1.0, 0.0]]])
+    target = torch.tensor([[1]])
+    z = sum(math.exp(x) for x in (1.0, 2.0, -1.0, 0.0))
+    p = [math.exp(x) / z for x in (1.0, 2.0, -1.0, 0.0)]
+    zq = sum(math.exp(x) for x in (0.5, -0.25, 1.0, 0.0))
+    logq = [x - math.log(zq) for x in (0.5, -0.25, 1.0, 0.0)]
+    hard, soft, top = hard_and_soft_losses(logits, target, teacher, W_c, bias, top_k=2)
+    assert float(hard) == pytest.approx(-logq[1], rel=1e-6)
+    assert float(soft) == pytest.approx(-sum(a * b for a, b in zip(p, logq)), rel=1e-6)
+    assert float(top) == pytest.approx(-(p[1] * logq[1] + p[0] * logq[0]), rel=1e-6)
+    assert float(hard_and_soft_losses(logits, target, teacher, W_c, bias, top_k=9).top) == pytest.approx(float(soft))
+    assert hard_and_soft_losses(logits, target, teacher, W_c, bias).top is None
+    with pytest.raises(ValueError, match="top_k"):
+        hard_and_soft_losses(logits, target, teacher, W_c, bias, top_k=-1)
+
+
+def test_hass_top_k_joins_the_training_loss(tiny, tiny_rows):
+    """One step from the same head and seed: the loss with the top-K term is the loss
+    without it plus hass_weight times a positive term; a weight of 0 changes nothing."""
+
+    def first_loss(**kw):
+        head = random_head(window=16, scale=0.2, seed=4)
+        options = TrainingOptions(steps=1, lr=1e-3, seed=0, distill=1.0)
+        return train_eagle.train_head(head, tiny, tiny_rows, options, segments=2, segment=16, unroll=2, **kw)[0]
+
+    plain = first_loss()
+    assert first_loss(hass_top_k=5, hass_weight=0.0) == pytest.approx(plain, rel=1e-6)
+    half, one = first_loss(hass_top_k=5, hass_weight=0.5), first_loss(hass_top_k=5, hass_weight=1.0)
+    assert one > half > plain
+    assert one - plain == pytest.approx(2 * (half - plain), rel=1e-4)
+    for bad in (dict(hass_top_k=-1), dict(hass_weight=float("nan"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            first_loss(**bad)
 
 
 def test_agreement_scores_every_position_of_every_sequence(tiny, tiny_rows):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -589,11 +590,11 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 def flags_at_least(p: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str], low: int) -> None:
     """``p.error`` (exit 2, one line naming the flag) for a flag of ``names`` (attribute
-    names; None, an unset optional flag, passes) below ``low``."""
+    names; None, an unset optional flag, passes) below ``low``, or not a finite number."""
     for name in names:
         v = getattr(args, name)
-        if v is not None and v < low:
-            p.error(f"--{name.replace('_', '-')} must be >= {low}")
+        if v is not None and not (math.isfinite(v) and v >= low):
+            p.error(f"--{name.replace('_', '-')} must be a finite number >= {low}, got {v}")
 
 
 def check_data_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 import time
 import warnings
@@ -279,6 +280,8 @@ def train_head(
     segment: int,
     unroll: int,
     reg: float = 0.1,
+    hass_top_k: int = 0,
+    hass_weight: float = 1.0,
 ) -> List[float]:
     """Train ``head`` on the feature rows (see the module docstring); returns every step's loss.
 
@@ -289,15 +292,20 @@ def train_head(
         segment: consecutive positions per segment (the drafter's window).
         unroll: training-time test steps (1: teacher forcing only).
         reg: weight of the feature regression (smooth L1).
+        hass_top_k: K of HASS's harmonized objective distillation (Zhang et al. 2025): a
+            term -sum over the target's K most likely candidates of p(x) log q(x) joins each
+            step's loss (``hard_and_soft_losses``); 0: none.
+        hass_weight: that term's weight.
 
     Raises:
-        ValueError: segments, segment or unroll < 1; reg < 0.
+        ValueError: segments, segment or unroll < 1; reg, hass_top_k or hass_weight < 0.
     """
     for name, v in (("segments", segments), ("segment", segment), ("unroll", unroll)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
-    if reg < 0:
-        raise ValueError(f"reg must be >= 0, got {reg}")
+    for name, v in (("reg", reg), ("hass_top_k", hass_top_k), ("hass_weight", hass_weight)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v}")
     distill = options.distill
     g = options.generator()
     E = model.tok_embeddings.weight.detach().float()
@@ -327,8 +335,12 @@ def train_head(
             truth = f[:, s : s + L]
             ok = valid[:, s : s + L]
             logits = candidate_logits(out, W_c, c.bias)
-            hard, soft = hard_and_soft_losses(logits, c.targets(labels[s - 1]), truth, W_c, c.bias)
+            hard, soft, top = hard_and_soft_losses(
+                logits, c.targets(labels[s - 1]), truth, W_c, c.bias, top_k=hass_top_k
+            )
             per = (1 - distill) * hard + distill * soft
+            if top is not None:
+                per = per + hass_weight * top
             if reg:
                 per = per + reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
             w = STEP_DECAY ** (s - 1)
@@ -409,6 +421,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width (default: the target's)")
     p.add_argument("--reg", type=float, default=0.1, help="weight of the feature regression (smooth L1)")
     p.add_argument(
+        "--hass-top-k",
+        type=int,
+        default=0,
+        help="HASS's top-K distillation: also fit the target's K most likely tokens (0: off; HASS used 10)",
+    )
+    p.add_argument("--hass-weight", type=float, default=1.0, help="weight of the --hass-top-k term")
+    p.add_argument(
         "--draft-vocab",
         type=int,
         default=DRAFT_VOCAB,
@@ -441,7 +460,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     check_training_arguments(p, args)
     check_data_arguments(p, args)
     flags_at_least(p, args, ("segments", "segment", "unroll", "intermediate_size"), 1)
-    flags_at_least(p, args, ("reg", "draft_vocab"), 0)
+    flags_at_least(p, args, ("reg", "draft_vocab", "hass_top_k", "hass_weight"), 0)
     try:
         args.feature_layers = [int(x) for x in comma_list(args.feature_layers)]
     except ValueError:
@@ -563,6 +582,8 @@ def main(argv=None) -> int:
         segment=args.segment,
         unroll=args.unroll,
         reg=args.reg,
+        hass_top_k=args.hass_top_k,
+        hass_weight=args.hass_weight,
     )
     t_train = time.perf_counter() - t1
     vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)

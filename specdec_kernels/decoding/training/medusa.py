@@ -406,7 +406,7 @@ def train_heads(
             # per label: (1 - distill) hard + distill soft; hard alone where the target's
             # distribution was not recorded (a sequence's last label)
             ti = teacher[idx]
-            hard, soft = hard_and_soft_losses(logits, target, teacher_states[ti.clamp(min=0)], W_c, c.bias)
+            hard, soft, _ = hard_and_soft_losses(logits, target, teacher_states[ti.clamp(min=0)], W_c, c.bias)
             per = torch.where(ti >= 0, (1 - distill) * hard + distill * soft, hard)
             valid = target >= 0
             loss = (per * valid).sum() / valid.sum().clamp(min=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple, Tuple
+from typing import Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,13 +58,13 @@ class TrainingOptions:
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not 0.0 <= self.distill <= 1.0:
             raise ValueError(f"distill must lie in [0, 1], got {self.distill}")
         for name in ("weight_decay", "frequent", "negatives"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
 
     def optimiser(self, params: Iterable[torch.nn.Parameter]) -> Optimiser:
         """An ``Optimiser`` of ``params`` with these steps, learning rate and weight decay."""
@@ -172,18 +172,47 @@ def candidate_logits(states: torch.Tensor, W_c: torch.Tensor, bias: torch.Tensor
     return (states.to(torch.bfloat16) @ W_c).float() + bias
 
 
+class DistillationLosses(NamedTuple):
+    """Per label, (B, k) float32 each: ``hard``, the cross-entropy against the target model's
+    argmax; ``soft``, against its distribution; ``top``, HASS's top-K distillation term (None
+    unless asked for)."""
+
+    hard: torch.Tensor
+    soft: torch.Tensor
+    top: Optional[torch.Tensor]
+
+
 def hard_and_soft_losses(
-    logits: torch.Tensor, target: torch.Tensor, teacher_states: torch.Tensor, W_c: torch.Tensor, bias: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    teacher_states: torch.Tensor,
+    W_c: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int = 0,
+) -> DistillationLosses:
     """Per label, the cross-entropy of ``logits`` (B, k, C) over the candidates against
     ``target`` (B, k) candidate indices (hard; 0 where -100) and against the target model's
-    own distribution over the candidates, the ``candidate_logits`` of ``teacher_states``
-    (B, k, hidden) without gradient (soft): two (B, k) float32 tensors."""
+    own distribution p over the candidates, the ``candidate_logits`` of ``teacher_states``
+    (B, k, hidden) without gradient (soft).  With ``top_k`` > 0 also HASS's harmonized
+    objective distillation term (Zhang et al. 2025, "Learning Harmonized Representations for
+    Speculative Sampling"): the soft cross-entropy restricted to p's ``top_k`` most likely
+    candidates, -sum over them of p(x) log q(x), which weighs again the tokens a draft tree
+    proposes and verification accepts.
+
+    Raises:
+        ValueError: ``top_k`` < 0.
+    """
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
     hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
     with torch.no_grad():
         soft_p = torch.softmax(candidate_logits(teacher_states, W_c, bias), dim=-1)
-    soft = -(soft_p * torch.log_softmax(logits, dim=-1)).sum(-1)
-    return hard, soft
+    plogq = soft_p * torch.log_softmax(logits, dim=-1)
+    top = None
+    if top_k:
+        idx = soft_p.topk(min(top_k, soft_p.shape[-1]), dim=-1).indices
+        top = -plogq.gather(-1, idx).sum(-1)
+    return DistillationLosses(hard, -plogq.sum(-1), top)
 
 
 class Optimiser:
