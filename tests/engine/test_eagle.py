@@ -460,8 +460,29 @@ def test_hass_top_k_term_by_hand():
     assert float(top) == pytest.approx(-(p[1] * logq[1] + p[0] * logq[0]), rel=1e-6)
     assert float(hard_and_soft_losses(logits, target, teacher, W_c, bias, top_k=9).top) == pytest.approx(float(soft))
     assert hard_and_soft_losses(logits, target, teacher, W_c, bias).top is None
-    with pytest.raises(ValueError, match="top_k"):
-        hard_and_soft_losses(logits, target, teacher, W_c, bias, top_k=-1)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="top_k"):
+            hard_and_soft_losses(logits, target, teacher, W_c, bias, top_k=bad)
+
+
+def test_hass_top_k_term_in_a_sampled_softmax_by_hand():
+    """A drawn negative (candidate 2, bias log 22: it stands for 22 tokens) ranks first by
+    the corrected distribution but third by its own logit: the top-2 term takes candidates 0
+    and 1, with each token's own probability and log q (the bias taken off)."""
+    from specdec_kernels.decoding.training.softmax import hard_and_soft_losses
+
+    raw = [2.0, 0.5, 0.25, -3.0]
+    b = [0.0, 0.0, math.log(22.0), 0.0]
+    head = [0.5, 1.0, -0.5, 0.0]
+    teacher = torch.tensor([[raw]])
+    bias = torch.tensor(b)
+    logits = torch.tensor([[[h + x for h, x in zip(head, b)]]])  # candidate_logits add the bias
+    z = sum(math.exp(r + x) for r, x in zip(raw, b))
+    zq = sum(math.exp(h + x) for h, x in zip(head, b))
+    p_own = [math.exp(r) / z for r in raw]  # p(x) of the token itself
+    logq_own = [h - math.log(zq) for h in head]
+    _, _, top = hard_and_soft_losses(logits, torch.tensor([[0]]), teacher, torch.eye(4, dtype=torch.bfloat16), bias, 2)
+    assert float(top) == pytest.approx(-(p_own[0] * logq_own[0] + p_own[1] * logq_own[1]), rel=1e-5)
 
 
 def test_hass_top_k_joins_the_training_loss(tiny, tiny_rows):
@@ -478,7 +499,7 @@ def test_hass_top_k_joins_the_training_loss(tiny, tiny_rows):
     half, one = first_loss(hass_top_k=5, hass_weight=0.5), first_loss(hass_top_k=5, hass_weight=1.0)
     assert one > half > plain
     assert one - plain == pytest.approx(2 * (half - plain), rel=1e-4)
-    for bad in (dict(hass_top_k=-1), dict(hass_weight=float("nan"))):
+    for bad in (dict(hass_top_k=-1), dict(hass_top_k=2.5), dict(hass_weight=float("nan"))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             first_loss(**bad)
 

@@ -187,38 +187,54 @@ def test_trainer_written_flags_are_checked_before_loading(extra, flag, capsys):
 
 
 def test_written_prompts_are_sampled_in_the_numerics_asked_for(tmp_path, monkeypatch):
-    """``numerics`` is the model's while it writes (its own numerics come back after), and it
-    is a part of the cache key only when it is not float32, so float32 runs keep their files."""
+    """``numerics`` is the model's while it writes (its own numerics come back after, also
+    when writing raises), and it is a part of the cache key only when it is not float32, so
+    float32 runs keep their files (the key of the settings without it)."""
     model = train_data.tiny_random_model(0)
+    model.numerics = "int8"  # the model's own numerics, which a float32 run must not keep
     seen = []
+    fail = []
 
     def fake_write(m, *args, **kw):
         seen.append(m.numerics)
+        if fail:
+            raise KeyboardInterrupt
         return {"writing": [f"request {len(seen)}"]}
 
     monkeypatch.setattr(instruct, "write_prompts", fake_write)
     questions = [{"category": "writing", "turns": ["tell me a story"]}]
+    tok = train_data.TinyTokenizer()
 
-    def run(**kw):
+    def run(seed=0, **kw):
         return instruct.written_prompts(
-            model,
-            train_data.TinyTokenizer(),
-            "fp",
-            questions,
-            [],
-            1,
-            ["writing"],
-            seed=0,
-            stop_ids=[],
-            cache=tmp_path,
-            **kw,
+            model, tok, "fp", questions, [], 1, ["writing"], seed=seed, stop_ids=[], cache=tmp_path, **kw
         )
 
-    assert run() == ["request 1"] and seen == ["float32"]
+    assert run() == ["request 1"] and seen == ["float32"] and model.numerics == "int8"
     assert run(numerics="float32") == ["request 1"] and len(seen) == 1  # the same cache file
     assert run(numerics="int8") == ["request 2"] and seen == ["float32", "int8"]  # a new one
-    assert model.numerics == "float32"
-    assert len(list(tmp_path.glob("written-prompts-*.json"))) == 2
+    assert model.numerics == "int8"
+    files = sorted(p.name for p in tmp_path.glob("written-prompts-*.json"))
+    assert len(files) == 2
+    # the float32 file is named by the settings as they were before numerics joined them
+    settings = dict(
+        examples={"writing": ["tell me a story"]},
+        per_category=1,
+        seed=0,
+        batch=16,
+        few_shot=instruct.FEW_SHOT,
+        ngram=instruct.NGRAM,
+        attempts=instruct.ATTEMPTS_PER_PROMPT,
+        prompt=instruct.request_prompt(["{example}"]),
+        sampling=[instruct.TEMPERATURE, instruct.TOP_P, instruct.MAX_NEW_TOKENS],
+        references=instruct.zlib.crc32(b"[]"),
+    )
+    assert instruct.prompts_cache_path(tmp_path, "fp", settings).name in files
+    fail.append(1)
+    model.numerics = "float32"
+    with pytest.raises(KeyboardInterrupt):
+        run(numerics="int8", seed=1)
+    assert seen[-1] == "int8" and model.numerics == "float32"
     with pytest.raises(ValueError, match="numerics"):
         run(numerics="int4")
-    assert model.numerics == "float32"
+    assert len(seen) == 3  # refused before any writing

@@ -593,7 +593,7 @@ def flags_at_least(p: argparse.ArgumentParser, args: argparse.Namespace, names: 
     names; None, an unset optional flag, passes) below ``low``, or not a finite number."""
     for name in names:
         v = getattr(args, name)
-        if v is not None and not (math.isfinite(v) and v >= low):
+        if v is not None and not low <= v < math.inf:
             p.error(f"--{name.replace('_', '-')} must be a finite number >= {low}, got {v}")
 
 
@@ -799,7 +799,7 @@ def prepare(
             seed=args.seed,
             stop_ids=stops,
             cache=cache,
-            numerics=getattr(args, "gen_numerics", "float32"),
+            numerics=args.gen_numerics,
         )
         train_p += [chat_ids(target.tokenizer, t) for t in written]
         print(f"{len(written)} written prompts added to the training prompts", file=sys.stderr)

@@ -298,14 +298,17 @@ def train_head(
         hass_weight: that term's weight.
 
     Raises:
-        ValueError: segments, segment or unroll < 1; reg, hass_top_k or hass_weight < 0.
+        ValueError: segments, segment or unroll < 1; reg, hass_top_k or hass_weight < 0 or
+            not finite; hass_top_k not an int.
     """
     for name, v in (("segments", segments), ("segment", segment), ("unroll", unroll)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     for name, v in (("reg", reg), ("hass_top_k", hass_top_k), ("hass_weight", hass_weight)):
-        if not (math.isfinite(v) and v >= 0):
+        if not 0 <= v < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+    if isinstance(hass_top_k, bool) or not isinstance(hass_top_k, int):
+        raise ValueError(f"hass_top_k must be an int, got {hass_top_k!r}")
     distill = options.distill
     g = options.generator()
     E = model.tok_embeddings.weight.detach().float()
@@ -344,7 +347,7 @@ def train_head(
             if reg:
                 per = per + reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
             w = STEP_DECAY ** (s - 1)
-            total = total + w * (per * ok).sum() / ok.sum().clamp(min=1)
+            total = total + w * torch.where(ok, per, 0.0).sum() / ok.sum().clamp(min=1)
             weight += w
         optimiser.step(total / weight)
     head.eval()

@@ -37,7 +37,7 @@ from specdec_kernels import files as _files
 from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding.draft import SamplingParams
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
-from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.model import NUMERICS, Transformer
 from specdec_kernels.files import BadFileError
 from specdec_kernels.optional import require
 
@@ -297,6 +297,8 @@ def written_prompts(
         ValueError: a category with no training question, an unknown ``numerics``, and as
             ``write_prompts``.
     """
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     examples: Dict[str, List[str]] = {c: [] for c in categories}
     for q in train_questions:
         if q["category"] in examples:

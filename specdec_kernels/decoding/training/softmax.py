@@ -58,12 +58,12 @@ class TrainingOptions:
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
+        if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not 0.0 <= self.distill <= 1.0:
             raise ValueError(f"distill must lie in [0, 1], got {self.distill}")
         for name in ("weight_decay", "frequent", "negatives"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+            if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
 
     def optimiser(self, params: Iterable[torch.nn.Parameter]) -> Optimiser:
@@ -193,26 +193,41 @@ def hard_and_soft_losses(
     """Per label, the cross-entropy of ``logits`` (B, k, C) over the candidates against
     ``target`` (B, k) candidate indices (hard; 0 where -100) and against the target model's
     own distribution p over the candidates, the ``candidate_logits`` of ``teacher_states``
-    (B, k, hidden) without gradient (soft).  With ``top_k`` > 0 also HASS's harmonized
-    objective distillation term (Zhang et al. 2025, "Learning Harmonized Representations for
-    Speculative Sampling"): the soft cross-entropy restricted to p's ``top_k`` most likely
-    candidates, -sum over them of p(x) log q(x), which weighs again the tokens a draft tree
-    proposes and verification accepts.
+    (B, k, hidden) without gradient (soft).  ``W_c`` (hidden, C) bfloat16 and ``bias`` (C,)
+    float32 are one minibatch's ``Candidates`` (``candidate_logits``); both ``logits`` and
+    p carry ``bias``, so in a sampled softmax a drawn negative stands for the tokens it was
+    drawn from.
+
+    With ``top_k`` > 0 also HASS's harmonized objective distillation term (Zhang et al.,
+    "Learning Harmonized Representations for Speculative Sampling", ICLR 2025): -sum over
+    the ``top_k`` candidates of highest p of p(x) log q(x), the soft cross-entropy again on
+    the tokens that a tree drafts and verification accepts.  It is per token: p and q of a
+    drawn negative are its own (the bias taken off), and the ranking is by the teacher's own
+    logits.  Only candidates can be among the K: a likely token outside the minibatch's
+    candidates (beyond the frequent ones, the labels and the drawn negatives) is missed.
+
+    Returns:
+        ``DistillationLosses`` (hard, soft, top), each (B, k) float32; top None when
+        ``top_k`` is 0.
 
     Raises:
-        ValueError: ``top_k`` < 0.
+        ValueError: ``top_k`` not an int >= 0.
     """
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
     hard = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+    logq = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():
-        soft_p = torch.softmax(candidate_logits(teacher_states, W_c, bias), dim=-1)
-    plogq = soft_p * torch.log_softmax(logits, dim=-1)
+        t = candidate_logits(teacher_states, W_c, bias)
+        soft_p = torch.softmax(t, dim=-1)
+    soft = -(soft_p * logq).sum(-1)
     top = None
     if top_k:
-        idx = soft_p.topk(min(top_k, soft_p.shape[-1]), dim=-1).indices
-        top = -plogq.gather(-1, idx).sum(-1)
-    return DistillationLosses(hard, -plogq.sum(-1), top)
+        with torch.no_grad():
+            idx = (t - bias).topk(min(top_k, t.shape[-1]), dim=-1).indices
+            p_own = (soft_p * torch.exp(-bias)).gather(-1, idx)
+        top = -(p_own * (logq - bias).gather(-1, idx)).sum(-1)
+    return DistillationLosses(hard, soft, top)
 
 
 class Optimiser:
