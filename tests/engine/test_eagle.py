@@ -588,11 +588,13 @@ def test_sampling_keeps_the_target_distribution(tiny, trained, tree, vocab):
         assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
 
 
-def test_training_command_end_to_end(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--hass-top-k", "3", "--hass-weight", "0.5"]], ids=["plain", "hass"])
+def test_training_command_end_to_end(tmp_path, extra):
     out = tmp_path / "eagle.pt"
     assert (
         train_eagle.main(
-            [
+            extra
+            + [
                 "--random-model",
                 "--steps",
                 "3",
@@ -615,8 +617,9 @@ def test_training_command_end_to_end(tmp_path):
     assert head.window == 8
     assert len(head.config["training"]["tune_positions"]) == 3 and head.config["training"]["tune_positions"][0] > 0
     assert head.config["training"]["command"].startswith(
-        "python -m specdec_kernels.decoding.training.eagle --random-model"
+        "python -m specdec_kernels.decoding.training.eagle " + " ".join(extra + ["--random-model"])
     )
+    assert head.config["training"]["hass_top_k"] == (3 if extra else 0)
     assert head.config["base_model"] == "tiny-random-llama"
     model = train_data.tiny_random_model(0)
     assert head.config["base_fingerprint"] == model_fingerprint(model)
