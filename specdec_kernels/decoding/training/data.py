@@ -504,7 +504,7 @@ def self_distilled_sets(
     numerics ``args.gen_numerics``; with ``feature_layers``, those layers' outputs recorded
     beside the final hidden states."""
     out = []
-    numerics = getattr(args, "gen_numerics", "float32")
+    numerics = args.gen_numerics
     width = model.args.hidden_size * (1 + len(feature_layers))
     with torch.inference_mode():
         for tag, prompts in sets.items():
