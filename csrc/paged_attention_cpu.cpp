@@ -3,7 +3,7 @@
 //
 // The algorithm of tree_attention's Triton kernel (specdec_kernels.ops.tree_attention), on the CPU: for each
 // (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
-// h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row load) walk the
+// h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row read from memory) walk the
 // keys they see in chunks of CHUNK keys with an online softmax (flash attention, Dao et al. 2022;
 // fp32 scores and accumulators).  Row i sees the prefix, slots 0 .. cache_seqlens[b] - 1, then the
 // tree slots cache_seqlens[b] + j with tree_mask[i, j] (the causal chain j <= i when there is no
@@ -73,13 +73,25 @@ SPECDEC_INLINE v8sf load8(const float* p) {
 
 SPECDEC_INLINE void store8(float* p, v8sf x) { std::memcpy(p, &x, sizeof(x)); }
 
-SPECDEC_INLINE float hsum8(v8sf x) {
-  const float a = (x[0] + x[4]) + (x[1] + x[5]);
-  const float b = (x[2] + x[6]) + (x[3] + x[7]);
-  return a + b;
-}
+// The sum of x's lanes as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the order of
+// sum8x8's lanes, so that a score is the same number whether its key was in a group of 8.
+SPECDEC_INLINE float hsum8(v8sf x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
 
 typedef int32_t v8si __attribute__((vector_size(32)));
+
+// The lane sums of 8 vectors at once, lane j = hsum8(c[j]) (same order), by three rounds of
+// pairwise shuffles and adds instead of 8 horizontal sums.
+SPECDEC_INLINE v8sf sum8x8(const v8sf* c) {
+  const v8si even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+  const v8si lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const v8si lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+  v8sf a[4], b[2];
+  for (int j = 0; j < 4; ++j)  // lanes 2i, 2i + 1: x_2i + x_2i+1 of c[2j], c[2j + 1]
+    a[j] = __builtin_shuffle(c[2 * j], c[2 * j + 1], even) + __builtin_shuffle(c[2 * j], c[2 * j + 1], odd);
+  for (int j = 0; j < 2; ++j)  // (x0 + x1) + (x2 + x3) of c[4j .. 4j + 3], then (x4 + x5) + (x6 + x7)
+    b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], lo2) + __builtin_shuffle(a[2 * j], a[2 * j + 1], hi2);
+  return __builtin_shuffle(b[0], b[1], lo4) + __builtin_shuffle(b[0], b[1], hi4);
+}
 
 // exp(x) of 8 floats x <= 0 in branch-free vector arithmetic (Cody-Waite range reduction
 // x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n through the exponent
@@ -146,28 +158,26 @@ struct PvRows {
   }
 };
 
-// scores[r * T + t] = q_r . k_t for RB query rows r0 .. r0 + RB - 1 at once (each key row is
-// loaded once per RB rows; D a multiple of 16).
-struct DotRows {
-  template <int RB>
-  static SPECDEC_INLINE void run(int64_t r0, const float* q, int64_t D, const float* const* kp, int64_t T,
-                                 float* scores) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* k = kp[t];
-      v8sf c0[RB], c1[RB];
-      for (int e = 0; e < RB; ++e) c0[e] = c1[e] = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t d = 0; d < D; d += 16) {
-        const v8sf k0 = load8(k + d), k1 = load8(k + d + 8);
-        for (int e = 0; e < RB; ++e) {
-          const float* qr = q + (r0 + e) * D + d;
-          c0[e] += load8(qr) * k0;
-          c1[e] += load8(qr + 8) * k1;
-        }
-      }
-      for (int e = 0; e < RB; ++e) scores[(r0 + e) * T + t] = hsum8(c0[e] + c1[e]);
+// scores[t] = q . k_t over T keys (D a multiple of 8): groups of 8 keys share each load of q
+// and are summed across lanes together (sum8x8); every key's score is the same arithmetic
+// (lane-wise products and sums over d, then hsum8's order) in a group or in the tail.
+SPECDEC_INLINE void dot_row(const float* q, int64_t D, const float* const* kp, int64_t T, float* scores) {
+  int64_t t = 0;
+  for (; t + 8 <= T; t += 8) {
+    v8sf c[8];
+    for (int j = 0; j < 8; ++j) c[j] = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < D; d += 8) {
+      const v8sf qd = load8(q + d);
+      for (int j = 0; j < 8; ++j) c[j] += qd * load8(kp[t + j] + d);
     }
+    store8(scores + t, sum8x8(c));
   }
-};
+  for (; t < T; ++t) {
+    v8sf c = v8sf{0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < D; d += 8) c += load8(q + d) * load8(kp[t] + d);
+    scores[t] = hsum8(c);
+  }
+}
 
 // One online-softmax step of R query rows (q: R x D fp32, already times sm_scale) over T key
 // slots that every row sees (row pointers kp[t], vp[t] into fp32 data).  m, l, acc (R x D): the
@@ -180,7 +190,7 @@ struct DotRows {
 SPECDEC_TARGET_CLONES("fma")
 void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, const float* const* vp, int64_t T,
                   float* m, float* l, uint8_t* bad, float* acc, float* scores) {
-  in_row_blocks<DotRows>(R, q, D, kp, T, scores);
+  for (int64_t r = 0; r < R; ++r) dot_row(q + r * D, D, kp, T, scores + r * T);
   // per row: running maximum, rescale, probabilities (in place of the scores)
   for (int64_t r = 0; r < R; ++r) {
     float* sr = scores + r * T;
@@ -293,10 +303,15 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
       // else converted into kc/vc, T * D floats each)
       auto load = [&](int64_t h, int64_t s0, int64_t T, const float** kd_out, const float** vd_out, float* kc,
                       float* vc) {
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t s = s0 + t;  // < len + N <= capacity: inside the table row
-          const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
-          const int64_t off = s % block_size;
+        // slot s0 + t is slot off of table entry col (s0 + t < len + N <= capacity: inside the
+        // table row), stepped along without a division per slot
+        int64_t col = s0 / block_size, off = s0 % block_size;
+        int64_t blk = T > 0 ? clamp64(row_table[col], 0, num_blocks - 1) : 0;
+        for (int64_t t = 0; t < T; ++t, ++off) {
+          if (off == block_size) {
+            off = 0;
+            blk = clamp64(row_table[++col], 0, num_blocks - 1);
+          }
           const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
           const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
           if (!convert) {
@@ -317,9 +332,14 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
       auto prefetch = [&](int64_t s0) {
         const int64_t s1 = std::min(s0 + CHUNK, len + N);
         const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t blk = clamp64(row_table[s / block_size], 0, num_blocks - 1);
-          const int64_t off = s % block_size;
+        if (s0 >= s1) return;
+        int64_t col = s0 / block_size, off = s0 % block_size;
+        int64_t blk = clamp64(row_table[col], 0, num_blocks - 1);
+        for (int64_t s = s0; s < s1; ++s, ++off) {
+          if (off == block_size) {
+            off = 0;
+            blk = clamp64(row_table[++col], 0, num_blocks - 1);
+          }
           for (int64_t h = h0; h < h0 + HG; ++h) {
             const char* k = reinterpret_cast<const char*>(kbase + blk * ksb + off * kss + h * ksh);
             const char* v = reinterpret_cast<const char*>(vbase + blk * vsb + off * vss + h * vsh);
