@@ -8,6 +8,7 @@
     python -m specdec_kernels.generate --question-id 121 --drafter eagle-tree --compare
     python -m specdec_kernels.generate --question-id 81 --drafter multi --drafters eagle,ngram --ensemble --temperature 0.7
     python -m specdec_kernels.generate --question-id 245 --drafter layerskip --temperature 0.7 --typical 0.09
+    python -m specdec_kernels.generate --question-id 103 --drafter multi --drafters ngram,eagle --fallback --min-ngram 2 --numerics int8
 
 The prompt goes through the model's chat template; the answer and the run's statistics are
 printed (target passes, mean accepted length, acceptance by draft position, tokens/s, time
@@ -71,6 +72,7 @@ MAX_K = 64
 TREE_DRAFTERS = ("ngram", "layerskip", "draft-model", "medusa", "medusa-tree", "eagle", "eagle-tree")
 FLAG_DRAFTERS = {
     "--max-ngram": ("ngram",),
+    "--min-ngram": ("ngram",),
     "--layers": ("layerskip", "draft-model"),
     "--draft-model": ("draft-model",),
     "--tree-widths": ("layerskip", "draft-model"),
@@ -78,7 +80,7 @@ FLAG_DRAFTERS = {
     "--eagle-head": ("eagle", "eagle-tree"),
     "--tree": TREE_DRAFTERS,
 }
-DEFAULTS = {"drafters": "ngram,layerskip", "tree_widths": "2,2", "max_ngram": 5, "policy": "cost-model"}
+DEFAULTS = {"drafters": "ngram,layerskip", "tree_widths": "2,2", "max_ngram": 5, "min_ngram": 1, "policy": "cost-model"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,7 +107,8 @@ def drafts_trees(args: argparse.Namespace) -> bool:
     summary and ``--json`` report): medusa-tree, eagle-tree and lookahead (its n-gram branches
     merged into one tree) always, ngram / layerskip / draft-model / medusa / eagle with
     ``--tree``, multi when it merges drafts (not with --ensemble, which drafts one chain) of
-    several drafters or of one that drafts trees; none never."""
+    several drafters or of one that drafts trees, or (--fallback, one drafter's draft per
+    step) when one of its drafters drafts trees; none never."""
 
     def one(name: str) -> bool:
         if name in ("medusa-tree", "eagle-tree", "lookahead"):
@@ -113,6 +116,8 @@ def drafts_trees(args: argparse.Namespace) -> bool:
         return name != "none" and bool(args.tree)
 
     if args.drafter == "multi":
+        if args.fallback:
+            return any(one(d) for d in args.sub_drafters)
         return not args.ensemble and (len(args.sub_drafters) > 1 or one(args.sub_drafters[0]))
     return one(args.drafter)
 
@@ -136,6 +141,10 @@ def _check_combinations(p: argparse.ArgumentParser, args: argparse.Namespace) ->
             p.error(f"--drafters must name drafters from {', '.join(SUB_DRAFTERS)}, got {args.drafters!r}")
     if args.ensemble and args.drafter != "multi":
         p.error("--ensemble averages the drafters of --drafter multi")
+    if args.fallback and args.drafter != "multi":
+        p.error("--fallback picks among the drafters of --drafter multi")
+    if args.fallback and args.ensemble:
+        p.error("--fallback takes one drafter's draft per step and --ensemble averages them: give one of the two")
     if args.ensemble and [d for d in args.sub_drafters if d not in ENSEMBLE_DRAFTERS]:
         p.error(
             f"--ensemble: every drafter of --drafters must come from {', '.join(ENSEMBLE_DRAFTERS)}, got {args.drafters!r}"
@@ -258,6 +267,8 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.widths = widths
     if not 1 <= args.max_ngram <= 64:
         p.error(f"--max-ngram must lie in 1..64, got {args.max_ngram}")
+    if not 1 <= args.min_ngram <= args.max_ngram:
+        p.error(f"--min-ngram must lie in 1..--max-ngram ({args.max_ngram}), got {args.min_ngram}")
     if args.threads is not None and not 1 <= args.threads <= 1024:
         p.error(f"--threads must lie in 1..1024, got {args.threads}")
     try:
@@ -335,6 +346,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "--ensemble",
         action="store_true",
         help="with --drafter multi: average the drafters' distributions into one chain (learnt weights) instead of merging their drafts",
+    )
+    p.add_argument(
+        "--fallback",
+        action="store_true",
+        help="with --drafter multi: each step, the draft of the first drafter of --drafters that drafts anything "
+        "(e.g. ngram,eagle with --min-ngram 2: prompt lookup where the suffix recurs, else the EAGLE head) instead "
+        "of merging their drafts",
     )
     p.add_argument(
         "--drafters",
@@ -420,6 +438,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help=f"ngram: the longest suffix it matches (default {DEFAULTS['max_ngram']})",
     )
     p.add_argument(
+        "--min-ngram",
+        type=int,
+        default=None,
+        help=f"ngram: the shortest suffix it matches (default {DEFAULTS['min_ngram']})",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -452,11 +476,13 @@ def build_drafter(args, model, name=None):
     if name == "multi":
         from specdec_kernels.decoding.drafters.multi import MultiDrafter
 
-        return MultiDrafter([build_drafter(args, model, d) for d in args.sub_drafters], ensemble=args.ensemble)
+        return MultiDrafter(
+            [build_drafter(args, model, d) for d in args.sub_drafters], ensemble=args.ensemble, fallback=args.fallback
+        )
     widths = args.widths if args.tree else None
     layers = args.layers if args.layers is not None else model.args.num_layers // 2
     if name == "ngram":
-        return NgramDrafter(args.max_ngram, tree=args.tree)
+        return NgramDrafter(args.max_ngram, args.min_ngram, tree=args.tree)
     if name in ("medusa", "medusa-tree"):
         from specdec_kernels.decoding.drafters.medusa import MedusaDrafter
 
@@ -581,7 +607,11 @@ def _run(args: argparse.Namespace) -> int:
     print(f"\n--- {args.drafter} ({mode}, {how}, temperature {args.temperature}{lossy}), prompt {len(ids)} tokens")
     print(result.stats.summary())
     if args.json:
-        multi = {"multi_drafters": args.sub_drafters, "ensemble": args.ensemble} if args.drafter == "multi" else {}
+        multi = (
+            {"multi_drafters": args.sub_drafters, "ensemble": args.ensemble, "fallback": args.fallback}
+            if args.drafter == "multi"
+            else {}
+        )
         print(
             json.dumps(
                 {

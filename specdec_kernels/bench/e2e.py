@@ -104,10 +104,14 @@ HF_EARLY_EXIT_TOKENS = (
 )
 LLAMACPP_PROMPT_LOOKUP = (10, 2)  # num_pred_tokens: llama-cpp-python's default, and 2 (its best in issue 37)
 FAMILIES = ("ours", "transformers", "llama.cpp")
+# ngram-eagle-adaptive: the shortest suffix match for which prompt lookup drafts before the
+# EAGLE head (2 and 3 measured alike on the tuning prompts, docs/MEASUREMENTS.md 2026-12-05)
+FALLBACK_MIN_NGRAM = 2
 
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
 # code, and one with much (extraction); the full default run is the figure to quote.  The
-# methods include the best lossless one measured overall (ngram-adaptive-int8, docs/MEASUREMENTS.md)
+# methods include the best lossless one measured overall (ngram-eagle-adaptive-int8,
+# docs/MEASUREMENTS.md)
 DEMO = dict(
     categories=["writing", "coding", "extraction"],
     per_category=1,
@@ -122,6 +126,7 @@ DEMO = dict(
         "ngram-chain-int8",
         "ngram-tree-int8",
         "ngram-adaptive-int8",
+        "ngram-eagle-adaptive-int8",
         "hf-greedy",
         "hf-prompt-lookup",
         "llamacpp-greedy",
@@ -700,6 +705,18 @@ def _register_builtin() -> None:
         "ensemble average of EAGLE chain + n-gram, learnt weights",
         k=eagle_k,
         members=["eagle", "ngram"],
+    )
+    # prompt lookup where the suffix's last 2+ tokens recur, else the EAGLE chain (cut by the
+    # measured pass cost): one drafter's chain or tree verified per step, never both
+    add(
+        "ngram-eagle-adaptive",
+        lambda ctx: MultiDrafter(
+            [NgramDrafter(min_ngram=FALLBACK_MIN_NGRAM, tree=True), EagleDrafter(ctx.model, tree=False)], fallback=True
+        ),
+        f"prompt lookup (match >= {FALLBACK_MIN_NGRAM} tokens), else EAGLE head chain",
+        k_max=ngram_k,
+        head=EAGLE_SHIPPED.name,
+        min_ngram=FALLBACK_MIN_NGRAM,
     )
     add(
         "multi",

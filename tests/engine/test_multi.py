@@ -214,6 +214,34 @@ def test_real_model_multi_draft_is_greedy(real):
     assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
 
 
+@real_only
+def test_real_model_fallback_lookup_then_eagle_is_greedy(real):
+    """The bench's ngram-eagle-adaptive drafter (prompt lookup with 2+ token matches, else the
+    shipped EAGLE head's chain) returns plain greedy's tokens on the real model, in float32
+    and in int8, and both drafters' drafts are accepted."""
+    from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+
+    model, tok, _, _ = real
+    stop = [tok.eos_token_id]
+    # a copying request (prompt lookup's case; both numerics copy the list) and a chat one
+    texts = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.", "Say hello."]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in texts
+    ]
+    for numerics in ("float32", "int8"):
+        model.numerics = numerics
+        try:
+            plain = SpeculativeDecoder(model, stop_token_ids=stop).generate(prompts, 40).tokens
+            multi = MultiDrafter([NgramDrafter(min_ngram=2, tree=True), EagleDrafter(model, tree=False)], fallback=True)
+            result = SpeculativeDecoder(model, multi, stop_token_ids=stop).generate(prompts, 40, num_draft_tokens=4)
+        finally:
+            model.numerics = "float32"
+        assert result.tokens == plain, numerics
+        c = result.stats.drafters
+        assert c["ngram"]["accepted"] > 0 and c["eagle"]["accepted"] > 0, (numerics, c)
+
+
 class HiddenRecorder(Drafter):
     """Wants the target's hidden state (as Medusa heads do), records it, drafts nothing."""
 
@@ -277,3 +305,143 @@ def test_each_run_keeps_its_own_per_drafter_statistics(tiny):
     assert first.drafters is not second.drafters
     assert first.drafters == snapshot
     assert sum(c["proposed"] for c in snapshot.values()) > sum(c["proposed"] for c in second.drafters.values())
+
+
+# ---------------------------------------------------------------------------- fallback
+class SomeSequences(FixedDrafter):
+    """FixedDrafter that drafts only for the sequences in ``rows`` and records the active
+    flags it is asked with."""
+
+    def __init__(self, name, tokens, parents, rows):
+        super().__init__(name, tokens, parents)
+        self.rows, self.asked = set(rows), []
+
+    def propose(self, histories, num_draft_tokens, active):
+        self.asked.append(list(active))
+        mine = [a and b in self.rows for b, a in enumerate(active)]
+        return super().propose(histories, num_draft_tokens, mine)
+
+
+def test_fallback_takes_the_first_drafter_that_drafts():
+    """Hand-worked, 3 sequences: the first drafter drafts for sequence 0 only, the second
+    for 0 and 1.  Sequence 0 gets the first's chain, 1 the second's tree, 2 nothing; the
+    second is asked for sequences 1 and 2 only, and each drafter observes only the path
+    through its own draft."""
+    first = SomeSequences("first", *NGRAM, rows=[0])
+    second = SomeSequences("second", *LAYERSKIP, rows=[0, 1])
+    multi = MultiDrafter([first, second], fallback=True)
+    histories = [[1, 5], [2, 5], [3, 5]]
+    multi.start(histories, 64, SamplingParams(), [torch.Generator() for _ in histories])
+    draft = multi.propose(histories, [3, 3, 3], [True, True, True])
+    assert first.asked == [[True, True, True]] and second.asked == [[False, True, True]]
+    n = draft.num_nodes.tolist()
+    assert n == [4, 6, 1]
+    assert draft.tokens[0, :4].tolist() == NGRAM[0] and draft.parents[0, :4].tolist() == NGRAM[1]
+    assert draft.tokens[1, :6].tolist() == LAYERSKIP[0] and draft.parents[1, :6].tolist() == LAYERSKIP[1]
+    assert not draft.is_chain
+    assert multi.counters["first"]["proposed"] == 3 and multi.counters["second"]["proposed"] == 5
+    # sequence 0 accepts 7 8 (its nodes 1 2), sequence 1 accepts 3 6 (nodes 2 4)
+    accepted = torch.tensor([[0, 1, 2, -1, -1, -1], [0, 2, 4, -1, -1, -1], [0, -1, -1, -1, -1, -1]])
+    multi.observe(accepted, torch.tensor([2, 2, 0]), [True, True, True])
+    nodes, count, _ = first.observed[-1]
+    assert count == [2, 0, 0] and nodes[0][:3] == [0, 1, 2]
+    nodes, count, _ = second.observed[-1]
+    assert count == [0, 2, 0] and nodes[1][:3] == [0, 2, 4]
+    assert multi.counters["first"]["accepted"] == 2 and multi.counters["second"]["accepted"] == 2
+
+
+def test_fallback_arguments():
+    with pytest.raises(ValueError, match="ensemble and fallback"):
+        MultiDrafter([NgramDrafter()], ensemble=True, fallback=True)
+    with pytest.raises(TypeError, match="fallback"):
+        MultiDrafter([NgramDrafter()], fallback=1)
+    with pytest.raises(TypeError, match="ensemble"):
+        MultiDrafter([NgramDrafter()], ensemble="yes")
+
+
+@pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"K{k}")
+def test_tiny_fallback_is_greedy_and_asks_the_model_drafter_only_where_lookup_has_nothing(tiny, tiny_greedy, k):
+    """Prompt lookup first, else layer-skip: a ragged batch returns the plain greedy tokens; the layer-skip drafter is never asked for a sequence that prompt
+    lookup drafted for in the same step, and both drafters' drafts get accepted."""
+    _, model = tiny
+    # (matches of one token: a random-weight model seldom repeats a bigram in 20 tokens)
+    ngram, layerskip = Recorder(NgramDrafter(tree=True)), Recorder(LayerSkipDrafter(model, 2))
+    multi = MultiDrafter([ngram, layerskip], fallback=True)
+    result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=k)
+    assert result.tokens == tiny_greedy
+    assert len(ngram.log) == len(layerskip.log)
+    for (_, _, active, lookup), (_, _, asked, _) in zip(ngram.log, layerskip.log):
+        for b, a in enumerate(active):
+            assert asked[b] == (a and int(lookup.num_nodes[b]) == 1)
+    c = result.stats.drafters
+    assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
+    assert c["ngram"]["accepted"] + c["layerskip"]["accepted"] == result.stats.accepted_draft_tokens
+
+
+def test_tiny_fallback_sampling_keeps_the_target_distribution(tiny):
+    """Fallback (prompt lookup, else a sampling layer-skip chain) at temperature 0.8 with the
+    recursive rejection sampler: each of the first 3 tokens follows the target's marginal
+    (chi-square, P_THRESHOLD as the merged case above).  Which drafter drafts depends on the
+    history only, never on the coins, so the one-hot q keeps it lossless."""
+    _, model = tiny
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, coupling="rejection")
+    prompt = ngram_friendly_prompt(model, sp)
+    B = 3000
+    multi = MultiDrafter([NgramDrafter(tree=True), LayerSkipDrafter(model, 2)], fallback=True)
+    result = SpeculativeDecoder(model, multi).generate(
+        [prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B))
+    )
+    out = torch.tensor(result.tokens)
+    c = result.stats.drafters
+    assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
+    for j, marginal in enumerate(exact_marginals(model, prompt, sp, 3)):
+        assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
+
+
+def test_sub_drafters_tree_budgets_read_the_runs_cost_model(tiny):
+    """A tree budget inside a MultiDrafter gets the run's cost-model policy while it runs (as
+    a drafter's own does) and lets go of it afterwards."""
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget
+
+    class Budgeted(FixedDrafter):
+        def __init__(self):
+            super().__init__("budgeted", [5, 7], [-1, 0])
+            self.budget, self.seen = TreeBudget(4), []
+
+        def propose(self, histories, num_draft_tokens, active):
+            self.seen.append(self.budget.cost)
+            return super().propose(histories, num_draft_tokens, active)
+
+    _, model = tiny
+    inner = Budgeted()
+    policy = CostModelPolicy(0, 2)
+    SpeculativeDecoder(model, MultiDrafter([NgramDrafter(min_ngram=3), inner], fallback=True)).generate(
+        [[1, 2, 3]], 6, num_draft_tokens=policy
+    )
+    assert inner.seen and all(c is policy for c in inner.seen)
+    assert inner.budget.cost is None
+
+
+def test_cli_builds_a_fallback_drafter(tiny):
+    from specdec_kernels import generate
+
+    _, model = tiny
+    argv = ["--prompt", "hi", "--drafter", "multi", "--drafters", "ngram,layerskip", "--fallback", "--min-ngram", "2"]
+    drafter = generate.build_drafter(generate.parse_args(argv), model)
+    assert isinstance(drafter, MultiDrafter) and drafter.fallback and not drafter.ensemble
+    assert drafter.drafters[0].min_ngram == 2 and drafter.drafters[0].max_ngram == 5
+    assert generate.parse_args(["--prompt", "hi"]).min_ngram == 1
+    # one drafter's chain per step: no tree unless a drafter drafts trees
+    assert not generate.drafts_trees(generate.parse_args(argv))
+    assert generate.drafts_trees(generate.parse_args(argv + ["--tree"]))
+    assert generate.drafts_trees(generate.parse_args([a for a in argv if a != "--fallback"]))  # merged: a tree
+    for bad in (
+        ["--prompt", "x", "--fallback"],
+        ["--prompt", "x", "--drafter", "multi", "--drafters", "ngram,eagle", "--fallback", "--ensemble"],
+        ["--prompt", "x", "--min-ngram", "0"],
+        ["--prompt", "x", "--min-ngram", "6"],
+        ["--prompt", "x", "--max-ngram", "3", "--min-ngram", "4"],
+        ["--prompt", "x", "--drafter", "layerskip", "--min-ngram", "2"],
+    ):
+        with pytest.raises(SystemExit):
+            generate.parse_args(bad)

@@ -1,5 +1,6 @@
 """Multi-draft speculation: several drafters' chains and trees merged into one token tree,
-or their distributions averaged into one draft (ensemble).
+their distributions averaged into one draft (ensemble), or the first drafter's that drafts
+(fallback).
 
 Each step every sub-drafter (n-gram lookup, layer-skip, a draft model, Medusa heads, any
 ``Drafter``) proposes its own chain or tree below the same root; the drafts are merged per
@@ -19,6 +20,12 @@ temperature > 0, recursive rejection sampling with one-hot q keeps the target di
 exactly for any drafts chosen independently of the verification coins, whatever the
 sub-drafters sampled from (a sampling sub-drafter's own q is dropped, which can lower its
 acceptance; ``deterministic=True`` on model drafters drafts their top tokens instead).
+
+With ``fallback=True`` each sequence takes the draft of the first sub-drafter, in order,
+that drafts anything for it, and later sub-drafters are not asked for that sequence: a
+cheap, confident source (prompt lookup with a match of 3 tokens or more) goes first and a
+model drafter fills the steps where it has nothing, and the target verifies only the draft
+chosen (a merged tree verifies every drafter's nodes, which a CPU pays for per node).
 
 Per-drafter statistics (``DecodeStats.drafters``) record which sources proposed the
 accepted nodes.
@@ -139,13 +146,18 @@ class MultiDrafter(Drafter):
             the initial ones when learnt; None: equal.
         learn_weights: ensemble only: update the weights per sequence from the committed
             tokens (None: when ``weights`` is None).
+        fallback: instead of merging, each sequence's draft is the first sub-drafter's, in
+            order, that drafts at least one token for it; a later sub-drafter is asked only
+            for the sequences still without a draft (so it costs nothing where an earlier one
+            drafted), e.g. prompt lookup with a long match first, else an EAGLE head.  One
+            drafter's tree is verified, not the union.
 
     Raises:
         ValueError: no drafters, max_nodes < 1, a max_depths / names list of the wrong
             length or a negative cap, duplicate names, sub-drafters with different
-            vocabularies.
-        TypeError: a sub-drafter that is not a ``Drafter``, or (ensemble) one without chain
-            distributions.
+            vocabularies, ensemble and fallback together.
+        TypeError: a sub-drafter that is not a ``Drafter``, (ensemble) one without chain
+            distributions, ensemble or fallback not a bool.
 
     Example::
 
@@ -166,7 +178,13 @@ class MultiDrafter(Drafter):
         ensemble: bool = False,
         weights: Optional[Sequence[float]] = None,
         learn_weights: Optional[bool] = None,
+        fallback: bool = False,
     ):
+        for flag, value in (("ensemble", ensemble), ("fallback", fallback)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be True or False, got {value!r}")
+        if ensemble and fallback:
+            raise ValueError("ensemble and fallback exclude each other: one averages the drafters, one picks one")
         drafters = list(drafters)
         if not drafters:
             raise ValueError("drafters must hold at least one Drafter")
@@ -215,6 +233,7 @@ class MultiDrafter(Drafter):
                     f"weights must be one finite weight >= 0 per drafter ({len(drafters)}), not all 0, got {weights}"
                 )
         self.ensemble = bool(ensemble)
+        self.fallback = bool(fallback)
         self.weights = weights
         self.learn_weights = (weights is None) if learn_weights is None else bool(learn_weights)
         self.drafters = drafters
@@ -362,19 +381,26 @@ class MultiDrafter(Drafter):
             return self._propose_ensemble(histories, num_draft_tokens, active)
         B = len(histories)
         drafts: List[Draft] = []
+        asked = [list(active) for _ in self.drafters]  # per sub-drafter, the sequences it drafts for
+        waiting = list(active)  # fallback: the sequences no sub-drafter has drafted for yet
         for i, (d, name) in enumerate(zip(self.drafters, self.names)):
             cap = self.max_depths[i] if self.max_depths is not None else None
             ks = [min(k, cap) if cap is not None else k for k in num_draft_tokens]
+            if self.fallback:
+                asked[i] = list(waiting)
             t = time.perf_counter()
-            drafts.append(d.propose(histories, ks, active))
+            drafts.append(d.propose(histories, ks, asked[i]))
             self.counters[name]["propose_time"] += time.perf_counter() - t
+            if self.fallback:
+                counts = drafts[-1].num_nodes.tolist()
+                waiting = [w and int(c) <= 1 for w, c in zip(waiting, counts)]
 
         trees, per_seq = [], []
         for b in range(B):
             root = histories[b][-1]
             own = []
-            for draft in drafts:
-                n = int(draft.num_nodes[b]) if active[b] else 1
+            for i, draft in enumerate(drafts):
+                n = int(draft.num_nodes[b]) if asked[i][b] else 1
                 own.append((draft.tokens[b, :n].tolist(), draft.parents[b, :n].tolist()))
             merged = merge_trees(root, own, self.max_nodes)
             maps = [map_to_merged(merged.tokens, merged.parents, t, p) for t, p in own]

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -59,6 +59,16 @@ from specdec_kernels.decoding.engine.threads import ThreadChoice
 from specdec_kernels.decoding.engine.typical import typical_acceptance
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_groups
+
+
+def _drafter_tree(drafter) -> List[Any]:
+    """The drafter and, recursively, the sub-drafters it holds (``MultiDrafter.drafters``)."""
+    if drafter is None:
+        return []
+    out = [drafter]
+    for d in getattr(drafter, "drafters", None) or []:
+        out.extend(_drafter_tree(d))
+    return out
 
 
 def _per_sequence(name: str, value, batch: int) -> List[int]:
@@ -471,10 +481,10 @@ class SpeculativeDecoder:
             state.pass_costs = self.pass_costs.setdefault(kind, LinearCost())
             policy.start(state)
             state.stats.policy = policy.describe()
-        # a drafter that sizes its tree by the measured step cost (``adaptive.TreeBudget``)
-        # reads it from this run's cost-model policy
-        budget = getattr(self.drafter, "budget", None)
-        if budget is not None:
+        # a drafter that sizes its tree by the measured step cost (``adaptive.TreeBudget``),
+        # alone or inside a ``MultiDrafter``, reads it from this run's cost-model policy
+        budgets = [b for b in map(lambda d: getattr(d, "budget", None), _drafter_tree(self.drafter)) if b is not None]
+        for budget in budgets:
             budget.cost = policy if isinstance(policy, CostModelPolicy) else None
         step = 0
         if on_step is not None:
@@ -494,7 +504,7 @@ class SpeculativeDecoder:
                     on_step(state)
         finally:
             threads.restore()
-            if budget is not None:
+            for budget in budgets:
                 budget.cost = None
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
