@@ -79,18 +79,32 @@ SPECDEC_INLINE float hsum8(v8sf x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((
 
 typedef int32_t v8si __attribute__((vector_size(32)));
 
+// SHUFFLE8(a, b, i0, ..., i7): lane k = lane ik of the 16 lanes of a then b.  clang and GCC >= 12
+// have __builtin_shufflevector (constant indices); older GCC only __builtin_shuffle (a mask).
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define SPECDEC_SHUFFLEVECTOR 1
+#endif
+#endif
+#ifdef SPECDEC_SHUFFLEVECTOR
+#define SHUFFLE8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+#define SHUFFLE8(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shuffle(a, b, v8si{i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
+
 // The lane sums of 8 vectors at once, lane j = hsum8(c[j]) (same order), by three rounds of
 // pairwise shuffles and adds instead of 8 horizontal sums.
 SPECDEC_INLINE v8sf sum8x8(const v8sf* c) {
-  const v8si even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-  const v8si lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  const v8si lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
   v8sf a[4], b[2];
-  for (int j = 0; j < 4; ++j)  // lanes 2i, 2i + 1: x_2i + x_2i+1 of c[2j], c[2j + 1]
-    a[j] = __builtin_shuffle(c[2 * j], c[2 * j + 1], even) + __builtin_shuffle(c[2 * j], c[2 * j + 1], odd);
-  for (int j = 0; j < 2; ++j)  // (x0 + x1) + (x2 + x3) of c[4j .. 4j + 3], then (x4 + x5) + (x6 + x7)
-    b[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], lo2) + __builtin_shuffle(a[2 * j], a[2 * j + 1], hi2);
-  return __builtin_shuffle(b[0], b[1], lo4) + __builtin_shuffle(b[0], b[1], hi4);
+  for (int j = 0; j < 4; ++j) {  // lanes 2i, 2i + 1: x_2i + x_2i+1 of c[2j], c[2j + 1]
+    const v8sf x = c[2 * j], y = c[2 * j + 1];
+    a[j] = SHUFFLE8(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE8(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int j = 0; j < 2; ++j) {  // (x0 + x1) + (x2 + x3) of c[4j .. 4j + 3], then (x4 + x5) + (x6 + x7)
+    const v8sf x = a[2 * j], y = a[2 * j + 1];
+    b[j] = SHUFFLE8(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE8(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return SHUFFLE8(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 // exp(x) of 8 floats x <= 0 in branch-free vector arithmetic (Cody-Waite range reduction

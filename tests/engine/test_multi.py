@@ -134,16 +134,18 @@ def tiny_greedy(tiny):
     return SpeculativeDecoder(tiny[1]).generate(PROMPTS, 20).tokens
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["merged", "fallback"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "ngram-tree+layerskip-tree"])
 @pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"K{k}")
-def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k):
+def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k, fallback):
     """A ragged batch returns the plain greedy tokens, and the layer-skip sub-drafter drafts
     exactly what a fresh layer-skip drafter drafts from the same history (its cache was
-    compacted to its own accepted nodes correctly)."""
+    compacted to its own accepted nodes correctly; with fallback, where it is not asked for
+    the sequences prompt lookup drafted for, it catches up on them when next asked)."""
     _, model = tiny
     widths = (2, 2) if tree else None
     layerskip = Recorder(LayerSkipDrafter(model, 2, tree_widths=widths))
-    multi = MultiDrafter([NgramDrafter(tree=tree), layerskip])
+    multi = MultiDrafter([NgramDrafter(tree=tree), layerskip], fallback=fallback)
     result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=k)
     assert result.tokens == tiny_greedy
     s = result.stats
@@ -153,7 +155,11 @@ def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k):
     assert max(accepted) <= s.accepted_draft_tokens <= sum(accepted)
     assert sum(c[n]["only_accepted"] for n in c) <= s.accepted_draft_tokens
     assert c["layerskip"]["proposed"] > 0 and s.accepted_draft_tokens > 0
-    for histories, ks, active, draft in layerskip.log[1::3]:
+    steps = layerskip.log if fallback else layerskip.log[1::3]
+    if fallback:  # the steps where it was not asked for some running sequence
+        skipped = [log for log in layerskip.log if not all(log[2]) and any(log[2])]
+        assert skipped and any(len(h) > 1 for h in skipped[0][0])
+    for histories, ks, active, draft in steps:
         fresh = LayerSkipDrafter(model, 2, tree_widths=widths)
         fresh.start(histories, 128, SamplingParams(), [torch.Generator() for _ in histories])
         again = fresh.propose(histories, ks, active)
@@ -343,10 +349,11 @@ def test_fallback_takes_the_first_drafter_that_drafts():
     # sequence 0 accepts 7 8 (its nodes 1 2), sequence 1 accepts 3 6 (nodes 2 4)
     accepted = torch.tensor([[0, 1, 2, -1, -1, -1], [0, 2, 4, -1, -1, -1], [0, -1, -1, -1, -1, -1]])
     multi.observe(accepted, torch.tensor([2, 2, 0]), [True, True, True])
-    nodes, count, _ = first.observed[-1]
-    assert count == [2, 0, 0] and nodes[0][:3] == [0, 1, 2]
-    nodes, count, _ = second.observed[-1]
+    nodes, count, seen = first.observed[-1]
+    assert count == [2, 0, 0] and nodes[0][:3] == [0, 1, 2] and seen == [True, True, True]
+    nodes, count, seen = second.observed[-1]
     assert count == [0, 2, 0] and nodes[1][:3] == [0, 2, 4]
+    assert seen == [False, True, True]  # it was not asked for sequence 0
     assert multi.counters["first"]["accepted"] == 2 and multi.counters["second"]["accepted"] == 2
 
 
@@ -445,3 +452,28 @@ def test_cli_builds_a_fallback_drafter(tiny):
     ):
         with pytest.raises(SystemExit):
             generate.parse_args(bad)
+
+
+def test_budgets_let_go_of_the_policy_when_the_first_callback_raises(tiny):
+    """The budgets get the policy inside the run's try: an on_step that raises at once still
+    leaves them without it."""
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget
+
+    _, model = tiny
+
+    class Budgeted(FixedDrafter):
+        def __init__(self):
+            super().__init__("budgeted", [5, 7], [-1, 0])
+            self.budget = TreeBudget(4)
+
+    inner = Budgeted()
+
+    def boom(state):
+        assert inner.budget.cost is not None
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        SpeculativeDecoder(model, MultiDrafter([inner, MultiDrafter([NgramDrafter()])])).generate(
+            [[1, 2, 3]], 4, num_draft_tokens=CostModelPolicy(0, 2), on_step=boom
+        )
+    assert inner.budget.cost is None

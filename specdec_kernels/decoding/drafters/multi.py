@@ -411,7 +411,7 @@ class MultiDrafter(Drafter):
                     kept = sum(1 for x in m[1:] if x >= 0)
                     self.counters[name]["proposed"] += kept
                     self.counters[name]["steps"] += int(kept > 0)
-        self._last = (list(active), per_seq, [d.tokens.shape[1] for d in drafts])
+        self._last = (list(active), per_seq, [d.tokens.shape[1] for d in drafts], asked)
         return Draft.from_lists(trees, device=drafts[0].tokens.device, is_chain=None)
 
     def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active) -> None:
@@ -424,7 +424,7 @@ class MultiDrafter(Drafter):
                 d.observe(accepted_nodes, num_accepted, active)
                 self.counters[name]["observe_time"] += time.perf_counter() - t
             return
-        proposed_active, per_seq, widths = self._last
+        proposed_active, per_seq, widths, asked = self._last
         self._last = None
         rows = accepted_nodes.tolist()
         counts = num_accepted.tolist()
@@ -449,7 +449,11 @@ class MultiDrafter(Drafter):
                 own_nodes[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
                 own_count[b] = len(p) - 1
             t = time.perf_counter()
-            d.observe(own_nodes.to(accepted_nodes.device), own_count.to(num_accepted.device), active)
+            # a sub-drafter observes only the sequences it was asked to draft for (fallback:
+            # one that was not keeps its state, e.g. a model drafter's cache, as if the step
+            # had not happened, and catches up on the committed tokens when next asked)
+            seen = [bool(a) and bool(q) for a, q in zip(active, asked[i])]
+            d.observe(own_nodes.to(accepted_nodes.device), own_count.to(num_accepted.device), seen)
             self.counters[name]["observe_time"] += time.perf_counter() - t
 
     # ------------------------------------------------------------------ ensemble averaging

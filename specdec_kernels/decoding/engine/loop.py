@@ -62,12 +62,19 @@ from specdec_kernels.decoding.paged import CacheLayout, PagedKVCache, length_gro
 
 
 def _drafter_tree(drafter) -> List[Any]:
-    """The drafter and, recursively, the sub-drafters it holds (``MultiDrafter.drafters``)."""
-    if drafter is None:
-        return []
-    out = [drafter]
-    for d in getattr(drafter, "drafters", None) or []:
-        out.extend(_drafter_tree(d))
+    """The drafter and, recursively, the sub-drafters it holds (``MultiDrafter.drafters``: a
+    list or tuple of drafters; any other ``drafters`` attribute is not followed)."""
+    out: List[Any] = []
+    todo, seen = [drafter], set()
+    while todo:
+        d = todo.pop(0)
+        if d is None or id(d) in seen:  # each drafter once, even in a cycle
+            continue
+        seen.add(id(d))
+        out.append(d)
+        subs = getattr(d, "drafters", None)
+        if isinstance(subs, (list, tuple)):
+            todo.extend(subs)
     return out
 
 
@@ -484,13 +491,14 @@ class SpeculativeDecoder:
         # a drafter that sizes its tree by the measured step cost (``adaptive.TreeBudget``),
         # alone or inside a ``MultiDrafter``, reads it from this run's cost-model policy
         budgets = [b for b in map(lambda d: getattr(d, "budget", None), _drafter_tree(self.drafter)) if b is not None]
-        for budget in budgets:
-            budget.cost = policy if isinstance(policy, CostModelPolicy) else None
-        step = 0
-        if on_step is not None:
-            on_step(state)
-        threads = _StepThreads(self.threads, self.model.device, state.stats, self.thread_choices)
-        try:
+        threads = None
+        try:  # the budgets let go of the policy however the run ends
+            for budget in budgets:
+                budget.cost = policy if isinstance(policy, CostModelPolicy) else None
+            step = 0
+            if on_step is not None:
+                on_step(state)
+            threads = _StepThreads(self.threads, self.model.device, state.stats, self.thread_choices)
             while not state.finished:
                 if policy is not None:
                     k = policy.choose(state)
@@ -503,7 +511,8 @@ class SpeculativeDecoder:
                 if on_step is not None:
                     on_step(state)
         finally:
-            threads.restore()
+            if threads is not None:
+                threads.restore()
             for budget in budgets:
                 budget.cost = None
         state.stats.total_time = time.perf_counter() - t0
