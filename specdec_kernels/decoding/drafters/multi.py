@@ -23,7 +23,7 @@ acceptance; ``deterministic=True`` on model drafters drafts their top tokens ins
 
 With ``fallback=True`` each sequence takes the draft of the first sub-drafter, in order,
 that drafts anything for it, and later sub-drafters are not asked for that sequence: a
-cheap, confident source (prompt lookup with a match of 3 tokens or more) goes first and a
+cheap, confident source (prompt lookup with a match of 2 tokens or more) goes first and a
 model drafter fills the steps where it has nothing, and the target verifies only the draft
 chosen (a merged tree verifies every drafter's nodes, which a CPU pays for per node).
 
