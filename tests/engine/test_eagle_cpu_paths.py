@@ -203,8 +203,15 @@ def test_one_call_chain_drafts_as_the_python_ops(tiny, monkeypatch, quantize_hea
     (a, lp_a), (b, lp_b) = runs["1"], runs["0"]
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
     assert a.num_nodes.tolist() == b.num_nodes.tolist() == [k + 1, k, k + 1]  # K, K - 1, K drafts
+    # the path log-probabilities: float32 rounding of two orders of the same sums, compounded
+    # over up to 5 steps of a random head at scale 0.25, which amplifies it.  Over 40 cases (20
+    # random heads, each at its K in 1..5, float32 and q8) the two paths differ by at most
+    # 1.1e-3, here at K = 5, q8 head, depth 5 (the rest at most 1.7e-4); the C++ attention's
+    # summation order (494042f) moved that case from 4.1e-4 to 1.1e-3 while its error against
+    # float64 stayed the same (mean 6.8e-7 against 6.6e-7, head dim 64).  The tokens above are
+    # compared exactly.
     for x, y in zip(lp_a, lp_b):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=2e-3, rtol=1e-4)
 
 
 @pytest.mark.requires_native_op("decoder_layer")
