@@ -313,19 +313,26 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
       std::fill(m.begin(), m.end(), NEG_INF);
       std::fill(l.begin(), l.end(), 0.0f);
       std::fill(bad.begin(), bad.end(), 0);
-      // point kd/vd at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
-      // else converted into kc/vc, T * D floats each)
-      auto load = [&](int64_t h, int64_t s0, int64_t T, const float** kd_out, const float** vd_out, float* kc,
-                      float* vc) {
-        // slot s0 + t is slot off of table entry col (s0 + t < len + N <= capacity: inside the
-        // table row), stepped along without a division per slot
+      // f(t, blk, off) for the logical slots s0 .. s0 + T - 1 of this sequence: slot s0 + t is
+      // slot off of block blk (table entry col; s0 + t < len + N <= capacity: inside the table
+      // row), stepped along without a division per slot
+      auto for_slots = [&](int64_t s0, int64_t T, auto&& f) {
+        if (T <= 0) return;
         int64_t col = s0 / block_size, off = s0 % block_size;
-        int64_t blk = T > 0 ? clamp64(row_table[col], 0, num_blocks - 1) : 0;
+        int64_t blk = clamp64(row_table[col], 0, num_blocks - 1);
         for (int64_t t = 0; t < T; ++t, ++off) {
           if (off == block_size) {
             off = 0;
             blk = clamp64(row_table[++col], 0, num_blocks - 1);
           }
+          f(t, blk, off);
+        }
+      };
+      // point kd/vd at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
+      // else converted into kc/vc, T * D floats each)
+      auto load = [&](int64_t h, int64_t s0, int64_t T, const float** kd_out, const float** vd_out, float* kc,
+                      float* vc) {
+        for_slots(s0, T, [&](int64_t t, int64_t blk, int64_t off) {
           const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
           const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
           if (!convert) {
@@ -339,21 +346,13 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
             kd_out[t] = kd;
             vd_out[t] = vd;
           }
-        }
+        });
       };
       // software prefetch of the K/V rows (this task's heads) of the next chunk of logical slots
       // (prefix then tree, s < len + N), issued while this chunk is computed
       auto prefetch = [&](int64_t s0) {
-        const int64_t s1 = std::min(s0 + CHUNK, len + N);
         const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-        if (s0 >= s1) return;
-        int64_t col = s0 / block_size, off = s0 % block_size;
-        int64_t blk = clamp64(row_table[col], 0, num_blocks - 1);
-        for (int64_t s = s0; s < s1; ++s, ++off) {
-          if (off == block_size) {
-            off = 0;
-            blk = clamp64(row_table[++col], 0, num_blocks - 1);
-          }
+        for_slots(s0, std::min(s0 + CHUNK, len + N) - s0, [&](int64_t, int64_t blk, int64_t off) {
           for (int64_t h = h0; h < h0 + HG; ++h) {
             const char* k = reinterpret_cast<const char*>(kbase + blk * ksb + off * kss + h * ksh);
             const char* v = reinterpret_cast<const char*>(vbase + blk * vsb + off * vss + h * vsh);
@@ -362,7 +361,7 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
               __builtin_prefetch(v + b0);
             }
           }
-        }
+        });
       };
       // 1. the whole chunks of the prefix, for all rows at once
       const int64_t P = len / CHUNK * CHUNK;

@@ -405,19 +405,25 @@ def test_tiny_fallback_sampling_keeps_the_target_distribution(tiny):
         assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
 
 
+class Budgeted(FixedDrafter):
+    """FixedDrafter with a tree budget (as a cost-sized EAGLE drafter has), recording the budget's
+    cost model at each propose."""
+
+    def __init__(self):
+        from specdec_kernels.decoding.engine.adaptive import TreeBudget
+
+        super().__init__("budgeted", [5, 7], [-1, 0])
+        self.budget, self.seen = TreeBudget(4), []
+
+    def propose(self, histories, num_draft_tokens, active):
+        self.seen.append(self.budget.cost)
+        return super().propose(histories, num_draft_tokens, active)
+
+
 def test_sub_drafters_tree_budgets_read_the_runs_cost_model(tiny):
     """A tree budget inside a MultiDrafter gets the run's cost-model policy while it runs (as
     a drafter's own does) and lets go of it afterwards."""
-    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget
-
-    class Budgeted(FixedDrafter):
-        def __init__(self):
-            super().__init__("budgeted", [5, 7], [-1, 0])
-            self.budget, self.seen = TreeBudget(4), []
-
-        def propose(self, histories, num_draft_tokens, active):
-            self.seen.append(self.budget.cost)
-            return super().propose(histories, num_draft_tokens, active)
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     _, model = tiny
     inner = Budgeted()
@@ -457,14 +463,9 @@ def test_cli_builds_a_fallback_drafter(tiny):
 def test_budgets_let_go_of_the_policy_when_the_first_callback_raises(tiny):
     """The budgets get the policy inside the run's try: an on_step that raises at once still
     leaves them without it."""
-    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     _, model = tiny
-
-    class Budgeted(FixedDrafter):
-        def __init__(self):
-            super().__init__("budgeted", [5, 7], [-1, 0])
-            self.budget = TreeBudget(4)
 
     inner = Budgeted()
 

@@ -490,7 +490,7 @@ class SpeculativeDecoder:
             state.stats.policy = policy.describe()
         # a drafter that sizes its tree by the measured step cost (``adaptive.TreeBudget``),
         # alone or inside a ``MultiDrafter``, reads it from this run's cost-model policy
-        budgets = [b for b in map(lambda d: getattr(d, "budget", None), _drafter_tree(self.drafter)) if b is not None]
+        budgets = [d.budget for d in _drafter_tree(self.drafter) if getattr(d, "budget", None) is not None]
         threads = None
         try:  # the budgets let go of the policy however the run ends
             for budget in budgets:
