@@ -77,22 +77,29 @@ def test_loaded_machine_pays_one_slow_trial_then_the_budget_holds_it_off():
 
 
 def test_idle_machine_gets_more_threads_and_load_after_the_choice_drops_them():
-    choice = ThreadChoice([1, 4, 8], budget=TrialBudget())
+    budget = TrialBudget()
+    choice = ThreadChoice([1, 4, 8], budget=budget)
     idle = {1: 0.04, 4: 0.012, 8: 0.008}.__getitem__
     used = drive(choice, "k", idle, 20)
     assert used[:9] == [1, 1, 1, 4, 4, 4, 8, 8, 8] and set(used[9:]) == {8}
     assert choice.chosen("k") == 8 and choice.rounds[0]["choice"] == 8
+    assert budget.charged_time == 0  # the chosen count's steps so far beat one thread's median
     # load starts: eight threads become slower than one thread was; two such steps drop them
     loaded = {1: 0.06, 4: 0.5, 8: 1.0}.__getitem__
+    before = budget.trial_time
     used = drive(choice, "k", loaded, 6)
     assert used[:2] == [8, 8] and used[2:] == [1, 1, 1, 1]
     assert choice.chosen("k") == 1
+    # the two slow steps are charged as trials, outside the budget's gate
+    assert budget.charged_time == 2.0 and budget.trial_time == pytest.approx(before + 2.0, abs=1e-12)
     # one noisy slow step of the chosen count alone does not
-    choice = ThreadChoice([1, 2], budget=TrialBudget())
+    budget = TrialBudget()
+    choice = ThreadChoice([1, 2], budget=budget)
     drive(choice, "k", {1: 0.04, 2: 0.02}.__getitem__, 12)
     times = iter([0.02, 0.09, 0.02, 0.02])
     drive(choice, "k", lambda n: next(times), 4)
     assert choice.chosen("k") == 2
+    assert budget.charged_time == 0.09
 
 
 def test_a_noisy_trial_ends_the_round_with_fewer_threads():
@@ -162,4 +169,12 @@ def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny, m
     for r in got:
         assert set(r.stats.threads) == {"tokens<=1"}
     assert got[-1].stats.threads["tokens<=1"] == choice.chosen("tokens<=1")
-    assert budget.trial_time <= budget.share * budget.total_time + max(max(r["times"][2]) for r in choice.rounds)
+    # the budget gates the start of a round, not its steps, and steps of two threads chosen that
+    # ran slower than one thread's median are charged as they come: the trial time passes the
+    # share by at most the last round's trials of two threads plus those charges, and there
+    # are charges only after a round chose two threads
+    cls = choice.classes["tokens<=1"]
+    last = cls.round if cls.round is not None else choice.rounds[-1]["times"]
+    assert budget.trial_time <= budget.share * budget.total_time + sum(last.get(2, ())) + budget.charged_time
+    if all(r["choice"] == 1 for r in choice.rounds):
+        assert budget.charged_time == 0

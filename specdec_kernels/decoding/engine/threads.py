@@ -49,6 +49,9 @@ class TrialBudget:
         trial_time: seconds of steps run to time counts above the fewest, and of steps with a
             chosen count above the fewest that were slower than the fewest's median.
         total_time: seconds of all recorded steps.
+        charged_time: the part of ``trial_time`` from steps with a chosen count above the
+            fewest that were slower than the fewest's median (charged as they come: the
+            budget gates the start of a round, not these).
         last_trial: seconds of the latest trial step (what the next may cost, where its
             class has had none).
 
@@ -62,6 +65,7 @@ class TrialBudget:
         self.share = share
         self.trial_time = 0.0
         self.total_time = 0.0
+        self.charged_time = 0.0
         self.last_trial = 0.0
 
     def allows(self, next_cost: float) -> bool:
@@ -212,6 +216,7 @@ class ThreadChoice:
                 return
             if seconds > cls.reference:  # more threads, slower than one thread was: as a failed trial
                 self.budget.trial_time += seconds
+                self.budget.charged_time += seconds
             last = list(cls.recent)[-2:]
             if len(last) == 2 and min(last) > cls.reference:
                 cls.best, cls.reference = self.counts[0], None  # slower than one thread was: load came
