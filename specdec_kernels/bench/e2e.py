@@ -107,6 +107,8 @@ FAMILIES = ("ours", "transformers", "llama.cpp")
 # ngram-eagle-adaptive: the shortest suffix match for which prompt lookup drafts before the
 # EAGLE head (2 and 3 measured alike on the tuning prompts, docs/MEASUREMENTS.md 2026-12-05)
 FALLBACK_MIN_NGRAM = 2
+# eagle-tree-16, ngram-eagle-tree-16: the EAGLE head's dynamic tree at 16 nodes, root included
+TREE16 = {"top_k": 4, "max_nodes": 16}
 
 # --demo: one prompt each of a task with little overlap between prompt and answer (writing),
 # code, and one with much (extraction); the full default run is the figure to quote.  The
@@ -650,6 +652,9 @@ def _register_builtin() -> None:
     eagle("eagle-chain", "EAGLE head chain", k=eagle_k, tree=False)
     eagle("eagle-tree", "EAGLE head, dynamic tree top-10, 64 nodes", k=tree_k, top_k=10, max_nodes=64)
     eagle("eagle-tree-32", "EAGLE head, dynamic tree top-6, 32 nodes", k=tree_k, default=False, top_k=6, max_nodes=32)
+    # issue #40's accepted length at <= 16 nodes (root included); top-4 chosen on the tuning
+    # prompts (docs/MEASUREMENTS.md 2026-12-05): slower than greedy on a CPU, a GPU's shape
+    eagle("eagle-tree-16", "EAGLE head, dynamic tree top-4, 16 nodes", k=tree_k, default=False, **TREE16)
     eagle("eagle-adaptive", "EAGLE head chain, cut by the measured pass cost", k_max=eagle_k, tree=False)
     # the same chain without its cut by the measured pass cost (``size_by_cost=False``)
     eagle(
@@ -717,6 +722,17 @@ def _register_builtin() -> None:
         k_max=ngram_k,
         head=EAGLE_SHIPPED.name,
         min_ngram=FALLBACK_MIN_NGRAM,
+    )
+    # prompt lookup's tree and the EAGLE head's dynamic tree merged into one token tree of at
+    # most 16 nodes, root included, K fixed: the most tokens per pass at <= 16 nodes measured
+    add(
+        "ngram-eagle-tree-16",
+        lambda ctx: MultiDrafter([NgramDrafter(tree=True), EagleDrafter(ctx.model, **TREE16)], max_nodes=16),
+        "prompt lookup tree + EAGLE head dynamic tree top-4, merged, 16 nodes",
+        k=tree_k,
+        default=False,
+        head=EAGLE_SHIPPED.name,
+        **TREE16,
     )
     add(
         "multi",
