@@ -199,6 +199,15 @@ class Drafter:
     ) -> Draft:
         raise NotImplementedError
 
+    def draft_sources(self, histories: Sequence[Sequence[int]], active: Sequence[bool]) -> Optional[List[int]]:
+        """Optional: per sequence, which of this drafter's sources would draft at the next
+        ``propose`` given K >= 1 (an int >= 0, e.g. the index of the sub-drafter of a fallback
+        ``MultiDrafter``), known before K is chosen, so that a draft-length policy keeps
+        acceptance rates per source (``CostModelPolicy``); entries of inactive sequences are
+        ignored.  None (the default): one source, or not known.  It must not change the
+        drafter's state."""
+        return None
+
     def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
         """``accepted_nodes`` (B, N) int64: the accepted path (root first, then -1);
         ``num_accepted`` (B,): accepted drafts (root not counted)."""

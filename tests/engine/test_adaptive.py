@@ -142,6 +142,27 @@ def test_cost_model_fixed_costs(ratio, expected):
     assert policy.choose(SimpleNamespace(batch_size=1)) == [expected]
 
 
+def test_cost_model_keeps_rates_per_draft_source():
+    """Steps alternate between two draft sources: source 0's drafts are accepted whole,
+    source 1's never.  Drafts cost 0.1 of a pass per token, the pass is flat: source 0 drafts
+    K = 4 (E/T = 5 / 1.4) and source 1 none (E = 1 at every K).  Pooled, the rate is 0.5 at
+    every depth, E(K) = 1 + 0.5 K, so both draft K = 4 (3 / 1.4 > 1)."""
+
+    def run(named):
+        policy = CostModelPolicy(
+            0, 4, warmup=0, explore_every=0, prior_strength=0, seq_prior=0, draft_cost=(0, 0.1), verify_cost=(1, 0)
+        )
+        policy.start(SimpleNamespace(batch_size=1))
+        state = lambda s: SimpleNamespace(batch_size=1, draft_sources=[s] if named else None)  # noqa: E731
+        for i in range(10):
+            policy.choose(state(i % 2))
+            policy.update(None, record([4], [4], [4 if i % 2 == 0 else 0], nodes=[5]))
+        return [policy.choose(state(s)) for s in (0, 1)]
+
+    assert run(True) == [[4], [0]]
+    assert run(False) == [[4], [4]]
+
+
 def test_cost_model_measured_costs():
     """Costs measured from the step records: draft 0.1 s per token, verify 1 s + 0.05 s per
     node (fitted through two measured K / widths).  T(K) = 0.1 K + 1 + 0.05 (K + 1) =

@@ -239,13 +239,51 @@ def test_real_model_fallback_lookup_then_eagle_is_greedy(real):
         model.numerics = numerics
         try:
             plain = SpeculativeDecoder(model, stop_token_ids=stop).generate(prompts, 40).tokens
-            multi = MultiDrafter([NgramDrafter(min_ngram=2, tree=True), EagleDrafter(model, tree=False)], fallback=True)
+            multi = MultiDrafter([NgramDrafter(min_ngram=2), EagleDrafter(model, tree=False)], fallback=True)
             result = SpeculativeDecoder(model, multi, stop_token_ids=stop).generate(prompts, 40, num_draft_tokens=4)
         finally:
             model.numerics = "float32"
         assert result.tokens == plain, numerics
         c = result.stats.drafters
         assert c["ngram"]["accepted"] > 0 and c["eagle"]["accepted"] > 0, (numerics, c)
+
+
+@real_only
+def test_real_model_lookup_and_eagle_tree_16_is_greedy(real):
+    """The bench's ngram-eagle-tree-16 drafter (prompt lookup's tree merged with the shipped
+    EAGLE head's dynamic tree) returns plain greedy's tokens on the real model, in float32
+    and in int8; no draft it hands the target holds more than 16 nodes, root included; both
+    sub-drafters' tokens are accepted."""
+    from specdec_kernels.bench.e2e import TREE16
+    from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+
+    model, tok, _, _ = real
+    stop = [tok.eos_token_id]
+    texts = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.", "Say hello."]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in texts
+    ]
+    for numerics in ("float32", "int8"):
+        model.numerics = numerics
+        try:
+            plain = SpeculativeDecoder(model, stop_token_ids=stop).generate(prompts, 40).tokens
+            multi = MultiDrafter([NgramDrafter(tree=True), EagleDrafter(model, **TREE16)], max_nodes=16)
+            sizes, propose = [], multi.propose
+
+            def counted(*args, **kwargs):
+                draft = propose(*args, **kwargs)
+                sizes.extend(draft.num_nodes.tolist())
+                return draft
+
+            multi.propose = counted
+            result = SpeculativeDecoder(model, multi, stop_token_ids=stop).generate(prompts, 40, num_draft_tokens=7)
+        finally:
+            model.numerics = "float32"
+        assert result.tokens == plain, numerics
+        assert 8 < max(sizes) <= 16, (numerics, max(sizes))
+        c = result.stats.drafters
+        assert c["ngram"]["accepted"] > 0 and c["eagle-tree"]["accepted"] > 0, (numerics, c)
 
 
 class HiddenRecorder(Drafter):
@@ -364,6 +402,68 @@ def test_fallback_arguments():
         MultiDrafter([NgramDrafter()], fallback=1)
     with pytest.raises(TypeError, match="ensemble"):
         MultiDrafter([NgramDrafter()], ensemble="yes")
+
+
+def test_fallback_draft_sources_by_hand():
+    """Sequence 0's suffix 1 2 recurs (prompt lookup drafts: source 0), sequence 1's does not
+    (the last sub-drafter: source 1), sequence 2 is inactive (the last); without fallback, with
+    a sub-drafter before the last that cannot tell, or none: None; a sub-drafter capped at
+    depth 0 never drafts."""
+    histories, active = [[1, 2, 3, 1, 2], [5, 6, 7], [1, 2, 1, 2]], [True, True, False]
+    second = FixedDrafter("second", *LAYERSKIP)
+    assert MultiDrafter([NgramDrafter(min_ngram=2), second], fallback=True).draft_sources(histories, active) == [
+        0,
+        1,
+        1,
+    ]
+    capped = MultiDrafter([NgramDrafter(min_ngram=2), second], fallback=True, max_depths=[0, None])
+    assert capped.draft_sources(histories, active) == [1, 1, 1]
+    assert MultiDrafter([NgramDrafter(min_ngram=2), second]).draft_sources(histories, active) is None
+    assert MultiDrafter([second, NgramDrafter()], fallback=True).draft_sources(histories, active) is None
+    assert MultiDrafter([second], fallback=True).draft_sources(histories, active) == [0, 0, 0]
+
+
+def test_fallback_cost_model_keeps_each_drafters_rates(tiny, tiny_greedy):
+    """Prompt lookup else layer-skip under the cost-model policy: the plain greedy tokens, and
+    the policy's acceptance counts of each sequence are kept under the source the drafter
+    named (each step's counts go to the source that drafted: lookup's only where it drafted)."""
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
+
+    _, model = tiny
+    ngram, layerskip = Recorder(NgramDrafter(tree=True)), Recorder(LayerSkipDrafter(model, 2))
+    ngram.drafts_for = ngram.inner.drafts_for
+    multi = MultiDrafter([ngram, layerskip], fallback=True)
+    sources, inner = [], multi.draft_sources
+
+    def recorded(histories, active):
+        out = inner(histories, active)
+        sources.append(out)
+        return out
+
+    multi.draft_sources = recorded
+    policy = CostModelPolicy(0, 4, warmup=2)
+    result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=policy)
+    assert result.tokens == tiny_greedy
+    assert len(sources) == len(ngram.log)
+    for s, (_, ks, active, lookup) in zip(sources, ngram.log):
+        for b, a in enumerate(active):
+            if a and ks[b] > 0:  # asked at K >= 1: lookup drafts exactly where it was named
+                assert (s[b] == 0) == (int(lookup.num_nodes[b]) > 1)
+    named = {src for row in policy.requested for src, counts in row.items() if counts[1] > 0}
+    assert named == {0, 1}
+
+
+@pytest.mark.parametrize("sources", [[0], [-1] * len(PROMPTS), ["a"] * len(PROMPTS)], ids=["short", "negative", "str"])
+def test_bad_draft_sources_name_the_drafter(tiny, sources):
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
+
+    class Bad(FixedDrafter):
+        def draft_sources(self, histories, active):
+            return sources
+
+    _, model = tiny
+    with pytest.raises(ValueError, match="'bad': draft_sources"):
+        SpeculativeDecoder(model, Bad("bad", *NGRAM)).generate(PROMPTS, 4, num_draft_tokens=CostModelPolicy(0, 2))
 
 
 @pytest.mark.parametrize("k", [1, 4], ids=lambda k: f"K{k}")

@@ -71,6 +71,27 @@ def test_continuations_match_a_brute_force_search():
         )
 
 
+def test_ngram_drafts_for_tells_whether_propose_drafts():
+    """drafts_for(history) is true exactly where propose drafts at K >= 1, for every K 1..8,
+    chain and tree, over random histories of small alphabets (many repeats)."""
+    g = torch.Generator().manual_seed(1)
+    drafted = 0
+    for trial in range(300):
+        history = torch.randint(
+            0, int(torch.randint(1, 6, (1,), generator=g)), (int(torch.randint(1, 30, (1,), generator=g)),), generator=g
+        ).tolist()
+        max_ngram = int(torch.randint(1, 6, (1,), generator=g))
+        min_ngram = int(torch.randint(1, max_ngram + 1, (1,), generator=g))
+        for tree in (False, True):
+            drafter = NgramDrafter(max_ngram, min_ngram, tree=tree)
+            want = drafter.drafts_for(history)
+            for k in range(1, 9):
+                n = int(drafter.propose([history], [k], [True]).num_nodes[0])
+                assert (n > 1) == want, (history, max_ngram, min_ngram, tree, k)
+            drafted += want
+    assert 100 < drafted < 500  # both outcomes occur often
+
+
 def test_ngram_drafter_chain_and_tree():
     histories = [HISTORY, [1, 2, 3], HISTORY]
     chain = NgramDrafter(2, tokens_per_match=None).propose(histories, [3, 3, 0], [True, True, True])

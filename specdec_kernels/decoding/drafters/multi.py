@@ -376,6 +376,27 @@ class MultiDrafter(Drafter):
             d.start(histories, capacity, sampling, own)
             self.counters[name]["propose_time"] += time.perf_counter() - t
 
+    def draft_sources(self, histories, active) -> Optional[List[int]]:
+        """Fallback only: per sequence, the index of the sub-drafter that will draft for it at
+        K >= 1: the first whose ``drafts_for(history)`` is true, else the last one (which is
+        asked whatever the others do).  None where that cannot be known before drafting (a
+        sub-drafter before the last without ``drafts_for``), or without ``fallback``."""
+        if not self.fallback:
+            return None
+        last = len(self.drafters) - 1
+        caps = self.max_depths if self.max_depths is not None else [None] * len(self.drafters)
+        # a sub-drafter capped at depth 0 never drafts
+        predicates = [
+            (lambda h: False) if c == 0 else getattr(d, "drafts_for", None) for d, c in zip(self.drafters, caps)
+        ]
+        predicates = predicates[:last]
+        if any(p is None for p in predicates):
+            return None
+        out = []
+        for h, a in zip(histories, active):
+            out.append(next((i for i, p in enumerate(predicates) if p(h)), last) if a else last)
+        return out
+
     def propose(self, histories, num_draft_tokens, active) -> Draft:
         if self.ensemble:
             return self._propose_ensemble(histories, num_draft_tokens, active)

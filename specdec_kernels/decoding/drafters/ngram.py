@@ -134,6 +134,13 @@ class NgramDrafter(Drafter):
         self.tree, self.max_chains, self.max_nodes = tree, max_chains, max_nodes
         self.tokens_per_match = tokens_per_match
 
+    def drafts_for(self, history: Sequence[int]) -> bool:
+        """Whether ``propose`` drafts anything for this history at any K >= 1: some suffix of
+        ``min_ngram`` .. ``max_ngram`` tokens occurred earlier (every earlier occurrence is
+        followed by at least one token).  A fallback ``MultiDrafter`` asks it before K is
+        chosen (``draft_sources``)."""
+        return bool(ngram_continuations(history, 1, self.max_ngram, self.min_ngram, 1, self.tokens_per_match))
+
     def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
         """The n-gram distribution of the first draft token (``Drafter.chain_begin``): the
         tokens that followed the longest recurring suffix, in proportion to their counts

@@ -25,7 +25,7 @@ shorter than K, e.g. an n-gram lookup without a match), and the step takes
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 #: name -> K used by ``default_policy`` as the fixed K, and the cap of adaptive policies
 DEFAULT_K = {
@@ -421,6 +421,15 @@ class CostModelPolicy(DraftLengthPolicy):
     The costs are per batch step while the rates are per sequence: each sequence's K is
     chosen as if its step cost the whole batch's (exact for batch 1).
 
+    Draft sources: where the drafter says before each step which of its sources will draft
+    for a sequence (``Drafter.draft_sources``, handed over as ``state.draft_sources``; a
+    fallback ``MultiDrafter`` names its sub-drafter), the acceptance counts, the draft-cost
+    line, the mean nodes per K and the verify time per K are kept per source, and a
+    sequence's K is chosen from its source's: prompt lookup, accepted deep where it matches,
+    is not held to the depth the EAGLE head's drafts earn, nor the head to lookup's.  The
+    verify line by node count stays one for all sources (it is the target pass's cost).
+    Without sources, everything is source 0.
+
     Args:
         k_min, k_max: the range of K (0 <= k_min <= k_max); k_min = 0 lets a sequence stop
             drafting when drafts do not pay.
@@ -436,6 +445,7 @@ class CostModelPolicy(DraftLengthPolicy):
     """
 
     name = "cost-model"
+    per_source = True  # the engine hands over ``state.draft_sources`` before each choice
 
     def __init__(
         self,
@@ -475,29 +485,46 @@ class CostModelPolicy(DraftLengthPolicy):
         super().start(state)
         B = state.batch_size
         self.steps = 0
-        self.requested = [[0] * (self.k_max + 1) for _ in range(B)]  # [b][j]: steps with K >= j
-        self.reached = [[0] * (self.k_max + 1) for _ in range(B)]  # [b][j]: accepted path >= j
-        d, v = self._draft_cost_arg, self._verify_cost_arg
-        self.draft_cost = LinearCost(*(d or (None, None)), proportional=True)
-        self.verify_cost = LinearCost(*(v or (None, None)))
+        # per sequence and draft source (``Drafter.draft_sources``; 0 when the drafter names
+        # none): [j] steps with K >= j, and steps whose accepted path reached j
+        self.requested: List[Dict[int, List[int]]] = [{} for _ in range(B)]
+        self.reached: List[Dict[int, List[int]]] = [{} for _ in range(B)]
+        v = self._verify_cost_arg
+        self.draft_costs: Dict[int, LinearCost] = {}  # per source: draft seconds against K
+        self.draft_cost = self._draft_cost_of(0)
+        self.verify_cost = LinearCost(*(v or (None, None)))  # the pass, by nodes: one for all sources
         # the decoder's pass-cost curve of earlier requests of this kind (state.pass_costs): the
         # verify cost starts from it, and this request's passes are added to it
         self.shared_cost = getattr(state, "pass_costs", None) if v is None else None
         if self.shared_cost is not None:
             self.verify_cost.points = {x: list(p) for x, p in self.shared_cost.points.items()}
-        self.verify_by_k = LinearCost()  # verify seconds per K requested (a K seen often enough)
-        self.nodes: Dict[int, List[float]] = {}  # K -> [count, mean nodes per sequence]
+        self.verify_by_ks: Dict[int, LinearCost] = {0: LinearCost()}  # per source: verify seconds per K
+        self.verify_by_k = self.verify_by_ks[0]
+        self.nodes: Dict[Tuple[int, int], List[float]] = {}  # (source, K) -> [count, mean nodes per sequence]
         self.heuristic = HeuristicPolicy(self.k_init, self.k_min, self.k_max)
         self.heuristic.start(state)
         self.last_choice = [self.k_init] * B
+        self.last_sources = [0] * B
+
+    def _draft_cost_of(self, source: int) -> LinearCost:
+        if source not in self.draft_costs:
+            d = self._draft_cost_arg
+            self.draft_costs[source] = LinearCost(*(d or (None, None)), proportional=True)
+        return self.draft_costs[source]
+
+    def _counts(self, table: List[Dict[int, List[int]]], b: int, source: int) -> List[int]:
+        if source not in table[b]:
+            table[b][source] = [0] * (self.k_max + 1)
+        return table[b][source]
 
     # ------------------------------------------------------------------ estimates
-    def batch_rates(self) -> List[float]:
-        """r_1..r_kmax estimated over the whole batch."""
+    def batch_rates(self, source: int = 0) -> List[float]:
+        """r_1..r_kmax of one draft source, estimated over the whole batch."""
         rates, prev = [], 1.0
+        empty = [0] * (self.k_max + 1)
         for j in range(1, self.k_max + 1):
-            req = sum(r[j] for r in self.requested)
-            hit = sum(r[j] for r in self.reached)
+            req = sum(r.get(source, empty)[j] for r in self.requested)
+            hit = sum(r.get(source, empty)[j] for r in self.reached)
             prior = self.prior_ratio * prev
             r = (
                 (hit + self.prior_strength * prior) / (req + self.prior_strength)
@@ -508,57 +535,69 @@ class CostModelPolicy(DraftLengthPolicy):
             rates.append(prev)
         return rates
 
-    def sequence_rates(self, b: int, batch: Optional[List[float]] = None) -> List[float]:
-        """r_1..r_kmax of sequence b, shrunk towards the batch's rates."""
-        batch = self.batch_rates() if batch is None else batch
+    def sequence_rates(self, b: int, batch: Optional[List[float]] = None, source: int = 0) -> List[float]:
+        """r_1..r_kmax of sequence b's drafts from one source, shrunk towards the batch's."""
+        batch = self.batch_rates(source) if batch is None else batch
+        requested = self.requested[b].get(source, [0] * (self.k_max + 1))
+        reached = self.reached[b].get(source, [0] * (self.k_max + 1))
         rates, prev = [], 1.0
         for j in range(1, self.k_max + 1):
-            req, hit = self.requested[b][j], self.reached[b][j]
+            req, hit = requested[j], reached[j]
             prior = batch[j - 1]
             r = (hit + self.seq_prior * prior) / (req + self.seq_prior) if req + self.seq_prior > 0 else prior
             prev = min(r, prev)
             rates.append(prev)
         return rates
 
-    def nodes_for(self, k: int) -> float:
-        """Mean nodes per sequence (root included) that a step requesting K yielded."""
-        if k in self.nodes:
-            return self.nodes[k][1]
+    def nodes_for(self, k: int, source: int = 0) -> float:
+        """Mean nodes per sequence (root included) that a step requesting K of a source yielded."""
+        if (source, k) in self.nodes:
+            return self.nodes[(source, k)][1]
         return k + 1.0
 
-    def step_times(self) -> List[float]:
-        """Estimated seconds of a step for K = 0..k_max (a floor of 1e-9)."""
+    def step_times(self, source: int = 0) -> List[float]:
+        """Estimated seconds of a step for K = 0..k_max of one source (a floor of 1e-9)."""
         out = []
+        by_k = self.verify_by_ks.get(source)
         for k in range(self.k_max + 1):
-            seen = self.verify_by_k.points.get(k)
+            seen = by_k.points.get(k) if by_k is not None else None
             if self.verify_cost.fixed is None and seen is not None and seen[0] >= self.verify_by_k.min_count:
                 verify = seen[1]
             else:
-                verify = self.verify_cost(self.nodes_for(k))
-            t = (self.draft_cost(k) if k > 0 else 0.0) + verify
+                verify = self.verify_cost(self.nodes_for(k, source))
+            t = (self._draft_cost_of(source)(k) if k > 0 else 0.0) + verify
             out.append(max(t, 1e-9))
         return out
 
     def step_times_by_nodes(self, max_nodes: int) -> Optional[List[float]]:
         """Estimated seconds of a step whose tree has n nodes per sequence, n = 0..max_nodes
-        (entry 0 unused; a floor of 1e-9): the draft time at the last step's largest K plus
-        the verify line at n nodes.  None during the warm-up or before a verify time is known
-        (``TreeBudget`` then keeps its largest tree, which also measures large passes)."""
+        (entry 0 unused; a floor of 1e-9): the draft time at the last step's largest K (of
+        that sequence's source) plus the verify line at n nodes.  None during the warm-up or
+        before a verify time is known (``TreeBudget`` then keeps its largest tree, which also
+        measures large passes)."""
         if self.steps < self.warmup or not self.verify_cost.known:
             return None
-        k = max(self.last_choice) if self.last_choice else self.k_max
-        draft = self.draft_cost(k) if k > 0 else 0.0
+        if self.last_choice:
+            b = max(range(len(self.last_choice)), key=lambda i: self.last_choice[i])
+            k, source = self.last_choice[b], self.last_sources[b]
+        else:
+            k, source = self.k_max, 0
+        draft = self._draft_cost_of(source)(k) if k > 0 else 0.0
         return [max(draft + self.verify_cost(n), 1e-9) for n in range(max_nodes + 1)]
 
     # ------------------------------------------------------------------ interface
     def choose(self, state) -> List[int]:
+        B = state.batch_size
+        sources = getattr(state, "draft_sources", None)
+        self.last_sources = list(sources) if sources is not None else [0] * B
         if self.steps < self.warmup or not self.verify_cost.known:
             choice = self.heuristic.choose(state)
         else:
-            times = self.step_times()
-            batch = self.batch_rates()
+            times = {s: self.step_times(s) for s in set(self.last_sources)}
+            batch = {s: self.batch_rates(s) for s in times}
             choice = [
-                best_draft_length(self.sequence_rates(b, batch), times, self.k_min) for b in range(state.batch_size)
+                best_draft_length(self.sequence_rates(b, batch[s], s), times[s], self.k_min)
+                for b, s in enumerate(self.last_sources)
             ]
             if self.explore_every and self.steps % self.explore_every == 0:
                 choice = [min(k + 1, self.k_max) for k in choice]
@@ -568,22 +607,26 @@ class CostModelPolicy(DraftLengthPolicy):
     def update(self, state, record) -> None:
         self.steps += 1
         self.heuristic.update(state, record)
+        sources = self.last_sources if len(self.last_sources) == len(record.active) else [0] * len(record.active)
         for b, a in enumerate(record.active):
             if not a:
                 continue
-            k = min(record.ks[b], self.k_max)
+            k, s = min(record.ks[b], self.k_max), sources[b]
+            requested, reached = self._counts(self.requested, b, s), self._counts(self.reached, b, s)
             for j in range(1, k + 1):
-                self.requested[b][j] += 1
-                self.reached[b][j] += int(record.num_accepted[b] >= j)
-            c, m = self.nodes.get(k, [0, 0.0])
+                requested[j] += 1
+                reached[j] += int(record.num_accepted[b] >= j)
+            c, m = self.nodes.get((s, k), [0, 0.0])
             c += 1
-            self.nodes[k] = [c, m + max(1.0 / c, 0.1) * (record.num_nodes[b] - m)]
+            self.nodes[(s, k)] = [c, m + max(1.0 / c, 0.1) * (record.num_nodes[b] - m)]
         if any(record.active):
-            k_step = max(k for k, a in zip(record.ks, record.active) if a)
+            # the step's K and source: its sequence with the largest K (exact for batch 1)
+            b_step = max((b for b, a in enumerate(record.active) if a), key=lambda b: record.ks[b])
+            k_step, s_step = record.ks[b_step], sources[b_step]
             if k_step > 0 and self.steps > 1:  # the first step's includes the drafter's prompt prefill
-                self.draft_cost.add(k_step, record.draft_time)
+                self._draft_cost_of(s_step).add(k_step, record.draft_time)
             self.verify_cost.add(record.block_width, record.verify_time)
-            self.verify_by_k.add(k_step, record.verify_time)
+            self.verify_by_ks.setdefault(s_step, LinearCost()).add(k_step, record.verify_time)
             if self.shared_cost is not None:
                 self.shared_cost.add(record.block_width, record.verify_time)
 

@@ -165,6 +165,9 @@ class DecodeState:
     # the same kind (numerics, threads, batch size): adaptive policies start from it
     pass_costs: Optional[object] = None
     coupling: Optional[GumbelCoupling] = None
+    # per sequence, the drafter's source that drafts next (``Drafter.draft_sources``), set by
+    # ``generate`` before a policy with ``per_source`` chooses K; None: one source
+    draft_sources: Optional[List[int]] = None
 
     @property
     def batch_size(self) -> int:
@@ -501,6 +504,8 @@ class SpeculativeDecoder:
             threads = _StepThreads(self.threads, self.model.device, state.stats, self.thread_choices)
             while not state.finished:
                 if policy is not None:
+                    if getattr(policy, "per_source", False):  # which source drafts, before K
+                        state.draft_sources = self._draft_sources(state)
                     k = policy.choose(state)
                 else:
                     k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
@@ -775,6 +780,22 @@ class SpeculativeDecoder:
         return emitted
 
     # ------------------------------------------------------------------ internals
+    def _draft_sources(self, state: DecodeState) -> Optional[List[int]]:
+        """The drafter's ``draft_sources`` for the next step, checked: None, or one int >= 0
+        per sequence."""
+        fn = getattr(self.drafter, "draft_sources", None)
+        sources = fn(state.histories, [not d for d in state.done]) if fn is not None else None
+        if sources is None:
+            return None
+        sources = list(sources)
+        if len(sources) != state.batch_size or not all(isinstance(x, int) and x >= 0 for x in sources):
+            name = getattr(self.drafter, "name", type(self.drafter).__name__)
+            raise ValueError(
+                f"drafter {name!r}: draft_sources must return None or one int >= 0 per sequence "
+                f"({state.batch_size}), got {sources}"
+            )
+        return sources
+
     def _checked(self, draft, state: DecodeState, active: List[bool]) -> Draft:
         """A drafter's proposal, checked before the target sees it (a custom drafter's bug
         should name the drafter, not surface as an embedding index error or a wrong output):
