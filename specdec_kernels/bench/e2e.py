@@ -711,14 +711,15 @@ def _register_builtin() -> None:
         k=eagle_k,
         members=["eagle", "ngram"],
     )
-    # prompt lookup where the suffix's last 2+ tokens recur, else the EAGLE chain (cut by the
-    # measured pass cost): one drafter's chain or tree verified per step, never both
+    # prompt lookup's chain where the suffix's last 2+ tokens recur, else the EAGLE chain (cut
+    # by the measured pass cost): one drafter's chain verified per step, never both; the
+    # cost-model policy keeps each one's acceptance apart (``Drafter.draft_sources``)
     add(
         "ngram-eagle-adaptive",
         lambda ctx: MultiDrafter(
-            [NgramDrafter(min_ngram=FALLBACK_MIN_NGRAM, tree=True), EagleDrafter(ctx.model, tree=False)], fallback=True
+            [NgramDrafter(min_ngram=FALLBACK_MIN_NGRAM), EagleDrafter(ctx.model, tree=False)], fallback=True
         ),
-        f"prompt lookup (match >= {FALLBACK_MIN_NGRAM} tokens), else EAGLE head chain",
+        f"prompt lookup chain (match >= {FALLBACK_MIN_NGRAM} tokens), else EAGLE head chain",
         k_max=ngram_k,
         head=EAGLE_SHIPPED.name,
         min_ngram=FALLBACK_MIN_NGRAM,
