@@ -163,6 +163,41 @@ def test_cost_model_keeps_rates_per_draft_source():
     assert run(False) == [[4], [4]]
 
 
+def test_cost_model_source_lines_take_only_their_own_steps():
+    """Batch 2.  A step whose drafting sequences drew from two sources adds its draft time to
+    the line of all steps only; a step whose drafting sequences all drew from one source adds
+    it to that source's line too, unless it is the source's first drafting step; a source
+    without a line of its own costs the line of all steps; without sources only that line
+    exists."""
+    policy = CostModelPolicy(0, 4, warmup=0, explore_every=0)
+    policy.start(SimpleNamespace(batch_size=2))
+
+    def step(sources, ks, draft_time):
+        policy.choose(SimpleNamespace(batch_size=2, draft_sources=sources))
+        policy.update(None, record(ks, ks, [0, 0], draft_time=draft_time))
+
+    step([0, 1], [2, 2], 9.0)  # the first step: no line takes it
+    step([0, 1], [2, 2], 0.4)  # mixed: the line of all steps only
+    assert policy.draft_costs == {} and policy.draft_cost.points == {2: [1, 0.4]}
+    step([0, 1], [3, 0], 0.3)  # source 0 alone drafts (it drafted before)
+    assert list(policy.draft_costs) == [0] and policy.draft_costs[0].points == {3: [1, 0.3]}
+    assert policy.verify_by_ks[0].points == {3: [1, 1.0]}
+    assert policy._draft_cost_of(0) is policy.draft_costs[0] and policy._draft_cost_of(1) is policy.draft_cost
+    step([2, 2], [1, 1], 5.0)  # source 2's first drafting step: not its line
+    assert 2 not in policy.draft_costs
+    step([2, 2], [1, 1], 0.1)
+    assert policy.draft_costs[2].points == {1: [1, 0.1]}
+    assert policy.step_times(2)[1] == pytest.approx(0.1 + 1.0)  # its draft line, its verify time at K = 1
+
+    plain = CostModelPolicy(0, 4, warmup=0, explore_every=0)
+    plain.start(SimpleNamespace(batch_size=2))
+    for ks, t in (([2, 2], 9.0), ([2, 2], 0.4), ([3, 0], 0.3)):
+        plain.choose(SimpleNamespace(batch_size=2))
+        plain.update(None, record(ks, ks, [0, 0], draft_time=t))
+    assert plain.draft_costs == {} and plain.draft_cost.points == {2: [1, 0.4], 3: [1, 0.3]}
+    assert plain._draft_cost_of(0) is plain.draft_cost
+
+
 def test_cost_model_measured_costs():
     """Costs measured from the step records: draft 0.1 s per token, verify 1 s + 0.05 s per
     node (fitted through two measured K / widths).  T(K) = 0.1 K + 1 + 0.05 (K + 1) =

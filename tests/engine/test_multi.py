@@ -441,19 +441,63 @@ def test_fallback_cost_model_keeps_each_drafters_rates(tiny, tiny_greedy):
         return out
 
     multi.draft_sources = recorded
+    steps = []  # (the sources the policy chose with, the step's record), step by step
+
+    def on_step(state):
+        if state.last_step is not None:
+            steps.append((list(state.draft_sources), state.last_step))
+
     policy = CostModelPolicy(0, 4, warmup=2)
-    result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=policy)
+    result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=policy, on_step=on_step)
     assert result.tokens == tiny_greedy
-    assert len(sources) == len(ngram.log)
+    assert len(sources) == len(ngram.log) == len(steps)
     for s, (_, ks, active, lookup) in zip(sources, ngram.log):
         for b, a in enumerate(active):
             if a and ks[b] > 0:  # asked at K >= 1: lookup drafts exactly where it was named
                 assert (s[b] == 0) == (int(lookup.num_nodes[b]) > 1)
+    # the policy's counts, replayed from the records under each step's own sources
+    requested = [{} for _ in PROMPTS]
+    reached = [{} for _ in PROMPTS]
+    for s, rec in steps:
+        for b, a in enumerate(rec.active):
+            if a:
+                req = requested[b].setdefault(s[b], [0] * 5)
+                hit = reached[b].setdefault(s[b], [0] * 5)
+                for j in range(1, min(rec.ks[b], 4) + 1):
+                    req[j] += 1
+                    hit[j] += int(rec.num_accepted[b] >= j)
+    assert policy.requested == requested and policy.reached == reached
     named = {src for row in policy.requested for src, counts in row.items() if counts[1] > 0}
     assert named == {0, 1}
 
 
-@pytest.mark.parametrize("sources", [[0], [-1] * len(PROMPTS), ["a"] * len(PROMPTS)], ids=["short", "negative", "str"])
+def test_naming_the_sources_counts_as_drafting(tiny):
+    """The time a drafter takes to name its sources is part of the step's draft time."""
+    import time
+
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
+
+    class Slow(FixedDrafter):
+        def draft_sources(self, histories, active):
+            time.sleep(0.02)
+            return [0] * len(histories)
+
+    _, model = tiny
+    records = []
+    decoder = SpeculativeDecoder(model, Slow("slow", *NGRAM))
+    result = decoder.generate(
+        PROMPTS, 4, num_draft_tokens=CostModelPolicy(0, 2), on_step=lambda st: records.append(st.last_step)
+    )
+    steps = [r for r in records if r is not None]
+    assert steps and all(r.draft_time >= 0.02 for r in steps)
+    assert result.stats.draft_time >= 0.02 * len(steps)
+
+
+@pytest.mark.parametrize(
+    "sources",
+    [[0], [-1] * len(PROMPTS), ["a"] * len(PROMPTS), [True] * len(PROMPTS), 7],
+    ids=["short", "negative", "str", "bool", "not-a-list"],
+)
 def test_bad_draft_sources_name_the_drafter(tiny, sources):
     from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 

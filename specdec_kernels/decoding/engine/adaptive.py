@@ -423,12 +423,15 @@ class CostModelPolicy(DraftLengthPolicy):
 
     Draft sources: where the drafter says before each step which of its sources will draft
     for a sequence (``Drafter.draft_sources``, handed over as ``state.draft_sources``; a
-    fallback ``MultiDrafter`` names its sub-drafter), the acceptance counts, the draft-cost
-    line, the mean nodes per K and the verify time per K are kept per source, and a
-    sequence's K is chosen from its source's: prompt lookup, accepted deep where it matches,
-    is not held to the depth the EAGLE head's drafts earn, nor the head to lookup's.  The
-    verify line by node count stays one for all sources (it is the target pass's cost).
-    Without sources, everything is source 0.
+    fallback ``MultiDrafter`` names its sub-drafter), the acceptance counts and the mean
+    nodes per K are kept per source, and so are the draft-cost line and the verify time per
+    K, from the steps whose drafting sequences all drew from that source (its first drafting
+    step left out; the line of all steps stands in until one is measured); a sequence's K
+    is chosen from its source's: prompt lookup, accepted deep where it matches, is not held
+    to the depth the EAGLE head's drafts earn, nor the head to lookup's.  The verify line by
+    node count stays one for all sources (it is the target pass's cost), and so does the
+    draft time ``TreeBudget`` reads.  Without sources, everything is source 0 and the lines
+    are those of all steps.
 
     Args:
         k_min, k_max: the range of K (0 <= k_min <= k_max); k_min = 0 lets a sequence stop
@@ -490,16 +493,22 @@ class CostModelPolicy(DraftLengthPolicy):
         self.requested: List[Dict[int, List[int]]] = [{} for _ in range(B)]
         self.reached: List[Dict[int, List[int]]] = [{} for _ in range(B)]
         v = self._verify_cost_arg
-        self.draft_costs: Dict[int, LinearCost] = {}  # per source: draft seconds against K
-        self.draft_cost = self._draft_cost_of(0)
+        d = self._draft_cost_arg
+        # draft seconds against K: every step (draft_cost), and per source the steps whose
+        # drafting sequences all drew from it (draft_costs), each source's first drafting step
+        # left out (it includes a model drafter's catch-up on the prompt)
+        self.draft_cost = LinearCost(*(d or (None, None)), proportional=True)
+        self.draft_costs: Dict[int, LinearCost] = {}
         self.verify_cost = LinearCost(*(v or (None, None)))  # the pass, by nodes: one for all sources
         # the decoder's pass-cost curve of earlier requests of this kind (state.pass_costs): the
         # verify cost starts from it, and this request's passes are added to it
         self.shared_cost = getattr(state, "pass_costs", None) if v is None else None
         if self.shared_cost is not None:
             self.verify_cost.points = {x: list(p) for x, p in self.shared_cost.points.items()}
-        self.verify_by_ks: Dict[int, LinearCost] = {0: LinearCost()}  # per source: verify seconds per K
-        self.verify_by_k = self.verify_by_ks[0]
+        self.verify_by_k = LinearCost()  # verify seconds per K requested (a K seen often enough)
+        self.verify_by_ks: Dict[int, LinearCost] = {}  # the same per source (its steps alone)
+        self.sourced = False  # the drafter named sources (state.draft_sources) at some step
+        self.drafted_sources: set = set()  # sources that drafted (K > 0) at some step
         self.nodes: Dict[Tuple[int, int], List[float]] = {}  # (source, K) -> [count, mean nodes per sequence]
         self.heuristic = HeuristicPolicy(self.k_init, self.k_min, self.k_max)
         self.heuristic.start(state)
@@ -507,10 +516,10 @@ class CostModelPolicy(DraftLengthPolicy):
         self.last_sources = [0] * B
 
     def _draft_cost_of(self, source: int) -> LinearCost:
-        if source not in self.draft_costs:
-            d = self._draft_cost_arg
-            self.draft_costs[source] = LinearCost(*(d or (None, None)), proportional=True)
-        return self.draft_costs[source]
+        """The draft-cost line of a source: its own once measured, else the line of all steps
+        (always that one while the drafter names no sources)."""
+        own = self.draft_costs.get(source)
+        return own if self.sourced and own is not None and own.known else self.draft_cost
 
     def _counts(self, table: List[Dict[int, List[int]]], b: int, source: int) -> List[int]:
         if source not in table[b]:
@@ -558,7 +567,7 @@ class CostModelPolicy(DraftLengthPolicy):
     def step_times(self, source: int = 0) -> List[float]:
         """Estimated seconds of a step for K = 0..k_max of one source (a floor of 1e-9)."""
         out = []
-        by_k = self.verify_by_ks.get(source)
+        by_k = self.verify_by_ks.get(source) if self.sourced else self.verify_by_k
         for k in range(self.k_max + 1):
             seen = by_k.points.get(k) if by_k is not None else None
             if self.verify_cost.fixed is None and seen is not None and seen[0] >= self.verify_by_k.min_count:
@@ -571,24 +580,21 @@ class CostModelPolicy(DraftLengthPolicy):
 
     def step_times_by_nodes(self, max_nodes: int) -> Optional[List[float]]:
         """Estimated seconds of a step whose tree has n nodes per sequence, n = 0..max_nodes
-        (entry 0 unused; a floor of 1e-9): the draft time at the last step's largest K (of
-        that sequence's source) plus the verify line at n nodes.  None during the warm-up or
-        before a verify time is known (``TreeBudget`` then keeps its largest tree, which also
-        measures large passes)."""
+        (entry 0 unused; a floor of 1e-9): the draft time at the last step's largest K (the
+        line of all steps, whichever source drafts) plus the verify line at n nodes.  None
+        during the warm-up or before a verify time is known (``TreeBudget`` then keeps its
+        largest tree, which also measures large passes)."""
         if self.steps < self.warmup or not self.verify_cost.known:
             return None
-        if self.last_choice:
-            b = max(range(len(self.last_choice)), key=lambda i: self.last_choice[i])
-            k, source = self.last_choice[b], self.last_sources[b]
-        else:
-            k, source = self.k_max, 0
-        draft = self._draft_cost_of(source)(k) if k > 0 else 0.0
+        k = max(self.last_choice) if self.last_choice else self.k_max
+        draft = self.draft_cost(k) if k > 0 else 0.0
         return [max(draft + self.verify_cost(n), 1e-9) for n in range(max_nodes + 1)]
 
     # ------------------------------------------------------------------ interface
     def choose(self, state) -> List[int]:
         B = state.batch_size
         sources = getattr(state, "draft_sources", None)
+        self.sourced = self.sourced or sources is not None
         self.last_sources = list(sources) if sources is not None else [0] * B
         if self.steps < self.warmup or not self.verify_cost.known:
             choice = self.heuristic.choose(state)
@@ -620,13 +626,23 @@ class CostModelPolicy(DraftLengthPolicy):
             c += 1
             self.nodes[(s, k)] = [c, m + max(1.0 / c, 0.1) * (record.num_nodes[b] - m)]
         if any(record.active):
-            # the step's K and source: its sequence with the largest K (exact for batch 1)
-            b_step = max((b for b, a in enumerate(record.active) if a), key=lambda b: record.ks[b])
-            k_step, s_step = record.ks[b_step], sources[b_step]
+            k_step = max(k for k, a in zip(record.ks, record.active) if a)
             if k_step > 0 and self.steps > 1:  # the first step's includes the drafter's prompt prefill
-                self._draft_cost_of(s_step).add(k_step, record.draft_time)
+                self.draft_cost.add(k_step, record.draft_time)
             self.verify_cost.add(record.block_width, record.verify_time)
-            self.verify_by_ks.setdefault(s_step, LinearCost()).add(k_step, record.verify_time)
+            self.verify_by_k.add(k_step, record.verify_time)
+            # a source's own lines take the steps whose drafting sequences all drew from it,
+            # but its first drafting step
+            drew = {sources[b] for b, a in enumerate(record.active) if a and record.ks[b] > 0}
+            first = drew - self.drafted_sources
+            self.drafted_sources |= drew
+            if self.sourced and len(drew) == 1 and not first:
+                (s,) = drew
+                if s not in self.draft_costs:
+                    d = self._draft_cost_arg
+                    self.draft_costs[s] = LinearCost(*(d or (None, None)), proportional=True)
+                self.draft_costs[s].add(k_step, record.draft_time)
+                self.verify_by_ks.setdefault(s, LinearCost()).add(k_step, record.verify_time)
             if self.shared_cost is not None:
                 self.shared_cost.add(record.block_width, record.verify_time)
 

@@ -28,6 +28,7 @@ copy-on-write of the block where they diverge.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -503,14 +504,20 @@ class SpeculativeDecoder:
                 on_step(state)
             threads = _StepThreads(self.threads, self.model.device, state.stats, self.thread_choices)
             while not state.finished:
+                sources_time = 0.0
                 if policy is not None:
                     if getattr(policy, "per_source", False):  # which source drafts, before K
+                        t = time.perf_counter()
                         state.draft_sources = self._draft_sources(state)
+                        sources_time = time.perf_counter() - t
                     k = policy.choose(state)
                 else:
                     k = num_draft_tokens(step, state) if callable(num_draft_tokens) else num_draft_tokens
                 threads.run(lambda: self.step(state, k), k, state)
                 if policy is not None:
+                    # asking the drafter for its sources is part of drafting: timed as such
+                    state.last_step.draft_time += sources_time
+                    state.stats.draft_time += sources_time
                     policy.update(state, state.last_step)
                 step += 1
                 if on_step is not None:
@@ -787,13 +794,17 @@ class SpeculativeDecoder:
         sources = fn(state.histories, [not d for d in state.done]) if fn is not None else None
         if sources is None:
             return None
-        sources = list(sources)
-        if len(sources) != state.batch_size or not all(isinstance(x, int) and x >= 0 for x in sources):
-            name = getattr(self.drafter, "name", type(self.drafter).__name__)
-            raise ValueError(
-                f"drafter {name!r}: draft_sources must return None or one int >= 0 per sequence "
-                f"({state.batch_size}), got {sources}"
-            )
+        name = getattr(self.drafter, "name", type(self.drafter).__name__)
+        bad = ValueError(
+            f"drafter {name!r}: draft_sources must return None or one int >= 0 per sequence "
+            f"({state.batch_size}), got {sources!r}"
+        )
+        try:
+            sources = [operator.index(x) for x in sources if not isinstance(x, bool)]
+        except TypeError:
+            raise bad from None
+        if len(sources) != state.batch_size or min(sources, default=0) < 0:
+            raise bad
         return sources
 
     def _checked(self, draft, state: DecodeState, active: List[bool]) -> Draft:
