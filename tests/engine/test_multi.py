@@ -220,6 +220,32 @@ def test_real_model_multi_draft_is_greedy(real):
     assert c["ngram"]["accepted"] > 0 and c["layerskip"]["accepted"] > 0
 
 
+# a copying request (prompt lookup's case; both numerics copy the list) and a chat one
+COPY_AND_CHAT = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.", "Say hello."]
+
+
+def runs_in_both_numerics(real, make_drafter, k):
+    """[(numerics, drafter, result, plain greedy tokens)] in float32 and in int8: the real
+    model on COPY_AND_CHAT, 40 new tokens, K = k; ``make_drafter(model)`` builds the drafter."""
+    model, tok, _, _ = real
+    stop = [tok.eos_token_id]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
+        for t in COPY_AND_CHAT
+    ]
+    out = []
+    for numerics in ("float32", "int8"):
+        model.numerics = numerics
+        try:
+            plain = SpeculativeDecoder(model, stop_token_ids=stop).generate(prompts, 40).tokens
+            drafter = make_drafter(model)
+            result = SpeculativeDecoder(model, drafter, stop_token_ids=stop).generate(prompts, 40, num_draft_tokens=k)
+        finally:
+            model.numerics = "float32"
+        out.append((numerics, drafter, result, plain))
+    return out
+
+
 @real_only
 def test_real_model_fallback_lookup_then_eagle_is_greedy(real):
     """The bench's ngram-eagle-adaptive drafter (prompt lookup with 2+ token matches, else the
@@ -227,22 +253,10 @@ def test_real_model_fallback_lookup_then_eagle_is_greedy(real):
     and in int8, and both drafters' drafts are accepted."""
     from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 
-    model, tok, _, _ = real
-    stop = [tok.eos_token_id]
-    # a copying request (prompt lookup's case; both numerics copy the list) and a chat one
-    texts = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.", "Say hello."]
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
-        for t in texts
-    ]
-    for numerics in ("float32", "int8"):
-        model.numerics = numerics
-        try:
-            plain = SpeculativeDecoder(model, stop_token_ids=stop).generate(prompts, 40).tokens
-            multi = MultiDrafter([NgramDrafter(min_ngram=2), EagleDrafter(model, tree=False)], fallback=True)
-            result = SpeculativeDecoder(model, multi, stop_token_ids=stop).generate(prompts, 40, num_draft_tokens=4)
-        finally:
-            model.numerics = "float32"
+    def make(model):
+        return MultiDrafter([NgramDrafter(min_ngram=2), EagleDrafter(model, tree=False)], fallback=True)
+
+    for numerics, _, result, plain in runs_in_both_numerics(real, make, 4):
         assert result.tokens == plain, numerics
         c = result.stats.drafters
         assert c["ngram"]["accepted"] > 0 and c["eagle"]["accepted"] > 0, (numerics, c)
@@ -257,31 +271,21 @@ def test_real_model_lookup_and_eagle_tree_16_is_greedy(real):
     from specdec_kernels.bench.e2e import TREE16
     from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 
-    model, tok, _, _ = real
-    stop = [tok.eos_token_id]
-    texts = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.", "Say hello."]
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False)
-        for t in texts
-    ]
-    for numerics in ("float32", "int8"):
-        model.numerics = numerics
-        try:
-            plain = SpeculativeDecoder(model, stop_token_ids=stop).generate(prompts, 40).tokens
-            multi = MultiDrafter([NgramDrafter(tree=True), EagleDrafter(model, **TREE16)], max_nodes=16)
-            sizes, propose = [], multi.propose
+    def make(model):
+        multi = MultiDrafter([NgramDrafter(tree=True), EagleDrafter(model, **TREE16)], max_nodes=16)
+        multi.sizes, propose = [], multi.propose
 
-            def counted(*args, **kwargs):
-                draft = propose(*args, **kwargs)
-                sizes.extend(draft.num_nodes.tolist())
-                return draft
+        def counted(*args, **kwargs):
+            draft = propose(*args, **kwargs)
+            multi.sizes.extend(draft.num_nodes.tolist())
+            return draft
 
-            multi.propose = counted
-            result = SpeculativeDecoder(model, multi, stop_token_ids=stop).generate(prompts, 40, num_draft_tokens=7)
-        finally:
-            model.numerics = "float32"
+        multi.propose = counted
+        return multi
+
+    for numerics, multi, result, plain in runs_in_both_numerics(real, make, 7):
         assert result.tokens == plain, numerics
-        assert 8 < max(sizes) <= 16, (numerics, max(sizes))
+        assert 8 < max(multi.sizes) <= 16, (numerics, max(multi.sizes))
         c = result.stats.drafters
         assert c["ngram"]["accepted"] > 0 and c["eagle-tree"]["accepted"] > 0, (numerics, c)
 
