@@ -728,7 +728,9 @@ def _register_builtin() -> None:
     # most 16 nodes, root included, K fixed: the most tokens per pass at <= 16 nodes measured
     add(
         "ngram-eagle-tree-16",
-        lambda ctx: MultiDrafter([NgramDrafter(tree=True), EagleDrafter(ctx.model, **TREE16)], max_nodes=16),
+        lambda ctx: MultiDrafter(
+            [NgramDrafter(tree=True), EagleDrafter(ctx.model, **TREE16)], max_nodes=TREE16["max_nodes"]
+        ),
         "prompt lookup tree + EAGLE head dynamic tree top-4, merged, 16 nodes",
         k=tree_k,
         default=False,

@@ -384,18 +384,16 @@ class MultiDrafter(Drafter):
         if not self.fallback:
             return None
         last = len(self.drafters) - 1
-        caps = self.max_depths if self.max_depths is not None else [None] * len(self.drafters)
-        # a sub-drafter capped at depth 0 never drafts
+        caps = self.max_depths or [None] * len(self.drafters)
+        # the sub-drafters before the last; one capped at depth 0 never drafts
         predicates = [
-            (lambda h: False) if c == 0 else getattr(d, "drafts_for", None) for d, c in zip(self.drafters, caps)
+            (lambda h: False) if c == 0 else getattr(d, "drafts_for", None) for d, c in zip(self.drafters[:last], caps)
         ]
-        predicates = predicates[:last]
-        if any(p is None for p in predicates):
+        if None in predicates:
             return None
-        out = []
-        for h, a in zip(histories, active):
-            out.append(next((i for i, p in enumerate(predicates) if p(h)), last) if a else last)
-        return out
+        return [
+            next((i for i, p in enumerate(predicates) if p(h)), last) if a else last for h, a in zip(histories, active)
+        ]
 
     def propose(self, histories, num_draft_tokens, active) -> Draft:
         if self.ensemble:

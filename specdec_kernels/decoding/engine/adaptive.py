@@ -493,11 +493,10 @@ class CostModelPolicy(DraftLengthPolicy):
         self.requested: List[Dict[int, List[int]]] = [{} for _ in range(B)]
         self.reached: List[Dict[int, List[int]]] = [{} for _ in range(B)]
         v = self._verify_cost_arg
-        d = self._draft_cost_arg
         # draft seconds against K: every step (draft_cost), and per source the steps whose
         # drafting sequences all drew from it (draft_costs), each source's first drafting step
         # left out (it includes a model drafter's catch-up on the prompt)
-        self.draft_cost = LinearCost(*(d or (None, None)), proportional=True)
+        self.draft_cost = self._new_draft_line()
         self.draft_costs: Dict[int, LinearCost] = {}
         self.verify_cost = LinearCost(*(v or (None, None)))  # the pass, by nodes: one for all sources
         # the decoder's pass-cost curve of earlier requests of this kind (state.pass_costs): the
@@ -514,6 +513,10 @@ class CostModelPolicy(DraftLengthPolicy):
         self.heuristic.start(state)
         self.last_choice = [self.k_init] * B
         self.last_sources = [0] * B
+
+    def _new_draft_line(self) -> LinearCost:
+        """A draft-cost line: the fixed ``draft_cost`` given, else one fitted, proportional to K."""
+        return LinearCost(*(self._draft_cost_arg or (None, None)), proportional=True)
 
     def _draft_cost_of(self, source: int) -> LinearCost:
         """The draft-cost line of a source: its own once measured, else the line of all steps
@@ -613,7 +616,7 @@ class CostModelPolicy(DraftLengthPolicy):
     def update(self, state, record) -> None:
         self.steps += 1
         self.heuristic.update(state, record)
-        sources = self.last_sources if len(self.last_sources) == len(record.active) else [0] * len(record.active)
+        sources = self.last_sources  # those choose() was given for this step
         for b, a in enumerate(record.active):
             if not a:
                 continue
@@ -638,10 +641,7 @@ class CostModelPolicy(DraftLengthPolicy):
             self.drafted_sources |= drew
             if self.sourced and len(drew) == 1 and not first:
                 (s,) = drew
-                if s not in self.draft_costs:
-                    d = self._draft_cost_arg
-                    self.draft_costs[s] = LinearCost(*(d or (None, None)), proportional=True)
-                self.draft_costs[s].add(k_step, record.draft_time)
+                self.draft_costs.setdefault(s, self._new_draft_line()).add(k_step, record.draft_time)
                 self.verify_by_ks.setdefault(s, LinearCost()).add(k_step, record.verify_time)
             if self.shared_cost is not None:
                 self.shared_cost.add(record.block_width, record.verify_time)

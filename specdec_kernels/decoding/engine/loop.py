@@ -28,7 +28,6 @@ copy-on-write of the block where they diverge.
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 import time
@@ -800,7 +799,7 @@ class SpeculativeDecoder:
             f"({state.batch_size}), got {sources!r}"
         )
         try:
-            sources = [operator.index(x) for x in sources if not isinstance(x, bool)]
+            sources = as_int_list("draft_sources", sources)
         except TypeError:
             raise bad from None
         if len(sources) != state.batch_size or min(sources, default=0) < 0:
