@@ -29,8 +29,15 @@ variation between p and q; Daliri et al., Theorem 1).
 
 The noise of (seed, t) is ``torch.rand(V)`` (float32) from a CPU ``torch.Generator`` seeded
 with a 64-bit mix (SplitMix64, Steele et al. 2014) of the seed and t, mapped to
-``-log(-log(u))``; a uniform of 0 gives -inf (never chosen).  It is computed once per
-(sequence, index) and kept until the sequence commits past t.
+``-log(-log(u))`` by ``uniform_to_gumbel``, which first clamps u to [the smallest normal
+float32, the largest float32 below 1]: a uniform of 0 (``torch.rand`` returns one about once
+in 2**24 draws) would give -inf, and when the target's nucleus is a single token (top_k=1, a
+tiny temperature, a peaked softmax) every score ``log p + G`` would then be -inf and argmax
+would return token 0, of probability 0.  With the clamp the noise is finite, within
+[-4.47, 16.64], so a token of probability 0 (score -inf) is never chosen while one of
+positive probability exists; every other uniform ``torch.rand`` returns is left unchanged,
+so its noise is bit-identical.  The noise is computed once per (sequence, index) and kept
+until the sequence commits past t.
 """
 
 from __future__ import annotations
@@ -43,12 +50,42 @@ COUPLINGS = ("gumbel", "rejection")
 
 _MASK64 = (1 << 64) - 1
 
+#: The uniforms ``uniform_to_gumbel`` accepts, after clamping: the smallest normal float32
+#: (2**-126) and the largest float32 below 1 (1 - 2**-24).  Both give finite noise.
+UNIFORM_MIN = torch.finfo(torch.float32).tiny
+UNIFORM_MAX = 1.0 - 2.0**-24
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def uniform_to_gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``-log(-log(u))`` of uniforms u, always finite.
+
+    u is first clamped to [``UNIFORM_MIN``, ``UNIFORM_MAX``] (the smallest normal float32 and
+    the largest float32 below 1), so u = 0 (which ``torch.rand`` can return) and u = 1 give
+    finite noise instead of -inf and +inf: a token of probability 0 (log p = -inf) can then
+    never win an argmax of ``log p + G`` against one of positive probability, and no score is
+    NaN.  Every float32 uniform ``torch.rand`` returns other than 0 lies in the range already
+    (its smallest positive value is 2**-24), so its noise is unchanged, bit for bit.
+
+    Args:
+        u: a float tensor of any shape, values in [0, 1] (NaN stays NaN).
+
+    Returns:
+        float32 tensor of u's shape and device, each value in [-4.47, 16.64].
+
+    Raises:
+        TypeError: u is not a floating-point tensor.
+    """
+    if not isinstance(u, torch.Tensor) or not u.is_floating_point():
+        raise TypeError(f"u must be a floating-point tensor, got {getattr(u, 'dtype', type(u).__name__)}")
+    u = u.float().clamp(UNIFORM_MIN, UNIFORM_MAX)
+    return torch.log(-torch.log(u)).neg_()
 
 
 def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
@@ -60,8 +97,9 @@ def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
         vocab_size: V >= 1.
 
     Returns:
-        (V,) float32 on the CPU; identical for identical arguments on every machine (torch's
-        CPU Mersenne Twister), independent across indices and seeds.
+        (V,) float32 on the CPU, finite (``uniform_to_gumbel``); identical for identical
+        arguments on every machine (torch's CPU Mersenne Twister), independent across indices
+        and seeds.
 
     Raises:
         ValueError: index < 0 or vocab_size < 1.
@@ -72,7 +110,7 @@ def gumbel_noise(seed: int, index: int, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     key = _splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64)) >> 1  # manual_seed takes < 2**63
     u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(key))
-    return torch.log(-torch.log(u)).neg_()
+    return uniform_to_gumbel(u)
 
 
 class GumbelCoupling:
@@ -124,7 +162,14 @@ def gumbel_top_k(log_probs: torch.Tensor, noise: torch.Tensor, k: int) -> Tuple[
     """The k largest of ``log_probs + noise`` (..., V): k distinct samples without replacement
     (the Gumbel-top-k trick, Kool et al. 2019), the first being the Gumbel-max sample.
 
+    Args:
+        log_probs: (..., V) float log-probabilities; -inf for a token of probability 0.
+        noise: (V,) or (..., V) float32 noise from ``gumbel_noise`` / ``GumbelCoupling.noise``
+            (finite, so a token of log-probability -inf comes after every token of positive
+            probability and is returned only when k exceeds their number).
+        k: 1 <= k <= V.
+
     Returns:
-        (values, indices), each (..., k).
+        (values, indices), each (..., k): float32 on log_probs' device, and int64.
     """
     return (log_probs.float() + noise.to(log_probs.device)).topk(k, dim=-1)

@@ -26,6 +26,7 @@ import torch
 
 from specdec_kernels import sampling_probs
 from specdec_kernels.checks import sampling_temperature, sampling_top_k, sampling_top_p, temperature_is_greedy
+from specdec_kernels.reference import sample_from_weights
 from specdec_kernels.tree import ancestor_mask
 
 
@@ -287,6 +288,39 @@ def draft_distribution(logits: torch.Tensor, sampling: SamplingParams) -> torch.
     if sampling.greedy:
         return torch.softmax(logits.float(), dim=-1)
     return sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p).float()
+
+
+def sample_tokens(probs: torch.Tensor, num_samples: int, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """``num_samples`` tokens drawn with replacement from each row of ``probs``, never one of
+    probability 0.
+
+    ``torch.multinomial`` (whose stream and results this keeps) can return a token of
+    probability 0 for some uniforms: with several samples it takes the first index whose
+    cumulative sum is >= u, so token 0 when u is exactly 0 and p(0) = 0 (with one sample it
+    takes the argmax of p over exponential draws, where a draw of 0 would make 0 / 0 a NaN).  A
+    rejection-sampling verifier accepts such a draft whenever p(x) > 0 (its test is
+    ``u q(x) < p(x)`` with q(x) = 0), which biases the output; so each such draw is redrawn
+    here by inverse-CDF sampling (``sample_from_weights``, the first index whose cumulative
+    sum exceeds u * total) with float64 uniforms from the same generator.
+
+    Args:
+        probs: Shape (V,) or (R, V), float: non-negative rows with positive sums (a drafter's
+            distributions).
+        num_samples: >= 1, per row.
+        generator: the sequence's CPU torch.Generator (None: the default one).
+
+    Returns:
+        Shape (num_samples,) or (R, num_samples), int64 on probs' device, each token with
+        probability > 0 in its row.
+    """
+    picks = torch.multinomial(probs, num_samples, replacement=True, generator=generator)
+    rows, flat = probs.reshape(-1, probs.shape[-1]), picks.view(-1, num_samples)
+    bad = ~(rows.gather(1, flat) > 0)
+    if bool(bad.any()):
+        which = bad.nonzero()[:, 0]  # the row of each bad draw, in the mask's (row-major) order
+        u = torch.rand(len(which), generator=generator, dtype=torch.float64).to(probs.device)
+        flat[bad] = sample_from_weights(rows[which], u)
+    return picks
 
 
 class NoDrafter(Drafter):

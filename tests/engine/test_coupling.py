@@ -19,7 +19,15 @@ from specdec_kernels.decoding import (
     SamplingParams,
     SpeculativeDecoder,
 )
-from specdec_kernels.decoding.coupling import GumbelCoupling, gumbel_noise, gumbel_top_k
+from specdec_kernels.decoding.coupling import (
+    UNIFORM_MAX,
+    UNIFORM_MIN,
+    GumbelCoupling,
+    gumbel_noise,
+    gumbel_top_k,
+    uniform_to_gumbel,
+)
+from specdec_kernels.decoding.draft import sample_tokens
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from tests.engine.test_eagle import random_head
 from tests.engine.tiny import PROMPTS, V, exact_marginals, ngram_friendly_prompt, tiny  # noqa: F401 (fixture)
@@ -70,6 +78,127 @@ def test_gumbel_top_k_is_distinct_and_starts_with_the_max():
     assert idx.shape == (3, 4)
     assert all(len(set(r)) == 4 for r in idx.tolist())
     assert torch.equal(idx[:, 0], (logp + noise).argmax(-1))
+
+
+# ---------------------------------------------------------------------------- the ends of the uniforms
+BELOW_ONE = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()  # the largest float32 below 1
+
+
+def test_uniform_to_gumbel_is_finite_at_the_ends():
+    """u = 0 (which torch.rand returns about once in 2**24 draws), the largest float32 below 1
+    and 1 itself give finite noise, ordered like u; every other uniform torch.rand returns
+    keeps the noise of the plain formula -log(-log(u)), bit for bit."""
+    assert UNIFORM_MAX == BELOW_ONE and UNIFORM_MIN == torch.finfo(torch.float32).tiny
+    ends = torch.tensor([0.0, UNIFORM_MIN, 2.0**-24, 0.5, BELOW_ONE, 1.0])
+    g = uniform_to_gumbel(ends)
+    assert g.dtype == torch.float32 and torch.isfinite(g).all(), g
+    assert g[0] == g[1] and g[4] == g[5] and bool((g[1:5].diff() > 0).all())
+    u = torch.rand(1_000_000, generator=torch.Generator().manual_seed(0))
+    u = u[u > 0]
+    assert torch.equal(uniform_to_gumbel(u), torch.log(-torch.log(u)).neg_())
+    with pytest.raises(TypeError, match="floating-point"):
+        uniform_to_gumbel(torch.zeros(3, dtype=torch.int64))
+
+
+def test_a_uniform_of_zero_cannot_emit_a_token_of_probability_zero():
+    """The noise of seed 12802, index 5 at V = 111 holds a uniform of exactly 0 (the issue's
+    reproduction): with a one-token nucleus at that token, argmax(log p + G) must be that
+    token; with -inf noise every score was -inf and argmax returned token 0 (p = 0).  The same
+    holds for a nucleus at any token, and for the Gumbel-top-k's first pick."""
+    noise = gumbel_noise(12802, 5, 111)
+    assert torch.isfinite(noise).all()
+    at_zero = (noise == uniform_to_gumbel(torch.zeros(1))).nonzero().flatten().tolist()
+    assert len(at_zero) == 1 and at_zero[0] != 0  # the reproduction exercises the u = 0 case
+    for j in range(111):
+        logp = torch.full((111,), -float("inf"))
+        logp[j] = 0.0
+        assert int((logp + noise).argmax()) == j
+        assert int(gumbel_top_k(logp, noise, 1)[1][0]) == j
+
+
+def test_seeded_top_k_1_sampling_emits_the_nucleus_at_a_zero_uniform(tiny):
+    """End to end: a 5-token prompt whose greedy next token is the one whose uniform is 0 at
+    seed 12802 (found among random prompts), sampled with top_k=1 under the Gumbel coupling,
+    emits that token (it emitted token 0, of probability 0, before the clamp)."""
+    _, model = tiny
+    noise = gumbel_noise(12802, 5, 111)
+    j = int((noise == uniform_to_gumbel(torch.zeros(1))).nonzero()[0, 0])
+    R, T = 2000, 5
+    ctx = torch.randint(0, V, (R, T), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(ctx, torch.arange(T).expand(R, T), model.new_kv_cache(R, T), torch.zeros(R, dtype=torch.int32))
+    hits = (logits[:, -1].argmax(-1) == j).nonzero().flatten()
+    assert len(hits) > 0, "no random prompt predicts the token; widen the search"
+    prompt = ctx[int(hits[0])].tolist()
+    sp = SamplingParams(temperature=1.0, top_k=1)
+    for drafter in (None, NgramDrafter()):
+        out = SpeculativeDecoder(model, drafter).generate([prompt], 2, 2, sampling=sp, seeds=[12802]).tokens[0]
+        assert out[0] == j, out
+
+
+def test_sample_tokens_never_returns_a_token_of_probability_zero(monkeypatch):
+    """The drafters' sampler (sample_tokens, over torch.multinomial) redraws a draw of
+    probability 0, as torch.multinomial returns for a uniform of exactly 0 (token 0 when
+    p(0) = 0): a multinomial forced to return zero-probability tokens is corrected, and the
+    draws of a sound one are kept unchanged."""
+    q = torch.zeros(40)
+    q[7], q[20], q[33] = 0.5, 0.3, 0.2
+    real = torch.multinomial
+    kept = sample_tokens(q, 500, torch.Generator().manual_seed(1))
+    assert torch.equal(kept, real(q, 500, replacement=True, generator=torch.Generator().manual_seed(1)))
+
+    def faulty(probs, num_samples, replacement=False, generator=None):
+        out = real(probs, num_samples, replacement=replacement, generator=generator)
+        out[::2] = 0  # every other draw lands on token 0, of probability 0
+        return out
+
+    monkeypatch.setattr(torch, "multinomial", faulty)
+    for n in (1, 5, 500):
+        picks = sample_tokens(q, n, torch.Generator().manual_seed(n))
+        assert picks.shape == (n,) and picks.dtype == torch.int64
+        assert bool((q[picks] > 0).all()), picks
+    rows = torch.stack([q, q.roll(3), q.flip(0)])  # (R, V): each row's draws checked against that row
+    picks = sample_tokens(rows, 7, torch.Generator().manual_seed(2))
+    assert picks.shape == (3, 7) and bool((rows.gather(1, picks) > 0).all()), picks
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: LayerSkipDrafter(m, 2, tree_widths=(3, 2)),
+        lambda m: MultiDrafter([LayerSkipDrafter(m, 1), LayerSkipDrafter(m, 2)], ensemble=True),
+    ],
+)
+def test_sampling_drafters_never_draft_a_token_of_probability_zero(tiny, monkeypatch, make):
+    """With coupling="rejection" a drafter that samples hands over q; a draft x with q(x) = 0
+    would be accepted whenever p(x) > 0 (u q(x) < p(x)), biasing the output.  With a
+    torch.multinomial that always returns token 0 (which top_k=5 leaves at probability 0 on
+    these prompts), every drafted token still has q > 0 at its parent."""
+    _, model = tiny
+    real = torch.multinomial
+
+    def faulty(probs, num_samples, replacement=False, generator=None):
+        out = real(probs, num_samples, replacement=replacement, generator=generator)
+        return torch.zeros_like(out)
+
+    monkeypatch.setattr(torch, "multinomial", faulty)
+    drafter = make(model)
+    checked = []
+    propose = drafter.propose
+
+    def checking(histories, num_draft_tokens, active):
+        draft = propose(histories, num_draft_tokens, active)
+        for b in range(draft.tokens.shape[0]):
+            for i in range(1, int(draft.num_nodes[b])):
+                row = int(draft.parents[b, i]) if not draft.is_chain else i - 1
+                assert float(draft.probs[b, row, int(draft.tokens[b, i])]) > 0, (b, i)
+                checked.append(int(draft.tokens[b, i]))
+        return draft
+
+    drafter.propose = checking
+    sp = SamplingParams(temperature=1.0, top_k=5, coupling="rejection")
+    SpeculativeDecoder(model, drafter).generate(PROMPTS, 6, 3, sampling=sp, seeds=[1, 2, 3])
+    assert checked  # drafts were made and checked
 
 
 # ---------------------------------------------------------------------------- invariance

@@ -31,7 +31,7 @@ import torch
 
 from specdec_kernels import compact_kv_cache, sampling_probs
 from specdec_kernels.decoding.coupling import gumbel_top_k
-from specdec_kernels.decoding.draft import Draft, Drafter, draft_distribution
+from specdec_kernels.decoding.draft import Draft, Drafter, draft_distribution, sample_tokens
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import PagedKVCache, length_groups
 from specdec_kernels.tree import ancestor_mask
@@ -162,7 +162,7 @@ class ModelDrafter(Drafter):
         q_cpu = q.cpu()
         for b in range(B):
             if active[b]:
-                picks[b] = torch.multinomial(q_cpu[b], width, replacement=True, generator=self.generators[b])
+                picks[b] = sample_tokens(q_cpu[b], width, self.generators[b])
         return picks, q
 
     def _feed_pending(self, histories, active) -> torch.Tensor:

@@ -60,7 +60,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specdec_kernels.decoding.coupling import gumbel_top_k
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, sample_tokens
 from specdec_kernels.tree import merge_trees
 
 #: counters kept per sub-drafter in ``DecodeStats.drafters[name]``
@@ -550,7 +550,7 @@ class MultiDrafter(Drafter):
                     noise = self.coupling.noise(b, len(histories[b]) + d - 1)
                     tokens[b, d] = int(gumbel_top_k(q[b].clamp(min=0).log(), noise, 1)[1][0])
                 else:
-                    tokens[b, d] = int(torch.multinomial(q[b], 1, generator=self.generators[b]))
+                    tokens[b, d] = int(sample_tokens(q[b], 1, self.generators[b])[0])
                     probs[b, d - 1] = q[b]
                 depth[b] = d
             if d == 1:
