@@ -65,6 +65,7 @@ from specdec_kernels.reference.compact_kv_cache import (
     _compact_kv_cache,
     _paged_compact_kv_cache,
     _physical_slots,
+    accepted_lengths,
     cache_views,
 )
 
@@ -141,8 +142,69 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
             covered += 1
 
 
-def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate=None):
-    """Validate ``compact_kv_cache``'s arguments; return (views, B, S, M, num_accepted int64)."""
+# The two counts (docs/API.md, "One count, two names"): verify's ``num_accepted`` counts the
+# accepted drafts, the root not counted; compaction fills ``num_slots = num_accepted + 1`` slots.
+NUM_ACCEPTED_MEANING = "verify's count of accepted drafts, the root not counted; it fills num_accepted + 1 slots"
+
+
+def slot_counts(accepted_indices, num_slots, num_accepted, batch: int, device, validate) -> torch.Tensor:
+    """The slots to fill per sequence, int64 [B]: ``num_slots`` (0..M), or ``num_accepted + 1``
+    (``num_accepted`` in 0..M-1, verify's count), or with neither the entries of each row
+    before its first negative one (-1 padding ends a row, as verify pads ``accepted_nodes``).
+    Ranges are checked when ``validate`` allows; no host read otherwise.
+
+    Raises:
+        ValueError: both counts given; a count out of range (with value checks).
+    """
+    M = accepted_indices.shape[1]
+    if num_accepted is not None:
+        if num_slots is not None:
+            raise ValueError(
+                "pass num_slots (the slots to fill, root included) or num_accepted (verify's count of accepted "
+                "drafts, root not counted: num_accepted + 1 slots), not both"
+            )
+        if M == 0:
+            raise ValueError(
+                f"num_accepted ({NUM_ACCEPTED_MEANING}) needs accepted_indices with at least one column (the root), "
+                f"got shape {tuple(accepted_indices.shape)}"
+            )
+        name = f"num_accepted ({NUM_ACCEPTED_MEANING}; a count of slots goes in num_slots)"
+        return check_counts(name, num_accepted, batch, M - 1, device, validate) + 1
+    if num_slots is None:
+        return accepted_lengths(accepted_indices)
+    return check_counts("num_slots", num_slots, batch, M, device, validate)
+
+
+def _check_paths(idx: torch.Tensor, n: torch.Tensor, device) -> torch.Tensor:
+    """Value checks of the accepted paths ``idx`` (int64 [B, M]) within their counts ``n``
+    (slots to fill, [B]): each index >= its position (a -1 there is padding inside the count)
+    and strictly increasing.  Returns the [B, M] mask of the counted entries."""
+    B, M = idx.shape
+    pos = torch.arange(M, device=device)[None, :]
+    counted = pos < n[:, None]
+    below = counted & (idx < pos)
+    if below.any():
+        b, i = (int(v) for v in below.nonzero()[0])
+        value, count = int(idx[b, i]), int(n[b])
+        if value < 0:
+            raise ValueError(
+                f"accepted_indices[{b}, {i}] = {value} is padding, but the count asks for {count} slots for "
+                f"sequence {b}: verify's num_accepted counts the accepted drafts, not the root; pass it as "
+                "num_accepted= (or num_slots = num_accepted + 1), or leave the count out (padding ends a row)"
+            )
+        raise ValueError(
+            f"accepted_indices[b, i] must be >= i (a token never moves to a later slot); accepted_indices[{b}, {i}] "
+            f"= {value}"
+        )
+    if M > 1 and (counted[:, 1:] & (idx[:, 1:] <= idx[:, :-1])).any():
+        raise ValueError("accepted_indices must be strictly increasing within the slots to fill")
+    return counted
+
+
+def check_compact_kv_cache_args(
+    kv_cache, cache_seqlens, accepted_indices, num_slots, validate=None, *, num_accepted=None
+):
+    """Validate ``compact_kv_cache``'s arguments; return (views, B, S, M, slots to fill int64 [B])."""
     views = cache_views(kv_cache)
     if not views:
         raise ValueError("kv_cache must hold at least one layer")
@@ -160,14 +222,10 @@ def check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_a
     if accepted_indices.shape[0] != B:
         raise ValueError(f"accepted_indices must have shape ({B}, M), got {tuple(accepted_indices.shape)}")
     M = accepted_indices.shape[1]
-    n = check_counts("num_accepted", num_accepted, B, M, device, validate)
+    n = slot_counts(accepted_indices, num_slots, num_accepted, B, device, validate)
     if want_value_checks(validate, accepted_indices, cache_seqlens) and B and M:
         idx = accepted_indices.to(torch.int64)
-        counted = torch.arange(M, device=device)[None, :] < n[:, None]
-        if (counted & (idx < torch.arange(M, device=device)[None, :])).any():
-            raise ValueError("accepted_indices[b, i] must be >= i (a token never moves to a later slot)")
-        if M > 1 and (counted[:, 1:] & (idx[:, 1:] <= idx[:, :-1])).any():
-            raise ValueError("accepted_indices must be strictly increasing within num_accepted")
+        counted = _check_paths(idx, n, device)
         slot = cache_seqlens.to(torch.int64)[:, None] + idx
         if (counted & ((slot >= S) | (cache_seqlens[:, None] < 0))).any():
             raise ValueError(f"cache_seqlens + accepted_indices must be below the capacity S={S}")
@@ -224,10 +282,18 @@ def _check_paged_sharing(cache_seqlens, idx, counted, block_table, block_size) -
 
 
 def check_paged_compact_kv_cache_args(
-    kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", validate=None
+    kv_cache,
+    cache_seqlens,
+    accepted_indices,
+    num_slots,
+    block_table,
+    kv_layout="NHD",
+    validate=None,
+    *,
+    num_accepted=None,
 ):
     """Validate the paged ``compact_kv_cache``'s arguments; return (views, B, block_size, M,
-    num_accepted int64), views being the 4-D per-layer pools in ``kv_layout``."""
+    slots to fill int64 [B]), views being the 4-D per-layer pools in ``kv_layout``."""
     kv_layout = check_kv_layout(kv_layout)
     views = cache_views(kv_cache, PAGED_LAYOUTS[kv_layout])
     if not views:
@@ -251,15 +317,11 @@ def check_paged_compact_kv_cache_args(
     if block_table.shape[0] != B:
         raise ValueError(f"block_table must have shape ({B}, max_blocks_per_seq), got {tuple(block_table.shape)}")
     M = accepted_indices.shape[1]
-    n = check_counts("num_accepted", num_accepted, B, M, device, validate)
+    n = slot_counts(accepted_indices, num_slots, num_accepted, B, device, validate)
     if want_value_checks(validate, accepted_indices, cache_seqlens, block_table) and B and M:
         idx = accepted_indices.to(torch.int64)
         pos = torch.arange(M, device=device)[None, :]
-        counted = pos < n[:, None]
-        if (counted & (idx < pos)).any():
-            raise ValueError("accepted_indices[b, i] must be >= i (a token never moves to a later slot)")
-        if M > 1 and (counted[:, 1:] & (idx[:, 1:] <= idx[:, :-1])).any():
-            raise ValueError("accepted_indices must be strictly increasing within num_accepted")
+        counted = _check_paths(idx, n, device)
         start = cache_seqlens.to(torch.int64)[:, None]
         if (counted & (start < 0)).any():
             raise ValueError("cache_seqlens must be >= 0")
@@ -300,12 +362,12 @@ def _op_caches(kv_cache, views) -> List[torch.Tensor]:
     return list(views)
 
 
-def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_accepted, extra, backend):
+def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
     """The kernel of both registered ops (dense: ``extra`` is (), paged: (block_table,
     kv_layout)): their shape checks, then the native op ``<op_name>_native`` (value checks
     are the front's, ``validate=``) or the reference."""
     kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, *extra, validate=False)
+    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_slots, *extra, validate=False)
     if _backend.resolve(op_name, views[0].device, backend or None, IMPLEMENTED) == "native":
         # One [L, 2, ...] buffer goes over whole (the kernels read its strides); otherwise the 4-D views.
         native_op = getattr(torch.ops.specdec, f"{op_name}_native")
@@ -314,12 +376,11 @@ def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices
         reference(views, cache_seqlens, accepted_indices, n, *extra)
 
 
-def _fake_checks(check_args, native_fake, caches, cache_seqlens, accepted_indices, num_accepted, extra, backend):
+def _fake_checks(check_args, native_fake, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
     """The fake kernel of both registered ops: shape checks only (they write in place)."""
     kv_cache = _as_kv_cache(caches)
-    views = check_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, *extra, validate=False)[0]
+    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_slots, *extra, validate=False)
     _library.check_backend_name(backend)
-    n = num_accepted if num_accepted is not None else cache_seqlens
     return native_fake(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra)
 
 
@@ -327,15 +388,15 @@ def _impl(
     caches: List[torch.Tensor],
     cache_seqlens: torch.Tensor,
     accepted_indices: torch.Tensor,
-    num_accepted: Optional[torch.Tensor] = None,
+    num_slots: Optional[torch.Tensor] = None,
     backend: str = "",
 ) -> None:
-    args = (caches, cache_seqlens, accepted_indices, num_accepted, (), backend)
+    args = (caches, cache_seqlens, accepted_indices, num_slots, (), backend)
     _run("compact_kv_cache", check_compact_kv_cache_args, _compact_kv_cache, *args)
 
 
-def _fake(caches, cache_seqlens, accepted_indices, num_accepted=None, backend=""):
-    args = (caches, cache_seqlens, accepted_indices, num_accepted, (), backend)
+def _fake(caches, cache_seqlens, accepted_indices, num_slots=None, backend=""):
+    args = (caches, cache_seqlens, accepted_indices, num_slots, (), backend)
     return _fake_checks(check_compact_kv_cache_args, _native._compact_kv_cache_native_fake, *args)
 
 
@@ -346,21 +407,21 @@ def _paged_impl(
     caches: List[torch.Tensor],
     cache_seqlens: torch.Tensor,
     accepted_indices: torch.Tensor,
-    num_accepted: Optional[torch.Tensor],
+    num_slots: Optional[torch.Tensor],
     block_table: torch.Tensor,
     kv_layout: str = "NHD",
     backend: str = "",
 ) -> None:
-    args = (caches, cache_seqlens, accepted_indices, num_accepted, (block_table, kv_layout), backend)
+    args = (caches, cache_seqlens, accepted_indices, num_slots, (block_table, kv_layout), backend)
     _run("paged_compact_kv_cache", check_paged_compact_kv_cache_args, _paged_reference, *args)
 
 
-def _paged_reference(views, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout):
-    _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, num_accepted, block_table)
+def _paged_reference(views, cache_seqlens, accepted_indices, num_slots, block_table, kv_layout):
+    _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, num_slots, block_table)
 
 
-def _paged_fake(caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", backend=""):
-    args = (caches, cache_seqlens, accepted_indices, num_accepted, (block_table, kv_layout), backend)
+def _paged_fake(caches, cache_seqlens, accepted_indices, num_slots, block_table, kv_layout="NHD", backend=""):
+    args = (caches, cache_seqlens, accepted_indices, num_slots, (block_table, kv_layout), backend)
     return _fake_checks(check_paged_compact_kv_cache_args, _native._paged_compact_kv_cache_native_fake, *args)
 
 
@@ -371,8 +432,9 @@ def compact_kv_cache(
     kv_cache: KVCache,
     cache_seqlens: torch.Tensor,
     accepted_indices: torch.Tensor,
-    num_accepted: Optional[torch.Tensor] = None,
+    num_slots: Optional[torch.Tensor] = None,
     *,
+    num_accepted: Optional[torch.Tensor] = None,
     block_table: Optional[torch.Tensor] = None,
     kv_layout: str = "NHD",
     backend: Optional[str] = None,
@@ -382,10 +444,28 @@ def compact_kv_cache(
 
     After tree (or chain) verification the accepted nodes' K/V sit at scattered slots
     cache_seqlens[b] + accepted_indices[b, i]; they must become contiguous after the prefix.
-    For every layer, K and V, head and i < num_accepted[b]: slot cache_seqlens[b] + i receives
-    slot cache_seqlens[b] + accepted_indices[b, i].  Nothing else changes.  (The KV "path
-    compaction" step of SpecInfer / Medusa / EAGLE implementations; TensorRT-LLM's
-    ``updateKVCacheDraftTokenLocation`` for linear and block caches.)
+    For every layer, K and V, head and i < n_b (the slots to fill, below): slot
+    cache_seqlens[b] + i receives slot cache_seqlens[b] + accepted_indices[b, i].  Nothing
+    else changes.  (The KV "path compaction" step of SpecInfer / Medusa / EAGLE
+    implementations; TensorRT-LLM's ``updateKVCacheDraftTokenLocation`` for linear and block
+    caches.)
+
+    Verify's outputs go in as they come: ``accepted_nodes`` of ``verify_tree_greedy`` /
+    ``tree_rejection_sample`` as ``accepted_indices`` (root first, then -1 padding), and
+    their ``num_accepted`` as ``num_accepted=`` or not at all::
+
+        out, accepted_nodes, num_accepted = verify_tree_greedy(logits, tokens, parents)
+        compact_kv_cache(kv, cache_seqlens, accepted_nodes, num_accepted=num_accepted)
+        cache_seqlens += num_accepted + 1          # the root and the accepted drafts
+
+    The slots to fill, n_b, come from one of (docs/API.md, "One count, two names"):
+
+    - ``num_accepted`` (keyword only): verify's count, the accepted DRAFTS with the root not
+      counted: n_b = num_accepted[b] + 1.
+    - ``num_slots``: the slots themselves, root included (num_accepted + 1); the 4th
+      positional argument (named ``num_accepted`` before: positional calls keep working).
+    - neither: each row's entries before its first negative one (-1 padding ends a row; all
+      M entries when it has none).
 
     Paged caches (``block_table`` given; vLLM / FlashInfer / TensorRT-LLM block pools): the
     slots above are LOGICAL; logical slot s of sequence b is row s % block_size of physical
@@ -405,12 +485,16 @@ def compact_kv_cache(
             (2, num_blocks, block_size, kv_heads, head_dim)), or a sequence of such tensors
             (vLLM's ``kv_caches``, one per layer).  Any dtype; any strides (a
             (num_blocks, 2, ...) allocation goes in as ``t.transpose(0, 1)``).  Modified in place.
-        cache_seqlens: Shape (batch,), int32/int64: committed tokens before the new block.
+        cache_seqlens: Shape (batch,), int32/int64: committed tokens before the new block
+            (the root, node 0, sits at slot cache_seqlens[b], as in ``tree_attention``).
         accepted_indices: Shape (batch, M), int32/int64: node indices of the accepted path
-            relative to cache_seqlens[b], strictly increasing, accepted_indices[b, i] >= i,
-            cache_seqlens[b] + index < S (paged: < max_blocks_per_seq * block_size).  Entries
-            at or past num_accepted[b] are ignored.
-        num_accepted: Shape (batch,), int in 0..M: how many slots to fill.
+            relative to cache_seqlens[b] (root first), strictly increasing,
+            accepted_indices[b, i] >= i, cache_seqlens[b] + index < S (paged: <
+            max_blocks_per_seq * block_size), within the n_b slots to fill; entries past them
+            are ignored whatever they hold (-1 padding).
+        num_slots: None or Shape (batch,), int in 0..M: the slots to fill, root included.
+        num_accepted: None or Shape (batch,), int in 0..M-1: verify's count of accepted
+            drafts (root not counted); fills num_accepted + 1 slots.  Not with num_slots.
         block_table: None (dense cache) or Shape (batch, max_blocks_per_seq), int32 (or
             int64): the physical block of each logical block of each sequence; entries outside
             [0, num_blocks) are allowed where the compaction reads or writes nothing.
@@ -419,31 +503,44 @@ def compact_kv_cache(
             (batch, kv_heads, S, head_dim)), checked always.  Any block size >= 1.
 
     Returns:
-        None; ``kv_cache`` is modified in place.
+        None; ``kv_cache`` is modified in place.  The caller then advances cache_seqlens by
+        the slots filled (num_accepted + 1).
 
     Raises:
         TypeError: not tensors, wrong dtypes, mixed cache dtypes, kv_layout not a str.
         ValueError: wrong ranks or shapes, layers of different shapes or devices, kv_layout
-            not "NHD"/"HND"; with the value checks (on CPU by default): indices not
-            increasing, index below its own position, slot >= S (paged: beyond the block
-            table), a block id outside the pool, two sequences (or two logical slots) sharing
-            a physical slot that the compaction writes (paged).
+            not "NHD"/"HND", both num_slots and num_accepted; with the value checks (on CPU
+            by default): a count out of range, -1 padding inside the slots to fill (the
+            message says which count to pass), indices not increasing, index below its own
+            position, slot >= S (paged: beyond the block table), a block id outside the pool,
+            two sequences (or two logical slots) sharing a physical slot that the compaction
+            writes (paged).
 
     Registered as ``torch.ops.specdec.compact_kv_cache`` (dense) and
-    ``torch.ops.specdec.paged_compact_kv_cache`` (with ``block_table``). backend: None
-    (automatic, chosen once per process and device type), "reference" or "native". validate:
-    None (value checks on CPU tensors only), True or False (docs/API.md#backends).
+    ``torch.ops.specdec.paged_compact_kv_cache`` (with ``block_table``), which take the slot
+    count ``num_slots`` (None: the padding rule above). backend: None (automatic, chosen
+    once per process and device type), "reference" or "native". validate: None (value checks
+    on CPU tensors only), True or False (docs/API.md#backends).
     """
     check_kv_layout(kv_layout)
     if block_table is not None:
         views, _, _, _, n = check_paged_compact_kv_cache_args(
-            kv_cache, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout, validate
+            kv_cache,
+            cache_seqlens,
+            accepted_indices,
+            num_slots,
+            block_table,
+            kv_layout,
+            validate,
+            num_accepted=num_accepted,
         )
         torch.ops.specdec.paged_compact_kv_cache(
             _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, block_table, kv_layout, backend or ""
         )
         return
-    views, _, _, _, n = check_compact_kv_cache_args(kv_cache, cache_seqlens, accepted_indices, num_accepted, validate)
+    views, _, _, _, n = check_compact_kv_cache_args(
+        kv_cache, cache_seqlens, accepted_indices, num_slots, validate, num_accepted=num_accepted
+    )
     torch.ops.specdec.compact_kv_cache(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, backend or "")
 
 

@@ -123,7 +123,9 @@ def tree_rejection_sample(
     Returns:
         output_tokens: Shape (batch, N), int64: accepted drafts, the sampled token, then -1.
         accepted_nodes: Shape (batch, N), int64: the accepted path from node 0, then -1.
-        num_accepted: Shape (batch,), int64: accepted drafts (root not counted).
+        num_accepted: Shape (batch,), int64: accepted drafts (root not counted); both go to
+            ``compact_kv_cache(kv, cache_seqlens, accepted_nodes, num_accepted=num_accepted)``
+            as they are (it fills num_accepted + 1 slots).
 
     Raises:
         TypeError: wrong dtype or generator type.

@@ -91,7 +91,10 @@ def verify_tree_greedy(
             last accepted node, then -1.
         accepted_nodes: Shape (batch, N), int64: node indices of the accepted path, starting
             with 0 (the root), then -1.
-        num_accepted: Shape (batch,), int64: accepted drafts (the root not counted).
+        num_accepted: Shape (batch,), int64: accepted drafts (the root not counted); the
+            sequence keeps num_accepted + 1 cache slots.  Both go to ``compact_kv_cache`` as
+            they are: ``compact_kv_cache(kv, cache_seqlens, accepted_nodes,
+            num_accepted=num_accepted)``.
 
     Raises:
         TypeError: wrong dtype or not a tensor.

@@ -87,6 +87,15 @@ def cache_views(kv_cache: KVCache, layout: str = DENSE_LAYOUT) -> Sequence[torch
     return flat
 
 
+def accepted_lengths(accepted_indices: torch.Tensor) -> torch.Tensor:
+    """Per row of ``accepted_indices`` (B, M) the entries before its first negative one (M
+    when it has none): the slots to fill of verify's -1-padded ``accepted_nodes``
+    (num_accepted + 1).  int64 (B,), on the input's device, no host read."""
+    negative = accepted_indices < 0
+    first = negative.to(torch.int32).argmax(dim=1).to(torch.int64)
+    return torch.where(negative.any(dim=1), first, accepted_indices.shape[1])
+
+
 def _compact_kv_cache(views, cache_seqlens, accepted_indices, num_accepted) -> None:
     if cache_seqlens.device.type == "meta":  # shapes only, no data: nothing to move
         return
@@ -169,8 +178,9 @@ def compact_kv_cache(
     kv_cache: KVCache,
     cache_seqlens: torch.Tensor,
     accepted_indices: torch.Tensor,
-    num_accepted: torch.Tensor,
+    num_slots: Optional[torch.Tensor] = None,
     *,
+    num_accepted: Optional[torch.Tensor] = None,
     block_table: Optional[torch.Tensor] = None,
     kv_layout: str = "NHD",
 ) -> None:
@@ -179,13 +189,22 @@ def compact_kv_cache(
     ``updateKVCacheDraftTokenLocation``), dense or paged, in place.
 
     Same arguments and effect as the op, whose docstring has them (without ``backend`` and
-    ``validate``); no argument checks beyond the cache's form
+    ``validate``): ``num_slots`` the slots to fill (root included), or ``num_accepted``
+    verify's count of accepted drafts (num_accepted + 1 slots), or neither (a row ends at
+    its first -1).  No argument checks beyond the cache's form
     (``compact_kv_cache(..., backend="reference")`` runs this with the op's checks).
+
+    Raises:
+        ValueError: both num_slots and num_accepted given; a cache of the wrong form.
     """
-    M = accepted_indices.shape[1]
-    if num_accepted is None:
-        num_accepted = torch.full((accepted_indices.shape[0],), M, dtype=torch.int64, device=accepted_indices.device)
-    n = num_accepted.to(torch.int64)
+    if num_accepted is not None:
+        if num_slots is not None:
+            raise ValueError("pass num_slots (slots to fill) or num_accepted (verify's count), not both")
+        n = num_accepted.to(torch.int64) + 1
+    elif num_slots is None:
+        n = accepted_lengths(accepted_indices)
+    else:
+        n = num_slots.to(torch.int64)
     if block_table is not None:
         views = cache_views(kv_cache, PAGED_LAYOUTS[kv_layout])
         _paged_compact_kv_cache(views, kv_layout, cache_seqlens, accepted_indices, n, block_table)

@@ -431,7 +431,7 @@ def good_args(device):
         kv_cache=torch.zeros(2, 2, 1, 2, 8, 4, device=device),
         cache_seqlens=torch.tensor([3], device=device),
         accepted_indices=torch.tensor([[0, 2]], device=device),
-        num_accepted=torch.tensor([2], device=device),
+        num_slots=torch.tensor([2], device=device),
     )
 
 

@@ -109,12 +109,12 @@ _SHARED = torch.zeros(1, 1, 8, 4)
 BAD = {
     "not_increasing": (dict(accepted_indices=torch.tensor([[2, 2]])), ValueError, "increasing"),
     "index_below_position": (
-        dict(accepted_indices=torch.tensor([[0, 0]]), num_accepted=torch.tensor([2])),
+        dict(accepted_indices=torch.tensor([[0, 0]]), num_slots=torch.tensor([2])),
         ValueError,
         ">= i",
     ),
     "index_beyond_capacity": (dict(accepted_indices=torch.tensor([[0, 9]])), ValueError, "capacity"),
-    "count_range": (dict(num_accepted=torch.tensor([3])), ValueError, "num_accepted"),
+    "count_range": (dict(num_slots=torch.tensor([3])), ValueError, "num_slots must lie in 0..2"),
     "seqlens_shape": (dict(cache_seqlens=torch.tensor([1, 2])), ValueError, "cache_seqlens"),
     "indices_dtype": (dict(accepted_indices=torch.tensor([[0.0, 1.0]])), TypeError, "accepted_indices"),
     "layer_shapes": (dict(kv_cache=[torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 9, 4)]), ValueError, "kv_cache[1]"),
@@ -142,7 +142,7 @@ def test_bad_input(fn, case):
         kv_cache=torch.zeros(1, 2, 1, 1, 8, 4),
         cache_seqlens=torch.tensor([3]),
         accepted_indices=torch.tensor([[0, 2]]),
-        num_accepted=torch.tensor([2]),
+        num_slots=torch.tensor([2]),
     )
     override, err, name = BAD[case]
     args.update(override)

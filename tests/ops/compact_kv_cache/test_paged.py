@@ -528,7 +528,7 @@ def good_args(**override):
         kv_cache=torch.zeros(2, 2, 6, 4, 2, 3),
         cache_seqlens=torch.tensor([3, 1]),
         accepted_indices=torch.tensor([[0, 2], [1, 3]]),
-        num_accepted=torch.tensor([2, 2]),
+        num_slots=torch.tensor([2, 2]),
         block_table=torch.tensor([[0, 1, -1], [2, 3, -1]], dtype=torch.int32),
         kv_layout="NHD",
     )
@@ -575,7 +575,7 @@ BAD = {
     ),
     "not_increasing": (dict(accepted_indices=torch.tensor([[2, 2], [1, 3]])), ValueError, "strictly increasing"),
     "below_position": (dict(accepted_indices=torch.tensor([[0, 0], [1, 3]])), ValueError, ">= i"),
-    "count_range": (dict(num_accepted=torch.tensor([3, 0])), ValueError, "num_accepted"),
+    "count_range": (dict(num_slots=torch.tensor([3, 0])), ValueError, "num_slots must lie in 0..2"),
     "negative_seqlen": (dict(cache_seqlens=torch.tensor([-1, 1])), ValueError, "cache_seqlens must be >= 0"),
     "beyond_table": (dict(cache_seqlens=torch.tensor([10, 1])), ValueError, "capacity of the block table"),
     "block_minus_one": (
@@ -651,6 +651,7 @@ NATIVE_MESSAGE = {  # the C++ wording where it differs from the Python front's
     "layer_shapes": "caches[1] must end in",
     "layer_dtypes": "caches[1] must have the dtype",
     "aliasing_layers": "must not alias",
+    "count_range": "num_accepted must lie in 0..2",  # the native op's name of the slot count
 }
 
 
@@ -670,7 +671,7 @@ def test_native_op_rejects_bad_input_with_validate(device, case):
             caches,
             to(args["cache_seqlens"]),
             to(args["accepted_indices"]),
-            to(args["num_accepted"]),
+            to(args["num_slots"]),
             to(args["block_table"]),
             args["kv_layout"],
             True,
@@ -808,16 +809,17 @@ def test_cuda_rejects_strided_head_dim():
 
 @pytest.mark.requires_cuda
 @native
-@pytest.mark.parametrize("where", ["cache_seqlens", "accepted_indices", "num_accepted", "block_table"])
+@pytest.mark.parametrize("where", ["cache_seqlens", "accepted_indices", "num_slots", "block_table"])
 def test_cuda_rejects_index_tensors_on_another_device(where):
     args = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in good_args().items()}
     args[where] = args[where].cpu()
-    with pytest.raises(ValueError, match=f"{where} must be on cuda"):
+    name = {"num_slots": "num_accepted"}.get(where, where)  # the native op's name of the slot count
+    with pytest.raises(ValueError, match=f"{name} must be on cuda"):
         torch.ops.specdec.paged_compact_kv_cache_native(
             [args["kv_cache"]],
             args["cache_seqlens"],
             args["accepted_indices"],
-            args["num_accepted"],
+            args["num_slots"],
             args["block_table"],
             "NHD",
             False,
