@@ -1,6 +1,7 @@
 """Speculative decoding on a real model: a Llama-family forward over a static KV cache,
-drafters (n-gram / prompt lookup, layer-skip self-drafting, a separate draft model), chain
-and tree verification, statistics.  The CLI is ``python -m specdec_kernels.generate``.
+drafters (n-gram / prompt lookup, layer-skip self-drafting, a separate draft model, Medusa
+and EAGLE heads with their loaders, lookahead, several merged: every shipped drafter imports
+from here), chain and tree verification, statistics.  The CLI is ``python -m specdec_kernels.generate``.
 
 Quick start::
 
@@ -16,6 +17,8 @@ Quick start::
 """
 
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
+from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head
+from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
 from specdec_kernels.decoding.drafters.medusa import MedusaDrafter, MedusaHeads, load_medusa_heads
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter, LayerSkipDrafter, ModelDrafter
 from specdec_kernels.decoding.drafters.multi import MultiDrafter
@@ -36,12 +39,16 @@ from specdec_kernels.decoding.model import ModelArgs, Transformer
 __all__ = [
     "CostModelPolicy",
     "DraftLengthPolicy",
+    "EagleDrafter",
+    "EagleHead",
+    "LookaheadDrafter",
     "FixedPolicy",
     "HeuristicPolicy",
     "MedusaDrafter",
     "MedusaHeads",
     "MultiDrafter",
     "default_policy",
+    "load_eagle_head",
     "load_medusa_heads",
     "typical_acceptance",
     "DecodeState",
