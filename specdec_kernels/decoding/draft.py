@@ -92,9 +92,10 @@ class Draft:
     """Token trees for a batch, padded to N nodes.
 
     Attributes:
-        tokens: (B, N) int64; tokens[b, 0] is the root (last committed token); entries at or
-            past num_nodes[b] are padding (0).
-        parents: (B, N) int64 parent lists (parents[b, 0] = -1, 0 <= parents[b, i] < i); a
+        tokens: (B, N) int64 (int32 is taken too; the engine refuses other dtypes, which the
+            embedding cannot index with); tokens[b, 0] is the root (last committed token);
+            entries at or past num_nodes[b] are padding (0).
+        parents: (B, N) int64 (or int32) parent lists (parents[b, 0] = -1, 0 <= parents[b, i] < i); a
             padding node's parent is 0.
         num_nodes: (B,) int64 in 1..N: the root plus the sequence's draft tokens.
         probs: (B, N, V) float32 or None.  Row i is the distribution node i's children were

@@ -329,6 +329,29 @@ BAD_DRAFTS = {
         TypeError,
         "integers",
     ),
+    # the embedding takes int64 / int32 ids only: other integer dtypes are named where drafts
+    # enter the loop, not left to fail inside the embedding with an unnamed RuntimeError
+    **{
+        f"{dtype}_tokens".replace("torch.", ""): (
+            lambda hs, dtype=dtype: Draft(
+                torch.tensor([[h[-1], 3] for h in hs], dtype=dtype),
+                torch.tensor([[-1, 0]] * len(hs)),
+                torch.full((len(hs),), 2),
+            ),
+            TypeError,
+            rf"Draft\.tokens must be int64 or int32 .*got {dtype}",
+        )
+        for dtype in (torch.uint8, torch.int8, torch.int16)
+    },
+    "int8_parents": (
+        lambda hs: Draft(
+            torch.tensor([[h[-1], 3] for h in hs]),
+            torch.tensor([[-1, 0]] * len(hs), dtype=torch.int8),
+            torch.full((len(hs),), 2),
+        ),
+        TypeError,
+        r"Draft\.parents must be int64 or int32 .*got torch\.int8",
+    ),
     "one_d_parents": (
         lambda hs: Draft(torch.tensor([[h[-1], 3] for h in hs]), torch.tensor([-1, 0]), torch.full((len(hs),), 2)),
         ValueError,
@@ -369,6 +392,30 @@ def test_a_broken_drafter_is_named_not_obeyed(tiny, case):
     with pytest.raises(err, match=match) as info:
         decoder.generate(PROMPTS[:2], 4, num_draft_tokens=1)
     assert "scripted" in str(info.value)
+
+
+def test_int32_drafts_are_taken_like_int64(tiny):
+    """int32 tokens and parents (the other dtype the embedding takes) give the output of the
+    same drafts in int64."""
+    _, model = tiny
+
+    def make(dtype):
+        return lambda hs: Draft(
+            torch.tensor([[h[-1], 3, 4] for h in hs], dtype=dtype),
+            torch.tensor([[-1, 0, 0]] * len(hs), dtype=dtype),
+            torch.full((len(hs),), 3, dtype=dtype),
+            None,
+            False,
+        )
+
+    out = {
+        dtype: SpeculativeDecoder(model, ScriptedDrafter(make(dtype)))
+        .generate(PROMPTS[:2], 4, num_draft_tokens=2)
+        .tokens
+        for dtype in (torch.int32, torch.int64)
+    }
+    assert out[torch.int32] == out[torch.int64]
+    assert out[torch.int64] == SpeculativeDecoder(model, None).generate(PROMPTS[:2], 4).tokens
 
 
 BAD_ARGUMENTS = {

@@ -44,7 +44,7 @@ from specdec_kernels import (
     verify_greedy,
     verify_tree_greedy,
 )
-from specdec_kernels.checks import as_int, as_int_list, as_real, layer_indices
+from specdec_kernels.checks import INDEX_DTYPES, as_int, as_int_list, as_real, layer_indices
 from specdec_kernels.decoding.coupling import GumbelCoupling
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.engine.adaptive import (
@@ -810,7 +810,15 @@ class SpeculativeDecoder:
         """A drafter's proposal, checked before the target sees it (a custom drafter's bug
         should name the drafter, not surface as an embedding index error or a wrong output):
         a ``Draft`` with one row per sequence, at least the root, the root equal to the last
-        committed token of every running sequence, draft tokens inside the vocabulary."""
+        committed token of every running sequence, draft tokens inside the vocabulary.
+
+        Raises:
+            TypeError: not a ``Draft``; tokens or parents not int64 / int32 (the dtypes the
+                embedding and the verifiers index with: uint8, int8, int16, float and bool
+                are refused here, naming the drafter, instead of failing inside the
+                embedding), num_nodes not integers.
+            ValueError: shapes, counts, parents, roots or token ids that do not fit.
+        """
         name = getattr(self.drafter, "name", type(self.drafter).__name__)
         if not isinstance(draft, Draft):
             raise TypeError(f"drafter {name!r}: propose must return a Draft, got {type(draft).__name__}")
@@ -821,6 +829,11 @@ class SpeculativeDecoder:
                 raise TypeError(f"drafter {name!r}: Draft.{part} must be a tensor, got {type(t).__name__}")
             if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
                 raise TypeError(f"drafter {name!r}: Draft.{part} must hold integers (int64), got {t.dtype}")
+            if part != "num_nodes" and t.dtype not in INDEX_DTYPES:
+                raise TypeError(
+                    f"drafter {name!r}: Draft.{part} must be int64 or int32 (the dtypes the embedding and "
+                    f"the verifiers index with), got {t.dtype}; build it with dtype=torch.int64 or call .long()"
+                )
         if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or draft.num_nodes.shape != (B,):
             raise ValueError(
                 f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
@@ -961,7 +974,9 @@ class SpeculativeDecoder:
     @staticmethod
     def _uniforms(state: DecodeState, num_nodes: List[int], n: int):
         """Each sequence draws its own coins (one per draft node) then its sample uniform from
-        its own generator, so its tokens do not depend on the rest of the batch."""
+        its own generator, so its tokens do not depend on the rest of the batch.  Any value in
+        [0, 1) is safe, 0 included: the accept test ``u q(x) < p(x)`` never accepts p(x) = 0,
+        and the inverse-CDF sample takes the first token whose CDF exceeds u * total."""
         B = state.batch_size
         coins = torch.zeros(B, n - 1)
         finals = torch.zeros(B)
