@@ -268,7 +268,44 @@ def check_tree(rows_name: str, tree_tokens, tree_parents, batch: int, num_nodes:
 
 
 def check_probs(name: str, t, ndim: int, device=None) -> torch.Tensor:
+    """A probability tensor's form: float32/float16/bfloat16 of rank ``ndim`` on ``device``
+    (its values: ``check_probability_values``)."""
     return check_tensor(name, t, ndim=ndim, dtypes=FLOAT_DTYPES, device=device)
+
+
+def check_probability_values(
+    name: str, t: torch.Tensor, validate: Optional[bool], used_rows: Optional[torch.Tensor] = None
+) -> None:
+    """With ``validate=True`` only: every entry of the rows of ``t`` (..., V) that the op uses
+    is a probability weight, finite and >= 0 (rows need not sum to 1).  Raw logits (negative
+    entries), NaN and infinities are refused.  With ``validate`` None or False nothing is read
+    (a scan of every row would grow the default path's host cost; the ops' NaN handling,
+    e.g. ``RejectionSampleDetails.valid``, covers unchecked calls).
+
+    Args:
+        name: the argument's name, for the message.
+        t: float tensor (..., V).
+        validate: the op's ``validate``; only True checks.
+        used_rows: bool (...) mask of the rows the op reads (None: all); entries of the other
+            rows (padding past a count) are ignored whatever they hold.
+
+    Raises:
+        ValueError: naming the argument, the first bad entry's index and value, and its kind.
+    """
+    if not validate or t.numel() == 0:
+        return
+    bad = ~((t >= 0) & (t < math.inf))  # NaN fails both comparisons
+    if used_rows is not None:
+        bad &= used_rows[..., None]
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        value = float(t[index])
+        kind = "NaN" if value != value else ("infinite" if value in (math.inf, -math.inf) else "negative")
+        where = ", ".join(str(i) for i in index)
+        raise ValueError(
+            f"{name} must hold probabilities (finite and >= 0; checked with validate=True), got "
+            f"{name}[{where}] = {value} ({kind}); logits go through sampling_probs (or a softmax) first"
+        )
 
 
 # The largest float32 below 1: a float64 uniform just below 1 rounds to 1.0 in float32.

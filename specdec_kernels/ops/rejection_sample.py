@@ -17,6 +17,7 @@ import torch
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_chain_args
 from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
+from specdec_kernels.checks import check_probability_values
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -82,8 +83,15 @@ def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens,
 
 
 def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=None):
-    """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64)."""
-    return check_chain_args("target_probs", target_probs, draft_tokens, num_draft_tokens, validate, draft_probs)
+    """Validate the arguments of ``rejection_sample``; return (B, K, V, num_draft_tokens int64).
+    With ``validate=True`` also the probabilities of the rows each sequence uses."""
+    B, K, V, n = check_chain_args("target_probs", target_probs, draft_tokens, num_draft_tokens, validate, draft_probs)
+    if validate:  # a scan of B * (K + 1) * V values: only when asked for
+        j = torch.arange(K + 1, device=target_probs.device)[None, :]
+        check_probability_values("target_probs", target_probs, validate, j <= n[:, None])
+        if draft_probs is not None:
+            check_probability_values("draft_probs", draft_probs, validate, j[:, :K] < n[:, None])
+    return B, K, V, n
 
 
 def _impl(
@@ -175,7 +183,10 @@ def rejection_sample(
     Raises:
         TypeError: wrong dtype, generator of the wrong type.
         ValueError: wrong rank, mismatched shapes or devices, num_draft_tokens outside 0..K,
-            uniforms of the wrong shape or outside [0, 1).
+            uniforms of the wrong shape or outside [0, 1); with validate=True, a negative,
+            NaN or infinite entry in a used row (target rows 0..num_draft_tokens, draft rows
+            below it) of target_probs or draft_probs (raw logits are not probabilities; not
+            checked otherwise).
 
     Registered as ``torch.ops.specdec.rejection_sample``. backend: None (automatic, chosen once
     per process and device type), "reference", "native" or "triton". validate: None (value

@@ -19,7 +19,7 @@ import torch
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._flattened import FlatBatch, check_sampling_flattened_args, positions, take
 from specdec_kernels._random import GeneratorArg, RandomSource
-from specdec_kernels.checks import check_uniforms
+from specdec_kernels.checks import check_probability_values, check_uniforms
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
 from specdec_kernels.reference.rejection_sample import accept_tests
 from specdec_kernels.reference.rejection_sample_flattened import _rejection_sample_flattened, flattened_uniforms
@@ -57,10 +57,15 @@ def check_rejection_sample_flattened_args(
     target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=None
 ) -> FlatBatch:
     """Validate the arguments of ``rejection_sample_flattened`` but the random numbers; return
-    their ``FlatBatch``."""
-    return check_sampling_flattened_args(
+    their ``FlatBatch``.  With ``validate=True`` also the probabilities (every flat row is some
+    request's once ``cu_num_draft_tokens`` is checked)."""
+    flat = check_sampling_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
+    check_probability_values("target_probs", target_probs, validate)
+    if draft_probs is not None:
+        check_probability_values("draft_probs", draft_probs, validate)
+    return flat
 
 
 def _op_uniforms(flat: FlatBatch, uniform_samples, sample_uniforms, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +188,9 @@ def rejection_sample_flattened(
         ValueError: wrong ranks; target_probs without T + B rows (or T with
             bonus_token_ids); draft_probs not (T, vocab); uniforms of the wrong shape; with
             value checks, cu_num_draft_tokens negative, decreasing or not ending at T,
-            max_spec_len below the largest draft count, uniforms outside [0, 1).
+            max_spec_len below the largest draft count, uniforms outside [0, 1); with
+            validate=True, a negative, NaN or infinite entry of target_probs or draft_probs
+            (raw logits are not probabilities; not checked otherwise).
 
     Registered as ``torch.ops.specdec.rejection_sample_flattened``. backend: None (automatic,
     chosen once per process and device type), "reference", "native" or "triton". validate: None

@@ -18,6 +18,7 @@ import torch
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_tree_args
 from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
+from specdec_kernels.checks import check_probability_values
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -25,8 +26,17 @@ OP = "tree_rejection_sample"
 
 
 def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=None):
-    """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    return check_tree_args("target_probs", target_probs, tree_tokens, tree_parents, num_nodes, validate, draft_probs)
+    """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B]).
+    With ``validate=True`` also the probabilities of the rows of each sequence's nodes."""
+    B, N, V, parents, n = check_tree_args(
+        "target_probs", target_probs, tree_tokens, tree_parents, num_nodes, validate, draft_probs
+    )
+    if validate:  # a scan of B * N * V values: only when asked for
+        used = torch.arange(N, device=target_probs.device)[None, :] < n[:, None]
+        check_probability_values("target_probs", target_probs, validate, used)
+        if draft_probs is not None:
+            check_probability_values("draft_probs", draft_probs, validate, used)
+    return B, N, V, parents, n
 
 
 def _impl(
@@ -130,7 +140,9 @@ def tree_rejection_sample(
     Raises:
         TypeError: wrong dtype or generator type.
         ValueError: wrong rank or shape, parents not topological (CPU), num_nodes out of
-            range, uniforms of the wrong shape or outside [0, 1).
+            range, uniforms of the wrong shape or outside [0, 1); with validate=True, a
+            negative, NaN or infinite entry in a row of a node (< num_nodes) of target_probs
+            or draft_probs (raw logits are not probabilities; not checked otherwise).
 
     Registered as ``torch.ops.specdec.tree_rejection_sample``. backend: None (automatic, chosen
     once per process and device type), "reference", "native" or "triton". validate: None (value

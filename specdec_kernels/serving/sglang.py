@@ -32,6 +32,7 @@ from specdec_kernels.checks import (
     INDEX_DTYPES,
     as_int,
     check_counts,
+    check_probability_values,
     check_shape,
     check_tensor,
     check_uniforms,
@@ -546,7 +547,8 @@ def tree_rejection_sample_sglang(
         backend, validate: as in ``verify_tree_greedy_sglang``.
         target_probs: Shape (batch, N, vocab) or (batch * N, vocab), float32/float16/bfloat16:
             row (b, i) is the target's distribution after local node i.  NaN and negative
-            entries carry no mass.
+            entries carry no mass (with validate=True they are refused, infinities too, as
+            ``tree_rejection_sample`` refuses them).
         draft_probs: Same shape, or None: row (b, i) the distribution node i's children were
             drawn from.  All zero means None (see the warning above); never modified.
         uniform_samples: Shape (batch, N), float32/float64 in [0, 1), or None.
@@ -568,7 +570,9 @@ def tree_rejection_sample_sglang(
             generator that is not a torch.Generator.
         ValueError: wrong ranks or shapes, num_spec_step < 1, thresholds out of range or not
             1 with draft probabilities, and when values are checked: bad links, retrive_index
-            out of range, uniforms outside [0, 1), partly zero draft_probs.
+            out of range, uniforms outside [0, 1), partly zero draft_probs; with
+            validate=True, a negative, NaN or infinite entry of target_probs or draft_probs in
+            a row of the tree's nodes.
 
     Duplicate sibling tokens: SGLang counts a repeated token's probability again in its
     accumulated test (over-sampling that token); our op removes a rejected token once and
@@ -603,6 +607,12 @@ def tree_rejection_sample_sglang(
             )
     tree, num_nodes = _convert(retrive_next_token, retrive_next_sibling, S, validate)
     tokens = candidates.gather(1, tree.order)
+    if validate:  # probabilities as tree_rejection_sample checks them: only when asked for
+        ours = torch.arange(N, device=device)[None, :] < num_nodes[:, None]  # our node i is local node order[b, i]
+        used = torch.zeros((B, N), dtype=torch.bool, device=device).scatter_(1, tree.order, ours)
+        check_probability_values("target_probs", p, validate, used)
+        if q is not None:
+            check_probability_values("draft_probs", q, validate, used)
     if q is not None and want_value_checks(validate, q):
         # a node with children whose draft row is all zero would be read as q = 0 (lossy)
         real = (torch.arange(1, N, device=device)[None, :] < num_nodes[:, None]).to(torch.int64)
