@@ -5,9 +5,10 @@
 // It runs the operations of specdec_kernels/decoding/model.py's Block.forward, in the same order,
 // through the same native kernels (packed_linear_native, packed_linear_int8_native,
 // tree_attention_native) and ATen's silu; the rotary products and the residual adds are loops
-// with the same roundings as the ATen ops (bit-identical), and RMSNorm is its own loop (the sum of
-// squares in float64: within an ulp or so of ATen's).  Every row is computed alone, so a row's
-// output does not depend on the others.
+// with the same roundings as the ATen ops (bit-identical), and RMSNorm is rms_norm_rows, the loop
+// that torch.ops.specdec.rms_norm_native (below) also runs for the Python layer, so that the two
+// layers give the same bits.  Every row is computed alone, so a row's output does not depend on
+// the others.
 //
 //   x [B, N, hidden] float32; attn_norm, ffn_norm [hidden]; cos, sin [B, N, 1, D];
 //   k_cache, v_cache [B, Hkv, S, D] (views of the layer's cache, written in place at slots
@@ -22,9 +23,11 @@
 #include "common.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -82,16 +85,37 @@ at::Tensor run_linear(const at::Tensor& x, const std::vector<OptT>& w, int64_t i
 }
 
 // RMSNorm of each row of x [rows, n] into out: x * (1 / sqrt(mean(x^2) + eps)) * w, the sum of
-// squares taken in float64 in index order (each row alone, so rows stay independent).
+// squares taken in float64 in index order (each row alone, so rows stay independent).  The one
+// definition of the engine's CPU float32 RMSNorm: the one-call layer and rms_norm_native (the
+// Python layer's and the final norm's) both run it, so every path a pass takes rounds alike.
+// Rows are split over threads; a row's arithmetic does not depend on the split.
 void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t n, double eps, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * double(xr[i]);
-    const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
-    float* o = out + r * n;
-    for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * inv) * w[i];
-  }
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * n;
+      double ss = 0.0;
+      for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * double(xr[i]);
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
+      float* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * inv) * w[i];
+    }
+  });
+}
+
+// torch.ops.specdec.rms_norm_native: RMSNorm over the last dimension of x [..., n] float32 CPU
+// with weight [n] float32, by rms_norm_rows; returns a new float32 tensor of x's shape.
+at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+                    "rms_norm: x must be float32 [..., n] on the CPU");
+  const int64_t n = x_in.size(-1);
+  TORCH_CHECK_VALUE(
+      weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+      "rms_norm: weight must be float32 [n] on the CPU, n = x.size(-1) = ", n);
+  const at::Tensor x = x_in.contiguous(), w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = n ? x.numel() / n : 0;
+  if (rows) rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), rows, n, eps, out.data_ptr<float>());
+  return out;
 }
 
 // Rotary embedding of one head row (model.rotate: x * cos + cat(-x[D/2:], x[:D/2]) * sin, each
@@ -202,4 +226,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("decoder_layer_native", &specdec::decoder_layer_cpu); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("decoder_layer_native", &specdec::decoder_layer_cpu);
+  m.impl("rms_norm_native", &specdec::rms_norm_cpu);
+}

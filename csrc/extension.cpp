@@ -91,6 +91,10 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "decoder_layer_native(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? tree_mask, Tensor? qkv_bias, "
       "Tensor?[] weights, int[] kinds, int[] out_features, int num_heads, int num_kv_heads, int isa=0) -> Tensor");
+  // RMSNorm over the last dimension of x float32 [..., n] with weight [n] (csrc/decoder_layer_cpu.cpp):
+  // the loop decoder_layer_native runs (float64 sum of squares, each row alone), for the engine's
+  // Python layer and final norm, so that every path of a pass rounds alike.
+  m.def("rms_norm_native(Tensor x, Tensor weight, float eps) -> Tensor");
   // The same product with 8-bit activations (csrc/packed_linear_int8_cpu.cpp): x float32 [R, I]
   // quantised per block of 32; weights interleaved in groups of 8 output rows (qw uint8 [G, I / 32,
   // 128 (affine4) or 256 (scaled8)], dw and mw float32 [G, I / 32, 8]); out_features O; isa 0 best,

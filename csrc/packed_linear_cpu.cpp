@@ -19,10 +19,11 @@
 // accumulator p summing inputs 32 j + 8 p .. 32 j + 8 p + 7 over the blocks j, then added as
 // (a0 + a1) + (a2 + a3) lane-wise and across lanes pairwise.  The order does not depend on the
 // number of rows of x, so a row's output does not depend on the other rows or on their count
-// (where this path serves both, a verification pass over N tokens gives each token the products
-// a one-token pass gives it; decoding.model.linear chooses the path per row class).  Up to
-// two rows of x decode each block in registers as they go; more rows decode the weight row into
-// a float32 buffer once and take the rows of x two at a time (the same values, the same order).
+// (a verification pass over N tokens gives each token the products a one-token pass gives it,
+// and a prefill chunk of any size the products of any other).  Up to two rows of x decode each
+// block in registers as they go; more rows decode four weight rows into a float32 buffer and take
+// the rows of x two at a time against the four, one accumulator index p at a time (tile_avx2:
+// the same values, the same order).
 // The AVX2 + FMA path and the portable path compute the same formula; they may differ in the last
 // bits, since the portable path leaves contraction to the compiler.  Output rows are split over
 // at::parallel_for.
@@ -144,33 +145,93 @@ __attribute__((target("avx2,fma"))) inline void dots_avx2(int kind, const uint8_
     y[r * O] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
 }
 
+// y for NR <= 2 rows of x and NO <= 4 decoded weight rows (w, rows ws floats apart), each dot in
+// the order of dot_portable: accumulator p sums chunk p (inputs 8 p .. 8 p + 7) of the blocks j in
+// ascending order, then (a0 + a1) + (a2 + a3) lane-wise and hsum8.  The accumulators are taken
+// one p at a time (NR x NO of them in registers), so a tile loads NR + NO vectors per NR x NO
+// multiply-adds: the same bits as dots_avx2, at about twice its rate on passes of many rows.
+template <int NR, int NO>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* w, int64_t ws, const float* x, int64_t I,
+                                                          float* y, int64_t O) {
+  __m256 a01[NR][NO], a2[NR][NO];
+  for (int p = 0; p < 4; ++p) {
+    __m256 acc[NR][NO];
+    for (int r = 0; r < NR; ++r)
+      for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
+    for (int64_t off = 8 * p; off < I; off += QBLOCK) {
+      __m256 xv[NR];
+      for (int r = 0; r < NR; ++r) xv[r] = _mm256_loadu_ps(x + r * I + off);
+      for (int o = 0; o < NO; ++o) {
+        const __m256 wv = _mm256_loadu_ps(w + o * ws + off);
+        for (int r = 0; r < NR; ++r) acc[r][o] = _mm256_fmadd_ps(wv, xv[r], acc[r][o]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int o = 0; o < NO; ++o) {
+        if (p == 0) a01[r][o] = acc[r][o];
+        if (p == 1) a01[r][o] = _mm256_add_ps(a01[r][o], acc[r][o]);
+        if (p == 2) a2[r][o] = acc[r][o];
+        if (p == 3) y[r * O + o] = hsum8(_mm256_add_ps(a01[r][o], _mm256_add_ps(a2[r][o], acc[r][o])));
+      }
+  }
+}
+
+// Every row of x against NO <= 4 decoded weight rows: two rows of x at a time.
+template <int NO>
+__attribute__((target("avx2,fma"))) void tiles_avx2(const float* w, int64_t ws, const float* x, int64_t R, int64_t I,
+                                                    float* y, int64_t O) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) tile_avx2<2, NO>(w, ws, x + r * I, I, y + r * O, O);
+  if (r < R) tile_avx2<1, NO>(w, ws, x + r * I, I, y + r * O, O);
+}
+
 __attribute__((target("avx2,fma"))) void rows_avx2(int kind, const uint8_t* codes, const float* d, const float* m,
                                                    const float* x, float* y, int64_t R, int64_t I, int64_t O,
                                                    int64_t o0, int64_t o1) {
-  std::vector<float> buf(R > 2 && kind != 2 ? I : 0);
   const int64_t nb = I / QBLOCK, row_bytes = kind == 0 ? I / 2 : kind == 1 ? I : 4 * I;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* c = codes + o * row_bytes;
-    const float* dr = d + o * nb;
-    const float* mr = m ? m + o * nb : nullptr;
-    if (kind == 2) {  // the float32 row is its own decoded form
-      const float* wr = reinterpret_cast<const float*>(c);
-      int64_t r = 0;
-      for (; r + 2 <= R; r += 2) dots_avx2<2, false>(kind, c, dr, mr, wr, x + r * I, I, y + r * O + o, O);
-      if (r < R) dots_avx2<1, false>(kind, c, dr, mr, wr, x + r * I, I, y + r * O + o, O);
-    } else if (R == 1) {
-      dots_avx2<1, true>(kind, c, dr, mr, nullptr, x, I, y + o, O);
-    } else if (R == 2) {
-      dots_avx2<2, true>(kind, c, dr, mr, nullptr, x, I, y + o, O);
-    } else {
-      for (int64_t j = 0; j < nb; ++j) {
-        __m256 w[4];
-        decode_block_avx2(kind, c, dr, mr, j, w);
-        for (int p = 0; p < 4; ++p) _mm256_storeu_ps(buf.data() + j * QBLOCK + 8 * p, w[p]);
+  if (R <= 2 && kind != 2) {  // a decode step or a pair: each block decoded in registers as it goes
+    for (int64_t o = o0; o < o1; ++o) {
+      const uint8_t* c = codes + o * row_bytes;
+      const float* mr = m ? m + o * nb : nullptr;
+      if (R == 1)
+        dots_avx2<1, true>(kind, c, d + o * nb, mr, nullptr, x, I, y + o, O);
+      else
+        dots_avx2<2, true>(kind, c, d + o * nb, mr, nullptr, x, I, y + o, O);
+    }
+    return;
+  }
+  // more rows (or a float32 weight): the rows of x in chunks of about 96 KiB (kept in L2 while
+  // every weight row of the task passes over them); per chunk, up to 4 weight rows decoded into
+  // buf, then tiles of 2 rows of x by those weight rows
+  constexpr int64_t TO = 4;
+  const int64_t rc = std::max<int64_t>(2, (96 << 10) / (4 * I));
+  std::vector<float> buf(kind == 2 ? 0 : TO * I);
+  for (int64_t r0 = 0; r0 < R; r0 += rc) {
+    const int64_t nr = std::min(rc, R - r0);
+    const float* xr = x + r0 * I;
+    float* yr = y + r0 * O;
+    for (int64_t o = o0; o < o1; o += TO) {
+      const int64_t no = std::min(TO, o1 - o);
+      const float* w = reinterpret_cast<const float*>(codes + o * row_bytes);
+      if (kind != 2) {
+        for (int64_t t = 0; t < no; ++t) {
+          const uint8_t* c = codes + (o + t) * row_bytes;
+          const float* dr = d + (o + t) * nb;
+          const float* mr = m ? m + (o + t) * nb : nullptr;
+          for (int64_t j = 0; j < nb; ++j) {
+            __m256 wv[4];
+            decode_block_avx2(kind, c, dr, mr, j, wv);
+            for (int p = 0; p < 4; ++p) _mm256_storeu_ps(buf.data() + t * I + j * QBLOCK + 8 * p, wv[p]);
+          }
+        }
+        w = buf.data();
       }
-      int64_t r = 0;
-      for (; r + 2 <= R; r += 2) dots_avx2<2, false>(kind, c, dr, mr, buf.data(), x + r * I, I, y + r * O + o, O);
-      if (r < R) dots_avx2<1, false>(kind, c, dr, mr, buf.data(), x + r * I, I, y + r * O + o, O);
+      switch (no) {
+        case 4: tiles_avx2<4>(w, I, xr, nr, I, yr + o, O); break;
+        case 3: tiles_avx2<3>(w, I, xr, nr, I, yr + o, O); break;
+        case 2: tiles_avx2<2>(w, I, xr, nr, I, yr + o, O); break;
+        default: tiles_avx2<1>(w, I, xr, nr, I, yr + o, O); break;
+      }
     }
   }
 }

@@ -165,7 +165,7 @@ def unsupported_hf_config(config) -> List[str]:
     return problems
 
 
-ROW_INDEPENDENT_ROWS = 64  # CPU passes of up to this many tokens per sequence take the row-independent products
+ROW_INDEPENDENT_ROWS = 64  # CPU passes of up to this many tokens per sequence take the one-call layer
 LINEAR_ENV = "SPECDEC_LINEAR"  # "auto" (default) or "f_linear" (every float32 product through F.linear)
 NUMERICS = ("float32", "int8")
 NUMERICS_ENV = "SPECDEC_NUMERICS"  # the default of Transformer.numerics ("float32" or "int8")
@@ -186,23 +186,25 @@ def default_numerics() -> str:
 
 def linear_path(rows: int, weight: torch.Tensor, numerics: str = "float32") -> str:
     """The path ``linear`` takes for a pass of ``rows`` tokens per sequence times ``weight``, by a
-    fixed rule (never by a measurement, so that identical calls give identical bits and a pass's
-    rows do not depend on its size or on the other sequences of the batch):
+    fixed rule that depends on the weight and the numerics, not on the pass (never on a
+    measurement, nor on ``rows`` beyond rows == 0), so that identical calls give identical bits
+    and a row's product is the same in a decode step, a verification pass of any size, a prefill
+    chunk of any size and any batch:
 
     * "int8": numerics "int8" and a float32 CPU weight with a registered packed form
-      (``decoding.packed``): 8-bit activations, every number of rows;
-    * "packed": numerics "float32", a packed form, at most ``ROW_INDEPENDENT_ROWS`` tokens per
-      sequence: the exact float32 product read from the block-quantised codes;
-    * "rowwise": numerics "float32", a float32 CPU weight without a packed form, at most
-      ``ROW_INDEPENDENT_ROWS`` tokens per sequence: ``packed.rowwise_linear``;
-    * "f_linear": anything else (CUDA, other dtypes, float32 prefill chunks of more than 64 tokens,
-      no C++ extension, or $SPECDEC_LINEAR=f_linear for the float32 paths).
+      (``decoding.packed``): 8-bit activations;
+    * "packed": numerics "float32" and a packed form: the exact float32 product read from the
+      block-quantised codes;
+    * "rowwise": numerics "float32", a float32 CPU weight without a packed form whose input size
+      is a multiple of 32: ``packed.rowwise_linear``;
+    * "f_linear": anything else (CUDA, other dtypes, no C++ extension, another input size, or
+      $SPECDEC_LINEAR=f_linear for the float32 paths: BLAS, faster on long prefills, but a row may
+      then round differently in passes of other sizes).
 
-    The first three compute each row alone in one fixed order, so a row's output is the same bits
-    in a decode step of one token and in a verification pass of up to 64, whatever the batch:
-    what keeps speculative output identical to greedy output.  (A long float32 prefill through
-    ``F.linear`` is the same in a greedy and a speculative run of the same batch, but BLAS may
-    round a row differently in another batch; numerics "int8" has no such exception.)
+    The first three compute each row alone in one fixed order (``csrc/packed_linear_cpu.cpp``,
+    ``csrc/packed_linear_int8_cpu.cpp``), so a row's output does not depend on the other rows of
+    the pass or on their number: what keeps speculative output identical to greedy output, and a
+    sequence's tokens independent of its batch, its prefill chunks and its cache layout.
 
     Raises:
         ValueError: an unknown ``numerics`` or $SPECDEC_LINEAR value.
@@ -217,7 +219,7 @@ def linear_path(rows: int, weight: torch.Tensor, numerics: str = "float32") -> s
     has_packed = packed.packed_form(weight) is not None
     if numerics == "int8" and has_packed and packed.has_kernel("packed_linear_int8"):
         return "int8"
-    if forced == "f_linear" or rows > ROW_INDEPENDENT_ROWS:
+    if forced == "f_linear":
         return "f_linear"
     if has_packed:
         return "packed"
@@ -352,6 +354,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if (
+                x.device.type == "cpu"
+                and self.weight.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and packed.has_kernel("rms_norm")
+            ):
+                # the loop of the one-call layer (decoder_layer_native): every CPU path of a pass
+                # (one-call or Python layer, dense or paged, any rows) rounds alike
+                return torch.ops.specdec.rms_norm_native(x, self.weight, self.eps)
             # one op (transformers' arithmetic in float32: x * rsqrt(mean(x^2) + eps) * weight)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()

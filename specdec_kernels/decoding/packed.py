@@ -435,7 +435,7 @@ _HAVE_KERNEL: Dict[str, bool] = {}
 
 def has_kernel(name: str = "packed_linear") -> bool:
     """Whether the extension has the CPU kernel ``name`` of this module ("packed_linear",
-    "packed_linear_int8") or of the engine ("decoder_layer"): asked once per process."""
+    "packed_linear_int8") or of the engine ("decoder_layer", "rms_norm"): asked once per process."""
     if name not in _HAVE_KERNEL:
         from specdec_kernels import has_native_kernel
 

@@ -125,6 +125,30 @@ def test_each_row_is_independent_of_the_others(form, portable):
     assert torch.equal(packed.packed_linear(x[5:13], p, portable=portable), alone[5:13])
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["avx2", "portable"])
+@pytest.mark.parametrize("form", list(MAKERS) + ["float32"])
+def test_rows_of_long_passes_equal_rows_alone(form, portable):
+    """Prefill-sized passes (past the kernel's L2 chunk of rows, with output rows not a multiple
+    of its tile of 4) give each row the bits it gets alone: every pass size takes the same order,
+    so a prefill chunk of 512 tokens and a decode step agree, in any batch."""
+    O, I = 67, 192  # a chunk of 128 rows of x at I = 192
+    if form == "float32":
+        w = torch.randn(O, I, generator=torch.Generator().manual_seed(4))
+        run = lambda x: packed.rowwise_linear(x, w, portable=portable)  # noqa: E731
+    else:
+        p = packed.pack_weight(MAKERS[form][0](O, I, seed=6))
+        run = lambda x: packed.packed_linear(x, p, portable=portable)  # noqa: E731
+    x = torch.randn(300, I, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([run(x[r : r + 1]) for r in range(300)])
+    for R in (3, 129, 300):
+        assert torch.equal(run(x[:R]), alone[:R]), R
+    assert torch.equal(run(x[150:290]), alone[150:290])
+    if not portable:  # the AVX2 path and the portable one compute the same formula
+        torch.testing.assert_close(
+            alone, (x.double() @ (w if form == "float32" else p.dequantize()).double().T).float(), **TOL
+        )
+
+
 def test_inputs_are_read_in_place_inside_guard_buffers():
     """x, codes, scales and mins as views in the middle of larger buffers full of NaN / garbage:
     the kernel reads only the views (a NaN read from outside would reach the result)."""

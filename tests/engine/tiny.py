@@ -37,6 +37,27 @@ def tiny_llama(seed: int = 0):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+def snap_to_gguf_codes(model: torch.nn.Module) -> None:
+    """Round every linear weight to an exact ggml Q4_1 form (and the tied embedding / head to
+    Q8_0), as transformers de-quantises a GGUF: so the packed and int8 paths apply."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() != 2 or p.shape[1] % 32:
+                continue
+            b = p.view(p.shape[0], -1, 32)
+            if "embed" in name or "lm_head" in name:
+                d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+                q = (b / d).round().clamp(-127, 127)
+                q[..., 0] = 127  # |q| = 127 present: the packer finds d again
+                p.copy_((q * d).view_as(p))
+            else:
+                lo = b.amin(-1, keepdim=True).half().float()
+                d = ((b.amax(-1, keepdim=True) - lo) / 15).half().float()
+                q = ((b - lo) / d).round().clamp(0, 15)
+                q[..., 0], q[..., 1] = 0, 15  # the block's min and max, as a Q4_1 quantiser leaves them
+                p.copy_((q * d + lo).view_as(p))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """(transformers model, our Transformer) of ``tiny_llama()``, sharing its weights."""
