@@ -340,6 +340,28 @@ def check_kv_layout(kv_layout) -> str:
     return kv_layout
 
 
+# The layouts of tree_attention's q (FlashInfer's names): "NHD" is [B, N, H, D] (ours), "HND"
+# [B, H, N, D] (transformers' attention functions receive q so).
+Q_LAYOUTS = ("NHD", "HND")
+
+
+def check_q_layout(q_layout) -> str:
+    """``q_layout``: "NHD" (q is [batch, N, heads, head_dim]) or "HND" ([batch, heads, N,
+    head_dim], transformers' layout).
+
+    Raises:
+        TypeError: not a str.  ValueError: another string.
+    """
+    if not isinstance(q_layout, str):
+        raise TypeError(f"q_layout must be a str ('NHD' or 'HND'), got {type(q_layout).__name__}")
+    if q_layout not in Q_LAYOUTS:
+        raise ValueError(
+            f"q_layout must be 'NHD' (q is (batch, N, heads, head_dim)) or 'HND' ((batch, heads, N, head_dim), "
+            f"transformers' layout), got {q_layout!r}"
+        )
+    return q_layout
+
+
 def pool_geometry(pool: torch.Tensor, kv_layout: str) -> Tuple[int, int, int, int]:
     """(num_blocks, block_size, Hkv, D) of one per-layer pool tensor in ``kv_layout``."""
     if kv_layout == "NHD":

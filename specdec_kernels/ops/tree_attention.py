@@ -68,6 +68,7 @@ for ``j >= N`` are ignored.  It is 8x smaller than the bool mask (32x for the bi
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -80,6 +81,7 @@ from specdec_kernels.checks import (
     INDEX_DTYPES,
     as_real,
     check_kv_layout,
+    check_q_layout,
     check_shape,
     check_tensor,
     pool_geometry,
@@ -485,6 +487,7 @@ def tree_attention(
     *,
     block_table: Optional[torch.Tensor] = None,
     kv_layout: str = "NHD",
+    q_layout: str = "NHD",
     sm_scale: Optional[float] = None,
     num_splits: Optional[int] = None,
     backend: Optional[str] = None,
@@ -501,8 +504,9 @@ def tree_attention(
     same math runs.
 
     Args:
-        q: Shape (batch, N, heads, head_dim), float32/float16/bfloat16.  head_dim a multiple
-            of 16 up to 256.
+        q: Shape (batch, N, heads, head_dim) (``q_layout="NHD"``, the default) or (batch,
+            heads, N, head_dim) (``q_layout="HND"``), float32/float16/bfloat16.  head_dim a
+            multiple of 16 up to 256.
         k_cache, v_cache: q's dtype.  Dense (block_table None): shape (batch, kv_heads,
             capacity, head_dim).  Paged: pools of blocks, shape (num_blocks, block_size,
             kv_heads, head_dim) for kv_layout "NHD" (vLLM's and FlashInfer's default) or
@@ -524,6 +528,14 @@ def tree_attention(
             Entries past the ceil((cache_seqlens[b] + N) / block_size) blocks a sequence
             uses are never read and may hold anything (-1 padding).
         kv_layout: "NHD" or "HND", the layout of the paged pools (ignored for a dense cache).
+        q_layout: "NHD" (default: q is (batch, N, heads, head_dim)) or "HND" (q is (batch,
+            heads, N, head_dim), the layout transformers' attention functions receive), as
+            FlashInfer names them; the output comes back in q's layout.  Said, not guessed:
+            when N equals heads the shapes cannot tell the two apart.  HND is read through
+            a transposed view (no copy; the kernels take strided q) and its output is a
+            transposed view of the (batch, N, heads, head_dim) result, so
+            ``out.transpose(1, 2)`` is (batch, N, heads, head_dim) and contiguous, what a
+            transformers attention function returns.
         sm_scale: softmax scale, a finite real number within float32's range, default
             head_dim ** -0.5.
         tree_mask: also the bit-packed int32 form of ``pack_tree_mask``,
@@ -533,14 +545,15 @@ def tree_attention(
             chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
 
     Returns:
-        Shape (batch, N, heads, head_dim), q's dtype.
+        q's shape and layout: (batch, N, heads, head_dim), or (batch, heads, N, head_dim)
+        with ``q_layout="HND"``; q's dtype.
 
     Raises:
         TypeError: wrong dtypes (k/v must share q's dtype; the mask must be bool; the block
             table int32 or int64).
         ValueError: wrong ranks or shapes (with v_cache None: k_cache not 5-D (2, ...)),
-            heads not a multiple of kv_heads, unsupported head_dim, a kv_layout other than
-            "NHD"/"HND", sm_scale NaN, infinite or beyond float32's range, cache_seqlens + N
+            heads not a multiple of kv_heads, unsupported head_dim, a kv_layout or q_layout
+            other than "NHD"/"HND" (TypeError when not a str), sm_scale NaN, infinite or beyond float32's range, cache_seqlens + N
             beyond capacity,
             a used block id outside [0, num_blocks) (the last two checked on CPU tensors).
 
@@ -563,14 +576,26 @@ def tree_attention(
     the reference does): the result is then unspecified, but nothing outside the pool is read.
     With ``block_table`` the call goes to ``torch.ops.specdec.paged_tree_attention``
     ``(q, k_cache, v_cache, cache_seqlens, tree_mask?, block_table, kv_layout, sm_scale,
-    num_splits=0, backend)``.
+    num_splits=0, backend)``.  Both registered ops take q as (batch, N, heads, head_dim); the
+    front hands them the transposed view of an HND q.
     """
     check_kv_layout(kv_layout)
+    heads_first = check_q_layout(q_layout) == "HND"
+    if heads_first and isinstance(q, torch.Tensor) and q.dim() == 4:
+        q = q.transpose(1, 2)  # (batch, N, heads, head_dim): a view, checked and computed as such
     k_cache, v_cache = _split_kv(k_cache, v_cache)
-    if block_table is None:
-        D = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)[3]
-    else:
-        D = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)[3]
+    try:
+        if block_table is None:
+            D = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)[3]
+        else:
+            D = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)[3]
+    except ValueError as e:
+        if heads_first and re.search(r"\bq\b|q's", str(e)):
+            raise ValueError(
+                f"{e} (q_layout='HND': q is (batch, heads, N, head_dim), checked as its (batch, N, heads, "
+                "head_dim) transpose)"
+            ) from None
+        raise
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int):
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
@@ -580,9 +605,11 @@ def tree_attention(
     if abs(scale) > FLOAT32_MAX:  # checked as given: the kernels scale in float32, where it would be inf
         raise ValueError(f"sm_scale must fit float32 (|sm_scale| <= {FLOAT32_MAX:.4g}), got {sm_scale}")
     if block_table is not None:
-        return torch.ops.specdec.paged_tree_attention(
+        out = torch.ops.specdec.paged_tree_attention(
             q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, num_splits or 0, backend or ""
         )
-    return torch.ops.specdec.tree_attention(
-        q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or ""
-    )
+    else:
+        out = torch.ops.specdec.tree_attention(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or ""
+        )
+    return out.transpose(1, 2) if heads_first else out
