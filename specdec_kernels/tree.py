@@ -65,8 +65,13 @@ def as_parents(parents: Parents, device=None) -> torch.Tensor:
 def tree_depths(parents: Parents) -> torch.Tensor:
     """Depth of every node (root 0): int64, shape of ``parents`` ((N,) or (batch, N)).
 
-    The rotary position of node i is ``cache_seqlens - 1 + depth[i]`` when the root is the last
-    committed token, so siblings share a position.
+    The rotary position of node i is ``cache_seqlens[b] + depth[i]``, with ``cache_seqlens``
+    as ``tree_attention`` and ``compact_kv_cache`` take it: the tokens already in the KV cache
+    before the block, i.e. the committed tokens but the root.  The root (node 0, the last
+    committed token, whose K/V the block's forward writes) sits at slot and position
+    ``cache_seqlens[b]``, node i at slot ``cache_seqlens[b] + i`` and position
+    ``cache_seqlens[b] + depth[i]``; siblings share a position.  For a chain depth[i] = i:
+    slot and position agree.
 
     Raises:
         ValueError/TypeError: parents not a topologically ordered parent list.
