@@ -135,6 +135,31 @@ def test_save_load_round_trip(tmp_path):
         torch.testing.assert_close(b, a.half().float(), msg=n)
 
 
+@pytest.mark.parametrize("quantize_head", [None, True, False], ids=["default", "quantized", "float32"])
+@pytest.mark.parametrize("weight,bad", [("fc", float("nan")), ("attention_norm", float("inf")), ("w2", -float("inf"))])
+def test_non_finite_head_weights_are_named_with_the_fix(tmp_path, tiny, quantize_head, weight, bad):
+    """A NaN or infinite weight in a head: EagleDrafter refuses it, whatever quantize_head
+    (quantised it failed inside quantize_scaled8 naming neither the head nor the fix; unquantised
+    it drafted NaN-scored tokens the target never accepted), with a ValueError naming the head,
+    the file it came from, the weight and the fix; so does ``quantized()`` itself."""
+    head = random_head(scale=0.2)
+    head.save(tmp_path / "h.pt")
+    for source in (None, str(tmp_path / "h.pt")):
+        poisoned = random_head(scale=0.2) if source is None else EagleHead.load(source)
+        with torch.no_grad():
+            dict(poisoned.named_parameters())[weight].view(-1)[3] = bad
+        with pytest.raises(ValueError) as e:
+            EagleDrafter(tiny, poisoned, quantize_head=quantize_head)
+        message = str(e.value)
+        assert "quantize_scaled8" not in message, message
+        assert "non-finite weights in the EAGLE head" in message and f"'{weight}': 1 of " in message, message
+        assert "with quantize_head=True or False" in message and "use a head with finite weights" in message
+        assert (source is None) or f"({source})" in message, message
+        with pytest.raises(ValueError, match=f"non-finite weights in the EAGLE head.*'{weight}'"):
+            poisoned.quantized()
+    EagleDrafter(tiny, head, quantize_head=quantize_head)  # the finite head is taken
+
+
 def test_bad_arguments(tmp_path, tiny, capsys):
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         EagleHead(HIDDEN, 3, 2, 16, 96)

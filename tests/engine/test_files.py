@@ -44,6 +44,38 @@ def _flip_middle(path):
     os.utime(path, ns=(st.st_atime_ns, max(st.st_mtime_ns, path.stat().st_mtime_ns) + 1_000_000))
 
 
+def flip_weight_byte(path):
+    """Flip one bit in the middle of the largest weight member's data of a ``torch.save``
+    archive (a zip of stored members), not in the zip's headers nor the pickle: the archive
+    still opens and memory-maps; only that member's CRC-32 tells."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        member = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = (
+        int.from_bytes(raw[member.header_offset + o : member.header_offset + o + 2], "little") for o in (26, 28)
+    )
+    start = member.header_offset + 30 + name_len + extra_len  # the member's data (stored, not compressed)
+    assert member.compress_type == zipfile.ZIP_STORED and start + member.file_size <= len(raw)
+    raw[start + member.file_size // 2] ^= 0x10
+    st = path.stat()
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(st.st_atime_ns, max(st.st_mtime_ns, path.stat().st_mtime_ns) + 1_000_000))
+
+
+def _with_nan_weight(make):
+    """A fault: a head file from ``make()`` whose first weight holds one NaN."""
+
+    def fault(tmp, path):
+        head = make()
+        with torch.no_grad():
+            next(head.parameters()).view(-1)[5] = float("nan")
+        head.save(path)
+
+    return fault
+
+
 def _eagle_head(hidden=HIDDEN):
     torch.manual_seed(0)
     return eagle.EagleHead(hidden, 4, 2, 16, 96)
@@ -132,36 +164,52 @@ def _head_file_reader(write, read, faults):
     )
 
 
-def _saved_heads_reader(write, load, other_kind, write_other, words):
-    """A reader of a saved heads file (``load(path)``): also a flipped byte, a file of the
-    ``other_kind`` (whose message must hold ``words``) and an unknown format."""
+def _saved_heads_reader(write, load, other_kind, write_other, words, make):
+    """A reader of a saved heads file (``load(path)``): also a flipped byte (anywhere, and in a
+    weight), a file of the ``other_kind`` (whose message must hold ``words``), an unknown
+    format and a NaN weight in a head from ``make()``."""
     return _head_file_reader(
         write,
         lambda path, model: load(path),
         {
             "one byte flipped": (_damaged(write, _flip_middle), "corrupt"),
+            "one weight bit flipped": (_damaged(write, flip_weight_byte), "fails its CRC-32 check"),
             f"{other_kind} file": (_other_kind(write_other), words),
             "format 99": (_with_format(write, 99), "format 99"),
+            "a NaN weight": (_with_nan_weight(make), "non-finite weights"),
         },
     )
 
 
 READERS = {
     "eagle-head": _saved_heads_reader(
-        _write_eagle, eagle.EagleHead.load, "medusa", _write_medusa, "not an EAGLE head file"
+        _write_eagle, eagle.EagleHead.load, "medusa", _write_medusa, "not an EAGLE head file", _eagle_head
     ),
     "medusa-heads": _saved_heads_reader(
-        _write_medusa, medusa.MedusaHeads.load, "eagle", _write_eagle, "not a Medusa heads file"
+        _write_medusa, medusa.MedusaHeads.load, "eagle", _write_eagle, "not a Medusa heads file", _medusa_heads
+    ),
+    # the checks before a model loads (the CLI's): the file's config, every fault load finds
+    "eagle-file-config": _saved_heads_reader(
+        _write_eagle, eagle.EagleHead.file_config, "medusa", _write_medusa, "not an EAGLE head file", _eagle_head
+    ),
+    "medusa-file-config": _saved_heads_reader(
+        _write_medusa, medusa.MedusaHeads.file_config, "eagle", _write_eagle, "not a Medusa heads file", _medusa_heads
     ),
     "eagle-drafter": _head_file_reader(
         _write_eagle,
         lambda path, model: eagle.EagleDrafter(model, path),
-        {"other model": (lambda tmp, path: _eagle_head(32).save(path), "another model")},
+        {
+            "other model": (lambda tmp, path: _eagle_head(32).save(path), "another model"),
+            "a NaN weight": (_with_nan_weight(_eagle_head), "non-finite weights"),
+        },
     ),
     "medusa-drafter": _head_file_reader(
         _write_medusa,
         lambda path, model: medusa.MedusaDrafter(model, path),
-        {"other model": (lambda tmp, path: _medusa_heads(32).save(path), "another model")},
+        {
+            "other model": (lambda tmp, path: _medusa_heads(32).save(path), "another model"),
+            "a NaN weight": (_with_nan_weight(_medusa_heads), "non-finite weights"),
+        },
     ),
     "spec-bench-prompts": dict(
         write=_write_questions,

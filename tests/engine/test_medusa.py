@@ -297,6 +297,25 @@ def test_bad_arguments(tmp_path, tiny):
         MedusaDrafter(tiny, heads)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_heads_are_named_with_the_fix(tmp_path, tiny, bad):
+    """Medusa heads with a NaN or infinite weight are refused like an EAGLE head's: a
+    ValueError naming the heads, their file, the weight and the fix (the drafter used to take
+    them and draft tokens from NaN scores)."""
+    random_heads().save(tmp_path / "h.pt")
+    for source in (None, str(tmp_path / "h.pt")):
+        heads = random_heads() if source is None else MedusaHeads.load(source)
+        with torch.no_grad():
+            heads.weight.view(-1)[7] = bad
+        with pytest.raises(ValueError) as e:
+            MedusaDrafter(tiny, heads)
+        message = str(e.value)
+        assert "non-finite weights in the Medusa heads" in message and "'weight': 1 of " in message, message
+        assert "use a head with finite weights" in message and "quantize_head" not in message, message
+        assert (source is None) or f"({source})" in message, message
+    MedusaDrafter(tiny, random_heads())  # finite heads are taken
+
+
 # ---------------------------------------------------------------------------- drafting
 class StepDrafter(MedusaDrafter):
     """Records, for each propose, the hidden state it got and its position (root - 1)."""

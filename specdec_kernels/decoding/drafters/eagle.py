@@ -122,6 +122,7 @@ class EagleHead(HeadFile):
 
     KIND = KIND
     DESCRIPTION, ARTICLE = "EAGLE head", "an"
+    NON_FINITE_NOTE = ", with quantize_head=True or False"
     READABLE_FORMATS = (FORMAT, FEATURE_LAYERS_FORMAT)
     SHIPPED = SHIPPED
 
@@ -278,9 +279,11 @@ class EagleHead(HeadFile):
             matrices in ``quantized_matrices``.
 
         Raises:
-            ValueError: the head is not float32 on CPU, or the C++ extension (the packed
-                products) is missing.
+            ValueError: the head is not float32 on CPU, the C++ extension (the packed
+                products) is missing, or a weight is not finite (``check_finite``: the
+                message names the head and the weight; rounding cannot help).
         """
+        self.check_finite()
         if not self.quantizable():
             p = next(self.parameters())
             raise ValueError(
@@ -519,7 +522,9 @@ class EagleDrafter(Drafter):
             max_depth < 1; a draft_vocab that is not "auto", None, an int >= 1 or distinct
             ids inside the vocabulary, an int with a head that stores no ranking, or one
             smaller than top_k; quantize_head=True with a head that is not float32 on CPU or
-            without the C++ extension.
+            without the C++ extension; a head whose weights are not all finite, whatever
+            quantize_head (``HeadFile.check_finite``: the message names the head, its file
+            and the weight).
         TypeError: quantize_head not None or a bool; size_by_cost not a bool.
     """
 

@@ -5,6 +5,11 @@ A head file is a ``torch.save`` archive of a dict: ``config`` (the sizes the cla
 entries a class adds (the EAGLE head's ``token_ranking``).  Every reader fails the same way
 (see ``specdec_kernels.files``): ``FileNotFoundError`` for a missing file, else a
 ``BadFileError`` (a ``ValueError``) whose message starts with the path.
+
+A head whose weights are not all finite is refused wherever one enters: reading its file
+(``load`` and ``file_config``, a ``BadFileError``) and handing a module to a drafter
+(``for_target``, a ``ValueError`` naming the head, its file and the weight): a NaN or an
+infinity turns the scores it reaches into NaN, which draft arbitrary tokens the target rejects.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import hashlib
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Optional, Tuple, Union
+from typing import TYPE_CHECKING, ClassVar, Iterable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -23,6 +28,22 @@ from specdec_kernels.files import BadFileError
 
 if TYPE_CHECKING:
     from specdec_kernels.decoding.model import Transformer
+
+
+def non_finite_weights(named: Iterable[Tuple[str, object]]) -> Optional[str]:
+    """None when every floating-point tensor of ``named`` ((name, value) pairs; other values are
+    skipped) is finite, else which are not: ``"'fc': 3 of 36864 values NaN or infinite"``, then
+    ``", and 2 more weights"`` when others are too."""
+    bad = []
+    for name, value in named:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            count = int(value.numel() - torch.isfinite(value).sum())
+            if count:
+                bad.append(f"{name!r}: {count} of {value.numel()} values NaN or infinite")
+    if not bad:
+        return None
+    more = len(bad) - 1
+    return bad[0] + (f", and {more} more weight{'s' if more > 1 else ''}" if more else "")
 
 
 def model_fingerprint(model: "Transformer") -> str:
@@ -55,9 +76,33 @@ class HeadFile(nn.Module):
     READABLE_FORMATS: ClassVar[Tuple[int, ...]]
     SHIPPED: ClassVar[Path]  # the head file shipped in the package
 
+    #: a clause the messages about non-finite weights add on the subclass's own options
+    #: (the EAGLE head: that quantising it does not help)
+    NON_FINITE_NOTE: ClassVar[str] = ""
+
     config: dict
     source: Optional[str]
     hidden_size: int
+
+    @classmethod
+    def _non_finite_reason(cls, which: str, where: str = "") -> str:
+        return (
+            f"non-finite weights{where} ({which}): the scores they reach come out NaN and draft arbitrary "
+            f"tokens the target rejects{cls.NON_FINITE_NOTE}; use a head with finite weights (retrain it, "
+            "or use the shipped one)"
+        )
+
+    def check_finite(self) -> None:
+        """Check that every weight of the head is finite.
+
+        Raises:
+            ValueError: a NaN or an infinity in some weight; the message names the head (and
+                the file it was loaded from), the weight and what to do.
+        """
+        which = non_finite_weights(self.state_dict().items())
+        if which is not None:
+            source = f" ({self.source})" if self.source else ""
+            raise ValueError(self._non_finite_reason(which, f" in the {self.DESCRIPTION}{source}"))
 
     # ------------------------------------------------------------------ subclass hooks
     def _file_fields(self) -> dict:
@@ -126,11 +171,13 @@ class HeadFile(nn.Module):
             ValueError (``BadFileError``, the message starting with the path): an empty,
                 truncated or corrupt file (a shipped file not matching the manifest), a file
                 of another kind (an EAGLE head given to the Medusa heads, and the reverse),
-                a format this version cannot read, or a config or weights that do not fit.
+                a format this version cannot read, a config or weights that do not fit, or
+                weights that are not all finite.
         """
         path = cls.SHIPPED if path is None else path
         payload = _files.load_torch(path, cls.DESCRIPTION)
         module = cls._from_payload(path, payload)
+        cls._check_file_weights(path, payload)
         try:
             module.load_state_dict({k: v.to(torch.float32) for k, v in payload["state_dict"].items()})
             module._read_extra_payload(payload)
@@ -140,19 +187,33 @@ class HeadFile(nn.Module):
         return module.to(device=device, dtype=dtype).eval()
 
     @classmethod
+    def _check_file_weights(cls, path, payload: dict) -> None:
+        """A ``BadFileError`` naming the first non-finite weight of a file's ``state_dict``."""
+        which = non_finite_weights(payload["state_dict"].items())
+        if which is not None:
+            raise BadFileError(path, cls._non_finite_reason(which))
+
+    @classmethod
     def file_config(cls, path: Union[str, Path]) -> dict:
-        """The config of the file at ``path``, checked as ``load`` checks it (kind, format,
-        weight names and shapes) without reading the weights: the file is memory-mapped and
-        the module is built on the meta device (milliseconds, for checks before a model
-        loads).
+        """The config of the file at ``path``, checked as ``load`` checks it (every zip member's
+        CRC-32, kind, format, weight names and shapes, finite weights) without loading it: the
+        file is read once for its CRCs, memory-mapped, and the module is built on the meta
+        device (milliseconds for a head file: the checks before a model loads).
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not a file of this class's kind (not a torch file, another kind of
-                head file, another format), or weights whose names or shapes do not fit.
+            ValueError (``BadFileError``, the message starting with the path): an empty,
+                truncated or corrupt file (a member failing its CRC-32), not a file of this
+                class's kind (not a torch file, another kind of head file, another format),
+                weights whose names or shapes do not fit, or weights that are not all finite.
         """
-        module = _files.peek_module(path, cls.DESCRIPTION, lambda payload: cls._from_payload(path, payload))
-        return module.config
+
+        def build(payload):
+            module = cls._from_payload(path, payload)
+            cls._check_file_weights(path, payload)
+            return module
+
+        return _files.peek_module(path, cls.DESCRIPTION, build).config
 
     @classmethod
     def for_target(
@@ -163,7 +224,8 @@ class HeadFile(nn.Module):
 
         Raises:
             ValueError: a head of another hidden size than the model's, one that reads a layer
-                the model does not have (``feature_layers``), and as ``load``.
+                the model does not have (``feature_layers``), one whose weights are not all
+                finite in the model's dtype (``check_finite``), and as ``load``.
 
         Warns:
             UserWarning: with ``check_fingerprint``, a head whose stored ``base_fingerprint``
@@ -191,4 +253,6 @@ class HeadFile(nn.Module):
                 "decoding stays exact, but fewer drafts will be accepted",
                 stacklevel=3,
             )
-        return head.to(device=model.device, dtype=model.dtype).eval()
+        head = head.to(device=model.device, dtype=model.dtype).eval()
+        head.check_finite()  # in the model's dtype: a float32 weight past float16's range is infinite there
+        return head

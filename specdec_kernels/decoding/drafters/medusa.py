@@ -443,8 +443,9 @@ class MedusaDrafter(Drafter):
     A sequence whose hidden state is unknown (a one-token prompt's first step) gets no drafts.
 
     Raises:
-        ValueError: heads whose hidden size differs from the model's, an empty choice list,
-            max_nodes < 1.
+        ValueError: heads whose hidden size differs from the model's, heads whose weights are
+            not all finite (``HeadFile.check_finite``: the message names the heads, their file
+            and the weight), an empty choice list, max_nodes < 1.
     """
 
     name = "medusa"
