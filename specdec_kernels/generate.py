@@ -33,6 +33,7 @@ from typing import List, Optional
 
 import torch
 
+from specdec_kernels import _interrupt
 from specdec_kernels.checks import temperature_is_greedy
 
 DRAFTERS = (
@@ -540,18 +541,22 @@ class _Stream:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit status (0; 2 for bad flags, before anything loads; 130
-    when interrupted with Ctrl-C, with one line on stderr and no traceback; 2 with one line
-    naming the package and its extra when a library the checks need is missing)."""
+    when interrupted with Ctrl-C at any moment, the flag checks included, with one line on
+    stderr and no traceback; 2 with one line naming the package and its extra when a library
+    the checks need is missing).  Under ``python -m`` a Ctrl-C while the package imports
+    exits the same way (``specdec_kernels._interrupt``), and one after ``main`` returned is
+    ignored."""
     try:
-        args = parse_args(argv)
-    except ImportError as e:  # the flag checks read the tokenizer: transformers is needed
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        _interrupt.restore()  # from here on Ctrl-C is a KeyboardInterrupt, caught below
+        try:
+            args = parse_args(argv)
+        except ImportError as e:  # the flag checks read the tokenizer: transformers is needed
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return _run(args)
     except KeyboardInterrupt:
-        print("(interrupted)", file=sys.stderr)
-        return 130
+        print(_interrupt.MESSAGE, file=sys.stderr)
+        return _interrupt.STATUS
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -676,4 +681,4 @@ def _compare(args, model, ids, stops, sampling, result, mode, SpeculativeDecoder
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _interrupt.run_main(main)

@@ -445,4 +445,6 @@ def cli(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    from specdec_kernels._interrupt import run_main
+
+    run_main(cli)  # Ctrl-C at any moment: status 130, one line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tests.engine.tiny import real_only
 pytestmark = pytest.mark.serial
 
 DATA = Path(generate.__file__).parent / "data"
+REPO = Path(generate.__file__).resolve().parents[1]
 SHIPPED_MEDUSA = str(DATA / "medusa" / "smollm2-135m-instruct.pt")
 SHIPPED_EAGLE = str(DATA / "eagle" / "smollm2-135m-instruct.pt")
 
@@ -475,3 +477,190 @@ def test_an_eagle_head_reading_a_layer_the_model_lacks_is_refused_before_loading
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--eagle-head" in err[0], err
     assert "reads layer 40's output, the model has 30 layers" in err[0], err
+
+
+# ---------------------------------------------------------------------------- corrupt head files
+@pytest.mark.parametrize(
+    "flag,drafter,shipped,damage",
+    [
+        ("--eagle-head", "eagle", SHIPPED_EAGLE, "bit"),
+        ("--medusa-heads", "medusa", SHIPPED_MEDUSA, "bit"),
+        ("--eagle-head", "eagle-tree", SHIPPED_EAGLE, "nan"),
+        ("--medusa-heads", "medusa-tree", SHIPPED_MEDUSA, "nan"),
+    ],
+    ids=["eagle-bit", "medusa-bit", "eagle-nan", "medusa-nan"],
+)
+def test_a_corrupt_head_file_exits_2_before_loading(tmp_path, monkeypatch, capsys, flag, drafter, shipped, damage):
+    """A copy of the shipped head with one bit flipped inside a weight member's data (the zip
+    headers intact, so it still memory-maps: only the member's CRC-32 tells), or with a NaN
+    weight: exit status 2 and one line naming the flag, before the model loads (the bit used
+    to pass the checks; the model loaded, then the run ended in a traceback, exit 1)."""
+    import shutil
+
+    import specdec_kernels.decoding as decoding
+    from specdec_kernels.decoding.drafters.eagle import EagleHead
+    from specdec_kernels.decoding.drafters.medusa import MedusaHeads
+    from tests.engine.test_files import flip_weight_byte
+
+    monkeypatch.setattr(decoding, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded before the checks"))
+    monkeypatch.setattr(loading, "load_checkpoint", lambda *a, **k: pytest.fail("the weights loaded before the checks"))
+    path = tmp_path / "head.pt"
+    if damage == "bit":
+        shutil.copyfile(shipped, path)
+        flip_weight_byte(path)
+        words = "fails its CRC-32 check"
+    else:
+        head = (EagleHead if flag == "--eagle-head" else MedusaHeads).load(shipped)
+        with torch.no_grad():
+            next(head.parameters()).view(-1)[11] = float("nan")
+        head.save(path)
+        words = "non-finite weights"
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--prompt", "x", "--drafter", drafter, flag, str(path), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and flag in err[0] and words in err[0], err
+
+
+# ---------------------------------------------------------------------------- Ctrl-C at any moment
+@pytest.mark.parametrize("where", ["_check_combinations", "_model_config", "_check_heads_file"])
+def test_ctrl_c_during_the_flag_checks_exits_130_with_one_line(where, monkeypatch, capsys):
+    """Ctrl-C while parse_args checks the flags (reading the config, the tokenizer, the head
+    files): status 130 and one line, no traceback (parse_args ran outside the handler: a
+    traceback, and return code -2 from the command line)."""
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, where, interrupted)
+    monkeypatch.setattr(loading, "load_checkpoint", lambda *a, **k: pytest.fail("the model loaded"))
+    assert generate.main(["--prompt", "x", "--drafter", "eagle", "--eagle-head", SHIPPED_EAGLE]) == 130
+    err = capsys.readouterr().err
+    assert err == "(interrupted)\n", err
+
+
+def _keep_sigint(test):
+    """Run ``test`` and put the SIGINT handler back as it was (the tests below change it)."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        test()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_the_import_time_handler_is_installed_only_for_our_m_modules(monkeypatch):
+    """``_interrupt.during_import`` installs its handler only while Python locates a ``-m``
+    module of this package (argv[0] == "-m"), and ``restore`` removes it; otherwise nothing
+    changes."""
+    import signal
+
+    from specdec_kernels import _interrupt
+
+    def check():
+        for argv0, orig, installs in [
+            ("-m", ["python", "-m", "specdec_kernels.generate", "--prompt", "x"], True),
+            ("-m", ["python", "-X", "utf8", "-mspecdec_kernels.bench.e2e"], True),
+            ("-m", ["python", "-m", "pytest", "tests"], False),
+            ("/usr/bin/tool", ["python", "-m", "specdec_kernels.generate"], False),  # located: running
+            ("-c", ["python", "-c", "import specdec_kernels"], False),
+        ]:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            monkeypatch.setattr(sys, "argv", [argv0])
+            monkeypatch.setattr(sys, "orig_argv", orig, raising=False)
+            assert _interrupt.during_import() is installs, orig
+            assert (signal.getsignal(signal.SIGINT) is _interrupt._exit_interrupted) is installs
+            _interrupt.restore()
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a handler someone chose is kept
+        monkeypatch.setattr(sys, "argv", ["-m"])
+        monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "specdec_kernels.generate"], raising=False)
+        assert not _interrupt.during_import() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    _keep_sigint(check)
+
+
+def test_ctrl_c_while_the_package_imports_exits_130_with_one_line():
+    """A SIGINT once ``import specdec_kernels`` ran as it runs for ``python -m
+    specdec_kernels.generate`` (argv[0] "-m" while Python locates the module): status 130 and
+    one line, no traceback."""
+    code = (
+        "import os, signal, sys, time\n"
+        "sys.argv[0] = '-m'\n"
+        "sys.orig_argv = [sys.executable, '-m', 'specdec_kernels.generate']\n"
+        "import specdec_kernels\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr == "(interrupted)\n", (proc.returncode, proc.stderr)
+
+
+def test_run_main_exits_130_with_one_line_and_ignores_ctrl_c_after_main(tmp_path):
+    """The tools' ``__main__`` blocks (``_interrupt.run_main``), run as ``python -m`` runs
+    them: a KeyboardInterrupt in main is status 130 and one line, also when it passed through
+    a C extension's ``PyRun_*`` call (which leaves CPython a flag that turned ``sys.exit(130)``
+    into return code -2); another status is kept; once main returned, SIGINT is ignored."""
+    tool = tmp_path / "interrupted_tool.py"
+    tool.write_text(
+        "import ctypes, os, signal, sys\n"
+        "from specdec_kernels._interrupt import run_main\n"
+        "def main():\n"
+        "    if sys.argv[1] == 'nested':  # the interrupt leaves a C-level evaluation, as in an extension\n"
+        "        ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')\n"
+        "    if sys.argv[1] != 'status':\n"
+        "        raise KeyboardInterrupt\n"
+        "    return 3\n"
+        "if __name__ == '__main__':\n"
+        "    run_main(main)\n"
+    )
+    # ignored after main: the handler run_main leaves, checked from an atexit hook
+    hook = tmp_path / "sitecustomize.py"
+    hook.write_text(
+        "import atexit, signal, sys\n"
+        "atexit.register(lambda: print('SIGINT ignored', signal.getsignal(signal.SIGINT) is signal.SIG_IGN))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    for mode, status in (("plain", 130), ("nested", 130), ("status", 3)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "interrupted_tool", mode], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert proc.returncode == status, (mode, proc.returncode, proc.stderr)
+        if status == 130:
+            assert proc.stderr.splitlines()[-1:] == ["(interrupted)"], (mode, proc.stderr)
+            assert mode == "nested" or proc.stderr == "(interrupted)\n", proc.stderr
+        else:
+            assert proc.stderr == "" and proc.stdout == "SIGINT ignored True\n", (proc.stdout, proc.stderr)
+
+
+@real_only
+def test_ctrl_c_at_several_moments_of_the_command_exits_130_with_one_line():
+    """``python -m specdec_kernels.generate`` sent SIGINT 0.3, 1, 2 and 3 s after it starts
+    (the package importing, then the flag checks reading the config and the tokenizer, maybe
+    the model load): status 130 and no traceback every time; one line on stderr while the
+    checks run, and after them the run's progress lines and then one line for the interrupt.
+    (A Ctrl-C in the checks gave a traceback and return code -2.)"""
+    import signal
+    import time
+
+    before_load = 0
+    for delay in (0.3, 1.0, 2.0, 3.0):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdec_kernels.generate", "--prompt", "hi", "--max-new-tokens", "64"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(delay)
+        assert proc.poll() is None, f"the run ended before {delay} s"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 130 and "Traceback" not in err, (delay, proc.returncode, err)
+        assert lines and lines[-1].startswith("(interrupted"), (delay, err)
+        if any(line.startswith("(model loaded") for line in lines):
+            assert all(line.startswith("(") for line in lines), (delay, err)  # progress lines only
+        else:
+            assert lines == ["(interrupted)"], (delay, err)
+            before_load += 1
+    assert before_load >= 2, "no interrupt came before the model loaded"

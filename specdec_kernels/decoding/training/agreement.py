@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -218,4 +217,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specdec_kernels._interrupt import run_main
+
+    run_main(main)  # Ctrl-C at any moment: status 130, one line
