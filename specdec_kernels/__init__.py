@@ -13,9 +13,9 @@ argument normalisation, checks, random numbers).  Nothing here touches a GPU at 
 triton is imported only when a Triton kernel is first needed.
 """
 
-# _interrupt first: under ``python -m specdec_kernels.<tool>`` a Ctrl-C while the rest of the
+# cli first: under ``python -m specdec_kernels.<tool>`` a Ctrl-C while the rest of the
 # package imports exits with status 130 and one line, not a traceback (nothing otherwise)
-from specdec_kernels import _interrupt, reference, tree  # noqa: F401  (_interrupt: imported for that)
+from specdec_kernels import cli, reference, tree  # noqa: F401  (cli: imported first, for that)
 from specdec_kernels._backend import reset as reset_backends
 from specdec_kernels.ops.compact_kv_cache import compact_kv_cache
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, rejection_sample

@@ -33,7 +33,7 @@ from typing import List, Optional
 
 import torch
 
-from specdec_kernels import _interrupt
+from specdec_kernels import cli
 from specdec_kernels.checks import temperature_is_greedy
 
 DRAFTERS = (
@@ -544,10 +544,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     when interrupted with Ctrl-C at any moment, the flag checks included, with one line on
     stderr and no traceback; 2 with one line naming the package and its extra when a library
     the checks need is missing).  Under ``python -m`` a Ctrl-C while the package imports
-    exits the same way (``specdec_kernels._interrupt``), and one after ``main`` returned is
+    exits the same way (``specdec_kernels.cli``), and one after ``main`` returned is
     ignored."""
     try:
-        _interrupt.restore()  # from here on Ctrl-C is a KeyboardInterrupt, caught below
+        cli.restore()  # from here on Ctrl-C is a KeyboardInterrupt, caught below
         try:
             args = parse_args(argv)
         except ImportError as e:  # the flag checks read the tokenizer: transformers is needed
@@ -555,8 +555,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         return _run(args)
     except KeyboardInterrupt:
-        print(_interrupt.MESSAGE, file=sys.stderr)
-        return _interrupt.STATUS
+        print(cli.MESSAGE, file=sys.stderr)
+        return cli.STATUS
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -681,4 +681,4 @@ def _compare(args, model, ids, stops, sampling, result, mode, SpeculativeDecoder
 
 
 if __name__ == "__main__":
-    _interrupt.run_main(main)
+    cli.run_main(main)

@@ -445,6 +445,6 @@ def cli(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from specdec_kernels._interrupt import run_main
+    from specdec_kernels.cli import run_main
 
     run_main(cli)  # Ctrl-C at any moment: status 130, one line

@@ -261,6 +261,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from specdec_kernels._interrupt import run_main
+    from specdec_kernels.cli import run_main
 
     run_main(main)  # Ctrl-C at any moment: status 130, one line

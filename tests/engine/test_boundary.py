@@ -33,7 +33,7 @@ REPO = PACKAGE_DIR.parent
 # the client side: modules of the package that use the kernels and may import each other
 CLIENTS = ("decoding", "generate", "integrations", "serving")
 # public helper modules that are not (yet) re-exported in __all__
-PUBLIC_HELPER_MODULES = ("autotune", "checks", "files", "optional")
+PUBLIC_HELPER_MODULES = ("autotune", "checks", "cli", "files", "optional")
 
 
 def client_files() -> List[Path]:

@@ -550,12 +550,12 @@ def _keep_sigint(test):
 
 
 def test_the_import_time_handler_is_installed_only_for_our_m_modules(monkeypatch):
-    """``_interrupt.during_import`` installs its handler only while Python locates a ``-m``
+    """``cli.during_import`` installs its handler only while Python locates a ``-m``
     module of this package (argv[0] == "-m"), and ``restore`` removes it; otherwise nothing
     changes."""
     import signal
 
-    from specdec_kernels import _interrupt
+    from specdec_kernels import cli
 
     def check():
         for argv0, orig, installs in [
@@ -568,14 +568,14 @@ def test_the_import_time_handler_is_installed_only_for_our_m_modules(monkeypatch
             signal.signal(signal.SIGINT, signal.default_int_handler)
             monkeypatch.setattr(sys, "argv", [argv0])
             monkeypatch.setattr(sys, "orig_argv", orig, raising=False)
-            assert _interrupt.during_import() is installs, orig
-            assert (signal.getsignal(signal.SIGINT) is _interrupt._exit_interrupted) is installs
-            _interrupt.restore()
+            assert cli.during_import() is installs, orig
+            assert (signal.getsignal(signal.SIGINT) is cli._exit_interrupted) is installs
+            cli.restore()
             assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a handler someone chose is kept
         monkeypatch.setattr(sys, "argv", ["-m"])
         monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "specdec_kernels.generate"], raising=False)
-        assert not _interrupt.during_import() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert not cli.during_import() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
     _keep_sigint(check)
 
@@ -597,14 +597,14 @@ def test_ctrl_c_while_the_package_imports_exits_130_with_one_line():
 
 
 def test_run_main_exits_130_with_one_line_and_ignores_ctrl_c_after_main(tmp_path):
-    """The tools' ``__main__`` blocks (``_interrupt.run_main``), run as ``python -m`` runs
+    """The tools' ``__main__`` blocks (``cli.run_main``), run as ``python -m`` runs
     them: a KeyboardInterrupt in main is status 130 and one line, also when it passed through
     a C extension's ``PyRun_*`` call (which leaves CPython a flag that turned ``sys.exit(130)``
     into return code -2); another status is kept; once main returned, SIGINT is ignored."""
     tool = tmp_path / "interrupted_tool.py"
     tool.write_text(
         "import ctypes, os, signal, sys\n"
-        "from specdec_kernels._interrupt import run_main\n"
+        "from specdec_kernels.cli import run_main\n"
         "def main():\n"
         "    if sys.argv[1] == 'nested':  # the interrupt leaves a C-level evaluation, as in an extension\n"
         "        ctypes.pythonapi.PyRun_SimpleString(b'raise KeyboardInterrupt')\n"
