@@ -199,3 +199,51 @@ def test_eagle_chain_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, ex
         assert nodes[True] == nodes[False] and len(steps[True]) == len(steps[False])
     with pytest.raises(TypeError, match="size_by_cost"):
         EagleDrafter(model, random_head(), size_by_cost=1)
+
+
+def test_trees_grow_from_small_sizes_as_the_pass_cost_is_measured():
+    """With a measured cost, a tree is never larger than twice the largest pass measured (2 before
+    any): a cost line known at one size only (flat) or at small sizes only cannot send a step to
+    ``max_nodes`` untried.  Before this rule a first measured 64-node pass made the line flat and
+    every later tree 64 nodes (0.13x plain greedy on the CPU)."""
+    policy = CostModelPolicy(0, 8, warmup=0)
+    policy.start(SimpleNamespace(batch_size=1, pass_costs=None))
+    budget = TreeBudget(max_nodes=64)
+    budget.start(1)
+    budget.cost = policy
+    values = [0.99**i for i in range(1, 64)]  # a head so confident that every node seems to pay
+    assert policy.largest_verified_nodes() == 0 and budget.growth_limit() == 2
+    assert budget.choose(0, values) == 2  # nothing measured: the smallest tree
+    assert not budget.wants_more(0, values[:1], 10)  # nor a deeper chain than that
+    sizes = []
+    for _ in range(6):  # each step's pass measured at a flat cost: the line says "bigger is free"
+        n = budget.choose(0, values)
+        sizes.append(n)
+        policy.verify_cost.add(n, 0.01)
+    assert sizes == [2, 4, 8, 16, 32, 64]
+    fixed = CostModelPolicy(0, 8, warmup=0, draft_cost=(0.0, 0.0), verify_cost=(1.0, 0.0))
+    assert fixed.largest_verified_nodes() is None  # fixed costs: nothing to measure, no limit
+    budget.cost = fixed
+    fixed.start(SimpleNamespace(batch_size=1, pass_costs=None))
+    fixed.last_choice = [8]
+    assert budget.growth_limit() is None and budget.choose(0, values) == 64
+
+
+def test_default_decoder_sizes_an_eagle_tree_from_small_passes(tiny):
+    """``SpeculativeDecoder``'s default policy ("auto") hands the tree budget its cost model: the
+    first drafted tree has at most 2 nodes and no tree outgrows twice the largest pass measured
+    before it; the output is plain greedy."""
+    _, model = tiny
+    plain = SpeculativeDecoder(model).generate(PROMPTS, 12, 0).tokens
+    drafter = EagleDrafter(model, random_head(), tree=True, top_k=4, max_nodes=64, check_fingerprint=False)
+    widths = []
+    decoder = SpeculativeDecoder(model, drafter)
+    out = decoder.generate(
+        PROMPTS, 12, on_step=lambda st: widths.append(st.last_step.block_width if st.last_step else None)
+    )
+    assert out.tokens == plain
+    assert out.stats.policy.startswith("cost-model")
+    measured = [w for w in widths if w is not None]
+    assert measured and measured[0] <= 2
+    for i, w in enumerate(measured[1:], 1):
+        assert w <= max(2, 2 * max(measured[:i])), measured

@@ -135,8 +135,10 @@ class TreeBudget:
 
     The calibration of sequence b is ``(accepted + prior) / (predicted + prior)``: accepted
     drafts over the sum of the kept nodes' path probabilities, over its steps so far (a head
-    that is over-confident gets smaller trees).  Without a cost (no cost-model policy, or
-    before its costs are known) the budget is ``max_nodes``.
+    that is over-confident gets smaller trees).  Without a cost (no cost-model policy) the budget
+    is ``max_nodes``; with one, trees grow from 2 nodes to at most twice the largest pass it has
+    measured (``growth_limit``), so a size is chosen only once the cost of about that size is
+    known.
 
     Args:
         max_nodes: the most nodes, root included (>= 1).
@@ -176,13 +178,33 @@ class TreeBudget:
             scaled[i] = min(scaled[i], scaled[i - 1])
         return scaled
 
+    def growth_limit(self) -> Optional[int]:
+        """The most nodes a tree may have before larger passes are measured: twice the largest
+        pass the cost has measured (2 before any), so that trees grow 2, 4, 8, ... while each
+        size is measured, and a pass-cost line known only at small sizes (or at one size, where
+        it is flat) never sends a step to ``max_nodes`` untried (on a CPU a 64-node pass costs
+        about ten one-token passes).  None without a cost, or with a cost that keeps no such
+        record (fixed costs)."""
+        largest = getattr(self.cost, "largest_verified_nodes", None) if self.cost is not None else None
+        seen = largest() if callable(largest) else None
+        return None if seen is None else max(2, 2 * seen)
+
     def choose(self, b: int, values: Sequence[float]) -> int:
-        """The node count for sequence b from its candidates' path probabilities (descending)."""
+        """The node count for sequence b from its candidates' path probabilities (descending):
+        ``best_tree_size`` against the cost's step times, within ``growth_limit``; without a
+        cost, the largest tree the candidates allow; while the cost is warming up, the growth
+        limit's size."""
         cap = min(self.max_nodes, len(values) + 1)
         times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
+        limit = self.growth_limit()
         if times is None:
-            return cap
-        n = best_tree_size(self.calibrated(b, values[: cap - 1]), times, min(self.min_nodes, cap))
+            if limit is None:
+                return cap
+            n = max(min(cap, limit), min(self.min_nodes, cap))
+        else:
+            n = best_tree_size(self.calibrated(b, values[: cap - 1]), times, min(self.min_nodes, cap))
+            if limit is not None:
+                n = max(min(n, limit), min(self.min_nodes, cap))
         self.last_nodes[b] = n
         return n
 
@@ -196,7 +218,10 @@ class TreeBudget:
         shape of the cost curve; True without a cost to weigh them against; False where a
         deeper node would exceed ``depth`` or ``max_nodes``."""
         cap = min(self.max_nodes, int(depth) + 1)
-        if len(values) + 1 >= cap:  # a deeper node would not fit
+        limit = self.growth_limit()
+        if limit is not None:
+            cap = min(cap, limit)
+        if len(values) + 1 >= cap:  # a deeper node would not fit (or its size is not yet measured)
             return False
         times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
         if times is None:
@@ -580,6 +605,15 @@ class CostModelPolicy(DraftLengthPolicy):
             t = (self._draft_cost_of(source)(k) if k > 0 else 0.0) + verify
             out.append(max(t, 1e-9))
         return out
+
+    def largest_verified_nodes(self) -> Optional[int]:
+        """The most nodes per sequence of a verify pass measured so far (this request's and the
+        earlier ones' of ``state.pass_costs``), 0 before any; None with a fixed verify cost
+        (nothing to measure).  ``TreeBudget.growth_limit`` reads it."""
+        if self._verify_cost_arg is not None:
+            return None
+        line = getattr(self, "verify_cost", None)  # set by start()
+        return max(line.points, default=0) if line is not None else 0
 
     def step_times_by_nodes(self, max_nodes: int) -> Optional[List[float]]:
         """Estimated seconds of a step whose tree has n nodes per sequence, n = 0..max_nodes

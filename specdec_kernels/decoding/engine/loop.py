@@ -300,8 +300,12 @@ class SpeculativeDecoder:
         max_draft_nodes: the most tree nodes (root included) one step may feed; drafts are
             cut to it (and to the cache's capacity).
         policy: the draft-length policy ``generate`` uses when it is given no
-            ``num_draft_tokens``: None (a fixed K of 4), "auto" (``adaptive.default_policy``
-            of the drafter), "heuristic", "cost-model", "fixed", or a ``DraftLengthPolicy``.
+            ``num_draft_tokens``: "auto" (default: ``adaptive.default_policy`` of the drafter,
+            a cost model of the measured acceptance and pass cost, which also sizes the trees
+            of drafters with a tree budget, so that a default run drafts only where drafting
+            pays on the machine at hand; with ``coupling="rejection"``, whose tokens depend on
+            K, the drafter's fixed default K instead), None (a fixed K of 4), "heuristic",
+            "cost-model", "fixed", or a ``DraftLengthPolicy``.
         typical: None (default): lossless verification.  A float epsilon in (0, 1]: at
             temperature > 0 use typical acceptance (Medusa, Cai et al. 2024, §2.3.1: accept
             x when p(x) > min(epsilon, delta * exp(-H(p)))) for chains and trees.  LOSSY:
@@ -348,7 +352,7 @@ class SpeculativeDecoder:
         stop_check: Optional[Callable[[int, List[int], List[int]], Optional[int]]] = None,
         prefill_chunk: int = 512,
         max_draft_nodes: int = 128,
-        policy=None,
+        policy="auto",
         typical: Optional[float] = None,
         typical_alpha: Optional[float] = None,
         block_size: Optional[int] = None,
@@ -433,8 +437,8 @@ class SpeculativeDecoder:
             max_new_tokens: an int, or one per prompt.
             num_draft_tokens: the draft depth K per step: an int, a list (one per sequence),
                 ``schedule(step, state)`` returning either, or a ``DraftLengthPolicy``
-                (``adaptive.py``) consulted every step.  None: the decoder's ``policy``,
-                or K = 4 when it has none.
+                (``adaptive.py``) consulted every step.  None: the decoder's ``policy``
+                (by default "auto"), or K = 4 when it is None.
             sampling: temperature / top-k / top-p and coupling; default greedy.
             seeds: per-sequence seeds (list), a base seed (int; sequence b uses seed + b) or
                 None.  With the default Gumbel coupling sequence b's sampled tokens depend
@@ -470,7 +474,13 @@ class SpeculativeDecoder:
         """``generate``'s body (the caller holds ``_in_use``)."""
         t0 = time.perf_counter()
         if num_draft_tokens is None:
-            num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
+            rejection = (
+                isinstance(sampling, SamplingParams) and not sampling.greedy and sampling.coupling == "rejection"
+            )
+            if rejection and isinstance(self.policy, str) and self.policy == "auto":
+                num_draft_tokens = resolve_policy("fixed", self.drafter)  # K must not follow the timing
+            else:
+                num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
         policy = num_draft_tokens if isinstance(num_draft_tokens, DraftLengthPolicy) else None
         if (
             isinstance(sampling, SamplingParams)
