@@ -514,6 +514,24 @@ def build_drafter(args, model, name=None):
     return None
 
 
+def draft_schedule(args: argparse.Namespace, drafter):
+    """What ``generate`` gets as ``num_draft_tokens`` for the parsed flags ``args`` and the
+    drafter ``build_drafter`` made: by default (no --adaptive / --no-adaptive / --policy) the
+    drafter's ``adaptive.default_policy`` (a cost model of the measured acceptance and pass
+    cost, which also sizes tree budgets); --adaptive or --policy the named policy up to K;
+    --no-adaptive the fixed K (``--num-draft-tokens``, else the drafter's ``DEFAULT_K``).
+    ``bench.defaults`` times the CLI's defaults through this same function."""
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, HeuristicPolicy, default_policy
+
+    k = args.num_draft_tokens if args.num_draft_tokens is not None else DEFAULT_K[args.drafter]
+    explicit = args.adaptive or (args.adaptive is None and args.policy_given)
+    if explicit and k > 0:
+        return CostModelPolicy(0, k) if args.policy == "cost-model" else HeuristicPolicy(k_max=k)
+    if args.adaptive is None:
+        return default_policy(drafter, k)
+    return k
+
+
 class _Stream:
     """Prints the generated text as it grows (after every decode step), so a long generation
     is never silent and an interrupted one keeps what was generated."""
@@ -578,15 +596,7 @@ def _run(args: argparse.Namespace) -> int:
     stops = [tok.eos_token_id]
 
     drafter = build_drafter(args, model)
-    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, HeuristicPolicy, default_policy
-
-    explicit = args.adaptive or (args.adaptive is None and args.policy_given)
-    if explicit and k > 0:
-        schedule = CostModelPolicy(0, k) if args.policy == "cost-model" else HeuristicPolicy(k_max=k)
-    elif args.adaptive is None:
-        schedule = default_policy(drafter, k)
-    else:
-        schedule = k
+    schedule = draft_schedule(args, drafter)
     decoder = SpeculativeDecoder(
         model,
         drafter,

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from specdec_kernels.bench import e2e, flashinfer_side, kernels, policies, static, step_cost, threads
+from specdec_kernels.bench import defaults, e2e, flashinfer_side, kernels, policies, static, step_cost, threads
 from specdec_kernels.bench import vllm as bench_vllm
 from specdec_kernels.decoding import have_smollm2, loading
 
@@ -54,6 +54,11 @@ CASES = [
     # bench.vllm
     (bench_vllm.main, VLLM + ["--num-speculative-tokens", "1000"], "--num-speculative-tokens"),
     (bench_vllm.main, VLLM + ["--categories", "no-such-category", "--out", "{tmp}"], "--categories"),
+    # bench.defaults
+    (defaults.main, ["--numerics", "int4"], "--numerics"),
+    (defaults.main, ["--methods", "ngram,no-such-drafter"], "--methods"),
+    (defaults.main, ["--rounds", "0"], "--rounds"),
+    (defaults.main, ["--max-new-tokens", "0"], "--max-new-tokens"),
     # bench.policies
     (policies.main, ["--ids", "1"], "--ids"),
     (policies.main, ["--ids", "125,x"], "--ids"),
