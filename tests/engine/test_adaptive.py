@@ -248,6 +248,9 @@ def test_policy_resolution_and_bad_arguments(tiny):
     assert isinstance(resolve_policy("cost-model", layerskip), CostModelPolicy)
     assert isinstance(default_policy(layerskip), CostModelPolicy)
     assert isinstance(default_policy(ngram), CostModelPolicy) and isinstance(default_policy(None), FixedPolicy)
+    # drafts that cost a model pass warm up cheaply (from K = 1, 2 steps); free drafts from K = 4, 6 steps
+    costly, free = default_policy(layerskip), default_policy(ngram)
+    assert (costly.k_init, costly.warmup) == (1, 2) and (free.k_init, free.warmup) == (4, 6)
     with pytest.raises(ValueError, match="policy"):
         SpeculativeDecoder(model, ngram, policy="fastest")
     with pytest.raises(TypeError, match="policy"):
