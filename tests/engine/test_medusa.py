@@ -969,3 +969,41 @@ def test_real_greedy_equals_plain_greedy(real, tree):
     model = real[0]
     s = real_stats_equal_to_greedy(real, MedusaDrafter(model, tree=tree), 4)
     assert s.accepted_draft_tokens > 0 and s.mean_accepted_length > 1.0
+
+
+@pytest.mark.parametrize("conditioned", [False, True], ids=["plain-heads", "token-conditioned"])
+@pytest.mark.parametrize(
+    "verify_cost, expect_small", [((1.0, 0.5), True), ((1.0, 0.0), False)], ids=["steep-cpu", "flat-gpu"]
+)
+def test_medusa_tree_is_sized_by_the_cost_and_stays_greedy(tiny, conditioned, verify_cost, expect_small):
+    """``size_by_cost`` (the default): each step keeps the nodes of highest path probability
+    that pay against the pass cost.  A steep cost (each extra token half a pass) keeps small
+    trees, a flat one the whole tree up to depth K; a kept node's parent is always kept (the
+    trees are valid) and the output is plain greedy either way."""
+    from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
+
+    plain = SpeculativeDecoder(tiny).generate(PROMPTS, 12, 0).tokens
+    drafter = MedusaDrafter(tiny, random_heads(3, conditioned=conditioned), tree=True, check_fingerprint=False)
+    full = len(drafter.tree_parents)
+    sizes = []
+    original = drafter._tree_draft
+
+    def recording(*args, **kwargs):
+        draft = original(*args, **kwargs)
+        sizes.extend(int(n) for n in draft.num_nodes)
+        return draft
+
+    drafter._tree_draft = recording
+    policy = CostModelPolicy(0, 3, warmup=0, explore_every=0, draft_cost=(0.0, 0.01), verify_cost=verify_cost)
+    out = SpeculativeDecoder(tiny, drafter).generate(PROMPTS, 12, policy)
+    assert out.tokens == plain
+    drafted = [n for n in sizes if n > 1]
+    assert drafted
+    if expect_small:
+        assert max(drafted) <= 4 < full
+    else:
+        assert max(drafted) == full  # depth 3 reaches every node of the 3-head tree
+    assert drafter.budget.cost is None  # handed back after the run
+    with pytest.raises(TypeError, match="size_by_cost"):
+        MedusaDrafter(tiny, random_heads(3), tree=True, size_by_cost=1)
+    assert MedusaDrafter(tiny, random_heads(3), tree=True, size_by_cost=False).budget is None

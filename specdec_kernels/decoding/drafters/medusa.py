@@ -77,6 +77,7 @@ from torch import nn
 from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
+from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.loading import MODEL_NAME
 from specdec_kernels.decoding.model import Transformer, linear, rotate
 from specdec_kernels.tree import medusa_choices_to_tree
@@ -438,6 +439,10 @@ class MedusaDrafter(Drafter):
         max_nodes: keep at most this many tree nodes (root included), in the tree's order
             (by depth, then ranks); None keeps all.
         check_fingerprint: warn when the heads were trained on another model.
+        size_by_cost: with ``tree``, each step keep per sequence only the nodes that maximise
+            expected tokens per second against the measured pass cost (``adaptive.TreeBudget``,
+            EAGLE-2's rule over the heads' path probabilities; trees grow from 2 nodes as the
+            cost of larger passes is measured); False keeps the whole tree up to depth K.
 
     The depth of a draft is min(K, number of heads); a tree keeps its nodes of depth <= K.
     A sequence whose hidden state is unknown (a one-token prompt's first step) gets no drafts.
@@ -446,6 +451,7 @@ class MedusaDrafter(Drafter):
         ValueError: heads whose hidden size differs from the model's, heads whose weights are
             not all finite (``HeadFile.check_finite``: the message names the heads, their file
             and the weight), an empty choice list, max_nodes < 1.
+        TypeError: size_by_cost not a bool.
     """
 
     name = "medusa"
@@ -460,9 +466,12 @@ class MedusaDrafter(Drafter):
         choices: Optional[Sequence[Sequence[int]]] = None,
         max_nodes: Optional[int] = None,
         check_fingerprint: bool = True,
+        size_by_cost: bool = True,
     ):
         if max_nodes is not None and max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        if not isinstance(size_by_cost, bool):
+            raise TypeError(f"size_by_cost must be True or False, got {size_by_cost!r}")
         self.model = model
         self.heads = heads = MedusaHeads.for_target(heads, model, check_fingerprint=check_fingerprint)
         self.tree = tree
@@ -484,6 +493,9 @@ class MedusaDrafter(Drafter):
             self._is_chain = [all(continues[:m]) for m in range(n)]
             self.choices = list(t.choices[: n - 1])
             self.name = "medusa-tree"
+            # the tree's nodes kept per sequence and step by the measured pass cost (EAGLE-2's
+            # rule over the heads' path probabilities; the engine hands the budget its cost)
+            self.budget = TreeBudget(n) if size_by_cost else None
             if heads.token_conditioned:
                 # Per depth d < the tree's depth: the nodes of depth d that have children
                 # (each needs one head step along its own path), their parents' slots among
@@ -504,6 +516,8 @@ class MedusaDrafter(Drafter):
                 self._child_slot = [as_t([slot[par[i]] for i in c]) for c in kids]
                 self._child_rank = [self._rank_of_node.to(model.device)[c] for c in self._child_idx]
                 self._child_width = [int(r.max()) + 1 for r in self._child_rank]
+        if not tree:
+            self.budget = None
         self.context_window = self.heads.context_window  # > 0: the engine calls observe_context
         self._hidden: Optional[torch.Tensor] = None
         self._known: List[bool] = []
@@ -520,10 +534,19 @@ class MedusaDrafter(Drafter):
 
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
+        if self.budget is not None:
+            self.budget.start(len(histories))
         self._hidden = None
         self._known = [False] * len(histories)
         self._context = [None] * len(histories)
         self._context_end = [-1] * len(histories)
+
+    def observe(self, accepted_nodes, num_accepted, active) -> None:
+        """Counts each sequence's accepted drafts for the tree budget's calibration."""
+        if self.budget is not None:
+            for b, (n, a) in enumerate(zip(num_accepted.tolist(), active)):
+                if a:
+                    self.budget.update(b, int(n))
 
     def observe_hidden(self, hidden: torch.Tensor, active) -> None:
         self._hidden = hidden
@@ -586,10 +609,12 @@ class MedusaDrafter(Drafter):
         if not self.tree:
             return self._chain_draft(roots, logits.argmax(dim=-1), depth)
         N = bisect_right(self.tree_depths, D)
-        top = logits.topk(self._width, dim=-1).indices.cpu()  # (B, D, width)
+        best = logits.float().log_softmax(dim=-1).topk(self._width, dim=-1)
+        top = best.indices.cpu()  # (B, D, width)
         tokens = top[:, self._head_of_node[:N], self._rank_of_node[:N]]  # (B, N)
         tokens[:, 0] = torch.tensor(roots, dtype=torch.int64)
-        return self._tree_draft(tokens, depth)
+        node_lp = best.values.cpu()[:, self._head_of_node[:N], self._rank_of_node[:N]]  # (B, N)
+        return self._tree_draft(tokens, depth, node_lp)
 
     # ------------------------------------------------------------------ chain distributions
     @torch.inference_mode()
@@ -644,13 +669,37 @@ class MedusaDrafter(Drafter):
             [([r] + best[b][: depth[b]], chain_parents(depth[b] + 1)) for b, r in enumerate(roots)], is_chain=True
         )
 
-    def _tree_draft(self, tokens: torch.Tensor, depth: List[int]) -> Draft:
+    def _tree_draft(self, tokens: torch.Tensor, depth: List[int], node_lp: Optional[torch.Tensor] = None) -> Draft:
         """The static tree's first N nodes with these tokens (B, N); each sequence keeps
-        the nodes no deeper than its depth[b]."""
+        the nodes no deeper than its depth[b].  With a tree budget (``size_by_cost``) and the
+        nodes' own log-probabilities ``node_lp`` (B, N), each sequence keeps only the n - 1
+        nodes of highest path probability (the product along the path: a child never above
+        its parent, so the kept nodes hold their ancestors), n from ``TreeBudget.choose``."""
         B, N = tokens.shape
         num_nodes = torch.tensor([bisect_right(self.tree_depths, d) for d in depth], dtype=torch.int64)
         par = self.tree_parents[:N].expand(B, N).clone()
-        return Draft(tokens.cpu(), par, num_nodes, None, is_chain=self._is_chain[N - 1])
+        if self.budget is None or node_lp is None:
+            return Draft(tokens.cpu(), par, num_nodes, None, is_chain=self._is_chain[N - 1])
+        parents = self.tree_parents[:N].tolist()
+        path = node_lp.clone()
+        for i in range(1, N):  # nodes by depth: a parent's path sum is final before its children's
+            if parents[i] > 0:
+                path[:, i] += path[:, parents[i]]
+        toks = tokens.cpu().tolist()
+        trees = []
+        for b in range(B):
+            m = int(num_nodes[b])
+            if m <= 1:
+                trees.append(([toks[b][0]], [-1]))
+                continue
+            values = path[b, 1:m].exp().tolist()
+            order = sorted(range(1, m), key=lambda i: (-values[i - 1], i))  # ties: the earlier (a parent) first
+            n = self.budget.choose(b, [values[i - 1] for i in order])
+            kept = sorted([0] + order[: n - 1])
+            self.budget.kept(b, [values[i - 1] for i in order[: n - 1]])
+            slot = {node: j for j, node in enumerate(kept)}
+            trees.append(([toks[b][i] for i in kept], [-1] + [slot[parents[i]] for i in kept[1:]]))
+        return Draft.from_lists(trees, is_chain=False)
 
     def _propose_conditioned(self, roots: List[int], depth: List[int], D: int, hidden: torch.Tensor) -> Draft:
         """Token-conditioned heads: every node's children come from the head state of the
@@ -668,11 +717,14 @@ class MedusaDrafter(Drafter):
         N = bisect_right(self.tree_depths, D)
         tokens = torch.empty(B, N, dtype=torch.int64, device=E.device)
         tokens[:, 0] = root_t
+        node_lp = torch.zeros(B, N, dtype=torch.float32, device=E.device)  # each node's own log-probability
         states = hidden.unsqueeze(1)  # the head states of the previous depth's expanders; the root's: h_t
         for d in range(D):
             states = self.heads.step(
                 d, states[:, self._expand_parent_slot[d]], E[tokens[:, self._expand_idx[d]]]
             )  # (B, n_d, hidden)
-            top = linear(states.to(W_out.dtype), W_out).topk(self._child_width[d], dim=-1).indices  # (B, n_d, width)
-            tokens[:, self._child_idx[d]] = top[:, self._child_slot[d], self._child_rank[d]]
-        return self._tree_draft(tokens, depth)
+            logits = linear(states.to(W_out.dtype), W_out)
+            top = logits.float().log_softmax(dim=-1).topk(self._child_width[d], dim=-1)  # (B, n_d, width)
+            tokens[:, self._child_idx[d]] = top.indices[:, self._child_slot[d], self._child_rank[d]]
+            node_lp[:, self._child_idx[d]] = top.values[:, self._child_slot[d], self._child_rank[d]]
+        return self._tree_draft(tokens, depth, node_lp.cpu())
