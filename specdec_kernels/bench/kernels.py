@@ -309,14 +309,14 @@ def _make_compact(s, dtype, device):
     counts = torch.randint(M // 2, M + 1, (B,), generator=g).to(device)
     moved = int(counts.sum()) * L * 2 * Hkv * D * cache.element_size()
     return dict(
-        kv_cache=cache, cache_seqlens=seqlens, accepted_indices=indices, num_accepted=counts, bytes=2 * moved, **paged
+        kv_cache=cache, cache_seqlens=seqlens, accepted_indices=indices, num_slots=counts, bytes=2 * moved, **paged
     )
 
 
 def _index_select_loop(i):
     """The plain PyTorch way: per layer, index_select the accepted rows and copy_ them back
     (paged: of the pool seen as [num_blocks * block_size, Hkv, D] rows, at physical slots)."""
-    cache, seqlens, idx, counts = i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_accepted"]
+    cache, seqlens, idx, counts = i["kv_cache"], i["cache_seqlens"], i["accepted_indices"], i["num_slots"]
     if "block_table" in i:
         table, bs = i["block_table"].long(), cache.shape[3]
         src, dst = [], []
@@ -407,7 +407,7 @@ ENTRIES = [
         "compact_kv_cache",
         _compact_shapes,
         _make_compact,
-        ("kv_cache", "cache_seqlens", "accepted_indices", "num_accepted"),
+        ("kv_cache", "cache_seqlens", "accepted_indices", "num_slots"),
         ("block_table", "kv_layout"),
         baselines={"index_select_loop": _index_select_loop},
     ),
