@@ -544,9 +544,7 @@ class MedusaDrafter(Drafter):
     def observe(self, accepted_nodes, num_accepted, active) -> None:
         """Counts each sequence's accepted drafts for the tree budget's calibration."""
         if self.budget is not None:
-            for b, (n, a) in enumerate(zip(num_accepted.tolist(), active)):
-                if a:
-                    self.budget.update(b, int(n))
+            self.budget.observe(num_accepted, active)
 
     def observe_hidden(self, hidden: torch.Tensor, active) -> None:
         self._hidden = hidden

@@ -245,6 +245,13 @@ class TreeBudget:
         """The path probabilities of the nodes sequence b's draft keeps (its prediction)."""
         self.last_predicted[b] = float(sum(values))
 
+    def observe(self, num_accepted, active) -> None:
+        """A step's accepted drafts per sequence (``num_accepted`` (B,), ``active`` (B,) bools):
+        ``update`` for each active sequence (what a drafter's ``observe`` hands on)."""
+        for b, (n, a) in enumerate(zip(num_accepted.tolist(), active)):
+            if a:
+                self.update(b, int(n))
+
     def update(self, b: int, num_accepted: int) -> None:
         """Sequence b accepted ``num_accepted`` drafts of the tree it was last given."""
         self.predicted[b] += self.last_predicted[b]
