@@ -20,6 +20,7 @@ from specdec_kernels.decoding import (
 )
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.engine.adaptive import (
+    EXPLORE_BACKOFF,
     CostModelPolicy,
     FixedPolicy,
     HeuristicPolicy,
@@ -225,6 +226,31 @@ def test_cost_model_explores_and_warms_up():
     assert policy.steps == 4 and policy.choose(state) == [1, 1]  # drafts cost 10x: K = 0, probed at 1
     policy.update(state, record([1, 1], [1, 1], [0, 1]))
     assert policy.choose(state) == [0, 0]
+
+
+def test_cost_model_probes_back_off_while_drafts_do_not_pay():
+    """A sequence that keeps choosing K = 0 probes at step explore_every, then at gaps doubled
+    up to EXPLORE_BACKOFF x explore_every; one whose drafts pay probes every explore_every."""
+    state = SimpleNamespace(batch_size=1)
+    costly = CostModelPolicy(0, 4, warmup=0, explore_every=2, draft_cost=(0, 10.0), verify_cost=(1, 0))
+    costly.start(state)
+    probes = []
+    for step in range(80):
+        k = costly.choose(state)[0]
+        if k > 0:
+            probes.append(step)
+        costly.update(state, record([k], [k], [0]))  # nothing accepted
+    assert probes == [2, 6, 14, 30, 46, 62, 78]  # gaps 4, 8, 16, then EXPLORE_BACKOFF * 2
+    assert EXPLORE_BACKOFF == 8 and costly.probe_gap == [16]
+    cheap = CostModelPolicy(0, 3, warmup=0, explore_every=2, draft_cost=(0, 1e-4), verify_cost=(1, 0))
+    cheap.start(state)
+    probed = []
+    for step in range(40):
+        k = cheap.choose(state)[0]
+        probed.append(cheap.next_probe[0])
+        cheap.update(state, record([k], [k], [k]))  # every draft accepted
+    assert cheap.probe_gap == [2]  # drafting pays: the gap never grows
+    assert sorted(set(probed)) == list(range(2, 42, 2))
 
 
 def test_linear_cost():

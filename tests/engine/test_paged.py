@@ -111,7 +111,12 @@ DRAFTERS = {
     "ngram-tree": lambda m: NgramDrafter(tree=True),
     "layerskip-chain": lambda m: LayerSkipDrafter(m, 1),
     "layerskip-tree": lambda m: LayerSkipDrafter(m, 2, tree_widths=(2, 2)),
+    # a cache of its own (paged like the target's) instead of the target's
+    "layerskip-tree-own": lambda m: LayerSkipDrafter(m, 2, tree_widths=(2, 2), share_target_cache=False),
     "multi": lambda m: MultiDrafter([NgramDrafter(), LayerSkipDrafter(m, 1, tree_widths=(2,))]),
+    "multi-own": lambda m: MultiDrafter(
+        [NgramDrafter(), LayerSkipDrafter(m, 1, tree_widths=(2,), share_target_cache=False)]
+    ),
 }
 
 
@@ -132,9 +137,12 @@ CASES = [
     ("layerskip-tree", 1),
     ("layerskip-tree", 7),
     ("layerskip-tree", 16),
+    ("layerskip-tree-own", 1),
+    ("layerskip-tree-own", 7),
     ("ngram-tree", 16),
     ("layerskip-chain", 16),
     ("multi", 7),
+    ("multi-own", 7),
 ]
 
 
@@ -158,10 +166,13 @@ def test_shared_prefix_equals_each_prompt_alone(tiny, one_thread, name, block_si
     assert unshared.tokens == alone
     assert s.prefill_tokens < unshared.stats.prefill_tokens
     assert s.kv_cache_bytes < unshared.stats.kv_cache_bytes
-    if name.startswith("layerskip") or name == "multi":
-        # the drafter's prefill shares the prefix too: at least the shared positions fewer
+    if name.endswith("-own"):
+        # the drafter's own prefill shares the prefix too: at least the shared positions fewer
         assert s.draft_model_tokens <= unshared.stats.draft_model_tokens - 3 * len(SYSTEM) + 3 * len(QUESTIONS[-1])
         assert s.draft_model_tokens < unshared.stats.draft_model_tokens
+    elif name != "none" and name != "ngram-tree":
+        # a drafter on the target's cache feeds no prompt at all: the same tokens either way
+        assert s.draft_model_tokens == unshared.stats.draft_model_tokens
 
 
 def test_shared_prefix_sampling_follows_seeds(tiny, one_thread):  # noqa: F811
@@ -225,7 +236,9 @@ def test_real_model_shared_system_prompt(real_model, one_thread):  # noqa: F811
         )
         for q in QUESTION_TEXTS
     ]
-    make = lambda: LayerSkipDrafter(model, 24, tree_widths=(2, 2))  # noqa: E731
+    # a cache of its own, so that the drafter's prefill is measured; on the target's cache it
+    # feeds no prompt (test_shared_cache.py)
+    make = lambda: LayerSkipDrafter(model, 24, tree_widths=(2, 2), share_target_cache=False)  # noqa: E731
     stop = [tok.eos_token_id]
     alone = [
         SpeculativeDecoder(model, make(), stop_token_ids=stop).generate([p], 16, num_draft_tokens=3) for p in prompts

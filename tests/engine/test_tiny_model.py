@@ -90,6 +90,10 @@ def drafters(model):
         "layerskip-tree": LayerSkipDrafter(model, 2, tree_widths=(2, 2)),
         "draftmodel-chain": DraftModelDrafter(model.truncated(1)),
         "draftmodel-tree": DraftModelDrafter(model.truncated(1), tree_widths=(3, 1, 2)),
+        # caches of their own instead of the target's (bind_target_cache)
+        "layerskip-chain-own": LayerSkipDrafter(model, 2, share_target_cache=False),
+        "layerskip-tree-own": LayerSkipDrafter(model, 2, tree_widths=(2, 2), share_target_cache=False),
+        "draftmodel-tree-own": DraftModelDrafter(model.truncated(1), tree_widths=(3, 1, 2), share_target_cache=False),
     }
 
 
@@ -106,7 +110,17 @@ def test_plain_greedy_matches_transformers(tiny, greedy_outputs):
         assert ours == hf_greedy(hf, p, 20)
 
 
-DRAFTERS = ["ngram-chain", "ngram-tree", "layerskip-chain", "layerskip-tree", "draftmodel-chain", "draftmodel-tree"]
+DRAFTERS = [
+    "ngram-chain",
+    "ngram-tree",
+    "layerskip-chain",
+    "layerskip-tree",
+    "draftmodel-chain",
+    "draftmodel-tree",
+    "layerskip-chain-own",
+    "layerskip-tree-own",
+    "draftmodel-tree-own",
+]
 
 
 @pytest.mark.parametrize("name", DRAFTERS)

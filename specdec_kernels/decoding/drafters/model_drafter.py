@@ -21,6 +21,14 @@ returned as ``Draft.probs``.
 
 ``observe`` compacts the drafter's cache to the accepted path (``compact_kv_cache``), so
 the accepted drafts it had fed need not be fed again.
+
+When the layers it runs are the target's own first layers (``LayerSkipDrafter``, or a draft
+model made by ``Transformer.truncated``), the engine hands it the target's KV cache
+(``bind_target_cache``): those layers' keys and values of every committed token are already
+there (the same layers over the same tokens), so it keeps no cache of its own, never feeds
+the prompt, and feeds only the root at each step.  Its draft nodes go to the slots past
+the committed tokens, which the target's verification pass overwrites before it reads them:
+the output does not change.
 """
 
 from __future__ import annotations
@@ -66,6 +74,9 @@ class ModelDrafter(Drafter):
         max_nodes: the most tree nodes, root included.
         deterministic: draft the top tokens even when sampling (the verifier then treats q as
             one-hot); by default a sampling run samples the drafts.
+        share_target_cache: True (default): when the layers it runs are the target's own
+            (``bind_target_cache``), read and write the target's KV cache instead of a cache of
+            its own; False always keeps its own (and feeds the prompt through its layers).
 
     Raises:
         ValueError: num_layers outside 1..model layers, a width < 1, max_nodes < 2.
@@ -81,6 +92,7 @@ class ModelDrafter(Drafter):
         tree_widths: Optional[Sequence[int]] = None,
         max_nodes: int = 64,
         deterministic: bool = False,
+        share_target_cache: bool = True,
     ):
         L = model.args.num_layers
         if num_layers is not None and not 1 <= num_layers <= L:
@@ -94,6 +106,33 @@ class ModelDrafter(Drafter):
         self.tree_widths = tuple(tree_widths) if tree_widths is not None else None
         self.max_nodes = max_nodes
         self.deterministic = deterministic
+        self.share_target_cache = bool(share_target_cache)
+        self._target_cache = None
+
+    def bind_target_cache(self, target: Transformer, kv_cache) -> bool:
+        """Called by the engine before ``start`` with its target model and KV cache (dense
+        tensor or ``paged.PagedKVCache``), or with None for either: when the drafter's model
+        and ``target`` are ``Transformer``s and the drafter's embeddings and the layers it runs
+        are the very modules of ``target``'s first layers (same weights, dtype and device), and
+        ``share_target_cache`` is set, the drafter reads and writes ``kv_cache`` instead of
+        allocating its own (module docstring).  Returns whether it shares.  A drafter object
+        shares with at most one engine run at a time: the next call rebinds it."""
+        m = self.model
+        shares = (
+            self.share_target_cache
+            and isinstance(m, Transformer)  # our model: a transformers adapter keeps its own
+            and isinstance(target, Transformer)
+            and kv_cache is not None
+            and m.tok_embeddings is target.tok_embeddings
+            and len(target.layers) >= self.num_layers
+            and all(a is b for a, b in zip(m.layers[: self.num_layers], target.layers))
+            and m.dtype == target.dtype
+            and m.device == target.device
+            and m.args.num_kv_heads == target.args.num_kv_heads
+            and m.args.head_dim == target.args.head_dim
+        )
+        self._target_cache = kv_cache if shares else None
+        return shares
 
     @property
     def vocab_size(self) -> int:
@@ -102,7 +141,11 @@ class ModelDrafter(Drafter):
     def start(self, histories, capacity, sampling, generators) -> None:
         super().start(histories, capacity, sampling, generators)
         layout = getattr(self, "cache_layout", None)
-        if layout is not None and layout.paged:
+        self._shared = self._target_cache is not None
+        if self._shared:  # the target's cache holds every committed token but the root
+            self.cache = self._target_cache
+            self._prefill_pending = False
+        elif layout is not None and layout.paged:
             # the drafter's cache holds each prompt but its last token (the root) before drafting
             self.cache = PagedKVCache.allocate(
                 self.model, [list(h[:-1]) for h in histories], capacity, layout, self.num_layers
@@ -119,9 +162,10 @@ class ModelDrafter(Drafter):
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the drafter's KV cache (0 before ``start``)."""
+        """Bytes of the drafter's own KV cache (0 before ``start`` and when it shares the
+        target's)."""
         cache = getattr(self, "cache", None)
-        if cache is None:
+        if cache is None or getattr(self, "_shared", False):
             return 0
         return cache.nbytes if isinstance(cache, PagedKVCache) else cache.numel() * cache.element_size()
 
@@ -172,6 +216,8 @@ class ModelDrafter(Drafter):
         if self._prefill_pending:
             self._prefill_paged(histories)
         B = len(histories)
+        if self._shared:  # the target's cache: every committed token but the root is in it
+            self.seqlens = [len(h) - 1 for h in histories]
         pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
         P = max(len(p) for p in pending)
         block = [p + [0] * (P - len(p)) for p in pending]
@@ -292,6 +338,9 @@ class ModelDrafter(Drafter):
     def observe(self, accepted_nodes, num_accepted, active) -> None:
         if self._root_slot is None:
             return
+        if self._shared:  # the target compacted its cache; the next propose reads its lengths
+            self._root_slot = None
+            return
         fed = num_accepted.clamp(max=self._fed_depth)  # accepted drafts whose K/V the drafter wrote
         count = torch.where(torch.tensor(list(active), dtype=torch.bool), fed + 1, 0)
         root = torch.tensor(self._root_slot, dtype=torch.int64)
@@ -315,7 +364,8 @@ class ModelDrafter(Drafter):
 class LayerSkipDrafter(ModelDrafter):
     """Self-speculative drafting: the target's first ``num_layers`` layers, then its own final
     norm and head (as in LayerSkip, Elhoushi et al. 2024, and Draft & Verify, Zhang et al.
-    2024), with a KV cache of its own."""
+    2024).  Run by the engine of ``target``, it reads and writes the target's own KV cache
+    (module docstring); ``share_target_cache=False`` gives it one of its own."""
 
     name = "layerskip"
 
@@ -327,9 +377,15 @@ class LayerSkipDrafter(ModelDrafter):
         tree_widths=None,
         max_nodes: int = 64,
         deterministic: bool = False,
+        share_target_cache: bool = True,
     ):
         super().__init__(
-            target, num_layers=num_layers, tree_widths=tree_widths, max_nodes=max_nodes, deterministic=deterministic
+            target,
+            num_layers=num_layers,
+            tree_widths=tree_widths,
+            max_nodes=max_nodes,
+            deterministic=deterministic,
+            share_target_cache=share_target_cache,
         )
 
 

@@ -350,6 +350,16 @@ class MultiDrafter(Drafter):
             if hasattr(d, "set_cache_layout"):
                 d.set_cache_layout(layout)
 
+    def bind_target_cache(self, target, kv_cache) -> bool:
+        """The target's KV cache goes to the first sub-drafter that can share it
+        (``ModelDrafter.bind_target_cache``); the others keep caches of their own, so no two
+        drafters write draft nodes into the same slots.  Returns whether one shares."""
+        shared = False
+        for d in self.drafters:
+            if hasattr(d, "bind_target_cache"):
+                shared = bool(d.bind_target_cache(target, None if shared else kv_cache)) or shared
+        return shared
+
     @property
     def model_tokens(self) -> int:
         """Tokens fed through the sub-drafters' models (see ``DecodeStats.draft_model_tokens``)."""

@@ -420,6 +420,9 @@ class LinearCost:
         return coef[0] + coef[1] * x
 
 
+EXPLORE_BACKOFF = 8  # CostModelPolicy: the largest gap between probes, in units of explore_every
+
+
 class CostModelPolicy(DraftLengthPolicy):
     """Choose K maximising expected tokens per second from measured rates and costs.
 
@@ -445,10 +448,15 @@ class CostModelPolicy(DraftLengthPolicy):
     Every choice is ``best_draft_length(rates, [t_draft(K) + t_verify(nodes(K))])``.
 
     Exploration: the first ``warmup`` steps follow ``HeuristicPolicy`` (which varies K and
-    so the points the costs are fitted to); afterwards, every ``explore_every`` steps a
-    sequence drafts one token more than its choice (at most k_max), so that the rate of
-    the next position keeps being measured (a sequence that chose K = 0 would otherwise
-    never learn that drafting pays again).
+    so the points the costs are fitted to); afterwards a sequence probes one token more
+    than its choice (at most k_max), first at step ``explore_every``, so that the rate of the
+    next position keeps being measured (a sequence that chose K = 0 would otherwise never
+    learn that drafting pays again).  The gap to its next probe is ``explore_every`` while it
+    drafts, and doubles (up to ``EXPLORE_BACKOFF`` times ``explore_every``) at each probe
+    that finds it still choosing k_min: a probe of a drafter that costs a model pass is paid
+    in full when it does not pay, so a sequence that keeps finding so probes ever more
+    rarely (bench.defaults, 2026-12-06: layer-skip and the draft model on the demo prompts
+    probed 7 times in 64 steps at a fixed gap of 8; with the back-off, 3).
 
     The costs are per batch step while the rates are per sequence: each sequence's K is
     chosen as if its step cost the whole batch's (exact for batch 1).
@@ -470,7 +478,8 @@ class CostModelPolicy(DraftLengthPolicy):
             drafting when drafts do not pay.
         k_init: K of the warm-up's first step (default: min(4, k_max)).
         warmup: steps driven by the heuristic before the cost model decides.
-        explore_every: probe one position deeper every this many steps (0: never).
+        explore_every: the first probe's step, and the gap between probes of a sequence
+            that drafts (0: never probe); doubled per probe while it keeps choosing k_min.
         prior_ratio, prior_strength, seq_prior: the pseudo-counts above.
         draft_cost, verify_cost: fixed (a, b) cost lines instead of measured ones.
 
@@ -545,6 +554,9 @@ class CostModelPolicy(DraftLengthPolicy):
         self.heuristic.start(state)
         self.last_choice = [self.k_init] * B
         self.last_sources = [0] * B
+        # per sequence: the step of its next probe, and the gap after it
+        self.next_probe = [self.explore_every] * B
+        self.probe_gap = [self.explore_every] * B
 
     def _new_draft_line(self) -> LinearCost:
         """A draft-cost line: the fixed ``draft_cost`` given, else one fitted, proportional to K."""
@@ -649,10 +661,22 @@ class CostModelPolicy(DraftLengthPolicy):
                 best_draft_length(self.sequence_rates(b, batch[s], s), times[s], self.k_min)
                 for b, s in enumerate(self.last_sources)
             ]
-            if self.explore_every and self.steps % self.explore_every == 0:
-                choice = [min(k + 1, self.k_max) for k in choice]
+            if self.explore_every:
+                choice = [self._probe(b, k) for b, k in enumerate(choice)]
         self.last_choice = choice
         return list(choice)
+
+    def _probe(self, b: int, k: int) -> int:
+        """Sequence b's K at this step given the cost model's choice k: one more at its probe
+        steps (class docstring), whose gap doubles while k stays k_min."""
+        if self.steps < self.next_probe[b]:
+            return k
+        if k > self.k_min:
+            self.probe_gap[b] = self.explore_every
+        else:
+            self.probe_gap[b] = min(2 * self.probe_gap[b], EXPLORE_BACKOFF * self.explore_every)
+        self.next_probe[b] = self.steps + self.probe_gap[b]
+        return min(k + 1, self.k_max)
 
     def update(self, state, record) -> None:
         self.steps += 1
@@ -728,7 +752,8 @@ def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
     # K = 1 up, so that a drafter that does not pay on this machine costs little before the cost
     # model stops it (bench.defaults, 2026-12-06: the warm-up of 6 steps from K = 4 held EAGLE's
     # tree, Medusa's tree, layer-skip and the draft model to 0.65-0.86x plain greedy on the demo
-    # prompts; from K = 1 over 2 steps, 0.78-0.94x)
+    # prompts; from K = 1 over 2 steps, 0.78-0.94x; with layer-skip on the target's cache and
+    # probes that back off, 0.93-0.98x, docs/MEASUREMENTS.md)
     return CostModelPolicy(0, k, k_init=1, warmup=2)
 
 

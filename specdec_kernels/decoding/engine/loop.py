@@ -610,6 +610,8 @@ class SpeculativeDecoder:
         t = time.perf_counter()
         if hasattr(self.drafter, "set_cache_layout"):  # model drafters lay out their caches like the target's
             self.drafter.set_cache_layout(self.cache_layout)
+        if hasattr(self.drafter, "bind_target_cache"):  # layer-skip drafters read the target's own cache
+            self.drafter.bind_target_cache(self.model, kv_cache)
         self.drafter.coupling = state.coupling
         self.drafter.start(histories, capacity, sampling, make_generators(seeds, B, _DRAFT_SEED_OFFSET))
         if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters, fresh each run
