@@ -13,8 +13,10 @@ batch 1, greedy (temperature 0), up to --max-new-tokens new tokens, stopping at 
 * llama.cpp (llama-cpp-python, in its own environment: ``specdec_kernels/bench/llamacpp.py``) on the GGUF our
   weights come from, fed the same prompt token ids: greedy, and its prompt lookup draft model
   (``LlamaPromptLookupDecoding``, 10 and 2 tokens), ``--threads`` threads (``n_threads`` and
-  ``n_threads_batch``).  Without its environment (``bash scripts/setup_llamacpp_env.sh``)
-  these methods are reported as skipped, with the reason; nothing stands in for them.
+  ``n_threads_batch``), with its default extra weight buffers wherever a probe finds them
+  working (``llamacpp.extra_bufts_choice``; the choice is printed and in the JSON).  Without
+  its environment (``bash scripts/setup_llamacpp_env.sh``) these methods are reported as
+  skipped, with the reason; nothing stands in for them.
 
 Every output is compared token for token with our plain greedy output ("same tokens"), and
 with transformers' and llama.cpp's greedy outputs when those ran.
@@ -523,6 +525,7 @@ def llamacpp_method(name: str, num_pred_tokens: int, description: str, *, defaul
         extra = {
             "llama_cpp_python": driver.info["llama_cpp_python"],
             "use_extra_bufts": driver.info["use_extra_bufts"],
+            "extra_bufts": driver.info["extra_bufts"],
         }
         return Run(
             tokens,
@@ -951,6 +954,7 @@ def summarise(rows: List[Dict], methods: List[Method]) -> List[Dict]:
     for scope in ["overall"] + categories:
         mine = [r for r in rows if scope == "overall" or r["category"] == scope]
         speed = {m.name: _mean([r["tokens_per_s"] for r in mine if r["method"] == m.name]) for m in methods}
+        decode = {m.name: _mean([r.get("decode_tokens_per_s") for r in mine if r["method"] == m.name]) for m in methods}
         for m in methods:
             rs = [r for r in mine if r["method"] == m.name]
             same = sum(r["same_tokens"] for r in rs)
@@ -975,6 +979,7 @@ def summarise(rows: List[Dict], methods: List[Method]) -> List[Dict]:
                     "speedup_vs_greedy": _ratio(speed[m.name], speed.get("greedy")),
                     "speedup_vs_hf_greedy": _ratio(speed[m.name], speed.get("hf-greedy")),
                     "speedup_vs_llamacpp_greedy": _ratio(speed[m.name], speed.get("llamacpp-greedy")),
+                    "decode_speedup_vs_llamacpp_greedy": _ratio(decode[m.name], decode.get("llamacpp-greedy")),
                     "same_tokens": same == len(rs),
                     "same_tokens_count": f"{same}/{len(rs)}",
                     "same_as_llamacpp_greedy_count": (
@@ -1234,6 +1239,10 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
         file=sys.stderr,
     )
     print(f"# tree_attention on CPU: {config['attention_cpu_path']}", file=sys.stderr)
+    bufts = sorted({r["extra_bufts"] for r in rows if r.get("extra_bufts")})
+    config["llamacpp_extra_bufts"] = bufts[0] if len(bufts) == 1 else (bufts or None)
+    if bufts:
+        print(f"# llama.cpp weight buffers: {'; '.join(bufts)}")
     for what, counts in threads.items():
         print(
             f"# decode-step threads, {what}: " + ", ".join(f"{n} on {k} prompt(s)" for n, k in sorted(counts.items())),
@@ -1284,7 +1293,8 @@ def print_tables(
         s["ttft_ms"] = None if s.get("ttft_s") is None else 1e3 * s["ttft_s"]
     # the llama.cpp columns only when llama.cpp's greedy ran
     llamacpp = [
-        column("speedup_vs_llamacpp_greedy", "x llama.cpp", "{:.2f}"),
+        column("speedup_vs_llamacpp_greedy", "e2e x llama.cpp", "{:.2f}"),
+        column("decode_speedup_vs_llamacpp_greedy", "decode x llama.cpp", "{:.2f}"),
         column("same_as_llamacpp_greedy_count", "same as llama.cpp"),
     ]
     if not any(s.get("speedup_vs_llamacpp_greedy") is not None for s in overall):

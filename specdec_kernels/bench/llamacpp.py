@@ -13,6 +13,14 @@ benchmarks skip what needs it; nothing stands in for it.
 
 ``Driver`` starts ``specdec_kernels/bench/llamacpp_driver.py`` with that Python once and sends it JSON
 requests (see the driver's docstring); it holds the loaded models between requests.
+
+llama.cpp runs at its best: with its default extra weight buffers (``use_extra_bufts``: its
+repacked CPU weights, AMX tiles where the CPU has them) wherever they work.  On some Xeons
+with AMX the pinned version segfaults with them on the first forward (llama.cpp issue
+20824), so ``extra_bufts_choice`` decides at run time by a probe (the driver with them on, in
+a process of its own, over a prefill and a few decode passes at 1 thread and at all cores);
+``$SPECDEC_LLAMACPP_EXTRA_BUFTS`` = "on" / "off" forces the choice, "auto" (default) probes.
+The benchmarks report the choice and why.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import select
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from specdec_kernels.bench import checkout_root
 
@@ -33,7 +41,11 @@ DEFAULT_VENV = ".venv-llamacpp"
 SETUP = "bash scripts/setup_llamacpp_env.sh"
 DRIVER = Path(__file__).resolve().parent / "llamacpp_driver.py"
 
+EXTRA_BUFTS_ENV = "SPECDEC_LLAMACPP_EXTRA_BUFTS"
+PROBE_TIMEOUT_S = 240  # a probe that has not answered by then counts as failed
+
 _checked: Dict[str, Optional[str]] = {}
+_bufts: Dict[Tuple[str, str], Tuple[bool, str]] = {}
 
 
 def llamacpp_python(path: Optional[str] = None) -> str:
@@ -76,19 +88,95 @@ def gguf_path() -> str:
     return os.path.join(directory, name)
 
 
+def _driver_env(extra_bufts: bool) -> Dict[str, str]:
+    return {**os.environ, EXTRA_BUFTS_ENV: "on" if extra_bufts else "off"}
+
+
+def probe_extra_bufts(python: Optional[str] = None, model: Optional[str] = None) -> Tuple[bool, str]:
+    """Run llama.cpp with its default extra weight buffers in a process of its own: the
+    driver's ``info``, then a greedy generation of 4 tokens from a 24-token prompt (a prefill
+    of many rows, then one-token passes) at 1 thread and at ``os.cpu_count()`` threads.
+
+    Returns:
+        (True, why) when every answer came back; (False, why) when the process crashed (a
+        signal: llama.cpp issue 20824's segfault), failed, or gave no answer within
+        ``PROBE_TIMEOUT_S``; ``why`` is one line for the reports.
+    """
+    model = model or gguf_path()
+    threads = sorted({1, os.cpu_count() or 1})
+    prompt = [(37 * i + 11) % 2000 + 100 for i in range(24)]
+    requests: List[Dict[str, Any]] = [{"op": "info"}] + [
+        {"op": "generate", "model": model, "prompt": prompt, "max_new_tokens": 4, "eos": -1, "threads": t}
+        for t in threads
+    ]
+    lines = "".join(json.dumps(r) + "\n" for r in requests + [{"op": "quit"}])
+    try:
+        proc = subprocess.run(
+            [llamacpp_python(python), "-I", str(DRIVER)],
+            input=lines,
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=_driver_env(True),
+            cwd=tempfile.gettempdir(),
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"off: the probe with llama.cpp's default buffers gave no answer in {PROBE_TIMEOUT_S} s"
+    answers = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    done = [a for a in answers if a.get("ok")]
+    if proc.returncode == 0 and len(done) == len(requests):
+        if done[0].get("use_extra_bufts") is None:
+            return True, "default: this llama.cpp has no use_extra_bufts parameter (its own defaults)"
+        return True, f"on: llama.cpp's default buffers passed the probe (threads {threads})"
+    if proc.returncode < 0:
+        how = f"killed by signal {-proc.returncode}"
+    elif proc.returncode != 0:
+        how = f"exit {proc.returncode}"
+    else:
+        how = next((a["error"].splitlines()[0] for a in answers if not a.get("ok")), "answers missing")
+    return False, f"off: llama.cpp's default buffers failed the probe ({how}; llama.cpp issue 20824)"
+
+
+def extra_bufts_choice(python: Optional[str] = None, model: Optional[str] = None) -> Tuple[bool, str]:
+    """Whether the benchmarks load llama.cpp with its default extra weight buffers, and why
+    (one line): ``$SPECDEC_LLAMACPP_EXTRA_BUFTS`` "on" / "off" forces it; "auto" (default)
+    runs ``probe_extra_bufts`` once per llama.cpp Python and model file.
+
+    Raises:
+        ValueError: the variable holds anything else.
+    """
+    setting = os.environ.get(EXTRA_BUFTS_ENV, "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"${EXTRA_BUFTS_ENV} must be auto, on or off, got {setting!r}")
+    if setting != "auto":
+        return setting == "on", f"{setting}: set by ${EXTRA_BUFTS_ENV}"
+    key = (llamacpp_python(python), model or gguf_path())
+    if key not in _bufts:
+        _bufts[key] = probe_extra_bufts(python, model)
+    return _bufts[key]
+
+
 class Driver:
     """``specdec_kernels/bench/llamacpp_driver.py`` running in the llama.cpp environment; ``request`` sends it
     one request and returns its answer.  Its stderr (llama.cpp's log) goes to a temporary
     file whose end is quoted when a request fails.
 
+    Its models load with llama.cpp's default extra weight buffers or without them, as
+    ``extra_bufts_choice`` decides (``extra_bufts``: None decides so; a bool forces it);
+    ``info["extra_bufts"]`` says which and why.
+
     Raises (on start):
         FileNotFoundError: llama.cpp is unavailable (the message is ``unavailable()``'s).
     """
 
-    def __init__(self, python: Optional[str] = None, timeout: float = 600):
+    def __init__(self, python: Optional[str] = None, timeout: float = 600, extra_bufts: Optional[bool] = None):
         reason = unavailable(python)
         if reason:
             raise FileNotFoundError(reason)
+        if extra_bufts is None:
+            extra_bufts, why = extra_bufts_choice(python)
+        else:
+            why = f"{'on' if extra_bufts else 'off'}: forced by the caller"
         self.timeout = timeout
         self._log = tempfile.NamedTemporaryFile("w+", prefix="specdec-llamacpp-", suffix=".log", delete=False)
         # -I: the repository and this folder stay off the driver's path (it imports nothing from them)
@@ -99,9 +187,10 @@ class Driver:
             stderr=self._log,
             text=True,
             cwd=tempfile.gettempdir(),
+            env=_driver_env(bool(extra_bufts)),
         )
         atexit.register(self.close)
-        self.info = self.request("info")
+        self.info = {**self.request("info"), "extra_bufts": why}
 
     def log_tail(self, lines: int = 30) -> str:
         try:

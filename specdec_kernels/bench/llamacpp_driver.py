@@ -28,8 +28,12 @@ One JSON object per line on stdin, one answer per line on stdout (``{"ok": true,
   (the median of 3 passes over the prefix itself, from an empty cache).
 * ``{"op": "quit"}``.
 
-Every model loads with ``use_extra_bufts = False`` where llama.cpp has that parameter: with
-its default, the AMX path of some Xeons segfaults on the first forward (llama.cpp issue 20824).
+Weight buffers: ``$SPECDEC_LLAMACPP_EXTRA_BUFTS`` "on" loads every model with llama.cpp's
+default extra weight buffers (``use_extra_bufts``: its repacked CPU weights, and AMX tiles on
+CPUs that have them), "off" (the default when the variable is unset) without them.  The
+caller (``bench.llamacpp.extra_bufts_choice``) decides by a probe in a process of its own:
+llama.cpp's default is its fastest, but its AMX path segfaults on some Xeons on the first
+forward (llama.cpp issue 20824).
 """
 
 from __future__ import annotations
@@ -51,13 +55,14 @@ import llama_cpp.llama_cpp as _lib  # noqa: E402
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: E402
 
 _HAS_EXTRA_BUFTS = any(name == "use_extra_bufts" for name, _ in _lib.llama_model_params._fields_)
+_EXTRA_BUFTS = os.environ.get("SPECDEC_LLAMACPP_EXTRA_BUFTS", "off") == "on"
 _default_model_params = _lib.llama_model_default_params
 
 
 def _model_params():
     params = _default_model_params()
     if _HAS_EXTRA_BUFTS:
-        params.use_extra_bufts = False
+        params.use_extra_bufts = _EXTRA_BUFTS
     return params
 
 
@@ -178,7 +183,7 @@ def info(req: dict) -> dict:
     return {
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-        "use_extra_bufts": False if _HAS_EXTRA_BUFTS else None,
+        "use_extra_bufts": _EXTRA_BUFTS if _HAS_EXTRA_BUFTS else None,
     }
 
 

@@ -280,6 +280,7 @@ def measure_llamacpp(
             "threads": threads,
             "llama_cpp_python": driver.info["llama_cpp_python"],
             "use_extra_bufts": driver.info["use_extra_bufts"],
+            "extra_bufts": driver.info["extra_bufts"],
         }
         for r in answer["rows"]
     ]

@@ -9,6 +9,7 @@ they are reported as skipped with a reason naming the setup script, and the run 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -113,7 +114,10 @@ def test_e2e_llamacpp_methods_short_case(prompts_file, tmp_path, capsys, restore
         assert r["target_passes"] >= 1 and r["mean_accepted_length"] == pytest.approx(
             r["new_tokens"] / r["target_passes"]
         )
-        assert r["llama_cpp_python"] and r["use_extra_bufts"] in (False, None)
+        assert r["llama_cpp_python"] and r["use_extra_bufts"] in (False, True, None)
+        # the weight buffers as chosen (probe or $SPECDEC_LLAMACPP_EXTRA_BUFTS), and why
+        assert r["extra_bufts"].split(":")[0] in ("on", "off", "default")
+        assert r["use_extra_bufts"] is None or r["use_extra_bufts"] == r["extra_bufts"].startswith("on")
         # identity against llama.cpp's own greedy and against ours: recorded, both ways
         assert r["same_as_llamacpp_greedy"] == (r["tokens"] == rows["llamacpp-greedy"]["tokens"])
         assert r["first_mismatch_vs_llamacpp_greedy"] == e2e.first_mismatch(
@@ -130,6 +134,12 @@ def test_e2e_llamacpp_methods_short_case(prompts_file, tmp_path, capsys, restore
         assert r["accepted_draft_tokens"] == r["new_tokens"] - r["target_passes"]
     overall = {s["method"]: s for s in lines if s["kind"] == "summary" and s["scope"] == "overall"}
     assert overall["llamacpp-greedy"]["speedup_vs_llamacpp_greedy"] == pytest.approx(1.0)
+    # decode (after the first token) and end to end, each as a ratio to llama.cpp greedy
+    assert overall["llamacpp-greedy"]["decode_speedup_vs_llamacpp_greedy"] == pytest.approx(1.0)
+    assert overall["greedy"]["decode_speedup_vs_llamacpp_greedy"] == pytest.approx(
+        overall["greedy"]["decode_tokens_per_s"] / overall["llamacpp-greedy"]["decode_tokens_per_s"]
+    )
+    assert "decode x llama.cpp" in stdout and "# llama.cpp weight buffers: " in stdout
     assert overall["greedy"]["speedup_vs_llamacpp_greedy"] > 0
     assert overall["llamacpp-greedy"]["same_as_llamacpp_greedy_count"] == "1/1"
 
@@ -168,3 +178,79 @@ def test_step_cost_real_beside_llamacpp(tmp_path, capsys, restore_threads):
     assert [b["N"] for b in both] == [1, 2, 4, "prefill"]
     assert all(b[f"{nx}_over_llamacpp"] > 0 for b in both for nx in ("float32", "int8"))
     assert "beside llama.cpp" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- llama.cpp's weight buffers
+@pytest.mark.parametrize("value", ["on", "off", "ON "])
+def test_extra_bufts_forced_by_the_environment(monkeypatch, value):
+    """A forced choice is taken as given, with no probe and no llama.cpp."""
+    monkeypatch.setenv(llamacpp.EXTRA_BUFTS_ENV, value)
+    monkeypatch.setattr(llamacpp, "probe_extra_bufts", lambda *a, **k: pytest.fail("probed although forced"))
+    on, why = llamacpp.extra_bufts_choice(model="unused.gguf")
+    assert on == (value.strip().lower() == "on")
+    assert why.startswith(value.strip().lower() + ": set by $SPECDEC_LLAMACPP_EXTRA_BUFTS")
+
+
+def test_extra_bufts_setting_checked(monkeypatch):
+    monkeypatch.setenv(llamacpp.EXTRA_BUFTS_ENV, "maybe")
+    with pytest.raises(ValueError, match="SPECDEC_LLAMACPP_EXTRA_BUFTS must be auto, on or off"):
+        llamacpp.extra_bufts_choice(model="unused.gguf")
+
+
+def test_extra_bufts_probe_runs_once_per_python_and_model(monkeypatch):
+    monkeypatch.delenv(llamacpp.EXTRA_BUFTS_ENV, raising=False)
+    monkeypatch.setattr(llamacpp, "_bufts", {})
+    calls = []
+    monkeypatch.setattr(llamacpp, "probe_extra_bufts", lambda python, model: calls.append(model) or (False, "off: x"))
+    for _ in range(3):
+        assert llamacpp.extra_bufts_choice("/py", "a.gguf") == (False, "off: x")
+    assert llamacpp.extra_bufts_choice("/py", "b.gguf") == (False, "off: x")
+    assert calls == ["a.gguf", "b.gguf"]
+
+
+def test_extra_bufts_probe_reports_a_crash(tmp_path, monkeypatch):
+    """A llama.cpp Python that dies of a signal, one that answers errors, and one that hangs:
+    each is a failed probe (buffers off) whose reason says what happened."""
+    cases = {
+        "signal": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n",
+        "error": 'import sys\nfor line in sys.stdin:\n    print(\'{"ok": false, "error": "boom"}\', flush=True)\n',
+        "hang": "import time\ntime.sleep(60)\n",
+    }
+    monkeypatch.setattr(llamacpp, "PROBE_TIMEOUT_S", 3)
+    for name, body in cases.items():
+        script = tmp_path / f"fake_llamacpp_{name}.py"
+        script.write_text(body)
+        exe = tmp_path / f"python-{name}"
+        exe.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+        exe.chmod(0o755)
+        on, why = llamacpp.probe_extra_bufts(str(exe), "unused.gguf")
+        assert on is False and why.startswith("off: "), (name, why)
+        want = {"signal": "killed by signal 11", "error": "boom", "hang": "no answer in 3 s"}[name]
+        assert want in why, (name, why)
+
+
+@needs_model
+@needs_llamacpp
+def test_extra_bufts_probe_agrees_with_forced_runs(tmp_path):
+    """llama.cpp with its default buffers forced on and forced off: off always generates; on
+    generates exactly when the probe says so (on this machine's CPU), and the choice is
+    reported in the driver's info."""
+    on, why = llamacpp.probe_extra_bufts()
+    prompt = list(range(200, 230))
+    results = {}
+    for forced in (False, True):
+        driver = llamacpp.Driver(extra_bufts=forced, timeout=120)
+        try:
+            assert driver.info["extra_bufts"].startswith("on" if forced else "off")
+            assert driver.info["use_extra_bufts"] in (forced, None)
+            r = driver.request(
+                "generate", model=llamacpp.gguf_path(), prompt=prompt, max_new_tokens=6, eos=-1, threads=2
+            )
+            results[forced] = r["tokens"]
+        except RuntimeError as e:  # the driver died: only acceptable with buffers on and a failed probe
+            assert forced and not on, f"{why}; forced {forced}: {e}"
+            results[forced] = None
+        finally:
+            driver.close()
+    assert len(results[False]) == 6
+    assert (results[True] is not None) == on, why
