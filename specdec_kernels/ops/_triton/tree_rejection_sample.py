@@ -1,7 +1,7 @@
 """tree_rejection_sample: multi-candidate rejection sampling over a token tree.
 
 The "triton" backend of ``ops/tree_rejection_sample.py`` (the op's other backends are listed
-there): ``torch.ops.specdec.tree_rejection_sample_triton``, launched as ``launch_config`` says.
+there): the kernels below, launched by ``tree_rejection_sample_triton`` as ``launch_config`` says.
 
 The Triton backend spreads a row's vocabulary over many programs (``split_vocab``), so a
 batch of one tree fills the GPU.  What makes that possible: every child of a node is drawn
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import cdiv, next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
 from specdec_kernels.ops._triton._sampling_common import (
     VocabSplit,
@@ -651,14 +651,4 @@ def _tree_rejection_sample_triton_impl(
     return out_tokens, out_nodes, num_accepted
 
 
-def _tree_rejection_sample_triton_fake(
-    target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms
-):
-    B, N, _ = target_probs.shape
-    torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
-    return new_int64(target_probs, (B, N), (B, N), (B,))
-
-
-tree_rejection_sample_triton = kernel_op(
-    "tree_rejection_sample_triton", _tree_rejection_sample_triton_impl, _tree_rejection_sample_triton_fake
-)
+tree_rejection_sample_triton = _tree_rejection_sample_triton_impl  # the launcher (not an op)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import cdiv, next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import dummy, new_int64
 from specdec_kernels.ops._triton._sampling_common import VocabSplit, split_vocab
 
@@ -356,16 +356,6 @@ def _verify_greedy_triton_impl(
     return output_tokens, num_accepted
 
 
-def _verify_greedy_triton_fake(target_logits, draft_tokens, num_draft_tokens, block_v=0, num_splits=0):
-    B, K1, _ = target_logits.shape
-    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    torch._check(num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")
-    return new_int64(target_logits, (B, K1), (B,))
-
-
-_verify_greedy_triton_op = kernel_op("verify_greedy_triton", _verify_greedy_triton_impl, _verify_greedy_triton_fake)
-
-
 def verify_greedy_triton(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -374,7 +364,8 @@ def verify_greedy_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain verification with the Triton kernels (``torch.ops.specdec.verify_greedy_triton``).
+    """Greedy chain verification with the Triton kernels (the launcher of ``verify_greedy``'s
+    "triton" backend).
 
     Inputs are assumed validated (``check_verify_greedy_args``); the public
     ``verify_greedy(..., backend="triton")`` does that and calls this.
@@ -403,9 +394,7 @@ def verify_greedy_triton(
     Two launches: the split argmax over V, then one program per sequence for acceptance
     (none when batch is 0).
     """
-    return torch.ops.specdec.verify_greedy_triton(
-        target_logits, draft_tokens, num_draft_tokens, block_v or 0, num_splits or 0
-    )
+    return _verify_greedy_triton_impl(target_logits, draft_tokens, num_draft_tokens, block_v or 0, num_splits or 0)
 
 
 def _verify_greedy_flattened_triton_impl(
@@ -448,19 +437,6 @@ def _verify_greedy_flattened_triton_impl(
     return output_tokens, num_accepted
 
 
-def _verify_greedy_flattened_triton_fake(
-    target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, block_v=0, num_splits=0
-):
-    B = cu_num_draft_tokens.shape[0]
-    torch._check(target_logits.dim() == 2, lambda: "target_logits must be [T + B, V] or [T, V]")
-    return new_int64(target_logits, (B, max_spec_len + 1), (B,))
-
-
-_verify_greedy_flattened_triton_op = kernel_op(
-    "verify_greedy_flattened_triton", _verify_greedy_flattened_triton_impl, _verify_greedy_flattened_triton_fake
-)
-
-
 def verify_greedy_flattened_triton(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -471,8 +447,8 @@ def verify_greedy_flattened_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification in the flattened (vLLM v1) layout with the Triton kernels
-    (``torch.ops.specdec.verify_greedy_flattened_triton``).
+    """Greedy verification in the flattened (vLLM v1) layout with the Triton kernels (the
+    launcher of ``verify_greedy_flattened``'s "triton" backend).
 
     Inputs are assumed checked (``specdec_kernels._flattened.check_flattened_args``); the public
     ``verify_greedy_flattened(..., backend="triton")`` does that and calls this.
@@ -502,7 +478,7 @@ def verify_greedy_flattened_triton(
     then ``_verify_greedy_accept_kernel`` with ``FLAT=True`` (one program per request, its
     rows found from cu_num_draft_tokens).
     """
-    return torch.ops.specdec.verify_greedy_flattened_triton(
+    return _verify_greedy_flattened_triton_impl(
         target_logits,
         draft_token_ids,
         cu_num_draft_tokens,

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import new_int64
 from specdec_kernels.ops._triton.verify_greedy import (
     ArgmaxLaunch,
@@ -160,19 +160,6 @@ def _verify_tree_greedy_triton_impl(
     return output_tokens, accepted_nodes, num_accepted
 
 
-def _verify_tree_greedy_triton_fake(target_logits, tree_tokens, tree_parents, num_nodes, block_v=0, num_splits=0):
-    B, N, _ = target_logits.shape
-    torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
-    torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")
-    torch._check(num_nodes.shape == (B,), lambda: "num_nodes must have shape (B,)")
-    return new_int64(target_logits, (B, N), (B, N), (B,))
-
-
-_verify_tree_greedy_triton_op = kernel_op(
-    "verify_tree_greedy_triton", _verify_tree_greedy_triton_impl, _verify_tree_greedy_triton_fake
-)
-
-
 def verify_tree_greedy_triton(
     target_logits: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -182,7 +169,8 @@ def verify_tree_greedy_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy token-tree verification with Triton (``torch.ops.specdec.verify_tree_greedy_triton``).
+    """Greedy token-tree verification with Triton (the launcher of ``verify_tree_greedy``'s
+    "triton" backend).
 
     Inputs are assumed validated (``check_verify_tree_greedy_args``); the public
     ``verify_tree_greedy(..., backend="triton")`` does that and calls this.
@@ -217,6 +205,6 @@ def verify_tree_greedy_triton(
     Two launches (split argmax, then the walk with one program per sequence); none when
     batch is 0.
     """
-    return torch.ops.specdec.verify_tree_greedy_triton(
+    return _verify_tree_greedy_triton_impl(
         target_logits, tree_tokens, tree_parents, num_nodes, block_v or 0, num_splits or 0
     )
