@@ -63,6 +63,7 @@ class TreeAttentionLaunch:
     combine_num_warps: int = 4
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     kv_heads: int,

@@ -294,6 +294,7 @@ class RejectionSampleLaunch:
         return (self.vocab.row_blocks,)
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_drafts: int,

@@ -350,6 +350,7 @@ def _sampling_probs_kernel(
                     tl.store(out_ptr + rows64[:, None] * V + offs[None, :], res, mask=m2)
 
 
+@_device.cached_launch_config
 def launch_config(
     rows: int,
     vocab: int,

@@ -468,6 +468,7 @@ class TreeRejectionSampleLaunch:
     sample_num_warps: int
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_nodes: int,

@@ -212,6 +212,7 @@ class ArgmaxLaunch(VocabSplit):
         return self.row_blocks
 
 
+@_device.cached_launch_config
 def argmax_launch_config(
     rows: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None, num_splits: Optional[int] = None
 ) -> ArgmaxLaunch:
@@ -245,6 +246,7 @@ class VerifyGreedyLaunch:
     num_warps: int = 1
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     rows: int,

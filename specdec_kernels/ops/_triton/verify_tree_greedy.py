@@ -105,6 +105,7 @@ class VerifyTreeGreedyLaunch:
     num_warps: int
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_nodes: int,
