@@ -19,6 +19,12 @@ functionalization (torch.compile's AOT dispatcher) into its kernel body, as
 ``torch.library.triton_op`` does, so that Inductor sees the Triton kernels; ``torch.export``
 keeps the public op whole (as it keeps a ``triton_op``).
 
+One dispatch layer per call: on the eager path (``_eager.direct_call``: no compilation, no dispatch
+mode, plain tensors) a front checks its arguments once and calls its backend directly, with
+the same code the op's kernel runs after its own checks; everything else (torch.compile,
+export, fake tensors, ``torch.library.opcheck``, inputs that require grad while grad mode is
+on) goes through the registered op, which checks shapes again for its direct callers.
+
 Autograd: the ops are inference-only (no backward).  Each has a kernel at the Autograd key:
 with grad mode on and an input that requires grad, the ops with floating-point outputs
 (``tree_attention``, ``paged_tree_attention``, ``sampling_probs``) and the in-place
@@ -41,6 +47,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from specdec_kernels import _backend
+from specdec_kernels._eager import direct_call, filled  # noqa: F401  (the fronts' eager path)
 
 NAMESPACE = "specdec"
 OPS = {}  # public op name -> torch.ops.specdec.<name> (an OpOverloadPacket)

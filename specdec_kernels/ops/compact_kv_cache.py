@@ -362,18 +362,25 @@ def _op_caches(kv_cache, views) -> List[torch.Tensor]:
     return list(views)
 
 
-def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
-    """The kernel of both registered ops (dense: ``extra`` is (), paged: (block_table,
-    kv_layout)): their shape checks, then the native op ``<op_name>_native`` (value checks
-    are the front's, ``validate=``) or the reference."""
-    kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_slots, *extra, validate=False)
-    if _backend.resolve(op_name, views[0].device, backend or None, IMPLEMENTED) == "native":
+def _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_indices, n, extra, backend) -> None:
+    """The backend of ``op_name`` (dense: ``extra`` is (), paged: (block_table, kv_layout)) on
+    checked arguments (``n``: the slots to fill): the native op ``<op_name>_native`` (value
+    checks are the front's, ``validate=``) or the reference.  The registered ops' kernel after
+    their checks, and the front's eager path (one check pass, no dispatcher)."""
+    if _backend.resolve(op_name, cache_seqlens.device, backend or None, IMPLEMENTED) == "native":
         # One [L, 2, ...] buffer goes over whole (the kernels read its strides); otherwise the 4-D views.
         native_op = getattr(torch.ops.specdec, f"{op_name}_native")
         native_op(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, False)
     else:
         reference(views, cache_seqlens, accepted_indices, n, *extra)
+
+
+def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
+    """The kernel of both registered ops (dense: ``extra`` is (), paged: (block_table,
+    kv_layout)): their shape checks, then ``_backend_run``."""
+    kv_cache = _as_kv_cache(caches)
+    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_slots, *extra, validate=False)
+    _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_indices, n, extra, backend)
 
 
 def _fake_checks(check_args, native_fake, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
@@ -534,14 +541,40 @@ def compact_kv_cache(
             validate,
             num_accepted=num_accepted,
         )
+        extra = (block_table, kv_layout)
+        if _direct(kv_cache, views, cache_seqlens, accepted_indices, n, block_table):  # eager: checked once
+            _backend_run(
+                "paged_compact_kv_cache",
+                _paged_reference,
+                kv_cache,
+                views,
+                cache_seqlens,
+                accepted_indices,
+                n,
+                extra,
+                backend,
+            )
+            return
         torch.ops.specdec.paged_compact_kv_cache(
-            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, block_table, kv_layout, backend or ""
+            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, backend or ""
         )
         return
     views, _, _, _, n = check_compact_kv_cache_args(
         kv_cache, cache_seqlens, accepted_indices, num_slots, validate, num_accepted=num_accepted
     )
+    if _direct(kv_cache, views, cache_seqlens, accepted_indices, n, None):  # eager: checked once, no dispatcher
+        _backend_run(
+            "compact_kv_cache", _compact_kv_cache, kv_cache, views, cache_seqlens, accepted_indices, n, (), backend
+        )
+        return
     torch.ops.specdec.compact_kv_cache(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, backend or "")
+
+
+def _direct(kv_cache, views, cache_seqlens, accepted_indices, n, block_table) -> bool:
+    """``_library.direct_call`` for the caches (the one buffer, or every view) and the index
+    tensors; an in-place op: caches that require grad go through the registered op (its error)."""
+    caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(views)
+    return _library.direct_call(*caches, cache_seqlens, accepted_indices, n, block_table, grad_check=True)
 
 
 def register_fake(paged: bool = False) -> bool:

@@ -30,6 +30,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _pick_token,
     _start_search,
     _store_chunk_partials,
+    _unit_uniform,
     vocab_split,
 )
 
@@ -95,7 +96,7 @@ def _chain_walk(
             q = tl.load(d_rows + j * stride_dk + xs, mask=live, other=0.0).to(tl.float32)
         else:
             q = tl.full([BLOCK_B], 1.0, tl.float32)
-        u = tl.load(coins_ptr + tok0 + j, mask=live, other=1.0)
+        u = _unit_uniform(tl.load(coins_ptr + tok0 + j, mask=live, other=1.0))
         acc = live & in_vocab & (u * q < p)
         num_acc += acc.to(tl.int32)
         alive = acc

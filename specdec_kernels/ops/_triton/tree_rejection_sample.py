@@ -47,6 +47,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _pick_token,
     _start_search,
     _store_chunk_partials,
+    _unit_uniform,
     vocab_split,
 )
 
@@ -232,7 +233,8 @@ def _tree_walk_kernel(
             x = tl.load(tokens_ptr + rows64 * N + j, mask=is_child, other=-1).to(tl.int64)
             in_vocab = (x >= 0) & (x < V)
             xs = tl.minimum(tl.maximum(x, 0), V - 1)
-            u = tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0).to(tl.float64)
+            u = _unit_uniform(tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0))
+            u = u.to(tl.float64)
             cur64 = current.to(tl.int64)
             px = _mass64(tl.load(t_rows + cur64 * stride_tn + xs, mask=is_child, other=0.0))
             if HAS_DRAFT:

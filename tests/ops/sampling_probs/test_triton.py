@@ -181,7 +181,8 @@ def test_unchecked_top_p_at_or_below_zero_keeps_the_maximum(device):
         from specdec_kernels.ops.sampling_probs import check_sampling_args
         from specdec_kernels.reference.sampling_probs import _sampling_probs
 
-        want = _sampling_probs(logits.float(), *check_sampling_args(logits, 1.0, None, top_p, validate=False))
+        per_row = check_sampling_args(logits, 1.0, None, top_p, validate=False)  # [B] each
+        want = _sampling_probs(logits.float(), *(x[:, None] for x in per_row))
         assert torch.equal(got > 0, want > 0)
         assert (got[0] > 0).tolist() == [False, True, False, False] and (got[1] > 0).tolist() == [
             True,
