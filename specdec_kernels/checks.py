@@ -179,11 +179,10 @@ def check_tensor(
     """Check that ``t`` is a tensor of the given rank, dtype and device; return it."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None:
+    if ndim is not None and (t.ndim != ndim if isinstance(ndim, int) else t.ndim not in ndim):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
-            want = " or ".join(str(a) for a in allowed)
-            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
+        want = " or ".join(str(a) for a in allowed)
+        raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {t.dtype}")
     if device is not None and t.device != device:
@@ -193,7 +192,7 @@ def check_tensor(
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
     """Raise ValueError unless ``t.shape == expected``."""
-    if tuple(t.shape) != tuple(expected):
+    if t.shape != (expected if isinstance(expected, tuple) else tuple(expected)):
         extra = f" ({what})" if what else ""
         raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
 
@@ -219,7 +218,7 @@ def check_counts(name: str, counts, batch: int, upper: int, device, validate: Op
         lo, hi = int(counts.min()), int(counts.max())
         if lo < 0 or hi > upper:
             raise ValueError(f"{name} must lie in 0..{upper}, got values in {lo}..{hi}")
-    return counts.to(torch.int64)
+    return counts if counts.dtype == torch.int64 else counts.to(torch.int64)
 
 
 def check_parents(name: str, parents, batch: int, num_nodes: int, device, validate: Optional[bool]) -> torch.Tensor:
@@ -247,7 +246,8 @@ def check_parents(name: str, parents, batch: int, num_nodes: int, device, valida
                     f"{name} must satisfy 0 <= parents[i] < i (topological order); "
                     f"node {col + 1} has parent {int(p[row, col + 1])}"
                 )
-    return parents.to(torch.int64).expand(batch, num_nodes) if parents.dim() == 1 else parents.to(torch.int64)
+    p = parents if parents.dtype == torch.int64 else parents.to(torch.int64)
+    return p.expand(batch, num_nodes) if p.dim() == 1 else p
 
 
 def check_scores(name: str, t, rows: str) -> Tuple[int, int, int]:

@@ -288,10 +288,13 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
         S = ``cfg.splits`` chunks per row; chunk s covers lower indices than chunk s + 1.
     """
     B, R, V = logits.shape
-    if logits.stride(2) != 1:
+    stride = logits.stride()  # one call: stride(i) costs as much as all of them
+    if stride[2] != 1:
         logits = logits.contiguous()
-    part_val = torch.empty((cfg.splits, cfg.rows), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((cfg.splits, cfg.rows), dtype=torch.int32, device=logits.device)
+        stride = logits.stride()
+    device, shape = logits.device, (cfg.splits, cfg.rows)
+    part_val = torch.empty(shape, dtype=torch.float32, device=device)
+    part_idx = torch.empty(shape, dtype=torch.int32, device=device)
     if cfg.rows:
         launch(_argmax_partials_kernel)[cfg.grid](
             logits,
@@ -299,8 +302,8 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
             part_idx,
             R,
             V,
-            logits.stride(0),
-            logits.stride(1),
+            stride[0],
+            stride[1],
             cfg.tiles_per_split,
             BLOCK_V=cfg.block_v,
             num_warps=cfg.num_warps,
@@ -335,13 +338,12 @@ def _verify_greedy_triton_impl(
     if B == 0:
         return output_tokens, num_accepted
     cfg, part_val, part_idx = _split_argmax(target_logits, B, K, block_v, num_splits)
-    counts = num_draft_tokens.to(torch.int64)
+    counts = num_draft_tokens if num_draft_tokens.dtype == torch.int64 else num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[cfg.grid](
         part_val,
         part_idx,
         draft_tokens,
-        draft_tokens.stride(0),
-        draft_tokens.stride(1),
+        *draft_tokens.stride(),
         counts,
         counts,
         output_tokens,

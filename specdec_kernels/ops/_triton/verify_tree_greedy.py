@@ -135,7 +135,7 @@ def _verify_tree_greedy_triton_impl(
     output_tokens, accepted_nodes, num_accepted = new_int64(target_logits, (B, N), (B, N), (B,))
     if B == 0:
         return output_tokens, accepted_nodes, num_accepted
-    parents = tree_parents.to(torch.int64)
+    parents = tree_parents if tree_parents.dtype == torch.int64 else tree_parents.to(torch.int64)
     if parents.dim() == 1:
         parents = parents.expand(B, N)  # one shared tree: batch stride 0, no copy
     cfg = launch_config(B, N, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None)
@@ -144,12 +144,10 @@ def _verify_tree_greedy_triton_impl(
         part_val,
         part_idx,
         tree_tokens,
-        tree_tokens.stride(0),
-        tree_tokens.stride(1),
+        *tree_tokens.stride(),
         parents,
-        parents.stride(0),
-        parents.stride(1),
-        num_nodes.to(torch.int64),
+        *parents.stride(),
+        num_nodes if num_nodes.dtype == torch.int64 else num_nodes.to(torch.int64),
         output_tokens,
         accepted_nodes,
         num_accepted,
