@@ -82,7 +82,7 @@ class KernelCounter(TorchDispatchMode):
     own kernel (the op is redispatched to its device kernel with this mode still on).
 
     ``specdec_observer``: the fronts take their direct eager path under this mode as without
-    it (``specdec_kernels._library.direct_call``), so what is counted is what a plain call runs.
+    it (``specdec_kernels._eager.direct_call``), so what is counted is what a plain call runs.
 
     Attributes:
         kernels: ``Counter`` of aten op names that launch a kernel (not views, not empty
@@ -257,7 +257,7 @@ def make_cases(device: torch.device, dtype: torch.dtype = torch.bfloat16, backen
     kv = torch.randn(L, 2, B, Hkv, S_kv, D, generator=g).to(device=device, dtype=dtype)
     kv_lens = torch.full((B,), S_kv // 2, **i64)
     accepted = torch.arange(N, **i64)[None].expand(B, N).contiguous()
-    kv_accepted = torch.full((B,), 3, **i64)
+    kv_slots = torch.full((B,), 4, **i64)  # the slots to fill (verify's num_accepted + 1), as issue #54 measured
 
     chain = "verify_greedy / _flattened / verify_tree_greedy"
     rs = "rejection_sample (+ _flattened), explicit uniforms or seeds/offsets"
@@ -356,9 +356,7 @@ def make_cases(device: torch.device, dtype: torch.dtype = torch.bfloat16, backen
             "compact_kv_cache",
             "compact_kv_cache",
             "native",
-            lambda: sk.compact_kv_cache(
-                kv, kv_lens, accepted, num_accepted=kv_accepted, backend="native", validate=False
-            ),
+            lambda: sk.compact_kv_cache(kv, kv_lens, accepted, kv_slots, backend="native", validate=False),
             "compact_kv_cache",
         ),
     ]
@@ -369,14 +367,19 @@ def _grad_mode(mode: str):
 
 
 def counts(call: Callable[[], object], mode: str = "inference_mode", noop: bool = True) -> Dict[str, object]:
-    """What one call of ``call`` runs (after a warm-up call): Triton launches and native
-    kernels (``launches``), the torch kernels it launches besides (``extra_kernels``, with
-    ``kernel_names``), host reads and ``specdec`` dispatches.  ``noop``: Triton launches do
-    not run (CPU)."""
+    """What one call of ``call`` runs (after a warm-up call under ``mode``): Triton launches and
+    native kernels (``launches``), the torch kernels it launches besides (``extra_kernels``,
+    with ``kernel_names``), host reads and ``specdec`` dispatches.  ``noop``: Triton launches
+    do not run (CPU).
+
+    Counted under ``torch.no_grad()`` whatever ``mode``: under ``torch.inference_mode()`` torch
+    runs ``Tensor.to``'s copy (a dtype cast) below the Python dispatch key, where no dispatch
+    mode sees it, so a cast would go uncounted there.  The ops take no other path in either
+    mode (their outputs never require grad in both)."""
     with _grad_mode(mode), LaunchCounter(noop):
         call()  # warm-up: first-call work (imports, backend choice) is not per-call work
     launches, counter = LaunchCounter(noop), KernelCounter()
-    with _grad_mode(mode), launches, counter:
+    with torch.no_grad(), launches, counter:
         call()
     return {
         "launches": sum(launches.launches.values()) + sum(counter.native.values()),
