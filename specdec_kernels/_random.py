@@ -135,6 +135,18 @@ def _per_sequence_generators(generator, batch: int):
     return gens
 
 
+def check_modes(source: RandomSource) -> None:
+    """The randomness keywords that cannot go together.
+
+    Raises:
+        ValueError: seeds without offsets (or the reverse); a generator together with seeds.
+    """
+    if (source.seeds is None) != (source.offsets is None):
+        raise ValueError("seeds and offsets go together: give both (one per sequence) or neither")
+    if source.seeds is not None and source.generator is not None:
+        raise ValueError("give either seeds/offsets or generator, not both")
+
+
 def draw_uniforms(
     batch: int,
     num_coins: int,
@@ -143,6 +155,7 @@ def draw_uniforms(
     *,
     coin_counts: Optional[torch.Tensor] = None,
     validate: Optional[bool] = None,
+    clean: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Return (uniform_samples [B, C], sample_uniforms [B]) as float32 on ``device``.
 
@@ -150,7 +163,8 @@ def draw_uniforms(
     ``seeds`` and ``offsets`` when given, else from its ``generator``, in the order of the
     module docstring.
     ``coin_counts [B]`` (int64) is each sequence's own number of coins, used by the
-    per-sequence modes.
+    per-sequence modes only.  ``clean``: explicit uniforms as ``check_uniforms`` returns them
+    (False for the Triton kernels, which clean them as they load them).
 
     Raises:
         TypeError: ``generator`` of the wrong type; seeds/offsets not integer tensors.
@@ -161,13 +175,12 @@ def draw_uniforms(
     """
     generator, uniform_samples, sample_uniforms, seeds, offsets = source
     if uniform_samples is not None:
-        uniform_samples = check_uniforms("uniform_samples", uniform_samples, (batch, num_coins), device, validate)
+        uniform_samples = check_uniforms(
+            "uniform_samples", uniform_samples, (batch, num_coins), device, validate, clean
+        )
     if sample_uniforms is not None:
-        sample_uniforms = check_uniforms("sample_uniforms", sample_uniforms, (batch,), device, validate)
-    if (seeds is None) != (offsets is None):
-        raise ValueError("seeds and offsets go together: give both (one per sequence) or neither")
-    if seeds is not None and generator is not None:
-        raise ValueError("give either seeds/offsets or generator, not both")
+        sample_uniforms = check_uniforms("sample_uniforms", sample_uniforms, (batch,), device, validate, clean)
+    check_modes(source)
     if uniform_samples is not None and sample_uniforms is not None:
         return uniform_samples, sample_uniforms
 

@@ -13,7 +13,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._device import cdiv, next_pow2, sm_count
+from specdec_kernels import _device
+from specdec_kernels._device import cdiv, next_pow2
 
 # how the kernel reads tree_mask: the causal chain (no mask), bool [.., N, N], bit-packed int32
 MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
@@ -62,6 +63,7 @@ class TreeAttentionLaunch:
     combine_num_warps: int = 4
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     kv_heads: int,
@@ -116,5 +118,5 @@ def choose_num_splits(
 ) -> int:
     """The automatic prefix split of ``launch_config`` on ``device`` (1 off CUDA)."""
     return launch_config(
-        batch, kv_heads, num_queries, group, head_dim, sm_count(device), capacity=capacity, ieee=ieee
+        batch, kv_heads, num_queries, group, head_dim, _device.sm_count(device), capacity=capacity, ieee=ieee
     ).num_splits

@@ -17,7 +17,7 @@ import torch
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_chain_args
 from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
-from specdec_kernels.checks import check_probability_values
+from specdec_kernels.checks import check_probability_values, unit_uniforms
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
 IMPLEMENTED = ("reference", "native", "triton")
@@ -76,7 +76,7 @@ def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens,
     q_x = draft_probs.gather(2, safe).squeeze(2) if draft_probs is not None else torch.ones_like(p_x)
     j = torch.arange(K1, device=device)
     counted = j[None, :K] < n[:, None]
-    accept = accept_tests(p_x, q_x, tokens, counted, coins, V)
+    accept = accept_tests(p_x, q_x, tokens, counted, unit_uniforms(coins), V)  # the coins as the kernels use them
     target_nan = torch.isnan(target_probs).any(dim=-1) & (j[None, :] <= n[:, None])
     draft_nan = torch.isnan(draft_probs).any(dim=-1) & counted if draft_probs is not None else None
     return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
@@ -94,6 +94,20 @@ def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_dra
     return B, K, V, n
 
 
+def _run(backend: str, target_probs, draft_probs, draft_tokens, n, coins, final_u) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The backend ``backend`` on checked arguments (``n`` int64 counts; the uniforms as
+    ``draw_uniforms`` returns them with ``clean=backend != "triton"``): the op's kernel after
+    its checks, and the front's eager path (one check pass, no dispatcher)."""
+    if backend == "triton":
+        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
+
+        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    if backend == "native":
+        p, q = _native.probs_operands(target_probs, draft_probs)
+        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, coins, final_u)
+    return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+
+
 def _impl(
     target_probs: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
@@ -104,18 +118,16 @@ def _impl(
     backend: str = "",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    coins, final_u = draw_uniforms(
-        B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
-    )
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
-
-        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
-    if name == "native":
-        p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, coins, final_u)
-    return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    coins, final_u = draw_uniforms(
+        B,
+        K,
+        target_probs.device,
+        RandomSource(None, uniform_samples, sample_uniforms),
+        validate=False,
+        clean=name != "triton",  # the Triton kernels clean them as they load them
+    )
+    return _run(name, target_probs, draft_probs, draft_tokens, n, coins, final_u)
 
 
 def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms, backend=""):
@@ -211,11 +223,18 @@ def rejection_sample(
         kernel sums in tiles and chunks, the reference sequentially).
     """
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
+    device = target_probs.device
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = draw_uniforms(B, K, target_probs.device, source, coin_counts=n, validate=validate)
-    out, acc = torch.ops.specdec.rejection_sample(
-        target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or ""
-    )
+    if _library.direct_call(target_probs, draft_probs, draft_tokens, n):  # eager: checked once, no dispatcher
+        name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
+        # the Triton kernels clean explicit uniforms as they load them: no cleaning kernels
+        coins, final_u = draw_uniforms(B, K, device, source, coin_counts=n, validate=validate, clean=name != "triton")
+        out, acc = _run(name, target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    else:
+        coins, final_u = draw_uniforms(B, K, device, source, coin_counts=n, validate=validate, clean=False)
+        out, acc = torch.ops.specdec.rejection_sample(
+            target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or ""
+        )
     if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
         return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
     return out, acc

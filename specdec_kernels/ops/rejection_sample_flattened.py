@@ -19,7 +19,7 @@ import torch
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._flattened import FlatBatch, check_sampling_flattened_args, positions, take
 from specdec_kernels._random import GeneratorArg, RandomSource
-from specdec_kernels.checks import check_probability_values, check_uniforms
+from specdec_kernels.checks import check_probability_values, check_uniforms, unit_uniforms
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
 from specdec_kernels.reference.rejection_sample import accept_tests
 from specdec_kernels.reference.rejection_sample_flattened import _rejection_sample_flattened, flattened_uniforms
@@ -44,7 +44,8 @@ def rejection_details_flattened(
     t_rows = pos.row0[:, None] + j[None, :]  # [B, K + 1]
     p = target_probs[t_rows[:, :K].clamp(0, max(R - 1, 0)), safe] if R else torch.zeros(B, K, device=device)
     q = draft_probs[pos.flat, safe] if draft_probs is not None and T else torch.ones_like(p)
-    accept = accept_tests(p, q, tokens, pos.counted, take(coins, pos.flat, pos.counted, 1.0), V)
+    u = take(unit_uniforms(coins), pos.flat, pos.counted, 1.0)  # the coins as the kernels use them
+    accept = accept_tests(p, q, tokens, pos.counted, u, V)
     owns = j[None, :] <= pos.n[:, None] if with_rows else j[None, :] < pos.n[:, None]
     target_nan = take(torch.isnan(target_probs).any(dim=-1), t_rows, owns, False)
     draft_nan = None
@@ -68,11 +69,28 @@ def check_rejection_sample_flattened_args(
     return flat
 
 
-def _op_uniforms(flat: FlatBatch, uniform_samples, sample_uniforms, device) -> Tuple[torch.Tensor, torch.Tensor]:
+def _op_uniforms(flat: FlatBatch, uniform_samples, sample_uniforms, device, clean: bool = True):
     """The registered op's random numbers, checked without reading values: (coins [T], sample
-    uniforms [B]) float32."""
-    coins = check_uniforms("uniform_samples", uniform_samples, (flat.num_tokens,), device, validate=False)
-    return coins, check_uniforms("sample_uniforms", sample_uniforms, (flat.batch,), device, validate=False)
+    uniforms [B]) float32, cleaned unless ``clean`` is False (the Triton kernels clean them as
+    they load them)."""
+    coins = check_uniforms("uniform_samples", uniform_samples, (flat.num_tokens,), device, False, clean)
+    return coins, check_uniforms("sample_uniforms", sample_uniforms, (flat.batch,), device, False, clean)
+
+
+def _run(
+    backend: str, target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, K
+):
+    """The backend ``backend`` on checked arguments (uniforms cleaned unless ``backend`` is
+    "triton"): the op's kernel after its checks, and the front's eager path (one check pass)."""
+    args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, K)
+    if backend == "triton":
+        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_flattened_triton
+
+        return rejection_sample_flattened_triton(target_probs, draft_probs, *args)
+    if backend == "native":
+        p, q = _native.probs_operands(target_probs, draft_probs)
+        return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args)
+    return _rejection_sample_flattened(target_probs, draft_probs, *args)
 
 
 def _impl(
@@ -89,17 +107,19 @@ def _impl(
     flat = check_rejection_sample_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
-    coins, final = _op_uniforms(flat, uniform_samples, sample_uniforms, target_probs.device)
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
-    args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, max_spec_len)
-    if name == "triton":
-        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_flattened_triton
-
-        return rejection_sample_flattened_triton(target_probs, draft_probs, *args)
-    if name == "native":
-        p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args)
-    return _rejection_sample_flattened(target_probs, draft_probs, *args)
+    coins, final = _op_uniforms(flat, uniform_samples, sample_uniforms, target_probs.device, clean=name != "triton")
+    return _run(
+        name,
+        target_probs,
+        draft_probs,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        bonus_token_ids,
+        coins,
+        final,
+        max_spec_len,
+    )
 
 
 def _fake(
@@ -205,18 +225,21 @@ def rejection_sample_flattened(
     flat = check_rejection_sample_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
+    device = target_probs.device
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = flattened_uniforms(
-        flat,
-        cu_num_draft_tokens,
-        target_probs.device,
-        source,
-        validate=validate,
-    )
     args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens)
-    out, acc = torch.ops.specdec.rejection_sample_flattened(
-        *args, flat.bonus_token_ids, coins, final_u, flat.max_spec_len, backend or ""
-    )
+    if _library.direct_call(*args, flat.bonus_token_ids):  # eager: checked once, no dispatcher
+        name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
+        # the Triton kernels clean explicit uniforms as they load them: no cleaning kernels
+        coins, final_u = flattened_uniforms(
+            flat, cu_num_draft_tokens, device, source, validate=validate, clean=name != "triton"
+        )
+        out, acc = _run(name, *args, flat.bonus_token_ids, coins, final_u, flat.max_spec_len)
+    else:
+        coins, final_u = flattened_uniforms(flat, cu_num_draft_tokens, device, source, validate=validate, clean=False)
+        out, acc = torch.ops.specdec.rejection_sample_flattened(
+            *args, flat.bonus_token_ids, coins, final_u, flat.max_spec_len, backend or ""
+        )
     if return_details:
         return rejection_details_flattened(*args, flat, coins, out, acc)
     return out, acc

@@ -343,6 +343,23 @@ def _triton_splits(num_splits: int, q: torch.Tensor, Hkv: int, capacity: int) ->
     return num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
 
 
+def _dense(name: str, backend: str, q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits, Hkv, S):
+    """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the dense op on
+    checked arguments: the op's kernel after its checks, and the front's eager path."""
+    if name == "triton":
+        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
+
+        splits = _triton_splits(num_splits, q, Hkv, S)
+        return tree_attention_triton(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
+        )
+    mask = unpack_tree_mask(tree_mask, q.shape[1]) if _is_packed(tree_mask) else tree_mask
+
+    if name == "native" and not backend:
+        name = automatic_cpu_path(paged=False)  # the C++ kernel unless $SPECDEC_DENSE_ATTENTION=torch
+    return _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+
+
 def _impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -353,20 +370,9 @@ def _impl(
     num_splits: int = 0,
     backend: str = "",
 ) -> torch.Tensor:
-    _, N, _, _, Hkv, S = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate=False)
+    _, _, _, _, Hkv, S = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate=False)
     name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
-
-        splits = _triton_splits(num_splits, q, Hkv, S)
-        return tree_attention_triton(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
-        )
-    mask = unpack_tree_mask(tree_mask, N) if _is_packed(tree_mask) else tree_mask
-
-    if name == "native" and not backend:
-        name = automatic_cpu_path(paged=False)  # the C++ kernel unless $SPECDEC_DENSE_ATTENTION=torch
-    return _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+    return _dense(name, backend, q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits, Hkv, S)
 
 
 def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
@@ -402,23 +408,25 @@ def _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_
     return dims
 
 
-def _paged_impl(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    tree_mask: Optional[torch.Tensor],
-    block_table: torch.Tensor,
-    kv_layout: str,
-    sm_scale: float,
-    num_splits: int = 0,
-    backend: str = "",
-) -> torch.Tensor:
-    _, N, _, _, Hkv, capacity, _, _ = _check_paged(
-        q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
-    )
-    block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
-    name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
+def _paged(
+    name: str,
+    backend: str,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    tree_mask,
+    block_table,
+    kv_layout,
+    sm_scale,
+    num_splits,
+    Hkv,
+    capacity,
+):
+    """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the paged op on
+    checked arguments: the op's kernel after its checks, and the front's eager path."""
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
@@ -435,7 +443,7 @@ def _paged_impl(
             sm_scale,
             splits,
         )
-    mask = unpack_tree_mask(tree_mask, N) if _is_packed(tree_mask) else tree_mask
+    mask = unpack_tree_mask(tree_mask, q.shape[1]) if _is_packed(tree_mask) else tree_mask
 
     if name == "native" and not backend:
         name = automatic_cpu_path(paged=True)  # the C++ kernel unless $SPECDEC_PAGED_ATTENTION=torch
@@ -448,6 +456,26 @@ def _paged_impl(
             q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
         ).contiguous()
     return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
+
+
+def _paged_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    kv_layout: str,
+    sm_scale: float,
+    num_splits: int = 0,
+    backend: str = "",
+) -> torch.Tensor:
+    _, _, _, _, Hkv, capacity, _, _ = _check_paged(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
+    )
+    name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
+    args = (q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, num_splits)
+    return _paged(name, backend, *args, Hkv, capacity)
 
 
 def _paged_fake(
@@ -586,9 +614,9 @@ def tree_attention(
     k_cache, v_cache = _split_kv(k_cache, v_cache)
     try:
         if block_table is None:
-            D = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)[3]
+            dims = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)
         else:
-            D = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)[3]
+            dims = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)
     except ValueError as e:
         if heads_first and re.search(r"\bq\b|q's", str(e)):
             raise ValueError(
@@ -601,15 +629,23 @@ def tree_attention(
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
-    scale = D**-0.5 if sm_scale is None else float(as_real("sm_scale", sm_scale, finite=True))
+    scale = dims[3] ** -0.5 if sm_scale is None else float(as_real("sm_scale", sm_scale, finite=True))
     if abs(scale) > FLOAT32_MAX:  # checked as given: the kernels scale in float32, where it would be inf
         raise ValueError(f"sm_scale must fit float32 (|sm_scale| <= {FLOAT32_MAX:.4g}), got {sm_scale}")
+    splits = num_splits or 0
+    direct = _library.direct_call(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, grad_check=True)
     if block_table is not None:
-        out = torch.ops.specdec.paged_tree_attention(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, num_splits or 0, backend or ""
-        )
+        args = (q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, splits)
+        if direct:  # eager: checked once, no dispatcher
+            name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
+            out = _paged(name, backend or "", *args, dims[4], dims[5])
+        else:
+            out = torch.ops.specdec.paged_tree_attention(*args, backend or "")
     else:
-        out = torch.ops.specdec.tree_attention(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or ""
-        )
+        args = (q, k_cache, v_cache, cache_seqlens, tree_mask, scale, splits)
+        if direct:
+            name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
+            out = _dense(name, backend or "", *args, dims[4], dims[5])
+        else:
+            out = torch.ops.specdec.tree_attention(*args, backend or "")
     return out.transpose(1, 2) if heads_first else out

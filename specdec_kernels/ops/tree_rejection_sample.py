@@ -39,6 +39,20 @@ def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, dr
     return B, N, V, parents, n
 
 
+def _run(backend: str, target_probs, tree_tokens, parents, draft_probs, n, coins, final_u):
+    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N], ``n`` int64 [B],
+    the uniforms cleaned unless ``backend`` is "triton"): the op's kernel after its checks, and
+    the front's eager path (one check pass, no dispatcher)."""
+    if backend == "triton":
+        from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
+
+        return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+    if backend == "native":
+        p, q = _native.probs_operands(target_probs, draft_probs)
+        return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, coins, final_u)
+    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+
+
 def _impl(
     target_probs: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -52,18 +66,16 @@ def _impl(
     B, N, _, parents, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
     )
-    coins, final_u = draw_uniforms(
-        B, N - 1, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
-    )
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
-
-        return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
-    if name == "native":
-        p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, coins, final_u)
-    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+    coins, final_u = draw_uniforms(
+        B,
+        N - 1,
+        target_probs.device,
+        RandomSource(None, uniform_samples, sample_uniforms),
+        validate=False,
+        clean=name != "triton",  # the Triton kernels clean them as they load them
+    )
+    return _run(name, target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
 
 
 def _fake(
@@ -169,18 +181,21 @@ def tree_rejection_sample(
         float64 rounding of a boundary (the kernels sum a row in chunks, the reference in
         PyTorch's order).  Workspaces: see docs/API.md.
     """
-    B, N, _, _, n = check_tree_rejection_sample_args(
+    B, N, _, parents, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate
     )
+    device = target_probs.device
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = draw_uniforms(
-        B,
-        N - 1,
-        target_probs.device,
-        source,
-        coin_counts=(n - 1).clamp(min=0),
-        validate=validate,
-    )
+    # per-sequence generators draw each sequence's own num_nodes - 1 coins (only they need the counts)
+    counts = (n - 1).clamp(min=0) if isinstance(generator, (list, tuple, dict)) else None
+    if _library.direct_call(target_probs, tree_tokens, tree_parents, draft_probs, n):  # eager: checked once
+        name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
+        # the Triton kernels clean explicit uniforms as they load them: no cleaning kernels
+        coins, final_u = draw_uniforms(
+            B, N - 1, device, source, coin_counts=counts, validate=validate, clean=name != "triton"
+        )
+        return _run(name, target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+    coins, final_u = draw_uniforms(B, N - 1, device, source, coin_counts=counts, validate=validate, clean=False)
     return torch.ops.specdec.tree_rejection_sample(
         target_probs, tree_tokens, tree_parents, draft_probs, n, coins, final_u, backend or ""
     )

@@ -15,7 +15,7 @@ from specdec_kernels._flattened import (
     positions,
     take,
 )
-from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, check_modes, draw_uniforms
 from specdec_kernels.checks import check_uniforms
 from specdec_kernels.reference.rejection_sample import accept_tests, mass, sample_from_weights
 
@@ -77,6 +77,7 @@ def flattened_uniforms(
     source: RandomSource = RandomSource(),
     *,
     validate: Optional[bool] = None,
+    clean: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(coins [T], sample uniforms [B]) float32 for a flattened call.
 
@@ -85,16 +86,22 @@ def flattened_uniforms(
     [B, max_spec_len] coins are drawn (or computed from seeds/offsets) and flat draft t of
     request b at position j takes coin [b, j].  Explicit ``uniform_samples`` are [T] (coin t is
     flat draft t's); as in the padded front, a generator still draws the coins it would have
-    drawn when only ``sample_uniforms`` is missing.
+    drawn when only ``sample_uniforms`` is missing.  Both explicit: no kernel (with
+    ``clean=False``; ``clean``: see ``checks.check_uniforms``).
     """
     B, T, K = flat.batch, flat.num_tokens, flat.max_spec_len
     explicit = None
     if source.uniform_samples is not None:
-        explicit = check_uniforms("uniform_samples", source.uniform_samples, (T,), device, validate)
+        explicit = check_uniforms("uniform_samples", source.uniform_samples, (T,), device, validate, clean)
+        if source.sample_uniforms is not None:  # nothing to draw
+            final = check_uniforms("sample_uniforms", source.sample_uniforms, (B,), device, validate, clean)
+            check_modes(source)
+            return explicit, final
         # stands in for the padded coins
         source = source._replace(uniform_samples=torch.zeros((B, K), dtype=torch.float32, device=device))
-    counts = draft_counts(cu_num_draft_tokens, T).clamp(max=K)
-    coins, final = draw_uniforms(B, K, device, source, coin_counts=counts, validate=validate)
+    per_sequence = isinstance(source.generator, (list, tuple, dict))
+    counts = draft_counts(cu_num_draft_tokens, T).clamp(max=K) if per_sequence else None
+    coins, final = draw_uniforms(B, K, device, source, coin_counts=counts, validate=validate, clean=clean)
     return (explicit if explicit is not None else flatten_coins(coins, cu_num_draft_tokens, T)), final
 
 

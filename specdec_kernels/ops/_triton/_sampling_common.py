@@ -133,6 +133,19 @@ def _mul_rn(a, b):
         return a * b
 
 
+# The largest float32 below 1 (``specdec_kernels.checks.FLOAT32_BELOW_ONE``).
+BELOW_ONE = tl.constexpr(1.0 - 2.0**-24)
+
+
+@triton.jit
+def _unit_uniform(u):
+    """An explicit uniform as loaded (float32), made what ``checks.check_uniforms`` makes of it
+    for the other backends: NaN as 0, then clamped into [0, 1 - 2**-24] (so a coin never
+    reaches 1.0 and an unchecked value never leaves [0, 1)).  The fronts hand the Triton
+    kernels their uniforms uncleaned, so that a call launches no cleaning kernels."""
+    return tl.where(u > 0.0, tl.minimum(u, BELOW_ONE), 0.0)  # NaN and u <= 0 fail the test: 0
+
+
 @triton.jit
 def _mass64(x):
     """Sampling weight in float64: negative entries and NaN carry no mass."""
@@ -260,7 +273,7 @@ def _start_search(
     total = tl.max(cum, axis=1)  # the last chunk's running sum (masses are >= 0)
     last = tl.where(use0, last0, last1)
     # the first chunk where the running CDF exceeds u * total (and that has mass)
-    u_final = tl.load(final_u_ptr + rows64, mask=live, other=0.0).to(tl.float64)
+    u_final = _unit_uniform(tl.load(final_u_ptr + rows64, mask=live, other=0.0)).to(tl.float64)
     threshold = u_final * total
     chunk, base, searching = _find_chunk(w_s, cum, threshold, live & (total > 0), BLOCK_S)
     found = tl.full(total.shape, NOT_FOUND, tl.int32)

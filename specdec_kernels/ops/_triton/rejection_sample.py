@@ -1,11 +1,10 @@
 """rejection_sample: lossless speculative sampling of a chain of draft tokens.
 
 The "triton" backend of ``ops/rejection_sample.py`` (the op's other backends are listed
-there): ``_rejection_partials_kernel`` and ``_rejection_sample_kernel``, registered as
-``torch.ops.specdec.rejection_sample_triton``, launched as ``launch_config`` says.  The same
-kernels serve the flattened (vLLM v1) layout with ``FLAT=True``
-(``torch.ops.specdec.rejection_sample_flattened_triton``): each request's rows are found from
-``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
+there): ``_rejection_partials_kernel`` and ``_rejection_sample_kernel``, launched by
+``rejection_sample_triton`` as ``launch_config`` says.  The same kernels serve the flattened
+(vLLM v1) layout with ``FLAT=True`` (``rejection_sample_flattened_triton``): each request's
+rows are found from ``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
 from specdec_kernels.ops._triton._sampling_common import (
     VocabSplit,
@@ -31,6 +30,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _pick_token,
     _start_search,
     _store_chunk_partials,
+    _unit_uniform,
     vocab_split,
 )
 
@@ -96,7 +96,7 @@ def _chain_walk(
             q = tl.load(d_rows + j * stride_dk + xs, mask=live, other=0.0).to(tl.float32)
         else:
             q = tl.full([BLOCK_B], 1.0, tl.float32)
-        u = tl.load(coins_ptr + tok0 + j, mask=live, other=1.0)
+        u = _unit_uniform(tl.load(coins_ptr + tok0 + j, mask=live, other=1.0))
         acc = live & in_vocab & (u * q < p)
         num_acc += acc.to(tl.int32)
         alive = acc
@@ -295,6 +295,7 @@ class RejectionSampleLaunch:
         return (self.vocab.row_blocks,)
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_drafts: int,
@@ -424,17 +425,7 @@ def _rejection_sample_triton_impl(
     return _launch_chain(target_probs, draft_probs, draft_tokens, counts, uniform_samples, sample_uniforms, K)
 
 
-def _rejection_sample_triton_fake(
-    target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms
-):
-    B, K1, _ = target_probs.shape
-    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    return new_int64(target_probs, (B, K1), (B,))
-
-
-rejection_sample_triton = kernel_op(
-    "rejection_sample_triton", _rejection_sample_triton_impl, _rejection_sample_triton_fake
-)
+rejection_sample_triton = _rejection_sample_triton_impl  # the launcher (not an op: _library's docstring)
 
 
 def _rejection_sample_flattened_triton_impl(
@@ -479,23 +470,4 @@ def _rejection_sample_flattened_triton_impl(
     )
 
 
-def _rejection_sample_flattened_triton_fake(
-    target_probs,
-    draft_probs,
-    draft_token_ids,
-    cu_num_draft_tokens,
-    bonus_token_ids,
-    uniform_samples,
-    sample_uniforms,
-    max_spec_len,
-):
-    B = cu_num_draft_tokens.shape[0]
-    torch._check(target_probs.dim() == 2, lambda: "target_probs must be [T + B, V] or [T, V]")
-    return new_int64(target_probs, (B, max_spec_len + 1), (B,))
-
-
-rejection_sample_flattened_triton = kernel_op(
-    "rejection_sample_flattened_triton",
-    _rejection_sample_flattened_triton_impl,
-    _rejection_sample_flattened_triton_fake,
-)
+rejection_sample_flattened_triton = _rejection_sample_flattened_triton_impl

@@ -1,8 +1,7 @@
 """sampling_probs: temperature, top-k and top-p applied once for drafter and verifier.
 
 The "triton" backend of ``ops/sampling_probs.py`` (the op's other backends are listed there):
-``_sampling_probs_kernel``, registered as ``torch.ops.specdec.sampling_probs_triton``, launched
-as ``launch_config`` says.
+``_sampling_probs_kernel``, launched by ``sampling_probs_triton`` as ``launch_config`` says.
 
 Design (GPU-shaped, exact).  Every row is cut into S vocabulary chunks (``split_vocab``: about
 ``PROGRAMS_PER_SM`` programs per SM even at batch 1) and the work runs as a few launches of
@@ -36,7 +35,7 @@ import triton
 import triton.language as tl
 
 from specdec_kernels import _device
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._sampling_common import VocabSplit, vocab_split
 
 _INT32_MIN = tl.constexpr(-2147483648)
@@ -351,6 +350,7 @@ def _sampling_probs_kernel(
                     tl.store(out_ptr + rows64[:, None] * V + offs[None, :], res, mask=m2)
 
 
+@_device.cached_launch_config
 def launch_config(
     rows: int,
     vocab: int,
@@ -443,9 +443,4 @@ def _sampling_probs_triton_impl(
     return out.reshape(logits.shape)
 
 
-def _sampling_probs_triton_fake(logits, temperature, top_k, top_p, use_top_k, use_top_p):
-    torch._check(temperature.shape == (logits.shape[0],), lambda: "temperature must have shape (B,)")
-    return logits.new_empty(logits.shape, dtype=torch.float32)
-
-
-sampling_probs_triton = kernel_op("sampling_probs_triton", _sampling_probs_triton_impl, _sampling_probs_triton_fake)
+sampling_probs_triton = _sampling_probs_triton_impl  # the launcher (not an op: _library's docstring)

@@ -16,13 +16,12 @@ import triton
 import triton.language as tl
 
 from specdec_kernels import _device
-from specdec_kernels._library import kernel_op, launch
-from specdec_kernels.checks import KV_LAYOUTS, pool_geometry
+from specdec_kernels._library import launch
+from specdec_kernels.checks import pool_geometry
 from specdec_kernels.ops._tree_attention_launch import (
-    MASK_BOOL,
+    MASK_BOOL,  # noqa: F401  (the mask kinds, read as ta.MASK_* by bench/static.py and aot_specs.py)
     MASK_CAUSAL,
-    MASK_PACKED,
-    MAX_SPLITS,
+    MASK_PACKED,  # noqa: F401
     TreeAttentionLaunch,
     launch_config,
 )
@@ -467,11 +466,11 @@ def _launch(
 
 
 # --------------------------------------------------------------------------------------
-# torch.library registration: specdec::tree_attention_triton
+# The launchers of tree_attention's "triton" backend (plain functions, not ops)
 # --------------------------------------------------------------------------------------
 
 
-def _tree_attention_triton_impl(
+def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -481,45 +480,16 @@ def _tree_attention_triton_impl(
     sm_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """Triton launcher on validated inputs (see the public ``tree_attention``).
+    """Triton launcher on checked inputs (the public ``tree_attention`` checks them).
 
     mask_kind: 0 causal chain (tree_mask None), 1 bool mask, 2 bit-packed int32 mask;
-    sm_scale: the softmax scale (not yet multiplied by log2(e)); num_splits >= 1.
+    sm_scale: the softmax scale (not yet multiplied by log2(e)); num_splits 1..MAX_SPLITS.
+    Returns the output, q's shape and dtype.
     """
-    _check_op_args(tree_mask, mask_kind, num_splits)
     return _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits)
 
 
-def _check_op_args(tree_mask, mask_kind, num_splits):
-    torch._check(
-        mask_kind in (MASK_CAUSAL, MASK_BOOL, MASK_PACKED), lambda: f"mask_kind must be 0, 1 or 2, got {mask_kind}"
-    )
-    torch._check(
-        (tree_mask is None) == (mask_kind == MASK_CAUSAL), lambda: "tree_mask must be None exactly when mask_kind is 0"
-    )
-    want = {MASK_BOOL: torch.bool, MASK_PACKED: torch.int32}.get(mask_kind)
-    torch._check(
-        tree_mask is None or tree_mask.dtype == want, lambda: f"tree_mask must be {want} for mask_kind {mask_kind}"
-    )
-    torch._check(1 <= num_splits <= MAX_SPLITS, lambda: f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
-
-
-def _tree_attention_triton_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits):
-    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
-    torch._check(q.shape[2] % k_cache.shape[1] == 0, lambda: "q's heads must be a multiple of k_cache's heads")
-    _check_op_args(tree_mask, mask_kind, num_splits)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-tree_attention_triton = kernel_op("tree_attention_triton", _tree_attention_triton_impl, _tree_attention_triton_fake)
-
-
-# --------------------------------------------------------------------------------------
-# torch.library registration: specdec::paged_tree_attention_triton
-# --------------------------------------------------------------------------------------
-
-
-def _paged_tree_attention_triton_impl(
+def paged_tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -531,38 +501,12 @@ def _paged_tree_attention_triton_impl(
     sm_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """Triton launcher over a paged cache on validated inputs (see the public ``tree_attention``).
+    """Triton launcher over a paged cache on checked inputs (see the public ``tree_attention``).
 
     k_cache, v_cache: pools in ``kv_layout`` ("NHD" [num_blocks, block_size, Hkv, D] or "HND"
     [num_blocks, Hkv, block_size, D]); block_table int32 [B, max_blocks_per_seq]; the other
     arguments as ``tree_attention_triton``.  Block ids are clamped into the pool in the kernel.
     """
-    _check_paged_op_args(q, k_cache, block_table, kv_layout)
-    _check_op_args(tree_mask, mask_kind, num_splits)
     return _launch(
         q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout
     )
-
-
-def _check_paged_op_args(q, k_cache, block_table, kv_layout):
-    torch._check(kv_layout in KV_LAYOUTS, lambda: f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
-    torch._check(
-        block_table.dim() == 2 and block_table.dtype == torch.int32, lambda: "block_table must be int32 [B, max_blocks]"
-    )
-    torch._check(k_cache.shape[0] >= 1, lambda: "k_cache must hold at least one block")
-    heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
-    torch._check(q.shape[2] % heads == 0, lambda: "q's heads must be a multiple of k_cache's heads")
-
-
-def _paged_tree_attention_triton_fake(
-    q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, mask_kind, sm_scale, num_splits
-):
-    _check_paged_op_args(q, k_cache, block_table, kv_layout)
-    _check_op_args(tree_mask, mask_kind, num_splits)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-paged_tree_attention_triton = kernel_op(
-    "paged_tree_attention_triton", _paged_tree_attention_triton_impl, _paged_tree_attention_triton_fake
-)

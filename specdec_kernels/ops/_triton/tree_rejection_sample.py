@@ -1,7 +1,7 @@
 """tree_rejection_sample: multi-candidate rejection sampling over a token tree.
 
 The "triton" backend of ``ops/tree_rejection_sample.py`` (the op's other backends are listed
-there): ``torch.ops.specdec.tree_rejection_sample_triton``, launched as ``launch_config`` says.
+there): the kernels below, launched by ``tree_rejection_sample_triton`` as ``launch_config`` says.
 
 The Triton backend spreads a row's vocabulary over many programs (``split_vocab``), so a
 batch of one tree fills the GPU.  What makes that possible: every child of a node is drawn
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import cdiv, next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
 from specdec_kernels.ops._triton._sampling_common import (
     VocabSplit,
@@ -47,6 +47,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _pick_token,
     _start_search,
     _store_chunk_partials,
+    _unit_uniform,
     vocab_split,
 )
 
@@ -232,7 +233,8 @@ def _tree_walk_kernel(
             x = tl.load(tokens_ptr + rows64 * N + j, mask=is_child, other=-1).to(tl.int64)
             in_vocab = (x >= 0) & (x < V)
             xs = tl.minimum(tl.maximum(x, 0), V - 1)
-            u = tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0).to(tl.float64)
+            u = _unit_uniform(tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0))
+            u = u.to(tl.float64)
             cur64 = current.to(tl.int64)
             px = _mass64(tl.load(t_rows + cur64 * stride_tn + xs, mask=is_child, other=0.0))
             if HAS_DRAFT:
@@ -468,6 +470,7 @@ class TreeRejectionSampleLaunch:
     sample_num_warps: int
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_nodes: int,
@@ -651,14 +654,4 @@ def _tree_rejection_sample_triton_impl(
     return out_tokens, out_nodes, num_accepted
 
 
-def _tree_rejection_sample_triton_fake(
-    target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms
-):
-    B, N, _ = target_probs.shape
-    torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
-    return new_int64(target_probs, (B, N), (B, N), (B,))
-
-
-tree_rejection_sample_triton = kernel_op(
-    "tree_rejection_sample_triton", _tree_rejection_sample_triton_impl, _tree_rejection_sample_triton_fake
-)
+tree_rejection_sample_triton = _tree_rejection_sample_triton_impl  # the launcher (not an op)

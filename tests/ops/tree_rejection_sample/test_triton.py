@@ -403,4 +403,5 @@ def test_opcheck(device, sampled, shared):
         case["uniform_samples"],
         case["sample_uniforms"],
     )
-    torch.library.opcheck(torch.ops.specdec.tree_rejection_sample_triton, args)
+    # the Triton launcher is no op of its own: the public op's Triton branch is what is checked
+    torch.library.opcheck(torch.ops.specdec.tree_rejection_sample.default, args, {"backend": "triton"})
