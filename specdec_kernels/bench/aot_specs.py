@@ -453,6 +453,7 @@ def tree_attention_fwd_spec(
         UPCAST_DOT=False,
         NUM_STAGES=ta.NUM_STAGES,
         PAGED=paged,
+        MIN_SPLIT_KEYS=cfg.min_split_keys,
     )
     return _spec(
         ta._tree_attention_fwd_kernel,
@@ -464,14 +465,18 @@ def tree_attention_fwd_spec(
     )
 
 
-def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch) -> dict:
+def tree_attention_combine_spec(
+    dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch, seqlen_dtype: str = "i32"
+) -> dict:
     """``_tree_attention_combine_kernel`` of a split launch."""
     sig = {
         "OPART": "*fp32",
         "LSE": "*fp32",
         "OUT": f"*{dtype}",
+        "SEQLENS": f"*{seqlen_dtype}",
         "num_rows": "i32",
         "N": "i32",
+        "S_CAP": "i32",
         "G": "i32",
         "Hkv": "i32",
         "num_splits": "i32",
@@ -482,9 +487,15 @@ def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttention
     }
     return _spec(
         ta._tree_attention_combine_kernel,
-        f"tree_attention.combine[{dtype},D={head_dim}]",
+        f"tree_attention.combine[{dtype},D={head_dim},seqlens={seqlen_dtype}]",
         sig,
-        dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
+        dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=cfg.combine_block_r,
+            BLOCK_N=cfg.block_n,
+            MIN_SPLIT_KEYS=cfg.min_split_keys,
+        ),
         cfg.combine_num_warps,
     )
 
@@ -560,8 +571,8 @@ def _aot_specs() -> Dict[str, List[dict]]:
     def fwd(dtype, d, mask, split, seqlen="i32", rows=64, paged=False):
         return tree_attention_fwd_spec(dtype, d, mask, tree_attention_config(dtype, d, rows, split), seqlen, paged)
 
-    def combine(dtype, d):
-        return tree_attention_combine_spec(dtype, d, tree_attention_config(dtype, d, split=True))
+    def combine(dtype, d, seqlen="i32"):
+        return tree_attention_combine_spec(dtype, d, tree_attention_config(dtype, d, split=True), seqlen)
 
     causal, dense, packed = ta.MASK_CAUSAL, ta.MASK_BOOL, ta.MASK_PACKED
     specs["tree_attention"] = (
@@ -581,6 +592,7 @@ def _aot_specs() -> Dict[str, List[dict]]:
             fwd("bf16", 256, causal, True, rows=8),
         ]
         + [combine(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
+        + [combine("bf16", 64, "i64")]
         # paged KV cache (PAGED: block-table lookup per key tile), every mask kind, split and not
         + [
             fwd("fp16", 64, dense, False, paged=True),
