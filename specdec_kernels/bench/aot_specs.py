@@ -268,119 +268,62 @@ def sampling_probs_specs(
 def tree_rejection_specs(
     has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, prob: str = "*fp32", tok: str = "*i64", parent: str = "*i64"
 ) -> List[dict]:
-    """The kernels of one launch configuration (what the launcher passes): the level kernel
-    (split, and serial with draft distributions), the walk, the final partials and sample."""
-    lv, rw = cfg.levels, cfg.rows
-    strides = {"stride_tb": "i64", "stride_tn": "i32", "stride_db": "i64", "stride_dn": "i32"}
-    level_sig = {
-        "target_ptr": prob,
-        "draft_ptr": prob,
-        "parents_ptr": parent,
-        "num_nodes_ptr": "*i64",
-        "part_ptr": "*fp64",
-        "tsum_ptr": "*fp64",
-        "R": "i32",
-        "N": "i32",
-        "V": "i32",
-        **strides,
-        "stride_pb": "i32",
-        "S": "i32",
-        "level": "i32",
-        "level_end": "i32",
-        "TILES_PER_SPLIT": "i32",
-    }
-    specs = [
-        _spec(
-            trs._tree_level_kernel,
-            f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
-            f"tail={tail} BLOCK_S={lv.block_s}",
-            level_sig,
-            {
-                "TAIL": tail,
-                "HAS_DRAFT": has_draft,
-                "BLOCK_R": lv.block_b,
-                "BLOCK_V": lv.block_v,
-                "BLOCK_S": lv.block_s,
-            },
-            cfg.level_num_warps,
-        )
-        for tail in (False, True)
-    ]
-    specs.append(
-        _spec(
-            trs._tree_walk_kernel,
-            f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
-            {
-                "target_ptr": prob,
-                "draft_ptr": prob,
-                "tokens_ptr": tok,
-                "parents_ptr": parent,
-                "num_nodes_ptr": "*i64",
-                "coins_ptr": "*fp32",
-                "tsum_ptr": "*fp64",
-                "out_tokens_ptr": "*i64",
-                "out_nodes_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "state_ptr": "*i32",
-                "rej_ptr": "*i64",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                **strides,
-                "stride_pb": "i32",
-            },
-            {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
-            cfg.walk_num_warps,
-        )
+    """The two kernels of one launch configuration (what the launcher passes): the node masses
+    over vocabulary chunks, and the walk with the final sample."""
+    ms = cfg.masses
+    mass = _spec(
+        trs._tree_mass_kernel,
+        f"tree_mass {prob[1:]} BLOCK_R={ms.block_b} BLOCK_V={ms.block_v}",
+        {
+            "target_ptr": prob,
+            "num_nodes_ptr": "*i64",
+            "part_ptr": "*fp64",
+            "R": "i32",
+            "N": "i32",
+            "V": "i32",
+            "stride_tb": "i64",
+            "stride_tn": "i32",
+            "TILES_PER_SPLIT": "i32",
+        },
+        {"BLOCK_R": ms.block_b, "BLOCK_V": ms.block_v},
+        cfg.mass_num_warps,
     )
-    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32", "rej_ptr": "*i64"}
-    final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "NP": cfg.np_}
-    specs.append(
-        _spec(
-            trs._tree_final_partials_kernel,
-            f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
-            f"BLOCK_B={rw.block_b} NP={cfg.np_}",
-            {
-                **final_common,
-                "weights_ptr": "*fp64",
-                "part_mass_ptr": "*fp64",
-                "part_last_ptr": "*i32",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                **strides,
-                "TILES_PER_SPLIT": "i32",
-            },
-            final_meta,
-            cfg.final_partials_num_warps,
-        )
+    sample = _spec(
+        trs._tree_sample_kernel,
+        f"tree_sample draft={has_draft} {prob[1:]} {tok[1:]} {parent[1:]} BLOCK_B={cfg.sample_block_b} "
+        f"BLOCK_V={cfg.sample_block_v} NP={cfg.np_}",
+        {
+            "target_ptr": prob,
+            "draft_ptr": prob,
+            "tokens_ptr": tok,
+            "parents_ptr": parent,
+            "num_nodes_ptr": "*i64",
+            "coins_ptr": "*fp32",
+            "final_u_ptr": "*fp32",
+            "part_ptr": "*fp64",
+            "rej_ptr": "*i64",
+            "out_tokens_ptr": "*i64",
+            "out_nodes_ptr": "*i64",
+            "num_accepted_ptr": "*i64",
+            "B": "i32",
+            "N": "i32",
+            "V": "i32",
+            "stride_tb": "i64",
+            "stride_tn": "i32",
+            "stride_db": "i64",
+            "stride_dn": "i32",
+            "stride_pb": "i32",
+            "S": "i32",
+        },
+        {
+            "HAS_DRAFT": has_draft,
+            "BLOCK_B": cfg.sample_block_b,
+            "BLOCK_V": cfg.sample_block_v,
+            "NP": cfg.np_,
+        },
+        cfg.sample_num_warps,
     )
-    specs.append(
-        _spec(
-            trs._tree_final_sample_kernel,
-            f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
-            {
-                "target_ptr": prob,
-                "state_ptr": "*i32",
-                "weights_ptr": "*fp64",
-                "final_u_ptr": "*fp32",
-                "part_mass_ptr": "*fp64",
-                "part_last_ptr": "*i32",
-                "out_tokens_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                "stride_tb": "i64",
-                "stride_tn": "i32",
-                "S": "i32",
-                "TILES_PER_SPLIT": "i32",
-            },
-            {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
-            cfg.sample_num_warps,
-        )
-    )
-    return specs
+    return [mass, sample]
 
 
 # --------------------------------------------------------------------------------------

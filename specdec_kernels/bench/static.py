@@ -202,10 +202,8 @@ _DIV16 = {
     "_rejection_partials_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
     "_rejection_sample_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
     "_sampling_probs_kernel": ("V", "stride_lr"),
-    "_tree_level_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
-    "_tree_walk_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
-    "_tree_final_partials_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
-    "_tree_final_sample_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
+    "_tree_mass_kernel": ("V", "stride_tb", "stride_tn"),
+    "_tree_sample_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
 }
 
 

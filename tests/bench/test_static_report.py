@@ -48,10 +48,8 @@ def test_every_configuration_compiles_for_both_architectures(report):
         "_rejection_partials_kernel",
         "_rejection_sample_kernel",
         "_sampling_probs_kernel",
-        "_tree_level_kernel",
-        "_tree_walk_kernel",
-        "_tree_final_partials_kernel",
-        "_tree_final_sample_kernel",
+        "_tree_mass_kernel",
+        "_tree_sample_kernel",
         "_tree_attention_fwd_kernel",
         "_tree_attention_combine_kernel",
     }
