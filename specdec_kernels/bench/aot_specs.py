@@ -17,7 +17,7 @@ Importing this module imports triton (the kernels are JIT functions).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from specdec_kernels.ops._triton import rejection_sample as rs
 from specdec_kernels.ops._triton import sampling_probs as sp
@@ -205,59 +205,53 @@ def rejection_specs(
 # sampling_probs
 # --------------------------------------------------------------------------------------
 
-STAGE_NAMES = {sp.STATS: "stats", sp.TOPK: "topk", sp.DENOM: "denom", sp.TOPP: "topp", sp.FINAL: "final"}
 
-
-def sampling_probs_specs(
-    top_k: bool,
-    top_p: bool,
-    cfg,
-    dtype: str = "*fp32",
-    stages: Sequence[int] = (sp.STATS, sp.TOPK, sp.DENOM, sp.TOPP, sp.FINAL),
-) -> List[dict]:
-    """One spec per stage the launcher runs for these settings (``cfg``: ``sp.launch_config``)."""
-    specs = []
-    for stage in stages:
-        if (stage == sp.TOPK and not top_k) or (stage == sp.TOPP and not top_p):
-            continue
-        signature = {
+def sampling_probs_specs(top_k: bool, top_p: bool, cfg: sp.SamplingProbsLaunch, dtype: str = "*fp32") -> List[dict]:
+    """The two kernels the launcher runs for these settings (``cfg``: ``sp.launch_config``):
+    the per-row search and the chunked write."""
+    search = _spec(
+        sp._sampling_search_kernel,
+        f"sampling_probs search top_k={top_k} top_p={top_p} {dtype[1:]} BLOCK_V={cfg.search_block_v}",
+        {
             "logits_ptr": dtype,
-            "out_ptr": "*fp32",
             "temp_ptr": "*fp32",
             "topk_ptr": "*i64",
             "topp_ptr": "*fp32",
-            "stat_key_ptr": "*i32",
-            "stat_idx_ptr": "*i32",
-            "stat_max_ptr": "*fp32",
-            "stat_flag_ptr": "*i32",
-            "kcnt_ptr": "*i32",
-            "kivl_ptr": "*i64",
-            "den_ptr": "*fp32",
-            "pmass_ptr": "*fp64",
-            "pivl_ptr": "*i64",
-            "R": "i32",
+            "row_i32_ptr": "*i32",
+            "row_f32_ptr": "*fp32",
             "V": "i32",
             "rows_per_seq": "i32",
             "stride_lr": "i64",
-            "S": "i32",
-            "TILES_PER_SPLIT": "i32",
-            "PASS": "i32",
-        }
-        constexprs = {
-            "STAGE": stage,
+        },
+        {
             "HAS_TOPK": top_k,
             "HAS_TOPP": top_p,
             "NP": sp.NPIV,
             "NUM_PASSES": sp.PASSES,
-            "BLOCK_B": cfg.block_b,
-            "BLOCK_V": cfg.block_v,
-        }
-        name = (
-            f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
-            f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"
-        )
-        specs.append(_spec(sp._sampling_probs_kernel, name, signature, constexprs))
-    return specs
+            "BITS": sp.RADIX_BITS,
+            "BLOCK_V": cfg.search_block_v,
+        },
+        cfg.search_num_warps,
+    )
+    w = cfg.write
+    write = _spec(
+        sp._sampling_write_kernel,
+        f"sampling_probs write {dtype[1:]} BLOCK_B={w.block_b} BLOCK_V={w.block_v}",
+        {
+            "logits_ptr": dtype,
+            "out_ptr": "*fp32",
+            "temp_ptr": "*fp32",
+            "row_i32_ptr": "*i32",
+            "row_f32_ptr": "*fp32",
+            "R": "i32",
+            "V": "i32",
+            "rows_per_seq": "i32",
+            "stride_lr": "i64",
+            "TILES_PER_SPLIT": "i32",
+        },
+        {"BLOCK_B": w.block_b, "BLOCK_V": w.block_v},
+    )
+    return [search, write]
 
 
 # --------------------------------------------------------------------------------------
@@ -483,7 +477,7 @@ def _aot_specs() -> Dict[str, List[dict]]:
         for s in group
     ]
 
-    # full 512-column tiles, and 4 and 16 rows a program at small vocabularies
+    # full 512-column tiles, and 4 and 16 rows a program (the write) at small vocabularies
     specs["sampling_probs"] = [
         s
         for group in (
