@@ -85,8 +85,8 @@ def _residual_point(r, q, invs, steps, rmask):
 @triton.jit
 def _node_total(part_ptr, node_rows, S, live):
     """t_0 of the node rows ``node_rows`` ([BB] int64, b * N + node): the sum of their S chunk
-    masses (``_tree_mass_kernel``), 16 at a time (wider vectors make ptxas spill); 0 where not
-    ``live``."""
+    masses (``_tree_mass_kernel``) as one 16-wide vector (S <= MAX_MASS_CHUNKS = 16 by default;
+    the tests' larger S, 16 at a time; wider vectors made ptxas spill); 0 where not ``live``."""
     cs = tl.arange(0, 16)
     acc = tl.zeros(node_rows.shape, dtype=tl.float64)
     for c0 in tl.range(0, S, 16):
@@ -329,6 +329,12 @@ def _tree_sample_kernel(
     tl.store(num_accepted_ptr + rows64, num_acc.to(tl.int64), mask=rmask)
 
 
+# Vocabulary chunks of the node masses at most (by default): the walk reads a node's total as
+# one vector of its chunk masses (more chunks add no bandwidth: 16 per node row fill the GPU
+# from 8 node rows on)
+MAX_MASS_CHUNKS = 16
+
+
 def mass_num_warps(block_v: int) -> int:
     """Warps of ``_tree_mass_kernel``: 8 for full 1024-column tiles, else 4."""
     return 8 if block_v >= 1024 else 4
@@ -372,12 +378,15 @@ def launch_config(
     """The launch configuration for ``batch`` trees of ``num_nodes`` (N) nodes over ``vocab``
     entries on a GPU of ``sm_count`` SMs (None: the interpreter).
 
-    The walk runs one sequence a program on a GPU (several in the interpreter), in tiles of
-    up to 1024 columns.  ``tile`` (BLOCK_B, BLOCK_V) overrides the tiles of both launches and
+    The node masses use at most ``MAX_MASS_CHUNKS`` chunks a row (as ``vocab_split`` chooses
+    below that).  The walk runs one sequence a program on a GPU (several in the
+    interpreter), in tiles of up to 1024 columns.  ``tile`` (BLOCK_B, BLOCK_V) overrides the tiles of both launches and
     ``num_splits`` the chunks of the node masses (see ``vocab_split``).  ``has_draft`` changes nothing today (both
     kinds of children launch the same shapes); it is kept for the callers that pass it.
     """
     masses = vocab_split(vocab, batch * num_nodes, sm_count, tile=tile, num_splits=num_splits)
+    if num_splits is None and masses.splits > MAX_MASS_CHUNKS:
+        masses = vocab_split(vocab, batch * num_nodes, sm_count, tile=tile, num_splits=MAX_MASS_CHUNKS)
     if tile is None:
         block_b, block_v = tile_sizes(vocab, batch, sm_count is not None)
         if sm_count is not None:  # one sequence a program: its state is a few [NP] vectors
