@@ -17,7 +17,7 @@ Importing this module imports triton (the kernels are JIT functions).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from specdec_kernels.ops._triton import rejection_sample as rs
 from specdec_kernels.ops._triton import sampling_probs as sp
@@ -205,59 +205,53 @@ def rejection_specs(
 # sampling_probs
 # --------------------------------------------------------------------------------------
 
-STAGE_NAMES = {sp.STATS: "stats", sp.TOPK: "topk", sp.DENOM: "denom", sp.TOPP: "topp", sp.FINAL: "final"}
 
-
-def sampling_probs_specs(
-    top_k: bool,
-    top_p: bool,
-    cfg,
-    dtype: str = "*fp32",
-    stages: Sequence[int] = (sp.STATS, sp.TOPK, sp.DENOM, sp.TOPP, sp.FINAL),
-) -> List[dict]:
-    """One spec per stage the launcher runs for these settings (``cfg``: ``sp.launch_config``)."""
-    specs = []
-    for stage in stages:
-        if (stage == sp.TOPK and not top_k) or (stage == sp.TOPP and not top_p):
-            continue
-        signature = {
+def sampling_probs_specs(top_k: bool, top_p: bool, cfg: sp.SamplingProbsLaunch, dtype: str = "*fp32") -> List[dict]:
+    """The two kernels the launcher runs for these settings (``cfg``: ``sp.launch_config``):
+    the per-row search and the chunked write."""
+    search = _spec(
+        sp._sampling_search_kernel,
+        f"sampling_probs search top_k={top_k} top_p={top_p} {dtype[1:]} BLOCK_V={cfg.search_block_v}",
+        {
             "logits_ptr": dtype,
-            "out_ptr": "*fp32",
             "temp_ptr": "*fp32",
             "topk_ptr": "*i64",
             "topp_ptr": "*fp32",
-            "stat_key_ptr": "*i32",
-            "stat_idx_ptr": "*i32",
-            "stat_max_ptr": "*fp32",
-            "stat_flag_ptr": "*i32",
-            "kcnt_ptr": "*i32",
-            "kivl_ptr": "*i64",
-            "den_ptr": "*fp32",
-            "pmass_ptr": "*fp64",
-            "pivl_ptr": "*i64",
-            "R": "i32",
+            "row_i32_ptr": "*i32",
+            "row_f32_ptr": "*fp32",
             "V": "i32",
             "rows_per_seq": "i32",
             "stride_lr": "i64",
-            "S": "i32",
-            "TILES_PER_SPLIT": "i32",
-            "PASS": "i32",
-        }
-        constexprs = {
-            "STAGE": stage,
+        },
+        {
             "HAS_TOPK": top_k,
             "HAS_TOPP": top_p,
             "NP": sp.NPIV,
             "NUM_PASSES": sp.PASSES,
-            "BLOCK_B": cfg.block_b,
-            "BLOCK_V": cfg.block_v,
-        }
-        name = (
-            f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
-            f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"
-        )
-        specs.append(_spec(sp._sampling_probs_kernel, name, signature, constexprs))
-    return specs
+            "BITS": sp.RADIX_BITS,
+            "BLOCK_V": cfg.search_block_v,
+        },
+        cfg.search_num_warps,
+    )
+    w = cfg.write
+    write = _spec(
+        sp._sampling_write_kernel,
+        f"sampling_probs write {dtype[1:]} BLOCK_B={w.block_b} BLOCK_V={w.block_v}",
+        {
+            "logits_ptr": dtype,
+            "out_ptr": "*fp32",
+            "temp_ptr": "*fp32",
+            "row_i32_ptr": "*i32",
+            "row_f32_ptr": "*fp32",
+            "R": "i32",
+            "V": "i32",
+            "rows_per_seq": "i32",
+            "stride_lr": "i64",
+            "TILES_PER_SPLIT": "i32",
+        },
+        {"BLOCK_B": w.block_b, "BLOCK_V": w.block_v},
+    )
+    return [search, write]
 
 
 # --------------------------------------------------------------------------------------
@@ -268,119 +262,62 @@ def sampling_probs_specs(
 def tree_rejection_specs(
     has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, prob: str = "*fp32", tok: str = "*i64", parent: str = "*i64"
 ) -> List[dict]:
-    """The kernels of one launch configuration (what the launcher passes): the level kernel
-    (split, and serial with draft distributions), the walk, the final partials and sample."""
-    lv, rw = cfg.levels, cfg.rows
-    strides = {"stride_tb": "i64", "stride_tn": "i32", "stride_db": "i64", "stride_dn": "i32"}
-    level_sig = {
-        "target_ptr": prob,
-        "draft_ptr": prob,
-        "parents_ptr": parent,
-        "num_nodes_ptr": "*i64",
-        "part_ptr": "*fp64",
-        "tsum_ptr": "*fp64",
-        "R": "i32",
-        "N": "i32",
-        "V": "i32",
-        **strides,
-        "stride_pb": "i32",
-        "S": "i32",
-        "level": "i32",
-        "level_end": "i32",
-        "TILES_PER_SPLIT": "i32",
-    }
-    specs = [
-        _spec(
-            trs._tree_level_kernel,
-            f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
-            f"tail={tail} BLOCK_S={lv.block_s}",
-            level_sig,
-            {
-                "TAIL": tail,
-                "HAS_DRAFT": has_draft,
-                "BLOCK_R": lv.block_b,
-                "BLOCK_V": lv.block_v,
-                "BLOCK_S": lv.block_s,
-            },
-            cfg.level_num_warps,
-        )
-        for tail in (False, True)
-    ]
-    specs.append(
-        _spec(
-            trs._tree_walk_kernel,
-            f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
-            {
-                "target_ptr": prob,
-                "draft_ptr": prob,
-                "tokens_ptr": tok,
-                "parents_ptr": parent,
-                "num_nodes_ptr": "*i64",
-                "coins_ptr": "*fp32",
-                "tsum_ptr": "*fp64",
-                "out_tokens_ptr": "*i64",
-                "out_nodes_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "state_ptr": "*i32",
-                "rej_ptr": "*i64",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                **strides,
-                "stride_pb": "i32",
-            },
-            {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
-            cfg.walk_num_warps,
-        )
+    """The two kernels of one launch configuration (what the launcher passes): the node masses
+    over vocabulary chunks, and the walk with the final sample."""
+    ms = cfg.masses
+    mass = _spec(
+        trs._tree_mass_kernel,
+        f"tree_mass {prob[1:]} BLOCK_R={ms.block_b} BLOCK_V={ms.block_v}",
+        {
+            "target_ptr": prob,
+            "num_nodes_ptr": "*i64",
+            "part_ptr": "*fp64",
+            "R": "i32",
+            "N": "i32",
+            "V": "i32",
+            "stride_tb": "i64",
+            "stride_tn": "i32",
+            "TILES_PER_SPLIT": "i32",
+        },
+        {"BLOCK_R": ms.block_b, "BLOCK_V": ms.block_v},
+        cfg.mass_num_warps,
     )
-    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32", "rej_ptr": "*i64"}
-    final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "NP": cfg.np_}
-    specs.append(
-        _spec(
-            trs._tree_final_partials_kernel,
-            f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
-            f"BLOCK_B={rw.block_b} NP={cfg.np_}",
-            {
-                **final_common,
-                "weights_ptr": "*fp64",
-                "part_mass_ptr": "*fp64",
-                "part_last_ptr": "*i32",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                **strides,
-                "TILES_PER_SPLIT": "i32",
-            },
-            final_meta,
-            cfg.final_partials_num_warps,
-        )
+    sample = _spec(
+        trs._tree_sample_kernel,
+        f"tree_sample draft={has_draft} {prob[1:]} {tok[1:]} {parent[1:]} BLOCK_B={cfg.sample_block_b} "
+        f"BLOCK_V={cfg.sample_block_v} NP={cfg.np_}",
+        {
+            "target_ptr": prob,
+            "draft_ptr": prob,
+            "tokens_ptr": tok,
+            "parents_ptr": parent,
+            "num_nodes_ptr": "*i64",
+            "coins_ptr": "*fp32",
+            "final_u_ptr": "*fp32",
+            "part_ptr": "*fp64",
+            "rej_ptr": "*i64",
+            "out_tokens_ptr": "*i64",
+            "out_nodes_ptr": "*i64",
+            "num_accepted_ptr": "*i64",
+            "B": "i32",
+            "N": "i32",
+            "V": "i32",
+            "stride_tb": "i64",
+            "stride_tn": "i32",
+            "stride_db": "i64",
+            "stride_dn": "i32",
+            "stride_pb": "i32",
+            "S": "i32",
+        },
+        {
+            "HAS_DRAFT": has_draft,
+            "BLOCK_B": cfg.sample_block_b,
+            "BLOCK_V": cfg.sample_block_v,
+            "NP": cfg.np_,
+        },
+        cfg.sample_num_warps,
     )
-    specs.append(
-        _spec(
-            trs._tree_final_sample_kernel,
-            f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
-            {
-                "target_ptr": prob,
-                "state_ptr": "*i32",
-                "weights_ptr": "*fp64",
-                "final_u_ptr": "*fp32",
-                "part_mass_ptr": "*fp64",
-                "part_last_ptr": "*i32",
-                "out_tokens_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                "stride_tb": "i64",
-                "stride_tn": "i32",
-                "S": "i32",
-                "TILES_PER_SPLIT": "i32",
-            },
-            {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
-            cfg.sample_num_warps,
-        )
-    )
-    return specs
+    return [mass, sample]
 
 
 # --------------------------------------------------------------------------------------
@@ -453,6 +390,7 @@ def tree_attention_fwd_spec(
         UPCAST_DOT=False,
         NUM_STAGES=ta.NUM_STAGES,
         PAGED=paged,
+        MIN_SPLIT_KEYS=cfg.min_split_keys,
     )
     return _spec(
         ta._tree_attention_fwd_kernel,
@@ -464,14 +402,18 @@ def tree_attention_fwd_spec(
     )
 
 
-def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch) -> dict:
+def tree_attention_combine_spec(
+    dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch, seqlen_dtype: str = "i32"
+) -> dict:
     """``_tree_attention_combine_kernel`` of a split launch."""
     sig = {
         "OPART": "*fp32",
         "LSE": "*fp32",
         "OUT": f"*{dtype}",
+        "SEQLENS": f"*{seqlen_dtype}",
         "num_rows": "i32",
         "N": "i32",
+        "S_CAP": "i32",
         "G": "i32",
         "Hkv": "i32",
         "num_splits": "i32",
@@ -482,9 +424,15 @@ def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttention
     }
     return _spec(
         ta._tree_attention_combine_kernel,
-        f"tree_attention.combine[{dtype},D={head_dim}]",
+        f"tree_attention.combine[{dtype},D={head_dim},seqlens={seqlen_dtype}]",
         sig,
-        dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
+        dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=cfg.combine_block_r,
+            BLOCK_N=cfg.block_n,
+            MIN_SPLIT_KEYS=cfg.min_split_keys,
+        ),
         cfg.combine_num_warps,
     )
 
@@ -529,7 +477,7 @@ def _aot_specs() -> Dict[str, List[dict]]:
         for s in group
     ]
 
-    # full 512-column tiles, and 4 and 16 rows a program at small vocabularies
+    # full 512-column tiles, and 4 and 16 rows a program (the write) at small vocabularies
     specs["sampling_probs"] = [
         s
         for group in (
@@ -560,8 +508,8 @@ def _aot_specs() -> Dict[str, List[dict]]:
     def fwd(dtype, d, mask, split, seqlen="i32", rows=64, paged=False):
         return tree_attention_fwd_spec(dtype, d, mask, tree_attention_config(dtype, d, rows, split), seqlen, paged)
 
-    def combine(dtype, d):
-        return tree_attention_combine_spec(dtype, d, tree_attention_config(dtype, d, split=True))
+    def combine(dtype, d, seqlen="i32"):
+        return tree_attention_combine_spec(dtype, d, tree_attention_config(dtype, d, split=True), seqlen)
 
     causal, dense, packed = ta.MASK_CAUSAL, ta.MASK_BOOL, ta.MASK_PACKED
     specs["tree_attention"] = (
@@ -581,6 +529,7 @@ def _aot_specs() -> Dict[str, List[dict]]:
             fwd("bf16", 256, causal, True, rows=8),
         ]
         + [combine(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
+        + [combine("bf16", 64, "i64")]
         # paged KV cache (PAGED: block-table lookup per key tile), every mask kind, split and not
         + [
             fwd("fp16", 64, dense, False, paged=True),

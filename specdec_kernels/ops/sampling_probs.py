@@ -180,22 +180,23 @@ def sampling_probs(
     checks on CPU tensors only), True or False (docs/API.md#backends).
 
     Triton backend:
-        One kernel (``_sampling_probs_kernel``) launched once per stage over (row blocks,
-        vocabulary chunks), so batch 1 spreads over the GPU, and no sort: temperature (IEEE
-        division) and the argmax; the top-k threshold by a multi-pivot search on the
-        order-preserving integer image of the logits (keep x >= t where t is the smallest value
-        with fewer than k logits above it: the k-th largest, ties kept), 16 pivots per pass,
-        8 passes over V; the softmax denominator; the top-p threshold by the same search on the
-        probabilities' bit patterns with float64 masses (keep p >= t where t is the smallest
-        value with float64 mass strictly above it < top_p: the reference's nucleus, ties
-        kept), 8 passes; the renormalised row.  Probabilities agree with the reference's within
-        float32 rounding (the kernel's exp and sums are not PyTorch's), so the kept set is
-        exactly the reference's whenever no float64 partial mass is within rounding of top_p
-        and the probabilities at the nucleus boundary are not within float32 rounding of each
-        other: two logits a few ulps apart can give one float32 probability in one and two in
-        the other, and a tie at the boundary is kept whole.  A row holding NaN after
-        temperature, or only -inf, gives NaN everywhere, and a row holding +inf after
-        temperature is one-hot at its largest logit, as in the reference.
+        Two launches, no sort (``ops/_triton/sampling_probs.py``, docs/API.md).
+        ``_sampling_search_kernel``, one program per row, passes over the row: temperature
+        (IEEE division), the argmax and maximum; the top-k threshold, the k-th largest order
+        key of the scaled logits (keep x >= it: ties kept), by a radix select of 4 passes of
+        256-bin histograms; the softmax denominator; the top-p threshold by a multi-pivot
+        search on the probabilities' bit patterns with float64 masses (keep p >= t where t is
+        the smallest value with float64 mass strictly above it < top_p: the reference's
+        nucleus, ties kept), 16 pivots a pass, at most 8 passes.  ``_sampling_write_kernel``
+        writes the renormalised rows over (row blocks, vocabulary chunks), so batch 1 spreads
+        over the GPU.  Probabilities agree with the reference's within float32 rounding (the
+        kernel's exp and sums are not PyTorch's), so the kept set is exactly the reference's
+        whenever no float64 partial mass is within rounding of top_p and the probabilities at
+        the nucleus boundary are not within float32 rounding of each other: two logits a few
+        ulps apart can give one float32 probability in one and two in the other, and a tie at
+        the boundary is kept whole.  A row holding NaN after temperature, or only -inf, gives
+        NaN everywhere, and a row holding +inf after temperature is one-hot at its largest
+        logit, as in the reference.
     """
     t, k, p = check_sampling_args(logits, temperature, top_k, top_p, validate)
     use_top_k, use_top_p = top_k is not None, top_p is not None

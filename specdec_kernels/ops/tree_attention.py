@@ -12,10 +12,13 @@ order ``r = i * G + g``, tiled by ``BLOCK_M``.  For each row tile the kernel wal
 2. the tree part, the ``N`` new keys at ``cache_seqlens[b] + j``, visible through the
    ancestor mask (``tree_mask`` None: the causal chain ``j <= i``; N = 1 is plain decoding).
 
-When ``B * Hkv * row_tiles`` programs cannot fill the GPU, the prefix is split across
-``num_splits`` programs (flash-decoding, Dao et al. 2023): each writes its normalised
+When ``B * Hkv * row_tiles`` programs cannot fill the GPU, the prefix is split across up
+to ``num_splits`` programs (flash-decoding, Dao et al. 2023): each writes its normalised
 partial output and log-sum-exp (base 2) in fp32, and a second small kernel combines them.
-The last split also walks the tree part.
+The host bounds ``num_splits`` by the cache's capacity; the kernels use only as many splits
+as the sequence's length fills with 256 keys each (``MIN_SPLIT_KEYS``, read from
+``cache_seqlens`` on the device), and the splits past those write nothing and are not read.
+The last split that holds keys also walks the tree part.
 
 ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` over the cache sliced to
 ``max(cache_seqlens) + N`` slots with the equivalent boolean mask; GQA by viewing q as
@@ -569,8 +572,10 @@ def tree_attention(
         tree_mask: also the bit-packed int32 form of ``pack_tree_mask``,
             shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
         num_splits: Triton backend only (others ignore it): split each sequence's prefix
-            across this many programs and combine by log-sum-exp (flash-decoding); None
-            chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
+            across at most this many programs and combine by log-sum-exp (flash-decoding),
+            each holding at least 256 keys of the sequence's length (a shorter prefix uses
+            fewer, chosen on the device); None chooses from the SM count on CUDA
+            (``choose_num_splits``).  1..256.
 
     Returns:
         q's shape and layout: (batch, N, heads, head_dim), or (batch, heads, N, head_dim)

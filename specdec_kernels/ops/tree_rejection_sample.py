@@ -167,19 +167,19 @@ def tree_rejection_sample(
             only the sequence's own num_nodes - 1 coins.
 
     Triton backend:
-        The vocabulary of every row is cut into chunks over the GPU (batch 1 fills it).  All
-        children of a node are drawn from the same draft row, so the residual after the k-th
-        rejection at a node depends on k only: ``_tree_level_kernel`` precomputes its total
-        t_k for every node and k (levels 1..2 over chunks, higher levels serially per row),
-        rebuilding element x from p(x), q(x) and the reciprocals 1 / t_0..1 / t_{k-1} in the
-        reference's float64 operations (nothing of size V per node is stored);
-        ``_tree_walk_kernel`` walks the nodes in order, as the reference does, with point
-        loads; ``_tree_final_partials_kernel`` / ``_tree_final_sample_kernel`` sample the last
-        residual (with deterministic children: the target row with the rejected tokens
-        zeroed) by inverse CDF, searching only the chunk that holds u * total.  Same tokens as
-        the reference for the same uniforms, except when a test or threshold lies within
-        float64 rounding of a boundary (the kernels sum a row in chunks, the reference in
-        PyTorch's order).  Workspaces: see docs/API.md.
+        Two launches (``ops/_triton/tree_rejection_sample.py``, docs/API.md):
+        ``_tree_mass_kernel`` sums every used node's target row over vocabulary chunks (batch
+        1 fills the GPU); ``_tree_sample_kernel``, one program per sequence, walks the nodes
+        in order, as the reference does, with point loads.  All children of a node are drawn
+        from the same draft row, so the residual after the k-th rejection at a node depends
+        on k only: each rejection's new total t_k is one pass over the row that rebuilds
+        element x from p(x), q(x) and the reciprocals 1 / t_0..1 / t_{k-1}, in the
+        reference's float64 operations (nothing of size V is stored).  The last residual
+        (with deterministic children: the target row with the rejected tokens zeroed) is
+        sampled by inverse CDF, one pass for its total, one for the running CDF.  Same tokens
+        as the reference for the same uniforms, except when a test or threshold lies within
+        float64 rounding of a boundary (the kernels sum a row in tiles and chunks, the
+        reference in PyTorch's order).  Workspaces: see docs/API.md.
     """
     B, N, _, parents, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate
