@@ -49,6 +49,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _store_chunk_partials,
     vocab_split,
 )
+from specdec_kernels.ops._triton._uniforms import _coin, _request_key
 
 # Residual levels computed over vocabulary chunks (one launch each); the levels above run
 # serially per row in one launch.
@@ -181,7 +182,9 @@ def _tree_walk_kernel(
     tokens_ptr,  # [B, N] int32/int64, contiguous
     parents_ptr,  # [B, N] int32/int64 with row stride stride_pb
     num_nodes_ptr,  # [B] int64
-    coins_ptr,  # [B, N-1] fp32, contiguous
+    coins_ptr,  # [B, N-1] fp32/fp64, contiguous (unused with PHILOX_COINS)
+    seeds_ptr,  # [B] int32/int64 (read with PHILOX_COINS)
+    offsets_ptr,  # [B] int32/int64 (likewise)
     tsum_ptr,  # [2, B * N, N] fp64 from _tree_level_kernel: t_k and 1 / safe(t_k) of every node row
     out_tokens_ptr,  # [B, N] int64 (written; slot num_accepted by the final sample)
     out_nodes_ptr,  # [B, N] int64 (written)
@@ -197,6 +200,7 @@ def _tree_walk_kernel(
     stride_dn,
     stride_pb,
     HAS_DRAFT: tl.constexpr,
+    PHILOX_COINS: tl.constexpr,  # node c's coin from seeds/offsets (stream 0 at offset + c - 1)
     BLOCK_B: tl.constexpr,
     NP: tl.constexpr,  # next power of two >= N
 ):
@@ -211,6 +215,7 @@ def _tree_walk_kernel(
     t_rows = target_ptr + rows64 * stride_tb
     d_rows = draft_ptr + rows64 * stride_db
     zero = tl.zeros([BLOCK_B], dtype=tl.int32)
+    seed, offset = _request_key(seeds_ptr, offsets_ptr, rows64, rmask, PHILOX_COINS)
 
     current = zero
     k = zero  # rejections at `current`
@@ -232,7 +237,8 @@ def _tree_walk_kernel(
             x = tl.load(tokens_ptr + rows64 * N + j, mask=is_child, other=-1).to(tl.int64)
             in_vocab = (x >= 0) & (x < V)
             xs = tl.minimum(tl.maximum(x, 0), V - 1)
-            u = tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0).to(tl.float64)
+            u = _coin(coins_ptr, rows64 * (N - 1) + (j - 1), seed, offset, j - 1, is_child, PHILOX_COINS)
+            u = u.to(tl.float64)
             cur64 = current.to(tl.int64)
             px = _mass64(tl.load(t_rows + cur64 * stride_tn + xs, mask=is_child, other=0.0))
             if HAS_DRAFT:
@@ -391,7 +397,9 @@ def _tree_final_sample_kernel(
     target_ptr,  # [B, N, V]
     state_ptr,  # [2, B] int32 from _tree_walk_kernel
     weights_ptr,  # [B, V] fp64 from _tree_final_partials_kernel
-    final_u_ptr,  # [B] fp32
+    final_u_ptr,  # [B] fp32/fp64 (unused with PHILOX_FINAL)
+    seeds_ptr,  # [B] int32/int64 (read with PHILOX_FINAL)
+    offsets_ptr,  # [B] int32/int64 (likewise)
     part_mass_ptr,  # [2, S, B] fp64 from _tree_final_partials_kernel
     part_last_ptr,  # [2, S, B] int32
     out_tokens_ptr,  # [B, N] int64: slot num_accepted written
@@ -403,6 +411,7 @@ def _tree_final_sample_kernel(
     stride_tn,
     S,
     TILES_PER_SPLIT,
+    PHILOX_FINAL: tl.constexpr,  # the uniform from seeds/offsets (stream 1 at offset)
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_S: tl.constexpr,  # power of two >= S
@@ -418,8 +427,9 @@ def _tree_final_sample_kernel(
     w_rows = weights_ptr + rows64 * V
     partials = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
     use_w = tl.sum(partials[0], axis=1) > 0  # else (no residual mass) the target row
+    key = _request_key(seeds_ptr, offsets_ptr, rows64, rmask, PHILOX_FINAL)
     total, last, threshold, searching, lo, carry, found = _start_search(
-        use_w, partials, final_u_ptr, rows64, rmask, TILES_PER_SPLIT, BLOCK_V, BLOCK_S
+        use_w, partials, final_u_ptr, rows64, key, rmask, TILES_PER_SPLIT, BLOCK_V, BLOCK_S, PHILOX_FINAL
     )
     for t in tl.range(0, TILES_PER_SPLIT):
         cols = lo[:, None] + t * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
@@ -508,8 +518,10 @@ def _tree_rejection_sample_triton_impl(
     tree_parents: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
     num_nodes: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the tree kernels on validated inputs (see ``tree_rejection_sample``).
 
@@ -522,8 +534,12 @@ def _tree_rejection_sample_triton_impl(
             safe).
         draft_probs: Shape (B, N, V) like target_probs, or None (deterministic children).
         num_nodes: Shape (B,), int64 in 0..N (clamped).
-        uniform_samples: Shape (B, N - 1), float32: column c - 1 is node c's coin.
-        sample_uniforms: Shape (B,), float32: the final sample's uniform.
+        uniform_samples: Shape (B, N - 1), float32/float64: column c - 1 is node c's coin
+            (clamped into [0, 1) in the kernel, NaN as 0), or None: Philox stream 0 at
+            offsets[b] + c - 1.
+        sample_uniforms: Shape (B,), float32/float64: the final sample's uniform, or None:
+            Philox stream 1 at offsets[b].
+        seeds, offsets: Shape (B,), int32/int64, needed when a uniform tensor is None.
 
     Returns:
         (output_tokens (B, N), accepted_nodes (B, N), num_accepted (B,)), all int64.
@@ -547,8 +563,18 @@ def _tree_rejection_sample_triton_impl(
     if parents.stride(-1) != 1:
         parents = parents.contiguous()
     stride_pb = parents.stride(0) if parents.shape[0] == B and B > 1 else 0
-    coins = uniform_samples.to(torch.float32).contiguous() if N > 1 else dummy(target, torch.float32)
     counts = num_nodes.to(torch.int64).contiguous()
+    philox_coins, philox_final = uniform_samples is None, sample_uniforms is None
+    # stand-ins (never read) where the kernels compute the numbers from seeds/offsets
+    if philox_coins:
+        coins = counts
+    else:
+        coins = uniform_samples.contiguous() if N > 1 else dummy(target, torch.float32)
+    final_u = counts if philox_final else sample_uniforms.contiguous()
+    if philox_coins or philox_final:
+        seeds, offsets = seeds.contiguous(), offsets.contiguous()
+    else:
+        seeds, offsets = counts, counts
     strides = (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_draft else 0)
     cfg = launch_config(B, N, V, _device.sm_count(device), has_draft=has_draft)
 
@@ -586,6 +612,8 @@ def _tree_rejection_sample_triton_impl(
         parents,
         counts,
         coins,
+        seeds,
+        offsets,
         tsum,
         out_tokens,
         out_nodes,
@@ -598,6 +626,7 @@ def _tree_rejection_sample_triton_impl(
         *strides,
         stride_pb,
         HAS_DRAFT=has_draft,
+        PHILOX_COINS=philox_coins,
         BLOCK_B=rw.block_b,
         NP=np_,
         num_warps=cfg.walk_num_warps,
@@ -632,7 +661,9 @@ def _tree_rejection_sample_triton_impl(
         target,
         state,
         weights,
-        sample_uniforms.to(torch.float32).contiguous(),
+        final_u,
+        seeds,
+        offsets,
         part_mass,
         part_last,
         out_tokens,
@@ -644,6 +675,7 @@ def _tree_rejection_sample_triton_impl(
         target.stride(1),
         S2,
         tiles2,
+        PHILOX_FINAL=philox_final,
         BLOCK_S=rw.block_s,
         num_warps=cfg.sample_num_warps,
         **tiles,
@@ -652,7 +684,15 @@ def _tree_rejection_sample_triton_impl(
 
 
 def _tree_rejection_sample_triton_fake(
-    target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms
+    target_probs,
+    tree_tokens,
+    tree_parents,
+    draft_probs,
+    num_nodes,
+    uniform_samples,
+    sample_uniforms,
+    seeds=None,
+    offsets=None,
 ):
     B, N, _ = target_probs.shape
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
