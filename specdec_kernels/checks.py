@@ -313,17 +313,38 @@ FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
 
 
 def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None) -> torch.Tensor:
-    """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)
-    (read only when ``validate`` allows, see ``want_value_checks``).  Returned as float32 in
-    [0, 1 - 2**-24] (NaN as 0), so a coin never becomes 1.0 by rounding and unchecked values
-    never reach a kernel outside [0, 1)."""
+    """Explicit random numbers: a float32/float64 tensor of the expected shape on ``device``,
+    its values in [0, 1) (read only when ``validate`` allows, see ``want_value_checks``).
+
+    Returned as given: nothing is cast or cleaned here (no torch op without value checks).
+    The kernels make every uniform safe themselves, as ``clamp_uniforms`` does, whatever was
+    validated.
+
+    Raises:
+        TypeError: not a tensor, or not float32/float64.
+        ValueError: the wrong shape or device; with value checks, a value outside [0, 1) or NaN.
+    """
     check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
     check_shape(name, u, expected)
     if want_value_checks(validate, u) and u.numel() > 0:
         lo, hi = float(u.min()), float(u.max())
         if not (lo >= 0.0 and hi < 1.0):
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
-    # kept in [0, 1) after the cast, whatever was validated: NaN acts as 0
+    return u
+
+
+def clamp_uniforms(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms as the sampling kernels use them: cast to float32, NaN read as 0, clamped into
+    [0, 1 - 2**-24], so that a coin never becomes 1.0 by rounding and no value outside [0, 1)
+    reaches an inverse-CDF search.
+
+    Args:
+        u: a float32/float64 tensor of any shape.
+
+    Returns:
+        A float32 tensor of ``u``'s shape (elementwise torch ops: the references and adapters
+        use it; the kernels do the same per value inside).
+    """
     return torch.nan_to_num(u.to(torch.float32), nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE)
 
 

@@ -3,9 +3,9 @@
 Backends: "reference" (``specdec_kernels.reference.rejection_sample``, every device), "native"
 (the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton"
 (CUDA, or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.rejection_sample``).
-The registered op takes its random numbers explicitly; the Python front makes them from a
-generator, a dict of generators, or per-sequence Philox seeds and offsets
-(``specdec_kernels._random``).
+The registered op takes explicit uniforms or, for the missing ones, per-sequence Philox seeds
+and offsets, from which the kernels compute the numbers themselves; the Python front draws them
+only for a generator or a dict of generators (``specdec_kernels._random``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_chain_args
-from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, check_op_uniforms, op_random_args, resolve_uniforms
 from specdec_kernels.checks import check_probability_values
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
@@ -99,33 +99,43 @@ def _impl(
     draft_probs: Optional[torch.Tensor],
     draft_tokens: torch.Tensor,
     num_draft_tokens: Optional[torch.Tensor],
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
     backend: str = "",
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    coins, final_u = draw_uniforms(
-        B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
-    )
+    random_args = (uniform_samples, sample_uniforms, seeds, offsets)
+    check_op_uniforms(B, (B, K), target_probs.device, *random_args)
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
     if name == "triton":
         from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
 
-        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, *random_args)
     if name == "native":
         p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, coins, final_u)
+        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, *random_args)
+    coins, final_u = resolve_uniforms(B, K, *random_args)
     return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
 
 
-def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms, backend=""):
+def _fake(
+    target_probs,
+    draft_probs,
+    draft_tokens,
+    num_draft_tokens,
+    uniform_samples,
+    sample_uniforms,
+    backend="",
+    seeds=None,
+    offsets=None,
+):
     B, K, _, _ = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    draw_uniforms(B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False)
+    check_op_uniforms(B, (B, K), target_probs.device, uniform_samples, sample_uniforms, seeds, offsets)
     _library.check_backend_name(backend)
     B, K1, _ = target_probs.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    torch._check(uniform_samples.shape == (B, K1 - 1), lambda: "uniform_samples must have shape (B, K)")
-    torch._check(sample_uniforms.shape == (B,), lambda: "sample_uniforms must have shape (B,)")
     return target_probs.new_empty((B, K1), dtype=torch.int64), target_probs.new_empty((B,), dtype=torch.int64)
 
 
@@ -168,8 +178,8 @@ def rejection_sample(
         num_draft_tokens: Shape (batch,), int in 0..K, or None for all K.
         generator: a torch.Generator, or a list of one per sequence; see
             ``specdec_kernels._random`` for the order in which numbers are drawn.
-        uniform_samples: Shape (batch, K), float32 in [0, 1): the acceptance coins.
-        sample_uniforms: Shape (batch,), float32 in [0, 1): the uniform that draws each
+        uniform_samples: Shape (batch, K), float32/float64 in [0, 1): the acceptance coins.
+        sample_uniforms: Shape (batch,), float32/float64 in [0, 1): the uniform that draws each
             sequence's one sampled token (residual or bonus) by inverse CDF.
         return_details: return a ``RejectionSampleDetails`` (FlashInfer's accepted and
             emitted draft counts and a per-request NaN flag) instead of the pair; costs a
@@ -192,12 +202,17 @@ def rejection_sample(
     per process and device type), "reference", "native" or "triton". validate: None (value
     checks on CPU tensors only), True or False (docs/API.md#backends).
 
-    Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
+    Randomness (the registered op takes ``uniform_samples``, ``sample_uniforms``, ``seeds`` and
+    ``offsets``; the front draws numbers only for a generator):
         seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, sequence b's
-            depending only on (seeds[b], offsets[b]); see ``specdec_kernels._random``.
+            depending only on (seeds[b], offsets[b]); see ``specdec_kernels._random``.  The
+            kernels compute them (no torch op, no host read); given uniforms take precedence.
         generator: also a dict {row: torch.Generator} with gaps (rows without one use the
             default generator); per-sequence generators draw only the sequence's own
-            num_draft_tokens coins.
+            num_draft_tokens coins (a host read of the counts).
+        Explicit uniforms are used as given (float32 or float64): the kernels cast them to
+        float32, read NaN as 0 and clamp into [0, 1 - 2**-24], so an unvalidated value never
+        emits a token without mass; with value checks one outside [0, 1) raises.
 
     Triton backend:
         Two launches.  ``_rejection_partials_kernel`` over (request blocks, vocabulary chunks):
@@ -212,10 +227,12 @@ def rejection_sample(
     """
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = draw_uniforms(B, K, target_probs.device, source, coin_counts=n, validate=validate)
+    random_args = op_random_args(B, K, target_probs.device, source, coin_counts=n, validate=validate)
+    u, s, seeds, offsets = random_args
     out, acc = torch.ops.specdec.rejection_sample(
-        target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or ""
+        target_probs, draft_probs, draft_tokens, n, u, s, backend or "", seeds, offsets
     )
     if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
+        coins, _ = resolve_uniforms(B, K, *random_args)
         return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
     return out, acc
