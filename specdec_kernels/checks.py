@@ -315,25 +315,17 @@ def check_probability_values(
 FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
 
 
-def check_uniforms(
-    name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None, clean: bool = True
-) -> torch.Tensor:
-    """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)
-    (read only when ``validate`` allows, see ``want_value_checks``).
+def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None) -> torch.Tensor:
+    """Explicit random numbers: a float32/float64 tensor of the expected shape on ``device``,
+    its values in [0, 1) (read only when ``validate`` allows, see ``want_value_checks``).
 
-    Args:
-        name: the argument's name, for the messages.
-        u: float32 or float64 tensor of shape ``expected`` on ``device``.
-        validate: the op's ``validate``.
-        clean: return them as float32 in [0, 1 - 2**-24] (NaN as 0), so that a coin never
-            becomes 1.0 by rounding and unchecked values never reach a kernel outside [0, 1)
-            (a few elementwise kernels).  False: as float32 only (no kernel for float32
-            input), for the Triton kernels, which clean each uniform as they load it
-            (``ops._triton._sampling_common._unit_uniform``), the same way.
+    Returned as given: nothing is cast or cleaned here (no torch op without value checks).
+    The kernels make every uniform safe themselves, as ``clamp_uniforms`` does, whatever was
+    validated.
 
     Raises:
         TypeError: not a tensor, or not float32/float64.
-        ValueError: another shape or device; with value checks, values outside [0, 1).
+        ValueError: the wrong shape or device; with value checks, a value outside [0, 1) or NaN.
     """
     check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
     check_shape(name, u, expected)
@@ -341,23 +333,22 @@ def check_uniforms(
         lo, hi = float(u.min()), float(u.max())
         if not (lo >= 0.0 and hi < 1.0):
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
-    if u.dtype != torch.float32:
-        u = u.to(torch.float32)
-    return unit_uniforms(u) if clean else u
+    return u
 
 
-def unit_uniforms(u: torch.Tensor) -> torch.Tensor:
-    """Float32 uniforms kept in [0, 1 - 2**-24] whatever was validated, NaN as 0 (two
-    elementwise kernels): what every backend computes with (the Triton kernels do the same as
-    they load each one).
+def clamp_uniforms(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms as the sampling kernels use them: cast to float32, NaN read as 0, clamped into
+    [0, 1 - 2**-24], so that a coin never becomes 1.0 by rounding and no value outside [0, 1)
+    reaches an inverse-CDF search.
 
     Args:
-        u: float32 tensor, any shape.
+        u: a float32/float64 tensor of any shape.
 
     Returns:
-        A new float32 tensor of u's shape.
+        A float32 tensor of ``u``'s shape (elementwise torch ops: the references and adapters
+        use it; the kernels do the same per value inside).
     """
-    return torch.nan_to_num(u, nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE)
+    return torch.nan_to_num(u.to(torch.float32), nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE)
 
 
 # The layouts of a paged cache's block: "NHD" is [block_size, Hkv, D], "HND" [Hkv, block_size, D].

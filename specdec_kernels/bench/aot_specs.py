@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from specdec_kernels.ops._triton import _uniforms as un
 from specdec_kernels.ops._triton import rejection_sample as rs
 from specdec_kernels.ops._triton import sampling_probs as sp
 from specdec_kernels.ops._triton import tree_attention as ta
@@ -28,6 +29,14 @@ from specdec_kernels.ops._triton import verify_tree_greedy as vtg
 
 # The SM count the configurations are chosen for: H100 / H200 SXM.
 TARGET_SM_COUNT = 132
+
+
+def _unique(specs) -> List[dict]:
+    """``specs`` without repeats (the first spec of each name)."""
+    seen: Dict[str, dict] = {}
+    for s in specs:
+        seen.setdefault(s["name"], s)
+    return list(seen.values())
 
 
 def _spec(
@@ -147,13 +156,23 @@ def rejection_specs(
     flat: bool = False,
     bonus_ids: bool = False,
     cu: str = "*i64",
+    uniforms: str = "*fp32",
+    philox: bool = False,
+    keys: str = "*i64",
+    padded_coins: bool = False,
 ) -> List[dict]:
-    """The two kernels of one launch configuration (what ``_launch_chain`` passes)."""
+    """The two kernels of one launch configuration (what ``_launch_chain`` passes): explicit
+    ``uniforms`` ("*fp32"/"*fp64"; flattened coins [B, K] with ``padded_coins``), or with
+    ``philox`` both computed from seeds and offsets of type ``keys`` (the uniform pointers then
+    stand-ins of the counts' type)."""
+    coins = final = cu if philox else uniforms
     block_b, block_v = cfg.vocab.block_b, cfg.vocab.block_v
     label = (
         f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
         f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}"
+        + (f" philox keys={keys[1:]}" if philox else f" uniforms={uniforms[1:]} padded_coins={padded_coins}")
     )
+    random_ptrs = {"seeds_ptr": keys if philox else cu, "offsets_ptr": keys if philox else cu}
     common = {"target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "num_draft_ptr": cu}
     strides = {
         "B": "i32",
@@ -165,19 +184,22 @@ def rejection_specs(
         "stride_db": "i64",
         "stride_dk": "i32",
     }
-    meta = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v}
+    flags = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "PHILOX_COINS": philox}
+    flags["PADDED_COINS"] = padded_coins
+    blocks = {"BLOCK_B": block_b, "BLOCK_V": block_v}
     partials = _spec(
         rs._rejection_partials_kernel,
         f"rejection_partials {label}",
         {
             **common,
-            "coins_ptr": "*fp32",
+            "coins_ptr": coins,
+            **random_ptrs,
             "part_mass_ptr": "*fp64",
             "part_last_ptr": "*i32",
             **strides,
             "TILES_PER_SPLIT": "i32",
         },
-        meta,
+        {**flags, **blocks},
     )
     sample = _spec(
         rs._rejection_sample_kernel,
@@ -185,8 +207,9 @@ def rejection_specs(
         {
             **common,
             "bonus_ptr": cu,
-            "coins_ptr": "*fp32",
-            "final_u_ptr": "*fp32",
+            "coins_ptr": coins,
+            "final_u_ptr": final,
+            **random_ptrs,
             "part_mass_ptr": "*fp64",
             "part_last_ptr": "*i32",
             "out_ptr": "*i64",
@@ -195,7 +218,7 @@ def rejection_specs(
             "S": "i32",
             "TILES_PER_SPLIT": "i32",
         },
-        {**meta, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
+        {**flags, "PHILOX_FINAL": philox, **blocks, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
         cfg.sample_num_warps,
     )
     return [partials, sample]
@@ -260,10 +283,22 @@ def sampling_probs_specs(top_k: bool, top_p: bool, cfg: sp.SamplingProbsLaunch, 
 
 
 def tree_rejection_specs(
-    has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, prob: str = "*fp32", tok: str = "*i64", parent: str = "*i64"
+    has_draft: bool,
+    cfg: trs.TreeRejectionSampleLaunch,
+    prob: str = "*fp32",
+    tok: str = "*i64",
+    parent: str = "*i64",
+    uniforms: str = "*fp32",
+    philox: bool = False,
+    keys: str = "*i64",
 ) -> List[dict]:
     """The two kernels of one launch configuration (what the launcher passes): the node masses
-    over vocabulary chunks, and the walk with the final sample."""
+    over vocabulary chunks, and the walk with the final sample; explicit ``uniforms``
+    ("*fp32"/"*fp64") or, with ``philox``, the numbers computed from seeds and offsets of type
+    ``keys`` (the uniform pointers then stand-ins: the counts)."""
+    uniform_ptr = "*i64" if philox else uniforms
+    random_ptrs = {"seeds_ptr": keys if philox else "*i64", "offsets_ptr": keys if philox else "*i64"}
+    random_label = f" philox keys={keys[1:]}" if philox else f" uniforms={uniforms[1:]}"
     ms = cfg.masses
     mass = _spec(
         trs._tree_mass_kernel,
@@ -285,15 +320,16 @@ def tree_rejection_specs(
     sample = _spec(
         trs._tree_sample_kernel,
         f"tree_sample draft={has_draft} {prob[1:]} {tok[1:]} {parent[1:]} BLOCK_B={cfg.sample_block_b} "
-        f"BLOCK_V={cfg.sample_block_v} NP={cfg.np_}",
+        f"BLOCK_V={cfg.sample_block_v} NP={cfg.np_}{random_label}",
         {
             "target_ptr": prob,
             "draft_ptr": prob,
             "tokens_ptr": tok,
             "parents_ptr": parent,
             "num_nodes_ptr": "*i64",
-            "coins_ptr": "*fp32",
-            "final_u_ptr": "*fp32",
+            "coins_ptr": uniform_ptr,
+            "final_u_ptr": uniform_ptr,
+            **random_ptrs,
             "part_ptr": "*fp64",
             "rej_ptr": "*i64",
             "out_tokens_ptr": "*i64",
@@ -311,6 +347,8 @@ def tree_rejection_specs(
         },
         {
             "HAS_DRAFT": has_draft,
+            "PHILOX_COINS": philox,
+            "PHILOX_FINAL": philox,
             "BLOCK_B": cfg.sample_block_b,
             "BLOCK_V": cfg.sample_block_v,
             "NP": cfg.np_,
@@ -473,6 +511,12 @@ def _aot_specs() -> Dict[str, List[dict]]:
             rejection_specs(True, rs.launch_config(1024, 15, llama2_v, sms), tok="*i32", flat=True, cu="*i32"),
             rejection_specs(False, many, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
             rejection_specs(True, small, prob="*fp16", flat=True, bonus_ids=True),
+            # the randomness variants: seeds/offsets (int64, and vLLM-style int32 with int32
+            # cu), float64 explicit uniforms, a flattened call with padded [B, K] coins
+            rejection_specs(True, one, philox=True),
+            rejection_specs(False, many, prob="*bf16", tok="*i32", flat=True, cu="*i32", philox=True, keys="*i32"),
+            rejection_specs(True, small, prob="*fp16", uniforms="*fp64"),
+            rejection_specs(True, small, flat=True, uniforms="*fp64", padded_coins=True),
         )
         for s in group
     ]
@@ -492,7 +536,8 @@ def _aot_specs() -> Dict[str, List[dict]]:
     # 8 trees of 64 nodes at a large vocabulary (node rows in 3 chunks, sequences in 126), with
     # and without draft distributions; 8 rows a program; 16 trees of 128 nodes, 16 rows a program
     big = trs.launch_config(8, 64, large_v, sms)
-    specs["tree_rejection_sample"] = [
+    # (the randomness variants share their node-mass kernel with the ones above: once each)
+    specs["tree_rejection_sample"] = _unique(
         s
         for group in (
             tree_rejection_specs(True, big),
@@ -501,8 +546,25 @@ def _aot_specs() -> Dict[str, List[dict]]:
             ),
             tree_rejection_specs(True, trs.launch_config(8, 8, 128, sms), prob="*fp16"),
             tree_rejection_specs(False, trs.launch_config(16, 128, 64, sms, has_draft=False)),
+            # seeds/offsets (int64 and int32) and float64 explicit uniforms
+            tree_rejection_specs(True, big, philox=True),
+            tree_rejection_specs(
+                False, trs.launch_config(8, 8, 128, sms, has_draft=False), tok="*i32", philox=True, keys="*i32"
+            ),
+            tree_rejection_specs(True, trs.launch_config(8, 8, 128, sms), uniforms="*fp64"),
         )
         for s in group
+    )
+
+    # the in-kernel Philox's debug path (the ops' helper in a kernel of its own)
+    specs["_uniforms"] = [
+        _spec(
+            un._philox_debug_kernel,
+            f"philox_debug keys={keys} STREAM={stream}",
+            {"seeds_ptr": f"*{keys}", "offsets_ptr": f"*{keys}", "out_ptr": "*fp32", "B": "i32", "W": "i32"},
+            {"STREAM": stream, "BLOCK_B": 16, "BLOCK_W": 64},
+        )
+        for keys, stream in (("i64", 0), ("i32", 1))
     ]
 
     def fwd(dtype, d, mask, split, seqlen="i32", rows=64, paged=False):

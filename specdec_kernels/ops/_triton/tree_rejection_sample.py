@@ -42,10 +42,10 @@ from specdec_kernels.ops._triton._sampling_common import (
     _mass64,
     _mul_rn,
     _pick_token,
-    _unit_uniform,
     tile_sizes,
     vocab_split,
 )
+from specdec_kernels.ops._triton._uniforms import _coin, _final_uniform, _request_key
 
 
 @triton.jit
@@ -180,8 +180,10 @@ def _tree_sample_kernel(
     tokens_ptr,  # [B, N] int32/int64, contiguous
     parents_ptr,  # [B, N] int32/int64 with row stride stride_pb (0: one tree for the batch)
     num_nodes_ptr,  # [B] int64
-    coins_ptr,  # [B, N-1] fp32, contiguous
-    final_u_ptr,  # [B] fp32
+    coins_ptr,  # [B, N-1] fp32/fp64, contiguous (unused with PHILOX_COINS)
+    final_u_ptr,  # [B] fp32/fp64 (unused with PHILOX_FINAL)
+    seeds_ptr,  # [B] int32/int64 (read with PHILOX_COINS or PHILOX_FINAL)
+    offsets_ptr,  # [B] int32/int64 (likewise)
     part_ptr,  # [B * N, S] fp64 from _tree_mass_kernel
     rej_ptr,  # [B, NP] int64 (written and read, deterministic children): the last node's rejected tokens
     out_tokens_ptr,  # [B, N] int64 (written)
@@ -197,6 +199,8 @@ def _tree_sample_kernel(
     stride_pb,
     S,
     HAS_DRAFT: tl.constexpr,
+    PHILOX_COINS: tl.constexpr,  # node c's coin from seeds/offsets (stream 0 at offset + c - 1)
+    PHILOX_FINAL: tl.constexpr,  # the final sample's uniform from seeds/offsets (stream 1 at offset)
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NP: tl.constexpr,  # next power of two >= N
@@ -212,6 +216,7 @@ def _tree_sample_kernel(
     t_rows = target_ptr + rows64 * stride_tb
     d_rows = draft_ptr + rows64 * stride_db
     zero = tl.zeros([BLOCK_B], dtype=tl.int32)
+    seed, offset = _request_key(seeds_ptr, offsets_ptr, rows64, rmask, PHILOX_COINS)
 
     current = zero
     upd = zero  # successful residual updates at `current`
@@ -231,7 +236,7 @@ def _tree_sample_kernel(
             x = tl.load(tokens_ptr + rows64 * N + j, mask=is_child, other=-1).to(tl.int64)
             in_vocab = (x >= 0) & (x < V)
             xs = tl.minimum(tl.maximum(x, 0), V - 1)
-            u = _unit_uniform(tl.load(coins_ptr + rows64 * (N - 1) + (j - 1), mask=is_child, other=0.0))
+            u = _coin(coins_ptr, rows64 * (N - 1) + (j - 1), seed, offset, j - 1, is_child, PHILOX_COINS)
             u = u.to(tl.float64)
             cur64 = current.to(tl.int64)
             px = _mass64(tl.load(t_rows + cur64 * stride_tn + xs, mask=is_child, other=0.0))
@@ -310,7 +315,8 @@ def _tree_sample_kernel(
     use_w = tot_w > 0
     total = tl.where(use_w, tot_w, tot_p)
     last = tl.where(use_w, last_w, last_p)
-    threshold = _unit_uniform(tl.load(final_u_ptr + rows64, mask=rmask, other=0.0)).to(tl.float64) * total
+    seed, offset = _request_key(seeds_ptr, offsets_ptr, rows64, rmask, PHILOX_FINAL)
+    threshold = _final_uniform(final_u_ptr, rows64, seed, offset, rmask, PHILOX_FINAL).to(tl.float64) * total
     carry = tl.zeros([BLOCK_B], dtype=tl.float64)
     found = tl.full([BLOCK_B], NOT_FOUND, tl.int32)
     for t in tl.range(0, tl.cdiv(V, BLOCK_V)):
@@ -413,8 +419,10 @@ def _tree_rejection_sample_triton_impl(
     tree_parents: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
     num_nodes: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the tree kernels on validated inputs (see ``tree_rejection_sample``).
 
@@ -427,8 +435,12 @@ def _tree_rejection_sample_triton_impl(
             safe).
         draft_probs: Shape (B, N, V) like target_probs, or None (deterministic children).
         num_nodes: Shape (B,), int64 in 0..N (clamped).
-        uniform_samples: Shape (B, N - 1), float32: column c - 1 is node c's coin.
-        sample_uniforms: Shape (B,), float32: the final sample's uniform.
+        uniform_samples: Shape (B, N - 1), float32/float64: column c - 1 is node c's coin
+            (clamped into [0, 1) in the kernel, NaN as 0), or None: Philox stream 0 at
+            offsets[b] + c - 1.
+        sample_uniforms: Shape (B,), float32/float64: the final sample's uniform, or None:
+            Philox stream 1 at offsets[b].
+        seeds, offsets: Shape (B,), int32/int64, needed when a uniform tensor is None.
 
     Returns:
         (output_tokens (B, N), accepted_nodes (B, N), num_accepted (B,)), all int64.
@@ -451,8 +463,18 @@ def _tree_rejection_sample_triton_impl(
     if parents.stride(-1) != 1:
         parents = parents.contiguous()
     stride_pb = parents.stride(0) if parents.shape[0] == B and B > 1 else 0
-    coins = uniform_samples.to(torch.float32).contiguous() if N > 1 else dummy(target, torch.float32)
     counts = num_nodes.to(torch.int64).contiguous()
+    philox_coins, philox_final = uniform_samples is None, sample_uniforms is None
+    # stand-ins (never read) where the kernels compute the numbers from seeds/offsets
+    if philox_coins:
+        coins = counts
+    else:
+        coins = uniform_samples.contiguous() if N > 1 else dummy(target, torch.float32)
+    final_u = counts if philox_final else sample_uniforms.contiguous()
+    if philox_coins or philox_final:
+        seeds, offsets = seeds.contiguous(), offsets.contiguous()
+    else:
+        seeds, offsets = counts, counts
     cfg = launch_config(B, N, V, _device.sm_count(device), has_draft=has_draft)
 
     # 1. the chunk masses of every node row (B * N rows); a tree of the root alone tests nothing
@@ -478,7 +500,9 @@ def _tree_rejection_sample_triton_impl(
         part = dummy(target, torch.float64)
 
     # 2. the walk, the residual updates and the final sample
-    rej = torch.empty((B, cfg.np_), dtype=torch.int64, device=device) if not has_draft else dummy(target, torch.int64)
+    # with draft rows the kernel never touches the rejected-token list: the counts stand in
+    # (no dummy tensor, which a traced call would fill per call)
+    rej = torch.empty((B, cfg.np_), dtype=torch.int64, device=device) if not has_draft else counts
     launch(_tree_sample_kernel)[cfg.sample_grid](
         target,
         draft,
@@ -486,7 +510,9 @@ def _tree_rejection_sample_triton_impl(
         parents,
         counts,
         coins,
-        sample_uniforms.to(torch.float32).contiguous(),
+        final_u,
+        seeds,
+        offsets,
         part,
         rej,
         out_tokens,
@@ -502,6 +528,8 @@ def _tree_rejection_sample_triton_impl(
         stride_pb,
         ms.splits,
         HAS_DRAFT=has_draft,
+        PHILOX_COINS=philox_coins,
+        PHILOX_FINAL=philox_final,
         BLOCK_B=cfg.sample_block_b,
         BLOCK_V=cfg.sample_block_v,
         NP=cfg.np_,
