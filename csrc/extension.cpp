@@ -37,7 +37,9 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   // CPU fast paths of the verification and sampling ops (csrc/verify_sample_cpu.cpp), on
   // inputs the Python op validated; the [..., V] tensors are read in place through their strides
   // (expanded, sliced and transposed ones too), and the kernels clamp every count and index they
-  // use as an address.
+  // use as an address.  The sampling ops take explicit uniforms (clamped into [0, 1) in the
+  // kernel, NaN as 0) or, for the missing ones, per-request seeds and offsets from which the
+  // kernel computes the Philox numbers itself.
   m.def("verify_greedy_native(Tensor target_logits, Tensor draft_tokens, Tensor num_draft_tokens) -> (Tensor, Tensor)");
   // The flattened (vLLM v1) forms: target rows [T + B, V] (bonus rows inline) or [T, V] with
   // bonus_token_ids [B]; drafts [T]; cu_num_draft_tokens [B] an inclusive cumsum; output
@@ -50,15 +52,20 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "-> (Tensor, Tensor, Tensor)");
   m.def(
       "rejection_sample_native(Tensor target_probs, Tensor? draft_probs, Tensor draft_tokens, Tensor num_draft_tokens, "
-      "Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor)");
+      "Tensor? uniform_samples, Tensor? sample_uniforms, Tensor? seeds=None, Tensor? offsets=None) -> (Tensor, "
+      "Tensor)");
   m.def(
       "rejection_sample_flattened_native(Tensor target_probs, Tensor? draft_probs, Tensor draft_token_ids, "
-      "Tensor cu_num_draft_tokens, Tensor? bonus_token_ids, Tensor uniform_samples, Tensor sample_uniforms, "
-      "int max_spec_len) -> (Tensor, Tensor)");
+      "Tensor cu_num_draft_tokens, Tensor? bonus_token_ids, Tensor? uniform_samples, Tensor? sample_uniforms, "
+      "int max_spec_len, Tensor? seeds=None, Tensor? offsets=None) -> (Tensor, Tensor)");
   m.def(
       "tree_rejection_sample_native(Tensor target_probs, Tensor tree_tokens, Tensor tree_parents, Tensor? draft_probs, "
-      "Tensor num_nodes, Tensor uniform_samples, Tensor sample_uniforms) -> (Tensor, Tensor, Tensor)");
+      "Tensor num_nodes, Tensor? uniform_samples, Tensor? sample_uniforms, Tensor? seeds=None, Tensor? offsets=None) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("sampling_probs_native(Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p) -> Tensor");
+  // The sampling kernels' counter-based uniforms (Philox4x32-10 from seeds and offsets, as
+  // specdec_kernels/_random.py defines them) as a float32 [B, width] tensor: a debug path for the tests.
+  m.def("philox_uniforms_native(Tensor seeds, Tensor offsets, int width, int stream) -> Tensor");
 
   // CPU tree attention over a paged KV cache (csrc/paged_attention_cpu.cpp), reading K/V through
   // the block table in place: q [B, N, H, D] float32/float16/bfloat16; pools [num_blocks,

@@ -297,6 +297,90 @@ void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
+// ------------------------------------------------------------------------ random numbers
+// Philox4x32-10 (Salmon et al. 2011) as specdec_kernels/_random.py defines the ops' counter-based
+// numbers: key (lo32(seed), hi32(seed)), counter (lo32(pos), hi32(pos), stream, 0); the first
+// output word w gives (w >> 8) * 2^-24, a float32 in [0, 1).  `pos` wraps modulo 2^64, as the
+// reference's int64 arithmetic does.
+inline float philox_uniform(uint64_t seed, uint64_t pos, uint32_t stream) {
+  uint32_t c0 = static_cast<uint32_t>(pos), c1 = static_cast<uint32_t>(pos >> 32), c2 = stream, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
+    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return static_cast<float>(c0 >> 8) * 0x1p-24f;
+}
+
+// A uniform made safe as specdec_kernels.checks.clamp_uniforms does: NaN as 0, clamped into
+// [0, 1 - 2^-24] (the largest float32 below 1), whatever the caller passed or validated.
+inline float safe_uniform(float u) {
+  constexpr float kBelowOne = 1.0f - 0x1p-24f;
+  if (!(u >= 0.0f)) return 0.0f;  // NaN and negatives
+  return u < kBelowOne ? u : kBelowOne;
+}
+
+// Where a sampling kernel's uniforms come from: the explicit coins / sample uniforms (float32,
+// contiguous) when given, else Philox from the request's seed and offset (stream 0 at
+// offset + j for coin j, stream 1 at offset for the sample uniform).  Owns the converted tensors.
+struct Uniforms {
+  at::Tensor coins_t, final_t, seeds_t, offsets_t;
+  bool explicit_coins = false, explicit_final = false;  // else Philox stream 0 / stream 1
+  const float* coins = nullptr;                         // (an empty tensor's data pointer may be null)
+  const float* final_u = nullptr;
+  const int64_t* seeds = nullptr;
+  const int64_t* offsets = nullptr;
+
+  Uniforms(const c10::optional<at::Tensor>& uniform_samples, const c10::optional<at::Tensor>& sample_uniforms,
+           const c10::optional<at::Tensor>& seeds_arg, const c10::optional<at::Tensor>& offsets_arg, int64_t batch,
+           int64_t num_coins) {
+    if (given(uniform_samples)) {
+      TORCH_CHECK_VALUE(uniform_samples->numel() == num_coins, "uniform_samples must hold ", num_coins, " coins");
+      coins_t = uniform_samples->to(at::kFloat).contiguous();
+      coins = coins_t.data_ptr<float>();
+      explicit_coins = true;
+    }
+    if (given(sample_uniforms)) {
+      TORCH_CHECK_VALUE(sample_uniforms->numel() == batch, "sample_uniforms must be [B]");
+      final_t = sample_uniforms->to(at::kFloat).contiguous();
+      final_u = final_t.data_ptr<float>();
+      explicit_final = true;
+    }
+    if (!explicit_coins || !explicit_final) {
+      TORCH_CHECK_VALUE(given(seeds_arg) && given(offsets_arg),
+                        "uniform_samples and sample_uniforms, or seeds and offsets for the missing ones, are needed");
+      TORCH_CHECK_VALUE(seeds_arg->numel() == batch && offsets_arg->numel() == batch, "seeds and offsets must be [B]");
+      seeds_t = seeds_arg->to(at::kLong).contiguous();
+      offsets_t = offsets_arg->to(at::kLong).contiguous();
+      check_cpu(seeds_t, "seeds");
+      check_cpu(offsets_t, "offsets");
+      seeds = seeds_t.data_ptr<int64_t>();
+      offsets = offsets_t.data_ptr<int64_t>();
+    }
+  }
+  // Coin j of request b; `index`: its place in the explicit coins.
+  float coin(int64_t b, int64_t index, int64_t j) const {
+    if (explicit_coins) return safe_uniform(coins[index]);
+    const uint64_t pos = static_cast<uint64_t>(offsets[b]) + static_cast<uint64_t>(j);
+    return safe_uniform(philox_uniform(static_cast<uint64_t>(seeds[b]), pos, 0));
+  }
+  // The uniform of request b's sampled token.
+  float final(int64_t b) const {
+    if (explicit_final) return safe_uniform(final_u[b]);
+    return safe_uniform(philox_uniform(static_cast<uint64_t>(seeds[b]), static_cast<uint64_t>(offsets[b]), 1));
+  }
+};
+
 // ------------------------------------------------------------------ flattened (vLLM v1) layout
 // Request b's drafts in the flattened layout (specdec_kernels/_flattened.py): flat positions
 // start .. start + n - 1, with start = clamp(cu[b - 1], 0, T) (0 for b = 0), end = clamp(cu[b],
@@ -314,19 +398,20 @@ inline Span flat_span(const int64_t* cu, int64_t b, int64_t num_tokens, int64_t 
 
 // Where request b's rows are, in units of rows.  Padded: target rows from b * (K + 1), draft
 // rows, tokens and coins from b * K, count counts[b].  Flattened: draft rows, tokens and coins
-// from start_b; target rows from start_b + b (each request's bonus row inline) or start_b (the
-// bonus tokens given as ids).
+// from start_b (coins from b * K when given padded, [B, K]); target rows from start_b + b (each
+// request's bonus row inline) or start_b (the bonus tokens given as ids).
 struct ChainLayout {
   const int64_t* counts;  // padded: [B] draft counts; flattened: cu_num_draft_tokens [B]
   int64_t K, num_tokens;
-  bool flat, bonus_rows;
+  bool flat, bonus_rows, padded_coins = false;
   struct Rows {
-    int64_t target_row, draft_row, n;  // draft_row also indexes the tokens and the coins
+    int64_t target_row, draft_row, n;  // draft_row also indexes the tokens
+    int64_t coin_row;                  // the first coin
   };
   Rows at(int64_t b) const {
-    if (!flat) return {b * (K + 1), b * K, clamp64(counts[b], 0, K)};
+    if (!flat) return {b * (K + 1), b * K, clamp64(counts[b], 0, K), b * K};
     const Span s = flat_span(counts, b, num_tokens, K);
-    return {s.start + (bonus_rows ? b : 0), s.start, s.n};
+    return {s.start + (bonus_rows ? b : 0), s.start, s.n, padded_coins ? b * K : s.start};
   }
 };
 
@@ -459,8 +544,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_greedy_cpu(const at::
 // bonus_ids[b] and samples nothing; its would-be bonus row is never addressed.
 template <typename T>
 void rejection_sample_rows(const Rows<T>& target, const Rows<T>& draft, bool has_draft, const int64_t* tokens,
-                           const ChainLayout& layout, const int64_t* bonus_ids, const float* coins,
-                           const float* final_u, int64_t B, int64_t V, int64_t* out, int64_t* num_accepted) {
+                           const ChainLayout& layout, const int64_t* bonus_ids, const Uniforms& uniforms, int64_t B,
+                           int64_t V, int64_t* out, int64_t* num_accepted) {
   const int64_t K1 = layout.K + 1;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> w(static_cast<size_t>(V));
@@ -469,7 +554,6 @@ void rejection_sample_rows(const Rows<T>& target, const Rows<T>& draft, bool has
       const ChainLayout::Rows rows = layout.at(b);
       const int64_t n = rows.n;
       const int64_t* x = tokens + rows.draft_row;
-      const float* u = coins + rows.draft_row;
       // 1. accept x_j while u_j * q_j(x_j) < p_j(x_j) in float32 (p = 0 never accepts)
       int64_t a = 0;
       while (a < n) {
@@ -477,7 +561,7 @@ void rejection_sample_rows(const Rows<T>& target, const Rows<T>& draft, bool has
         if (t < 0 || t >= V) break;
         const float p = f32(target.at(rows.target_row + a, t));
         const float q = has_draft ? f32(draft.at(rows.draft_row + a, t)) : 1.0f;
-        if (!(u[a] * q < p)) break;
+        if (!(uniforms.coin(b, rows.coin_row + a, a) * q < p)) break;
         ++a;
       }
       const bool rejected = a < n;
@@ -509,7 +593,7 @@ void rejection_sample_rows(const Rows<T>& target, const Rows<T>& draft, bool has
         if (!residual_mass) {
           for (int64_t i = 0; i < V; ++i) w[i] = mass(static_cast<double>(f32(p_row[i])));
         }
-        sampled = sample_weights(w, static_cast<double>(final_u[b]));
+        sampled = sample_weights(w, static_cast<double>(uniforms.final(b)));
       }
       for (int64_t j = 0; j < a; ++j) out[b * K1 + j] = x[j];
       out[b * K1 + a] = sampled;
@@ -531,7 +615,9 @@ void check_probs_cpu(const at::Tensor& target_probs, const c10::optional<at::Ten
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(
     const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs, const at::Tensor& draft_tokens,
-    const at::Tensor& num_draft_tokens, const at::Tensor& uniform_samples, const at::Tensor& sample_uniforms) {
+    const at::Tensor& num_draft_tokens, const c10::optional<at::Tensor>& uniform_samples,
+    const c10::optional<at::Tensor>& sample_uniforms, const c10::optional<at::Tensor>& seeds,
+    const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK_VALUE(target_probs.dim() == 3, "target_probs must be [B, K + 1, V]");
   const int64_t B = target_probs.size(0), K = target_probs.size(1) - 1, V = target_probs.size(2);
   const auto opts = target_probs.options().dtype(at::kLong);
@@ -541,24 +627,25 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(
   check_probs_cpu(target_probs, draft_probs);
   const at::Tensor tokens = draft_tokens.to(at::kLong).contiguous();
   const at::Tensor counts = num_draft_tokens.to(at::kLong).contiguous();
-  const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
-  const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
+  const Uniforms uniforms(uniform_samples, sample_uniforms, seeds, offsets, B, B * K);
   const ChainLayout layout{counts.data_ptr<int64_t>(), K, B * K, /*flat=*/false, /*bonus_rows=*/true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_cpu", [&] {
-    rejection_sample_rows<scalar_t>(
-        Rows<scalar_t>(target_probs), has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
-        tokens.data_ptr<int64_t>(), layout, nullptr, coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V,
-        out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
+    rejection_sample_rows<scalar_t>(Rows<scalar_t>(target_probs),
+                                    has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
+                                    tokens.data_ptr<int64_t>(), layout, nullptr, uniforms, B, V,
+                                    out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
   });
   return {out, num_accepted};
 }
 
 // The flattened form (vLLM v1): target [T + B, V] (bonus rows inline) or [T, V] with
-// bonus_token_ids [B]; draft_probs [T, V] or none; tokens and coins [T]; output [B, K + 1].
+// bonus_token_ids [B]; draft_probs [T, V] or none; tokens [T]; coins [T] or [B, K]; output
+// [B, K + 1].
 std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
     const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs, const at::Tensor& draft_token_ids,
     const at::Tensor& cu_num_draft_tokens, const c10::optional<at::Tensor>& bonus_token_ids,
-    const at::Tensor& uniform_samples, const at::Tensor& sample_uniforms, int64_t max_spec_len) {
+    const c10::optional<at::Tensor>& uniform_samples, const c10::optional<at::Tensor>& sample_uniforms,
+    int64_t max_spec_len, const c10::optional<at::Tensor>& seeds, const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK_VALUE(target_probs.dim() == 2, "target_probs must be [T + B, V] or [T, V]");
   TORCH_CHECK_VALUE(draft_token_ids.dim() == 1 && cu_num_draft_tokens.dim() == 1,
                     "draft_token_ids and cu_num_draft_tokens must be 1-D");
@@ -572,8 +659,6 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
   TORCH_CHECK_VALUE(!has_draft || (draft_probs->dim() == 2 && draft_probs->size(0) == T && draft_probs->size(1) == V),
                     "draft_probs must be [T, V]");
   TORCH_CHECK_VALUE(!has_bonus || bonus_token_ids->numel() == B, "bonus_token_ids must be [B]");
-  TORCH_CHECK_VALUE(uniform_samples.numel() == T && sample_uniforms.numel() == B,
-                    "uniform_samples must be [T], sample_uniforms [B]");
   const auto opts = target_probs.options().dtype(at::kLong);
   at::Tensor out = at::empty({B, K + 1}, opts), num_accepted = at::empty({B}, opts);
   if (B == 0) return {out, num_accepted};
@@ -581,16 +666,16 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
   const at::Tensor tokens = draft_token_ids.to(at::kLong).contiguous();
   const at::Tensor cu = cu_num_draft_tokens.to(at::kLong).contiguous();
   const at::Tensor bonus = has_bonus ? bonus_token_ids->to(at::kLong).contiguous() : at::Tensor();
-  const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
-  const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
-  const ChainLayout layout{cu.data_ptr<int64_t>(), K, T, /*flat=*/true, /*bonus_rows=*/!has_bonus};
+  // coins [T], or [B, K] (request b's coin j at b * K + j)
+  const bool padded_coins = given(uniform_samples) && uniform_samples->dim() == 2;
+  const Uniforms uniforms(uniform_samples, sample_uniforms, seeds, offsets, B, padded_coins ? B * K : T);
+  const ChainLayout layout{cu.data_ptr<int64_t>(), K, T, /*flat=*/true, /*bonus_rows=*/!has_bonus, padded_coins};
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, target_probs.scalar_type(), "rejection_sample_flattened_cpu", [&] {
         rejection_sample_rows<scalar_t>(
             Rows<scalar_t>(target_probs), has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
-            tokens.data_ptr<int64_t>(), layout, has_bonus ? bonus.data_ptr<int64_t>() : nullptr,
-            coins.data_ptr<float>(), final_u.data_ptr<float>(), B, V, out.data_ptr<int64_t>(),
-            num_accepted.data_ptr<int64_t>());
+            tokens.data_ptr<int64_t>(), layout, has_bonus ? bonus.data_ptr<int64_t>() : nullptr, uniforms, B, V,
+            out.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
       });
   return {out, num_accepted};
 }
@@ -598,9 +683,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_flattened_cpu(
 // ---------------------------------------------------------------------- tree_rejection_sample
 template <typename T>
 void tree_rejection_rows(const Rows<T>& target, const Rows<T>& draft, bool has_draft, const int64_t* tokens,
-                         const int64_t* parents, int64_t parent_stride, const int64_t* counts, const float* coins,
-                         const float* final_u, int64_t B, int64_t N, int64_t V, int64_t* out, int64_t* accepted,
-                         int64_t* num_accepted) {
+                         const int64_t* parents, int64_t parent_stride, const int64_t* counts, const Uniforms& uniforms,
+                         int64_t B, int64_t N, int64_t V, int64_t* out, int64_t* accepted, int64_t* num_accepted) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> residual(static_cast<size_t>(V)), q(static_cast<size_t>(V)), fresh(static_cast<size_t>(V));
     std::vector<T> scratch;
@@ -628,7 +712,7 @@ void tree_rejection_rows(const Rows<T>& target, const Rows<T>& draft, bool has_d
         const bool in_vocab = x >= 0 && x < V;
         const int64_t xs = clamp64(x, 0, V - 1);
         const double r_x = residual[xs];
-        const double u = static_cast<double>(coins[b * (N - 1) + (j - 1)]);
+        const double u = static_cast<double>(uniforms.coin(b, b * (N - 1) + (j - 1), j - 1));
         bool accept;
         if (has_draft) {
           const T* q_row = draft.contiguous_row(b * N + current, scratch);
@@ -667,7 +751,7 @@ void tree_rejection_rows(const Rows<T>& target, const Rows<T>& draft, bool has_d
       bool any_mass = false;
       for (int64_t i = 0; i < V && !any_mass; ++i) any_mass = residual[i] > 0;
       if (!any_mass) target_row(current, residual);
-      const int64_t sampled = sample_weights(residual, static_cast<double>(final_u[b]));
+      const int64_t sampled = sample_weights(residual, static_cast<double>(uniforms.final(b)));
       out[b * N + depth] = sampled;
       for (int64_t j = depth + 1; j < N; ++j) out[b * N + j] = -1;
       num_accepted[b] = depth;
@@ -677,8 +761,9 @@ void tree_rejection_rows(const Rows<T>& target, const Rows<T>& draft, bool has_d
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
     const at::Tensor& target_probs, const at::Tensor& tree_tokens, const at::Tensor& tree_parents,
-    const c10::optional<at::Tensor>& draft_probs, const at::Tensor& num_nodes, const at::Tensor& uniform_samples,
-    const at::Tensor& sample_uniforms) {
+    const c10::optional<at::Tensor>& draft_probs, const at::Tensor& num_nodes,
+    const c10::optional<at::Tensor>& uniform_samples, const c10::optional<at::Tensor>& sample_uniforms,
+    const c10::optional<at::Tensor>& seeds, const c10::optional<at::Tensor>& offsets) {
   TORCH_CHECK_VALUE(target_probs.dim() == 3, "target_probs must be [B, N, V]");
   const int64_t B = target_probs.size(0), N = target_probs.size(1), V = target_probs.size(2);
   const auto opts = target_probs.options().dtype(at::kLong);
@@ -691,15 +776,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_rejection_sample_cpu(
   const at::Tensor& parents = shared_parents.first;
   const int64_t parent_stride = shared_parents.second;
   const at::Tensor counts = num_nodes.to(at::kLong).contiguous();
-  const at::Tensor coins = uniform_samples.to(at::kFloat).contiguous();
-  const at::Tensor final_u = sample_uniforms.to(at::kFloat).contiguous();
+  const Uniforms uniforms(uniform_samples, sample_uniforms, seeds, offsets, B, B * (N - 1));
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, target_probs.scalar_type(), "tree_rejection_sample_cpu", [&] {
         tree_rejection_rows<scalar_t>(
             Rows<scalar_t>(target_probs), has_draft ? Rows<scalar_t>(*draft_probs) : Rows<scalar_t>(), has_draft,
             tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), parent_stride, counts.data_ptr<int64_t>(),
-            coins.data_ptr<float>(), final_u.data_ptr<float>(), B, N, V, out.data_ptr<int64_t>(),
-            accepted.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
+            uniforms, B, N, V, out.data_ptr<int64_t>(), accepted.data_ptr<int64_t>(), num_accepted.data_ptr<int64_t>());
       });
   return {out, accepted, num_accepted};
 }
@@ -821,10 +904,33 @@ at::Tensor sampling_probs_cpu(const at::Tensor& logits, const at::Tensor& temper
   return out;
 }
 
+// The counter-based uniforms the kernels above compute, as a tensor: float32 [B, width], entry
+// [b, j] from seeds[b] at offsets[b] + j on `stream` (a debug path: the tests compare it with
+// specdec_kernels._random.philox_uniforms bit for bit).
+at::Tensor philox_uniforms_cpu(const at::Tensor& seeds, const at::Tensor& offsets, int64_t width, int64_t stream) {
+  TORCH_CHECK_VALUE(seeds.dim() == 1 && offsets.dim() == 1 && seeds.size(0) == offsets.size(0),
+                    "seeds and offsets must be [B]");
+  TORCH_CHECK_VALUE(width >= 0 && (stream == 0 || stream == 1), "width must be >= 0 and stream 0 or 1");
+  const int64_t B = seeds.size(0);
+  at::Tensor out = at::empty({B, width}, seeds.options().dtype(at::kFloat));
+  if (B == 0 || width == 0) return out;
+  const Uniforms uniforms(c10::nullopt, c10::nullopt, seeds, offsets, B, 0);
+  float* o = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < width; ++j) {
+      const uint64_t pos = static_cast<uint64_t>(uniforms.offsets[b]) + static_cast<uint64_t>(j);
+      o[b * width + j] =
+          safe_uniform(philox_uniform(static_cast<uint64_t>(uniforms.seeds[b]), pos, static_cast<uint32_t>(stream)));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("philox_uniforms_native", &specdec::philox_uniforms_cpu);
   m.impl("verify_greedy_native", &specdec::verify_greedy_cpu);
   m.impl("verify_greedy_flattened_native", &specdec::verify_greedy_flattened_cpu);
   m.impl("verify_tree_greedy_native", &specdec::verify_tree_greedy_cpu);

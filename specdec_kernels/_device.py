@@ -27,6 +27,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
+# Launch configurations are pure functions of shapes and the SM count: each launcher's
+# ``launch_config`` is cached per shape class (its arguments), so a decode loop computes its
+# grids, tiles and splits once, not per call.  Bounded: a serving batch size varies.
+cached_launch_config = functools.lru_cache(maxsize=4096)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -10,12 +10,20 @@ shapes only.  Inside a device kernel the ``backend`` string argument ("" = autom
 backends of that device; it is a plain string, so torch.compile treats it as a constant.
 
 Triton kernels live in ``specdec_kernels.ops._triton`` and are imported on first use only.
-Their launchers are themselves ops (``specdec::<name>_triton``): ``torch.library.triton_op``
-with ``wrap_triton`` launches when the kernels are real JIT functions (inductor then sees
-through them), an opaque custom op with an explicit fake under ``TRITON_INTERPRET=1`` (the
-interpreter cannot run on fake tensors).  With real Triton, a public op on CUDA tensors whose
-backend resolves to Triton is decomposed under functionalization into its ``_triton`` op, as
-``triton_op`` itself does, so that ``torch.compile`` reaches the Triton kernels.
+Their launchers are plain functions, not ops: the namespace holds the public ops (and the
+extension's ``<name>_native`` kernels), no backend internals.  A launcher launches through
+``launch(kernel)``: the kernel itself on the eager path, ``torch.library.wrap_triton(kernel)``
+while a public op is decomposed for ``torch.compile``.  With real Triton (not the interpreter),
+a public op on CUDA tensors whose backend resolves to Triton is decomposed under
+functionalization (torch.compile's AOT dispatcher) into its kernel body, as
+``torch.library.triton_op`` does, so that Inductor sees the Triton kernels; ``torch.export``
+keeps the public op whole (as it keeps a ``triton_op``).
+
+One dispatch layer per call: on the eager path (``_eager.direct_call``: no compilation, no dispatch
+mode, plain tensors) a front checks its arguments once and calls its backend directly, with
+the same code the op's kernel runs after its own checks; everything else (torch.compile,
+export, fake tensors, ``torch.library.opcheck``, inputs that require grad while grad mode is
+on) goes through the registered op, which checks shapes again for its direct callers.
 
 Autograd: the ops are inference-only (no backward).  Each has a kernel at the Autograd key:
 with grad mode on and an input that requires grad, the ops with floating-point outputs
@@ -32,11 +40,14 @@ fronts' business and run only with ``validate=True`` (the default on CPU tensors
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from specdec_kernels import _backend
+from specdec_kernels._eager import direct_call, filled  # noqa: F401  (the fronts' eager path)
 
 NAMESPACE = "specdec"
 OPS = {}  # public op name -> torch.ops.specdec.<name> (an OpOverloadPacket)
@@ -81,8 +92,9 @@ def define(
         decompose_to_triton: under functionalization (torch.compile's AOT dispatcher) with
             real Triton kernels, when the op's backend resolves to "triton" on the device of
             its first argument, replace the opaque op by ``schema_fn`` run on the functional
-            tensors: its shape checks, then its Triton branch, which calls the ``_triton`` op
-            (a ``triton_op``, which inductor sees through).
+            tensors: its shape checks, then its Triton branch, whose launches go through
+            ``wrap_triton`` there (Inductor sees the kernels).  ``torch.export`` keeps the op
+            whole, as it keeps a ``torch.library.triton_op``.
         grad_inputs: what the op's Autograd kernel does with an input that requires grad
             while grad mode is on: "error" (ValueError: the op is inference-only; for ops with
             floating-point outputs or in-place writes) or "ignore" (outputs are token ids,
@@ -105,11 +117,13 @@ def define(
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 
         def decompose(mode, func, types, args, kwargs):
-            with mode:
-                x = triton_arguments(name, schema_fn, implemented, args, kwargs)
-                if x is not None:
-                    return schema_fn(**x)
-            # another backend: keep the op opaque, functionalised as usual
+            if not _export_keeps_triton_ops():
+                with mode:
+                    x = triton_arguments(name, schema_fn, implemented, args, kwargs)
+                    if x is not None:
+                        with _tracing_launches():
+                            return schema_fn(**x)
+            # another backend, or torch.export: keep the op opaque, functionalised as usual
             return mode.__torch_dispatch__(func, types, args, kwargs)
 
         torch.library.register_torch_dispatch(qualname, FunctionalTensorMode, decompose, lib=_LIB)
@@ -180,22 +194,34 @@ def bound_arguments(schema_fn: Callable, args, kwargs) -> dict:
     return bound.arguments
 
 
-def kernel_op(name: str, fn: Callable, fake: Callable, mutates_args: Iterable[str] = ()):
-    """Register a backend op ``specdec::<name>`` whose body launches Triton kernels.
+_TRACING = threading.local()  # .on: the launches of this thread are being traced (decompose)
 
-    ``torch.library.triton_op`` (traceable body, kernels launched through ``wrap_triton``)
-    when the kernels are real JIT functions; under ``TRITON_INTERPRET=1`` an opaque
-    ``custom_op`` with ``fake`` as its fake kernel.
-    """
-    qualname = f"{NAMESPACE}::{name}"
-    if _backend.interpreter_on():
-        op = torch.library.custom_op(qualname, fn, mutates_args=tuple(mutates_args))
-        op.register_fake(fake)
-        return op
-    return torch.library.triton_op(qualname, fn, mutates_args=tuple(mutates_args))
+
+@contextlib.contextmanager
+def _tracing_launches():
+    """While a public op is decomposed for torch.compile, ``launch`` wraps the kernels."""
+    before = getattr(_TRACING, "on", False)
+    _TRACING.on = True
+    try:
+        yield
+    finally:
+        _TRACING.on = before
+
+
+def _export_keeps_triton_ops() -> bool:
+    """Whether ``torch.export`` is tracing with the custom Triton ops kept whole (it keeps
+    ``torch.library.triton_op``s so; ours follow)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # an older torch: always decomposed
+        return False
+    return custom_triton_ops_decomposition_disabled()
 
 
 def launch(kernel):
-    """``kernel`` wrapped for tracing (``torch.library.wrap_triton``); eager calls and the
-    interpreter get the kernel itself."""
-    return torch.library.wrap_triton(kernel)
+    """What a launcher indexes with its grid and calls: ``kernel`` itself on the eager path (no
+    wrapper, no dispatch), ``torch.library.wrap_triton(kernel)`` while a public op is
+    decomposed for torch.compile (Inductor then sees the launch)."""
+    if getattr(_TRACING, "on", False):
+        return torch.library.wrap_triton(kernel)
+    return kernel

@@ -16,6 +16,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from specdec_kernels._eager import filled
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -177,11 +179,10 @@ def check_tensor(
     """Check that ``t`` is a tensor of the given rank, dtype and device; return it."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None:
+    if ndim is not None and (t.ndim != ndim if isinstance(ndim, int) else t.ndim not in ndim):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
-            want = " or ".join(str(a) for a in allowed)
-            raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
+        want = " or ".join(str(a) for a in allowed)
+        raise ValueError(f"{name} must have {want} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {t.dtype}")
     if device is not None and t.device != device:
@@ -191,7 +192,7 @@ def check_tensor(
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int], what: str = "") -> None:
     """Raise ValueError unless ``t.shape == expected``."""
-    if tuple(t.shape) != tuple(expected):
+    if t.shape != (expected if isinstance(expected, tuple) else tuple(expected)):
         extra = f" ({what})" if what else ""
         raise ValueError(f"{name} must have shape {tuple(expected)}{extra}, got {tuple(t.shape)}")
 
@@ -206,17 +207,18 @@ def want_value_checks(validate: Optional[bool], *tensors: torch.Tensor) -> bool:
 def check_counts(name: str, counts, batch: int, upper: int, device, validate: Optional[bool]) -> torch.Tensor:
     """Check a per-sequence count tensor [B] with values in 0..upper; None means ``upper``.
 
-    Returns an int64 tensor on ``device``.
+    Returns an int64 tensor on ``device`` (for None, a constant tensor the caller only reads:
+    no kernel on the eager path, ``specdec_kernels._eager.filled``).
     """
     if counts is None:
-        return torch.full((batch,), upper, dtype=torch.int64, device=device)
+        return filled(batch, upper, torch.int64, device)
     check_tensor(name, counts, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_shape(name, counts, (batch,), "one count per sequence")
     if want_value_checks(validate, counts) and counts.numel() > 0:
         lo, hi = int(counts.min()), int(counts.max())
         if lo < 0 or hi > upper:
             raise ValueError(f"{name} must lie in 0..{upper}, got values in {lo}..{hi}")
-    return counts.to(torch.int64)
+    return counts if counts.dtype == torch.int64 else counts.to(torch.int64)
 
 
 def check_parents(name: str, parents, batch: int, num_nodes: int, device, validate: Optional[bool]) -> torch.Tensor:
@@ -244,7 +246,8 @@ def check_parents(name: str, parents, batch: int, num_nodes: int, device, valida
                     f"{name} must satisfy 0 <= parents[i] < i (topological order); "
                     f"node {col + 1} has parent {int(p[row, col + 1])}"
                 )
-    return parents.to(torch.int64).expand(batch, num_nodes) if parents.dim() == 1 else parents.to(torch.int64)
+    p = parents if parents.dtype == torch.int64 else parents.to(torch.int64)
+    return p.expand(batch, num_nodes) if p.dim() == 1 else p
 
 
 def check_scores(name: str, t, rows: str) -> Tuple[int, int, int]:
@@ -313,17 +316,38 @@ FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
 
 
 def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None) -> torch.Tensor:
-    """Explicit random numbers: a floating tensor of the expected shape, values in [0, 1)
-    (read only when ``validate`` allows, see ``want_value_checks``).  Returned as float32 in
-    [0, 1 - 2**-24] (NaN as 0), so a coin never becomes 1.0 by rounding and unchecked values
-    never reach a kernel outside [0, 1)."""
+    """Explicit random numbers: a float32/float64 tensor of the expected shape on ``device``,
+    its values in [0, 1) (read only when ``validate`` allows, see ``want_value_checks``).
+
+    Returned as given: nothing is cast or cleaned here (no torch op without value checks).
+    The kernels make every uniform safe themselves, as ``clamp_uniforms`` does, whatever was
+    validated.
+
+    Raises:
+        TypeError: not a tensor, or not float32/float64.
+        ValueError: the wrong shape or device; with value checks, a value outside [0, 1) or NaN.
+    """
     check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
     check_shape(name, u, expected)
     if want_value_checks(validate, u) and u.numel() > 0:
         lo, hi = float(u.min()), float(u.max())
         if not (lo >= 0.0 and hi < 1.0):
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")
-    # kept in [0, 1) after the cast, whatever was validated: NaN acts as 0
+    return u
+
+
+def clamp_uniforms(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms as the sampling kernels use them: cast to float32, NaN read as 0, clamped into
+    [0, 1 - 2**-24], so that a coin never becomes 1.0 by rounding and no value outside [0, 1)
+    reaches an inverse-CDF search.
+
+    Args:
+        u: a float32/float64 tensor of any shape.
+
+    Returns:
+        A float32 tensor of ``u``'s shape (elementwise torch ops: the references and adapters
+        use it; the kernels do the same per value inside).
+    """
     return torch.nan_to_num(u.to(torch.float32), nan=0.0).clamp(0.0, FLOAT32_BELOW_ONE)
 
 

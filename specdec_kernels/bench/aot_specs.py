@@ -17,8 +17,9 @@ Importing this module imports triton (the kernels are JIT functions).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
+from specdec_kernels.ops._triton import _uniforms as un
 from specdec_kernels.ops._triton import rejection_sample as rs
 from specdec_kernels.ops._triton import sampling_probs as sp
 from specdec_kernels.ops._triton import tree_attention as ta
@@ -28,6 +29,14 @@ from specdec_kernels.ops._triton import verify_tree_greedy as vtg
 
 # The SM count the configurations are chosen for: H100 / H200 SXM.
 TARGET_SM_COUNT = 132
+
+
+def _unique(specs) -> List[dict]:
+    """``specs`` without repeats (the first spec of each name)."""
+    seen: Dict[str, dict] = {}
+    for s in specs:
+        seen.setdefault(s["name"], s)
+    return list(seen.values())
 
 
 def _spec(
@@ -147,13 +156,23 @@ def rejection_specs(
     flat: bool = False,
     bonus_ids: bool = False,
     cu: str = "*i64",
+    uniforms: str = "*fp32",
+    philox: bool = False,
+    keys: str = "*i64",
+    padded_coins: bool = False,
 ) -> List[dict]:
-    """The two kernels of one launch configuration (what ``_launch_chain`` passes)."""
+    """The two kernels of one launch configuration (what ``_launch_chain`` passes): explicit
+    ``uniforms`` ("*fp32"/"*fp64"; flattened coins [B, K] with ``padded_coins``), or with
+    ``philox`` both computed from seeds and offsets of type ``keys`` (the uniform pointers then
+    stand-ins of the counts' type)."""
+    coins = final = cu if philox else uniforms
     block_b, block_v = cfg.vocab.block_b, cfg.vocab.block_v
     label = (
         f"draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={block_b} BLOCK_V={block_v}"
         f" flat={flat} bonus_ids={bonus_ids} cu={cu[1:]}"
+        + (f" philox keys={keys[1:]}" if philox else f" uniforms={uniforms[1:]} padded_coins={padded_coins}")
     )
+    random_ptrs = {"seeds_ptr": keys if philox else cu, "offsets_ptr": keys if philox else cu}
     common = {"target_ptr": prob, "draft_ptr": prob, "tokens_ptr": tok, "num_draft_ptr": cu}
     strides = {
         "B": "i32",
@@ -165,19 +184,22 @@ def rejection_specs(
         "stride_db": "i64",
         "stride_dk": "i32",
     }
-    meta = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "BLOCK_B": block_b, "BLOCK_V": block_v}
+    flags = {"FLAT": flat, "BONUS_IDS": bonus_ids, "HAS_DRAFT": has_draft, "PHILOX_COINS": philox}
+    flags["PADDED_COINS"] = padded_coins
+    blocks = {"BLOCK_B": block_b, "BLOCK_V": block_v}
     partials = _spec(
         rs._rejection_partials_kernel,
         f"rejection_partials {label}",
         {
             **common,
-            "coins_ptr": "*fp32",
+            "coins_ptr": coins,
+            **random_ptrs,
             "part_mass_ptr": "*fp64",
             "part_last_ptr": "*i32",
             **strides,
             "TILES_PER_SPLIT": "i32",
         },
-        meta,
+        {**flags, **blocks},
     )
     sample = _spec(
         rs._rejection_sample_kernel,
@@ -185,8 +207,9 @@ def rejection_specs(
         {
             **common,
             "bonus_ptr": cu,
-            "coins_ptr": "*fp32",
-            "final_u_ptr": "*fp32",
+            "coins_ptr": coins,
+            "final_u_ptr": final,
+            **random_ptrs,
             "part_mass_ptr": "*fp64",
             "part_last_ptr": "*i32",
             "out_ptr": "*i64",
@@ -195,7 +218,7 @@ def rejection_specs(
             "S": "i32",
             "TILES_PER_SPLIT": "i32",
         },
-        {**meta, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
+        {**flags, "PHILOX_FINAL": philox, **blocks, "KP": cfg.kp, "BLOCK_S": cfg.vocab.block_s},
         cfg.sample_num_warps,
     )
     return [partials, sample]
@@ -205,59 +228,53 @@ def rejection_specs(
 # sampling_probs
 # --------------------------------------------------------------------------------------
 
-STAGE_NAMES = {sp.STATS: "stats", sp.TOPK: "topk", sp.DENOM: "denom", sp.TOPP: "topp", sp.FINAL: "final"}
 
-
-def sampling_probs_specs(
-    top_k: bool,
-    top_p: bool,
-    cfg,
-    dtype: str = "*fp32",
-    stages: Sequence[int] = (sp.STATS, sp.TOPK, sp.DENOM, sp.TOPP, sp.FINAL),
-) -> List[dict]:
-    """One spec per stage the launcher runs for these settings (``cfg``: ``sp.launch_config``)."""
-    specs = []
-    for stage in stages:
-        if (stage == sp.TOPK and not top_k) or (stage == sp.TOPP and not top_p):
-            continue
-        signature = {
+def sampling_probs_specs(top_k: bool, top_p: bool, cfg: sp.SamplingProbsLaunch, dtype: str = "*fp32") -> List[dict]:
+    """The two kernels the launcher runs for these settings (``cfg``: ``sp.launch_config``):
+    the per-row search and the chunked write."""
+    search = _spec(
+        sp._sampling_search_kernel,
+        f"sampling_probs search top_k={top_k} top_p={top_p} {dtype[1:]} BLOCK_V={cfg.search_block_v}",
+        {
             "logits_ptr": dtype,
-            "out_ptr": "*fp32",
             "temp_ptr": "*fp32",
             "topk_ptr": "*i64",
             "topp_ptr": "*fp32",
-            "stat_key_ptr": "*i32",
-            "stat_idx_ptr": "*i32",
-            "stat_max_ptr": "*fp32",
-            "stat_flag_ptr": "*i32",
-            "kcnt_ptr": "*i32",
-            "kivl_ptr": "*i64",
-            "den_ptr": "*fp32",
-            "pmass_ptr": "*fp64",
-            "pivl_ptr": "*i64",
-            "R": "i32",
+            "row_i32_ptr": "*i32",
+            "row_f32_ptr": "*fp32",
             "V": "i32",
             "rows_per_seq": "i32",
             "stride_lr": "i64",
-            "S": "i32",
-            "TILES_PER_SPLIT": "i32",
-            "PASS": "i32",
-        }
-        constexprs = {
-            "STAGE": stage,
+        },
+        {
             "HAS_TOPK": top_k,
             "HAS_TOPP": top_p,
             "NP": sp.NPIV,
             "NUM_PASSES": sp.PASSES,
-            "BLOCK_B": cfg.block_b,
-            "BLOCK_V": cfg.block_v,
-        }
-        name = (
-            f"sampling_probs stage={STAGE_NAMES[stage]} top_k={top_k} top_p={top_p} {dtype[1:]} "
-            f"BLOCK_B={cfg.block_b} BLOCK_V={cfg.block_v}"
-        )
-        specs.append(_spec(sp._sampling_probs_kernel, name, signature, constexprs))
-    return specs
+            "BITS": sp.RADIX_BITS,
+            "BLOCK_V": cfg.search_block_v,
+        },
+        cfg.search_num_warps,
+    )
+    w = cfg.write
+    write = _spec(
+        sp._sampling_write_kernel,
+        f"sampling_probs write {dtype[1:]} BLOCK_B={w.block_b} BLOCK_V={w.block_v}",
+        {
+            "logits_ptr": dtype,
+            "out_ptr": "*fp32",
+            "temp_ptr": "*fp32",
+            "row_i32_ptr": "*i32",
+            "row_f32_ptr": "*fp32",
+            "R": "i32",
+            "V": "i32",
+            "rows_per_seq": "i32",
+            "stride_lr": "i64",
+            "TILES_PER_SPLIT": "i32",
+        },
+        {"BLOCK_B": w.block_b, "BLOCK_V": w.block_v},
+    )
+    return [search, write]
 
 
 # --------------------------------------------------------------------------------------
@@ -266,121 +283,79 @@ def sampling_probs_specs(
 
 
 def tree_rejection_specs(
-    has_draft: bool, cfg: trs.TreeRejectionSampleLaunch, prob: str = "*fp32", tok: str = "*i64", parent: str = "*i64"
+    has_draft: bool,
+    cfg: trs.TreeRejectionSampleLaunch,
+    prob: str = "*fp32",
+    tok: str = "*i64",
+    parent: str = "*i64",
+    uniforms: str = "*fp32",
+    philox: bool = False,
+    keys: str = "*i64",
 ) -> List[dict]:
-    """The kernels of one launch configuration (what the launcher passes): the level kernel
-    (split, and serial with draft distributions), the walk, the final partials and sample."""
-    lv, rw = cfg.levels, cfg.rows
-    strides = {"stride_tb": "i64", "stride_tn": "i32", "stride_db": "i64", "stride_dn": "i32"}
-    level_sig = {
-        "target_ptr": prob,
-        "draft_ptr": prob,
-        "parents_ptr": parent,
-        "num_nodes_ptr": "*i64",
-        "part_ptr": "*fp64",
-        "tsum_ptr": "*fp64",
-        "R": "i32",
-        "N": "i32",
-        "V": "i32",
-        **strides,
-        "stride_pb": "i32",
-        "S": "i32",
-        "level": "i32",
-        "level_end": "i32",
-        "TILES_PER_SPLIT": "i32",
-    }
-    specs = [
-        _spec(
-            trs._tree_level_kernel,
-            f"tree_level draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={lv.block_v} BLOCK_R={lv.block_b} "
-            f"tail={tail} BLOCK_S={lv.block_s}",
-            level_sig,
-            {
-                "TAIL": tail,
-                "HAS_DRAFT": has_draft,
-                "BLOCK_R": lv.block_b,
-                "BLOCK_V": lv.block_v,
-                "BLOCK_S": lv.block_s,
-            },
-            cfg.level_num_warps,
-        )
-        for tail in (False, True)
-    ]
-    specs.append(
-        _spec(
-            trs._tree_walk_kernel,
-            f"tree_walk draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_B={rw.block_b} NP={cfg.np_}",
-            {
-                "target_ptr": prob,
-                "draft_ptr": prob,
-                "tokens_ptr": tok,
-                "parents_ptr": parent,
-                "num_nodes_ptr": "*i64",
-                "coins_ptr": "*fp32",
-                "tsum_ptr": "*fp64",
-                "out_tokens_ptr": "*i64",
-                "out_nodes_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "state_ptr": "*i32",
-                "rej_ptr": "*i64",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                **strides,
-                "stride_pb": "i32",
-            },
-            {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "NP": cfg.np_},
-            cfg.walk_num_warps,
-        )
+    """The two kernels of one launch configuration (what the launcher passes): the node masses
+    over vocabulary chunks, and the walk with the final sample; explicit ``uniforms``
+    ("*fp32"/"*fp64") or, with ``philox``, the numbers computed from seeds and offsets of type
+    ``keys`` (the uniform pointers then stand-ins: the counts)."""
+    uniform_ptr = "*i64" if philox else uniforms
+    random_ptrs = {"seeds_ptr": keys if philox else "*i64", "offsets_ptr": keys if philox else "*i64"}
+    random_label = f" philox keys={keys[1:]}" if philox else f" uniforms={uniforms[1:]}"
+    ms = cfg.masses
+    mass = _spec(
+        trs._tree_mass_kernel,
+        f"tree_mass {prob[1:]} BLOCK_R={ms.block_b} BLOCK_V={ms.block_v}",
+        {
+            "target_ptr": prob,
+            "num_nodes_ptr": "*i64",
+            "part_ptr": "*fp64",
+            "R": "i32",
+            "N": "i32",
+            "V": "i32",
+            "stride_tb": "i64",
+            "stride_tn": "i32",
+            "TILES_PER_SPLIT": "i32",
+        },
+        {"BLOCK_R": ms.block_b, "BLOCK_V": ms.block_v},
+        cfg.mass_num_warps,
     )
-    final_common = {"target_ptr": prob, "draft_ptr": prob, "tsum_ptr": "*fp64", "state_ptr": "*i32", "rej_ptr": "*i64"}
-    final_meta = {"HAS_DRAFT": has_draft, "BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "NP": cfg.np_}
-    specs.append(
-        _spec(
-            trs._tree_final_partials_kernel,
-            f"tree_final_partials draft={has_draft} {prob[1:]} {tok[1:]} BLOCK_V={rw.block_v} "
-            f"BLOCK_B={rw.block_b} NP={cfg.np_}",
-            {
-                **final_common,
-                "weights_ptr": "*fp64",
-                "part_mass_ptr": "*fp64",
-                "part_last_ptr": "*i32",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                **strides,
-                "TILES_PER_SPLIT": "i32",
-            },
-            final_meta,
-            cfg.final_partials_num_warps,
-        )
+    sample = _spec(
+        trs._tree_sample_kernel,
+        f"tree_sample draft={has_draft} {prob[1:]} {tok[1:]} {parent[1:]} BLOCK_B={cfg.sample_block_b} "
+        f"BLOCK_V={cfg.sample_block_v} NP={cfg.np_}{random_label}",
+        {
+            "target_ptr": prob,
+            "draft_ptr": prob,
+            "tokens_ptr": tok,
+            "parents_ptr": parent,
+            "num_nodes_ptr": "*i64",
+            "coins_ptr": uniform_ptr,
+            "final_u_ptr": uniform_ptr,
+            **random_ptrs,
+            "part_ptr": "*fp64",
+            "rej_ptr": "*i64",
+            "out_tokens_ptr": "*i64",
+            "out_nodes_ptr": "*i64",
+            "num_accepted_ptr": "*i64",
+            "B": "i32",
+            "N": "i32",
+            "V": "i32",
+            "stride_tb": "i64",
+            "stride_tn": "i32",
+            "stride_db": "i64",
+            "stride_dn": "i32",
+            "stride_pb": "i32",
+            "S": "i32",
+        },
+        {
+            "HAS_DRAFT": has_draft,
+            "PHILOX_COINS": philox,
+            "PHILOX_FINAL": philox,
+            "BLOCK_B": cfg.sample_block_b,
+            "BLOCK_V": cfg.sample_block_v,
+            "NP": cfg.np_,
+        },
+        cfg.sample_num_warps,
     )
-    specs.append(
-        _spec(
-            trs._tree_final_sample_kernel,
-            f"tree_final_sample {prob[1:]} BLOCK_B={rw.block_b} BLOCK_V={rw.block_v} BLOCK_S={rw.block_s}",
-            {
-                "target_ptr": prob,
-                "state_ptr": "*i32",
-                "weights_ptr": "*fp64",
-                "final_u_ptr": "*fp32",
-                "part_mass_ptr": "*fp64",
-                "part_last_ptr": "*i32",
-                "out_tokens_ptr": "*i64",
-                "num_accepted_ptr": "*i64",
-                "B": "i32",
-                "N": "i32",
-                "V": "i32",
-                "stride_tb": "i64",
-                "stride_tn": "i32",
-                "S": "i32",
-                "TILES_PER_SPLIT": "i32",
-            },
-            {"BLOCK_B": rw.block_b, "BLOCK_V": rw.block_v, "BLOCK_S": rw.block_s},
-            cfg.sample_num_warps,
-        )
-    )
-    return specs
+    return [mass, sample]
 
 
 # --------------------------------------------------------------------------------------
@@ -453,6 +428,7 @@ def tree_attention_fwd_spec(
         UPCAST_DOT=False,
         NUM_STAGES=ta.NUM_STAGES,
         PAGED=paged,
+        MIN_SPLIT_KEYS=cfg.min_split_keys,
     )
     return _spec(
         ta._tree_attention_fwd_kernel,
@@ -464,14 +440,18 @@ def tree_attention_fwd_spec(
     )
 
 
-def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch) -> dict:
+def tree_attention_combine_spec(
+    dtype: str, head_dim: int, cfg: ta.TreeAttentionLaunch, seqlen_dtype: str = "i32"
+) -> dict:
     """``_tree_attention_combine_kernel`` of a split launch."""
     sig = {
         "OPART": "*fp32",
         "LSE": "*fp32",
         "OUT": f"*{dtype}",
+        "SEQLENS": f"*{seqlen_dtype}",
         "num_rows": "i32",
         "N": "i32",
+        "S_CAP": "i32",
         "G": "i32",
         "Hkv": "i32",
         "num_splits": "i32",
@@ -482,9 +462,15 @@ def tree_attention_combine_spec(dtype: str, head_dim: int, cfg: ta.TreeAttention
     }
     return _spec(
         ta._tree_attention_combine_kernel,
-        f"tree_attention.combine[{dtype},D={head_dim}]",
+        f"tree_attention.combine[{dtype},D={head_dim},seqlens={seqlen_dtype}]",
         sig,
-        dict(HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, BLOCK_R=cfg.combine_block_r),
+        dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=cfg.combine_block_r,
+            BLOCK_N=cfg.block_n,
+            MIN_SPLIT_KEYS=cfg.min_split_keys,
+        ),
         cfg.combine_num_warps,
     )
 
@@ -525,11 +511,17 @@ def _aot_specs() -> Dict[str, List[dict]]:
             rejection_specs(True, rs.launch_config(1024, 15, llama2_v, sms), tok="*i32", flat=True, cu="*i32"),
             rejection_specs(False, many, prob="*bf16", tok="*i32", flat=True, bonus_ids=True, cu="*i32"),
             rejection_specs(True, small, prob="*fp16", flat=True, bonus_ids=True),
+            # the randomness variants: seeds/offsets (int64, and vLLM-style int32 with int32
+            # cu), float64 explicit uniforms, a flattened call with padded [B, K] coins
+            rejection_specs(True, one, philox=True),
+            rejection_specs(False, many, prob="*bf16", tok="*i32", flat=True, cu="*i32", philox=True, keys="*i32"),
+            rejection_specs(True, small, prob="*fp16", uniforms="*fp64"),
+            rejection_specs(True, small, flat=True, uniforms="*fp64", padded_coins=True),
         )
         for s in group
     ]
 
-    # full 512-column tiles, and 4 and 16 rows a program at small vocabularies
+    # full 512-column tiles, and 4 and 16 rows a program (the write) at small vocabularies
     specs["sampling_probs"] = [
         s
         for group in (
@@ -544,7 +536,8 @@ def _aot_specs() -> Dict[str, List[dict]]:
     # 8 trees of 64 nodes at a large vocabulary (node rows in 3 chunks, sequences in 126), with
     # and without draft distributions; 8 rows a program; 16 trees of 128 nodes, 16 rows a program
     big = trs.launch_config(8, 64, large_v, sms)
-    specs["tree_rejection_sample"] = [
+    # (the randomness variants share their node-mass kernel with the ones above: once each)
+    specs["tree_rejection_sample"] = _unique(
         s
         for group in (
             tree_rejection_specs(True, big),
@@ -553,15 +546,32 @@ def _aot_specs() -> Dict[str, List[dict]]:
             ),
             tree_rejection_specs(True, trs.launch_config(8, 8, 128, sms), prob="*fp16"),
             tree_rejection_specs(False, trs.launch_config(16, 128, 64, sms, has_draft=False)),
+            # seeds/offsets (int64 and int32) and float64 explicit uniforms
+            tree_rejection_specs(True, big, philox=True),
+            tree_rejection_specs(
+                False, trs.launch_config(8, 8, 128, sms, has_draft=False), tok="*i32", philox=True, keys="*i32"
+            ),
+            tree_rejection_specs(True, trs.launch_config(8, 8, 128, sms), uniforms="*fp64"),
         )
         for s in group
+    )
+
+    # the in-kernel Philox's debug path (the ops' helper in a kernel of its own)
+    specs["_uniforms"] = [
+        _spec(
+            un._philox_debug_kernel,
+            f"philox_debug keys={keys} STREAM={stream}",
+            {"seeds_ptr": f"*{keys}", "offsets_ptr": f"*{keys}", "out_ptr": "*fp32", "B": "i32", "W": "i32"},
+            {"STREAM": stream, "BLOCK_B": 16, "BLOCK_W": 64},
+        )
+        for keys, stream in (("i64", 0), ("i32", 1))
     ]
 
     def fwd(dtype, d, mask, split, seqlen="i32", rows=64, paged=False):
         return tree_attention_fwd_spec(dtype, d, mask, tree_attention_config(dtype, d, rows, split), seqlen, paged)
 
-    def combine(dtype, d):
-        return tree_attention_combine_spec(dtype, d, tree_attention_config(dtype, d, split=True))
+    def combine(dtype, d, seqlen="i32"):
+        return tree_attention_combine_spec(dtype, d, tree_attention_config(dtype, d, split=True), seqlen)
 
     causal, dense, packed = ta.MASK_CAUSAL, ta.MASK_BOOL, ta.MASK_PACKED
     specs["tree_attention"] = (
@@ -581,6 +591,7 @@ def _aot_specs() -> Dict[str, List[dict]]:
             fwd("bf16", 256, causal, True, rows=8),
         ]
         + [combine(dt, d) for dt, d in (("fp16", 64), ("bf16", 128), ("fp32", 80), ("fp16", 256))]
+        + [combine("bf16", 64, "i64")]
         # paged KV cache (PAGED: block-table lookup per key tile), every mask kind, split and not
         + [
             fwd("fp16", 64, dense, False, paged=True),

@@ -201,11 +201,10 @@ _DIV16 = {
     "_argmax_partials_kernel": ("V", "stride_b", "stride_r"),
     "_rejection_partials_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
     "_rejection_sample_kernel": ("V", "stride_tb", "stride_tk", "stride_db", "stride_dk"),
-    "_sampling_probs_kernel": ("V", "stride_lr"),
-    "_tree_level_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
-    "_tree_walk_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
-    "_tree_final_partials_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
-    "_tree_final_sample_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
+    "_sampling_search_kernel": ("V", "stride_lr"),
+    "_sampling_write_kernel": ("V", "stride_lr"),
+    "_tree_mass_kernel": ("V", "stride_tb", "stride_tn"),
+    "_tree_sample_kernel": ("V", "stride_tb", "stride_tn", "stride_db", "stride_dn"),
 }
 
 
@@ -272,10 +271,10 @@ def launcher_specs(sm_count: Optional[int] = None) -> List[dict]:
                         ),
                         shape,
                     )
-            # sampling_probs: every stage, top-k and top-p on
+            # sampling_probs: top-k and top-p on, and temperature alone
             cfg = sp.launch_config(B, V, sms)
             add(aot.sampling_probs_specs(True, True, cfg, "*bf16"), shape)
-            add(aot.sampling_probs_specs(False, False, cfg, "*fp32", stages=(sp.STATS, sp.DENOM, sp.FINAL)), shape)
+            add(aot.sampling_probs_specs(False, False, cfg, "*fp32"), shape)
             # tree rejection sampling, with and without draft distributions
             for n in TREE_NODES:
                 for has_draft in (True, False):

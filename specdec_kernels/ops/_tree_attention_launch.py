@@ -13,11 +13,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from specdec_kernels._device import cdiv, next_pow2, sm_count
+from specdec_kernels import _device
+from specdec_kernels._device import cdiv, next_pow2
 
 # how the kernel reads tree_mask: the causal chain (no mask), bool [.., N, N], bit-packed int32
 MASK_CAUSAL, MASK_BOOL, MASK_PACKED = 0, 1, 2
 MAX_SPLITS = 256
+# keys of the prefix a split holds at least: a shorter prefix runs fewer splits (in the kernel,
+# from cache_seqlens, no host read), so that partials cost at most a fraction of the KV read
+MIN_SPLIT_KEYS = 256
 
 
 def block_sizes(M: int, D: int, gpu: bool, ieee: bool = False) -> Tuple[int, int, int, int]:
@@ -49,7 +53,11 @@ def block_sizes(M: int, D: int, gpu: bool, ieee: bool = False) -> Tuple[int, int
 class TreeAttentionLaunch:
     """The launches of one call: ``_tree_attention_fwd_kernel`` on ``grid`` (sequence x KV
     head, row tiles, splits) and, when ``num_splits`` > 1, ``_tree_attention_combine_kernel``
-    on ``combine_grid`` (``BLOCK_R`` rows a program)."""
+    on ``combine_grid`` (``BLOCK_R`` rows a program).
+
+    ``num_splits`` is the most splits a sequence uses: the kernels give a sequence of prefix
+    length L ``active_splits(L, num_splits, block_n, min_split_keys)`` of them, and the
+    splits past those write nothing (``split_layout``)."""
 
     block_m: int
     block_n: int
@@ -60,8 +68,10 @@ class TreeAttentionLaunch:
     combine_block_r: int
     combine_grid: Optional[Tuple[int]]
     combine_num_warps: int = 4
+    min_split_keys: int = MIN_SPLIT_KEYS
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     kv_heads: int,
@@ -73,6 +83,7 @@ def launch_config(
     capacity: int = 0,
     ieee: bool = False,
     num_splits: Optional[int] = None,
+    min_split_keys: int = MIN_SPLIT_KEYS,
 ) -> TreeAttentionLaunch:
     """The launch configuration of tree attention.
 
@@ -81,13 +92,18 @@ def launch_config(
         sm_count: the GPU's SM count, or None for the interpreter (``specdec_kernels._device``).
         capacity: cache slots per sequence (bounds the automatic split).
         ieee: float32 inputs (full-precision dots).
-        num_splits: the prefix split (1..MAX_SPLITS); None chooses it.
+        num_splits: the prefix split (1..MAX_SPLITS), the most splits a sequence uses;
+            None chooses it.
+        min_split_keys: prefix keys per split at least (>= 1): a sequence of prefix length L
+            uses ``active_splits`` of the ``num_splits`` splits, chosen in the kernels from
+            ``cache_seqlens`` (the tests lower it to drive several splits on short prefixes).
 
     The automatic split (flash-decoding): on a GPU, when ``batch * kv_heads * row_tiles``
     programs are fewer than the SMs, split the prefix so that about two programs run per SM,
     keeping at least 256 cache slots of capacity per split.  The capacity bounds the split
-    (the real lengths would need a device sync); splits past a short prefix exit at once.
-    In the interpreter 1.
+    (the real lengths would need a device sync); the kernels then use only as many splits as
+    the sequence's length fills with ``min_split_keys`` keys each, and the others write
+    nothing.  In the interpreter 1.
     """
     gpu = sm_count is not None
     M = group * num_queries
@@ -101,7 +117,40 @@ def launch_config(
     block_r = 16 if gpu else 64
     combine_grid = (cdiv(batch * kv_heads * M, block_r),) if num_splits > 1 else None
     grid = (batch * kv_heads, row_tiles, num_splits)
-    return TreeAttentionLaunch(block_m, block_n, block_d, num_warps, num_splits, grid, block_r, combine_grid)
+    return TreeAttentionLaunch(
+        block_m,
+        block_n,
+        block_d,
+        num_warps,
+        num_splits,
+        grid,
+        block_r,
+        combine_grid,
+        min_split_keys=max(1, min_split_keys),
+    )
+
+
+def split_layout(seqlen: int, num_splits: int, block_n: int, min_split_keys: int = MIN_SPLIT_KEYS) -> Tuple[int, int]:
+    """(chunk, active): how the kernels cut a prefix of ``seqlen`` keys (the host-side mirror of
+    ``_split_layout`` in ``ops/_triton/tree_attention.py``).
+
+    The prefix is cut into ``n = clamp(seqlen // min_split_keys, 1, num_splits)`` parts of
+    ``chunk`` keys (``ceil(seqlen / n)`` rounded up to ``block_n``); the first ``active`` splits
+    (at least 1) hold keys, the last of them also the tree's own keys; the splits from
+    ``active`` on write no partials, and the combine reads only the first ``active``.  When
+    ``seqlen >= num_splits * min_split_keys`` the cut is the one of a split by ``num_splits``
+    alone (the layout before the split count followed the lengths).
+    """
+    seqlen = max(int(seqlen), 0)
+    n = min(max(seqlen // max(int(min_split_keys), 1), 1), int(num_splits))
+    chunk = cdiv(cdiv(seqlen, n), block_n) * block_n
+    active = max(cdiv(seqlen, chunk), 1) if chunk else 1
+    return chunk, active
+
+
+def active_splits(seqlen: int, num_splits: int, block_n: int, min_split_keys: int = MIN_SPLIT_KEYS) -> int:
+    """The splits that a sequence of prefix length ``seqlen`` uses (see ``split_layout``)."""
+    return split_layout(seqlen, num_splits, block_n, min_split_keys)[1]
 
 
 def choose_num_splits(
@@ -116,5 +165,5 @@ def choose_num_splits(
 ) -> int:
     """The automatic prefix split of ``launch_config`` on ``device`` (1 off CUDA)."""
     return launch_config(
-        batch, kv_heads, num_queries, group, head_dim, sm_count(device), capacity=capacity, ieee=ieee
+        batch, kv_heads, num_queries, group, head_dim, _device.sm_count(device), capacity=capacity, ieee=ieee
     ).num_splits

@@ -44,7 +44,8 @@ or writes (shared blocks are refused by the value checks; proof in the C++/CUDA 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import functools
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,7 +56,6 @@ from specdec_kernels.checks import (
     check_kv_layout,
     check_shape,
     check_tensor,
-    pool_geometry,
     want_value_checks,
 )
 from specdec_kernels.reference.compact_kv_cache import (
@@ -79,10 +79,17 @@ def _extent(t: torch.Tensor):
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` share memory.  Decided from the strides when, sorted, each
-    is at least the extent of the dimensions below it (every usual layout); otherwise by
-    counting the elements' offsets (rare layouts only)."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    """Whether two elements of ``t`` share memory (``_layout_overlaps`` of its shape and
+    strides, decided once per layout)."""
+    return _layout_overlaps(tuple(t.shape), t.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_overlaps(shape: Tuple[int, ...], stride: Tuple[int, ...]) -> bool:
+    """Whether two elements of a tensor of ``shape`` and ``stride`` share memory.  Decided from
+    the strides when, sorted, each is at least the extent of the dimensions below it (every
+    usual layout); otherwise by counting the elements' offsets (rare layouts only)."""
+    dims = sorted((st, n) for st, n in zip(stride, shape) if n > 1)
     extent = 1
     for st, n in dims:
         if st < extent:
@@ -91,9 +98,21 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     else:
         return False
     offsets = torch.zeros((), dtype=torch.int64)
-    for st, n in zip(t.stride(), t.shape):
+    for st, n in zip(stride, shape):
         offsets = offsets[..., None] + torch.arange(n, dtype=torch.int64) * st
     return bool((torch.bincount(offsets.reshape(-1)) > 1).any()) if offsets.numel() else False
+
+
+def _first(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensor whose dtype, device and last four dimensions every cache shares: one buffer's
+    6-D tensor (indexing a layer out of it costs a view per call), else the first layer."""
+    return views.buffer if isinstance(views, BufferViews) else views[0]
+
+
+def _any_fake(views: Sequence[torch.Tensor]) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(is_fake(t) for t in views)
 
 
 def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
@@ -103,21 +122,20 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     depends on the threads).  Caches whose address ranges overlap are checked element by
     element (only then: interleaved layouts such as ``base[..., ::2]`` and ``base[..., 1::2]``
     are fine).  No device synchronisation unless ranges overlap."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if isinstance(views, BufferViews):
         # the slices of one buffer are disjoint unless the buffer overlaps itself: one check
-        _check_no_aliasing([views.buffer])
-        return
+        views = [views.buffer]
     # Traced (torch.compile) or fake tensors have no addresses: only the stride check applies.
-    addresses = not torch.compiler.is_compiling() and not any(is_fake(t) for t in views)
+    addresses = not torch.compiler.is_compiling() and (
+        all(type(t) is torch.Tensor for t in views) or not _any_fake(views)
+    )
     for i, t in enumerate(views):
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)) or (addresses and _overlaps_itself(t)):
             raise ValueError(
                 f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension, or rows closer "
                 "than their length) and cannot be written in place"
             )
-    if not addresses:
+    if not addresses or len(views) < 2:
         return
     by_storage = {}
     for i, t in enumerate(views):
@@ -208,8 +226,8 @@ def check_compact_kv_cache_args(
     views = cache_views(kv_cache)
     if not views:
         raise ValueError("kv_cache must hold at least one layer")
-    first = views[0]
-    B, Hkv, S, D = first.shape
+    first = _first(views)  # the 6-D buffer itself (no view made), or the first 4-D tensor
+    B, Hkv, S, D = first.shape[-4:]
     # the slices of one [L, 2, B, Hkv, S, D] buffer agree by construction; lists are checked
     for i, t in enumerate([] if isinstance(kv_cache, torch.Tensor) else views[1:], start=1):
         check_tensor(f"kv_cache[{i}]", t, dtypes=(first.dtype,), device=first.device)
@@ -298,12 +316,13 @@ def check_paged_compact_kv_cache_args(
     views = cache_views(kv_cache, PAGED_LAYOUTS[kv_layout])
     if not views:
         raise ValueError("kv_cache must hold at least one layer")
-    first = views[0]
+    first = _first(views)  # the 6-D buffer itself (no view made), or the first 4-D pool
     for i, t in enumerate([] if isinstance(kv_cache, torch.Tensor) else views[1:], start=1):
         check_tensor(f"kv_cache[{i}]", t, dtypes=(first.dtype,), device=first.device)
         check_shape(f"kv_cache[{i}]", t, tuple(first.shape), "every layer's keys and values alike")
     _check_no_aliasing(views)
-    num_blocks, block_size, _, _ = pool_geometry(first, kv_layout)
+    pool = first.shape[-4:]  # NHD [num_blocks, block_size, Hkv, D], HND [num_blocks, Hkv, block_size, D]
+    num_blocks, block_size = pool[0], pool[1] if kv_layout == "NHD" else pool[2]
     device = first.device
     check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
     B = cache_seqlens.shape[0]
@@ -362,18 +381,25 @@ def _op_caches(kv_cache, views) -> List[torch.Tensor]:
     return list(views)
 
 
-def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
-    """The kernel of both registered ops (dense: ``extra`` is (), paged: (block_table,
-    kv_layout)): their shape checks, then the native op ``<op_name>_native`` (value checks
-    are the front's, ``validate=``) or the reference."""
-    kv_cache = _as_kv_cache(caches)
-    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_slots, *extra, validate=False)
-    if _backend.resolve(op_name, views[0].device, backend or None, IMPLEMENTED) == "native":
+def _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_indices, n, extra, backend) -> None:
+    """The backend of ``op_name`` (dense: ``extra`` is (), paged: (block_table, kv_layout)) on
+    checked arguments (``n``: the slots to fill): the native op ``<op_name>_native`` (value
+    checks are the front's, ``validate=``) or the reference.  The registered ops' kernel after
+    their checks, and the front's eager path (one check pass, no dispatcher)."""
+    if _backend.resolve(op_name, cache_seqlens.device, backend or None, IMPLEMENTED) == "native":
         # One [L, 2, ...] buffer goes over whole (the kernels read its strides); otherwise the 4-D views.
         native_op = getattr(torch.ops.specdec, f"{op_name}_native")
         native_op(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, False)
     else:
         reference(views, cache_seqlens, accepted_indices, n, *extra)
+
+
+def _run(op_name, check_args, reference, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
+    """The kernel of both registered ops (dense: ``extra`` is (), paged: (block_table,
+    kv_layout)): their shape checks, then ``_backend_run``."""
+    kv_cache = _as_kv_cache(caches)
+    views, _, _, _, n = check_args(kv_cache, cache_seqlens, accepted_indices, num_slots, *extra, validate=False)
+    _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_indices, n, extra, backend)
 
 
 def _fake_checks(check_args, native_fake, caches, cache_seqlens, accepted_indices, num_slots, extra, backend):
@@ -534,14 +560,40 @@ def compact_kv_cache(
             validate,
             num_accepted=num_accepted,
         )
+        extra = (block_table, kv_layout)
+        if _direct(kv_cache, views, cache_seqlens, accepted_indices, n, block_table):  # eager: checked once
+            _backend_run(
+                "paged_compact_kv_cache",
+                _paged_reference,
+                kv_cache,
+                views,
+                cache_seqlens,
+                accepted_indices,
+                n,
+                extra,
+                backend,
+            )
+            return
         torch.ops.specdec.paged_compact_kv_cache(
-            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, block_table, kv_layout, backend or ""
+            _op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, backend or ""
         )
         return
     views, _, _, _, n = check_compact_kv_cache_args(
         kv_cache, cache_seqlens, accepted_indices, num_slots, validate, num_accepted=num_accepted
     )
+    if _direct(kv_cache, views, cache_seqlens, accepted_indices, n, None):  # eager: checked once, no dispatcher
+        _backend_run(
+            "compact_kv_cache", _compact_kv_cache, kv_cache, views, cache_seqlens, accepted_indices, n, (), backend
+        )
+        return
     torch.ops.specdec.compact_kv_cache(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, backend or "")
+
+
+def _direct(kv_cache, views, cache_seqlens, accepted_indices, n, block_table) -> bool:
+    """``_library.direct_call`` for the caches (the one buffer, or every view) and the index
+    tensors; an in-place op: caches that require grad go through the registered op (its error)."""
+    caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(views)
+    return _library.direct_call(*caches, cache_seqlens, accepted_indices, n, block_table, grad_check=True)
 
 
 def register_fake(paged: bool = False) -> bool:

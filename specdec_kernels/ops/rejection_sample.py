@@ -3,9 +3,9 @@
 Backends: "reference" (``specdec_kernels.reference.rejection_sample``, every device), "native"
 (the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and "triton"
 (CUDA, or CPU under ``TRITON_INTERPRET=1``: ``specdec_kernels.ops._triton.rejection_sample``).
-The registered op takes its random numbers explicitly; the Python front makes them from a
-generator, a dict of generators, or per-sequence Philox seeds and offsets
-(``specdec_kernels._random``).
+The registered op takes explicit uniforms or, for the missing ones, per-sequence Philox seeds
+and offsets, from which the kernels compute the numbers themselves; the Python front draws them
+only for a generator or a dict of generators (``specdec_kernels._random``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_chain_args
-from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, check_op_uniforms, op_random_args, resolve_uniforms
 from specdec_kernels.checks import check_probability_values
 from specdec_kernels.reference.rejection_sample import _rejection_sample, accept_tests
 
@@ -76,7 +76,7 @@ def rejection_details(target_probs, draft_probs, draft_tokens, num_draft_tokens,
     q_x = draft_probs.gather(2, safe).squeeze(2) if draft_probs is not None else torch.ones_like(p_x)
     j = torch.arange(K1, device=device)
     counted = j[None, :K] < n[:, None]
-    accept = accept_tests(p_x, q_x, tokens, counted, coins, V)
+    accept = accept_tests(p_x, q_x, tokens, counted, coins, V)  # coins as the kernels use them (clamped)
     target_nan = torch.isnan(target_probs).any(dim=-1) & (j[None, :] <= n[:, None])
     draft_nan = torch.isnan(draft_probs).any(dim=-1) & counted if draft_probs is not None else None
     return make_details(output_tokens, num_accepted, accept, target_nan, draft_nan)
@@ -94,38 +94,60 @@ def check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_dra
     return B, K, V, n
 
 
+def _run(
+    backend: str, target_probs, draft_probs, draft_tokens, n, uniform_samples, sample_uniforms, seeds, offsets
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The backend ``backend`` on checked arguments (``n`` int64 counts; the randomness as the
+    registered op takes it, ``_random.op_random_args``: explicit uniforms as given, seeds and
+    offsets for the missing ones, which the kernels compute and clamp themselves): the op's
+    kernel after its checks, and the front's eager path (one check pass, no dispatcher)."""
+    random_args = (uniform_samples, sample_uniforms, seeds, offsets)
+    if backend == "triton":
+        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
+
+        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, *random_args)
+    if backend == "native":
+        p, q = _native.probs_operands(target_probs, draft_probs)
+        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, *random_args)
+    B, K = draft_tokens.shape
+    coins, final_u = resolve_uniforms(B, K, *random_args)
+    return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+
+
 def _impl(
     target_probs: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
     draft_tokens: torch.Tensor,
     num_draft_tokens: Optional[torch.Tensor],
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
     backend: str = "",
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    coins, final_u = draw_uniforms(
-        B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
-    )
+    random_args = (uniform_samples, sample_uniforms, seeds, offsets)
+    check_op_uniforms(B, (B, K), target_probs.device, *random_args)
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
-
-        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, coins, final_u)
-    if name == "native":
-        p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, coins, final_u)
-    return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)
+    return _run(name, target_probs, draft_probs, draft_tokens, n, *random_args)
 
 
-def _fake(target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms, backend=""):
+def _fake(
+    target_probs,
+    draft_probs,
+    draft_tokens,
+    num_draft_tokens,
+    uniform_samples,
+    sample_uniforms,
+    backend="",
+    seeds=None,
+    offsets=None,
+):
     B, K, _, _ = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate=False)
-    draw_uniforms(B, K, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False)
+    check_op_uniforms(B, (B, K), target_probs.device, uniform_samples, sample_uniforms, seeds, offsets)
     _library.check_backend_name(backend)
     B, K1, _ = target_probs.shape
     torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    torch._check(uniform_samples.shape == (B, K1 - 1), lambda: "uniform_samples must have shape (B, K)")
-    torch._check(sample_uniforms.shape == (B,), lambda: "sample_uniforms must have shape (B,)")
     return target_probs.new_empty((B, K1), dtype=torch.int64), target_probs.new_empty((B,), dtype=torch.int64)
 
 
@@ -168,8 +190,8 @@ def rejection_sample(
         num_draft_tokens: Shape (batch,), int in 0..K, or None for all K.
         generator: a torch.Generator, or a list of one per sequence; see
             ``specdec_kernels._random`` for the order in which numbers are drawn.
-        uniform_samples: Shape (batch, K), float32 in [0, 1): the acceptance coins.
-        sample_uniforms: Shape (batch,), float32 in [0, 1): the uniform that draws each
+        uniform_samples: Shape (batch, K), float32/float64 in [0, 1): the acceptance coins.
+        sample_uniforms: Shape (batch,), float32/float64 in [0, 1): the uniform that draws each
             sequence's one sampled token (residual or bonus) by inverse CDF.
         return_details: return a ``RejectionSampleDetails`` (FlashInfer's accepted and
             emitted draft counts and a per-request NaN flag) instead of the pair; costs a
@@ -192,12 +214,17 @@ def rejection_sample(
     per process and device type), "reference", "native" or "triton". validate: None (value
     checks on CPU tensors only), True or False (docs/API.md#backends).
 
-    Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
+    Randomness (the registered op takes ``uniform_samples``, ``sample_uniforms``, ``seeds`` and
+    ``offsets``; the front draws numbers only for a generator):
         seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, sequence b's
-            depending only on (seeds[b], offsets[b]); see ``specdec_kernels._random``.
+            depending only on (seeds[b], offsets[b]); see ``specdec_kernels._random``.  The
+            kernels compute them (no torch op, no host read); given uniforms take precedence.
         generator: also a dict {row: torch.Generator} with gaps (rows without one use the
             default generator); per-sequence generators draw only the sequence's own
-            num_draft_tokens coins.
+            num_draft_tokens coins (a host read of the counts).
+        Explicit uniforms are used as given (float32 or float64): the kernels cast them to
+        float32, read NaN as 0 and clamp into [0, 1 - 2**-24], so an unvalidated value never
+        emits a token without mass; with value checks one outside [0, 1) raises.
 
     Triton backend:
         Two launches.  ``_rejection_partials_kernel`` over (request blocks, vocabulary chunks):
@@ -211,11 +238,19 @@ def rejection_sample(
         kernel sums in tiles and chunks, the reference sequentially).
     """
     B, K, _, n = check_rejection_sample_args(target_probs, draft_probs, draft_tokens, num_draft_tokens, validate)
+    device = target_probs.device
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = draw_uniforms(B, K, target_probs.device, source, coin_counts=n, validate=validate)
-    out, acc = torch.ops.specdec.rejection_sample(
-        target_probs, draft_probs, draft_tokens, n, coins, final_u, backend or ""
-    )
+    # explicit uniforms as given, seeds/offsets for the kernels; only a generator draws here
+    random_args = op_random_args(B, K, device, source, coin_counts=n, validate=validate)
+    if _library.direct_call(target_probs, draft_probs, draft_tokens, n, *random_args):  # eager: checked once
+        name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
+        out, acc = _run(name, target_probs, draft_probs, draft_tokens, n, *random_args)
+    else:
+        u, s, seeds, offsets = random_args
+        out, acc = torch.ops.specdec.rejection_sample(
+            target_probs, draft_probs, draft_tokens, n, u, s, backend or "", seeds, offsets
+        )
     if return_details:  # in the front: B * K gathers and a NaN scan, only when asked
+        coins, _ = resolve_uniforms(B, K, *random_args)
         return rejection_details(target_probs, draft_probs, draft_tokens, n, coins, out, acc)
     return out, acc

@@ -5,9 +5,11 @@ Backends: "reference" (plain PyTorch, every device), "native" (the C++ CPU kerne
 ``rejection_sample``, csrc/verify_sample_cpu.cpp, given the request spans) and "triton"
 (``_rejection_partials_kernel`` and ``_rejection_sample_kernel`` with ``FLAT=True``,
 ``specdec_kernels.ops._triton.rejection_sample``).
-No backend copies the rows into a padded layout.  The registered op takes its random numbers
-explicitly (coins [T], sample uniforms [B]); the Python front makes them exactly as the padded
-front does for each request (``specdec_kernels.reference.rejection_sample_flattened.flattened_uniforms``).
+No backend copies the rows into a padded layout.  The registered op takes explicit uniforms
+(coins [T], sample uniforms [B]) or, for the missing ones, per-request seeds and offsets, from
+which the kernels compute each request's numbers exactly as the padded op does; the Python front
+draws them only for a generator
+(``specdec_kernels.reference.rejection_sample_flattened.flattened_random_args``).
 """
 
 from __future__ import annotations
@@ -18,11 +20,16 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._flattened import FlatBatch, check_sampling_flattened_args, positions, take
-from specdec_kernels._random import GeneratorArg, RandomSource
-from specdec_kernels.checks import check_probability_values, check_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, check_op_uniforms
+from specdec_kernels.checks import check_probability_values
 from specdec_kernels.ops.rejection_sample import RejectionSampleDetails, make_details
 from specdec_kernels.reference.rejection_sample import accept_tests
-from specdec_kernels.reference.rejection_sample_flattened import _rejection_sample_flattened, flattened_uniforms
+from specdec_kernels.reference.rejection_sample_flattened import (
+    _rejection_sample_flattened,
+    flat_coins_shape,
+    flattened_random_args,
+    resolve_flattened_uniforms,
+)
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "rejection_sample_flattened"
@@ -68,11 +75,45 @@ def check_rejection_sample_flattened_args(
     return flat
 
 
-def _op_uniforms(flat: FlatBatch, uniform_samples, sample_uniforms, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The registered op's random numbers, checked without reading values: (coins [T], sample
-    uniforms [B]) float32."""
-    coins = check_uniforms("uniform_samples", uniform_samples, (flat.num_tokens,), device, validate=False)
-    return coins, check_uniforms("sample_uniforms", sample_uniforms, (flat.batch,), device, validate=False)
+def _op_uniforms(flat: FlatBatch, device, uniform_samples, sample_uniforms, seeds, offsets) -> None:
+    """The registered op's random numbers, checked without reading values: coins [T] (or
+    [B, max_spec_len]) and sample uniforms [B] where given, seeds and offsets [B] for the
+    missing ones."""
+    shape = flat_coins_shape(flat, uniform_samples)
+    check_op_uniforms(flat.batch, shape, device, uniform_samples, sample_uniforms, seeds, offsets)
+
+
+def _run(
+    backend: str,
+    flat: FlatBatch,
+    target_probs,
+    draft_probs,
+    draft_token_ids,
+    cu_num_draft_tokens,
+    bonus_token_ids,
+    uniform_samples,
+    sample_uniforms,
+    seeds,
+    offsets,
+):
+    """The backend ``backend`` on checked arguments (the randomness as the registered op takes
+    it, ``flattened_random_args``: explicit uniforms as given, seeds and offsets for the
+    missing ones, which the kernels compute and clamp themselves): the op's kernel after its
+    checks, and the front's eager path (one check pass, no dispatcher)."""
+    K = flat.max_spec_len
+    if backend in ("triton", "native"):
+        args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, uniform_samples, sample_uniforms, K)
+        if backend == "triton":
+            from specdec_kernels.ops._triton.rejection_sample import rejection_sample_flattened_triton
+
+            return rejection_sample_flattened_triton(target_probs, draft_probs, *args, seeds, offsets)
+        p, q = _native.probs_operands(target_probs, draft_probs)
+        return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args, seeds, offsets)
+    coins, final = resolve_flattened_uniforms(
+        flat, cu_num_draft_tokens, uniform_samples, sample_uniforms, seeds, offsets
+    )
+    args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, K)
+    return _rejection_sample_flattened(target_probs, draft_probs, *args)
 
 
 def _impl(
@@ -81,25 +122,22 @@ def _impl(
     draft_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
     bonus_token_ids: Optional[torch.Tensor],
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
     max_spec_len: int,
     backend: str = "",
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     flat = check_rejection_sample_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
-    coins, final = _op_uniforms(flat, uniform_samples, sample_uniforms, target_probs.device)
+    random_args = (uniform_samples, sample_uniforms, seeds, offsets)
+    _op_uniforms(flat, target_probs.device, *random_args)
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
-    args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, coins, final, max_spec_len)
-    if name == "triton":
-        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_flattened_triton
-
-        return rejection_sample_flattened_triton(target_probs, draft_probs, *args)
-    if name == "native":
-        p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args)
-    return _rejection_sample_flattened(target_probs, draft_probs, *args)
+    return _run(
+        name, flat, target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, *random_args
+    )
 
 
 def _fake(
@@ -112,11 +150,13 @@ def _fake(
     sample_uniforms,
     max_spec_len,
     backend="",
+    seeds=None,
+    offsets=None,
 ):
     flat = check_rejection_sample_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
-    coins, final = _op_uniforms(flat, uniform_samples, sample_uniforms, target_probs.device)
+    _op_uniforms(flat, target_probs.device, uniform_samples, sample_uniforms, seeds, offsets)
     _library.check_backend_name(backend)
     new = lambda *shape: target_probs.new_empty(shape, dtype=torch.int64)  # noqa: E731
     return new(flat.batch, max_spec_len + 1), new(flat.batch)
@@ -205,18 +245,20 @@ def rejection_sample_flattened(
     flat = check_rejection_sample_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
+    device = target_probs.device
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = flattened_uniforms(
-        flat,
-        cu_num_draft_tokens,
-        target_probs.device,
-        source,
-        validate=validate,
-    )
+    # explicit uniforms as given, seeds/offsets for the kernels; only a generator draws here
+    random_args = flattened_random_args(flat, cu_num_draft_tokens, device, source, validate=validate)
     args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens)
-    out, acc = torch.ops.specdec.rejection_sample_flattened(
-        *args, flat.bonus_token_ids, coins, final_u, flat.max_spec_len, backend or ""
-    )
+    if _library.direct_call(*args, flat.bonus_token_ids, *random_args):  # eager: checked once, no dispatcher
+        name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
+        out, acc = _run(name, flat, *args, flat.bonus_token_ids, *random_args)
+    else:
+        u, s, seeds, offsets = random_args
+        out, acc = torch.ops.specdec.rejection_sample_flattened(
+            *args, flat.bonus_token_ids, u, s, flat.max_spec_len, backend or "", seeds, offsets
+        )
     if return_details:
+        coins, _ = resolve_flattened_uniforms(flat, cu_num_draft_tokens, *random_args)
         return rejection_details_flattened(*args, flat, coins, out, acc)
     return out, acc

@@ -12,10 +12,13 @@ order ``r = i * G + g``, tiled by ``BLOCK_M``.  For each row tile the kernel wal
 2. the tree part, the ``N`` new keys at ``cache_seqlens[b] + j``, visible through the
    ancestor mask (``tree_mask`` None: the causal chain ``j <= i``; N = 1 is plain decoding).
 
-When ``B * Hkv * row_tiles`` programs cannot fill the GPU, the prefix is split across
-``num_splits`` programs (flash-decoding, Dao et al. 2023): each writes its normalised
+When ``B * Hkv * row_tiles`` programs cannot fill the GPU, the prefix is split across up
+to ``num_splits`` programs (flash-decoding, Dao et al. 2023): each writes its normalised
 partial output and log-sum-exp (base 2) in fp32, and a second small kernel combines them.
-The last split also walks the tree part.
+The host bounds ``num_splits`` by the cache's capacity; the kernels use only as many splits
+as the sequence's length fills with 256 keys each (``MIN_SPLIT_KEYS``, read from
+``cache_seqlens`` on the device), and the splits past those write nothing and are not read.
+The last split that holds keys also walks the tree part.
 
 ``"torch"``: ``torch.nn.functional.scaled_dot_product_attention`` over the cache sliced to
 ``max(cache_seqlens) + N`` slots with the equivalent boolean mask; GQA by viewing q as
@@ -343,6 +346,23 @@ def _triton_splits(num_splits: int, q: torch.Tensor, Hkv: int, capacity: int) ->
     return num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
 
 
+def _dense(name: str, backend: str, q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits, Hkv, S):
+    """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the dense op on
+    checked arguments: the op's kernel after its checks, and the front's eager path."""
+    if name == "triton":
+        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
+
+        splits = _triton_splits(num_splits, q, Hkv, S)
+        return tree_attention_triton(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
+        )
+    mask = unpack_tree_mask(tree_mask, q.shape[1]) if _is_packed(tree_mask) else tree_mask
+
+    if name == "native" and not backend:
+        name = automatic_cpu_path(paged=False)  # the C++ kernel unless $SPECDEC_DENSE_ATTENTION=torch
+    return _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+
+
 def _impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -353,20 +373,9 @@ def _impl(
     num_splits: int = 0,
     backend: str = "",
 ) -> torch.Tensor:
-    _, N, _, _, Hkv, S = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate=False)
+    _, _, _, _, Hkv, S = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate=False)
     name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
-
-        splits = _triton_splits(num_splits, q, Hkv, S)
-        return tree_attention_triton(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
-        )
-    mask = unpack_tree_mask(tree_mask, N) if _is_packed(tree_mask) else tree_mask
-
-    if name == "native" and not backend:
-        name = automatic_cpu_path(paged=False)  # the C++ kernel unless $SPECDEC_DENSE_ATTENTION=torch
-    return _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+    return _dense(name, backend, q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits, Hkv, S)
 
 
 def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
@@ -402,23 +411,25 @@ def _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_
     return dims
 
 
-def _paged_impl(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    tree_mask: Optional[torch.Tensor],
-    block_table: torch.Tensor,
-    kv_layout: str,
-    sm_scale: float,
-    num_splits: int = 0,
-    backend: str = "",
-) -> torch.Tensor:
-    _, N, _, _, Hkv, capacity, _, _ = _check_paged(
-        q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
-    )
-    block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
-    name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
+def _paged(
+    name: str,
+    backend: str,
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    tree_mask,
+    block_table,
+    kv_layout,
+    sm_scale,
+    num_splits,
+    Hkv,
+    capacity,
+):
+    """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the paged op on
+    checked arguments: the op's kernel after its checks, and the front's eager path."""
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
     if name == "triton":
         from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
 
@@ -435,7 +446,7 @@ def _paged_impl(
             sm_scale,
             splits,
         )
-    mask = unpack_tree_mask(tree_mask, N) if _is_packed(tree_mask) else tree_mask
+    mask = unpack_tree_mask(tree_mask, q.shape[1]) if _is_packed(tree_mask) else tree_mask
 
     if name == "native" and not backend:
         name = automatic_cpu_path(paged=True)  # the C++ kernel unless $SPECDEC_PAGED_ATTENTION=torch
@@ -448,6 +459,26 @@ def _paged_impl(
             q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
         ).contiguous()
     return _paged_reference(q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale).contiguous()
+
+
+def _paged_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    kv_layout: str,
+    sm_scale: float,
+    num_splits: int = 0,
+    backend: str = "",
+) -> torch.Tensor:
+    _, _, _, _, Hkv, capacity, _, _ = _check_paged(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, num_splits, validate=False
+    )
+    name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
+    args = (q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, num_splits)
+    return _paged(name, backend, *args, Hkv, capacity)
 
 
 def _paged_fake(
@@ -541,8 +572,10 @@ def tree_attention(
         tree_mask: also the bit-packed int32 form of ``pack_tree_mask``,
             shape (N, ceil(N/32)) or (batch, N, ceil(N/32)).
         num_splits: Triton backend only (others ignore it): split each sequence's prefix
-            across this many programs and combine by log-sum-exp (flash-decoding); None
-            chooses from the SM count on CUDA (``choose_num_splits``).  1..256.
+            across at most this many programs and combine by log-sum-exp (flash-decoding),
+            each holding at least 256 keys of the sequence's length (a shorter prefix uses
+            fewer, chosen on the device); None chooses from the SM count on CUDA
+            (``choose_num_splits``).  1..256.
 
     Returns:
         q's shape and layout: (batch, N, heads, head_dim), or (batch, heads, N, head_dim)
@@ -586,9 +619,9 @@ def tree_attention(
     k_cache, v_cache = _split_kv(k_cache, v_cache)
     try:
         if block_table is None:
-            D = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)[3]
+            dims = _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, 0, validate)
         else:
-            D = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)[3]
+            dims = _check_paged(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, 0, validate)
     except ValueError as e:
         if heads_first and re.search(r"\bq\b|q's", str(e)):
             raise ValueError(
@@ -601,15 +634,23 @@ def tree_attention(
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
-    scale = D**-0.5 if sm_scale is None else float(as_real("sm_scale", sm_scale, finite=True))
+    scale = dims[3] ** -0.5 if sm_scale is None else float(as_real("sm_scale", sm_scale, finite=True))
     if abs(scale) > FLOAT32_MAX:  # checked as given: the kernels scale in float32, where it would be inf
         raise ValueError(f"sm_scale must fit float32 (|sm_scale| <= {FLOAT32_MAX:.4g}), got {sm_scale}")
+    splits = num_splits or 0
+    direct = _library.direct_call(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, grad_check=True)
     if block_table is not None:
-        out = torch.ops.specdec.paged_tree_attention(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, num_splits or 0, backend or ""
-        )
+        args = (q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, splits)
+        if direct:  # eager: checked once, no dispatcher
+            name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
+            out = _paged(name, backend or "", *args, dims[4], dims[5])
+        else:
+            out = torch.ops.specdec.paged_tree_attention(*args, backend or "")
     else:
-        out = torch.ops.specdec.tree_attention(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, scale, num_splits or 0, backend or ""
-        )
+        args = (q, k_cache, v_cache, cache_seqlens, tree_mask, scale, splits)
+        if direct:
+            name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
+            out = _dense(name, backend or "", *args, dims[4], dims[5])
+        else:
+            out = torch.ops.specdec.tree_attention(*args, backend or "")
     return out.transpose(1, 2) if heads_first else out

@@ -5,8 +5,9 @@ Backends: "reference" (``specdec_kernels.reference.tree_rejection_sample``, ever
 "native" (the C++ CPU kernel, ``csrc/verify_sample_cpu.cpp``; the automatic CPU backend) and
 "triton" (CUDA, or CPU under ``TRITON_INTERPRET=1``:
 ``specdec_kernels.ops._triton.tree_rejection_sample``). The tree is passed as tensors; the
-registered op takes its random numbers explicitly, made by the Python front from a generator, a
-dict of generators or Philox seeds and offsets.
+registered op takes explicit uniforms or, for the missing ones, per-sequence Philox seeds and
+offsets, from which the kernels compute the numbers themselves; the Python front draws them
+only for a generator or a dict of generators.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from specdec_kernels import _backend, _library, _native
 from specdec_kernels._checks import check_tree_args
-from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, check_op_uniforms, op_random_args, resolve_uniforms
 from specdec_kernels.checks import check_probability_values
 from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_sample
 
@@ -39,45 +40,68 @@ def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, dr
     return B, N, V, parents, n
 
 
+def _run(
+    backend: str, target_probs, tree_tokens, parents, draft_probs, n, uniform_samples, sample_uniforms, seeds, offsets
+):
+    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N], ``n`` int64 [B];
+    the randomness as the registered op takes it, ``_random.op_random_args``: explicit
+    uniforms as given, seeds and offsets for the missing ones, which the kernels compute and
+    clamp themselves): the op's kernel after its checks, and the front's eager path (one
+    check pass, no dispatcher)."""
+    random_args = (uniform_samples, sample_uniforms, seeds, offsets)
+    if backend == "triton":
+        from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
+
+        return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, *random_args)
+    if backend == "native":
+        p, q = _native.probs_operands(target_probs, draft_probs)
+        return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, *random_args)
+    B, N = tree_tokens.shape
+    coins, final_u = resolve_uniforms(B, N - 1, *random_args)
+    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+
+
 def _impl(
     target_probs: torch.Tensor,
     tree_tokens: torch.Tensor,
     tree_parents: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
     num_nodes: Optional[torch.Tensor],
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
     backend: str = "",
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, N, _, parents, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
     )
-    coins, final_u = draw_uniforms(
-        B, N - 1, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False
-    )
+    random_args = (uniform_samples, sample_uniforms, seeds, offsets)
+    check_op_uniforms(B, (B, N - 1), target_probs.device, *random_args)
     name = _backend.resolve(OP, target_probs.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
-
-        return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
-    if name == "native":
-        p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, coins, final_u)
-    return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)
+    return _run(name, target_probs, tree_tokens, parents, draft_probs, n, *random_args)
 
 
 def _fake(
-    target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, uniform_samples, sample_uniforms, backend=""
+    target_probs,
+    tree_tokens,
+    tree_parents,
+    draft_probs,
+    num_nodes,
+    uniform_samples,
+    sample_uniforms,
+    backend="",
+    seeds=None,
+    offsets=None,
 ):
     B, N, _, _, _ = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=False
     )
-    draw_uniforms(B, N - 1, target_probs.device, RandomSource(None, uniform_samples, sample_uniforms), validate=False)
+    check_op_uniforms(B, (B, N - 1), target_probs.device, uniform_samples, sample_uniforms, seeds, offsets)
     _library.check_backend_name(backend)
     B, N, _ = target_probs.shape
     torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
     torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")
-    torch._check(uniform_samples.shape == (B, N - 1), lambda: "uniform_samples must have shape (B, N - 1)")
     new = lambda *shape: target_probs.new_empty(shape, dtype=torch.int64)  # noqa: E731
     return new(B, N), new(B, N), new(B)
 
@@ -127,8 +151,8 @@ def tree_rejection_sample(
             children were drawn from.
         num_nodes: Shape (batch,), int in 0..N, or None for all N.
         generator: a torch.Generator or one per sequence (see ``specdec_kernels._random``).
-        uniform_samples: Shape (batch, N - 1), float32 in [0, 1); column c - 1 is node c's coin.
-        sample_uniforms: Shape (batch,), float32 in [0, 1): the final sample's uniform.
+        uniform_samples: Shape (batch, N - 1), float32/float64 in [0, 1); column c - 1 is node c's coin.
+        sample_uniforms: Shape (batch,), float32/float64 in [0, 1): the final sample's uniform.
 
     Returns:
         output_tokens: Shape (batch, N), int64: accepted drafts, the sampled token, then -1.
@@ -148,39 +172,46 @@ def tree_rejection_sample(
     once per process and device type), "reference", "native" or "triton". validate: None (value
     checks on CPU tensors only), True or False (docs/API.md#backends).
 
-    Randomness (the front; the registered op takes ``uniform_samples`` and ``sample_uniforms``):
+    Randomness (the registered op takes ``uniform_samples``, ``sample_uniforms``, ``seeds`` and
+    ``offsets``; the front draws numbers only for a generator):
         seeds, offsets: Shape (batch,), int32/int64: counter-based Philox numbers, node c's
-            coin at offsets[b] + c - 1; see ``specdec_kernels._random``.
+            coin at offsets[b] + c - 1; see ``specdec_kernels._random``.  The kernels compute
+            them (no torch op, no host read); given uniforms take precedence.
         generator: also a dict {row: torch.Generator} with gaps; per-sequence generators draw
-            only the sequence's own num_nodes - 1 coins.
+            only the sequence's own num_nodes - 1 coins (a host read of the counts).
+        Explicit uniforms are used as given (float32 or float64): the kernels cast them to
+        float32, read NaN as 0 and clamp into [0, 1 - 2**-24]; with value checks one outside
+        [0, 1) raises.
 
     Triton backend:
-        The vocabulary of every row is cut into chunks over the GPU (batch 1 fills it).  All
-        children of a node are drawn from the same draft row, so the residual after the k-th
-        rejection at a node depends on k only: ``_tree_level_kernel`` precomputes its total
-        t_k for every node and k (levels 1..2 over chunks, higher levels serially per row),
-        rebuilding element x from p(x), q(x) and the reciprocals 1 / t_0..1 / t_{k-1} in the
-        reference's float64 operations (nothing of size V per node is stored);
-        ``_tree_walk_kernel`` walks the nodes in order, as the reference does, with point
-        loads; ``_tree_final_partials_kernel`` / ``_tree_final_sample_kernel`` sample the last
-        residual (with deterministic children: the target row with the rejected tokens
-        zeroed) by inverse CDF, searching only the chunk that holds u * total.  Same tokens as
-        the reference for the same uniforms, except when a test or threshold lies within
-        float64 rounding of a boundary (the kernels sum a row in chunks, the reference in
-        PyTorch's order).  Workspaces: see docs/API.md.
+        Two launches (``ops/_triton/tree_rejection_sample.py``, docs/API.md):
+        ``_tree_mass_kernel`` sums every used node's target row over vocabulary chunks (batch
+        1 fills the GPU); ``_tree_sample_kernel``, one program per sequence, walks the nodes
+        in order, as the reference does, with point loads.  All children of a node are drawn
+        from the same draft row, so the residual after the k-th rejection at a node depends
+        on k only: each rejection's new total t_k is one pass over the row that rebuilds
+        element x from p(x), q(x) and the reciprocals 1 / t_0..1 / t_{k-1}, in the
+        reference's float64 operations (nothing of size V is stored).  The last residual
+        (with deterministic children: the target row with the rejected tokens zeroed) is
+        sampled by inverse CDF, one pass for its total, one for the running CDF.  Same tokens
+        as the reference for the same uniforms, except when a test or threshold lies within
+        float64 rounding of a boundary (the kernels sum a row in tiles and chunks, the
+        reference in PyTorch's order).  Workspaces: see docs/API.md.
     """
-    B, N, _, _, n = check_tree_rejection_sample_args(
+    B, N, _, parents, n = check_tree_rejection_sample_args(
         target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate
     )
+    device = target_probs.device
     source = RandomSource(generator, uniform_samples, sample_uniforms, seeds, offsets)
-    coins, final_u = draw_uniforms(
-        B,
-        N - 1,
-        target_probs.device,
-        source,
-        coin_counts=(n - 1).clamp(min=0),
-        validate=validate,
-    )
+    # explicit uniforms as given, seeds/offsets for the kernels; only a generator draws here (the
+    # per-sequence generators' coin counts: a torch op only in that mode)
+    per_sequence = isinstance(generator, (list, tuple, dict)) and seeds is None
+    counts = (n - 1).clamp(min=0) if per_sequence else None
+    random_args = op_random_args(B, N - 1, device, source, coin_counts=counts, validate=validate)
+    if _library.direct_call(target_probs, tree_tokens, tree_parents, draft_probs, n, *random_args):  # eager
+        name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
+        return _run(name, target_probs, tree_tokens, parents, draft_probs, n, *random_args)
+    u, s, seeds, offsets = random_args
     return torch.ops.specdec.tree_rejection_sample(
-        target_probs, tree_tokens, tree_parents, draft_probs, n, coins, final_u, backend or ""
+        target_probs, tree_tokens, tree_parents, draft_probs, n, u, s, backend or "", seeds, offsets
     )

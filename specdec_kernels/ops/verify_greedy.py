@@ -24,6 +24,18 @@ def check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, vali
     return check_chain_args("target_logits", target_logits, draft_tokens, num_draft_tokens, validate)
 
 
+def _run(backend: str, target_logits, draft_tokens, n) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The backend ``backend`` on checked arguments (``n``: int64 counts): the op's kernel after
+    its checks, and the front's eager path (one check pass, no dispatcher)."""
+    if backend == "triton":
+        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
+
+        return verify_greedy_triton(target_logits, draft_tokens, n)
+    if backend == "native":
+        return torch.ops.specdec.verify_greedy_native(target_logits, draft_tokens, n)
+    return reference.verify_greedy(target_logits, draft_tokens, n)
+
+
 def _impl(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -32,13 +44,7 @@ def _impl(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=False)
     name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
-
-        return verify_greedy_triton(target_logits, draft_tokens, n)
-    if name == "native":
-        return torch.ops.specdec.verify_greedy_native(target_logits, draft_tokens, n)
-    return reference.verify_greedy(target_logits, draft_tokens, n)
+    return _run(name, target_logits, draft_tokens, n)
 
 
 def _fake(target_logits, draft_tokens, num_draft_tokens=None, backend=""):
@@ -97,4 +103,8 @@ def verify_greedy(
     CPU tensors only), True or False (docs/API.md#backends).
     """
     _, _, _, n = check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate)
+    if _library.direct_call(target_logits, draft_tokens, n):  # eager: the backend itself, checked once
+        return _run(
+            _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED), target_logits, draft_tokens, n
+        )
     return torch.ops.specdec.verify_greedy(target_logits, draft_tokens, n, backend or "")

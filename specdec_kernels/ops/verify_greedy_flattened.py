@@ -31,6 +31,19 @@ def check_verify_greedy_flattened_args(
     )
 
 
+def _run(backend: str, target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len):
+    """The backend ``backend`` on checked arguments: the op's kernel after its checks, and the
+    front's eager path (one check pass, no dispatcher)."""
+    args = (target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len)
+    if backend == "triton":
+        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_flattened_triton
+
+        return verify_greedy_flattened_triton(*args)
+    if backend == "native":
+        return torch.ops.specdec.verify_greedy_flattened_native(*args)
+    return _verify_greedy_flattened(*args)
+
+
 def _impl(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -43,17 +56,7 @@ def _impl(
         target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate=False
     )
     name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_flattened_triton
-
-        return verify_greedy_flattened_triton(
-            target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len
-        )
-    if name == "native":
-        return torch.ops.specdec.verify_greedy_flattened_native(
-            target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len
-        )
-    return _verify_greedy_flattened(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len)
+    return _run(name, target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len)
 
 
 def _fake(target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, backend=""):
@@ -124,6 +127,7 @@ def verify_greedy_flattened(
     flat = check_verify_greedy_flattened_args(
         target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
-    return torch.ops.specdec.verify_greedy_flattened(
-        target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids, flat.max_spec_len, backend or ""
-    )
+    args = (target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids, flat.max_spec_len)
+    if _library.direct_call(target_logits, draft_token_ids, cu_num_draft_tokens, flat.bonus_token_ids):
+        return _run(_backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED), *args)
+    return torch.ops.specdec.verify_greedy_flattened(*args, backend or "")

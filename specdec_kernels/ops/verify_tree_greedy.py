@@ -26,6 +26,18 @@ def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_
     return check_tree_args("target_logits", target_logits, tree_tokens, tree_parents, num_nodes, validate)
 
 
+def _run(backend: str, target_logits, tree_tokens, parents, n) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N], ``n`` int64 [B]):
+    the op's kernel after its checks, and the front's eager path (one check pass)."""
+    if backend == "triton":
+        from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
+
+        return verify_tree_greedy_triton(target_logits, tree_tokens, parents, n)
+    if backend == "native":
+        return torch.ops.specdec.verify_tree_greedy_native(target_logits, tree_tokens, parents, n)
+    return reference.verify_tree_greedy(target_logits, tree_tokens, parents, n)
+
+
 def _impl(
     target_logits: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -37,13 +49,7 @@ def _impl(
         target_logits, tree_tokens, tree_parents, num_nodes, validate=False
     )
     name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
-    if name == "triton":
-        from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
-
-        return verify_tree_greedy_triton(target_logits, tree_tokens, parents, n)
-    if name == "native":
-        return torch.ops.specdec.verify_tree_greedy_native(target_logits, tree_tokens, parents, n)
-    return reference.verify_tree_greedy(target_logits, tree_tokens, parents, n)
+    return _run(name, target_logits, tree_tokens, parents, n)
 
 
 def _fake(target_logits, tree_tokens, tree_parents, num_nodes=None, backend=""):
@@ -105,5 +111,8 @@ def verify_tree_greedy(
     once per process and device type), "reference", "native" or "triton". validate: None (value
     checks on CPU tensors only), True or False (docs/API.md#backends).
     """
-    _, _, _, _, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate)
+    _, _, _, parents, n = check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate)
+    if _library.direct_call(target_logits, tree_tokens, tree_parents, n):  # eager: checked once, no dispatcher
+        name = _backend.resolve(OP, target_logits.device, backend or None, IMPLEMENTED)
+        return _run(name, target_logits, tree_tokens, parents, n)
     return torch.ops.specdec.verify_tree_greedy(target_logits, tree_tokens, tree_parents, n, backend or "")

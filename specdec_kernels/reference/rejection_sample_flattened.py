@@ -15,8 +15,8 @@ from specdec_kernels._flattened import (
     positions,
     take,
 )
-from specdec_kernels._random import GeneratorArg, RandomSource, draw_uniforms
-from specdec_kernels.checks import check_uniforms
+from specdec_kernels._random import GeneratorArg, RandomSource, check_random_source, generator_uniforms, philox_uniforms
+from specdec_kernels.checks import clamp_uniforms
 from specdec_kernels.reference.rejection_sample import accept_tests, mass, sample_from_weights
 
 
@@ -70,6 +70,70 @@ def _rejection_sample_flattened(
     return output_tokens, num_accepted
 
 
+def flattened_random_args(
+    flat: FlatBatch,
+    cu_num_draft_tokens: torch.Tensor,
+    device: torch.device,
+    source: RandomSource = RandomSource(),
+    *,
+    validate: Optional[bool] = None,
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """What the flattened front passes to its registered op: (uniform_samples [T] or
+    [B, max_spec_len] or None, sample_uniforms [B] or None, seeds or None, offsets or None).
+
+    Explicit uniforms (coins [T], coin t is flat draft t's) are checked and passed as given;
+    with seeds/offsets the missing ones stay None and the kernels compute them (request b's
+    coin j at offsets[b] + j, the padded front's numbers); otherwise the generator draws the
+    padded [B, max_spec_len] coins and sample uniforms as the padded front does, passed to the
+    op padded (flat draft t of request b at position j takes coin [b, j]: no flattening op).
+    As in the padded front, a generator still draws the coins it would have drawn when only
+    ``sample_uniforms`` is missing.
+    """
+    B, K = flat.batch, flat.max_spec_len
+    check_random_source(B, (flat.num_tokens,), device, source, validate)
+    generator, uniform_samples, sample_uniforms, seeds, offsets = source
+    if (uniform_samples is not None and sample_uniforms is not None) or seeds is not None:
+        return uniform_samples, sample_uniforms, seeds, offsets
+    per_sequence = isinstance(generator, (list, tuple, dict))
+    counts = draft_counts(cu_num_draft_tokens, flat.num_tokens).clamp(max=K) if per_sequence else None
+    coins, final = generator_uniforms(B, K, device, generator, counts)
+    return (
+        uniform_samples if uniform_samples is not None else coins,
+        sample_uniforms if sample_uniforms is not None else final,
+        None,
+        None,
+    )
+
+
+def flat_coins_shape(flat: FlatBatch, uniform_samples: Optional[torch.Tensor]) -> Tuple[int, ...]:
+    """The expected shape of the registered flattened op's coins: (B, max_spec_len) when given
+    as a 2-D tensor (the padded layout the generator modes draw), else (T,)."""
+    if isinstance(uniform_samples, torch.Tensor) and uniform_samples.dim() == 2:
+        return (flat.batch, flat.max_spec_len)
+    return (flat.num_tokens,)
+
+
+def resolve_flattened_uniforms(
+    flat: FlatBatch,
+    cu_num_draft_tokens: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
+    seeds: Optional[torch.Tensor],
+    offsets: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(coins [T], sample uniforms [B]) float32 as the kernels use them: explicit ones clamped
+    (``checks.clamp_uniforms``; padded [B, max_spec_len] coins flattened), missing ones from
+    seeds/offsets (the padded [B, max_spec_len] Philox coins, flattened)."""
+    T, K = flat.num_tokens, flat.max_spec_len
+    if uniform_samples is None:
+        uniform_samples = philox_uniforms(seeds, offsets, K, 0)
+    if uniform_samples.dim() == 2:
+        uniform_samples = flatten_coins(uniform_samples, cu_num_draft_tokens, T)
+    if sample_uniforms is None:
+        sample_uniforms = philox_uniforms(seeds, offsets, 1, 1)[:, 0]
+    return clamp_uniforms(uniform_samples), clamp_uniforms(sample_uniforms)
+
+
 def flattened_uniforms(
     flat: FlatBatch,
     cu_num_draft_tokens: torch.Tensor,
@@ -78,7 +142,8 @@ def flattened_uniforms(
     *,
     validate: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(coins [T], sample uniforms [B]) float32 for a flattened call.
+    """(coins [T], sample uniforms [B]) float32 for a flattened call: the numbers the kernels
+    use (``flattened_random_args`` resolved by ``resolve_flattened_uniforms``).
 
     A request gets exactly the numbers the padded front draws for it with K = max_spec_len
     (``specdec_kernels._random``, same ``source``: generator state, seeds and offsets): the padded
@@ -87,15 +152,8 @@ def flattened_uniforms(
     flat draft t's); as in the padded front, a generator still draws the coins it would have
     drawn when only ``sample_uniforms`` is missing.
     """
-    B, T, K = flat.batch, flat.num_tokens, flat.max_spec_len
-    explicit = None
-    if source.uniform_samples is not None:
-        explicit = check_uniforms("uniform_samples", source.uniform_samples, (T,), device, validate)
-        # stands in for the padded coins
-        source = source._replace(uniform_samples=torch.zeros((B, K), dtype=torch.float32, device=device))
-    counts = draft_counts(cu_num_draft_tokens, T).clamp(max=K)
-    coins, final = draw_uniforms(B, K, device, source, coin_counts=counts, validate=validate)
-    return (explicit if explicit is not None else flatten_coins(coins, cu_num_draft_tokens, T)), final
+    args = flattened_random_args(flat, cu_num_draft_tokens, device, source, validate=validate)
+    return resolve_flattened_uniforms(flat, cu_num_draft_tokens, *args)
 
 
 def rejection_sample_flattened(

@@ -36,6 +36,7 @@ from specdec_kernels.checks import (
     check_shape,
     check_tensor,
     check_uniforms,
+    clamp_uniforms,
     want_value_checks,
 )
 from specdec_kernels.tree import Parents, as_parents
@@ -590,11 +591,12 @@ def tree_rejection_sample_sglang(
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if uniform_samples is not None:
-        uniform_samples = check_uniforms("uniform_samples", uniform_samples, (B, N), device, validate)
+        check_uniforms("uniform_samples", uniform_samples, (B, N), device, validate)
+        uniform_samples = clamp_uniforms(uniform_samples)
     if uniform_samples_for_final_sampling is not None:
-        uniform_samples_for_final_sampling = check_uniforms(
-            "uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, (B,), device, validate
-        )
+        name = "uniform_samples_for_final_sampling"
+        check_uniforms(name, uniform_samples_for_final_sampling, (B,), device, validate)
+        uniform_samples_for_final_sampling = clamp_uniforms(uniform_samples_for_final_sampling)
     nonzero_rows = None
     if q is not None:
         nonzero_rows = (q != 0).any(dim=-1)  # [B, N]; NaN counts as non-zero

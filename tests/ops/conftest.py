@@ -1,9 +1,9 @@
-"""The kernel tests' harness: every Triton launcher op registered before any test runs.
+"""The kernel tests' harness: every Triton launcher module imported before any test runs.
 
-The ``torch.ops.specdec.<op>_triton`` launchers register when their module under
-``specdec_kernels.ops._triton`` is first imported, which the public fronts do lazily.  Tests
-that name a launcher directly (opcheck) would otherwise pass or fail with the order in which a
-worker happened to run them (an H200 run and ``pytest -k opcheck`` both found such failures).
+The public fronts import ``specdec_kernels.ops._triton`` modules lazily, on a first Triton call.
+Importing them all first makes a worker's behaviour independent of the order in which it
+happens to run the tests (the launchers are plain functions, not ops: importing registers
+nothing in ``torch.ops.specdec``; ``tests/ops/test_custom_ops.py`` checks that).
 """
 
 import importlib
@@ -11,7 +11,7 @@ import pkgutil
 
 try:
     import triton  # noqa: F401
-except ImportError:  # no Triton: the launchers do not exist, and their tests skip
+except ImportError:  # no Triton: the launchers cannot import, and their tests skip
     pass
 else:
     import specdec_kernels.ops._triton as _triton_pkg

@@ -125,6 +125,28 @@ print(json.dumps({"ops": [n for n in %r if hasattr(torch.ops.specdec, n)],
     assert not report["inductor"], "import specdec_kernels imported torch._inductor"
 
 
+def test_namespace_holds_the_public_ops_and_the_extensions_kernels_only():
+    """``torch.ops.specdec`` lists what a user needs: the public ops (with their paged forms) and
+    the extension's ``<name>_native`` kernels; no backend internals (the Triton launchers are
+    plain functions, imported here to show that importing them registers nothing)."""
+    import importlib
+    import pkgutil
+
+    try:
+        import specdec_kernels.ops._triton as launchers
+    except ImportError:  # no triton: nothing to import
+        launchers = None
+    if launchers is not None:
+        for module in pkgutil.iter_modules(launchers.__path__):
+            importlib.import_module(f"{launchers.__name__}.{module.name}")
+    sk.load_native()
+    names = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("specdec::")}
+    public = set(sk._library.OPS)
+    assert set(PUBLIC_OPS) <= public <= names
+    assert {n for n in names - public if not n.endswith("_native")} == set()
+    assert not any(n.endswith("_triton") for n in names)
+
+
 def test_public_fronts_have_type_hints_and_py_typed():
     import inspect
     from pathlib import Path
@@ -353,6 +375,78 @@ def test_compiled_decode_step_equals_eager(compile_backend):
         else:
             assert torch.equal(g, w)
     assert torch.equal(eager_args[13], compiled_args[13])  # the cache, compacted in place alike
+
+
+_TRACE_ON_FAKE_CUDA = """
+import json, logging, os, sys
+os.environ.pop("TRITON_INTERPRET", None)  # real JIT kernels, as on a GPU (none runs here)
+import torch
+import specdec_kernels as sk
+from specdec_kernels import _device
+from torch._functorch.aot_autograd import aot_function
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+_device.sm_count = lambda device: 132  # no GPU to ask
+logging.disable(logging.WARNING)  # Triton finds no driver to analyse the kernels' mutations with
+
+
+def step(logits, drafts, n, probs, q, coins, final, tq, tk, tv, lens):
+    out, acc = sk.verify_greedy(logits, drafts, n, validate=False)
+    s_out, s_acc = sk.rejection_sample(probs, q, drafts, n, uniform_samples=coins, sample_uniforms=final, validate=False)
+    p = sk.sampling_probs(logits, temperature=0.7, top_k=5, top_p=0.9, validate=False)
+    attn = sk.tree_attention(tq, tk, tv, lens, validate=False)
+    return out, acc, s_out, s_acc, p, attn
+
+
+mode = FakeTensorMode(allow_non_fake_inputs=True)
+with mode:
+    c = dict(device="cuda")
+    i64 = dict(dtype=torch.int64, device="cuda")
+    args = (
+        torch.randn(2, 5, 100, **c), torch.zeros(2, 4, **i64), torch.full((2,), 4, **i64),
+        torch.rand(2, 5, 100, **c), torch.rand(2, 4, 100, **c), torch.rand(2, 4, **c), torch.rand(2, **c),
+        torch.randn(2, 3, 4, 16, **c), torch.randn(2, 2, 64, 16, **c), torch.randn(2, 2, 64, 16, **c),
+        torch.tensor([7, 40], dtype=torch.int32, device="cuda"),
+    )
+graphs = []
+compiled = aot_function(step, fw_compiler=lambda gm, inputs: graphs.append(gm.code) or gm)
+with mode:
+    try:
+        compiled(*args)
+    except RuntimeError:  # running the traced graph needs a GPU; the trace is what is checked
+        pass
+
+
+class Verify(torch.nn.Module):
+    def forward(self, logits, drafts, n):
+        return sk.verify_greedy(logits, drafts, n, validate=False)
+
+
+# to the ATen level (functionalised): where a torch.library.triton_op is kept whole too
+exported = torch.export.export(Verify(), args[:3]).run_decompositions().graph_module.code
+print(json.dumps({"aot": graphs[0], "export": exported}))
+"""
+
+
+def test_compile_sees_the_triton_kernels_and_export_keeps_the_op():
+    """With real Triton (a fresh interpreter without TRITON_INTERPRET, on fake CUDA tensors: no GPU
+    needed), torch.compile's functionalization decomposes each public op whose backend is Triton
+    into its kernels (no torch.ops.specdec op left, Inductor sees the launches), while
+    torch.export keeps the public op whole, as it keeps a torch.library.triton_op."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", _TRACE_ON_FAKE_CUDA], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    aot = report["aot"]
+    assert "torch.ops.specdec." not in aot, aot
+    launches = aot.count("triton_kernel_wrapper_functional(")
+    # verify_greedy, rejection_sample, sampling_probs (its search and write), tree_attention (one split)
+    assert launches == 2 + 2 + 2 + 1, aot
+    assert "torch.ops.specdec.verify_greedy.default" in report["export"]
+    assert "triton_kernel_wrapper" not in report["export"]
 
 
 # --------------------------------------------------------------------------- randomness

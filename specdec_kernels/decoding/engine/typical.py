@@ -40,6 +40,7 @@ from specdec_kernels.checks import (
     check_shape,
     check_tensor,
     check_uniforms,
+    clamp_uniforms,
 )
 from specdec_kernels.reference import sample_from_weights
 
@@ -134,7 +135,7 @@ def typical_acceptance(
     n = check_counts("num_nodes", num_nodes, B, N, device, True)
     if sample_uniforms is None:
         sample_uniforms = torch.rand(B, generator=generator, dtype=torch.float64).to(device)
-    sample_uniforms = check_uniforms("sample_uniforms", sample_uniforms, (B,), device)
+    sample_uniforms = clamp_uniforms(check_uniforms("sample_uniforms", sample_uniforms, (B,), device))
 
     rows = torch.arange(B, device=device)
     tokens = tree_tokens.to(torch.int64)

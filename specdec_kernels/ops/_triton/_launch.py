@@ -7,6 +7,8 @@ from typing import Tuple
 
 import torch
 
+from specdec_kernels._eager import filled
+
 
 def new_int64(like: torch.Tensor, *shapes: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
     """Uninitialised int64 tensors of ``shapes`` on ``like``'s device: the token, node and
@@ -21,6 +23,7 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def dummy(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A one-element tensor on ``like``'s device for an input the kernels never read (an empty
-    tensor may have no storage)."""
-    return torch.zeros(1, dtype=dtype, device=like.device)
+    """A one-element zero tensor on ``like``'s device for an argument the kernels never read nor
+    write (an empty tensor may have no storage): a cached constant (``_eager.filled``), so it
+    costs no kernel per call; never pass it where a kernel writes."""
+    return filled(1, 0, dtype, like.device)

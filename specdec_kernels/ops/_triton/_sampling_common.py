@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from specdec_kernels._device import cdiv, next_pow2
+from specdec_kernels.ops._triton._uniforms import _final_uniform
 
 NOT_FOUND = tl.constexpr(2147483647)  # int32 max: "no index found yet"
 
@@ -243,12 +244,23 @@ def _find_chunk(w_s, cum, threshold, searching, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _start_search(
-    use0, partials, final_u_ptr, rows64, live, TILES_PER_SPLIT, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr
+    use0,
+    partials,
+    final_u_ptr,
+    rows64,
+    key,
+    live,
+    TILES_PER_SPLIT,
+    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PHILOX_FINAL: tl.constexpr,
 ):
     """The start of the inverse-CDF search of the [BB] rows over their weight row 0 (the
     residual) where ``use0``, else row 1 (the target row), from the chunks' ``partials``
-    (``_load_chunk_partials``): ``u * total`` with u read from ``final_u_ptr`` for the ``live``
-    rows, then the chunk that holds it (``_find_chunk``).
+    (``_load_chunk_partials``): ``u * total`` with the ``live`` rows' uniforms
+    (``_uniforms._final_uniform``: read from ``final_u_ptr``, or with PHILOX_FINAL computed
+    from ``key`` = (seed, offset); clamped into [0, 1)), then the chunk that holds it
+    (``_find_chunk``).
 
     Returns (total, last, threshold, searching, lo, carry, found): the row's mass and last
     index with mass, the threshold, the rows that have a chunk to search, the first column of
@@ -260,8 +272,8 @@ def _start_search(
     total = tl.max(cum, axis=1)  # the last chunk's running sum (masses are >= 0)
     last = tl.where(use0, last0, last1)
     # the first chunk where the running CDF exceeds u * total (and that has mass)
-    u_final = tl.load(final_u_ptr + rows64, mask=live, other=0.0).to(tl.float64)
-    threshold = u_final * total
+    u_final = _final_uniform(final_u_ptr, rows64, key[0], key[1], live, PHILOX_FINAL)
+    threshold = u_final.to(tl.float64) * total
     chunk, base, searching = _find_chunk(w_s, cum, threshold, live & (total > 0), BLOCK_S)
     found = tl.full(total.shape, NOT_FOUND, tl.int32)
     lo = tl.maximum(chunk, 0) * (TILES_PER_SPLIT * BLOCK_V)

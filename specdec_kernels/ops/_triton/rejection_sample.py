@@ -1,11 +1,10 @@
 """rejection_sample: lossless speculative sampling of a chain of draft tokens.
 
 The "triton" backend of ``ops/rejection_sample.py`` (the op's other backends are listed
-there): ``_rejection_partials_kernel`` and ``_rejection_sample_kernel``, registered as
-``torch.ops.specdec.rejection_sample_triton``, launched as ``launch_config`` says.  The same
-kernels serve the flattened (vLLM v1) layout with ``FLAT=True``
-(``torch.ops.specdec.rejection_sample_flattened_triton``): each request's rows are found from
-``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
+there): ``_rejection_partials_kernel`` and ``_rejection_sample_kernel``, launched by
+``rejection_sample_triton`` as ``launch_config`` says.  The same kernels serve the flattened
+(vLLM v1) layout with ``FLAT=True`` (``rejection_sample_flattened_triton``): each request's
+rows are found from ``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
 from specdec_kernels.ops._triton._sampling_common import (
     VocabSplit,
@@ -33,6 +32,7 @@ from specdec_kernels.ops._triton._sampling_common import (
     _store_chunk_partials,
     vocab_split,
 )
+from specdec_kernels.ops._triton._uniforms import _coin, _request_key
 
 
 @triton.jit
@@ -70,9 +70,11 @@ def _chain_rows(ptrs, strides, rows, rmask, K, T, FLAT: tl.constexpr, BONUS_IDS:
 def _chain_walk(
     tokens_ptr,
     coins_ptr,
+    key,
     t_rows,
     d_rows,
     tok0,
+    coin0,
     n,
     rmask,
     K,
@@ -80,10 +82,14 @@ def _chain_walk(
     stride_tk,
     stride_dk,
     HAS_DRAFT: tl.constexpr,
+    PHILOX_COINS: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
     """Accept/reject along the chain: x_j is accepted iff u_j * q_j(x_j) < p_j(x_j) in float32,
-    until the first rejection.  Returns the accepted count [BB] int32."""
+    until the first rejection; coin u_j read at ``coins_ptr + coin0 + j`` or, with
+    PHILOX_COINS, computed from ``key`` = (seed, offset) [BB] (``_uniforms._coin``).  Returns
+    the accepted count [BB] int32."""
+    seed, offset = key
     num_acc = tl.zeros([BLOCK_B], dtype=tl.int32)
     alive = rmask
     for j in tl.range(0, K):
@@ -96,7 +102,7 @@ def _chain_walk(
             q = tl.load(d_rows + j * stride_dk + xs, mask=live, other=0.0).to(tl.float32)
         else:
             q = tl.full([BLOCK_B], 1.0, tl.float32)
-        u = tl.load(coins_ptr + tok0 + j, mask=live, other=1.0)
+        u = _coin(coins_ptr, coin0 + j, seed, offset, j, live, PHILOX_COINS)
         acc = live & in_vocab & (u * q < p)
         num_acc += acc.to(tl.int32)
         alive = acc
@@ -107,6 +113,7 @@ def _chain_walk(
 def _chain_state(
     ptrs,
     strides,
+    key,
     rows,
     rmask,
     K,
@@ -115,6 +122,8 @@ def _chain_state(
     FLAT: tl.constexpr,
     BONUS_IDS: tl.constexpr,
     HAS_DRAFT: tl.constexpr,
+    PHILOX_COINS: tl.constexpr,
+    PADDED_COINS: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
     """Everything before the vocabulary scan, for the [BB] requests ``rows``: (tok0, num_acc,
@@ -123,12 +132,34 @@ def _chain_state(
     after the last draft; with BONUS_IDS a fully accepted request has no row (``need`` off).
 
     ``ptrs`` = (target_ptr, draft_ptr, tokens_ptr, num_draft_ptr, coins_ptr) and ``strides`` =
-    (stride_tb, stride_tk, stride_db, stride_dk): the kernels' arguments of those names."""
+    (stride_tb, stride_tk, stride_db, stride_dk): the kernels' arguments of those names; ``key``:
+    the requests' (seed, offset) (``_uniforms._request_key``), used with PHILOX_COINS.  The
+    coins are [B, K] (request b's coin j at b * K + j) when padded or with PADDED_COINS, else
+    flat like the tokens."""
     _, _, tokens_ptr, _, coins_ptr = ptrs
     _, stride_tk, _, stride_dk = strides
     n, tok0, t_rows, d_rows = _chain_rows(ptrs, strides, rows, rmask, K, T, FLAT, BONUS_IDS)
+    if PADDED_COINS:
+        coin0 = rows.to(tl.int64) * K
+    else:
+        coin0 = tok0
     num_acc = _chain_walk(
-        tokens_ptr, coins_ptr, t_rows, d_rows, tok0, n, rmask, K, V, stride_tk, stride_dk, HAS_DRAFT, BLOCK_B
+        tokens_ptr,
+        coins_ptr,
+        key,
+        t_rows,
+        d_rows,
+        tok0,
+        coin0,
+        n,
+        rmask,
+        K,
+        V,
+        stride_tk,
+        stride_dk,
+        HAS_DRAFT,
+        PHILOX_COINS,
+        BLOCK_B,
     )
     rejected = rmask & (num_acc < n)
     if BONUS_IDS:
@@ -162,7 +193,9 @@ def _rejection_partials_kernel(
     draft_ptr,  # padded: [B, K, V]; FLAT: [T, V]; like target (unused when HAS_DRAFT is False)
     tokens_ptr,  # padded: [B, K]; FLAT: [T]; int32/int64, contiguous
     num_draft_ptr,  # padded: [B] int64 counts; FLAT: cu_num_draft_tokens [B] int32/int64
-    coins_ptr,  # padded: [B, K]; FLAT: [T]; fp32, contiguous
+    coins_ptr,  # padded: [B, K]; FLAT: [T] or [B, K]; fp32/fp64, contiguous (unused with PHILOX_COINS)
+    seeds_ptr,  # [B] int32/int64 (read with PHILOX_COINS or PHILOX_FINAL)
+    offsets_ptr,  # [B] int32/int64 (likewise)
     part_mass_ptr,  # [2, S, B] fp64 (written): mass of p and of the residual per chunk
     part_last_ptr,  # [2, S, B] int32 (written): their last indices with mass (-1: none)
     B,
@@ -177,6 +210,8 @@ def _rejection_partials_kernel(
     FLAT: tl.constexpr,
     BONUS_IDS: tl.constexpr,
     HAS_DRAFT: tl.constexpr,
+    PHILOX_COINS: tl.constexpr,  # coins from seeds/offsets (stream 0), not coins_ptr
+    PADDED_COINS: tl.constexpr,  # FLAT with [B, K] coins (request b's coin j at b * K + j)
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -190,8 +225,9 @@ def _rejection_partials_kernel(
     rmask = rows < B
     ptrs = (target_ptr, draft_ptr, tokens_ptr, num_draft_ptr, coins_ptr)
     strides = (stride_tb, stride_tk, stride_db, stride_dk)
+    key = _request_key(seeds_ptr, offsets_ptr, rows.to(tl.int64), rmask, PHILOX_COINS)
     _, _, rejected, need, p_rows, q_rows, at = _chain_state(
-        ptrs, strides, rows, rmask, K, V, T, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B
+        ptrs, strides, key, rows, rmask, K, V, T, FLAT, BONUS_IDS, HAS_DRAFT, PHILOX_COINS, PADDED_COINS, BLOCK_B
     )
     partials = _no_chunk_partials(BLOCK_B)
     lo = split * TILES_PER_SPLIT * BLOCK_V
@@ -210,7 +246,9 @@ def _rejection_sample_kernel(
     num_draft_ptr,
     bonus_ptr,  # BONUS_IDS: [B] int32/int64 bonus tokens (else unused)
     coins_ptr,
-    final_u_ptr,  # [B] fp32
+    final_u_ptr,  # [B] fp32/fp64 (unused with PHILOX_FINAL)
+    seeds_ptr,
+    offsets_ptr,
     part_mass_ptr,  # [2, S, B] fp64 from _rejection_partials_kernel
     part_last_ptr,  # [2, S, B] int32
     out_ptr,  # [B, K+1] int64, contiguous (written)
@@ -228,6 +266,9 @@ def _rejection_sample_kernel(
     FLAT: tl.constexpr,  # the flattened (vLLM v1) layout
     BONUS_IDS: tl.constexpr,  # FLAT with [T, V] targets and the bonus tokens given
     HAS_DRAFT: tl.constexpr,
+    PHILOX_COINS: tl.constexpr,
+    PADDED_COINS: tl.constexpr,
+    PHILOX_FINAL: tl.constexpr,  # the sample uniform from seeds/offsets (stream 1), not final_u_ptr
     BLOCK_B: tl.constexpr,
     BLOCK_V: tl.constexpr,
     KP: tl.constexpr,  # next power of two >= K + 1
@@ -242,8 +283,9 @@ def _rejection_sample_kernel(
     rows64 = rows.to(tl.int64)
     ptrs = (target_ptr, draft_ptr, tokens_ptr, num_draft_ptr, coins_ptr)
     strides = (stride_tb, stride_tk, stride_db, stride_dk)
+    key = _request_key(seeds_ptr, offsets_ptr, rows64, rmask, PHILOX_COINS or PHILOX_FINAL)
     tok0, num_acc, rejected, need, p_rows, q_rows, at = _chain_state(
-        ptrs, strides, rows, rmask, K, V, T, FLAT, BONUS_IDS, HAS_DRAFT, BLOCK_B
+        ptrs, strides, key, rows, rmask, K, V, T, FLAT, BONUS_IDS, HAS_DRAFT, PHILOX_COINS, PADDED_COINS, BLOCK_B
     )
 
     # the chunks' masses, one vector load per row (no loop over chunks)
@@ -251,7 +293,16 @@ def _rejection_sample_kernel(
     use_q = rejected & (tl.sum(mass_r, axis=1) > 0)  # the residual has mass
     at = tl.where(use_q, at, -1)
     total, last, threshold, searching, lo, carry, found = _start_search(
-        use_q, (mass_r, mass_p, last_r, last_p), final_u_ptr, rows64, need, TILES_PER_SPLIT, BLOCK_V, BLOCK_S
+        use_q,
+        (mass_r, mass_p, last_r, last_p),
+        final_u_ptr,
+        rows64,
+        key,
+        need,
+        TILES_PER_SPLIT,
+        BLOCK_V,
+        BLOCK_S,
+        PHILOX_FINAL,
     )
 
     # inverse CDF inside that chunk (columns per row: the chunks differ between rows)
@@ -295,6 +346,7 @@ class RejectionSampleLaunch:
         return (self.vocab.row_blocks,)
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_drafts: int,
@@ -322,17 +374,22 @@ def _launch_chain(
     draft_probs: Optional[torch.Tensor],
     tokens: torch.Tensor,
     counts: torch.Tensor,
-    coins: torch.Tensor,
-    final_u: torch.Tensor,
+    coins: Optional[torch.Tensor],
+    final_u: Optional[torch.Tensor],
     K: int,
     bonus_ids: Optional[torch.Tensor] = None,
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The two launches of one call (``launch_config``) in either layout: padded (a [B, K + 1, V]
     target) or flattened (``FLAT``: a [T + B, V] target, or [T, V] with ``bonus_ids``).
 
     Allocates the outputs (B = ``counts.shape[0]``), reads the last dimensions unit-stride and
-    stands one-element dummies for the empty tensors the kernels never read.  Returns
-    (output_tokens (B, K + 1) int64, num_accepted (B,) int64)."""
+    stands one-element dummies for the empty tensors the kernels never read.  ``coins`` /
+    ``final_u`` None: the kernels compute them from ``seeds`` and ``offsets``
+    (``_uniforms``); given ones (float32 or float64) are read as they are and clamped in the
+    kernels, so no torch op prepares the random numbers.  Returns (output_tokens (B, K + 1)
+    int64, num_accepted (B,) int64)."""
     flat = target_probs.dim() == 2
     B, V = counts.shape[0], target_probs.shape[-1]
     out, num_accepted = new_int64(target_probs, (B, K + 1), (B,))
@@ -344,12 +401,18 @@ def _launch_chain(
         target = dummy(target, target.dtype)
     has_draft = draft_probs is not None and (T > 0 or not flat)
     draft = unit_stride(draft_probs) if has_draft else target
+    philox_coins, philox_final = coins is None, final_u is None
+    counts = counts.contiguous()
     if tokens.numel() > 0:
         tokens = tokens.contiguous()
-        coins = coins.to(torch.float32).contiguous()
+        coins = counts if philox_coins else coins.contiguous()  # Philox: a stand-in, never read
     else:  # empty tensors may have no storage; the kernels never read these
         tokens, coins = dummy(target, torch.int64), dummy(target, torch.float32)
-    counts = counts.contiguous()
+    final_u = counts if philox_final else final_u.contiguous()
+    if philox_coins or philox_final:
+        seeds, offsets = seeds.contiguous(), offsets.contiguous()
+    else:  # stand-ins, never read
+        seeds, offsets = counts, counts
     bonus = bonus_ids.contiguous() if bonus_ids is not None else counts  # unused without BONUS_IDS
     (stride_tb, stride_tk), (stride_db, stride_dk) = _row_strides(target, flat), _row_strides(draft, flat)
     strides = (stride_tb, stride_tk, stride_db, stride_dk if has_draft else 0)
@@ -361,11 +424,28 @@ def _launch_chain(
         FLAT=flat,
         BONUS_IDS=bonus_ids is not None,
         HAS_DRAFT=has_draft,
+        PHILOX_COINS=philox_coins,
+        PADDED_COINS=flat and not philox_coins and coins.dim() == 2,
         BLOCK_B=cfg.vocab.block_b,
         BLOCK_V=cfg.vocab.block_v,
     )
     launch(_rejection_partials_kernel)[cfg.vocab.grid](
-        target, draft, tokens, counts, coins, part_mass, part_last, B, K, V, T, *strides, tiles_per_split, **meta
+        target,
+        draft,
+        tokens,
+        counts,
+        coins,
+        seeds,
+        offsets,
+        part_mass,
+        part_last,
+        B,
+        K,
+        V,
+        T,
+        *strides,
+        tiles_per_split,
+        **meta,
     )
     launch(_rejection_sample_kernel)[cfg.sample_grid](
         target,
@@ -374,7 +454,9 @@ def _launch_chain(
         counts,
         bonus,
         coins,
-        final_u.to(torch.float32).contiguous(),
+        final_u,
+        seeds,
+        offsets,
         part_mass,
         part_last,
         out,
@@ -386,6 +468,7 @@ def _launch_chain(
         *strides,
         S,
         tiles_per_split,
+        PHILOX_FINAL=philox_final,
         KP=cfg.kp,
         BLOCK_S=cfg.vocab.block_s,
         num_warps=cfg.sample_num_warps,
@@ -399,8 +482,10 @@ def _rejection_sample_triton_impl(
     draft_probs: Optional[torch.Tensor],
     draft_tokens: torch.Tensor,
     num_draft_tokens: torch.Tensor,
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_rejection_sample_kernel`` on validated inputs (see ``rejection_sample``).
 
@@ -410,8 +495,11 @@ def _rejection_sample_triton_impl(
         draft_probs: Shape (B, K, V) like target_probs, or None (one-hot drafts).
         draft_tokens: Shape (B, K), int32/int64.
         num_draft_tokens: Shape (B,), int64 in 0..K (not checked here).
-        uniform_samples: Shape (B, K), float32 in [0, 1): acceptance coins.
-        sample_uniforms: Shape (B,), float32 in [0, 1): residual / bonus uniform.
+        uniform_samples: Shape (B, K), float32/float64: acceptance coins (clamped into
+            [0, 1) in the kernels, NaN as 0), or None: Philox from seeds and offsets.
+        sample_uniforms: Shape (B,), float32/float64: residual / bonus uniform, or None.
+        seeds, offsets: Shape (B,), int32/int64: the requests' Philox keys and counters
+            (``specdec_kernels._random``), needed when a uniform tensor is None.
 
     Returns:
         (output_tokens (B, K + 1) int64, num_accepted (B,) int64), bit-identical to the
@@ -421,20 +509,20 @@ def _rejection_sample_triton_impl(
     """
     K = target_probs.shape[1] - 1
     counts = num_draft_tokens.to(torch.int64)
-    return _launch_chain(target_probs, draft_probs, draft_tokens, counts, uniform_samples, sample_uniforms, K)
+    return _launch_chain(
+        target_probs,
+        draft_probs,
+        draft_tokens,
+        counts,
+        uniform_samples,
+        sample_uniforms,
+        K,
+        seeds=seeds,
+        offsets=offsets,
+    )
 
 
-def _rejection_sample_triton_fake(
-    target_probs, draft_probs, draft_tokens, num_draft_tokens, uniform_samples, sample_uniforms
-):
-    B, K1, _ = target_probs.shape
-    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    return new_int64(target_probs, (B, K1), (B,))
-
-
-rejection_sample_triton = kernel_op(
-    "rejection_sample_triton", _rejection_sample_triton_impl, _rejection_sample_triton_fake
-)
+rejection_sample_triton = _rejection_sample_triton_impl  # the launcher (not an op: _library's docstring)
 
 
 def _rejection_sample_flattened_triton_impl(
@@ -443,9 +531,11 @@ def _rejection_sample_flattened_triton_impl(
     draft_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
     bonus_token_ids: Optional[torch.Tensor],
-    uniform_samples: torch.Tensor,
-    sample_uniforms: torch.Tensor,
+    uniform_samples: Optional[torch.Tensor],
+    sample_uniforms: Optional[torch.Tensor],
     max_spec_len: int,
+    seeds: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_rejection_sample_kernel`` with ``FLAT=True`` on checked inputs (see
     ``rejection_sample_flattened``).
@@ -459,9 +549,12 @@ def _rejection_sample_flattened_triton_impl(
         draft_token_ids: Shape (T,), int32/int64.
         cu_num_draft_tokens: Shape (B,), int32/int64, inclusive cumsum (clamped into [0, T]).
         bonus_token_ids: Shape (B,), int32/int64, or None.
-        uniform_samples: Shape (T,), float32 in [0, 1): coin t is flat draft t's.
-        sample_uniforms: Shape (B,), float32 in [0, 1).
+        uniform_samples: Shape (T,), float32/float64: coin t is flat draft t's (clamped into
+            [0, 1) in the kernels, NaN as 0); or (B, max_spec_len): request b's coin j at
+            [b, j]; or None: request b's coin j is Philox stream 0 at offsets[b] + j.
+        sample_uniforms: Shape (B,), float32/float64, or None: Philox stream 1 at offsets[b].
         max_spec_len: padded width of the output minus 1 (counts above it are clamped).
+        seeds, offsets: Shape (B,), int32/int64, needed when a uniform tensor is None.
 
     Returns:
         (output_tokens (B, max_spec_len + 1) int64 with -1 padding, num_accepted (B,) int64):
@@ -476,26 +569,9 @@ def _rejection_sample_flattened_triton_impl(
         sample_uniforms,
         max_spec_len,
         bonus_ids=bonus_token_ids,
+        seeds=seeds,
+        offsets=offsets,
     )
 
 
-def _rejection_sample_flattened_triton_fake(
-    target_probs,
-    draft_probs,
-    draft_token_ids,
-    cu_num_draft_tokens,
-    bonus_token_ids,
-    uniform_samples,
-    sample_uniforms,
-    max_spec_len,
-):
-    B = cu_num_draft_tokens.shape[0]
-    torch._check(target_probs.dim() == 2, lambda: "target_probs must be [T + B, V] or [T, V]")
-    return new_int64(target_probs, (B, max_spec_len + 1), (B,))
-
-
-rejection_sample_flattened_triton = kernel_op(
-    "rejection_sample_flattened_triton",
-    _rejection_sample_flattened_triton_impl,
-    _rejection_sample_flattened_triton_fake,
-)
+rejection_sample_flattened_triton = _rejection_sample_flattened_triton_impl

@@ -16,13 +16,12 @@ import triton
 import triton.language as tl
 
 from specdec_kernels import _device
-from specdec_kernels._library import kernel_op, launch
-from specdec_kernels.checks import KV_LAYOUTS, pool_geometry
+from specdec_kernels._library import launch
+from specdec_kernels.checks import pool_geometry
 from specdec_kernels.ops._tree_attention_launch import (
-    MASK_BOOL,
+    MASK_BOOL,  # noqa: F401  (the mask kinds, read as ta.MASK_* by bench/static.py and aot_specs.py)
     MASK_CAUSAL,
-    MASK_PACKED,
-    MAX_SPLITS,
+    MASK_PACKED,  # noqa: F401
     TreeAttentionLaunch,
     launch_config,
 )
@@ -153,6 +152,17 @@ def _tree_visible(m_base, offs_j, j_ok, qi, row_ok, stride_mi, stride_mj, MASK_K
 
 
 @_jit
+def _split_layout(seqlen, num_splits, MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(chunk, active) of a prefix of ``seqlen`` keys (``_tree_attention_launch.split_layout``):
+    ``clamp(seqlen // MIN_SPLIT_KEYS, 1, num_splits)`` parts of ``chunk`` keys (a multiple of
+    BLOCK_N); the splits from ``active`` on hold no key and write nothing."""
+    n = tl.minimum(tl.maximum(seqlen // MIN_SPLIT_KEYS, 1), num_splits)
+    chunk = tl.cdiv(tl.cdiv(seqlen, n), BLOCK_N) * BLOCK_N
+    active = tl.maximum(tl.cdiv(seqlen, tl.maximum(chunk, 1)), 1)
+    return chunk, active
+
+
+@_jit
 def _tree_attention_fwd_kernel(
     Q,
     K,
@@ -202,6 +212,7 @@ def _tree_attention_fwd_kernel(
     UPCAST_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PAGED: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
 ):
     """One program: one (sequence, KV head), BLOCK_M rows (node, head of the group), one split.
 
@@ -213,6 +224,10 @@ def _tree_attention_fwd_kernel(
     NUM_STAGES: software-pipelining depth of the prefix key loop (``tl.range``): the key and
     value tiles of the next iterations are loaded while this one is computed; each stage holds
     a K and a V tile in shared memory.  The tree loop (a tile or two) is not pipelined.
+
+    Splits (SPLIT): the sequence's prefix is cut as ``_split_layout`` says; split s < active
+    attends to its slice (the last active split also to the tree keys) and writes its partial
+    output and log-sum-exp; a split from ``active`` on reads no key and writes nothing.
     """
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -254,8 +269,10 @@ def _tree_attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bad = offs_m < 0  # rows that see a tree key whose value is not finite
 
-    # 1. the prefix slice of this split: every key is visible to every row.
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    # 1. the prefix slice of this split: every key is visible to every row (none past `active`).
+    chunk, active = _split_layout(seqlen, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
+    last_split = pid_s == active - 1  # walks the tree part too
+    writes = pid_s < active  # holds keys: writes partials
     lo = pid_s * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
@@ -265,8 +282,8 @@ def _tree_attention_fwd_kernel(
             (acc, m_i, l_i, bad), query, cache, offs_k, k_ok, k_ok[None, :], IEEE_DOT, UPCAST_DOT, PAGED, False
         )
 
-    # 2. the tree part, in the last split: key seqlen + j visible to row (i, g) iff mask[i, j].
-    if pid_s == num_splits - 1:
+    # 2. the tree part, in the last active split: key seqlen + j visible to row (i, g) iff mask[i, j].
+    if last_split:
         if MASK_KIND == 0:
             # causal chain: the rows of this tile see nodes up to their largest node index
             tree_hi = tl.minimum(N, (pid_m * BLOCK_M + BLOCK_M - 1) // G + 1)
@@ -283,18 +300,20 @@ def _tree_attention_fwd_kernel(
             )
 
     if SPLIT:
-        # partial results [B * Hkv, M, num_splits, HEAD_DIM] and lse [B * Hkv, M, num_splits], fp32
-        row = pid_bh.to(tl.int64) * M + offs_m
-        has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        o = tl.where(bad[:, None], float("nan"), o)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(LSE + row * num_splits + pid_s, lse, mask=row_ok)
-        tl.store(
-            OPART + (row * num_splits + pid_s)[:, None] * HEAD_DIM + offs_d[None, :],
-            o,
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        # partial results [B * Hkv, M, num_splits, HEAD_DIM] and lse [B * Hkv, M, num_splits],
+        # fp32; a split without keys writes nothing (the combine does not read it)
+        if writes:
+            row = pid_bh.to(tl.int64) * M + offs_m
+            has = l_i > 0.0
+            o = acc / tl.where(has, l_i, 1.0)[:, None]
+            o = tl.where(bad[:, None], float("nan"), o)
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(LSE + row * num_splits + pid_s, lse, mask=row_ok)
+            tl.store(
+                OPART + (row * num_splits + pid_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                o,
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
     else:
         o = acc / tl.where(row_ok, l_i, 1.0)[:, None]  # 0/0 = NaN for a row that sees no key, like the reference
         o = tl.where(bad[:, None], float("nan"), o)
@@ -307,8 +326,10 @@ def _tree_attention_combine_kernel(
     OPART,
     LSE,
     OUT,
+    SEQLENS,
     num_rows,
     N,
+    S_CAP,
     G,
     Hkv,
     num_splits,
@@ -319,8 +340,12 @@ def _tree_attention_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr,
 ):
-    """BLOCK_R output rows per program: log-sum-exp weighted sum of the splits' partial outputs."""
+    """BLOCK_R output rows per program: log-sum-exp weighted sum of the partial outputs of the
+    splits that hold keys (``_split_layout`` of the row's sequence, as the forward kernel cut
+    it: the partials of the other splits are never written, and never read)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # over B * Hkv * G * N
     r_ok = rows < num_rows
     M = G * N
@@ -331,13 +356,21 @@ def _tree_attention_combine_kernel(
     qi = r // G
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    io_mask = r_ok[:, None] & d_ok[None, :]
+    # the row's sequence length, clamped as the forward kernel clamps it, gives its active splits
+    seqlen = tl.load(SEQLENS + b, mask=r_ok, other=0)
+    seqlen = tl.minimum(tl.maximum(seqlen, 0), S_CAP - N).to(tl.int32)
+    _, active = _split_layout(seqlen, num_splits, MIN_SPLIT_KEYS, BLOCK_N)
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s in tl.range(0, num_splits):
-        lse = tl.load(LSE + rows * num_splits + s, mask=r_ok, other=float("-inf"))
-        o = tl.load(OPART + (rows * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=io_mask, other=0.0)
+    for s in tl.range(0, tl.max(tl.where(r_ok, active, 0), axis=0)):
+        s_ok = r_ok & (s < active)
+        lse = tl.load(LSE + rows * num_splits + s, mask=s_ok, other=float("-inf"))
+        o = tl.load(
+            OPART + (rows * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with a visible key yet
         alpha = tl.exp2(m - m_safe)
@@ -349,7 +382,7 @@ def _tree_attention_combine_kernel(
     tl.store(
         OUT + b[:, None] * stride_ob + qi[:, None] * stride_on + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
         out.to(OUT.dtype.element_ty),
-        mask=io_mask,
+        mask=r_ok[:, None] & d_ok[None, :],
     )
 
 
@@ -371,7 +404,18 @@ def fwd_constexprs(
         UPCAST_DOT=upcast,
         NUM_STAGES=NUM_STAGES,
         PAGED=paged,
+        MIN_SPLIT_KEYS=cfg.min_split_keys,
     )
+
+
+def split_workspace(rows: int, M: int, num_splits: int, head_dim: int, device: torch.device):
+    """(opart [rows, M, num_splits, head_dim], lse [rows, M, num_splits]), float32, uninitialised:
+    the partial outputs and log-sum-exps of a split launch over ``rows`` (sequence, KV head)
+    pairs of ``M`` query rows.  Only the splits that hold keys write (and the combine reads)
+    their entries; the tests replace this function to fill them with guard values."""
+    opart = torch.empty(rows, M, num_splits, head_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(rows, M, num_splits, dtype=torch.float32, device=device)
+    return opart, lse
 
 
 def _launch(
@@ -414,8 +458,7 @@ def _launch(
         smi, smj = mask.stride(-2), mask.stride(-1)
     split = num_splits > 1
     if split:
-        opart = torch.empty(B * Hkv, M, num_splits, D, dtype=torch.float32, device=q.device)
-        lse = torch.empty(B * Hkv, M, num_splits, dtype=torch.float32, device=q.device)
+        opart, lse = split_workspace(B * Hkv, M, num_splits, D, q.device)
     else:
         opart = lse = out  # never written
     launch(_tree_attention_fwd_kernel)[cfg.grid](
@@ -452,8 +495,10 @@ def _launch(
             opart,
             lse,
             out,
+            cache_seqlens,
             B * Hkv * M,
             N,
+            capacity,
             G,
             Hkv,
             num_splits,
@@ -461,17 +506,19 @@ def _launch(
             HEAD_DIM=D,
             BLOCK_D=cfg.block_d,
             BLOCK_R=cfg.combine_block_r,
+            BLOCK_N=cfg.block_n,
+            MIN_SPLIT_KEYS=cfg.min_split_keys,
             num_warps=cfg.combine_num_warps,
         )
     return out
 
 
 # --------------------------------------------------------------------------------------
-# torch.library registration: specdec::tree_attention_triton
+# The launchers of tree_attention's "triton" backend (plain functions, not ops)
 # --------------------------------------------------------------------------------------
 
 
-def _tree_attention_triton_impl(
+def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -481,45 +528,16 @@ def _tree_attention_triton_impl(
     sm_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """Triton launcher on validated inputs (see the public ``tree_attention``).
+    """Triton launcher on checked inputs (the public ``tree_attention`` checks them).
 
     mask_kind: 0 causal chain (tree_mask None), 1 bool mask, 2 bit-packed int32 mask;
-    sm_scale: the softmax scale (not yet multiplied by log2(e)); num_splits >= 1.
+    sm_scale: the softmax scale (not yet multiplied by log2(e)); num_splits 1..MAX_SPLITS.
+    Returns the output, q's shape and dtype.
     """
-    _check_op_args(tree_mask, mask_kind, num_splits)
     return _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits)
 
 
-def _check_op_args(tree_mask, mask_kind, num_splits):
-    torch._check(
-        mask_kind in (MASK_CAUSAL, MASK_BOOL, MASK_PACKED), lambda: f"mask_kind must be 0, 1 or 2, got {mask_kind}"
-    )
-    torch._check(
-        (tree_mask is None) == (mask_kind == MASK_CAUSAL), lambda: "tree_mask must be None exactly when mask_kind is 0"
-    )
-    want = {MASK_BOOL: torch.bool, MASK_PACKED: torch.int32}.get(mask_kind)
-    torch._check(
-        tree_mask is None or tree_mask.dtype == want, lambda: f"tree_mask must be {want} for mask_kind {mask_kind}"
-    )
-    torch._check(1 <= num_splits <= MAX_SPLITS, lambda: f"num_splits must lie in 1..{MAX_SPLITS}, got {num_splits}")
-
-
-def _tree_attention_triton_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits):
-    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
-    torch._check(q.shape[2] % k_cache.shape[1] == 0, lambda: "q's heads must be a multiple of k_cache's heads")
-    _check_op_args(tree_mask, mask_kind, num_splits)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-tree_attention_triton = kernel_op("tree_attention_triton", _tree_attention_triton_impl, _tree_attention_triton_fake)
-
-
-# --------------------------------------------------------------------------------------
-# torch.library registration: specdec::paged_tree_attention_triton
-# --------------------------------------------------------------------------------------
-
-
-def _paged_tree_attention_triton_impl(
+def paged_tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -531,38 +549,12 @@ def _paged_tree_attention_triton_impl(
     sm_scale: float,
     num_splits: int,
 ) -> torch.Tensor:
-    """Triton launcher over a paged cache on validated inputs (see the public ``tree_attention``).
+    """Triton launcher over a paged cache on checked inputs (see the public ``tree_attention``).
 
     k_cache, v_cache: pools in ``kv_layout`` ("NHD" [num_blocks, block_size, Hkv, D] or "HND"
     [num_blocks, Hkv, block_size, D]); block_table int32 [B, max_blocks_per_seq]; the other
     arguments as ``tree_attention_triton``.  Block ids are clamped into the pool in the kernel.
     """
-    _check_paged_op_args(q, k_cache, block_table, kv_layout)
-    _check_op_args(tree_mask, mask_kind, num_splits)
     return _launch(
         q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout
     )
-
-
-def _check_paged_op_args(q, k_cache, block_table, kv_layout):
-    torch._check(kv_layout in KV_LAYOUTS, lambda: f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    torch._check(q.dim() == 4 and k_cache.dim() == 4, lambda: "q and k_cache must have 4 dimensions")
-    torch._check(
-        block_table.dim() == 2 and block_table.dtype == torch.int32, lambda: "block_table must be int32 [B, max_blocks]"
-    )
-    torch._check(k_cache.shape[0] >= 1, lambda: "k_cache must hold at least one block")
-    heads = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
-    torch._check(q.shape[2] % heads == 0, lambda: "q's heads must be a multiple of k_cache's heads")
-
-
-def _paged_tree_attention_triton_fake(
-    q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, mask_kind, sm_scale, num_splits
-):
-    _check_paged_op_args(q, k_cache, block_table, kv_layout)
-    _check_op_args(tree_mask, mask_kind, num_splits)
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-paged_tree_attention_triton = kernel_op(
-    "paged_tree_attention_triton", _paged_tree_attention_triton_impl, _paged_tree_attention_triton_fake
-)

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import cdiv, next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import dummy, new_int64
 from specdec_kernels.ops._triton._sampling_common import VocabSplit, split_vocab
 
@@ -212,6 +212,7 @@ class ArgmaxLaunch(VocabSplit):
         return self.row_blocks
 
 
+@_device.cached_launch_config
 def argmax_launch_config(
     rows: int, vocab: int, sm_count: Optional[int], *, block_v: Optional[int] = None, num_splits: Optional[int] = None
 ) -> ArgmaxLaunch:
@@ -245,6 +246,7 @@ class VerifyGreedyLaunch:
     num_warps: int = 1
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     rows: int,
@@ -286,10 +288,13 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
         S = ``cfg.splits`` chunks per row; chunk s covers lower indices than chunk s + 1.
     """
     B, R, V = logits.shape
-    if logits.stride(2) != 1:
+    stride = logits.stride()  # one call: stride(i) costs as much as all of them
+    if stride[2] != 1:
         logits = logits.contiguous()
-    part_val = torch.empty((cfg.splits, cfg.rows), dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty((cfg.splits, cfg.rows), dtype=torch.int32, device=logits.device)
+        stride = logits.stride()
+    device, shape = logits.device, (cfg.splits, cfg.rows)
+    part_val = torch.empty(shape, dtype=torch.float32, device=device)
+    part_idx = torch.empty(shape, dtype=torch.int32, device=device)
     if cfg.rows:
         launch(_argmax_partials_kernel)[cfg.grid](
             logits,
@@ -297,8 +302,8 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
             part_idx,
             R,
             V,
-            logits.stride(0),
-            logits.stride(1),
+            stride[0],
+            stride[1],
             cfg.tiles_per_split,
             BLOCK_V=cfg.block_v,
             num_warps=cfg.num_warps,
@@ -333,13 +338,12 @@ def _verify_greedy_triton_impl(
     if B == 0:
         return output_tokens, num_accepted
     cfg, part_val, part_idx = _split_argmax(target_logits, B, K, block_v, num_splits)
-    counts = num_draft_tokens.to(torch.int64)
+    counts = num_draft_tokens if num_draft_tokens.dtype == torch.int64 else num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[cfg.grid](
         part_val,
         part_idx,
         draft_tokens,
-        draft_tokens.stride(0),
-        draft_tokens.stride(1),
+        *draft_tokens.stride(),
         counts,
         counts,
         output_tokens,
@@ -356,16 +360,6 @@ def _verify_greedy_triton_impl(
     return output_tokens, num_accepted
 
 
-def _verify_greedy_triton_fake(target_logits, draft_tokens, num_draft_tokens, block_v=0, num_splits=0):
-    B, K1, _ = target_logits.shape
-    torch._check(draft_tokens.shape == (B, K1 - 1), lambda: "draft_tokens must have shape (B, K)")
-    torch._check(num_draft_tokens.shape == (B,), lambda: "num_draft_tokens must have shape (B,)")
-    return new_int64(target_logits, (B, K1), (B,))
-
-
-_verify_greedy_triton_op = kernel_op("verify_greedy_triton", _verify_greedy_triton_impl, _verify_greedy_triton_fake)
-
-
 def verify_greedy_triton(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -374,7 +368,8 @@ def verify_greedy_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain verification with the Triton kernels (``torch.ops.specdec.verify_greedy_triton``).
+    """Greedy chain verification with the Triton kernels (the launcher of ``verify_greedy``'s
+    "triton" backend).
 
     Inputs are assumed validated (``check_verify_greedy_args``); the public
     ``verify_greedy(..., backend="triton")`` does that and calls this.
@@ -403,9 +398,7 @@ def verify_greedy_triton(
     Two launches: the split argmax over V, then one program per sequence for acceptance
     (none when batch is 0).
     """
-    return torch.ops.specdec.verify_greedy_triton(
-        target_logits, draft_tokens, num_draft_tokens, block_v or 0, num_splits or 0
-    )
+    return _verify_greedy_triton_impl(target_logits, draft_tokens, num_draft_tokens, block_v or 0, num_splits or 0)
 
 
 def _verify_greedy_flattened_triton_impl(
@@ -448,19 +441,6 @@ def _verify_greedy_flattened_triton_impl(
     return output_tokens, num_accepted
 
 
-def _verify_greedy_flattened_triton_fake(
-    target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, block_v=0, num_splits=0
-):
-    B = cu_num_draft_tokens.shape[0]
-    torch._check(target_logits.dim() == 2, lambda: "target_logits must be [T + B, V] or [T, V]")
-    return new_int64(target_logits, (B, max_spec_len + 1), (B,))
-
-
-_verify_greedy_flattened_triton_op = kernel_op(
-    "verify_greedy_flattened_triton", _verify_greedy_flattened_triton_impl, _verify_greedy_flattened_triton_fake
-)
-
-
 def verify_greedy_flattened_triton(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -471,8 +451,8 @@ def verify_greedy_flattened_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification in the flattened (vLLM v1) layout with the Triton kernels
-    (``torch.ops.specdec.verify_greedy_flattened_triton``).
+    """Greedy verification in the flattened (vLLM v1) layout with the Triton kernels (the
+    launcher of ``verify_greedy_flattened``'s "triton" backend).
 
     Inputs are assumed checked (``specdec_kernels._flattened.check_flattened_args``); the public
     ``verify_greedy_flattened(..., backend="triton")`` does that and calls this.
@@ -502,7 +482,7 @@ def verify_greedy_flattened_triton(
     then ``_verify_greedy_accept_kernel`` with ``FLAT=True`` (one program per request, its
     rows found from cu_num_draft_tokens).
     """
-    return torch.ops.specdec.verify_greedy_flattened_triton(
+    return _verify_greedy_flattened_triton_impl(
         target_logits,
         draft_token_ids,
         cu_num_draft_tokens,

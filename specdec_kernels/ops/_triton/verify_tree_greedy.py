@@ -36,7 +36,7 @@ import triton.language as tl
 
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
-from specdec_kernels._library import kernel_op, launch
+from specdec_kernels._library import launch
 from specdec_kernels.ops._triton._launch import new_int64
 from specdec_kernels.ops._triton.verify_greedy import (
     ArgmaxLaunch,
@@ -105,6 +105,7 @@ class VerifyTreeGreedyLaunch:
     num_warps: int
 
 
+@_device.cached_launch_config
 def launch_config(
     batch: int,
     num_nodes: int,
@@ -134,7 +135,7 @@ def _verify_tree_greedy_triton_impl(
     output_tokens, accepted_nodes, num_accepted = new_int64(target_logits, (B, N), (B, N), (B,))
     if B == 0:
         return output_tokens, accepted_nodes, num_accepted
-    parents = tree_parents.to(torch.int64)
+    parents = tree_parents if tree_parents.dtype == torch.int64 else tree_parents.to(torch.int64)
     if parents.dim() == 1:
         parents = parents.expand(B, N)  # one shared tree: batch stride 0, no copy
     cfg = launch_config(B, N, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None)
@@ -143,12 +144,10 @@ def _verify_tree_greedy_triton_impl(
         part_val,
         part_idx,
         tree_tokens,
-        tree_tokens.stride(0),
-        tree_tokens.stride(1),
+        *tree_tokens.stride(),
         parents,
-        parents.stride(0),
-        parents.stride(1),
-        num_nodes.to(torch.int64),
+        *parents.stride(),
+        num_nodes if num_nodes.dtype == torch.int64 else num_nodes.to(torch.int64),
         output_tokens,
         accepted_nodes,
         num_accepted,
@@ -160,19 +159,6 @@ def _verify_tree_greedy_triton_impl(
     return output_tokens, accepted_nodes, num_accepted
 
 
-def _verify_tree_greedy_triton_fake(target_logits, tree_tokens, tree_parents, num_nodes, block_v=0, num_splits=0):
-    B, N, _ = target_logits.shape
-    torch._check(tree_tokens.shape == (B, N), lambda: "tree_tokens must have shape (B, N)")
-    torch._check(tree_parents.shape in ((N,), (B, N)), lambda: "tree_parents must have shape (N,) or (B, N)")
-    torch._check(num_nodes.shape == (B,), lambda: "num_nodes must have shape (B,)")
-    return new_int64(target_logits, (B, N), (B, N), (B,))
-
-
-_verify_tree_greedy_triton_op = kernel_op(
-    "verify_tree_greedy_triton", _verify_tree_greedy_triton_impl, _verify_tree_greedy_triton_fake
-)
-
-
 def verify_tree_greedy_triton(
     target_logits: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -182,7 +168,8 @@ def verify_tree_greedy_triton(
     block_v: Optional[int] = None,
     num_splits: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy token-tree verification with Triton (``torch.ops.specdec.verify_tree_greedy_triton``).
+    """Greedy token-tree verification with Triton (the launcher of ``verify_tree_greedy``'s
+    "triton" backend).
 
     Inputs are assumed validated (``check_verify_tree_greedy_args``); the public
     ``verify_tree_greedy(..., backend="triton")`` does that and calls this.
@@ -217,6 +204,6 @@ def verify_tree_greedy_triton(
     Two launches (split argmax, then the walk with one program per sequence); none when
     batch is 0.
     """
-    return torch.ops.specdec.verify_tree_greedy_triton(
+    return _verify_tree_greedy_triton_impl(
         target_logits, tree_tokens, tree_parents, num_nodes, block_v or 0, num_splits or 0
     )

@@ -806,16 +806,13 @@ def test_opcheck(index):
     for backend in runnable_backends("rejection_sample_flattened", "cpu"):
         torch.library.opcheck(torch.ops.specdec.rejection_sample_flattened.default, sample[index], {"backend": backend})
     if "triton" in GREEDY_BACKENDS:
-        # the Triton ops are registered when their modules are first imported, which another
-        # test in this process may or may not have done yet
-        import specdec_kernels.ops._triton.rejection_sample  # noqa: F401
-        import specdec_kernels.ops._triton.verify_greedy  # noqa: F401
-
+        # on the test device (CUDA, or CPU under the interpreter): the public ops' Triton branch
+        triton = {"backend": "triton"}
         torch.library.opcheck(
-            torch.ops.specdec.verify_greedy_flattened_triton.default, tuple(dev(a) for a in greedy[index]) + (0, 0)
+            torch.ops.specdec.verify_greedy_flattened.default, tuple(dev(a) for a in greedy[index]), triton
         )
         torch.library.opcheck(
-            torch.ops.specdec.rejection_sample_flattened_triton.default, tuple(dev(a) for a in sample[index])
+            torch.ops.specdec.rejection_sample_flattened.default, tuple(dev(a) for a in sample[index]), triton
         )
 
 

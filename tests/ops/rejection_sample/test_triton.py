@@ -406,4 +406,5 @@ def test_opcheck(device, sampled):
         case["uniform_samples"],
         case["sample_uniforms"],
     )
-    torch.library.opcheck(torch.ops.specdec.rejection_sample_triton, args)
+    # the Triton launcher is no op of its own: the public op's Triton branch is what is checked
+    torch.library.opcheck(torch.ops.specdec.rejection_sample.default, args, {"backend": "triton"})

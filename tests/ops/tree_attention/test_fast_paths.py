@@ -186,11 +186,22 @@ def test_mask_none_equals_causal_attention_over_prefix_and_chain(device, backend
 # ---------------------------------------------------------------------------------------
 
 
+def few_keys_per_split(monkeypatch):
+    """Let a split hold as few keys as one key tile (``min_split_keys=1``), so that the short
+    prefixes of these tests run several splits (by default a split holds 256 keys at least)."""
+    from functools import partial
+
+    from specdec_kernels.ops._triton import tree_attention as kernels
+
+    monkeypatch.setattr(kernels, "launch_config", partial(kernels.launch_config, min_split_keys=1))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("kind", ["causal", "per_seq", "packed"])
-def test_forced_splits(device, kind, num_splits):
+def test_forced_splits(device, kind, num_splits, monkeypatch):
     if "triton" not in FAST:
         pytest.skip("num_splits is a Triton-backend parameter and triton is not runnable here")
+    few_keys_per_split(monkeypatch)
     # 7 splits of a 150-key prefix leave some splits empty; the empty prefix (length 0) too
     B, N, H, Hkv, S, D = 3, 6, 6, 2, 160, 48
     q, k, v, lens = make_inputs(B, N, H, Hkv, S, D, [150, 0, 65], torch.float32, device, seed=num_splits)
@@ -199,9 +210,10 @@ def test_forced_splits(device, kind, num_splits):
     assert_close(out, expected(q, k, v, lens, mask), torch.float32)
 
 
-def test_forced_splits_with_several_row_tiles(device):
+def test_forced_splits_with_several_row_tiles(device, monkeypatch):
     if "triton" not in FAST:
         pytest.skip("num_splits is a Triton-backend parameter and triton is not runnable here")
+    few_keys_per_split(monkeypatch)
     B, N, H, Hkv, S, D = 1, 45, 8, 2, 120, 32  # G * N = 180 query rows: several row tiles
     q, k, v, lens = make_inputs(B, N, H, Hkv, S, D, [70], torch.float16, device, seed=45)
     for mask in (None, tree_mask_for("shared", B, N, seed=45, device=device)):
@@ -282,8 +294,9 @@ def test_opcheck(device, kind, num_splits):
     q, k, v, lens = make_inputs(B, N, H, Hkv, S, D, [3, 30], torch.float32, device)
     mask = ancestor_mask([-1, 0, 0, 1, 2]).to(device)
     mask = [None, mask, pack_tree_mask(mask)][kind]
+    # the Triton launcher is no op of its own: the public op's Triton branch is what is checked
     torch.library.opcheck(
-        torch.ops.specdec.tree_attention_triton.default, (q, k, v, lens, mask, kind, 0.25, num_splits)
+        torch.ops.specdec.tree_attention.default, (q, k, v, lens, mask, 0.25, num_splits), {"backend": "triton"}
     )
 
 

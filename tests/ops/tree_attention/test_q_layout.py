@@ -75,19 +75,33 @@ def test_n_equal_to_heads_needs_the_layout_said(backend):
     assert guessed.shape == want.shape and not torch.allclose(guessed, want, atol=1e-3)
 
 
-def test_the_registered_op_gets_a_view_of_q_not_a_copy(monkeypatch):
+def test_the_kernels_get_a_view_of_q_not_a_copy(monkeypatch):
+    """An HND q reaches the backend as a transposed view, on the eager path (the front calls the
+    backend itself) and through the registered op (here under a dispatch mode, as when traced)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from specdec_kernels.ops import tree_attention as module
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     q, k, v, lens, mask = inputs(B=2, N=6, H=4, Hkv=2, D=16, S=24)
     q_hnd = q.transpose(1, 2).contiguous()
     seen = []
-    real = torch.ops.specdec.tree_attention
+    real = module._dense
 
-    def spy(q_arg, *args):
+    def spy(name, backend, q_arg, *args):
         seen.append(q_arg)
-        return real(q_arg, *args)
+        return real(name, backend, q_arg, *args)
 
-    monkeypatch.setattr(torch.ops.specdec, "tree_attention", spy)
-    sk.tree_attention(q_hnd, k, v, lens, mask, q_layout="HND")
-    assert seen and seen[0].shape == (2, 6, 4, 16) and seen[0].data_ptr() == q_hnd.data_ptr()
+    monkeypatch.setattr(module, "_dense", spy)
+    eager = sk.tree_attention(q_hnd, k, v, lens, mask, q_layout="HND")
+    with PassThrough():
+        registered = sk.tree_attention(q_hnd, k, v, lens, mask, q_layout="HND")
+    assert len(seen) == 2 and torch.equal(eager, registered)
+    for q_arg in seen:
+        assert q_arg.shape == (2, 6, 4, 16) and q_arg.data_ptr() == q_hnd.data_ptr()
 
 
 def test_layout_errors_name_the_argument_and_the_layout():

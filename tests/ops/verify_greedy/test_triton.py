@@ -234,5 +234,5 @@ def test_public_docstring_is_the_fronts_own():
 def test_opcheck(device):
     logits, drafts, counts = make_case(2, 3, 37, seed=4)
     args = (logits.to(device), drafts.to(device), counts.to(device))
-    torch.library.opcheck(torch.ops.specdec.verify_greedy_triton.default, args)
-    torch.library.opcheck(torch.ops.specdec.verify_greedy_triton.default, args + (16, 2))
+    # the Triton launcher is no op of its own: the public op's Triton branch is what is checked
+    torch.library.opcheck(torch.ops.specdec.verify_greedy.default, args, {"backend": "triton"})

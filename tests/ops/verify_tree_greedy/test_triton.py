@@ -230,5 +230,5 @@ def test_public_docstring_is_the_fronts_own():
 def test_opcheck(device, shared):
     logits, tokens, parents, num_nodes = make_case(2, 6, 13, shared=shared, seed=6)
     args = (logits.to(device), tokens.to(device), parents.to(device), num_nodes.to(device))
-    torch.library.opcheck(torch.ops.specdec.verify_tree_greedy_triton.default, args)
-    torch.library.opcheck(torch.ops.specdec.verify_tree_greedy_triton.default, args + (16, 2))
+    # the Triton launcher is no op of its own: the public op's Triton branch is what is checked
+    torch.library.opcheck(torch.ops.specdec.verify_tree_greedy.default, args, {"backend": "triton"})
