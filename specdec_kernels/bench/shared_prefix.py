@@ -9,9 +9,10 @@ batch is decoded three ways over our engine, greedy, up to --max-new-tokens:
 * ``alone``: every request on its own (batch 1, dense cache): the reference tokens;
 * ``paged``: the whole batch at once over the paged KV cache, without sharing;
 * ``shared``: the same with prefix sharing (``SpeculativeDecoder(block_size=16,
-  share_prefix=True)``): the system prompt's K/V blocks are computed once, in the target
-  and in the model drafter, and shared by every request (copy-on-write of the block where
-  the questions begin).
+  share_prefix=True)``): the system prompt's K/V blocks are computed once and shared by
+  every request (copy-on-write of the block where the questions begin).  The layer-skip
+  drafter runs on the target's own cache (``ModelDrafter.bind_target_cache``): it feeds no
+  prompt in either batched mode and holds no cache of its own.
 
 Reported per run: prefill positions the target computed, prompt tokens taken from shared
 blocks, positions fed through the draft model (prefill and drafting), KV-cache memory (the

@@ -314,7 +314,7 @@ class SpeculativeDecoder:
         typical_alpha: delta of typical acceptance (default sqrt(epsilon)).
         block_size: None (default): dense KV caches.  An int in 1..256: paged KV caches with
             blocks of that many slots (``paged.PagedKVCache``), for the target and for model
-            drafters.
+            drafters with caches of their own (a layer-skip drafter runs on the target's).
         share_prefix: with ``block_size``: prompts of a batch that share at least
             ``block_size`` leading tokens share their KV blocks (target and model drafters),
             computed once.  Greedy outputs are those of decoding each prompt alone.
