@@ -17,6 +17,7 @@ made once per (op, device type, explicit backend) and kept for the process.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from typing import Optional, Sequence
@@ -58,6 +59,19 @@ def _read_environment() -> None:
 _ENV: dict = {}
 _read_environment()
 _CHOSEN: dict = {}  # (op, device type, explicit backend or None) -> backend name
+_LAUNCHERS: dict = {}  # "module:function" -> the Triton launcher, imported on first use
+
+
+def triton_launcher(path: str):
+    """The Triton launcher ``path`` ("module:function", e.g.
+    ``"specdec_kernels.ops._triton.verify_greedy:verify_greedy_triton"``), imported on its first
+    call and then served from a dict: the fronts import no Triton module before a Triton
+    backend runs (``TRITON_INTERPRET`` must be set first), and pay no import statement per call."""
+    fn = _LAUNCHERS.get(path)
+    if fn is None:
+        module, name = path.split(":")
+        fn = _LAUNCHERS[path] = getattr(importlib.import_module(module), name)
+    return fn
 
 
 def reset() -> None:

@@ -56,14 +56,15 @@ def check_tree_args(
     num_nodes,
     validate: Optional[bool],
     draft_probs: Optional[torch.Tensor] = None,
+    expand_parents: bool = True,
 ) -> Tuple[int, int, int, torch.Tensor, torch.Tensor]:
     """A token tree of N nodes: ``rows`` (batch, N, vocab) target scores or probabilities,
     ``tree_tokens`` (batch, N), ``tree_parents`` (N,) or (batch, N), ``draft_probs`` None or
     (batch, N, vocab) and ``num_nodes`` None or (batch,) in 0..N; return (B, N, V, parents
-    int64 [B, N], num_nodes int64 [B])."""
+    int64 [B, N] (``expand_parents=False``: a shared tree stays [N]), num_nodes int64 [B])."""
     B, N, V = check_scores(rows_name, rows, "N >= 1 rows (the root at least)")
     device = rows.device
-    parents = check_tree(rows_name, tree_tokens, tree_parents, B, N, device, validate)
+    parents = check_tree(rows_name, tree_tokens, tree_parents, B, N, device, validate, expand_parents)
     check_draft_probs(draft_probs, (B, N, V), "row i: the distribution node i's children were drawn from", device)
     n = check_counts("num_nodes", num_nodes, B, N, device, validate)
     return B, N, V, parents, n

@@ -213,21 +213,26 @@ def check_counts(name: str, counts, batch: int, upper: int, device, validate: Op
     if counts is None:
         return filled(batch, upper, torch.int64, device)
     check_tensor(name, counts, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    check_shape(name, counts, (batch,), "one count per sequence")
-    if want_value_checks(validate, counts) and counts.numel() > 0:
+    if counts.shape[0] != batch:
+        check_shape(name, counts, (batch,), "one count per sequence")
+    if validate is not False and want_value_checks(validate, counts) and counts.numel() > 0:
         lo, hi = int(counts.min()), int(counts.max())
         if lo < 0 or hi > upper:
             raise ValueError(f"{name} must lie in 0..{upper}, got values in {lo}..{hi}")
     return counts if counts.dtype == torch.int64 else counts.to(torch.int64)
 
 
-def check_parents(name: str, parents, batch: int, num_nodes: int, device, validate: Optional[bool]) -> torch.Tensor:
+def check_parents(
+    name: str, parents, batch: int, num_nodes: int, device, validate: Optional[bool], expand: bool = True
+) -> torch.Tensor:
     """Check a parent list [N] or [B, N]: parents[0] == -1 and 0 <= parents[i] < i.
 
-    Returns int64 parents of shape [B, N] (a shared tree is expanded, not copied).
+    Returns int64 parents of shape [B, N] (a shared tree is expanded, not copied); with
+    ``expand=False`` a shared tree stays [N] (a kernel that reads it with batch stride 0 saves
+    the view).
     """
     check_tensor(name, parents, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device)
-    if parents.device.type == "meta":
+    if parents.is_meta:
         raise ValueError(f"{name} is on the meta device: walking a token tree needs its parent values")
     if parents.dim() == 1:
         check_shape(name, parents, (num_nodes,), "one parent per tree node")
@@ -247,7 +252,7 @@ def check_parents(name: str, parents, batch: int, num_nodes: int, device, valida
                     f"node {col + 1} has parent {int(p[row, col + 1])}"
                 )
     p = parents if parents.dtype == torch.int64 else parents.to(torch.int64)
-    return p.expand(batch, num_nodes) if p.dim() == 1 else p
+    return p.expand(batch, num_nodes) if expand and p.dim() == 1 else p
 
 
 def check_scores(name: str, t, rows: str) -> Tuple[int, int, int]:
@@ -262,12 +267,16 @@ def check_scores(name: str, t, rows: str) -> Tuple[int, int, int]:
     return B, R, V
 
 
-def check_tree(rows_name: str, tree_tokens, tree_parents, batch: int, num_nodes: int, device, validate) -> torch.Tensor:
+def check_tree(
+    rows_name: str, tree_tokens, tree_parents, batch: int, num_nodes: int, device, validate, expand: bool = True
+) -> torch.Tensor:
     """Check a token tree's ``tree_tokens`` (batch, N) and ``tree_parents`` (N,) or (batch, N)
-    against the (batch, N, vocab) tensor ``rows_name``; return the parents as int64 (batch, N)."""
+    against the (batch, N, vocab) tensor ``rows_name``; return the parents as int64 (batch, N)
+    (with ``expand=False``, a shared tree as (N,))."""
     check_tensor("tree_tokens", tree_tokens, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    check_shape("tree_tokens", tree_tokens, (batch, num_nodes), f"one token per tree node, like {rows_name}' rows")
-    return check_parents("tree_parents", tree_parents, batch, num_nodes, device, validate)
+    if tree_tokens.shape != (batch, num_nodes):
+        check_shape("tree_tokens", tree_tokens, (batch, num_nodes), f"one token per tree node, like {rows_name}' rows")
+    return check_parents("tree_parents", tree_parents, batch, num_nodes, device, validate, expand)
 
 
 def check_probs(name: str, t, ndim: int, device=None) -> torch.Tensor:
@@ -315,6 +324,9 @@ def check_probability_values(
 FLOAT32_BELOW_ONE = 1.0 - 2.0**-24
 
 
+UNIFORM_DTYPES = (torch.float32, torch.float64)
+
+
 def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Optional[bool] = None) -> torch.Tensor:
     """Explicit random numbers: a float32/float64 tensor of the expected shape on ``device``,
     its values in [0, 1) (read only when ``validate`` allows, see ``want_value_checks``).
@@ -327,9 +339,10 @@ def check_uniforms(name: str, u, expected: Sequence[int], device, validate: Opti
         TypeError: not a tensor, or not float32/float64.
         ValueError: the wrong shape or device; with value checks, a value outside [0, 1) or NaN.
     """
-    check_tensor(name, u, dtypes=(torch.float32, torch.float64), device=device)
-    check_shape(name, u, expected)
-    if want_value_checks(validate, u) and u.numel() > 0:
+    check_tensor(name, u, dtypes=UNIFORM_DTYPES, device=device)
+    if u.shape != expected:
+        check_shape(name, u, expected)
+    if validate is not False and want_value_checks(validate, u) and u.numel() > 0:
         lo, hi = float(u.min()), float(u.max())
         if not (lo >= 0.0 and hi < 1.0):
             raise ValueError(f"{name} must lie in [0, 1), got values in [{lo}, {hi}]")

@@ -61,9 +61,9 @@ def _spec(
 # --------------------------------------------------------------------------------------
 
 
-# the argmax partials (values, indices) that ``_argmax_partials_kernel`` writes and the accept
-# and tree-walk kernels read
-PARTIALS = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
+# the argmax partials (values, then the indices' int32 bits, one fp32 workspace) that
+# ``_argmax_partials_kernel`` writes and the accept and tree-walk kernels read
+PARTIALS = {"part_ptr": "*fp32"}
 # the accept kernel's variants: (draft ids, counts, flat, bonus_ids): padded (counts int64),
 # flattened with vLLM's int32 ids and cu and with int64, bonus rows or ids
 ACCEPT_VARIANTS = (
@@ -194,8 +194,7 @@ def rejection_specs(
             **common,
             "coins_ptr": coins,
             **random_ptrs,
-            "part_mass_ptr": "*fp64",
-            "part_last_ptr": "*i32",
+            "part_ptr": "*fp64",
             **strides,
             "TILES_PER_SPLIT": "i32",
         },
@@ -210,8 +209,7 @@ def rejection_specs(
             "coins_ptr": coins,
             "final_u_ptr": final,
             **random_ptrs,
-            "part_mass_ptr": "*fp64",
-            "part_last_ptr": "*i32",
+            "part_ptr": "*fp64",
             "out_ptr": "*i64",
             "num_accepted_ptr": "*i64",
             **strides,

@@ -125,11 +125,15 @@ def _check_no_aliasing(views: Sequence[torch.Tensor]) -> None:
     if isinstance(views, BufferViews):
         # the slices of one buffer are disjoint unless the buffer overlaps itself: one check
         views = [views.buffer]
+    if len(views) == 1 and views[0].is_contiguous():  # one dense buffer: nothing can overlap
+        return
     # Traced (torch.compile) or fake tensors have no addresses: only the stride check applies.
     addresses = not torch.compiler.is_compiling() and (
         all(type(t) is torch.Tensor for t in views) or not _any_fake(views)
     )
     for i, t in enumerate(views):
+        if t.is_contiguous():  # neither a stride 0 over 2+ entries nor overlapping rows
+            continue
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)) or (addresses and _overlaps_itself(t)):
             raise ValueError(
                 f"kv_cache[{i}] overlaps itself (a stride-0, e.g. expanded, dimension, or rows closer "
@@ -235,7 +239,8 @@ def check_compact_kv_cache_args(
     _check_no_aliasing(views)
     device = first.device
     check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    check_shape("cache_seqlens", cache_seqlens, (B,))
+    if cache_seqlens.shape[0] != B:
+        check_shape("cache_seqlens", cache_seqlens, (B,))
     check_tensor("accepted_indices", accepted_indices, ndim=2, dtypes=INDEX_DTYPES, device=device)
     if accepted_indices.shape[0] != B:
         raise ValueError(f"accepted_indices must have shape ({B}, M), got {tuple(accepted_indices.shape)}")
@@ -381,6 +386,9 @@ def _op_caches(kv_cache, views) -> List[torch.Tensor]:
     return list(views)
 
 
+_NATIVE_OPS: dict = {}  # op name -> its native kernel's OpOverload
+
+
 def _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_indices, n, extra, backend) -> None:
     """The backend of ``op_name`` (dense: ``extra`` is (), paged: (block_table, kv_layout)) on
     checked arguments (``n``: the slots to fill): the native op ``<op_name>_native`` (value
@@ -388,7 +396,9 @@ def _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_in
     their checks, and the front's eager path (one check pass, no dispatcher)."""
     if _backend.resolve(op_name, cache_seqlens.device, backend or None, IMPLEMENTED) == "native":
         # One [L, 2, ...] buffer goes over whole (the kernels read its strides); otherwise the 4-D views.
-        native_op = getattr(torch.ops.specdec, f"{op_name}_native")
+        native_op = _NATIVE_OPS.get(op_name)
+        if native_op is None:  # the overload itself: no packet lookup per call
+            native_op = _NATIVE_OPS[op_name] = getattr(torch.ops.specdec, f"{op_name}_native").default
         native_op(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, False)
     else:
         reference(views, cache_seqlens, accepted_indices, n, *extra)

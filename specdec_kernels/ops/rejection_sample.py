@@ -103,8 +103,9 @@ def _run(
     kernel after its checks, and the front's eager path (one check pass, no dispatcher)."""
     random_args = (uniform_samples, sample_uniforms, seeds, offsets)
     if backend == "triton":
-        from specdec_kernels.ops._triton.rejection_sample import rejection_sample_triton
-
+        rejection_sample_triton = _backend.triton_launcher(
+            "specdec_kernels.ops._triton.rejection_sample:rejection_sample_triton"
+        )
         return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, *random_args)
     if backend == "native":
         p, q = _native.probs_operands(target_probs, draft_probs)

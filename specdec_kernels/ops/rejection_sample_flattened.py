@@ -104,8 +104,9 @@ def _run(
     if backend in ("triton", "native"):
         args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, uniform_samples, sample_uniforms, K)
         if backend == "triton":
-            from specdec_kernels.ops._triton.rejection_sample import rejection_sample_flattened_triton
-
+            rejection_sample_flattened_triton = _backend.triton_launcher(
+                "specdec_kernels.ops._triton.rejection_sample:rejection_sample_flattened_triton"
+            )
             return rejection_sample_flattened_triton(target_probs, draft_probs, *args, seeds, offsets)
         p, q = _native.probs_operands(target_probs, draft_probs)
         return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args, seeds, offsets)

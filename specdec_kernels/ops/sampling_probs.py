@@ -95,8 +95,9 @@ def _run(backend: str, logits, t, k, p, use_top_k: bool, use_top_p: bool) -> tor
     """The backend ``backend`` on checked [B] parameters (``check_sampling_args``): the op's
     kernel after its checks, and the front's eager path (one check pass, no dispatcher)."""
     if backend == "triton":
-        from specdec_kernels.ops._triton.sampling_probs import sampling_probs_triton
-
+        sampling_probs_triton = _backend.triton_launcher(
+            "specdec_kernels.ops._triton.sampling_probs:sampling_probs_triton"
+        )
         return sampling_probs_triton(logits, t, k, p, use_top_k, use_top_p)
     if backend == "native":
         return torch.ops.specdec.sampling_probs_native(

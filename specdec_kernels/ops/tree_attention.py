@@ -350,8 +350,9 @@ def _dense(name: str, backend: str, q, k_cache, v_cache, cache_seqlens, tree_mas
     """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the dense op on
     checked arguments: the op's kernel after its checks, and the front's eager path."""
     if name == "triton":
-        from specdec_kernels.ops._triton.tree_attention import tree_attention_triton
-
+        tree_attention_triton = _backend.triton_launcher(
+            "specdec_kernels.ops._triton.tree_attention:tree_attention_triton"
+        )
         splits = _triton_splits(num_splits, q, Hkv, S)
         return tree_attention_triton(
             q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
@@ -431,8 +432,9 @@ def _paged(
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
     if name == "triton":
-        from specdec_kernels.ops._triton.tree_attention import paged_tree_attention_triton
-
+        paged_tree_attention_triton = _backend.triton_launcher(
+            "specdec_kernels.ops._triton.tree_attention:paged_tree_attention_triton"
+        )
         splits = _triton_splits(num_splits, q, Hkv, capacity)
         return paged_tree_attention_triton(
             q,

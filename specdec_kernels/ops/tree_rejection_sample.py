@@ -24,13 +24,15 @@ from specdec_kernels.reference.tree_rejection_sample import _tree_rejection_samp
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "tree_rejection_sample"
+_TRITON = "specdec_kernels.ops._triton.tree_rejection_sample:tree_rejection_sample_triton"
 
 
 def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, draft_probs, num_nodes, validate=None):
-    """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents [B, N], num_nodes [B]).
+    """Validate the arguments of ``tree_rejection_sample``; return (B, N, V, parents int64 [B, N] or,
+    for a shared tree, [N], num_nodes int64 [B]).
     With ``validate=True`` also the probabilities of the rows of each sequence's nodes."""
     B, N, V, parents, n = check_tree_args(
-        "target_probs", target_probs, tree_tokens, tree_parents, num_nodes, validate, draft_probs
+        "target_probs", target_probs, tree_tokens, tree_parents, num_nodes, validate, draft_probs, expand_parents=False
     )
     if validate:  # a scan of B * N * V values: only when asked for
         used = torch.arange(N, device=target_probs.device)[None, :] < n[:, None]
@@ -43,16 +45,17 @@ def check_tree_rejection_sample_args(target_probs, tree_tokens, tree_parents, dr
 def _run(
     backend: str, target_probs, tree_tokens, parents, draft_probs, n, uniform_samples, sample_uniforms, seeds, offsets
 ):
-    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N], ``n`` int64 [B];
+    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N] or, shared, [N];
+    ``n`` int64 [B];
     the randomness as the registered op takes it, ``_random.op_random_args``: explicit
     uniforms as given, seeds and offsets for the missing ones, which the kernels compute and
     clamp themselves): the op's kernel after its checks, and the front's eager path (one
     check pass, no dispatcher)."""
     random_args = (uniform_samples, sample_uniforms, seeds, offsets)
-    if backend == "triton":
-        from specdec_kernels.ops._triton.tree_rejection_sample import tree_rejection_sample_triton
-
-        return tree_rejection_sample_triton(target_probs, tree_tokens, parents, draft_probs, n, *random_args)
+    if backend == "triton":  # reads a shared tree with batch stride 0
+        return _backend.triton_launcher(_TRITON)(target_probs, tree_tokens, parents, draft_probs, n, *random_args)
+    if parents.dim() == 1:
+        parents = parents.expand(tree_tokens.shape)
     if backend == "native":
         p, q = _native.probs_operands(target_probs, draft_probs)
         return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, *random_args)

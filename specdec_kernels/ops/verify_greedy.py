@@ -17,6 +17,8 @@ from specdec_kernels._checks import check_chain_args
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "verify_greedy"
+# the launcher with its tiling at the defaults (verify_greedy_triton without its keyword layer)
+_TRITON = "specdec_kernels.ops._triton.verify_greedy:_verify_greedy_triton_impl"
 
 
 def check_verify_greedy_args(target_logits, draft_tokens, num_draft_tokens, validate=None):
@@ -28,8 +30,7 @@ def _run(backend: str, target_logits, draft_tokens, n) -> Tuple[torch.Tensor, to
     """The backend ``backend`` on checked arguments (``n``: int64 counts): the op's kernel after
     its checks, and the front's eager path (one check pass, no dispatcher)."""
     if backend == "triton":
-        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_triton
-
+        verify_greedy_triton = _backend.triton_launcher(_TRITON)
         return verify_greedy_triton(target_logits, draft_tokens, n)
     if backend == "native":
         return torch.ops.specdec.verify_greedy_native(target_logits, draft_tokens, n)

@@ -20,6 +20,7 @@ from specdec_kernels.reference.verify_greedy_flattened import _verify_greedy_fla
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "verify_greedy_flattened"
+_TRITON = "specdec_kernels.ops._triton.verify_greedy:_verify_greedy_flattened_triton_impl"  # tiling at its defaults
 
 
 def check_verify_greedy_flattened_args(
@@ -36,8 +37,7 @@ def _run(backend: str, target_logits, draft_token_ids, cu_num_draft_tokens, bonu
     front's eager path (one check pass, no dispatcher)."""
     args = (target_logits, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len)
     if backend == "triton":
-        from specdec_kernels.ops._triton.verify_greedy import verify_greedy_flattened_triton
-
+        verify_greedy_flattened_triton = _backend.triton_launcher(_TRITON)
         return verify_greedy_flattened_triton(*args)
     if backend == "native":
         return torch.ops.specdec.verify_greedy_flattened_native(*args)

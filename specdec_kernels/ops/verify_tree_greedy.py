@@ -19,20 +19,26 @@ from specdec_kernels._checks import check_tree_args
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "verify_tree_greedy"
+# the launcher with its tiling at the defaults (verify_tree_greedy_triton without its keyword layer)
+_TRITON = "specdec_kernels.ops._triton.verify_tree_greedy:_verify_tree_greedy_triton_impl"
 
 
 def check_verify_tree_greedy_args(target_logits, tree_tokens, tree_parents, num_nodes, validate=None):
-    """Validate the arguments of ``verify_tree_greedy``; return (B, N, V, parents [B, N], num_nodes [B])."""
-    return check_tree_args("target_logits", target_logits, tree_tokens, tree_parents, num_nodes, validate)
+    """Validate the arguments of ``verify_tree_greedy``; return (B, N, V, parents int64 [B, N] or,
+    for a shared tree, [N], num_nodes int64 [B])."""
+    return check_tree_args(
+        "target_logits", target_logits, tree_tokens, tree_parents, num_nodes, validate, expand_parents=False
+    )
 
 
 def _run(backend: str, target_logits, tree_tokens, parents, n) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N], ``n`` int64 [B]):
-    the op's kernel after its checks, and the front's eager path (one check pass)."""
-    if backend == "triton":
-        from specdec_kernels.ops._triton.verify_tree_greedy import verify_tree_greedy_triton
-
-        return verify_tree_greedy_triton(target_logits, tree_tokens, parents, n)
+    """The backend ``backend`` on checked arguments (``parents`` int64 [B, N] or, shared, [N];
+    ``n`` int64 [B]): the op's kernel after its checks, and the front's eager path (one check
+    pass)."""
+    if backend == "triton":  # reads a shared tree with batch stride 0
+        return _backend.triton_launcher(_TRITON)(target_logits, tree_tokens, parents, n)
+    if parents.dim() == 1:
+        parents = parents.expand(tree_tokens.shape)
     if backend == "native":
         return torch.ops.specdec.verify_tree_greedy_native(target_logits, tree_tokens, parents, n)
     return reference.verify_tree_greedy(target_logits, tree_tokens, parents, n)

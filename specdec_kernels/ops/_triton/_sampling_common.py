@@ -201,11 +201,20 @@ def _add_chunk_partials(partials, w0, w1, offs):
 
 
 @triton.jit
-def _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, partials):
+def _chunk_lasts(part_ptr, S, B):
+    """The int32 [2, S, B] table of last indices inside the chunk partials ``part_ptr`` (one
+    float64 [3, S, B] workspace: the [2, S, B] masses, then the indices' bits)."""
+    return (part_ptr + 2 * S * B).to(tl.pointer_type(tl.int32), bitcast=True)  # 3 * S * B < 2**31
+
+
+@triton.jit
+def _store_chunk_partials(part_ptr, split, S, B, rows, rmask, partials):
     """Store chunk ``split``'s ``partials`` (``_add_chunk_partials``: the masses and last indices
-    with mass of two weight rows), for the [BB] rows ``rows``, into [2, S, B] tables (float64
-    masses, int32 indices)."""
+    with mass of two weight rows), for the [BB] rows ``rows``, into the workspace ``part_ptr``
+    (float64 [3, S, B]: [2, S, B] masses, then [2, S, B] int32 indices, ``_chunk_lasts``)."""
     mass0, mass1, last0, last1 = partials
+    part_mass_ptr = part_ptr
+    part_last_ptr = _chunk_lasts(part_ptr, S, B)
     at = split.to(tl.int64) * B + rows.to(tl.int64)
     tl.store(part_mass_ptr + at, mass0, mask=rmask)
     tl.store(part_mass_ptr + S * B + at, mass1, mask=rmask)
@@ -214,10 +223,12 @@ def _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask
 
 
 @triton.jit
-def _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S: tl.constexpr):
-    """The [2, S, B] tables of ``_store_chunk_partials`` for the [BB] rows: (mass0, mass1)
+def _load_chunk_partials(part_ptr, S, B, rows64, rmask, BLOCK_S: tl.constexpr):
+    """The workspace of ``_store_chunk_partials`` for the [BB] rows: (mass0, mass1)
     [BB, BLOCK_S] float64 in chunk order (0 past S), and (last0, last1) [BB] int32, the rows'
     last indices with mass (-1: none)."""
+    part_mass_ptr = part_ptr
+    part_last_ptr = _chunk_lasts(part_ptr, S, B)
     cs = tl.arange(0, BLOCK_S)
     at = cs[None, :] * B + rows64[:, None]
     m2 = rmask[:, None] & (cs < S)[None, :]

@@ -128,7 +128,7 @@ def philox_uniforms_triton(seeds: torch.Tensor, offsets: torch.Tensor, width: in
         offsets[b] + j; equal bit for bit to ``specdec_kernels._random.philox_uniforms``.
     """
     B = seeds.shape[0]
-    out = torch.empty((B, width), dtype=torch.float32, device=seeds.device)
+    out = torch.empty(B, width, dtype=torch.float32, device=seeds.device)
     if B == 0 or width == 0:
         return out
     block_w = min(64, triton.next_power_of_2(width))

@@ -196,8 +196,8 @@ def _rejection_partials_kernel(
     coins_ptr,  # padded: [B, K]; FLAT: [T] or [B, K]; fp32/fp64, contiguous (unused with PHILOX_COINS)
     seeds_ptr,  # [B] int32/int64 (read with PHILOX_COINS or PHILOX_FINAL)
     offsets_ptr,  # [B] int32/int64 (likewise)
-    part_mass_ptr,  # [2, S, B] fp64 (written): mass of p and of the residual per chunk
-    part_last_ptr,  # [2, S, B] int32 (written): their last indices with mass (-1: none)
+    part_ptr,  # [3, S, B] fp64 (written): [2, S, B] mass of p and of the residual per chunk,
+    #            then [2, S, B] int32: their last indices with mass (-1: none)
     B,
     K,  # padded width (FLAT: max_spec_len)
     V,
@@ -235,7 +235,7 @@ def _rejection_partials_kernel(
         offs = lo + t * BLOCK_V + tl.arange(0, BLOCK_V)
         p, q = _chain_tile(p_rows, q_rows, at, rejected, need, offs[None, :], (offs < V)[None, :], HAS_DRAFT)
         partials = _add_chunk_partials(partials, _mass64(p), _mass64(p - q), offs)
-    _store_chunk_partials(part_mass_ptr, part_last_ptr, split, S, B, rows, rmask, partials)
+    _store_chunk_partials(part_ptr, split, S, B, rows, rmask, partials)
 
 
 @triton.jit
@@ -249,8 +249,7 @@ def _rejection_sample_kernel(
     final_u_ptr,  # [B] fp32/fp64 (unused with PHILOX_FINAL)
     seeds_ptr,
     offsets_ptr,
-    part_mass_ptr,  # [2, S, B] fp64 from _rejection_partials_kernel
-    part_last_ptr,  # [2, S, B] int32
+    part_ptr,  # [3, S, B] fp64 from _rejection_partials_kernel
     out_ptr,  # [B, K+1] int64, contiguous (written)
     num_accepted_ptr,  # [B] int64 (written)
     B,
@@ -289,7 +288,7 @@ def _rejection_sample_kernel(
     )
 
     # the chunks' masses, one vector load per row (no loop over chunks)
-    mass_p, mass_r, last_p, last_r = _load_chunk_partials(part_mass_ptr, part_last_ptr, S, B, rows64, rmask, BLOCK_S)
+    mass_p, mass_r, last_p, last_r = _load_chunk_partials(part_ptr, S, B, rows64, rmask, BLOCK_S)
     use_q = rejected & (tl.sum(mass_r, axis=1) > 0)  # the residual has mass
     at = tl.where(use_q, at, -1)
     total, last, threshold, searching, lo, carry, found = _start_search(
@@ -418,8 +417,7 @@ def _launch_chain(
     strides = (stride_tb, stride_tk, stride_db, stride_dk if has_draft else 0)
     cfg = launch_config(B, K, V, _device.sm_count(target.device))
     S, tiles_per_split = cfg.vocab.splits, cfg.vocab.tiles_per_split
-    part_mass = torch.empty((2, S, B), dtype=torch.float64, device=target.device)
-    part_last = torch.empty((2, S, B), dtype=torch.int32, device=target.device)
+    partials = torch.empty(3, S, B, dtype=torch.float64, device=target.device)  # masses, then indices
     meta = dict(
         FLAT=flat,
         BONUS_IDS=bonus_ids is not None,
@@ -437,8 +435,7 @@ def _launch_chain(
         coins,
         seeds,
         offsets,
-        part_mass,
-        part_last,
+        partials,
         B,
         K,
         V,
@@ -457,8 +454,7 @@ def _launch_chain(
         final_u,
         seeds,
         offsets,
-        part_mass,
-        part_last,
+        partials,
         out,
         num_accepted,
         B,

@@ -356,12 +356,12 @@ def _sampling_probs_triton_impl(
         x = x.contiguous()
     R = x.shape[0]
     device = logits.device
-    out = torch.empty((R, V), dtype=torch.float32, device=device)
+    out = torch.empty(R, V, dtype=torch.float32, device=device)
     if R == 0:
         return out.reshape(logits.shape)
     cfg = launch_config(R, V, _device.sm_count(device))
-    row_i32 = torch.empty((R, ROW_I32), dtype=torch.int32, device=device)
-    row_f32 = torch.empty((R, ROW_F32), dtype=torch.float32, device=device)
+    row_i32 = torch.empty(R, ROW_I32, dtype=torch.int32, device=device)
+    row_f32 = torch.empty(R, ROW_F32, dtype=torch.float32, device=device)
     temperature = temperature.to(torch.float32).contiguous()
     launch(_sampling_search_kernel)[cfg.search_grid](
         x,

@@ -386,8 +386,9 @@ def _tree_attention_combine_kernel(
     )
 
 
+@_device.cached_launch_config  # per launch class, like the configuration (callers only read it)
 def fwd_constexprs(
-    cfg: TreeAttentionLaunch, head_dim: int, mask_kind: int, *, ieee: bool, upcast: bool, paged: bool
+    cfg: TreeAttentionLaunch, head_dim: int, mask_kind: int, ieee: bool, upcast: bool, paged: bool
 ) -> Dict[str, object]:
     """The constexpr arguments of ``_tree_attention_fwd_kernel`` in launch ``cfg``
     (``launch_config``) over heads of ``head_dim`` with ``mask_kind`` (``MASK_*``): ``ieee``,
@@ -439,12 +440,13 @@ def _launch(
         num_blocks, page_size, Hkv, _ = pool_geometry(k_cache, kv_layout)
         capacity = block_table.shape[1] * page_size
         order = (0, 2, 1, 3) if kv_layout == "NHD" else (0, 1, 2, 3)
-        k_strides = tuple(k_cache.stride(i) for i in order)
-        v_strides = tuple(v_cache.stride(i) for i in order)
+        ks, vs = k_cache.stride(), v_cache.stride()  # one call each: stride(i) costs as much
+        k_strides = tuple([ks[i] for i in order])
+        v_strides = tuple([vs[i] for i in order])
         table, table_strides = block_table, block_table.stride()
     G = H // Hkv
     M = G * N
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # faster than empty(q.shape)
     if B == 0 or N == 0 or H == 0:
         return out
     sms = _device.sm_count(q.device)
@@ -487,7 +489,7 @@ def _launch(
         smi,
         smj,
         *out.stride(),
-        **fwd_constexprs(cfg, D, mask_kind, ieee=ieee, upcast=sms is None and q.dtype == torch.bfloat16, paged=paged),
+        **fwd_constexprs(cfg, D, mask_kind, ieee, sms is None and q.dtype == torch.bfloat16, paged),
         num_warps=cfg.num_warps,
     )
     if split:

@@ -459,10 +459,9 @@ def _tree_rejection_sample_triton_impl(
     target = unit_stride(target_probs)
     has_draft = draft_probs is not None and N > 1
     draft = unit_stride(draft_probs) if has_draft else target
-    parents = tree_parents if tree_parents.dim() == 2 else tree_parents[None, :]
-    if parents.stride(-1) != 1:
-        parents = parents.contiguous()
-    stride_pb = parents.stride(0) if parents.shape[0] == B and B > 1 else 0
+    parents = tree_parents if tree_parents.stride(-1) == 1 else tree_parents.contiguous()
+    # a shared tree ([N], or [1, N] / expanded [B, N]) is read with batch stride 0, no view
+    stride_pb = parents.stride(0) if parents.dim() == 2 and parents.shape[0] == B and B > 1 else 0
     counts = num_nodes.to(torch.int64).contiguous()
     philox_coins, philox_final = uniform_samples is None, sample_uniforms is None
     # stand-ins (never read) where the kernels compute the numbers from seeds/offsets
@@ -481,7 +480,7 @@ def _tree_rejection_sample_triton_impl(
     R = B * N
     ms = cfg.masses
     if N > 1:
-        part = torch.empty((R, ms.splits), dtype=torch.float64, device=device)
+        part = torch.empty(R, ms.splits, dtype=torch.float64, device=device)
         launch(_tree_mass_kernel)[ms.grid](
             target,
             counts,
@@ -502,7 +501,7 @@ def _tree_rejection_sample_triton_impl(
     # 2. the walk, the residual updates and the final sample
     # with draft rows the kernel never touches the rejected-token list: the counts stand in
     # (no dummy tensor, which a traced call would fill per call)
-    rej = torch.empty((B, cfg.np_), dtype=torch.int64, device=device) if not has_draft else counts
+    rej = torch.empty(B, cfg.np_, dtype=torch.int64, device=device) if not has_draft else counts
     launch(_tree_sample_kernel)[cfg.sample_grid](
         target,
         draft,

@@ -69,8 +69,7 @@ _jit = triton.jit
 @_jit
 def _argmax_partials_kernel(
     logits_ptr,  # [B, R, V] float, unit stride along V
-    part_val_ptr,  # [S, B * R] fp32: the chunk's maximum
-    part_idx_ptr,  # [S, B * R] int32: its first index
+    part_ptr,  # [2, S, B * R] fp32: [0] the chunk's maximum, [1] its first index (int32 bits)
     R,  # rows per sequence (K + 1 or N)
     V,
     stride_b,
@@ -114,13 +113,22 @@ def _argmax_partials_kernel(
     idx = tl.min(tl.where(holds, best_idx, 2147483647), axis=0)
     val = tl.where(any_nan, float("nan"), top)
     out = split.to(tl.int64) * num_rows + row
-    tl.store(part_val_ptr + out, val)
-    tl.store(part_idx_ptr + out, idx)
+    tl.store(part_ptr + out, val)
+    tl.store(_partial_indices(part_ptr, num_rows, tl.num_programs(1)) + out, idx)
 
 
 @_jit
-def _combine_partials(part_val_ptr, part_idx_ptr, rows, mask, num_rows, S):
-    """argmax (int64) of the given rows from the [S, num_rows] partials, splits in order."""
+def _partial_indices(part_ptr, num_rows, S):
+    """The int32 half of the partials workspace ``part_ptr`` ([2, S, num_rows] fp32, one
+    allocation: values, then the indices' bits)."""
+    return (part_ptr + S * num_rows).to(tl.pointer_type(tl.int32), bitcast=True)  # S * num_rows < 2**31
+
+
+@_jit
+def _combine_partials(part_ptr, rows, mask, num_rows, S):
+    """argmax (int64) of the given rows from the [2, S, num_rows] partials, splits in order."""
+    part_val_ptr = part_ptr
+    part_idx_ptr = _partial_indices(part_ptr, num_rows, S)
     rows = rows.to(tl.int64)
     best = tl.load(part_val_ptr + rows, mask=mask, other=float("-inf"))
     best_idx = tl.load(part_idx_ptr + rows, mask=mask, other=0)
@@ -137,8 +145,7 @@ def _combine_partials(part_val_ptr, part_idx_ptr, rows, mask, num_rows, S):
 
 @_jit
 def _verify_greedy_accept_kernel(
-    part_val_ptr,  # [S, num_rows] fp32
-    part_idx_ptr,  # [S, num_rows] int32
+    part_ptr,  # [2, S, num_rows] fp32: maxima, then their indices (int32 bits)
     draft_ptr,  # padded: [B, K] int32/int64 (strided); FLAT: [T] (stride stride_dk)
     stride_db,
     stride_dk,
@@ -174,7 +181,7 @@ def _verify_greedy_accept_kernel(
         row0 = b.to(tl.int64) * (K + 1)
         is_row = k <= K
         d0 = b.to(tl.int64) * stride_db
-    target = _combine_partials(part_val_ptr, part_idx_ptr, row0 + k, is_row, num_rows, S)
+    target = _combine_partials(part_ptr, row0 + k, is_row, num_rows, S)
 
     counted = (k < K) & (k < n)
     draft = tl.load(draft_ptr + d0 + k * stride_dk, mask=counted, other=-1).to(tl.int64)
@@ -265,7 +272,7 @@ def launch_config(
     return VerifyGreedyLaunch(argmax, (batch,), next_pow2(num_drafts + 1))
 
 
-def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tensor, torch.Tensor]:
+def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> torch.Tensor:
     """Launch ``_argmax_partials_kernel``: per-chunk (max, argmax) of every row of ``logits``.
 
     Shared by ``verify_greedy`` and ``verify_tree_greedy``.
@@ -281,10 +288,10 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
 
     Returns
     -------
-    part_val : torch.Tensor
-        Shape (S, batch * rows), float32: each chunk's maximum (NaN when it holds a NaN).
-    part_idx : torch.Tensor
-        Shape (S, batch * rows), int32: the first index of that maximum, in [0, vocab).
+    partials : torch.Tensor
+        Shape (2, S, batch * rows), float32, one allocation (one fewer on the host than two):
+        ``[0]`` each chunk's maximum (NaN when it holds a NaN); ``[1]`` the bits of the int32
+        first index of that maximum, in [0, vocab) (``partials[1].view(torch.int32)``).
         S = ``cfg.splits`` chunks per row; chunk s covers lower indices than chunk s + 1.
     """
     B, R, V = logits.shape
@@ -292,14 +299,11 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
     if stride[2] != 1:
         logits = logits.contiguous()
         stride = logits.stride()
-    device, shape = logits.device, (cfg.splits, cfg.rows)
-    part_val = torch.empty(shape, dtype=torch.float32, device=device)
-    part_idx = torch.empty(shape, dtype=torch.int32, device=device)
+    partials = torch.empty(2, cfg.splits, cfg.rows, dtype=torch.float32, device=logits.device)
     if cfg.rows:
         launch(_argmax_partials_kernel)[cfg.grid](
             logits,
-            part_val,
-            part_idx,
+            partials,
             R,
             V,
             stride[0],
@@ -308,21 +312,21 @@ def argmax_partials(logits: torch.Tensor, cfg: ArgmaxLaunch) -> Tuple[torch.Tens
             BLOCK_V=cfg.block_v,
             num_warps=cfg.num_warps,
         )
-    return part_val, part_idx
+    return partials
 
 
 def _split_argmax(
     logits: torch.Tensor, batch: int, num_drafts: int, block_v: int, num_splits: int
-) -> Tuple[VerifyGreedyLaunch, torch.Tensor, torch.Tensor]:
+) -> Tuple[VerifyGreedyLaunch, torch.Tensor]:
     """``launch_config`` for ``batch`` sequences of up to ``num_drafts`` drafts whose logit rows
     are those of ``logits`` [b, rows, V] (0 for ``block_v`` or ``num_splits``: the default),
-    then the split argmax of those rows (``argmax_partials``): (cfg, part_val, part_idx)."""
+    then the split argmax of those rows (``argmax_partials``): (cfg, partials)."""
     b, rows, V = logits.shape
     sm_count = _device.sm_count(logits.device)
     cfg = launch_config(
         batch, b * rows, num_drafts, V, sm_count, block_v=block_v or None, num_splits=num_splits or None
     )
-    return (cfg, *argmax_partials(logits, cfg.argmax))
+    return cfg, argmax_partials(logits, cfg.argmax)
 
 
 def _verify_greedy_triton_impl(
@@ -337,11 +341,10 @@ def _verify_greedy_triton_impl(
     output_tokens, num_accepted = new_int64(target_logits, (B, K1), (B,))
     if B == 0:
         return output_tokens, num_accepted
-    cfg, part_val, part_idx = _split_argmax(target_logits, B, K, block_v, num_splits)
+    cfg, partials = _split_argmax(target_logits, B, K, block_v, num_splits)
     counts = num_draft_tokens if num_draft_tokens.dtype == torch.int64 else num_draft_tokens.to(torch.int64)
     launch(_verify_greedy_accept_kernel)[cfg.grid](
-        part_val,
-        part_idx,
+        partials,
         draft_tokens,
         *draft_tokens.stride(),
         counts,
@@ -415,13 +418,12 @@ def _verify_greedy_flattened_triton_impl(
     if B == 0:
         return output_tokens, num_accepted
     # every flat row's argmax, read in place (the rows as one [1, rows, V] batch)
-    cfg, part_val, part_idx = _split_argmax(target_logits[None], B, max_spec_len, block_v, num_splits)
+    cfg, partials = _split_argmax(target_logits[None], B, max_spec_len, block_v, num_splits)
     T = draft_token_ids.shape[0]
     drafts = draft_token_ids if T else dummy(target_logits, torch.int64)  # never read when T = 0
     bonus = bonus_token_ids if bonus_token_ids is not None else cu_num_draft_tokens  # unused without BONUS_IDS
     launch(_verify_greedy_accept_kernel)[cfg.grid](
-        part_val,
-        part_idx,
+        partials,
         drafts,
         0,
         drafts.stride(0),

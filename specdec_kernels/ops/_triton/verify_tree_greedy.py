@@ -49,8 +49,8 @@ from specdec_kernels.ops._triton.verify_greedy import (
 
 @_jit
 def _verify_tree_greedy_walk_kernel(
-    part_val_ptr,  # [S, B * N] fp32: per-chunk maxima (verify_greedy.argmax_partials)
-    part_idx_ptr,  # [S, B * N] int32: their first indices
+    part_ptr,  # [2, S, B * N] fp32: per-chunk maxima, then their first indices' int32 bits
+    #            (verify_greedy.argmax_partials)
     tokens_ptr,  # [B, N] int32/int64 (strided)
     stride_tb,
     stride_tn,
@@ -69,7 +69,7 @@ def _verify_tree_greedy_walk_kernel(
     b64 = b.to(tl.int64)
     lane = tl.arange(0, BLOCK_N)
     is_node = lane < N
-    target = _combine_partials(part_val_ptr, part_idx_ptr, b * N + lane, is_node, tl.num_programs(0) * N, S)
+    target = _combine_partials(part_ptr, b * N + lane, is_node, tl.num_programs(0) * N, S)
 
     n = tl.minimum(tl.load(num_nodes_ptr + b), N)  # nodes at or past n do not exist
     current = tl.zeros([], dtype=tl.int64)  # the root
@@ -136,17 +136,17 @@ def _verify_tree_greedy_triton_impl(
     if B == 0:
         return output_tokens, accepted_nodes, num_accepted
     parents = tree_parents if tree_parents.dtype == torch.int64 else tree_parents.to(torch.int64)
-    if parents.dim() == 1:
-        parents = parents.expand(B, N)  # one shared tree: batch stride 0, no copy
+    parent_strides = parents.stride()
+    if len(parent_strides) == 1:  # one shared tree: batch stride 0, no copy nor view
+        parent_strides = (0, parent_strides[0])
     cfg = launch_config(B, N, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None)
-    part_val, part_idx = argmax_partials(target_logits, cfg.argmax)
+    partials = argmax_partials(target_logits, cfg.argmax)
     launch(_verify_tree_greedy_walk_kernel)[cfg.grid](
-        part_val,
-        part_idx,
+        partials,
         tree_tokens,
         *tree_tokens.stride(),
         parents,
-        *parents.stride(),
+        *parent_strides,
         num_nodes if num_nodes.dtype == torch.int64 else num_nodes.to(torch.int64),
         output_tokens,
         accepted_nodes,
