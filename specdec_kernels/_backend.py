@@ -88,7 +88,12 @@ def reset() -> None:
     _read_environment()
     _CHOSEN.clear()
     _TRITON.clear()
+    for forget in _ON_RESET:  # e.g. tree_attention's launch plans, made for the backends chosen
+        forget()
     autotune.read_environment_again()
+
+
+_ON_RESET: list = []  # callables that forget what was decided for the chosen backends
 
 
 def interpreter_on() -> bool:

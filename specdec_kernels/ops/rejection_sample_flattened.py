@@ -69,9 +69,10 @@ def check_rejection_sample_flattened_args(
     flat = check_sampling_flattened_args(
         target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens, bonus_token_ids, max_spec_len, validate
     )
-    check_probability_values("target_probs", target_probs, validate)
-    if draft_probs is not None:
-        check_probability_values("draft_probs", draft_probs, validate)
+    if validate:  # a scan of every row: only when asked for
+        check_probability_values("target_probs", target_probs, validate)
+        if draft_probs is not None:
+            check_probability_values("draft_probs", draft_probs, validate)
     return flat
 
 

@@ -332,6 +332,81 @@ def _check_packed_and_splits(tree_mask, dims, device, num_splits: int) -> None:
     _check_num_splits(num_splits)
 
 
+# --------------------------------------------------------------------------------------
+# Launch plans: the eager front's Triton calls, kept per metadata signature
+# --------------------------------------------------------------------------------------
+
+_PLANS: dict = {}  # plan key -> the Triton backend's LaunchPlan (metadata only, no tensors)
+MAX_PLANS = 256  # signatures kept (a serving loop has a few per layer shape); past them none are added
+_backend._ON_RESET.append(_PLANS.clear)  # a plan holds the backend chosen when it was made
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _plan_key(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    tree_mask,
+    block_table,
+    kv_layout,
+    q_layout,
+    sm_scale,
+    num_splits,
+    backend,
+    validate,
+):
+    """The key under which the eager front keeps a call's Triton launch plan, or None when the
+    call may not use one: everything the checks and the launch configuration read from the
+    arguments (each tensor's shape, strides, dtype and device; the layouts, scale, split count
+    and backend), for plain tensors and numbers only and without value checks (``validate``
+    False, or None on a device other than the CPU): those read values, which no key holds.
+    A call whose key was planned skips the checks it passed before (FlashInfer's plan/run,
+    kept by the front)."""
+    if torch.compiler.is_compiling():  # traced: the registered op, no plans
+        return None
+    T = torch.Tensor
+    if not (type(q) is T and type(k_cache) is T and type(v_cache) is T and type(cache_seqlens) is T):
+        return None
+    if (tree_mask is not None and type(tree_mask) is not T) or (block_table is not None and type(block_table) is not T):
+        return None
+    if not (validate is False or (validate is None and not q.is_cpu)):
+        return None
+    if type(kv_layout) is not str or type(q_layout) is not str or (backend is not None and type(backend) is not str):
+        return None
+    if (sm_scale is not None and type(sm_scale) not in (float, int)) or (
+        num_splits is not None and type(num_splits) is not int
+    ):
+        return None
+    return (
+        q_layout,
+        kv_layout,
+        sm_scale,
+        num_splits,
+        backend,
+        _meta(q),
+        _meta(k_cache),
+        _meta(v_cache),
+        _meta(cache_seqlens),
+        _meta(tree_mask),
+        _meta(block_table),
+    )
+
+
+def _run_plan(plan_key, q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, splits):
+    """The Triton backend on checked arguments: its ``LaunchPlan``, kept under ``plan_key``
+    (None: not kept), then run."""
+    plan = _backend.triton_launcher("specdec_kernels.ops._triton.tree_attention:plan")(
+        q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits, block_table, kv_layout
+    )
+    if plan_key is not None and len(_PLANS) < MAX_PLANS:
+        _PLANS[plan_key] = plan
+    return plan.run(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table)
+
+
 def _check_dense(q, k_cache, v_cache, cache_seqlens, tree_mask, num_splits, validate):
     """The checks of the dense op (values with ``validate``); returns (B, N, H, D, Hkv, S)."""
     dims = check_tree_attention_args(q, k_cache, v_cache, cache_seqlens, _bool_mask(tree_mask), validate)
@@ -346,17 +421,15 @@ def _triton_splits(num_splits: int, q: torch.Tensor, Hkv: int, capacity: int) ->
     return num_splits or choose_num_splits(B, Hkv, N, H // Hkv, capacity, D, q.device, q.dtype == torch.float32)
 
 
-def _dense(name: str, backend: str, q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits, Hkv, S):
+def _dense(
+    name: str, backend: str, q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale, num_splits, Hkv, S, plan_key=None
+):
     """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the dense op on
-    checked arguments: the op's kernel after its checks, and the front's eager path."""
+    checked arguments: the op's kernel after its checks, and the front's eager path (which
+    passes ``plan_key`` to keep the Triton launch plan, ``_run_plan``)."""
     if name == "triton":
-        tree_attention_triton = _backend.triton_launcher(
-            "specdec_kernels.ops._triton.tree_attention:tree_attention_triton"
-        )
         splits = _triton_splits(num_splits, q, Hkv, S)
-        return tree_attention_triton(
-            q, k_cache, v_cache, cache_seqlens, tree_mask, _mask_kind(tree_mask), sm_scale, splits
-        )
+        return _run_plan(plan_key, q, k_cache, v_cache, cache_seqlens, tree_mask, None, "NHD", sm_scale, splits)
     mask = unpack_tree_mask(tree_mask, q.shape[1]) if _is_packed(tree_mask) else tree_mask
 
     if name == "native" and not backend:
@@ -426,27 +499,17 @@ def _paged(
     num_splits,
     Hkv,
     capacity,
+    plan_key=None,
 ):
     """Backend ``name`` (chosen for the explicit ``backend``, "" automatic) of the paged op on
-    checked arguments: the op's kernel after its checks, and the front's eager path."""
+    checked arguments: the op's kernel after its checks, and the front's eager path (which
+    passes ``plan_key`` to keep the Triton launch plan, ``_run_plan``)."""
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)  # the kernels read int32 ids (vLLM's); int64 tables are converted
     if name == "triton":
-        paged_tree_attention_triton = _backend.triton_launcher(
-            "specdec_kernels.ops._triton.tree_attention:paged_tree_attention_triton"
-        )
         splits = _triton_splits(num_splits, q, Hkv, capacity)
-        return paged_tree_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            tree_mask,
-            block_table,
-            kv_layout,
-            _mask_kind(tree_mask),
-            sm_scale,
-            splits,
+        return _run_plan(
+            plan_key, q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale, splits
         )
     mask = unpack_tree_mask(tree_mask, q.shape[1]) if _is_packed(tree_mask) else tree_mask
 
@@ -614,6 +677,31 @@ def tree_attention(
     num_splits=0, backend)``.  Both registered ops take q as (batch, N, heads, head_dim); the
     front hands them the transposed view of an HND q.
     """
+    plan_key = _plan_key(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        tree_mask,
+        block_table,
+        kv_layout,
+        q_layout,
+        sm_scale,
+        num_splits,
+        backend,
+        validate,
+    )
+    if plan_key is not None:
+        plan = _PLANS.get(plan_key)  # this signature passed the checks before: the launches only
+        if plan is not None and _library.direct_call(
+            q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, grad_check=True
+        ):
+            if q_layout == "HND":
+                q = q.transpose(1, 2)
+            if block_table is not None and block_table.dtype != torch.int32:
+                block_table = block_table.to(torch.int32)  # as ``_paged`` does
+            out = plan.run(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table)
+            return out.transpose(1, 2) if q_layout == "HND" else out
     check_kv_layout(kv_layout)
     heads_first = check_q_layout(q_layout) == "HND"
     if heads_first and isinstance(q, torch.Tensor) and q.dim() == 4:
@@ -645,14 +733,14 @@ def tree_attention(
         args = (q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, scale, splits)
         if direct:  # eager: checked once, no dispatcher
             name = _backend.resolve("paged_tree_attention", q.device, backend or None, PAGED_IMPLEMENTED)
-            out = _paged(name, backend or "", *args, dims[4], dims[5])
+            out = _paged(name, backend or "", *args, dims[4], dims[5], plan_key)
         else:
             out = torch.ops.specdec.paged_tree_attention(*args, backend or "")
     else:
         args = (q, k_cache, v_cache, cache_seqlens, tree_mask, scale, splits)
         if direct:
             name = _backend.resolve("tree_attention", q.device, backend or None, IMPLEMENTED)
-            out = _dense(name, backend or "", *args, dims[4], dims[5])
+            out = _dense(name, backend or "", *args, dims[4], dims[5], plan_key)
         else:
             out = torch.ops.specdec.tree_attention(*args, backend or "")
     return out.transpose(1, 2) if heads_first else out

@@ -167,4 +167,8 @@ def test_launch_configurations_are_cached_per_shape_class():
         for case in cases:
             case.call()
     assert [f.cache_info().misses for f in configs] == misses
-    assert all(f.cache_info().hits > h for f, h in zip(configs, hits))
+    # tree_attention's second calls run their launch plans: no configuration asked at all
+    from specdec_kernels.ops import tree_attention as ta
+
+    assert all(f.cache_info().hits > h for f, h in zip(configs[:-1], hits[:-1]))
+    assert configs[-1].cache_info().hits == hits[-1] and len(ta._PLANS) >= 2  # dense and paged

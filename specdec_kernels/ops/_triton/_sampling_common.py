@@ -19,6 +19,7 @@ except when ``u * total`` lies within float64 rounding of a CDF boundary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -85,11 +86,11 @@ class VocabSplit:
     splits: int
     tiles_per_split: int
 
-    @property
+    @functools.cached_property  # computed once per (cached) configuration
     def grid(self) -> Tuple[int, int]:
         return self.row_blocks, self.splits
 
-    @property
+    @functools.cached_property  # computed once per (cached) configuration
     def block_s(self) -> int:
         """BLOCK_S of a kernel that reads the chunks' partials as one vector: a power of two >= 2."""
         return max(2, next_pow2(self.splits))
@@ -232,10 +233,11 @@ def _load_chunk_partials(part_ptr, S, B, rows64, rmask, BLOCK_S: tl.constexpr):
     cs = tl.arange(0, BLOCK_S)
     at = cs[None, :] * B + rows64[:, None]
     m2 = rmask[:, None] & (cs < S)[None, :]
-    mass0 = tl.load(part_mass_ptr + at, mask=m2, other=0.0)
-    mass1 = tl.load(part_mass_ptr + S * B + at, mask=m2, other=0.0)
+    # the indices first: reduced at once, they hold few registers while the masses load
     last0 = tl.max(tl.load(part_last_ptr + at, mask=m2, other=-1), axis=1)
     last1 = tl.max(tl.load(part_last_ptr + S * B + at, mask=m2, other=-1), axis=1)
+    mass0 = tl.load(part_mass_ptr + at, mask=m2, other=0.0)
+    mass1 = tl.load(part_mass_ptr + S * B + at, mask=m2, other=0.0)
     return mass0, mass1, last0, last1
 
 

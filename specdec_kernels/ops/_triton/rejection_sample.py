@@ -9,6 +9,7 @@ rows are found from ``cu_num_draft_tokens`` instead of ``b * (K + 1)``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -19,7 +20,7 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
 from specdec_kernels._library import launch
-from specdec_kernels.ops._triton._launch import dummy, new_int64, unit_stride
+from specdec_kernels.ops._triton._launch import dummy, new_int64
 from specdec_kernels.ops._triton._sampling_common import (
     VocabSplit,
     _add_chunk_partials,
@@ -340,7 +341,7 @@ class RejectionSampleLaunch:
     kp: int
     sample_num_warps: int
 
-    @property
+    @functools.cached_property  # computed once per (cached) configuration
     def sample_grid(self) -> Tuple[int]:
         return (self.vocab.row_blocks,)
 
@@ -362,10 +363,15 @@ def launch_config(
     return RejectionSampleLaunch(split, next_pow2(num_drafts + 1), sample_num_warps(split.block_v))
 
 
-def _row_strides(x: torch.Tensor, flat: bool) -> Tuple[int, int]:
-    """(sequence, row) strides of a target or draft tensor: a flattened tensor's rows are its
-    first dimension (sequence stride 0: the kernels find the rows from the counts)."""
-    return (0, x.stride(0)) if flat else (x.stride(0), x.stride(1))
+def _unit_stride_rows(x: torch.Tensor, flat: bool) -> Tuple[torch.Tensor, Tuple[int, int]]:
+    """A target or draft tensor read unit-stride along the vocabulary (``_launch.unit_stride``) and its
+    (sequence, row) strides: a flattened tensor's rows are its first dimension (sequence stride
+    0: the kernels find the rows from the counts).  One ``stride()`` call."""
+    st = x.stride()
+    if st[-1] != 1:
+        x = x.contiguous()
+        st = x.stride()
+    return x, ((0, st[0]) if flat else (st[0], st[1]))
 
 
 def _launch_chain(
@@ -395,11 +401,11 @@ def _launch_chain(
     if B == 0:
         return out, num_accepted
     T = tokens.shape[0] if flat else 0
-    target = unit_stride(target_probs)
+    target, t_st = _unit_stride_rows(target_probs, flat)
     if target.shape[0] == 0:  # flattened, T = 0 with bonus ids: nothing is read
         target = dummy(target, target.dtype)
     has_draft = draft_probs is not None and (T > 0 or not flat)
-    draft = unit_stride(draft_probs) if has_draft else target
+    draft, d_st = _unit_stride_rows(draft_probs, flat) if has_draft else (target, (0, 0))
     philox_coins, philox_final = coins is None, final_u is None
     counts = counts.contiguous()
     if tokens.numel() > 0:
@@ -413,8 +419,7 @@ def _launch_chain(
     else:  # stand-ins, never read
         seeds, offsets = counts, counts
     bonus = bonus_ids.contiguous() if bonus_ids is not None else counts  # unused without BONUS_IDS
-    (stride_tb, stride_tk), (stride_db, stride_dk) = _row_strides(target, flat), _row_strides(draft, flat)
-    strides = (stride_tb, stride_tk, stride_db, stride_dk if has_draft else 0)
+    strides = (*t_st, *d_st)
     cfg = launch_config(B, K, V, _device.sm_count(target.device))
     S, tiles_per_split = cfg.vocab.splits, cfg.vocab.tiles_per_split
     partials = torch.empty(3, S, B, dtype=torch.float64, device=target.device)  # masses, then indices
@@ -504,7 +509,7 @@ def _rejection_sample_triton_impl(
         tiles, the reference sequentially).  The residual is never written to memory.
     """
     K = target_probs.shape[1] - 1
-    counts = num_draft_tokens.to(torch.int64)
+    counts = num_draft_tokens if num_draft_tokens.dtype == torch.int64 else num_draft_tokens.to(torch.int64)
     return _launch_chain(
         target_probs,
         draft_probs,

@@ -29,6 +29,7 @@ Design: two launches, the searches on one program per row, exact (no sort).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -51,9 +52,11 @@ PASSES = 8
 RADIX_BITS = 8  # bits of the order key resolved per pass of the top-k radix select
 RADIX_PASSES = 32 // RADIX_BITS
 
-# the per-row results of the search (columns of its [R, ROW_I32] and [R, ROW_F32] outputs)
+# the per-row results of the search: one [R, ROW_WORDS] int32 workspace (one allocation), each
+# row ROW_I32 int32 words then ROW_F32 float32 values (their bits)
 ROW_I32 = 4  # argmax, mode (0: probabilities, 1: one-hot, 2: NaN), top-k key, top-p bits
 ROW_F32 = 3  # maximum after temperature, softmax denominator, nucleus mass
+ROW_WORDS = ROW_I32 + ROW_F32
 MODE_PROBS, MODE_ONE_HOT, MODE_NAN = 0, 1, 2
 _MODE_PROBS, _MODE_ONE_HOT, _MODE_NAN = (tl.constexpr(m) for m in (MODE_PROBS, MODE_ONE_HOT, MODE_NAN))
 
@@ -122,8 +125,7 @@ def _sampling_search_kernel(
     temp_ptr,  # [B] fp32
     topk_ptr,  # [B] int64
     topp_ptr,  # [B] fp32
-    row_i32_ptr,  # [R, ROW_I32] int32 (written)
-    row_f32_ptr,  # [R, ROW_F32] fp32 (written)
+    row_ptr,  # [R, ROW_WORDS] int32 (written): ROW_I32 int32 words, then ROW_F32 fp32 bits
     V,
     rows_per_seq,  # R // B: rows of logits per sequence (parameters are per sequence)
     stride_lr,
@@ -225,12 +227,12 @@ def _sampling_search_kernel(
     psum = tl.where(live & (psum > 0), psum, 1.0)
 
     mode = tl.where(one_hot, _MODE_ONE_HOT, tl.where(bad, _MODE_NAN, _MODE_PROBS))
-    ri = row_i32_ptr + row * 4
+    ri = row_ptr + row * 7  # ROW_WORDS
     tl.store(ri, best_idx)
     tl.store(ri + 1, mode)
     tl.store(ri + 2, keep_key)
     tl.store(ri + 3, keep_bits)
-    rf = row_f32_ptr + row * 3
+    rf = (ri + 4).to(tl.pointer_type(tl.float32), bitcast=True)  # after the ROW_I32 words
     tl.store(rf, ymax)
     tl.store(rf + 1, denom)
     tl.store(rf + 2, psum)
@@ -241,8 +243,7 @@ def _sampling_write_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16, row stride stride_lr, last dim contiguous
     out_ptr,  # [R, V] fp32, contiguous (written)
     temp_ptr,  # [B] fp32
-    row_i32_ptr,  # [R, ROW_I32] int32 from _sampling_search_kernel
-    row_f32_ptr,  # [R, ROW_F32] fp32 from _sampling_search_kernel
+    row_ptr,  # [R, ROW_WORDS] int32 from _sampling_search_kernel
     R,
     V,
     rows_per_seq,
@@ -260,12 +261,12 @@ def _sampling_write_kernel(
     rows64 = rows.to(tl.int64)
     temp = tl.load(temp_ptr + rows64 // rows_per_seq, mask=rmask, other=1.0)
     tdiv = tl.where(temp == 0, 1.0, temp)
-    ri = row_i32_ptr + rows64 * 4
+    ri = row_ptr + rows64 * 7  # ROW_WORDS
     best_idx = tl.load(ri, mask=rmask, other=0)
     mode = tl.load(ri + 1, mask=rmask, other=_MODE_NAN)
     keep_key = tl.load(ri + 2, mask=rmask, other=_INT32_MIN)
     keep_bits = tl.load(ri + 3, mask=rmask, other=-1)
-    rf = row_f32_ptr + rows64 * 3
+    rf = (row_ptr + 4).to(tl.pointer_type(tl.float32), bitcast=True) + rows64 * 7  # after ROW_I32 words
     ymax = tl.load(rf, mask=rmask, other=0.0)
     denom = tl.load(rf + 1, mask=rmask, other=1.0)
     psum = tl.load(rf + 2, mask=rmask, other=1.0)
@@ -295,7 +296,7 @@ class SamplingProbsLaunch:
     search_num_warps: int
     write: VocabSplit
 
-    @property
+    @functools.cached_property  # computed once per (cached) configuration
     def search_grid(self) -> Tuple[int]:
         return (self.rows,)
 
@@ -349,27 +350,28 @@ def _sampling_probs_triton_impl(
     Returns:
         probs: the shape of logits, float32.
     """
-    V = logits.shape[-1]
-    B = logits.shape[0]
-    x = logits.reshape(-1, V) if logits.numel() else logits.new_empty((0, V))
+    shape = logits.shape
+    V, B = shape[-1], shape[0]
+    if len(shape) == 2:  # no reshape: its view costs as much as an allocation
+        x = logits
+    else:
+        x = logits.reshape(-1, V) if logits.numel() else logits.new_empty((0, V))
     if x.stride(-1) != 1:
         x = x.contiguous()
     R = x.shape[0]
     device = logits.device
     out = torch.empty(R, V, dtype=torch.float32, device=device)
     if R == 0:
-        return out.reshape(logits.shape)
+        return out.reshape(shape)
     cfg = launch_config(R, V, _device.sm_count(device))
-    row_i32 = torch.empty(R, ROW_I32, dtype=torch.int32, device=device)
-    row_f32 = torch.empty(R, ROW_F32, dtype=torch.float32, device=device)
-    temperature = temperature.to(torch.float32).contiguous()
+    rows = torch.empty(R, ROW_WORDS, dtype=torch.int32, device=device)
+    temperature = _as(temperature, torch.float32)
     launch(_sampling_search_kernel)[cfg.search_grid](
         x,
         temperature,
-        top_k.to(torch.int64).contiguous(),
-        top_p.to(torch.float32).contiguous(),
-        row_i32,
-        row_f32,
+        _as(top_k, torch.int64),
+        _as(top_p, torch.float32),
+        rows,
         V,
         R // B,
         x.stride(0),
@@ -386,8 +388,7 @@ def _sampling_probs_triton_impl(
         x,
         out,
         temperature,
-        row_i32,
-        row_f32,
+        rows,
         R,
         V,
         R // B,
@@ -396,7 +397,14 @@ def _sampling_probs_triton_impl(
         BLOCK_B=w.block_b,
         BLOCK_V=w.block_v,
     )
-    return out.reshape(logits.shape)
+    return out if len(shape) == 2 else out.reshape(shape)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, contiguous (itself when it is: no ``to`` call)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 sampling_probs_triton = _sampling_probs_triton_impl  # the launcher (not an op: _library's docstring)

@@ -419,7 +419,40 @@ def split_workspace(rows: int, M: int, num_splits: int, head_dim: int, device: t
     return opart, lse
 
 
-def _launch(
+class LaunchPlan:
+    """One call's launches with everything that depends only on the inputs' metadata (shapes,
+    strides, dtypes, devices, the mask kind, the scale and the split count) worked out once:
+    ``run`` allocates the output (and the split workspace) and launches.  ``plan`` builds it;
+    ``_launch`` is ``plan(...).run(...)``, so the planned and unplanned calls share one path.
+    The public front keeps plans per metadata signature (``tree_attention``'s plan cache)."""
+
+    __slots__ = ("fwd_grid", "fwd_scalars", "fwd_meta", "combine", "split", "rows", "M", "D", "causal", "empty")
+
+    def run(self, q, k_cache, v_cache, cache_seqlens, tree_mask, block_table=None) -> torch.Tensor:
+        """The launches on tensors with the metadata this plan was made for; returns the
+        output (q's shape and dtype, contiguous)."""
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # faster than empty(q.shape)
+        if self.empty:
+            return out
+        if self.causal:
+            mask = cache_seqlens  # never read
+        else:
+            mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+        table = cache_seqlens if block_table is None else block_table  # dense: never read
+        if self.split:
+            opart, lse = split_workspace(self.rows, self.M, self.split, self.D, q.device)
+        else:
+            opart = lse = out  # never written
+        launch(_tree_attention_fwd_kernel)[self.fwd_grid](
+            q, k_cache, v_cache, cache_seqlens, table, mask, out, opart, lse, *self.fwd_scalars, **self.fwd_meta
+        )
+        if self.split:
+            grid, scalars, meta = self.combine
+            launch(_tree_attention_combine_kernel)[grid](opart, lse, out, cache_seqlens, *scalars, **meta)
+        return out
+
+
+def plan(
     q,
     k_cache,
     v_cache,
@@ -430,12 +463,14 @@ def _launch(
     num_splits: int,
     block_table=None,
     kv_layout: str = "NHD",
-):
+) -> LaunchPlan:
+    """The ``LaunchPlan`` of a call on checked inputs (the arguments of ``_launch``); reads only
+    metadata (shapes, strides, dtypes, devices), never values."""
     B, N, H, D = q.shape
     if block_table is None:  # dense [B, Hkv, S, D]: strides (sequence, head, slot, dim)
         Hkv, capacity = k_cache.shape[1], k_cache.shape[2]
         k_strides, v_strides = k_cache.stride(), v_cache.stride()
-        table, table_strides, page_size, num_blocks = cache_seqlens, (0, 0), 1, 1  # table never read
+        table_strides, page_size, num_blocks = (0, 0), 1, 1  # table never read
     else:  # a pool: strides (block, head, slot in the block, dim) whatever the layout
         num_blocks, page_size, Hkv, _ = pool_geometry(k_cache, kv_layout)
         capacity = block_table.shape[1] * page_size
@@ -443,36 +478,28 @@ def _launch(
         ks, vs = k_cache.stride(), v_cache.stride()  # one call each: stride(i) costs as much
         k_strides = tuple([ks[i] for i in order])
         v_strides = tuple([vs[i] for i in order])
-        table, table_strides = block_table, block_table.stride()
+        table_strides = block_table.stride()
     G = H // Hkv
     M = G * N
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # faster than empty(q.shape)
-    if B == 0 or N == 0 or H == 0:
-        return out
+    p = LaunchPlan()
+    p.empty = B == 0 or N == 0 or H == 0
+    if p.empty:
+        return p
     sms = _device.sm_count(q.device)
     ieee, paged = q.dtype == torch.float32, block_table is not None
     cfg = launch_config(B, Hkv, N, G, D, sms, ieee=ieee, num_splits=num_splits)
-    if mask_kind == MASK_CAUSAL:
-        mask, smb, smi, smj = cache_seqlens, 0, 0, 0  # never read
+    p.causal = mask_kind == MASK_CAUSAL
+    if p.causal:
+        smb = smi = smj = 0
     else:
-        mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-        smb = mask.stride(0) if mask.dim() == 3 else 0
-        smi, smj = mask.stride(-2), mask.stride(-1)
-    split = num_splits > 1
-    if split:
-        opart, lse = split_workspace(B * Hkv, M, num_splits, D, q.device)
-    else:
-        opart = lse = out  # never written
-    launch(_tree_attention_fwd_kernel)[cfg.grid](
-        q,
-        k_cache,
-        v_cache,
-        cache_seqlens,
-        table,
-        mask,
-        out,
-        opart,
-        lse,
+        mst = tree_mask.stride()
+        smb = mst[0] if len(mst) == 3 else 0
+        smi, smj = mst[-2], mst[-1]
+    out_strides = (N * H * D, H * D, D, 1)  # the contiguous output
+    p.split = num_splits if num_splits > 1 else 0
+    p.rows, p.M, p.D = B * Hkv, M, D
+    p.fwd_grid = cfg.grid
+    p.fwd_scalars = (
         N,
         capacity,
         G,
@@ -488,31 +515,42 @@ def _launch(
         smb,
         smi,
         smj,
-        *out.stride(),
-        **fwd_constexprs(cfg, D, mask_kind, ieee, sms is None and q.dtype == torch.bfloat16, paged),
+        *out_strides,
+    )
+    p.fwd_meta = dict(
+        fwd_constexprs(cfg, D, mask_kind, ieee, sms is None and q.dtype == torch.bfloat16, paged),
         num_warps=cfg.num_warps,
     )
-    if split:
-        launch(_tree_attention_combine_kernel)[cfg.combine_grid](
-            opart,
-            lse,
-            out,
-            cache_seqlens,
-            B * Hkv * M,
-            N,
-            capacity,
-            G,
-            Hkv,
-            num_splits,
-            *out.stride(),
-            HEAD_DIM=D,
-            BLOCK_D=cfg.block_d,
-            BLOCK_R=cfg.combine_block_r,
-            BLOCK_N=cfg.block_n,
-            MIN_SPLIT_KEYS=cfg.min_split_keys,
-            num_warps=cfg.combine_num_warps,
+    if p.split:
+        p.combine = (
+            cfg.combine_grid,
+            (B * Hkv * M, N, capacity, G, Hkv, num_splits, *out_strides),
+            dict(
+                HEAD_DIM=D,
+                BLOCK_D=cfg.block_d,
+                BLOCK_R=cfg.combine_block_r,
+                BLOCK_N=cfg.block_n,
+                MIN_SPLIT_KEYS=cfg.min_split_keys,
+                num_warps=cfg.combine_num_warps,
+            ),
         )
-    return out
+    return p
+
+
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    tree_mask,
+    mask_kind: int,
+    sm_scale: float,
+    num_splits: int,
+    block_table=None,
+    kv_layout: str = "NHD",
+):
+    p = plan(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout)
+    return p.run(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table)
 
 
 # --------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ one-element NumPy array, which NumPy >= 2.4 rejects: the test environment pins N
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -214,7 +215,7 @@ class ArgmaxLaunch(VocabSplit):
 
     num_warps: int
 
-    @property
+    @functools.cached_property  # computed once per (cached) configuration
     def rows(self) -> int:
         return self.row_blocks
 

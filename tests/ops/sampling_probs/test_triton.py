@@ -235,7 +235,7 @@ def test_top_k_finds_the_kth_largest_key_of_every_kind_of_value(device, seed):
         with recorded_launches(sp) as launches:
             got = kernel(rows.to(device), 1.0, k).cpu()
         search = [x for x in launches if x.kernel == "_sampling_search_kernel"][0]
-        row_i32 = search.args[4].cpu()  # argmax, mode, top-k key, top-p bits
+        row_i32 = search.args[4].cpu()  # per row: argmax, mode, top-k key, top-p bits, then 3 fp32
         assert row_i32[:, 2].tolist() == keys[:, k - 1].tolist(), k
         want = reference_sampling_probs(rows, 1.0, k)
         assert torch.equal(got > 0, want > 0) and torch.equal(got.isnan(), want.isnan())
