@@ -20,7 +20,7 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
 from specdec_kernels._library import launch
-from specdec_kernels.ops._triton._launch import dummy, new_int64
+from specdec_kernels.ops._triton._launch import dummy
 from specdec_kernels.ops._triton._sampling_common import (
     VocabSplit,
     _add_chunk_partials,
@@ -374,6 +374,20 @@ def _unit_stride_rows(x: torch.Tensor, flat: bool) -> Tuple[torch.Tensor, Tuple[
     return x, ((0, st[0]) if flat else (st[0], st[1]))
 
 
+@functools.lru_cache(maxsize=1024)
+def _chain_meta(cfg, flat: bool, bonus_ids: bool, has_draft: bool, philox_coins: bool, padded_coins: bool) -> dict:
+    """The constexprs both chain kernels take (one dict per launch class; callers only read it)."""
+    return dict(
+        FLAT=flat,
+        BONUS_IDS=bonus_ids,
+        HAS_DRAFT=has_draft,
+        PHILOX_COINS=philox_coins,
+        PADDED_COINS=padded_coins,
+        BLOCK_B=cfg.vocab.block_b,
+        BLOCK_V=cfg.vocab.block_v,
+    )
+
+
 def _launch_chain(
     target_probs: torch.Tensor,
     draft_probs: Optional[torch.Tensor],
@@ -397,7 +411,8 @@ def _launch_chain(
     int64, num_accepted (B,) int64)."""
     flat = target_probs.dim() == 2
     B, V = counts.shape[0], target_probs.shape[-1]
-    out, num_accepted = new_int64(target_probs, (B, K + 1), (B,))
+    out = target_probs.new_empty(B, K + 1, dtype=torch.int64)
+    num_accepted = target_probs.new_empty(B, dtype=torch.int64)
     if B == 0:
         return out, num_accepted
     T = tokens.shape[0] if flat else 0
@@ -423,14 +438,8 @@ def _launch_chain(
     cfg = launch_config(B, K, V, _device.sm_count(target.device))
     S, tiles_per_split = cfg.vocab.splits, cfg.vocab.tiles_per_split
     partials = torch.empty(3, S, B, dtype=torch.float64, device=target.device)  # masses, then indices
-    meta = dict(
-        FLAT=flat,
-        BONUS_IDS=bonus_ids is not None,
-        HAS_DRAFT=has_draft,
-        PHILOX_COINS=philox_coins,
-        PADDED_COINS=flat and not philox_coins and coins.dim() == 2,
-        BLOCK_B=cfg.vocab.block_b,
-        BLOCK_V=cfg.vocab.block_v,
+    meta = _chain_meta(
+        cfg, flat, bonus_ids is not None, has_draft, philox_coins, flat and not philox_coins and coins.dim() == 2
     )
     launch(_rejection_partials_kernel)[cfg.vocab.grid](
         target,

@@ -324,9 +324,12 @@ def _split_argmax(
     then the split argmax of those rows (``argmax_partials``): (cfg, partials)."""
     b, rows, V = logits.shape
     sm_count = _device.sm_count(logits.device)
-    cfg = launch_config(
-        batch, b * rows, num_drafts, V, sm_count, block_v=block_v or None, num_splits=num_splits or None
-    )
+    if block_v or num_splits:
+        cfg = launch_config(
+            batch, b * rows, num_drafts, V, sm_count, block_v=block_v or None, num_splits=num_splits or None
+        )
+    else:  # the default tiling: a cache key without keywords (cheaper to build)
+        cfg = launch_config(batch, b * rows, num_drafts, V, sm_count)
     return cfg, argmax_partials(logits, cfg.argmax)
 
 
@@ -339,7 +342,8 @@ def _verify_greedy_triton_impl(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     B, K1, _ = target_logits.shape
     K = K1 - 1
-    output_tokens, num_accepted = new_int64(target_logits, (B, K1), (B,))
+    output_tokens = target_logits.new_empty(B, K1, dtype=torch.int64)
+    num_accepted = target_logits.new_empty(B, dtype=torch.int64)
     if B == 0:
         return output_tokens, num_accepted
     cfg, partials = _split_argmax(target_logits, B, K, block_v, num_splits)

@@ -37,7 +37,6 @@ import triton.language as tl
 from specdec_kernels import _device
 from specdec_kernels._device import next_pow2
 from specdec_kernels._library import launch
-from specdec_kernels.ops._triton._launch import new_int64
 from specdec_kernels.ops._triton.verify_greedy import (
     ArgmaxLaunch,
     _combine_partials,
@@ -132,14 +131,20 @@ def _verify_tree_greedy_triton_impl(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, N, V = target_logits.shape
     device = target_logits.device
-    output_tokens, accepted_nodes, num_accepted = new_int64(target_logits, (B, N), (B, N), (B,))
+    output_tokens = target_logits.new_empty(B, N, dtype=torch.int64)
+    accepted_nodes = target_logits.new_empty(B, N, dtype=torch.int64)
+    num_accepted = target_logits.new_empty(B, dtype=torch.int64)
     if B == 0:
         return output_tokens, accepted_nodes, num_accepted
     parents = tree_parents if tree_parents.dtype == torch.int64 else tree_parents.to(torch.int64)
     parent_strides = parents.stride()
     if len(parent_strides) == 1:  # one shared tree: batch stride 0, no copy nor view
         parent_strides = (0, parent_strides[0])
-    cfg = launch_config(B, N, V, _device.sm_count(device), block_v=block_v or None, num_splits=num_splits or None)
+    sms = _device.sm_count(device)
+    if block_v or num_splits:
+        cfg = launch_config(B, N, V, sms, block_v=block_v or None, num_splits=num_splits or None)
+    else:  # the default tiling: a cache key without keywords (cheaper to build)
+        cfg = launch_config(B, N, V, sms)
     partials = argmax_partials(target_logits, cfg.argmax)
     launch(_verify_tree_greedy_walk_kernel)[cfg.grid](
         partials,
