@@ -602,6 +602,8 @@ def compact_kv_cache(
 def _direct(kv_cache, views, cache_seqlens, accepted_indices, n, block_table) -> bool:
     """``_library.direct_call`` for the caches (the one buffer, or every view) and the index
     tensors; an in-place op: caches that require grad go through the registered op (its error)."""
+    if type(kv_cache) is torch.Tensor:  # the one buffer (or one layer's tensor): no list
+        return _library.direct_call(kv_cache, cache_seqlens, accepted_indices, n, block_table, grad_check=True)
     caches = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(views)
     return _library.direct_call(*caches, cache_seqlens, accepted_indices, n, block_table, grad_check=True)
 

@@ -22,6 +22,8 @@ from specdec_kernels.reference.rejection_sample import _rejection_sample, accept
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "rejection_sample"
+# the Triton backend's launches: (target, draft, tokens, counts, coins, final_u, K, bonus_ids, seeds, offsets)
+_CHAIN = "specdec_kernels.ops._triton.rejection_sample:_launch_chain"
 
 
 class RejectionSampleDetails(NamedTuple):
@@ -245,7 +247,12 @@ def rejection_sample(
     random_args = op_random_args(B, K, device, source, coin_counts=n, validate=validate)
     if _library.direct_call(target_probs, draft_probs, draft_tokens, n, *random_args):  # eager: checked once
         name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
-        out, acc = _run(name, target_probs, draft_probs, draft_tokens, n, *random_args)
+        if name == "triton":  # the launches themselves: no layer between (host cost)
+            out, acc = _backend.triton_launcher(_CHAIN)(
+                target_probs, draft_probs, draft_tokens, n, *random_args[:2], K, None, *random_args[2:]
+            )
+        else:
+            out, acc = _run(name, target_probs, draft_probs, draft_tokens, n, *random_args)
     else:
         u, s, seeds, offsets = random_args
         out, acc = torch.ops.specdec.rejection_sample(

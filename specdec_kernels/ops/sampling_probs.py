@@ -31,6 +31,7 @@ from specdec_kernels.checks import (
 from specdec_kernels.reference.sampling_probs import _sampling_probs
 
 IMPLEMENTED = ("reference", "native", "triton")
+_TRITON = "specdec_kernels.ops._triton.sampling_probs:sampling_probs_triton"
 Param = Union[None, int, float, torch.Tensor]
 
 
@@ -95,10 +96,7 @@ def _run(backend: str, logits, t, k, p, use_top_k: bool, use_top_p: bool) -> tor
     """The backend ``backend`` on checked [B] parameters (``check_sampling_args``): the op's
     kernel after its checks, and the front's eager path (one check pass, no dispatcher)."""
     if backend == "triton":
-        sampling_probs_triton = _backend.triton_launcher(
-            "specdec_kernels.ops._triton.sampling_probs:sampling_probs_triton"
-        )
-        return sampling_probs_triton(logits, t, k, p, use_top_k, use_top_p)
+        return _backend.triton_launcher(_TRITON)(logits, t, k, p, use_top_k, use_top_p)
     if backend == "native":
         return torch.ops.specdec.sampling_probs_native(
             logits,  # read in place, any strides
@@ -203,6 +201,8 @@ def sampling_probs(
     use_top_k, use_top_p = top_k is not None, top_p is not None
     if _library.direct_call(logits, t, k, p, grad_check=True):  # eager: checked once, no dispatcher
         name = _backend.resolve("sampling_probs", logits.device, backend or None, IMPLEMENTED)
+        if name == "triton":  # the launcher itself: no layer between (host cost)
+            return _backend.triton_launcher(_TRITON)(logits, t, k, p, use_top_k, use_top_p)
         return _run(name, logits, t, k, p, use_top_k, use_top_p)
     return torch.ops.specdec.sampling_probs(
         logits, t, k if use_top_k else None, p if use_top_p else None, backend or ""
