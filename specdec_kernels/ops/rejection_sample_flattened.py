@@ -33,6 +33,8 @@ from specdec_kernels.reference.rejection_sample_flattened import (
 
 IMPLEMENTED = ("reference", "native", "triton")
 OP = "rejection_sample_flattened"
+# the Triton backend's launches: (target, draft, tokens, cu, coins, final_u, K, bonus_ids, seeds, offsets)
+_CHAIN = "specdec_kernels.ops._triton.rejection_sample:_launch_chain"
 
 
 def rejection_details_flattened(
@@ -254,7 +256,13 @@ def rejection_sample_flattened(
     args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens)
     if _library.direct_call(*args, flat.bonus_token_ids, *random_args):  # eager: checked once, no dispatcher
         name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
-        out, acc = _run(name, flat, *args, flat.bonus_token_ids, *random_args)
+        if name == "triton":  # the launches themselves: no layer between (host cost)
+            u, s, seeds, offsets = random_args
+            out, acc = _backend.triton_launcher(_CHAIN)(
+                *args, u, s, flat.max_spec_len, flat.bonus_token_ids, seeds, offsets
+            )
+        else:
+            out, acc = _run(name, flat, *args, flat.bonus_token_ids, *random_args)
     else:
         u, s, seeds, offsets = random_args
         out, acc = torch.ops.specdec.rejection_sample_flattened(
