@@ -127,7 +127,7 @@ def _extensions():
             cpu_sources + cuda_sources,
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=[("SPECDEC_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]},
             extra_link_args=["-fopenmp"] + STRIP_LDFLAGS,
         )
     else:

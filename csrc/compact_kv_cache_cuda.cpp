@@ -4,9 +4,14 @@
 // The caches are handed to the kernel in its strided form (one base pointer and strides) when
 // they are evenly spaced in memory with equal strides, which is the case for one
 // [L, 2, B, Hkv, S, D] buffer (or the list of its 2L views): no host-to-device copy, CUDA
-// graph capture works.  Separately allocated layers go through a table of per-cache base
-// pointers and strides, copied to the device asynchronously from pinned memory; that form
-// refuses stream capture (the captured copy would replay a stale host buffer).
+// graph capture works.  Separately allocated layers go through a device table of per-cache
+// base pointers and strides, built once per cache list (its contents are the key) and kept:
+// the first call copies it to the device, later calls (a CUDA-graph capture included) reuse
+// it without a copy.  A list never seen before refuses stream capture (its copy would be
+// captured from a host buffer): call once outside the capture first.
+//
+// Errors: a CUDA error already pending before the launch is reported as an earlier one, not
+// as this op's; the launch's own error is checked right after it.
 //
 // The paged op (paged_compact_kv_cache_native) goes the same way: its per-layer pools are
 // described like caches (stride_b = bytes between physical blocks), one [L, 2, ...] pool
@@ -22,6 +27,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace specdec {
@@ -50,10 +58,52 @@ void describe_indices(SpecdecCompactKVArgs& a, const at::Tensor& cache_seqlens, 
 SpecdecKVSlice kernel_slice(const KVCacheSlice& s) { return {s.base, s.stride_b, s.stride_h, s.stride_s}; }
 SpecdecKVSlice kernel_slice(const PagedKVPool& p) { return {p.base, p.stride_block, p.stride_h, p.stride_slot}; }
 
+// The device tables of per-cache bases and strides made so far, keyed by (device index, the
+// table's contents): a decode loop compacts the same cache list every step, so its table is
+// copied to the device once and reused, CUDA-graph replays included.  Bounded: past
+// kMaxTables lists a table is copied per call (and refused under capture), never evicted (a
+// captured graph may hold its address).
+constexpr size_t kMaxTables = 64;
+
+at::Tensor device_table(const std::vector<SpecdecKVSlice>& host, const at::Device& device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, std::vector<int64_t>>, at::Tensor> tables;
+  std::vector<int64_t> words(host.size() * 4);
+  std::memcpy(words.data(), host.data(), words.size() * sizeof(int64_t));
+  auto key = std::make_tuple(static_cast<int>(device.index()), std::move(words));
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto found = tables.find(key);
+    if (found != tables.end()) return found->second;
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
+              "compact_kv_cache: caches that are not one evenly spaced buffer are handed to the kernel as a "
+              "device table of their addresses, built by a host-to-device copy on the first call with this cache "
+              "list; that copy cannot be captured in a CUDA graph: call compact_kv_cache once with these caches "
+              "before the capture (the table is kept), or pass one [L, 2, ...] buffer");
+  const int64_t n = static_cast<int64_t>(std::get<1>(key).size());
+  at::Tensor pinned = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(pinned.data_ptr<int64_t>(), std::get<1>(key).data(), static_cast<size_t>(n) * sizeof(int64_t));
+  // A blocking copy: the table is ready for any stream (later calls may run on another one).
+  at::Tensor table = pinned.to(device, /*non_blocking=*/false);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (tables.size() < kMaxTables) tables.emplace(std::move(key), table);
+  return table;
+}
+
+// A CUDA error pending before this op launches belongs to an earlier launch (kernel errors
+// are reported at the next CUDA call): report it as such instead of as this op's.
+void check_no_earlier_error(const char* op) {
+  const cudaError_t earlier = cudaGetLastError();
+  TORCH_CHECK(earlier == cudaSuccess, op, ": a CUDA error from an earlier launch was pending before this call (",
+              cudaGetErrorString(earlier), "); compute-sanitizer or CUDA_LAUNCH_BLOCKING=1 finds its source");
+}
+
 // The caches' fields of the launch arguments, once every cache's rows are found contiguous:
 // the strided form when the caches allow it, else a device table of their bases and strides
-// (returned, kept alive by the caller until the launch is enqueued; refused under stream
-// capture).
+// (``device_table``: returned, kept alive by the caller until the launch is enqueued).
 template <typename Cache>
 at::Tensor describe_caches(SpecdecCompactKVArgs& a, const char* op, const std::vector<Cache>& caches,
                            int64_t element_size, int64_t head_dim, const at::Device& device, cudaStream_t stream) {
@@ -68,15 +118,7 @@ at::Tensor describe_caches(SpecdecCompactKVArgs& a, const char* op, const std::v
   const int form = specdec_compact_kv_cache_describe(&a, host.data(), num_caches, head_dim * element_size);
   TORCH_CHECK(form >= 0, "compact_kv_cache: malformed cache description");
   if (form == 1) return at::Tensor();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  TORCH_CHECK(capture == cudaStreamCaptureStatusNone,
-              "compact_kv_cache: caches that are not one evenly spaced buffer need a host-to-device copy of "
-              "their addresses, which cannot be captured in a CUDA graph; pass one [L, 2, ...] buffer");
-  at::Tensor pinned = at::empty({num_caches * 4}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::memcpy(pinned.data_ptr<int64_t>(), host.data(), static_cast<size_t>(num_caches) * sizeof(SpecdecKVSlice));
-  // Pinned + non_blocking: a stream-ordered copy; the host block is recycled only after it.
-  at::Tensor table = pinned.to(device, /*non_blocking=*/true);
+  const at::Tensor table = device_table(host, device, stream);
   a.table = reinterpret_cast<const SpecdecKVSlice*>(table.data_ptr<int64_t>());
   return table;
 }
@@ -99,6 +141,7 @@ void compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_seqlen
   a.capacity = plan.capacity;
   describe_indices(a, cache_seqlens, accepted_indices, num_accepted);
 
+  check_no_earlier_error("compact_kv_cache");
   const cudaError_t err = specdec_compact_kv_cache(&a, stream);
   TORCH_CHECK(err == cudaSuccess, "compact_kv_cache: the CUDA launch failed: ", cudaGetErrorString(err));
 }
@@ -131,6 +174,7 @@ void paged_compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_
   p.block_size = plan.block_size;
   p.num_blocks = plan.num_blocks;
 
+  check_no_earlier_error("paged compact_kv_cache");
   const cudaError_t err = specdec_paged_compact_kv_cache(&p, stream);
   TORCH_CHECK(err == cudaSuccess, "paged compact_kv_cache: the CUDA launch failed: ", cudaGetErrorString(err));
 }

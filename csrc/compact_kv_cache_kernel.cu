@@ -142,26 +142,46 @@ __host__ __device__ __forceinline__ char* row_of(const SpecdecPagedCompactKVArgs
   }
 }
 
+// a / b for 0 <= a, 0 < b: a 32-bit division when both fit in 32 bits (the usual case: a
+// 64-bit division is a long instruction sequence on the GPU), a 64-bit one otherwise.
+__host__ __device__ __forceinline__ int64_t div_nonneg(int64_t a, int64_t b) {
+  return (static_cast<uint64_t>(a) | static_cast<uint64_t>(b)) <= 0xFFFFFFFFull
+             ? static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b))
+             : a / b;
+}
+
+// How a thread's word index advances by `threads` words, in rows and columns of `row_words`
+// words: one division per kernel (in compact_kv_cache_kernel), none per word.
+struct WordStep {
+  int64_t rows, cols;
+};
+
 // Thread `tid` of `threads`: load its words of the chunk starting at destination word
-// `chunk` into registers, and where each goes (nullptr: nothing to store).
+// `chunk` into registers, and where each goes (nullptr: nothing to store).  The word's row i
+// (its accepted slot) and column advance by `step` from one word to the next: one division
+// per chunk, and accepted_indices[b, i] is read once per row the thread meets, not per word.
 template <typename Word, int kWords, bool kPaged>
 __host__ __device__ __forceinline__ void load_chunk(const SpecdecPagedCompactKVArgs& p, const SliceWork& w,
-                                                    int64_t row_words, int64_t chunk, int64_t tid, int64_t threads,
+                                                    int64_t row_words, WordStep step, int64_t chunk, int64_t tid,
                                                     Word* word, Word** dst) {
   const SpecdecCompactKVArgs& a = p.kv;
-  const int64_t total = w.n * row_words;
+  int64_t i = div_nonneg(chunk + tid, row_words);  // the row (accepted slot) of this thread's first word
+  int64_t col = chunk + tid - i * row_words;
+  int64_t row_read = -1;  // the row whose index is in `from`
+  uint64_t from = 0;
+  const uint64_t start = w.start;
 #pragma unroll
   for (int r = 0; r < kWords; ++r) {
     word[r] = Word{};
     dst[r] = nullptr;
-    const int64_t k = chunk + r * threads + tid;
-    if (k < total) {
-      const int64_t i = k / row_words;
-      const int64_t col = k - i * row_words;
-      const int64_t idx =
-          load_index(a.accepted_indices, w.b * a.indices_stride_b + i * a.indices_stride_m, a.indices_int64);
-      const uint64_t from = w.start + static_cast<uint64_t>(idx);
-      const uint64_t to = w.start + static_cast<uint64_t>(i);
+    if (i < w.n) {
+      if (i != row_read) {
+        const int64_t idx =
+            load_index(a.accepted_indices, w.b * a.indices_stride_b + i * a.indices_stride_m, a.indices_int64);
+        from = start + static_cast<uint64_t>(idx);
+        row_read = i;
+      }
+      const uint64_t to = start + static_cast<uint64_t>(i);
       if (from != to) {
         const char* src = row_of<kPaged>(p, w, from);
         char* dst_row = row_of<kPaged>(p, w, to);
@@ -170,6 +190,12 @@ __host__ __device__ __forceinline__ void load_chunk(const SpecdecPagedCompactKVA
           dst[r] = reinterpret_cast<Word*>(dst_row) + col;
         }
       }
+    }
+    i += step.rows;  // the next word: `threads` words on
+    col += step.cols;
+    if (col >= row_words) {
+      col -= row_words;
+      ++i;
     }
   }
 }
@@ -189,14 +215,15 @@ __global__ void __launch_bounds__(kMaxThreads) compact_kv_cache_kernel(const Spe
   const int64_t row_words = a.row_bytes / static_cast<int64_t>(sizeof(Word));
   const int64_t threads = blockDim.x;
   const int64_t step = threads * kWords;
-  for (int64_t s = blockIdx.x; s < num_slices; s += gridDim.x) {  // uniform over the block
+  const WordStep word_step{threads / row_words, threads % row_words};  // once per thread
+  for (int64_t s = blockIdx.x; s < num_slices; s += gridDim.x) {       // uniform over the block
     SliceWork w;
     if (!slice_work<kTable, kPaged>(p, s, w)) continue;
     const int64_t total = w.n * row_words;
     for (int64_t chunk = 0; chunk < total; chunk += step) {
       Word word[kWords];
       Word* dst[kWords];
-      load_chunk<Word, kWords, kPaged>(p, w, row_words, chunk, threadIdx.x, threads, word, dst);
+      load_chunk<Word, kWords, kPaged>(p, w, row_words, word_step, chunk, threadIdx.x, word, dst);
       __syncthreads();  // every load of this chunk before any store of it
       store_chunk<Word, kWords>(word, dst);
       if (chunk + step < total) __syncthreads();  // this chunk's stores before the next loads
@@ -299,6 +326,7 @@ void emulate(const SpecdecPagedCompactKVArgs& p, LaunchConfig cfg) {
   const int64_t num_slices = a.num_caches * a.batch * a.heads;
   const int64_t row_words = a.row_bytes / static_cast<int64_t>(sizeof(Word));
   const int64_t step = cfg.threads * kWords;
+  const WordStep word_step{cfg.threads / row_words, cfg.threads % row_words};
   std::vector<Word> word(cfg.threads * kWords);
   std::vector<Word*> dst(cfg.threads * kWords);
   for (int64_t block = 0; block < cfg.blocks; ++block) {
@@ -307,7 +335,7 @@ void emulate(const SpecdecPagedCompactKVArgs& p, LaunchConfig cfg) {
       if (!slice_work<kTable, kPaged>(p, s, w)) continue;
       for (int64_t chunk = 0; chunk < w.n * row_words; chunk += step) {
         for (int64_t t = 0; t < cfg.threads; ++t) {
-          load_chunk<Word, kWords, kPaged>(p, w, row_words, chunk, t, cfg.threads, &word[t * kWords], &dst[t * kWords]);
+          load_chunk<Word, kWords, kPaged>(p, w, row_words, word_step, chunk, t, &word[t * kWords], &dst[t * kWords]);
         }
         for (int64_t t = 0; t < cfg.threads; ++t) store_chunk<Word, kWords>(&word[t * kWords], &dst[t * kWords]);
       }

@@ -295,10 +295,12 @@ def test_long_paths_span_many_chunks(impl, dtype):
 @pytest.mark.parametrize(
     "threads,blocks", [(32, 0), (64, 0), (32, 3), (128, 1)], ids=["t32", "t64", "t32_b3", "t128_b1"]
 )
-@pytest.mark.parametrize("head_dim", [8, 67], ids=["D8", "D67"])
+@pytest.mark.parametrize("head_dim", [8, 40, 67], ids=["D8", "D40", "D67"])
 def test_emulated_kernel_with_other_launch_shapes(emulator, threads, blocks, head_dim):
     # Narrower blocks (more chunks per slice) and fewer blocks than slices (the grid-stride
-    # loop) must give the same result as the launcher's own configuration.
+    # loop) must give the same result as the launcher's own configuration.  A thread's next
+    # word lies whole rows on (D8: one 16-byte word a row), rows and columns on (D40: 5 words
+    # a row) or columns on (D67: 67 2-byte words, more than 32 threads).
     L, B, Hkv, S, M = 2, 3, 2, 120, 40
     cache = random_cache((L, 2, B, Hkv, S, head_dim), torch.float16, seed=19, device="cpu")
     g = torch.Generator().manual_seed(3)
