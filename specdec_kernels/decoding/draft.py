@@ -19,6 +19,7 @@ same temperature / top-k / top-p as the target).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -87,6 +88,38 @@ class SamplingParams:
         return temperature_is_greedy(self.temperature)
 
 
+_TREE_SHAPES: "OrderedDict[tuple, Tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+MAX_TREE_SHAPES = 64  # distinct parent lists kept (a static tree drafter has one per batch size)
+
+
+def tree_structure(parents: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The depths (B, N) int64 and ancestor mask (B, N, N) bool of parent lists (B, N), on
+    ``device``: computed once per distinct parent lists held on the host and kept (at most
+    ``MAX_TREE_SHAPES``, least recently used dropped), so a drafter whose tree shape repeats
+    (a static EAGLE or Medusa tree) costs a dictionary lookup per step instead of the
+    per-node loops of ``ancestor_mask`` and of the depths (issue #55: built once per tree
+    shape).  Parents on another device are computed each time (their values would be a host
+    read).  The returned tensors are shared: read them, never write into them.
+
+    The depth of node i is the number of its ancestors: its mask row's count minus one."""
+    if parents.device.type != "cpu":
+        mask = ancestor_mask(parents)
+        return mask.sum(dim=-1) - 1, mask
+    p = parents.contiguous()
+    key = (tuple(p.shape), p.dtype, str(torch.device(device)), p.numpy().tobytes())
+    hit = _TREE_SHAPES.get(key)
+    if hit is not None:
+        _TREE_SHAPES.move_to_end(key)
+        return hit
+    mask = ancestor_mask(p)
+    depths = mask.sum(dim=-1, dtype=torch.int64) - 1
+    hit = (depths.to(device), mask.to(device))
+    _TREE_SHAPES[key] = hit
+    if len(_TREE_SHAPES) > MAX_TREE_SHAPES:
+        _TREE_SHAPES.popitem(last=False)
+    return hit
+
+
 @dataclass
 class Draft:
     """Token trees for a batch, padded to N nodes.
@@ -119,17 +152,14 @@ class Draft:
         return self.tokens.shape[1]
 
     def depths(self) -> torch.Tensor:
-        """(B, N) int64 depth of every node (root 0)."""
+        """(B, N) int64 depth of every node (root 0), on the parents' device."""
         if self.is_chain:
             return torch.arange(self.width, device=self.tokens.device).expand(self.batch_size, -1)
-        depth = torch.zeros_like(self.parents)
-        for i in range(1, self.width):
-            depth[:, i] = depth.gather(1, self.parents[:, i : i + 1]).squeeze(1) + 1
-        return depth
+        return tree_structure(self.parents, self.parents.device)[0]
 
     def mask(self) -> Optional[torch.Tensor]:
         """The ancestor mask (B, N, N) for ``tree_attention``, or None for chains."""
-        return None if self.is_chain else ancestor_mask(self.parents)
+        return None if self.is_chain else tree_structure(self.parents, self.parents.device)[1]
 
     def truncate(self, max_nodes: Sequence[int]) -> "Draft":
         """Keep at most max_nodes[b] nodes (>= 1) per sequence (a prefix of a topological

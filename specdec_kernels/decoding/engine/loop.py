@@ -46,7 +46,7 @@ from specdec_kernels import (
 )
 from specdec_kernels.checks import INDEX_DTYPES, as_int, as_int_list, as_real, layer_indices
 from specdec_kernels.decoding.coupling import GumbelCoupling
-from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
+from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams, tree_structure
 from specdec_kernels.decoding.engine.adaptive import (
     CostModelPolicy,
     DraftLengthPolicy,
@@ -913,7 +913,10 @@ class SpeculativeDecoder:
         num_nodes = draft.num_nodes.to(device)
         probs = draft.probs[:, :n].to(device) if draft.probs is not None else None
         trimmed = Draft(tokens, parents, num_nodes, probs, draft.is_chain)
-        depths = trimmed.depths()
+        if draft.is_chain:
+            depths, tree_mask = trimmed.depths(), None
+        else:  # once per tree shape, from the host's parent lists (tree_structure)
+            depths, tree_mask = tree_structure(draft.parents[:, :n], device)
         positions = state.cache_seqlens.to(torch.int64)[:, None] + depths
         self._hidden = None
         if getattr(self.drafter, "wants_hidden", False):  # final hidden states for the drafter
@@ -922,12 +925,12 @@ class SpeculativeDecoder:
                 positions,
                 state.kv_cache,
                 state.cache_seqlens,
-                trimmed.mask(),
+                tree_mask,
                 return_hidden=True,
                 **self._layer_kwargs,
             )
         else:
-            logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, trimmed.mask())  # [B, n, V]
+            logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, tree_mask)  # [B, n, V]
 
         if getattr(self.drafter, "wants_target_argmax", False):
             self._target_argmax = logits.argmax(dim=-1).cpu()
