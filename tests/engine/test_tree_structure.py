@@ -90,3 +90,18 @@ def test_draft_methods_use_it():
 def test_bad_parents_are_still_refused():
     with pytest.raises((ValueError, TypeError)):
         tree_structure(torch.tensor([[-1, 2, 0]]), "cpu")
+
+
+def test_step_results_reach_the_host_in_one_copy():
+    """The loop's four per-step results go to the host as one packed copy on CUDA
+    (``to_host_once``): same values and shapes as one copy each."""
+    from specdec_kernels.decoding.engine.loop import to_host_once
+
+    g = torch.Generator().manual_seed(4)
+    out = torch.randint(-1, 50, (3, 5), generator=g)
+    nodes = torch.randint(-1, 5, (3, 5), generator=g)
+    acc = torch.randint(0, 5, (3,), generator=g)
+    depth = torch.randint(0, 5, (3,), generator=g)
+    got = to_host_once([out, nodes, acc, depth])
+    for a, b in zip(got, [out, nodes, acc, depth]):
+        assert a.shape == b.shape and a.dtype == torch.int64 and torch.equal(a, b)

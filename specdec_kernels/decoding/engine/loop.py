@@ -281,6 +281,16 @@ def _feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]
     return {"hidden_layers": layers} if layers else {}
 
 
+def to_host_once(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Int64 tensors of one batch, (B,) or (B, W), copied to the host in one device-to-host
+    copy (one synchronisation on CUDA instead of one per tensor): packed as the columns of one
+    (B, sum W) tensor, then split back into views of the host copy, each of its own shape."""
+    cols = [t if t.dim() == 2 else t[:, None] for t in tensors]
+    host = torch.cat([c.to(torch.int64) for c in cols], dim=1).cpu()
+    parts = host.split([c.shape[1] for c in cols], dim=1)
+    return [p if t.dim() == 2 else p[:, 0] for p, t in zip(parts, tensors)]
+
+
 class SpeculativeDecoder:
     """Speculative decoding of a Llama-family ``Transformer`` with any ``Drafter``.
 
@@ -984,7 +994,9 @@ class SpeculativeDecoder:
             accepted_nodes = torch.where(index <= num_accepted[:, None], index, -1)
         valid = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
         depth = torch.where(valid, depths, 0).max(dim=1).values
-        return out.cpu(), accepted_nodes.cpu(), num_accepted.cpu(), depth.cpu()
+        if out.device.type == "cpu":
+            return out, accepted_nodes, num_accepted, depth
+        return tuple(to_host_once([out, accepted_nodes, num_accepted, depth]))
 
     @staticmethod
     def _uniforms(state: DecodeState, num_nodes: List[int], n: int):
