@@ -190,9 +190,8 @@ def specdec_tree_attention(
         slots = step.cache_seqlens.to(torch.int64)[:, None] + torch.arange(N, device=key.device)
         k_cache[b_idx, :, slots] = key.transpose(1, 2)
         v_cache[b_idx, :, slots] = value.transpose(1, 2)
-    q = query.transpose(1, 2).contiguous()  # (B, N, H, D)
-    out = tree_attention(
-        q,
+    out = tree_attention(  # q as transformers holds it, (B, H, N, D): no copy
+        query,
         k_cache,
         v_cache,
         step.cache_seqlens,
@@ -200,9 +199,10 @@ def specdec_tree_attention(
         sm_scale=kwargs.get("scaling"),
         backend=step.backend,
         validate=False,
+        q_layout="HND",
     )
     step.layers_seen.add(layer)
-    return out, None
+    return out.transpose(1, 2), None  # (B, N, H, D), the contiguous output itself
 
 
 def _specdec_tree_mask(*args, **kwargs):
