@@ -93,7 +93,7 @@ for s in "${STEPS[@]}"; do
   IFS='|' read -r name limit cmd <<<"$s"
   t0=$SECONDS
   # each step's output as it comes (its figures), and into OUT/NAME.log
-  timeout "$limit" bash -c "$cmd" 2>&1 | tee "$OUT/$name.log" | grep -vE '^\.+ *\[|^\s*$' | tail -n 60
+  timeout "$limit" bash -c "$cmd" 2>&1 | tee "$OUT/$name.log" | grep --line-buffered -vE '^\.+ *\[|^\s*$'
   rc=${PIPESTATUS[0]}
   note "$(printf '%-14s rc=%-3s %4ss of %4ss' "$name" "$rc" "$((SECONDS - t0))" "$limit")"
   if [ "$name" = build ]; then
