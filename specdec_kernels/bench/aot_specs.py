@@ -460,13 +460,7 @@ def tree_attention_combine_spec(
         ta._tree_attention_combine_kernel,
         f"tree_attention.combine[{dtype},D={head_dim},seqlens={seqlen_dtype}]",
         sig,
-        dict(
-            HEAD_DIM=head_dim,
-            BLOCK_D=cfg.block_d,
-            BLOCK_R=cfg.combine_block_r,
-            BLOCK_N=cfg.block_n,
-            MIN_SPLIT_KEYS=cfg.min_split_keys,
-        ),
+        dict(ta.combine_constexprs(cfg, head_dim)),
         cfg.combine_num_warps,
     )
 

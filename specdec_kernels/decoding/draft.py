@@ -102,21 +102,20 @@ def tree_structure(parents: torch.Tensor, device) -> Tuple[torch.Tensor, torch.T
     read).  The returned tensors are shared: read them, never write into them.
 
     The depth of node i is the number of its ancestors: its mask row's count minus one."""
-    if parents.device.type != "cpu":
-        mask = ancestor_mask(parents)
-        return mask.sum(dim=-1) - 1, mask
-    p = parents.contiguous()
-    key = (tuple(p.shape), p.dtype, str(torch.device(device)), p.numpy().tobytes())
-    hit = _TREE_SHAPES.get(key)
-    if hit is not None:
-        _TREE_SHAPES.move_to_end(key)
-        return hit
-    mask = ancestor_mask(p)
-    depths = mask.sum(dim=-1, dtype=torch.int64) - 1
-    hit = (depths.to(device), mask.to(device))
-    _TREE_SHAPES[key] = hit
-    if len(_TREE_SHAPES) > MAX_TREE_SHAPES:
-        _TREE_SHAPES.popitem(last=False)
+    key = None
+    if parents.device.type == "cpu":
+        parents = parents.contiguous()
+        key = (tuple(parents.shape), parents.dtype, str(torch.device(device)), parents.numpy().tobytes())
+        hit = _TREE_SHAPES.get(key)
+        if hit is not None:
+            _TREE_SHAPES.move_to_end(key)
+            return hit
+    mask = ancestor_mask(parents)
+    hit = ((mask.sum(dim=-1, dtype=torch.int64) - 1).to(device), mask.to(device))
+    if key is not None:
+        _TREE_SHAPES[key] = hit
+        if len(_TREE_SHAPES) > MAX_TREE_SHAPES:
+            _TREE_SHAPES.popitem(last=False)
     return hit
 
 

@@ -104,11 +104,11 @@ def _run(
     offsets for the missing ones, which the kernels compute and clamp themselves): the op's
     kernel after its checks, and the front's eager path (one check pass, no dispatcher)."""
     random_args = (uniform_samples, sample_uniforms, seeds, offsets)
-    if backend == "triton":
-        rejection_sample_triton = _backend.triton_launcher(
-            "specdec_kernels.ops._triton.rejection_sample:rejection_sample_triton"
+    if backend == "triton":  # the launches themselves, no layer between (host cost)
+        K = draft_tokens.shape[1]
+        return _backend.triton_launcher(_CHAIN)(
+            target_probs, draft_probs, draft_tokens, n, uniform_samples, sample_uniforms, K, None, seeds, offsets
         )
-        return rejection_sample_triton(target_probs, draft_probs, draft_tokens, n, *random_args)
     if backend == "native":
         p, q = _native.probs_operands(target_probs, draft_probs)
         return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, *random_args)
@@ -247,12 +247,7 @@ def rejection_sample(
     random_args = op_random_args(B, K, device, source, coin_counts=n, validate=validate)
     if _library.direct_call(target_probs, draft_probs, draft_tokens, n, *random_args):  # eager: checked once
         name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
-        if name == "triton":  # the launches themselves: no layer between (host cost)
-            out, acc = _backend.triton_launcher(_CHAIN)(
-                target_probs, draft_probs, draft_tokens, n, *random_args[:2], K, None, *random_args[2:]
-            )
-        else:
-            out, acc = _run(name, target_probs, draft_probs, draft_tokens, n, *random_args)
+        out, acc = _run(name, target_probs, draft_probs, draft_tokens, n, *random_args)
     else:
         u, s, seeds, offsets = random_args
         out, acc = torch.ops.specdec.rejection_sample(

@@ -106,11 +106,19 @@ def _run(
     K = flat.max_spec_len
     if backend in ("triton", "native"):
         args = (draft_token_ids, cu_num_draft_tokens, bonus_token_ids, uniform_samples, sample_uniforms, K)
-        if backend == "triton":
-            rejection_sample_flattened_triton = _backend.triton_launcher(
-                "specdec_kernels.ops._triton.rejection_sample:rejection_sample_flattened_triton"
+        if backend == "triton":  # the launches themselves, no layer between (host cost)
+            return _backend.triton_launcher(_CHAIN)(
+                target_probs,
+                draft_probs,
+                draft_token_ids,
+                cu_num_draft_tokens,
+                uniform_samples,
+                sample_uniforms,
+                K,
+                bonus_token_ids,
+                seeds,
+                offsets,
             )
-            return rejection_sample_flattened_triton(target_probs, draft_probs, *args, seeds, offsets)
         p, q = _native.probs_operands(target_probs, draft_probs)
         return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args, seeds, offsets)
     coins, final = resolve_flattened_uniforms(
@@ -256,13 +264,7 @@ def rejection_sample_flattened(
     args = (target_probs, draft_probs, draft_token_ids, cu_num_draft_tokens)
     if _library.direct_call(*args, flat.bonus_token_ids, *random_args):  # eager: checked once, no dispatcher
         name = _backend.resolve(OP, device, backend or None, IMPLEMENTED)
-        if name == "triton":  # the launches themselves: no layer between (host cost)
-            u, s, seeds, offsets = random_args
-            out, acc = _backend.triton_launcher(_CHAIN)(
-                *args, u, s, flat.max_spec_len, flat.bonus_token_ids, seeds, offsets
-            )
-        else:
-            out, acc = _run(name, flat, *args, flat.bonus_token_ids, *random_args)
+        out, acc = _run(name, flat, *args, flat.bonus_token_ids, *random_args)
     else:
         u, s, seeds, offsets = random_args
         out, acc = torch.ops.specdec.rejection_sample_flattened(

@@ -201,8 +201,6 @@ def sampling_probs(
     use_top_k, use_top_p = top_k is not None, top_p is not None
     if _library.direct_call(logits, t, k, p, grad_check=True):  # eager: checked once, no dispatcher
         name = _backend.resolve("sampling_probs", logits.device, backend or None, IMPLEMENTED)
-        if name == "triton":  # the launcher itself: no layer between (host cost)
-            return _backend.triton_launcher(_TRITON)(logits, t, k, p, use_top_k, use_top_p)
         return _run(name, logits, t, k, p, use_top_k, use_top_p)
     return torch.ops.specdec.sampling_probs(
         logits, t, k if use_top_k else None, p if use_top_p else None, backend or ""

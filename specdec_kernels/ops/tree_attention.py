@@ -373,6 +373,8 @@ def _plan_key(
         return None
     if (tree_mask is not None and type(tree_mask) is not T) or (block_table is not None and type(block_table) is not T):
         return None
+    if q.is_cpu and not _backend.interpreter_on():  # no Triton backend on the CPU: nothing to plan
+        return None
     if not (validate is False or (validate is None and not q.is_cpu)):
         return None
     if type(kv_layout) is not str or type(q_layout) is not str or (backend is not None and type(backend) is not str):

@@ -409,6 +409,19 @@ def fwd_constexprs(
     )
 
 
+@_device.cached_launch_config  # per launch class (callers only read it)
+def combine_constexprs(cfg: TreeAttentionLaunch, head_dim: int) -> Dict[str, object]:
+    """The constexpr arguments of ``_tree_attention_combine_kernel`` in launch ``cfg`` over heads
+    of ``head_dim`` (``num_warps`` apart)."""
+    return dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=cfg.block_d,
+        BLOCK_R=cfg.combine_block_r,
+        BLOCK_N=cfg.block_n,
+        MIN_SPLIT_KEYS=cfg.min_split_keys,
+    )
+
+
 def split_workspace(rows: int, M: int, num_splits: int, head_dim: int, device: torch.device):
     """(opart [rows, M, num_splits, head_dim], lse [rows, M, num_splits]), float32, uninitialised:
     the partial outputs and log-sum-exps of a split launch over ``rows`` (sequence, KV head)
@@ -525,14 +538,7 @@ def plan(
         p.combine = (
             cfg.combine_grid,
             (B * Hkv * M, N, capacity, G, Hkv, num_splits, *out_strides),
-            dict(
-                HEAD_DIM=D,
-                BLOCK_D=cfg.block_d,
-                BLOCK_R=cfg.combine_block_r,
-                BLOCK_N=cfg.block_n,
-                MIN_SPLIT_KEYS=cfg.min_split_keys,
-                num_warps=cfg.combine_num_warps,
-            ),
+            dict(combine_constexprs(cfg, D), num_warps=cfg.combine_num_warps),
         )
     return p
 
