@@ -436,7 +436,7 @@ class LaunchPlan:
     """One call's launches with everything that depends only on the inputs' metadata (shapes,
     strides, dtypes, devices, the mask kind, the scale and the split count) worked out once:
     ``run`` allocates the output (and the split workspace) and launches.  ``plan`` builds it;
-    ``_launch`` is ``plan(...).run(...)``, so the planned and unplanned calls share one path.
+    every launch goes ``plan(...).run(...)``, so the planned and unplanned calls share one path.
     The public front keeps plans per metadata signature (``tree_attention``'s plan cache)."""
 
     __slots__ = ("fwd_grid", "fwd_scalars", "fwd_meta", "combine", "split", "rows", "M", "D", "causal", "empty")
@@ -477,7 +477,8 @@ def plan(
     block_table=None,
     kv_layout: str = "NHD",
 ) -> LaunchPlan:
-    """The ``LaunchPlan`` of a call on checked inputs (the arguments of ``_launch``); reads only
+    """The ``LaunchPlan`` of a call on checked inputs (as ``paged_tree_attention_triton`` takes
+    them; ``block_table`` None for a dense cache); reads only
     metadata (shapes, strides, dtypes, devices), never values."""
     B, N, H, D = q.shape
     if block_table is None:  # dense [B, Hkv, S, D]: strides (sequence, head, slot, dim)
@@ -543,22 +544,6 @@ def plan(
     return p
 
 
-def _launch(
-    q,
-    k_cache,
-    v_cache,
-    cache_seqlens,
-    tree_mask,
-    mask_kind: int,
-    sm_scale: float,
-    num_splits: int,
-    block_table=None,
-    kv_layout: str = "NHD",
-):
-    p = plan(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout)
-    return p.run(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table)
-
-
 # --------------------------------------------------------------------------------------
 # The launchers of tree_attention's "triton" backend (plain functions, not ops)
 # --------------------------------------------------------------------------------------
@@ -580,7 +565,9 @@ def tree_attention_triton(
     sm_scale: the softmax scale (not yet multiplied by log2(e)); num_splits 1..MAX_SPLITS.
     Returns the output, q's shape and dtype.
     """
-    return _launch(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits)
+    return plan(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits).run(
+        q, k_cache, v_cache, cache_seqlens, tree_mask
+    )
 
 
 def paged_tree_attention_triton(
@@ -601,6 +588,5 @@ def paged_tree_attention_triton(
     [num_blocks, Hkv, block_size, D]); block_table int32 [B, max_blocks_per_seq]; the other
     arguments as ``tree_attention_triton``.  Block ids are clamped into the pool in the kernel.
     """
-    return _launch(
-        q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout
-    )
+    p = plan(q, k_cache, v_cache, cache_seqlens, tree_mask, mask_kind, sm_scale, num_splits, block_table, kv_layout)
+    return p.run(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table)
