@@ -121,6 +121,12 @@ __host__ __device__ __forceinline__ bool slice_work(const SpecdecPagedCompactKVA
   return true;
 }
 
+// a / b (b > 0) as a 32-bit division when both fit in 32 bits (the usual case: a 64-bit
+// division is a long instruction sequence on the GPU), a 64-bit one otherwise.
+__host__ __device__ __forceinline__ uint64_t div_u64(uint64_t a, uint64_t b) {
+  return (a | b) <= 0xFFFFFFFFull ? static_cast<uint32_t>(a) / static_cast<uint32_t>(b) : a / b;
+}
+
 // The row of logical slot `slot` of the slice, or nullptr when it lies outside the cache (dense:
 // slot >= capacity; paged: outside the table row or in a block outside [0, num_blocks)).
 template <bool kPaged>
@@ -130,9 +136,7 @@ __host__ __device__ __forceinline__ char* row_of(const SpecdecPagedCompactKVArgs
     return slot < static_cast<uint64_t>(p.kv.capacity) ? w.slice + static_cast<int64_t>(slot) * w.stride_s : nullptr;
   } else {
     const uint64_t bs = static_cast<uint64_t>(p.block_size);
-    // 32-bit division when it is exact (the usual case), 64-bit otherwise
-    const uint64_t j =
-        (slot | bs) <= 0xFFFFFFFFull ? static_cast<uint32_t>(slot) / static_cast<uint32_t>(bs) : slot / bs;
+    const uint64_t j = div_u64(slot, bs);
     if (j >= static_cast<uint64_t>(p.max_blocks_per_seq)) return nullptr;  // before reading the table
     const int64_t blk =
         load_index(p.block_table, w.b * p.block_table_stride_b + static_cast<int64_t>(j) * p.block_table_stride_m,
@@ -140,14 +144,6 @@ __host__ __device__ __forceinline__ char* row_of(const SpecdecPagedCompactKVArgs
     if (static_cast<uint64_t>(blk) >= static_cast<uint64_t>(p.num_blocks)) return nullptr;
     return w.slice + blk * w.stride_block + static_cast<int64_t>(slot - j * bs) * w.stride_s;
   }
-}
-
-// a / b for 0 <= a, 0 < b: a 32-bit division when both fit in 32 bits (the usual case: a
-// 64-bit division is a long instruction sequence on the GPU), a 64-bit one otherwise.
-__host__ __device__ __forceinline__ int64_t div_nonneg(int64_t a, int64_t b) {
-  return (static_cast<uint64_t>(a) | static_cast<uint64_t>(b)) <= 0xFFFFFFFFull
-             ? static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b))
-             : a / b;
 }
 
 // How a thread's word index advances by `threads` words, in rows and columns of `row_words`
@@ -165,7 +161,8 @@ __host__ __device__ __forceinline__ void load_chunk(const SpecdecPagedCompactKVA
                                                     int64_t row_words, WordStep step, int64_t chunk, int64_t tid,
                                                     Word* word, Word** dst) {
   const SpecdecCompactKVArgs& a = p.kv;
-  int64_t i = div_nonneg(chunk + tid, row_words);  // the row (accepted slot) of this thread's first word
+  // the row (accepted slot) of this thread's first word; chunk + tid >= 0, row_words >= 1
+  int64_t i = static_cast<int64_t>(div_u64(static_cast<uint64_t>(chunk + tid), static_cast<uint64_t>(row_words)));
   int64_t col = chunk + tid - i * row_words;
   int64_t row_read = -1;  // the row whose index is in `from`
   uint64_t from = 0;
