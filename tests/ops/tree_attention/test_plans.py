@@ -122,7 +122,7 @@ def test_reset_backends_forgets_the_plans(device):
     assert not ta._PLANS
 
 
-def test_grad_and_traced_calls_take_the_registered_op(device):
+def test_a_grad_call_takes_the_registered_op(device):
     """A planned signature whose q requires grad still refuses it (through the registered op)."""
     q, k, v, lens = make_inputs(1, 4, 2, 1, 32, 16, [10], torch.float32, device, seed=8)
     tree_attention(q, k, v, lens, backend="triton", validate=False)
