@@ -7,6 +7,7 @@ scripts/gpu_check.sh, selects larger shapes).
 """
 
 import os
+import random
 
 import pytest
 import torch
@@ -25,6 +26,21 @@ if _WORKERS > 1:
     # the cores this process may run on (as nproc counts them), not all of the machine's
     _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, _CORES // _WORKERS))
+
+
+# One fixed state of the global generators for the start of every test, so that a test's random
+# weights and inputs depend neither on the process (the global generator's seed can differ from
+# one process to the next) nor on which tests ran before it in the same worker (pytest-xdist
+# hands them out by load): a test run alone draws what it draws in the full suite.
+_GLOBAL_SEED = 67280421310721  # torch's documented default seed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Reset the global random generators (torch's CPU and CUDA ones, Python's ``random``)
+    before each test's fixtures are set up (module-scoped ones included)."""
+    torch.manual_seed(_GLOBAL_SEED)
+    random.seed(_GLOBAL_SEED)
 
 
 def pytest_configure(config):

@@ -27,7 +27,13 @@ transformers = pytest.importorskip("transformers")
 
 
 def random_head(window=16, seed=0, scale=None):
-    head = EagleHead(HIDDEN, 4, 2, 16, 96, window=window)
+    """A head whose every weight follows from ``seed`` alone: built under a forked global RNG
+    seeded with it (the layers' default init draws from the global generator, whose state
+    otherwise depends on the tests that ran before in the worker), then the norms (and with
+    ``scale`` every weight) drawn again from a generator of its own."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(HIDDEN, 4, 2, 16, 96, window=window)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
