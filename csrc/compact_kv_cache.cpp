@@ -11,7 +11,7 @@
 // dimension is contiguous are moved with one memmove of D * element_size bytes, others
 // element by element.  A cache that overlaps itself (e.g. an expanded tensor) is rejected.
 //
-// Paged caches (paged_compact_kv_cache_native): `caches` holds per-layer block pools
+// Paged caches (paged_compact_kv_cache): `caches` holds per-layer block pools
 // [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv, block_size, D] ("HND") and/or
 // [L, 2, ...] buffers of them; block_table [B, max_blocks_per_seq] maps a sequence's logical
 // block to a physical block.  The same compaction on logical slots (proof below).
@@ -421,7 +421,7 @@ void paged_compact_kv_cache_cpu(at::TensorList caches, const at::Tensor& cache_s
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("compact_kv_cache_native", &specdec::compact_kv_cache_cpu);
-  m.impl("paged_compact_kv_cache_native", &specdec::paged_compact_kv_cache_cpu);
+TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {
+  m.impl("compact_kv_cache", &specdec::compact_kv_cache_cpu);
+  m.impl("paged_compact_kv_cache", &specdec::paged_compact_kv_cache_cpu);
 }

@@ -13,7 +13,7 @@
 // Errors: a CUDA error already pending before the launch is reported as an earlier one, not
 // as this op's; the launch's own error is checked right after it.
 //
-// The paged op (paged_compact_kv_cache_native) goes the same way: its per-layer pools are
+// The paged op (paged_compact_kv_cache) goes the same way: its per-layer pools are
 // described like caches (stride_b = bytes between physical blocks), one [L, 2, ...] pool
 // buffer needs no copy and can be captured; the block table is read by the kernel itself.
 #include "compact_kv_cache.cuh"
@@ -182,7 +182,7 @@ void paged_compact_kv_cache_cuda(at::TensorList caches, const at::Tensor& cache_
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
-  m.impl("compact_kv_cache_native", &specdec::compact_kv_cache_cuda);
-  m.impl("paged_compact_kv_cache_native", &specdec::paged_compact_kv_cache_cuda);
+TORCH_LIBRARY_IMPL(specdec_native, CUDA, m) {
+  m.impl("compact_kv_cache", &specdec::compact_kv_cache_cuda);
+  m.impl("paged_compact_kv_cache", &specdec::paged_compact_kv_cache_cuda);
 }

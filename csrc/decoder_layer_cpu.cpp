@@ -1,12 +1,12 @@
-// One decoder layer of the engine's Llama-family model in one call (torch.ops.specdec.decoder_layer_native),
+// One decoder layer of the engine's Llama-family model in one call (torch.ops.specdec_native.decoder_layer),
 // for CPU passes of a few tokens (decode steps and verification), where the time between the
 // matrix products (a dozen small ATen ops and the Python around them) costs as much as the products.
 //
 // It runs the operations of specdec_kernels/decoding/model.py's Block.forward, in the same order,
-// through the same native kernels (packed_linear_native, packed_linear_int8_native,
-// tree_attention_native) and ATen's silu; the rotary products and the residual adds are loops
+// through the same native kernels (packed_linear, packed_linear_int8,
+// tree_attention) and ATen's silu; the rotary products and the residual adds are loops
 // with the same roundings as the ATen ops (bit-identical), and RMSNorm is rms_norm_rows, the loop
-// that torch.ops.specdec.rms_norm_native (below) also runs for the Python layer, so that the two
+// that torch.ops.specdec_native.rms_norm (below) also runs for the Python layer, so that the two
 // layers give the same bits.  Every row is computed alone, so a row's output does not depend on
 // the others.
 //
@@ -15,10 +15,10 @@
 //   cache_seqlens[b] + i, i < N); cache_seqlens int32 [B]; tree_mask None or bool [N, N] / [B, N, N];
 //   qkv_bias None or [(H + 2 Hkv) D];
 //   weights: 4 linears (wqkv, wo, w13, w2) x 3 slots, kinds[i] and out_features[i] per linear:
-//     0 / 1 / 2: packed_linear_native of kind 0 (affine4: codes, scales, mins), 1 (scaled8: codes,
+//     0 / 1 / 2: packed_linear of kind 0 (affine4: codes, scales, mins), 1 (scaled8: codes,
 //                scales) or 2 (float32: the weight);
 //     3:         at::linear with the weight;
-//     4 / 5:     packed_linear_int8_native of kind 0 (qw, dw, mw) or 1 (qw, dw).
+//     4 / 5:     packed_linear_int8 of kind 0 (qw, dw, mw) or 1 (qw, dw).
 // Returns the layer's output [B, N, hidden].
 #include "common.h"
 
@@ -41,7 +41,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
                          int64_t kind) {
   static auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("specdec::packed_linear_native", "")
+          .findSchemaOrThrow("specdec_native::packed_linear", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, bool)>();
   return op.call(x, codes, scales, mins, kind, false);
 }
@@ -49,7 +49,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dw, const OptT& mw,
                               int64_t kind, int64_t out_features, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdec::packed_linear_int8_native", "")
+                       .findSchemaOrThrow("specdec_native::packed_linear_int8", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                          int64_t, int64_t)>();
   return op.call(x, qw, dw, mw, kind, out_features, isa);
@@ -58,7 +58,7 @@ at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& qw, const a
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqlens,
                           const OptT& mask, double scale) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdec::tree_attention_native", "")
+                       .findSchemaOrThrow("specdec_native::tree_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const OptT&, double)>();
   return op.call(q, k, v, seqlens, mask, scale);
@@ -86,7 +86,7 @@ at::Tensor run_linear(const at::Tensor& x, const std::vector<OptT>& w, int64_t i
 
 // RMSNorm of each row of x [rows, n] into out: x * (1 / sqrt(mean(x^2) + eps)) * w, the sum of
 // squares taken in float64 in index order (each row alone, so rows stay independent).  The one
-// definition of the engine's CPU float32 RMSNorm: the one-call layer and rms_norm_native (the
+// definition of the engine's CPU float32 RMSNorm: the one-call layer and rms_norm (the
 // Python layer's and the final norm's) both run it, so every path a pass takes rounds alike.
 // Rows are split over threads; a row's arithmetic does not depend on the split.
 void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t n, double eps, float* out) {
@@ -102,7 +102,7 @@ void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t n, doub
   });
 }
 
-// torch.ops.specdec.rms_norm_native: RMSNorm over the last dimension of x [..., n] float32 CPU
+// torch.ops.specdec_native.rms_norm: RMSNorm over the last dimension of x [..., n] float32 CPU
 // with weight [n] float32, by rms_norm_rows; returns a new float32 tensor of x's shape.
 at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
@@ -226,7 +226,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("decoder_layer_native", &specdec::decoder_layer_cpu);
-  m.impl("rms_norm_native", &specdec::rms_norm_cpu);
+TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {
+  m.impl("decoder_layer", &specdec::decoder_layer_cpu);
+  m.impl("rms_norm", &specdec::rms_norm_cpu);
 }

@@ -1,5 +1,5 @@
-// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec.paged_tree_attention_native),
-// and over a dense one read as a pool (tree_attention_native).
+// CPU kernel of tree attention over a paged KV cache (torch.ops.specdec_native.paged_tree_attention),
+// and over a dense one read as a pool (tree_attention).
 //
 // The algorithm of tree_attention's Triton kernel (specdec_kernels.ops.tree_attention), on the CPU: for each
 // (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
@@ -431,7 +431,7 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
       q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16,
       "q must be float32, float16 or bfloat16");
   for (const at::Tensor* t : {&q_in, &k_in, &v_in, &cache_seqlens, &block_table})
-    TORCH_CHECK_VALUE(t->device().is_cpu(), "paged_tree_attention_native: every tensor must be on the CPU");
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "paged_tree_attention: every tensor must be on the CPU");
   const int64_t B = q_in.size(0), N = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
   const int64_t num_blocks = k_in.size(0);
   const int64_t block_size = nhd ? k_in.size(1) : k_in.size(2);
@@ -488,7 +488,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("paged_tree_attention_native", &specdec::paged_tree_attention_cpu);
-  m.impl("tree_attention_native", &specdec::tree_attention_cpu);
+TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {
+  m.impl("paged_tree_attention", &specdec::paged_tree_attention_cpu);
+  m.impl("tree_attention", &specdec::tree_attention_cpu);
 }

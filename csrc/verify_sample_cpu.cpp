@@ -929,13 +929,13 @@ at::Tensor philox_uniforms_cpu(const at::Tensor& seeds, const at::Tensor& offset
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("philox_uniforms_native", &specdec::philox_uniforms_cpu);
-  m.impl("verify_greedy_native", &specdec::verify_greedy_cpu);
-  m.impl("verify_greedy_flattened_native", &specdec::verify_greedy_flattened_cpu);
-  m.impl("verify_tree_greedy_native", &specdec::verify_tree_greedy_cpu);
-  m.impl("rejection_sample_native", &specdec::rejection_sample_cpu);
-  m.impl("rejection_sample_flattened_native", &specdec::rejection_sample_flattened_cpu);
-  m.impl("tree_rejection_sample_native", &specdec::tree_rejection_sample_cpu);
-  m.impl("sampling_probs_native", &specdec::sampling_probs_cpu);
+TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {
+  m.impl("philox_uniforms", &specdec::philox_uniforms_cpu);
+  m.impl("verify_greedy", &specdec::verify_greedy_cpu);
+  m.impl("verify_greedy_flattened", &specdec::verify_greedy_flattened_cpu);
+  m.impl("verify_tree_greedy", &specdec::verify_tree_greedy_cpu);
+  m.impl("rejection_sample", &specdec::rejection_sample_cpu);
+  m.impl("rejection_sample_flattened", &specdec::rejection_sample_flattened_cpu);
+  m.impl("tree_rejection_sample", &specdec::tree_rejection_sample_cpu);
+  m.impl("sampling_probs", &specdec::sampling_probs_cpu);
 }

@@ -1,4 +1,4 @@
-"""The C++ CPU tree attention (``tree_attention_native``) at SmolLM2-135M's decode shape: one
+"""The C++ CPU tree attention (``specdec_native::tree_attention``) at SmolLM2-135M's decode shape: one
 sequence, 9 query heads over 3 KV heads (GQA), head dim 64, fp32, N = 1 / 4 / 8 query nodes
 over a prefix of S keys, 30 calls per timing, one per layer.  ``--layers 1``: every call reads
 the same layer's cache (it stays in L2); ``--layers 30`` (default): a cache per layer, as a
@@ -38,7 +38,7 @@ def main() -> None:
 
         def run():
             for i in range(30):
-                torch.ops.specdec.tree_attention_native(
+                torch.ops.specdec_native.tree_attention(
                     q, ks[i % args.layers], vs[i % args.layers], lens, None, D**-0.5
                 )
 

@@ -41,7 +41,7 @@ def load_native() -> bool:
 
 
 def has_native_kernel(name: str, device_type: str) -> bool:
-    """Whether the extension has a kernel ``torch.ops.specdec.<name>_native`` for
+    """Whether the extension has a kernel ``torch.ops.specdec_native.<name>`` for
     ``device_type`` ("cpu" or "cuda"); False when it is not built or failed to load."""
     from specdec_kernels import _native
 

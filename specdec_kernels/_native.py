@@ -1,8 +1,10 @@
 """Lazy loading of the compiled extension ``specdec_kernels._C``.
 
-The extension registers its kernels with torch.library under the ``specdec`` namespace as
-``torch.ops.specdec.<name>_native``: the native backends of the public ops, which are declared
-in Python (``specdec_kernels._library``) and dispatch to them.  It is loaded on first use
+The extension registers its kernels with torch.library in a namespace of their own,
+``specdec_native``, as ``torch.ops.specdec_native.<name>``: the native backends of the public
+ops (which are declared in Python, ``specdec_kernels._library``, in ``torch.ops.specdec``, and
+dispatch to them) and the engine's layer kernels.  They are implementation details, kept out of
+the public namespace.  It is loaded on first use
 (the first op call that could use it), never at import, and when it is missing the package
 says so once and falls back to the reference.  This module imports nothing of the package.
 """
@@ -25,14 +27,14 @@ def load() -> bool:
 
             _state["loaded"] = True
             # fake (meta) kernel, so torch.compile also traces direct calls of the native op
-            if hasattr(torch.ops.specdec, "compact_kv_cache_native"):
-                torch.library.register_fake("specdec::compact_kv_cache_native")(_compact_kv_cache_native_fake)
-            if hasattr(torch.ops.specdec, "paged_compact_kv_cache_native"):
-                torch.library.register_fake("specdec::paged_compact_kv_cache_native")(
+            if hasattr(torch.ops.specdec_native, "compact_kv_cache"):
+                torch.library.register_fake("specdec_native::compact_kv_cache")(_compact_kv_cache_native_fake)
+            if hasattr(torch.ops.specdec_native, "paged_compact_kv_cache"):
+                torch.library.register_fake("specdec_native::paged_compact_kv_cache")(
                     _paged_compact_kv_cache_native_fake
                 )
-            if hasattr(torch.ops.specdec, "paged_tree_attention_native"):
-                torch.library.register_fake("specdec::paged_tree_attention_native")(_paged_tree_attention_native_fake)
+            if hasattr(torch.ops.specdec_native, "paged_tree_attention"):
+                torch.library.register_fake("specdec_native::paged_tree_attention")(_paged_tree_attention_native_fake)
         except (ImportError, OSError) as e:
             _state["loaded"], _state["error"] = False, e
     return bool(_state["loaded"])
@@ -70,7 +72,7 @@ def _check_fake_index_tensors(batch: int, named) -> None:
 
 
 def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_accepted, validate=False):
-    """Fake (meta) implementation of specdec::compact_kv_cache_native: shape checks, no output."""
+    """Fake (meta) implementation of specdec_native::compact_kv_cache: shape checks, no output."""
     inner = _check_fake_caches(caches, "[B, Hkv, S, D] or [L, 2, B, Hkv, S, D]", "[L, 2, B, Hkv, S, D]")
     _check_fake_index_tensors(
         inner[0],
@@ -86,7 +88,7 @@ def _compact_kv_cache_native_fake(caches, cache_seqlens, accepted_indices, num_a
 def _paged_compact_kv_cache_native_fake(
     caches, cache_seqlens, accepted_indices, num_accepted, block_table, kv_layout="NHD", validate=False
 ):
-    """Fake (meta) implementation of specdec::paged_compact_kv_cache_native: shape checks, no
+    """Fake (meta) implementation of specdec_native::paged_compact_kv_cache: shape checks, no
     output.  ``caches``: [num_blocks, block_size, Hkv, D] ("NHD") or [num_blocks, Hkv,
     block_size, D] ("HND") pools and/or [L, 2, ...] buffers of them."""
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
@@ -105,7 +107,7 @@ def _paged_compact_kv_cache_native_fake(
 
 
 def _paged_tree_attention_native_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale):
-    """Fake (meta) implementation of specdec::paged_tree_attention_native: shape checks, an
+    """Fake (meta) implementation of specdec_native::paged_tree_attention: shape checks, an
     output like q (contiguous).  Pools [num_blocks, block_size, Hkv, D] ("NHD") or
     [num_blocks, Hkv, block_size, D] ("HND"); tree_mask None or bool [N, N] / [B, N, N]."""
     torch._check(kv_layout in ("NHD", "HND"), lambda: f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
@@ -159,14 +161,14 @@ def probs_operands(target: torch.Tensor, draft):
 
 def has_kernel(name: str, device_type: str) -> bool:
     """Whether the extension has a ``device_type`` ('cpu' or 'cuda') kernel for op ``name``
-    (``torch.ops.specdec.<name>_native``)."""
+    (``torch.ops.specdec_native.<name>``)."""
     if not load():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None:
         return False
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{name}_native", key)
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec_native::{name}", key)
     except RuntimeError:
         return False
 
@@ -198,7 +200,7 @@ def warn_fallback(name: str, device_type: str) -> None:
     if build and not build.get("extension"):
         why += f"; at install: {build.get('reason')}"
     warnings.warn(
-        f"specdec_kernels: native op specdec::{name}_native is unavailable ({why}); "
+        f"specdec_kernels: native op specdec_native::{name} is unavailable ({why}); "
         f"falling back to the PyTorch reference. Build it with `pip install --no-build-isolation -e .`.",
         RuntimeWarning,
         stacklevel=3,

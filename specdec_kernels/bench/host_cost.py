@@ -13,7 +13,7 @@ N=16, V=49152, bf16; attention H=32, Hkv=8, D=128, S=4096):
   20th/80th percentiles over blocks of calls, in microseconds.  A native (C++) kernel runs for
   real: its time is included.
 * **launches per call**: Triton launches (counted by the no-op) plus calls of the extension's
-  ``torch.ops.specdec.<op>_native`` kernels.
+  ``torch.ops.specdec_native.<op>`` kernels.
 * **extra torch kernels per call**: the aten ops that launch a kernel (not views, not empty
   allocations), counted with a ``TorchDispatchMode`` (``KernelCounter``) that also sees inside
   the registered ops' kernels; **host reads** (``aten._local_scalar_dense``: ``.item()``,
@@ -89,7 +89,7 @@ class KernelCounter(TorchDispatchMode):
             allocations).
         host_reads: ``aten._local_scalar_dense`` calls (``.item()``, ``int(t)``, ``bool(t)``).
         dispatches: ``Counter`` of the ``specdec`` ops dispatched (not the ``_native`` kernels).
-        native: ``Counter`` of the extension's ``specdec::<op>_native`` kernels called.
+        native: ``Counter`` of the extension's ``specdec_native::<op>`` kernels called.
     """
 
     specdec_observer = True
@@ -103,11 +103,11 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "specdec_native":
+            self.native[func._opname] += 1
+            return func(*args, **kwargs)
         if func.namespace == "specdec":
             name = func._opname
-            if name.endswith("_native"):
-                self.native[name] += 1
-                return func(*args, **kwargs)
             self.dispatches[name] += 1
             keys = _device_keyset(args, kwargs)
             if keys is not None:

@@ -1,7 +1,7 @@
 """The public ops, one module each: the Python front (argument checks, public types, the
 docstring), the ``torch.ops.specdec.<name>`` registration and its kernels by device.  Backends:
 Triton launchers and kernels in ``ops._triton``, PyTorch compositions in ``ops._torch``, C++/CUDA
-kernels in ``csrc/`` (``torch.ops.specdec.<name>_native``), references in ``specdec_kernels.reference``.
+kernels in ``csrc/`` (``torch.ops.specdec_native.<name>``), references in ``specdec_kernels.reference``.
 
 Each module is one slice, with one check pass and one dispatch layer per call: its front checks
 the arguments once (values too, when ``validate`` allows), then on the eager path

@@ -2,7 +2,7 @@
 ``torch.ops.specdec.compact_kv_cache`` (in place).
 
 Backends: "reference" (``specdec_kernels.reference.compact_kv_cache``) and "native"
-(``torch.ops.specdec.compact_kv_cache_native`` from the extension ``specdec_kernels._C``:
+(``torch.ops.specdec_native.compact_kv_cache`` from the extension ``specdec_kernels._C``:
 ``csrc/compact_kv_cache.cpp`` on CPU, ``csrc/compact_kv_cache_kernel.cu`` on CUDA).
 
 Native design:
@@ -32,7 +32,7 @@ or the [B, Hkv, S, D] tensors of every layer's keys and values; it mutates them.
 
 Paged caches (``block_table`` given) go to a second registered op,
 ``torch.ops.specdec.paged_compact_kv_cache`` (native kernel
-``torch.ops.specdec.paged_compact_kv_cache_native``): ``caches`` then holds the one
+``torch.ops.specdec_native.paged_compact_kv_cache``): ``caches`` then holds the one
 [L, 2, num_blocks, block_size, Hkv, D] ("NHD") / [L, 2, num_blocks, Hkv, block_size, D]
 ("HND") pool or the per-layer [num_blocks, block_size, Hkv, D] (or HND) pools.  The kernels
 are the dense ones with one more step: a logical slot s of sequence b is looked up as row
@@ -398,7 +398,7 @@ def _backend_run(op_name, reference, kv_cache, views, cache_seqlens, accepted_in
         # One [L, 2, ...] buffer goes over whole (the kernels read its strides); otherwise the 4-D views.
         native_op = _NATIVE_OPS.get(op_name)
         if native_op is None:  # the overload itself: no packet lookup per call
-            native_op = _NATIVE_OPS[op_name] = getattr(torch.ops.specdec, f"{op_name}_native").default
+            native_op = _NATIVE_OPS[op_name] = getattr(torch.ops.specdec_native, op_name).default
         native_op(_op_caches(kv_cache, views), cache_seqlens, accepted_indices, n, *extra, False)
     else:
         reference(views, cache_seqlens, accepted_indices, n, *extra)
@@ -609,8 +609,8 @@ def _direct(kv_cache, views, cache_seqlens, accepted_indices, n, block_table) ->
 
 
 def register_fake(paged: bool = False) -> bool:
-    """Load the extension (which registers the fakes of ``compact_kv_cache_native`` and
-    ``paged_compact_kv_cache_native``); return whether the native op (the paged one with
+    """Load the extension (which registers the fakes of ``specdec_native::compact_kv_cache`` and
+    ``specdec_native::paged_compact_kv_cache``); return whether the native op (the paged one with
     ``paged=True``) exists.  Kept for callers of the native ops."""
-    name = "paged_compact_kv_cache_native" if paged else "compact_kv_cache_native"
-    return _native.load() and hasattr(torch.ops.specdec, name)
+    name = "paged_compact_kv_cache" if paged else "compact_kv_cache"
+    return _native.load() and hasattr(torch.ops.specdec_native, name)

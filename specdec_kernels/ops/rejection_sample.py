@@ -111,7 +111,7 @@ def _run(
         )
     if backend == "native":
         p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_native(p, q, draft_tokens, n, *random_args)
+        return torch.ops.specdec_native.rejection_sample(p, q, draft_tokens, n, *random_args)
     B, K = draft_tokens.shape
     coins, final_u = resolve_uniforms(B, K, *random_args)
     return _rejection_sample(target_probs, draft_probs, draft_tokens, n, coins, final_u)

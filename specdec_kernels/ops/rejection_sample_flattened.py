@@ -120,7 +120,7 @@ def _run(
                 offsets,
             )
         p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.rejection_sample_flattened_native(p, q, *args, seeds, offsets)
+        return torch.ops.specdec_native.rejection_sample_flattened(p, q, *args, seeds, offsets)
     coins, final = resolve_flattened_uniforms(
         flat, cu_num_draft_tokens, uniform_samples, sample_uniforms, seeds, offsets
     )

@@ -98,7 +98,7 @@ def _run(backend: str, logits, t, k, p, use_top_k: bool, use_top_p: bool) -> tor
     if backend == "triton":
         return _backend.triton_launcher(_TRITON)(logits, t, k, p, use_top_k, use_top_p)
     if backend == "native":
-        return torch.ops.specdec.sampling_probs_native(
+        return torch.ops.specdec_native.sampling_probs(
             logits,  # read in place, any strides
             t,
             k if use_top_k else None,

@@ -41,7 +41,7 @@ addresses the pool through its strides, so both layouts and any block size share
 The torch backend gathers the blocks that cover ``max(cache_seqlens) + N`` slots (all of the
 table off CPU, where reading the lengths would synchronise) into a dense cache view and runs
 the SDPA path above.  The paged op's ``"native"`` is
-``torch.ops.specdec.paged_tree_attention_native``, the C++ kernel (csrc/paged_attention_cpu.cpp)
+``torch.ops.specdec_native.paged_tree_attention``, the C++ kernel (csrc/paged_attention_cpu.cpp)
 that reads K/V through the block table in place, no gather, with the same online softmax as the
 Triton kernel (one task per sequence and KV head, fp32 accumulation; fp16/bf16 converted on load).
 
@@ -456,7 +456,7 @@ def _impl(
 
 def _dense_run(name, q, k_cache, v_cache, cache_seqlens, mask, sm_scale):
     if name == "native":
-        return torch.ops.specdec.tree_attention_native(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
+        return torch.ops.specdec_native.tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale)
     if name == "torch":
         return sdpa_tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
     return _tree_attention(q, k_cache, v_cache, cache_seqlens, mask, sm_scale).contiguous()
@@ -518,7 +518,7 @@ def _paged(
     if name == "native" and not backend:
         name = automatic_cpu_path(paged=True)  # the C++ kernel unless $SPECDEC_PAGED_ATTENTION=torch
     if name == "native":
-        return torch.ops.specdec.paged_tree_attention_native(
+        return torch.ops.specdec_native.paged_tree_attention(
             q, k_cache, v_cache, cache_seqlens, mask, block_table, kv_layout, sm_scale
         )
     if name == "torch":

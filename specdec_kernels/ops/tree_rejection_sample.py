@@ -58,7 +58,7 @@ def _run(
         parents = parents.expand(tree_tokens.shape)
     if backend == "native":
         p, q = _native.probs_operands(target_probs, draft_probs)
-        return torch.ops.specdec.tree_rejection_sample_native(p, tree_tokens, parents, q, n, *random_args)
+        return torch.ops.specdec_native.tree_rejection_sample(p, tree_tokens, parents, q, n, *random_args)
     B, N = tree_tokens.shape
     coins, final_u = resolve_uniforms(B, N - 1, *random_args)
     return _tree_rejection_sample(target_probs, tree_tokens, parents, draft_probs, n, coins, final_u)

@@ -33,7 +33,7 @@ def _run(backend: str, target_logits, draft_tokens, n) -> Tuple[torch.Tensor, to
         verify_greedy_triton = _backend.triton_launcher(_TRITON)
         return verify_greedy_triton(target_logits, draft_tokens, n)
     if backend == "native":
-        return torch.ops.specdec.verify_greedy_native(target_logits, draft_tokens, n)
+        return torch.ops.specdec_native.verify_greedy(target_logits, draft_tokens, n)
     return reference.verify_greedy(target_logits, draft_tokens, n)
 
 

@@ -40,7 +40,7 @@ def _run(backend: str, target_logits, draft_token_ids, cu_num_draft_tokens, bonu
         verify_greedy_flattened_triton = _backend.triton_launcher(_TRITON)
         return verify_greedy_flattened_triton(*args)
     if backend == "native":
-        return torch.ops.specdec.verify_greedy_flattened_native(*args)
+        return torch.ops.specdec_native.verify_greedy_flattened(*args)
     return _verify_greedy_flattened(*args)
 
 

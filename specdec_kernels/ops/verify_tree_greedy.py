@@ -40,7 +40,7 @@ def _run(backend: str, target_logits, tree_tokens, parents, n) -> Tuple[torch.Te
     if parents.dim() == 1:
         parents = parents.expand(tree_tokens.shape)
     if backend == "native":
-        return torch.ops.specdec.verify_tree_greedy_native(target_logits, tree_tokens, parents, n)
+        return torch.ops.specdec_native.verify_tree_greedy(target_logits, tree_tokens, parents, n)
     return reference.verify_tree_greedy(target_logits, tree_tokens, parents, n)
 
 

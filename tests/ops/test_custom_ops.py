@@ -125,12 +125,16 @@ print(json.dumps({"ops": [n for n in %r if hasattr(torch.ops.specdec, n)],
     assert not report["inductor"], "import specdec_kernels imported torch._inductor"
 
 
-def test_namespace_holds_the_public_ops_and_the_extensions_kernels_only():
-    """``torch.ops.specdec`` lists what a user needs: the public ops (with their paged forms) and
-    the extension's ``<name>_native`` kernels; no backend internals (the Triton launchers are
-    plain functions, imported here to show that importing them registers nothing)."""
+def test_namespace_holds_the_public_ops_only():
+    """``torch.ops.specdec`` lists what a user needs, the public ops (with their paged forms),
+    and nothing else: the extension's kernels (the ops' native backends and the engine's layer
+    kernels) live in ``torch.ops.specdec_native``, and no backend internal is registered (the
+    Triton launchers are plain functions, imported here to show that importing them registers
+    nothing; the engine is imported too)."""
     import importlib
     import pkgutil
+
+    import specdec_kernels.decoding  # noqa: F401
 
     try:
         import specdec_kernels.ops._triton as launchers
@@ -139,12 +143,18 @@ def test_namespace_holds_the_public_ops_and_the_extensions_kernels_only():
     if launchers is not None:
         for module in pkgutil.iter_modules(launchers.__path__):
             importlib.import_module(f"{launchers.__name__}.{module.name}")
-    sk.load_native()
-    names = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("specdec::")}
+    loaded = sk.load_native()
+    all_names = torch._C._dispatch_get_all_op_names()
+    names = {n.split("::", 1)[1] for n in all_names if n.startswith("specdec::")}
     public = set(sk._library.OPS)
-    assert set(PUBLIC_OPS) <= public <= names
-    assert {n for n in names - public if not n.endswith("_native")} == set()
-    assert not any(n.endswith("_triton") for n in names)
+    assert set(PUBLIC_OPS) <= public
+    assert names == public, names ^ public
+    native = {n.split("::", 1)[1] for n in all_names if n.startswith("specdec_native::")}
+    if loaded:  # each op's CPU backend and the engine's kernels, under their plain names
+        assert {"verify_greedy", "compact_kv_cache", "paged_tree_attention", "decoder_layer", "rms_norm"} <= native
+        assert not any(n.endswith("_native") for n in native), native
+    else:
+        assert native == set()
 
 
 def test_public_fronts_have_type_hints_and_py_typed():

@@ -55,9 +55,9 @@ def _keys(batch: int, dtype: torch.dtype, salt: int):
 
 def _native_philox_or_skip():
     if _native.has_kernel("philox_uniforms", "cpu"):
-        return torch.ops.specdec.philox_uniforms_native
+        return torch.ops.specdec_native.philox_uniforms
     if os.environ.get("SPECDEC_REQUIRE_NATIVE") == "1":
-        pytest.fail("SPECDEC_REQUIRE_NATIVE=1 but specdec_kernels._C has no philox_uniforms_native")
+        pytest.fail("SPECDEC_REQUIRE_NATIVE=1 but specdec_kernels._C has no specdec_native::philox_uniforms")
     pytest.skip("specdec_kernels._C not built")
 
 
@@ -359,7 +359,7 @@ def test_value_checks_still_refuse_uniforms_outside_the_unit_interval():
 
 class _CountOps(TorchDispatchMode):
     """Counts the aten ops (views and empty allocations excluded: they launch nothing, as
-    ``bench.host_cost`` counts) of a front and of its registered op's body; a ``*_native``
+    ``bench.host_cost`` counts) of a front and of its registered op's body; a ``specdec_native``
     kernel op counts as a kernel call, what runs inside it is not counted (the Triton launchers
     are functions: their launches are counted apart, by ``bench.host_cost.LaunchCounter``).
     ``specdec_observer`` (``_eager.direct_call``): whether the fronts take their eager path
@@ -373,14 +373,15 @@ class _CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "specdec_native":
+            self.kernels.append(func._schema.name.split("::")[1])
+            return func(*args, **kwargs)
         if func.namespace == "specdec":
             name = func._schema.name.split("::")[1]
-            if name in self.bodies:
-                self.public.append(name)
-                with self:
-                    return self.bodies[name](*args, **kwargs)
-            self.kernels.append(name)
-            return func(*args, **kwargs)
+            assert name in self.bodies, f"specdec::{name} is not a public op"
+            self.public.append(name)
+            with self:
+                return self.bodies[name](*args, **kwargs)
         if not func.is_view and f"{func._opname}.{func._overloadname}" not in _NOT_KERNELS:
             self.ops.append(str(func))
         return func(*args, **kwargs)
@@ -458,7 +459,7 @@ def test_no_torch_op_besides_the_kernel_with_explicit_uniforms_or_seeds(op, mode
         if backend == "triton":  # the launcher is a function: its kernels' launches, no op
             assert counter.kernels == [] and sum(launches.launches.values()) == 2, dict(launches.launches)
         else:
-            assert counter.kernels == [f"{op}_native"] and not launches.launches, (backend, counter.kernels)
+            assert counter.kernels == [op] and not launches.launches, (backend, counter.kernels)
         allowed = ["aten.rand.generator"] * 2 if mode == "generator" else []  # the generator's own draws
         assert counter.ops == allowed, (backend, counter.ops)
 

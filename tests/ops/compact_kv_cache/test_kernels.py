@@ -173,7 +173,7 @@ class Impl:
 
     def op(self, caches, seqlens, indices, counts, **launch):
         if self.lib is None:
-            torch.ops.specdec.compact_kv_cache_native(
+            torch.ops.specdec_native.compact_kv_cache(
                 caches, seqlens.to(self.device), indices.to(self.device), counts.to(self.device), False
             )
         else:
@@ -527,7 +527,7 @@ def test_native_op_rejects_bad_input(device, case):
             args[k] = torch.tensor(v, device=device)
     snapshot = [t.clone() for t in args["caches"]]
     with pytest.raises(err, match=re.escape(msg)):
-        torch.ops.specdec.compact_kv_cache_native(**args, validate=True)
+        torch.ops.specdec_native.compact_kv_cache(**args, validate=True)
     assert all(torch.equal(a, b) for a, b in zip(args["caches"], snapshot))  # nothing moved
 
 
@@ -545,7 +545,7 @@ def test_opcheck(device, layout, index_dtype):
         t.to(index_dtype).to(device)
         for t in (torch.tensor([1, 3]), torch.tensor([[0, 2, 3], [1, 2, 5]]), torch.tensor([3, 2]))
     )
-    torch.library.opcheck(torch.ops.specdec.compact_kv_cache_native.default, (caches, seqlens, indices, n, False))
+    torch.library.opcheck(torch.ops.specdec_native.compact_kv_cache.default, (caches, seqlens, indices, n, False))
 
 
 @native
@@ -558,9 +558,9 @@ def test_fake_checks_shapes(device):
         bad_seqlens = torch.empty(2, dtype=torch.int64, device=device)
         idx = torch.empty(3, 2, dtype=torch.int64, device=device)
         n = torch.empty(3, dtype=torch.int64, device=device)
-        torch.ops.specdec.compact_kv_cache_native(caches, torch.empty(3, dtype=torch.int64, device=device), idx, n)
+        torch.ops.specdec_native.compact_kv_cache(caches, torch.empty(3, dtype=torch.int64, device=device), idx, n)
         with pytest.raises(RuntimeError, match="cache_seqlens must have 3 rows"):
-            torch.ops.specdec.compact_kv_cache_native(caches, bad_seqlens, idx, n)
+            torch.ops.specdec_native.compact_kv_cache(caches, bad_seqlens, idx, n)
 
 
 def test_missing_native_op_falls_back_to_reference_with_one_warning(monkeypatch):
@@ -572,7 +572,7 @@ def test_missing_native_op_falls_back_to_reference_with_one_warning(monkeypatch)
     cache = random_cache((1, 2, 2, 1, 8, 4), torch.float32, seed=53, device="cpu")
     args = (torch.tensor([1, 0]), torch.tensor([[0, 2], [1, 3]]), torch.tensor([2, 2]))
     want = expected_after(cache, *args)
-    with pytest.warns(RuntimeWarning, match="specdec::compact_kv_cache_native is unavailable"):
+    with pytest.warns(RuntimeWarning, match="specdec_native::compact_kv_cache is unavailable"):
         sk.compact_kv_cache(cache, *args)
     assert torch.equal(cache, want)
     with warnings.catch_warnings():
@@ -590,7 +590,7 @@ def test_missing_native_op_falls_back_to_reference_with_one_warning(monkeypatch)
 def test_cuda_rejects_strided_head_dim():
     wide = torch.zeros(1, 2, 1, 1, 8, 8, device="cuda")
     with pytest.raises(ValueError, match="last dimension"):
-        torch.ops.specdec.compact_kv_cache_native([wide[..., ::2]], *one_slot_move("cuda"))
+        torch.ops.specdec_native.compact_kv_cache([wide[..., ::2]], *one_slot_move("cuda"))
 
 
 @pytest.mark.requires_cuda
@@ -600,7 +600,7 @@ def test_cuda_rejects_index_tensors_on_another_device(where):
     args = native_args("cuda")
     args[where] = args[where].cpu()
     with pytest.raises(ValueError, match=f"{where} must be on cuda"):
-        torch.ops.specdec.compact_kv_cache_native(**args)
+        torch.ops.specdec_native.compact_kv_cache(**args)
 
 
 @pytest.mark.requires_cuda
@@ -611,9 +611,9 @@ def test_cuda_graph_capture_of_one_buffer():
     seqlens, indices, n = (t.cuda() for t in random_tree_paths(B, M, S, seed=61))
     want = expected_after(cache, seqlens, indices, n)
     got = cache.clone()
-    capture_and_replay(lambda: torch.ops.specdec.compact_kv_cache_native([got], seqlens, indices, n, False), got, cache)
+    capture_and_replay(lambda: torch.ops.specdec_native.compact_kv_cache([got], seqlens, indices, n, False), got, cache)
     assert same_bytes(got, want)
     layers, _ = make_layout(cache.clone(), "mixed_strides")  # unequal strides: the table form
     with pytest.raises(RuntimeError, match="CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            torch.ops.specdec.compact_kv_cache_native(layers, seqlens, indices, n, False)
+            torch.ops.specdec_native.compact_kv_cache(layers, seqlens, indices, n, False)

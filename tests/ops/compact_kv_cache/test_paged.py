@@ -667,7 +667,7 @@ def test_native_op_rejects_bad_input_with_validate(device, case):
     caches = [to(c) for c in caches]
     snapshot = [c.clone() for c in caches]
     with pytest.raises(err, match=re.escape(NATIVE_MESSAGE.get(case, msg))):
-        torch.ops.specdec.paged_compact_kv_cache_native(
+        torch.ops.specdec_native.paged_compact_kv_cache(
             caches,
             to(args["cache_seqlens"]),
             to(args["accepted_indices"]),
@@ -728,7 +728,7 @@ def test_opcheck_native_op(device, layout, container):
     assert op_module.register_fake(paged=True)
     caches, seqlens, idx, n, table = opcheck_inputs(layout, container, torch.int32, device)
     torch.library.opcheck(
-        torch.ops.specdec.paged_compact_kv_cache_native.default, (caches, seqlens, idx, n, table, layout, False)
+        torch.ops.specdec_native.paged_compact_kv_cache.default, (caches, seqlens, idx, n, table, layout, False)
     )
 
 
@@ -783,14 +783,14 @@ def test_cuda_graph_capture_of_one_pool():
     got = pool.clone()
 
     def launch():
-        torch.ops.specdec.paged_compact_kv_cache_native([got], seqlens, indices, counts, table, "NHD", False)
+        torch.ops.specdec_native.paged_compact_kv_cache([got], seqlens, indices, counts, table, "NHD", False)
 
     capture_and_replay(launch, got, pool)
     assert same_bytes(from_paged(got, table, "NHD", S), want)
     pools, _ = mixed_stride_pools(pool.clone(), "NHD")  # unequal strides: the table form
     with pytest.raises(RuntimeError, match="CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            torch.ops.specdec.paged_compact_kv_cache_native(pools, seqlens, indices, counts, table, "NHD", False)
+            torch.ops.specdec_native.paged_compact_kv_cache(pools, seqlens, indices, counts, table, "NHD", False)
 
 
 @pytest.mark.requires_cuda
@@ -798,7 +798,7 @@ def test_cuda_graph_capture_of_one_pool():
 def test_cuda_rejects_strided_head_dim():
     wide = torch.zeros(1, 2, 4, 4, 1, 8, device="cuda")
     with pytest.raises(ValueError, match="last dimension"):
-        torch.ops.specdec.paged_compact_kv_cache_native(
+        torch.ops.specdec_native.paged_compact_kv_cache(
             [wide[..., ::2]],
             *one_slot_move("cuda"),
             torch.tensor([[0, 1]], dtype=torch.int32, device="cuda"),
@@ -815,7 +815,7 @@ def test_cuda_rejects_index_tensors_on_another_device(where):
     args[where] = args[where].cpu()
     name = {"num_slots": "num_accepted"}.get(where, where)  # the native op's name of the slot count
     with pytest.raises(ValueError, match=f"{name} must be on cuda"):
-        torch.ops.specdec.paged_compact_kv_cache_native(
+        torch.ops.specdec_native.paged_compact_kv_cache(
             [args["kv_cache"]],
             args["cache_seqlens"],
             args["accepted_indices"],

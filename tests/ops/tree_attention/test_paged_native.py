@@ -1,5 +1,5 @@
 """The C++ CPU kernel of paged tree attention (backend="native",
-torch.ops.specdec.paged_tree_attention_native, csrc/paged_attention_cpu.cpp) against the
+torch.ops.specdec_native.paged_tree_attention, csrc/paged_attention_cpu.cpp) against the
 float64 reference.
 
 Inputs come from test_paged.py's ``paged_case``: each sequence's logical
@@ -275,7 +275,7 @@ def test_automatic_cpu_backend_is_native_for_both_ops(monkeypatch):
 
 def test_direct_calls_with_bad_arguments_raise():
     q, k, v, lens, table, pk, pv = paged_case(2, 3, 4, 2, 16, [5, 9], 4, "NHD", seed=13)
-    op = torch.ops.specdec.paged_tree_attention_native
+    op = torch.ops.specdec_native.paged_tree_attention
     with pytest.raises(ValueError, match="kv_layout"):
         op(q, pk, pv, lens, None, table, "NDH", 0.25)
     with pytest.raises(ValueError, match="block_table"):
@@ -304,7 +304,7 @@ def test_opcheck_native_op(layout, kind, dtype):
     pk, pv = pk.nan_to_num(), pv.nan_to_num()  # opcheck compares outputs with NaN != NaN
     mask = make_mask(kind, 2, 3, gen(13))
     torch.library.opcheck(
-        torch.ops.specdec.paged_tree_attention_native.default, (q, pk, pv, lens, mask, table, layout, 0.25)
+        torch.ops.specdec_native.paged_tree_attention.default, (q, pk, pv, lens, mask, table, layout, 0.25)
     )
     torch.library.opcheck(
         torch.ops.specdec.paged_tree_attention.default,
