@@ -160,17 +160,19 @@ def typical_acceptance(
         best = torch.where(deeper, j, best)
         best_depth = torch.where(deeper, depth[:, j], best_depth)
 
-    accepted_nodes = torch.full((B, N), -1, dtype=torch.int64, device=device)
+    # the accepted path, walked up from the best node on the device (no host read): the node at
+    # depth d goes to column d; a spare column N takes the writes of finished walks
+    path = torch.full((B, N + 1), -1, dtype=torch.int64, device=device)
+    cur, live = best, torch.ones(B, dtype=torch.bool, device=device)
+    for _ in range(N):
+        at = cur.clamp(min=0)
+        path[rows, torch.where(live, depth[rows, at], N)] = torch.where(live, cur, -1)
+        cur = parents[rows, at].to(torch.int64)
+        live = live & (cur >= 0)
+    accepted_nodes = path[:, :N]
+    below = accepted_nodes[:, 1:]  # the accepted drafts, in path order
     output = torch.full((B, N), -1, dtype=torch.int64, device=device)
-    par_cpu, best_cpu = parents.cpu().tolist(), best.cpu().tolist()
-    for b in range(B):
-        path = [best_cpu[b]]
-        while path[-1] > 0:
-            path.append(par_cpu[b][path[-1]])
-        path = path[::-1]
-        idx = torch.tensor(path, dtype=torch.int64, device=device)
-        accepted_nodes[b, : len(path)] = idx
-        output[b, : len(path) - 1] = tokens[b, idx[1:]]
+    output[:, : N - 1] = torch.where(below >= 0, tokens.gather(1, below.clamp(min=0)), -1)
     bonus = sample_from_weights(p[rows, best], sample_uniforms)
     output[rows, best_depth] = bonus
     return output, accepted_nodes, best_depth
