@@ -2,7 +2,8 @@
 # GPU check: on a machine with an NVIDIA GPU and no internet (torch, triton, nvcc and ninja
 # installed; our other Python dependencies may be missing), in one call of at most 6 minutes,
 # set-up included: build the CUDA extension; the CUDA compaction's parity tests and a sample of
-# the Triton parity tests on CUDA; compute-sanitizer over a small driver of the compaction;
+# the Triton parity tests on CUDA, the engine's steps with CUDA graphs against its eager steps
+# (tests/engine/test_graphs_cuda.py); compute-sanitizer over a small driver of the compaction;
 # the quick kernel benchmark (eager, host and CUDA-graph replay without an L2 flush, bytes and
 # % of copy bandwidth); ours beside FlashInfer; the engine's verify/decode cost.  Every step
 # prints its figures as it makes them and writes logs, JSON and plots to OUT_DIR; summary.txt
@@ -38,9 +39,9 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 # name, limit in seconds, command (run with bash -c from the repository root)
 STEPS=(
   "build|75|$PY setup.py build_ext --inplace"
-  "cuda_tests|40|$PY -m pytest -q -p no:cacheprovider \$($PY -c 'import xdist' 2>/dev/null && printf -- '-n 8') --junitxml=$OUT/pytest.xml -rfE tests/ops/compact_kv_cache tests/ops/verify_greedy tests/ops/rejection_sample -k '(native and not emulat) or triton'"
+  "cuda_tests|50|$PY -m pytest -q -p no:cacheprovider \$($PY -c 'import xdist' 2>/dev/null && printf -- '-n 8') --junitxml=$OUT/pytest.xml -rfE tests/ops/compact_kv_cache tests/ops/verify_greedy tests/ops/rejection_sample tests/engine/test_graphs_cuda.py -k '(native and not emulat) or triton or cuda_graph'"
   "sanitizer|60|bash scripts/compute_sanitizer.sh $OUT"
-  "bench_kernels|65|$PY -m specdec_kernels.bench.kernels --quick --out $OUT"
+  "bench_kernels|55|$PY -m specdec_kernels.bench.kernels --quick --out $OUT"
   "flashinfer|50|$PY -m specdec_kernels.bench.flashinfer_side --out $OUT"
   "step_cost|30|$PY -m specdec_kernels.bench.step_cost --out $OUT"
 )

@@ -731,6 +731,7 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         compute_logits: bool = True,
         hidden_layers: Sequence[int] = (),
+        host_seqlens: Optional[Sequence[int]] = None,
     ):
         """Feed a block of N new tokens per sequence; return their next-token logits.
 
@@ -760,6 +761,8 @@ class Transformer(nn.Module):
                 appended to the final hidden state in this order: EAGLE-3's low-, mid- and
                 high-level features (Li et al. 2025, "EAGLE-3: Scaling up Inference
                 Acceleration of Large Language Models via Training-Time Test").
+            host_seqlens: cache_seqlens' values as the caller keeps them on the host (the
+                engine loop does), or None: the pass then reads no length from the device.
 
         Returns:
             logits: Shape (B, N or R, vocab), float32, or None when R = 0 or
@@ -797,7 +800,10 @@ class Transformer(nn.Module):
             return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
 
         # Slot writes: one slice when every sequence starts at the same slot, else a scatter.
-        starts = cache_seqlens.tolist() if cache_seqlens.device.type == "cpu" else None
+        if host_seqlens is not None:
+            starts = [int(v) for v in host_seqlens]
+        else:
+            starts = cache_seqlens.tolist() if cache_seqlens.device.type == "cpu" else None
         if starts is not None and min(starts) == max(starts):
             s = starts[0]
 

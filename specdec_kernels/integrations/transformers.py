@@ -427,6 +427,7 @@ class HFCausalLM:
         return_hidden: bool = False,
         compute_logits: bool = True,
         hidden_layers: Sequence[int] = (),
+        host_seqlens: Optional[Sequence[int]] = None,
     ) -> Optional[torch.Tensor]:
         """Feed a block of N new tokens per sequence; return their next-token logits (the
         contract of ``Transformer.forward``; hidden states, ``return_hidden`` and
@@ -444,6 +445,8 @@ class HFCausalLM:
                 final norm and head (early exit; the cache then holds num_layers layers).
             logit_rows: (B, R) int64: logits of these block rows only (R = 0: none).
             compute_logits: False: run for the cache writes only, return None.
+            host_seqlens: cache_seqlens' values as the caller keeps them on the host (the
+                engine loop does), or None: read from cache_seqlens (a device read on a GPU).
 
         Returns:
             (B, N or R, vocab) float32 logits, or None (R = 0, compute_logits False).
@@ -467,7 +470,7 @@ class HFCausalLM:
                 "return_hidden is not available for transformers models (drafters that want hidden states)"
             )
         B, N = tokens.shape
-        starts = cache_seqlens.tolist()
+        starts = [int(v) for v in host_seqlens] if host_seqlens is not None else cache_seqlens.tolist()
         if kv_cache.dim() != 6 or kv_cache.shape[0] < layers or kv_cache.shape[2] != B:
             raise ValueError(f"kv_cache must have shape (L={layers}, 2, B={B}, Hkv, S, D), got {tuple(kv_cache.shape)}")
         if B and max(starts) + N > kv_cache.shape[4]:

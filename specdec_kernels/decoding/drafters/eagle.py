@@ -995,7 +995,7 @@ class EagleDrafter(Drafter):
                 p.append(where[int(par[r, i])])  # the parent is kept and earlier (prefix-closed)
             trees[b] = (t, p)
             self.path_logprobs[b] = [0.0] + [float(score[r, i]) for i in keep]
-        draft = Draft.from_lists(trees, device=self.model.device, is_chain=None)
+        draft = Draft.from_lists(trees, is_chain=None)  # on the host: the loop moves it, reading nothing back
         if not self.tree:
             draft.is_chain = all(list(p) == chain_parents(len(p)) for _, p in trees)
         return draft

@@ -54,6 +54,7 @@ from specdec_kernels.decoding.engine.adaptive import (
     LinearCost,
     resolve_policy,
 )
+from specdec_kernels.decoding.engine.graphs import CapturedPasses, CudaGraph
 from specdec_kernels.decoding.engine.stats import DecodeStats
 from specdec_kernels.decoding.engine.threads import ThreadChoice
 from specdec_kernels.decoding.engine.typical import typical_acceptance
@@ -168,6 +169,9 @@ class DecodeState:
     # per sequence, the drafter's source that drafts next (``Drafter.draft_sources``), set by
     # ``generate`` before a policy with ``per_source`` chooses K; None: one source
     draft_sources: Optional[List[int]] = None
+    # the host's copy of cache_seqlens (kept by the loop beside the device tensor, so that a
+    # step reads no length from the device); None: read from cache_seqlens once
+    host_seqlens: Optional[List[int]] = None
 
     @property
     def batch_size(self) -> int:
@@ -281,6 +285,13 @@ def _feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]
     return {"hidden_layers": layers} if layers else {}
 
 
+def node_bucket(n: int, max_nodes: int) -> int:
+    """The width a block of ``n`` nodes per sequence is padded to with ``node_buckets``: the
+    next power of two, at most ``max_nodes`` (itself a bucket when it is no power of two), and
+    never below n.  E.g. with max_nodes 128: 1, 2, 4, 4, 8, 8, 8, 8, 16, ... for n = 1, 2, ..."""
+    return max(n, min(1 << max(n - 1, 0).bit_length(), max_nodes))
+
+
 def to_host_once(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """Int64 tensors of one batch, (B,) or (B, W), copied to the host in one device-to-host
     copy (one synchronisation on CUDA instead of one per tensor): packed as the columns of one
@@ -288,7 +299,7 @@ def to_host_once(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     cols = [t if t.dim() == 2 else t[:, None] for t in tensors]
     host = torch.cat([c.to(torch.int64) for c in cols], dim=1).cpu()
     parts = host.split([c.shape[1] for c in cols], dim=1)
-    return [p if t.dim() == 2 else p[:, 0] for p, t in zip(parts, tensors)]
+    return [(p if t.dim() == 2 else p[:, 0]).contiguous() for p, t in zip(parts, tensors)]
 
 
 class SpeculativeDecoder:
@@ -335,13 +346,26 @@ class SpeculativeDecoder:
             across ``generate`` calls (see ``_StepThreads`` and ``engine.threads``; on a
             machine with other load fewer threads can be many times faster); an int pins it; None leaves torch's setting.  ``stats.threads``
             says what the steps ran with.  The count never changes the tokens.
+        node_buckets: False (default): a step feeds the target as many nodes per sequence as
+            its widest draft.  True: that width is padded up to the next bucket (``node_bucket``:
+            1, 2, 4, 8, ... up to ``max_draft_nodes``) with nodes whose outputs are discarded, so
+            that the steps' shapes come from a few buckets (what replaying a captured CUDA graph
+            per bucket needs).  The tokens are the same either way: a row of a pass does not
+            depend on the other rows.  On CPU the padding costs its rows' compute.
+        cuda_graphs: True: the target's verification pass of each shape class (batch, bucket
+            width, chain or tree) is captured as a CUDA graph on its first step and replayed
+            after (``engine.graphs``; implies ``node_buckets``).  Needs our ``Transformer`` on
+            a CUDA device and a dense KV cache (no ``block_size``).  The tokens are those of
+            the eager steps.
 
     Raises:
-        ValueError: threads is none of those; typical outside (0, 1] or NaN; typical_alpha
+        ValueError: cuda_graphs without a Transformer on CUDA or with block_size; threads is none
+            of those; typical outside (0, 1] or NaN; typical_alpha
             not finite and > 0, or without typical; prefill_chunk or max_draft_nodes < 1; a
             drafter whose ``feature_layers`` are not distinct layers of the model (read here,
             once).
-        TypeError: typical or typical_alpha not a real number (a bool included);
+        TypeError: typical or typical_alpha not a real number (a bool included); node_buckets or
+            cuda_graphs not a bool;
             prefill_chunk or max_draft_nodes not an int; ``feature_layers`` not a sequence
             of ints.
 
@@ -368,6 +392,8 @@ class SpeculativeDecoder:
         block_size: Optional[int] = None,
         share_prefix: bool = False,
         threads: Union[int, str, None] = "auto",
+        node_buckets: bool = False,
+        cuda_graphs: bool = False,
     ):
         # our Transformer, or an adapter with its call interface (integrations.transformers.HFCausalLM)
         if not isinstance(model, Transformer) and not getattr(type(model), "_specdec_decode_target", False):
@@ -421,6 +447,20 @@ class SpeculativeDecoder:
         ):
             raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
         self.threads = threads
+        for flag, value in (("node_buckets", node_buckets), ("cuda_graphs", cuda_graphs)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        self._passes: Optional[CapturedPasses] = None  # the captured verification passes
+        if cuda_graphs:
+            if not isinstance(model, Transformer) or model.device.type != "cuda":
+                raise ValueError(
+                    "cuda_graphs=True needs a specdec_kernels.decoding.Transformer on a CUDA device, got "
+                    f"{type(model).__name__} on {getattr(model, 'device', 'an unknown device')}"
+                )
+            if block_size is not None:
+                raise ValueError("cuda_graphs=True needs a dense KV cache (block_size=None)")
+            self._passes = CapturedPasses(model, CudaGraph.factory())
+        self.node_buckets = node_buckets or cuda_graphs
         # torch's thread count -> the step thread choice of threads="auto", kept across calls
         self.thread_choices: Dict[int, ThreadChoice] = {}
         self.pass_costs: dict = {}  # (numerics, threads, batch, threads arg) -> LinearCost of the target pass
@@ -718,6 +758,7 @@ class SpeculativeDecoder:
                 state.stats.prefill_tokens += R * n
         state.stats.shared_prefill_tokens = sum(starts)
         state.cache_seqlens = torch.tensor(fed, dtype=torch.int32, device=device)
+        state.host_seqlens = list(fed)
         if not wants:
             return None
         context = [torch.cat(k) if k else None for k in kept]
@@ -753,12 +794,16 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         draft = self._checked(self.drafter.propose(state.histories, ks, active), state, active)
-        room = [min(self.max_draft_nodes, state.capacity - int(s)) for s in state.cache_seqlens.tolist()]
+        # the cache lengths from the host's copy: no read of the device's cache_seqlens
+        if state.host_seqlens is None:
+            state.host_seqlens = [int(s) for s in state.cache_seqlens.tolist()]
+        seqlens = list(state.host_seqlens)
+        room = [min(self.max_draft_nodes, state.capacity - s) for s in seqlens]
         draft = draft.truncate([r if a else 1 for r, a in zip(room, active)])
         t1 = time.perf_counter()
         stats.draft_time += t1 - t0
 
-        out, accepted_nodes, num_accepted, depth = self._verify(state, draft)
+        out, accepted_nodes, num_accepted, depth, device_accepted = self._verify(state, draft, seqlens)
         stats.target_passes += 1
         stats.draft_tokens += int((draft.num_nodes - 1)[torch.tensor(active)].sum())
         t2 = time.perf_counter()
@@ -769,12 +814,13 @@ class SpeculativeDecoder:
         advance = torch.tensor([n + 1 if k else 0 for n, k in zip(num_accepted.tolist(), keep)], dtype=torch.int64)
         if not draft.is_chain and any(keep):
             if isinstance(state.kv_cache, PagedKVCache):
-                state.kv_cache.compact(state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device))
+                state.kv_cache.compact(state.cache_seqlens, device_accepted, advance.to(state.cache_seqlens.device))
             else:
                 compact_kv_cache(
-                    state.kv_cache, state.cache_seqlens, accepted_nodes, advance.to(state.cache_seqlens.device)
+                    state.kv_cache, state.cache_seqlens, device_accepted, advance.to(state.cache_seqlens.device)
                 )
         state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
+        state.host_seqlens = [s + a for s, a in zip(seqlens, advance.tolist())]
         t3 = time.perf_counter()
         if self._target_argmax is not None:  # e.g. lookahead decoding's Jacobi update
             self.drafter.observe_target_argmax(self._target_argmax, draft.num_nodes.clone(), keep)
@@ -783,7 +829,7 @@ class SpeculativeDecoder:
         if self._hidden is not None:  # the hidden state of each sequence's last accepted node
             if getattr(self.drafter, "context_window", 0):  # and of the whole accepted path
                 nodes = accepted_nodes.to(self._hidden.device)
-                first = (state.cache_seqlens.cpu() - advance.to(torch.int32)).tolist()
+                first = seqlens  # where each accepted path starts in the cache
                 path = [self._hidden[b, nodes[b, : int(num_accepted[b]) + 1]] if keep[b] else None for b in range(B)]
                 self.drafter.observe_context(path, first, keep)
             last = accepted_nodes.gather(1, num_accepted[:, None].to(accepted_nodes.dtype)).clamp(min=0)[:, 0]
@@ -913,23 +959,56 @@ class SpeculativeDecoder:
             )
         return draft
 
-    def _verify(self, state: DecodeState, draft: Draft):
-        """Target pass over the block and verification; returns (output_tokens, accepted_nodes,
-        num_accepted, depth of each sequence's draft), all on CPU."""
+    def _verify(self, state: DecodeState, draft: Draft, seqlens: List[int]):
+        """Target pass over the block and verification, reading the device once: returns
+        (output_tokens, accepted_nodes, num_accepted, depth of each sequence's draft) on the host,
+        from one device-to-host copy, and accepted_nodes on the device (for the compaction).
+        ``draft`` is the host's (its values are read here for free); ``seqlens`` the cache
+        lengths, from the host.  With ``node_buckets`` the block is padded to its bucket's width
+        (padding nodes: token 0, each the child of the node before it in a chain, of the root in a
+        tree) and the results cut back to the draft's width."""
         device = self.model.device
-        n = int(draft.num_nodes.max())
-        tokens = draft.tokens[:, :n].to(device)
-        parents = draft.parents[:, :n].to(device)
-        num_nodes = draft.num_nodes.to(device)
+        host_num_nodes = draft.num_nodes.cpu()
+        n = int(host_num_nodes.max())
+        host_tokens, host_parents = draft.tokens[:, :n].cpu(), draft.parents[:, :n].cpu()
         probs = draft.probs[:, :n].to(device) if draft.probs is not None else None
-        trimmed = Draft(tokens, parents, num_nodes, probs, draft.is_chain)
+        B = host_tokens.shape[0]
+        width = node_bucket(n, self.max_draft_nodes) if self.node_buckets else n
+        if width > n:
+            pad = width - n
+            host_tokens = torch.nn.functional.pad(host_tokens, (0, pad))
+            pad_parents = torch.arange(n - 1, width - 1) if draft.is_chain else torch.zeros(pad, dtype=torch.int64)
+            host_parents = torch.cat([host_parents, pad_parents.to(host_parents.dtype).expand(B, pad)], dim=1)
+            probs = torch.nn.functional.pad(probs, (0, 0, 0, pad)) if probs is not None else None
+        tokens, parents = host_tokens.to(device), host_parents.to(device)
+        num_nodes = host_num_nodes.to(device)
+        n, cut = width, n  # the pass's width; the draft's, which the results are cut back to
         if draft.is_chain:
-            depths, tree_mask = trimmed.depths(), None
+            host_depths = torch.arange(n).expand(B, n)
+            depths, tree_mask = torch.arange(n, device=device).expand(B, n), None
         else:  # once per tree shape, from the host's parent lists (tree_structure)
-            depths, tree_mask = tree_structure(draft.parents[:, :n], device)
-        positions = state.cache_seqlens.to(torch.int64)[:, None] + depths
+            host_depths = tree_structure(host_parents, "cpu")[0]
+            depths, tree_mask = tree_structure(host_parents, device)
+        host_valid = torch.arange(n)[None, :] < host_num_nodes[:, None]
+        depth = torch.where(host_valid, host_depths, 0).max(dim=1).values
+        host_positions = torch.tensor(seqlens, dtype=torch.int64)[:, None] + host_depths
+        positions = host_positions.to(device)
         self._hidden = None
-        if getattr(self.drafter, "wants_hidden", False):  # final hidden states for the drafter
+        wants_hidden = getattr(self.drafter, "wants_hidden", False)
+        if self._passes is not None:  # the captured pass of this shape class, replayed
+            out = self._passes.run(
+                tokens,
+                positions,
+                state.kv_cache,
+                state.cache_seqlens,
+                tree_mask,
+                return_hidden=wants_hidden,
+                hidden_layers=self._layer_kwargs.get("hidden_layers", ()),
+            )
+            logits, self._hidden = out if wants_hidden else (out, None)
+            if self._hidden is not None:  # the graph's buffer: the drafter keeps it past the step
+                self._hidden = self._hidden.clone()
+        elif wants_hidden:  # final hidden states for the drafter
             logits, self._hidden = self.model(
                 tokens,
                 positions,
@@ -937,21 +1016,20 @@ class SpeculativeDecoder:
                 state.cache_seqlens,
                 tree_mask,
                 return_hidden=True,
+                host_seqlens=seqlens,
                 **self._layer_kwargs,
             )
-        else:
-            logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, tree_mask)  # [B, n, V]
+        else:  # [B, n, V]
+            logits = self.model(tokens, positions, state.kv_cache, state.cache_seqlens, tree_mask, host_seqlens=seqlens)
 
-        if getattr(self.drafter, "wants_target_argmax", False):
-            self._target_argmax = logits.argmax(dim=-1).cpu()
+        target_argmax = logits.argmax(dim=-1) if getattr(self.drafter, "wants_target_argmax", False) else None
         sp = state.sampling
         if not sp.greedy and state.coupling is not None and self.typical is None:
             # the Gumbel coupling: node i predicts token index positions[i] + 1; greedy
             # verification of log p + G accepts a draft exactly when it is the target's sample
             target_probs = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            valid = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
-            index = torch.where(valid, positions + 1, -1)
-            logits = state.coupling.perturb(target_probs.log(), index.cpu())
+            index = torch.where(host_valid, host_positions + 1, -1)  # on the host: no read
+            logits = state.coupling.perturb(target_probs.log(), index)
         if sp.greedy or (state.coupling is not None and self.typical is None):
             if draft.is_chain:
                 out, num_accepted = verify_greedy(logits, tokens[:, 1:], num_nodes - 1)
@@ -959,7 +1037,7 @@ class SpeculativeDecoder:
                 out, accepted_nodes, num_accepted = verify_tree_greedy(logits, tokens, parents, num_nodes)
         else:
             target_probs = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            coins, finals = self._uniforms(state, draft.num_nodes.tolist(), n)
+            coins, finals = self._uniforms(state, host_num_nodes.tolist(), n)
             if self.typical is not None:  # lossy: Medusa's typical acceptance
                 out, accepted_nodes, num_accepted = typical_acceptance(
                     target_probs,
@@ -990,13 +1068,18 @@ class SpeculativeDecoder:
                     sample_uniforms=finals.to(device),
                 )
         if draft.is_chain:
-            index = torch.arange(n, device=device).expand(tokens.shape[0], n)
+            index = torch.arange(n, device=device).expand(B, n)
             accepted_nodes = torch.where(index <= num_accepted[:, None], index, -1)
-        valid = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
-        depth = torch.where(valid, depths, 0).max(dim=1).values
-        if out.device.type == "cpu":
-            return out, accepted_nodes, num_accepted, depth
-        return tuple(to_host_once([out, accepted_nodes, num_accepted, depth]))
+        if cut < n:  # the padding's rows go (no accepted path reaches them)
+            out, accepted_nodes = out[:, :cut], accepted_nodes[:, :cut]
+            target_argmax = target_argmax[:, :cut] if target_argmax is not None else None
+            self._hidden = self._hidden[:, :cut] if self._hidden is not None else None
+        # the step's one read of the device: its results in one device-to-host copy
+        results = [out, accepted_nodes, num_accepted] + ([target_argmax] if target_argmax is not None else [])
+        host = to_host_once(results)
+        if target_argmax is not None:
+            self._target_argmax = host[3]
+        return host[0], host[1], host[2], depth, accepted_nodes
 
     @staticmethod
     def _uniforms(state: DecodeState, num_nodes: List[int], n: int):

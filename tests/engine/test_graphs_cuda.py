@@ -1,0 +1,65 @@
+"""On a GPU (``scripts/gpu_check.sh``): the engine's steps with CUDA graphs equal its eager steps.
+
+A random-weight Llama of our own (no transformers, no checkpoint: the GPU machine has neither),
+float32 and bfloat16, greedy and seeded sampling, an n-gram chain and tree and an EAGLE tree:
+``SpeculativeDecoder(cuda_graphs=True)`` emits, step by step, what the same decoder emits
+eagerly with the same bucketed widths; and the graphs were captured and replayed.  The CPU
+runs of the same code path are ``tests/engine/test_graphs.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder
+from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead
+from specdec_kernels.decoding.drafters.ngram import NgramDrafter
+from specdec_kernels.decoding.model import ModelArgs, Transformer
+
+pytestmark = pytest.mark.requires_cuda
+
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 5, 17, 33], [64, 3], [12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12]]
+ARGS = ModelArgs(111, 64, 3, 4, 2, 16, 96)
+
+
+def _model(dtype) -> Transformer:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Transformer(ARGS)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.3)  # peaked logits: drafts get accepted and rejected
+    return model.to(device="cuda", dtype=dtype).eval()
+
+
+def _drafter(name: str, model: Transformer):
+    if name == "eagle-tree":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            head = EagleHead(ARGS.hidden_size, 4, 2, 16, 96, window=16)
+        head = head.to(device=model.device, dtype=model.dtype)
+        return EagleDrafter(model, head, tree=True, check_fingerprint=False)
+    return NgramDrafter(2, tree=name == "ngram-tree")
+
+
+@pytest.mark.parametrize("name", ["ngram-chain", "ngram-tree", "eagle-tree"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8)], ids=["greedy", "sampling"])
+def test_cuda_graph_steps_equal_eager_steps(name, dtype, sampling):
+    model = _model(dtype)
+    runs = []
+    for graphs in (False, True):
+        dec = SpeculativeDecoder(model, _drafter(name, model), cuda_graphs=graphs, node_buckets=True)
+        state = dec.start(PROMPTS, 24, sampling, seeds=[3, 4, 5])
+        steps = []
+        for _ in range(8):
+            if state.finished:
+                break
+            dec.step(state, 4)
+            steps.append([list(h) for h in state.histories])
+        runs.append(steps)
+        if graphs:
+            assert dec._passes.captures >= 1 and dec._passes.replays >= 1
+    assert runs[0] == runs[1]
