@@ -20,7 +20,7 @@ def test_gpu_check_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert sum(line.endswith(" ok") for line in lines if line.startswith("dry-run ")) == 6, proc.stdout
+    assert sum(line.endswith(" ok") for line in lines if line.startswith("dry-run ")) == 7, proc.stdout
     assert "limits 320s of 360s, status 0" in lines[-1]
 
 

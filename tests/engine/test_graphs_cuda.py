@@ -1,7 +1,7 @@
 """On a GPU (``scripts/gpu_check.sh``): the engine's steps with CUDA graphs equal its eager steps.
 
 A random-weight Llama of our own (no transformers, no checkpoint: the GPU machine has neither),
-float32 and bfloat16, greedy and seeded sampling, an n-gram chain and tree and an EAGLE tree:
+float32 and bfloat16, greedy and seeded sampling, n-gram, EAGLE and Medusa chains and trees:
 ``SpeculativeDecoder(cuda_graphs=True)`` emits, step by step, what the same decoder emits
 eagerly with the same bucketed widths; and the graphs were captured and replayed.  The CPU
 runs of the same code path are ``tests/engine/test_graphs.py``.
@@ -14,6 +14,7 @@ import torch
 
 from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead
+from specdec_kernels.decoding.drafters.medusa import MedusaDrafter, MedusaHeads
 from specdec_kernels.decoding.drafters.ngram import NgramDrafter
 from specdec_kernels.decoding.model import ModelArgs, Transformer
 
@@ -35,16 +36,23 @@ def _model(dtype) -> Transformer:
 
 
 def _drafter(name: str, model: Transformer):
-    if name == "eagle-tree":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            head = EagleHead(ARGS.hidden_size, 4, 2, 16, 96, window=16)
-        head = head.to(device=model.device, dtype=model.dtype)
-        return EagleDrafter(model, head, tree=True, check_fingerprint=False)
-    return NgramDrafter(2, tree=name == "ngram-tree")
+    kind, shape = name.split("-")
+    tree = shape == "tree"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        if kind == "eagle":
+            head = EagleHead(ARGS.hidden_size, 4, 2, 16, 96, window=16).to(device=model.device, dtype=model.dtype)
+            return EagleDrafter(model, head, tree=tree, check_fingerprint=False)
+        if kind == "medusa":
+            heads = MedusaHeads(ARGS.hidden_size, 3).to(device=model.device, dtype=model.dtype)
+            return MedusaDrafter(model, heads, tree=tree, check_fingerprint=False)
+    return NgramDrafter(2, tree=tree)
 
 
-@pytest.mark.parametrize("name", ["ngram-chain", "ngram-tree", "eagle-tree"])
+DRAFTERS = ["ngram-chain", "ngram-tree", "eagle-chain", "eagle-tree", "medusa-chain", "medusa-tree"]
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8)], ids=["greedy", "sampling"])
 def test_cuda_graph_steps_equal_eager_steps(name, dtype, sampling):
