@@ -111,7 +111,7 @@ def tree_structure(parents: torch.Tensor, device) -> Tuple[torch.Tensor, torch.T
             _TREE_SHAPES.move_to_end(key)
             return hit
     mask = ancestor_mask(parents)
-    hit = ((mask.sum(dim=-1, dtype=torch.int64) - 1).to(device), mask.to(device))
+    hit = ((mask.sum(dim=-1, dtype=torch.int64) - 1).to(device, non_blocking=True), mask.to(device, non_blocking=True))
     if key is not None:
         _TREE_SHAPES[key] = hit
         if len(_TREE_SHAPES) > MAX_TREE_SHAPES:

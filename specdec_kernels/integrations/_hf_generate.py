@@ -179,7 +179,8 @@ class ProcessedModel:
         logits = self.inner(tokens, positions, kv_cache, cache_seqlens, tree_mask, **options)
         logit_rows = options.get("logit_rows")
         B, N = tokens.shape
-        starts = [int(s) for s in cache_seqlens.tolist()]
+        host = options.get("host_seqlens")  # the loop's host copy: no read of cache_seqlens
+        starts = [int(s) for s in (host if host is not None else cache_seqlens.tolist())]
         block = tokens.tolist()
         self._sync()
         for b in range(B):

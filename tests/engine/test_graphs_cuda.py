@@ -71,3 +71,35 @@ def test_cuda_graph_steps_equal_eager_steps(name, dtype, sampling):
         if graphs:
             assert dec._passes.captures >= 1 and dec._passes.replays >= 1
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name", ["ngram-tree", "eagle-tree"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_step_synchronises_once(name, graphs):
+    """torch's sync debug mode counts the synchronising CUDA calls of each step after the
+    first two (Triton's first launches, the captures): one, the copy of the step's results
+    (the moves to the device are queued, not synchronised)."""
+    import warnings
+
+    model = _model(torch.bfloat16)
+    dec = SpeculativeDecoder(model, _drafter(name, model), cuda_graphs=graphs, node_buckets=True)
+    state = dec.start([PROMPTS[0] * 3, PROMPTS[2] * 3], 24, seeds=[3, 4])
+    for _ in range(2):
+        dec.step(state, 4)
+    counts = []
+    for _ in range(4):
+        if state.finished:
+            break
+        captures = dec._passes.captures if graphs else 0
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dec.step(state, 4)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if graphs and dec._passes.captures != captures:
+            continue  # a new bucket was captured in this step: capture synchronises
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert counts and all(c <= 1 for c in counts), counts

@@ -285,6 +285,13 @@ def _feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]
     return {"hidden_layers": layers} if layers else {}
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor moved to ``device`` without waiting for the device: ``non_blocking``, so
+    that on CUDA the copy is queued behind the stream's work instead of synchronising it (a
+    pageable source is staged before the call returns, so the host may reuse it at once)."""
+    return t.to(device, non_blocking=True)
+
+
 def node_bucket(n: int, max_nodes: int) -> int:
     """The width a block of ``n`` nodes per sequence is padded to with ``node_buckets``: the
     next power of two, at most ``max_nodes`` (itself a bucket when it is no power of two), and
@@ -812,14 +819,13 @@ class SpeculativeDecoder:
         emitted = self._emit(state, out, num_accepted, depth, active)
         keep = [a and not d for a, d in zip(active, state.done)]  # still running after this step
         advance = torch.tensor([n + 1 if k else 0 for n, k in zip(num_accepted.tolist(), keep)], dtype=torch.int64)
+        device_advance = to_device(advance, state.cache_seqlens.device)
         if not draft.is_chain and any(keep):
             if isinstance(state.kv_cache, PagedKVCache):
-                state.kv_cache.compact(state.cache_seqlens, device_accepted, advance.to(state.cache_seqlens.device))
+                state.kv_cache.compact(state.cache_seqlens, device_accepted, device_advance)
             else:
-                compact_kv_cache(
-                    state.kv_cache, state.cache_seqlens, device_accepted, advance.to(state.cache_seqlens.device)
-                )
-        state.cache_seqlens += advance.to(device=state.cache_seqlens.device, dtype=torch.int32)
+                compact_kv_cache(state.kv_cache, state.cache_seqlens, device_accepted, device_advance)
+        state.cache_seqlens += device_advance.to(torch.int32)
         state.host_seqlens = [s + a for s, a in zip(seqlens, advance.tolist())]
         t3 = time.perf_counter()
         if self._target_argmax is not None:  # e.g. lookahead decoding's Jacobi update
@@ -828,13 +834,13 @@ class SpeculativeDecoder:
         self.drafter.observe(accepted_nodes, num_accepted, keep)
         if self._hidden is not None:  # the hidden state of each sequence's last accepted node
             if getattr(self.drafter, "context_window", 0):  # and of the whole accepted path
-                nodes = accepted_nodes.to(self._hidden.device)
+                nodes = to_device(accepted_nodes, self._hidden.device)
                 first = seqlens  # where each accepted path starts in the cache
                 path = [self._hidden[b, nodes[b, : int(num_accepted[b]) + 1]] if keep[b] else None for b in range(B)]
                 self.drafter.observe_context(path, first, keep)
             last = accepted_nodes.gather(1, num_accepted[:, None].to(accepted_nodes.dtype)).clamp(min=0)[:, 0]
             rows = torch.arange(B, device=self._hidden.device)
-            self.drafter.observe_hidden(self._hidden[rows, last.to(self._hidden.device)], keep)
+            self.drafter.observe_hidden(self._hidden[rows, to_device(last, self._hidden.device)], keep)
             self._hidden = None
         t4 = time.perf_counter()
         stats.draft_time += t4 - t3
@@ -971,7 +977,7 @@ class SpeculativeDecoder:
         host_num_nodes = draft.num_nodes.cpu()
         n = int(host_num_nodes.max())
         host_tokens, host_parents = draft.tokens[:, :n].cpu(), draft.parents[:, :n].cpu()
-        probs = draft.probs[:, :n].to(device) if draft.probs is not None else None
+        probs = to_device(draft.probs[:, :n], device) if draft.probs is not None else None
         B = host_tokens.shape[0]
         width = node_bucket(n, self.max_draft_nodes) if self.node_buckets else n
         if width > n:
@@ -980,8 +986,8 @@ class SpeculativeDecoder:
             pad_parents = torch.arange(n - 1, width - 1) if draft.is_chain else torch.zeros(pad, dtype=torch.int64)
             host_parents = torch.cat([host_parents, pad_parents.to(host_parents.dtype).expand(B, pad)], dim=1)
             probs = torch.nn.functional.pad(probs, (0, 0, 0, pad)) if probs is not None else None
-        tokens, parents = host_tokens.to(device), host_parents.to(device)
-        num_nodes = host_num_nodes.to(device)
+        tokens, parents = to_device(host_tokens, device), to_device(host_parents, device)
+        num_nodes = to_device(host_num_nodes, device)
         n, cut = width, n  # the pass's width; the draft's, which the results are cut back to
         if draft.is_chain:
             host_depths = torch.arange(n).expand(B, n)
@@ -992,7 +998,7 @@ class SpeculativeDecoder:
         host_valid = torch.arange(n)[None, :] < host_num_nodes[:, None]
         depth = torch.where(host_valid, host_depths, 0).max(dim=1).values
         host_positions = torch.tensor(seqlens, dtype=torch.int64)[:, None] + host_depths
-        positions = host_positions.to(device)
+        positions = to_device(host_positions, device)
         self._hidden = None
         wants_hidden = getattr(self.drafter, "wants_hidden", False)
         if self._passes is not None:  # the captured pass of this shape class, replayed
@@ -1046,7 +1052,7 @@ class SpeculativeDecoder:
                     num_nodes,
                     posterior_threshold=self.typical,
                     posterior_alpha=self.typical_alpha,
-                    sample_uniforms=finals.to(device),
+                    sample_uniforms=to_device(finals, device),
                 )
             elif draft.is_chain:
                 out, num_accepted = rejection_sample(
@@ -1054,8 +1060,8 @@ class SpeculativeDecoder:
                     probs[:, : n - 1] if probs is not None else None,
                     tokens[:, 1:],
                     num_nodes - 1,
-                    uniform_samples=coins.to(device),
-                    sample_uniforms=finals.to(device),
+                    uniform_samples=to_device(coins, device),
+                    sample_uniforms=to_device(finals, device),
                 )
             else:
                 out, accepted_nodes, num_accepted = tree_rejection_sample(
@@ -1064,8 +1070,8 @@ class SpeculativeDecoder:
                     parents,
                     probs,
                     num_nodes,
-                    uniform_samples=coins.to(device),
-                    sample_uniforms=finals.to(device),
+                    uniform_samples=to_device(coins, device),
+                    sample_uniforms=to_device(finals, device),
                 )
         if draft.is_chain:
             index = torch.arange(n, device=device).expand(B, n)
