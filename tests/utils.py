@@ -160,13 +160,19 @@ def requires_triton(op_name: str):
 
 def capture_and_replay(launch, out: torch.Tensor, initial: torch.Tensor) -> None:
     """Capture ``launch()`` in a CUDA graph on a side stream, put ``initial`` back into ``out``
-    (which the capture may have written), then replay the graph and wait for it."""
+    (which the capture may have written), then replay the graph and wait for it.  The launch is
+    captured under torch's sync debug mode "error": a synchronising call in it fails naming
+    itself (capture would fail anyway, less clearly)."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
-            launch()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                launch()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(stream)
     out.copy_(initial)
     graph.replay()
