@@ -4,8 +4,8 @@
 # set-up included: build the CUDA extension; the CUDA compaction's parity tests and a sample of
 # the Triton parity tests on CUDA, the engine's steps with CUDA graphs against its eager steps
 # (tests/engine/test_graphs_cuda.py); compute-sanitizer over a small driver of the compaction;
-# the quick kernel benchmark (eager, host and CUDA-graph replay without an L2 flush, bytes and
-# % of copy bandwidth); ours beside FlashInfer; the engine's verify/decode cost; a whole
+# the kernel benchmark at decode shapes (every op at B 1/8/64 and V 49152/128256: eager, host
+# and CUDA-graph replay without an L2 flush, bytes and % of copy bandwidth); ours beside FlashInfer; the engine's verify/decode cost; a whole
 # verification step at Llama-3-8B dimensions (4 layers), eager against CUDA-graph replay.  Every step
 # prints its figures as it makes them and writes logs, JSON and plots to OUT_DIR; summary.txt
 # and failures.log are the ones to read first.
@@ -42,7 +42,7 @@ STEPS=(
   "build|75|$PY setup.py build_ext --inplace"
   "cuda_tests|50|$PY -m pytest -q -p no:cacheprovider \$($PY -c 'import xdist' 2>/dev/null && printf -- '-n 8') --junitxml=$OUT/pytest.xml -rfE tests/ops/compact_kv_cache tests/ops/verify_greedy tests/ops/rejection_sample tests/engine/test_graphs_cuda.py -k '(native and not emulat) or triton or cuda_graph'"
   "sanitizer|60|bash scripts/compute_sanitizer.sh $OUT"
-  "bench_kernels|50|$PY -m specdec_kernels.bench.kernels --quick --out $OUT"
+  "bench_kernels|50|$PY -m specdec_kernels.bench.kernels --decode --out $OUT"
   "flashinfer|45|$PY -m specdec_kernels.bench.flashinfer_side --out $OUT"
   "step_cost|15|$PY -m specdec_kernels.bench.step_cost --models llama3-8b --sizes 4,16,64 --out $OUT"
   "step_graphs|25|$PY -m specdec_kernels.bench.step_graphs --steps 20 --out $OUT"

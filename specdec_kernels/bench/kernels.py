@@ -11,7 +11,7 @@ as a CUDA-graph replay ("graph us"): an eager call of a small op times the host'
 launch it, a replay its kernels alone.  Writes a table to stdout and
 ``kernels.jsonl`` + ``kernels.png`` to --out.
 
-    python -m specdec_kernels.bench.kernels [--op NAME] [--dtype bf16|fp16|fp32] [--quick] [--out DIR] [--device cpu|cuda]
+    python -m specdec_kernels.bench.kernels [--op NAME] [--dtype bf16|fp16|fp32] [--quick | --decode] [--out DIR] [--device cpu|cuda]
     python -m specdec_kernels.bench.kernels --static [--out DIR]   # GPU report without a GPU (specdec_kernels/bench/static.py)
 """
 
@@ -86,12 +86,20 @@ def _drafts_from(logits, K, g):
     return torch.where(flip, (drafts + 1) % logits.shape[-1], drafts)
 
 
-def _verify_shapes(quick):
-    models = ["smollm2-135m"] if quick else list(MODELS)
-    batches = [1, 8] if quick else [1, 8, 64]
-    return [
-        dict(model=m, V=MODELS[m]["V"], B=b, K=k) for m in models for b in batches for k in ([4] if quick else [4, 8])
-    ]
+# The shape sets (``--quick``, ``--decode``, neither): "quick" for CI (the interpreter), "decode"
+# the decode shapes of the GPU check (every op at B 1 / 8 / 64 and V 49152 / 128256, K 4, N 16),
+# "full" everything.
+DECODE_MODELS = ("smollm2-135m", "llama3-8b")
+
+
+def _models(level):
+    return ["smollm2-135m"] if level == "quick" else list(DECODE_MODELS if level == "decode" else MODELS)
+
+
+def _verify_shapes(level):
+    batches = [1, 8] if level == "quick" else [1, 8, 64]
+    ks = [4, 8] if level == "full" else [4]
+    return [dict(model=m, V=MODELS[m]["V"], B=b, K=k) for m in _models(level) for b in batches for k in ks]
 
 
 def _make_verify(s, dtype, device):
@@ -127,14 +135,13 @@ def _make_verify_flattened(s, dtype, device):
     )
 
 
-def _tree_shapes(quick):
-    models = ["smollm2-135m"] if quick else list(MODELS)
-    batches = [1, 8] if quick else [1, 8, 64]
+def _tree_shapes(level):
+    batches = [1, 8] if level == "quick" else [1, 8, 64]
     return [
         dict(model=m, V=MODELS[m]["V"], B=b, N=n)
-        for m in models
+        for m in _models(level)
         for b in batches
-        for n in ([16] if quick else [16, 64])
+        for n in ([16, 64] if level == "full" else [16])
     ]
 
 
@@ -207,11 +214,13 @@ def _make_sampling(s, dtype, device):
     return dict(logits=logits, temperature=0.7, top_k=50, top_p=0.9, bytes=nbytes(logits) + logits.numel() * 4)
 
 
-def _attention_shapes(quick):
-    if quick:
+def _attention_shapes(level):
+    if level == "quick":
         return [
             dict(model="smollm2-135m", B=1, N=n, prefix=p, **MODELS["smollm2-135m"]) for n in (1, 16) for p in (512,)
         ]
+    if level == "decode":
+        return [dict(model=m, B=b, N=16, prefix=4096, **MODELS[m]) for m in DECODE_MODELS for b in (1, 8, 64)]
     out = []
     for m in ("smollm2-135m", "llama3-8b"):
         for b in (1, 8):
@@ -248,9 +257,9 @@ def _sdpa_dense(i):
     return out.transpose(1, 2)
 
 
-def _paged_attention_shapes(quick):
+def _paged_attention_shapes(level):
     """The dense shapes, the cache paged in blocks of 16 slots (NHD, vLLM's default)."""
-    return [dict(s, block_size=16) for s in _attention_shapes(quick)]
+    return [dict(s, block_size=16) for s in _attention_shapes(level)]
 
 
 def _make_paged_attention(s, dtype, device):
@@ -283,9 +292,9 @@ def _sdpa_paged(i):
     return _sdpa_dense(dict(i, k_cache=k, v_cache=v))
 
 
-def _compact_shapes(quick):
+def _compact_shapes(level):
     """Dense rows, then the same shapes on a paged cache (block_size 16, NHD)."""
-    if quick:
+    if level == "quick":
         dense = [dict(model="smollm2-135m", B=4, S=2048, M=8, **MODELS["smollm2-135m"])]
     else:
         dense = [dict(model=m, B=b, S=2048, M=8, **MODELS[m]) for m in ("smollm2-135m", "llama3-8b") for b in (1, 4, 8)]
@@ -446,7 +455,8 @@ def run(args) -> List[Dict]:
         raise SystemExit(f"error: {e}") from None
     env = environment()
     copy_bw = copy_bandwidth_gbps(device)
-    jobs = [(e, s) for e in entries for s in e.shapes(args.quick)]
+    level = "quick" if args.quick else "decode" if args.decode else "full"
+    jobs = [(e, s) for e in entries for s in e.shapes(level)]
     try:
         from tqdm import tqdm
 
@@ -454,7 +464,7 @@ def run(args) -> List[Dict]:
     except ImportError:
         jobs_iter = jobs
     rows = []
-    min_time = 0.05 if args.quick else 0.2
+    min_time = 0.2 if level == "full" else 0.05
     for entry, shape in jobs_iter:
         inputs = entry.make(shape, dtype, device)
         ref_fn = lambda i, e=entry: e.call(i, "reference")  # noqa: E731
@@ -589,6 +599,11 @@ def main(argv=None):
     parser.add_argument("--op", help="one op only")
     parser.add_argument("--dtype", choices=list(DTYPES), help="logits/cache dtype (default bf16 on GPU, fp32 on CPU)")
     parser.add_argument("--quick", action="store_true", help="small set of shapes (CI)")
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="the decode shapes of the GPU check: every op at B 1/8/64 and V 49152/128256, K 4, N 16",
+    )
     parser.add_argument("--out", help="output folder (default bench_out/)")
     parser.add_argument("--device", choices=["cpu", "cuda"])
     parser.add_argument(
@@ -601,7 +616,9 @@ def main(argv=None):
     ops = list(dict.fromkeys(e.op for e in ENTRIES))
     if args.op is not None and args.op not in ops:
         parser.error(f"--op must be one of {', '.join(ops)}, got {args.op!r}")
-    if args.static and (args.op or args.dtype or args.quick or args.device):
+    if args.quick and args.decode:
+        parser.error("--quick and --decode are two shape sets: give one")
+    if args.static and (args.op or args.dtype or args.quick or args.decode or args.device):
         parser.error("--static compiles every launcher configuration: it takes --out only")
     check_device(parser, "--device", args.device)
     try:

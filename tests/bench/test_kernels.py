@@ -57,3 +57,24 @@ def test_plot_draws_only_ops_with_data_and_names_the_rest(tmp_path, monkeypatch)
     assert seen["axes"] == 1  # only op a has a fast path
     assert "reference only): b" in seen["title"]
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_decode_shape_set_covers_the_gpu_checks_shapes():
+    """``--decode`` (scripts/gpu_check.sh): every verify / sampling op at B 1 / 8 / 64 and
+    V 49152 / 128256 with K 4 (trees N 16); attention at both models' dimensions."""
+    for fn, key in ((kernels._verify_shapes, "K"), (kernels._tree_shapes, "N")):
+        got = {(s["B"], s["V"], s[key]) for s in fn("decode")}
+        assert got == {(b, v, 4 if key == "K" else 16) for b in (1, 8, 64) for v in (49152, 128256)}
+    attention = kernels._attention_shapes("decode")
+    assert {(s["model"], s["B"]) for s in attention} == {(m, b) for m in kernels.DECODE_MODELS for b in (1, 8, 64)}
+    assert (
+        len(kernels._verify_shapes("quick"))
+        < len(kernels._verify_shapes("decode"))
+        < len(kernels._verify_shapes("full"))
+    )
+
+
+def test_quick_and_decode_are_exclusive(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--quick", "--decode"])
+    assert "--quick and --decode" in capsys.readouterr().err
