@@ -1,4 +1,4 @@
-// One decoder layer of the engine's Llama-family model in one call (torch.ops.specdec_native.decoder_layer),
+// One decoder layer of the engine's Llama-family model in one call (torch.ops.specdec_engine.decoder_layer),
 // for CPU passes of a few tokens (decode steps and verification), where the time between the
 // matrix products (a dozen small ATen ops and the Python around them) costs as much as the products.
 //
@@ -6,7 +6,7 @@
 // through the same native kernels (packed_linear, packed_linear_int8,
 // tree_attention) and ATen's silu; the rotary products and the residual adds are loops
 // with the same roundings as the ATen ops (bit-identical), and RMSNorm is rms_norm_rows, the loop
-// that torch.ops.specdec_native.rms_norm (below) also runs for the Python layer, so that the two
+// that torch.ops.specdec_engine.rms_norm (below) also runs for the Python layer, so that the two
 // layers give the same bits.  Every row is computed alone, so a row's output does not depend on
 // the others.
 //
@@ -41,7 +41,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
                          int64_t kind) {
   static auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("specdec_native::packed_linear", "")
+          .findSchemaOrThrow("specdec_engine::packed_linear", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t, bool)>();
   return op.call(x, codes, scales, mins, kind, false);
 }
@@ -49,7 +49,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dw, const OptT& mw,
                               int64_t kind, int64_t out_features, int64_t isa) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdec_native::packed_linear_int8", "")
+                       .findSchemaOrThrow("specdec_engine::packed_linear_int8", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, int64_t,
                                          int64_t, int64_t)>();
   return op.call(x, qw, dw, mw, kind, out_features, isa);
@@ -102,7 +102,7 @@ void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t n, doub
   });
 }
 
-// torch.ops.specdec_native.rms_norm: RMSNorm over the last dimension of x [..., n] float32 CPU
+// torch.ops.specdec_engine.rms_norm: RMSNorm over the last dimension of x [..., n] float32 CPU
 // with weight [n] float32, by rms_norm_rows; returns a new float32 tensor of x's shape.
 at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   TORCH_CHECK_VALUE(x_in.dim() >= 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
@@ -226,7 +226,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {
+TORCH_LIBRARY_IMPL(specdec_engine, CPU, m) {
   m.impl("decoder_layer", &specdec::decoder_layer_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
 }

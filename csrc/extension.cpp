@@ -1,11 +1,12 @@
 // specdec_kernels._C: the Python module that loads the native ops.
 //
-// The native ops' schemas are declared once, here (namespace `specdec_native`, apart from the public ops of `specdec`);
-// their kernels are registered per device with TORCH_LIBRARY_IMPL in the other sources: on CPU compact_kv_cache.cpp,
-// verify_sample_cpu.cpp, paged_attention_cpu.cpp, packed_linear_cpu.cpp, packed_linear_int8_cpu.cpp and
-// decoder_layer_cpu.cpp; on CUDA compact_kv_cache_cuda.cpp, a thin binding over the torch-free kernel
-// compact_kv_cache_kernel.cu. common.h holds the helpers the sources share.  Importing this module registers the ops as
-// torch.ops.specdec_native.<name>.
+// The native kernels' schemas are declared here, in two namespaces apart from the public ops of
+// `specdec`: `specdec_native`, the ops' CPU and CUDA backends (kernels in compact_kv_cache.cpp,
+// verify_sample_cpu.cpp, paged_attention_cpu.cpp; on CUDA compact_kv_cache_cuda.cpp, a thin
+// binding over the torch-free kernel compact_kv_cache_kernel.cu), and `specdec_engine`, the
+// engine's model kernels (packed_linear_cpu.cpp, packed_linear_int8_cpu.cpp, decoder_layer_cpu.cpp).
+// common.h holds the helpers the sources share.  Importing this module registers them as
+// torch.ops.specdec_native.<name> and torch.ops.specdec_engine.<name>.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -78,7 +79,12 @@ TORCH_LIBRARY_FRAGMENT(specdec_native, m) {
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? tree_mask, "
       "float sm_scale) -> Tensor");
+}
 
+// The engine's CPU kernels (specdec_kernels.decoding: its model's products and layer), apart from
+// the ops' backends: torch.ops.specdec_engine.<name>.  Their fakes are registered in Python
+// (specdec_kernels/_native.py).
+TORCH_LIBRARY_FRAGMENT(specdec_engine, m) {
   // CPU matrix product y = x @ W^T with W stored block-quantised (csrc/packed_linear_cpu.cpp):
   // x float32 [R, I]; kind 0 "affine4" (ggml Q4_1: codes uint8 [O, I / 2], scales and mins
   // float32 [O, I / 32]), 1 "scaled8" (ggml Q8_0: codes int8 as uint8 [O, I], scales) or 2

@@ -1,4 +1,4 @@
-// CPU matrix product with a block-quantised weight (torch.ops.specdec_native.packed_linear):
+// CPU matrix product with a block-quantised weight (torch.ops.specdec_engine.packed_linear):
 // y = x @ W^T, where W [O, I] is stored in blocks of 32 consecutive inputs of one output row,
 // in one of the two forms of GGUF's (ggml's) quantisation types that SmolLM2's GGUF uses:
 //
@@ -355,7 +355,7 @@ std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> packed_weight_cpu(const 
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {
+TORCH_LIBRARY_IMPL(specdec_engine, CPU, m) {
   m.impl("packed_linear", &specdec::packed_linear_cpu);
   m.impl("packed_weight", &specdec::packed_weight_cpu);
 }

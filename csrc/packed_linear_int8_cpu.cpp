@@ -1,5 +1,5 @@
 // CPU matrix product with 8-bit activations over block-quantised weights
-// (torch.ops.specdec_native.packed_linear_int8): the arithmetic of ggml's Q4_1 x Q8_1 and
+// (torch.ops.specdec_engine.packed_linear_int8): the arithmetic of ggml's Q4_1 x Q8_1 and
 // Q8_0 x Q8_0 dot products, the one llama.cpp uses, laid out so that a pass of several tokens
 // reads and unpacks each weight block once.
 //
@@ -360,9 +360,9 @@ std::vector<int64_t> packed_linear_int8_isas_cpu() {
 }  // namespace
 }  // namespace specdec
 
-TORCH_LIBRARY_IMPL(specdec_native, CPU, m) { m.impl("packed_linear_int8", &specdec::packed_linear_int8_cpu); }
+TORCH_LIBRARY_IMPL(specdec_engine, CPU, m) { m.impl("packed_linear_int8", &specdec::packed_linear_int8_cpu); }
 
 // No tensor argument to dispatch on: declared with its function (the one schema outside extension.cpp).
-TORCH_LIBRARY_FRAGMENT(specdec_native, m) {
+TORCH_LIBRARY_FRAGMENT(specdec_engine, m) {
   m.def("packed_linear_int8_isas() -> int[]", &specdec::packed_linear_int8_isas_cpu);
 }

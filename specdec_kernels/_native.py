@@ -1,10 +1,10 @@
 """Lazy loading of the compiled extension ``specdec_kernels._C``.
 
-The extension registers its kernels with torch.library in a namespace of their own,
-``specdec_native``, as ``torch.ops.specdec_native.<name>``: the native backends of the public
-ops (which are declared in Python, ``specdec_kernels._library``, in ``torch.ops.specdec``, and
-dispatch to them) and the engine's layer kernels.  They are implementation details, kept out of
-the public namespace.  It is loaded on first use
+The extension registers its kernels with torch.library in two namespaces of their own, kept out
+of the public one: ``torch.ops.specdec_native.<name>``, the native backends of the public ops
+(which are declared in Python, ``specdec_kernels._library``, in ``torch.ops.specdec``, and
+dispatch to them), and ``torch.ops.specdec_engine.<name>``, the engine's model kernels (packed
+products, RMSNorm, the one-call decoder layer), whose fakes are registered here.  It is loaded on first use
 (the first op call that could use it), never at import, and when it is missing the package
 says so once and falls back to the reference.  This module imports nothing of the package.
 """
@@ -35,6 +35,9 @@ def load() -> bool:
                 )
             if hasattr(torch.ops.specdec_native, "paged_tree_attention"):
                 torch.library.register_fake("specdec_native::paged_tree_attention")(_paged_tree_attention_native_fake)
+            for name, fake in _ENGINE_FAKES.items():  # the engine's kernels (specdec_engine)
+                if hasattr(torch.ops.specdec_engine, name):
+                    torch.library.register_fake(f"specdec_engine::{name}")(fake)
         except (ImportError, OSError) as e:
             _state["loaded"], _state["error"] = False, e
     return bool(_state["loaded"])
@@ -106,6 +109,65 @@ def _paged_compact_kv_cache_native_fake(
     return None
 
 
+# ---------------------------------------------------------------- the engine's kernels' fakes
+# Shapes and dtypes only (FakeTensor / torch.compile tracing of the engine's model); the checks
+# are the kernels' own.  specdec_engine::packed_weight has none: its outputs' shapes (and whether
+# there is a packed form at all) depend on the weight's values, and it runs once at load time.
+
+
+def _rows_by(x, out_features):
+    torch._check(x.dim() == 2, lambda: f"x must be [R, I], got {tuple(x.shape)}")
+    return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+def _packed_linear_fake(x, codes, scales, mins, kind, portable=False):
+    """specdec_engine::packed_linear: float32 [R, O], O the codes' rows."""
+    return _rows_by(x, codes.shape[0])
+
+
+def _packed_linear_int8_fake(x, qw, dw, mw, kind, out_features, isa=0):
+    """specdec_engine::packed_linear_int8: float32 [R, out_features]."""
+    return _rows_by(x, out_features)
+
+
+def _rms_norm_fake(x, weight, eps):
+    """specdec_engine::rms_norm: like x (float32, contiguous)."""
+    return x.new_empty(x.shape)
+
+
+def _decoder_layer_fake(
+    x,
+    attn_norm,
+    ffn_norm,
+    eps,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    tree_mask,
+    qkv_bias,
+    weights,
+    kinds,
+    out_features,
+    num_heads,
+    num_kv_heads,
+    isa=0,
+):
+    """specdec_engine::decoder_layer: the layer's output, like x [B, N, hidden] (the caches are
+    written in place)."""
+    torch._check(x.dim() == 3, lambda: f"x must be [B, N, hidden], got {tuple(x.shape)}")
+    return x.new_empty(x.shape)
+
+
+_ENGINE_FAKES = {
+    "packed_linear": _packed_linear_fake,
+    "packed_linear_int8": _packed_linear_int8_fake,
+    "rms_norm": _rms_norm_fake,
+    "decoder_layer": _decoder_layer_fake,
+}
+
+
 def _paged_tree_attention_native_fake(q, k_cache, v_cache, cache_seqlens, tree_mask, block_table, kv_layout, sm_scale):
     """Fake (meta) implementation of specdec_native::paged_tree_attention: shape checks, an
     output like q (contiguous).  Pools [num_blocks, block_size, Hkv, D] ("NHD") or
@@ -159,18 +221,25 @@ def probs_operands(target: torch.Tensor, draft):
     return p, q
 
 
+NAMESPACES = ("specdec_native", "specdec_engine")  # the ops' backends, the engine's kernels
+
+
 def has_kernel(name: str, device_type: str) -> bool:
     """Whether the extension has a ``device_type`` ('cpu' or 'cuda') kernel for op ``name``
-    (``torch.ops.specdec_native.<name>``)."""
+    (``torch.ops.specdec_native.<name>``, an op's backend, or ``torch.ops.specdec_engine.<name>``,
+    an engine kernel)."""
     if not load():
         return False
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     if key is None:
         return False
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec_native::{name}", key)
-    except RuntimeError:
-        return False
+    for namespace in NAMESPACES:
+        try:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", key):
+                return True
+        except RuntimeError:  # no such op in this namespace
+            continue
+    return False
 
 
 def build_info() -> dict:

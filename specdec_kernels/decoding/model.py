@@ -296,7 +296,7 @@ FUSED_ENV = "SPECDEC_FUSED_LAYER"  # "0": every layer through the Python ops of 
 
 
 def _linear_slots(path: str, weight: torch.Tensor) -> Tuple[int, List[Optional[torch.Tensor]], int]:
-    """(kind, three weight slots, out features) of one linear for ``specdec_native::decoder_layer``."""
+    """(kind, three weight slots, out features) of one linear for ``specdec_engine::decoder_layer``."""
     O = weight.shape[0]
     if path == "int8":
         w = packed.int8_form(weight)
@@ -310,7 +310,7 @@ def _linear_slots(path: str, weight: torch.Tensor) -> Tuple[int, List[Optional[t
 def fused_layer_args(
     owner, weights: Sequence[torch.Tensor], numerics: str, rows: int, norms: Sequence[torch.Tensor] = ()
 ) -> Optional[tuple]:
-    """The weight arguments of ``specdec_native::decoder_layer`` for a layer whose linears are ``weights``
+    """The weight arguments of ``specdec_engine::decoder_layer`` for a layer whose linears are ``weights``
     (wqkv, wo, w13, w2) in a pass of ``rows`` tokens per sequence, or None where the layer runs
     its Python ops: the fused call needs the extension, float32 CPU weights (and ``norms``), at
     most ``ROW_INDEPENDENT_ROWS`` tokens, and $SPECDEC_FUSED_LAYER not "0".  Cached on ``owner``
@@ -360,9 +360,9 @@ class RMSNorm(nn.Module):
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and packed.has_kernel("rms_norm")
             ):
-                # the loop of the one-call layer (specdec_native::decoder_layer): every CPU path of a pass
+                # the loop of the one-call layer (specdec_engine::decoder_layer): every CPU path of a pass
                 # (one-call or Python layer, dense or paged, any rows) rounds alike
-                return torch.ops.specdec_native.rms_norm(x, self.weight, self.eps)
+                return torch.ops.specdec_engine.rms_norm(x, self.weight, self.eps)
             # one op (transformers' arithmetic in float32: x * rsqrt(mean(x^2) + eps) * weight)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
@@ -426,7 +426,7 @@ class Block(nn.Module):
         self.isa: Optional[str] = None  # the int8 products' instruction set of the current pass (None: the best)
 
     def fused_args(self, rows: int) -> Optional[tuple]:
-        """The weight arguments of ``specdec_native::decoder_layer`` for a pass of ``rows`` tokens per
+        """The weight arguments of ``specdec_engine::decoder_layer`` for a pass of ``rows`` tokens per
         sequence, or None where the layer runs its Python ops (``fused_layer_args``)."""
         return fused_layer_args(
             self, (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight), self.numerics, rows
@@ -446,7 +446,7 @@ class Block(nn.Module):
         ):
             fused = self.fused_args(N)
             if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)
-                return torch.ops.specdec_native.decoder_layer(
+                return torch.ops.specdec_engine.decoder_layer(
                     x,
                     self.attention_norm.weight,
                     self.ffn_norm.weight,

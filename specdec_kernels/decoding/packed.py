@@ -8,7 +8,7 @@ for some codes: ``pack_weight`` finds them, checks that they give back every ele
 bit, and keeps them.  A one-row product on a CPU is bound by streaming the weight from memory;
 the packed form moves 0.75 (affine4) or 1.125 (scaled8) bytes per element instead of 4.
 
-The product itself (``packed_linear``, the C++ kernel ``torch.ops.specdec_native.packed_linear``)
+The product itself (``packed_linear``, the C++ kernel ``torch.ops.specdec_engine.packed_linear``)
 decodes each weight row into float32 and accumulates in float32, so it is the same weight's
 matrix product; only the order of the float32 additions differs from ``F.linear``'s.  It is
 the path ``decoding.model.linear`` takes for such a weight in passes of up to 64 rows (its
@@ -153,7 +153,7 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     if not _packable(weight, "pack_weight") or not has_kernel():
         return None
     O, I = weight.shape
-    kind, codes, scales, mins = torch.ops.specdec_native.packed_weight(weight.detach())
+    kind, codes, scales, mins = torch.ops.specdec_engine.packed_weight(weight.detach())
     if kind < 0:
         return None
     return PackedWeight(int(kind), codes, scales, mins if kind == AFFINE4 else None, (O, I))
@@ -228,7 +228,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, *, portable: bool = Fal
     _check_x("packed_linear", x, I)
     flat = x.reshape(-1, I)
     if has_kernel():
-        out = torch.ops.specdec_native.packed_linear(
+        out = torch.ops.specdec_engine.packed_linear(
             flat, packed.codes, packed.scales, packed.mins, packed.kind, portable
         )
     else:
@@ -267,7 +267,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, *, portable: bool = Fa
     if not has_kernel():
         raise ValueError("rowwise_linear needs the C++ extension (specdec_kernels.load_native())")
     empty = torch.empty(0)
-    out = torch.ops.specdec_native.packed_linear(x.reshape(-1, I), weight.detach(), empty, None, 2, portable)
+    out = torch.ops.specdec_engine.packed_linear(x.reshape(-1, I), weight.detach(), empty, None, 2, portable)
     return out.view(*x.shape[:-1], O)
 
 
@@ -344,7 +344,7 @@ def int8_isas() -> Tuple[str, ...]:
     "avx2", "avx512-vnni"), asked of the CPU at run time; () without the C++ extension."""
     if not has_kernel("packed_linear_int8"):
         return ()
-    return tuple(ISA_NAMES[i] for i in torch.ops.specdec_native.packed_linear_int8_isas())
+    return tuple(ISA_NAMES[i] for i in torch.ops.specdec_engine.packed_linear_int8_isas())
 
 
 def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -424,7 +424,7 @@ def packed_linear_int8(x: torch.Tensor, weight: Int8Weight, *, isa: Optional[str
     if not has_kernel("packed_linear_int8"):
         raise ValueError("packed_linear_int8 needs the C++ extension (specdec_kernels.load_native())")
     flat = x.reshape(-1, I)
-    out = torch.ops.specdec_native.packed_linear_int8(
+    out = torch.ops.specdec_engine.packed_linear_int8(
         flat, weight.qw, weight.dw, weight.mw, weight.kind, O, isa_code(isa)
     )
     return out.view(*x.shape[:-1], O)

@@ -4,7 +4,7 @@
    ``EagleDrafter(quantize_head=...)``): the rounding by hand, its error bound and packing over
    odd shapes, the copy leaving the head passed in alone, the drafter's choice and its products
    following the target's numerics, greedy identity.
-2. A chain's head layer in one native call per draft step (``specdec_native::decoder_layer``, as the
+2. A chain's head layer in one native call per draft step (``specdec_engine::decoder_layer``, as the
    target's layers): the same drafts and chain distributions as the head's Python ops
    ($SPECDEC_FUSED_LAYER=0), over ragged batches and the sliding window."""
 

@@ -1,7 +1,7 @@
 """The packed (exactly block-quantised) weights of the engine's CPU matrix products.
 
 ``decoding.packed.pack_weight`` (C++) against ``pack_weight_reference`` (PyTorch); the kernel
-``torch.ops.specdec_native.packed_linear`` (AVX2 and portable paths) against a float64 product
+``torch.ops.specdec_engine.packed_linear`` (AVX2 and portable paths) against a float64 product
 with the decoded weight, over odd shapes; each output row independent of the other rows; inputs
 read in place from views inside guard buffers; and the real SmolLM2, whose every weight packs.
 """
@@ -191,7 +191,7 @@ def assert_rejects_bad_x(product, weight) -> None:
 def test_bad_arguments_raise_naming_them():
     p = packed.pack_weight(q4_1_weight(4, 64))
     assert_rejects_bad_x(packed.packed_linear, p)
-    op = torch.ops.specdec_native.packed_linear
+    op = torch.ops.specdec_engine.packed_linear
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="kind"):
         op(x, p.codes, p.scales, p.mins, 3, False)

@@ -189,7 +189,7 @@ def test_bad_arguments_raise_naming_them():
         packed.packed_linear_int8(torch.randn(2, 64), iw, isa="avx1024")
     with pytest.raises(TypeError, match="PackedWeight"):
         packed.interleave(iw)
-    op = torch.ops.specdec_native.packed_linear_int8
+    op = torch.ops.specdec_engine.packed_linear_int8
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="kind"):
         op(x, iw.qw, iw.dw, iw.mw, 2, 4, 0)

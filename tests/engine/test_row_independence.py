@@ -3,10 +3,10 @@
 A verification pass feeds the root and the draft nodes together; speculative output equals
 greedy output only if each node's logits are exactly those a one-token decode step gives it
 after its ancestors.  For each numerics ("float32": the packed codes or the fixed-order float32
-kernel; "int8": 8-bit activations), with the one-call layer (specdec_native::decoder_layer) and with the
+kernel; "int8": 8-bit activations), with the one-call layer (specdec_engine::decoder_layer) and with the
 Python layer, chains and trees of 1..128 nodes (past the one-call layer's 64), batch 1 and 2: the
 logits of node i equal those of decoding the path to i one token at a time.  Also: the one-call
-layer equals the Python layer bit for bit (both run the same RMSNorm loop, specdec_native::rms_norm, and
+layer equals the Python layer bit for bit (both run the same RMSNorm loop, specdec_engine::rms_norm, and
 the same kernels), and the 8-bit model stays close to the float32 one.
 """
 

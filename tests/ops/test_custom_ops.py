@@ -127,8 +127,8 @@ print(json.dumps({"ops": [n for n in %r if hasattr(torch.ops.specdec, n)],
 
 def test_namespace_holds_the_public_ops_only():
     """``torch.ops.specdec`` lists what a user needs, the public ops (with their paged forms),
-    and nothing else: the extension's kernels (the ops' native backends and the engine's layer
-    kernels) live in ``torch.ops.specdec_native``, and no backend internal is registered (the
+    and nothing else: the extension's kernels live in ``torch.ops.specdec_native`` (the ops'
+    native backends) and ``torch.ops.specdec_engine`` (the engine's model kernels), and no backend internal is registered (the
     Triton launchers are plain functions, imported here to show that importing them registers
     nothing; the engine is imported too)."""
     import importlib
@@ -150,11 +150,20 @@ def test_namespace_holds_the_public_ops_only():
     assert set(PUBLIC_OPS) <= public
     assert names == public, names ^ public
     native = {n.split("::", 1)[1] for n in all_names if n.startswith("specdec_native::")}
-    if loaded:  # each op's CPU backend and the engine's kernels, under their plain names
-        assert {"verify_greedy", "compact_kv_cache", "paged_tree_attention", "decoder_layer", "rms_norm"} <= native
-        assert not any(n.endswith("_native") for n in native), native
+    engine = {n.split("::", 1)[1] for n in all_names if n.startswith("specdec_engine::")}
+    if loaded:  # each op's CPU backend, and apart the engine's kernels, under their plain names
+        assert {"verify_greedy", "compact_kv_cache", "paged_tree_attention", "philox_uniforms"} <= native
+        assert engine == {
+            "decoder_layer",
+            "rms_norm",
+            "packed_linear",
+            "packed_linear_int8",
+            "packed_linear_int8_isas",
+            "packed_weight",
+        }
+        assert not native & engine and not any(n.endswith("_native") for n in native | engine)
     else:
-        assert native == set()
+        assert native == set() == engine
 
 
 def test_public_fronts_have_type_hints_and_py_typed():

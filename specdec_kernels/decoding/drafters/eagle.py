@@ -707,7 +707,7 @@ class EagleDrafter(Drafter):
 
     def _fused_rows(self, b: int, u: torch.Tensor, start: int, old: int, fused: tuple):
         """The head's layer over sequence b's new rows u (1, N, H) at positions start.. in one
-        ``specdec_native::decoder_layer`` call, after its last ``old`` committed keys: the committed
+        ``specdec_engine::decoder_layer`` call, after its last ``old`` committed keys: the committed
         keys and values then ((old + N, nkv, hd) each) and the outputs of the rows the call
         ran ((1, M, H), the last row's last).  Only the last row's output is used: beyond
         ``FUSED_INGEST_ROWS`` rows (a prompt, a long run of steps without drafts) the others
@@ -836,7 +836,7 @@ class EagleDrafter(Drafter):
         return any(self.budget.wants_more(b, values[r], depth[b]) for r, b in enumerate(run))
 
     def _fused_layer(self) -> Optional[tuple]:
-        """``specdec_native::decoder_layer``'s weight arguments for the head's layer (one row per sequence
+        """``specdec_engine::decoder_layer``'s weight arguments for the head's layer (one row per sequence
         and step), or None where it runs the head's Python ops: the target layers' rule
         (``model.fused_layer_args``), the norms float32 on CPU too."""
         head = self.head
@@ -873,7 +873,7 @@ class EagleDrafter(Drafter):
 
     def _fused_step(self, state: dict, u: torch.Tensor) -> torch.Tensor:
         """The head's layer on one row per sequence, u (R, 1, H) at position end + depth, in one
-        ``specdec_native::decoder_layer`` call (the ops of ``project``, ``attend`` and ``finish``; the
+        ``specdec_engine::decoder_layer`` call (the ops of ``project``, ``attend`` and ``finish``; the
         row attends to the cache's first lens + 1 slots, its own written last): g (R, 1, H)."""
         if int(state["lens"].max()) >= state["k"].shape[2]:  # extended past max_depth (an ensemble's longer
             # chain keeps asking, as the Python ops allow): room for max_depth more steps
@@ -886,10 +886,10 @@ class EagleDrafter(Drafter):
         return g
 
     def _layer_call(self, u, cos, sin, k_cache, v_cache, lens, fused) -> torch.Tensor:
-        """``specdec_native::decoder_layer`` with the head's layer: u (B, N, H) written after lens[b]
+        """``specdec_engine::decoder_layer`` with the head's layer: u (B, N, H) written after lens[b]
         slots of the caches [B, nkv, S, hd], causal within the block: the outputs (B, N, H)."""
         head = self.head
-        return torch.ops.specdec_native.decoder_layer(
+        return torch.ops.specdec_engine.decoder_layer(
             u.contiguous(),
             head.attention_norm,
             head.ffn_norm,
