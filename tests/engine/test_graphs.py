@@ -73,3 +73,36 @@ def test_cuda_graphs_option_is_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA device"):
             SpeculativeDecoder(ours, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("max_draft_nodes", [1, 3, 5])
+def test_buckets_capped_by_an_odd_max_draft_nodes(tiny, max_draft_nodes):
+    """max_draft_nodes 1, 3, 5 (no power of two above 1): the widest bucket is max_draft_nodes
+    itself, and the tokens are the unpadded steps'."""
+    model = tiny[1]
+    make = DRAFTERS["ngram-tree"]
+    _, padded = _run(model, make(model), None, False, node_buckets=True, max_draft_nodes=max_draft_nodes)
+    _, plain = _run(model, make(model), None, False, max_draft_nodes=max_draft_nodes)
+    assert padded == plain
+
+
+def test_graphs_beyond_max_graphs_are_dropped_and_recaptured(tiny):
+    """max_graphs=1 with steps of changing widths: each new class drops the old graph and is
+    captured anew; the tokens are still the eager steps'."""
+    model = tiny[1]
+    passes = CapturedPasses(model, EagerGraph, max_graphs=1)
+    dec = SpeculativeDecoder(model, DRAFTERS["ngram-chain"](model), node_buckets=True)
+    dec._passes = passes
+    state = dec.start(PROMPTS, 24, seeds=[3, 4, 5])
+    steps = []
+    for k in (1, 4, 2, 4, 1, 3):
+        dec.step(state, k)
+        steps.append([list(h) for h in state.histories])
+        assert len(passes._entries) <= 1
+    eager = SpeculativeDecoder(model, DRAFTERS["ngram-chain"](model))
+    state = eager.start(PROMPTS, 24, seeds=[3, 4, 5])
+    want = []
+    for k in (1, 4, 2, 4, 1, 3):
+        eager.step(state, k)
+        want.append([list(h) for h in state.histories])
+    assert steps == want and passes.captures >= 2

@@ -161,3 +161,17 @@ def test_the_counter_sees_reads_and_not_moves():
         "boolean indexing",
         "Tensor.cpu",
     ], kinds
+
+
+def test_host_seqlens_none_is_read_once_from_the_device(tiny):
+    """A caller that drops ``host_seqlens`` (having changed cache_seqlens itself) costs one more
+    read on the next step, and the steps go on as before."""
+    model = tiny[1]
+    dec = SpeculativeDecoder(model, NgramDrafter(2))
+    state = dec.start(PROMPTS, 12, seeds=[3, 4, 5])
+    dec.step(state, K)
+    kept = list(state.host_seqlens)
+    state.host_seqlens = None
+    reads = count_step_reads(dec, state, K)
+    assert len(reads) == 2 and "tolist" in reads[0], reads
+    assert state.host_seqlens == state.cache_seqlens.tolist() and state.host_seqlens != kept

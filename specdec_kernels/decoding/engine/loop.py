@@ -145,6 +145,9 @@ class DecodeState:
         kv_cache: (L, 2, B, Hkv, S, D) the target's KV cache, or a ``PagedKVCache``.
         cache_seqlens: (B,) int32, tokens in the cache per sequence (= len(history) - 1 while
             the sequence is unfinished).
+        host_seqlens: the same lengths as a host list, kept by the loop beside cache_seqlens so
+            that a step reads none from the device; a caller that changes cache_seqlens itself
+            sets this to None (the next step then reads cache_seqlens once).
         done: per sequence, finished (stop token or max_new_tokens).
         generators: one torch.Generator per sequence for verification (sampling).
         coupling: the run's ``GumbelCoupling`` (sampling with ``coupling="gumbel"``), else None.
