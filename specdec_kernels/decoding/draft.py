@@ -98,8 +98,8 @@ def tree_structure(parents: torch.Tensor, device) -> Tuple[torch.Tensor, torch.T
     ``MAX_TREE_SHAPES``, least recently used dropped), so a drafter whose tree shape repeats
     (a static EAGLE or Medusa tree) costs a dictionary lookup per step instead of the
     per-node loops of ``ancestor_mask`` and of the depths (issue #55: built once per tree
-    shape).  Parents on another device are computed each time (their values would be a host
-    read).  The returned tensors are shared: read them, never write into them.
+    shape; a device's entry is a copy of the host's, so each shape is computed once).  Parents
+    on another device are computed each time (their values would be a host read).  The returned tensors are shared: read them, never write into them.
 
     The depth of node i is the number of its ancestors: its mask row's count minus one."""
     key = None
@@ -110,8 +110,12 @@ def tree_structure(parents: torch.Tensor, device) -> Tuple[torch.Tensor, torch.T
         if hit is not None:
             _TREE_SHAPES.move_to_end(key)
             return hit
-    mask = ancestor_mask(parents)
-    hit = ((mask.sum(dim=-1, dtype=torch.int64) - 1).to(device, non_blocking=True), mask.to(device, non_blocking=True))
+    if key is not None and torch.device(device).type != "cpu":  # the host's entry, copied over
+        depths, mask = tree_structure(parents, "cpu")
+    else:
+        mask = ancestor_mask(parents)
+        depths = mask.sum(dim=-1, dtype=torch.int64) - 1
+    hit = (depths.to(device, non_blocking=True), mask.to(device, non_blocking=True))
     if key is not None:
         _TREE_SHAPES[key] = hit
         if len(_TREE_SHAPES) > MAX_TREE_SHAPES:

@@ -762,7 +762,10 @@ class Transformer(nn.Module):
                 high-level features (Li et al. 2025, "EAGLE-3: Scaling up Inference
                 Acceleration of Large Language Models via Training-Time Test").
             host_seqlens: cache_seqlens' values as the caller keeps them on the host (the
-                engine loop does), or None: the pass then reads no length from the device.
+                engine loop does), or None.  Given, the slot writes take the one-slice path
+                when every sequence starts at the same slot, without reading cache_seqlens;
+                None reads cache_seqlens on CPU only (on a GPU the writes scatter, reading
+                nothing, as a captured graph needs).
 
         Returns:
             logits: Shape (B, N or R, vocab), float32, or None when R = 0 or

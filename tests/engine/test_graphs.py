@@ -22,17 +22,7 @@ from tests.engine.tiny import tiny, tiny_llama  # noqa: F401 (fixture)
 def _graph_run(model, make, sampling):
     """_run with the passes captured (EagerGraph): (reads per step, emitted per step, passes)."""
     passes = CapturedPasses(model, EagerGraph)
-    real_init = SpeculativeDecoder.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        self._passes = passes
-
-    SpeculativeDecoder.__init__ = init
-    try:
-        reads, emitted = _run(model, make(model), sampling, True, node_buckets=True, max_draft_nodes=16)
-    finally:
-        SpeculativeDecoder.__init__ = real_init
+    reads, emitted = _run(model, make(model), sampling, True, passes, node_buckets=True, max_draft_nodes=16)
     return reads, emitted, passes
 
 

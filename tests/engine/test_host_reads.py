@@ -49,9 +49,12 @@ SAMPLING = {
 }
 
 
-def _run(model, drafter, sampling, counted: bool, **options):
-    """STEPS steps of K drafts on PROMPTS: (per-step read lists, emitted tokens)."""
+def _run(model, drafter, sampling, counted: bool, passes=None, **options):
+    """STEPS steps of K drafts on PROMPTS: (per-step read lists, emitted tokens); ``passes``: a
+    ``CapturedPasses`` the decoder runs its target passes through (tests/engine/test_graphs.py)."""
     dec = SpeculativeDecoder(model, drafter, **options)
+    if passes is not None:
+        dec._passes = passes
     state = dec.start(PROMPTS, 24, sampling, seeds=[3, 4, 5])  # lookahead draws its guesses from them
     reads, emitted = [], []
     for _ in range(STEPS):

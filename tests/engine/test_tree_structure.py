@@ -64,6 +64,20 @@ def test_a_repeated_tree_is_a_lookup():
     assert torch.equal(changed[0], loop_depths(other))
 
 
+def test_a_device_entry_is_a_copy_of_the_host_entry(monkeypatch):
+    """Another device's entry (here "meta", as a GPU's would) is copied from the host's: the
+    ancestor mask of a shape is computed once, whichever devices ask for it."""
+    calls = []
+    real = draft_module.ancestor_mask
+    monkeypatch.setattr(draft_module, "ancestor_mask", lambda p: calls.append(1) or real(p))
+    parents = random_parents(3, 12, torch.Generator().manual_seed(5))
+    on_meta = tree_structure(parents, "meta")
+    on_host = tree_structure(parents, "cpu")
+    assert len(calls) == 1
+    assert on_meta[0].device.type == "meta" and on_meta[1].shape == on_host[1].shape == (3, 12, 12)
+    assert tree_structure(parents, torch.device("meta")) is on_meta and len(calls) == 1
+
+
 def test_a_slice_of_wider_parents_is_keyed_by_its_values():
     g = torch.Generator().manual_seed(1)
     parents = random_parents(2, 12, g)

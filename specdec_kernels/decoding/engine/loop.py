@@ -807,7 +807,7 @@ class SpeculativeDecoder:
         # the cache lengths from the host's copy: no read of the device's cache_seqlens
         if state.host_seqlens is None:
             state.host_seqlens = [int(s) for s in state.cache_seqlens.tolist()]
-        seqlens = list(state.host_seqlens)
+        seqlens = state.host_seqlens  # replaced, never changed in place
         room = [min(self.max_draft_nodes, state.capacity - s) for s in seqlens]
         draft = draft.truncate([r if a else 1 for r, a in zip(room, active)])
         t1 = time.perf_counter()
@@ -821,15 +821,15 @@ class SpeculativeDecoder:
 
         emitted = self._emit(state, out, num_accepted, depth, active)
         keep = [a and not d for a, d in zip(active, state.done)]  # still running after this step
-        advance = torch.tensor([n + 1 if k else 0 for n, k in zip(num_accepted.tolist(), keep)], dtype=torch.int64)
-        device_advance = to_device(advance, state.cache_seqlens.device)
+        filled = [n + 1 if k else 0 for n, k in zip(num_accepted.tolist(), keep)]  # slots per sequence
+        device_advance = to_device(torch.tensor(filled, dtype=torch.int64), state.cache_seqlens.device)
         if not draft.is_chain and any(keep):
             if isinstance(state.kv_cache, PagedKVCache):
                 state.kv_cache.compact(state.cache_seqlens, device_accepted, device_advance)
             else:
                 compact_kv_cache(state.kv_cache, state.cache_seqlens, device_accepted, device_advance)
         state.cache_seqlens += device_advance.to(torch.int32)
-        state.host_seqlens = [s + a for s, a in zip(seqlens, advance.tolist())]
+        state.host_seqlens = [s + a for s, a in zip(seqlens, filled)]
         t3 = time.perf_counter()
         if self._target_argmax is not None:  # e.g. lookahead decoding's Jacobi update
             self.drafter.observe_target_argmax(self._target_argmax, draft.num_nodes.clone(), keep)
@@ -993,11 +993,9 @@ class SpeculativeDecoder:
         num_nodes = to_device(host_num_nodes, device)
         n, cut = width, n  # the pass's width; the draft's, which the results are cut back to
         if draft.is_chain:
-            host_depths = torch.arange(n).expand(B, n)
-            depths, tree_mask = torch.arange(n, device=device).expand(B, n), None
+            host_depths, tree_mask = torch.arange(n).expand(B, n), None
         else:  # once per tree shape, from the host's parent lists (tree_structure)
-            host_depths = tree_structure(host_parents, "cpu")[0]
-            depths, tree_mask = tree_structure(host_parents, device)
+            host_depths, tree_mask = tree_structure(host_parents, "cpu")[0], tree_structure(host_parents, device)[1]
         host_valid = torch.arange(n)[None, :] < host_num_nodes[:, None]
         depth = torch.where(host_valid, host_depths, 0).max(dim=1).values
         host_positions = torch.tensor(seqlens, dtype=torch.int64)[:, None] + host_depths
@@ -1015,8 +1013,6 @@ class SpeculativeDecoder:
                 hidden_layers=self._layer_kwargs.get("hidden_layers", ()),
             )
             logits, self._hidden = out if wants_hidden else (out, None)
-            if self._hidden is not None:  # the graph's buffer: the drafter keeps it past the step
-                self._hidden = self._hidden.clone()
         elif wants_hidden:  # final hidden states for the drafter
             logits, self._hidden = self.model(
                 tokens,
@@ -1083,6 +1079,8 @@ class SpeculativeDecoder:
             out, accepted_nodes = out[:, :cut], accepted_nodes[:, :cut]
             target_argmax = target_argmax[:, :cut] if target_argmax is not None else None
             self._hidden = self._hidden[:, :cut] if self._hidden is not None else None
+        if self._passes is not None and self._hidden is not None:  # the graph's buffer: the
+            self._hidden = self._hidden.clone()  # drafter reads it past the next replay
         # the step's one read of the device: its results in one device-to-host copy
         results = [out, accepted_nodes, num_accepted] + ([target_argmax] if target_argmax is not None else [])
         host = to_host_once(results)
