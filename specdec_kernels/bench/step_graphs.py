@@ -24,7 +24,7 @@ import dataclasses
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -96,6 +96,16 @@ def _steps(model, parents, batch: int, prefix: int, steps: int, graphs: bool) ->
     }
 
 
+def _median_p20_p80(seconds: List[float]) -> Tuple[float, float, float]:
+    """Median, 20th and 80th percentiles of per-step times, in microseconds (the quintile cuts
+    of ``statistics.quantiles``, inclusive of the extremes: a list of one gives it thrice)."""
+    us = [t * 1e6 for t in seconds]
+    if len(us) == 1:
+        return us[0], us[0], us[0]
+    cuts = statistics.quantiles(us, n=5, method="inclusive")
+    return statistics.median(us), cuts[0], cuts[3]
+
+
 def run(args) -> List[Dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.model or ("llama3-8b" if device.type == "cuda" else "tiny")
@@ -112,8 +122,8 @@ def run(args) -> List[Dict]:
                 graph = _steps(model, parents, batch, args.prefix, args.steps, graphs=True)
                 if eager["tokens"] != graph["tokens"]:
                     raise SystemExit(f"step_graphs: B={batch} {kind} N={n}: the captured steps emitted other tokens")
-                med_e, med_g = statistics.median(eager["times"]) * 1e6, statistics.median(graph["times"]) * 1e6
-                q = lambda ts, p: sorted(ts)[int(p * (len(ts) - 1))] * 1e6  # noqa: E731
+                e, g = _median_p20_p80(eager["times"]), _median_p20_p80(graph["times"])
+                med_e, med_g = e[0], g[0]
                 row = {
                     "model": f"{name}-{shape.num_layers}L",
                     "dtype": str(dtype).replace("torch.", ""),
@@ -122,11 +132,11 @@ def run(args) -> List[Dict]:
                     "nodes": n,
                     "prefix": args.prefix,
                     "eager_us": med_e,
-                    "eager_p20_us": q(eager["times"], 0.2),
-                    "eager_p80_us": q(eager["times"], 0.8),
+                    "eager_p20_us": e[1],
+                    "eager_p80_us": e[2],
                     "graph_us": med_g,
-                    "graph_p20_us": q(graph["times"], 0.2),
-                    "graph_p80_us": q(graph["times"], 0.8),
+                    "graph_p20_us": g[1],
+                    "graph_p80_us": g[2],
                     "eager_over_graph": med_e / med_g,
                     "captures": graph["captures"],
                     "replays": graph["replays"],
