@@ -26,6 +26,7 @@ from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
 from specdec_kernels.ops.verify_greedy import verify_greedy
 from specdec_kernels.ops.verify_greedy_flattened import verify_greedy_flattened
 from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
+from specdec_kernels.randoms import philox_uniforms
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "compact_kv_cache",
     "has_native_kernel",
     "load_native",
+    "philox_uniforms",
     "reference",
     "reset_backends",
     "rejection_sample",

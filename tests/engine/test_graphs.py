@@ -19,19 +19,19 @@ from tests.engine.test_host_reads import DRAFTERS, PROMPTS, SAMPLING, STEPS, K, 
 from tests.engine.tiny import tiny, tiny_llama  # noqa: F401 (fixture)
 
 
-def _graph_run(model, make, sampling):
+def _graph_run(model, make, sampling, **options):
     """_run with the passes captured (EagerGraph): (reads per step, emitted per step, passes)."""
     passes = CapturedPasses(model, EagerGraph)
-    reads, emitted = _run(model, make(model), sampling, True, passes, node_buckets=True, max_draft_nodes=16)
+    reads, emitted = _run(model, make(model), sampling, True, passes, node_buckets=True, max_draft_nodes=16, **options)
     return reads, emitted, passes
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
-@pytest.mark.parametrize("mode", ["greedy", "gumbel", "rejection"])
+@pytest.mark.parametrize("mode", ["greedy", "gumbel", "rejection", "philox"])
 def test_captured_passes_give_the_eager_steps_tokens(tiny, name, mode):
-    model, sampling = tiny[1], SAMPLING[mode][0]
-    reads, emitted, passes = _graph_run(model, DRAFTERS[name], sampling)
-    _, eager = _run(model, DRAFTERS[name](model), sampling, False, max_draft_nodes=16)
+    model, (sampling, options) = tiny[1], SAMPLING[mode]
+    reads, emitted, passes = _graph_run(model, DRAFTERS[name], sampling, **options)
+    _, eager = _run(model, DRAFTERS[name](model), sampling, False, max_draft_nodes=16, **options)
     assert emitted == eager
     assert all(len(r) <= 1 for r in reads), reads
     assert passes.captures >= 1 and passes.captures + passes.replays == len(emitted)

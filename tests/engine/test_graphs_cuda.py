@@ -52,14 +52,24 @@ def _drafter(name: str, model: Transformer):
 DRAFTERS = ["ngram-chain", "ngram-tree", "eagle-chain", "eagle-tree", "medusa-chain", "medusa-tree"]
 
 
+SAMPLING = {
+    "greedy": (None, "generator"),
+    "sampling": (SamplingParams(temperature=0.8), "generator"),
+    "philox": (SamplingParams(temperature=0.8, coupling="rejection"), "philox"),
+}
+
+
 @pytest.mark.parametrize("name", DRAFTERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8)], ids=["greedy", "sampling"])
-def test_cuda_graph_steps_equal_eager_steps(name, dtype, sampling):
+@pytest.mark.parametrize("mode", list(SAMPLING))
+def test_cuda_graph_steps_equal_eager_steps(name, dtype, mode):
     model = _model(dtype)
+    sampling, source = SAMPLING[mode]
     runs = []
     for graphs in (False, True):
-        dec = SpeculativeDecoder(model, _drafter(name, model), cuda_graphs=graphs, node_buckets=True)
+        dec = SpeculativeDecoder(
+            model, _drafter(name, model), cuda_graphs=graphs, node_buckets=True, random_source=source
+        )
         state = dec.start(PROMPTS, 24, sampling, seeds=[3, 4, 5])
         steps = []
         for _ in range(8):
@@ -75,15 +85,17 @@ def test_cuda_graph_steps_equal_eager_steps(name, dtype, sampling):
 
 @pytest.mark.parametrize("name", ["ngram-tree", "eagle-tree"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_a_step_synchronises_once(name, graphs):
+@pytest.mark.parametrize("mode", ["greedy", "philox"])
+def test_a_step_synchronises_once(name, graphs, mode):
     """torch's sync debug mode counts the synchronising CUDA calls of each step after the
     first two (Triton's first launches, the captures): one, the copy of the step's results
     (the moves to the device are queued, not synchronised)."""
     import warnings
 
     model = _model(torch.bfloat16)
-    dec = SpeculativeDecoder(model, _drafter(name, model), cuda_graphs=graphs, node_buckets=True)
-    state = dec.start([PROMPTS[0] * 3, PROMPTS[2] * 3], 24, seeds=[3, 4])
+    sampling, source = SAMPLING[mode]
+    dec = SpeculativeDecoder(model, _drafter(name, model), cuda_graphs=graphs, node_buckets=True, random_source=source)
+    state = dec.start([PROMPTS[0] * 3, PROMPTS[2] * 3], 24, sampling, seeds=[3, 4])
     for _ in range(2):
         dec.step(state, 4)
     counts = []

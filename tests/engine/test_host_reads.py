@@ -46,6 +46,8 @@ SAMPLING = {
     "greedy": (None, {}),
     "gumbel": (SamplingParams(temperature=0.8), {}),
     "rejection": (SamplingParams(temperature=0.8, coupling="rejection"), {}),
+    # the sampling ops' numbers computed on the device from seeds and offsets
+    "philox": (SamplingParams(temperature=0.8, coupling="rejection"), {"random_source": "philox"}),
 }
 
 
@@ -131,8 +133,9 @@ def test_a_step_through_the_transformers_integration_reads_the_device_once(name,
         _check(target, DRAFTERS[name], SAMPLING[mode][0])
 
 
-def test_typical_acceptance_reads_the_device_once(tiny):
-    _check(tiny[1], DRAFTERS["medusa-tree"], SamplingParams(temperature=0.8), typical=0.09)
+@pytest.mark.parametrize("random_source", ["generator", "philox"])
+def test_typical_acceptance_reads_the_device_once(tiny, random_source):
+    _check(tiny[1], DRAFTERS["medusa-tree"], SamplingParams(temperature=0.8), typical=0.09, random_source=random_source)
 
 
 def test_the_counter_sees_reads_and_not_moves():

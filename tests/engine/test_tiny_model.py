@@ -4,10 +4,13 @@ K, and the output distribution at temperature > 0 (chi-square)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 import specdec_kernels as sk
+from specdec_kernels import rejection_sample, tree_rejection_sample
 from specdec_kernels.decoding import (
     Draft,
     Drafter,
@@ -18,6 +21,7 @@ from specdec_kernels.decoding import (
     SpeculativeDecoder,
     Transformer,
 )
+from specdec_kernels.decoding.engine import loop as loop_module
 from tests.engine.tiny import (  # noqa: F401 (fixture)
     PROMPTS,
     OracleDrafter,
@@ -239,15 +243,20 @@ SAMPLING_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(SAMPLING_CASES))
-def test_sampling_keeps_the_target_distribution(tiny, name):
+@pytest.mark.parametrize(
+    "name, random_source",
+    [(name, "generator") for name in SAMPLING_CASES]
+    + [("ngram-chain", "philox"), ("layerskip-tree-sampled", "philox")],
+)
+def test_sampling_keeps_the_target_distribution(tiny, name, random_source):
     """Over many seeds, each of the first 3 emitted tokens follows the target's marginal
-    (temperature, top-k and top-p applied to both sides)."""
+    (temperature, top-k and top-p applied to both sides), with the sampling ops' numbers from
+    per-sequence generators or computed on the device from seeds and offsets (Philox)."""
     _, model = tiny
     sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
     prompt = ngram_friendly_prompt(model, sp)
     B = 4000
-    decoder = SpeculativeDecoder(model, SAMPLING_CASES[name](model))
+    decoder = SpeculativeDecoder(model, SAMPLING_CASES[name](model), random_source=random_source)
     result = decoder.generate([prompt] * B, 3, num_draft_tokens=3, sampling=sp, seeds=list(range(B)))
     out = torch.tensor(result.tokens)
     assert out.shape == (B, 3)
@@ -257,10 +266,11 @@ def test_sampling_keeps_the_target_distribution(tiny, name):
         assert chi_square_pvalue(out[:, j], marginal) > P_THRESHOLD, f"token {j}"
 
 
-def test_sampling_depends_only_on_each_sequence_seed(tiny):
+@pytest.mark.parametrize("random_source", ["generator", "philox"])
+def test_sampling_depends_only_on_each_sequence_seed(tiny, random_source):
     _, model = tiny
     sp = SamplingParams(temperature=1.0)
-    decoder = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,)))
+    decoder = SpeculativeDecoder(model, LayerSkipDrafter(model, 2, tree_widths=(2,)), random_source=random_source)
     batch = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[7, 8, 9]).tokens
     alone = [
         decoder.generate([p], 12, num_draft_tokens=3, sampling=sp, seeds=[s]).tokens[0]
@@ -271,6 +281,48 @@ def test_sampling_depends_only_on_each_sequence_seed(tiny):
     assert again == batch
     other = decoder.generate(PROMPTS, 12, num_draft_tokens=3, sampling=sp, seeds=[1, 2, 3]).tokens
     assert other != batch
+
+
+@pytest.mark.parametrize("chain", [True, False], ids=["chain", "tree"])
+def test_philox_source_moves_each_offset_past_its_own_numbers(tiny, chain):
+    """random_source="philox": the ops get the sequences' seeds and offsets, each offset then
+    moves past the max(C_b, 1) numbers its sequence used (C_b its drafts), and the tokens are
+    not the generator source's (the numbers really come from elsewhere)."""
+    _, model = tiny
+    sp = SamplingParams(temperature=1.0, coupling="rejection")
+    drafter = (lambda: NgramDrafter(2)) if chain else (lambda: LayerSkipDrafter(model, 2, tree_widths=(2, 2)))
+    dec = SpeculativeDecoder(model, drafter(), random_source="philox")
+    state = dec.start(PROMPTS, 16, sp, seeds=[11, 12, -13])
+    # the keys are the sequences' generator seeds (seeds modulo 2**63)
+    assert state.philox_seeds.tolist() == [11, 12, 2**63 - 13] and state.philox_offsets == [0, 0, 0]
+    used = [0, 0, 0]
+    for _ in range(4):
+        before = [len(h) for h in state.histories]
+        seen = {}
+        real = rejection_sample if chain else tree_rejection_sample
+
+        def spy(*args, **kwargs):
+            seen.update(kwargs, drafts=args[3] if chain else args[4] - 1)  # C_b per sequence
+            return real(*args, **kwargs)
+
+        name = "rejection_sample" if chain else "tree_rejection_sample"
+        with mock.patch.object(loop_module, name, spy):
+            dec.step(state, 3)
+        assert set(seen) >= {"seeds", "offsets"} and "uniform_samples" not in seen
+        assert seen["offsets"].tolist() == used
+        used = [u + max(c, 1) for u, c in zip(used, seen["drafts"].tolist())]
+        assert state.philox_offsets == used
+        assert all(len(h) > n for h, n in zip(state.histories, before))
+    philox = SpeculativeDecoder(model, drafter(), random_source="philox").generate(
+        PROMPTS, 16, 3, sp, seeds=[11, 12, 13]
+    )
+    generator = SpeculativeDecoder(model, drafter()).generate(PROMPTS, 16, 3, sp, seeds=[11, 12, 13])
+    assert philox.tokens != generator.tokens
+
+
+def test_random_source_is_checked(tiny):
+    with pytest.raises(ValueError, match="random_source"):
+        SpeculativeDecoder(tiny[1], random_source="cuda")
 
 
 def test_one_token_prompt(tiny):

@@ -480,3 +480,30 @@ def test_flattened_seeds_mode_reads_no_tensor_values():
             p, q, d, cu, max_spec_len=3, seeds=seeds, offsets=offsets, validate=False
         )
         assert out.shape == (B, 4) and acc.shape == (B,)
+
+
+def test_public_philox_uniforms_is_the_ops_definition_and_checks_its_arguments():
+    """``specdec_kernels.philox_uniforms`` gives the numbers the ops use with seeds/offsets
+    (column 0 of stream 1 is what ``rejection_sample`` samples its token with: a target
+    distribution with its mass split evenly between two tokens shows it), and names bad args."""
+    seeds, offsets = torch.tensor([5, -7, 9, 10]), torch.tensor([0, 2**40, 3, 4])
+    got = sk.philox_uniforms(seeds, offsets, 3, 0)
+    assert torch.equal(got, _random.philox_uniforms(seeds, offsets, 3, 0))
+    assert got.dtype == torch.float32 and got.shape == (4, 3)
+    assert torch.equal(sk.philox_uniforms(seeds.int(), offsets, 3), got)  # int32 seeds sign-extended
+    # no drafts: the op only samples, token 1 exactly when the sample uniform is >= 0.5
+    p = torch.tensor([[[0.5, 0.5, 0.0]]]).expand(4, 1, 3).contiguous()
+    out, _ = sk.rejection_sample(p, None, torch.zeros(4, 0, dtype=torch.int64), seeds=seeds, offsets=offsets)
+    want = [int(u >= 0.5) for u in sk.philox_uniforms(seeds, offsets, 1, 1)[:, 0].tolist()]
+    assert out[:, 0].tolist() == want and set(want) == {0, 1}  # both tokens among these seeds
+    assert sk.philox_uniforms(seeds, offsets, 0).shape == (4, 0)
+    with pytest.raises(TypeError, match="seeds"):
+        sk.philox_uniforms(seeds.float(), offsets, 1)
+    with pytest.raises(ValueError, match="offsets"):
+        sk.philox_uniforms(seeds, offsets[:1], 1)
+    with pytest.raises(ValueError, match="width"):
+        sk.philox_uniforms(seeds, offsets, -1)
+    with pytest.raises(ValueError, match="stream"):
+        sk.philox_uniforms(seeds, offsets, 1, 2**32)
+    with pytest.raises(TypeError, match="width"):
+        sk.philox_uniforms(seeds, offsets, 1.5)

@@ -38,6 +38,7 @@ import torch
 
 from specdec_kernels import (
     compact_kv_cache,
+    philox_uniforms,
     rejection_sample,
     sampling_probs,
     tree_rejection_sample,
@@ -90,6 +91,8 @@ def _per_sequence(name: str, value, batch: int) -> List[int]:
 
 
 DraftSchedule = Union[int, Sequence[int], Callable[[int, "DecodeState"], Union[int, Sequence[int]]]]
+# where the sampling ops' random numbers come from (``SpeculativeDecoder(random_source=...)``)
+RANDOM_SOURCES = ("generator", "philox")
 _DRAFT_SEED_OFFSET = 0x5DEECE66D
 
 
@@ -175,6 +178,10 @@ class DecodeState:
     # the host's copy of cache_seqlens (kept by the loop beside the device tensor, so that a
     # step reads no length from the device); None: read from cache_seqlens once
     host_seqlens: Optional[List[int]] = None
+    # random_source="philox": (B,) int64 seeds on the device, and each sequence's next Philox
+    # offset on the host (advanced by the numbers a step used, so it never reads the device)
+    philox_seeds: Optional[torch.Tensor] = None
+    philox_offsets: Optional[List[int]] = None
 
     @property
     def batch_size(self) -> int:
@@ -367,9 +374,21 @@ class SpeculativeDecoder:
             after (``engine.graphs``; implies ``node_buckets``).  Needs our ``Transformer`` on
             a CUDA device and a dense KV cache (no ``block_size``).  The tokens are those of
             the eager steps.
+        random_source: where rejection sampling's random numbers come from.  "generator"
+            (default): each sequence's coins and sample uniform are drawn from its own CPU
+            ``torch.Generator`` (seeded by ``seeds``) and copied to the device.  "philox":
+            counter-based, computed on the device inside the sampling kernels from the
+            sequence's seed and a per-sequence offset that the loop advances by the numbers
+            each step used (``seeds``/``offsets`` of ``rejection_sample`` and
+            ``tree_rejection_sample``; ``specdec_kernels.philox_uniforms`` defines them): no
+            random number crosses from the host, as a CUDA-graph step wants.  Either way a
+            sequence's tokens depend only on its own seed, and the output follows the target
+            distribution; the two sources give different tokens for the same seed.  Greedy
+            runs and the Gumbel coupling (which takes no coins) are unaffected.
 
     Raises:
-        ValueError: cuda_graphs without a Transformer on CUDA or with block_size; threads is none
+        ValueError: cuda_graphs without a Transformer on CUDA or with block_size; random_source
+            neither "generator" nor "philox"; threads is none
             of those; typical outside (0, 1] or NaN; typical_alpha
             not finite and > 0, or without typical; prefill_chunk or max_draft_nodes < 1; a
             drafter whose ``feature_layers`` are not distinct layers of the model (read here,
@@ -404,6 +423,7 @@ class SpeculativeDecoder:
         threads: Union[int, str, None] = "auto",
         node_buckets: bool = False,
         cuda_graphs: bool = False,
+        random_source: str = "generator",
     ):
         # our Transformer, or an adapter with its call interface (integrations.transformers.HFCausalLM)
         if not isinstance(model, Transformer) and not getattr(type(model), "_specdec_decode_target", False):
@@ -457,6 +477,9 @@ class SpeculativeDecoder:
         ):
             raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
         self.threads = threads
+        if random_source not in RANDOM_SOURCES:
+            raise ValueError(f"random_source must be one of {RANDOM_SOURCES}, got {random_source!r}")
+        self.random_source = random_source
         for flag, value in (("node_buckets", node_buckets), ("cuda_graphs", cuda_graphs)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
@@ -661,6 +684,10 @@ class SpeculativeDecoder:
         )
         if not sampling.greedy and sampling.coupling == "gumbel":
             state.coupling = GumbelCoupling([g.initial_seed() for g in state.generators], V)
+        if self.random_source == "philox":  # a seed's bit pattern as a Philox key
+            keys = [(g.initial_seed() + 2**63) % 2**64 - 2**63 for g in state.generators]
+            state.philox_seeds = torch.tensor(keys, dtype=torch.int64, device=self.model.device)
+            state.philox_offsets = [0] * B
         state.stats.kv_cache_bytes = (
             kv_cache.nbytes if isinstance(kv_cache, PagedKVCache) else kv_cache.numel() * kv_cache.element_size()
         )
@@ -1042,8 +1069,13 @@ class SpeculativeDecoder:
                 out, accepted_nodes, num_accepted = verify_tree_greedy(logits, tokens, parents, num_nodes)
         else:
             target_probs = sampling_probs(logits, sp.temperature, sp.top_k, sp.top_p)
-            coins, finals = self._uniforms(state, host_num_nodes.tolist(), n)
+            host_counts = host_num_nodes.tolist()
+            randoms = self._randoms(state, host_counts, n, device)
             if self.typical is not None:  # lossy: Medusa's typical acceptance
+                if "seeds" in randoms:  # the sample uniform: stream 1 at the sequence's offset
+                    finals = philox_uniforms(randoms["seeds"], randoms["offsets"], 1, 1)[:, 0]
+                else:
+                    finals = randoms["sample_uniforms"]
                 out, accepted_nodes, num_accepted = typical_acceptance(
                     target_probs,
                     tokens,
@@ -1051,7 +1083,7 @@ class SpeculativeDecoder:
                     num_nodes,
                     posterior_threshold=self.typical,
                     posterior_alpha=self.typical_alpha,
-                    sample_uniforms=to_device(finals, device),
+                    sample_uniforms=finals,
                 )
             elif draft.is_chain:
                 out, num_accepted = rejection_sample(
@@ -1059,18 +1091,11 @@ class SpeculativeDecoder:
                     probs[:, : n - 1] if probs is not None else None,
                     tokens[:, 1:],
                     num_nodes - 1,
-                    uniform_samples=to_device(coins, device),
-                    sample_uniforms=to_device(finals, device),
+                    **randoms,
                 )
             else:
                 out, accepted_nodes, num_accepted = tree_rejection_sample(
-                    target_probs,
-                    tokens,
-                    parents,
-                    probs,
-                    num_nodes,
-                    uniform_samples=to_device(coins, device),
-                    sample_uniforms=to_device(finals, device),
+                    target_probs, tokens, parents, probs, num_nodes, **randoms
                 )
         if draft.is_chain:
             index = torch.arange(n, device=device).expand(B, n)
@@ -1087,6 +1112,19 @@ class SpeculativeDecoder:
         if target_argmax is not None:
             self._target_argmax = host[3]
         return host[0], host[1], host[2], depth, accepted_nodes
+
+    def _randoms(self, state: DecodeState, num_nodes: List[int], n: int, device) -> Dict[str, torch.Tensor]:
+        """The random-number arguments of this step's sampling op, per ``random_source``:
+        ``uniform_samples`` and ``sample_uniforms`` drawn from each sequence's own generator
+        ("generator"), or ``seeds`` and this step's ``offsets`` ("philox"; each sequence's
+        offset then moves past the max(C_b, 1) numbers it used, C_b its draft count).  Either
+        way sequence b's numbers depend on its own seed and draft counts only."""
+        if self.random_source == "philox":
+            offsets = to_device(torch.tensor(state.philox_offsets, dtype=torch.int64), device)
+            state.philox_offsets = [o + max(c - 1, 1) for o, c in zip(state.philox_offsets, num_nodes)]
+            return {"seeds": state.philox_seeds, "offsets": offsets}
+        coins, finals = self._uniforms(state, num_nodes, n)
+        return {"uniform_samples": to_device(coins, device), "sample_uniforms": to_device(finals, device)}
 
     @staticmethod
     def _uniforms(state: DecodeState, num_nodes: List[int], n: int):
