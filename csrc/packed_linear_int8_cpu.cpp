@@ -32,9 +32,12 @@
 //
 // Paths: isa 1 portable C++, 2 AVX2, 3 AVX-512 VNNI (256-bit vectors: AVX512VL + VNNI; two groups
 // in 512-bit vectors ran faster in cache but slower streaming from memory on the development
-// machine, so they are not used), 0 the best one this CPU runs (the probes of common.h, asked at
-// run time).  Rows are taken four (VNNI) or two (AVX2) at a time against the group's unpacked
-// chunks held in registers; groups are split over at::parallel_for.
+// machine, so they are not used), 4 AMX (Intel's tile unit: the integer sums of up to 16 rows by
+// a block of up to three groups in one tile dot product each, the float32 scaling as on the
+// other paths), 0 the best vector path this CPU runs (the probes of common.h, asked at run
+// time; AMX is never implied: the engine times it against VNNI per pass shape, since one row
+// gains nothing from a tile unit).  Rows are taken four (VNNI) or two (AVX2) at a time against
+// the group's unpacked chunks held in registers; groups are split over at::parallel_for.
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -53,12 +56,16 @@ namespace {
 
 constexpr int64_t QBLOCK = 32;
 constexpr int64_t GROUP = 8;  // output rows per interleaved group
-enum Isa : int64_t { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512_VNNI = 3 };
+enum Isa : int64_t { ISA_BEST = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512_VNNI = 3, ISA_AMX = 4 };
+constexpr int64_t ISA_LAST = ISA_AMX;
 
 bool isa_supported(int64_t isa) {
 #ifdef SPECDEC_X86
   if (isa == ISA_AVX2) return cpu_has_avx2_fma();
   if (isa == ISA_AVX512_VNNI) return cpu_has_avx2_fma() && cpu_has_avx512_vnni();
+#ifdef SPECDEC_AMX
+  if (isa == ISA_AMX) return cpu_has_avx2_fma() && cpu_has_amx_int8();
+#endif
 #endif
   return isa == ISA_PORTABLE;
 }
@@ -298,6 +305,165 @@ void groups_simd(int64_t isa, int kind, const uint8_t* qw, const float* dw, cons
 
 #endif
 
+#ifdef SPECDEC_AMX
+// ---------------------------------------------------------------- AMX path
+// A block of a group is already a tile in the layout AMX's dot products read (row t: 8 outputs
+// by 4 consecutive inputs, 32 bytes): tile 0 holds the block's activation codes of M <= 16 rows
+// (M x 32 bytes, the row stride I), tiles 1..3 the block of up to three groups (8 x 32 bytes;
+// affine4's nibbles unpacked to bytes first), tiles 4..6 their int32 sums (M x 8): TDPBSSD
+// (signed codes by signed activations, scaled8) or TDPBSUD (signed activations by unsigned
+// codes, affine4) gives isum exactly, and the float32 part is the VNNI path's, same order.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-int8"))) void load_tiles(int64_t M) {
+  TileConfig cfg;
+  cfg.rows[0] = uint8_t(M);
+  cfg.colsb[0] = QBLOCK;
+  for (int t = 1; t <= 3; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 32;
+  for (int t = 4; t <= 6; ++t) cfg.rows[t] = uint8_t(M), cfg.colsb[t] = GROUP * 4;
+  _tile_loadconfig(&cfg);
+}
+
+// The float32 part of one block from its tile sums (the VNNI path's steps, j ascending): for
+// group t and row m, acc = fma(float(isum), d_j * dx_j, acc), and affine4's accm = fma(m_j, sx_j, accm).
+// d and mn point at group 0's scales of the block (group t's are nb * 8 further); dx and sx at row
+// 0's value of the block (row m's are m * nb further).
+template <int kind, int NG>
+__attribute__((target("avx2,fma"))) inline void amx_scale_block(const int32_t (*sums)[16][GROUP], const float* d,
+                                                                const float* mn, int64_t nb, const float* dx,
+                                                                const float* sx, int64_t M, __m256 (*acc)[16],
+                                                                __m256 (*accm)[16]) {
+  for (int t = 0; t < NG; ++t) {
+    const __m256 dv = _mm256_loadu_ps(d + t * nb * GROUP);
+    const __m256 mv = kind == 0 ? _mm256_loadu_ps(mn + t * nb * GROUP) : _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256i isum = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[t][m]));
+      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx[m * nb]));
+      acc[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[t][m]);
+      if (kind == 0) accm[t][m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sx[m * nb]), accm[t][m]);
+    }
+  }
+}
+
+// affine4's block of a group (four 32-byte chunks of two nibbles) as the 8 x 32 bytes of a tile:
+// row t < 4 the low nibbles of chunk t, row t + 4 its high nibbles (inputs 4 t + k and 16 + 4 t + k).
+__attribute__((target("avx2,fma"))) inline void amx_unpack_affine4(const uint8_t* wb, uint8_t* out) {
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * c), _mm256_and_si256(b, lo));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * (c + 4)), _mm256_and_si256(_mm256_srli_epi16(b, 4), lo));
+  }
+}
+
+// Groups g .. g + NG - 1 against rows r0 .. r0 + M - 1 (the tiles configured for M rows).
+template <int kind, int NG>
+__attribute__((target("avx2,fma,amx-tile,amx-int8"))) void groups_rows_amx(const uint8_t* qw, const float* dw,
+                                                                           const float* mw, int64_t nb,
+                                                                           const QuantX& qx, int64_t I, int64_t O,
+                                                                           float* y, int64_t g, int64_t r0, int64_t M) {
+  const int64_t chunk_bytes = kind == 0 ? 128 : 256, group_bytes = nb * chunk_bytes;
+  __m256 acc[NG][16], accm[NG][16];
+  for (int t = 0; t < NG; ++t)
+    for (int64_t m = 0; m < M; ++m) acc[t][m] = accm[t][m] = _mm256_setzero_ps();
+  // affine4's blocks unpacked to bytes one block ahead (the tile load then finds them written)
+  alignas(64) uint8_t unpacked[2][NG][256];
+  alignas(64) int32_t sums[2][NG][16][GROUP];  // two blocks in flight: j's tiles, j - 1's floats
+  const float* dx = qx.d.data() + r0 * nb;
+  const float* sx = qx.s.data() + r0 * nb;
+  auto scale_block = [&](int64_t j) {
+    amx_scale_block<kind, NG>(sums[j & 1], dw + (g * nb + j) * GROUP, kind == 0 ? mw + (g * nb + j) * GROUP : nullptr,
+                              nb, dx + j, sx + j, M, acc, accm);
+  };
+  auto unpack = [&](int64_t j) {
+    for (int t = 0; t < NG; ++t) amx_unpack_affine4(qw + (g + t) * group_bytes + j * chunk_bytes, unpacked[j & 1][t]);
+  };
+  if (kind == 0 && nb > 0) unpack(0);
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* blocks[NG];
+    for (int t = 0; t < NG; ++t)
+      blocks[t] = kind == 0 ? unpacked[j & 1][t] : qw + (g + t) * group_bytes + j * chunk_bytes;
+    // tile numbers are literals in the intrinsics' assembly: one statement per group
+    _tile_loadd(0, qx.q.data() + r0 * I + j * QBLOCK, I);
+#define SPECDEC_AMX_LOAD(T, TB, TC) \
+  if (NG > T) {                     \
+    _tile_zero(TC);                 \
+    _tile_loadd(TB, blocks[T], 32); \
+  }
+#define SPECDEC_AMX_DOT(T, TB, TC) \
+  if (NG > T) {                    \
+    if (kind == 0)                 \
+      _tile_dpbsud(TC, 0, TB);     \
+    else                           \
+      _tile_dpbssd(TC, 0, TB);     \
+  }
+#define SPECDEC_AMX_STORE(T, TB, TC) \
+  if (NG > T) _tile_stored(TC, sums[j & 1][T], GROUP * sizeof(int32_t));
+    SPECDEC_AMX_LOAD(0, 1, 4)
+    SPECDEC_AMX_LOAD(1, 2, 5)
+    SPECDEC_AMX_LOAD(2, 3, 6)
+    SPECDEC_AMX_DOT(0, 1, 4)
+    SPECDEC_AMX_DOT(1, 2, 5)
+    SPECDEC_AMX_DOT(2, 3, 6)
+    if (kind == 0 && j + 1 < nb) unpack(j + 1);  // while the tile unit works on block j
+    if (j > 0) scale_block(j - 1);
+    SPECDEC_AMX_STORE(0, 1, 4)
+    SPECDEC_AMX_STORE(1, 2, 5)
+    SPECDEC_AMX_STORE(2, 3, 6)
+#undef SPECDEC_AMX_LOAD
+#undef SPECDEC_AMX_DOT
+#undef SPECDEC_AMX_STORE
+  }
+  if (nb > 0) scale_block(nb - 1);
+  for (int t = 0; t < NG; ++t) {
+    const int64_t valid = std::min<int64_t>(GROUP, O - (g + t) * GROUP);
+    for (int64_t m = 0; m < M; ++m)
+      store_group(y + (r0 + m) * O + (g + t) * GROUP, _mm256_add_ps(acc[t][m], accm[t][m]), valid);
+  }
+}
+
+// Groups g0 .. g1 - 1 for every row: three groups at a time, then 16 rows at a time.
+__attribute__((target("amx-tile,amx-int8"))) void groups_amx(int kind, const uint8_t* qw, const float* dw,
+                                                             const float* mw, int64_t nb, const QuantX& qx, int64_t R,
+                                                             int64_t I, int64_t O, float* y, int64_t g0, int64_t g1) {
+  int64_t configured = 0;
+  for (int64_t g = g0; g < g1;) {
+    const int64_t ng = std::min<int64_t>(3, g1 - g);
+    for (int64_t r0 = 0; r0 < R; r0 += 16) {
+      const int64_t M = std::min<int64_t>(16, R - r0);
+      if (M != configured) load_tiles(configured = M);
+      auto run = [&](auto k, auto n) {
+        groups_rows_amx<decltype(k)::value, decltype(n)::value>(qw, dw, mw, nb, qx, I, O, y, g, r0, M);
+      };
+      using K0 = std::integral_constant<int, 0>;
+      using K1 = std::integral_constant<int, 1>;
+      if (kind == 0) {
+        if (ng == 3)
+          run(K0(), std::integral_constant<int, 3>());
+        else if (ng == 2)
+          run(K0(), std::integral_constant<int, 2>());
+        else
+          run(K0(), std::integral_constant<int, 1>());
+      } else {
+        if (ng == 3)
+          run(K1(), std::integral_constant<int, 3>());
+        else if (ng == 2)
+          run(K1(), std::integral_constant<int, 2>());
+        else
+          run(K1(), std::integral_constant<int, 1>());
+      }
+    }
+    g += ng;
+  }
+  _tile_release();
+}
+#endif
+
 // x [R, I] float32; qw uint8 [G, I / 32, 128 or 256]; dw float32 [G, I / 32, 8]; mw like dw
 // (affine4 only); out_features O <= 8 G.  Returns [R, O].
 at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dw,
@@ -322,7 +488,7 @@ at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, con
                     "packed_linear_int8: affine4 needs mw, float32 [groups, I / 32, 8]");
   TORCH_CHECK_VALUE(x.device().is_cpu() && qw.device().is_cpu() && dw.device().is_cpu(),
                     "packed_linear_int8: CPU tensors only");
-  TORCH_CHECK_VALUE(isa >= ISA_BEST && isa <= ISA_AVX512_VNNI, "packed_linear_int8: isa must lie in 0..3, got ", isa);
+  TORCH_CHECK_VALUE(isa >= ISA_BEST && isa <= ISA_LAST, "packed_linear_int8: isa must lie in 0..4, got ", isa);
   int64_t path = isa;
   if (path == ISA_BEST)
     path = isa_supported(ISA_AVX512_VNNI) ? ISA_AVX512_VNNI : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
@@ -341,6 +507,9 @@ at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, con
   // about 64 KiB of weight codes per task
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nb * (kind == 0 ? 128 : 256)));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+#ifdef SPECDEC_AMX
+    if (path == ISA_AMX) return groups_amx(k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
+#endif
 #ifdef SPECDEC_X86
     if (path != ISA_PORTABLE) return groups_simd(path, k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
 #endif
@@ -349,10 +518,10 @@ at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, con
   return y;
 }
 
-// The isa levels of packed_linear_int8 this CPU runs (1 portable, 2 AVX2, 3 AVX-512 VNNI).
+// The isa levels of packed_linear_int8 this CPU runs (1 portable, 2 AVX2, 3 AVX-512 VNNI, 4 AMX).
 std::vector<int64_t> packed_linear_int8_isas_cpu() {
   std::vector<int64_t> out;
-  for (int64_t isa : {ISA_PORTABLE, ISA_AVX2, ISA_AVX512_VNNI})
+  for (int64_t isa : {ISA_PORTABLE, ISA_AVX2, ISA_AVX512_VNNI, ISA_AMX})
     if (isa_supported(isa)) out.push_back(isa);
   return out;
 }

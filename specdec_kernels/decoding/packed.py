@@ -273,7 +273,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, *, portable: bool = Fa
 
 # ---------------------------------------------------------------- 8-bit activations
 GROUP = 8  # output rows per interleaved group of the int8 product
-ISA_NAMES = {1: "portable", 2: "avx2", 3: "avx512-vnni"}
+ISA_NAMES = {1: "portable", 2: "avx2", 3: "avx512-vnni", 4: "amx"}
 
 
 @dataclass(frozen=True)
@@ -341,7 +341,8 @@ def isa_code(isa: Optional[str]) -> int:
 
 def int8_isas() -> Tuple[str, ...]:
     """The instruction-set paths of ``packed_linear_int8`` this CPU runs, by name ("portable",
-    "avx2", "avx512-vnni"), asked of the CPU at run time; () without the C++ extension."""
+    "avx2", "avx512-vnni", "amx": Intel's tile unit, where the CPU and the OS allow it), asked of the
+    CPU at run time; () without the C++ extension."""
     if not has_kernel("packed_linear_int8"):
         return ()
     return tuple(ISA_NAMES[i] for i in torch.ops.specdec_engine.packed_linear_int8_isas())

@@ -68,8 +68,9 @@ def test_kernel_against_float64_reference_over_row_counts(form, shape, isa):
 @pytest.mark.parametrize("form", list(MAKERS))
 def test_every_isa_path_gives_the_portable_bits(form):
     """The integer block sums are exact on every path and the float32 steps are the same fused
-    multiply-adds in the same order: the AVX2 and VNNI paths (256- and 512-bit) equal the
-    portable one bit for bit, at any thread count."""
+    multiply-adds in the same order: the AVX2, VNNI and AMX paths (where this CPU has them;
+    AMX's tiles of 1 to 3 groups and up to 16 rows) equal the portable one bit for bit, at any
+    thread count."""
     assert "portable" in ISAS and len(ISAS) >= 1
     w = MAKERS[form][0](61, 320, seed=7)
     iw = packed.interleave(packed.pack_weight(w))
