@@ -431,32 +431,17 @@ __attribute__((target("avx2,fma,amx-tile,amx-int8"))) void groups_rows_amx(const
 __attribute__((target("amx-tile,amx-int8"))) void groups_amx(int kind, const uint8_t* qw, const float* dw,
                                                              const float* mw, int64_t nb, const QuantX& qx, int64_t R,
                                                              int64_t I, int64_t O, float* y, int64_t g0, int64_t g1) {
+  using Kernel = void (*)(const uint8_t*, const float*, const float*, int64_t, const QuantX&, int64_t, int64_t, float*,
+                          int64_t, int64_t, int64_t);
+  static constexpr Kernel kernels[2][3] = {{groups_rows_amx<0, 1>, groups_rows_amx<0, 2>, groups_rows_amx<0, 3>},
+                                           {groups_rows_amx<1, 1>, groups_rows_amx<1, 2>, groups_rows_amx<1, 3>}};
   int64_t configured = 0;
   for (int64_t g = g0; g < g1;) {
     const int64_t ng = std::min<int64_t>(3, g1 - g);
     for (int64_t r0 = 0; r0 < R; r0 += 16) {
       const int64_t M = std::min<int64_t>(16, R - r0);
       if (M != configured) load_tiles(configured = M);
-      auto run = [&](auto k, auto n) {
-        groups_rows_amx<decltype(k)::value, decltype(n)::value>(qw, dw, mw, nb, qx, I, O, y, g, r0, M);
-      };
-      using K0 = std::integral_constant<int, 0>;
-      using K1 = std::integral_constant<int, 1>;
-      if (kind == 0) {
-        if (ng == 3)
-          run(K0(), std::integral_constant<int, 3>());
-        else if (ng == 2)
-          run(K0(), std::integral_constant<int, 2>());
-        else
-          run(K0(), std::integral_constant<int, 1>());
-      } else {
-        if (ng == 3)
-          run(K1(), std::integral_constant<int, 3>());
-        else if (ng == 2)
-          run(K1(), std::integral_constant<int, 2>());
-        else
-          run(K1(), std::integral_constant<int, 1>());
-      }
+      kernels[kind][ng - 1](qw, dw, mw, nb, qx, I, O, y, g, r0, M);
     }
     g += ng;
   }
