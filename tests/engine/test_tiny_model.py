@@ -21,7 +21,7 @@ from specdec_kernels.decoding import (
     SpeculativeDecoder,
     Transformer,
 )
-from specdec_kernels.decoding.engine import loop as loop_module
+from specdec_kernels.decoding.engine import verify as verify_module
 from tests.engine.tiny import (  # noqa: F401 (fixture)
     PROMPTS,
     OracleDrafter,
@@ -306,7 +306,7 @@ def test_philox_source_moves_each_offset_past_its_own_numbers(tiny, chain):
             return real(*args, **kwargs)
 
         name = "rejection_sample" if chain else "tree_rejection_sample"
-        with mock.patch.object(loop_module, name, spy):
+        with mock.patch.object(verify_module, name, spy):
             dec.step(state, 3)
         assert set(seen) >= {"seeds", "offsets"} and "uniform_samples" not in seen
         assert seen["offsets"].tolist() == used

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import LayerSkipDrafter, SamplingParams, SpeculativeDecoder
-from specdec_kernels.decoding.engine import loop as engine_module
+from specdec_kernels.decoding.engine import verify as engine_module
 from specdec_kernels.decoding.engine.typical import typical_acceptance, typical_thresholds
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask, tree_depths

@@ -29,10 +29,16 @@ The thread count never changes results (every kernel computes a row on one threa
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Hashable, List, Mapping, Optional, Sequence
+from typing import Callable, Deque, Dict, Hashable, List, Mapping, Optional, Sequence
+
+import torch
+
+from specdec_kernels.decoding.engine.stats import DecodeStats
 
 TRIALS = 3  # timed steps of each count with more threads (and the one-thread reference)
 MARGIN = 0.1  # more threads must be this much faster, on every trial, than fewer
@@ -246,3 +252,75 @@ class ThreadChoice:
     def chosen(self, key: Hashable) -> int:
         """The count the steps of ``key`` run with outside measurement (the fewest before any)."""
         return self._class(key).best
+
+
+THREADS_ENV = "SPECDEC_ENGINE_THREADS"  # forces the thread count of threads="auto" (an int), or "auto"
+
+
+class StepThreads:
+    """The intra-op thread count of the decode steps of one ``generate`` call.
+
+    ``"auto"`` on CPU: the candidates are 1, half and all of ``torch.get_num_threads()`` (the
+    threads torch would use), chosen per step shape class ("tokens<=N": the verified block's
+    size rounded up to a power of two) by the decoder's ``threads.ThreadChoice`` for that
+    count, which lives as long as the decoder: a new class runs with one thread (the safe
+    default) and is the reference; a count with more threads is timed on a few steps and
+    wins only if every one of them was clearly faster (``threads.MARGIN``) than the median
+    of fewer threads, the first step that is not ending the trial; trials take at most
+    ``threads.BUDGET`` of the process's decoding time (``threads.PROCESS_BUDGET``), so a
+    loaded machine, where OpenMP threads wait on each other and two threads were measured 50
+    times slower than one, pays for one slow trial and then amortises it, also where every
+    call makes a new decoder; a chosen count above one that becomes slower than one thread
+    was (load that starts after the choice) is dropped after two steps.  Under
+    torch.compile or a dispatch mode nothing is measured and torch's count is kept.  An int
+    pins the count; None leaves torch's setting alone.  torch's setting is restored when the
+    call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".  The count never changes
+    results.
+    """
+
+    def __init__(self, threads, device: torch.device, stats: DecodeStats, choices: Dict[int, ThreadChoice]):
+        self.saved = torch.get_num_threads()
+        self.stats = stats
+        self.fixed: Optional[int] = None
+        self.choice: Optional[ThreadChoice] = None
+        if threads is None or device.type != "cpu":
+            return
+        if threads != "auto":
+            self.fixed = int(threads)
+            return
+        forced = os.environ.get(THREADS_ENV, "auto")
+        if forced not in ("", "auto"):
+            if not forced.isdigit() or not 1 <= int(forced) <= 1024:
+                raise ValueError(f"${THREADS_ENV} must be 'auto' or an int in 1..1024, got {forced!r}")
+            self.fixed = int(forced)
+            return
+        candidates = sorted({1, max(1, self.saved // 2), self.saved})
+        if len(candidates) > 1:
+            self.choice = choices.get(self.saved)
+            if self.choice is None:
+                self.choice = choices[self.saved] = ThreadChoice(candidates)
+
+    def run(self, step: Callable[[], object], k, state) -> None:
+        if self.choice is None:
+            if self.fixed is not None:
+                torch.set_num_threads(self.fixed)
+                self.stats.threads.setdefault("all", self.fixed)
+            step()
+            return
+        if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+            self.restore()  # nothing to measure: torch's count
+            step()
+            return
+        ks = k if isinstance(k, (list, tuple)) else [k] * state.batch_size
+        tokens = sum(int(x) + 1 for x, done in zip(ks, state.done) if not done)
+        key = f"tokens<={1 << max(0, tokens - 1).bit_length()}"
+        n = self.choice.count(key)
+        torch.set_num_threads(n)
+        t = time.perf_counter()
+        step()
+        self.choice.record(key, n, time.perf_counter() - t)
+        self.stats.threads[key] = self.choice.chosen(key)
+
+    def restore(self) -> None:
+        if torch.get_num_threads() != self.saved:
+            torch.set_num_threads(self.saved)

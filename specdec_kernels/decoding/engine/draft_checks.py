@@ -1,0 +1,181 @@
+"""The loop's checks of what a drafter hands it, before the target sees it.
+
+A custom drafter's bug should name the drafter, not surface as an embedding index error or a
+wrong output: ``check_draft`` checks a proposal (types, shapes, parents, roots, token ids) and
+``check_draft_sources`` the per-sequence source ids of a drafter with several sources.  Both
+read only host tensors (a drafter's proposal lives on the host).  ``feature_layer_kwargs``
+checks the target layers a drafter asks hidden states of, and ``drafter_tree`` lists a
+composite drafter's sub-drafters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from specdec_kernels.checks import INDEX_DTYPES, as_int_list, layer_indices
+from specdec_kernels.decoding.draft import Draft, Drafter
+
+
+def drafter_name(drafter) -> str:
+    """The name a message gives a drafter: its ``name``, else its class name."""
+    return getattr(drafter, "name", type(drafter).__name__)
+
+
+def check_draft_sources(drafter, histories: List[List[int]], active: List[bool]) -> Optional[List[int]]:
+    """``drafter.draft_sources(histories, active)`` checked: None (no such method, or one
+    source), or one int >= 0 per sequence.
+
+    Raises:
+        ValueError: anything else, naming the drafter.
+    """
+    fn = getattr(drafter, "draft_sources", None)
+    sources = fn(histories, active) if fn is not None else None
+    if sources is None:
+        return None
+    bad = ValueError(
+        f"drafter {drafter_name(drafter)!r}: draft_sources must return None or one int >= 0 per sequence "
+        f"({len(histories)}), got {sources!r}"
+    )
+    try:
+        sources = as_int_list("draft_sources", sources)
+    except TypeError:
+        raise bad from None
+    if len(sources) != len(histories) or min(sources, default=0) < 0:
+        raise bad
+    return sources
+
+
+def check_draft(draft, name: str, histories: Sequence[List[int]], active: List[bool], vocab_size: int) -> Draft:
+    """A drafter's proposal, checked: a ``Draft`` with one row per sequence, at least the root,
+    parents that form a tree (a chain when ``is_chain``), the root equal to the last committed
+    token of every running sequence, draft tokens inside the vocabulary, probs (B, N, V) or None.
+
+    Args:
+        draft: what ``propose`` returned.
+        name: the drafter's name, for the messages.
+        histories: the committed tokens per sequence (B lists).
+        active: per sequence, still running.
+        vocab_size: V.
+
+    Returns:
+        ``draft``, unchanged.
+
+    Raises:
+        TypeError: not a ``Draft``; tokens or parents not int64 / int32 (the dtypes the
+            embedding and the verifiers index with: uint8, int8, int16, float and bool are
+            refused here, naming the drafter, instead of failing inside the embedding),
+            num_nodes not integers.
+        ValueError: shapes, counts, parents, roots or token ids that do not fit.
+    """
+    if not isinstance(draft, Draft):
+        raise TypeError(f"drafter {name!r}: propose must return a Draft, got {type(draft).__name__}")
+    B = len(histories)
+    n = _check_layout(draft, name, B, vocab_size)
+    _check_parents(draft, name, n)
+    tokens = draft.tokens.cpu()
+    roots = tokens[:, 0].tolist()
+    for b in range(B):
+        if active[b] and roots[b] != histories[b][-1]:
+            raise ValueError(
+                f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
+                f"token {histories[b][-1]}"
+            )
+    used = torch.arange(tokens.shape[1]) < torch.tensor(n)[:, None]
+    bad = used & ((tokens < 0) | (tokens >= vocab_size))
+    if bad.any():
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
+            f"is outside the vocabulary [0, {vocab_size})"
+        )
+    return draft
+
+
+def _check_layout(draft: Draft, name: str, B: int, V: int) -> List[int]:
+    """The dtypes and shapes of a draft's tensors; returns num_nodes as a list."""
+    for part in ("tokens", "parents", "num_nodes"):
+        t = getattr(draft, part)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"drafter {name!r}: Draft.{part} must be a tensor, got {type(t).__name__}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"drafter {name!r}: Draft.{part} must hold integers (int64), got {t.dtype}")
+        if part != "num_nodes" and t.dtype not in INDEX_DTYPES:
+            raise TypeError(
+                f"drafter {name!r}: Draft.{part} must be int64 or int32 (the dtypes the embedding and "
+                f"the verifiers index with), got {t.dtype}; build it with dtype=torch.int64 or call .long()"
+            )
+    if draft.tokens.dim() != 2 or draft.tokens.shape[0] != B or draft.num_nodes.shape != (B,):
+        raise ValueError(
+            f"drafter {name!r}: a draft needs tokens (B={B}, N) and num_nodes (B,), got "
+            f"{tuple(draft.tokens.shape)} and {tuple(draft.num_nodes.shape)}"
+        )
+    n = draft.num_nodes.tolist()
+    N = draft.tokens.shape[1]
+    if min(n) < 1 or max(n) > N:
+        raise ValueError(f"drafter {name!r}: num_nodes must lie in 1..{N} (the root counts), got {n}")
+    if draft.parents.shape != (B, N):
+        raise ValueError(
+            f"drafter {name!r}: Draft.parents must have shape (B={B}, N={N}) like tokens, "
+            f"got {tuple(draft.parents.shape)}"
+        )
+    if draft.probs is not None:
+        p = draft.probs
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.shape != (B, N, V):
+            raise ValueError(
+                f"drafter {name!r}: Draft.probs must be a float tensor (B={B}, N={N}, V={V}) or None, got "
+                f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
+            )
+    return n
+
+
+def _check_parents(draft: Draft, name: str, n: List[int]) -> None:
+    """parents[b, 0] = -1 and 0 <= parents[b, i] < i for every node; a chain when is_chain."""
+    parents = draft.parents.cpu().to(torch.int64)
+    node = torch.arange(parents.shape[1])
+    bad_parent = (node[None, 1:] <= parents[:, 1:]) | (parents[:, 1:] < 0)
+    bad_parent = torch.cat([(parents[:, :1] != -1), bad_parent], dim=1)
+    if bad_parent.any():
+        b, i = (int(v) for v in bad_parent.nonzero()[0])
+        raise ValueError(
+            f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
+            f"(padding nodes too); sequence {b}, node {i} has parent {int(parents[b, i])}"
+        )
+    if draft.is_chain:
+        used_nodes = node[None, 1:] < torch.tensor(n)[:, None]
+        if (used_nodes & (parents[:, 1:] != node[None, :-1])).any():
+            raise ValueError(
+                f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)"
+            )
+
+
+def drafter_tree(drafter) -> List[Any]:
+    """The drafter and, recursively, the sub-drafters it holds (``MultiDrafter.drafters``: a
+    list or tuple of drafters; any other ``drafters`` attribute is not followed)."""
+    out: List[Any] = []
+    todo, seen = [drafter], set()
+    while todo:
+        d = todo.pop(0)
+        if d is None or id(d) in seen:  # each drafter once, even in a cycle
+            continue
+        seen.add(id(d))
+        out.append(d)
+        subs = getattr(d, "drafters", None)
+        if isinstance(subs, (list, tuple)):
+            todo.extend(subs)
+    return out
+
+
+def feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]:
+    """``{"hidden_layers": drafter.feature_layers}`` for the target's forward when the drafter
+    wants hidden states and names layers, else {} (so targets without the argument, such as
+    transformers models, are called as before).
+
+    Raises:
+        ValueError, TypeError: feature_layers not distinct ints in [0, the model's layers)
+            (``checks.layer_indices``).
+    """
+    layers = getattr(drafter, "feature_layers", ()) if getattr(drafter, "wants_hidden", False) else ()
+    layers = layer_indices("drafter.feature_layers", layers, getattr(model.args, "num_layers", None))
+    return {"hidden_layers": layers} if layers else {}

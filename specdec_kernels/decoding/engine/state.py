@@ -1,0 +1,176 @@
+"""What one decoding run holds and the small host/device helpers of its steps.
+
+* ``DecodeState``: a batch's histories, KV cache, cache lengths (device and host copies),
+  generators or Philox seeds/offsets, statistics; ``StepRecord``: what one step did;
+  ``GenerationResult``: ``generate``'s return value;
+* ``make_generators``: one seeded CPU generator per sequence;
+* ``to_device`` / ``to_host_once``: queued host-to-device moves and the step's one
+  device-to-host copy; ``node_bucket``: the padded block widths of ``node_buckets=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from specdec_kernels.checks import as_int, as_int_list
+from specdec_kernels.decoding.coupling import GumbelCoupling
+from specdec_kernels.decoding.draft import SamplingParams
+from specdec_kernels.decoding.engine.stats import DecodeStats
+from specdec_kernels.decoding.paged import PagedKVCache
+
+
+def per_sequence(name: str, value, batch: int) -> List[int]:
+    """An int for every sequence, or a sequence (list, tuple, 1-D tensor) of ``batch`` ints."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() == 1):
+        out = as_int_list(name, value)
+        if len(out) != batch:
+            raise ValueError(f"{name} must be an int or one per sequence ({batch}), got {len(out)} values")
+        return out
+    return [as_int(name, value)] * batch
+
+
+DraftSchedule = Union[int, Sequence[int], Callable[[int, "DecodeState"], Union[int, Sequence[int]]]]
+# where the sampling ops' random numbers come from (``SpeculativeDecoder(random_source=...)``)
+RANDOM_SOURCES = ("generator", "philox")
+# the drafter's generators are seeded apart from the verification's (``make_generators`` offset)
+DRAFT_SEED_OFFSET = 0x5DEECE66D
+
+
+def make_generators(seeds, batch: int, offset: int = 0) -> List[torch.Generator]:
+    """One CPU ``torch.Generator`` per sequence: seeds[b] (a list), or seed + b (an int), or
+    seeds drawn from torch's global generator (None)."""
+    if seeds is None:
+        seeds = [int(torch.randint(0, 2**62, ()).item()) for _ in range(batch)]
+    elif isinstance(seeds, int):
+        seeds = [seeds + b for b in range(batch)]
+    else:
+        seeds = [int(s) for s in seeds]
+        if len(seeds) != batch:
+            raise ValueError(f"seeds must hold one seed per prompt ({batch}), got {len(seeds)}")
+    return [torch.Generator().manual_seed((s + offset) % 2**63) for s in seeds]
+
+
+@dataclass
+class StepRecord:
+    """What one ``step`` did, per sequence (``DecodeState.last_step``; draft-length policies
+    learn from it).
+
+    Attributes:
+        ks: K requested (after the cut at max_new_tokens; 0 for finished sequences).
+        depths: depth of the draft the drafter made (<= K).
+        num_nodes: nodes fed, root included.
+        num_accepted: accepted draft tokens.
+        active: the sequence was unfinished at the start of the step.
+        block_width: nodes fed per sequence in the target pass (the batch's widest draft).
+        draft_time, verify_time: seconds of the drafter (propose and observe) and of the
+            target pass with verification, for the whole batch.
+    """
+
+    ks: List[int]
+    depths: List[int]
+    num_nodes: List[int]
+    num_accepted: List[int]
+    active: List[bool]
+    block_width: int
+    draft_time: float
+    verify_time: float
+
+
+@dataclass
+class DecodeState:
+    """The state of a batch being decoded (see ``SpeculativeDecoder.start``).
+
+    Attributes:
+        histories: per sequence, the committed tokens (prompt then generated); the last one
+            is the root of the next draft and is not yet in the KV cache.
+        prompt_lengths: per sequence.
+        max_new_tokens: per sequence.
+        kv_cache: (L, 2, B, Hkv, S, D) the target's KV cache, or a ``PagedKVCache``.
+        cache_seqlens: (B,) int32, tokens in the cache per sequence (= len(history) - 1 while
+            the sequence is unfinished).
+        host_seqlens: the same lengths as a host list, kept by the loop beside cache_seqlens so
+            that a step reads none from the device; a caller that changes cache_seqlens itself
+            sets this to None (the next step then reads cache_seqlens once).
+        done: per sequence, finished (stop token or max_new_tokens).
+        generators: one torch.Generator per sequence for verification (sampling).
+        coupling: the run's ``GumbelCoupling`` (sampling with ``coupling="gumbel"``), else None.
+        stats: the run's ``DecodeStats``.
+        last_step: the ``StepRecord`` of the latest step (None before the first).
+    """
+
+    histories: List[List[int]]
+    prompt_lengths: List[int]
+    max_new_tokens: List[int]
+    kv_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    done: List[bool]
+    generators: List[torch.Generator]
+    sampling: SamplingParams
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    last_step: Optional[StepRecord] = None
+    # the target pass's measured cost by nodes per sequence, kept by the decoder across calls of
+    # the same kind (numerics, threads, batch size): adaptive policies start from it
+    pass_costs: Optional[object] = None
+    coupling: Optional[GumbelCoupling] = None
+    # per sequence, the drafter's source that drafts next (``Drafter.draft_sources``), set by
+    # ``generate`` before a policy with ``per_source`` chooses K; None: one source
+    draft_sources: Optional[List[int]] = None
+    # the host's copy of cache_seqlens (kept by the loop beside the device tensor, so that a
+    # step reads no length from the device); None: read from cache_seqlens once
+    host_seqlens: Optional[List[int]] = None
+    # random_source="philox": (B,) int64 seeds on the device, and each sequence's next Philox
+    # offset on the host (advanced by the numbers a step used, so it never reads the device)
+    philox_seeds: Optional[torch.Tensor] = None
+    philox_offsets: Optional[List[int]] = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.histories)
+
+    @property
+    def capacity(self) -> int:
+        if isinstance(self.kv_cache, PagedKVCache):
+            return self.kv_cache.capacity
+        return self.kv_cache.shape[-2]
+
+    def generated(self, b: int) -> List[int]:
+        return self.histories[b][self.prompt_lengths[b] :]
+
+    @property
+    def finished(self) -> bool:
+        return all(self.done)
+
+
+@dataclass
+class GenerationResult:
+    """tokens[b]: the generated tokens of prompt b (a final stop token included)."""
+
+    tokens: List[List[int]]
+    stats: DecodeStats
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor moved to ``device`` without waiting for the device: ``non_blocking``, so
+    that on CUDA the copy is queued behind the stream's work instead of synchronising it (a
+    pageable source is staged before the call returns, so the host may reuse it at once)."""
+    return t.to(device, non_blocking=True)
+
+
+def node_bucket(n: int, max_nodes: int) -> int:
+    """The width a block of ``n`` nodes per sequence is padded to with ``node_buckets``: the
+    next power of two, at most ``max_nodes`` (itself a bucket when it is no power of two), and
+    never below n.  E.g. with max_nodes 128: 1, 2, 4, 4, 8, 8, 8, 8, 16, ... for n = 1, 2, ..."""
+    return max(n, min(1 << max(n - 1, 0).bit_length(), max_nodes))
+
+
+def to_host_once(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Int64 tensors of one batch, (B,) or (B, W), copied to the host in one device-to-host
+    copy (one synchronisation on CUDA instead of one per tensor): packed as the columns of one
+    (B, sum W) tensor, then split back into views of the host copy, each of its own shape."""
+    cols = [t if t.dim() == 2 else t[:, None] for t in tensors]
+    host = torch.cat([c.to(torch.int64) for c in cols], dim=1).cpu()
+    parts = host.split([c.shape[1] for c in cols], dim=1)
+    return [(p if t.dim() == 2 else p[:, 0]).contiguous() for p, t in zip(parts, tensors)]
