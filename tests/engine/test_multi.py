@@ -268,7 +268,7 @@ def test_real_model_lookup_and_eagle_tree_16_is_greedy(real):
     EAGLE head's dynamic tree) returns plain greedy's tokens on the real model, in float32
     and in int8; no draft it hands the target holds more than 16 nodes, root included; both
     sub-drafters' tokens are accepted."""
-    from specdec_kernels.bench.e2e import TREE16
+    from specdec_kernels.bench.e2e_ours import TREE16
     from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 
     def make(model):
