@@ -47,6 +47,10 @@ def test_the_engine_imports_no_drafter_and_no_trainer(path):
         ("eagle", ["EagleDrafter", "EagleHead"]),
         ("lookahead", ["LookaheadDrafter"]),
         ("multi", ["MultiDrafter"]),
+        ("composite", ["CompositeDrafter"]),
+        ("merge", ["MergeDrafter"]),
+        ("fallback", ["FallbackDrafter"]),
+        ("ensemble", ["EnsembleDrafter"]),
     ],
 )
 def test_each_drafter_lives_under_its_name(module, names):

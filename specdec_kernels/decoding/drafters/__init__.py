@@ -9,7 +9,10 @@
 ``eagle``          ``EagleDrafter`` / ``EagleHead``: an EAGLE-style one-layer draft head with
                    EAGLE-2's dynamic token tree (trained by ``decoding.training.eagle``)
 ``lookahead``      ``LookaheadDrafter``: lookahead (Jacobi) decoding's n-gram pool
-``multi``          ``MultiDrafter``: several drafters merged into one token tree, or their
-                   distributions averaged (ensemble)
+``multi``          ``MultiDrafter``: builds one of the three below from its flags
+``composite``      ``CompositeDrafter``: their base (sub-drafters, statistics, hook forwarding)
+``merge``          ``MergeDrafter``: several drafters merged into one token tree
+``fallback``       ``FallbackDrafter``: per sequence, the first sub-drafter's draft
+``ensemble``       ``EnsembleDrafter``: the sub-drafters' distributions averaged
 =================  ==========================================================================
 """
