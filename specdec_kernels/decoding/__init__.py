@@ -19,6 +19,8 @@ Quick start::
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
 from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head
+from specdec_kernels.decoding.drafters.eagle_format import EagleHeadFile
+from specdec_kernels.decoding.drafters.eagle_quant import QuantizableHead
 from specdec_kernels.decoding.drafters.ensemble import EnsembleDrafter
 from specdec_kernels.decoding.drafters.fallback import FallbackDrafter
 from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
@@ -46,6 +48,7 @@ __all__ = [
     "DraftLengthPolicy",
     "EagleDrafter",
     "EagleHead",
+    "EagleHeadFile",
     "EnsembleDrafter",
     "FallbackDrafter",
     "LookaheadDrafter",
@@ -55,6 +58,7 @@ __all__ = [
     "MedusaHeads",
     "MergeDrafter",
     "MultiDrafter",
+    "QuantizableHead",
     "default_policy",
     "load_eagle_head",
     "load_medusa_heads",
