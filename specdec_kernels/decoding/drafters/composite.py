@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from specdec_kernels.decoding.draft import Drafter, SamplingParams
+
+if TYPE_CHECKING:
+    from specdec_kernels.decoding.engine.stats import DecodeStats
+    from specdec_kernels.decoding.model import Transformer
+    from specdec_kernels.decoding.paged import CacheLayout
 
 #: counters kept per sub-drafter in ``DecodeStats.drafters[name]``
 DRAFTER_COUNTERS = (
@@ -108,7 +113,7 @@ class CompositeDrafter(Drafter):
         self.counters: Dict[str, Dict[str, float]] = {}
 
     # ------------------------------------------------------------------ statistics
-    def bind_stats(self, stats) -> None:
+    def bind_stats(self, stats: DecodeStats) -> None:
         """Record per-drafter counters into ``stats.drafters`` (the engine calls this in
         ``start`` with the run's ``DecodeStats``)."""
         stats.drafters = self.counters
@@ -212,14 +217,14 @@ class CompositeDrafter(Drafter):
         return argmax, num_nodes
 
     # ------------------------------------------------------------------ caches
-    def set_cache_layout(self, layout) -> None:
+    def set_cache_layout(self, layout: CacheLayout) -> None:
         """Hand the engine's ``paged.CacheLayout`` to every sub-drafter that takes one."""
         super().set_cache_layout(layout)
         for d in self.drafters:
             if hasattr(d, "set_cache_layout"):
                 d.set_cache_layout(layout)
 
-    def bind_target_cache(self, target, kv_cache) -> bool:
+    def bind_target_cache(self, target: Transformer, kv_cache: object) -> bool:
         """The target's KV cache goes to the first sub-drafter that can share it
         (``ModelDrafter.bind_target_cache``); the others keep caches of their own, so no two
         drafters write draft nodes into the same slots.  Returns whether one shares."""
@@ -240,7 +245,13 @@ class CompositeDrafter(Drafter):
         return sum(int(getattr(d, "kv_cache_bytes", 0)) for d in self.drafters)
 
     # ------------------------------------------------------------------ interface
-    def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
+    def start(
+        self,
+        histories: Sequence[Sequence[int]],
+        capacity: int,
+        sampling: SamplingParams,
+        generators: Sequence[torch.Generator],
+    ) -> None:
         """Fresh counters; every sub-drafter starts, drawing from generators of its own,
         derived per sequence from ``generators``."""
         super().start(histories, capacity, sampling, generators)

@@ -99,7 +99,13 @@ class EnsembleDrafter(CompositeDrafter):
         self.learn_weights = (weights is None) if learn_weights is None else bool(learn_weights)
         self._ensemble_last = None  # the last draft's mixture inputs, for _learn and observe
 
-    def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
+    def start(
+        self,
+        histories: Sequence[Sequence[int]],
+        capacity: int,
+        sampling: SamplingParams,
+        generators: Sequence[torch.Generator],
+    ) -> None:
         """As ``CompositeDrafter.start``; every sequence starts with the given weights."""
         super().start(histories, capacity, sampling, generators)
         M = len(self.drafters)
