@@ -17,9 +17,15 @@ Quick start::
 """
 
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
+from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head
+from specdec_kernels.decoding.drafters.eagle_format import EagleHeadFile
+from specdec_kernels.decoding.drafters.eagle_quant import QuantizableHead
+from specdec_kernels.decoding.drafters.ensemble import EnsembleDrafter
+from specdec_kernels.decoding.drafters.fallback import FallbackDrafter
 from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
 from specdec_kernels.decoding.drafters.medusa import MedusaDrafter, MedusaHeads, load_medusa_heads
+from specdec_kernels.decoding.drafters.merge import MergeDrafter
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter, LayerSkipDrafter, ModelDrafter
 from specdec_kernels.decoding.drafters.multi import MultiDrafter
 from specdec_kernels.decoding.drafters.ngram import NgramDrafter, ngram_continuations
@@ -37,16 +43,22 @@ from specdec_kernels.decoding.loading import have_smollm2, load_hf_smollm2, load
 from specdec_kernels.decoding.model import ModelArgs, Transformer
 
 __all__ = [
+    "CompositeDrafter",
     "CostModelPolicy",
     "DraftLengthPolicy",
     "EagleDrafter",
     "EagleHead",
+    "EagleHeadFile",
+    "EnsembleDrafter",
+    "FallbackDrafter",
     "LookaheadDrafter",
     "FixedPolicy",
     "HeuristicPolicy",
     "MedusaDrafter",
     "MedusaHeads",
+    "MergeDrafter",
     "MultiDrafter",
+    "QuantizableHead",
     "default_policy",
     "load_eagle_head",
     "load_medusa_heads",

@@ -45,8 +45,15 @@ def test_the_engine_imports_no_drafter_and_no_trainer(path):
         ("model_drafter", ["ModelDrafter", "DraftModelDrafter", "LayerSkipDrafter"]),
         ("medusa", ["MedusaDrafter", "MedusaHeads"]),
         ("eagle", ["EagleDrafter", "EagleHead"]),
+        ("eagle_head", ["EagleHead"]),
+        ("eagle_format", ["EagleHeadFile"]),
+        ("eagle_quant", ["QuantizableHead"]),
         ("lookahead", ["LookaheadDrafter"]),
         ("multi", ["MultiDrafter"]),
+        ("composite", ["CompositeDrafter"]),
+        ("merge", ["MergeDrafter"]),
+        ("fallback", ["FallbackDrafter"]),
+        ("ensemble", ["EnsembleDrafter"]),
     ],
 )
 def test_each_drafter_lives_under_its_name(module, names):

@@ -48,7 +48,7 @@ import torch
 
 from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding.draft import Draft, Drafter
-from specdec_kernels.decoding.drafters.multi import map_to_merged
+from specdec_kernels.decoding.drafters.merge import map_to_merged
 from specdec_kernels.decoding.drafters.ngram import ngram_continuations
 from specdec_kernels.tree import merge_chains
 
