@@ -336,6 +336,19 @@ def _per_token(tokens: int, seconds: Optional[float], first: Optional[float]) ->
     return (tokens - 1) / (seconds - first)
 
 
+def _int8_isa_report(packed):
+    """The int8 products' instruction set as the run used it: per pass shape (tokens per sequence
+    class, threads, layers, all logits) what the engine's timed choice picked, or the one path
+    this CPU runs."""
+    from specdec_kernels.decoding.model import _int8_isa_choice
+
+    choice = _int8_isa_choice()
+    if choice is None:
+        return (packed.int8_isas() or ("none",))[-1]
+    picked = {c["key"]: c["choice"] for c in choice.choices() if c["choice"]}
+    return picked or f"timed per pass shape among {list(choice.candidates)}"
+
+
 def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_file, load_s, out) -> int:
     """The timed part of ``run``: warm-up, then every method on every prompt, then the report."""
     for m in needed:  # one warm-up generation per method (lazy initialisation, allocator, caches)
@@ -435,7 +448,7 @@ def _run_methods(args, ctx, env, questions, prompts, needed, skipped, prompts_fi
     # the CPU matmul paths of a decode or verify pass (a fixed rule, see decoding.model.linear_path)
     weights = [m.weight for m in ctx.model.modules() if isinstance(m, torch.nn.Linear)]
     config["linear_paths"] = {nx: dict(Counter(linear_path(1, w, nx) for w in weights)) for nx in ("float32", "int8")}
-    config["int8_isa"] = (packed.int8_isas() or ("none",))[-1]
+    config["int8_isa"] = _int8_isa_report(packed)
     from specdec_kernels.ops.tree_attention import automatic_cpu_path
 
     # the automatic CPU attention paths (fixed, not measured: "native" unless an environment variable forces "torch")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from specdec_kernels.bench.e2e_methods import METHODS, Context, Method, Run, _Clock, _engine_run, _sync, register
 
-# Our drafters run with the engine's defaults (``NgramDrafter()``, ``adaptive.DEFAULT_K``,
+# Our drafters run with the engine's defaults (``NgramDrafter()``, the drafters' ``default_k``,
 # ``adaptive.default_policy``); what the engine leaves open is chosen here:
 LAYERSKIP_LAYERS = 24  # of 30, as in the engine's tests: SmolLM2 was not trained for early exit
 LAYERSKIP_TREE = (2, 2)
@@ -53,7 +53,7 @@ def ours(
         num_draft_tokens: a fixed draft depth K (int) or a schedule ``f(step, state)``.
         adaptive: choose K every step with the engine's default draft-length policy for
             the drafter (``adaptive.default_policy``, a fresh one per prompt), K <= k_max.
-        k_max: the largest K of the adaptive policy (default: the engine's ``DEFAULT_K``).
+        k_max: the largest K of the adaptive policy (default: the drafter's ``default_k``).
         default: run when --methods is not given.
         numerics: the model's ``Transformer.numerics`` while the method runs: "float32" (the
             model's own products) or "int8" (8-bit activations, llama.cpp's arithmetic); its
@@ -129,11 +129,10 @@ def register_builtin() -> None:
     """Register the methods of ours in ``METHODS``, in the order ``--methods`` lists them."""
     from specdec_kernels.decoding import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
     from specdec_kernels.decoding.drafters.eagle import SHIPPED as EAGLE_SHIPPED
-    from specdec_kernels.decoding.drafters.eagle import EagleDrafter
+    from specdec_kernels.decoding.drafters.eagle import TREE_DEFAULT_K, EagleDrafter
     from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
     from specdec_kernels.decoding.drafters.medusa import SHIPPED, MedusaDrafter
     from specdec_kernels.decoding.drafters.multi import MultiDrafter
-    from specdec_kernels.decoding.engine.adaptive import DEFAULT_K
 
     def add(
         name: str,
@@ -187,7 +186,7 @@ def register_builtin() -> None:
         params = dict(window=window, ngram=ngram, guesses=guesses, **({"pool_from_history": True} if history else {}))
         add(name, make, text, k=k, k_max=k_max, default=default, **params, **shown)
 
-    ngram_k, model_k, multi_k = DEFAULT_K["ngram"], DEFAULT_K["layerskip"], DEFAULT_K["multi"]
+    ngram_k, model_k, multi_k = NgramDrafter.default_k, LayerSkipDrafter.default_k, MultiDrafter.default_k
     L = LAYERSKIP_LAYERS
     register(ours("greedy", lambda ctx: None, "plain greedy, 1 token/pass", num_draft_tokens=0))
     # the n-gram drafter with the engine's defaults (a fixed K: its drafts cost no model pass)
@@ -209,7 +208,7 @@ def register_builtin() -> None:
     )
     # the shipped Medusa heads (a fixed K: all heads come out of one head pass); the tree is
     # the one tuned with the weights (held-out prompts)
-    medusa_k = DEFAULT_K["medusa"]
+    medusa_k = MedusaDrafter.default_k
     add("medusa-chain", lambda ctx: MedusaDrafter(ctx.model), "Medusa heads chain", k=medusa_k, heads=SHIPPED.name)
     add(
         "medusa-adaptive",
@@ -227,7 +226,7 @@ def register_builtin() -> None:
     )
     # the shipped EAGLE-style head: a chain, and EAGLE-2's dynamic tree at Medusa's node budget
     # (64) and at half of it (a CPU pays for every node)
-    eagle_k, tree_k = DEFAULT_K["eagle"], DEFAULT_K["eagle-tree"]
+    eagle_k, tree_k = EagleDrafter.default_k, TREE_DEFAULT_K
     eagle("eagle-chain", "EAGLE head chain", k=eagle_k, tree=False)
     eagle("eagle-tree", "EAGLE head, dynamic tree top-10, 64 nodes", k=tree_k, top_k=10, max_nodes=64)
     eagle("eagle-tree-32", "EAGLE head, dynamic tree top-6, 32 nodes", k=tree_k, default=False, top_k=6, max_nodes=32)
@@ -268,7 +267,7 @@ def register_builtin() -> None:
     float32_head = "EAGLE head chain, float32 head weights"
     eagle("eagle-adaptive-float32-head", float32_head, k_max=eagle_k, default=False, tree=False, quantize_head=False)
     # lookahead (Jacobi) decoding: the CPU-sized defaults and Spec-Bench's W=7, N=5, G=7
-    la_k = DEFAULT_K["lookahead"]
+    la_k = LookaheadDrafter.default_k
     lookahead("lookahead", 4, 3, 2, k=la_k)
     # the same drafter with bigrams (N=2), 3 guesses, the history's n-grams in the pool, and
     # the cost model's K (which cuts the window and the n-grams to K): on a CPU, where every

@@ -207,6 +207,12 @@ class Drafter:
     """
 
     name = "drafter"
+    #: the drafter's default draft length: the K of ``policy="fixed"`` and the cap of the
+    #: adaptive policies (``adaptive.default_policy``), declared by each drafter
+    default_k = 4
+    #: True for drafts that cost no model pass of their own (prompt lookup, lookahead): the
+    #: cost model then starts at K = 4 instead of a short warm-up from K = 1
+    drafts_free = False
     wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
     context_window = 0  # > 0 (with wants_hidden): the engine also calls observe_context
     #: with wants_hidden: target layers whose outputs the engine appends to the final hidden
@@ -361,6 +367,7 @@ class NoDrafter(Drafter):
     """Plain autoregressive decoding: the draft is the root alone (one token per target pass)."""
 
     name = "none"
+    default_k = 0
 
     def propose(self, histories, num_draft_tokens, active):
         return Draft.from_lists([([h[-1]], [-1]) for h in histories])

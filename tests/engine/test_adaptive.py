@@ -15,6 +15,7 @@ from specdec_kernels.decoding import (
     Drafter,
     LayerSkipDrafter,
     NgramDrafter,
+    NoDrafter,
     SpeculativeDecoder,
     Transformer,
 )
@@ -287,6 +288,29 @@ def test_policy_resolution_and_bad_arguments(tiny):
         CostModelPolicy(1, 4, k_init=0)
     with pytest.raises(ValueError, match="draft_cost"):
         CostModelPolicy(draft_cost=(1, -1))
+
+
+def test_defaults_come_from_what_a_drafter_declares_not_its_name():
+    """``default_k`` and ``drafts_free`` (Drafter attributes) choose the default policy: a
+    custom drafter that calls itself "ngram" gets the base defaults, one that declares its own
+    K and free drafts gets those."""
+
+    class Named(Drafter):
+        name = "ngram"
+
+        def propose(self, histories, num_draft_tokens, active):
+            raise AssertionError("not called")
+
+    class Declared(Named):
+        name = "mine"
+        default_k, drafts_free = 5, True
+
+    named, declared = default_policy(Named()), default_policy(Declared())
+    assert (named.k_max, named.k_init, named.warmup) == (4, 1, 2)  # a costly drafter's warm-up
+    assert (declared.k_max, declared.k_init, declared.warmup) == (5, 4, 6)  # free drafts
+    assert resolve_policy("fixed", Declared()).describe() == "fixed(K=5)"
+    assert resolve_policy("fixed", NgramDrafter()).describe() == "fixed(K=8)"
+    assert isinstance(default_policy(NoDrafter()), FixedPolicy)
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "cost-model", "auto"])

@@ -72,6 +72,7 @@ class CompositeDrafter(Drafter):
     """
 
     name = "multi"
+    default_k = 6
     ensemble = False
     fallback = False
 

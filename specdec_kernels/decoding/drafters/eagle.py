@@ -65,6 +65,8 @@ __all__ = ["FEATURE_LAYERS_FORMAT", "FORMAT", "KIND", "SHIPPED", "EagleDrafter",
 # the most new rows the head's one-call layer takes whole when a step ingests them (their
 # outputs but the last are not needed: a longer block computes its keys with ``project``)
 FUSED_INGEST_ROWS = 8
+#: the default draft depth of an EAGLE-2 dynamic tree (a chain: ``EagleDrafter.default_k``)
+TREE_DEFAULT_K = 7
 
 
 class EagleDrafter(Drafter):
@@ -129,6 +131,7 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
+    default_k = 6  # a chain; a tree: TREE_DEFAULT_K
     wants_hidden = True
 
     def __init__(
@@ -177,6 +180,7 @@ class EagleDrafter(Drafter):
         if self._W_draft.shape[0] < self.top_k:
             raise ValueError(f"top_k ({self.top_k}) exceeds the draft vocabulary ({self._W_draft.shape[0]} tokens)")
         self.name = "eagle-tree" if tree else "eagle"
+        self.default_k = TREE_DEFAULT_K if tree else type(self).default_k
         self._reset(0)
 
     @property

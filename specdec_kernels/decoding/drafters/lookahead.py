@@ -78,6 +78,7 @@ class LookaheadDrafter(Drafter):
     STRONG_MATCH, LONGEST_MATCH = 3, 4  # history suffixes of 3-4 tokens (longest first) rank before the pool
 
     name = "lookahead"
+    drafts_free = True
     wants_target_argmax = True
 
     def __init__(

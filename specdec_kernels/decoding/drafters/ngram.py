@@ -111,6 +111,8 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    default_k = 8
+    drafts_free = True
 
     def __init__(
         self,

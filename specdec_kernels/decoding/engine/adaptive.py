@@ -27,19 +27,13 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-#: name -> K used by ``default_policy`` as the fixed K, and the cap of adaptive policies
-DEFAULT_K = {
-    "ngram": 8,
-    "layerskip": 4,
-    "draft-model": 4,
-    "multi": 6,
-    "medusa": 4,
-    "medusa-tree": 4,
-    "eagle": 6,
-    "eagle-tree": 7,
-    "lookahead": 4,
-    "none": 0,
-}
+
+def drafter_default_k(drafter) -> int:
+    """The drafter's own default draft length (``Drafter.default_k``; 4 for an object without
+    one, 0 for no drafter): the fixed K of ``default_policy`` and the cap of adaptive policies."""
+    if drafter is None:
+        return 0
+    return int(getattr(drafter, "default_k", 4))
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -715,16 +709,14 @@ class CostModelPolicy(DraftLengthPolicy):
         return f"cost-model(K in [{self.k_min}, {self.k_max}])"
 
 
-FREE_DRAFTERS = ("ngram", "lookahead")  # drafts without a model pass of their own: warm-up from K = 4
-
-
 def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
     """The draft-length policy chosen from measurements for a drafter (the CLI's default,
     and ``SpeculativeDecoder(policy="auto")``).
 
     Args:
-        drafter: the engine's drafter (its ``name`` selects the default).
-        k_max: the largest K (default ``DEFAULT_K`` of the drafter's name, else 4).
+        drafter: the engine's drafter: its ``default_k`` and ``drafts_free`` (``Drafter``'s
+            class attributes, declared by each drafter) select the default.
+        k_max: the largest K (default the drafter's ``default_k``).
 
     Returns:
         A fresh policy: ``FixedPolicy(0)`` for plain decoding, ``CostModelPolicy(0, k_max)``
@@ -742,11 +734,10 @@ def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
     verify pass of 2..8 nodes costs about the same, one node less): plain 18.23, n-gram
     18.07 at K = 8 and 19.73 cost model (mean K 1.66).
     """
-    name = getattr(drafter, "name", "none") if drafter is not None else "none"
-    k = DEFAULT_K.get(name, 4) if k_max is None else k_max
-    if name == "none" or k == 0:
+    k = drafter_default_k(drafter) if k_max is None else k_max
+    if k == 0:
         return FixedPolicy(k)
-    if name in FREE_DRAFTERS:
+    if getattr(drafter, "drafts_free", False):  # no model pass of their own: warm-up from K = 4
         return CostModelPolicy(0, k)
     # drafts that cost model passes (heads, layers, a draft model): a short, cheap warm-up, from
     # K = 1 up, so that a drafter that does not pay on this machine costs little before the cost
@@ -767,7 +758,7 @@ def resolve_policy(policy, drafter) -> Optional[DraftLengthPolicy]:
     if policy is None or isinstance(policy, DraftLengthPolicy):
         return policy
     if isinstance(policy, str):
-        k = DEFAULT_K.get(getattr(drafter, "name", "none"), 4)
+        k = drafter_default_k(drafter)
         makers: Dict[str, Callable[[], DraftLengthPolicy]] = {
             "auto": lambda: default_policy(drafter),
             "heuristic": lambda: HeuristicPolicy(k_max=max(k, 1)),
