@@ -263,6 +263,10 @@ class CompositeDrafter(Drafter):
             with self._timed(name, "propose_time"):
                 d.coupling = self.coupling
                 d.start(histories, capacity, sampling, own)
+        self._reset(len(histories))
+
+    def _reset(self, batch: int) -> None:
+        """A subclass's own per-batch state, reset at the end of ``start`` (batch sequences)."""
 
     def _observe_all(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
         """Every sub-drafter observes the accepted path as it is (its nodes are the draft's)."""

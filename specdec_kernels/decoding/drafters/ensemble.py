@@ -26,12 +26,12 @@ can come back.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from specdec_kernels.decoding.coupling import gumbel_top_k
-from specdec_kernels.decoding.draft import Draft, Drafter, SamplingParams, sample_tokens
+from specdec_kernels.decoding.draft import Draft, Drafter, sample_tokens
 from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 
 WEIGHT_SHARE = 0.05  # ensemble weights: the uniform share mixed in after each update
@@ -71,12 +71,11 @@ class EnsembleDrafter(CompositeDrafter):
         self,
         drafters: Sequence[Drafter],
         *,
-        max_depths: Optional[Sequence[Optional[int]]] = None,
-        names: Optional[Sequence[str]] = None,
         weights: Optional[Sequence[float]] = None,
         learn_weights: Optional[bool] = None,
+        **options: Any,
     ):
-        super().__init__(drafters, max_depths=max_depths, names=names)
+        super().__init__(drafters, **options)  # max_depths, names
         for i, d in enumerate(self.drafters):
             if not d.has_chain_distributions:
                 raise TypeError(
@@ -99,18 +98,11 @@ class EnsembleDrafter(CompositeDrafter):
         self.learn_weights = (weights is None) if learn_weights is None else bool(learn_weights)
         self._ensemble_last = None  # the last draft's mixture inputs, for _learn and observe
 
-    def start(
-        self,
-        histories: Sequence[Sequence[int]],
-        capacity: int,
-        sampling: SamplingParams,
-        generators: Sequence[torch.Generator],
-    ) -> None:
-        """As ``CompositeDrafter.start``; every sequence starts with the given weights."""
-        super().start(histories, capacity, sampling, generators)
+    def _reset(self, batch: int) -> None:
+        """Every sequence of the new batch starts with the given weights."""
         M = len(self.drafters)
         w = torch.tensor(self.weights if self.weights is not None else [1.0] * M, dtype=torch.float64)
-        self.log_weights = (w / w.sum()).log().expand(len(histories), M).clone()  # (B, M), per sequence
+        self.log_weights = (w / w.sum()).log().expand(batch, M).clone()  # (B, M), per sequence
         self._ensemble_last = None
 
     def mixture_weights(self) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from specdec_kernels.decoding.draft import Draft, Drafter, SamplingParams
+from specdec_kernels.decoding.draft import Draft, Drafter
 from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 from specdec_kernels.tree import merge_trees
 
@@ -120,15 +120,8 @@ class MergeDrafter(CompositeDrafter):
         self.max_nodes = max_nodes
         self._last = None
 
-    def start(
-        self,
-        histories: Sequence[Sequence[int]],
-        capacity: int,
-        sampling: SamplingParams,
-        generators: Sequence[torch.Generator],
-    ) -> None:
-        """As ``CompositeDrafter.start``; forgets the last step's merged trees."""
-        super().start(histories, capacity, sampling, generators)
+    def _reset(self, batch: int) -> None:
+        """Forget the last step's merged trees (a new batch)."""
         self._last = None
 
     def _ask(
