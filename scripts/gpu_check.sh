@@ -40,7 +40,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 # name, limit in seconds, command (run with bash -c from the repository root)
 STEPS=(
   "build|75|$PY setup.py build_ext --inplace"
-  "cuda_tests|50|$PY -m pytest -q -p no:cacheprovider \$($PY -c 'import xdist' 2>/dev/null && printf -- '-n 8') --junitxml=$OUT/pytest.xml -rfE tests/ops/compact_kv_cache tests/ops/verify_greedy tests/ops/rejection_sample tests/engine/test_graphs_cuda.py -k '(native and not emulat) or triton or cuda_graph'"
+  "cuda_tests|50|$PY -m pytest -q -p no:cacheprovider \$($PY -c 'import xdist' 2>/dev/null && printf -- '-n 8') --junitxml=$OUT/pytest.xml -rfE tests/ops/compact_kv_cache tests/ops/verify_greedy tests/ops/rejection_sample tests/engine/test_graphs_cuda.py -k '(native and not emulat) or triton or cuda_graph or synchronises'"
   "sanitizer|60|bash scripts/compute_sanitizer.sh $OUT"
   "bench_kernels|50|$PY -m specdec_kernels.bench.kernels --decode --out $OUT"
   "flashinfer|45|$PY -m specdec_kernels.bench.flashinfer_side --out $OUT"
