@@ -114,14 +114,39 @@ def typical_acceptance(
     epsilon 0.09 (delta 0.3) the threshold is min(0.09, 0.3 * 0.357) = 0.09 and a draft
     token 2 (p = 0.2) is accepted while a token with p = 0.05 would not be.
     """
-    if not 0 < as_real("posterior_threshold", posterior_threshold) <= 1:
-        raise ValueError(f"posterior_threshold must lie in (0, 1], got {posterior_threshold}")
-    if posterior_alpha is None:
-        alpha = math.sqrt(posterior_threshold)
-    else:
-        alpha = float(as_real("posterior_alpha", posterior_alpha, finite=True))
+    alpha, parents, n, sample_uniforms = _checked_args(
+        target_probs,
+        tree_tokens,
+        tree_parents,
+        num_nodes,
+        posterior_threshold,
+        posterior_alpha,
+        sample_uniforms,
+        generator,
+    )
+    B, N, V = target_probs.shape
+    rows = torch.arange(B, device=target_probs.device)
+    tokens = tree_tokens.to(torch.int64)
+    p = mass(target_probs.to(torch.float64))
+    best, best_depth, depth = _deepest_typical_node(
+        p, tokens, parents, n, typical_thresholds(p, posterior_threshold, alpha)
+    )
+    accepted_nodes = _path_to(best, depth, parents)
+    below = accepted_nodes[:, 1:]  # the accepted drafts, in path order
+    output = torch.full((B, N), -1, dtype=torch.int64, device=target_probs.device)
+    output[:, : N - 1] = torch.where(below >= 0, tokens.gather(1, below.clamp(min=0)), -1)
+    bonus = sample_from_weights(p[rows, best], sample_uniforms)
+    output[rows, best_depth] = bonus
+    return output, accepted_nodes, best_depth
+
+
+def _checked_args(target_probs, tree_tokens, tree_parents, num_nodes, epsilon, delta, sample_uniforms, generator):
+    """``typical_acceptance``'s checks: (delta, parents (B, N), counts (B,), uniforms (B,))."""
+    if not 0 < as_real("posterior_threshold", epsilon) <= 1:
+        raise ValueError(f"posterior_threshold must lie in (0, 1], got {epsilon}")
+    alpha = math.sqrt(epsilon) if delta is None else float(as_real("posterior_alpha", delta, finite=True))
     if alpha <= 0:
-        raise ValueError(f"posterior_alpha must be > 0, got {posterior_alpha}")
+        raise ValueError(f"posterior_alpha must be > 0, got {delta}")
     check_probs("target_probs", target_probs, 3)
     device = target_probs.device
     B, N, V = target_probs.shape
@@ -135,13 +160,16 @@ def typical_acceptance(
     n = check_counts("num_nodes", num_nodes, B, N, device, True)
     if sample_uniforms is None:
         sample_uniforms = torch.rand(B, generator=generator, dtype=torch.float64).to(device)
-    sample_uniforms = clamp_uniforms(check_uniforms("sample_uniforms", sample_uniforms, (B,), device))
+    return alpha, parents, n, clamp_uniforms(check_uniforms("sample_uniforms", sample_uniforms, (B,), device))
 
+
+def _deepest_typical_node(p, tokens, parents, n, thresholds):
+    """(best node, its depth, every node's depth) per sequence: the deepest node whose token and
+    every ancestor's pass the typical test at their parents (the root when none does)."""
+    B, N, V = p.shape
+    device = p.device
     rows = torch.arange(B, device=device)
-    tokens = tree_tokens.to(torch.int64)
-    p = mass(target_probs.to(torch.float64))
     total = p.sum(-1)
-    thresholds = typical_thresholds(p, posterior_threshold, alpha)  # (B, N)
     # ok[b, j]: node j's token passes the test at its parent; path_ok: so do its ancestors
     path_ok = torch.zeros(B, N, dtype=torch.bool, device=device)
     path_ok[:, 0] = True
@@ -159,20 +187,19 @@ def typical_acceptance(
         deeper = path_ok[:, j] & (depth[:, j] > best_depth)
         best = torch.where(deeper, j, best)
         best_depth = torch.where(deeper, depth[:, j], best_depth)
+    return best, best_depth, depth
 
-    # the accepted path, walked up from the best node on the device (no host read): the node at
-    # depth d goes to column d; a spare column N takes the writes of finished walks
-    path = torch.full((B, N + 1), -1, dtype=torch.int64, device=device)
-    cur, live = best, torch.ones(B, dtype=torch.bool, device=device)
+
+def _path_to(best, depth, parents):
+    """(B, N) the path from the root to ``best``, walked up on the device (no host read): the
+    node at depth d goes to column d, then -1; a spare column N takes finished walks' writes."""
+    B, N = depth.shape
+    rows = torch.arange(B, device=depth.device)
+    path = torch.full((B, N + 1), -1, dtype=torch.int64, device=depth.device)
+    cur, live = best, torch.ones(B, dtype=torch.bool, device=depth.device)
     for _ in range(N):
         at = cur.clamp(min=0)
         path[rows, torch.where(live, depth[rows, at], N)] = torch.where(live, cur, -1)
         cur = parents[rows, at].to(torch.int64)
         live = live & (cur >= 0)
-    accepted_nodes = path[:, :N]
-    below = accepted_nodes[:, 1:]  # the accepted drafts, in path order
-    output = torch.full((B, N), -1, dtype=torch.int64, device=device)
-    output[:, : N - 1] = torch.where(below >= 0, tokens.gather(1, below.clamp(min=0)), -1)
-    bonus = sample_from_weights(p[rows, best], sample_uniforms)
-    output[rows, best_depth] = bonus
-    return output, accepted_nodes, best_depth
+    return path[:, :N]
