@@ -47,16 +47,26 @@ class RuntimeChoice:
             measured (under torch.compile, a dispatch mode such as FakeTensorMode).
         trials: timed calls of each candidate before the choice.
         env: an environment variable that forces a candidate ("auto" or unset: measure).
+        forceable: names the environment variable may force besides the candidates (paths too
+            slow to time, such as a portable fallback, but runnable).
 
     Raises:
         ValueError: the environment variable names no candidate.
     """
 
-    def __init__(self, name: str, candidates: Sequence[str], trials: int = 3, env: Optional[str] = None):
+    def __init__(
+        self,
+        name: str,
+        candidates: Sequence[str],
+        trials: int = 3,
+        env: Optional[str] = None,
+        forceable: Sequence[str] = (),
+    ):
         if len(candidates) < 1 or trials < 1:
             raise ValueError("RuntimeChoice needs at least one candidate and one trial")
         self.name = name
         self.candidates = tuple(candidates)
+        self.forceable = tuple(f for f in forceable if f not in self.candidates)
         self.trials = trials
         self.env = env
         self._chosen: Dict[Hashable, str] = {}
@@ -80,8 +90,8 @@ class RuntimeChoice:
         value = self._env_value
         if value in ("", "auto"):
             return None
-        if value not in self.candidates:
-            raise ValueError(f"{self.env} must be 'auto' or one of {self.candidates}, got {value!r}")
+        if value not in self.candidates + self.forceable:
+            raise ValueError(f"{self.env} must be 'auto' or one of {self.candidates + self.forceable}, got {value!r}")
         return value
 
     def __call__(self, key: Hashable, run: Callable[[str], T], available: Optional[Sequence[str]] = None) -> T:
@@ -91,7 +101,7 @@ class RuntimeChoice:
         """
         names = tuple(c for c in self.candidates if available is None or c in available)
         forced = self.forced()
-        if forced is not None and forced in names:
+        if forced is not None and (forced in names or forced in self.forceable):
             return run(forced)
         if len(names) == 1 or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
             return run(names[0])

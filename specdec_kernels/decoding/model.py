@@ -260,9 +260,12 @@ def _int8_isa_choice() -> Optional[RuntimeChoice]:
     pass shape (tokens per sequence, threads, layers run) as they happen; None where there is
     nothing to choose.  Every path gives the same bits, so the choice changes speed only."""
     if not _INT8_ISA_CHOICE:
-        isas = [i for i in reversed(packed.int8_isas()) if i != "portable"] or list(packed.int8_isas())
+        every = list(packed.int8_isas())
+        isas = [i for i in reversed(every) if i != "portable"] or every
         _INT8_ISA_CHOICE.append(
-            RuntimeChoice("int8 products' instruction set", isas, trials=3, env=INT8_ISA_ENV) if isas else None
+            RuntimeChoice("int8 products' instruction set", isas, trials=3, env=INT8_ISA_ENV, forceable=every)
+            if isas
+            else None
         )
     choice = _INT8_ISA_CHOICE[0]
     return choice if choice is not None and (len(choice.candidates) > 1 or choice.forced()) else None
@@ -710,8 +713,16 @@ class Transformer(nn.Module):
         return torch.zeros(L, 2, batch, a.num_kv_heads, capacity, a.head_dim, dtype=self.dtype, device=self.device)
 
     def set_int8_isa(self, isa: Optional[str]) -> None:
-        """The instruction set of the int8 products in the following passes (a name from
-        ``packed.int8_isas()``; None: the best this CPU runs).  Every choice gives the same bits."""
+        """The instruction set of the int8 products of the layers' next passes (a name from
+        ``packed.int8_isas()``; None: the best this CPU runs).  Every choice gives the same bits.
+        ``forward`` sets it itself on every CPU pass with int8 numerics, from the timed choice
+        per pass shape; to force one there, set $SPECDEC_INT8_ISA (any name of ``int8_isas()``,
+        "portable" included).
+
+        Raises:
+            ValueError: a name this CPU does not run."""
+        if isa is not None and isa not in packed.int8_isas():
+            raise ValueError(f"isa must be None or one of {packed.int8_isas()} on this CPU, got {isa!r}")
         self._isa = isa
         for layer in self.layers:
             layer.isa = isa

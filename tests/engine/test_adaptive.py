@@ -313,6 +313,17 @@ def test_defaults_come_from_what_a_drafter_declares_not_its_name():
     assert isinstance(default_policy(NoDrafter()), FixedPolicy)
 
 
+@pytest.mark.parametrize("bad", [-1, 2.7, True, "3", None, 10**30])
+def test_a_bad_default_k_is_refused_naming_it(tiny, bad):
+    class Odd(NgramDrafter):
+        default_k = bad
+
+    with pytest.raises(ValueError, match="default_k"):
+        SpeculativeDecoder(tiny[1], Odd())
+    with pytest.raises(ValueError, match="k_max"):
+        default_policy(NgramDrafter(), k_max=2.5)
+
+
 @pytest.mark.parametrize("policy", ["heuristic", "cost-model", "auto"])
 def test_tiny_adaptive_is_greedy(tiny, policy):
     _, model = tiny

@@ -108,6 +108,17 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="names"):
         MultiDrafter([NgramDrafter(), NgramDrafter()], names=["a", "a"])
     assert MultiDrafter([NgramDrafter(), NgramDrafter()]).names == ["ngram", "ngram-2"]
+    # odd types are refused when the drafter is built, not in the first step
+    with pytest.raises(TypeError, match="drafters"):
+        MultiDrafter(NgramDrafter())
+    with pytest.raises(TypeError, match="names"):
+        MultiDrafter([NgramDrafter(), NgramDrafter()], names="ab")
+    for cap in (2.5, True, "3", float("nan")):
+        with pytest.raises(ValueError, match=r"max_depths\[1\]"):
+            MultiDrafter([NgramDrafter(), NgramDrafter()], max_depths=[None, cap])
+    for nodes in (1.5, True):
+        with pytest.raises(ValueError, match="max_nodes"):
+            MultiDrafter([NgramDrafter()], max_nodes=nodes)
 
 
 # ---------------------------------------------------------------------------- tiny model

@@ -197,10 +197,16 @@ def test_int8_instruction_set_is_measured_and_changes_no_bit(models, monkeypatch
         outs = [run_pass(model, prefixes, tokens, None) for _ in range(len(isas) * choice.trials + 1)]
         assert all(torch.equal(o, outs[0]) for o in outs)  # trials of every path: the same bits
         assert any(c["choice"] in isas for c in choice.choices())  # decided for the 3-token passes
-        for isa in isas:
+        for isa in packed.int8_isas():  # every path, the untimed portable one included
             monkeypatch.setenv(m.INT8_ISA_ENV, isa)
             choice.read_environment()
             assert torch.equal(run_pass(model, prefixes, tokens, None), outs[0]), isa
+        monkeypatch.setenv(m.INT8_ISA_ENV, "avx1024")
+        choice.read_environment()
+        with pytest.raises(ValueError, match=m.INT8_ISA_ENV):
+            run_pass(model, prefixes, tokens, None)
+        with pytest.raises(ValueError, match="isa"):
+            model.set_int8_isa("avx1024")
     finally:
         monkeypatch.delenv(m.INT8_ISA_ENV, raising=False)
         choice.read_environment()

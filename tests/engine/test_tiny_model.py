@@ -321,8 +321,14 @@ def test_philox_source_moves_each_offset_past_its_own_numbers(tiny, chain):
 
 
 def test_random_source_is_checked(tiny):
-    with pytest.raises(ValueError, match="random_source"):
-        SpeculativeDecoder(tiny[1], random_source="cuda")
+    import numpy as np
+
+    for bad in ("cuda", np.array(["philox"]), None):
+        with pytest.raises(ValueError, match="random_source"):
+            SpeculativeDecoder(tiny[1], random_source=bad)
+    # a numpy integer is a seed like an int
+    dec = SpeculativeDecoder(tiny[1])
+    assert dec.generate(PROMPTS, 3, seeds=np.int64(5)).tokens == dec.generate(PROMPTS, 3, seeds=5).tokens
 
 
 def test_one_token_prompt(tiny):
@@ -490,6 +496,9 @@ BAD_ARGUMENTS = {
     "float_max_new": (lambda d: d.generate(PROMPTS, 2.5), TypeError, "max_new_tokens"),
     "float_prompt_token": (lambda d: d.generate([[1.5, 2]], 4), TypeError, "prompts"),
     "sampling_dict": (lambda d: d.generate(PROMPTS, 4, sampling={"temperature": 1.0}), TypeError, "sampling"),
+    "string_seeds": (lambda d: d.generate(PROMPTS, 4, seeds="abc"), TypeError, "seeds"),
+    "float_seed": (lambda d: d.generate(PROMPTS, 4, seeds=[1.7, 2, 3]), TypeError, "seeds"),
+    "bool_seed": (lambda d: d.generate(PROMPTS, 4, seeds=[True, 2, 3]), TypeError, "seeds"),
 }
 
 

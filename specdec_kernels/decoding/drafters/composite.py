@@ -21,6 +21,7 @@ A subclass implements ``propose`` and ``observe``.
 
 from __future__ import annotations
 
+import numbers
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -68,7 +69,8 @@ class CompositeDrafter(Drafter):
     Raises:
         ValueError: no drafters, a max_depths / names list of the wrong length or a negative
             cap, duplicate names, sub-drafters with different vocabularies.
-        TypeError: a sub-drafter that is not a ``Drafter``.
+        TypeError: a sub-drafter that is not a ``Drafter``; drafters or names not a list or
+            tuple (one drafter, a string); a max_depths entry not an int (bools, floats).
     """
 
     name = "multi"
@@ -83,6 +85,8 @@ class CompositeDrafter(Drafter):
         max_depths: Optional[Sequence[Optional[int]]] = None,
         names: Optional[Sequence[str]] = None,
     ):
+        if isinstance(drafters, Drafter) or not isinstance(drafters, (list, tuple)):
+            raise TypeError(f"drafters must be a list or tuple of Drafters, got {type(drafters).__name__}")
         drafters = list(drafters)
         if not drafters:
             raise ValueError("drafters must hold at least one Drafter")
@@ -93,14 +97,18 @@ class CompositeDrafter(Drafter):
             max_depths = list(max_depths)
             if len(max_depths) != len(drafters):
                 raise ValueError(f"max_depths must hold one cap per drafter ({len(drafters)}), got {len(max_depths)}")
-            if any(c is not None and c < 0 for c in max_depths):
-                raise ValueError(f"max_depths must be >= 0 or None, got {max_depths}")
+            for i, c in enumerate(max_depths):
+                if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0):
+                    raise ValueError(f"max_depths[{i}] must be an int >= 0 or None, got {c!r}")
+            max_depths = [None if c is None else int(c) for c in max_depths]
         if names is None:
             names, seen = [], {}
             for d in drafters:
                 base = getattr(d, "name", type(d).__name__)
                 seen[base] = seen.get(base, 0) + 1
                 names.append(base if seen[base] == 1 else f"{base}-{seen[base]}")
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise TypeError(f"names must be a list or tuple of strings, got {type(names).__name__} {names!r}")
         names = [str(n) for n in names]
         if len(names) != len(drafters) or len(set(names)) != len(names):
             raise ValueError(f"names must be one distinct name per drafter, got {names}")

@@ -27,6 +27,7 @@ accepted nodes.
 
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -115,8 +116,10 @@ class MergeDrafter(CompositeDrafter):
         names: Optional[Sequence[str]] = None,
     ):
         super().__init__(drafters, max_depths=max_depths, names=names)
-        if max_nodes is not None and max_nodes < 1:
-            raise ValueError(f"max_nodes must be >= 1 or None, got {max_nodes}")
+        if max_nodes is not None and (
+            isinstance(max_nodes, bool) or not isinstance(max_nodes, numbers.Integral) or max_nodes < 1
+        ):
+            raise ValueError(f"max_nodes must be an int >= 1 or None, got {max_nodes!r}")
         self.max_nodes = max_nodes
         self._last = None
 

@@ -25,15 +25,26 @@ shorter than K, e.g. an n-gram lookup without a match), and the step takes
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+MAX_DEFAULT_K = 1024  # the largest draft length a drafter may declare as its default
 
 
 def drafter_default_k(drafter) -> int:
     """The drafter's own default draft length (``Drafter.default_k``; 4 for an object without
-    one, 0 for no drafter): the fixed K of ``default_policy`` and the cap of adaptive policies."""
+    one, 0 for no drafter): the fixed K of ``default_policy`` and the cap of adaptive policies.
+
+    Raises:
+        ValueError: a ``default_k`` that is not an int in 0..MAX_DEFAULT_K (bools, floats and
+            strings included), naming the drafter."""
     if drafter is None:
         return 0
-    return int(getattr(drafter, "default_k", 4))
+    k = getattr(drafter, "default_k", 4)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k <= MAX_DEFAULT_K:
+        name = getattr(drafter, "name", type(drafter).__name__)
+        raise ValueError(f"drafter {name!r}: default_k must be an int in 0..{MAX_DEFAULT_K}, got {k!r}")
+    return int(k)
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -725,6 +736,9 @@ def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
         steps, so that drafts that cost a model pass and do not pay on the machine at hand
         cost little before the measured costs decide.
 
+    Raises:
+        ValueError: k_max neither None nor an int >= 0; a drafter's bad ``default_k``.
+
     Measured with ``python -m bench.policies`` (6 Spec-Bench prompts, ids 125 165 245 325
     405 485, 64 new tokens, greedy, CPU, 1 thread, on a machine shared with other jobs, so
     only figures of one run compare).  Run 1: plain 7.79 tokens/s; layer-skip (24 of 30
@@ -734,7 +748,9 @@ def default_policy(drafter, k_max: Optional[int] = None) -> DraftLengthPolicy:
     verify pass of 2..8 nodes costs about the same, one node less): plain 18.23, n-gram
     18.07 at K = 8 and 19.73 cost model (mean K 1.66).
     """
-    k = drafter_default_k(drafter) if k_max is None else k_max
+    if k_max is not None and (isinstance(k_max, bool) or not isinstance(k_max, numbers.Integral) or k_max < 0):
+        raise ValueError(f"k_max must be None or an int >= 0, got {k_max!r}")
+    k = drafter_default_k(drafter) if k_max is None else int(k_max)
     if k == 0:
         return FixedPolicy(k)
     if getattr(drafter, "drafts_free", False):  # no model pass of their own: warm-up from K = 4

@@ -146,7 +146,9 @@ class SpeculativeDecoder:
             random number crosses from the host, as a CUDA-graph step wants.  Either way a
             sequence's tokens depend only on its own seed, and the output follows the target
             distribution; the two sources give different tokens for the same seed.  Greedy
-            runs and the Gumbel coupling (which takes no coins) are unaffected.
+            runs and the Gumbel coupling (which takes no coins) are unaffected; with
+            ``typical``, which replaces the coupling, the sample uniform of typical
+            acceptance comes from this source.
 
     Raises:
         ValueError: cuda_graphs without a Transformer on CUDA or with block_size; random_source

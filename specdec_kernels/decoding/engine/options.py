@@ -57,7 +57,7 @@ def check_options(model, drafter: Drafter, options: dict) -> FrozenSet[int]:
         or (isinstance(threads, int) and not isinstance(threads, bool) and 1 <= threads <= 1024)
     ):
         raise ValueError(f"threads must be 'auto', None or an int in 1..1024, got {threads!r}")
-    if options["random_source"] not in RANDOM_SOURCES:
+    if not isinstance(options["random_source"], str) or options["random_source"] not in RANDOM_SOURCES:
         raise ValueError(f"random_source must be one of {RANDOM_SOURCES}, got {options['random_source']!r}")
     _check_graphs(model, options)
     vocab = getattr(drafter, "vocab_size", None)

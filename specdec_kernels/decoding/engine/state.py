@@ -40,14 +40,21 @@ DRAFT_SEED_OFFSET = 0x5DEECE66D
 
 
 def make_generators(seeds, batch: int, offset: int = 0) -> List[torch.Generator]:
-    """One CPU ``torch.Generator`` per sequence: seeds[b] (a list), or seed + b (an int), or
-    seeds drawn from torch's global generator (None)."""
+    """One CPU ``torch.Generator`` per sequence: seeds[b] (a list or tuple of ints), or seed + b
+    (an int, numpy integers included), or seeds drawn from torch's global generator (None).
+    A generator's seed is the given seed (plus ``offset``) modulo 2**63.
+
+    Raises:
+        TypeError: seeds none of those (a string, floats, bools).
+        ValueError: not one seed per prompt."""
     if seeds is None:
         seeds = [int(torch.randint(0, 2**62, ()).item()) for _ in range(batch)]
-    elif isinstance(seeds, int):
-        seeds = [seeds + b for b in range(batch)]
+    elif isinstance(seeds, (str, bytes)):
+        raise TypeError(f"seeds must be None, an int or one int per prompt, got {type(seeds).__name__} {seeds!r}")
+    elif not hasattr(seeds, "__iter__"):
+        seeds = [as_int("seeds", seeds) + b for b in range(batch)]
     else:
-        seeds = [int(s) for s in seeds]
+        seeds = as_int_list("seeds", seeds)
         if len(seeds) != batch:
             raise ValueError(f"seeds must hold one seed per prompt ({batch}), got {len(seeds)}")
     return [torch.Generator().manual_seed((s + offset) % 2**63) for s in seeds]
