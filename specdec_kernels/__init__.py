@@ -26,7 +26,7 @@ from specdec_kernels.ops.tree_rejection_sample import tree_rejection_sample
 from specdec_kernels.ops.verify_greedy import verify_greedy
 from specdec_kernels.ops.verify_greedy_flattened import verify_greedy_flattened
 from specdec_kernels.ops.verify_tree_greedy import verify_tree_greedy
-from specdec_kernels.randoms import philox_uniforms
+from specdec_kernels.randoms import philox_uniforms, sequence_uniforms
 
 __version__ = "0.1.0"
 
@@ -61,6 +61,7 @@ __all__ = [
     "rejection_sample",
     "rejection_sample_flattened",
     "sampling_probs",
+    "sequence_uniforms",
     "tree",
     "tree_attention",
     "tree_rejection_sample",

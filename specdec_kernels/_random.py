@@ -298,6 +298,25 @@ def draw_uniforms(
     return resolve_uniforms(batch, num_coins, *args)
 
 
+def sequence_uniforms(
+    generators: Sequence[Optional[torch.Generator]], coin_counts: Sequence[int], num_coins: int, device
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence draws (unchecked; ``randoms.sequence_uniforms`` is the checked front):
+    sequence b draws ``torch.rand(c_b)`` (c_b = its count clamped into 0..num_coins) then
+    ``torch.rand(1)`` from generators[b]; a None generator draws nothing (zeros).  Returns
+    float32 (coins [B, num_coins], sample uniforms [B]) on ``device``."""
+    coins = torch.zeros((len(generators), num_coins), dtype=torch.float32, device=device)
+    final = torch.zeros((len(generators),), dtype=torch.float32, device=device)
+    for b, g in enumerate(generators):
+        if g is None:
+            continue
+        c = max(0, min(int(coin_counts[b]), num_coins))
+        if c:
+            coins[b, :c] = _rand((c,), g, device)
+        final[b] = _rand((1,), g, device)[0]
+    return coins, final
+
+
 def generator_uniforms(
     batch: int, num_coins: int, device: torch.device, generator: GeneratorArg, coin_counts: Optional[torch.Tensor]
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -306,15 +325,7 @@ def generator_uniforms(
         return _rand((batch, num_coins), generator, device), _rand((batch,), generator, device)
     gens = _per_sequence_generators(generator, batch)
     counts = coin_counts.tolist() if coin_counts is not None else [num_coins] * batch
-    coins = torch.zeros((batch, num_coins), dtype=torch.float32, device=device)
-    final = torch.zeros((batch,), dtype=torch.float32, device=device)
-    for b, g in enumerate(gens):
-        if g is None:
-            continue
-        c = max(0, min(int(counts[b]), num_coins))
-        if c:
-            coins[b, :c] = _rand((c,), g, device)
-        final[b] = _rand((1,), g, device)[0]
+    coins, final = sequence_uniforms(gens, counts, num_coins, device)
     rest = [b for b, g in enumerate(gens) if g is None]
     for b in rest:  # the default generator, row order
         coins[b] = _rand((num_coins,), None, device)

@@ -6,16 +6,22 @@ on CUDA, C++ on CPU) from Philox4x32-10 (Salmon et al. 2011, "Parallel random nu
 easy as 1, 2, 3"); ``philox_uniforms`` here is the same definition as a few torch ops, for a
 loop that needs one of those numbers outside an op (Medusa's typical acceptance, say) or
 wants to see what an op used.  It reads nothing from the device: CUDA-graph safe.
+
+Given a list of per-sequence generators instead, the ops draw each sequence's numbers from
+its own generator; ``sequence_uniforms`` is that draw, for a loop that draws them itself
+(on the host, from host counts, then hands them to the op as explicit uniforms).
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence, Tuple
+
 import torch
 
 from specdec_kernels import _random
-from specdec_kernels.checks import INDEX_DTYPES, as_int, check_tensor
+from specdec_kernels.checks import INDEX_DTYPES, as_int, as_int_list, check_tensor
 
-__all__ = ["philox_uniforms"]
+__all__ = ["philox_uniforms", "sequence_uniforms"]
 
 
 def philox_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
@@ -51,3 +57,35 @@ def philox_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, width: int, stre
     if not 0 <= as_int("stream", stream) < 2**32:
         raise ValueError(f"stream must lie in [0, 2**32), got {stream}")
     return _random.philox_uniforms(seeds, offsets, int(width), int(stream))
+
+
+def sequence_uniforms(
+    generators: Sequence[Optional[torch.Generator]], coin_counts: Sequence[int], num_coins: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The numbers the sampling ops draw given one generator per sequence: sequence b draws
+    ``torch.rand(c_b)`` (its coins, c_b = coin_counts[b], one per draft token) then
+    ``torch.rand(1)`` (the uniform of its sampled token) from generators[b], so its numbers do
+    not depend on the batch.  A None generator draws nothing (its row is zeros: a finished
+    sequence).  Draws on each generator's device, returns the numbers on the host's.
+
+    Args:
+        generators: B ``torch.Generator`` (CPU generators for host draws) or None.
+        coin_counts: B ints in 0..num_coins.
+        num_coins: C, the coins' width (the batch's widest count), an int >= 0.
+
+    Returns:
+        float32 (coins (B, C), zeros past each count; sample uniforms (B,)), on the CPU.
+
+    Raises:
+        TypeError: a generator that is not a ``torch.Generator`` or None; counts not ints.
+        ValueError: counts not one per generator or outside 0..num_coins; num_coins < 0.
+    """
+    counts = as_int_list("coin_counts", coin_counts)
+    if as_int("num_coins", num_coins) < 0:
+        raise ValueError(f"num_coins must be >= 0, got {num_coins}")
+    if len(counts) != len(generators) or any(not 0 <= c <= num_coins for c in counts):
+        raise ValueError(f"coin_counts must be one int in 0..{num_coins} per generator, got {counts}")
+    for b, g in enumerate(generators):
+        if g is not None and not isinstance(g, torch.Generator):
+            raise TypeError(f"generators[{b}] must be a torch.Generator or None, got {type(g).__name__}")
+    return _random.sequence_uniforms(generators, counts, int(num_coins), torch.device("cpu"))

@@ -507,3 +507,32 @@ def test_public_philox_uniforms_is_the_ops_definition_and_checks_its_arguments()
         sk.philox_uniforms(seeds, offsets, 1, 2**32)
     with pytest.raises(TypeError, match="width"):
         sk.philox_uniforms(seeds, offsets, 1.5)
+
+
+def test_sequence_uniforms_are_the_ops_per_sequence_draws_and_check_their_arguments():
+    """``specdec_kernels.sequence_uniforms`` draws what ``rejection_sample`` draws from a list
+    of per-sequence generators (its tokens with those numbers given explicitly are the same),
+    a None generator draws nothing, and bad arguments are named."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.rand(3, 4, 9, generator=g)
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.rand(3, 3, 9, generator=g)
+    q = q / q.sum(-1, keepdim=True)
+    drafts = torch.randint(0, 9, (3, 3), generator=g)
+    counts = torch.tensor([3, 1, 0])
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (5, 6, 7)]  # noqa: E731
+    want = sk.rejection_sample(p, q, drafts, counts, generator=gens())
+    coins, finals = sk.sequence_uniforms(gens(), counts.tolist(), 3)
+    got = sk.rejection_sample(p, q, drafts, counts, uniform_samples=coins, sample_uniforms=finals)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert (coins[1, 1:] == 0).all() and (coins[2] == 0).all() and (finals > 0).all()
+    c2, f2 = sk.sequence_uniforms([gens()[0], None, gens()[2]], [3, 1, 0], 3)
+    assert torch.equal(c2[[0, 2]], coins[[0, 2]]) and (c2[1] == 0).all() and f2[1] == 0
+    with pytest.raises(ValueError, match="coin_counts"):
+        sk.sequence_uniforms(gens(), [4, 0, 0], 3)
+    with pytest.raises(ValueError, match="coin_counts"):
+        sk.sequence_uniforms(gens(), [1, 0], 3)
+    with pytest.raises(TypeError, match=r"generators\[1\]"):
+        sk.sequence_uniforms([gens()[0], 3, None], [0, 0, 0], 3)
+    with pytest.raises(ValueError, match="num_coins"):
+        sk.sequence_uniforms([], [], -1)

@@ -198,7 +198,6 @@ class SpeculativeDecoder:
         self.stop_check = stop_check
         self.prefill_chunk, self.max_draft_nodes, self.policy = prefill_chunk, max_draft_nodes, policy
         self.typical, self.typical_alpha, self.random_source = typical, typical_alpha, random_source
-        self.verification = Verification(typical, typical_alpha, random_source)
         self.cache_layout = CacheLayout(
             paged=block_size is not None, block_size=block_size or 16, share_prefix=bool(share_prefix)
         )
@@ -212,6 +211,11 @@ class SpeculativeDecoder:
         self.thread_choices: Dict[int, ThreadChoice] = {}
         self.pass_costs: dict = {}  # (numerics, threads, batch, threads arg) -> LinearCost of the target pass
         self._in_use = threading.Lock()  # one generate at a time: the drafter holds a run's state
+
+    @property
+    def verification(self) -> Verification:
+        """How this decoder verifies (``verify.Verification``: typical, its alpha, the random source)."""
+        return Verification(self.typical, self.typical_alpha, self.random_source)
 
     # ------------------------------------------------------------------ public loop
     @torch.inference_mode()

@@ -29,6 +29,7 @@ from specdec_kernels import (
     philox_uniforms,
     rejection_sample,
     sampling_probs,
+    sequence_uniforms,
     tree_rejection_sample,
     verify_greedy,
     verify_tree_greedy,
@@ -213,12 +214,6 @@ def random_numbers(state: DecodeState, block: Block, source: str) -> Dict[str, t
         offsets = to_device(torch.tensor(state.philox_offsets, dtype=torch.int64), device)
         state.philox_offsets = [o + max(c - 1, 1) for o, c in zip(state.philox_offsets, counts)]
         return {"seeds": state.philox_seeds, "offsets": offsets}
-    B = state.batch_size
-    coins = torch.zeros(B, block.width - 1)
-    finals = torch.zeros(B)
-    for b, g in enumerate(state.generators):
-        if state.done[b]:
-            continue
-        coins[b, : counts[b] - 1] = torch.rand(counts[b] - 1, generator=g)
-        finals[b] = torch.rand(1, generator=g)[0]
+    generators = [None if done else g for g, done in zip(state.generators, state.done)]
+    coins, finals = sequence_uniforms(generators, [c - 1 for c in counts], block.width - 1)
     return {"uniform_samples": to_device(coins, device), "sample_uniforms": to_device(finals, device)}
