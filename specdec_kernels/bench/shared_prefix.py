@@ -11,7 +11,7 @@ batch is decoded three ways over our engine, greedy, up to --max-new-tokens:
 * ``shared``: the same with prefix sharing (``SpeculativeDecoder(block_size=16,
   share_prefix=True)``): the system prompt's K/V blocks are computed once and shared by
   every request (copy-on-write of the block where the questions begin).  The layer-skip
-  drafter runs on the target's own cache (``ModelDrafter.bind_target_cache``): it feeds no
+  drafter runs on the target's own cache (``DraftRun.target_kv_cache``): it feeds no
   prompt in either batched mode and holds no cache of its own.
 
 Reported per run: prefill positions the target computed, prompt tokens taken from shared

@@ -42,6 +42,7 @@ from specdec_kernels.bench.common import (
 )
 from specdec_kernels.bench.step_cost import MODELS, bushy_tree, random_model
 from specdec_kernels.decoding import Draft, Drafter, SpeculativeDecoder
+from specdec_kernels.decoding.draft import DraftRequest
 from specdec_kernels.decoding.engine.graphs import CapturedPasses, EagerGraph
 
 SHAPES = {**MODELS, **{k: v for k, v in MODEL_SHAPES.items() if k not in MODELS}}
@@ -57,11 +58,15 @@ class FixedTreeDrafter(Drafter):
         self.parents, self.vocab_size = list(parents), vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        """The fixed tree below every active sequence's root (random tokens, whatever K),
+        the root alone for the others."""
         n = len(self.parents)
+        histories = request.histories
         draws = torch.randint(0, self.vocab_size, (len(histories), n - 1), generator=self.generator).tolist()
         trees = [
-            ([h[-1]] + (row if a else []), self.parents if a else [-1]) for h, row, a in zip(histories, draws, active)
+            ([h[-1]] + (row if a else []), self.parents if a else [-1])
+            for h, row, a in zip(histories, draws, request.active)
         ]
         return Draft.from_lists(trees, is_chain=None)
 

@@ -16,7 +16,16 @@ Quick start::
     print(result.stats.summary())
 """
 
-from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
+from specdec_kernels.decoding.draft import (
+    Draft,
+    Drafter,
+    DraftRequest,
+    DraftRun,
+    NoDrafter,
+    SamplingParams,
+    StepResult,
+    TargetFeatures,
+)
 from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead, load_eagle_head
 from specdec_kernels.decoding.drafters.eagle_format import EagleHeadFile
@@ -68,6 +77,10 @@ __all__ = [
     "Draft",
     "DraftModelDrafter",
     "Drafter",
+    "DraftRequest",
+    "DraftRun",
+    "StepResult",
+    "TargetFeatures",
     "GenerationResult",
     "LayerSkipDrafter",
     "ModelArgs",

@@ -3,13 +3,17 @@
 A step of speculative decoding (Leviathan et al. 2023; Chen et al. 2023; tree drafts as in
 SpecInfer, Miao et al. 2024):
 
-1. ``drafter.propose(histories, num_draft_tokens, active)`` returns a ``Draft``: for each
-   sequence a token tree whose node 0 is the root (its last committed token) and whose other
-   nodes are draft tokens, in topological order.  A chain is the tree with parents
-   ``[-1, 0, 1, ...]``.
+1. ``drafter.propose(request)`` (a ``DraftRequest``: histories, draft depths, active flags,
+   the run) returns a ``Draft``: for each sequence a token tree whose node 0 is the root (its
+   last committed token) and whose other nodes are draft tokens, in topological order.  A
+   chain is the tree with parents ``[-1, 0, 1, ...]``.
 2. The engine feeds the whole block to the target model once and verifies it.
-3. ``drafter.observe(accepted_nodes, num_accepted)`` tells the drafter which nodes were
-   accepted (e.g. to compact its own KV cache).
+3. ``drafter.observe(result)`` (a ``StepResult``: the accepted nodes and counts, and the
+   target's argmax or hidden states where the drafter declared it needs them) tells the
+   drafter what was accepted (e.g. to compact its own KV cache).  The prefill's result
+   (``result.started``) begins a run.
+
+Those two methods are the whole contract (``Drafter``).
 
 Drafters that pick tokens deterministically (n-gram lookup, greedy drafting) hand over no
 distribution (``Draft.probs is None``; the verifier treats q as one-hot).  A drafter that
@@ -20,7 +24,7 @@ same temperature / top-k / top-p as the target).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -196,14 +200,154 @@ def chain_parents(n: int) -> List[int]:
     return list(range(-1, n - 1))
 
 
-class Drafter:
-    """Base class of drafters.  Subclasses implement ``propose`` and may use the hooks.
+@dataclass(frozen=True)
+class DraftRun:
+    """What stays fixed for one ``generate`` call, as a drafter sees it.
 
-    The engine calls ``start`` once per generation, then ``propose`` / ``observe`` once per
-    step.  ``histories[b]`` is sequence b's committed tokens (prompt and generated), whose
-    last element is the root.  ``num_draft_tokens[b]`` is the most draft tokens the sequence
-    may get this step (the depth of a tree); it may change from step to step, and 0 asks for
-    no drafts (the draft is the root alone).
+    Attributes:
+        capacity: KV-cache slots per sequence (a drafter's own cache needs no more).
+        sampling: the run's ``SamplingParams`` (a sampling drafter draws with the same
+            temperature / top-k / top-p as the target).
+        generators: one CPU ``torch.Generator`` per sequence for the drafter's own sampling
+            (seeded from the request's seed, apart from the verifier's), or None.
+        coupling: the run's ``GumbelCoupling`` in a sampling run with the Gumbel coupling, else
+            None: a drafter that samples draws with ``coupling.noise(b, t)`` (``argmax log q +
+            G``, the Gumbel-top-k for several children), so that its drafts match the target's
+            own samples.
+        cache_layout: the engine's ``paged.CacheLayout`` (dense, paged, prefix sharing): a
+            drafter with a KV cache of its own lays it out the same way.
+        target: the target model (a ``Transformer``), or None when the drafter may not read it.
+        target_kv_cache: the target's KV cache (dense tensor or ``PagedKVCache``), offered to a
+            drafter that runs the target's own layers (layer skip); None when another drafter
+            of a composite already took it.
+        stats: the run's ``DecodeStats`` (a composite drafter records per-drafter counters
+            in ``stats.drafters``), or None.
+    """
+
+    capacity: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generators: Optional[Sequence[torch.Generator]] = None
+    coupling: Optional[object] = None
+    cache_layout: Optional[object] = None
+    target: Optional[object] = None
+    target_kv_cache: Optional[object] = None
+    stats: Optional[object] = None
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What ``Drafter.propose`` is asked for, once per step (its ``state``).
+
+    Attributes:
+        histories: per sequence, its committed token ids (prompt and generated, B lists); the
+            last one is the root of this step's draft.
+        num_draft_tokens: ONE INT PER SEQUENCE: the most draft tokens sequence b may get this
+            step (the depth of a tree); it changes from step to step (the draft-length policy),
+            and 0 asks for the root alone.
+        active: per sequence, still running; a finished sequence's row is ignored (give it the
+            root alone).
+        run: the run's ``DraftRun``.
+    """
+
+    histories: Sequence[List[int]]
+    num_draft_tokens: Sequence[int]
+    active: Sequence[bool]
+    run: DraftRun
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.histories)
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    """The target's hidden states a drafter declared it needs (``wants_hidden``,
+    ``context_window``, ``feature_layers``), of the positions just committed.
+
+    Attributes:
+        last: (B, H') the target's final hidden state (after its final norm) at the position
+            just before the next root: of the last accepted node after a step, of the prompt's
+            second-to-last token after the prefill.  H' = hidden_size * (1 + len(feature_layers)):
+            with ``feature_layers`` the outputs of those target layers are appended, in that
+            order (EAGLE-3's multi-layer features).  Rows where ``valid[b]`` is False are
+            meaningless.
+        context: with ``context_window`` W > 0, per sequence (n_b, H') the hidden states of its
+            newly committed positions ``context_positions[b]`` .. + n_b - 1 (after the prefill the
+            last W fed prompt positions, after a step the accepted path, root first), or None
+            (none, or not active); None when the drafter has no context window.
+        context_positions: per sequence, the cache position of ``context[b]``'s first row.
+        valid: per sequence, whether its ``last`` row (and ``context[b]``) holds a hidden state:
+            False for a sequence that is not running, or after the prefill of a one-token
+            prompt (no position was fed).
+    """
+
+    last: torch.Tensor
+    valid: Sequence[bool]
+    context: Optional[Sequence[Optional[torch.Tensor]]] = None
+    context_positions: Optional[Sequence[int]] = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced, as ``Drafter.observe`` receives it; the prefill is the step that
+    starts a run (``started``: no draft was verified, the histories are the prompts).
+
+    Attributes:
+        histories: per sequence, its committed tokens after the step (the next roots last).
+        active: per sequence, still running after the step (after the prefill: all).
+        run: the run's ``DraftRun`` (new with every ``generate`` call).
+        accepted_nodes: (B, N) int64 on the host, the accepted path in the draft's node indices
+            (root first, then -1); None after the prefill.
+        num_accepted: (B,) int64 on the host, accepted draft tokens (root not counted, the
+            ops' meaning); None after the prefill.
+        num_nodes: (B,) int64 on the host, the nodes each sequence's verified draft had; None
+            after the prefill.
+        target_argmax: (B, N) int64 on the host, the target's most likely next token at every
+            node of the verified draft, at any temperature (lookahead's Jacobi update); only
+            for a drafter with ``wants_target_argmax``, else None.  Entries at or past
+            ``num_nodes[b]`` are meaningless.
+        features: the hidden states the drafter declared it needs (``TargetFeatures``), else
+            None.
+    """
+
+    histories: Sequence[List[int]]
+    active: Sequence[bool]
+    run: DraftRun
+    accepted_nodes: Optional[torch.Tensor] = None
+    num_accepted: Optional[torch.Tensor] = None
+    num_nodes: Optional[torch.Tensor] = None
+    target_argmax: Optional[torch.Tensor] = None
+    features: Optional[TargetFeatures] = None
+
+    @property
+    def started(self) -> bool:
+        """True for the prefill's result: a new run begins (reset per-batch state)."""
+        return self.accepted_nodes is None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.histories)
+
+
+class Drafter:
+    """Base class of drafters: ``propose(request) -> Draft`` and ``observe(result)``.
+
+    The engine calls ``observe`` once after the prefill (``result.started``: a new run, reset
+    per-batch state; ``result.features`` holds the prompt's hidden states where declared), then
+    per step ``propose`` with a ``DraftRequest`` and ``observe`` with the step's ``StepResult``.
+    That is the whole contract between the engine and a drafter (issue #57); what else a
+    drafter declares are class attributes:
+
+    * ``name``: used by the engine's error messages and statistics;
+    * ``default_k`` and ``drafts_free``: its default draft length and whether its drafts cost
+      no model pass of its own (the adaptive policies' start);
+    * ``wants_hidden`` (with ``context_window`` and ``feature_layers``) and
+      ``wants_target_argmax``: what ``StepResult.features`` and ``target_argmax`` carry.
+
+    The base ``observe`` keeps the run (``self.run``; ``sampling``, ``generators`` and
+    ``coupling`` read it): an override calls ``super().observe(result)``.  Two optional
+    capabilities sit outside the contract: ``chain_begin`` / ``chain_extend`` (a member of an
+    ``EnsembleDrafter``) and ``draft_sources`` (per-source statistics of ``CostModelPolicy``).
     """
 
     name = "drafter"
@@ -213,95 +357,66 @@ class Drafter:
     #: True for drafts that cost no model pass of their own (prompt lookup, lookahead): the
     #: cost model then starts at K = 4 instead of a short warm-up from K = 1
     drafts_free = False
-    wants_hidden = False  # True: the engine calls observe_hidden (Medusa-style drafters)
-    context_window = 0  # > 0 (with wants_hidden): the engine also calls observe_context
+    wants_hidden = False  # True: StepResult.features holds the target's hidden states
+    context_window = 0  # > 0 (with wants_hidden): features.context holds the committed positions'
     #: with wants_hidden: target layers whose outputs the engine appends to the final hidden
     #: state it hands over (``Transformer.forward``'s ``hidden_layers``; EAGLE-3's features)
     feature_layers: Tuple[int, ...] = ()
-    wants_target_argmax = False  # True: the engine calls observe_target_argmax (lookahead decoding)
-    #: set by the engine before ``start`` in a sampling run with the Gumbel coupling: a drafter
-    #: that samples its drafts draws them with ``coupling.noise(b, t)`` (``argmax log q + G``,
-    #: the Gumbel-top-k for several children), so that they match the target's own samples
-    coupling = None
+    wants_target_argmax = False  # True: StepResult.target_argmax is set (lookahead decoding)
+    #: cost counters a drafter with a model keeps: tokens fed through it, bytes of its own KV cache
+    model_tokens = 0
+    kv_cache_bytes = 0
+    run: Optional[DraftRun] = None
 
-    def start(self, histories: Sequence[Sequence[int]], capacity: int, sampling: SamplingParams, generators) -> None:
-        """Reset for a new batch: ``capacity`` cache slots per sequence; ``generators`` one
-        ``torch.Generator`` per sequence for the drafter's own sampling."""
-        self.sampling = sampling
-        self.generators = generators
+    def propose(self, request: DraftRequest) -> Draft:
+        """This step's draft: per sequence a chain or a token tree below its root
+        (``request.histories[b][-1]``), at most ``request.num_draft_tokens[b]`` deep.
 
-    def set_cache_layout(self, layout) -> None:
-        """Called by the engine at construction with its ``paged.CacheLayout``: drafters with
-        a KV cache of their own lay it out the same way (dense, paged, prefix sharing)."""
-        self.cache_layout = layout
+        Args:
+            request: the batch's histories, draft depths and active flags, and the run.
 
-    def propose(
-        self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]
-    ) -> Draft:
+        Returns:
+            A ``Draft`` with one row per sequence (the engine checks it and names the drafter
+            in a ``ValueError`` / ``TypeError`` when it does not fit).
+        """
         raise NotImplementedError
 
-    def draft_sources(self, histories: Sequence[Sequence[int]], active: Sequence[bool]) -> Optional[List[int]]:
-        """Optional: per sequence, which of this drafter's sources would draft at the next
-        ``propose`` given K >= 1 (an int >= 0, e.g. the index of the sub-drafter of a fallback
-        ``MultiDrafter``), known before K is chosen, so that a draft-length policy keeps
-        acceptance rates per source (``CostModelPolicy``); entries of inactive sequences are
-        ignored.  None (the default): one source, or not known.  It must not change the
-        drafter's state."""
-        return None
+    def observe(self, result: StepResult) -> None:
+        """What the step accepted (or, with ``result.started``, that a run begins).  The base
+        keeps ``result.run``; an override calls it."""
+        if result.started:
+            self.run = result.run
 
-    def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
-        """``accepted_nodes`` (B, N) int64: the accepted path (root first, then -1);
-        ``num_accepted`` (B,): accepted drafts (root not counted)."""
+    @property
+    def sampling(self) -> SamplingParams:
+        """The run's sampling parameters (greedy before the first run)."""
+        return self.run.sampling if self.run is not None else SamplingParams()
 
-    def observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor, active: Sequence[bool]) -> None:
-        """Called only when ``wants_target_argmax`` is true, after each target pass and
-        before ``observe``: ``argmax`` (B, N) int64, the target's most likely next token at
-        every node of the verified block (the draft's node indices; entries at or past
-        ``num_nodes[b]`` are meaningless), whatever the sampling settings: what a Jacobi
-        iteration needs of the tokens that rode in the pass.  ``active`` as for ``observe``."""
+    @property
+    def generators(self) -> Optional[Sequence[torch.Generator]]:
+        """The run's per-sequence generators for the drafter's own sampling."""
+        return self.run.generators if self.run is not None else None
 
-    def observe_hidden(self, hidden: torch.Tensor, active: Sequence[bool]) -> None:
-        """Called only when ``wants_hidden`` is true: ``hidden`` (B, hidden_size), the
-        target's final hidden state (after its final norm; with ``feature_layers``
-        (B, hidden_size * (1 + len(feature_layers))): then the outputs of those layers,
-        appended in that order) at the position just before the next root, i.e. of the last
-        accepted node (after ``observe``), or of the prompt's second-to-last token (after
-        ``start``, for the first root); rows where ``active[b]`` is false are meaningless
-        (finished sequences, or a one-token prompt)."""
-
-    def observe_context(
-        self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]
-    ) -> None:
-        """Called only when ``wants_hidden`` is true and ``context_window`` > 0, before
-        ``observe_hidden``: ``hidden[b]`` (n_b, hidden_size; wider with ``feature_layers``,
-        as for ``observe_hidden``), the target's final hidden states of sequence b's
-        positions ``first_positions[b]`` .. + n_b - 1 (consecutive; None or n_b = 0: none),
-        newly committed: after ``start`` the last ``context_window`` fed prompt positions
-        (all but the last prompt token, the first root), after each step the accepted path
-        (root first).  Entries where ``active[b]`` is false are meaningless."""
+    @property
+    def coupling(self):
+        """The run's ``GumbelCoupling``, or None."""
+        return self.run.coupling if self.run is not None else None
 
     # ------------------------------------------------------------------ chain distributions
-    # Optional: drafters that implement these two methods can take part in ensemble
-    # averaging (``MultiDrafter(ensemble=True)``), where someone else picks the chain.
-    def chain_begin(
-        self,
-        histories: Sequence[Sequence[int]],
-        num_draft_tokens: Sequence[int],
-        active: Sequence[bool],
-        vocab_size: int,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    # Optional, outside the contract: drafters that implement these two methods can take part
+    # in ensemble averaging (``EnsembleDrafter``), where someone else picks the chain.
+    def chain_begin(self, request: DraftRequest, vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Start a chain below each root and return this drafter's distribution of its first
         draft token, instead of drafting.
 
         The chain's tokens are then chosen by the caller and handed over one depth at a time
-        (``chain_extend``); the engine's ``observe`` follows as after ``propose`` (the draft
-        is that chain).  Distributions follow the run's ``SamplingParams`` like the
-        drafter's own sampled drafts (``draft_distribution``: ``sampling_probs`` of its
-        logits; at temperature 0 the softmax at temperature 1).
+        (``chain_extend``); ``observe`` follows as after ``propose`` (the draft is that
+        chain).  Distributions follow the run's ``SamplingParams`` like the drafter's own
+        sampled drafts (``draft_distribution``: ``sampling_probs`` of its logits; at
+        temperature 0 the softmax at temperature 1).
 
         Args:
-            histories, num_draft_tokens, active: as for ``propose``; depth d is asked for
-                when d <= num_draft_tokens[b].
+            request: as for ``propose``; depth d is asked for when d <= num_draft_tokens[b].
             vocab_size: V, the target's vocabulary.
 
         Returns:
@@ -369,5 +484,5 @@ class NoDrafter(Drafter):
     name = "none"
     default_k = 0
 
-    def propose(self, histories, num_draft_tokens, active):
-        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+    def propose(self, request: DraftRequest) -> Draft:
+        return Draft.from_lists([([h[-1]], [-1]) for h in request.histories])

@@ -42,17 +42,18 @@ def final_hidden(model, ids, layers=()):
     return h[0]
 
 
-def committed(drafter, model, histories, layers=()):
+def committed(drafter, model, histories, layers=(), sampling=None):
     """Start a drafter with a context window on ``histories`` and hand it each sequence's
     committed features (teacher forcing: the last ``context_window`` positions before its root),
-    as the engine does after a prefill; returns each sequence's features of every position
+    as the engine does after a prefill (the started ``observe`` of a run with ``sampling``,
+    greedy by default; ``drafter.run`` is then the run for its requests); returns each sequence's features of every position
     (``final_hidden`` with ``layers``)."""
-    from specdec_kernels.decoding import SamplingParams
+    from tests.engine import drive
 
-    drafter.start(histories, 256, SamplingParams(), None)
     feats = [final_hidden(model, h, layers) for h in histories]
     firsts = [max(0, len(h) - 1 - drafter.context_window) for h in histories]
-    drafter.observe_context(
-        [f[first : len(h) - 1] for f, first, h in zip(feats, firsts, histories)], firsts, [True] * len(histories)
-    )
+    context = [f[first : len(h) - 1] for f, first, h in zip(feats, firsts, histories)]
+    # the last hidden state (the root's predecessor; a one-token history has none: zeros)
+    last = torch.stack([f[len(h) - 2] if len(h) >= 2 else torch.zeros_like(f[0]) for f, h in zip(feats, histories)])
+    drive.start(drafter, histories, sampling, features=drive.features(last, [True] * len(histories), context, firsts))
     return feats

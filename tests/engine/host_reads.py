@@ -10,7 +10,8 @@ whose inputs include a marked tensor marks its outputs, and each read of a marke
 counted while ``counting`` is on.
 
 ``count_step_reads(decoder, state, k)`` runs one ``SpeculativeDecoder.step`` so, counting the
-step's own reads: the drafter's calls (``propose``, ``observe*``) run with counting off (a
+step's own reads: the drafter's calls (``propose``, ``observe``, and the optional
+``draft_sources`` / ``chain_*``) run with counting off (a
 drafter's own reads are the drafter's business, issue #55 counts the verification step).
 """
 
@@ -156,9 +157,6 @@ def device_reads(*resident):
 _DRAFTER_CALLS = (
     "propose",
     "observe",
-    "observe_target_argmax",
-    "observe_hidden",
-    "observe_context",
     "draft_sources",
     "chain_begin",
     "chain_extend",

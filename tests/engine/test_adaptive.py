@@ -80,12 +80,12 @@ class ScriptedDrafter(Drafter):
     def __init__(self, prompt_len, future, script):
         self.prompt_len, self.future, self.script, self.step = prompt_len, future, script, 0
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         if self.step >= len(self.script):
-            return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+            return Draft.from_lists([([h[-1]], [-1]) for h in request.histories])
         depth, acc = self.script[self.step]
         self.step += 1
-        (h,), (k,) = histories, num_draft_tokens
+        (h,), (k,) = request.histories, request.num_draft_tokens
         assert depth <= k
         done = len(h) - self.prompt_len
         good = self.future[done : done + acc]
@@ -298,7 +298,7 @@ def test_defaults_come_from_what_a_drafter_declares_not_its_name():
     class Named(Drafter):
         name = "ngram"
 
-        def propose(self, histories, num_draft_tokens, active):
+        def propose(self, request):
             raise AssertionError("not called")
 
     class Declared(Named):

@@ -186,8 +186,8 @@ def test_sampling_drafters_never_draft_a_token_of_probability_zero(tiny, monkeyp
     checked = []
     propose = drafter.propose
 
-    def checking(histories, num_draft_tokens, active):
-        draft = propose(histories, num_draft_tokens, active)
+    def checking(request):
+        draft = propose(request)
         for b in range(draft.tokens.shape[0]):
             for i in range(1, int(draft.num_nodes[b])):
                 row = int(draft.parents[b, i]) if not draft.is_chain else i - 1

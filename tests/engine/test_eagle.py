@@ -19,6 +19,7 @@ from specdec_kernels.decoding.drafters.head_file import model_fingerprint
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
 from specdec_kernels.decoding.training.softmax import TrainingOptions, label_ranking
+from tests.engine import drive
 from tests.engine.heads import HIDDEN, PROMPTS, committed, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
@@ -260,7 +261,7 @@ def reference_tree(head, model, feats, history, top_k, max_nodes, depth, vocab=N
 def propose_after(drafter, model, history, k):
     """Propose for one sequence whose committed features come from teacher forcing."""
     (feats,) = committed(drafter, model, [history])
-    return drafter.propose([history], [k], [True]), feats
+    return drafter.propose(drive.request([history], [k], drafter.run, [True])), feats
 
 
 @pytest.mark.parametrize("quantize_head", [False, None], ids=["float32-head", "default-head"])
@@ -398,11 +399,12 @@ def test_draft_vocab_chain_distribution_is_the_heads_over_it(tiny, sampling):
     outside[vocab] = False
     with torch.inference_mode():
         for d in (full, restricted):
-            d.start(hist, 256, sampling, None)
             feats = [final_hidden(tiny, h) for h in hist]
-            d.observe_context([f[: len(h) - 1] for f, h in zip(feats, hist)], [0, 0], [True, True])
-        p_full, _ = full.chain_begin(hist, [2, 2], [True, True], V)
-        p_res, has = restricted.chain_begin(hist, [2, 2], [True, True], V)
+            context = [f[: len(h) - 1] for f, h in zip(feats, hist)]
+            last = torch.zeros(len(hist), HIDDEN)  # the drafter reads the context alone
+            drive.start(d, hist, sampling, features=drive.features(last, [True, True], context, [0, 0]))
+        p_full, _ = full.chain_begin(drive.request(hist, [2, 2], full.run, [True, True]), V)
+        p_res, has = restricted.chain_begin(drive.request(hist, [2, 2], restricted.run, [True, True]), V)
         for depth in range(2):
             assert bool(has.all())
             assert float(p_res[:, outside].abs().max()) == 0.0
@@ -430,11 +432,12 @@ def test_batched_drafts_equal_one_sequence_at_a_time(tiny):
     ks, active = [3, 5, 0, 2], [True, True, True, False]
     drafter = EagleDrafter(tiny, head, top_k=3, max_nodes=12)
     with torch.inference_mode():
-        drafter.start(hist, 256, SamplingParams(), None)
         feats = [final_hidden(tiny, h) for h in hist]
         firsts = [max(0, len(h) - 1 - 16) for h in hist]
-        drafter.observe_context([f[a : len(h) - 1] for f, a, h in zip(feats, firsts, hist)], firsts, [True] * 4)
-        draft = drafter.propose(hist, ks, active)
+        context = [f[a : len(h) - 1] for f, a, h in zip(feats, firsts, hist)]
+        last = torch.zeros(len(hist), HIDDEN)  # the drafter reads the context alone
+        run = drive.start(drafter, hist, features=drive.features(last, [True] * 4, context, firsts))
+        draft = drafter.propose(drive.request(hist, ks, run, active))
         for b, h in enumerate(hist):
             n = int(draft.num_nodes[b])
             if not active[b] or ks[b] == 0:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import MultiDrafter, SpeculativeDecoder
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter, EagleHead
 from specdec_kernels.decoding.training import data as train_data
 from specdec_kernels.decoding.training import eagle as train_eagle
@@ -165,7 +165,7 @@ def test_fused_dynamic_tree_matches_the_node_by_node_reference(tiny, top_k, max_
     assert drafter.feature_layers == layers
     with torch.inference_mode():
         (feats,) = committed(drafter, tiny, [history], layers)
-        draft = drafter.propose([history], [depth], [True])
+        draft = drafter.propose(DraftRequest([history], [depth], [True], drafter.run))
         h = drafter.head  # the head that drafts (the drafter's Q8_0 copy by default)
         want_t, want_p, want_s = reference_tree(h, tiny, h.fuse_features(feats), history, top_k, max_nodes, depth)
     n = int(draft.num_nodes[0])
@@ -184,14 +184,17 @@ class Recorder(Drafter):
         self.feature_layers = tuple(layers)
         self.context, self.last = [], []
 
-    def propose(self, histories, num_draft_tokens, active):
-        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+    def propose(self, request):
+        return Draft.from_lists([([h[-1]], [-1]) for h in request.histories])
 
-    def observe_context(self, hidden, first_positions, active):
-        self.context.append([None if h is None else h.clone() for h in hidden])
-
-    def observe_hidden(self, hidden, active):
-        self.last.append(hidden.clone())
+    def observe(self, result):
+        super().observe(result)
+        f = result.features
+        if f is None:
+            return
+        if f.context is not None:
+            self.context.append([None if h is None else h.clone() for h in f.context])
+        self.last.append(f.last.clone())
 
 
 def test_each_drafter_gets_the_columns_of_its_own_layers(tiny):

@@ -16,6 +16,7 @@ import torch
 from specdec_kernels.decoding import SamplingParams, SpeculativeDecoder, packed
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.model import FUSED_ENV, linear_path
+from tests.engine import drive
 from tests.engine.heads import PROMPTS, committed, final_hidden, tiny  # noqa: F401 (fixture)
 from tests.engine.test_eagle import random_head, tiny_rows, trained  # noqa: F401 (fixtures)
 from tests.engine.tiny import V
@@ -197,7 +198,7 @@ def test_one_call_chain_drafts_as_the_python_ops(tiny, monkeypatch, quantize_hea
         with torch.inference_mode():
             histories = histories_for(k)
             committed(drafter, tiny, histories)
-            draft = drafter.propose(histories, [k, k - 1, k], [True] * 3)
+            draft = drafter.propose(drive.request(histories, [k, k - 1, k], drafter.run))
         assert (drafter._fused_layer() is not None) == (fused == "1")
         runs[fused] = (draft, drafter.path_logprobs)
     (a, lp_a), (b, lp_b) = runs["1"], runs["0"]
@@ -227,9 +228,8 @@ def test_one_call_chain_distributions_match_the_python_ops(tiny, monkeypatch):
         drafter = EagleDrafter(tiny, head, tree=False, max_depth=2)
         histories = histories_for(9)
         with torch.inference_mode():
-            committed(drafter, tiny, histories)
-            drafter.sampling = sampling
-            probs, going = drafter.chain_begin(histories, [4, 1, 6], [True] * 3, V)
+            committed(drafter, tiny, histories, sampling=sampling)
+            probs, going = drafter.chain_begin(drive.request(histories, [4, 1, 6], drafter.run), V)
             steps, flags = [probs], [going]
             for d in range(5):  # past max_depth: an ensemble's longer chain keeps asking (MultiDrafter)
                 tokens = torch.tensor([7 + d, 3, 50 + d])
@@ -261,20 +261,23 @@ def test_steps_without_drafts_leave_the_features_pending(tiny, tree, fused, monk
     feats = final_hidden(tiny, history)
     lazy, eager = (EagleDrafter(tiny, head, tree=tree, top_k=2, max_nodes=8, max_depth=4) for _ in range(2))
     for d in (lazy, eager):
-        d.start([history[:3]], 256, SamplingParams(), None)
+        drive.start(d, [history[:3]])
+    last = torch.zeros(1, feats.shape[1])  # the drafter reads the context alone
     first, sizes, ingested = 0, [2, 5, 1, 3, 4, 5, 2, 5, 1, 4, 3, 5, 4], []
     with torch.inference_mode():
         for n in sizes:
             h = history[: first + n + 1]
             for d, k in ((lazy, 0), (eager, 1)):
-                d.observe_context([feats[first : first + n]], [first], [True])
-                d.propose([h], [k], [True])
+                d.observe(
+                    drive.step([h], d.run, features=drive.features(last, [True], [feats[first : first + n]], [first]))
+                )
+                d.propose(drive.request([h], [k], d.run))
             ingested.append(lazy._end[0])
             first += n
         assert set(ingested) == {-1}  # nothing ingested while K = 0
         assert len(lazy._pending[0]) < len(sizes)  # old blocks dropped
         h = history[: first + 1]
-        a, b = lazy.propose([h], [4], [True]), eager.propose([h], [4], [True])
+        a, b = lazy.propose(drive.request([h], [4], lazy.run)), eager.propose(drive.request([h], [4], eager.run))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
     assert a.num_nodes.tolist() == b.num_nodes.tolist() and int(a.num_nodes[0]) > 1
     assert lazy._end[0] == eager._end[0] == first - 1 and lazy._keys[0].shape[0] == 16

@@ -6,6 +6,8 @@ chain distributions against its own drafts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,9 +20,11 @@ from specdec_kernels.decoding import (
     SamplingParams,
     SpeculativeDecoder,
 )
+from specdec_kernels.decoding.draft import TargetFeatures
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.drafters.model_drafter import DraftModelDrafter
 from specdec_kernels.decoding.drafters.ngram import ngram_next_counts
+from tests.engine.drive import request, start
 from tests.engine.heads import PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.test_eagle import random_head, tiny_rows, trained  # noqa: F401 (fixtures)
 from tests.engine.test_medusa import random_heads
@@ -36,20 +40,25 @@ def members(tiny, head, draft_vocab=None):
 
 
 def started(drafters, histories, sampling, tiny):
-    """Start every drafter on these histories and hand the Medusa / EAGLE ones the teacher-
-    forced features of the committed positions, as the engine does after its prefill."""
+    """Start every drafter on these histories (its run: ``d.run``) and hand the Medusa / EAGLE
+    ones the teacher-forced features of the committed positions, as the engine does after its
+    prefill."""
     for d in drafters:
-        d.start(histories, 256, sampling, [torch.Generator().manual_seed(b) for b in range(len(histories))])
-        if getattr(d, "wants_hidden", False):
+        features = None
+        if d.wants_hidden:
             feats = [final_hidden(tiny, h) for h in histories]
+            context = firsts = None
             if d.context_window:
                 firsts = [max(0, len(h) - 1 - d.context_window) for h in histories]
-                d.observe_context(
-                    [f[a : len(h) - 1] for f, a, h in zip(feats, firsts, histories)], firsts, [True] * len(histories)
-                )
-            d.observe_hidden(
-                torch.stack([f[len(h) - 2] for f, h in zip(feats, histories)]), [len(h) > 1 for h in histories]
+                context = [f[a : len(h) - 1] for f, a, h in zip(feats, firsts, histories)]
+            features = TargetFeatures(
+                torch.stack([f[len(h) - 2] for f, h in zip(feats, histories)]),
+                [len(h) > 1 for h in histories],
+                context,
+                firsts,
             )
+        gens = [torch.Generator().manual_seed(b) for b in range(len(histories))]
+        start(d, histories, sampling, gens, capacity=256, features=features)
     return drafters
 
 
@@ -78,8 +87,8 @@ def test_chain_distributions_follow_each_drafters_own_chain(tiny, trained, kind)
     ks = [3, 2]
     a, b = started([d(), d()], hist, SamplingParams(), tiny)
     with torch.inference_mode():
-        draft = a.propose(hist, ks, [True, True])
-        probs, has = b.chain_begin(hist, ks, [True, True], V)
+        draft = a.propose(request(hist, ks, a.run, [True, True]))
+        probs, has = b.chain_begin(request(hist, ks, b.run, [True, True]), V)
         chain = [[] for _ in hist]
         for depth in range(1, max(ks) + 1):
             tok = probs.argmax(-1)
@@ -99,10 +108,16 @@ def test_medusa_without_aligned_context_has_no_opinion(tiny):
     propose, and no opinion (not an error) from chain_begin."""
     d = MedusaDrafter(tiny, random_heads(3, context=4))
     hist = [PROMPTS[0]]
-    d.start(hist, 64, SamplingParams(), None)
-    d.observe_hidden(final_hidden(tiny, hist[0])[-2:-1], [True])
-    assert int(d.propose(hist, [3], [True]).num_nodes[0]) == 1
-    probs, has = d.chain_begin(hist, [3], [True], V)
+    run = start(
+        d,
+        hist,
+        SamplingParams(),
+        None,
+        capacity=64,
+        features=TargetFeatures(final_hidden(tiny, hist[0])[-2:-1], [True]),
+    )
+    assert int(d.propose(request(hist, [3], run)).num_nodes[0]) == 1
+    probs, has = d.chain_begin(request(hist, [3], run), V)
     assert not bool(has.any())
 
 
@@ -119,14 +134,14 @@ def test_the_drafts_q_is_the_weighted_mixture_and_what_was_sampled(tiny, trained
     started([multi], hist, SP, tiny)
     with torch.inference_mode():
         multi.log_weights[:] = torch.tensor(weights, dtype=torch.float64).log()  # started() resets them: fixed
-        draft = multi.propose(hist, [3], [True])
+        draft = multi.propose(request(hist, [3], multi.run))
         assert draft.is_chain and draft.probs is not None and int(draft.num_nodes[0]) == 4
         fresh = started(members(tiny, head, draft_vocab), hist, SP, tiny)
         toks = draft.tokens[0].tolist()
         for depth in range(1, 4):
             qs, hs = zip(
                 *[
-                    m.chain_begin(hist, [3], [True], V)
+                    m.chain_begin(request(hist, [3], m.run), V)
                     if depth == 1
                     else m.chain_extend(torch.tensor([toks[depth - 1]]))
                     for m in fresh
@@ -140,9 +155,9 @@ def test_the_drafts_q_is_the_weighted_mixture_and_what_was_sampled(tiny, trained
     q0 = draft.probs[0, 0]
     firsts = []
     for seed in range(4000):
-        multi.generators = [torch.Generator().manual_seed(10_000 + seed)]
+        multi.run = dataclasses.replace(multi.run, generators=[torch.Generator().manual_seed(10_000 + seed)])
         multi._ensemble_last = None
-        firsts.append(int(multi.propose(hist, [1], [True]).tokens[0, 1]))
+        firsts.append(int(multi.propose(request(hist, [1], multi.run)).tokens[0, 1]))
     assert chi_square_pvalue(torch.tensor(firsts), q0) > P_THRESHOLD
 
 
@@ -213,7 +228,7 @@ def test_bad_arguments(tiny, trained):
     class Plain(Drafter):
         name = "plain"
 
-        def propose(self, histories, num_draft_tokens, active):
+        def propose(self, request):
             raise AssertionError
 
     with pytest.raises(TypeError, match="chain distributions"):

@@ -76,9 +76,10 @@ def test_engine_md_chain_and_tree_drafters_run_lossless(tiny):  # noqa: F811 (fi
         drafter = cls()
         propose = drafter.propose
 
-        def recording(histories, num_draft_tokens, active, propose=propose):
-            assert isinstance(num_draft_tokens, list) and len(num_draft_tokens) == len(histories)
-            draft = propose(histories, num_draft_tokens, active)
+        def recording(request, propose=propose):
+            ks = request.num_draft_tokens
+            assert isinstance(ks, list) and len(ks) == len(request.histories) == len(request.active)
+            draft = propose(request)
             shapes.append((type(drafter).__name__, draft.is_chain, draft.parents.tolist(), draft.num_nodes.tolist()))
             return draft
 
@@ -91,3 +92,66 @@ def test_engine_md_chain_and_tree_drafters_run_lossless(tiny):  # noqa: F811 (fi
     # some step drafted a real tree: a node whose parent is not the node before it
     assert any(p[i] != i - 1 for _, _, parents, counts in trees for p, n in zip(parents, counts) for i in range(1, n))
     assert all(s[1] for s in shapes if s[0] == "RepeatDrafter")
+
+
+def test_engine_md_tree_drafter_keeps_and_resets_its_state(tiny):  # noqa: F811 (fixture)
+    """FollowerTree learns from ``observe`` (the first accepted draft token of each step) and
+    resets at the next run's ``started`` result."""
+    _, model = tiny
+    drafter = engine_md_drafters()["FollowerTree"]()
+    decoder = SpeculativeDecoder(model, drafter)
+    prompts = [[12, 99, 8, 12, 99, 8, 12, 99, 101, 4, 12], [5, 17, 5, 17, 5, 17, 33]]
+    decoder.generate(prompts, 24, num_draft_tokens=3)
+    assert sum(drafter.accepted.values()) > 0
+    seen = []
+    observe = drafter.observe
+
+    def recording(result, observe=observe):
+        before = dict(drafter.accepted)
+        observe(result)
+        seen.append((result.started, before, dict(drafter.accepted)))
+
+    drafter.observe = recording
+    decoder.generate([[64, 3]], 4, num_draft_tokens=3)
+    started, before, after = seen[0]
+    assert started and sum(before.values()) > 0 and after == {}  # the first run's counts, reset
+    assert len(seen) > 1 and not any(s for s, _, _ in seen[1:])  # then one result per step
+
+
+OLD_HOOKS = (
+    "start",
+    "observe_hidden",
+    "observe_context",
+    "observe_target_argmax",
+    "set_cache_layout",
+    "bind_target_cache",
+    "bind_stats",
+)
+
+
+def test_shipped_drafters_implement_the_two_method_contract():
+    """Every shipped drafter talks to the engine through ``propose(request)`` and
+    ``observe(result)`` only: none keeps a hook of the older contract."""
+    found = {n: c for n, c in _shipped().items() if inspect.isclass(c) and issubclass(c, Drafter)}
+    assert {"NgramDrafter", "MedusaDrafter", "EagleDrafter", "MergeDrafter", "LookaheadDrafter"} <= set(found)
+    for name, cls in found.items():
+        old = [h for h in OLD_HOOKS if hasattr(cls, h)]
+        assert not old, f"{name} keeps {old}"
+        for method in ("propose", "observe"):
+            params = list(inspect.signature(getattr(cls, method)).parameters)
+            assert params[:1] == ["self"] and len(params) == 2, (name, method, params)
+
+
+def test_a_drafter_of_the_older_contract_is_refused_by_name(tiny):  # noqa: F811 (fixture)
+    import pytest
+
+    _, model = tiny
+
+    class Old(Drafter):
+        name = "old-style"
+
+        def propose(self, histories, num_draft_tokens, active):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="old-style.*propose must take one argument"):
+        SpeculativeDecoder(model, Old())

@@ -1,5 +1,5 @@
-"""Lookahead (Jacobi) decoding (``decoding.drafters.lookahead``): the engine's argmax hook
-against a teacher-forced pass, the Jacobi step and the n-gram pool by hand, greedy identity
+"""Lookahead (Jacobi) decoding (``decoding.drafters.lookahead``): the target's argmax the engine
+hands to ``observe`` against a teacher-forced pass, the Jacobi step and the n-gram pool by hand, greedy identity
 (tiny model: ragged batch, K 0..7, paged cache, inside MultiDrafter; the real model), the
 target distribution at temperature > 0 (chi-square)."""
 
@@ -11,6 +11,7 @@ import torch
 from specdec_kernels.decoding import Draft, Drafter, MultiDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from specdec_kernels.decoding.drafters.lookahead import LookaheadDrafter
 from specdec_kernels.tree import path_to
+from tests.engine.drive import request, start, step
 from tests.engine.heads import PROMPTS, tiny  # noqa: F401 (fixture)
 from tests.engine.tiny import exact_marginals, real_only
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
@@ -27,12 +28,14 @@ class TreeRecorder(Drafter):
     def __init__(self, tokens, parents):
         self.tree, self.seen = (tokens, parents), []
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         t, p = self.tree
-        return Draft.from_lists([([h[-1]] + t, p) for h in histories])
+        return Draft.from_lists([([h[-1]] + t, p) for h in request.histories])
 
-    def observe_target_argmax(self, argmax, num_nodes, active):
-        self.seen.append((argmax.clone(), num_nodes.clone()))
+    def observe(self, result):
+        super().observe(result)
+        if not result.started:
+            self.seen.append((result.target_argmax.clone(), result.num_nodes.clone()))
 
 
 def test_the_engine_hands_over_the_targets_argmax_at_every_node(tiny):
@@ -56,8 +59,8 @@ def test_the_engine_hands_over_the_targets_argmax_at_every_node(tiny):
 def test_jacobi_step_and_pool_by_hand():
     d = LookaheadDrafter(window=4, ngram=3, guesses=2, max_nodes=32)
     h = [10, 11, 12, 13]
-    d.start([h], 64, SamplingParams(), [torch.Generator().manual_seed(0)])
-    draft = d.propose([h], [6], [True])
+    run = start(d, [h], SamplingParams(), [torch.Generator().manual_seed(0)], capacity=64)
+    draft = d.propose(request([h], [6], run))
     y = d._windows[0]
     assert len(y) == 4 and set(y) <= set(h)  # fresh guesses come from the history
     nodes = d._window_nodes[0]
@@ -68,7 +71,9 @@ def test_jacobi_step_and_pool_by_hand():
     argmax = torch.zeros(1, int(draft.num_nodes[0]), dtype=torch.int64)
     for i, n in enumerate(nodes):
         argmax[0, n] = 50 + i
-    d.observe_target_argmax(argmax, draft.num_nodes, [True])
+    # two drafts accepted, then the bonus: the root moves 3 positions
+    h2 = h + [y[0], y[1], 77]
+    d.observe(step([h2], run, [[0, 1, 2, -1, -1]], [2], num_nodes=draft.num_nodes, target_argmax=argmax))
     # n-grams (y_i, y_{i+1}, o_{i+1}) for i = 0..3, y_0 the root 13
     # (newest first, at most G = 2 per first token, a repeated n-gram moves to the front)
     seq = [13] + y
@@ -81,20 +86,17 @@ def test_jacobi_step_and_pool_by_hand():
         del pool[2:]
     assert d.pools[0] == want
     assert (y[0], 51) in d.pools[0][13]
-    # two drafts accepted, then the bonus: the root moves 3 positions; the window keeps
-    # o_3, o_4 and draws 2 fresh guesses
-    h2 = h + [y[0], y[1], 77]
-    d.observe(torch.tensor([[0, 1, 2, -1, -1]]), torch.tensor([2]), [True])
-    d.propose([h2], [6], [True])
+    # the window keeps o_3, o_4 and draws 2 fresh guesses
+    d.propose(request([h2], [6], run))
     assert d._windows[0][:2] == [53, 54] and len(d._windows[0]) == 4
 
 
 def test_pooled_ngrams_that_start_with_the_root_are_verified():
     d = LookaheadDrafter(window=2, ngram=3, guesses=2, max_nodes=32)
     h = [1, 2, 3]
-    d.start([h], 64, SamplingParams(), [torch.Generator().manual_seed(0)])
+    run = start(d, [h], SamplingParams(), [torch.Generator().manual_seed(0)], capacity=64)
     d.pools[0][3] = [(8, 9), (6, 5)]
-    draft = d.propose([h], [4], [True])
+    draft = d.propose(request([h], [4], run))
     n = int(draft.num_nodes[0])
     toks, par = draft.tokens[0, :n].tolist(), draft.parents[0, :n].tolist()
     paths = {tuple(toks[j] for j in path_to(par, i)[1:]) for i in range(n)}
@@ -111,9 +113,9 @@ def test_bad_arguments():
 
 
 def _one_node(d, h, pools):
-    d.start([h], 64, SamplingParams(), [torch.Generator().manual_seed(0)])
+    run = start(d, [h], SamplingParams(), [torch.Generator().manual_seed(0)], capacity=64)
     d.pools[0].update(pools)
-    draft = d.propose([h], [1], [True])
+    draft = d.propose(request([h], [1], run))
     n = int(draft.num_nodes[0])
     return draft.tokens[0, :n].tolist(), draft.parents[0, :n].tolist()
 
@@ -128,7 +130,7 @@ def test_one_draft_node_holds_the_likeliest_ngram_by_hand():
     assert _one_node(d, [4, 3, 8, 6, 3], {3: [(7,), (5,)]}) == ([3, 7], [-1, 0])  # the pool beats the 1-token match (8)
     assert _one_node(d, [4, 3, 8, 6, 3], {}) == ([3, 8], [-1, 0])
     assert d._window_nodes[0] == [0] and d._fed[0] == []  # the window was cut: only the root's argmax is kept
-    d.observe_target_argmax(torch.tensor([[11, 12]]), torch.tensor([2]), [True])
+    d.observe(step([[4, 3, 8, 6, 3, 8]], d.run, [[0, 1]], [1], num_nodes=[2], target_argmax=[[11, 12]]))
     assert d.pools[0][3] == [(11,)]  # (root, o_0): what the target said after the root
     toks, _ = _one_node(d, [10, 11, 12], {})  # nothing recurs: the window's fresh guess
     assert toks[0] == 12 and len(toks) == 2 and toks[1] in (10, 11, 12)

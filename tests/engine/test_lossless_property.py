@@ -53,9 +53,9 @@ class TreeOracleDrafter(Drafter):
         self.rng = random.Random(seed)
         self.vocab = max(max(p) for p in prompts) + 1
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         trees = []
-        for b, h in enumerate(histories):
+        for b, h in enumerate(request.histories):
             done = len(h) - len(self.prompts[b])
             true = self.futures[b][done : done + self.rng.randint(0, 10)]
             tokens, parents = [h[-1]] + true, [-1] + list(range(len(true)))

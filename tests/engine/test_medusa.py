@@ -22,6 +22,7 @@ from specdec_kernels.decoding.drafters.medusa import (
 from specdec_kernels.decoding.training import medusa as train_medusa
 from specdec_kernels.decoding.training.softmax import TrainingOptions
 from specdec_kernels.tree import medusa_choices_to_tree
+from tests.engine import drive
 from tests.engine.heads import HIDDEN, PROMPTS, final_hidden, tiny, train_prompts  # noqa: F401 (fixture)
 from tests.engine.tiny import V, exact_marginals, real_greedy, real_only, real_stats_equal_to_greedy
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
@@ -320,16 +321,17 @@ def test_non_finite_heads_are_named_with_the_fix(tmp_path, tiny, bad):
 class StepDrafter(MedusaDrafter):
     """Records, for each propose, the hidden state it got and its position (root - 1)."""
 
-    def start(self, *a):
-        super().start(*a)
-        self.seen = []
+    def observe(self, result):
+        super().observe(result)
+        if result.started:
+            self.seen = []
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         if self._hidden is not None:
-            for b, h in enumerate(histories):
-                if active[b] and self._known[b]:
+            for b, h in enumerate(request.histories):
+                if request.active[b] and self._known[b]:
                     self.seen.append((b, len(h) - 2, self._hidden[b].clone()))
-        return super().propose(histories, num_draft_tokens, active)
+        return super().propose(request)
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -338,10 +340,9 @@ def test_drafts_are_the_heads_top_tokens(tiny, tree):
     choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
     drafter = MedusaDrafter(tiny, heads, tree=tree, choices=choices)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [64, 3, 9]]
-    drafter.start(prompts, 64, SamplingParams(), None)
     hidden = torch.randn(2, HIDDEN)
-    drafter.observe_hidden(hidden, [True, True])
-    draft = drafter.propose(prompts, [3, 2], [True, True])
+    run = drive.start(drafter, prompts, capacity=64, features=drive.features(hidden, [True, True]))
+    draft = drafter.propose(drive.request(prompts, [3, 2], run, [True, True]))
     top = (heads(hidden) @ tiny.output.weight.T).topk(3, dim=-1).indices  # (2, 3 heads, 3)
     assert draft.tokens[:, 0].tolist() == [7, 9]
     if not tree:
@@ -356,8 +357,8 @@ def test_drafts_are_the_heads_top_tokens(tiny, tree):
         d, r = int(t.depths[i]), int(t.topk_index[i])
         assert draft.tokens[0, i] == top[0, d - 1, r]
     # a sequence without a hidden state, or inactive, gets no drafts
-    drafter.observe_hidden(hidden, [True, False])
-    assert drafter.propose(prompts, [3, 3], [True, True]).num_nodes.tolist() == [9, 1]
+    run = drive.start(drafter, prompts, capacity=64, features=drive.features(hidden, [True, False]))
+    assert drafter.propose(drive.request(prompts, [3, 3], run, [True, True])).num_nodes.tolist() == [9, 1]
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
@@ -368,10 +369,9 @@ def test_conditioned_drafts_follow_each_path(tiny, tree):
     choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0]]
     drafter = MedusaDrafter(tiny, heads, tree=tree, choices=choices)
     prompts = [[5, 17, 33, 2, 90, 41, 7], [64, 3, 9], [8]]
-    drafter.start(prompts, 64, SamplingParams(), None)
     hidden = torch.randn(3, HIDDEN)
-    drafter.observe_hidden(hidden, [True, True, True])
-    draft = drafter.propose(prompts, [3, 2, 1], [True, True, True])
+    run = drive.start(drafter, prompts, capacity=64, features=drive.features(hidden, [True, True, True]))
+    draft = drafter.propose(drive.request(prompts, [3, 2, 1], run, [True, True, True]))
     E, W_out = tiny.tok_embeddings.weight.detach(), tiny.output.weight.detach()
 
     def ranked(b, path):  # the head state after the path (root first), then its ranking
@@ -409,15 +409,16 @@ class TreeOracle(Drafter):
     def __init__(self, prompts, future, depth=3):
         self.prompts, self.future, self.depth = prompts, future, depth
 
-    def start(self, histories, *a):
-        super().start(histories, *a)
-        self.seen = []
-        self._pending = None
+    def observe(self, result):
+        super().observe(result)
+        if result.started:
+            self.seen = []
+            self._pending = None
+        if result.features is not None:
+            self._pending = (result.features.last.clone(), list(result.features.valid))
 
-    def observe_hidden(self, hidden, active):
-        self._pending = (hidden.clone(), list(active))
-
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
+        histories, active = request.histories, request.active
         if self._pending is not None:
             hidden, known = self._pending
             for b, h in enumerate(histories):
@@ -660,23 +661,24 @@ def test_context_states_stay_inside_each_sequence(tiny, tiny_data):
 
 class ContextOracle(TreeOracle):
     """TreeOracle (the last accepted node's index differs from its depth) that also takes
-    the committed positions' hidden states (``observe_context``)."""
+    the committed positions' hidden states (``StepResult.features.context``)."""
 
     context_window = 4
 
-    def start(self, histories, *a):
-        super().start(histories, *a)
-        self.context = []
-
-    def observe_context(self, hidden, first_positions, active):
-        for b, (rows, first, a) in enumerate(zip(hidden, first_positions, active)):
-            if a and rows is not None:
-                self.context.append((b, int(first), rows.clone()))
+    def observe(self, result):
+        super().observe(result)
+        if result.started:
+            self.context = []
+        f = result.features
+        if f is not None and f.context is not None:
+            for b, (rows, first, a) in enumerate(zip(f.context, f.context_positions, f.valid)):
+                if a and rows is not None:
+                    self.context.append((b, int(first), rows.clone()))
 
 
 @pytest.mark.parametrize("chunk", [3, 512], ids=["chunked-prefill", "one-prefill"])
 def test_engine_hands_over_the_context(tiny, chunk):
-    """observe_context gets the last 4 fed prompt positions after the prefill (fewer for
+    """features.context holds the last 4 fed prompt positions after the prefill (fewer for
     short prompts, none for a one-token prompt), then every step's accepted path (root
     first), consecutive with no gap, each row the target's hidden state as a teacher-forced
     pass over the final text gives it."""
@@ -703,9 +705,10 @@ def test_engine_hands_over_the_context(tiny, chunk):
 class ContextStepDrafter(MedusaDrafter):
     """Records each s_0 the context layer gives and the position it belongs to (root - 1)."""
 
-    def start(self, *a):
-        super().start(*a)
-        self.seen = []
+    def observe(self, result):
+        super().observe(result)
+        if result.started:
+            self.seen = []
 
     def _context_state(self, histories, depth):
         out = super()._context_state(histories, depth)
@@ -913,13 +916,13 @@ def test_shipped_heads_load_and_draft(real):
     assert SHIPPED.stat().st_size < 12 * 2**20  # a few MB: 4 heads and the context layer in fp16
     drafter = MedusaDrafter(model, tree=True)
     ids = prompts[1] + greedy[1][:10]
-    drafter.start([ids], 256, SamplingParams(), None)
     h = final_hidden(model, ids)
+    context = positions = None
     if heads.context_window:  # the committed positions before the root, as the engine hands them over
         first = max(0, len(ids) - 1 - heads.context_window)
-        drafter.observe_context([h[first : len(ids) - 1]], [first], [True])
-    drafter.observe_hidden(h[-2:-1], [True])
-    draft = drafter.propose([ids], [heads.num_heads], [True])
+        context, positions = [h[first : len(ids) - 1]], [first]
+    run = drive.start(drafter, [ids], features=drive.features(h[-2:-1], [True], context, positions))
+    draft = drafter.propose(drive.request([ids], [heads.num_heads], run, [True]))
     assert draft.num_nodes.item() == len(heads.tree_choices) + 1
     assert draft.tokens[0, 0] == ids[-1]
     assert 0 <= int(draft.tokens.max()) < model.args.vocab_size

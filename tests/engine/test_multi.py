@@ -6,6 +6,8 @@ equivalence on the tiny and the real model, and the target distribution at tempe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ from specdec_kernels.decoding import (
     Transformer,
 )
 from specdec_kernels.decoding.drafters.multi import MultiDrafter, map_to_merged, own_accepted_path
+from specdec_kernels.decoding.engine.draft_checks import check_draft_sources
+from tests.engine.drive import request, run_for, start, step
 from tests.engine.tiny import PROMPTS, exact_marginals, ngram_friendly_prompt, real_only, tiny  # noqa: F401 (fixture)
 from tests.utils import P_THRESHOLD, chi_square_pvalue, one_thread  # noqa: F401 (fixture)
 
@@ -31,12 +35,16 @@ class FixedDrafter(Drafter):
         self.name, self.tree = name, (list(tokens), list(parents))
         self.observed = []
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         t, p = self.tree
-        return Draft.from_lists([([h[-1]] + t[1:], p) if a else ([h[-1]], [-1]) for h, a in zip(histories, active)])
+        return Draft.from_lists(
+            [([h[-1]] + t[1:], p) if a else ([h[-1]], [-1]) for h, a in zip(request.histories, request.active)]
+        )
 
-    def observe(self, accepted_nodes, num_accepted, active):
-        self.observed.append((accepted_nodes.tolist(), num_accepted.tolist(), list(active)))
+    def observe(self, result):
+        super().observe(result)
+        if not result.started:
+            self.observed.append((result.accepted_nodes.tolist(), result.num_accepted.tolist(), list(result.active)))
 
 
 # Hand-worked: root 5; the n-gram chain 7 8 9; the layer-skip tree 7(-> 8 -> 1) and 3 -> 6.
@@ -52,8 +60,8 @@ MERGED_PARENTS = [-1, 0, 1, 2, 0, 4, 2]
 def test_merge_deduplicates_the_shared_prefix():
     ngram, layerskip = FixedDrafter("ngram", *NGRAM), FixedDrafter("layerskip", *LAYERSKIP)
     multi = MultiDrafter([ngram, layerskip], max_nodes=None)
-    multi.start([[1, 5]], 64, SamplingParams(), [torch.Generator().manual_seed(0)])
-    draft = multi.propose([[1, 5]], [3], [True])
+    run = start(multi, [[1, 5]], generators=[torch.Generator().manual_seed(0)], capacity=64)
+    draft = multi.propose(request([[1, 5]], [3], run))
     n = int(draft.num_nodes[0])
     assert draft.tokens[0, :n].tolist() == MERGED_TOKENS  # 7 8 shared: fed once
     assert draft.parents[0, :n].tolist() == MERGED_PARENTS
@@ -62,7 +70,7 @@ def test_merge_deduplicates_the_shared_prefix():
     assert c["ngram"]["proposed"] == 3 and c["layerskip"]["proposed"] == 5
 
     # the target accepts 7 8 1 (merged nodes 0 1 2 6)
-    multi.observe(torch.tensor([[0, 1, 2, 6, -1, -1, -1]]), torch.tensor([3]), [True])
+    multi.observe(step([[1, 5, 7, 8, 1, 2]], run, torch.tensor([[0, 1, 2, 6, -1, -1, -1]]), torch.tensor([3])))
     nodes, count, _ = ngram.observed[-1]
     assert nodes[0][: count[0] + 1] == [0, 1, 2] and count == [2]  # its 7 8
     nodes, count, _ = layerskip.observed[-1]
@@ -74,15 +82,15 @@ def test_merge_deduplicates_the_shared_prefix():
 def test_merge_of_chains_that_share_everything_stays_a_chain():
     a, b = FixedDrafter("a", *NGRAM), FixedDrafter("b", [5, 7, 8], [-1, 0, 1])
     multi = MultiDrafter([a, b])
-    multi.start([[5]], 64, SamplingParams(), [torch.Generator()])
-    draft = multi.propose([[5]], [3], [True])
+    run = start(multi, [[5]], generators=[torch.Generator()], capacity=64)
+    draft = multi.propose(request([[5]], [3], run))
     assert draft.is_chain and draft.tokens[0].tolist() == [5, 7, 8, 9]
 
 
 def test_max_nodes_cuts_later_drafts_first():
     multi = MultiDrafter([FixedDrafter("ngram", *NGRAM), FixedDrafter("layerskip", *LAYERSKIP)], max_nodes=5)
-    multi.start([[5]], 64, SamplingParams(), [torch.Generator()])
-    draft = multi.propose([[5]], [3], [True])
+    run = start(multi, [[5]], generators=[torch.Generator()], capacity=64)
+    draft = multi.propose(request([[5]], [3], run))
     assert draft.num_nodes.tolist() == [5] and draft.tokens[0].tolist() == [5, 7, 8, 9, 3]
     assert map_to_merged([5, 7, 8, 9, 3], [-1, 0, 1, 2, 0], *LAYERSKIP) == [0, 1, 4, 2, -1, -1]
 
@@ -128,16 +136,14 @@ class Recorder(Drafter):
     def __init__(self, inner):
         self.inner, self.name, self.log = inner, inner.name, []
 
-    def start(self, *args):
-        self.inner.start(*args)
-
-    def propose(self, histories, ks, active):
-        d = self.inner.propose(histories, ks, active)
-        self.log.append(([list(h) for h in histories], list(ks), list(active), d))
+    def propose(self, request):
+        d = self.inner.propose(request)
+        self.log.append(([list(h) for h in request.histories], list(request.num_draft_tokens), list(request.active), d))
         return d
 
-    def observe(self, *args):
-        self.inner.observe(*args)
+    def observe(self, result):
+        super().observe(result)
+        self.inner.observe(result)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +161,8 @@ def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k, fallback):
     the sequences prompt lookup drafted for, it catches up on them when next asked)."""
     _, model = tiny
     widths = (2, 2) if tree else None
-    layerskip = Recorder(LayerSkipDrafter(model, 2, tree_widths=widths))
+    # a cache of its own (whose compaction this checks), not the target's
+    layerskip = Recorder(LayerSkipDrafter(model, 2, tree_widths=widths, share_target_cache=False))
     multi = MultiDrafter([NgramDrafter(tree=tree), layerskip], fallback=fallback)
     result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=k)
     assert result.tokens == tiny_greedy
@@ -172,8 +179,8 @@ def test_tiny_greedy_and_layerskip_cache(tiny, tiny_greedy, tree, k, fallback):
         assert skipped and any(len(h) > 1 for h in skipped[0][0])
     for histories, ks, active, draft in steps:
         fresh = LayerSkipDrafter(model, 2, tree_widths=widths)
-        fresh.start(histories, 128, SamplingParams(), [torch.Generator() for _ in histories])
-        again = fresh.propose(histories, ks, active)
+        run = start(fresh, histories, generators=[torch.Generator() for _ in histories], capacity=128)
+        again = fresh.propose(request(histories, ks, run, active))
         for b, a in enumerate(active):
             if a:
                 n = int(draft.num_nodes[b])
@@ -310,11 +317,13 @@ class HiddenRecorder(Drafter):
     def __init__(self):
         self.seen = []
 
-    def propose(self, histories, num_draft_tokens, active):
-        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
+    def propose(self, request):
+        return Draft.from_lists([([h[-1]], [-1]) for h in request.histories])
 
-    def observe_hidden(self, hidden, active):
-        self.seen.append((hidden.clone(), list(active)))
+    def observe(self, result):
+        super().observe(result)
+        if result.features is not None:
+            self.seen.append((result.features.last.clone(), list(result.features.valid)))
 
 
 def test_hidden_states_reach_the_sub_drafters_that_want_them(tiny):
@@ -375,10 +384,10 @@ class SomeSequences(FixedDrafter):
         super().__init__(name, tokens, parents)
         self.rows, self.asked = set(rows), []
 
-    def propose(self, histories, num_draft_tokens, active):
-        self.asked.append(list(active))
-        mine = [a and b in self.rows for b, a in enumerate(active)]
-        return super().propose(histories, num_draft_tokens, mine)
+    def propose(self, request):
+        self.asked.append(list(request.active))
+        mine = [a and b in self.rows for b, a in enumerate(request.active)]
+        return super().propose(dataclasses.replace(request, active=mine))
 
 
 def test_fallback_takes_the_first_drafter_that_drafts():
@@ -390,8 +399,8 @@ def test_fallback_takes_the_first_drafter_that_drafts():
     second = SomeSequences("second", *LAYERSKIP, rows=[0, 1])
     multi = MultiDrafter([first, second], fallback=True)
     histories = [[1, 5], [2, 5], [3, 5]]
-    multi.start(histories, 64, SamplingParams(), [torch.Generator() for _ in histories])
-    draft = multi.propose(histories, [3, 3, 3], [True, True, True])
+    run = start(multi, histories, generators=[torch.Generator() for _ in histories], capacity=64)
+    draft = multi.propose(request(histories, [3, 3, 3], run, [True, True, True]))
     assert first.asked == [[True, True, True]] and second.asked == [[False, True, True]]
     n = draft.num_nodes.tolist()
     assert n == [4, 6, 1]
@@ -401,7 +410,8 @@ def test_fallback_takes_the_first_drafter_that_drafts():
     assert multi.counters["first"]["proposed"] == 3 and multi.counters["second"]["proposed"] == 5
     # sequence 0 accepts 7 8 (its nodes 1 2), sequence 1 accepts 3 6 (nodes 2 4)
     accepted = torch.tensor([[0, 1, 2, -1, -1, -1], [0, 2, 4, -1, -1, -1], [0, -1, -1, -1, -1, -1]])
-    multi.observe(accepted, torch.tensor([2, 2, 0]), [True, True, True])
+    after = [[1, 5, 7, 8, 4], [2, 5, 3, 6, 4], [3, 5, 4]]
+    multi.observe(step(after, run, accepted, torch.tensor([2, 2, 0]), [True, True, True]))
     nodes, count, seen = first.observed[-1]
     assert count == [2, 0, 0] and nodes[0][:3] == [0, 1, 2] and seen == [True, True, True]
     nodes, count, seen = second.observed[-1]
@@ -425,17 +435,15 @@ def test_fallback_draft_sources_by_hand():
     a sub-drafter before the last that cannot tell, or none: None; a sub-drafter capped at
     depth 0 never drafts."""
     histories, active = [[1, 2, 3, 1, 2], [5, 6, 7], [1, 2, 1, 2]], [True, True, False]
+    req = request(histories, 0, run_for(histories), active)  # K is not chosen yet: not read
     second = FixedDrafter("second", *LAYERSKIP)
-    assert MultiDrafter([NgramDrafter(min_ngram=2), second], fallback=True).draft_sources(histories, active) == [
-        0,
-        1,
-        1,
-    ]
+    assert MultiDrafter([NgramDrafter(min_ngram=2), second], fallback=True).draft_sources(req) == [0, 1, 1]
     capped = MultiDrafter([NgramDrafter(min_ngram=2), second], fallback=True, max_depths=[0, None])
-    assert capped.draft_sources(histories, active) == [1, 1, 1]
-    assert MultiDrafter([NgramDrafter(min_ngram=2), second]).draft_sources(histories, active) is None
-    assert MultiDrafter([second, NgramDrafter()], fallback=True).draft_sources(histories, active) is None
-    assert MultiDrafter([second], fallback=True).draft_sources(histories, active) == [0, 0, 0]
+    assert capped.draft_sources(req) == [1, 1, 1]
+    # merged: no sources (``draft_sources`` is the fallback's capability alone)
+    assert check_draft_sources(MultiDrafter([NgramDrafter(min_ngram=2), second]), req) is None
+    assert MultiDrafter([second, NgramDrafter()], fallback=True).draft_sources(req) is None
+    assert MultiDrafter([second], fallback=True).draft_sources(req) == [0, 0, 0]
 
 
 def test_fallback_cost_model_keeps_each_drafters_rates(tiny, tiny_greedy):
@@ -445,13 +453,14 @@ def test_fallback_cost_model_keeps_each_drafters_rates(tiny, tiny_greedy):
     from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     _, model = tiny
-    ngram, layerskip = Recorder(NgramDrafter(tree=True)), Recorder(LayerSkipDrafter(model, 2))
+    ngram = Recorder(NgramDrafter(tree=True))
+    layerskip = Recorder(LayerSkipDrafter(model, 2, share_target_cache=False))  # its own cache, as before
     ngram.drafts_for = ngram.inner.drafts_for
     multi = MultiDrafter([ngram, layerskip], fallback=True)
     sources, inner = [], multi.draft_sources
 
-    def recorded(histories, active):
-        out = inner(histories, active)
+    def recorded(req):
+        out = inner(req)
         sources.append(out)
         return out
 
@@ -493,9 +502,9 @@ def test_naming_the_sources_counts_as_drafting(tiny):
     from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     class Slow(FixedDrafter):
-        def draft_sources(self, histories, active):
+        def draft_sources(self, request):
             time.sleep(0.02)
-            return [0] * len(histories)
+            return [0] * len(request.histories)
 
     _, model = tiny
     records = []
@@ -517,7 +526,7 @@ def test_bad_draft_sources_name_the_drafter(tiny, sources):
     from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     class Bad(FixedDrafter):
-        def draft_sources(self, histories, active):
+        def draft_sources(self, request):
             return sources
 
     _, model = tiny
@@ -531,7 +540,8 @@ def test_tiny_fallback_is_greedy_and_asks_the_model_drafter_only_where_lookup_ha
     lookup drafted for in the same step, and both drafters' drafts get accepted."""
     _, model = tiny
     # (matches of one token: a random-weight model seldom repeats a bigram in 20 tokens)
-    ngram, layerskip = Recorder(NgramDrafter(tree=True)), Recorder(LayerSkipDrafter(model, 2))
+    ngram = Recorder(NgramDrafter(tree=True))
+    layerskip = Recorder(LayerSkipDrafter(model, 2, share_target_cache=False))  # its own cache, as before
     multi = MultiDrafter([ngram, layerskip], fallback=True)
     result = SpeculativeDecoder(model, multi).generate(PROMPTS, 20, num_draft_tokens=k)
     assert result.tokens == tiny_greedy
@@ -574,9 +584,9 @@ class Budgeted(FixedDrafter):
         super().__init__("budgeted", [5, 7], [-1, 0])
         self.budget, self.seen = TreeBudget(4), []
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         self.seen.append(self.budget.cost)
-        return super().propose(histories, num_draft_tokens, active)
+        return super().propose(request)
 
 
 def test_sub_drafters_tree_budgets_read_the_runs_cost_model(tiny):

@@ -1,4 +1,5 @@
-"""Layer-skip drafting on the target's own KV cache (``ModelDrafter.bind_target_cache``).
+"""Layer-skip drafting on the target's own KV cache (``DraftRun.target_kv_cache``, taken by
+``ModelDrafter`` at the start of a run; ``shares_target_cache``).
 
 A drafter whose layers are the target's first layers reads the keys and values the target
 already wrote for every committed token: it feeds no prompt, keeps no cache, and its draft
@@ -22,6 +23,7 @@ from specdec_kernels.decoding import (
     SpeculativeDecoder,
 )
 from specdec_kernels.decoding.drafters.multi import MultiDrafter
+from tests.engine.drive import start
 from tests.engine.tiny import tiny  # noqa: F401 (fixture)
 from tests.utils import one_thread  # noqa: F401 (fixture)
 
@@ -77,15 +79,21 @@ def test_a_truncated_draft_model_shares_a_copied_one_does_not(tiny, one_thread):
     assert truncated.kv_cache_bytes == 0 and copied.kv_cache_bytes > 0
 
 
-def test_bind_target_cache_checks_the_modules(tiny):  # noqa: F811
+def test_taking_the_target_cache_checks_the_modules(tiny):  # noqa: F811
     model = tiny[1]
-    drafter = LayerSkipDrafter(model, 2)
     cache = model.new_kv_cache(1, 8)
-    assert drafter.bind_target_cache(model, cache) is True
-    assert drafter.bind_target_cache(model, None) is False
-    assert drafter.bind_target_cache(None, cache) is False
-    assert drafter.bind_target_cache(copy.deepcopy(model), cache) is False  # equal weights, other modules
-    assert LayerSkipDrafter(model, 2, share_target_cache=False).bind_target_cache(model, cache) is False
+
+    def shares(drafter, target, kv_cache) -> bool:
+        start(drafter, [[1, 2]], capacity=8, target=target, target_kv_cache=kv_cache)
+        return drafter.shares_target_cache
+
+    drafter = LayerSkipDrafter(model, 2)
+    assert drafter.shares_target_cache is False  # before any run
+    assert shares(drafter, model, cache) is True and drafter.cache is cache
+    assert shares(drafter, model, None) is False
+    assert shares(drafter, None, cache) is False
+    assert shares(drafter, copy.deepcopy(model), cache) is False  # equal weights, other modules
+    assert shares(LayerSkipDrafter(model, 2, share_target_cache=False), model, cache) is False
 
 
 def test_one_sub_drafter_of_a_multi_drafter_shares(tiny, one_thread):  # noqa: F811
@@ -97,6 +105,7 @@ def test_one_sub_drafter_of_a_multi_drafter_shares(tiny, one_thread):  # noqa: F
     multi = MultiDrafter([NgramDrafter(), first, second])
     assert _run(model, multi).tokens == plain.tokens
     assert first.kv_cache_bytes == 0 and second.kv_cache_bytes > 0
+    assert first.shares_target_cache and not second.shares_target_cache and multi.shares_target_cache
     ensemble = MultiDrafter([LayerSkipDrafter(model, 1), LayerSkipDrafter(model, 2)], ensemble=True)
     assert _run(model, ensemble).tokens == plain.tokens
 

@@ -94,7 +94,7 @@ def drafters(model):
         "layerskip-tree": LayerSkipDrafter(model, 2, tree_widths=(2, 2)),
         "draftmodel-chain": DraftModelDrafter(model.truncated(1)),
         "draftmodel-tree": DraftModelDrafter(model.truncated(1), tree_widths=(3, 1, 2)),
-        # caches of their own instead of the target's (bind_target_cache)
+        # caches of their own instead of the target's (DraftRun.target_kv_cache)
         "layerskip-chain-own": LayerSkipDrafter(model, 2, share_target_cache=False),
         "layerskip-tree-own": LayerSkipDrafter(model, 2, tree_widths=(2, 2), share_target_cache=False),
         "draftmodel-tree-own": DraftModelDrafter(model.truncated(1), tree_widths=(3, 1, 2), share_target_cache=False),
@@ -352,8 +352,8 @@ class ScriptedDrafter(Drafter):
     def __init__(self, make):
         self.make = make
 
-    def propose(self, histories, num_draft_tokens, active):
-        return self.make(histories)
+    def propose(self, request):
+        return self.make(request.histories)
 
 
 BAD_DRAFTS = {

@@ -13,6 +13,7 @@ from specdec_kernels.decoding.engine import verify as engine_module
 from specdec_kernels.decoding.engine.typical import typical_acceptance, typical_thresholds
 from specdec_kernels.ops.sampling_probs import sampling_probs
 from specdec_kernels.tree import ancestor_mask, tree_depths
+from tests.engine.drive import request, start
 from tests.engine.tiny import PROMPTS, tiny  # noqa: F401 (fixture)
 from tests.utils import one_thread  # noqa: F401 (fixture)
 
@@ -135,8 +136,8 @@ def test_engine_step_applies_the_rule(tiny, widths):
     sp = SamplingParams(temperature=0.7)
     decoder = SpeculativeDecoder(model, drafter, typical=eps)
     state = decoder.start([prompt], 10, sp, seeds=[seed])
-    draft = drafter.propose(state.histories, [3], [True])
-    drafter.start(state.histories, state.capacity, sp, [torch.Generator()])  # propose again in step
+    draft = drafter.propose(request(state.histories, [3], state.draft_run))
+    start(drafter, state.histories, run=state.draft_run)  # propose again in step
     emitted = decoder.step(state, 3)
 
     n = int(draft.num_nodes[0])

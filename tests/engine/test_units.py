@@ -10,6 +10,7 @@ from specdec_kernels.decoding import DecodeStats, Draft, NgramDrafter, ngram_con
 from specdec_kernels.decoding.draft import chain_parents
 from specdec_kernels.decoding.drafters.model_drafter import tree_shape
 from specdec_kernels.tree import ancestor_mask
+from tests.engine.drive import request, run_for
 
 #               0  1  2  3  4  5  6  7  8  9 10 11
 HISTORY = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6, 7, 2, 5, 6]
@@ -86,7 +87,7 @@ def test_ngram_drafts_for_tells_whether_propose_drafts():
             drafter = NgramDrafter(max_ngram, min_ngram, tree=tree)
             want = drafter.drafts_for(history)
             for k in range(1, 9):
-                n = int(drafter.propose([history], [k], [True]).num_nodes[0])
+                n = int(drafter.propose(request([history], [k], run_for([history]))).num_nodes[0])
                 assert (n > 1) == want, (history, max_ngram, min_ngram, tree, k)
             drafted += want
     assert 100 < drafted < 500  # both outcomes occur often
@@ -94,12 +95,12 @@ def test_ngram_drafts_for_tells_whether_propose_drafts():
 
 def test_ngram_drafter_chain_and_tree():
     histories = [HISTORY, [1, 2, 3], HISTORY]
-    chain = NgramDrafter(2, tokens_per_match=None).propose(histories, [3, 3, 0], [True, True, True])
+    chain = NgramDrafter(2, tokens_per_match=None).propose(request(histories, [3, 3, 0], run_for(histories)))
     assert chain.is_chain and chain.probs is None
     assert chain.num_nodes.tolist() == [4, 1, 1]
     assert chain.tokens[0].tolist() == [6, 7, 2, 5] and chain.tokens[1, 0] == 3
     tree = NgramDrafter(2, tree=True, max_chains=3, max_nodes=None, tokens_per_match=None).propose(
-        histories, [3, 3, 3], [True, True, False]
+        request(histories, [3, 3, 3], run_for(histories), [True, True, False])
     )
     assert not tree.is_chain
     # root 6; chains [7, 2, 5], [9, 1, 5], [7, 8, 5] share the first 7
@@ -108,7 +109,7 @@ def test_ngram_drafter_chain_and_tree():
     assert tree.parents[0, :n].tolist() == [-1, 0, 1, 2, 0, 4, 5, 1, 7]
     assert tree.num_nodes[1:].tolist() == [1, 1]  # no match; inactive
     capped = NgramDrafter(2, tree=True, max_chains=3, max_nodes=5, tokens_per_match=None).propose(
-        histories[:1], [3], [True]
+        request(histories[:1], [3], run_for(histories[:1]))
     )
     assert capped.num_nodes.tolist() == [5]
     with pytest.raises(ValueError, match="min_ngram"):

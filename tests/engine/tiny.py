@@ -74,9 +74,9 @@ class OracleDrafter(Drafter):
     def __init__(self, prompt_len, future, depth):
         self.prompt_len, self.future, self.depth = prompt_len, future, depth
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         trees = []
-        for h, f in zip(histories, self.future):
+        for h, f in zip(request.histories, self.future):
             done = len(h) - self.prompt_len
             chain = [h[-1]] + f[done : done + self.depth]
             trees.append((chain, chain_parents(len(chain))))

@@ -380,11 +380,11 @@ class Gate(NgramDrafter):
         self.hook = hook
         self.passed = False
 
-    def propose(self, histories, num_draft_tokens, active):
+    def propose(self, request):
         if not self.passed:
             self.passed = True
             self.hook()
-        return super().propose(histories, num_draft_tokens, active)
+        return super().propose(request)
 
 
 def test_two_threads_on_one_model():

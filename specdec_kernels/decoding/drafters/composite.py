@@ -1,39 +1,38 @@
 """The base of the drafters made of several drafters (``MergeDrafter``, ``FallbackDrafter``,
 ``EnsembleDrafter``; ``MultiDrafter`` builds one of them): it holds and checks the
-sub-drafters, keeps their per-drafter statistics and forwards every engine hook to them.
+sub-drafters, keeps their per-drafter statistics and hands each one its own view of the run
+and of every step.
 
 What the three share, and what this module does for them:
 
 - the sub-drafters, their statistics names and optional per-drafter caps on K;
-- ``start``: each sub-drafter starts with generators of its own, derived per sequence;
-- the hidden-state hooks (``observe_context`` / ``observe_hidden``): each sub-drafter that
-  wants hidden states gets the columns of its own ``feature_layers`` (EAGLE-3's multi-layer
-  features, Li et al. 2025) out of the union the engine hands over;
-- ``observe_target_argmax`` (lookahead decoding's Jacobi iterations): each sub-drafter that
-  wants them gets the target's argmax tokens at its own nodes (``_own_argmax``, which a
-  drafter that renumbers nodes overrides);
-- the cache hooks (``set_cache_layout``, ``bind_target_cache``: the target's KV cache goes to
-  the first sub-drafter that can share it) and the cost counters (``model_tokens``,
-  ``kv_cache_bytes``).
+- the start of a run (``observe`` of ``result.started``): each sub-drafter gets a
+  ``DraftRun`` of its own (``_runs``): generators of its own, derived per sequence, and the
+  target's KV cache only if no earlier sub-drafter took it (``shares_target_cache``, e.g. a
+  ``ModelDrafter`` running the target's own layers), so no two drafters write draft nodes into
+  the same slots; the per-drafter counters go to the run's ``DecodeStats.drafters``;
+- each sub-drafter's ``StepResult`` (``_observe_one``): its own run, the target's hidden
+  states with the columns of its own ``feature_layers`` (EAGLE-3's multi-layer features, Li
+  et al. 2025) out of the union the engine hands over, where it wants them, and the target's
+  argmax tokens at its own nodes (``_own_argmax``, which a drafter that renumbers nodes
+  overrides; lookahead decoding's Jacobi iterations), where it wants them;
+- the cost counters (``model_tokens``, ``kv_cache_bytes``).
 
-A subclass implements ``propose`` and ``observe``.
+A subclass implements ``propose`` (asking each sub-drafter with ``_request``) and
+``observe`` (after ``super().observe(result)``, which begins a run).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from specdec_kernels.decoding.draft import Drafter, SamplingParams
-
-if TYPE_CHECKING:
-    from specdec_kernels.decoding.engine.stats import DecodeStats
-    from specdec_kernels.decoding.model import Transformer
-    from specdec_kernels.decoding.paged import CacheLayout
+from specdec_kernels.decoding.draft import Drafter, DraftRequest, DraftRun, StepResult, TargetFeatures
 
 #: counters kept per sub-drafter in ``DecodeStats.drafters[name]``
 DRAFTER_COUNTERS = (
@@ -42,13 +41,14 @@ DRAFTER_COUNTERS = (
     "accepted",  # accepted nodes of the merged tree that it had proposed
     "only_accepted",  # accepted nodes that it alone had proposed
     "propose_time",  # seconds in its propose
-    "observe_time",  # seconds in its observe
+    "observe_time",  # seconds in its observe (the start of a run included)
     "weight",  # ensemble only: the sum over sequence steps of its mixture weight at depth 1
 )
 
 
 class CompositeDrafter(Drafter):
-    """A drafter made of sub-drafters: their checks, statistics and hook forwarding.
+    """A drafter made of sub-drafters: their checks, statistics, and each one's view of the
+    run and of the steps.
 
     Args:
         drafters: the sub-drafters, in priority order.
@@ -63,6 +63,7 @@ class CompositeDrafter(Drafter):
         vocab_size: the sub-drafters' common ``vocab_size``, or None when none has one.
         counters: per name, the ``DRAFTER_COUNTERS`` of the current run
             (``DecodeStats.drafters``).
+        shares_target_cache: a sub-drafter took the target's KV cache in the current run.
         ensemble, fallback: which of the combinations it is (class constants; what
             ``MultiDrafter``'s flags of the same names chose).
 
@@ -120,15 +121,11 @@ class CompositeDrafter(Drafter):
         self.names = names
         self.vocab_size = vocabs.pop() if vocabs else None
         self.counters: Dict[str, Dict[str, float]] = {}
+        self._runs: List[DraftRun] = []  # per sub-drafter, its view of the current run
 
     # ------------------------------------------------------------------ statistics
-    def bind_stats(self, stats: DecodeStats) -> None:
-        """Record per-drafter counters into ``stats.drafters`` (the engine calls this in
-        ``start`` with the run's ``DecodeStats``)."""
-        stats.drafters = self.counters
-
     def _new_counters(self) -> None:
-        # a new dict every run: an earlier run's statistics keep their own (bind_stats)
+        # a new dict every run: an earlier run's statistics keep their own (DecodeStats.drafters)
         self.counters = {n: {c: (0.0 if c.endswith("_time") else 0) for c in DRAFTER_COUNTERS} for n in self.names}
 
     @contextmanager
@@ -182,66 +179,45 @@ class CompositeDrafter(Drafter):
         blocks = [0] + [1 + ours.index(i) for i in mine]
         return torch.cat([torch.arange(j * H, (j + 1) * H) for j in blocks])
 
-    def observe_context(
-        self, hidden: Sequence[Optional[torch.Tensor]], first_positions: Sequence[int], active: Sequence[bool]
-    ) -> None:
-        """Forward the committed positions' hidden states to the sub-drafters with a context
-        window (each keeps as many as it needs, with the columns of its own ``feature_layers``)."""
-        width = next((h.shape[-1] for h in hidden if h is not None), 0)
-        for d, name in zip(self.drafters, self.names):
-            if getattr(d, "wants_hidden", False) and getattr(d, "context_window", 0):
-                with self._timed(name, "observe_time"):
-                    cols = self._columns(d, width)
-                    mine = hidden if cols is None else [None if h is None else h[:, cols.to(h.device)] for h in hidden]
-                    d.observe_context(mine, first_positions, active)
+    def _own_features(self, d: Drafter, features: Optional[TargetFeatures]) -> Optional[TargetFeatures]:
+        """Sub-drafter ``d``'s share of the target's hidden states: None unless it wants
+        hidden states; else the final hidden state of each sequence's last accepted node (the
+        same for every sub-drafter: it does not depend on who proposed the node) and, for a
+        sub-drafter with a context window, the committed positions' (each keeps as many as it
+        needs), each with the columns of its own ``feature_layers``."""
+        if features is None or not getattr(d, "wants_hidden", False):
+            return None
+        cols = self._columns(d, features.last.shape[-1])
 
-    def observe_hidden(self, hidden: torch.Tensor, active: Sequence[bool]) -> None:
-        """Forward the target's hidden state of each sequence's last accepted node (the same
-        for every sub-drafter: it does not depend on who proposed the node), with the columns
-        of its own ``feature_layers``."""
-        for d, name in zip(self.drafters, self.names):
-            if getattr(d, "wants_hidden", False):
-                with self._timed(name, "observe_time"):
-                    cols = self._columns(d, hidden.shape[-1])
-                    d.observe_hidden(hidden if cols is None else hidden[:, cols.to(hidden.device)], active)
+        def pick(h: torch.Tensor) -> torch.Tensor:
+            return h if cols is None else h[:, cols.to(h.device)]
+
+        context = positions = None
+        if features.context is not None and getattr(d, "context_window", 0):
+            context = [None if h is None else pick(h) for h in features.context]
+            positions = features.context_positions
+        return TargetFeatures(pick(features.last), features.valid, context, positions)
 
     @property
     def wants_target_argmax(self) -> bool:
         """True when a sub-drafter (e.g. ``LookaheadDrafter``) wants the target's argmax tokens."""
         return any(getattr(d, "wants_target_argmax", False) for d in self.drafters)
 
-    def observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor, active: Sequence[bool]) -> None:
-        """Hand each sub-drafter that wants them the target's argmax tokens (B, N) int64 at its
-        own nodes (``_own_argmax``)."""
-        for i, (d, name) in enumerate(zip(self.drafters, self.names)):
-            if not getattr(d, "wants_target_argmax", False):
-                continue
-            own, own_n = self._own_argmax(i, argmax, num_nodes)
-            with self._timed(name, "observe_time"):
-                d.observe_target_argmax(own, own_n, active)
-
     def _own_argmax(self, i: int, argmax: torch.Tensor, num_nodes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The target's argmax tokens and node counts in sub-drafter ``i``'s node indices: as
         they are, where the draft verified is the sub-drafter's own (a shared chain)."""
-        return argmax, num_nodes
+        return argmax, self._own_num_nodes(i, num_nodes)
+
+    def _own_num_nodes(self, i: int, num_nodes: torch.Tensor) -> torch.Tensor:
+        """The nodes (B,) int64 of sub-drafter ``i``'s own draft verified this step: the
+        draft's, where it is the sub-drafter's own."""
+        return num_nodes
 
     # ------------------------------------------------------------------ caches
-    def set_cache_layout(self, layout: CacheLayout) -> None:
-        """Hand the engine's ``paged.CacheLayout`` to every sub-drafter that takes one."""
-        super().set_cache_layout(layout)
-        for d in self.drafters:
-            if hasattr(d, "set_cache_layout"):
-                d.set_cache_layout(layout)
-
-    def bind_target_cache(self, target: Transformer, kv_cache: object) -> bool:
-        """The target's KV cache goes to the first sub-drafter that can share it
-        (``ModelDrafter.bind_target_cache``); the others keep caches of their own, so no two
-        drafters write draft nodes into the same slots.  Returns whether one shares."""
-        shared = False
-        for d in self.drafters:
-            if hasattr(d, "bind_target_cache"):
-                shared = bool(d.bind_target_cache(target, None if shared else kv_cache)) or shared
-        return shared
+    @property
+    def shares_target_cache(self) -> bool:
+        """True when a sub-drafter took the target's KV cache at the start of the current run."""
+        return any(bool(getattr(d, "shares_target_cache", False)) for d in self.drafters)
 
     @property
     def model_tokens(self) -> int:
@@ -254,30 +230,92 @@ class CompositeDrafter(Drafter):
         return sum(int(getattr(d, "kv_cache_bytes", 0)) for d in self.drafters)
 
     # ------------------------------------------------------------------ interface
-    def start(
-        self,
-        histories: Sequence[Sequence[int]],
-        capacity: int,
-        sampling: SamplingParams,
-        generators: Sequence[torch.Generator],
-    ) -> None:
-        """Fresh counters; every sub-drafter starts, drawing from generators of its own,
-        derived per sequence from ``generators``."""
-        super().start(histories, capacity, sampling, generators)
+    def observe(self, result: StepResult) -> None:
+        """Begin a run (``result.started``; a subclass's override calls this first and handles
+        the steps): fresh counters, recorded in ``result.run.stats.drafters``; each
+        sub-drafter observes the start with a ``DraftRun`` of its own (``_runs``): generators
+        derived per sequence from ``result.run.generators``, and the target's KV cache only
+        where no earlier sub-drafter took it (``shares_target_cache``); then the
+        subclass's per-batch state is reset (``_reset``).
+
+        Args:
+            result: the run's start (``StepResult`` of the prefill: the prompts, the run, the
+                prompts' hidden states where wanted).
+        """
+        super().observe(result)
+        if not result.started:
+            return
+        run = result.run
         self._new_counters()
-        for i, (d, name) in enumerate(zip(self.drafters, self.names)):
-            # each sub-drafter draws from generators of its own, derived per sequence
-            own = [torch.Generator().manual_seed((g.initial_seed() + 7919 * (i + 1)) % 2**63) for g in generators]
-            with self._timed(name, "propose_time"):
-                d.coupling = self.coupling
-                d.start(histories, capacity, sampling, own)
-        self._reset(len(histories))
+        if run.stats is not None:
+            run.stats.drafters = self.counters
+        self._runs = []
+        taken = False
+        for i, d in enumerate(self.drafters):
+            # each sub-drafter draws from generators of its own, derived per sequence; the
+            # run's statistics stay the composite's (a nested composite records none there)
+            own = None
+            if run.generators is not None:
+                own = [
+                    torch.Generator().manual_seed((g.initial_seed() + 7919 * (i + 1)) % 2**63) for g in run.generators
+                ]
+            self._runs.append(
+                dataclasses.replace(
+                    run, generators=own, target_kv_cache=None if taken else run.target_kv_cache, stats=None
+                )
+            )
+            self._observe_one(i, result)
+            taken = taken or bool(getattr(d, "shares_target_cache", False))
+        self._reset(result.batch_size)
 
     def _reset(self, batch: int) -> None:
-        """A subclass's own per-batch state, reset at the end of ``start`` (batch sequences)."""
+        """A subclass's own per-batch state, reset at the start of a run (batch sequences)."""
 
-    def _observe_all(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
+    def _run_of(self, i: int, run: DraftRun) -> DraftRun:
+        """Sub-drafter ``i``'s ``DraftRun`` (``run`` itself before the first run began)."""
+        return self._runs[i] if i < len(self._runs) else run
+
+    def _request(self, i: int, request: DraftRequest, num_draft_tokens: Sequence[int], active: Sequence[bool]):
+        """Sub-drafter ``i``'s ``DraftRequest``: ``request`` with its own run, depths and
+        active flags."""
+        return dataclasses.replace(
+            request, run=self._run_of(i, request.run), num_draft_tokens=num_draft_tokens, active=active
+        )
+
+    def _observe_one(
+        self,
+        i: int,
+        result: StepResult,
+        accepted_nodes: Optional[torch.Tensor] = None,
+        num_accepted: Optional[torch.Tensor] = None,
+        active: Optional[Sequence[bool]] = None,
+    ) -> None:
+        """Sub-drafter ``i`` observes ``result`` in its own terms (timed as its
+        ``observe_time``): its own run, accepted path (``accepted_nodes`` (B, N') int64,
+        ``num_accepted`` (B,) int64; None: the result's) and active flags (None: the
+        result's), node counts, the target's argmax at its own nodes where it wants them
+        (``_own_argmax``) and its columns of the hidden states where it wants them
+        (``_own_features``).  In the engine's old order of effects: the argmax, the
+        accepted path, the committed positions' hidden states, the last one."""
+        d, name = self.drafters[i], self.names[i]
+        changes = dict(run=self._run_of(i, result.run), target_argmax=None)
+        changes["features"] = self._own_features(d, result.features)
+        if not result.started:
+            changes["accepted_nodes"] = result.accepted_nodes if accepted_nodes is None else accepted_nodes
+            changes["num_accepted"] = result.num_accepted if num_accepted is None else num_accepted
+            if result.num_nodes is not None:
+                changes["num_nodes"] = self._own_num_nodes(i, result.num_nodes)
+            if result.target_argmax is not None and getattr(d, "wants_target_argmax", False):
+                changes["target_argmax"], changes["num_nodes"] = self._own_argmax(
+                    i, result.target_argmax, result.num_nodes
+                )
+        if active is not None:
+            changes["active"] = active
+        own = dataclasses.replace(result, **changes)
+        with self._timed(name, "observe_time"):
+            d.observe(own)
+
+    def _observe_all(self, result: StepResult) -> None:
         """Every sub-drafter observes the accepted path as it is (its nodes are the draft's)."""
-        for d, name in zip(self.drafters, self.names):
-            with self._timed(name, "observe_time"):
-                d.observe(accepted_nodes, num_accepted, active)
+        for i in range(len(self.drafters)):
+            self._observe_one(i, result)

@@ -18,10 +18,10 @@ children), and after the last round all generated nodes are reranked by path pro
 and the best ``max_nodes - 1`` kept (a prefix-closed set: a child is never more probable
 than its parent).
 
-The head's own KV cache holds the committed positions (their real features, handed over by
-the engine's ``observe_context`` hook), at most ``window`` of them (a sliding window; the
-training segments are as long); the draft tree's nodes attend to it and to their own
-ancestors in the tree.
+The head's own KV cache holds the committed positions (their real features, which the
+engine hands to ``observe`` in ``StepResult.features.context``), at most ``window`` of them
+(a sliding window; the training segments are as long); the draft tree's nodes attend to it
+and to their own ancestors in the tree.
 
 Each draft step runs the head's layer and an output head over V tokens; with SmolLM2's
 49152 x 576 output head the latter dominates a draft step on a CPU.  The drafter therefore
@@ -54,7 +54,7 @@ import torch
 
 from specdec_kernels.checks import integer_at_least
 from specdec_kernels.decoding import packed
-from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, StepResult, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.eagle_format import FEATURE_LAYERS_FORMAT, FORMAT, KIND, SHIPPED
 from specdec_kernels.decoding.drafters.eagle_head import EagleHead, check_token_ids, load_eagle_head
 from specdec_kernels.decoding.engine.adaptive import TreeBudget
@@ -239,21 +239,26 @@ class EagleDrafter(Drafter):
         self._root: List[Optional[torch.Tensor]] = [None] * batch  # (H,) the head's output at position end
         self._pending: List[List[Tuple[int, torch.Tensor]]] = [[] for _ in range(batch)]
 
-    def start(self, histories, capacity, sampling, generators) -> None:
-        super().start(histories, capacity, sampling, generators)
-        if self.head_quantized:  # our copy: its products follow the target's numerics
-            self.head.numerics = self.model.numerics
-        self._reset(len(histories))
-        if self.budget is not None:
-            self.budget.start(len(histories))
+    def observe(self, result: StepResult) -> None:
+        """Begin a run (``result.started``: reset the head's cache and the tree budget) or
+        count each sequence's accepted drafts for the tree budget's calibration; then keep
+        the committed positions' features (``result.features.context``, ``_keep_context``)."""
+        super().observe(result)
+        if result.started:
+            if self.head_quantized:  # our copy: its products follow the target's numerics
+                self.head.numerics = self.model.numerics
+            self._reset(result.batch_size)
+            if self.budget is not None:
+                self.budget.start(result.batch_size)
+        elif self.budget is not None:
+            self.budget.observe(result.num_accepted, result.active)
+        f = result.features
+        if f is not None and f.context is not None:
+            self._keep_context(f.context, f.context_positions, f.valid)
 
-    def observe(self, accepted_nodes, num_accepted, active) -> None:
-        """Counts each sequence's accepted drafts for the tree budget's calibration."""
-        if self.budget is not None:
-            self.budget.observe(num_accepted, active)
-
-    def observe_context(self, hidden, first_positions, active) -> None:
-        """Keep the committed positions' features until a step that drafts feeds them to the
+    def _keep_context(self, hidden, first_positions, active) -> None:
+        """Keep the committed positions' features (hidden[b] (n_b, H') of positions
+        first_positions[b]..; ``TargetFeatures.context``) until a step that drafts feeds them to the
         head's cache (it needs the token that followed each, known by then); blocks that lie
         wholly before the newest ``window`` positions are dropped (the cache would drop them)."""
         for b, (rows, first, a) in enumerate(zip(hidden, first_positions, active)):
@@ -333,7 +338,12 @@ class EagleDrafter(Drafter):
         return k_cache[0].transpose(0, 1).contiguous(), v_cache[0].transpose(0, 1).contiguous(), g
 
     @torch.inference_mode()
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        """EAGLE-2's dynamic tree (or a chain) below each root, at most min(K, max_depth)
+        deep and ``max_nodes`` large (fewer with the tree budget), from the head over the
+        features ``observe`` kept: tokens (B, N) int64 on the host, ``probs`` None; the root
+        alone where the features do not reach the root.  Sets ``path_logprobs``."""
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         B = len(histories)
         roots = [h[-1] for h in histories]
         depth = [0] * B
@@ -531,8 +541,9 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ chain distributions
     @torch.inference_mode()
-    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+    def chain_begin(self, request: DraftRequest, vocab_size: int):
         """The head's distribution of the first draft token (``Drafter.chain_begin``)."""
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         B = len(histories)
         ready = [bool(active[b]) and int(num_draft_tokens[b]) >= 1 and self._ingest(b, histories[b]) for b in range(B)]
         self._chain_ks = [min(int(k), self.max_depth) if r else 0 for k, r in zip(num_draft_tokens, ready)]

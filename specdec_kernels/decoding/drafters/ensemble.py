@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from specdec_kernels.decoding.coupling import gumbel_top_k
-from specdec_kernels.decoding.draft import Draft, Drafter, sample_tokens
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, StepResult, sample_tokens
 from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 
 WEIGHT_SHARE = 0.05  # ensemble weights: the uniform share mixed in after each update
@@ -53,7 +53,8 @@ class EnsembleDrafter(CompositeDrafter):
             ``weights`` is None).
 
     Attributes:
-        log_weights: (B, M) float64, each sequence's log mixture weights (after ``start``).
+        log_weights: (B, M) float64, each sequence's log mixture weights (after the start of
+            a run).
 
     Raises:
         ValueError: no sub-drafter with a vocabulary size, bad ``weights``, and as
@@ -134,12 +135,19 @@ class EnsembleDrafter(CompositeDrafter):
             w = (1 - WEIGHT_SHARE) * w + WEIGHT_SHARE / M
             self.log_weights[b] = w.log()
 
-    def propose(
-        self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         """One chain per sequence drawn from the weighted mixture of the sub-drafters'
-        distributions; ``Draft.probs`` (B, K + 1, V) float32 holds the mixture at every depth
-        (sampling without coupling; else None)."""
+        distributions (``chain_begin`` with each one's own request, then ``chain_extend``).
+
+        Args:
+            request: the batch's histories, draft depths (each sub-drafter's cut at its cap:
+                no opinion past it) and active flags.
+
+        Returns:
+            A chain ``Draft``: tokens (B, K + 1) int64; ``Draft.probs`` (B, K + 1, V) float32
+            holds the mixture at every depth (sampling without coupling; else None).
+        """
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         self._learn(histories)
         B, M, V = len(histories), len(self.drafters), int(self.vocab_size)
         ks = [int(k) if a else 0 for k, a in zip(num_draft_tokens, active)]
@@ -161,7 +169,7 @@ class EnsembleDrafter(CompositeDrafter):
             for i, (drafter, name) in enumerate(zip(self.drafters, self.names)):
                 with self._timed(name, "propose_time"):
                     if d == 1:
-                        q_i, has_i = drafter.chain_begin(histories, member_ks[i], active, V)
+                        q_i, has_i = drafter.chain_begin(self._request(i, request, member_ks[i], active), V)
                     else:
                         q_i, has_i = drafter.chain_extend(tokens[:, d - 1])
                 member_q[i, :, d - 1] = q_i.float()
@@ -198,19 +206,23 @@ class EnsembleDrafter(CompositeDrafter):
         parents = torch.arange(-1, D, dtype=torch.int64).expand(B, D + 1).clone()
         return Draft(tokens, parents, num_nodes, probs, is_chain=True)
 
-    def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
-        """Every sub-drafter observes the shared chain; counters credit the drafters that had
-        an opinion at each accepted depth.
+    def observe(self, result: StepResult) -> None:
+        """Begin a run (``result.started``, ``CompositeDrafter.observe``: every sequence starts
+        with the given weights), or: every sub-drafter observes the shared chain; counters
+        credit the drafters that had an opinion at each accepted depth.
 
         Args:
-            accepted_nodes: (B, N) int64, the accepted path (root first, then -1).
-            num_accepted: (B,) int64, accepted drafts (root not counted).
-            active: per sequence, whether it took part in the step.
+            result: the step's ``StepResult``: ``accepted_nodes`` (B, N) int64, the accepted
+                path (root first, then -1); ``num_accepted`` (B,) int64, accepted drafts (root
+                not counted); ``active``, per sequence, whether it took part in the step.
         """
+        super().observe(result)
+        if result.started:
+            return
         last = self._ensemble_last
         if last is not None:
             member_has = last[2]
-            for b, m in enumerate(num_accepted.tolist()):
+            for b, m in enumerate(result.num_accepted.tolist()):
                 for i, name in enumerate(self.names):
                     self.counters[name]["accepted"] += int(member_has[i, b, :m].sum())
-        self._observe_all(accepted_nodes, num_accepted, active)
+        self._observe_all(result)

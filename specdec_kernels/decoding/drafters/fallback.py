@@ -15,9 +15,9 @@ source's acceptance apart (``CostModelPolicy``).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
-from specdec_kernels.decoding.draft import Draft
+from specdec_kernels.decoding.draft import Draft, DraftRequest
 from specdec_kernels.decoding.drafters.merge import MergeDrafter
 
 
@@ -46,11 +46,21 @@ class FallbackDrafter(MergeDrafter):
         holds the root alone."""
         return [w and int(c) <= 1 for w, c in zip(waiting, draft.num_nodes.tolist())]
 
-    def draft_sources(self, histories: Sequence[Sequence[int]], active: Sequence[bool]) -> Optional[List[int]]:
+    def draft_sources(self, request: DraftRequest) -> Optional[List[int]]:
         """Per sequence, the index of the sub-drafter that will draft for it at K >= 1: the
         first whose ``drafts_for(history)`` is true, else the last one (which is asked
-        whatever the others do).  None where that cannot be known before drafting (a
-        sub-drafter before the last without ``drafts_for``)."""
+        whatever the others do); the last one for an inactive sequence.  None where that
+        cannot be known before drafting (a sub-drafter before the last without
+        ``drafts_for``).
+
+        Args:
+            request: the batch's ``request.histories`` and ``request.active`` (its
+                ``num_draft_tokens`` are not read: K is not chosen yet).
+
+        Returns:
+            One int in 0..len(drafters) - 1 per sequence, or None.
+        """
+        histories, active = request.histories, request.active
         last = len(self.drafters) - 1
         caps = self.max_depths or [None] * len(self.drafters)
         # the sub-drafters before the last; one capped at depth 0 never drafts

@@ -14,7 +14,7 @@ is the last committed one.  Both ride in the same target pass:
   pool that start with the root, as chains below it;
 
 merged into one token tree (``merge_chains``).  The target's argmax at every node of the pass
-(``Drafter.observe_target_argmax``) gives o_0..o_W, o_i the target's next token after the
+(``StepResult.target_argmax``, handed to ``observe``: ``wants_target_argmax``) gives o_0..o_W, o_i the target's next token after the
 root and y_1..y_i.  Then:
 
 * n-grams: (y_i, .., y_{i+N-2}, o_{i+N-2}) for every i (y_0 the root), each N tokens the
@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specdec_kernels.checks import integer_at_least
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, StepResult
 from specdec_kernels.decoding.drafters.merge import map_to_merged
 from specdec_kernels.decoding.drafters.ngram import ngram_continuations
 from specdec_kernels.tree import merge_chains
@@ -115,9 +115,17 @@ class LookaheadDrafter(Drafter):
         self._roots: List[int] = [0] * batch
         self.ngrams_added = 0
 
-    def start(self, histories, capacity, sampling, generators) -> None:
-        super().start(histories, capacity, sampling, generators)
-        self._reset(len(histories))
+    def observe(self, result: StepResult) -> None:
+        """A new run (``result.started``) empties the pools and windows; after a step, keep
+        o_0..o_w (``result.target_argmax`` (B, N) int64 at the root and the window's nodes,
+        those at or past ``result.num_nodes[b]`` unknown) for the Jacobi step and pool the
+        n-grams (y_i, .., y_{i+N-2}, o_{i+N-2})."""
+        super().observe(result)
+        if result.started:
+            self._reset(result.batch_size)
+            return
+        if result.target_argmax is not None:
+            self._observe_target_argmax(result.target_argmax, result.num_nodes)
 
     def _fill(self, b: int, history: Sequence[int], n: int) -> List[int]:
         """n fresh guesses: tokens drawn uniformly from the history."""
@@ -141,9 +149,12 @@ class LookaheadDrafter(Drafter):
         keep = keep[: self.window]
         return keep + self._fill(b, history, self.window - len(keep))
 
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        """Per active sequence with K >= 1 the window (cut to K) and up to G n-grams (each
+        cut to K) below its root, merged into one tree of at most ``max_nodes`` nodes; the
+        root alone otherwise.  Deterministic: ``probs`` is None."""
         trees = []
-        for b, (h, k, a) in enumerate(zip(histories, num_draft_tokens, active)):
+        for b, (h, k, a) in enumerate(zip(request.histories, request.num_draft_tokens, request.active)):
             root = h[-1]
             self._window_nodes[b], self._fed[b] = [], []
             if not a or k < 1:
@@ -179,7 +190,7 @@ class LookaheadDrafter(Drafter):
             chains += [c for c in weak if c not in chains]
         return chains[:G]
 
-    def observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor, active) -> None:
+    def _observe_target_argmax(self, argmax: torch.Tensor, num_nodes: torch.Tensor) -> None:
         """Keep o_0..o_w (the target's argmax at the root and the window's nodes) for the
         Jacobi step and pool the n-grams (y_i, .., y_{i+N-2}, o_{i+N-2})."""
         rows = argmax.tolist()

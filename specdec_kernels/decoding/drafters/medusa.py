@@ -33,11 +33,11 @@ heads then see the recent text, not the last position alone.  SmolLM2-135M, 230k
 self-distilled positions, 1500 steps: expected accepted length of the 64-node tree on the
 tuning prompts 2.08 without, 2.18 with a window of 32.
 
-The engine hands over h_t through the ``Drafter.wants_hidden`` / ``observe_hidden`` hook:
-after each step the hidden state of the last accepted node, and after the prefill that of
-the prompt's second-to-last token (the node before the first root); for a context layer
-also every committed position's (``observe_context``: the last W fed prompt positions, then
-each step's accepted path).  ``MedusaDrafter`` then drafts
+The engine hands over h_t because the drafter declares ``Drafter.wants_hidden``: each
+``observe(result)`` gets ``result.features.last``, after each step the hidden state of the
+last accepted node, and after the prefill that of the prompt's second-to-last token (the
+node before the first root); for a context layer also every committed position's
+(``features.context``: the last W fed prompt positions, then each step's accepted path).  ``MedusaDrafter`` then drafts
 
 * a chain: each head's argmax (depth d from head d - 1);
 * a static token tree from Medusa-style choice paths (``specdec_kernels.tree.
@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec_kernels.checks import integer_at_least
-from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents, draft_distribution
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, StepResult, chain_parents, draft_distribution
 from specdec_kernels.decoding.drafters.head_file import HeadFile
 from specdec_kernels.decoding.engine.adaptive import TreeBudget
 from specdec_kernels.decoding.loading import MODEL_NAME
@@ -518,7 +518,7 @@ class MedusaDrafter(Drafter):
                 self._child_width = [int(r.max()) + 1 for r in self._child_rank]
         if not tree:
             self.budget = None
-        self.context_window = self.heads.context_window  # > 0: the engine calls observe_context
+        self.context_window = self.heads.context_window  # > 0: results carry features.context
         self._hidden: Optional[torch.Tensor] = None
         self._known: List[bool] = []
         self._context: List[Optional[torch.Tensor]] = []
@@ -532,27 +532,35 @@ class MedusaDrafter(Drafter):
     def num_heads(self) -> int:
         return self.heads.num_heads
 
-    def start(self, histories, capacity, sampling, generators) -> None:
-        super().start(histories, capacity, sampling, generators)
-        if self.budget is not None:
-            self.budget.start(len(histories))
-        self._hidden = None
-        self._known = [False] * len(histories)
-        self._context = [None] * len(histories)
-        self._context_end = [-1] * len(histories)
+    def observe(self, result: StepResult) -> None:
+        """Begin a run (``result.started``: reset the tree budget and the kept hidden states)
+        or count each sequence's accepted drafts for the tree budget's calibration; then keep
+        the target's hidden states (``result.features``): the committed positions' for a
+        context layer (``_keep_context``) and the last accepted node's, (B, H) (the heads'
+        s_0)."""
+        super().observe(result)
+        if result.started:
+            B = result.batch_size
+            if self.budget is not None:
+                self.budget.start(B)
+            self._hidden = None
+            self._known = [False] * B
+            self._context = [None] * B
+            self._context_end = [-1] * B
+        elif self.budget is not None:
+            self.budget.observe(result.num_accepted, result.active)
+        f = result.features
+        if f is None:
+            return
+        if f.context is not None:
+            self._keep_context(f.context, f.context_positions, f.valid)
+        self._hidden = f.last
+        self._known = [bool(a) for a in f.valid]
 
-    def observe(self, accepted_nodes, num_accepted, active) -> None:
-        """Counts each sequence's accepted drafts for the tree budget's calibration."""
-        if self.budget is not None:
-            self.budget.observe(num_accepted, active)
-
-    def observe_hidden(self, hidden: torch.Tensor, active) -> None:
-        self._hidden = hidden
-        self._known = [bool(a) for a in active]
-
-    def observe_context(self, hidden, first_positions, active) -> None:
-        """Keep the hidden states of each sequence's last ``context_window`` positions (see
-        ``Drafter.observe_context``); rows that do not continue the kept ones replace them."""
+    def _keep_context(self, hidden, first_positions, active) -> None:
+        """Keep the hidden states of each sequence's last ``context_window`` positions
+        (``TargetFeatures.context``: hidden[b] (n_b, H) of positions first_positions[b]..);
+        rows that do not continue the kept ones replace them."""
         for b, (rows, first, a) in enumerate(zip(hidden, first_positions, active)):
             if not a or rows is None or rows.shape[0] == 0:
                 continue
@@ -586,7 +594,11 @@ class MedusaDrafter(Drafter):
         return self.heads.contextualize(hidden, E[nxt.to(E.device)], valid.to(E.device))[:, 0]
 
     @torch.inference_mode()
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        """Per sequence a chain (each head's argmax) or the static tree's nodes no deeper than
+        min(K, heads), from the last hidden state ``observe`` kept: tokens (B, N) int64 on the
+        host, ``probs`` None; the root alone where the hidden state is unknown."""
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         roots = [h[-1] for h in histories]
         if self._hidden is None:
             return Draft.from_lists([([r], [-1]) for r in roots])
@@ -616,9 +628,10 @@ class MedusaDrafter(Drafter):
 
     # ------------------------------------------------------------------ chain distributions
     @torch.inference_mode()
-    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+    def chain_begin(self, request: DraftRequest, vocab_size: int):
         """Head 0's distribution of the first draft token (``Drafter.chain_begin``); deeper
         heads follow the chain's tokens when they are token-conditioned."""
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         B = len(histories)
         roots = [h[-1] for h in histories]
         depth = [

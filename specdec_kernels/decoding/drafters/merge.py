@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, StepResult
 from specdec_kernels.decoding.drafters.composite import CompositeDrafter
 from specdec_kernels.tree import merge_trees
 
@@ -127,18 +127,18 @@ class MergeDrafter(CompositeDrafter):
         """Forget the last step's merged trees (a new batch)."""
         self._last = None
 
-    def _ask(
-        self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]
-    ) -> Tuple[List[Draft], List[List[bool]]]:
-        """The sub-drafters' drafts, in order (K cut at each one's cap), and per sub-drafter
-        the sequences it was asked to draft for: the active ones ``_still_waiting`` leaves."""
+    def _ask(self, request: DraftRequest) -> Tuple[List[Draft], List[List[bool]]]:
+        """The sub-drafters' drafts, in order (K cut at each one's cap, each with its own
+        run), and per sub-drafter the sequences it was asked to draft for: the active ones
+        ``_still_waiting`` leaves."""
         drafts: List[Draft] = []
         asked: List[List[bool]] = []
-        waiting = list(active)
+        waiting = list(request.active)
         for i, name in enumerate(self.names):
             asked.append(list(waiting))
+            own = self._request(i, request, self._capped(i, request.num_draft_tokens), asked[i])
             with self._timed(name, "propose_time"):
-                drafts.append(self.drafters[i].propose(histories, self._capped(i, num_draft_tokens), asked[i]))
+                drafts.append(self.drafters[i].propose(own))
             waiting = self._still_waiting(waiting, drafts[-1])
         return drafts, asked
 
@@ -147,13 +147,21 @@ class MergeDrafter(CompositeDrafter):
         here all of ``waiting`` (every sub-drafter drafts for every active sequence)."""
         return waiting
 
-    def propose(
-        self, histories: Sequence[Sequence[int]], num_draft_tokens: Sequence[int], active: Sequence[bool]
-    ) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
         """The sub-drafters' drafts (``_ask``) merged per sequence into one trie of at most
-        ``max_nodes`` nodes (``merge_trees``); ``Draft.probs`` None."""
+        ``max_nodes`` nodes (``merge_trees``).
+
+        Args:
+            request: the batch's histories, draft depths (each sub-drafter's cut at its cap)
+                and active flags.
+
+        Returns:
+            A ``Draft`` (tokens, parents (B, N) int64 on the first draft's device; ``probs``
+            None: q one-hot).
+        """
+        histories, active = request.histories, request.active
         B = len(histories)
-        drafts, asked = self._ask(histories, num_draft_tokens, active)
+        drafts, asked = self._ask(request)
         trees, per_seq = [], []
         for b in range(B):
             root = histories[b][-1]
@@ -173,20 +181,33 @@ class MergeDrafter(CompositeDrafter):
         self._last = (list(active), per_seq, [d.tokens.shape[1] for d in drafts], asked)
         return Draft.from_lists(trees, device=drafts[0].tokens.device, is_chain=None)
 
-    def observe(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, active: Sequence[bool]) -> None:
-        """Credit the sources of the accepted nodes; each sub-drafter observes the accepted
-        path in its own node indices (``own_accepted_path``), for the sequences it drafted for.
+    def observe(self, result: StepResult) -> None:
+        """Begin a run (``result.started``, ``CompositeDrafter.observe``), or credit the
+        sources of the accepted nodes; each sub-drafter then observes the accepted path in its
+        own node indices (``own_accepted_path``), for the sequences it drafted for, and the
+        target's argmax at its own nodes (``_own_argmax``) where it wants them.
 
         Args:
-            accepted_nodes: (B, N) int64, the merged tree's accepted path (root first, then -1).
-            num_accepted: (B,) int64, accepted drafts (root not counted).
-            active: per sequence, whether it took part in the step.
+            result: the step's ``StepResult``: ``accepted_nodes`` (B, N) int64, the merged
+                tree's accepted path (root first, then -1); ``num_accepted`` (B,) int64,
+                accepted drafts (root not counted); ``active``, per sequence, whether it took
+                part in the step.
         """
-        if self._last is None:
-            self._observe_all(accepted_nodes, num_accepted, active)
+        super().observe(result)
+        if result.started:
             return
+        if self._last is None:
+            self._observe_all(result)
+            return
+        try:
+            self._observe_merged(result)
+        finally:
+            self._last = None
+
+    def _observe_merged(self, result: StepResult) -> None:
+        """``observe`` after a merged draft (``_last``)."""
+        accepted_nodes, num_accepted, active = result.accepted_nodes, result.num_accepted, result.active
         proposed_active, per_seq, widths, asked = self._last
-        self._last = None
         rows = accepted_nodes.tolist()
         counts = num_accepted.tolist()
         paths = [rows[b][: counts[b] + 1] for b in range(len(rows))]
@@ -212,9 +233,8 @@ class MergeDrafter(CompositeDrafter):
             # a sub-drafter observes only the sequences it was asked to draft for (fallback:
             # one that was not keeps its state, e.g. a model drafter's cache, as if the step
             # had not happened, and catches up on the committed tokens when next asked)
-            with self._timed(name, "observe_time"):
-                seen = [bool(a) and bool(q) for a, q in zip(active, asked[i])]
-                d.observe(own_nodes.to(accepted_nodes.device), own_count.to(num_accepted.device), seen)
+            seen = [bool(a) and bool(q) for a, q in zip(active, asked[i])]
+            self._observe_one(i, result, own_nodes.to(accepted_nodes.device), own_count.to(num_accepted.device), seen)
 
     def _own_argmax(self, i: int, argmax: torch.Tensor, num_nodes: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The merged tree's argmax entries mapped back to sub-drafter ``i``'s nodes (-1 at a
@@ -223,11 +243,17 @@ class MergeDrafter(CompositeDrafter):
             return argmax, num_nodes
         per_seq, widths = self._last[1], self._last[2]
         own = torch.full((argmax.shape[0], max(widths[i], 1)), -1, dtype=argmax.dtype)  # -1: cut from the merged tree
-        own_n = torch.ones(argmax.shape[0], dtype=torch.int64)
+        own_n = self._own_num_nodes(i, num_nodes)
         for b, (_, maps, _) in enumerate(per_seq):
             ids = maps[i]
-            own_n[b] = len(ids)
             for j, m in enumerate(ids):
                 if 0 <= m < int(num_nodes[b]):  # in the merged tree and not cut by the engine
                     own[b, j] = argmax[b, m]
         return own, own_n
+
+    def _own_num_nodes(self, i: int, num_nodes: torch.Tensor) -> torch.Tensor:
+        """The nodes (B,) int64 of sub-drafter ``i``'s own draft (the root alone where it was
+        not asked), however many of them the merged tree kept."""
+        if self._last is None:
+            return num_nodes
+        return torch.tensor([len(maps[i]) for _, maps, _ in self._last[1]], dtype=torch.int64)

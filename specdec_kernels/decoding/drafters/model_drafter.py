@@ -23,10 +23,11 @@ returned as ``Draft.probs``.
 the accepted drafts it had fed need not be fed again.
 
 When the layers it runs are the target's own first layers (``LayerSkipDrafter``, or a draft
-model made by ``Transformer.truncated``), the engine hands it the target's KV cache
-(``bind_target_cache``): those layers' keys and values of every committed token are already
-there (the same layers over the same tokens), so it keeps no cache of its own, never feeds
-the prompt, and feeds only the root at each step.  Its draft nodes go to the slots past
+model made by ``Transformer.truncated``), it takes the target's KV cache the run offers
+(``DraftRun.target`` and ``DraftRun.target_kv_cache``, read when ``observe`` sees the run
+start; ``shares_target_cache`` then says so): those layers' keys and values of every
+committed token are already there (the same layers over the same tokens), so it keeps no
+cache of its own, never feeds the prompt, and feeds only the root at each step.  Its draft nodes go to the slots past
 the committed tokens, which the target's verification pass overwrites before it reads them:
 the output does not change.
 """
@@ -39,7 +40,14 @@ import torch
 
 from specdec_kernels import compact_kv_cache, sampling_probs
 from specdec_kernels.decoding.coupling import gumbel_top_k
-from specdec_kernels.decoding.draft import Draft, Drafter, draft_distribution, sample_tokens
+from specdec_kernels.decoding.draft import (
+    Draft,
+    Drafter,
+    DraftRequest,
+    StepResult,
+    draft_distribution,
+    sample_tokens,
+)
 from specdec_kernels.decoding.model import Transformer
 from specdec_kernels.decoding.paged import PagedKVCache, length_groups
 from specdec_kernels.tree import ancestor_mask
@@ -75,14 +83,21 @@ class ModelDrafter(Drafter):
         deterministic: draft the top tokens even when sampling (the verifier then treats q as
             one-hot); by default a sampling run samples the drafts.
         share_target_cache: True (default): when the layers it runs are the target's own
-            (``bind_target_cache``), read and write the target's KV cache instead of a cache of
-            its own; False always keeps its own (and feeds the prompt through its layers).
+            (``DraftRun.target`` / ``target_kv_cache``), read and write the target's KV cache
+            instead of a cache of its own; False always keeps its own (and feeds the prompt
+            through its layers).
+
+    Attributes:
+        shares_target_cache: True after the start of a run in which it took the target's KV
+            cache (a composite drafter then offers that cache to no other sub-drafter); False
+            before the first run and when it keeps a cache of its own.
 
     Raises:
         ValueError: num_layers outside 1..model layers, a width < 1, max_nodes < 2.
     """
 
     name = "draft-model"
+    shares_target_cache = False
 
     def __init__(
         self,
@@ -107,18 +122,15 @@ class ModelDrafter(Drafter):
         self.max_nodes = max_nodes
         self.deterministic = deterministic
         self.share_target_cache = bool(share_target_cache)
-        self._target_cache = None
 
-    def bind_target_cache(self, target: Transformer, kv_cache) -> bool:
-        """Called by the engine before ``start`` with its target model and KV cache (dense
-        tensor or ``paged.PagedKVCache``), or with None for either: when the drafter's model
-        and ``target`` are ``Transformer``s and the drafter's embeddings and the layers it runs
-        are the very modules of ``target``'s first layers (same weights, dtype and device), and
-        ``share_target_cache`` is set, the drafter reads and writes ``kv_cache`` instead of
-        allocating its own (module docstring).  Returns whether it shares.  A drafter object
-        shares with at most one engine run at a time: the next call rebinds it."""
+    def _can_share(self, target, kv_cache) -> bool:
+        """Whether the drafter may read and write the target's KV cache ``kv_cache`` (dense
+        tensor or ``paged.PagedKVCache``; None for either: no): the drafter's model and
+        ``target`` are ``Transformer``s, the drafter's embeddings and the layers it runs are
+        the very modules of ``target``'s first layers (same weights, dtype and device), and
+        ``share_target_cache`` is set (module docstring)."""
         m = self.model
-        shares = (
+        return bool(
             self.share_target_cache
             and isinstance(m, Transformer)  # our model: a transformers adapter keeps its own
             and isinstance(target, Transformer)
@@ -131,19 +143,20 @@ class ModelDrafter(Drafter):
             and m.args.num_kv_heads == target.args.num_kv_heads
             and m.args.head_dim == target.args.head_dim
         )
-        self._target_cache = kv_cache if shares else None
-        return shares
 
     @property
     def vocab_size(self) -> int:
         return self.model.args.vocab_size
 
-    def start(self, histories, capacity, sampling, generators) -> None:
-        super().start(histories, capacity, sampling, generators)
-        layout = getattr(self, "cache_layout", None)
-        self._shared = self._target_cache is not None
-        if self._shared:  # the target's cache holds every committed token but the root
-            self.cache = self._target_cache
+    def _start(self, result: StepResult) -> None:
+        """A new run (``result.started``): the target's cache where the run offers it and the
+        drafter can share it, else a cache of its own laid out as ``run.cache_layout``."""
+        run, histories = result.run, result.histories
+        capacity, layout = run.capacity, run.cache_layout
+        # a drafter object shares with at most one engine run at a time: the next run rebinds it
+        self.shares_target_cache = self._can_share(run.target, run.target_kv_cache)
+        if self.shares_target_cache:  # the target's cache holds every committed token but the root
+            self.cache = run.target_kv_cache
             self._prefill_pending = False
         elif layout is not None and layout.paged:
             # the drafter's cache holds each prompt but its last token (the root) before drafting
@@ -162,10 +175,10 @@ class ModelDrafter(Drafter):
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the drafter's own KV cache (0 before ``start`` and when it shares the
+        """Bytes of the drafter's own KV cache (0 before the first run and when it shares the
         target's)."""
         cache = getattr(self, "cache", None)
-        if cache is None or getattr(self, "_shared", False):
+        if cache is None or self.shares_target_cache:
             return 0
         return cache.nbytes if isinstance(cache, PagedKVCache) else cache.numel() * cache.element_size()
 
@@ -216,7 +229,7 @@ class ModelDrafter(Drafter):
         if self._prefill_pending:
             self._prefill_paged(histories)
         B = len(histories)
-        if self._shared:  # the target's cache: every committed token but the root is in it
+        if self.shares_target_cache:  # the target's cache: every committed token but the root is in it
             self.seqlens = [len(h) - 1 for h in histories]
         pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
         P = max(len(p) for p in pending)
@@ -228,7 +241,20 @@ class ModelDrafter(Drafter):
 
     # ------------------------------------------------------------------ interface
     @torch.inference_mode()
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        """A chain, or the static tree of ``tree_widths``, below each root
+        (``Drafter.propose``): the committed tokens the drafter has not seen are fed first,
+        then one pass per depth.
+
+        Args:
+            request: the histories, per-sequence depths (the tree is cut at each one's depth)
+                and active flags (an inactive sequence gets the root alone).
+
+        Returns:
+            A ``Draft``: tokens and parents (B, N) int64 on the host, ``probs`` (B, N, V)
+            float32 when sampling without coupling (else None).
+        """
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         B = len(histories)
         depth = max(k for k, a in zip(num_draft_tokens, active) if a) if any(active) else 0
         if depth == 0:
@@ -287,9 +313,11 @@ class ModelDrafter(Drafter):
 
     # ------------------------------------------------------------------ chain distributions
     @torch.inference_mode()
-    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+    def chain_begin(self, request: DraftRequest, vocab_size: int):
         """The draft model's distribution of the first draft token (``Drafter.chain_begin``):
-        the committed tokens it has not seen are fed, ending at the root."""
+        the committed tokens it has not seen are fed, ending at the root.  Returns probs
+        (B, V) float32 on the host and has (B,) bool."""
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
         logits = self._feed_pending(histories, active)
         self._fed_depth, self._is_chain = 0, True
         self._chain_ks = [int(k) if a else 0 for k, a in zip(num_draft_tokens, active)]
@@ -335,10 +363,23 @@ class ModelDrafter(Drafter):
         self._prefill_pending = False
 
     @torch.inference_mode()
-    def observe(self, accepted_nodes, num_accepted, active) -> None:
+    def observe(self, result: StepResult) -> None:
+        """A new run (``result.started``: its cache, see ``_start``), or the step's accepted
+        path: the drafter's cache is compacted to it (``compact_kv_cache``; a tree's accepted
+        drafts whose K/V it wrote), so they need not be fed again.
+
+        Args:
+            result: the step's ``StepResult``; reads ``accepted_nodes`` (B, N) int64,
+                ``num_accepted`` (B,) int64 and ``active``.
+        """
+        super().observe(result)
+        if result.started:
+            self._start(result)
+            return
+        accepted_nodes, num_accepted, active = result.accepted_nodes, result.num_accepted, result.active
         if self._root_slot is None:
             return
-        if self._shared:  # the target compacted its cache; the next propose reads its lengths
+        if self.shares_target_cache:  # the target compacted its cache; the next propose reads its lengths
             self._root_slot = None
             return
         fed = num_accepted.clamp(max=self._fed_depth)  # accepted drafts whose K/V the drafter wrote

@@ -1,7 +1,7 @@
 """Several drafters as one: ``MultiDrafter`` builds the drafter that combines them.
 
 Three combinations, one module each, on one base (``composite.CompositeDrafter``: the
-sub-drafters, their statistics, the engine hooks forwarded to them):
+sub-drafters, their statistics, each one's own view of the run and of every step's result):
 
 =============  =============================================================================
 ``merge``      ``MergeDrafter``: every sub-drafter's chain or tree merged into one token tree

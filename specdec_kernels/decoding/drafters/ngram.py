@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from specdec_kernels.decoding.draft import Draft, Drafter, chain_parents
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, chain_parents
 from specdec_kernels.tree import merge_chains
 
 
@@ -143,18 +143,27 @@ class NgramDrafter(Drafter):
         chosen (``draft_sources``)."""
         return bool(ngram_continuations(history, 1, self.max_ngram, self.min_ngram, 1, self.tokens_per_match))
 
-    def chain_begin(self, histories, num_draft_tokens, active, vocab_size):
+    def chain_begin(self, request: DraftRequest, vocab_size: int):
         """The n-gram distribution of the first draft token (``Drafter.chain_begin``): the
         tokens that followed the longest recurring suffix, in proportion to their counts
-        (``ngram_next_counts``); no opinion where no suffix recurs."""
-        self._chain_paths = [list(h) for h in histories]
-        self._chain_ks = [int(k) if a else 0 for k, a in zip(num_draft_tokens, active)]
+        (``ngram_next_counts``); no opinion where no suffix recurs.
+
+        Args:
+            request: the batch's histories, draft depths and active flags.
+            vocab_size: V.
+
+        Returns:
+            probs (B, V) float32 and has (B,) bool, as ``Drafter.chain_begin``.
+        """
+        self._chain_paths = [list(h) for h in request.histories]
+        self._chain_ks = [int(k) if a else 0 for k, a in zip(request.num_draft_tokens, request.active)]
         self._chain_depth = 0
         self._chain_vocab = int(vocab_size)
         return self._chain_distribution()
 
     def chain_extend(self, tokens):
-        """Append the chain's tokens and return the next n-gram distribution."""
+        """Append the chain's tokens ``tokens`` (B,) int64 and return the next n-gram
+        distribution: probs (B, V) float32 and has (B,) bool."""
         for path, t in zip(self._chain_paths, tokens.tolist()):
             path.append(int(t))
         self._chain_depth += 1
@@ -177,9 +186,13 @@ class NgramDrafter(Drafter):
                 has[b] = True
         return probs, has
 
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
+    def propose(self, request: DraftRequest) -> Draft:
+        """Per sequence the continuation of its latest suffix match (``tree=False``: a chain of
+        at most ``request.num_draft_tokens[b]`` tokens), or up to ``max_chains`` of them merged
+        into a tree of at most ``max_nodes`` nodes (``tree=True``); the root alone where
+        nothing matches or the sequence is inactive.  Deterministic: ``probs`` is None."""
         trees = []
-        for h, k, a in zip(histories, num_draft_tokens, active):
+        for h, k, a in zip(request.histories, request.num_draft_tokens, request.active):
             root = h[-1]
             limit = self.max_chains if self.tree else 1
             chains = (

@@ -28,6 +28,8 @@ from __future__ import annotations
 import numbers
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from specdec_kernels.decoding.draft import NoDrafter, SamplingParams
+
 MAX_DEFAULT_K = 1024  # the largest draft length a drafter may declare as its default
 
 
@@ -785,3 +787,28 @@ def resolve_policy(policy, drafter) -> Optional[DraftLengthPolicy]:
             raise ValueError(f"policy must be None, a DraftLengthPolicy or one of {sorted(makers)}, got {policy!r}")
         return makers[policy]()
     raise TypeError(f"policy must be None, a name or a DraftLengthPolicy, got {type(policy).__name__}")
+
+
+def draft_schedule(num_draft_tokens, policy, drafter, sampling):
+    """A ``generate`` call's draft lengths: ``num_draft_tokens`` as given (an int, a list, a
+    schedule or a ``DraftLengthPolicy``), else the decoder's ``policy`` resolved for the drafter
+    (``resolve_policy``; K = 4 when it is None).  With ``coupling="rejection"``, whose tokens
+    depend on K, ``policy="auto"`` means the drafter's fixed default K.
+
+    Raises:
+        ValueError: rejection sampling with an adaptive policy and a drafter (its tokens would
+            follow K, so the batch and the machine's timing)."""
+    rejection = isinstance(sampling, SamplingParams) and not sampling.greedy and sampling.coupling == "rejection"
+    if num_draft_tokens is None:
+        if rejection and isinstance(policy, str) and policy == "auto":
+            num_draft_tokens = resolve_policy("fixed", drafter)  # K must not follow the timing
+        else:
+            num_draft_tokens = resolve_policy(policy, drafter) or 4
+    chosen = num_draft_tokens if isinstance(num_draft_tokens, DraftLengthPolicy) else None
+    if rejection and chosen is not None and not isinstance(chosen, FixedPolicy) and not isinstance(drafter, NoDrafter):
+        raise ValueError(
+            f"sampling.coupling='rejection' needs a fixed draft length: the {chosen.describe()} policy "
+            "chooses K from the batch's acceptance and the measured costs, and rejection sampling's "
+            "tokens depend on K; pass num_draft_tokens=<int>, or use coupling='gumbel'"
+        )
+    return num_draft_tokens

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from specdec_kernels.checks import INDEX_DTYPES, as_int_list, layer_indices
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest
 
 
 def drafter_name(drafter) -> str:
@@ -23,15 +23,16 @@ def drafter_name(drafter) -> str:
     return getattr(drafter, "name", type(drafter).__name__)
 
 
-def check_draft_sources(drafter, histories: List[List[int]], active: List[bool]) -> Optional[List[int]]:
-    """``drafter.draft_sources(histories, active)`` checked: None (no such method, or one
-    source), or one int >= 0 per sequence.
+def check_draft_sources(drafter, request: DraftRequest) -> Optional[List[int]]:
+    """``drafter.draft_sources(request)`` checked: None (no such method, or one source), or
+    one int >= 0 per sequence.
 
     Raises:
         ValueError: anything else, naming the drafter.
     """
     fn = getattr(drafter, "draft_sources", None)
-    sources = fn(histories, active) if fn is not None else None
+    histories = request.histories
+    sources = fn(request) if fn is not None else None
     if sources is None:
         return None
     bad = ValueError(

@@ -19,13 +19,15 @@ draft length K may come from a draft-length policy consulted every step (``adapt
 ``typical=`` replaces lossless rejection sampling by Medusa's typical acceptance (LOSSY,
 ``typical.py``).
 
-The module reads top to bottom as that loop: ``generate`` (the draft-length schedule, then
-``_run_steps``), ``start`` (checks, the KV cache, the prefill of ``prefill.py``, the drafter's
-reset) and ``step`` (``_draft``, ``_verify``, ``_emit``, ``_advance``, ``_observe``,
-``_record``).  What it leans on lives beside it: the option checks (``options.py``), the run's
-state and host/device helpers (``state.py``), the checks of a drafter's proposal
-(``draft_checks.py``), the block and the table of verification paths (``verify.py``), the step
-thread choice (``threads.py``).
+The module reads top to bottom as that loop: ``generate`` (the draft-length schedule of
+``adaptive.draft_schedule``, then ``_run_steps``), ``start`` (checks, the KV cache, the prefill
+of ``prefill.py``, the drafter's ``observe`` of the prefill's result) and ``step`` (``_draft``:
+the drafter's ``propose``; ``_verify``, ``_emit``, ``_advance``; ``_observe``: the drafter's
+``observe`` of the step's ``StepResult``; ``DecodeState.record_step``).  The drafter is reached
+through those two methods only (``draft.Drafter``).  What the loop leans on lives beside it:
+the option and request checks (``options.py``), the run's state and host/device helpers
+(``state.py``), the checks of a drafter's proposal (``draft_checks.py``), the block and the
+table of verification paths (``verify.py``), the step thread choice (``threads.py``).
 
 The KV caches (the target's and every model drafter's) are dense by default; with
 ``block_size=`` they are paged (``paged.py``: a block pool and block tables, written and read
@@ -43,16 +45,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from specdec_kernels import compact_kv_cache
-from specdec_kernels.checks import as_int_list
-from specdec_kernels.decoding.coupling import GumbelCoupling
+from specdec_kernels.decoding import draft as contract
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine.adaptive import (
-    CostModelPolicy,
-    DraftLengthPolicy,
-    FixedPolicy,
-    LinearCost,
-    resolve_policy,
-)
+from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, DraftLengthPolicy, LinearCost, draft_schedule
 from specdec_kernels.decoding.engine.draft_checks import (
     check_draft,
     check_draft_sources,
@@ -61,8 +56,12 @@ from specdec_kernels.decoding.engine.draft_checks import (
     feature_layer_kwargs,
 )
 from specdec_kernels.decoding.engine.graphs import CapturedPasses, CudaGraph
-from specdec_kernels.decoding.engine.options import RANDOM_SOURCES, check_options  # noqa: F401 (re-exported)
-from specdec_kernels.decoding.engine.prefill import prefill
+from specdec_kernels.decoding.engine.options import (  # noqa: F401 (RANDOM_SOURCES re-exported)
+    RANDOM_SOURCES,
+    check_options,
+    check_requests,
+)
+from specdec_kernels.decoding.engine.prefill import new_kv_cache, prefill
 from specdec_kernels.decoding.engine.state import (  # noqa: F401 (re-exported: the loop's vocabulary)
     DRAFT_SEED_OFFSET,
     DecodeState,
@@ -259,7 +258,7 @@ class SpeculativeDecoder:
         """
         if not self._in_use.acquire(blocking=False):
             raise RuntimeError(
-                f"this SpeculativeDecoder (drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)!r}) "
+                f"this SpeculativeDecoder (drafter {drafter_name(self.drafter)!r}) "
                 "is decoding already, in another thread or in an on_step callback: its drafter and caches hold "
                 "that run's state; make one decoder per thread (they may share the model)"
             )
@@ -271,7 +270,7 @@ class SpeculativeDecoder:
     def _generate(self, prompts, max_new_tokens, num_draft_tokens, sampling, seeds, on_step) -> GenerationResult:
         """``generate``'s body (the caller holds ``_in_use``)."""
         t0 = time.perf_counter()
-        schedule = self._schedule(num_draft_tokens, sampling)
+        schedule = draft_schedule(num_draft_tokens, self.policy, self.drafter, sampling)
         policy = schedule if isinstance(schedule, DraftLengthPolicy) else None
         state = self.start(prompts, max_new_tokens, sampling, seeds)
         if policy is not None:
@@ -298,27 +297,6 @@ class SpeculativeDecoder:
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
 
-    def _schedule(self, num_draft_tokens, sampling):
-        """``generate``'s draft lengths: ``num_draft_tokens``, else the decoder's policy.
-
-        Raises:
-            ValueError: rejection sampling with an adaptive policy (its tokens would follow K)."""
-        rejection = isinstance(sampling, SamplingParams) and not sampling.greedy and sampling.coupling == "rejection"
-        if num_draft_tokens is None:
-            if rejection and isinstance(self.policy, str) and self.policy == "auto":
-                num_draft_tokens = resolve_policy("fixed", self.drafter)  # K must not follow the timing
-            else:
-                num_draft_tokens = resolve_policy(self.policy, self.drafter) or 4
-        policy = num_draft_tokens if isinstance(num_draft_tokens, DraftLengthPolicy) else None
-        if rejection and policy is not None and not isinstance(policy, FixedPolicy):
-            if not isinstance(self.drafter, NoDrafter):
-                raise ValueError(
-                    f"sampling.coupling='rejection' needs a fixed draft length: the {policy.describe()} policy "
-                    "chooses K from the batch's acceptance and the measured costs, and rejection sampling's "
-                    "tokens depend on K; pass num_draft_tokens=<int>, or use coupling='gumbel'"
-                )
-        return num_draft_tokens
-
     def _run_steps(self, state: DecodeState, schedule, policy, threads: StepThreads, on_step) -> None:
         """Steps until every sequence stops: K from the policy (or the schedule), one ``step``
         under the step thread choice, the policy told what happened."""
@@ -328,9 +306,7 @@ class SpeculativeDecoder:
             if policy is not None:
                 if getattr(policy, "per_source", False):  # which source drafts, before K
                     t = time.perf_counter()
-                    state.draft_sources = check_draft_sources(
-                        self.drafter, state.histories, [not d for d in state.done]
-                    )
+                    state.draft_sources = check_draft_sources(self.drafter, self._request(state, None))
                     sources_time = time.perf_counter() - t
                 k = policy.choose(state)
             else:
@@ -362,91 +338,52 @@ class SpeculativeDecoder:
                 max_new_tokens longer than the model's positions.
             TypeError: non-integer token ids or max_new_tokens, sampling not a SamplingParams.
         """
-        histories, limits, sampling = self._checked_requests(prompts, max_new_tokens, sampling)
-        B, V = len(histories), self.model.args.vocab_size
+        histories, limits, sampling = check_requests(self.model.args.vocab_size, prompts, max_new_tokens, sampling)
+        V = self.model.args.vocab_size
         lengths = [len(h) for h in histories]
         # the longest sequence this batch can reach (per sequence: its prompt plus its limit)
         capacity = max(n + m for n, m in zip(lengths, limits)) + self.max_draft_nodes + 1
         if capacity > self.model.args.max_position + self.max_draft_nodes + 1:
             raise ValueError(f"prompt plus max_new_tokens exceed the model's {self.model.args.max_position} positions")
-        kv_cache = self._new_cache(histories, capacity)
-        state = DecodeState(
-            histories=histories,
-            prompt_lengths=lengths,
-            max_new_tokens=limits,
-            kv_cache=kv_cache,
-            cache_seqlens=torch.zeros(B, dtype=torch.int32, device=self.model.device),
-            done=[m == 0 for m in limits],
-            generators=make_generators(seeds, B),
-            sampling=sampling,
-        )
-        if not sampling.greedy and sampling.coupling == "gumbel":
-            state.coupling = GumbelCoupling([g.initial_seed() for g in state.generators], V)
-        if self.random_source == "philox":  # a seed's bit pattern as a Philox key
-            keys = [(g.initial_seed() + 2**63) % 2**64 - 2**63 for g in state.generators]
-            state.philox_seeds = torch.tensor(keys, dtype=torch.int64, device=self.model.device)
-            state.philox_offsets = [0] * B
-        state.stats.kv_cache_bytes = (
-            kv_cache.nbytes if isinstance(kv_cache, PagedKVCache) else kv_cache.numel() * kv_cache.element_size()
-        )
+        kv_cache = new_kv_cache(self.model, self.drafter, histories, capacity, self.cache_layout)
+        state = DecodeState.new(histories, limits, kv_cache, sampling, seeds, V, self.random_source)
         t = time.perf_counter()
         prefill_hidden = prefill(self.model, state, self.drafter, self.prefill_chunk, self._layer_kwargs)
         state.stats.prefill_time = time.perf_counter() - t
         t = time.perf_counter()
         self._start_drafter(state, capacity, seeds, prefill_hidden)
         state.stats.draft_time += time.perf_counter() - t
-        state.stats.kv_cache_bytes += int(getattr(self.drafter, "kv_cache_bytes", 0))
+        state.stats.kv_cache_bytes += int(self.drafter.kv_cache_bytes)
         return state
 
-    def _checked_requests(self, prompts, max_new_tokens, sampling):
-        """(histories, limits, sampling) of ``start``'s arguments, checked (see ``start``)."""
-        histories = [as_int_list(f"prompts[{b}]", p) for b, p in enumerate(prompts)]
-        if not histories:
-            raise ValueError("prompts must hold at least one prompt")
-        V = self.model.args.vocab_size
-        for b, h in enumerate(histories):
-            if not h:
-                raise ValueError(f"prompts[{b}] is empty (a prompt needs at least one token)")
-            if min(h) < 0 or max(h) >= V:
-                raise ValueError(f"prompts[{b}] holds token ids outside [0, {V})")
-        limits = per_sequence("max_new_tokens", max_new_tokens, len(histories))
-        if min(limits) < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, an int or one per prompt, got {max_new_tokens}")
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        return histories, limits, sampling or SamplingParams()
-
-    def _new_cache(self, histories: List[List[int]], capacity: int):
-        """The target's KV cache for these prompts: dense, or paged (prefixes shared)."""
-        if not self.cache_layout.paged:
-            return self.model.new_kv_cache(len(histories), capacity)
-        # the shared prefix never reaches the positions whose hidden states a Medusa-style
-        # drafter needs from this sequence's own prefill (its context window, its last token)
-        keep = (
-            max(1, int(getattr(self.drafter, "context_window", 0) or 0))
-            if getattr(self.drafter, "wants_hidden", False)
-            else 0
-        )
-        prefixes = [h[: max(0, len(h) - 1 - keep)] for h in histories]
-        return PagedKVCache.allocate(self.model, prefixes, capacity, self.cache_layout)
-
     def _start_drafter(self, state: DecodeState, capacity: int, seeds, prefill_hidden) -> None:
-        """Reset the drafter for this run: its caches' layout, the target's cache where it reads
-        it, the coupling, its generators, and the prompts' hidden states where it wants them."""
-        if hasattr(self.drafter, "set_cache_layout"):  # model drafters lay out their caches like the target's
-            self.drafter.set_cache_layout(self.cache_layout)
-        if hasattr(self.drafter, "bind_target_cache"):  # layer-skip drafters read the target's own cache
-            self.drafter.bind_target_cache(self.model, state.kv_cache)
-        self.drafter.coupling = state.coupling
+        """Begin the drafter's run: the ``DraftRun`` (its generators, the coupling, the cache
+        layout, the target's cache to share), then ``observe`` of the prefill's result (the
+        prompts' hidden states where it wants them)."""
         B = state.batch_size
-        self.drafter.start(state.histories, capacity, state.sampling, make_generators(seeds, B, DRAFT_SEED_OFFSET))
-        if hasattr(self.drafter, "bind_stats"):  # e.g. MultiDrafter's per-drafter counters, fresh each run
-            self.drafter.bind_stats(state.stats)
+        state.draft_run = contract.DraftRun(
+            capacity=capacity,
+            sampling=state.sampling,
+            generators=make_generators(seeds, B, DRAFT_SEED_OFFSET),
+            coupling=state.coupling,
+            cache_layout=self.cache_layout,
+            target=self.model,
+            target_kv_cache=state.kv_cache,
+            stats=state.stats,
+        )
+        features = None
         if prefill_hidden is not None:
             last, has, context, first = prefill_hidden
-            if context is not None:
-                self.drafter.observe_context(context, first, has)
-            self.drafter.observe_hidden(last, has)
+            features = contract.TargetFeatures(last, has, context, first if context is not None else None)
+        active = [not d for d in state.done]
+        self.drafter.observe(contract.StepResult(state.histories, active, state.draft_run, features=features))
+
+    def _request(self, state: DecodeState, ks: Optional[List[int]]) -> contract.DraftRequest:
+        """The drafter's request for this step (``ks`` None: the depths are not chosen yet)."""
+        active = [not d for d in state.done]
+        return contract.DraftRequest(
+            state.histories, ks if ks is not None else [0] * len(active), active, state.draft_run
+        )
 
     @torch.inference_mode()
     def step(self, state: DecodeState, num_draft_tokens: Union[int, Sequence[int]] = 4) -> List[List[int]]:
@@ -483,14 +420,14 @@ class SpeculativeDecoder:
         clock.append(time.perf_counter())
         self._observe(state, draft, seqlens, accepted_nodes, num_accepted, keep)
         clock.append(time.perf_counter())
-        self._record(state, ks, active, draft, depth, num_accepted, clock)
+        state.record_step(ks, active, draft, depth, num_accepted, clock, self.drafter.model_tokens)
         return emitted
 
     def _draft(self, state: DecodeState, ks: List[int], active: List[bool]) -> Tuple[Draft, List[int]]:
         """The drafter's proposal, checked and cut to the room each sequence has; and the
         cache lengths, from the host's copy (no read of the device's cache_seqlens)."""
         name = drafter_name(self.drafter)
-        proposal = self.drafter.propose(state.histories, ks, active)
+        proposal = self.drafter.propose(contract.DraftRequest(state.histories, ks, active, state.draft_run))
         draft = check_draft(proposal, name, state.histories, active, self.model.args.vocab_size)
         if state.host_seqlens is None:
             state.host_seqlens = [int(s) for s in state.cache_seqlens.tolist()]
@@ -512,46 +449,32 @@ class SpeculativeDecoder:
         state.host_seqlens = [s + a for s, a in zip(seqlens, filled)]
 
     def _observe(self, state: DecodeState, draft: Draft, seqlens, accepted_nodes, num_accepted, keep) -> None:
-        """Tell the drafter what the step accepted (and the target's argmax and hidden states
-        where it wants them)."""
-        B = state.batch_size
-        if self._target_argmax is not None:  # e.g. lookahead decoding's Jacobi update
-            self.drafter.observe_target_argmax(self._target_argmax, draft.num_nodes.clone(), keep)
-            self._target_argmax = None
-        self.drafter.observe(accepted_nodes, num_accepted, keep)
+        """Tell the drafter what the step produced (``StepResult``): the accepted nodes, and
+        the target's argmax and hidden states where it declared it wants them."""
+        features = None
         if self._hidden is not None:  # the hidden state of each sequence's last accepted node
-            if getattr(self.drafter, "context_window", 0):  # and of the whole accepted path
+            context = None
+            if self.drafter.context_window:  # and of the whole accepted path
                 nodes = to_device(accepted_nodes, self._hidden.device)
-                first = seqlens  # where each accepted path starts in the cache
-                path = [self._hidden[b, nodes[b, : int(num_accepted[b]) + 1]] if keep[b] else None for b in range(B)]
-                self.drafter.observe_context(path, first, keep)
+                B = state.batch_size
+                context = [self._hidden[b, nodes[b, : int(num_accepted[b]) + 1]] if keep[b] else None for b in range(B)]
             last = accepted_nodes.gather(1, num_accepted[:, None].to(accepted_nodes.dtype)).clamp(min=0)[:, 0]
-            rows = torch.arange(B, device=self._hidden.device)
-            self.drafter.observe_hidden(self._hidden[rows, to_device(last, self._hidden.device)], keep)
+            rows = torch.arange(state.batch_size, device=self._hidden.device)
+            last_hidden = self._hidden[rows, to_device(last, self._hidden.device)]
+            features = contract.TargetFeatures(last_hidden, keep, context, seqlens if context is not None else None)
             self._hidden = None
-
-    def _record(self, state: DecodeState, ks, active, draft: Draft, depth, num_accepted, clock: List[float]) -> None:
-        """The step's statistics and ``StepRecord`` (clock: its start, drafted, verified,
-        advanced and observed times)."""
-        t0, t1, t2, t3, t4 = clock
-        stats = state.stats
-        stats.target_passes += 1
-        stats.draft_tokens += int((draft.num_nodes - 1)[torch.tensor(active)].sum())
-        stats.draft_time += (t1 - t0) + (t4 - t3)
-        stats.verify_time += t2 - t1
-        stats.bookkeeping_time += t3 - t2
-        stats.draft_lengths.extend(k for k, a in zip(ks, active) if a)
-        stats.draft_model_tokens = int(getattr(self.drafter, "model_tokens", 0))
-        state.last_step = StepRecord(
-            ks=ks,
-            depths=depth.tolist(),
-            num_nodes=draft.num_nodes.tolist(),
-            num_accepted=num_accepted.tolist(),
-            active=active,
-            block_width=int(draft.num_nodes.max()),
-            draft_time=(t1 - t0) + (t4 - t3),
-            verify_time=t2 - t1,
+        result = contract.StepResult(
+            state.histories,
+            keep,
+            state.draft_run,
+            accepted_nodes=accepted_nodes,
+            num_accepted=num_accepted,
+            num_nodes=draft.num_nodes.clone(),
+            target_argmax=self._target_argmax,
+            features=features,
         )
+        self._target_argmax = None
+        self.drafter.observe(result)
 
     def _verify(self, state: DecodeState, draft: Draft, seqlens: List[int]):
         """Target pass over the block and verification, reading the device once: returns
@@ -562,7 +485,7 @@ class SpeculativeDecoder:
         the draft's width (``verify.build_block``)."""
         block = build_block(draft, seqlens, self.max_draft_nodes if self.node_buckets else None, self.model.device)
         logits = self._target_pass(state, block, seqlens)
-        target_argmax = logits.argmax(dim=-1) if getattr(self.drafter, "wants_target_argmax", False) else None
+        target_argmax = logits.argmax(dim=-1) if self.drafter.wants_target_argmax else None
         out, accepted_nodes, num_accepted = verify(logits, state, block, self.verification)
         cut = block.cut
         if cut < block.width:  # the padding's rows go (no accepted path reaches them)
@@ -581,7 +504,7 @@ class SpeculativeDecoder:
     def _target_pass(self, state: DecodeState, block, seqlens: List[int]) -> torch.Tensor:
         """The target's logits (B, width, V) for the block (replayed from a captured graph with
         ``cuda_graphs``); sets ``_hidden`` for a drafter that wants hidden states."""
-        wants_hidden = getattr(self.drafter, "wants_hidden", False)
+        wants_hidden = self.drafter.wants_hidden
         args = (block.tokens, block.positions, state.kv_cache, state.cache_seqlens, block.tree_mask)
         self._hidden = None
         if self._passes is not None:  # the captured pass of this shape class, replayed

@@ -6,11 +6,13 @@ says what each option means.
 
 from __future__ import annotations
 
+import inspect
 from typing import FrozenSet
 
 from specdec_kernels.checks import as_int, as_int_list, as_real, layer_indices
-from specdec_kernels.decoding.draft import Drafter
+from specdec_kernels.decoding.draft import Drafter, SamplingParams
 from specdec_kernels.decoding.engine.adaptive import resolve_policy
+from specdec_kernels.decoding.engine.state import per_sequence
 from specdec_kernels.decoding.model import Transformer
 
 # where the sampling ops' random numbers come from (``SpeculativeDecoder(random_source=...)``)
@@ -60,12 +62,41 @@ def check_options(model, drafter: Drafter, options: dict) -> FrozenSet[int]:
     if not isinstance(options["random_source"], str) or options["random_source"] not in RANDOM_SOURCES:
         raise ValueError(f"random_source must be one of {RANDOM_SOURCES}, got {options['random_source']!r}")
     _check_graphs(model, options)
+    check_drafter(drafter)
     vocab = getattr(drafter, "vocab_size", None)
     if vocab is not None and vocab != V:
         raise ValueError(f"the drafter's vocabulary ({vocab}) differs from the target's ({V})")
     if getattr(drafter, "wants_hidden", False):  # read here, once
         layer_indices("drafter.feature_layers", getattr(drafter, "feature_layers", ()), model.args.num_layers)
     return frozenset(stops)
+
+
+def check_drafter(drafter) -> None:
+    """A drafter is a ``Drafter`` whose ``propose`` takes one request and whose ``observe``
+    one step result (the contract of ``decoding/draft.py``).
+
+    Raises:
+        TypeError: not a ``Drafter``; ``propose`` or ``observe`` written for the older
+            contract of several arguments (``propose(histories, num_draft_tokens, active)``),
+            naming the drafter and the method.
+    """
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a specdec_kernels.decoding.Drafter or None, got {type(drafter).__name__}")
+    for method in ("propose", "observe"):
+        try:
+            params = inspect.signature(getattr(drafter, method)).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C callable: not ours to read
+            continue
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p for p in positional if p.default is p.empty]
+        varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+        if len(required) > 1 or (not positional and not varargs):
+            arg = "request: DraftRequest" if method == "propose" else "result: StepResult"
+            raise TypeError(
+                f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r}: {method} must take one argument "
+                f"({method}(self, {arg})), got {method}{inspect.signature(getattr(drafter, method))}; "
+                "see docs/ENGINE.md, 'The drafter interface'"
+            )
 
 
 def _is_target(model) -> bool:
@@ -92,3 +123,37 @@ def _check_graphs(model, options: dict) -> None:
             )
         if options["block_size"] is not None:
             raise ValueError("cuda_graphs=True needs a dense KV cache (block_size=None)")
+
+
+def check_requests(vocab_size: int, prompts, max_new_tokens, sampling):
+    """``SpeculativeDecoder.start``'s requests, checked before anything is allocated.
+
+    Args:
+        vocab_size: V, the target's vocabulary.
+        prompts: token ids per sequence (non-empty sequences of ints in [0, V)).
+        max_new_tokens: an int >= 0, or one per prompt.
+        sampling: a ``SamplingParams`` or None (greedy).
+
+    Returns:
+        (histories, limits, sampling): the prompts as lists of ints, max_new_tokens per
+        sequence, the sampling parameters.
+
+    Raises:
+        ValueError: no prompts, an empty prompt, token ids outside [0, V), max_new_tokens < 0
+            or not one per prompt.
+        TypeError: non-integer token ids or max_new_tokens, sampling not a SamplingParams.
+    """
+    histories = [as_int_list(f"prompts[{b}]", p) for b, p in enumerate(prompts)]
+    if not histories:
+        raise ValueError("prompts must hold at least one prompt")
+    for b, h in enumerate(histories):
+        if not h:
+            raise ValueError(f"prompts[{b}] is empty (a prompt needs at least one token)")
+        if min(h) < 0 or max(h) >= vocab_size:
+            raise ValueError(f"prompts[{b}] holds token ids outside [0, {vocab_size})")
+    limits = per_sequence("max_new_tokens", max_new_tokens, len(histories))
+    if min(limits) < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, an int or one per prompt, got {max_new_tokens}")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+    return histories, limits, sampling or SamplingParams()

@@ -16,6 +16,19 @@ from specdec_kernels.decoding.engine.state import DecodeState
 from specdec_kernels.decoding.paged import PagedKVCache, length_groups
 
 
+def new_kv_cache(model, drafter, histories: List[List[int]], capacity: int, layout):
+    """The target's KV cache for these prompts (``capacity`` slots per sequence): dense, or
+    paged (``layout.paged``; with ``layout.share_prefix`` prompts that begin alike share the
+    blocks of their common prefix, ``PagedKVCache.allocate``).  The shared prefix stops short of
+    the positions whose hidden states a drafter that ``wants_hidden`` needs from the sequence's
+    own prefill (its ``context_window``, its last fed token)."""
+    if not layout.paged:
+        return model.new_kv_cache(len(histories), capacity)
+    keep = max(1, int(drafter.context_window or 0)) if drafter.wants_hidden else 0
+    prefixes = [h[: max(0, len(h) - 1 - keep)] for h in histories]
+    return PagedKVCache.allocate(model, prefixes, capacity, layout)
+
+
 def prefill(model, state: DecodeState, drafter, chunk: int, layer_kwargs: Dict[str, Tuple[int, ...]]):
     """Feed every prompt of ``state`` but its last token (the first root), ``chunk`` tokens per
     pass; set ``state.cache_seqlens`` / ``host_seqlens`` and the prefill statistics.
@@ -30,8 +43,8 @@ def prefill(model, state: DecodeState, drafter, chunk: int, layer_kwargs: Dict[s
     device = model.device
     fed = [n - 1 for n in state.prompt_lengths]
     B = state.batch_size
-    wants = getattr(drafter, "wants_hidden", False)
-    window = int(getattr(drafter, "context_window", 0) or 0) if wants else 0
+    wants = drafter.wants_hidden
+    window = int(drafter.context_window or 0) if wants else 0
     first = [max(0, f - max(window, 1)) for f in fed]  # the fed positions whose hidden states are kept
     kept: List[List[torch.Tensor]] = [[] for _ in range(B)]
     cache = state.kv_cache

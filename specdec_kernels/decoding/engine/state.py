@@ -125,6 +125,8 @@ class DecodeState:
     # per sequence, the drafter's source that drafts next (``Drafter.draft_sources``), set by
     # ``generate`` before a policy with ``per_source`` chooses K; None: one source
     draft_sources: Optional[List[int]] = None
+    # the drafter's view of this run (``draft.DraftRun``), made by ``start``
+    draft_run: Optional[object] = None
     # the host's copy of cache_seqlens (kept by the loop beside the device tensor, so that a
     # step reads no length from the device); None: read from cache_seqlens once
     host_seqlens: Optional[List[int]] = None
@@ -149,6 +151,68 @@ class DecodeState:
     @property
     def finished(self) -> bool:
         return all(self.done)
+
+    @classmethod
+    def new(
+        cls,
+        histories: List[List[int]],
+        limits: List[int],
+        kv_cache,
+        sampling: SamplingParams,
+        seeds,
+        vocab_size: int,
+        random_source: str = "generator",
+    ) -> "DecodeState":
+        """A batch's state before its prefill: the KV cache (dense tensor or ``PagedKVCache``,
+        on the target's device), one verification generator per sequence from ``seeds``
+        (``make_generators``), the Gumbel coupling of a sampling run with
+        ``coupling="gumbel"``, and with ``random_source="philox"`` each sequence's Philox key
+        (its seed's bit pattern, on the device) and offset 0."""
+        paged = isinstance(kv_cache, PagedKVCache)
+        device = kv_cache.pool.device if paged else kv_cache.device
+        B = len(histories)
+        state = cls(
+            histories=histories,
+            prompt_lengths=[len(h) for h in histories],
+            max_new_tokens=limits,
+            kv_cache=kv_cache,
+            cache_seqlens=torch.zeros(B, dtype=torch.int32, device=device),
+            done=[m == 0 for m in limits],
+            generators=make_generators(seeds, B),
+            sampling=sampling,
+        )
+        if not sampling.greedy and sampling.coupling == "gumbel":
+            state.coupling = GumbelCoupling([g.initial_seed() for g in state.generators], vocab_size)
+        if random_source == "philox":  # a seed's bit pattern as a Philox key
+            keys = [(g.initial_seed() + 2**63) % 2**64 - 2**63 for g in state.generators]
+            state.philox_seeds = torch.tensor(keys, dtype=torch.int64, device=device)
+            state.philox_offsets = [0] * B
+        state.stats.kv_cache_bytes = kv_cache.nbytes if paged else kv_cache.numel() * kv_cache.element_size()
+        return state
+
+    def record_step(self, ks, active, draft, depth, num_accepted, clock: List[float], model_tokens: int) -> None:
+        """A step's statistics and ``last_step`` (``StepRecord``): ``clock`` holds its start,
+        drafted, verified, advanced and observed times (seconds, ``time.perf_counter``);
+        ``model_tokens`` the drafter's running count of tokens fed through its model."""
+        t0, t1, t2, t3, t4 = clock
+        stats = self.stats
+        stats.target_passes += 1
+        stats.draft_tokens += int((draft.num_nodes - 1)[torch.tensor(active)].sum())
+        stats.draft_time += (t1 - t0) + (t4 - t3)
+        stats.verify_time += t2 - t1
+        stats.bookkeeping_time += t3 - t2
+        stats.draft_lengths.extend(k for k, a in zip(ks, active) if a)
+        stats.draft_model_tokens = int(model_tokens)
+        self.last_step = StepRecord(
+            ks=ks,
+            depths=depth.tolist(),
+            num_nodes=draft.num_nodes.tolist(),
+            num_accepted=num_accepted.tolist(),
+            active=active,
+            block_width=int(draft.num_nodes.max()),
+            draft_time=(t1 - t0) + (t4 - t3),
+            verify_time=t2 - t1,
+        )
 
 
 @dataclass

@@ -37,7 +37,7 @@ import torch
 
 from specdec_kernels import files as _files
 from specdec_kernels.checks import layer_indices
-from specdec_kernels.decoding.draft import Draft, Drafter
+from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest, StepResult
 from specdec_kernels.decoding.engine.loop import SpeculativeDecoder
 from specdec_kernels.decoding.model import NUMERICS, Transformer
 from specdec_kernels.decoding.training.instruct import FEW_CATEGORIES, written_prompts
@@ -95,12 +95,14 @@ class HiddenRecorder(Drafter):
     the prompt tokens the prefill feeds (all but the last), read by a forward hook on the
     target's last decoder layer while the engine prefills (the final norm applied here, as
     ``Transformer.forward`` does), then the root of every step, handed over by the engine
-    through ``observe_hidden`` (the last accepted node: the root, in plain decoding).  With
+    in ``observe`` (``StepResult.features.last``: the last accepted node, the root in plain
+    decoding; the prefill's last fed token is the hook's).  With
     ``feature_layers`` (distinct layer indices of the target) each position's row also holds
     the outputs of those layers after the final hidden state, in that order (the layout of
     ``Transformer.forward``'s ``hidden_layers``): hooks on those layers in the prefill, the
     engine's ``hidden_layers`` in the steps.  Call ``prepare(model, prompts)`` before each
-    ``generate`` and ``release()`` after it (``start`` does, once the prefill is done).
+    ``generate`` and ``release()`` after it (``observe`` of the run's start does, once the
+    prefill is done).
 
     Raises (from the engine's ``generate``):
         ValueError: a recorded row beyond float16's range (the layer outputs are the
@@ -145,21 +147,23 @@ class HiddenRecorder(Drafter):
             hook.remove()
         self._hooks, self._taps = [], {}
 
-    def start(self, histories, capacity, sampling, generators) -> None:
-        super().start(histories, capacity, sampling, generators)
-        self.release()  # the engine prefills before it starts the drafter
-        self._skip_prefill_hidden = True
+    def propose(self, request: DraftRequest) -> Draft:
+        """No drafts: each sequence's root alone."""
+        return Draft.from_lists([([h[-1]], [-1]) for h in request.histories])
 
-    def propose(self, histories, num_draft_tokens, active) -> Draft:
-        return Draft.from_lists([([h[-1]], [-1]) for h in histories])
-
-    def observe_hidden(self, hidden, active) -> None:
-        if self._skip_prefill_hidden:  # the prefill's last fed token: recorded by the hook
-            self._skip_prefill_hidden = False
+    def observe(self, result: StepResult) -> None:
+        """At the run's start remove the prefill's hooks (the engine prefills before it
+        starts the drafter; the prefill's last fed token was recorded by the hook, so its
+        ``features`` are skipped); after a step append ``result.features.last[b]`` (B, H')
+        of every sequence whose row is valid (still running) to ``hidden[b]``, as float16."""
+        super().observe(result)
+        if result.started:
+            self.release()
             return
-        for b, a in enumerate(active):
+        features = result.features
+        for b, a in enumerate(features.valid):
             if a:
-                self.hidden[b].append(float16_rows(hidden[b], self.feature_layers))
+                self.hidden[b].append(float16_rows(features.last[b], self.feature_layers))
 
 
 def float16_rows(rows: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:

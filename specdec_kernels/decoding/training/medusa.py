@@ -14,8 +14,8 @@
    with the engine, batches of similar prompt lengths; about 50 minutes on 2 CPU cores,
    230k training positions).  A recording drafter keeps the target's final hidden state of
    every position: the prompt's (a forward hook on the last decoder layer during the
-   engine's prefill) and each step's root (handed over by the engine's ``observe_hidden``
-   hook, exactly as ``MedusaDrafter`` gets them).  Token ids and hidden states (fp16) are
+   engine's prefill) and each step's root (handed over in ``StepResult.features`` by the
+   engine's ``observe``, exactly as ``MedusaDrafter`` gets them).  Token ids and hidden states (fp16) are
    cached under ``--cache-dir`` (finished batches too, so an interrupted run resumes).
 2. Labels are the target's own predictions: head i at position t learns the token at
    t + i + 2 of the greedy text (the target's argmax given the text before it), and inside
