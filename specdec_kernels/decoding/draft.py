@@ -222,6 +222,13 @@ class DraftRun:
             of a composite already took it.
         stats: the run's ``DecodeStats`` (a composite drafter records per-drafter counters
             in ``stats.drafters``), or None.
+        calibration: the run's ``engine.calibration.Calibration`` (one object, whose
+            measurements grow step by step) when the draft-length policy is a cost model
+            (``CostModelPolicy``): the target pass's measured cost by node count and the
+            measured acceptance, which a drafter that sizes its trees by cost
+            (``adaptive.TreeBudget``) reads and where it keeps its tree calibration; else None
+            (a fixed K, another policy, a caller's own ``start``/``step`` loop: a budget then
+            keeps ``max_nodes``).
     """
 
     capacity: int
@@ -232,6 +239,7 @@ class DraftRun:
     target: Optional[object] = None
     target_kv_cache: Optional[object] = None
     stats: Optional[object] = None
+    calibration: Optional[object] = None
 
 
 @dataclass(frozen=True)

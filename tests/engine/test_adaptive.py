@@ -140,7 +140,7 @@ def test_cost_model_fixed_costs(ratio, expected):
     )
     policy.start(SimpleNamespace(batch_size=1))
     feed_rates(policy)
-    assert policy.sequence_rates(0) == pytest.approx([0.8, 0.6, 0.4, 0.2])
+    assert policy.calibration.sequence_rates(0) == pytest.approx([0.8, 0.6, 0.4, 0.2])
     assert policy.choose(SimpleNamespace(batch_size=1)) == [expected]
 
 
@@ -178,26 +178,28 @@ def test_cost_model_source_lines_take_only_their_own_steps():
         policy.choose(SimpleNamespace(batch_size=2, draft_sources=sources))
         policy.update(None, record(ks, ks, [0, 0], draft_time=draft_time))
 
+    cal = policy.calibration
     step([0, 1], [2, 2], 9.0)  # the first step: no line takes it
     step([0, 1], [2, 2], 0.4)  # mixed: the line of all steps only
-    assert policy.draft_costs == {} and policy.draft_cost.points == {2: [1, 0.4]}
+    assert cal.draft_costs == {} and cal.draft_cost.points == {2: [1, 0.4]}
     step([0, 1], [3, 0], 0.3)  # source 0 alone drafts (it drafted before)
-    assert list(policy.draft_costs) == [0] and policy.draft_costs[0].points == {3: [1, 0.3]}
-    assert policy.verify_by_ks[0].points == {3: [1, 1.0]}
-    assert policy._draft_cost_of(0) is policy.draft_costs[0] and policy._draft_cost_of(1) is policy.draft_cost
+    assert list(cal.draft_costs) == [0] and cal.draft_costs[0].points == {3: [1, 0.3]}
+    assert cal.verify_by_ks[0].points == {3: [1, 1.0]}
+    assert cal.draft_cost_of(0) is cal.draft_costs[0] and cal.draft_cost_of(1) is cal.draft_cost
     step([2, 2], [1, 1], 5.0)  # source 2's first drafting step: not its line
-    assert 2 not in policy.draft_costs
+    assert 2 not in cal.draft_costs
     step([2, 2], [1, 1], 0.1)
-    assert policy.draft_costs[2].points == {1: [1, 0.1]}
-    assert policy.step_times(2)[1] == pytest.approx(0.1 + 1.0)  # its draft line, its verify time at K = 1
+    assert cal.draft_costs[2].points == {1: [1, 0.1]}
+    assert cal.step_times(2)[1] == pytest.approx(0.1 + 1.0)  # its draft line, its verify time at K = 1
 
     plain = CostModelPolicy(0, 4, warmup=0, explore_every=0)
     plain.start(SimpleNamespace(batch_size=2))
     for ks, t in (([2, 2], 9.0), ([2, 2], 0.4), ([3, 0], 0.3)):
         plain.choose(SimpleNamespace(batch_size=2))
         plain.update(None, record(ks, ks, [0, 0], draft_time=t))
-    assert plain.draft_costs == {} and plain.draft_cost.points == {2: [1, 0.4], 3: [1, 0.3]}
-    assert plain._draft_cost_of(0) is plain.draft_cost
+    cal = plain.calibration
+    assert cal.draft_costs == {} and cal.draft_cost.points == {2: [1, 0.4], 3: [1, 0.3]}
+    assert cal.draft_cost_of(0) is cal.draft_cost
 
 
 def test_cost_model_measured_costs():
@@ -209,10 +211,11 @@ def test_cost_model_measured_costs():
     pattern = [(4, 0), (4, 0), (4, 1), (4, 1), (4, 2), (4, 2), (4, 3), (4, 3), (4, 4), (4, 4)]
     for k, acc in pattern:
         policy.update(None, record([k], [k], [acc], draft_time=0.1 * k, verify_time=1.0 + 0.05 * (k + 1)))
-    policy.draft_cost.add(2, 0.2)
-    policy.verify_cost.add(3, 1.15)
-    assert policy.draft_cost(3) == pytest.approx(0.3) and policy.verify_cost(4) == pytest.approx(1.2)
-    assert policy.step_times() == pytest.approx([1.05, 1.2, 1.35, 1.5, 1.65])
+    cal = policy.calibration
+    cal.draft_cost.add(2, 0.2)
+    cal.verify_cost.add(3, 1.15)
+    assert cal.draft_cost(3) == pytest.approx(0.3) and cal.verify_cost(4) == pytest.approx(1.2)
+    assert cal.step_times() == pytest.approx([1.05, 1.2, 1.35, 1.5, 1.65])
     assert policy.choose(SimpleNamespace(batch_size=1)) == [3]
 
 
@@ -224,7 +227,7 @@ def test_cost_model_explores_and_warms_up():
     for _ in range(3):
         policy.update(state, record([2, 2], [2, 2], [0, 2]))
     policy.update(state, record([2, 2], [2, 2], [0, 2]))
-    assert policy.steps == 4 and policy.choose(state) == [1, 1]  # drafts cost 10x: K = 0, probed at 1
+    assert policy.calibration.steps == 4 and policy.choose(state) == [1, 1]  # drafts cost 10x: K = 0, probed at 1
     policy.update(state, record([1, 1], [1, 1], [0, 1]))
     assert policy.choose(state) == [0, 0]
 
@@ -346,7 +349,7 @@ def test_cost_model_starts_from_the_decoders_measured_pass_costs(tiny):
     class Spy(CostModelPolicy):
         def start(self, state):
             super().start(state)
-            seen.append({x: p[0] for x, p in self.verify_cost.points.items()})
+            seen.append({x: p[0] for x, p in self.calibration.verify_cost.points.items()})
 
     decoder = SpeculativeDecoder(model, NgramDrafter(), policy=Spy(0, 6))
     for _ in range(3):

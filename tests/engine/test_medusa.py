@@ -998,7 +998,8 @@ def test_medusa_tree_is_sized_by_the_cost_and_stays_greedy(tiny, conditioned, ve
 
     drafter._tree_draft = recording
     policy = CostModelPolicy(0, 3, warmup=0, explore_every=0, draft_cost=(0.0, 0.01), verify_cost=verify_cost)
-    out = SpeculativeDecoder(tiny, drafter).generate(PROMPTS, 12, policy)
+    decoder = SpeculativeDecoder(tiny, drafter)
+    out = decoder.generate(PROMPTS, 12, policy)
     assert out.tokens == plain
     drafted = [n for n in sizes if n > 1]
     assert drafted
@@ -1006,7 +1007,10 @@ def test_medusa_tree_is_sized_by_the_cost_and_stays_greedy(tiny, conditioned, ve
         assert max(drafted) <= 4 < full
     else:
         assert max(drafted) == full  # depth 3 reaches every node of the 3-head tree
-    assert drafter.budget.cost is None  # handed back after the run
+    # the budget read the run's calibration, the policy's; the next run (a fixed K) binds none
+    assert drafter.budget.calibration is policy.calibration
+    decoder.generate(PROMPTS, 4, 2)
+    assert drafter.budget.calibration is None and drafter.budget.paths is None
     with pytest.raises(TypeError, match="size_by_cost"):
         MedusaDrafter(tiny, random_heads(3), tree=True, size_by_cost=1)
     assert MedusaDrafter(tiny, random_heads(3), tree=True, size_by_cost=False).budget is None

@@ -490,8 +490,8 @@ def test_fallback_cost_model_keeps_each_drafters_rates(tiny, tiny_greedy):
                 for j in range(1, min(rec.ks[b], 4) + 1):
                     req[j] += 1
                     hit[j] += int(rec.num_accepted[b] >= j)
-    assert policy.requested == requested and policy.reached == reached
-    named = {src for row in policy.requested for src, counts in row.items() if counts[1] > 0}
+    assert policy.calibration.requested == requested and policy.calibration.reached == reached
+    named = {src for row in policy.calibration.requested for src, counts in row.items() if counts[1] > 0}
     assert named == {0, 1}
 
 
@@ -575,8 +575,9 @@ def test_tiny_fallback_sampling_keeps_the_target_distribution(tiny):
 
 
 class Budgeted(FixedDrafter):
-    """FixedDrafter with a tree budget (as a cost-sized EAGLE drafter has), recording the budget's
-    cost model at each propose."""
+    """FixedDrafter with a tree budget (as a cost-sized EAGLE drafter has), bound to each run's
+    calibration as the run starts (as EAGLE's is), recording the budget's calibration at each
+    propose."""
 
     def __init__(self):
         from specdec_kernels.decoding.engine.adaptive import TreeBudget
@@ -584,24 +585,31 @@ class Budgeted(FixedDrafter):
         super().__init__("budgeted", [5, 7], [-1, 0])
         self.budget, self.seen = TreeBudget(4), []
 
+    def observe(self, result):
+        super().observe(result)
+        if result.started:
+            self.budget.start(result.batch_size, result.run.calibration)
+
     def propose(self, request):
-        self.seen.append(self.budget.cost)
+        self.seen.append(self.budget.calibration)
         return super().propose(request)
 
 
-def test_sub_drafters_tree_budgets_read_the_runs_cost_model(tiny):
-    """A tree budget inside a MultiDrafter gets the run's cost-model policy while it runs (as
-    a drafter's own does) and lets go of it afterwards."""
+def test_sub_drafters_tree_budgets_read_the_runs_calibration(tiny):
+    """A tree budget inside a MultiDrafter reads the run's calibration (the cost-model policy's,
+    in its sub-drafter's ``DraftRun``) while it runs, as a drafter's own does; the next run,
+    without a cost model, binds none."""
     from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     _, model = tiny
     inner = Budgeted()
     policy = CostModelPolicy(0, 2)
-    SpeculativeDecoder(model, MultiDrafter([NgramDrafter(min_ngram=3), inner], fallback=True)).generate(
-        [[1, 2, 3]], 6, num_draft_tokens=policy
-    )
-    assert inner.seen and all(c is policy for c in inner.seen)
-    assert inner.budget.cost is None
+    decoder = SpeculativeDecoder(model, MultiDrafter([NgramDrafter(min_ngram=3), inner], fallback=True))
+    decoder.generate([[1, 2, 3]], 6, num_draft_tokens=policy)
+    assert inner.seen and all(c is policy.calibration for c in inner.seen)
+    inner.seen.clear()
+    decoder.generate([[1, 2, 3]], 6, num_draft_tokens=2)
+    assert inner.seen and all(c is None for c in inner.seen) and inner.budget.calibration is None
 
 
 def test_cli_builds_a_fallback_drafter(tiny):
@@ -629,9 +637,10 @@ def test_cli_builds_a_fallback_drafter(tiny):
             generate.parse_args(bad)
 
 
-def test_budgets_let_go_of_the_policy_when_the_first_callback_raises(tiny):
-    """The budgets get the policy inside the run's try: an on_step that raises at once still
-    leaves them without it."""
+def test_a_run_that_raises_leaves_its_calibration_to_no_later_run(tiny):
+    """Each run binds its own calibration as it starts: after a run whose first on_step raises
+    (its budget bound to that run's calibration), the next run, without a cost model, reads
+    none."""
     from specdec_kernels.decoding.engine.adaptive import CostModelPolicy
 
     _, model = tiny
@@ -639,11 +648,11 @@ def test_budgets_let_go_of_the_policy_when_the_first_callback_raises(tiny):
     inner = Budgeted()
 
     def boom(state):
-        assert inner.budget.cost is not None
+        assert inner.budget.calibration is not None and inner.budget.calibration is state.draft_run.calibration
         raise RuntimeError("stop")
 
+    decoder = SpeculativeDecoder(model, MultiDrafter([inner, MultiDrafter([NgramDrafter()])]))
     with pytest.raises(RuntimeError, match="stop"):
-        SpeculativeDecoder(model, MultiDrafter([inner, MultiDrafter([NgramDrafter()])])).generate(
-            [[1, 2, 3]], 4, num_draft_tokens=CostModelPolicy(0, 2), on_step=boom
-        )
-    assert inner.budget.cost is None
+        decoder.generate([[1, 2, 3]], 4, num_draft_tokens=CostModelPolicy(0, 2), on_step=boom)
+    decoder.generate([[1, 2, 3]], 4, num_draft_tokens=2)
+    assert inner.seen and all(c is None for c in inner.seen) and inner.budget.calibration is None

@@ -12,6 +12,7 @@ import torch
 from specdec_kernels.decoding import SpeculativeDecoder, packed
 from specdec_kernels.decoding.drafters.eagle import EagleDrafter
 from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, TreeBudget, best_tree_size
+from specdec_kernels.decoding.engine.calibration import Calibration
 from tests.engine.test_eagle import random_head
 from tests.engine.tiny import PROMPTS, tiny  # noqa: F401 (fixture)
 
@@ -21,6 +22,15 @@ VALUES = [0.6, 0.3, 0.25, 0.15, 0.1]
 def cpu_curve(n_max, ratio8=1.8):
     """A pass of 8 tokens costs ratio8 times one token, linear in between (entry 0 unused)."""
     return [1.0] + [1 + (n - 1) * (ratio8 - 1) / 7 for n in range(1, n_max + 1)]
+
+
+def calibrated_by(step_times, batch=1):
+    """A run's ``Calibration`` whose step times by node count are ``step_times(n)`` (a curve
+    given by hand in place of a measured one); its costs are fixed, so no growth limit."""
+    fixed = CostModelPolicy(0, 8, warmup=0, draft_cost=(0.0, 0.0), verify_cost=(1.0, 0.0))
+    calibration = Calibration(batch, fixed)
+    calibration.step_times_by_nodes = step_times
+    return calibration
 
 
 def test_best_tree_size_by_hand():
@@ -50,28 +60,32 @@ def test_tree_budget_calibration_by_hand():
     budget = TreeBudget(max_nodes=16, prior=4.0)
     budget.start(2)
     assert budget.choose(0, VALUES) == 6  # no cost known: the largest tree the candidates allow
-    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: cpu_curve(n))
-    assert budget.calibration(0) == 1.0 and budget.choose(0, VALUES) == 4
+    run = calibrated_by(lambda n: cpu_curve(n), batch=2)
+    budget.start(2, run)
+    paths = budget.paths  # the budget's tree calibration, kept in the run's Calibration
+    assert run.paths[budget] is paths
+    assert paths.factor(0) == 1.0 and budget.choose(0, VALUES) == 4
     # sequence 0 kept nodes worth 1.3 on each of 10 steps and accepted nothing: calibration 4 / 17
     for _ in range(10):
         budget.kept(0, VALUES[:4])
-        budget.update(0, 0)
-    assert budget.calibration(0) == pytest.approx(4 / 17)
+        budget.observe(torch.tensor([0, 0]), [True, False])
+    assert paths.factor(0) == pytest.approx(4 / 17) and paths.factor(1) == 1.0
     # scaled values 0.1412, 0.0706, 0.0588: E = 1, 1.1412, 1.2118, 1.2706; E/T = 1, 1.0241, 0.9863, 0.9462
     assert budget.choose(0, VALUES) == 2
-    assert budget.calibration(1) == 1.0 and budget.choose(1, VALUES) == 4  # the other sequence is its own
+    assert paths.factor(1) == 1.0 and budget.choose(1, VALUES) == 4  # the other sequence is its own
     # a head that is better than its confidences: calibration above 1, values capped at 1
     budget.kept(1, [0.5])
-    budget.update(1, 5)
-    assert budget.calibration(1) == pytest.approx(9 / 4.5)
+    paths.update(1, 5)
+    assert paths.factor(1) == pytest.approx(9 / 4.5)
     # scaled values 1, 0.6, 0.5, 0.3, 0.2: E/T = 1, 1.795, 2.116, 2.309, 2.333, 2.291: n = 5
     assert budget.choose(1, VALUES) == 5
-    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: None)  # a policy in its warm-up
+    run.step_times_by_nodes = lambda n: None  # a cost model in its warm-up
     assert budget.choose(0, VALUES) == 6
     # the frontier width follows the latest choices: sequence 0 chose 2, sequence 1 chose 5
     assert budget.width([0], 10) == 2 and budget.width([0, 1], 10) == 5 and budget.width([0, 1], 3) == 3
-    budget.start(2)
+    budget.start(2, calibrated_by(lambda n: cpu_curve(n), batch=2))
     assert budget.width([0, 1], 10) == 10  # nothing chosen yet: the full width
+    assert budget.paths.factor(0) == 1.0  # a new run's calibration starts afresh
     with pytest.raises(ValueError):
         TreeBudget(4, min_nodes=5)
     with pytest.raises(ValueError):
@@ -81,11 +95,14 @@ def test_tree_budget_calibration_by_hand():
 def test_cost_model_step_times_by_nodes_by_hand():
     policy = CostModelPolicy(0, 4, warmup=0, draft_cost=(0.0, 0.1), verify_cost=(1.0, 0.25))
     policy.start(SimpleNamespace(batch_size=1))
-    policy.last_choice = [3]
-    assert policy.step_times_by_nodes(4) == pytest.approx([1.3 + 0.25 * n for n in range(5)])
+    # the prior's rates 0.5, 0.25, ...: E/T = 1 / 1.25, 1.5 / 1.6, 1.75 / 1.95, ...: K = 1, which
+    # the choice records as the K whose draft time a tree's step adds
+    assert policy.choose(SimpleNamespace(batch_size=1)) == [1] and policy.calibration.draft_k == 1
+    policy.calibration.draft_k = 3  # a step that drafts K = 3
+    assert policy.calibration.step_times_by_nodes(4) == pytest.approx([1.3 + 0.25 * n for n in range(5)])
     warm = CostModelPolicy(0, 4, warmup=2)
     warm.start(SimpleNamespace(batch_size=1))
-    assert warm.step_times_by_nodes(4) is None
+    assert warm.calibration.step_times_by_nodes(4) is None
 
 
 @pytest.mark.parametrize(
@@ -118,7 +135,10 @@ def test_eagle_tree_is_sized_by_the_cost_and_stays_greedy(tiny, verify_cost, exp
     else:
         assert max(drafted) == 16
         assert set(widths) == {4}
-    assert drafter.budget.cost is None  # handed back after the run
+    # the budget read the run's calibration, the policy's; the next run (a fixed K) binds none
+    assert drafter.budget.calibration is policy.calibration
+    decoder.generate(PROMPTS, 4, 2)
+    assert drafter.budget.calibration is None and drafter.budget.paths is None
 
 
 def test_chain_wants_more_by_hand():
@@ -129,18 +149,18 @@ def test_chain_wants_more_by_hand():
     budget = TreeBudget(max_nodes=16)
     budget.start(1)
     assert budget.wants_more(0, VALUES[:4], depth=5)  # no cost known: draft on
-    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: cpu_curve(n))
+    budget.start(1, calibrated_by(lambda n: cpu_curve(n)))
     assert budget.wants_more(0, VALUES[:1], depth=5) and budget.wants_more(0, VALUES[:3], depth=5)
     assert not budget.wants_more(0, VALUES[:4], depth=5)
     assert not budget.wants_more(0, VALUES[:3], depth=3)  # the chain's K reached
     # a flat cost keeps every node; the node budget and K stop the chain
-    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: [1.0] * (n + 1))
+    budget.start(1, calibrated_by(lambda n: [1.0] * (n + 1)))
     assert budget.wants_more(0, VALUES[:4], depth=5) and not budget.wants_more(0, VALUES, depth=5)
     assert not TreeBudget(max_nodes=4).wants_more(0, VALUES[:3], depth=5)
     # a measured curve that is not convex (a step flat from 3 to 4 nodes, then almost flat):
     # values 0.5, 0.1, 0.06 want a 4th node, which ``choose`` keeps once it is 0.06
     steps = [1.0, 10.4, 11.0, 11.6, 12.4, 12.45]
-    budget.cost = SimpleNamespace(step_times_by_nodes=lambda n: steps[: n + 1])
+    budget.start(1, calibrated_by(lambda n: steps[: n + 1]))
     assert budget.wants_more(0, [0.5, 0.1, 0.06], depth=4)
     assert budget.choose(0, [0.5, 0.1, 0.06, 0.06]) == 5
 
@@ -155,8 +175,7 @@ def test_stopping_a_chain_never_cuts_a_node_the_rule_keeps():
         values = sorted(torch.rand(k, generator=g).tolist(), reverse=True)
         steps = torch.cumsum(torch.rand(k + 2, generator=g) * torch.rand(1, generator=g), 0) + 1.0
         budget = TreeBudget(max_nodes=int(torch.randint(2, 12, (1,), generator=g)))
-        budget.start(1)
-        budget.cost = SimpleNamespace(step_times_by_nodes=lambda n, s=[0.0] + steps.tolist(): s[: n + 1])
+        budget.start(1, calibrated_by(lambda n, s=[0.0] + steps.tolist(): s[: n + 1]))
         full = budget.choose(0, values)
         for d in range(1, k):
             if not budget.wants_more(0, values[:d], depth=k):
@@ -209,28 +228,27 @@ def test_trees_grow_from_small_sizes_as_the_pass_cost_is_measured():
     policy = CostModelPolicy(0, 8, warmup=0)
     policy.start(SimpleNamespace(batch_size=1, pass_costs=None))
     budget = TreeBudget(max_nodes=64)
-    budget.start(1)
-    budget.cost = policy
+    budget.start(1, policy.calibration)
     values = [0.99**i for i in range(1, 64)]  # a head so confident that every node seems to pay
-    assert policy.largest_verified_nodes() == 0 and budget.growth_limit() == 2
+    assert policy.calibration.largest_verified_nodes() == 0 and budget.growth_limit() == 2
     assert budget.choose(0, values) == 2  # nothing measured: the smallest tree
     assert not budget.wants_more(0, values[:1], 10)  # nor a deeper chain than that
     sizes = []
     for _ in range(6):  # each step's pass measured at a flat cost: the line says "bigger is free"
         n = budget.choose(0, values)
         sizes.append(n)
-        policy.verify_cost.add(n, 0.01)
+        policy.calibration.verify_cost.add(n, 0.01)
     assert sizes == [2, 4, 8, 16, 32, 64]
     fixed = CostModelPolicy(0, 8, warmup=0, draft_cost=(0.0, 0.0), verify_cost=(1.0, 0.0))
-    assert fixed.largest_verified_nodes() is None  # fixed costs: nothing to measure, no limit
-    budget.cost = fixed
     fixed.start(SimpleNamespace(batch_size=1, pass_costs=None))
-    fixed.last_choice = [8]
+    assert fixed.calibration.largest_verified_nodes() is None  # fixed costs: nothing to measure, no limit
+    budget.start(1, fixed.calibration)
+    fixed.calibration.draft_k = 8
     assert budget.growth_limit() is None and budget.choose(0, values) == 64
 
 
 def test_default_decoder_sizes_an_eagle_tree_from_small_passes(tiny):
-    """``SpeculativeDecoder``'s default policy ("auto") hands the tree budget its cost model: the
+    """``SpeculativeDecoder``'s default policy ("auto") hands the tree budget its calibration: the
     first drafted tree has at most 2 nodes and no tree outgrows twice the largest pass measured
     before it; the output is plain greedy."""
     _, model = tiny

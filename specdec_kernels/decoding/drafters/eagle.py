@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -110,7 +111,8 @@ class EagleDrafter(Drafter):
     no drafts.
 
     Attributes:
-        budget: the ``TreeBudget`` (size_by_cost) or None; the engine hands it its policy.
+        budget: the ``TreeBudget`` (size_by_cost) or None; bound to each run's calibration
+            (``DraftRun.calibration``) as the run starts.
         path_logprobs: after each ``propose``, per sequence, the head's log path probability
             (natural log, float; the head's softmax over the draft vocabulary) of every node
             of its draft, root (0.0) first.
@@ -249,7 +251,7 @@ class EagleDrafter(Drafter):
                 self.head.numerics = self.model.numerics
             self._reset(result.batch_size)
             if self.budget is not None:
-                self.budget.start(result.batch_size)
+                self.budget.start(result.batch_size, result.run.calibration)
         elif self.budget is not None:
             self.budget.observe(result.num_accepted, result.active)
         f = result.features
@@ -343,34 +345,43 @@ class EagleDrafter(Drafter):
         deep and ``max_nodes`` large (fewer with the tree budget), from the head over the
         features ``observe`` kept: tokens (B, N) int64 on the host, ``probs`` None; the root
         alone where the features do not reach the root.  Sets ``path_logprobs``."""
-        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
-        B = len(histories)
-        roots = [h[-1] for h in histories]
-        depth = [0] * B
-        for b in range(B):
-            # a sequence that drafts nothing this step leaves its features pending
-            ready = self._ingest(b, histories[b]) if active[b] and int(num_draft_tokens[b]) > 0 else False
-            depth[b] = min(int(num_draft_tokens[b]), self.max_depth) if ready else 0
+        roots, depth = self._draft_depths(request)
         D = max(depth)
         if D == 0:
             self.path_logprobs = [[0.0] for _ in roots]
             return Draft.from_lists([([r], [-1]) for r in roots])
-        head, E = self.head, self.model.tok_embeddings.weight
-        dev, dt = E.device, E.dtype
-        run = [b for b in range(B) if depth[b] > 0]
+        run = [b for b in range(len(roots)) if depth[b] > 0]
         # the frontier width: top_k, or what the tree budget's latest choices can use
-        R, k = len(run), self.top_k if self.budget is None else self.budget.width(run, self.top_k)
+        k = self.top_k if self.budget is None else self.budget.width(run, self.top_k)
         if not self.tree:
             state = self._chain_start(run)
             if state is not None:
                 return self._fused_chain(state, roots, run, depth, D)
-        nkv, hd = head.num_kv_heads, head.head_dim
-        ctx_k, ctx_v, ctx_ok, g = self._root_outputs(run)
-        S = ctx_k.shape[1]
-        logp = torch.log_softmax(self._logits(g), dim=-1)  # (R, 1, V)
+        ctx = self._root_outputs(run)
+        pool = self._root_pool(roots, run, ctx[3], k)
+        ends = torch.tensor([self._end[b] for b in run], device=pool.tok.device)[:, None]
+        for d in range(1, D):
+            self._expand(pool, d, ctx, ends)
+        return self._select(roots, run, depth, pool.tok.cpu(), pool.par.cpu(), pool.score.cpu(), pool.dep.cpu())
 
-        # the node pool: per running sequence, tokens, parents, scores (log path
-        # probability), depths; node 0 is the root
+    def _draft_depths(self, request: DraftRequest) -> Tuple[List[int], List[int]]:
+        """``propose``'s roots and each sequence's draft depth: min(K, max_depth) where the features
+        reach its root (``_ingest``), else 0."""
+        histories, num_draft_tokens, active = request.histories, request.num_draft_tokens, request.active
+        roots = [h[-1] for h in histories]
+        depth = [0] * len(histories)
+        for b in range(len(histories)):
+            # a sequence that drafts nothing this step leaves its features pending
+            ready = self._ingest(b, histories[b]) if active[b] and int(num_draft_tokens[b]) > 0 else False
+            depth[b] = min(int(num_draft_tokens[b]), self.max_depth) if ready else 0
+        return roots, depth
+
+    def _root_pool(self, roots, run: List[int], g: torch.Tensor, k: int) -> "_TreePool":
+        """The pool of the sequences ``run``: each root and its k most likely children from the head's
+        output g (R, 1, H) at the root, the children the frontier, nothing expanded yet."""
+        E = self.model.tok_embeddings.weight
+        dev, dt, R = E.device, E.dtype, len(run)
+        logp = torch.log_softmax(self._logits(g), dim=-1)  # (R, 1, V)
         top = logp[:, 0].topk(k, dim=-1)
         tok = torch.cat(
             [torch.tensor([[roots[b]] for b in run], device=dev), self._tokens(top.indices)], dim=1
@@ -380,40 +391,43 @@ class EagleDrafter(Drafter):
         dep = torch.cat(
             [torch.zeros(R, 1, dtype=torch.int64, device=dev), torch.ones(R, k, dtype=torch.int64, device=dev)], dim=1
         )
-        frontier = torch.arange(1, 1 + k, device=dev).expand(R, k)  # pool ids of the nodes to expand next
-        parent_g = g.expand(R, k, -1)  # the head output of each frontier node's parent
-        # expanded nodes' keys / values and ancestor sets (over the expanded slots)
-        tree_k = torch.zeros(R, 0, nkv, hd, dtype=dt, device=dev)
-        tree_v = torch.zeros_like(tree_k)
-        anc = torch.zeros(R, k, 0, dtype=torch.bool, device=dev)  # frontier node -> expanded ancestors
-        for d in range(1, D):
-            u = head.inputs(parent_g, E[tok.gather(1, frontier)])
-            q, kk, vv = head.project(
-                u, (torch.tensor([self._end[b] for b in run], device=dev)[:, None] + d).expand(R, k)
-            )
-            tree_k, tree_v = torch.cat([tree_k, kk], dim=1), torch.cat([tree_v, vv], dim=1)
-            own = torch.zeros(R, k, k, dtype=torch.bool, device=dev)
-            own[:, torch.arange(k), torch.arange(k)] = True
-            anc = torch.cat([anc, own], dim=2)  # (R, k, n_exp + k): ancestors and itself
-            mask = torch.cat([ctx_ok[:, None].expand(R, k, S), anc], dim=2)
-            g_f = head.finish(
-                u, head.attend(q, torch.cat([ctx_k, tree_k], 1), torch.cat([ctx_v, tree_v], 1), mask)
-            )  # (R, k, H)
-            logp = torch.log_softmax(self._logits(g_f), dim=-1)
-            ctop = logp.topk(k, dim=-1)  # (R, k, k) children of each frontier node
-            cand_score = (score.gather(1, frontier)[:, :, None] + ctop.values).reshape(R, k * k)
-            base = tok.shape[1]
-            tok = torch.cat([tok, self._tokens(ctop.indices).reshape(R, k * k)], dim=1)
-            par = torch.cat([par, frontier[:, :, None].expand(R, k, k).reshape(R, k * k)], dim=1)
-            score = torch.cat([score, cand_score], dim=1)
-            dep = torch.cat([dep, torch.full((R, k * k), d + 1, dtype=torch.int64, device=dev)], dim=1)
-            # the next frontier: the k best new candidates by path probability
-            best = cand_score.topk(k, dim=-1).indices  # (R, k) among the k * k
-            slot = best // k  # which frontier node is the parent (its expanded slot: n_exp + slot)
-            frontier = base + best
-            parent_g = g_f.gather(1, slot[:, :, None].expand(R, k, g_f.shape[-1]))
-            anc = anc.gather(1, slot[:, :, None].expand(R, k, anc.shape[2]))
-        return self._select(roots, run, depth, tok.cpu(), par.cpu(), score.cpu(), dep.cpu())
+        frontier = torch.arange(1, 1 + k, device=dev).expand(R, k)
+        tree_k = torch.zeros(R, 0, self.head.num_kv_heads, self.head.head_dim, dtype=dt, device=dev)
+        anc = torch.zeros(R, k, 0, dtype=torch.bool, device=dev)
+        return _TreePool(tok, par, score, dep, frontier, g.expand(R, k, -1), tree_k, torch.zeros_like(tree_k), anc)
+
+    def _expand(self, pool: "_TreePool", d: int, ctx: tuple, ends: torch.Tensor) -> None:
+        """Expand the pool's frontier (at depth d): each frontier node's k most likely children join
+        the pool, the k best of them by path probability become the next frontier.  ``ctx``: the
+        committed keys, values and their validity (``_root_outputs``); ``ends`` (R, 1): each
+        sequence's last cached position (a frontier node at depth d projects at ends + d)."""
+        head, E = self.head, self.model.tok_embeddings.weight
+        ctx_k, ctx_v, ctx_ok = ctx[:3]
+        (R, k), S, dev = pool.frontier.shape, ctx_k.shape[1], E.device
+        u = head.inputs(pool.parent_g, E[pool.tok.gather(1, pool.frontier)])
+        q, kk, vv = head.project(u, (ends + d).expand(R, k))
+        pool.tree_k, pool.tree_v = torch.cat([pool.tree_k, kk], dim=1), torch.cat([pool.tree_v, vv], dim=1)
+        own = torch.zeros(R, k, k, dtype=torch.bool, device=dev)
+        own[:, torch.arange(k), torch.arange(k)] = True
+        anc = torch.cat([pool.anc, own], dim=2)  # (R, k, n_exp + k): ancestors and itself
+        mask = torch.cat([ctx_ok[:, None].expand(R, k, S), anc], dim=2)
+        g_f = head.finish(
+            u, head.attend(q, torch.cat([ctx_k, pool.tree_k], 1), torch.cat([ctx_v, pool.tree_v], 1), mask)
+        )  # (R, k, H)
+        logp = torch.log_softmax(self._logits(g_f), dim=-1)
+        ctop = logp.topk(k, dim=-1)  # (R, k, k) children of each frontier node
+        cand_score = (pool.score.gather(1, pool.frontier)[:, :, None] + ctop.values).reshape(R, k * k)
+        base = pool.tok.shape[1]
+        pool.tok = torch.cat([pool.tok, self._tokens(ctop.indices).reshape(R, k * k)], dim=1)
+        pool.par = torch.cat([pool.par, pool.frontier[:, :, None].expand(R, k, k).reshape(R, k * k)], dim=1)
+        pool.score = torch.cat([pool.score, cand_score], dim=1)
+        pool.dep = torch.cat([pool.dep, torch.full((R, k * k), d + 1, dtype=torch.int64, device=dev)], dim=1)
+        # the next frontier: the k best new candidates by path probability
+        best = cand_score.topk(k, dim=-1).indices  # (R, k) among the k * k
+        slot = best // k  # which frontier node is the parent (its expanded slot: n_exp + slot)
+        pool.frontier = base + best
+        pool.parent_g = g_f.gather(1, slot[:, :, None].expand(R, k, g_f.shape[-1]))
+        pool.anc = anc.gather(1, slot[:, :, None].expand(R, k, anc.shape[2]))
 
     def _fused_chain(self, state: dict, roots, run, depth, D: int) -> Draft:
         """``propose``'s chain (top-1 at each depth) through ``_fused_step``: the pool of nodes
@@ -614,3 +628,24 @@ class EagleDrafter(Drafter):
         if not self.tree:
             draft.is_chain = all(list(p) == chain_parents(len(p)) for _, p in trees)
         return draft
+
+
+@dataclass
+class _TreePool:
+    """EAGLE-2's node pool while ``EagleDrafter.propose`` grows the tree of R running sequences.
+
+    tok, par, score, dep: (R, n) the nodes' tokens, parents, scores (log path probability) and
+    depths, node 0 the root; frontier: (R, k) the pool ids of the nodes to expand next, parent_g:
+    (R, k, H) the head output of each frontier node's parent; tree_k, tree_v: (R, n_exp, nkv, hd)
+    the expanded nodes' keys and values; anc: (R, k, n_exp) each frontier node's expanded ancestors.
+    """
+
+    tok: torch.Tensor
+    par: torch.Tensor
+    score: torch.Tensor
+    dep: torch.Tensor
+    frontier: torch.Tensor
+    parent_g: torch.Tensor
+    tree_k: torch.Tensor
+    tree_v: torch.Tensor
+    anc: torch.Tensor

@@ -250,20 +250,8 @@ class MedusaHeads(HeadFile):
         Raises:
             ValueError: no context layer, shapes that do not match, Q out of range.
         """
-        if not self.context_window:
-            raise ValueError("contextualize() needs heads with a context layer (context_window > 0)")
-        if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size or next_embeddings.shape != hidden.shape:
-            raise ValueError(
-                f"hidden and next_embeddings must both have shape (B, R, {self.hidden_size}), got "
-                f"{tuple(hidden.shape)} and {tuple(next_embeddings.shape)}"
-            )
+        valid = self._context_inputs(hidden, next_embeddings, valid, num_queries)
         B, R, H = hidden.shape
-        if not 1 <= num_queries <= R:
-            raise ValueError(f"num_queries must lie in 1..{R}, got {num_queries}")
-        if valid is None:
-            valid = torch.ones(B, R, dtype=torch.bool, device=hidden.device)
-        elif valid.shape != (B, R) or valid.dtype != torch.bool:
-            raise ValueError(f"valid must be a bool tensor of shape {(B, R)}, got {valid.dtype} {tuple(valid.shape)}")
         dt = self.context_qkv.dtype
         h = hidden.to(dt)
         u = torch.cat([F.rms_norm(h, (H,), eps=1e-6), F.rms_norm(next_embeddings.to(dt), (H,), eps=1e-6)], dim=-1)
@@ -280,6 +268,25 @@ class MedusaHeads(HeadFile):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
         )
         return h[:, R - Q :] + linear(a.transpose(1, 2).reshape(B, Q, nh * hd), self.context_out)
+
+    def _context_inputs(self, hidden, next_embeddings, valid, num_queries: int) -> torch.Tensor:
+        """``contextualize``'s inputs checked (its ValueErrors): the valid rows (B, R) bool, all of
+        them when ``valid`` is None."""
+        if not self.context_window:
+            raise ValueError("contextualize() needs heads with a context layer (context_window > 0)")
+        if hidden.ndim != 3 or hidden.shape[-1] != self.hidden_size or next_embeddings.shape != hidden.shape:
+            raise ValueError(
+                f"hidden and next_embeddings must both have shape (B, R, {self.hidden_size}), got "
+                f"{tuple(hidden.shape)} and {tuple(next_embeddings.shape)}"
+            )
+        B, R, _ = hidden.shape
+        if not 1 <= num_queries <= R:
+            raise ValueError(f"num_queries must lie in 1..{R}, got {num_queries}")
+        if valid is None:
+            return torch.ones(B, R, dtype=torch.bool, device=hidden.device)
+        if valid.shape != (B, R) or valid.dtype != torch.bool:
+            raise ValueError(f"valid must be a bool tensor of shape {(B, R)}, got {valid.dtype} {tuple(valid.shape)}")
+        return valid
 
     def step(self, i: int, state: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         """One token-conditioned head: ``s + SiLU(W_i s + U_i e + b_i)``.
@@ -494,28 +501,10 @@ class MedusaDrafter(Drafter):
             self.choices = list(t.choices[: n - 1])
             self.name = "medusa-tree"
             # the tree's nodes kept per sequence and step by the measured pass cost (EAGLE-2's
-            # rule over the heads' path probabilities; the engine hands the budget its cost)
+            # rule over the heads' path probabilities, against each run's calibration)
             self.budget = TreeBudget(n) if size_by_cost else None
             if heads.token_conditioned:
-                # Per depth d < the tree's depth: the nodes of depth d that have children
-                # (each needs one head step along its own path), their parents' slots among
-                # the expanders of depth d - 1, the nodes of depth d + 1 and their parents'
-                # slots among the expanders of depth d.  Node ids are ordered by depth, so
-                # a depth limit never splits a depth.
-                par = self.tree_parents.tolist()
-                expand = sorted({par[i] for i in range(1, n)})
-                by_depth = [[p for p in expand if self.tree_depths[p] == d] for d in range(self.tree_depths[-1])]
-                slot = {p: j for nodes in by_depth for j, p in enumerate(nodes)}
-                kids = [[i for i in range(1, n) if self.tree_depths[i] == d + 1] for d in range(self.tree_depths[-1])]
-                as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=model.device)  # noqa: E731
-                self._expand_idx = [as_t(nodes) for nodes in by_depth]
-                self._expand_parent_slot = [
-                    as_t([0] if d == 0 else [slot[par[p]] for p in nodes]) for d, nodes in enumerate(by_depth)
-                ]
-                self._child_idx = [as_t(c) for c in kids]
-                self._child_slot = [as_t([slot[par[i]] for i in c]) for c in kids]
-                self._child_rank = [self._rank_of_node.to(model.device)[c] for c in self._child_idx]
-                self._child_width = [int(r.max()) + 1 for r in self._child_rank]
+                self._index_conditioned_tree(model.device)
         if not tree:
             self.budget = None
         self.context_window = self.heads.context_window  # > 0: results carry features.context
@@ -523,6 +512,29 @@ class MedusaDrafter(Drafter):
         self._known: List[bool] = []
         self._context: List[Optional[torch.Tensor]] = []
         self._context_end: List[int] = []
+
+    def _index_conditioned_tree(self, device: torch.device) -> None:
+        """The tree's indices that token-conditioned heads draft by (int64 on ``device``).
+
+        Per depth d < the tree's depth: the nodes of depth d that have children (each needs one
+        head step along its own path), their parents' slots among the expanders of depth d - 1,
+        the nodes of depth d + 1 and their parents' slots among the expanders of depth d.  Node
+        ids are ordered by depth, so a depth limit never splits a depth."""
+        n = len(self.tree_depths)
+        par = self.tree_parents.tolist()
+        expand = sorted({par[i] for i in range(1, n)})
+        by_depth = [[p for p in expand if self.tree_depths[p] == d] for d in range(self.tree_depths[-1])]
+        slot = {p: j for nodes in by_depth for j, p in enumerate(nodes)}
+        kids = [[i for i in range(1, n) if self.tree_depths[i] == d + 1] for d in range(self.tree_depths[-1])]
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        self._expand_idx = [as_t(nodes) for nodes in by_depth]
+        self._expand_parent_slot = [
+            as_t([0] if d == 0 else [slot[par[p]] for p in nodes]) for d, nodes in enumerate(by_depth)
+        ]
+        self._child_idx = [as_t(c) for c in kids]
+        self._child_slot = [as_t([slot[par[i]] for i in c]) for c in kids]
+        self._child_rank = [self._rank_of_node.to(device)[c] for c in self._child_idx]
+        self._child_width = [int(r.max()) + 1 for r in self._child_rank]
 
     @property
     def vocab_size(self) -> int:
@@ -542,7 +554,7 @@ class MedusaDrafter(Drafter):
         if result.started:
             B = result.batch_size
             if self.budget is not None:
-                self.budget.start(B)
+                self.budget.start(B, result.run.calibration)
             self._hidden = None
             self._known = [False] * B
             self._context = [None] * B

@@ -6,7 +6,8 @@
   ``verify``: the block a step feeds and the table of verification paths;
   ``draft_checks``: the checks of what a drafter returns; ``graphs``: captured passes;
   ``threads``: the step thread choice;
-* ``adaptive``: draft-length policies (how many draft tokens per step);
+* ``adaptive``: draft-length policies (how many draft tokens per step) and the tree budget;
+  ``calibration``: the run's one calibration of pass cost and acceptance that both read;
 * ``typical``: Medusa's typical acceptance (lossy, opt-in);
 * ``stats``: ``DecodeStats``.
 

@@ -21,14 +21,23 @@ are ``E(K) = 1 + sum_{j<=K} r_j`` where ``r_j`` is the probability that the acce
 reaches depth j given that depth j was requested (this folds in drafts that come out
 shorter than K, e.g. an n-gram lookup without a match), and the step takes
 ``T(K) = t_draft(K) + t_verify(nodes(K))``.  The policy picks ``argmax_K E(K) / T(K)``.
+
+A cost model's measurements of a run (the rates r_j, the draft and verify costs) live in one
+``Calibration`` (``calibration.py``), which ``TreeBudget`` (a tree drafter's node budget, here
+too) reads as well: the pass cost by node count, and its own tree calibration kept there.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 from specdec_kernels.decoding.draft import NoDrafter, SamplingParams
+from specdec_kernels.decoding.engine.calibration import (  # noqa: F401 (LinearCost re-exported)
+    Calibration,
+    LinearCost,
+    PathCalibration,
+)
 
 MAX_DEFAULT_K = 1024  # the largest draft length a drafter may declare as its default
 
@@ -137,15 +146,20 @@ def best_tree_size(values: Sequence[float], step_time: Sequence[float], n_min: i
 
 class TreeBudget:
     """Node budgets of a dynamic draft tree, per sequence and step: ``best_tree_size`` of the
-    drafter's path probabilities times a calibration measured as it runs, against the step
-    cost by node count of a ``CostModelPolicy`` (the decoder's measured pass-cost curve).
+    drafter's path probabilities times their measured calibration, against the step cost by
+    node count, both read from the run's ``Calibration`` (``calibration.py``: the one the
+    cost-model policy measures, handed to the drafter as ``DraftRun.calibration``).
 
-    The calibration of sequence b is ``(accepted + prior) / (predicted + prior)``: accepted
-    drafts over the sum of the kept nodes' path probabilities, over its steps so far (a head
-    that is over-confident gets smaller trees).  Without a cost (no cost-model policy) the budget
-    is ``max_nodes``; with one, trees grow from 2 nodes to at most twice the largest pass it has
-    measured (``growth_limit``), so a size is chosen only once the cost of about that size is
-    known.
+    A drafter binds its budget to each run as the run starts (``start(batch,
+    result.run.calibration)``); the budget keeps that run's calibration until the next run's
+    ``start`` binds that run's, a fresh one or None, so no measured cost or calibration
+    carries over from one run to the next.  The calibration of sequence b is
+    ``(accepted + prior) / (predicted + prior)``: accepted drafts over the sum of the kept
+    nodes' path probabilities, over its steps so far (a head that is over-confident gets
+    smaller trees), kept in the run's ``Calibration`` as this budget's ``PathCalibration``
+    (``paths``).  Without a calibration (no cost-model policy) the budget is ``max_nodes``;
+    with one, trees grow from 2 nodes to at most twice the largest pass it has measured
+    (``growth_limit``), so a size is chosen only once the cost of about that size is known.
 
     Args:
         max_nodes: the most nodes, root included (>= 1).
@@ -162,54 +176,42 @@ class TreeBudget:
         if prior < 0:
             raise ValueError(f"prior must be >= 0, got {prior}")
         self.max_nodes, self.min_nodes, self.prior = int(max_nodes), int(min_nodes), float(prior)
-        self.cost = None  # a CostModelPolicy (set by the engine each run) or None
         self.start(0)
 
-    def start(self, batch: int) -> None:
-        """Forget the calibration: a new batch of ``batch`` sequences."""
-        self.predicted = [0.0] * batch
-        self.accepted = [0.0] * batch
-        self.last_predicted = [0.0] * batch
+    def start(self, batch: int, calibration: Optional[Calibration] = None) -> None:
+        """A new run of ``batch`` sequences: bind its ``Calibration`` (``DraftRun.calibration``;
+        None without a cost-model policy) and start this budget's calibration in it (``paths``,
+        None without one)."""
+        self.calibration = calibration
+        self.paths: Optional[PathCalibration] = (
+            calibration.new_paths(self, batch, self.prior) if calibration is not None else None
+        )
         self.last_nodes: List[Optional[int]] = [None] * batch  # the latest choice per sequence
-
-    def calibration(self, b: int) -> float:
-        """Measured accepted drafts per unit of predicted path probability of sequence b."""
-        return (self.accepted[b] + self.prior) / (self.predicted[b] + self.prior) if self.prior else 1.0
-
-    def calibrated(self, b: int, values: Sequence[float]) -> List[float]:
-        """Path probabilities (descending) times sequence b's calibration, capped at 1 and
-        kept non-increasing: the values the rule weighs."""
-        c = self.calibration(b)
-        scaled = [min(1.0, c * float(v)) for v in values]
-        for i in range(1, len(scaled)):
-            scaled[i] = min(scaled[i], scaled[i - 1])
-        return scaled
 
     def growth_limit(self) -> Optional[int]:
         """The most nodes a tree may have before larger passes are measured: twice the largest
-        pass the cost has measured (2 before any), so that trees grow 2, 4, 8, ... while each
-        size is measured, and a pass-cost line known only at small sizes (or at one size, where
-        it is flat) never sends a step to ``max_nodes`` untried (on a CPU a 64-node pass costs
-        about ten one-token passes).  None without a cost, or with a cost that keeps no such
-        record (fixed costs)."""
-        largest = getattr(self.cost, "largest_verified_nodes", None) if self.cost is not None else None
-        seen = largest() if callable(largest) else None
+        pass the calibration has measured (2 before any), so that trees grow 2, 4, 8, ... while
+        each size is measured, and a pass-cost line known only at small sizes (or at one size,
+        where it is flat) never sends a step to ``max_nodes`` untried (on a CPU a 64-node pass
+        costs about ten one-token passes).  None without a calibration, or with fixed costs
+        (nothing measured)."""
+        seen = self.calibration.largest_verified_nodes() if self.calibration is not None else None
         return None if seen is None else max(2, 2 * seen)
 
     def choose(self, b: int, values: Sequence[float]) -> int:
         """The node count for sequence b from its candidates' path probabilities (descending):
-        ``best_tree_size`` against the cost's step times, within ``growth_limit``; without a
-        cost, the largest tree the candidates allow; while the cost is warming up, the growth
-        limit's size."""
+        ``best_tree_size`` against the calibration's step times, within ``growth_limit``;
+        without a calibration, the largest tree the candidates allow; while its costs are
+        warming up, the growth limit's size."""
         cap = min(self.max_nodes, len(values) + 1)
-        times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
+        times = self.calibration.step_times_by_nodes(cap) if self.calibration is not None else None
         limit = self.growth_limit()
         if times is None:
             if limit is None:
                 return cap
             n = max(min(cap, limit), min(self.min_nodes, cap))
         else:
-            n = best_tree_size(self.calibrated(b, values[: cap - 1]), times, min(self.min_nodes, cap))
+            n = best_tree_size(self.paths.calibrated(b, values[: cap - 1]), times, min(self.min_nodes, cap))
             if limit is not None:
                 n = max(min(n, limit), min(self.min_nodes, cap))
         self.last_nodes[b] = n
@@ -230,10 +232,10 @@ class TreeBudget:
             cap = min(cap, limit)
         if len(values) + 1 >= cap:  # a deeper node would not fit (or its size is not yet measured)
             return False
-        times = self.cost.step_times_by_nodes(cap) if self.cost is not None else None
+        times = self.calibration.step_times_by_nodes(cap) if self.calibration is not None else None
         if times is None:
             return True
-        scaled = self.calibrated(b, values)
+        scaled = self.paths.calibrated(b, values)
         bound = scaled + [scaled[-1] if scaled else 1.0] * (cap - 1 - len(scaled))
         return best_tree_size(bound, times, min(self.min_nodes, cap)) > len(values) + 1
 
@@ -242,28 +244,22 @@ class TreeBudget:
         the best n - 1 nodes by path probability lie among the n - 1 best of each depth, each
         with at most n - 1 kept children, so expanding ``min(top_k, n)`` (one spare, so that
         a budget can grow) loses nothing; n is each sequence's latest choice (``top_k``
-        while any has none)."""
-        last = [self.last_nodes[b] for b in rows] if self.cost is not None else [None]
+        while any has none, or without a calibration)."""
+        last = [self.last_nodes[b] for b in rows] if self.calibration is not None else [None]
         if not last or any(n is None for n in last):
             return top_k
         return max(1, min(top_k, max(last)))
 
     def kept(self, b: int, values: Sequence[float]) -> None:
         """The path probabilities of the nodes sequence b's draft keeps (its prediction)."""
-        self.last_predicted[b] = float(sum(values))
+        if self.paths is not None:
+            self.paths.kept(b, values)
 
     def observe(self, num_accepted, active) -> None:
-        """A step's accepted drafts per sequence (``num_accepted`` (B,), ``active`` (B,) bools):
-        ``update`` for each active sequence (what a drafter's ``observe`` hands on)."""
-        for b, (n, a) in enumerate(zip(num_accepted.tolist(), active)):
-            if a:
-                self.update(b, int(n))
-
-    def update(self, b: int, num_accepted: int) -> None:
-        """Sequence b accepted ``num_accepted`` drafts of the tree it was last given."""
-        self.predicted[b] += self.last_predicted[b]
-        self.accepted[b] += float(num_accepted)
-        self.last_predicted[b] = 0.0
+        """A step's accepted drafts per sequence (``num_accepted`` (B,), ``active`` (B,) bools),
+        what a drafter's ``observe`` hands on: the calibration of each active sequence."""
+        if self.paths is not None:
+            self.paths.observe(num_accepted, active)
 
 
 class DraftLengthPolicy:
@@ -361,72 +357,6 @@ class HeuristicPolicy(DraftLengthPolicy):
         return f"heuristic(K0={self.k_init}, [{self.k_min}, {self.k_max}], +{self.up}/-{self.down})"
 
 
-class LinearCost:
-    """A cost ``a + b * x`` (seconds) fitted online to (x, seconds) observations.
-
-    Observations are averaged per x with an exponential moving average (weight
-    ``1 / count``, at least ``decay``).  An x seen at least ``min_count`` times costs its
-    own mean (so steps are captured: on CPU a verify pass of 2..8 nodes costs about the
-    same and one node less); any other x the least-squares line through the per-x means
-    weighted by their counts (a >= 0, b >= 0).  With one distinct x only, the line is flat
-    (``proportional=False``) or proportional to x (``proportional=True``).  Fixed
-    coefficients can be given instead (``a``, ``b``).
-    """
-
-    def __init__(
-        self,
-        a: Optional[float] = None,
-        b: Optional[float] = None,
-        *,
-        proportional: bool = False,
-        decay: float = 0.1,
-        min_count: int = 3,
-    ):
-        self.fixed = (a, b) if a is not None and b is not None else None
-        self.proportional = proportional
-        self.decay = decay
-        self.min_count = min_count
-        self.points: Dict[int, List[float]] = {}  # x -> [count, mean seconds]
-
-    def add(self, x: int, seconds: float) -> None:
-        c, m = self.points.get(x, [0, 0.0])
-        c += 1
-        w = max(1.0 / c, self.decay)
-        self.points[x] = [c, m + w * (seconds - m)]
-
-    @property
-    def known(self) -> bool:
-        return self.fixed is not None or bool(self.points)
-
-    def coefficients(self):
-        """(a, b), or None when nothing was observed."""
-        if self.fixed is not None:
-            return self.fixed
-        if not self.points:
-            return None
-        xs = list(self.points)
-        w = [min(self.points[x][0], 20) for x in xs]
-        ys = [self.points[x][1] for x in xs]
-        sw = sum(w)
-        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-        my = sum(wi * y for wi, y in zip(w, ys)) / sw
-        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-        if sxx == 0:
-            x = xs[0]
-            return (0.0, my / x) if self.proportional and x > 0 else (my, 0.0)
-        b = max(sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx, 0.0)
-        a = max(my - b * mx, 0.0)
-        return a, b
-
-    def __call__(self, x: float) -> float:
-        if self.fixed is None and x in self.points and self.points[x][0] >= self.min_count:
-            return self.points[x][1]
-        coef = self.coefficients()
-        if coef is None:
-            return 0.0
-        return coef[0] + coef[1] * x
-
-
 EXPLORE_BACKOFF = 8  # CostModelPolicy: the largest gap between probes, in units of explore_every
 
 
@@ -480,6 +410,11 @@ class CostModelPolicy(DraftLengthPolicy):
     draft time ``TreeBudget`` reads.  Without sources, everything is source 0 and the lines
     are those of all steps.
 
+    The counts, lines and rates of a run are kept and estimated by its ``Calibration``
+    (``self.calibration``, ``calibration.py``; made by ``calibrate``), fed once per step by
+    ``update``; a tree drafter's ``TreeBudget`` reads the same object
+    (``DraftRun.calibration``).
+
     Args:
         k_min, k_max: the range of K (0 <= k_min <= k_max); k_min = 0 lets a sequence stop
             drafting when drafts do not pay.
@@ -492,7 +427,8 @@ class CostModelPolicy(DraftLengthPolicy):
 
     Raises:
         ValueError: bounds out of range, a negative warm-up or exploration period,
-            prior_ratio outside [0, 1], a negative prior strength.
+            prior_ratio outside [0, 1], a negative prior strength, a cost line that is not an
+            (a, b) pair of seconds >= 0.
     """
 
     name = "cost-model"
@@ -526,197 +462,72 @@ class CostModelPolicy(DraftLengthPolicy):
         self.k_min, self.k_max, self.k_init = k_min, k_max, k_init
         self.warmup, self.explore_every = warmup, explore_every
         self.prior_ratio, self.prior_strength, self.seq_prior = prior_ratio, prior_strength, seq_prior
-        self._draft_cost_arg, self._verify_cost_arg = draft_cost, verify_cost
         for name, c in (("draft_cost", draft_cost), ("verify_cost", verify_cost)):
             if c is not None and (len(c) != 2 or min(c) < 0):
                 raise ValueError(f"{name} must be an (a, b) pair of seconds >= 0, got {c}")
+        self.draft_cost, self.verify_cost = draft_cost, verify_cost  # fixed (a, b) lines, or None
 
     # ------------------------------------------------------------------ state
+    def calibrate(self, state) -> Calibration:
+        """A new ``Calibration`` for a run of ``state``'s batch, with this policy's settings
+        (k_max, warm-up, pseudo-counts, fixed costs), its verify cost the decoder's pass-cost curve
+        ``state.pass_costs`` where there is one.  The engine makes it before the drafter starts
+        (it goes into ``DraftRun.calibration``); ``start`` then takes it up."""
+        calibration = Calibration(state.batch_size, self, getattr(state, "pass_costs", None))
+        calibration.draft_k = self.k_init
+        return calibration
+
     def start(self, state) -> None:
+        """A new run: its ``Calibration`` (``self.calibration``) is the run's
+        (``state.draft_run.calibration``, made by ``calibrate`` before the drafter started),
+        else a new one (``calibrate``: a state of a caller's own loop)."""
         super().start(state)
         B = state.batch_size
-        self.steps = 0
-        # per sequence and draft source (``Drafter.draft_sources``; 0 when the drafter names
-        # none): [j] steps with K >= j, and steps whose accepted path reached j
-        self.requested: List[Dict[int, List[int]]] = [{} for _ in range(B)]
-        self.reached: List[Dict[int, List[int]]] = [{} for _ in range(B)]
-        v = self._verify_cost_arg
-        # draft seconds against K: every step (draft_cost), and per source the steps whose
-        # drafting sequences all drew from it (draft_costs), each source's first drafting step
-        # left out (it includes a model drafter's catch-up on the prompt)
-        self.draft_cost = self._new_draft_line()
-        self.draft_costs: Dict[int, LinearCost] = {}
-        self.verify_cost = LinearCost(*(v or (None, None)))  # the pass, by nodes: one for all sources
-        # the decoder's pass-cost curve of earlier requests of this kind (state.pass_costs): the
-        # verify cost starts from it, and this request's passes are added to it
-        self.shared_cost = getattr(state, "pass_costs", None) if v is None else None
-        if self.shared_cost is not None:
-            self.verify_cost.points = {x: list(p) for x, p in self.shared_cost.points.items()}
-        self.verify_by_k = LinearCost()  # verify seconds per K requested (a K seen often enough)
-        self.verify_by_ks: Dict[int, LinearCost] = {}  # the same per source (its steps alone)
-        self.sourced = False  # the drafter named sources (state.draft_sources) at some step
-        self.drafted_sources: set = set()  # sources that drafted (K > 0) at some step
-        self.nodes: Dict[Tuple[int, int], List[float]] = {}  # (source, K) -> [count, mean nodes per sequence]
+        prepared = getattr(getattr(state, "draft_run", None), "calibration", None)
+        self.calibration: Calibration = prepared if prepared is not None else self.calibrate(state)
         self.heuristic = HeuristicPolicy(self.k_init, self.k_min, self.k_max)
         self.heuristic.start(state)
-        self.last_choice = [self.k_init] * B
         self.last_sources = [0] * B
         # per sequence: the step of its next probe, and the gap after it
         self.next_probe = [self.explore_every] * B
         self.probe_gap = [self.explore_every] * B
 
-    def _new_draft_line(self) -> LinearCost:
-        """A draft-cost line: the fixed ``draft_cost`` given, else one fitted, proportional to K."""
-        return LinearCost(*(self._draft_cost_arg or (None, None)), proportional=True)
-
-    def _draft_cost_of(self, source: int) -> LinearCost:
-        """The draft-cost line of a source: its own once measured, else the line of all steps
-        (always that one while the drafter names no sources)."""
-        own = self.draft_costs.get(source)
-        return own if self.sourced and own is not None and own.known else self.draft_cost
-
-    def _counts(self, table: List[Dict[int, List[int]]], b: int, source: int) -> List[int]:
-        if source not in table[b]:
-            table[b][source] = [0] * (self.k_max + 1)
-        return table[b][source]
-
-    # ------------------------------------------------------------------ estimates
-    def batch_rates(self, source: int = 0) -> List[float]:
-        """r_1..r_kmax of one draft source, estimated over the whole batch."""
-        rates, prev = [], 1.0
-        empty = [0] * (self.k_max + 1)
-        for j in range(1, self.k_max + 1):
-            req = sum(r.get(source, empty)[j] for r in self.requested)
-            hit = sum(r.get(source, empty)[j] for r in self.reached)
-            prior = self.prior_ratio * prev
-            r = (
-                (hit + self.prior_strength * prior) / (req + self.prior_strength)
-                if req + self.prior_strength > 0
-                else prior
-            )
-            prev = min(r, prev)
-            rates.append(prev)
-        return rates
-
-    def sequence_rates(self, b: int, batch: Optional[List[float]] = None, source: int = 0) -> List[float]:
-        """r_1..r_kmax of sequence b's drafts from one source, shrunk towards the batch's."""
-        batch = self.batch_rates(source) if batch is None else batch
-        requested = self.requested[b].get(source, [0] * (self.k_max + 1))
-        reached = self.reached[b].get(source, [0] * (self.k_max + 1))
-        rates, prev = [], 1.0
-        for j in range(1, self.k_max + 1):
-            req, hit = requested[j], reached[j]
-            prior = batch[j - 1]
-            r = (hit + self.seq_prior * prior) / (req + self.seq_prior) if req + self.seq_prior > 0 else prior
-            prev = min(r, prev)
-            rates.append(prev)
-        return rates
-
-    def nodes_for(self, k: int, source: int = 0) -> float:
-        """Mean nodes per sequence (root included) that a step requesting K of a source yielded."""
-        if (source, k) in self.nodes:
-            return self.nodes[(source, k)][1]
-        return k + 1.0
-
-    def step_times(self, source: int = 0) -> List[float]:
-        """Estimated seconds of a step for K = 0..k_max of one source (a floor of 1e-9)."""
-        out = []
-        by_k = self.verify_by_ks.get(source) if self.sourced else self.verify_by_k
-        for k in range(self.k_max + 1):
-            seen = by_k.points.get(k) if by_k is not None else None
-            if self.verify_cost.fixed is None and seen is not None and seen[0] >= self.verify_by_k.min_count:
-                verify = seen[1]
-            else:
-                verify = self.verify_cost(self.nodes_for(k, source))
-            t = (self._draft_cost_of(source)(k) if k > 0 else 0.0) + verify
-            out.append(max(t, 1e-9))
-        return out
-
-    def largest_verified_nodes(self) -> Optional[int]:
-        """The most nodes per sequence of a verify pass measured so far (this request's and the
-        earlier ones' of ``state.pass_costs``), 0 before any; None with a fixed verify cost
-        (nothing to measure).  ``TreeBudget.growth_limit`` reads it."""
-        if self._verify_cost_arg is not None:
-            return None
-        line = getattr(self, "verify_cost", None)  # set by start()
-        return max(line.points, default=0) if line is not None else 0
-
-    def step_times_by_nodes(self, max_nodes: int) -> Optional[List[float]]:
-        """Estimated seconds of a step whose tree has n nodes per sequence, n = 0..max_nodes
-        (entry 0 unused; a floor of 1e-9): the draft time at the last step's largest K (the
-        line of all steps, whichever source drafts) plus the verify line at n nodes.  None
-        during the warm-up or before a verify time is known (``TreeBudget`` then keeps its
-        largest tree, which also measures large passes)."""
-        if self.steps < self.warmup or not self.verify_cost.known:
-            return None
-        k = max(self.last_choice) if self.last_choice else self.k_max
-        draft = self.draft_cost(k) if k > 0 else 0.0
-        return [max(draft + self.verify_cost(n), 1e-9) for n in range(max_nodes + 1)]
-
     # ------------------------------------------------------------------ interface
     def choose(self, state) -> List[int]:
-        B = state.batch_size
-        sources = getattr(state, "draft_sources", None)
-        self.sourced = self.sourced or sources is not None
-        self.last_sources = list(sources) if sources is not None else [0] * B
-        if self.steps < self.warmup or not self.verify_cost.known:
+        calibration = self.calibration
+        self.last_sources = calibration.step_sources(getattr(state, "draft_sources", None))
+        if not calibration.ready:
             choice = self.heuristic.choose(state)
         else:
-            times = {s: self.step_times(s) for s in set(self.last_sources)}
-            batch = {s: self.batch_rates(s) for s in times}
+            times = {s: calibration.step_times(s) for s in set(self.last_sources)}
+            batch = {s: calibration.batch_rates(s) for s in times}
             choice = [
-                best_draft_length(self.sequence_rates(b, batch[s], s), times[s], self.k_min)
+                best_draft_length(calibration.sequence_rates(b, batch[s], s), times[s], self.k_min)
                 for b, s in enumerate(self.last_sources)
             ]
             if self.explore_every:
                 choice = [self._probe(b, k) for b, k in enumerate(choice)]
-        self.last_choice = choice
+        calibration.draft_k = max(choice, default=self.k_max)
         return list(choice)
 
     def _probe(self, b: int, k: int) -> int:
         """Sequence b's K at this step given the cost model's choice k: one more at its probe
         steps (class docstring), whose gap doubles while k stays k_min."""
-        if self.steps < self.next_probe[b]:
+        steps = self.calibration.steps
+        if steps < self.next_probe[b]:
             return k
         if k > self.k_min:
             self.probe_gap[b] = self.explore_every
         else:
             self.probe_gap[b] = min(2 * self.probe_gap[b], EXPLORE_BACKOFF * self.explore_every)
-        self.next_probe[b] = self.steps + self.probe_gap[b]
+        self.next_probe[b] = steps + self.probe_gap[b]
         return min(k + 1, self.k_max)
 
     def update(self, state, record) -> None:
-        self.steps += 1
+        """The step's measurements go to the calibration (under the sources ``choose`` was
+        given), its acceptance to the warm-up's heuristic."""
+        self.calibration.update(record, self.last_sources)
         self.heuristic.update(state, record)
-        sources = self.last_sources  # those choose() was given for this step
-        for b, a in enumerate(record.active):
-            if not a:
-                continue
-            k, s = min(record.ks[b], self.k_max), sources[b]
-            requested, reached = self._counts(self.requested, b, s), self._counts(self.reached, b, s)
-            for j in range(1, k + 1):
-                requested[j] += 1
-                reached[j] += int(record.num_accepted[b] >= j)
-            c, m = self.nodes.get((s, k), [0, 0.0])
-            c += 1
-            self.nodes[(s, k)] = [c, m + max(1.0 / c, 0.1) * (record.num_nodes[b] - m)]
-        if any(record.active):
-            k_step = max(k for k, a in zip(record.ks, record.active) if a)
-            if k_step > 0 and self.steps > 1:  # the first step's includes the drafter's prompt prefill
-                self.draft_cost.add(k_step, record.draft_time)
-            self.verify_cost.add(record.block_width, record.verify_time)
-            self.verify_by_k.add(k_step, record.verify_time)
-            # a source's own lines take the steps whose drafting sequences all drew from it,
-            # but its first drafting step
-            drew = {sources[b] for b, a in enumerate(record.active) if a and record.ks[b] > 0}
-            first = drew - self.drafted_sources
-            self.drafted_sources |= drew
-            if self.sourced and len(drew) == 1 and not first:
-                (s,) = drew
-                self.draft_costs.setdefault(s, self._new_draft_line()).add(k_step, record.draft_time)
-                self.verify_by_ks.setdefault(s, LinearCost()).add(k_step, record.verify_time)
-            if self.shared_cost is not None:
-                self.shared_cost.add(record.block_width, record.verify_time)
 
     def describe(self) -> str:
         return f"cost-model(K in [{self.k_min}, {self.k_max}])"

@@ -4,13 +4,12 @@ A custom drafter's bug should name the drafter, not surface as an embedding inde
 wrong output: ``check_draft`` checks a proposal (types, shapes, parents, roots, token ids) and
 ``check_draft_sources`` the per-sequence source ids of a drafter with several sources.  Both
 read only host tensors (a drafter's proposal lives on the host).  ``feature_layer_kwargs``
-checks the target layers a drafter asks hidden states of, and ``drafter_tree`` lists a
-composite drafter's sub-drafters.
+checks the target layers a drafter asks hidden states of.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -149,23 +148,6 @@ def _check_parents(draft: Draft, name: str, n: List[int]) -> None:
             raise ValueError(
                 f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)"
             )
-
-
-def drafter_tree(drafter) -> List[Any]:
-    """The drafter and, recursively, the sub-drafters it holds (``MultiDrafter.drafters``: a
-    list or tuple of drafters; any other ``drafters`` attribute is not followed)."""
-    out: List[Any] = []
-    todo, seen = [drafter], set()
-    while todo:
-        d = todo.pop(0)
-        if d is None or id(d) in seen:  # each drafter once, even in a cycle
-            continue
-        seen.add(id(d))
-        out.append(d)
-        subs = getattr(d, "drafters", None)
-        if isinstance(subs, (list, tuple)):
-            todo.extend(subs)
-    return out
 
 
 def feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]:

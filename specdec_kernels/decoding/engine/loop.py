@@ -21,7 +21,8 @@ draft length K may come from a draft-length policy consulted every step (``adapt
 
 The module reads top to bottom as that loop: ``generate`` (the draft-length schedule of
 ``adaptive.draft_schedule``, then ``_run_steps``), ``start`` (checks, the KV cache, the prefill
-of ``prefill.py``, the drafter's ``observe`` of the prefill's result) and ``step`` (``_draft``:
+of ``prefill.py``, a cost-model policy's ``Calibration`` of the run (``calibration.py``), the
+drafter's ``observe`` of the prefill's result) and ``step`` (``_draft``:
 the drafter's ``propose``; ``_verify``, ``_emit``, ``_advance``; ``_observe``: the drafter's
 ``observe`` of the step's ``StepResult``; ``DecodeState.record_step``).  The drafter is reached
 through those two methods only (``draft.Drafter``).  What the loop leans on lives beside it:
@@ -47,12 +48,12 @@ import torch
 from specdec_kernels import compact_kv_cache
 from specdec_kernels.decoding import draft as contract
 from specdec_kernels.decoding.draft import Draft, Drafter, NoDrafter, SamplingParams
-from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, DraftLengthPolicy, LinearCost, draft_schedule
+from specdec_kernels.decoding.engine.adaptive import CostModelPolicy, DraftLengthPolicy, draft_schedule
+from specdec_kernels.decoding.engine.calibration import Calibration, LinearCost
 from specdec_kernels.decoding.engine.draft_checks import (
     check_draft,
     check_draft_sources,
     drafter_name,
-    drafter_tree,
     feature_layer_kwargs,
 )
 from specdec_kernels.decoding.engine.graphs import CapturedPasses, CudaGraph
@@ -272,19 +273,12 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         schedule = draft_schedule(num_draft_tokens, self.policy, self.drafter, sampling)
         policy = schedule if isinstance(schedule, DraftLengthPolicy) else None
-        state = self.start(prompts, max_new_tokens, sampling, seeds)
+        state = self.start(prompts, max_new_tokens, sampling, seeds, _policy=policy)
         if policy is not None:
-            kind = (getattr(self.model, "numerics", None), torch.get_num_threads(), state.batch_size, self.threads)
-            state.pass_costs = self.pass_costs.setdefault(kind, LinearCost())
-            policy.start(state)
+            policy.start(state)  # a cost model takes up the run's calibration (``_calibrate``)
             state.stats.policy = policy.describe()
-        # a drafter that sizes its tree by the measured step cost (``adaptive.TreeBudget``),
-        # alone or inside a ``MultiDrafter``, reads it from this run's cost-model policy
-        budgets = [d.budget for d in drafter_tree(self.drafter) if getattr(d, "budget", None) is not None]
         threads = None
-        try:  # the budgets let go of the policy however the run ends
-            for budget in budgets:
-                budget.cost = policy if isinstance(policy, CostModelPolicy) else None
+        try:
             if on_step is not None:
                 on_step(state)
             threads = StepThreads(self.threads, self.model.device, state.stats, self.thread_choices)
@@ -292,8 +286,6 @@ class SpeculativeDecoder:
         finally:
             if threads is not None:
                 threads.restore()
-            for budget in budgets:
-                budget.cost = None
         state.stats.total_time = time.perf_counter() - t0
         return GenerationResult([state.generated(b) for b in range(state.batch_size)], state.stats)
 
@@ -328,9 +320,16 @@ class SpeculativeDecoder:
         max_new_tokens: Union[int, Sequence[int]] = 128,
         sampling: Optional[SamplingParams] = None,
         seeds=None,
+        *,
+        _policy: Optional[DraftLengthPolicy] = None,
     ) -> DecodeState:
         """Allocate the KV cache, prefill the prompts (all but their last token) and reset the
         drafter.  Step the returned state with ``step``.
+
+        ``generate`` passes its draft-length policy as ``_policy`` (private): the run's
+        ``Calibration`` is then made before the drafter starts (``_calibrate``), so that it is
+        in the ``DraftRun``; without it, as for a caller that steps the state itself,
+        ``DraftRun.calibration`` is None.
 
         Raises:
             ValueError: no prompts, an empty prompt, token ids outside the vocabulary,
@@ -350,16 +349,28 @@ class SpeculativeDecoder:
         t = time.perf_counter()
         prefill_hidden = prefill(self.model, state, self.drafter, self.prefill_chunk, self._layer_kwargs)
         state.stats.prefill_time = time.perf_counter() - t
+        calibration = self._calibrate(state, _policy) if _policy is not None else None
         t = time.perf_counter()
-        self._start_drafter(state, capacity, seeds, prefill_hidden)
+        self._start_drafter(state, capacity, seeds, prefill_hidden, calibration)
         state.stats.draft_time += time.perf_counter() - t
         state.stats.kv_cache_bytes += int(self.drafter.kv_cache_bytes)
         return state
 
-    def _start_drafter(self, state: DecodeState, capacity: int, seeds, prefill_hidden) -> None:
+    def _calibrate(self, state: DecodeState, policy: DraftLengthPolicy) -> Optional[Calibration]:
+        """A policy's view of the decoder's past: ``state.pass_costs``, the target pass's cost
+        curve measured by this decoder's earlier runs of the same kind (numerics, threads,
+        batch size, threads argument); and for a cost-model policy the run's ``Calibration``
+        (``CostModelPolicy.calibrate``, its verify cost that curve), else None."""
+        kind = (getattr(self.model, "numerics", None), torch.get_num_threads(), state.batch_size, self.threads)
+        state.pass_costs = self.pass_costs.setdefault(kind, LinearCost())
+        return policy.calibrate(state) if isinstance(policy, CostModelPolicy) else None
+
+    def _start_drafter(
+        self, state: DecodeState, capacity: int, seeds, prefill_hidden, calibration: Optional[Calibration]
+    ) -> None:
         """Begin the drafter's run: the ``DraftRun`` (its generators, the coupling, the cache
-        layout, the target's cache to share), then ``observe`` of the prefill's result (the
-        prompts' hidden states where it wants them)."""
+        layout, the target's cache to share, the run's calibration), then ``observe`` of the
+        prefill's result (the prompts' hidden states where it wants them)."""
         B = state.batch_size
         state.draft_run = contract.DraftRun(
             capacity=capacity,
@@ -370,6 +381,7 @@ class SpeculativeDecoder:
             target=self.model,
             target_kv_cache=state.kv_cache,
             stats=state.stats,
+            calibration=calibration,
         )
         features = None
         if prefill_hidden is not None:
