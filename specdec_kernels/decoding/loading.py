@@ -177,7 +177,7 @@ def load_checkpoint(root: Optional[str] = None):
             GGUF, not a GGUF, another GGUF version, or a GGUF of another model.
     """
     require("transformers", purpose="loading SmolLM2-135M-Instruct", extra="engine")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import LlamaConfig
 
     directory, name = smollm2_gguf()
     gguf_path = os.path.join(directory, name)
@@ -188,7 +188,17 @@ def load_checkpoint(root: Optional[str] = None):
     cached = _read_cache(where, stamp)
     if cached is not None:
         return cached
+    config_dict, state_dict, tokenizer = _convert(directory, name)
+    _write_cache(where, stamp, config_dict, state_dict, tokenizer)
+    return LlamaConfig.from_dict(config_dict), state_dict, tokenizer
 
+
+def _convert(directory: str, name: str):
+    """(config dict, state dict, tokenizer) of the GGUF ``name`` in ``directory``, converted by
+    transformers after ``check_gguf`` (``load_checkpoint``; the errors are its)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = os.path.join(directory, name)
     purpose = "converting SmolLM2-135M-Instruct from its GGUF"
     require(
         "transformers",
@@ -211,10 +221,16 @@ def load_checkpoint(root: Optional[str] = None):
         for k, v in hf.state_dict().items()
         if k != "lm_head.weight" or not hf.config.tie_word_embeddings
     }
+    return config_dict, state_dict, tokenizer
+
+
+def _write_cache(where: Path, stamp: dict, config_dict: dict, state_dict: dict, tokenizer) -> None:
+    """Keep a converted checkpoint in the cache folder ``where``, ``stamp`` its source.
+
+    Several processes may convert at once (parallel test workers, two jobs on one machine):
+    each writes into its own temporary folder and moves every file into place atomically,
+    the stamp last, so a reader never sees a half-written cache."""
     where.mkdir(parents=True, exist_ok=True)
-    # Several processes may convert at once (parallel test workers, two jobs on one
-    # machine): each writes into its own temporary folder and moves every file into place
-    # atomically, the stamp last, so a reader never sees a half-written cache.
     with tempfile.TemporaryDirectory(dir=where, prefix=".convert-") as tmp:
         tmp = Path(tmp)
         torch.save(state_dict, tmp / "state_dict.pt")
@@ -223,7 +239,6 @@ def load_checkpoint(root: Optional[str] = None):
         (tmp / "source.json").write_text(json.dumps(stamp))
         for f in sorted(tmp.iterdir(), key=lambda f: f.name == "source.json"):
             os.replace(f, where / f.name)
-    return LlamaConfig.from_dict(config_dict), state_dict, tokenizer
 
 
 def _complete_cache(root: Optional[str]) -> Optional[Path]:

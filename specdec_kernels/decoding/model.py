@@ -105,6 +105,92 @@ def _rope_parameters(config) -> dict:
     return dict(rope)
 
 
+class _HFWeights:
+    """The weights of a transformers state dict taken by name (``from_hf``), remembering which."""
+
+    def __init__(self, config, args: ModelArgs, state_dict) -> None:
+        self.config, self.args, self.state_dict = config, args, state_dict
+        self.used = set()
+
+    def take(self, name: str) -> torch.Tensor:
+        """The weight ``name``.  Raises KeyError when the state dict has none."""
+        if name not in self.state_dict:
+            model_type, num_layers = self.config.model_type, self.args.num_layers
+            raise KeyError(f"state dict has no {name!r} (needed by a {model_type} model of {num_layers} layers)")
+        self.used.add(name)
+        return self.state_dict[name]
+
+    def output(self, embed: torch.Tensor) -> torch.Tensor:
+        """The LM head: the embeddings of a tied model (checked against a listed lm_head.weight),
+        else lm_head.weight.  Raises ValueError when a tied model's lm_head.weight differs."""
+        if not self.args.tie_word_embeddings:
+            return self.take("lm_head.weight")
+        head = self.state_dict.get("lm_head.weight")
+        if head is not None:  # a tied model's state dict may list the shared matrix twice
+            self.used.add("lm_head.weight")
+            same = head.data_ptr() == embed.data_ptr() or (head.shape == embed.shape and torch.equal(head, embed))
+            if not same:
+                raise ValueError(
+                    "tie_word_embeddings=True but the state dict's lm_head.weight differs from "
+                    "model.embed_tokens.weight (which one is the head?)"
+                )
+        return embed
+
+    def check_all_used(self) -> None:
+        """Raises ValueError naming the weights no ``take`` asked for (rotary buffers aside)."""
+        extra = sorted(k for k in self.state_dict if k not in self.used and not k.endswith("rotary_emb.inv_freq"))
+        if extra:
+            more = f" ... ({len(extra)} in all)" if len(extra) > 8 else ""
+            raise ValueError(
+                f"the state dict holds weights a {self.config.model_type} model of {self.args.num_layers} layers "
+                f"does not use (ignoring them would run a different model): {extra[:8]}{more}"
+            )
+
+
+def _hf_weights(config, args: ModelArgs, state_dict) -> Dict[str, torch.Tensor]:
+    """``Transformer``'s state dict from a transformers ``*ForCausalLM``'s (``from_hf``): q/k/v
+    (and their biases) and gate/up concatenated; the tensors are ``state_dict``'s or new.
+
+    Raises:
+        KeyError: a weight missing from ``state_dict``.
+        ValueError: weights left over, or a tied lm_head.weight that differs from the embeddings.
+    """
+    hf = _HFWeights(config, args, state_dict)
+    take = hf.take
+    sd = {}
+    embed = take("model.embed_tokens.weight")
+    sd["tok_embeddings.weight"] = embed
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        sd[f"layers.{i}.attention_norm.weight"] = take(p + "input_layernorm.weight")
+        sd[f"layers.{i}.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+        if args.qkv_bias:
+            sd[f"layers.{i}.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+        sd[f"layers.{i}.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        sd[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        sd[f"layers.{i}.w13.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+        )
+        sd[f"layers.{i}.w2.weight"] = take(p + "mlp.down_proj.weight")
+    sd["norm.weight"] = take("model.norm.weight")
+    sd["output.weight"] = hf.output(embed)
+    hf.check_all_used()
+    return sd
+
+
+def _hf_rotary(config, args: ModelArgs) -> Tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) of a transformers config (``from_hf``): plain RoPE computed
+    here; the scaled variants (linear, llama3, yarn) by transformers' ``LlamaRotaryEmbedding``."""
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        exponent = torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim
+        return 1.0 / (args.rope_theta**exponent), 1.0
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config)
+    return rotary.inv_freq.float(), float(rotary.attention_scaling)
+
+
 def unsupported_hf_config(config) -> List[str]:
     """Why ``Transformer`` cannot run a transformers config exactly: [] when it can.
 
@@ -572,67 +658,11 @@ class Transformer(nn.Module):
         args = ModelArgs.from_hf_config(config)
         with torch.device("meta"):
             model = cls(args)
-        used = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in state_dict:
-                raise KeyError(
-                    f"state dict has no {name!r} (needed by a {config.model_type} model of {args.num_layers} layers)"
-                )
-            used.add(name)
-            return state_dict[name]
-
-        sd = {}
-        embed = take("model.embed_tokens.weight")
-        sd["tok_embeddings.weight"] = embed
-        for i in range(args.num_layers):
-            p = f"model.layers.{i}."
-            sd[f"layers.{i}.attention_norm.weight"] = take(p + "input_layernorm.weight")
-            sd[f"layers.{i}.wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-            if args.qkv_bias:
-                sd[f"layers.{i}.wqkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
-            sd[f"layers.{i}.wo.weight"] = take(p + "self_attn.o_proj.weight")
-            sd[f"layers.{i}.ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-            sd[f"layers.{i}.w13.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
-            )
-            sd[f"layers.{i}.w2.weight"] = take(p + "mlp.down_proj.weight")
-        sd["norm.weight"] = take("model.norm.weight")
-        if args.tie_word_embeddings:
-            head = state_dict.get("lm_head.weight")
-            if head is not None:  # a tied model's state dict may list the shared matrix twice
-                used.add("lm_head.weight")
-                same = head.data_ptr() == embed.data_ptr() or (head.shape == embed.shape and torch.equal(head, embed))
-                if not same:
-                    raise ValueError(
-                        "tie_word_embeddings=True but the state dict's lm_head.weight differs from "
-                        "model.embed_tokens.weight (which one is the head?)"
-                    )
-            sd["output.weight"] = embed
-        else:
-            sd["output.weight"] = take("lm_head.weight")
-        extra = sorted(k for k in state_dict if k not in used and not k.endswith("rotary_emb.inv_freq"))
-        if extra:
-            more = f" ... ({len(extra)} in all)" if len(extra) > 8 else ""
-            raise ValueError(
-                f"the state dict holds weights a {config.model_type} model of {args.num_layers} layers "
-                f"does not use (ignoring them would run a different model): {extra[:8]}{more}"
-            )
-        sd = {k: v.detach().to(dtype=dtype) for k, v in sd.items()}
+        sd = {k: v.detach().to(dtype=dtype) for k, v in _hf_weights(config, args, state_dict).items()}
         missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
         if missing or unexpected:
             raise KeyError(f"state dict does not fit the model: missing {missing}, unexpected {unexpected}")
-        rope = _rope_parameters(config)
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            exponent = torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim
-            inv_freq, scaling = 1.0 / (args.rope_theta**exponent), 1.0
-        else:  # scaled variants (linear, llama3, yarn): transformers computes the frequencies
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-            rotary = LlamaRotaryEmbedding(config)
-            inv_freq, scaling = rotary.inv_freq.float(), float(rotary.attention_scaling)
-        model.inv_freq = inv_freq
-        model.attention_scaling = scaling
+        model.inv_freq, model.attention_scaling = _hf_rotary(config, args)
         if pack and dtype == torch.float32 and os.environ.get(PACK_ENV, "1") != "0":
             model.pack_weights()
         return model.eval()
@@ -744,76 +774,81 @@ class Transformer(nn.Module):
         hidden_layers: Sequence[int] = (),
         host_seqlens: Optional[Sequence[int]] = None,
     ):
-        """Feed a block of N new tokens per sequence; return their next-token logits.
-
-        Runs without autograd (``torch.no_grad``), inside or outside ``torch.inference_mode``.
+        """Feed a block of N new tokens per sequence; return their next-token logits.  Runs without
+        autograd (``torch.no_grad``), inside or outside ``torch.inference_mode``.
 
         Args:
             tokens: Shape (B, N), int64: the block (for verification: root then drafts).
             positions: Shape (B, N), int64: rotary positions (``cache_seqlens + depth``).
-            kv_cache: Shape (L', 2, B, Hkv, S, D), the model's dtype, L' >= the layers run.
-                The block's keys and values are written at slots cache_seqlens[b] + i.  Or a
-                ``paged.PagedKVCache`` (pool (L', 2, blocks, block_size, Hkv, D) and a block
-                table of B rows): the same slots, written and read through the table.
-            cache_seqlens: Shape (B,), int32: tokens already in the cache per sequence;
-                cache_seqlens + N <= S.
+            kv_cache: Shape (L', 2, B, Hkv, S, D), the model's dtype, L' >= the layers run; the block's keys and
+                values are written at slots cache_seqlens[b] + i.  Or a ``paged.PagedKVCache`` (pool (L', 2,
+                blocks, block_size, Hkv, D), a block table of B rows): the same slots, through the table.
+            cache_seqlens: Shape (B,), int32: tokens already in the cache per sequence; cache_seqlens + N <= S.
             tree_mask: bool (N, N) or (B, N, N) ancestor mask of the block, None = chain.
-            num_layers: run only the first layers (layer-skip drafting); the final norm and
-                the head are applied after them.  None runs all.
-            logit_rows: Shape (B, R), int64: compute logits only for these block rows (e.g.
-                the last prompt token, or a tree's frontier).  None: all N rows.  R = 0 skips
-                the head and returns None.
-            return_hidden: also return the final hidden states of those rows (after the
-                final norm, the head's input), e.g. for Medusa heads.
-            compute_logits: False skips the head (logits None), e.g. when only the hidden
-                states are wanted.
-            hidden_layers: with ``return_hidden``, also the outputs of these layers (0-based
-                indices among the layers run, each its residual stream before any norm),
-                appended to the final hidden state in this order: EAGLE-3's low-, mid- and
-                high-level features (Li et al. 2025, "EAGLE-3: Scaling up Inference
-                Acceleration of Large Language Models via Training-Time Test").
-            host_seqlens: cache_seqlens' values as the caller keeps them on the host (the
-                engine loop does), or None.  Given, the slot writes take the one-slice path
-                when every sequence starts at the same slot, without reading cache_seqlens;
-                None reads cache_seqlens on CPU only (on a GPU the writes scatter, reading
-                nothing, as a captured graph needs).
+            num_layers: run only the first layers (layer-skip drafting); the final norm and the head are applied
+                after them.  None runs all.
+            logit_rows: Shape (B, R), int64: compute logits only for these block rows (e.g. the last prompt
+                token, or a tree's frontier).  None: all N rows.  R = 0 skips the head and returns None.
+            return_hidden: also return the final hidden states of those rows (after the final norm, the
+                head's input), e.g. for Medusa heads.
+            compute_logits: False skips the head (logits None), e.g. when only the hidden states are wanted.
+            hidden_layers: with ``return_hidden``, also the outputs of these layers (0-based indices among
+                the layers run, each its residual stream before any norm), appended to the final hidden state
+                in this order: EAGLE-3's low-, mid- and high-level features (Li et al. 2025, "EAGLE-3: Scaling
+                up Inference Acceleration of Large Language Models via Training-Time Test").
+            host_seqlens: cache_seqlens' values as the caller keeps them on the host (the engine loop does),
+                or None (``_slot_writes``: which slot writes each takes).
 
         Returns:
-            logits: Shape (B, N or R, vocab), float32, or None when R = 0 or
-            ``compute_logits`` is False.  With ``return_hidden`` a pair ``(logits, hidden)``,
-            hidden of shape (B, N or R, hidden_size * (1 + len(hidden_layers))) in the model's
-            dtype (None when R = 0).
+            logits: Shape (B, N or R, vocab), float32, or None when R = 0 or ``compute_logits`` is False.
+            With ``return_hidden`` a pair ``(logits, hidden)``, hidden of shape (B, N or R, hidden_size *
+            (1 + len(hidden_layers))) in the model's dtype (None when R = 0).
 
         Raises:
             ValueError: a ``hidden_layers`` index outside the layers run, or repeated.
             TypeError: ``hidden_layers`` not a sequence of ints.
         """
-        B, N = tokens.shape
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         taps = layer_indices("hidden_layers", hidden_layers, len(layers))
+        cos, sin = self._rotary(positions)
+        seqlens = cache_seqlens.to(torch.int32)
+        caches, write, block_table = self._slot_writes(tokens, kv_cache, cache_seqlens, host_seqlens)
+        x, kept = self.tok_embeddings(tokens), {}
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, caches[i], write, seqlens, tree_mask, self.attention_backend, block_table)
+            if i in taps:
+                kept[i] = x
+        return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
+
+    def _rotary(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s rotary tables for positions (B, N): cos and sin (B, N, 1, head_dim) in the
+        model's dtype, scaled by ``attention_scaling``."""
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         cos = (emb.cos() * self.attention_scaling).to(self.dtype)
         sin = (emb.sin() * self.attention_scaling).to(self.dtype)
-        seqlens = cache_seqlens.to(torch.int32)
+        return cos, sin
 
-        block_table = None
+    def _slot_writes(self, tokens, kv_cache, cache_seqlens, host_seqlens):
+        """How ``forward`` writes the block's keys and values at slots cache_seqlens[b] + i:
+        (the per-layer caches, ``write(cache, new)`` with new (B, N, Hkv, D), the block table or None).
+
+        A ``PagedKVCache``: the writes go through its block table into the pool.  Else one slice
+        when every sequence starts at the same slot, otherwise a scatter.  ``host_seqlens`` given,
+        the starts are read from it, never from cache_seqlens; None reads cache_seqlens on CPU
+        only (on a GPU the writes scatter, reading nothing, as a captured graph needs).  With
+        known starts (on CPU), the layers attend over the used part of the cache only (the
+        reference is dense in S)."""
+        B, N = tokens.shape
         if isinstance(kv_cache, PagedKVCache):  # writes through the block table, into the pool
-            block_table = kv_cache.block_table
             flat = kv_cache.physical_slots(cache_seqlens, N)
             Hkv, D = self.args.num_kv_heads, self.args.head_dim
 
             def write(cache, new):  # cache [blocks, block_size, Hkv, D], new [B, N, Hkv, D]
                 cache.view(-1, Hkv, D).index_copy_(0, flat, new.reshape(B * N, Hkv, D))
 
-            x, kept = self.tok_embeddings(tokens), {}
-            for i, layer in enumerate(layers):
-                x = layer(x, cos, sin, kv_cache.pool[i], write, seqlens, tree_mask, self.attention_backend, block_table)
-                if i in taps:
-                    kept[i] = x
-            return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
+            return kv_cache.pool, write, kv_cache.block_table
 
-        # Slot writes: one slice when every sequence starts at the same slot, else a scatter.
         if host_seqlens is not None:
             starts = [int(v) for v in host_seqlens]
         else:
@@ -831,16 +866,9 @@ class Transformer(nn.Module):
             def write(cache, new):
                 cache[b_idx, :, slots] = new
 
-        # On CPU, attend over the used part of the cache only (the reference is dense in S).
-        if starts is not None:
+        if starts is not None:  # on CPU, attend over the used part of the cache only
             kv_cache = kv_cache[..., : max(starts, default=0) + N, :]
-
-        x, kept = self.tok_embeddings(tokens), {}
-        for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, kv_cache[i], write, seqlens, tree_mask, self.attention_backend)
-            if i in taps:
-                kept[i] = x
-        return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
+        return kv_cache, write, None
 
     def _head(self, x, logit_rows, return_hidden, compute_logits, extra=()):
         """The final norm and the LM head over the wanted rows (see ``forward``); ``extra``:

@@ -166,14 +166,7 @@ class EnsembleDrafter(CompositeDrafter):
         depth = [0] * B  # drafted depth per sequence
         w = self.log_weights.exp().float()  # (B, M)
         for d in range(1, D + 1):
-            for i, (drafter, name) in enumerate(zip(self.drafters, self.names)):
-                with self._timed(name, "propose_time"):
-                    if d == 1:
-                        q_i, has_i = drafter.chain_begin(self._request(i, request, member_ks[i], active), V)
-                    else:
-                        q_i, has_i = drafter.chain_extend(tokens[:, d - 1])
-                member_q[i, :, d - 1] = q_i.float()
-                member_has[i, :, d - 1] = has_i & torch.tensor([k >= d for k in member_ks[i]])
+            self._ask_members(d, request, member_ks, tokens[:, d - 1], member_q, member_has)
             has = member_has[:, :, d - 1].T  # (B, M)
             wd = w * has
             total = wd.sum(1)
@@ -182,21 +175,12 @@ class EnsembleDrafter(CompositeDrafter):
             for b in range(B):
                 if not go[b]:
                     continue
-                if greedy:
-                    tokens[b, d] = int(q[b].argmax())
-                elif coupled:  # the mixture's Gumbel-max with the target's noise of this index
-                    noise = self.coupling.noise(b, len(histories[b]) + d - 1)
-                    tokens[b, d] = int(gumbel_top_k(q[b].clamp(min=0).log(), noise, 1)[1][0])
-                else:
-                    tokens[b, d] = int(sample_tokens(q[b], 1, self.generators[b])[0])
+                tokens[b, d] = self._mixture_token(q[b], b, len(histories[b]) + d - 1)
+                if probs is not None:  # sampled without coupling: the q it was drawn from
                     probs[b, d - 1] = q[b]
                 depth[b] = d
             if d == 1:
-                for i, name in enumerate(self.names):
-                    for b in range(B):
-                        if go[b]:
-                            self.counters[name]["weight"] += float(w[b, i])
-                            self.counters[name]["steps"] += int(has[b, i])
+                self._count_first_depth(go, w, has)
             if not any(depth[b] == d for b in range(B)):
                 break
         for i, name in enumerate(self.names):
@@ -205,6 +189,41 @@ class EnsembleDrafter(CompositeDrafter):
         num_nodes = torch.tensor([1 + x for x in depth], dtype=torch.int64)
         parents = torch.arange(-1, D, dtype=torch.int64).expand(B, D + 1).clone()
         return Draft(tokens, parents, num_nodes, probs, is_chain=True)
+
+    def _ask_members(self, d: int, request: DraftRequest, member_ks, previous: torch.Tensor, member_q, member_has):
+        """Each sub-drafter's distribution at depth d (its ``chain_begin`` with its own request at
+        d = 1, else ``chain_extend`` with the ``previous`` depth's tokens (B,)), written into
+        member_q[:, :, d - 1] (M, B, V) and, where it has an opinion within its cap,
+        member_has[:, :, d - 1] (M, B)."""
+        for i, (drafter, name) in enumerate(zip(self.drafters, self.names)):
+            with self._timed(name, "propose_time"):
+                if d == 1:
+                    q_i, has_i = drafter.chain_begin(
+                        self._request(i, request, member_ks[i], request.active), member_q.shape[-1]
+                    )
+                else:
+                    q_i, has_i = drafter.chain_extend(previous)
+            member_q[i, :, d - 1] = q_i.float()
+            member_has[i, :, d - 1] = has_i & torch.tensor([k >= d for k in member_ks[i]])
+
+    def _mixture_token(self, q: torch.Tensor, b: int, index: int) -> int:
+        """Sequence b's token from the mixture q (V,): its argmax when greedy, its Gumbel-max with the
+        target's noise of token ``index`` under the coupling, else a sample with b's generator."""
+        if self.sampling.greedy:
+            return int(q.argmax())
+        if self.coupling is not None:  # the mixture's Gumbel-max with the target's noise of this index
+            noise = self.coupling.noise(b, index)
+            return int(gumbel_top_k(q.clamp(min=0).log(), noise, 1)[1][0])
+        return int(sample_tokens(q, 1, self.generators[b])[0])
+
+    def _count_first_depth(self, go, w: torch.Tensor, has: torch.Tensor) -> None:
+        """Credit each sub-drafter, per sequence that drafts (``go``), its mixture weight (w (B, M))
+        and whether it had an opinion at the first depth (has (B, M))."""
+        for i, name in enumerate(self.names):
+            for b in range(len(go)):
+                if go[b]:
+                    self.counters[name]["weight"] += float(w[b, i])
+                    self.counters[name]["steps"] += int(has[b, i])
 
     def observe(self, result: StepResult) -> None:
         """Begin a run (``result.started``, ``CompositeDrafter.observe``: every sequence starts

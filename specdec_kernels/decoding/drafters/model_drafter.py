@@ -239,6 +239,22 @@ class ModelDrafter(Drafter):
         self._root_slot = [self.seqlens[b] + len(pending[b]) - 1 for b in range(B)]
         return logits
 
+    def _feed_level(self, tokens: torch.Tensor, level: List[int], anc: torch.Tensor, depths, root_slot):
+        """Feed the tree's nodes up to the ``level`` (its nodes, ascending ids) to expand next, node i
+        at slot root_slot + i (``anc``: the tree's ancestor mask, ``depths`` its nodes' depths);
+        returns the logits at the level's nodes (B, len(level), V)."""
+        B = tokens.shape[0]
+        # feed from the first node that is not an ancestor of every node of the level
+        # (those before it are in the cache already and visible as prefix)
+        first = 1
+        while first < level[0] and bool(anc[level][:, first].all()):
+            first += 1
+        end = level[-1] + 1
+        mask = anc[first:end, first:end].to(self.model.device)
+        pos = [[root_slot[b] + depths[i] for i in range(first, end)] for b in range(B)]
+        rows = [[i - first for i in level]] * B
+        return self._forward(tokens[:, first:end], pos, [s + first for s in root_slot], mask, rows)
+
     # ------------------------------------------------------------------ interface
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> Draft:
@@ -280,16 +296,7 @@ class ModelDrafter(Drafter):
         for d in range(1, max(depths) + 1):
             children = [i for i in range(N) if depths[i] == d]
             if d > 1:
-                # feed from the first node that is not an ancestor of every node of the level
-                # (those before it are in the cache already and visible as prefix)
-                first = 1
-                while first < level[0] and bool(anc[level][:, first].all()):
-                    first += 1
-                end = level[-1] + 1
-                mask = anc[first:end, first:end].to(self.model.device)
-                pos = [[root_slot[b] + depths[i] for i in range(first, end)] for b in range(B)]
-                rows = [[i - first for i in level]] * B
-                logits = self._forward(tokens[:, first:end], pos, [s + first for s in root_slot], mask, rows)
+                logits = self._feed_level(tokens, level, anc, depths, root_slot)
             width = max(sum(1 for c in children if parents[c] == level[0]), 1)
             # a sequence draws only for the depths it asked for: its randomness never depends
             # on the rest of the batch

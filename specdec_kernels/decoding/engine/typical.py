@@ -114,16 +114,8 @@ def typical_acceptance(
     epsilon 0.09 (delta 0.3) the threshold is min(0.09, 0.3 * 0.357) = 0.09 and a draft
     token 2 (p = 0.2) is accepted while a token with p = 0.05 would not be.
     """
-    alpha, parents, n, sample_uniforms = _checked_args(
-        target_probs,
-        tree_tokens,
-        tree_parents,
-        num_nodes,
-        posterior_threshold,
-        posterior_alpha,
-        sample_uniforms,
-        generator,
-    )
+    inputs = (target_probs, tree_tokens, tree_parents, num_nodes, posterior_threshold, posterior_alpha)
+    alpha, parents, n, sample_uniforms = _checked_args(*inputs, sample_uniforms, generator)
     B, N, V = target_probs.shape
     rows = torch.arange(B, device=target_probs.device)
     tokens = tree_tokens.to(torch.int64)

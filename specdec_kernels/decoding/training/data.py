@@ -286,18 +286,7 @@ def generate_data(
         for idx in length_batches([len(p) for p in prompts], batch, max_tokens):
             if all(i in out for i in idx):
                 continue
-            recorder.prepare(model, [prompts[i] for i in idx])
-            try:
-                result = decoder.generate([prompts[i] for i in idx], new_tokens, num_draft_tokens=0)
-            finally:
-                recorder.release()  # never leave the hooks on the model
-            for j, i in enumerate(idx):
-                h = (
-                    torch.stack(recorder.hidden[j])
-                    if recorder.hidden[j]
-                    else torch.zeros(0, width, dtype=torch.float16)
-                )
-                out[i] = (list(prompts[i]) + result.tokens[j], 0, h)
+            out.update(_generate_batch(decoder, recorder, [prompts[i] for i in idx], idx, new_tokens, width))
             bar.update(len(idx))
             if partial is not None:
                 _files.atomic_torch_save({i: list(v) for i, v in out.items()}, partial)
@@ -307,6 +296,28 @@ def generate_data(
         first=[out[i][1] for i in range(len(prompts))],
         hidden=[out[i][2] for i in range(len(prompts))],
     )
+
+
+def _generate_batch(
+    decoder: SpeculativeDecoder,
+    recorder: HiddenRecorder,
+    prompts: Sequence[Sequence[int]],
+    idx: Sequence[int],
+    new_tokens: int,
+    width: int,
+) -> Dict[int, tuple]:
+    """One batch of ``generate_data``: {idx[j]: (prompts[j] + its greedy continuation, 0,
+    its hidden states (n, width) fp16)}, the recorder's hooks on the decoder's model meanwhile."""
+    recorder.prepare(decoder.model, prompts)
+    try:
+        result = decoder.generate(prompts, new_tokens, num_draft_tokens=0)
+    finally:
+        recorder.release()  # never leave the hooks on the model
+    out = {}
+    for j, i in enumerate(idx):
+        h = torch.stack(recorder.hidden[j]) if recorder.hidden[j] else torch.zeros(0, width, dtype=torch.float16)
+        out[i] = (list(prompts[j]) + result.tokens[j], 0, h)
+    return out
 
 
 def _read_partial(partial: Path, num_prompts: int, width: int) -> Dict[int, tuple]:

@@ -51,6 +51,7 @@ import math
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -170,7 +171,6 @@ def layer_outputs(
         ValueError: ``layers`` empty or outside the model (``Transformer.forward``); an output
             beyond float16's range (the residual streams are stored unnormalised in float16).
     """
-    from specdec_kernels.decoding.drafters.head_file import model_fingerprint
     from specdec_kernels.optional import require
 
     tqdm = require("tqdm", purpose="training the heads (progress bars)", extra="engine").tqdm
@@ -180,44 +180,16 @@ def layer_outputs(
     H = model.args.hidden_size
     counts = [recorded_rows(data, s) for s in range(len(data.tokens))]
     ends = [data.first[s] + counts[s] for s in range(len(counts))]  # the positions a pass must reach
-    parts = [model_fingerprint(model), layers, data.first, [t[:e] for t, e in zip(data.tokens, ends)]]
-    if model.numerics != "float32":  # the pass's numerics (a float32 pass keeps the name it had)
-        parts.append(model.numerics)
-    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
-    path = None if cache is None else Path(cache) / f"layers-{key}.pt"
-    if path is not None and path.is_file():
-        try:
-            out = load_torch(path, "layer-output cache")
-            if not (
-                isinstance(out, list)
-                and [getattr(o, "shape", None) for o in out] == [(c, len(layers) * H) for c in counts]
-            ):
-                raise BadFileError(path, "not the layer outputs of these sequences")
-        except BadFileError as e:
-            warnings.warn(f"specdec_kernels: {e}; recomputing it", RuntimeWarning, stacklevel=2)
-        else:
-            print(f"(layer outputs from the cache {path})", file=sys.stderr)
-            return out
-    out: List[torch.Tensor] = [torch.zeros(c, len(layers) * H, dtype=torch.float16) for c in counts]
+    path = _layer_outputs_path(model, data, layers, ends, cache)
+    out = _cached_layer_outputs(path, [(c, len(layers) * H) for c in counts])
+    if out is not None:
+        return out
+    out = [torch.zeros(c, len(layers) * H, dtype=torch.float16) for c in counts]
     todo = [s for s in range(len(counts)) if counts[s]]
     batches = length_batches([ends[s] for s in todo], max_batch, max_tokens)
     for batch in tqdm(batches, desc=f"layer outputs {list(layers)}", unit="batch", file=sys.stderr):
         seqs = [todo[j] for j in batch]
-        T = max(ends[s] for s in seqs)
-        tokens = torch.zeros(len(seqs), T, dtype=torch.int64)
-        for r, s in enumerate(seqs):
-            tokens[r, : ends[s]] = torch.tensor(data.tokens[s][: ends[s]], dtype=torch.int64)
-        dev = model.device
-        kv = model.new_kv_cache(len(seqs), T)
-        _, hidden = model(
-            tokens.to(dev),
-            torch.arange(T, device=dev).expand(len(seqs), T),
-            kv,
-            torch.zeros(len(seqs), dtype=torch.int32, device=dev),
-            return_hidden=True,
-            compute_logits=False,
-            hidden_layers=layers,
-        )
+        hidden = _teacher_forced(model, [data.tokens[s][: ends[s]] for s in seqs], layers)
         for r, s in enumerate(seqs):
             f = data.first[s]
             out[s] = float16_rows(hidden[r, f : f + counts[s], H:], layers)
@@ -225,6 +197,57 @@ def layer_outputs(
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(out, path)
     return out
+
+
+def _layer_outputs_path(
+    model: Transformer, data: SelfDistilled, layers: tuple, ends: List[int], cache: Optional[Path]
+) -> Optional[Path]:
+    """``layer_outputs``' cache file in the directory ``cache`` (None: not cached), named by a hash of
+    the model's fingerprint, the layers, the sequences up to ``ends`` and the pass's numerics."""
+    from specdec_kernels.decoding.drafters.head_file import model_fingerprint
+
+    parts = [model_fingerprint(model), layers, data.first, [t[:e] for t, e in zip(data.tokens, ends)]]
+    if model.numerics != "float32":  # the pass's numerics (a float32 pass keeps the name it had)
+        parts.append(model.numerics)
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+    return None if cache is None else Path(cache) / f"layers-{key}.pt"
+
+
+def _cached_layer_outputs(path: Optional[Path], shapes: List[tuple]) -> Optional[List[torch.Tensor]]:
+    """The layer outputs cached at ``path`` when it holds tensors of these ``shapes``, else None (a
+    file that cannot be read, or holds others, is reported with a RuntimeWarning naming it)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        out = load_torch(path, "layer-output cache")
+        if not (isinstance(out, list) and [getattr(o, "shape", None) for o in out] == shapes):
+            raise BadFileError(path, "not the layer outputs of these sequences")
+    except BadFileError as e:
+        warnings.warn(f"specdec_kernels: {e}; recomputing it", RuntimeWarning, stacklevel=3)
+        return None
+    print(f"(layer outputs from the cache {path})", file=sys.stderr)
+    return out
+
+
+def _teacher_forced(model: Transformer, sequences: List[List[int]], layers: tuple) -> torch.Tensor:
+    """One pass of the target over the ``sequences`` (right-padded to the longest, T): its final
+    hidden states with the ``layers``' outputs appended, (len(sequences), T, (1 + len(layers)) H)."""
+    T = max(len(t) for t in sequences)
+    tokens = torch.zeros(len(sequences), T, dtype=torch.int64)
+    for r, t in enumerate(sequences):
+        tokens[r, : len(t)] = torch.tensor(t, dtype=torch.int64)
+    dev = model.device
+    kv = model.new_kv_cache(len(sequences), T)
+    _, hidden = model(
+        tokens.to(dev),
+        torch.arange(T, device=dev).expand(len(sequences), T),
+        kv,
+        torch.zeros(len(sequences), dtype=torch.int32, device=dev),
+        return_hidden=True,
+        compute_logits=False,
+        hidden_layers=layers,
+    )
+    return hidden
 
 
 def unrolled(
@@ -304,12 +327,7 @@ def train_head(
     for name, v in (("segments", segments), ("segment", segment), ("unroll", unroll)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
-    for name, v in (("reg", reg), ("hass_top_k", hass_top_k), ("hass_weight", hass_weight)):
-        if not 0 <= v < math.inf:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v}")
-    if isinstance(hass_top_k, bool) or not isinstance(hass_top_k, int):
-        raise ValueError(f"hass_top_k must be an int, got {hass_top_k!r}")
-    distill = options.distill
+    step_loss = _StepLoss(options.distill, reg, hass_top_k, hass_weight)
     g = options.generator()
     E = model.tok_embeddings.weight.detach().float()
     softmax, W_bf = options.softmax(model.output.weight, rows.labels)
@@ -331,7 +349,37 @@ def train_head(
             [torch.where(valid[:, s : s + L], rows.labels[idx[:, s : s + L]], -100) for s in range(1, U + 1)]
         )
         c = softmax.draw(labels, g)
-        W_c = W_bf[c.tokens].T
+        optimiser.step(step_loss(outs, f, valid, labels, c, W_bf[c.tokens].T))
+    head.eval()
+    return optimiser.losses
+
+
+@dataclass
+class _StepLoss:
+    """``train_head``'s loss of a minibatch (see its arguments), checked.
+
+    Raises:
+        ValueError: reg, hass_top_k or hass_weight < 0 or not finite; hass_top_k not an int.
+    """
+
+    distill: float
+    reg: float
+    hass_top_k: int
+    hass_weight: float
+
+    def __post_init__(self) -> None:
+        for name in ("reg", "hass_top_k", "hass_weight"):
+            v = getattr(self, name)
+            if not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if isinstance(self.hass_top_k, bool) or not isinstance(self.hass_top_k, int):
+            raise ValueError(f"hass_top_k must be an int, got {self.hass_top_k!r}")
+
+    def __call__(self, outs, f, valid, labels, c, W_c) -> torch.Tensor:
+        """The steps' losses weighted STEP_DECAY^(s - 1): ``outs`` U tensors (B, L, H) from
+        ``unrolled``, the true features f (B, L + U, H), valid (B, L + U), labels (U, B, L) (-100:
+        none), the sampled softmax's candidates ``c`` and their output-head columns W_c."""
+        L = outs[0].shape[1]
         total = torch.zeros(())
         weight = 0.0
         for s, out in enumerate(outs, start=1):
@@ -339,19 +387,17 @@ def train_head(
             ok = valid[:, s : s + L]
             logits = candidate_logits(out, W_c, c.bias)
             hard, soft, top = hard_and_soft_losses(
-                logits, c.targets(labels[s - 1]), truth, W_c, c.bias, top_k=hass_top_k
+                logits, c.targets(labels[s - 1]), truth, W_c, c.bias, top_k=self.hass_top_k
             )
-            per = (1 - distill) * hard + distill * soft
+            per = (1 - self.distill) * hard + self.distill * soft
             if top is not None:
-                per = per + hass_weight * top
-            if reg:
-                per = per + reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
+                per = per + self.hass_weight * top
+            if self.reg:
+                per = per + self.reg * F.smooth_l1_loss(out, truth, reduction="none").mean(-1)
             w = STEP_DECAY ** (s - 1)
             total = total + w * torch.where(ok, per, 0.0).sum() / ok.sum().clamp(min=1)
             weight += w
-        optimiser.step(total / weight)
-    head.eval()
-    return optimiser.losses
+        return total / weight
 
 
 @torch.no_grad()
@@ -416,6 +462,35 @@ def evaluate(
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {PROG_MODULE}", description=__doc__.split("\n\n")[0])
+    _add_head_arguments(p)
+    add_training_arguments(p, steps=2000)
+    add_data_arguments(p)
+    args = p.parse_args(argv)
+    check_training_arguments(p, args)
+    check_data_arguments(p, args)
+    flags_at_least(p, args, ("segments", "segment", "unroll", "intermediate_size"), 1)
+    flags_at_least(p, args, ("reg", "draft_vocab", "hass_top_k", "hass_weight"), 0)
+    try:
+        args.feature_layers = [int(x) for x in comma_list(args.feature_layers)]
+    except ValueError:
+        p.error(f"--feature-layers must be comma-separated layer indices, got {args.feature_layers!r}")
+    try:
+        layer_indices("--feature-layers", args.feature_layers)
+    except ValueError as e:
+        p.error(str(e))
+    if args.draft_vocab_only and args.feature_layers:
+        p.error("--draft-vocab-only trains nothing: leave out --feature-layers")
+    if args.record_layers and not args.feature_layers and args.init is None:
+        p.error("--record-layers records the --feature-layers outputs: name them")
+    if args.draft_vocab_only and not Path(args.out).is_file():
+        p.error(f"--draft-vocab-only: no head at --out {args.out}")
+    if args.init is not None:
+        _check_init(p, args)
+    return args
+
+
+def _add_head_arguments(p: argparse.ArgumentParser) -> None:
+    """The command line's options of the head and its training (beside the shared ones)."""
     p.add_argument("--segments", type=int, default=8, help="segments per minibatch")
     p.add_argument(
         "--segment", type=int, default=128, help="consecutive positions per segment (= the drafter's window)"
@@ -457,41 +532,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="start from this head file's weights (fine-tuning; its window must equal --segment)",
     )
-    add_training_arguments(p, steps=2000)
-    add_data_arguments(p)
-    args = p.parse_args(argv)
-    check_training_arguments(p, args)
-    check_data_arguments(p, args)
-    flags_at_least(p, args, ("segments", "segment", "unroll", "intermediate_size"), 1)
-    flags_at_least(p, args, ("reg", "draft_vocab", "hass_top_k", "hass_weight"), 0)
+
+
+def _check_init(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop the command (``p.error``) when the head file of --init cannot be read or does not fit
+    the other options: its window, its feature layers, --intermediate-size."""
     try:
-        args.feature_layers = [int(x) for x in comma_list(args.feature_layers)]
-    except ValueError:
-        p.error(f"--feature-layers must be comma-separated layer indices, got {args.feature_layers!r}")
-    try:
-        layer_indices("--feature-layers", args.feature_layers)
-    except ValueError as e:
-        p.error(str(e))
-    if args.draft_vocab_only and args.feature_layers:
-        p.error("--draft-vocab-only trains nothing: leave out --feature-layers")
-    if args.record_layers and not args.feature_layers and args.init is None:
-        p.error("--record-layers records the --feature-layers outputs: name them")
-    if args.draft_vocab_only and not Path(args.out).is_file():
-        p.error(f"--draft-vocab-only: no head at --out {args.out}")
-    if args.init is not None:
-        try:
-            init_config = EagleHead.file_config(args.init)
-        except (OSError, ValueError) as e:
-            p.error(f"--init: {e}")
-        window = init_config["window"]
-        if window != args.segment:
-            p.error(f"--init: the head's window is {window}, --segment is {args.segment} (they must be equal)")
-        init_layers = list(init_config.get("feature_layers", []))
-        if init_layers and args.feature_layers and init_layers != args.feature_layers:
-            p.error(f"--init: the head reads layers {init_layers}, --feature-layers says {args.feature_layers}")
-        if args.intermediate_size is not None:
-            p.error("--init: the head's sizes come from its file; leave out --intermediate-size")
-    return args
+        init_config = EagleHead.file_config(args.init)
+    except (OSError, ValueError) as e:
+        p.error(f"--init: {e}")
+    window = init_config["window"]
+    if window != args.segment:
+        p.error(f"--init: the head's window is {window}, --segment is {args.segment} (they must be equal)")
+    init_layers = list(init_config.get("feature_layers", []))
+    if init_layers and args.feature_layers and init_layers != args.feature_layers:
+        p.error(f"--init: the head reads layers {init_layers}, --feature-layers says {args.feature_layers}")
+    if args.intermediate_size is not None:
+        p.error("--init: the head's sizes come from its file; leave out --intermediate-size")
 
 
 def rank_tokens(head: EagleHead, train_rows: FeatureRows, tune_rows: FeatureRows, vocab_size: int, size: int) -> dict:
@@ -534,47 +591,15 @@ def main(argv=None) -> int:
         return 2
     setup = prepare(args, check_target=check_layers(layers), feature_layers=layers if args.record_layers else ())
     model = setup.model
-    cache = None if args.random_model else default_cache_dir(args.cache_dir)
-    # recorded with the data (--record-layers), else one teacher-forced pass over it (cached)
-    # in the numerics the data was generated in
-    separate = layers and not args.record_layers
-    with model.numerics_as(args.gen_numerics):
-        outputs = [layer_outputs(model, d, layers, cache) if separate else None for d in (setup.train, setup.tune)]
-    train_rows = feature_rows(setup.train, model.output.weight, layer_outputs=outputs[0])
-    tune_rows = feature_rows(setup.tune, model.output.weight, layer_outputs=outputs[1])
+    train_rows, tune_rows = _training_rows(args, setup, layers)
     t_data = time.perf_counter() - t0
     print(
         f"{train_rows.states.shape[0]} training positions, {tune_rows.states.shape[0]} tuning positions",
         file=sys.stderr,
     )
-
-    V = model.args.vocab_size
     if args.draft_vocab_only:
-        head = EagleHead.load(args.out)
-        vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
-        report = agreement(head, model, tune_rows, args.unroll, args.segment, head.recommended_draft_vocab)
-        head.config["draft_vocab"] = {
-            **vocab,
-            "command": training_record(PROG_MODULE, argv, args)["command"],
-            "tune_top1": report["top1"],
-        }
-        head.save(args.out)
-        print(
-            f"draft vocabulary {vocab['size']} tokens: {vocab['tune_coverage']:.4f} of the tuning labels; top-1 agreement by "
-            f"depth {[round(a, 3) for a in report['top1']]}; saved {args.out}",
-            file=sys.stderr,
-        )
-        return 0
-    init_config: dict = {}
-    if args.init is not None:
-        head = EagleHead.for_target(args.init, model)  # its hidden size checked against the target's
-        init_config = dict(head.config)
-        if layers and not head.feature_layers:  # EAGLE-3 features on an EAGLE head: fuse = [I 0 ...]
-            head = head.with_feature_layers(layers)
-    else:
-        head = EagleHead.for_model(
-            model, window=args.segment, intermediate_size=args.intermediate_size, feature_layers=layers
-        )
+        return _store_draft_vocab(args, argv, model, train_rows, tune_rows)
+    head, init_config = _starting_head(args, model, layers)
     t1 = time.perf_counter()
     losses = train_head(
         head,
@@ -589,22 +614,8 @@ def main(argv=None) -> int:
         hass_weight=args.hass_weight,
     )
     t_train = time.perf_counter() - t1
-    vocab = rank_tokens(head, train_rows, tune_rows, V, args.draft_vocab)
-    report = agreement(head, model, tune_rows, args.unroll, args.segment)
-    ids = head.recommended_draft_vocab
-    if ids is not None:
-        vocab["tune_top1"] = agreement(head, model, tune_rows, args.unroll, args.segment, ids)["top1"]
-    print(
-        f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
-        f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}",
-        file=sys.stderr,
-    )
-    figures = {
-        "tune_top1": report["top1"],
-        "tune_positions": report["positions"],
-        "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
-        "seconds": {"data": round(t_data), "training": round(t_train)},
-    }
+    vocab, figures = _tuning_report(args, head, model, train_rows, tune_rows)
+    figures["seconds"] = {"data": round(t_data), "training": round(t_train)}
     record = {**training_record(PROG_MODULE, argv, args), "feature_layers": list(head.feature_layers)}
     head.config = {
         **setup.trained_config(record, train_rows.states.shape[0], losses, figures),
@@ -618,6 +629,78 @@ def main(argv=None) -> int:
             "training": init_config.get("training"),
         }
     return setup.save_and_evaluate(head, EagleHead.load, evaluate, args, (t_data, t_train))
+
+
+def _training_rows(args: argparse.Namespace, setup, layers: List[int]):
+    """``main``'s (training, tuning) ``FeatureRows`` of the prepared data, with the outputs of the
+    feature ``layers``: recorded with the data (--record-layers), else one teacher-forced pass over
+    it (cached) in the numerics the data was generated in."""
+    model = setup.model
+    cache = None if args.random_model else default_cache_dir(args.cache_dir)
+    separate = layers and not args.record_layers
+    with model.numerics_as(args.gen_numerics):
+        outputs = [layer_outputs(model, d, layers, cache) if separate else None for d in (setup.train, setup.tune)]
+    train_rows = feature_rows(setup.train, model.output.weight, layer_outputs=outputs[0])
+    tune_rows = feature_rows(setup.tune, model.output.weight, layer_outputs=outputs[1])
+    return train_rows, tune_rows
+
+
+def _store_draft_vocab(args, argv, model: Transformer, train_rows: FeatureRows, tune_rows: FeatureRows) -> int:
+    """--draft-vocab-only: store the training labels' token ranking and the recommended draft
+    vocabulary (with its tuning-set agreement) in the head at --out, its weights untouched."""
+    head = EagleHead.load(args.out)
+    vocab = rank_tokens(head, train_rows, tune_rows, model.args.vocab_size, args.draft_vocab)
+    report = agreement(head, model, tune_rows, args.unroll, args.segment, head.recommended_draft_vocab)
+    head.config["draft_vocab"] = {
+        **vocab,
+        "command": training_record(PROG_MODULE, argv, args)["command"],
+        "tune_top1": report["top1"],
+    }
+    head.save(args.out)
+    print(
+        f"draft vocabulary {vocab['size']} tokens: {vocab['tune_coverage']:.4f} of the tuning labels; top-1 agreement by "
+        f"depth {[round(a, 3) for a in report['top1']]}; saved {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _starting_head(args: argparse.Namespace, model: Transformer, layers: List[int]):
+    """The head training starts from, and the config of the --init head it was read from ({}
+    for a fresh head): --init's (reading the feature ``layers`` too), else a fresh one."""
+    init_config: dict = {}
+    if args.init is not None:
+        head = EagleHead.for_target(args.init, model)  # its hidden size checked against the target's
+        init_config = dict(head.config)
+        if layers and not head.feature_layers:  # EAGLE-3 features on an EAGLE head: fuse = [I 0 ...]
+            head = head.with_feature_layers(layers)
+    else:
+        head = EagleHead.for_model(
+            model, window=args.segment, intermediate_size=args.intermediate_size, feature_layers=layers
+        )
+    return head, init_config
+
+
+def _tuning_report(args, head: EagleHead, model: Transformer, train_rows: FeatureRows, tune_rows: FeatureRows):
+    """After training: the head's draft vocabulary (``rank_tokens``, with its top-1 agreement) and
+    the tuning set's figures (top-1 agreement by depth, positions, a chain's expected accepted
+    length), printed."""
+    vocab = rank_tokens(head, train_rows, tune_rows, model.args.vocab_size, args.draft_vocab)
+    report = agreement(head, model, tune_rows, args.unroll, args.segment)
+    ids = head.recommended_draft_vocab
+    if ids is not None:
+        vocab["tune_top1"] = agreement(head, model, tune_rows, args.unroll, args.segment, ids)["top1"]
+    print(
+        f"tuning set: top-1 agreement by depth {[round(a, 3) for a in report['top1']]}; expected accepted length of a "
+        f"{args.unroll}-token chain {report['chain_expected_accepted_length']:.2f}",
+        file=sys.stderr,
+    )
+    figures = {
+        "tune_top1": report["top1"],
+        "tune_positions": report["positions"],
+        "tune_chain_expected_accepted_length": report["chain_expected_accepted_length"],
+    }
+    return vocab, figures
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import re
 import sys
 import warnings
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -141,77 +142,109 @@ def write_prompts(
     done: Optional[Dict[str, List[str]]] = None,
     on_category: Optional[Callable[[str, List[str]], None]] = None,
 ) -> Dict[str, List[str]]:
-    """Up to ``per_category`` new requests per category of ``examples``, written by ``model``.
+    """Up to ``per_category`` new requests per category of ``examples``, written by ``model``: category -> its
+    kept requests, in the order written.
 
-    Each attempt shows the target ``few_shot`` of the category's examples (drawn with a
-    generator seeded by ``seed`` and the category) in ``request_prompt``, samples its
-    continuation at ``temperature`` / ``top_p`` (seeded per attempt, so a run is
-    reproducible), and keeps ``clean_request(continuation)`` when a ``NoveltyFilter`` over
-    ``references`` (and the examples) accepts it.  At most ``ATTEMPTS_PER_PROMPT * per_category`` attempts per category, in
-    batches of ``batch``; a category can come back short.
+    Each attempt shows the target ``few_shot`` of the category's examples (drawn with a generator seeded by ``seed``
+    and the category) in ``request_prompt``, samples its continuation at ``temperature`` / ``top_p`` (seeded per
+    attempt, so a run is reproducible), and keeps ``clean_request(continuation)`` when a ``NoveltyFilter`` over
+    ``references`` (and the examples) accepts it.  At most ``ATTEMPTS_PER_PROMPT * per_category`` attempts per
+    category, in batches of ``batch``; a category can come back short.
 
     Args:
         model: the target.
         encode: text -> the target's token ids (plain text, no chat template).
         decode: generated token ids -> text (special tokens dropped).
-        examples: category -> its training questions' texts (never held-out ones), each
-            category non-empty.
+        examples: category -> its training questions' texts (never held-out ones), each category non-empty.
         per_category: requests wanted per category, >= 0.
-        references: texts no request may copy from (every Spec-Bench question, the held-out
-            prompts).
-        done: categories finished by an interrupted run (their requests, taken as they are
-            and counted by the novelty filter); the others are written as in a fresh run.
-        on_category: called with each category and its requests once it is finished (to
-            keep them, so that an interrupted run resumes).
-
-    Returns:
-        category -> its kept requests, in the order written.
+        references: texts no request may copy from (every Spec-Bench question, the held-out prompts).
+        done: categories finished by an interrupted run (their requests, taken as they are and counted by the
+            novelty filter); the others are written as in a fresh run.
+        on_category: called with each category and its requests once it is finished (to keep them, so that an
+            interrupted run resumes).
 
     Raises:
-        ValueError: per_category < 0, batch, max_new_tokens or few_shot < 1, a category
-            without examples.
+        ValueError: per_category < 0, batch, max_new_tokens or few_shot < 1, a category without examples.
     """
+    _check_request_arguments(examples, per_category, batch, max_new_tokens, few_shot)
+    tqdm = require("tqdm", purpose="writing training prompts (progress bars)", extra="engine").tqdm
+    novelty = NoveltyFilter([*references, *(e for ex in examples.values() for e in ex)])
+    decoder = SpeculativeDecoder(model, None, stop_token_ids=list(stop_ids))
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    writer = _RequestWriter(
+        decoder, encode, decode, novelty, sampling, seed, stop_ids, per_category, batch, max_new_tokens, few_shot
+    )
+    out = writer.resume(done, examples)
+    total = per_category * len(examples)
+    with tqdm(
+        total=total, desc="write prompts", unit="prompt", file=sys.stderr, initial=per_category * len(out)
+    ) as bar:
+        for category in [c for c in examples if c not in out]:  # those that ``done`` does not hold
+            out[category] = writer.category(category, examples[category], bar)
+            if on_category is not None:
+                on_category(category, out[category])
+    return {c: out[c] for c in examples}
+
+
+def _check_request_arguments(
+    examples: Dict[str, Sequence[str]], per_category: int, batch: int, max_new_tokens: int, few_shot: int
+) -> None:
+    """``write_prompts``'s checks of its arguments (its ValueErrors)."""
     integer_at_least("per_category", per_category, 0)
     for name, v in (("batch", batch), ("max_new_tokens", max_new_tokens), ("few_shot", few_shot)):
         integer_at_least(name, v, 1)
     for c, ex in examples.items():
         if not ex:
             raise ValueError(f"examples of category {c!r} are empty")
-    tqdm = require("tqdm", purpose="writing training prompts (progress bars)", extra="engine").tqdm
-    novelty = NoveltyFilter([*references, *(e for ex in examples.values() for e in ex)])
-    decoder = SpeculativeDecoder(model, None, stop_token_ids=list(stop_ids))
-    sampling = SamplingParams(temperature=temperature, top_p=top_p)
-    out: Dict[str, List[str]] = {c: list(v) for c, v in (done or {}).items() if c in examples}
-    for kept in out.values():
-        for text in kept:
-            novelty.accept(text)
-    total = per_category * len(examples)
-    with tqdm(
-        total=total, desc="write prompts", unit="prompt", file=sys.stderr, initial=per_category * len(out)
-    ) as bar:
-        for category, ex in examples.items():
-            if category in out:
-                continue
-            rng = random.Random(_category_seed(seed, category))
-            kept: List[str] = []
-            attempts = 0
-            while len(kept) < per_category and attempts < ATTEMPTS_PER_PROMPT * per_category:
-                n = min(batch, ATTEMPTS_PER_PROMPT * per_category - attempts)
-                shots = [rng.sample(list(ex), min(few_shot, len(ex))) for _ in range(n)]
-                prompts = [encode(request_prompt(s)) for s in shots]
-                seeds = [_category_seed(seed, category) + attempts + i for i in range(n)]
-                result = decoder.generate(prompts, max_new_tokens, num_draft_tokens=0, sampling=sampling, seeds=seeds)
-                attempts += n
-                for tokens in result.tokens:
-                    text = clean_request(decode([t for t in tokens if t not in stop_ids]))
-                    if len(kept) < per_category and novelty.accept(text):
-                        kept.append(text)
-                        bar.update(1)
-            out[category] = kept
-            bar.update(per_category - len(kept))  # a short category's missing prompts
-            if on_category is not None:
-                on_category(category, kept)
-    return {c: out[c] for c in examples}
+
+
+@dataclass
+class _RequestWriter:
+    """How ``write_prompts`` writes requests: the target's decoder, the tokenizer's ``encode`` and
+    ``decode``, the novelty filter, the sampling and the settings (as ``write_prompts``'s)."""
+
+    decoder: SpeculativeDecoder
+    encode: Callable[[str], List[int]]
+    decode: Callable[[List[int]], str]
+    novelty: NoveltyFilter
+    sampling: SamplingParams
+    seed: int
+    stop_ids: Sequence[int]
+    per_category: int
+    batch: int
+    max_new_tokens: int
+    few_shot: int
+
+    def resume(self, done: Optional[Dict[str, List[str]]], examples: Dict[str, Sequence[str]]) -> Dict[str, List[str]]:
+        """The categories of ``examples`` that ``done`` holds, their requests counted by the novelty filter."""
+        out: Dict[str, List[str]] = {c: list(v) for c, v in (done or {}).items() if c in examples}
+        for kept in out.values():
+            for text in kept:
+                self.novelty.accept(text)
+        return out
+
+    def category(self, category: str, ex: Sequence[str], bar) -> List[str]:
+        """The requests kept for ``category`` from its examples ``ex``, each one counted on the progress
+        ``bar`` as it is kept, the ones missing (a short category) at the end."""
+        rng = random.Random(_category_seed(self.seed, category))
+        kept: List[str] = []
+        attempts, most = 0, ATTEMPTS_PER_PROMPT * self.per_category
+        while len(kept) < self.per_category and attempts < most:
+            n = min(self.batch, most - attempts)
+            shots = [rng.sample(list(ex), min(self.few_shot, len(ex))) for _ in range(n)]
+            prompts = [self.encode(request_prompt(s)) for s in shots]
+            seeds = [_category_seed(self.seed, category) + attempts + i for i in range(n)]
+            result = self.decoder.generate(
+                prompts, self.max_new_tokens, num_draft_tokens=0, sampling=self.sampling, seeds=seeds
+            )
+            attempts += n
+            for tokens in result.tokens:
+                text = clean_request(self.decode([t for t in tokens if t not in self.stop_ids]))
+                if len(kept) < self.per_category and self.novelty.accept(text):
+                    kept.append(text)
+                    bar.update(1)
+        bar.update(self.per_category - len(kept))  # a short category's missing prompts
+        return kept
 
 
 def prompts_cache_path(cache: Optional[Path], fingerprint: str, settings: dict) -> Optional[Path]:
@@ -270,6 +303,34 @@ def cached_prompts(
     return d
 
 
+def _written_settings(
+    examples: Dict[str, List[str]],
+    per_category: int,
+    references: Sequence[str],
+    *,
+    seed: int,
+    batch: int,
+    numerics: str,
+) -> dict:
+    """Every setting ``written_prompts``'s requests depend on (their cache key); ``numerics`` only when it is
+    not "float32" (so float32 runs keep their cache files)."""
+    settings = dict(
+        examples=examples,
+        per_category=per_category,
+        seed=seed,
+        batch=batch,
+        few_shot=FEW_SHOT,
+        ngram=NGRAM,
+        attempts=ATTEMPTS_PER_PROMPT,
+        prompt=request_prompt(["{example}"]),
+        sampling=[TEMPERATURE, TOP_P, MAX_NEW_TOKENS],
+        references=zlib.crc32(json.dumps(list(references)).encode()),
+    )
+    if numerics != "float32":
+        settings["numerics"] = numerics
+    return settings
+
+
 @torch.inference_mode()
 def written_prompts(
     model: Transformer,
@@ -303,20 +364,7 @@ def written_prompts(
     for q in train_questions:
         if q["category"] in examples:
             examples[q["category"]].append(q["turns"][0])
-    settings = dict(
-        examples=examples,
-        per_category=per_category,
-        seed=seed,
-        batch=batch,
-        few_shot=FEW_SHOT,
-        ngram=NGRAM,
-        attempts=ATTEMPTS_PER_PROMPT,
-        prompt=request_prompt(["{example}"]),
-        sampling=[TEMPERATURE, TOP_P, MAX_NEW_TOKENS],
-        references=zlib.crc32(json.dumps(list(references)).encode()),
-    )
-    if numerics != "float32":
-        settings["numerics"] = numerics
+    settings = _written_settings(examples, per_category, references, seed=seed, batch=batch, numerics=numerics)
 
     def make(done, on_category) -> Dict[str, List[str]]:
         with model.numerics_as(numerics):

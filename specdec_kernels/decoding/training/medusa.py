@@ -66,6 +66,7 @@ import argparse
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -176,30 +177,9 @@ def examples(
         T = h.shape[0]
         if T == 0:
             continue
-        seq = torch.tensor(toks, dtype=torch.int64)
-        # rows 1..n-1 (positions first+1..P-2) predict prompt tokens that serve as labels
-        # (positions >= first + 2): replace those tokens by the target's argmax
-        n_prompt = max(0, min(T, P - 1 - first))
-        if n_prompt > 1:
-            if W_out is None:
-                raise ValueError("examples over prompt positions need output_weight (the target's head)")
-            pred = torch.cat(
-                [(h[j : min(j + chunk, n_prompt)].float() @ W_out.T).argmax(-1) for j in range(1, n_prompt, chunk)]
-            )
-            seq[first + 2 : first + 1 + n_prompt] = pred
-        pos = first + torch.arange(T)
-        lab = torch.full((T, num_heads), -100, dtype=torch.int64)
-        path = torch.empty((T, num_heads), dtype=torch.int64)
-        text = torch.tensor(toks, dtype=torch.int64)  # the inputs are the text, the labels the target's predictions
-        tea = torch.full((T, num_heads), -1, dtype=torch.int64)
-        for i in range(num_heads):
-            target = pos + i + 2
-            ok = target < len(toks)
-            lab[ok, i] = seq[target[ok]]
-            path[:, i] = text[(pos + i + 1).clamp(max=len(toks) - 1)]
-            row = pos + i + 1 - data.first[s]  # h_{t+i+1} in this sequence's states
-            has = ok & (row < rows)
-            tea[has, i] = start + row[has]
+        seq = _distilled_tokens(toks, h, first, P, W_out, chunk)
+        rows_at = _StateRows(start, data.first[s], rows)
+        lab, path, tea = _head_targets(toks, seq, first + torch.arange(T), num_heads, rows_at)
         keep = lab[:, 0] >= 0
         xs.append(h[keep])
         ys.append(lab[keep])
@@ -217,6 +197,59 @@ def examples(
         torch.cat(nexts),
         torch.cat(starts),
     )
+
+
+def _distilled_tokens(
+    toks: List[int], h: torch.Tensor, first: int, P: int, W_out: Optional[torch.Tensor], chunk: int
+) -> torch.Tensor:
+    """The sequence's tokens (int64) as ``examples``' labels: the text, but where a row of ``h``
+    (positions ``first`` on) predicts a prompt token (of the P), the target's argmax there through
+    W_out, computed ``chunk`` rows at a time.
+
+    Raises:
+        ValueError: W_out None while such rows exist.
+    """
+    seq = torch.tensor(toks, dtype=torch.int64)
+    # rows 1..n-1 (positions first+1..P-2) predict prompt tokens that serve as labels
+    # (positions >= first + 2): replace those tokens by the target's argmax
+    n_prompt = max(0, min(h.shape[0], P - 1 - first))
+    if n_prompt > 1:
+        if W_out is None:
+            raise ValueError("examples over prompt positions need output_weight (the target's head)")
+        pred = torch.cat(
+            [(h[j : min(j + chunk, n_prompt)].float() @ W_out.T).argmax(-1) for j in range(1, n_prompt, chunk)]
+        )
+        seq[first + 2 : first + 1 + n_prompt] = pred
+    return seq
+
+
+class _StateRows(NamedTuple):
+    """Where a sequence's recorded hidden states lie in ``Examples.states``: from row ``start`` on,
+    ``rows`` of them, of the positions ``first`` on."""
+
+    start: int
+    first: int
+    rows: int
+
+
+def _head_targets(toks: List[int], seq: torch.Tensor, pos: torch.Tensor, num_heads: int, rows_at: _StateRows):
+    """For the positions ``pos`` (T,) of one sequence: the labels (T, k) from ``seq`` (-100 past the
+    text), the path tokens (T, k) from the text ``toks`` and the teacher rows (T, k) of
+    ``Examples.states`` (-1: none; see ``Examples``)."""
+    T = pos.shape[0]
+    lab = torch.full((T, num_heads), -100, dtype=torch.int64)
+    path = torch.empty((T, num_heads), dtype=torch.int64)
+    text = torch.tensor(toks, dtype=torch.int64)  # the inputs are the text, the labels the target's predictions
+    tea = torch.full((T, num_heads), -1, dtype=torch.int64)
+    for i in range(num_heads):
+        target = pos + i + 2
+        ok = target < len(toks)
+        lab[ok, i] = seq[target[ok]]
+        path[:, i] = text[(pos + i + 1).clamp(max=len(toks) - 1)]
+        row = pos + i + 1 - rows_at.first  # h_{t+i+1} in this sequence's states
+        has = ok & (row < rows_at.rows)
+        tea[has, i] = rows_at.start + row[has]
+    return lab, path, tea
 
 
 def context_batch(
@@ -306,115 +339,144 @@ def train_heads(
     context: Optional[Examples] = None,
     segment: int = 16,
 ) -> List[float]:
-    """Cross-entropy of every head against its labels through the frozen output head, with a
-    sampled softmax (the full 49152-token softmax costs too much on a CPU).
+    """Cross-entropy of every head against its labels through the frozen output head, with a sampled softmax (the
+    full 49152-token softmax costs too much on a CPU): the loss of every step.
 
-    Each step's softmax runs over the ``options.frequent`` most frequent labels of the data,
-    the batch's other labels, and ``options.negatives`` tokens drawn uniformly from the rest
-    of the vocabulary whose logits get + log(rest / negatives) (the mass of the tokens not
-    drawn, as in sampled softmax, Jean et al. 2015); with a vocabulary that small, the full
-    softmax.  The logits are computed in bfloat16.  AdamW with linear warm-up (5 % of the
-    steps) and cosine decay (``options``: steps, lr, weight_decay); minibatches and
-    negatives drawn from ``options.seed``.
+    Each step's softmax runs over the ``options.frequent`` most frequent labels of the data, the batch's other labels,
+    and ``options.negatives`` tokens drawn uniformly from the rest of the vocabulary whose logits get
+    + log(rest / negatives) (the mass of the tokens not drawn, as in sampled softmax, Jean et al. 2015); with a
+    vocabulary that small, the full softmax.  The logits are computed in bfloat16.  AdamW with linear warm-up (5 % of
+    the steps) and cosine decay (``options``: steps, lr, weight_decay); minibatches and negatives drawn from
+    ``options.seed``.
 
-    With ``options.distill`` > 0 the loss is (1 - distill) x that cross-entropy + distill x
-    the cross-entropy against the target's own distribution over the same candidate tokens
-    (soft labels: the output head applied to h_{t+i+1}, the ``teacher`` rows of
-    ``teacher_states``), as in Medusa-2's self-distillation and Hydra's teacher
-    distillation: the whole distribution is a richer signal than its argmax.
+    With ``options.distill`` > 0 the loss is (1 - distill) x that cross-entropy + distill x the cross-entropy against
+    the target's own distribution over the same candidate tokens (soft labels: the output head applied to h_{t+i+1},
+    the ``teacher`` rows of ``teacher_states``), as in Medusa-2's self-distillation and Hydra's teacher distillation:
+    the whole distribution is a richer signal than its argmax.
 
     Args:
-        X: (M, hidden) hidden states; Y: (M, k) labels (-100 ignored).
-        options: the optimiser's schedule, the sampled softmax and ``distill``, the weight
-            of the soft-label term (``TrainingOptions``).
-        batch: positions per minibatch.
-        tokens, embedding: token-conditioned heads only: the path tokens T (M, k) from
-            ``examples`` and the target's input embedding (vocab, hidden), frozen.
-        teacher, teacher_states: for ``options.distill`` > 0: ``Examples.teacher`` (M, k)
-            and ``Examples.states`` (N, hidden).
-        context: heads with a context layer only: the ``Examples`` that X and Y come from
-            (X is then only counted: s_0 comes from their states, rows, next tokens and
-            sequence starts); each minibatch is batch // segment runs of ``segment`` (at
-            most batch) consecutive examples of one sequence, whose s_0 comes from the
+        X: (M, hidden) hidden states; Y: (M, k) labels (-100 ignored); batch: positions per minibatch.
+        options: the optimiser's schedule, the sampled softmax and ``distill``, the weight of the soft-label term
+            (``TrainingOptions``).
+        tokens, embedding: token-conditioned heads only: the path tokens T (M, k) from ``examples`` and the target's
+            input embedding (vocab, hidden), frozen.
+        teacher, teacher_states: for distill > 0: ``Examples.teacher`` (M, k) and ``Examples.states`` (N, hidden).
+        context: heads with a context layer only: the ``Examples`` that X and Y come from (X is then only counted:
+            s_0 comes from their states, rows, next tokens and sequence starts); each minibatch is batch // segment
+            runs of ``segment`` (at most batch) consecutive examples of one sequence, whose s_0 comes from the
             context layer (``context_batch``), trained together with the heads.
 
-    Returns:
-        The loss of every step.
-
     Raises:
-        ValueError: token-conditioned heads without tokens and embedding; distill > 0
-            without teacher and teacher_states; heads with a context layer without context
-            or embedding; segment < 1; shapes that do not match.
+        ValueError: token-conditioned heads without tokens and embedding; distill > 0 without teacher and
+            teacher_states; heads with a context layer without context or embedding; segment < 1; shapes that do
+            not match.
     """
-    distill = options.distill
-    if heads.token_conditioned and (tokens is None or embedding is None):
-        raise ValueError("token-conditioned heads train on tokens (the path tokens) and embedding (the target's)")
-    if distill > 0 and (teacher is None or teacher_states is None):
-        raise ValueError("distill > 0 needs teacher and teacher_states (from examples())")
-    if heads.context_window and context is None:
-        raise ValueError("heads with a context layer train on context (the Examples of X and Y)")
-    if segment < 1:
-        raise ValueError(f"segment must be >= 1, got {segment}")
-    if context is not None and context.rows.shape[0] != X.shape[0]:
-        raise ValueError(f"context must be the Examples of X ({X.shape[0]} rows), got {context.rows.shape[0]}")
-    if X.ndim != 2 or Y.ndim != 2 or Y.shape[0] != X.shape[0] or Y.shape[1] != heads.num_heads:
-        raise ValueError(
-            f"X must be (M, hidden) and Y (M, {heads.num_heads}), got {tuple(X.shape)} and {tuple(Y.shape)}"
-        )
-    if heads.token_conditioned and tokens.shape != Y.shape:
-        raise ValueError(f"tokens must have Y's shape {tuple(Y.shape)}, got {tuple(tokens.shape)}")
-    if distill > 0:
-        if teacher.shape != Y.shape:
-            raise ValueError(f"teacher must have Y's shape {tuple(Y.shape)}, got {tuple(teacher.shape)}")
-        if teacher.numel() and int(teacher.max()) >= teacher_states.shape[0]:
-            raise ValueError(f"teacher rows must lie below teacher_states' {teacher_states.shape[0]} rows")
-    if heads.context_window and embedding is None:
-        raise ValueError("heads with a context layer need embedding (the target's input embedding)")
-    E = None if embedding is None else embedding.detach().float()
-    if heads.context_window:
-        L = min(segment, batch)
-        brk = run_starts(context)
-        run_first = torch.cummax(
-            torch.where(brk, torch.arange(brk.numel()), 0), dim=0
-        ).values  # each example's run's first
+    run = _HeadsTraining(
+        heads, X, Y, options.distill, batch, tokens, embedding, teacher, teacher_states, context, segment
+    )
     g = options.generator()
     softmax, W_bf = options.softmax(output_weight, Y)
     heads.train()
     optimiser = options.optimiser(heads.parameters())
     for _ in optimiser.run(options.desc):
-        if heads.context_window:
-            # a run of L examples starts up to L - 1 before a uniformly drawn one (not
-            # before its run's first), so that a run's first examples are drawn too
-            m = torch.randint(0, X.shape[0], (batch // L,), generator=g)
-            back = torch.randint(0, L, (batch // L,), generator=g)
-            first = torch.maximum(run_first[m], m - back)
-            seg = (first[:, None] + torch.arange(L)).clamp(max=X.shape[0] - 1)
-            s0, continues = context_batch(heads, E, context, context.rows[seg])
-            idx, s0 = seg.reshape(-1), s0.reshape(-1, s0.shape[-1])
-            y = torch.where(continues.reshape(-1, 1), Y[idx], -100)
-        else:
-            idx = torch.randint(0, X.shape[0], (batch,), generator=g)
-            s0 = X[idx].float()
-            y = Y[idx]
+        idx, s0, y = run.minibatch(g)
         c = softmax.draw(y, g)
+        optimiser.step(run.loss(idx, s0, y, c, W_bf))
+    heads.eval()
+    return optimiser.losses
+
+
+@dataclass
+class _HeadsTraining:
+    """``train_heads``' inputs (its arguments, ``distill`` from its options), checked, and its
+    minibatches and their loss.
+
+    Raises:
+        ValueError: as ``train_heads``.
+    """
+
+    heads: MedusaHeads
+    X: torch.Tensor
+    Y: torch.Tensor
+    distill: float
+    batch: int
+    tokens: Optional[torch.Tensor]
+    embedding: Optional[torch.Tensor]
+    teacher: Optional[torch.Tensor]
+    teacher_states: Optional[torch.Tensor]
+    context: Optional[Examples]
+    segment: int
+
+    def __post_init__(self) -> None:
+        self._check()
+        self.E = None if self.embedding is None else self.embedding.detach().float()
+        if self.heads.context_window:
+            self.L = min(self.segment, self.batch)
+            brk = run_starts(self.context)
+            self.run_first = torch.cummax(
+                torch.where(brk, torch.arange(brk.numel()), 0), dim=0
+            ).values  # each example's run's first
+
+    def _check(self) -> None:
+        heads, X, Y, tokens, teacher, context = self.heads, self.X, self.Y, self.tokens, self.teacher, self.context
+        if heads.token_conditioned and (tokens is None or self.embedding is None):
+            raise ValueError("token-conditioned heads train on tokens (the path tokens) and embedding (the target's)")
+        if self.distill > 0 and (teacher is None or self.teacher_states is None):
+            raise ValueError("distill > 0 needs teacher and teacher_states (from examples())")
+        if heads.context_window and context is None:
+            raise ValueError("heads with a context layer train on context (the Examples of X and Y)")
+        if self.segment < 1:
+            raise ValueError(f"segment must be >= 1, got {self.segment}")
+        if context is not None and context.rows.shape[0] != X.shape[0]:
+            raise ValueError(f"context must be the Examples of X ({X.shape[0]} rows), got {context.rows.shape[0]}")
+        if X.ndim != 2 or Y.ndim != 2 or Y.shape[0] != X.shape[0] or Y.shape[1] != heads.num_heads:
+            raise ValueError(
+                f"X must be (M, hidden) and Y (M, {heads.num_heads}), got {tuple(X.shape)} and {tuple(Y.shape)}"
+            )
+        if heads.token_conditioned and tokens.shape != Y.shape:
+            raise ValueError(f"tokens must have Y's shape {tuple(Y.shape)}, got {tuple(tokens.shape)}")
+        if self.distill > 0:
+            if teacher.shape != Y.shape:
+                raise ValueError(f"teacher must have Y's shape {tuple(Y.shape)}, got {tuple(teacher.shape)}")
+            if teacher.numel() and int(teacher.max()) >= self.teacher_states.shape[0]:
+                raise ValueError(f"teacher rows must lie below teacher_states' {self.teacher_states.shape[0]} rows")
+        if heads.context_window and self.embedding is None:
+            raise ValueError("heads with a context layer need embedding (the target's input embedding)")
+
+    def minibatch(self, g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A minibatch drawn with ``g``: its examples' indices (n,), s_0 (n, hidden) and labels (n, k)."""
+        X, Y = self.X, self.Y
+        if not self.heads.context_window:
+            idx = torch.randint(0, X.shape[0], (self.batch,), generator=g)
+            return idx, X[idx].float(), Y[idx]
+        # a run of L examples starts up to L - 1 before a uniformly drawn one (not
+        # before its run's first), so that a run's first examples are drawn too
+        L = self.L
+        m = torch.randint(0, X.shape[0], (self.batch // L,), generator=g)
+        back = torch.randint(0, L, (self.batch // L,), generator=g)
+        first = torch.maximum(self.run_first[m], m - back)
+        seg = (first[:, None] + torch.arange(L)).clamp(max=X.shape[0] - 1)
+        s0, continues = context_batch(self.heads, self.E, self.context, self.context.rows[seg])
+        idx, s0 = seg.reshape(-1), s0.reshape(-1, s0.shape[-1])
+        return idx, s0, torch.where(continues.reshape(-1, 1), Y[idx], -100)
+
+    def loss(self, idx, s0, y, c, W_bf) -> torch.Tensor:
+        """The minibatch's loss over the sampled softmax's candidates ``c`` (W_bf: the output head, bfloat16)."""
+        distill = self.distill
         target = c.targets(y)
-        emb = E[tokens[idx]] if heads.token_conditioned else None
-        states = heads(s0, embeddings=emb)  # (batch, k, hidden)
+        emb = self.E[self.tokens[idx]] if self.heads.token_conditioned else None
+        states = self.heads(s0, embeddings=emb)  # (batch, k, hidden)
         W_c = W_bf[c.tokens].T
         logits = candidate_logits(states, W_c, c.bias)
         if distill > 0:
             # per label: (1 - distill) hard + distill soft; hard alone where the target's
             # distribution was not recorded (a sequence's last label)
-            ti = teacher[idx]
-            hard, soft, _ = hard_and_soft_losses(logits, target, teacher_states[ti.clamp(min=0)], W_c, c.bias)
+            ti = self.teacher[idx]
+            hard, soft, _ = hard_and_soft_losses(logits, target, self.teacher_states[ti.clamp(min=0)], W_c, c.bias)
             per = torch.where(ti >= 0, (1 - distill) * hard + distill * soft, hard)
             valid = target >= 0
-            loss = (per * valid).sum() / valid.sum().clamp(min=1)
-        else:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
-        optimiser.step(loss)
-    heads.eval()
-    return optimiser.losses
+            return (per * valid).sum() / valid.sum().clamp(min=1)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
 
 @torch.no_grad()
