@@ -109,7 +109,7 @@ TORCH_LIBRARY_FRAGMENT(specdec_engine, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // The same product with 8-bit activations (csrc/packed_linear_int8_cpu.cpp): x float32 [R, I]
   // quantised per block of 32; weights interleaved in groups of 8 output rows (qw uint8 [G, I / 32,
-  // 128 (affine4) or 256 (scaled8)], dw and mw float32 [G, I / 32, 8]); out_features O; isa 0 best,
+  // 128 (affine4) or 256 (scaled8)], dw and mw float16 [G, I / 32, 8]); out_features O; isa 0 best,
   // 1 portable, 2 AVX2, 3 AVX-512 VNNI.  Returns float32 [R, O].  packed_linear_int8_isas()
   // (defined beside it) lists the isa levels this CPU runs.
   m.def(

@@ -284,7 +284,8 @@ class Int8Weight:
     ``4 o + k`` holds the code of input ``32 j + 4 c + k`` of output ``8 g + o`` in its low nibble
     and of input ``32 j + 16 + 4 c + k`` in its high nibble) or [G, I / 32, 256] (SCALED8: eight
     chunks t, byte ``4 o + k`` the int8 code of input ``32 j + 4 t + k``); ``dw`` (and ``mw`` for
-    AFFINE4) float32 [G, I / 32, 8].  G = ceil(O / 8); the last group is padded with zero rows.
+    AFFINE4) float16 [G, I / 32, 8]: ggml's fp16 scales and mins (half the bytes of float32, the
+    same values; the kernels convert them exactly).  G = ceil(O / 8); the last group is padded with zero rows.
     """
 
     kind: int
@@ -305,6 +306,8 @@ def interleave(packed: PackedWeight) -> Int8Weight:
 
     Raises:
         TypeError: ``packed`` is not a PackedWeight.
+        ValueError: scales or mins that are not fp16 values (a ``PackedWeight`` made by this
+            module always has fp16 ones).
     """
     if not isinstance(packed, PackedWeight):
         raise TypeError(f"interleave: packed must be a PackedWeight, got {type(packed).__name__}")
@@ -324,7 +327,11 @@ def interleave(packed: PackedWeight) -> Int8Weight:
     def by_group(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if t is None:
             return None
-        return F.pad(t, (0, 0, 0, pad)).view(G, GROUP, nb).permute(0, 2, 1).contiguous()
+        grouped = F.pad(t, (0, 0, 0, pad)).view(G, GROUP, nb).permute(0, 2, 1)
+        half = grouped.to(torch.float16).contiguous()  # ggml's fp16 scales: exact
+        if not torch.equal(half.float(), grouped):
+            raise ValueError("interleave: the packed weight's scales or mins are not fp16 values")
+        return half
 
     return Int8Weight(packed.kind, qw, by_group(packed.scales), by_group(packed.mins), (O, I))
 

@@ -204,6 +204,27 @@ def test_bad_arguments_raise_naming_them():
         op(x, iw.qw, iw.dw, None, 0, 4, 0)
     with pytest.raises(ValueError, match="isa"):
         op(x, iw.qw, iw.dw, iw.mw, 0, 4, 7)
+    with pytest.raises(ValueError, match="dw must be float16"):
+        op(x, iw.qw, iw.dw.float(), iw.mw, 0, 4, 0)
+    with pytest.raises(ValueError, match="mw, float16"):
+        op(x, iw.qw, iw.dw, iw.mw.float(), 0, 4, 0)
+
+
+def test_scales_and_mins_are_the_packed_forms_fp16_values():
+    """The interleaved layout keeps ggml's fp16 scales and mins as float16 (the bytes a product
+    streams), exactly the packed form's values, and refuses a form whose scales are not fp16."""
+    for form in ("affine4", "scaled8"):
+        p = packed.pack_weight(MAKERS[form][0](20, 96))
+        iw = packed.interleave(p)
+        assert iw.dw.dtype == torch.float16 and (iw.mw is None or iw.mw.dtype == torch.float16)
+        G, nb = iw.dw.shape[:2]
+        back = iw.dw.float().permute(0, 2, 1).reshape(G * 8, nb)[:20]
+        assert torch.equal(back, p.scales.view(20, nb).float())
+        assert iw.nbytes == iw.qw.numel() + 2 * iw.dw.numel() * (2 if iw.mw is not None else 1)
+    bad = packed.pack_weight(MAKERS["scaled8"][0](8, 32))
+    bad.scales.view(-1)[0] += 2.0**-20  # no longer an fp16 value
+    with pytest.raises(ValueError, match="not fp16 values"):
+        packed.interleave(bad)
 
 
 # ---------------------------------------------------------------- rowwise_linear
