@@ -23,7 +23,7 @@ The module reads top to bottom as that loop: ``generate`` (the draft-length sche
 ``adaptive.draft_schedule``, then ``_run_steps``), ``start`` (checks, the KV cache, the prefill
 of ``prefill.py``, a cost-model policy's ``Calibration`` of the run (``calibration.py``), the
 drafter's ``observe`` of the prefill's result) and ``step`` (``_draft``:
-the drafter's ``propose``; ``_verify``, ``_emit``, ``_advance``; ``_observe``: the drafter's
+the drafter's ``propose``; ``_verify``, ``DecodeState.emit``, ``_advance``; ``_observe``: the drafter's
 ``observe`` of the step's ``StepResult``; ``DecodeState.record_step``).  The drafter is reached
 through those two methods only (``draft.Drafter``).  What the loop leans on lives beside it:
 the option and request checks (``options.py``), the run's state and host/device helpers
@@ -426,7 +426,7 @@ class SpeculativeDecoder:
         clock.append(time.perf_counter())
         out, accepted_nodes, num_accepted, depth, device_accepted = self._verify(state, draft, seqlens)
         clock.append(time.perf_counter())
-        emitted = self._emit(state, out, num_accepted, depth, active)
+        emitted = state.emit(out, num_accepted, depth, active, self.stop_token_ids, self.stop_check)
         keep = [a and not d for a, d in zip(active, state.done)]  # still running after this step
         self._advance(state, draft, seqlens, num_accepted, device_accepted, keep)
         clock.append(time.perf_counter())
@@ -529,33 +529,3 @@ class SpeculativeDecoder:
         else:
             logits = self.model(*args, host_seqlens=seqlens)
         return logits
-
-    def _emit(self, state: DecodeState, out, num_accepted, depth, active) -> List[List[int]]:
-        emitted: List[List[int]] = []
-        out_rows, accepted, depths = out.tolist(), num_accepted.tolist(), depth.tolist()
-        for b in range(state.batch_size):
-            if not active[b]:
-                emitted.append([])
-                continue
-            new = out_rows[b][: accepted[b] + 1]
-            new = new[: state.max_new_tokens[b] - len(state.generated(b))]
-            for i, t in enumerate(new):
-                if t in self.stop_token_ids:
-                    new = new[: i + 1]
-                    state.done[b] = True
-                    break
-            if self.stop_check is not None and new:
-                keep = self.stop_check(b, state.histories[b], new)
-                if keep is not None:
-                    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= len(new):
-                        raise ValueError(f"stop_check must return None or an int in 1..{len(new)}, got {keep!r}")
-                    new = new[:keep]
-                    state.done[b] = True
-            state.histories[b].extend(new)
-            if state.coupling is not None:
-                state.coupling.commit(b, len(state.histories[b]))
-            if len(state.generated(b)) >= state.max_new_tokens[b]:
-                state.done[b] = True
-            state.stats.record(depths[b], accepted[b], len(new))
-            emitted.append(new)
-        return emitted

@@ -190,6 +190,45 @@ class DecodeState:
         state.stats.kv_cache_bytes = kv_cache.nbytes if paged else kv_cache.numel() * kv_cache.element_size()
         return state
 
+    def emit(self, out, num_accepted, depth, active, stop_token_ids, stop_check) -> List[List[int]]:
+        """Commit a verified step: per active sequence b, its accepted drafts and the bonus token
+        (``out[b, : num_accepted[b] + 1]``, host tensors from the verifier), cut at
+        ``max_new_tokens``, after the first stop token (the sequence ends) and where
+        ``stop_check`` says; appended to ``histories[b]``, the Gumbel coupling told, the
+        statistics recorded (``depth[b]``: the draft's depth).  Returns the tokens each sequence
+        emitted ([] for inactive ones).
+
+        Raises:
+            ValueError: ``stop_check`` returned neither None nor an int in 1..len(new)."""
+        emitted: List[List[int]] = []
+        out_rows, accepted, depths = out.tolist(), num_accepted.tolist(), depth.tolist()
+        for b in range(self.batch_size):
+            if not active[b]:
+                emitted.append([])
+                continue
+            new = out_rows[b][: accepted[b] + 1]
+            new = new[: self.max_new_tokens[b] - len(self.generated(b))]
+            for i, t in enumerate(new):
+                if t in stop_token_ids:
+                    new = new[: i + 1]
+                    self.done[b] = True
+                    break
+            if stop_check is not None and new:
+                keep = stop_check(b, self.histories[b], new)
+                if keep is not None:
+                    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= len(new):
+                        raise ValueError(f"stop_check must return None or an int in 1..{len(new)}, got {keep!r}")
+                    new = new[:keep]
+                    self.done[b] = True
+            self.histories[b].extend(new)
+            if self.coupling is not None:
+                self.coupling.commit(b, len(self.histories[b]))
+            if len(self.generated(b)) >= self.max_new_tokens[b]:
+                self.done[b] = True
+            self.stats.record(depths[b], accepted[b], len(new))
+            emitted.append(new)
+        return emitted
+
     def record_step(self, ks, active, draft, depth, num_accepted, clock: List[float], model_tokens: int) -> None:
         """A step's statistics and ``last_step`` (``StepRecord``): ``clock`` holds its start,
         drafted, verified, advanced and observed times (seconds, ``time.perf_counter``);
