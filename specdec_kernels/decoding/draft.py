@@ -247,8 +247,9 @@ class DraftRequest:
     """What ``Drafter.propose`` is asked for, once per step (its ``state``).
 
     Attributes:
-        histories: per sequence, its committed token ids (prompt and generated, B lists); the
-            last one is the root of this step's draft.
+        histories: per sequence, its committed token ids (prompt and generated; B tuples, the
+            engine's copies: nothing a drafter does to them reaches the engine); the last one is
+            the root of this step's draft.
         num_draft_tokens: ONE INT PER SEQUENCE: the most draft tokens sequence b may get this
             step (the depth of a tree); it changes from step to step (the draft-length policy),
             and 0 asks for the root alone.
@@ -257,7 +258,7 @@ class DraftRequest:
         run: the run's ``DraftRun``.
     """
 
-    histories: Sequence[List[int]]
+    histories: Sequence[Sequence[int]]
     num_draft_tokens: Sequence[int]
     active: Sequence[bool]
     run: DraftRun
@@ -301,7 +302,8 @@ class StepResult:
     starts a run (``started``: no draft was verified, the histories are the prompts).
 
     Attributes:
-        histories: per sequence, its committed tokens after the step (the next roots last).
+        histories: per sequence, its committed tokens after the step (the next roots last;
+            tuples, the engine's copies).
         active: per sequence, still running after the step (after the prefill: all).
         run: the run's ``DraftRun`` (new with every ``generate`` call).
         accepted_nodes: (B, N) int64 on the host, the accepted path in the draft's node indices
@@ -318,7 +320,7 @@ class StepResult:
             None.
     """
 
-    histories: Sequence[List[int]]
+    histories: Sequence[Sequence[int]]
     active: Sequence[bool]
     run: DraftRun
     accepted_nodes: Optional[torch.Tensor] = None
@@ -387,7 +389,7 @@ class Drafter:
             A ``Draft`` with one row per sequence (the engine checks it and names the drafter
             in a ``ValueError`` / ``TypeError`` when it does not fit).
         """
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement propose(self, request) -> Draft")
 
     def observe(self, result: StepResult) -> None:
         """What the step accepted (or, with ``result.started``, that a run begins).  The base

@@ -78,7 +78,7 @@ def test_engine_md_chain_and_tree_drafters_run_lossless(tiny):  # noqa: F811 (fi
 
         def recording(request, propose=propose):
             ks = request.num_draft_tokens
-            assert isinstance(ks, list) and len(ks) == len(request.histories) == len(request.active)
+            assert isinstance(ks, tuple) and len(ks) == len(request.histories) == len(request.active)
             draft = propose(request)
             shapes.append((type(drafter).__name__, draft.is_chain, draft.parents.tolist(), draft.num_nodes.tolist()))
             return draft

@@ -231,7 +231,7 @@ class ModelDrafter(Drafter):
         B = len(histories)
         if self.shares_target_cache:  # the target's cache: every committed token but the root is in it
             self.seqlens = [len(h) - 1 for h in histories]
-        pending = [h[self.seqlens[b] :] if active[b] else h[-1:] for b, h in enumerate(histories)]
+        pending = [list(h[self.seqlens[b] :] if active[b] else h[-1:]) for b, h in enumerate(histories)]
         P = max(len(p) for p in pending)
         block = [p + [0] * (P - len(p)) for p in pending]
         positions = [[self.seqlens[b] + j for j in range(P)] for b in range(B)]

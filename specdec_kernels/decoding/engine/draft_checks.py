@@ -16,6 +16,8 @@ import torch
 from specdec_kernels.checks import INDEX_DTYPES, as_int_list, layer_indices
 from specdec_kernels.decoding.draft import Draft, Drafter, DraftRequest
 
+PROBS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the verifiers read of Draft.probs
+
 
 def drafter_name(drafter) -> str:
     """The name a message gives a drafter: its ``name``, else its class name."""
@@ -82,6 +84,8 @@ def check_draft(draft, name: str, histories: Sequence[List[int]], active: List[b
                 f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
                 f"token {histories[b][-1]}"
             )
+    # every node a row declares, a finished sequence's too: its row is cut to the root, but the
+    # block's other rows may be wider, and then its cut nodes ride in the pass as padding
     used = torch.arange(tokens.shape[1]) < torch.tensor(n)[:, None]
     bad = used & ((tokens < 0) | (tokens >= vocab_size))
     if bad.any():
@@ -90,6 +94,7 @@ def check_draft(draft, name: str, histories: Sequence[List[int]], active: List[b
             f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
             f"is outside the vocabulary [0, {vocab_size})"
         )
+    _check_probs(draft, name, n, active)
     return draft
 
 
@@ -127,7 +132,39 @@ def _check_layout(draft: Draft, name: str, B: int, V: int) -> List[int]:
                 f"drafter {name!r}: Draft.probs must be a float tensor (B={B}, N={N}, V={V}) or None, got "
                 f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}"
             )
+        if p.dtype not in PROBS_DTYPES:
+            raise TypeError(
+                f"drafter {name!r}: Draft.probs must be float32, float16 or bfloat16 (what the verifiers read), "
+                f"got {p.dtype}"
+            )
     return n
+
+
+def _check_probs(draft: Draft, name: str, n: List[int], active: List[bool]) -> None:
+    """Draft.probs (when given) holds distributions: finite, non-negative values, and every
+    drafted node of a running sequence has q > 0 in its parent's row (it was drawn from it).  A
+    q of 0 or NaN at a drafted token would have rejection sampling accept it whatever the
+    target says (its test is ``u q(x) < p(x)``): not lossless.  Reads the host's probs; one
+    pass over B x N x V values."""
+    p = draft.probs
+    if p is None:
+        return
+    if not bool(((p >= 0) & (p < float("inf"))).all()):
+        raise ValueError(f"drafter {name!r}: Draft.probs must hold finite values >= 0 (distributions)")
+    tokens, parents = draft.tokens.to(p.device, torch.int64), draft.parents.to(p.device, torch.int64)
+    rows = torch.arange(tokens.shape[0], device=p.device)[:, None]
+    q = p[rows, parents.clamp(min=0), tokens.clamp(0, p.shape[-1] - 1)]  # q of each node's token
+    used = torch.arange(tokens.shape[1], device=p.device)[None, :] < torch.tensor(n, device=p.device)[:, None]
+    used &= torch.tensor(list(active), dtype=torch.bool, device=p.device)[:, None]
+    used[:, 0] = False  # the root was not drawn
+    bad = used & ~(q > 0)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) has probability "
+            f"{float(q[b, i])} in Draft.probs row {int(parents[b, i])}, the distribution it was drawn from: "
+            "a drafted token needs q > 0 there (with q = 0 rejection sampling would accept it unchecked)"
+        )
 
 
 def _check_parents(draft: Draft, name: str, n: List[int]) -> None:

@@ -386,15 +386,17 @@ class SpeculativeDecoder:
         features = None
         if prefill_hidden is not None:
             last, has, context, first = prefill_hidden
-            features = contract.TargetFeatures(last, has, context, first if context is not None else None)
+            features = contract.TargetFeatures(last, tuple(has), context, tuple(first) if context is not None else None)
         active = [not d for d in state.done]
-        self.drafter.observe(contract.StepResult(state.histories, active, state.draft_run, features=features))
+        self.drafter.observe(
+            contract.StepResult(state.frozen_histories(), tuple(active), state.draft_run, features=features)
+        )
 
     def _request(self, state: DecodeState, ks: Optional[List[int]]) -> contract.DraftRequest:
         """The drafter's request for this step (``ks`` None: the depths are not chosen yet)."""
         active = [not d for d in state.done]
         return contract.DraftRequest(
-            state.histories, ks if ks is not None else [0] * len(active), active, state.draft_run
+            state.frozen_histories(), tuple(ks if ks is not None else [0] * len(active)), tuple(active), state.draft_run
         )
 
     @torch.inference_mode()
@@ -439,7 +441,9 @@ class SpeculativeDecoder:
         """The drafter's proposal, checked and cut to the room each sequence has; and the
         cache lengths, from the host's copy (no read of the device's cache_seqlens)."""
         name = drafter_name(self.drafter)
-        proposal = self.drafter.propose(contract.DraftRequest(state.histories, ks, active, state.draft_run))
+        # the drafter sees copies it cannot change: the engine's own lists stay its own
+        request = contract.DraftRequest(state.frozen_histories(), tuple(ks), tuple(active), state.draft_run)
+        proposal = self.drafter.propose(request)
         draft = check_draft(proposal, name, state.histories, active, self.model.args.vocab_size)
         if state.host_seqlens is None:
             state.host_seqlens = [int(s) for s in state.cache_seqlens.tolist()]
@@ -473,14 +477,15 @@ class SpeculativeDecoder:
             last = accepted_nodes.gather(1, num_accepted[:, None].to(accepted_nodes.dtype)).clamp(min=0)[:, 0]
             rows = torch.arange(state.batch_size, device=self._hidden.device)
             last_hidden = self._hidden[rows, to_device(last, self._hidden.device)]
-            features = contract.TargetFeatures(last_hidden, keep, context, seqlens if context is not None else None)
+            positions = tuple(seqlens) if context is not None else None
+            features = contract.TargetFeatures(last_hidden, tuple(keep), context, positions)
             self._hidden = None
-        result = contract.StepResult(
-            state.histories,
-            keep,
+        result = contract.StepResult(  # copies: what the drafter does to them stays its own
+            state.frozen_histories(),
+            tuple(keep),
             state.draft_run,
-            accepted_nodes=accepted_nodes,
-            num_accepted=num_accepted,
+            accepted_nodes=accepted_nodes.clone(),
+            num_accepted=num_accepted.clone(),
             num_nodes=draft.num_nodes.clone(),
             target_argmax=self._target_argmax,
             features=features,

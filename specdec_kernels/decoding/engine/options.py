@@ -90,7 +90,8 @@ def check_drafter(drafter) -> None:
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         required = [p for p in positional if p.default is p.empty]
         varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-        if len(required) > 1 or (not positional and not varargs):
+        old = bool(positional) and positional[0].name in ("histories", "accepted_nodes")  # the old first arguments
+        if len(required) > 1 or old or (not positional and not varargs):
             arg = "request: DraftRequest" if method == "propose" else "result: StepResult"
             raise TypeError(
                 f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r}: {method} must take one argument "

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -189,6 +189,13 @@ class DecodeState:
             state.philox_offsets = [0] * B
         state.stats.kv_cache_bytes = kv_cache.nbytes if paged else kv_cache.numel() * kv_cache.element_size()
         return state
+
+    def frozen_histories(self) -> Tuple[Tuple[int, ...], ...]:
+        """The committed tokens per sequence as tuples: what the drafter is handed
+        (``DraftRequest.histories``, ``StepResult.histories``), so that nothing it does to them
+        reaches the engine's own lists (a copy of B histories per call: about 10 us for 4,096
+        tokens)."""
+        return tuple(tuple(h) for h in self.histories)
 
     def emit(self, out, num_accepted, depth, active, stop_token_ids, stop_check) -> List[List[int]]:
         """Commit a verified step: per active sequence b, its accepted drafts and the bonus token
