@@ -94,7 +94,7 @@ def check_draft(draft, name: str, histories: Sequence[List[int]], active: List[b
             f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
             f"is outside the vocabulary [0, {vocab_size})"
         )
-    _check_probs(draft, name, n, active)
+    _check_probs(draft, name, used & torch.tensor(list(active))[:, None])
     return draft
 
 
@@ -140,7 +140,7 @@ def _check_layout(draft: Draft, name: str, B: int, V: int) -> List[int]:
     return n
 
 
-def _check_probs(draft: Draft, name: str, n: List[int], active: List[bool]) -> None:
+def _check_probs(draft: Draft, name: str, used: torch.Tensor) -> None:
     """Draft.probs (when given) holds distributions: finite, non-negative values, and every
     drafted node of a running sequence has q > 0 in its parent's row (it was drawn from it).  A
     q of 0 or NaN at a drafted token would have rejection sampling accept it whatever the
@@ -154,8 +154,7 @@ def _check_probs(draft: Draft, name: str, n: List[int], active: List[bool]) -> N
     tokens, parents = draft.tokens.to(p.device, torch.int64), draft.parents.to(p.device, torch.int64)
     rows = torch.arange(tokens.shape[0], device=p.device)[:, None]
     q = p[rows, parents.clamp(min=0), tokens.clamp(0, p.shape[-1] - 1)]  # q of each node's token
-    used = torch.arange(tokens.shape[1], device=p.device)[None, :] < torch.tensor(n, device=p.device)[:, None]
-    used &= torch.tensor(list(active), dtype=torch.bool, device=p.device)[:, None]
+    used = used.to(p.device)  # (B, N) bool: the declared nodes of running sequences
     used[:, 0] = False  # the root was not drawn
     bad = used & ~(q > 0)
     if bool(bad.any()):

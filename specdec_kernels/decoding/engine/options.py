@@ -71,17 +71,15 @@ def check_options(model, drafter: Drafter, options: dict) -> FrozenSet[int]:
     return frozenset(stops)
 
 
-def check_drafter(drafter) -> None:
-    """A drafter is a ``Drafter`` whose ``propose`` takes one request and whose ``observe``
-    one step result (the contract of ``decoding/draft.py``).
+def check_drafter(drafter: Drafter) -> None:
+    """A ``Drafter`` (``check_options`` checks the type first) whose ``propose`` takes one
+    request and whose ``observe`` one step result (the contract of ``decoding/draft.py``).
 
     Raises:
-        TypeError: not a ``Drafter``; ``propose`` or ``observe`` written for the older
-            contract of several arguments (``propose(histories, num_draft_tokens, active)``),
-            naming the drafter and the method.
+        TypeError: ``propose`` or ``observe`` written for the older contract of several
+            arguments (``propose(histories, num_draft_tokens, active)``), naming the drafter
+            and the method.
     """
-    if not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a specdec_kernels.decoding.Drafter or None, got {type(drafter).__name__}")
     for method in ("propose", "observe"):
         try:
             params = inspect.signature(getattr(drafter, method)).parameters.values()
