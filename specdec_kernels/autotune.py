@@ -32,6 +32,16 @@ T = TypeVar("T")
 _CHOICES: "weakref.WeakSet[RuntimeChoice]" = weakref.WeakSet()
 
 
+_MEASURED_CALLS = [0]  # calls run under measurement so far, by every RuntimeChoice of the process
+
+
+def measured_calls() -> int:
+    """How many calls every ``RuntimeChoice`` of the process has run while measuring (a count
+    that only grows): a caller timing work of its own (the engine's step thread count) compares
+    it before and after, and does not take a time that includes a candidate under trial."""
+    return _MEASURED_CALLS[0]
+
+
 def read_environment_again() -> None:
     """Every RuntimeChoice reads its environment variable again (``reset_backends`` calls this)."""
     for choice in list(_CHOICES):
@@ -112,6 +122,7 @@ class RuntimeChoice:
         with self._lock:
             times = self._times.setdefault(key, {c: [] for c in names})
             candidate = min(names, key=lambda c: len(times[c]))  # alternate: the least timed next
+            _MEASURED_CALLS[0] += 1
         t = time.perf_counter()
         out = run(candidate)
         elapsed = time.perf_counter() - t

@@ -178,3 +178,44 @@ def test_auto_under_synthetic_load_follows_the_rule_and_keeps_the_tokens(tiny, m
     assert budget.trial_time <= budget.share * budget.total_time + sum(last.get(2, ())) + budget.charged_time
     if all(r["choice"] == 1 for r in choice.rounds):
         assert budget.charged_time == 0
+
+
+def test_a_step_with_a_runtime_choice_under_trial_is_not_a_thread_trial():
+    """The int8 products' instruction set is timed anew for each thread count, its slower
+    candidates included; a step in which any ``RuntimeChoice`` timed a candidate is not
+    recorded (its time is not that of its thread count), so it neither ends a round nor
+    enters a reference: the class's next step asks for the same count again."""
+    from specdec_kernels.autotune import RuntimeChoice, measured_calls
+    from specdec_kernels.decoding.engine.stats import DecodeStats
+
+    class State:  # what StepThreads.run reads of a DecodeState
+        batch_size, done = 1, [False]
+
+    choices = {}
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        stats = DecodeStats()
+        steps = threads.StepThreads("auto", torch.device("cpu"), stats, choices)
+        choice = choices[2]
+        isa = RuntimeChoice("a test's choice", ["a", "b"], trials=2)
+        calls, total = [], choice.budget.total_time
+
+        def step(measure: bool):
+            calls.append(torch.get_num_threads())
+            if measure:
+                before = measured_calls()
+                isa("shape", lambda c: c)
+                assert measured_calls() == before + 1
+
+        steps.run(lambda: step(True), 0, State())  # a candidate timed: not recorded
+        assert len(choice.classes["tokens<=1"].recent) == 0 and choice.budget.total_time == total
+        for _ in range(3):  # measured by the choice till it decides (2 x 2 trials), then plain steps
+            steps.run(lambda: step(True), 0, State())
+        assert len(choice.classes["tokens<=1"].recent) == 0
+        steps.run(lambda: step(False), 0, State())
+        assert len(choice.classes["tokens<=1"].recent) == 1  # a plain step is recorded
+        assert calls == [1] * 5  # one thread throughout: no trial of two threads yet
+        steps.restore()
+    finally:
+        torch.set_num_threads(saved)

@@ -38,6 +38,7 @@ from typing import Callable, Deque, Dict, Hashable, List, Mapping, Optional, Seq
 
 import torch
 
+from specdec_kernels.autotune import measured_calls
 from specdec_kernels.decoding.engine.stats import DecodeStats
 
 TRIALS = 3  # timed steps of each count with more threads (and the one-thread reference)
@@ -274,8 +275,10 @@ class StepThreads:
     was (load that starts after the choice) is dropped after two steps.  Under
     torch.compile or a dispatch mode nothing is measured and torch's count is kept.  An int
     pins the count; None leaves torch's setting alone.  torch's setting is restored when the
-    call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".  The count never changes
-    results.
+    call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".  A step in which a run-time
+    choice timed a candidate (``autotune.measured_calls``: the int8 products' instruction set is
+    measured anew for each thread count, its slower candidates included) is not recorded: its
+    time is not that of its thread count.  The count never changes results.
     """
 
     def __init__(self, threads, device: torch.device, stats: DecodeStats, choices: Dict[int, ThreadChoice]):
@@ -316,9 +319,11 @@ class StepThreads:
         key = f"tokens<={1 << max(0, tokens - 1).bit_length()}"
         n = self.choice.count(key)
         torch.set_num_threads(n)
-        t = time.perf_counter()
+        measured, t = measured_calls(), time.perf_counter()
         step()
-        self.choice.record(key, n, time.perf_counter() - t)
+        if measured_calls() == measured:  # else a run-time choice timed a candidate in the step
+            # (the int8 products' instruction set is measured per thread count): not a time of n threads
+            self.choice.record(key, n, time.perf_counter() - t)
         self.stats.threads[key] = self.choice.chosen(key)
 
     def restore(self) -> None:
