@@ -4,7 +4,7 @@
 //
 // It runs the operations of specdec_kernels/decoding/model.py's Block.forward, in the same order,
 // through the same native kernels (packed_linear, packed_linear_int8,
-// tree_attention) and ATen's silu; the rotary products and the residual adds are loops
+// tree_attention, silu_mul_rows); the rotary products and the residual adds are loops
 // with the same roundings as the ATen ops (bit-identical), and RMSNorm is rms_norm_rows, the loop
 // that torch.ops.specdec_engine.rms_norm (below) also runs for the Python layer, so that the two
 // layers give the same bits.  Every row is computed alone, so a row's output does not depend on
@@ -21,6 +21,7 @@
 //     4 / 5:     packed_linear_int8 of kind 0 (qw, dw, mw) or 1 (qw, dw).
 // Returns the layer's output [B, N, hidden].
 #include "common.h"
+#include "vec8.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -115,6 +116,55 @@ at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight, double
   at::Tensor out = at::empty_like(x);
   const int64_t rows = n ? x.numel() / n : 0;
   if (rows) rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), rows, n, eps, out.data_ptr<float>());
+  return out;
+}
+
+// SwiGLU's product of each row of gu [rows, 2 I]: out[r, i] = silu(g) * u with g = gu[r, i],
+// u = gu[r, I + i], silu(g) = g * s, s = 1 / (1 + e) where g >= 0 and e / (1 + e) where g < 0,
+// e = exp(-|g|) (exp8_nonpos: never overflows; relative error about 2e-7).  Each element alone, in
+// one order of IEEE float32 operations, each rounded once, on every CPU: the AVX2 clone (AVX2
+// without FMA: nothing is fused) and the baseline one (SSE, ten times slower: GCC splits the
+// 8-float vectors through the stack) give the same bits.  nan gives nan, +inf inf, -inf nan (as
+// torch's silu).  The one definition of the engine's CPU float32 SwiGLU: the one-call layer and
+// silu_mul (below, the Python layer's) both run it.
+SPECDEC_INLINE v8sf silu_mul8(v8sf g, v8sf u) {
+  const v8sf zero = v8sf{0, 0, 0, 0, 0, 0, 0, 0}, one = zero + 1.0f;
+  const v8sf e = exp8_nonpos(g < zero ? g : -g);  // exp(-|g|); nan stays nan
+  return (g * ((g < zero ? e : one) / (one + e))) * u;
+}
+
+SPECDEC_TARGET_CLONES("avx2")
+void silu_mul_rows(const float* gu, int64_t rows, int64_t I, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * I;
+    const float* u = g + I;
+    float* o = out + r * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(u + i)));
+    if (i < I) {  // the last 1 to 7: through zero-padded copies (nothing read or written past the row)
+      const int64_t n = I - i;
+      float gb[8] = {}, ub[8] = {}, res[8];
+      std::memcpy(gb, g + i, n * sizeof(float));
+      std::memcpy(ub, u + i, n * sizeof(float));
+      store8(res, silu_mul8(load8(gb), load8(ub)));
+      std::memcpy(o + i, res, n * sizeof(float));
+    }
+  }
+}
+
+// torch.ops.specdec_engine.silu_mul: silu_mul_rows over gate_up float32 [..., 2 I] on the CPU;
+// returns float32 [..., I].
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+  TORCH_CHECK_VALUE(gate_up.dim() >= 1 && gate_up.scalar_type() == at::kFloat && gate_up.device().is_cpu() &&
+                        gate_up.size(-1) % 2 == 0,
+                    "silu_mul: gate_up must be float32 [..., 2 I] on the CPU");
+  const at::Tensor gu = gate_up.contiguous();
+  const int64_t I = gu.size(-1) / 2;
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gu.options());
+  const int64_t rows = I ? gu.numel() / (2 * I) : 0;
+  if (rows) silu_mul_rows(gu.data_ptr<float>(), rows, I, out.data_ptr<float>());
   return out;
 }
 
@@ -213,7 +263,8 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   rms_norm_rows(h.data_ptr<float>(), w_ffn.data_ptr<float>(), rows, hidden, eps, hn.data_ptr<float>());
   const at::Tensor gu = run_linear(hn, weights, 2, kinds[2], out_features[2], isa);
   const int64_t inter = out_features[2] / 2;
-  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)).mul_(gu.narrow(1, inter, inter));
+  at::Tensor act = at::empty({rows, inter}, opts);
+  silu_mul_rows(gu.contiguous().data_ptr<float>(), rows, inter, act.data_ptr<float>());
   at::Tensor out = run_linear(act, weights, 3, kinds[3], out_features[3], isa).contiguous();
   {
     float* o = out.data_ptr<float>();
@@ -223,10 +274,41 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   return out.view({B, N, hidden});
 }
 
+// torch.ops.specdec_engine.decoder_stack: the layers 0 .. L - 1 of a pass in one call, layer l
+// being decoder_layer_cpu with norms[2 l], norms[2 l + 1], qkv_biases[l], weights[12 l .. 12 l + 11],
+// kinds and out_features[4 l .. 4 l + 3], and the caches kv_cache[l][0], kv_cache[l][1]
+// (kv_cache [L', 2, B, Hkv, S, D], L' >= L, written in place).  The same calls in the same order as
+// L calls of decoder_layer (the same bits), without a return to Python between layers.
+at::Tensor decoder_stack_cpu(const at::Tensor& x_in, at::TensorList norms, double eps, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& cache_seqlens,
+                             const OptT& tree_mask, const std::vector<OptT>& qkv_biases,
+                             const std::vector<OptT>& weights, at::IntArrayRef kinds, at::IntArrayRef out_features,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
+  const int64_t L = static_cast<int64_t>(qkv_biases.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(weights.size()) == 12 * L &&
+                        static_cast<int64_t>(kinds.size()) == 4 * L &&
+                        static_cast<int64_t>(out_features.size()) == 4 * L,
+                    "decoder_stack: L layers need 2 L norms, L qkv_biases, 12 L weight slots, 4 L kinds and 4 L "
+                    "out_features");
+  TORCH_CHECK_VALUE(kv_cache.dim() == 6 && kv_cache.size(0) >= L && kv_cache.size(1) == 2,
+                    "decoder_stack: kv_cache must be [L' >= L, 2, B, Hkv, S, D]");
+  at::Tensor x = x_in;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor layer = kv_cache.select(0, l);
+    const std::vector<OptT> w(weights.begin() + 12 * l, weights.begin() + 12 * (l + 1));
+    x = decoder_layer_cpu(x, norms[2 * l], norms[2 * l + 1], eps, cos, sin, layer.select(0, 0), layer.select(0, 1),
+                          cache_seqlens, tree_mask, qkv_biases[l], w, kinds.slice(4 * l, 4),
+                          out_features.slice(4 * l, 4), num_heads, num_kv_heads, isa);
+  }
+  return L ? x : x_in.clone();
+}
+
 }  // namespace
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec_engine, CPU, m) {
+  m.impl("decoder_stack", &specdec::decoder_stack_cpu);
   m.impl("decoder_layer", &specdec::decoder_layer_cpu);
   m.impl("rms_norm", &specdec::rms_norm_cpu);
+  m.impl("silu_mul", &specdec::silu_mul_cpu);
 }

@@ -103,10 +103,20 @@ TORCH_LIBRARY_FRAGMENT(specdec_engine, m) {
       "decoder_layer(Tensor x, Tensor attn_norm, Tensor ffn_norm, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? tree_mask, Tensor? qkv_bias, "
       "Tensor?[] weights, int[] kinds, int[] out_features, int num_heads, int num_kv_heads, int isa=0) -> Tensor");
+  // The layers 0 .. L - 1 of a pass in one call (csrc/decoder_layer_cpu.cpp): decoder_layer per layer
+  // with norms[2 l], norms[2 l + 1], qkv_biases[l], weights[12 l ..], kinds / out_features[4 l ..] and
+  // the caches kv_cache[l] ([L', 2, B, Hkv, S, D], written in place); L = len(qkv_biases).
+  m.def(
+      "decoder_stack(Tensor x, Tensor[] norms, float eps, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
+      "Tensor cache_seqlens, Tensor? tree_mask, Tensor?[] qkv_biases, Tensor?[] weights, int[] kinds, "
+      "int[] out_features, int num_heads, int num_kv_heads, int isa=0) -> Tensor");
   // RMSNorm over the last dimension of x float32 [..., n] with weight [n] (csrc/decoder_layer_cpu.cpp):
   // the loop decoder_layer runs (float64 sum of squares, each row alone), for the engine's
   // Python layer and final norm, so that every path of a pass rounds alike.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // SwiGLU's silu(gate) * up of gate_up float32 [..., 2 I] (gate first; csrc/decoder_layer_cpu.cpp):
+  // the loop decoder_layer runs, for the engine's Python layer.  Returns float32 [..., I].
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   // The same product with 8-bit activations (csrc/packed_linear_int8_cpu.cpp): x float32 [R, I]
   // quantised per block of 32; weights interleaved in groups of 8 output rows (qw uint8 [G, I / 32,
   // 128 (affine4) or 256 (scaled8)], dw and mw float16 [G, I / 32, 8]); out_features O; isa 0 best,

@@ -38,6 +38,7 @@
 // (p * inf and p * NaN are never finite, even for p = 0, and rescaling keeps them so), and a row
 // whose accumulator is not finite outputs NaN.  Invisible slots are never multiplied at all.
 #include "common.h"
+#include "vec8.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -57,27 +58,9 @@ namespace {
 constexpr int64_t CHUNK = 32;  // key slots per online-softmax step (K and V rows stay in L1)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// the helpers of attend_chunk are inlined into each of its clones (and so compiled for its
-// target); out of line they would be baseline code passing vectors through memory
-#define SPECDEC_INLINE inline __attribute__((always_inline))
-
-// 8 floats in one vector (GCC vector extension: one AVX register in the FMA clone, two SSE
-// registers in the baseline one); loads and stores through memcpy, no alignment needed.
-typedef float v8sf __attribute__((vector_size(32)));
-
-SPECDEC_INLINE v8sf load8(const float* p) {
-  v8sf x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-SPECDEC_INLINE void store8(float* p, v8sf x) { std::memcpy(p, &x, sizeof(x)); }
-
 // The sum of x's lanes as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the order of
 // sum8x8's lanes, so that a score is the same number whether its key was in a group of 8.
 SPECDEC_INLINE float hsum8(v8sf x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
-
-typedef int32_t v8si __attribute__((vector_size(32)));
 
 // SHUFFLE8(a, b, i0, ..., i7): lane k = lane ik of the 16 lanes of a then b.  clang and GCC >= 12
 // have __builtin_shufflevector (constant indices); older GCC only __builtin_shuffle (a mask).
@@ -105,29 +88,6 @@ SPECDEC_INLINE v8sf sum8x8(const v8sf* c) {
     b[j] = SHUFFLE8(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE8(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
   }
   return SHUFFLE8(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// exp(x) of 8 floats x <= 0 in branch-free vector arithmetic (Cody-Waite range reduction
-// x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n through the exponent
-// bits); relative error about 2e-7.  x below -87 (and -inf) gives 0.
-SPECDEC_INLINE v8sf exp8_nonpos(v8sf x) {
-  const v8sf zero = v8sf{0, 0, 0, 0, 0, 0, 0, 0}, lo = zero - 87.0f;
-  const v8si under = x < lo;
-  const v8sf xc = under ? lo : x;
-  // round to nearest through the 1.5 * 2^23 trick (no rounding instruction needed; |x| < 2^22)
-  const v8sf n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const v8sf r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  v8sf p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const v8si bits = (__builtin_convertvector(n, v8si) + 127) << 23;
-  v8sf scale;  // 2^n: `bits` read as floats (memcpy: a bit cast that breaks no aliasing rule)
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const v8sf res = p * scale;
-  return under ? zero : res;
 }
 
 // Runs Rows::run<RB>(r0, args...) over R rows: blocks of RB = 4 rows, then one block of the

@@ -135,6 +135,12 @@ def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape)
 
 
+def _silu_mul_fake(gate_up):
+    """specdec_engine::silu_mul: float32 [..., I] from gate_up [..., 2 I] (contiguous)."""
+    torch._check(gate_up.shape[-1] % 2 == 0, lambda: "gate_up's last dimension must be even")
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
 def _decoder_layer_fake(
     x,
     attn_norm,
@@ -160,11 +166,36 @@ def _decoder_layer_fake(
     return x.new_empty(x.shape)
 
 
+def _decoder_stack_fake(
+    x,
+    norms,
+    eps,
+    cos,
+    sin,
+    kv_cache,
+    cache_seqlens,
+    tree_mask,
+    qkv_biases,
+    weights,
+    kinds,
+    out_features,
+    num_heads,
+    num_kv_heads,
+    isa=0,
+):
+    """specdec_engine::decoder_stack: the last layer's output, like x [B, N, hidden] (the caches
+    of the layers run are written in place)."""
+    torch._check(x.dim() == 3, lambda: f"x must be [B, N, hidden], got {tuple(x.shape)}")
+    return x.new_empty(x.shape)
+
+
 _ENGINE_FAKES = {
     "packed_linear": _packed_linear_fake,
     "packed_linear_int8": _packed_linear_int8_fake,
     "rms_norm": _rms_norm_fake,
+    "silu_mul": _silu_mul_fake,
     "decoder_layer": _decoder_layer_fake,
+    "decoder_stack": _decoder_stack_fake,
 }
 
 

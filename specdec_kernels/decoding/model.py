@@ -435,6 +435,90 @@ def fused_layer_args(
     return args
 
 
+def _global_forward_hooks() -> bool:
+    """Whether a forward hook or pre-hook is registered on every module (``nn.modules.module.
+    register_module_forward_hook`` and its pre-hook twin)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def _layer_state(layer: "Block") -> tuple:
+    """A layer's (wqkv, wo, w13, w2 weights, attention and ffn norm weights, qkv bias or None) and
+    (numerics, the two norms' eps), read from the modules' dicts (a tenth of the cost of attribute
+    access: this runs per pass).
+
+    Raises:
+        KeyError: a layer whose linears or norms are not the plain modules of ``Block``."""
+    m = layer._modules
+    qkv, an, fn = m["wqkv"]._parameters, m["attention_norm"], m["ffn_norm"]
+    tensors = (
+        qkv["weight"],
+        m["wo"]._parameters["weight"],
+        m["w13"]._parameters["weight"],
+        m["w2"]._parameters["weight"],
+        an._parameters["weight"],
+        fn._parameters["weight"],
+        qkv.get("bias"),
+    )
+    return tensors, (layer.__dict__.get("numerics"), an.__dict__.get("eps"), fn.__dict__.get("eps"))
+
+
+def fused_stack_args(owner, layers: Sequence["Block"], rows: int) -> Optional[tuple]:
+    """The arguments of ``specdec_engine::decoder_stack`` for ``layers`` in a pass of ``rows``
+    tokens per sequence: (norms, qkv biases, weight slots, kinds, out features, eps), each layer's
+    as its ``Block.fused_args`` gives them; None where some layer runs its Python ops (its
+    ``fused_args`` is None, its modules are not plain ``Block`` ones, or its norms' eps differ from
+    the first layer's: the call takes one eps).  Cached on ``owner`` while every layer's weights
+    (the same tensors, data and versions), numerics, eps, the packed registry and the environment
+    stay the same: one check per pass instead of one per layer.  None also where a layer would
+    not run its own ``Block.forward`` alone: a forward hook or pre-hook on it (a recorder of its
+    outputs) or on every module, a subclass, a ``forward`` replaced."""
+    if _global_forward_hooks() or not all(
+        type(layer) is Block and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__)
+        for layer in layers
+    ):
+        return None
+    if Block.forward is not _BLOCK_FORWARD:  # replaced on the class (a test's spy, a patch)
+        return None
+    try:
+        states = [_layer_state(layer) for layer in layers]
+    except KeyError:
+        return None
+    flat = [t for tensors, _ in states for t in tensors if t is not None]
+    try:
+        versions = tuple([t._version for t in flat])
+    except RuntimeError:  # inference tensors keep no version counter (never modified in place)
+        versions = tuple(-1 if t.is_inference() else t._version for t in flat)
+    key = (
+        rows <= ROW_INDEPENDENT_ROWS,
+        packed.generation(),
+        os.environ.get(LINEAR_ENV, ""),
+        os.environ.get(FUSED_ENV, ""),
+        tuple([settings for _, settings in states]),
+        tuple(map(id, flat)),
+        tuple([t.data_ptr() for t in flat]),
+        versions,
+    )
+    cached = getattr(owner, "_stack_cache", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    args = None
+    fused = [layer.fused_args(rows) for layer in layers]
+    eps = states[0][1][1] if states else 0.0
+    if all(f is not None for f in fused) and all(s[1] == eps and s[2] == eps for _, s in states):
+        args = (
+            [t for tensors, _ in states for t in tensors[4:6]],
+            [tensors[6] for tensors, _ in states],
+            [w for f in fused for w in f[0]],
+            [k for f in fused for k in f[1]],
+            [o for f in fused for o in f[2]],
+            eps,
+        )
+    owner._stack_cache = (key, args)
+    return args
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -457,6 +541,22 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of gate_up (..., 2 I), gate first (Shazeer 2020, "GLU Variants
+    Improve Transformer"): (..., I).  float32 on CPU outside autograd: the loop of the one-call
+    layer (``specdec_engine::silu_mul``, the same bits as ``decoder_layer`` and every CPU path of
+    a pass); else ``F.silu(gate) * up``."""
+    if (
+        gate_up.dtype == torch.float32
+        and gate_up.device.type == "cpu"
+        and not (torch.is_grad_enabled() and gate_up.requires_grad)
+        and packed.has_kernel("silu_mul")
+    ):
+        return torch.ops.specdec_engine.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -532,6 +632,7 @@ class Block(nn.Module):
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and not differentiable  # training a head's layer: the Python ops, which autograd follows
+            and self.attention_norm.eps == self.ffn_norm.eps  # the one-call layer takes one eps
         ):
             fused = self.fused_args(N)
             if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)
@@ -567,8 +668,10 @@ class Block(nn.Module):
         write(v_cache, v)
         attn = attend(q, k_cache, v_cache, cache_seqlens, tree_mask, backend, block_table)
         x = x + linear(attn.reshape(B, N, H * D), self.wo.weight, nx, isa)
-        gate, up = linear(self.ffn_norm(x), self.w13.weight, nx, isa).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w2.weight, nx, isa)
+        return x + linear(swiglu(linear(self.ffn_norm(x), self.w13.weight, nx, isa)), self.w2.weight, nx, isa)
+
+
+_BLOCK_FORWARD = Block.forward  # what fused_stack_args stands in for
 
 
 class Transformer(nn.Module):
@@ -755,7 +858,8 @@ class Transformer(nn.Module):
             raise ValueError(f"isa must be None or one of {packed.int8_isas()} on this CPU, got {isa!r}")
         self._isa = isa
         for layer in self.layers:
-            layer.isa = isa
+            if layer.__dict__.get("isa", 0) != isa:  # read per pass: set only what changed
+                layer.isa = isa
 
     @torch.no_grad()  # an inference forward that writes its KV cache in place: never differentiated
     @_measured_int8_isa
@@ -814,11 +918,53 @@ class Transformer(nn.Module):
         seqlens = cache_seqlens.to(torch.int32)
         caches, write, block_table = self._slot_writes(tokens, kv_cache, cache_seqlens, host_seqlens)
         x, kept = self.tok_embeddings(tokens), {}
-        for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, caches[i], write, seqlens, tree_mask, self.attention_backend, block_table)
-            if i in taps:
-                kept[i] = x
+        stack = (
+            fused_stack_args(self, self.layers, tokens.shape[1])
+            if block_table is None
+            and self.attention_backend in (None, "native")
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            else None
+        )
+        if stack is not None:  # every layer in native calls: one per run of layers between taps
+            x = self._run_stack(x, stack, len(layers), taps, kept, cos, sin, caches, seqlens, tree_mask)
+        else:
+            for i, layer in enumerate(layers):
+                x = layer(x, cos, sin, caches[i], write, seqlens, tree_mask, self.attention_backend, block_table)
+                if i in taps:
+                    kept[i] = x
         return self._head(x, logit_rows, return_hidden, compute_logits, [kept[i] for i in taps])
+
+    def _run_stack(self, x, stack, n, taps, kept, cos, sin, caches, seqlens, tree_mask) -> torch.Tensor:
+        """Layers 0 .. n - 1 by ``specdec_engine::decoder_stack`` (``fused_stack_args``' ``stack``
+        for all the model's layers), one call per run of layers up to each tap, whose output goes
+        into ``kept``: the same calls, in the same order, as the layers' ``Block.forward``."""
+        norms, biases, weights, kinds, outs, eps = stack
+        a, isa = self.args, packed.isa_code(self._isa)
+        start = 0
+        for end in sorted(set(taps)) + [n - 1]:
+            if end >= start:
+                x = torch.ops.specdec_engine.decoder_stack(
+                    x,
+                    norms[2 * start : 2 * end + 2],
+                    eps,
+                    cos,
+                    sin,
+                    caches[start:],
+                    seqlens,
+                    tree_mask,
+                    biases[start : end + 1],
+                    weights[12 * start : 12 * end + 12],
+                    kinds[4 * start : 4 * end + 4],
+                    outs[4 * start : 4 * end + 4],
+                    a.num_heads,
+                    a.num_kv_heads,
+                    isa,
+                )
+                start = end + 1
+            if end in taps:
+                kept[end] = x
+        return x
 
     def _rotary(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s rotary tables for positions (B, N): cos and sin (B, N, 1, head_dim) in the

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -349,10 +349,16 @@ def isa_code(isa: Optional[str]) -> int:
 def int8_isas() -> Tuple[str, ...]:
     """The instruction-set paths of ``packed_linear_int8`` this CPU runs, by name ("portable",
     "avx2", "avx512-vnni", "amx": Intel's tile unit, where the CPU and the OS allow it), asked of the
-    CPU at run time; () without the C++ extension."""
-    if not has_kernel("packed_linear_int8"):
-        return ()
-    return tuple(ISA_NAMES[i] for i in torch.ops.specdec_engine.packed_linear_int8_isas())
+    CPU at run time (once per process: the CPU and the OS's permissions do not change); () without
+    the C++ extension."""
+    if not _INT8_ISAS:
+        if not has_kernel("packed_linear_int8"):
+            return ()
+        _INT8_ISAS.append(tuple(ISA_NAMES[i] for i in torch.ops.specdec_engine.packed_linear_int8_isas()))
+    return _INT8_ISAS[0]
+
+
+_INT8_ISAS: List[Tuple[str, ...]] = []
 
 
 def quantize_activations(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -443,7 +449,8 @@ _HAVE_KERNEL: Dict[str, bool] = {}
 
 def has_kernel(name: str = "packed_linear") -> bool:
     """Whether the extension has the CPU kernel ``name`` of this module ("packed_linear",
-    "packed_linear_int8") or of the engine ("decoder_layer", "rms_norm"): asked once per process."""
+    "packed_linear_int8") or of the engine ("decoder_layer", "decoder_stack", "rms_norm", "silu_mul"):
+    asked once per process."""
     if name not in _HAVE_KERNEL:
         from specdec_kernels import has_native_kernel
 

@@ -17,12 +17,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdec_kernels.decoding.model import Transformer
+from specdec_kernels.decoding.model import Transformer, swiglu
 from tests.engine.tiny import snap_to_gguf_codes, tiny_llama
 
 pytestmark = pytest.mark.requires_native_op("decoder_layer")
 
-ENGINE_KERNELS = ("decoder_layer", "rms_norm", "packed_linear", "packed_linear_int8")
+ENGINE_KERNELS = ("decoder_stack", "decoder_layer", "rms_norm", "silu_mul", "packed_linear", "packed_linear_int8")
 
 
 class _FirstCalls(TorchDispatchMode):
@@ -59,6 +59,12 @@ def recorded():
             model(tokens, torch.arange(7)[None], cache, torch.zeros(1, dtype=torch.int32))
             # a second pass after the first (the head and final norm run in Python: rms_norm, products)
             model(torch.arange(9)[None] + 3, torch.arange(7, 16)[None], cache, torch.tensor([7], dtype=torch.int32))
+            # one layer alone (Block.forward: the call an EAGLE head's layer makes; a pass runs decoder_stack)
+            x = torch.randn(1, 2, model.args.hidden_size)
+            cos, sin = model._rotary(torch.arange(16, 18)[None])
+            layer_cache = model.new_kv_cache(1, 20)[0]
+            model.layers[0](x, cos, sin, layer_cache, None, torch.tensor([16], dtype=torch.int32), None, None)
+            swiglu(torch.randn(2, 3, 2 * model.args.intermediate_size))  # the Python layer's SwiGLU
     model.numerics = "float32"
     return mode.calls
 

@@ -239,7 +239,7 @@ def test_real_model_multi_draft_is_greedy(real):
 
 
 # a copying request (prompt lookup's case; both numerics copy the list) and a chat one
-COPY_AND_CHAT = ["Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape.", "Say hello."]
+COPY_AND_CHAT = ["Copy this exactly: red, green, blue, yellow, orange, purple, pink.", "Say hello."]
 
 
 def runs_in_both_numerics(real, make_drafter, k):

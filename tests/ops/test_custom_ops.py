@@ -155,7 +155,9 @@ def test_namespace_holds_the_public_ops_only():
         assert {"verify_greedy", "compact_kv_cache", "paged_tree_attention", "philox_uniforms"} <= native
         assert engine == {
             "decoder_layer",
+            "decoder_stack",
             "rms_norm",
+            "silu_mul",
             "packed_linear",
             "packed_linear_int8",
             "packed_linear_int8_isas",
