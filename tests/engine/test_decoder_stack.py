@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_kernels.decoding import Transformer
 from specdec_kernels.decoding import model as model_module
 from specdec_kernels.tree import ancestor_mask, tree_depths
-from tests.engine.tiny import snap_to_gguf_codes, tiny_llama
+from tests.engine.tiny import packed_tiny
 
 pytestmark = pytest.mark.requires_native_op("decoder_layer")  # skipped without the extension, failed in CI
 
@@ -26,11 +25,7 @@ PREFIX = 6
 
 @pytest.fixture(scope="module")
 def coded():
-    hf = tiny_llama()
-    snap_to_gguf_codes(hf)
-    model = Transformer.from_hf_model(hf)
-    model.pack_weights()
-    return model
+    return packed_tiny()
 
 
 def per_layer(monkeypatch):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specdec_kernels.decoding.model import Transformer, swiglu
-from tests.engine.tiny import snap_to_gguf_codes, tiny_llama
+from specdec_kernels.decoding.model import swiglu
+from tests.engine.tiny import packed_tiny
 
 pytestmark = pytest.mark.requires_native_op("decoder_layer")
 
@@ -46,10 +46,7 @@ class _FirstCalls(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def recorded():
-    hf = tiny_llama()
-    snap_to_gguf_codes(hf)
-    model = Transformer.from_hf_model(hf)
-    model.pack_weights()
+    model = packed_tiny()
     mode = _FirstCalls()
     tokens = torch.tensor([[5, 17, 33, 2, 90, 41, 7]])
     with torch.inference_mode(), mode:

@@ -58,6 +58,16 @@ def snap_to_gguf_codes(model: torch.nn.Module) -> None:
                 p.copy_((q * d + lo).view_as(p))
 
 
+def packed_tiny() -> Transformer:
+    """The tiny Llama with its weights snapped to GGUF codes (``snap_to_gguf_codes``) and packed:
+    every linear weight takes the packed and int8 paths."""
+    hf = tiny_llama()
+    snap_to_gguf_codes(hf)
+    model = Transformer.from_hf_model(hf)
+    model.pack_weights()
+    return model
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """(transformers model, our Transformer) of ``tiny_llama()``, sharing its weights."""
