@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace specdec {
@@ -83,6 +84,18 @@ at::Tensor run_linear(const at::Tensor& x, const std::vector<OptT>& w, int64_t i
     case 5: return packed_linear_int8(x, slot(w, i, 0), slot(w, i, 1), c10::nullopt, 1, out, isa);
     default: TORCH_CHECK_VALUE(false, "decoder_layer: kinds[", i, "] must lie in 0..5, got ", kind);
   }
+}
+
+// y = run_linear(...) checked to be [rows, out] float32: the loops after each product read and
+// write rows * out floats of it, so a weight whose rows disagree with out_features must fail
+// here (a clear error) rather than there (memory outside the tensor).
+at::Tensor checked_linear(const at::Tensor& x, const std::vector<OptT>& w, int64_t i, int64_t kind, int64_t out,
+                          int64_t isa) {
+  at::Tensor y = run_linear(x, w, i, kind, out, isa);
+  TORCH_CHECK_VALUE(y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == out && y.scalar_type() == at::kFloat,
+                    "decoder_layer: linear ", i, " gave ", y.sizes(), ", not [", x.size(0), ", out_features[", i,
+                    "] = ", out, "] float32: its weight does not match out_features");
+  return y.contiguous();
 }
 
 // RMSNorm of each row of x [rows, n] into out: x * (1 / sqrt(mean(x^2) + eps)) * w, the sum of
@@ -209,6 +222,13 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
                     "decoder_layer: the norm weights must be float32 [hidden]");
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && cache_seqlens.scalar_type() == at::kInt,
                     "decoder_layer: cache_seqlens must be int32 [B]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache, &cos_in, &sin_in, &attn_norm,
+                                                                      &ffn_norm, &cache_seqlens})
+    TORCH_CHECK_VALUE(t->device().is_cpu(),
+                      "decoder_layer: the caches, cos, sin, the norm weights and cache_seqlens must be CPU tensors");
+  TORCH_CHECK_VALUE(!given(qkv_bias) || (qkv_bias->dim() == 1 && qkv_bias->size(0) == out_features[0] &&
+                                         qkv_bias->scalar_type() == at::kFloat && qkv_bias->device().is_cpu()),
+                    "decoder_layer: qkv_bias must be None or float32 [(H + 2 Hkv) D] on the CPU");
   const at::Tensor lens = cache_seqlens.contiguous();
   const int32_t* lp = lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b)  // every slot written lies inside the cache
@@ -222,9 +242,8 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 
   at::Tensor xn = at::empty({rows, hidden}, opts);
   rms_norm_rows(x.data_ptr<float>(), w_attn.data_ptr<float>(), rows, hidden, eps, xn.data_ptr<float>());
-  at::Tensor qkv = run_linear(xn, weights, 0, kinds[0], out_features[0], isa);
-  if (given(qkv_bias)) qkv = qkv + *qkv_bias;
-  qkv = qkv.contiguous();
+  at::Tensor qkv = checked_linear(xn, weights, 0, kinds[0], out_features[0], isa);
+  if (given(qkv_bias)) qkv = (qkv + *qkv_bias).contiguous();
 
   // rotary embedding of q and k; k and v written into the cache at slots cache_seqlens[b] + i
   at::Tensor q = at::empty({B, N, H, D}, opts);
@@ -253,7 +272,7 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
       }
   }
   const at::Tensor attn = tree_attention(q, k_cache, v_cache, lens, tree_mask, std::pow(double(D), -0.5));
-  at::Tensor h = run_linear(attn.reshape({rows, H * D}), weights, 1, kinds[1], out_features[1], isa).contiguous();
+  at::Tensor h = checked_linear(attn.reshape({rows, H * D}), weights, 1, kinds[1], out_features[1], isa);
   {  // h = x + attention output (one rounding per element, as x + y)
     float* hp = h.data_ptr<float>();
     const float* xp = x.data_ptr<float>();
@@ -261,11 +280,11 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   }
   at::Tensor hn = at::empty({rows, hidden}, opts);
   rms_norm_rows(h.data_ptr<float>(), w_ffn.data_ptr<float>(), rows, hidden, eps, hn.data_ptr<float>());
-  const at::Tensor gu = run_linear(hn, weights, 2, kinds[2], out_features[2], isa);
+  const at::Tensor gu = checked_linear(hn, weights, 2, kinds[2], out_features[2], isa);
   const int64_t inter = out_features[2] / 2;
   at::Tensor act = at::empty({rows, inter}, opts);
-  silu_mul_rows(gu.contiguous().data_ptr<float>(), rows, inter, act.data_ptr<float>());
-  at::Tensor out = run_linear(act, weights, 3, kinds[3], out_features[3], isa).contiguous();
+  silu_mul_rows(gu.data_ptr<float>(), rows, inter, act.data_ptr<float>());
+  at::Tensor out = checked_linear(act, weights, 3, kinds[3], out_features[3], isa);
   {
     float* o = out.data_ptr<float>();
     const float* hp = h.data_ptr<float>();

@@ -408,6 +408,7 @@ def fused_layer_args(
     checked = tuple(weights) + tuple(norms)
     key = (
         numerics,
+        rows == 0,  # linear_path's rule for an empty pass differs
         rows <= ROW_INDEPENDENT_ROWS,
         packed.generation(),
         os.environ.get(LINEAR_ENV, ""),
@@ -452,6 +453,8 @@ def _layer_state(layer: "Block") -> tuple:
         KeyError: a layer whose linears or norms are not the plain modules of ``Block``."""
     m = layer._modules
     qkv, an, fn = m["wqkv"]._parameters, m["attention_norm"], m["ffn_norm"]
+    if type(an) is not RMSNorm or type(fn) is not RMSNorm:  # the one-call layer's norm is RMSNorm's
+        raise KeyError("norm")
     tensors = (
         qkv["weight"],
         m["wo"]._parameters["weight"],
@@ -491,6 +494,7 @@ def fused_stack_args(owner, layers: Sequence["Block"], rows: int) -> Optional[tu
     except RuntimeError:  # inference tensors keep no version counter (never modified in place)
         versions = tuple(-1 if t.is_inference() else t._version for t in flat)
     key = (
+        rows == 0,  # linear_path's rule for an empty pass differs
         rows <= ROW_INDEPENDENT_ROWS,
         packed.generation(),
         os.environ.get(LINEAR_ENV, ""),
@@ -633,6 +637,8 @@ class Block(nn.Module):
             and x.device.type == "cpu"
             and not differentiable  # training a head's layer: the Python ops, which autograd follows
             and self.attention_norm.eps == self.ffn_norm.eps  # the one-call layer takes one eps
+            and type(self.attention_norm) is RMSNorm  # and computes RMSNorm's arithmetic
+            and type(self.ffn_norm) is RMSNorm
         ):
             fused = self.fused_args(N)
             if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)

@@ -196,3 +196,67 @@ def test_hooks_and_replaced_forwards_keep_the_layers_one_by_one(coded, monkeypat
     monkeypatch.undo()
     (got, _), counts = stack_calls(coded, lambda: a_pass(coded, [PREFIX], tokens))
     assert torch.equal(got, want) and counts["decoder_stack"] == 2  # back to the stack
+
+
+def test_an_empty_pass_leaves_no_arguments_behind(coded, monkeypatch):
+    """A pass of no tokens takes other products (``linear_path``'s rule for rows == 0); the
+    cached arguments of the stack and of each layer must not carry them into the next pass."""
+    tokens = torch.tensor([[5, 2]])
+    coded.numerics = "int8"
+    try:
+        a_pass(coded, [PREFIX], torch.zeros(1, 0, dtype=torch.long))
+        after_empty = a_pass(coded, [PREFIX], tokens)[0]
+        monkeypatch.setenv("SPECDEC_FUSED_LAYER", "0")  # the Python layer: no cached arguments
+        want = a_pass(coded, [PREFIX], tokens)[0]
+    finally:
+        coded.numerics = "float32"
+    assert torch.equal(after_empty, want)
+
+
+def test_hostile_arguments_fail_before_any_write(coded):
+    """Weights that disagree with out_features, tensors off the CPU and a bias of the wrong
+    shape are refused by name (the loops after each product would otherwise read and write
+    outside its output)."""
+    coded.numerics = "int8"
+    try:
+        norms, biases, weights, kinds, outs, eps = model_module.fused_stack_args(coded, coded.layers, 1)
+    finally:
+        coded.numerics = "float32"
+    a = coded.args
+    x = torch.randn(1, 1, a.hidden_size)
+    cos, sin = coded._rotary(torch.tensor([[0]]))
+    lens = torch.zeros(1, dtype=torch.int32)
+
+    def call(cache=None, w=weights, k=kinds, b=biases):
+        cache = coded.new_kv_cache(1, 4) if cache is None else cache
+        return torch.ops.specdec_engine.decoder_stack(
+            x, norms, eps, cos, sin, cache, lens, None, b, w, k, outs, a.num_heads, a.num_kv_heads
+        )
+
+    inputs = (a.hidden_size, a.num_heads * a.head_dim, a.hidden_size, outs[2] // 2)  # wqkv, wo, w13, w2
+    for i, rows in ((1, 8), (3, 1), (0, 2), (2, 4)):  # each linear of layer 0 with too few outputs
+        w, k = list(weights), list(kinds)
+        w[3 * i : 3 * i + 3] = [torch.randn(rows, inputs[i]), None, None]  # a plain float32 weight (kind 3)
+        k[i] = 3
+        with pytest.raises(ValueError, match=f"linear {i} gave"):
+            call(w=w, k=k)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        call(cache=coded.new_kv_cache(1, 4).to("meta"))
+    with pytest.raises(ValueError, match="qkv_bias"):
+        call(b=[torch.zeros(6, 1)] + list(biases[1:]))
+
+
+def test_a_norm_of_another_kind_keeps_its_own_arithmetic(coded, monkeypatch):
+    """A layer whose norm is not the engine's RMSNorm (a LayerNorm put in its place) runs its
+    Python ops: the same results as with every layer in Python."""
+    layer = coded.layers[0]
+    saved = layer.attention_norm
+    layer.attention_norm = torch.nn.LayerNorm(coded.args.hidden_size, eps=saved.eps)
+    try:
+        tokens = torch.tensor([[3, 1, 4]])
+        got = a_pass(coded, [PREFIX], tokens)[0]
+        monkeypatch.setenv("SPECDEC_FUSED_LAYER", "0")
+        want = a_pass(coded, [PREFIX], tokens)[0]
+    finally:
+        layer.attention_norm = saved
+    assert torch.equal(got, want)
