@@ -162,16 +162,17 @@ def _decoder_layer_fake(
 ):
     """specdec_engine::decoder_layer: the layer's output, like x [B, N, hidden] (the caches are
     written in place)."""
+    return _layers_output("decoder_layer", x, k_cache, v_cache)
+
+
+def _layers_output(op: str, x, *caches):
+    """The output of ``op``, a run of decoder layers: like x [B, N, hidden].  A cache on another
+    device than x (a meta tensor among real ones sends the call here, not to the kernel) is
+    refused, as the kernel refuses caches off the CPU."""
     torch._check(x.dim() == 3, lambda: f"x must be [B, N, hidden], got {tuple(x.shape)}")
-    _same_device("decoder_layer", x, k_cache, v_cache)
-    return x.new_empty(x.shape)
-
-
-def _same_device(op: str, x, *caches) -> None:
-    """A cache on another device than x (a meta tensor among real ones sends the call here, not
-    to the kernel): refused, as the kernel refuses caches off the CPU."""
     if any(c.device != x.device for c in caches):
         raise ValueError(f"{op}: the caches must be CPU tensors on x's device ({x.device})")
+    return x.new_empty(x.shape)
 
 
 def _decoder_stack_fake(
@@ -193,9 +194,7 @@ def _decoder_stack_fake(
 ):
     """specdec_engine::decoder_stack: the last layer's output, like x [B, N, hidden] (the caches
     of the layers run are written in place)."""
-    torch._check(x.dim() == 3, lambda: f"x must be [B, N, hidden], got {tuple(x.shape)}")
-    _same_device("decoder_stack", x, kv_cache)
-    return x.new_empty(x.shape)
+    return _layers_output("decoder_stack", x, kv_cache)
 
 
 _ENGINE_FAKES = {

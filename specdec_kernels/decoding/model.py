@@ -450,11 +450,9 @@ def _layer_state(layer: "Block") -> tuple:
     access: this runs per pass).
 
     Raises:
-        KeyError: a layer whose linears or norms are not the plain modules of ``Block``."""
+        KeyError: a layer whose linears or norms lack these parameters."""
     m = layer._modules
     qkv, an, fn = m["wqkv"]._parameters, m["attention_norm"], m["ffn_norm"]
-    if type(an) is not RMSNorm or type(fn) is not RMSNorm:  # the one-call layer's norm is RMSNorm's
-        raise KeyError("norm")
     tensors = (
         qkv["weight"],
         m["wo"]._parameters["weight"],
@@ -471,8 +469,8 @@ def fused_stack_args(owner, layers: Sequence["Block"], rows: int) -> Optional[tu
     """The arguments of ``specdec_engine::decoder_stack`` for ``layers`` in a pass of ``rows``
     tokens per sequence: (norms, qkv biases, weight slots, kinds, out features, eps), each layer's
     as its ``Block.fused_args`` gives them; None where some layer runs its Python ops (its
-    ``fused_args`` is None, its modules are not plain ``Block`` ones, or its norms' eps differ from
-    the first layer's: the call takes one eps).  Cached on ``owner`` while every layer's weights
+    ``fused_args`` is None, its modules are not plain ``Block`` ones), or its eps differs from
+    the first layer's (the call takes one eps).  Cached on ``owner`` while every layer's weights
     (the same tensors, data and versions), numerics, eps, the packed registry and the environment
     stay the same: one check per pass instead of one per layer.  None also where a layer would
     not run its own ``Block.forward`` alone: a forward hook or pre-hook on it (a recorder of its
@@ -510,7 +508,7 @@ def fused_stack_args(owner, layers: Sequence["Block"], rows: int) -> Optional[tu
     args = None
     fused = [layer.fused_args(rows) for layer in layers]
     eps = states[0][1][1] if states else 0.0
-    if all(f is not None for f in fused) and all(s[1] == eps and s[2] == eps for _, s in states):
+    if all(f is not None for f in fused) and all(s[1] == eps for _, s in states):
         args = (
             [t for tensors, _ in states for t in tensors[4:6]],
             [tensors[6] for tensors, _ in states],
@@ -620,7 +618,12 @@ class Block(nn.Module):
 
     def fused_args(self, rows: int) -> Optional[tuple]:
         """The weight arguments of ``specdec_engine::decoder_layer`` for a pass of ``rows`` tokens per
-        sequence, or None where the layer runs its Python ops (``fused_layer_args``)."""
+        sequence, or None where the layer runs its Python ops (``fused_layer_args``; and where its
+        norms are not both ``RMSNorm`` with one eps: the one-call layer computes RMSNorm's
+        arithmetic with one eps)."""
+        an, fn = self.attention_norm, self.ffn_norm
+        if type(an) is not RMSNorm or type(fn) is not RMSNorm or an.eps != fn.eps:
+            return None
         return fused_layer_args(
             self, (self.wqkv.weight, self.wo.weight, self.w13.weight, self.w2.weight), self.numerics, rows
         )
@@ -636,9 +639,6 @@ class Block(nn.Module):
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and not differentiable  # training a head's layer: the Python ops, which autograd follows
-            and self.attention_norm.eps == self.ffn_norm.eps  # the one-call layer takes one eps
-            and type(self.attention_norm) is RMSNorm  # and computes RMSNorm's arithmetic
-            and type(self.ffn_norm) is RMSNorm
         ):
             fused = self.fused_args(N)
             if fused is not None:  # the same ops in one native call (csrc/decoder_layer_cpu.cpp)

@@ -142,24 +142,51 @@ def test_arguments_follow_changes_to_the_layers(coded, monkeypatch):
     assert torch.equal(a_pass(coded, [PREFIX], tokens)[0], first)
 
 
-def test_bad_arguments_are_refused_by_name(coded):
-    coded.numerics = "int8"
+def stack_call(model):
+    """``call(**changes)``: ``decoder_stack`` on the arguments of a one-token int8 pass of
+    ``model`` (by the op's argument names; a fresh cache unless ``kv_cache`` is given) with
+    ``changes`` in place of some; and those arguments."""
+    model.numerics = "int8"
     try:
-        norms, biases, weights, kinds, outs, eps = model_module.fused_stack_args(coded, coded.layers, 1)
+        norms, biases, weights, kinds, outs, eps = model_module.fused_stack_args(model, model.layers, 1)
     finally:
-        coded.numerics = "float32"
-    a = coded.args
-    x = torch.randn(1, 1, a.hidden_size)
-    cos, sin = coded._rotary(torch.tensor([[0]]))
-    cache = coded.new_kv_cache(1, 4)
-    lens = torch.zeros(1, dtype=torch.int32)
-    op = torch.ops.specdec_engine.decoder_stack
+        model.numerics = "float32"
+    a = model.args
+    cos, sin = model._rotary(torch.tensor([[0]]))
+    args = dict(
+        x=torch.randn(1, 1, a.hidden_size),
+        norms=norms,
+        eps=eps,
+        cos=cos,
+        sin=sin,
+        kv_cache=None,
+        cache_seqlens=torch.zeros(1, dtype=torch.int32),
+        tree_mask=None,
+        qkv_biases=biases,
+        weights=weights,
+        kinds=kinds,
+        out_features=outs,
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads,
+    )
+
+    def call(**changes):
+        given = {**args, **changes}
+        if given["kv_cache"] is None:
+            given["kv_cache"] = model.new_kv_cache(1, 4)
+        return torch.ops.specdec_engine.decoder_stack(**given)
+
+    return call, args
+
+
+def test_bad_arguments_are_refused_by_name(coded):
+    call, args = stack_call(coded)
     with pytest.raises(ValueError, match="2 L norms"):
-        op(x, norms[:-1], eps, cos, sin, cache, lens, None, biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+        call(norms=args["norms"][:-1])
     with pytest.raises(ValueError, match="kv_cache must be"):
-        op(x, norms, eps, cos, sin, cache[:1], lens, None, biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+        call(kv_cache=coded.new_kv_cache(1, 4)[:1])
     with pytest.raises(ValueError, match="cache_seqlens"):
-        op(x, norms, eps, cos, sin, cache, lens + 4, None, biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+        call(cache_seqlens=args["cache_seqlens"] + 4)
 
 
 def test_hooks_and_replaced_forwards_keep_the_layers_one_by_one(coded, monkeypatch):
@@ -217,33 +244,19 @@ def test_hostile_arguments_fail_before_any_write(coded):
     """Weights that disagree with out_features, tensors off the CPU and a bias of the wrong
     shape are refused by name (the loops after each product would otherwise read and write
     outside its output)."""
-    coded.numerics = "int8"
-    try:
-        norms, biases, weights, kinds, outs, eps = model_module.fused_stack_args(coded, coded.layers, 1)
-    finally:
-        coded.numerics = "float32"
-    a = coded.args
-    x = torch.randn(1, 1, a.hidden_size)
-    cos, sin = coded._rotary(torch.tensor([[0]]))
-    lens = torch.zeros(1, dtype=torch.int32)
-
-    def call(cache=None, w=weights, k=kinds, b=biases):
-        cache = coded.new_kv_cache(1, 4) if cache is None else cache
-        return torch.ops.specdec_engine.decoder_stack(
-            x, norms, eps, cos, sin, cache, lens, None, b, w, k, outs, a.num_heads, a.num_kv_heads
-        )
-
+    call, args = stack_call(coded)
+    a, outs = coded.args, args["out_features"]
     inputs = (a.hidden_size, a.num_heads * a.head_dim, a.hidden_size, outs[2] // 2)  # wqkv, wo, w13, w2
     for i, rows in ((1, 8), (3, 1), (0, 2), (2, 4)):  # each linear of layer 0 with too few outputs
-        w, k = list(weights), list(kinds)
+        w, k = list(args["weights"]), list(args["kinds"])
         w[3 * i : 3 * i + 3] = [torch.randn(rows, inputs[i]), None, None]  # a plain float32 weight (kind 3)
         k[i] = 3
         with pytest.raises(ValueError, match=f"linear {i} gave"):
-            call(w=w, k=k)
+            call(weights=w, kinds=k)
     with pytest.raises(ValueError, match="CPU tensors"):
-        call(cache=coded.new_kv_cache(1, 4).to("meta"))
+        call(kv_cache=coded.new_kv_cache(1, 4).to("meta"))
     with pytest.raises(ValueError, match="qkv_bias"):
-        call(b=[torch.zeros(6, 1)] + list(biases[1:]))
+        call(qkv_biases=[torch.zeros(6, 1)] + list(args["qkv_biases"][1:]))
 
 
 def test_a_norm_of_another_kind_keeps_its_own_arithmetic(coded, monkeypatch):
