@@ -170,28 +170,38 @@ class Draft:
 
     def truncate(self, max_nodes: Sequence[int]) -> "Draft":
         """Keep at most max_nodes[b] nodes (>= 1) per sequence (a prefix of a topological
-        order is a subtree); probs and tokens are kept as they are."""
-        limit = torch.tensor(list(max_nodes), dtype=torch.int64, device=self.num_nodes.device).clamp(min=1)
+        order is a subtree); probs and tokens are kept as they are.  Returns ``self`` where no
+        sequence has more nodes than its limit (the common case: no tensor op)."""
+        limits = [max(1, int(m)) for m in max_nodes]
+        if self.num_nodes.device.type == "cpu" and all(n <= m for n, m in zip(self.num_nodes.tolist(), limits)):
+            return self
+        limit = torch.tensor(limits, dtype=torch.int64, device=self.num_nodes.device)
         return Draft(self.tokens, self.parents, torch.minimum(self.num_nodes, limit), self.probs, self.is_chain)
 
     @staticmethod
     def from_lists(trees: Sequence[tuple], device="cpu", is_chain: Optional[bool] = None) -> "Draft":
-        """From per-sequence (tokens, parents) lists (each with its root first)."""
-        B = len(trees)
+        """From per-sequence (tokens, parents) lists (each with its root first); padding nodes
+        are token 0 with parent 0.  One tensor is built per field (host lists, then one copy)."""
         N = max(len(t) for t, _ in trees)
-        tokens = torch.zeros(B, N, dtype=torch.int64)
-        parents = torch.zeros(B, N, dtype=torch.int64)
-        parents[:, 0] = -1
-        num = torch.empty(B, dtype=torch.int64)
+        if N == 0:
+            raise ValueError("from_lists: every tree is empty; a draft holds at least its root")
+        tokens, parents, num = [], [], []
         chain = True
-        for b, (t, p) in enumerate(trees):
+        for t, p in trees:
+            t, p = [int(v) for v in t], [int(v) for v in p]
             n = len(t)
-            tokens[b, :n] = torch.tensor(t, dtype=torch.int64)
-            parents[b, :n] = torch.tensor(p, dtype=torch.int64)
-            num[b] = n
-            chain = chain and list(p) == list(range(-1, n - 1))
+            if len(p) != n:
+                raise ValueError(f"from_lists: a tree's tokens ({n}) and parents ({len(p)}) differ in length")
+            tokens.append(t + [0] * (N - n))
+            parents.append(p + [0] * (N - n) if n else [-1] + [0] * (N - 1))
+            num.append(n)
+            chain = chain and p == list(range(-1, n - 1))
         return Draft(
-            tokens.to(device), parents.to(device), num.to(device), None, chain if is_chain is None else is_chain
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            torch.tensor(parents, dtype=torch.int64, device=device),
+            torch.tensor(num, dtype=torch.int64, device=device),
+            None,
+            chain if is_chain is None else is_chain,
         )
 
 

@@ -75,26 +75,28 @@ def check_draft(draft, name: str, histories: Sequence[List[int]], active: List[b
         raise TypeError(f"drafter {name!r}: propose must return a Draft, got {type(draft).__name__}")
     B = len(histories)
     n = _check_layout(draft, name, B, vocab_size)
-    _check_parents(draft, name, n)
-    tokens = draft.tokens.cpu()
-    roots = tokens[:, 0].tolist()
+    # on host lists: a step's draft is small, and a handful of list reads cost less than the
+    # dozen small tensor ops the same checks take on tensors
+    tokens = draft.tokens.tolist()
+    _check_parents(draft.parents.tolist(), draft.is_chain, name, n)
     for b in range(B):
-        if active[b] and roots[b] != histories[b][-1]:
+        if active[b] and tokens[b][0] != histories[b][-1]:
             raise ValueError(
-                f"drafter {name!r}: sequence {b}'s draft root is {roots[b]}, not its last committed "
+                f"drafter {name!r}: sequence {b}'s draft root is {tokens[b][0]}, not its last committed "
                 f"token {histories[b][-1]}"
             )
     # every node a row declares, a finished sequence's too: its row is cut to the root, but the
     # block's other rows may be wider, and then its cut nodes ride in the pass as padding
-    used = torch.arange(tokens.shape[1]) < torch.tensor(n)[:, None]
-    bad = used & ((tokens < 0) | (tokens >= vocab_size))
-    if bad.any():
-        b, i = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"drafter {name!r}: draft token {int(tokens[b, i])} (sequence {b}, node {i}) "
-            f"is outside the vocabulary [0, {vocab_size})"
-        )
-    _check_probs(draft, name, used & torch.tensor(list(active))[:, None])
+    for b in range(B):
+        for i, t in enumerate(tokens[b][: n[b]]):
+            if not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"drafter {name!r}: draft token {t} (sequence {b}, node {i}) is outside the vocabulary [0, {vocab_size})"
+                )
+    if draft.probs is not None:
+        width = len(tokens[0]) if tokens else 0
+        used = [[a and i < nb for i in range(width)] for nb, a in zip(n, active)]
+        _check_probs(draft, name, torch.tensor(used, dtype=torch.bool).reshape(B, width))
     return draft
 
 
@@ -166,21 +168,18 @@ def _check_probs(draft: Draft, name: str, used: torch.Tensor) -> None:
         )
 
 
-def _check_parents(draft: Draft, name: str, n: List[int]) -> None:
-    """parents[b, 0] = -1 and 0 <= parents[b, i] < i for every node; a chain when is_chain."""
-    parents = draft.parents.cpu().to(torch.int64)
-    node = torch.arange(parents.shape[1])
-    bad_parent = (node[None, 1:] <= parents[:, 1:]) | (parents[:, 1:] < 0)
-    bad_parent = torch.cat([(parents[:, :1] != -1), bad_parent], dim=1)
-    if bad_parent.any():
-        b, i = (int(v) for v in bad_parent.nonzero()[0])
-        raise ValueError(
-            f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
-            f"(padding nodes too); sequence {b}, node {i} has parent {int(parents[b, i])}"
-        )
-    if draft.is_chain:
-        used_nodes = node[None, 1:] < torch.tensor(n)[:, None]
-        if (used_nodes & (parents[:, 1:] != node[None, :-1])).any():
+def _check_parents(parents: List[List[int]], is_chain: bool, name: str, n: List[int]) -> None:
+    """parents[b][0] = -1 and 0 <= parents[b][i] < i for every node (host lists); a chain
+    (parents[b][i] = i - 1 for the declared nodes) when ``is_chain``."""
+    for b, row in enumerate(parents):
+        for i, p in enumerate(row):
+            if (p != -1) if i == 0 else not 0 <= p < i:
+                raise ValueError(
+                    f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
+                    f"(padding nodes too); sequence {b}, node {i} has parent {p}"
+                )
+    for b, row in enumerate(parents):
+        if is_chain and any(row[i] != i - 1 for i in range(1, n[b])):
             raise ValueError(
                 f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)"
             )

@@ -243,7 +243,8 @@ class DecodeState:
         t0, t1, t2, t3, t4 = clock
         stats = self.stats
         stats.target_passes += 1
-        stats.draft_tokens += int((draft.num_nodes - 1)[torch.tensor(active)].sum())
+        nodes = draft.num_nodes.tolist()
+        stats.draft_tokens += sum(n - 1 for n, a in zip(nodes, active) if a)
         stats.draft_time += (t1 - t0) + (t4 - t3)
         stats.verify_time += t2 - t1
         stats.bookkeeping_time += t3 - t2
@@ -252,10 +253,10 @@ class DecodeState:
         self.last_step = StepRecord(
             ks=ks,
             depths=depth.tolist(),
-            num_nodes=draft.num_nodes.tolist(),
+            num_nodes=nodes,
             num_accepted=num_accepted.tolist(),
             active=active,
-            block_width=int(draft.num_nodes.max()),
+            block_width=max(nodes),
             draft_time=(t1 - t0) + (t4 - t3),
             verify_time=t2 - t1,
         )

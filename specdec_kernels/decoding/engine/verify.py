@@ -76,7 +76,8 @@ def build_block(draft: Draft, seqlens: List[int], bucket_to: Optional[int], devi
     lists): nothing is read from the device.  ``bucket_to``: None, or ``max_draft_nodes`` with
     ``node_buckets`` (the width is then padded up to ``node_bucket``)."""
     host_num_nodes = draft.num_nodes.cpu()
-    n = int(host_num_nodes.max())
+    counts = host_num_nodes.tolist()
+    n = max(counts)
     host_tokens, host_parents = draft.tokens[:, :n].cpu(), draft.parents[:, :n].cpu()
     probs = to_device(draft.probs[:, :n], device) if draft.probs is not None else None
     B = host_tokens.shape[0]
@@ -87,12 +88,16 @@ def build_block(draft: Draft, seqlens: List[int], bucket_to: Optional[int], devi
         pad_parents = torch.arange(n - 1, width - 1) if draft.is_chain else torch.zeros(pad, dtype=torch.int64)
         host_parents = torch.cat([host_parents, pad_parents.to(host_parents.dtype).expand(B, pad)], dim=1)
         probs = torch.nn.functional.pad(probs, (0, 0, 0, pad)) if probs is not None else None
-    if draft.is_chain:
-        host_depths, tree_mask = torch.arange(width).expand(B, width), None
+    if draft.is_chain:  # from host lists: a chain's depths are its node indices
+        tree_mask = None
+        host_positions = torch.tensor([[s + d for d in range(width)] for s in seqlens], dtype=torch.int64)
+        host_valid = torch.tensor([[d < c for d in range(width)] for c in counts], dtype=torch.bool)
+        depth = torch.tensor([c - 1 for c in counts], dtype=torch.int64)
     else:  # once per tree shape, from the host's parent lists (tree_structure)
         host_depths, tree_mask = tree_structure(host_parents, "cpu")[0], tree_structure(host_parents, device)[1]
-    host_valid = torch.arange(width)[None, :] < host_num_nodes[:, None]
-    host_positions = torch.tensor(seqlens, dtype=torch.int64)[:, None] + host_depths
+        host_valid = torch.arange(width)[None, :] < host_num_nodes[:, None]
+        host_positions = torch.tensor(seqlens, dtype=torch.int64)[:, None] + host_depths
+        depth = torch.where(host_valid, host_depths, 0).max(dim=1).values
     return Block(
         tokens=to_device(host_tokens, device),
         parents=to_device(host_parents, device),
@@ -102,8 +107,8 @@ def build_block(draft: Draft, seqlens: List[int], bucket_to: Optional[int], devi
         positions=to_device(host_positions, device),
         host_positions=host_positions,
         tree_mask=tree_mask,
-        host_valid=host_valid,
-        depth=torch.where(host_valid, host_depths, 0).max(dim=1).values,
+        host_valid=host_valid.reshape(B, width),
+        depth=depth,
         width=width,
         cut=n,
         is_chain=draft.is_chain,
