@@ -12,17 +12,20 @@ cannot cost more than a bounded share of the time:
   one of its steps, raised by ``margin``, was faster than the median of the current winner;
   the first trial that is not is the end of the round (the remaining trials and counts are
   not run), so a slow count costs one step, not three;
-* trials of counts above one take at most ``BUDGET`` of the decoding time of the process
-  (``TrialBudget``, shared by every decoder unless given one): a round starts only if the
-  time of all past trials plus that of the last trial step (what the next may cost) is at
-  most ``BUDGET`` times the time of all steps, so a loaded machine pays for a slow trial
-  once and then waits until the decoding time has grown to amortise it and the next, also
-  where every call makes a new decoder (the references and choices are the decoder's, kept
-  across its ``generate`` calls);
+* what trials of counts above one lose against one thread is at most ``BUDGET`` of the
+  decoding time of the process (``TrialBudget``, shared by every decoder unless given one):
+  a trial step loses the time it took beyond the class's one-thread median (nothing where it
+  was faster), and a round starts only if the loss of all past trials plus that of the last
+  trial step (what the next may lose) is at most ``BUDGET`` times the time of all steps.  So
+  a loaded machine pays for a slow trial once and then waits until the decoding time has
+  grown to amortise it and the next, also where every call makes a new decoder (the
+  references and choices are the decoder's, kept across its ``generate`` calls); while on a
+  free machine, where trials lose nothing, a count dropped by a burst of noise is measured
+  again as soon as the class has its one-thread reference steps;
 * a chosen count above one is dropped (back to one thread, and measured again under the
   budget) as soon as two steps in a row are slower than the one-thread median it was chosen
-  against: load that starts after the choice costs two steps (its steps that are slower than
-  that median count as trial time).
+  against: load that starts after the choice costs two steps (what its steps lose against
+  that median counts as trial loss).
 
 The thread count never changes results (every kernel computes a row on one thread).
 """
@@ -47,19 +50,20 @@ BUDGET = 0.05  # trials of counts above one: at most this share of the decoding 
 
 
 class TrialBudget:
-    """The time of trial steps against the time of all steps, shared by ``ThreadChoice`` s.
+    """What trial steps lose against the time of all steps, shared by ``ThreadChoice`` s.
 
     Args:
-        share: the most trial time, as a share (>= 0) of all step time.
+        share: the most trial loss, as a share (>= 0) of all step time.
 
     Attributes:
-        trial_time: seconds of steps run to time counts above the fewest, and of steps with a
-            chosen count above the fewest that were slower than the fewest's median.
+        trial_time: seconds lost against one thread: what each step run to time a count above
+            the fewest took beyond the fewest's median, and what each step of a chosen count
+            above the fewest took beyond the median it was chosen against (0 for a step that
+            was faster).
         total_time: seconds of all recorded steps.
-        charged_time: the part of ``trial_time`` from steps with a chosen count above the
-            fewest that were slower than the fewest's median (charged as they come: the
-            budget gates the start of a round, not these).
-        last_trial: seconds of the latest trial step (what the next may cost, where its
+        charged_time: the part of ``trial_time`` from steps of a chosen count above the
+            fewest (charged as they come: the budget gates the start of a round, not these).
+        last_trial: seconds the latest trial step lost (what the next may lose, where its
             class has had none).
 
     Raises:
@@ -76,7 +80,7 @@ class TrialBudget:
         self.last_trial = 0.0
 
     def allows(self, next_cost: float) -> bool:
-        """Whether a trial step costing ``next_cost`` seconds keeps trials within the share."""
+        """Whether a trial step losing ``next_cost`` seconds keeps trials within the share."""
         return self.trial_time + next_cost <= self.share * self.total_time
 
 
@@ -134,7 +138,7 @@ class _Class:
     reference: Optional[float] = None  # the one-thread median the chosen count (above one) beat
     round: Optional[Dict[int, List[float]]] = None  # count -> times, while measuring
     pending: Optional[int] = None  # the count being timed
-    last_trial: Optional[float] = None  # seconds of the class's latest trial step (what the next may cost)
+    last_trial: Optional[float] = None  # seconds the class's latest trial step lost (what the next may lose)
     started: Dict[str, float] = field(default_factory=dict)  # budget at the round's start (log)
 
 
@@ -153,8 +157,8 @@ class ThreadChoice:
 
     Attributes:
         rounds: one dict per finished round: key, times (count -> seconds), choice, and the
-            budget's trial and total time when it started and the cost the next trial step
-            was expected to have (next_cost).
+            budget's trial loss and total time when it started and the loss the next trial
+            step was expected to have (next_cost).
 
     Raises:
         ValueError: no counts, a count below 1, trials < 1 or margin < 0.
@@ -185,7 +189,7 @@ class ThreadChoice:
         return cls
 
     def _next_cost(self, cls: _Class) -> float:
-        # what the next trial step may cost: the class's last, else the process's last
+        # what the next trial step may lose: the class's last, else the process's last
         return cls.last_trial if cls.last_trial is not None else self.budget.last_trial
 
     def count(self, key: Hashable) -> int:
@@ -221,16 +225,17 @@ class ThreadChoice:
             cls.recent.append(seconds)
             if cls.best == self.counts[0]:
                 return
-            if seconds > cls.reference:  # more threads, slower than one thread was: as a failed trial
-                self.budget.trial_time += seconds
-                self.budget.charged_time += seconds
+            if seconds > cls.reference:  # more threads, slower than one thread was: a loss, as a failed trial's
+                self.budget.trial_time += seconds - cls.reference
+                self.budget.charged_time += seconds - cls.reference
             last = list(cls.recent)[-2:]
             if len(last) == 2 and min(last) > cls.reference:
                 cls.best, cls.reference = self.counts[0], None  # slower than one thread was: load came
                 cls.recent.clear()
             return
-        self.budget.trial_time += seconds
-        cls.last_trial = self.budget.last_trial = seconds
+        loss = max(0.0, seconds - statistics.median(cls.round[self.counts[0]]))
+        self.budget.trial_time += loss
+        cls.last_trial = self.budget.last_trial = loss
         got = cls.round.setdefault(count, [])
         got.append(seconds)
         ahead = max(c for c in cls.round if c < count)  # the choice so far, which this count must beat
@@ -267,12 +272,14 @@ class StepThreads:
     count, which lives as long as the decoder: a new class runs with one thread (the safe
     default) and is the reference; a count with more threads is timed on a few steps and
     wins only if every one of them was clearly faster (``threads.MARGIN``) than the median
-    of fewer threads, the first step that is not ending the trial; trials take at most
-    ``threads.BUDGET`` of the process's decoding time (``threads.PROCESS_BUDGET``), so a
-    loaded machine, where OpenMP threads wait on each other and two threads were measured 50
-    times slower than one, pays for one slow trial and then amortises it, also where every
-    call makes a new decoder; a chosen count above one that becomes slower than one thread
-    was (load that starts after the choice) is dropped after two steps.  Under
+    of fewer threads, the first step that is not ending the trial; what trials lose against
+    one thread is at most ``threads.BUDGET`` of the process's decoding time
+    (``threads.PROCESS_BUDGET``), so a loaded machine, where OpenMP threads wait on each other
+    and two threads were measured 50 times slower than one, pays for one slow trial and then
+    amortises it, also where every call makes a new decoder; a chosen count above one that
+    becomes slower than one thread was (load that starts after the choice) is dropped after
+    two steps, and measured again once the budget allows (at once where its trials lost
+    nothing: a burst of noise on a free machine costs a few steps).  Under
     torch.compile or a dispatch mode nothing is measured and torch's count is kept.  An int
     pins the count; None leaves torch's setting alone.  torch's setting is restored when the
     call ends.  $SPECDEC_ENGINE_THREADS forces a count for "auto".  A step in which a run-time
