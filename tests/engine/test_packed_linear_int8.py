@@ -252,3 +252,58 @@ def test_rowwise_linear_bad_arguments():
         packed.rowwise_linear(torch.randn(2, 32), w)
     with pytest.raises(TypeError, match="weight must be a tensor"):
         packed.rowwise_linear(torch.randn(2, 64), [[1.0]])
+
+
+def _adversarial_activations(rows: int, I: int) -> torch.Tensor:
+    """Rows of blocks that test the 8-bit activations' rounding: amax 127 (d = 1) with every
+    half-integer tie in -126.5..126.5, -0.0 and subnormals; a block near float32's largest value;
+    an all-zero block (d = 0); a block of one repeated negative value (its codes clamp at -127);
+    and random blocks."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, I, generator=g) * 5
+    ties = torch.arange(-126.5, 127.0, 1.0)  # 254 ties, rounded half to even
+    specials = torch.tensor([127.0, -0.0, 1e-40, -1e-40, 0.5, -0.5, 1.5, -2.5])
+    pool = torch.cat([ties, specials])
+    for r in range(rows):
+        blocks = x[r].view(-1, 32)
+        kind = r % 5
+        if kind == 0:
+            blocks[0] = pool[torch.randint(0, len(pool), (32,), generator=g)]
+            blocks[0, 0] = 127.0
+        elif kind == 1:
+            blocks[-1] = torch.rand(32, generator=g) * 3.0e38 * torch.sign(torch.randn(32, generator=g))
+        elif kind == 2:
+            blocks[0] = 0.0
+        elif kind == 3:
+            blocks[-1] = -5.0
+    return x
+
+
+@pytest.mark.parametrize("form", list(MAKERS))
+def test_activation_rounding_is_the_same_on_every_path_and_thread_count(form):
+    """The portable quantisation and the vector one (every other path) give the same codes,
+    scales and block sums: ties round half to even, -0.0, subnormals, huge values, zero blocks
+    and clamped codes included, and the blocks split over 1, 2 or 3 threads (400 blocks: past
+    the split's grain).  Seen through the outputs, bit for bit, and against the reference."""
+    w = MAKERS[form][0](24, 320, seed=9)
+    p = packed.pack_weight(w)
+    iw = packed.interleave(p)
+    x = _adversarial_activations(40, 320)
+    want = packed.packed_linear_int8(x, iw, isa="portable")
+    # the reference bound holds where float32 does not overflow (not the rows near 3e38)
+    held = [r for r in range(40) if r % 5 != 1]
+    ref = packed.packed_linear_int8_reference(x[held], p)
+    assert ((want[held].double() - ref).abs() <= summation_bound(x[held], p)).all()
+    assert not want[1::5].isfinite().all()  # the huge rows do reach float32's limits
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for isa in ISAS:
+                got = packed.packed_linear_int8(x, iw, isa=isa)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (isa, n)
+    finally:
+        torch.set_num_threads(threads)
+    # every tie reached the kernel as a tie: the reference rounds them half to even
+    q, d, _ = packed.quantize_activations(x[:1])
+    assert d[0, 0] == 1.0 and (q[0, :32].float() == torch.round(x[0, :32])).all()
