@@ -85,9 +85,9 @@ struct QuantX {
   std::vector<int32_t> qsum;
 };
 
-// Block b's d, s, qsum and codes from its 32 inputs v, its amax and sum (the sum of the 32 in
-// index order, one float32 add each) and whether all 32 are finite: the one scalar tail both
-// quantisation paths share.
+// A block's scale d from the largest magnitude of its 32 inputs (nan where one of them is not
+// finite), and the inverse its inputs are multiplied by (0 where d is 0 or nan): the scalar steps
+// both quantisation paths share.
 inline float block_scale(float amax, bool finite) {
   return finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
 }
