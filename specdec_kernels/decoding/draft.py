@@ -171,8 +171,13 @@ class Draft:
     def truncate(self, max_nodes: Sequence[int]) -> "Draft":
         """Keep at most max_nodes[b] nodes (>= 1) per sequence (a prefix of a topological
         order is a subtree); probs and tokens are kept as they are.  Returns ``self`` where no
-        sequence has more nodes than its limit (the common case: no tensor op)."""
+        sequence has more nodes than its limit (the common case: no tensor op).
+
+        Raises:
+            ValueError: not one limit per sequence."""
         limits = [max(1, int(m)) for m in max_nodes]
+        if len(limits) != self.batch_size:
+            raise ValueError(f"max_nodes must hold one limit per sequence ({self.batch_size}), got {len(limits)}")
         if self.num_nodes.device.type == "cpu" and all(n <= m for n, m in zip(self.num_nodes.tolist(), limits)):
             return self
         limit = torch.tensor(limits, dtype=torch.int64, device=self.num_nodes.device)

@@ -45,6 +45,8 @@ def test_truncate_keeps_the_draft_where_nothing_is_cut():
     cut = d.truncate([2, 0])  # a limit below 1 keeps the root
     assert cut is not d and cut.num_nodes.tolist() == [2, 1]
     assert cut.tokens is d.tokens and cut.parents is d.parents and cut.is_chain
+    with pytest.raises(ValueError, match="one limit per sequence"):
+        d.truncate([3])
 
 
 def _check(draft, histories, active=None, vocab=100):
