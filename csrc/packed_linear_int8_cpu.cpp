@@ -132,57 +132,55 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_blocks_avx2(const float* 
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  int64_t b = b0;
-  float sums[4];
-  for (; b < b1; ++b) {
-    const float* v = x + b * QBLOCK;
-    if ((b - b0) % 4 == 0) {  // the next four blocks' sums (fewer at the end), chains interleaved
-      const int64_t n = std::min<int64_t>(4, b1 - b);
-      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-      if (n == 4) {
-        for (int64_t i = 0; i < QBLOCK; ++i) {
-          s0 += v[i];
-          s1 += v[QBLOCK + i];
-          s2 += v[2 * QBLOCK + i];
-          s3 += v[3 * QBLOCK + i];
-        }
-      } else {
-        for (int64_t k = 0; k < n; ++k) {
-          float sk = 0.0f;
-          for (int64_t i = 0; i < QBLOCK; ++i) sk += v[k * QBLOCK + i];
-          (k == 0 ? s0 : k == 1 ? s1 : s2) = sk;
-        }
+  for (int64_t g = b0; g < b1; g += 4) {
+    // the sums of the next four blocks (fewer at the end), their chains interleaved
+    const int64_t n = std::min<int64_t>(4, b1 - g);
+    const float* vg = x + g * QBLOCK;
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (n == 4) {
+      for (int64_t i = 0; i < QBLOCK; ++i) {
+        sums[0] += vg[i];
+        sums[1] += vg[QBLOCK + i];
+        sums[2] += vg[2 * QBLOCK + i];
+        sums[3] += vg[3 * QBLOCK + i];
       }
-      sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
+    } else {
+      for (int64_t k = 0; k < n; ++k)
+        for (int64_t i = 0; i < QBLOCK; ++i) sums[k] += vg[k * QBLOCK + i];
     }
-    __m256 xv[4], vmax = _mm256_setzero_ps();
-    int finite = 0xFF;
-    for (int c = 0; c < 4; ++c) {
-      xv[c] = _mm256_loadu_ps(v + 8 * c);
-      const __m256 a = _mm256_and_ps(xv[c], abs_mask);
-      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and nan
-      vmax = _mm256_max_ps(vmax, a);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t b = g + k;
+      const float* v = x + b * QBLOCK;
+      __m256 xv[4], vmax = _mm256_setzero_ps();
+      int finite = 0xFF;
+      for (int c = 0; c < 4; ++c) {
+        xv[c] = _mm256_loadu_ps(v + 8 * c);
+        const __m256 a = _mm256_and_ps(xv[c], abs_mask);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for inf and nan
+        vmax = _mm256_max_ps(vmax, a);
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+      const float d = block_scale(_mm_cvtss_f32(m), finite == 0xFF);
+      const __m256 id = _mm256_set1_ps(block_inverse(d));
+      __m256i q32[4], total = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(xv[c], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);  // max(r, lo): lo where r is nan
+        q32[c] = _mm256_cvtps_epi32(r);
+        total = _mm256_add_epi32(total, q32[c]);
+      }
+      const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * QBLOCK),
+                          _mm256_permutevar8x32_epi32(q16, order));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+      out.d[b] = d;
+      out.s[b] = sums[k];
+      out.qsum[b] = _mm_cvtsi128_si32(t);
     }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    const float d = block_scale(_mm_cvtss_f32(m), finite == 0xFF);
-    const __m256 id = _mm256_set1_ps(block_inverse(d));
-    __m256i q32[4], total = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {
-      __m256 r = _mm256_round_ps(_mm256_mul_ps(xv[c], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);  // max(r, lo): lo where r is nan
-      q32[c] = _mm256_cvtps_epi32(r);
-      total = _mm256_add_epi32(total, q32[c]);
-    }
-    const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]), _mm256_packs_epi32(q32[2], q32[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * QBLOCK), _mm256_permutevar8x32_epi32(q16, order));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
-    out.d[b] = d;
-    out.s[b] = sums[(b - b0) % 4];
-    out.qsum[b] = _mm_cvtsi128_si32(t);
   }
 }
 #endif

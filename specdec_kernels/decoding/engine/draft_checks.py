@@ -93,10 +93,9 @@ def check_draft(draft, name: str, histories: Sequence[List[int]], active: List[b
                 raise ValueError(
                     f"drafter {name!r}: draft token {t} (sequence {b}, node {i}) is outside the vocabulary [0, {vocab_size})"
                 )
-    if draft.probs is not None:
-        width = len(tokens[0]) if tokens else 0
-        used = [[a and i < nb for i in range(width)] for nb, a in zip(n, active)]
-        _check_probs(draft, name, torch.tensor(used, dtype=torch.bool).reshape(B, width))
+    if draft.probs is not None:  # (B, N) bool: the declared nodes of running sequences
+        used = [[a and i < nb for i in range(len(row))] for nb, a, row in zip(n, active, tokens)]
+        _check_probs(draft, name, torch.tensor(used, dtype=torch.bool))
     return draft
 
 
@@ -178,11 +177,10 @@ def _check_parents(parents: List[List[int]], is_chain: bool, name: str, n: List[
                     f"drafter {name!r}: Draft.parents must satisfy parents[b, 0] = -1 and 0 <= parents[b, i] < i "
                     f"(padding nodes too); sequence {b}, node {i} has parent {p}"
                 )
-    for b, row in enumerate(parents):
-        if is_chain and any(row[i] != i - 1 for i in range(1, n[b])):
-            raise ValueError(
-                f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)"
-            )
+    if is_chain and any(row[i] != i - 1 for row, nb in zip(parents, n) for i in range(1, nb)):
+        raise ValueError(
+            f"drafter {name!r}: Draft.is_chain is True but the parents are not a chain (parents[b, i] = i - 1)"
+        )
 
 
 def feature_layer_kwargs(drafter: Drafter, model) -> Dict[str, Tuple[int, ...]]:

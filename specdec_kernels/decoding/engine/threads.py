@@ -225,9 +225,10 @@ class ThreadChoice:
             cls.recent.append(seconds)
             if cls.best == self.counts[0]:
                 return
-            if seconds > cls.reference:  # more threads, slower than one thread was: a loss, as a failed trial's
-                self.budget.trial_time += seconds - cls.reference
-                self.budget.charged_time += seconds - cls.reference
+            loss = seconds - cls.reference
+            if loss > 0:  # more threads, slower than one thread was: a loss, as a failed trial's
+                self.budget.trial_time += loss
+                self.budget.charged_time += loss
             last = list(cls.recent)[-2:]
             if len(last) == 2 and min(last) > cls.reference:
                 cls.best, cls.reference = self.counts[0], None  # slower than one thread was: load came

@@ -107,7 +107,7 @@ def build_block(draft: Draft, seqlens: List[int], bucket_to: Optional[int], devi
         positions=to_device(host_positions, device),
         host_positions=host_positions,
         tree_mask=tree_mask,
-        host_valid=host_valid.reshape(B, width),
+        host_valid=host_valid,
         depth=depth,
         width=width,
         cut=n,
