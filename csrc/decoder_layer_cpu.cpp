@@ -21,6 +21,7 @@
 //     4 / 5:     packed_linear_int8 of kind 0 (qw, dw, mw) or 1 (qw, dw).
 // Returns the layer's output [B, N, hidden].
 #include "common.h"
+#include "cpu_kernels.h"
 #include "vec8.h"
 
 #include <ATen/ATen.h>
@@ -33,6 +34,10 @@
 #include <cstring>
 #include <initializer_list>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace specdec {
 namespace {
@@ -103,16 +108,16 @@ at::Tensor checked_linear(const at::Tensor& x, const std::vector<OptT>& w, int64
 // definition of the engine's CPU float32 RMSNorm: the one-call layer and rms_norm (the
 // Python layer's and the final norm's) both run it, so every path a pass takes rounds alike.
 // Rows are split over threads; a row's arithmetic does not depend on the split.
+void rms_norm_row(const float* xr, const float* w, int64_t n, double eps, float* o) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * double(xr[i]);
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
+  for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * inv) * w[i];
+}
+
 void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t n, double eps, float* out) {
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = x + r * n;
-      double ss = 0.0;
-      for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * double(xr[i]);
-      const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
-      float* o = out + r * n;
-      for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * inv) * w[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * n, w, n, eps, out + r * n);
   });
 }
 
@@ -193,11 +198,37 @@ inline void rotate_row(const float* x, const float* cos, const float* sin, int64
   }
 }
 
-at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
-                             double eps, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
-                             at::Tensor v_cache, const at::Tensor& cache_seqlens, const OptT& tree_mask,
-                             const OptT& qkv_bias, const std::vector<OptT>& weights, at::IntArrayRef kinds,
-                             at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
+// The rows r0 .. r1 - 1 (row = b * N + i) of a pass's qkv [rows, (H + 2 Hkv) D]: q's heads
+// rotated into q [rows, H, D], k's rotated into the cache and v's copied there, at slot
+// cache_seqlens[b] + i (k_cache, v_cache [B, Hkv, S, D] with unit head-dim stride).
+void rotary_rows(const float* qkv, const float* cos, const float* sin, const int32_t* lens, int64_t N, int64_t H,
+                 int64_t Hkv, int64_t D, const at::Tensor& k_cache, const at::Tensor& v_cache, float* q, int64_t r0,
+                 int64_t r1) {
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), ks = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vs = v_cache.stride(2);
+  const int64_t width = (H + 2 * Hkv) * D;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t b = row / N, i = row % N;
+    const float* r = qkv + row * width;
+    const float* c = cos + row * D;
+    const float* s = sin + row * D;
+    for (int64_t h = 0; h < H; ++h) rotate_row(r + h * D, c, s, D, q + (row * H + h) * D);
+    const int64_t slot = lens[b] + i;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rotate_row(r + (H + h) * D, c, s, D, kp + b * kb + h * kh + slot * ks);
+      std::memcpy(vp + b * vb + h * vh + slot * vs, r + (H + Hkv + h) * D, D * sizeof(float));
+    }
+  }
+}
+
+// decoder_layer's checks of one layer's arguments (a stack checks every layer before any runs).
+void check_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                 const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const at::Tensor& cache_seqlens, const OptT& qkv_bias,
+                 const std::vector<OptT>& weights, at::IntArrayRef kinds, at::IntArrayRef out_features,
+                 int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK_VALUE(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                     "decoder_layer: x must be float32 [B, N, hidden] on the CPU");
   TORCH_CHECK_VALUE(weights.size() == 12 && kinds.size() == 4 && out_features.size() == 4,
@@ -234,6 +265,19 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   for (int64_t b = 0; b < B; ++b)  // every slot written lies inside the cache
     TORCH_CHECK_VALUE(lp[b] >= 0 && lp[b] + N <= S, "decoder_layer: cache_seqlens[", b, "] + N must lie in [N, S=", S,
                       "], got ", lp[b], " + ", N);
+}
+
+at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                             double eps, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& cache_seqlens, const OptT& tree_mask,
+                             const OptT& qkv_bias, const std::vector<OptT>& weights, at::IntArrayRef kinds,
+                             at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
+  check_layer(x_in, attn_norm, ffn_norm, cos_in, sin_in, k_cache, v_cache, cache_seqlens, qkv_bias, weights, kinds,
+              out_features, num_heads, num_kv_heads);
+  const int64_t B = x_in.size(0), N = x_in.size(1), hidden = x_in.size(2);
+  const int64_t H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
+  const at::Tensor lens = cache_seqlens.contiguous();
+  const int32_t* lp = lens.data_ptr<int32_t>();
   if (B == 0 || N == 0) return x_in.clone();
   const at::Tensor x = x_in.contiguous(), cs = cos_in.contiguous(), sn = sin_in.contiguous();
   const at::Tensor w_attn = attn_norm.contiguous(), w_ffn = ffn_norm.contiguous();
@@ -247,30 +291,8 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 
   // rotary embedding of q and k; k and v written into the cache at slots cache_seqlens[b] + i
   at::Tensor q = at::empty({B, N, H, D}, opts);
-  {
-    const float* src = qkv.data_ptr<float>();
-    const float* cp = cs.data_ptr<float>();
-    const float* sp = sn.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    float* kp = k_cache.data_ptr<float>();
-    float* vp = v_cache.data_ptr<float>();
-    const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), ks = k_cache.stride(2);
-    const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vs = v_cache.stride(2);
-    const int64_t width = (H + 2 * Hkv) * D;
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t row = b * N + i;
-        const float* r = src + row * width;
-        const float* c = cp + row * D;
-        const float* s = sp + row * D;
-        for (int64_t h = 0; h < H; ++h) rotate_row(r + h * D, c, s, D, qp + (row * H + h) * D);
-        const int64_t slot = lp[b] + i;
-        for (int64_t h = 0; h < Hkv; ++h) {
-          rotate_row(r + (H + h) * D, c, s, D, kp + b * kb + h * kh + slot * ks);
-          std::memcpy(vp + b * vb + h * vh + slot * vs, r + (H + Hkv + h) * D, D * sizeof(float));
-        }
-      }
-  }
+  rotary_rows(qkv.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), lp, N, H, Hkv, D, k_cache, v_cache,
+              q.data_ptr<float>(), 0, rows);
   const at::Tensor attn = tree_attention(q, k_cache, v_cache, lens, tree_mask, std::pow(double(D), -0.5));
   at::Tensor h = checked_linear(attn.reshape({rows, H * D}), weights, 1, kinds[1], out_features[1], isa);
   {  // h = x + attention output (one rounding per element, as x + y)
@@ -293,11 +315,184 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   return out.view({B, N, hidden});
 }
 
+// The int8 layers of a stack in one parallel region (decoder_stack_cpu, below): every product
+// of every layer on the int8 path (kinds 4 and 5), and the whole pass run by one team of
+// threads, with a barrier between its steps instead of a fork and a join of the thread pool
+// per product, per quantisation and per attention (about ten per layer, 300 per pass of 30
+// layers, each costing microseconds and stalling on any descheduled thread; issue #56).
+//
+// The steps of layer l, each split over the team's threads by a fixed rule (rows, groups of
+// output rows or attention tasks cut in T nearly equal contiguous ranges), with a barrier after
+// each:
+//   1. rows: x = h + y (the previous layer's output; layer 0 reads the input), its RMSNorm,
+//      the norm's activations quantised;
+//   2. groups: qkv = product; 3. rows: the bias, the rotary embedding and the cache writes;
+//   4. attention tasks; 5. rows: the attention output quantised; 6. groups: y = wo's product;
+//   7. rows: h = x + y, its RMSNorm, quantised; 8. groups: gate and up; 9. rows: SwiGLU,
+//   quantised; 10. groups: y = w2's product;
+// and after the last layer, rows: out = h + y.  Every element is computed by the loops the
+// one-layer op runs (rms_norm_row, int8_quantize and int8_groups, rotary_rows,
+// dense_attention_tasks, silu_mul_rows, the residual adds), each row, block, group and task
+// alone, so the region gives the bits of L decoder_layer calls at any thread count (tested).
+// Every argument of every layer is checked before the region starts: nothing in it throws,
+// and a bad layer fails before any cache is written.
+bool all_int8(at::IntArrayRef kinds) {
+  for (int64_t k : kinds)
+    if (k != 4 && k != 5) return false;
+  return !kinds.empty();
+}
+
+at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, double eps, const at::Tensor& cos_in,
+                                const at::Tensor& sin_in, const at::Tensor& kv_cache, const at::Tensor& cache_seqlens,
+                                const OptT& tree_mask, const std::vector<OptT>& qkv_biases,
+                                const std::vector<OptT>& weights, at::IntArrayRef kinds, at::IntArrayRef out_features,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
+  const int64_t L = static_cast<int64_t>(qkv_biases.size());
+  std::vector<at::Tensor> kc(L), vc(L), keep;
+  std::vector<Int8Weight> w(4 * L);
+  keep.reserve(2 * L + 12 * L + L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor layer = kv_cache.select(0, l);
+    kc[l] = layer.select(0, 0);
+    vc[l] = layer.select(0, 1);
+    const std::vector<OptT> lw(weights.begin() + 12 * l, weights.begin() + 12 * (l + 1));
+    check_layer(x_in, norms[2 * l], norms[2 * l + 1], cos_in, sin_in, kc[l], vc[l], cache_seqlens, qkv_biases[l], lw,
+                kinds.slice(4 * l, 4), out_features.slice(4 * l, 4), num_heads, num_kv_heads);
+  }
+  const int64_t B = x_in.size(0), N = x_in.size(1), hidden = x_in.size(2);
+  const int64_t H = num_heads, Hkv = num_kv_heads, D = kc[0].size(3), rows = B * N;
+  if (B == 0 || N == 0) return x_in.clone();
+  int64_t inter = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t in[4] = {hidden, H * D, hidden, out_features[4 * l + 2] / 2};
+    for (int64_t i = 0; i < 4; ++i) {
+      const int64_t slot0 = 12 * l + 3 * i;
+      TORCH_CHECK_VALUE(
+          given(weights[slot0]) && given(weights[slot0 + 1]) && (kinds[4 * l + i] == 5 || given(weights[slot0 + 2])),
+          "decoder_layer: linear ", i, " needs its weight tensors");
+      keep.push_back(weights[slot0]->contiguous());
+      keep.push_back(weights[slot0 + 1]->contiguous());
+      OptT mw;
+      if (kinds[4 * l + i] == 4) keep.push_back(weights[slot0 + 2]->contiguous()), mw = keep.back();
+      const at::Tensor& qw = keep[keep.size() - (mw ? 3 : 2)];
+      const at::Tensor& dw = keep[keep.size() - (mw ? 2 : 1)];
+      w[4 * l + i] = int8_check(in[i], qw, dw, mw, kinds[4 * l + i] - 4, out_features[4 * l + i]);
+    }
+    inter = std::max(inter, out_features[4 * l + 2] / 2);
+  }
+  const int64_t path = int8_path(isa);
+  const int64_t team = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const auto opts = x_in.options();
+  at::Tensor q = at::empty({B, N, H, D}, opts), attn = at::empty({B, N, H, D}, opts);
+  const DenseAttention att = dense_attention_prepare(q, kc[0], vc[0], cache_seqlens, tree_mask, team);
+  const at::Tensor x = x_in.contiguous(), cs = cos_in.contiguous(), sn = sin_in.contiguous();
+  const at::Tensor lens = cache_seqlens.contiguous();
+  std::vector<at::Tensor> nw(2 * L);
+  std::vector<const float*> bias(L, nullptr);
+  for (int64_t l = 0; l < L; ++l) {
+    nw[2 * l] = norms[2 * l].contiguous();
+    nw[2 * l + 1] = norms[2 * l + 1].contiguous();
+    if (given(qkv_biases[l])) keep.push_back(qkv_biases[l]->contiguous()), bias[l] = keep.back().data_ptr<float>();
+  }
+  const int64_t width = (H + 2 * Hkv) * D;
+  at::Tensor out = at::empty({B, N, hidden}, opts), h = at::empty({rows, hidden}, opts),
+             y = at::empty({rows, hidden}, opts), xn = at::empty({rows, hidden}, opts),
+             qkv = at::empty({rows, width}, opts), gu = at::empty({rows, 2 * inter}, opts),
+             act = at::empty({rows, inter}, opts);
+  QuantX qx;
+  int8_reserve(qx, rows, std::max({hidden, H * D, inter}));
+  float *op = out.data_ptr<float>(), *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>(), *xnp = xn.data_ptr<float>(),
+        *qkvp = qkv.data_ptr<float>(), *gup = gu.data_ptr<float>(), *actp = act.data_ptr<float>(),
+        *qp = q.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const double scale = std::pow(double(D), -0.5);
+
+  // one thread's part of the pass (tid of T)
+  auto run = [&](int64_t tid, int64_t T) {
+    // [n tid / T, n (tid + 1) / T): the same cut for every step over n items
+    auto part = [&](int64_t n, auto&& f) {
+      const int64_t a = n * tid / T, b = n * (tid + 1) / T;
+      if (a < b) f(a, b);
+    };
+    auto sync = [&] {
+      if (T > 1) {
+#pragma omp barrier
+      }
+    };
+    auto quantize = [&](const float* src, int64_t I, int64_t r0, int64_t r1) {
+      int8_quantize(path, src, r0 * (I / 32), r1 * (I / 32), qx);
+    };
+    auto product = [&](int64_t l, int64_t i, float* dst) {
+      const Int8Weight& wi = w[4 * l + i];
+      part(wi.G, [&](int64_t g0, int64_t g1) { int8_groups(path, wi, qx, rows, dst, g0, g1); });
+      sync();
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const float* xl = l == 0 ? xp : op;  // this layer's input
+      const float* wa = nw[2 * l].data_ptr<float>();
+      const float* wf = nw[2 * l + 1].data_ptr<float>();
+      part(rows, [&](int64_t r0, int64_t r1) {  // 1
+        for (int64_t r = r0; r < r1; ++r) {
+          if (l > 0)
+            for (int64_t e = r * hidden; e < (r + 1) * hidden; ++e) op[e] = hp[e] + yp[e];
+          rms_norm_row(xl + r * hidden, wa, hidden, eps, xnp + r * hidden);
+        }
+        quantize(xnp, hidden, r0, r1);
+      });
+      sync();
+      product(l, 0, qkvp);                      // 2
+      part(rows, [&](int64_t r0, int64_t r1) {  // 3
+        if (bias[l])
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = 0; c < width; ++c) qkvp[r * width + c] = qkvp[r * width + c] + bias[l][c];
+        rotary_rows(qkvp, cp, sp, lp, N, H, Hkv, D, kc[l], vc[l], qp, r0, r1);
+      });
+      sync();
+      part(att.tasks,
+           [&](int64_t t0, int64_t t1) { dense_attention_tasks(q, kc[l], vc[l], att, scale, attn, t0, t1); });
+      sync();                                                                                        // 4
+      part(rows, [&](int64_t r0, int64_t r1) { quantize(attn.data_ptr<float>(), H * D, r0, r1); });  // 5
+      sync();
+      product(l, 1, yp);                        // 6
+      part(rows, [&](int64_t r0, int64_t r1) {  // 7
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t e = r * hidden; e < (r + 1) * hidden; ++e) hp[e] = xl[e] + yp[e];
+          rms_norm_row(hp + r * hidden, wf, hidden, eps, xnp + r * hidden);
+        }
+        quantize(xnp, hidden, r0, r1);
+      });
+      sync();
+      product(l, 2, gup);  // 8
+      const int64_t I = out_features[4 * l + 2] / 2;
+      part(rows, [&](int64_t r0, int64_t r1) {  // 9
+        silu_mul_rows(gup + r0 * 2 * I, r1 - r0, I, actp + r0 * I);
+        quantize(actp, I, r0, r1);
+      });
+      sync();
+      product(l, 3, yp);  // 10
+    }
+    part(rows, [&](int64_t r0, int64_t r1) {
+      for (int64_t e = r0 * hidden; e < r1 * hidden; ++e) op[e] = hp[e] + yp[e];
+    });
+  };
+#ifdef _OPENMP
+  if (team > 1) {
+#pragma omp parallel num_threads(team)
+    run(omp_get_thread_num(), omp_get_num_threads());
+    return out;
+  }
+#endif
+  run(0, 1);
+  return out;
+}
+
 // torch.ops.specdec_engine.decoder_stack: the layers 0 .. L - 1 of a pass in one call, layer l
 // being decoder_layer_cpu with norms[2 l], norms[2 l + 1], qkv_biases[l], weights[12 l .. 12 l + 11],
 // kinds and out_features[4 l .. 4 l + 3], and the caches kv_cache[l][0], kv_cache[l][1]
-// (kv_cache [L', 2, B, Hkv, S, D], L' >= L, written in place).  The same calls in the same order as
-// L calls of decoder_layer (the same bits), without a return to Python between layers.
+// (kv_cache [L', 2, B, Hkv, S, D], L' >= L, written in place).  The same bits as L calls of
+// decoder_layer, without a return to Python between layers: where every product is on the int8
+// path, in one parallel region (decoder_stack_region), else by those calls in order.
 at::Tensor decoder_stack_cpu(const at::Tensor& x_in, at::TensorList norms, double eps, const at::Tensor& cos,
                              const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& cache_seqlens,
                              const OptT& tree_mask, const std::vector<OptT>& qkv_biases,
@@ -311,6 +506,9 @@ at::Tensor decoder_stack_cpu(const at::Tensor& x_in, at::TensorList norms, doubl
                     "out_features");
   TORCH_CHECK_VALUE(kv_cache.dim() == 6 && kv_cache.size(0) >= L && kv_cache.size(1) == 2,
                     "decoder_stack: kv_cache must be [L' >= L, 2, B, Hkv, S, D]");
+  if (L > 0 && all_int8(kinds))
+    return decoder_stack_region(x_in, norms, eps, cos, sin, kv_cache, cache_seqlens, tree_mask, qkv_biases, weights,
+                                kinds, out_features, num_heads, num_kv_heads, isa);
   at::Tensor x = x_in;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor layer = kv_cache.select(0, l);

@@ -44,6 +44,7 @@
 // the group's unpacked chunks held in registers; groups are split over at::parallel_for.  The
 // vector paths prefetch each group's blocks a few ahead (prefetch_block).
 #include "common.h"
+#include "cpu_kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -76,14 +77,6 @@ bool isa_supported(int64_t isa) {
 #endif
   return isa == ISA_PORTABLE;
 }
-
-// The quantised activations of one call: codes [R, I], and per row and block dx, sx, and the
-// sum of the codes (the scaled8 VNNI path's correction).
-struct QuantX {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> qsum;
-};
 
 // A block's scale d from the largest magnitude of its 32 inputs (nan where one of them is not
 // finite), and the inverse its inputs are multiplied by (0 where d is 0 or nan): the scalar steps
@@ -184,23 +177,6 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_blocks_avx2(const float* 
   }
 }
 #endif
-
-// Quantise the R rows of x [R, I] (I a multiple of 32) into out: the portable loop, or the AVX2
-// one (the same bits) where ``simd``; blocks split over threads past a few thousand inputs (each
-// block alone: the split changes nothing).
-void quantize_rows(const float* x, int64_t R, int64_t I, QuantX& out, bool simd) {
-  const int64_t nb = I / QBLOCK, blocks = R * nb;
-  out.q.resize(R * I);
-  out.d.resize(blocks);
-  out.s.resize(blocks);
-  out.qsum.resize(blocks);
-  at::parallel_for(0, blocks, 256, [&](int64_t b0, int64_t b1) {
-#ifdef SPECDEC_X86
-    if (simd) return quantize_blocks_avx2(x, b0, b1, out);
-#endif
-    quantize_blocks_portable(x, b0, b1, out);
-  });
-}
 
 // The weights' scales d (and affine4's mins m) are fp16, as ggml stores them (Q4_1, Q8_0): half
 // the bytes of float32 and the same values (every fp16 value is a float32 one), so a one-row
@@ -581,9 +557,42 @@ __attribute__((target("amx-tile,amx-int8"))) void groups_amx(int kind, const uin
 at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dw,
                                   const c10::optional<at::Tensor>& mw, int64_t kind, int64_t out_features,
                                   int64_t isa) {
-  TORCH_CHECK_VALUE(kind == 0 || kind == 1, "packed_linear_int8: kind must be 0 (affine4) or 1 (scaled8), got ", kind);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear_int8: x must be float32 [R, I]");
-  const int64_t R = x.size(0), I = x.size(1), nb = I / QBLOCK, O = out_features;
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "packed_linear_int8: CPU tensors only");
+  const at::Tensor wc = qw.contiguous(), dc = dw.contiguous();
+  const c10::optional<at::Tensor> mc = given(mw) ? c10::optional<at::Tensor>(mw->contiguous()) : c10::nullopt;
+  const Int8Weight w = int8_check(x.size(1), wc, dc, mc, kind, out_features);
+  const int64_t path = int8_path(isa);
+  const int64_t R = x.size(0), O = w.O;
+  at::Tensor y = at::empty({R, O}, x.options());
+  if (R == 0 || O == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  QuantX qx;
+  int8_reserve(qx, R, w.I);
+  // blocks split over threads past 256 of them (each block alone: the split changes nothing)
+  at::parallel_for(0, R * w.nb, 256,
+                   [&](int64_t b0, int64_t b1) { int8_quantize(path, xc.data_ptr<float>(), b0, b1, qx); });
+  float* yp = y.data_ptr<float>();
+  // about 64 KiB of weight codes per task
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (w.nb * (w.kind == 0 ? 128 : 256)));
+  at::parallel_for(0, w.G, grain, [&](int64_t g0, int64_t g1) { int8_groups(path, w, qx, R, yp, g0, g1); });
+  return y;
+}
+
+// The isa levels of packed_linear_int8 this CPU runs (1 portable, 2 AVX2, 3 AVX-512 VNNI, 4 AMX).
+std::vector<int64_t> packed_linear_int8_isas_cpu() {
+  std::vector<int64_t> out;
+  for (int64_t isa : {ISA_PORTABLE, ISA_AVX2, ISA_AVX512_VNNI, ISA_AMX})
+    if (isa_supported(isa)) out.push_back(isa);
+  return out;
+}
+
+}  // namespace
+
+Int8Weight int8_check(int64_t I, const at::Tensor& qw, const at::Tensor& dw, const c10::optional<at::Tensor>& mw,
+                      int64_t kind, int64_t out_features) {
+  TORCH_CHECK_VALUE(kind == 0 || kind == 1, "packed_linear_int8: kind must be 0 (affine4) or 1 (scaled8), got ", kind);
+  const int64_t nb = I / QBLOCK, O = out_features;
   TORCH_CHECK_VALUE(I % QBLOCK == 0 && I > 0,
                     "packed_linear_int8: the input size must be a positive multiple of 32, got ", I);
   TORCH_CHECK_VALUE(
@@ -598,47 +607,56 @@ at::Tensor packed_linear_int8_cpu(const at::Tensor& x, const at::Tensor& qw, con
       "packed_linear_int8: dw must be float16 [groups, I / 32, 8]");
   TORCH_CHECK_VALUE(kind == 1 || (given(mw) && mw->scalar_type() == at::kHalf && mw->sizes() == dw.sizes()),
                     "packed_linear_int8: affine4 needs mw, float16 [groups, I / 32, 8]");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && qw.device().is_cpu() && dw.device().is_cpu(),
+  TORCH_CHECK_VALUE(qw.device().is_cpu() && dw.device().is_cpu() && (kind == 1 || mw->device().is_cpu()),
                     "packed_linear_int8: CPU tensors only");
+  TORCH_CHECK_VALUE(qw.is_contiguous() && dw.is_contiguous() && (kind == 1 || mw->is_contiguous()),
+                    "packed_linear_int8: the weight tensors must be contiguous");
+  return Int8Weight{qw.data_ptr<uint8_t>(),
+                    reinterpret_cast<const uint16_t*>(dw.data_ptr<at::Half>()),
+                    kind == 0 ? reinterpret_cast<const uint16_t*>(mw->data_ptr<at::Half>()) : nullptr,
+                    int(kind),
+                    I,
+                    nb,
+                    G,
+                    O};
+}
+
+int64_t int8_path(int64_t isa) {
   TORCH_CHECK_VALUE(isa >= ISA_BEST && isa <= ISA_LAST, "packed_linear_int8: isa must lie in 0..4, got ", isa);
   int64_t path = isa;
   if (path == ISA_BEST)
     path = isa_supported(ISA_AVX512_VNNI) ? ISA_AVX512_VNNI : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_PORTABLE;
   TORCH_CHECK_VALUE(isa_supported(path), "packed_linear_int8: this CPU cannot run isa ", path);
-  const at::Tensor xc = x.contiguous(), wc = qw.contiguous(), dc = dw.contiguous();
-  const at::Tensor mc = kind == 0 ? mw->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({R, O}, x.options());
-  if (R == 0 || O == 0) return y;
-  QuantX qx;
-  quantize_rows(xc.data_ptr<float>(), R, I, qx, path != ISA_PORTABLE);
-  const uint8_t* wp = wc.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
-  const uint16_t* mp = kind == 0 ? reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>()) : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int k = int(kind);
-  // about 64 KiB of weight codes per task
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nb * (kind == 0 ? 128 : 256)));
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+  return path;
+}
+
+void int8_reserve(QuantX& q, int64_t R, int64_t I) {
+  const int64_t blocks = R * (I / QBLOCK);
+  if (static_cast<int64_t>(q.q.size()) < R * I) q.q.resize(R * I);
+  if (static_cast<int64_t>(q.d.size()) < blocks) {
+    q.d.resize(blocks);
+    q.s.resize(blocks);
+    q.qsum.resize(blocks);
+  }
+}
+
+void int8_quantize(int64_t path, const float* x, int64_t b0, int64_t b1, QuantX& q) {
+#ifdef SPECDEC_X86
+  if (path != ISA_PORTABLE) return quantize_blocks_avx2(x, b0, b1, q);
+#endif
+  quantize_blocks_portable(x, b0, b1, q);
+}
+
+void int8_groups(int64_t path, const Int8Weight& w, const QuantX& q, int64_t R, float* y, int64_t g0, int64_t g1) {
 #ifdef SPECDEC_AMX
-    if (path == ISA_AMX) return groups_amx(k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
+  if (path == ISA_AMX) return groups_amx(w.kind, w.qw, w.dw, w.mw, w.nb, q, R, w.I, w.O, y, g0, g1);
 #endif
 #ifdef SPECDEC_X86
-    if (path != ISA_PORTABLE) return groups_simd(path, k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
+  if (path != ISA_PORTABLE) return groups_simd(path, w.kind, w.qw, w.dw, w.mw, w.nb, q, R, w.I, w.O, y, g0, g1);
 #endif
-    groups_portable(k, wp, dp, mp, nb, qx, R, I, O, yp, g0, g1);
-  });
-  return y;
+  groups_portable(w.kind, w.qw, w.dw, w.mw, w.nb, q, R, w.I, w.O, y, g0, g1);
 }
 
-// The isa levels of packed_linear_int8 this CPU runs (1 portable, 2 AVX2, 3 AVX-512 VNNI, 4 AMX).
-std::vector<int64_t> packed_linear_int8_isas_cpu() {
-  std::vector<int64_t> out;
-  for (int64_t isa : {ISA_PORTABLE, ISA_AVX2, ISA_AVX512_VNNI, ISA_AMX})
-    if (isa_supported(isa)) out.push_back(isa);
-  return out;
-}
-
-}  // namespace
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec_engine, CPU, m) { m.impl("packed_linear_int8", &specdec::packed_linear_int8_cpu); }

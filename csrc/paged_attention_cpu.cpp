@@ -38,6 +38,7 @@
 // (p * inf and p * NaN are never finite, even for p = 0, and rescaling keeps them so), and a row
 // whose accumulator is not finite outputs NaN.  Invisible slots are never multiplied at all.
 #include "common.h"
+#include "cpu_kernels.h"
 #include "vec8.h"
 
 #include <ATen/ATen.h>
@@ -213,10 +214,16 @@ void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, 
   in_row_blocks<PvRows>(R, static_cast<const float*>(scores), D, vp, T, acc);
 }
 
+// The KV heads one task walks (see below): all of a sequence's when there are enough sequences
+// for the threads, else one (more tasks).  Only the speed depends on it, never a row's bits.
+inline int64_t heads_per_task(int64_t B, int64_t Hkv, int64_t threads) { return B >= threads ? Hkv : 1; }
+
+// The kernel over tasks [t0, t1) of its B * Hkv / HG tasks, or over all of them split by
+// at::parallel_for when t1 < 0.
 template <typename scalar_t>
 void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& seqlens, const at::Tensor& mask, const at::Tensor& table, bool nhd,
-                            double sm_scale, at::Tensor& out) {
+                            double sm_scale, at::Tensor& out, int64_t HG = 0, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t num_blocks = k_cache.size(0);
   const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
@@ -247,9 +254,9 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   // together: in an NHD pool the rows of one slot's heads are adjacent, so one chunk's memory is
   // read as one stream.  All heads in one task when there are enough sequences for the threads,
   // else one head per task (more tasks).
-  const int64_t HG = B >= at::get_num_threads() ? Hkv : 1;
+  if (HG <= 0) HG = heads_per_task(B, Hkv, at::get_num_threads());
   const int64_t groups = Hkv / HG;
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+  auto tasks = [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf(HG * R * D), acc(HG * R * D), m(HG * R), l(HG * R), scores(R * CHUNK);
     std::vector<uint8_t> bad(HG * R);
     // rows of the prefix chunks (kp, vp), of the slots after them (tk, tv: fewer than CHUNK + N),
@@ -374,14 +381,17 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
             }
           }
     }
-  });
+  };
+  if (t1 < 0)
+    at::parallel_for(0, B * groups, 1, tasks);
+  else if (t0 < t1)
+    tasks(t0, t1);
 }
 
-at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                                    const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
-                                    const at::Tensor& block_table, c10::string_view kv_layout, double sm_scale) {
-  TORCH_CHECK_VALUE(kv_layout == "NHD" || kv_layout == "HND", "kv_layout must be 'NHD' or 'HND'");
-  const bool nhd = kv_layout == "NHD";
+// paged_tree_attention's checks; returns the mask as the kernel reads it (undefined: a chain).
+at::Tensor check_paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                 const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
+                                 const at::Tensor& block_table, bool nhd) {
   TORCH_CHECK_VALUE(q_in.dim() == 4, "q must be [B, N, H, D]");
   TORCH_CHECK_VALUE(k_in.dim() == 4 && v_in.dim() == 4, "k_cache and v_cache must be 4-D pools");
   TORCH_CHECK_VALUE(k_in.sizes() == v_in.sizes(), "v_cache must have k_cache's shape");
@@ -418,6 +428,16 @@ at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_
                           (mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.size(2) == N),
                       "tree_mask must be [N, N] or [B, N, N]");
   }
+  return mask;
+}
+
+at::Tensor paged_tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                    const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
+                                    const at::Tensor& block_table, c10::string_view kv_layout, double sm_scale) {
+  TORCH_CHECK_VALUE(kv_layout == "NHD" || kv_layout == "HND", "kv_layout must be 'NHD' or 'HND'");
+  const bool nhd = kv_layout == "NHD";
+  const at::Tensor mask = check_paged_attention(q_in, k_in, v_in, cache_seqlens, tree_mask, block_table, nhd);
+  const int64_t B = q_in.size(0), N = q_in.size(1);
   at::Tensor out = at::empty(q_in.sizes(), q_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (B == 0 || N == 0) return out;
   const at::Tensor& q = q_in;  // q, k and v are read in place through their strides
@@ -446,6 +466,29 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
 }
 
 }  // namespace
+
+DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
+                                       int64_t threads) {
+  TORCH_CHECK_VALUE(q.dim() == 4 && k_cache.dim() == 4, "q must be [B, N, H, D] and k_cache [B, Hkv, S, D]");
+  TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "k_cache must have q's batch size");
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat, "tree attention in a pass region: q must be float32");
+  DenseAttention a;
+  a.table = at::arange(std::max<int64_t>(q.size(0), 1), q.options().dtype(at::kInt)).view({-1, 1});
+  if (q.size(0) > 0) a.mask = check_paged_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, a.table, false);
+  a.lens = cache_seqlens.to(at::kLong).contiguous();
+  const int64_t Hkv = k_cache.size(1);
+  a.heads_per_task = heads_per_task(q.size(0), Hkv, threads);
+  a.tasks = q.size(1) ? q.size(0) * (Hkv / a.heads_per_task) : 0;
+  return a;
+}
+
+void dense_attention_tasks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const DenseAttention& a, double sm_scale, at::Tensor& out, int64_t t0, int64_t t1) {
+  if (t0 < t1)
+    paged_attention_kernel<float>(q, k_cache, v_cache, a.lens, a.mask, a.table, false, sm_scale, out, a.heads_per_task,
+                                  t0, t1);
+}
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec_native, CPU, m) {

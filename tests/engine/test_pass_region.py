@@ -1,0 +1,199 @@
+"""The int8 layers of a pass in one parallel region (``decoder_stack`` where every product is
+on the int8 path; csrc/decoder_layer_cpu.cpp, ``decoder_stack_region``).
+
+The region runs a whole pass with one team of threads, a barrier between its steps, instead of
+a fork and join of the thread pool per product (issue #56).  It must give the bits of the
+layers called one by one (``decoder_layer``, one parallel loop per product) at every thread
+count: outputs and cache writes, for one token, chains, trees, ragged batches, Qwen2's q/k/v
+biases and a layer whose intermediate size differs.  Every layer's arguments are checked
+before the region starts: a bad weight in the last layer fails before the first layer writes
+its cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_kernels.decoding import model as model_module
+from specdec_kernels.tree import ancestor_mask, tree_depths
+from tests.engine.tiny import packed_tiny
+
+pytestmark = pytest.mark.requires_native_op("decoder_stack")  # skipped without the extension, failed in CI
+
+
+@pytest.fixture(scope="module")
+def coded():
+    return packed_tiny()
+
+
+@pytest.fixture
+def restore_threads():
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+def int8_args(model, rows):
+    """``fused_stack_args`` of an int8 pass of ``rows`` tokens (every kind 4 or 5)."""
+    model.numerics = "int8"
+    try:
+        args = model_module.fused_stack_args(model, model.layers, rows)
+    finally:
+        model.numerics = "float32"
+    norms, biases, weights, kinds, outs, eps = args
+    assert set(kinds) <= {4, 5}, kinds
+    return list(norms), list(biases), list(weights), list(kinds), list(outs), eps
+
+
+def one_by_one(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv):
+    """The layers by ``decoder_layer``, one call each (the per-product parallel loops)."""
+    for layer in range(len(biases)):
+        x = torch.ops.specdec_engine.decoder_layer(
+            x,
+            norms[2 * layer],
+            norms[2 * layer + 1],
+            eps,
+            cos,
+            sin,
+            cache[layer, 0],
+            cache[layer, 1],
+            lens,
+            mask,
+            biases[layer],
+            weights[12 * layer : 12 * layer + 12],
+            kinds[4 * layer : 4 * layer + 4],
+            outs[4 * layer : 4 * layer + 4],
+            H,
+            Hkv,
+            0,
+        )
+    return x
+
+
+def stacked(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv):
+    return torch.ops.specdec_engine.decoder_stack(
+        x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv, 0
+    )
+
+
+CASES = [  # (name, cache_seqlens, N, tree parents or None)
+    ("one token", [9], 1, None),
+    ("one token, batch of 3", [9, 0, 30], 1, None),
+    ("chain of 5, ragged", [4, 17], 5, None),
+    ("tree of 7", [12, 3], 7, [-1, 0, 0, 1, 1, 2, 4]),
+    ("chain of 16", [40], 16, None),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "qkv bias"])
+@pytest.mark.parametrize("name, seqlens, n, parents", CASES, ids=[c[0] for c in CASES])
+def test_region_gives_the_bits_of_the_layers_one_by_one(
+    coded, threads, bias, name, seqlens, n, parents, restore_threads
+):
+    torch.set_num_threads(threads)
+    a = coded.args
+    g = torch.Generator().manual_seed(n * 7 + len(seqlens))
+    B = len(seqlens)
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, B * n)
+    if bias:  # Qwen2's q/k/v biases, one per layer (the tiny Llama has none)
+        biases = [torch.randn(outs[4 * i], generator=g) for i in range(len(biases))]
+    x = torch.randn(B, n, a.hidden_size, generator=g) * 3
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    depths = torch.arange(n) if parents is None else tree_depths(parents)
+    cos, sin = coded._rotary(lens[:, None].long() + depths[None])
+    mask = None if parents is None else ancestor_mask(parents)
+    cache = torch.randn(len(coded.layers), 2, B, a.num_kv_heads, max(seqlens) + n + 3, a.head_dim, generator=g)
+    cache_region, cache_layers = cache.clone(), cache.clone()
+    common = (norms, eps, cos, sin)
+    tail = (biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+    got = stacked(x, *common, cache_region, lens, mask, *tail)
+    want = one_by_one(x, *common, cache_layers, lens, mask, *tail)
+    assert torch.equal(got, want)
+    assert torch.equal(cache_region, cache_layers)
+    assert not torch.equal(cache_region, cache)  # the pass wrote its keys and values
+    assert torch.isfinite(got).all() and not torch.equal(got, x)
+
+
+def test_region_bits_do_not_depend_on_the_thread_count(coded, restore_threads):
+    """The region alone at 1 to 4 threads: one result (4 threads on 2 cores included)."""
+    a = coded.args
+    g = torch.Generator().manual_seed(3)
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, 2 * 6)
+    x = torch.randn(2, 6, a.hidden_size, generator=g)
+    lens = torch.tensor([5, 21], dtype=torch.int32)
+    cos, sin = coded._rotary(lens[:, None].long() + torch.arange(6)[None])
+    cache0 = torch.randn(len(coded.layers), 2, 2, a.num_kv_heads, 40, a.head_dim, generator=g)
+    results = []
+    for t in (1, 2, 3, 4):
+        torch.set_num_threads(t)
+        cache = cache0.clone()
+        out = stacked(
+            x, norms, eps, cos, sin, cache, lens, None, biases, weights, kinds, outs, a.num_heads, a.num_kv_heads
+        )
+        results.append((out, cache))
+    for out, cache in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(cache, results[0][1])
+
+
+def test_layers_of_different_intermediate_sizes(coded, restore_threads):
+    """A stack whose last layer has a smaller MLP (w13 and w2 of another layer's shape cut
+    down): the region's buffers hold the largest, each layer uses its own."""
+    torch.set_num_threads(2)
+    a = coded.args
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, 3)
+    last = len(biases) - 1
+    inter = outs[4 * last + 2] // 2
+    half = inter // 2
+    assert half % 32 == 0 and half % 8 == 0
+    w13 = weights[12 * last + 6 : 12 * last + 9]  # qw [G, nb, B], dw, mw [G, nb, 8]
+    # gate rows 0 .. half - 1 and up rows inter .. inter + half - 1: groups of 8 rows
+    keep = torch.cat([torch.arange(half // 8), inter // 8 + torch.arange(half // 8)])
+    weights[12 * last + 6 : 12 * last + 9] = [t[keep].contiguous() if t is not None else None for t in w13]
+    w2 = weights[12 * last + 9 : 12 * last + 12]  # its input blocks: the first half // 32
+    weights[12 * last + 9 : 12 * last + 12] = [t[:, : half // 32].contiguous() if t is not None else None for t in w2]
+    outs[4 * last + 2] = 2 * half
+    x = torch.randn(1, 3, a.hidden_size, generator=torch.Generator().manual_seed(5))
+    lens = torch.tensor([7], dtype=torch.int32)
+    cos, sin = coded._rotary(lens[:, None].long() + torch.arange(3)[None])
+    cache = torch.zeros(len(coded.layers), 2, 1, a.num_kv_heads, 12, a.head_dim)
+    c1, c2 = cache.clone(), cache.clone()
+    tail = (biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+    got = stacked(x, norms, eps, cos, sin, c1, lens, None, *tail)
+    assert torch.equal(got, one_by_one(x, norms, eps, cos, sin, c2, lens, None, *tail))
+    assert torch.equal(c1, c2)
+
+
+def test_a_bad_last_layer_fails_before_the_first_writes(coded):
+    """Every layer is checked before the region starts: a last layer whose int8 weight does not
+    fit its out_features, or lacks its mins, is refused by name, and no cache slot is written."""
+    a = coded.args
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, 1)
+    last = len(biases) - 1
+    x = torch.randn(1, 1, a.hidden_size)
+    lens = torch.tensor([2], dtype=torch.int32)
+    cos, sin = coded._rotary(lens[:, None].long())
+    cache = torch.zeros(len(coded.layers), 2, 1, a.num_kv_heads, 4, a.head_dim)
+    tail = (a.num_heads, a.num_kv_heads)
+
+    def call(w, o=outs):
+        return stacked(x, norms, eps, cos, sin, cache, lens, None, biases, w, kinds, o, *tail)
+
+    bad = list(weights)
+    bad[12 * last + 3] = weights[12 * last + 3][:-1]  # wo with a group of 8 outputs too few
+    with pytest.raises(ValueError, match="out_features must lie in"):
+        call(bad)
+    bad = list(weights)
+    bad[12 * last + 11] = None  # w2 (affine4) without its mins
+    with pytest.raises(ValueError, match="linear 3 needs its weight tensors"):
+        call(bad)
+    bad = list(weights)
+    bad[12 * last + 1] = weights[12 * last + 1].float()  # scales not float16
+    with pytest.raises(ValueError, match="dw must be float16"):
+        call(bad)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        stacked(x, norms, eps, cos, sin, cache, lens + 3, None, biases, weights, kinds, outs, *tail)
+    assert not cache.any()  # nothing written by any layer
+    call(weights)
+    assert cache.any()
