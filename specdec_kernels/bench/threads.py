@@ -1,6 +1,7 @@
 """`python -m specdec_kernels.bench.threads`: the decode steps' thread count on an idle and on a loaded machine.
 
-Plain greedy decoding of SmolLM2-135M-Instruct (``load_smollm2()``, float32) on a few
+Plain greedy decoding of SmolLM2-135M-Instruct (``load_smollm2()``, float32 weights; the products
+in ``--numerics``: float32 by default, or int8, whose layers run in one parallel region) on a few
 Spec-Bench prompts (first turn, chat template, batch 1) with ``threads=1``, ``threads=`` all of
 torch's count, ``threads="auto"`` with one decoder kept for the whole run (as a server would
 keep it: the measurement and its budget carry over between calls) and ``"auto"`` with a new
@@ -20,7 +21,7 @@ then one JSON line per row, on stdout; one line per call with ``--jsonl``; all s
 ``specdec_kernels.bench.common.environment()``.
 
     python -m specdec_kernels.bench.threads [--ids 125,165] [--max-new-tokens 32] [--reps 3] [--cap 5]
-                            [--load N] [--jsonl FILE]
+                            [--load N] [--numerics float32|int8] [--jsonl FILE]
 """
 
 from __future__ import annotations
@@ -125,6 +126,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cap", type=float, default=5.0, help="seconds after which a call is stopped")
     p.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes of the loaded condition")
+    p.add_argument(
+        "--numerics",
+        default="float32",
+        choices=["float32", "int8"],
+        help="Transformer.numerics of the decode (int8: 8-bit activations, llama.cpp's arithmetic)",
+    )
     p.add_argument("--jsonl", default=None, help="write one JSON line per call here")
     args = p.parse_args(argv)
 
@@ -156,6 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(problem)
 
     model, tok = load_smollm2()
+    model.numerics = args.numerics
     prompts = chat_prompt_ids(tok, [spec_bench_prompt(i) for i in ids])
     stops = [tok.eos_token_id]
     every = torch.get_num_threads()
@@ -219,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 }
             )
     print(
-        f"\n{env['device']}, torch {env['torch']}, commit {env['commit']}; SmolLM2-135M-Instruct float32, plain"
+        f"\n{env['device']}, torch {env['torch']}, commit {env['commit']}; SmolLM2-135M-Instruct {args.numerics}, plain"
         f" greedy, {args.max_new_tokens} tokens, Spec-Bench ids {ids}, {args.reps} reps; loaded: {args.load} busy"
         f" processes; decode: tokens / time after the prefill (which runs with torch's count in every setting);"
         f" call: tokens / time of the call"
@@ -253,7 +261,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         f" ({budget.trial_time / max(budget.total_time, 1e-9):.1%}; budget {budget.share:.0%})"
     )
     for r in rows:
-        print(json.dumps({**env, "bench": "threads", "max_new_tokens": args.max_new_tokens, "load": args.load, **r}))
+        print(
+            json.dumps(
+                {
+                    **env,
+                    "bench": "threads",
+                    "numerics": args.numerics,
+                    "max_new_tokens": args.max_new_tokens,
+                    "load": args.load,
+                    **r,
+                }
+            )
+        )
     if not all(c.get("same_as_greedy", True) for c in calls):
         print("ERROR: some call's tokens differ from another thread count's", file=sys.stderr)
         return 1

@@ -74,6 +74,7 @@ CASES = [
     (threads.main, ["--ids", "x"], "--ids"),
     (threads.main, ["--cap", "nan"], "--cap"),
     (threads.main, ["--load", "0"], "--load"),
+    (threads.main, ["--numerics", "int4"], "--numerics"),
     (threads.main, ["--jsonl", NO_FOLDER], "--jsonl"),
     # bench.step_cost
     (step_cost.main, ["--sizes", "2,x"], "--sizes"),
