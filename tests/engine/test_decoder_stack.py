@@ -273,3 +273,76 @@ def test_a_norm_of_another_kind_keeps_its_own_arithmetic(coded, monkeypatch):
     finally:
         layer.attention_norm = saved
     assert torch.equal(got, want)
+
+
+def count_stack_args(monkeypatch):
+    """Count the calls of ``fused_stack_args`` (the per-pass check of every layer)."""
+    calls = []
+    original = model_module.fused_stack_args
+
+    def spy(*args):
+        calls.append(args[2])
+        return original(*args)
+
+    monkeypatch.setattr(model_module, "fused_stack_args", spy)
+    return calls
+
+
+def test_weights_fixed_gathers_the_arguments_once_per_pass_class(coded, monkeypatch):
+    """Inside ``weights_fixed`` the stack's arguments are gathered once per pass class and
+    numerics (the same bits as outside); a change made inside is seen after the block, whose
+    end (also by an exception) brings the per-pass check back; nested blocks share."""
+    tokens = torch.tensor([[3, 1, 4]])
+    want = a_pass(coded, [PREFIX], tokens)[0]
+    calls = count_stack_args(monkeypatch)
+    with coded.weights_fixed():
+        first = a_pass(coded, [PREFIX], tokens)[0]
+        again = a_pass(coded, [PREFIX], tokens)[0]
+        assert len(calls) == 1  # the prefill (6 tokens) and the pass (3): one class, gathered once
+        with coded.weights_fixed():  # nested: the outer arguments
+            a_pass(coded, [PREFIX], tokens)
+        assert len(calls) == 1
+        layer = coded.layers[0]
+        saved = layer.ffn_norm.weight.detach().clone()
+        with torch.no_grad():
+            layer.ffn_norm.weight.mul_(2.0)  # not re-checked inside: the same argument tensors
+        a_pass(coded, [PREFIX], tokens)
+        assert len(calls) == 1
+        coded.numerics = "int8"  # another numerics: gathered for it
+        try:
+            a_pass(coded, [PREFIX], tokens)
+        finally:
+            coded.numerics = "float32"
+        assert len(calls) == 2
+    with torch.no_grad():
+        layer.ffn_norm.weight.copy_(saved)
+    assert torch.equal(first, want) and torch.equal(again, want)
+    n = len(calls)
+    assert torch.equal(a_pass(coded, [PREFIX], tokens)[0], want)
+    assert len(calls) == n + 2  # checked every pass again
+    with pytest.raises(RuntimeError, match="inside"):
+        with coded.weights_fixed():
+            raise RuntimeError("inside")
+    assert coded.__dict__.get("_fixed_stack") is None
+
+
+def test_a_generation_checks_the_layers_once_per_pass_class(coded, monkeypatch):
+    """``SpeculativeDecoder.generate`` decodes in ``weights_fixed``: the layers' arguments are
+    gathered per pass class, not per step, and the tokens are those of steps run one by one
+    outside it (``start`` and ``step``, each pass checked)."""
+    from specdec_kernels.decoding import SpeculativeDecoder
+
+    coded.numerics = "int8"
+    try:
+        calls = count_stack_args(monkeypatch)
+        decoder = SpeculativeDecoder(coded, threads=1)
+        got = decoder.generate([[5, 17, 33, 2]], 12, num_draft_tokens=0).tokens[0]
+        assert len(calls) == 1, calls  # the prefill and the one-token steps: one class
+        state = decoder.start([[5, 17, 33, 2]], 12)
+        want = []
+        while not state.finished:
+            want += decoder.step(state, 0)[0]
+        assert len(calls) > 12  # outside: one check per pass
+        assert got == want and len(got) == 12
+    finally:
+        coded.numerics = "float32"

@@ -39,6 +39,7 @@ copy-on-write of the block where they diverge.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -269,7 +270,14 @@ class SpeculativeDecoder:
             self._in_use.release()
 
     def _generate(self, prompts, max_new_tokens, num_draft_tokens, sampling, seeds, on_step) -> GenerationResult:
-        """``generate``'s body (the caller holds ``_in_use``)."""
+        """``generate``'s body (the caller holds ``_in_use``), with the target's layers taken as
+        fixed for the generation (``Transformer.weights_fixed``: its passes skip the per-pass
+        check of every layer's weights, hooks and norms)."""
+        fixed = getattr(self.model, "weights_fixed", None)
+        with fixed() if fixed is not None else contextlib.nullcontext():
+            return self._generate_fixed(prompts, max_new_tokens, num_draft_tokens, sampling, seeds, on_step)
+
+    def _generate_fixed(self, prompts, max_new_tokens, num_draft_tokens, sampling, seeds, on_step) -> GenerationResult:
         t0 = time.perf_counter()
         schedule = draft_schedule(num_draft_tokens, self.policy, self.drafter, sampling)
         policy = schedule if isinstance(schedule, DraftLengthPolicy) else None
