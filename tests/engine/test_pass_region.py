@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import model as model_module
+from specdec_kernels.decoding import packed
 from specdec_kernels.tree import ancestor_mask, tree_depths
 from tests.engine.tiny import packed_tiny
 
@@ -46,7 +47,7 @@ def int8_args(model, rows):
     return list(norms), list(biases), list(weights), list(kinds), list(outs), eps
 
 
-def one_by_one(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv):
+def one_by_one(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv, isa=0):
     """The layers by ``decoder_layer``, one call each (the per-product parallel loops)."""
     for layer in range(len(biases)):
         x = torch.ops.specdec_engine.decoder_layer(
@@ -66,14 +67,14 @@ def one_by_one(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kind
             outs[4 * layer : 4 * layer + 4],
             H,
             Hkv,
-            0,
+            isa,
         )
     return x
 
 
-def stacked(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv):
+def stacked(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv, isa=0):
     return torch.ops.specdec_engine.decoder_stack(
-        x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv, 0
+        x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, outs, H, Hkv, isa
     )
 
 
@@ -114,6 +115,34 @@ def test_region_gives_the_bits_of_the_layers_one_by_one(
     assert torch.equal(cache_region, cache_layers)
     assert not torch.equal(cache_region, cache)  # the pass wrote its keys and values
     assert torch.isfinite(got).all() and not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("isa", list(packed.int8_isas()))
+@pytest.mark.parametrize("name, seqlens, n, parents", [CASES[1], CASES[3], CASES[4]], ids=["batch 3", "tree", "chain"])
+def test_every_int8_path_this_cpu_runs(coded, isa, threads, name, seqlens, n, parents, restore_threads):
+    """Each instruction set of the int8 products (``packed.int8_isas()``: the portable loop,
+    AVX2, AVX-512 VNNI, AMX where the CPU runs them) in the region against the same one in the
+    layers one by one, and against the portable loop: every path gives the same bits."""
+    torch.set_num_threads(threads)
+    a = coded.args
+    g = torch.Generator().manual_seed(n)
+    B = len(seqlens)
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, B * n)
+    x = torch.randn(B, n, a.hidden_size, generator=g)
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    depths = torch.arange(n) if parents is None else tree_depths(parents)
+    cos, sin = coded._rotary(lens[:, None].long() + depths[None])
+    mask = None if parents is None else ancestor_mask(parents)
+    cache = torch.randn(len(coded.layers), 2, B, a.num_kv_heads, max(seqlens) + n, a.head_dim, generator=g)
+    caches = [cache.clone() for _ in range(3)]
+    common = (norms, eps, cos, sin)
+    tail = (biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+    code = packed.isa_code(isa)
+    got = stacked(x, *common, caches[0], lens, mask, *tail, code)
+    assert torch.equal(got, one_by_one(x, *common, caches[1], lens, mask, *tail, code))
+    assert torch.equal(got, stacked(x, *common, caches[2], lens, mask, *tail, packed.isa_code("portable")))
+    assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
 
 
 def test_region_bits_do_not_depend_on_the_thread_count(coded, restore_threads):
@@ -197,3 +226,28 @@ def test_a_bad_last_layer_fails_before_the_first_writes(coded):
     assert not cache.any()  # nothing written by any layer
     call(weights)
     assert cache.any()
+
+
+def test_a_strided_cache_view_keeps_its_guards(coded, restore_threads):
+    """The cache as a view into a larger buffer (more slots, more sequences around it): the
+    region writes exactly the new slots of its own sequences, with the bits of a contiguous
+    cache, and every guard value around the view stays as it was."""
+    torch.set_num_threads(2)
+    a = coded.args
+    g = torch.Generator().manual_seed(9)
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, 2 * 3)
+    L, Hkv, D = len(coded.layers), a.num_kv_heads, a.head_dim
+    buffer = torch.full((L, 2, 4, Hkv, 20, D), 7.25)
+    view = buffer[:, :, 1:3, :, 2:14]  # sequences 1 and 2 of 4, slots 2 .. 13 of 20
+    view.copy_(torch.randn(view.shape, generator=g))
+    dense = view.clone()
+    x = torch.randn(2, 3, a.hidden_size, generator=g)
+    lens = torch.tensor([4, 9], dtype=torch.int32)  # 9 + 3 = 12 <= 12 slots
+    cos, sin = coded._rotary(lens[:, None].long() + torch.arange(3)[None])
+    tail = (biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+    got = stacked(x, norms, eps, cos, sin, view, lens, None, *tail)
+    want = stacked(x, norms, eps, cos, sin, dense, lens, None, *tail)
+    assert torch.equal(got, want) and torch.equal(view, dense)
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    outside[:, :, 1:3, :, 2:14] = False
+    assert (buffer[outside] == 7.25).all()
