@@ -223,6 +223,80 @@ void rotary_rows(const float* qkv, const float* cos, const float* sin, const int
   }
 }
 
+// Whether no two elements of t share memory (a sufficient condition on its sizes and strides:
+// each stride, taken in increasing order, reaches past the whole extent of the smaller ones).
+// A cache that fails it (a batch expanded with stride 0, slots closer than a row) would have
+// two writes land in one place, in an order that depends on the threads.
+bool no_self_overlap(const at::Tensor& t, std::vector<std::pair<int64_t, int64_t>> dims = {}) {
+  // (stride, size) of the dimensions of size > 1 (and any given in dims)
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 0;  // the largest offset the smaller dimensions reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= extent) return false;
+    extent += stride * (size - 1);
+  }
+  return true;
+}
+
+// Whether the keys and values of a layer's cache are disjoint from each other (each alone is
+// no_self_overlap): in different storages; or laid out alike, the pair read as one tensor with
+// a dimension of 2 at their distance; or, laid out otherwise, in disjoint ranges of memory.
+bool disjoint_pair(const at::Tensor& k, const at::Tensor& v) {
+  if (k.numel() == 0 || !k.storage().is_alias_of(v.storage())) return true;
+  const int64_t ko = k.storage_offset(), vo = v.storage_offset();
+  if (k.strides() == v.strides() && k.sizes() == v.sizes())
+    return ko != vo && no_self_overlap(k, {{std::abs(vo - ko), 2}});
+  auto last = [](const at::Tensor& t) {
+    int64_t e = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) e += std::max<int64_t>(t.size(d) - 1, 0) * t.stride(d);
+    return e;
+  };
+  return last(k) < vo || last(v) < ko;
+}
+
+// Every linear of a layer checked before any runs: its kind, and its weight tensors' dtypes and
+// shapes against its input size and out_features[i] (the checks of the product it runs), so
+// that a bad layer fails before an earlier one writes its cache.
+void check_linears(const std::vector<OptT>& w, at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t hidden,
+                   int64_t attn_width) {
+  const int64_t in[4] = {hidden, attn_width, hidden, out_features[2] / 2};
+  for (int64_t i = 0; i < 4; ++i) {
+    const int64_t kind = kinds[i], O = out_features[i], I = in[i];
+    TORCH_CHECK_VALUE(kind >= 0 && kind <= 5, "decoder_layer: kinds[", i, "] must lie in 0..5, got ", kind);
+    const at::Tensor a = slot(w, i, 0);
+    TORCH_CHECK_VALUE(a.device().is_cpu(), "decoder_layer: linear ", i, "'s weight tensors must be CPU tensors");
+    if (kind >= 4) {
+      const at::Tensor d = slot(w, i, 1);
+      const OptT m = kind == 4 ? OptT(slot(w, i, 2).contiguous()) : c10::nullopt;
+      int8_check(I, a.contiguous(), d.contiguous(), m, kind - 4, O);
+    } else if (kind == 3) {
+      TORCH_CHECK_VALUE(a.dim() == 2 && a.scalar_type() == at::kFloat && a.size(0) == O && a.size(1) == I,
+                        "decoder_layer: linear ", i, "'s weight must be float32 [out_features[", i, "], ", I, "] = [",
+                        O, ", ", I, "], got ", a.sizes(), " ", a.scalar_type());
+    } else {
+      TORCH_CHECK_VALUE(I % 32 == 0 && I > 0 && a.dim() == 2 &&
+                            a.scalar_type() == (kind == 2 ? at::kFloat : at::kByte) && a.size(0) == O &&
+                            a.size(1) == (kind == 0 ? I / 2 : I),
+                        "decoder_layer: linear ", i, "'s codes must be ", kind == 2 ? "float32" : "uint8", " [", O,
+                        ", ", kind == 0 ? I / 2 : I, "] (out_features[", i, "] by ", I,
+                        " inputs, a multiple of 32), got ", a.sizes(), " ", a.scalar_type());
+      if (kind < 2) {
+        const at::Tensor sc = slot(w, i, 1);
+        TORCH_CHECK_VALUE(sc.scalar_type() == at::kFloat && sc.dim() == 2 && sc.size(0) == O && sc.size(1) == I / 32 &&
+                              sc.device().is_cpu(),
+                          "decoder_layer: linear ", i, "'s scales must be float32 [", O, ", ", I / 32, "] on the CPU");
+        if (kind == 0) {
+          const at::Tensor mn = slot(w, i, 2);
+          TORCH_CHECK_VALUE(mn.scalar_type() == at::kFloat && mn.sizes() == sc.sizes() && mn.device().is_cpu(),
+                            "decoder_layer: linear ", i, "'s mins must be float32 [", O, ", ", I / 32, "] on the CPU");
+        }
+      }
+    }
+  }
+}
+
 // decoder_layer's checks of one layer's arguments (a stack checks every layer before any runs).
 void check_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
                  const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor& k_cache,
@@ -265,6 +339,12 @@ void check_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::
   for (int64_t b = 0; b < B; ++b)  // every slot written lies inside the cache
     TORCH_CHECK_VALUE(lp[b] >= 0 && lp[b] + N <= S, "decoder_layer: cache_seqlens[", b, "] + N must lie in [N, S=", S,
                       "], got ", lp[b], " + ", N);
+  TORCH_CHECK_VALUE(no_self_overlap(k_cache) && no_self_overlap(v_cache) && disjoint_pair(k_cache, v_cache),
+                    "decoder_layer: k_cache and v_cache must hold every key and value (sequence, head, slot) in "
+                    "memory of its own (a batch expanded with stride 0, keys that are the values, or slots closer "
+                    "than a row, would write two entries in one place); got strides ",
+                    k_cache.strides(), " and ", v_cache.strides());
+  check_linears(weights, kinds, out_features, hidden, H * D);
 }
 
 at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
@@ -334,8 +414,8 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 // one-layer op runs (rms_norm_row, int8_quantize and int8_groups, rotary_rows,
 // dense_attention_tasks, silu_mul_rows, the residual adds), each row, block, group and task
 // alone, so the region gives the bits of L decoder_layer calls at any thread count (tested).
-// Every argument of every layer is checked before the region starts: nothing in it throws,
-// and a bad layer fails before any cache is written.
+// Every argument of every layer is checked before the region starts (decoder_stack_cpu does,
+// on either path): nothing in it throws, and a bad layer fails before any cache is written.
 bool all_int8(at::IntArrayRef kinds) {
   for (int64_t k : kinds)
     if (k != 4 && k != 5) return false;
@@ -351,13 +431,10 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
   std::vector<at::Tensor> kc(L), vc(L), keep;
   std::vector<Int8Weight> w(4 * L);
   keep.reserve(2 * L + 12 * L + L);
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < L; ++l) {  // every layer's arguments were checked by decoder_stack_cpu
     const at::Tensor layer = kv_cache.select(0, l);
     kc[l] = layer.select(0, 0);
     vc[l] = layer.select(0, 1);
-    const std::vector<OptT> lw(weights.begin() + 12 * l, weights.begin() + 12 * (l + 1));
-    check_layer(x_in, norms[2 * l], norms[2 * l + 1], cos_in, sin_in, kc[l], vc[l], cache_seqlens, qkv_biases[l], lw,
-                kinds.slice(4 * l, 4), out_features.slice(4 * l, 4), num_heads, num_kv_heads);
   }
   const int64_t B = x_in.size(0), N = x_in.size(1), hidden = x_in.size(2);
   const int64_t H = num_heads, Hkv = num_kv_heads, D = kc[0].size(3), rows = B * N;
@@ -506,6 +583,17 @@ at::Tensor decoder_stack_cpu(const at::Tensor& x_in, at::TensorList norms, doubl
                     "out_features");
   TORCH_CHECK_VALUE(kv_cache.dim() == 6 && kv_cache.size(0) >= L && kv_cache.size(1) == 2,
                     "decoder_stack: kv_cache must be [L' >= L, 2, B, Hkv, S, D]");
+  TORCH_CHECK_VALUE(no_self_overlap(kv_cache.narrow(0, 0, L)),
+                    "decoder_stack: kv_cache must hold every (layer, key or value, sequence, head, slot) in memory "
+                    "of its own (an expanded batch or key/value dimension would write two entries in one place); "
+                    "got strides ",
+                    kv_cache.strides());
+  for (int64_t l = 0; l < L; ++l) {  // every layer checked before any runs (and writes its cache)
+    const at::Tensor layer = kv_cache.select(0, l);
+    const std::vector<OptT> w(weights.begin() + 12 * l, weights.begin() + 12 * (l + 1));
+    check_layer(x_in, norms[2 * l], norms[2 * l + 1], cos, sin, layer.select(0, 0), layer.select(0, 1), cache_seqlens,
+                qkv_biases[l], w, kinds.slice(4 * l, 4), out_features.slice(4 * l, 4), num_heads, num_kv_heads);
+  }
   if (L > 0 && all_int8(kinds))
     return decoder_stack_region(x_in, norms, eps, cos, sin, kv_cache, cache_seqlens, tree_mask, qkv_biases, weights,
                                 kinds, out_features, num_heads, num_kv_heads, isa);

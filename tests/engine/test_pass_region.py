@@ -79,7 +79,9 @@ def stacked(x, norms, eps, cos, sin, cache, lens, mask, biases, weights, kinds, 
 
 
 CASES = [  # (name, cache_seqlens, N, tree parents or None)
-    ("one token", [9], 1, None),
+    ("one token", [9], 1, None),  # fewer rows than threads: some idle in the row steps
+    ("one token, batch of 2", [9, 30], 1, None),
+    ("two tokens", [0], 2, None),
     ("one token, batch of 3", [9, 0, 30], 1, None),
     ("chain of 5, ragged", [4, 17], 5, None),
     ("tree of 7", [12, 3], 7, [-1, 0, 0, 1, 1, 2, 4]),
@@ -145,17 +147,19 @@ def test_every_int8_path_this_cpu_runs(coded, isa, threads, name, seqlens, n, pa
     assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
 
 
-def test_region_bits_do_not_depend_on_the_thread_count(coded, restore_threads):
-    """The region alone at 1 to 4 threads: one result (4 threads on 2 cores included)."""
+@pytest.mark.parametrize("B, n", [(1, 1), (2, 1), (2, 6)])
+def test_region_bits_do_not_depend_on_the_thread_count(coded, B, n, restore_threads):
+    """The region alone at 1 to 7 threads: one result (more threads than the 2 cores included),
+    for passes of fewer rows than threads and of more."""
     a = coded.args
     g = torch.Generator().manual_seed(3)
-    norms, biases, weights, kinds, outs, eps = int8_args(coded, 2 * 6)
-    x = torch.randn(2, 6, a.hidden_size, generator=g)
-    lens = torch.tensor([5, 21], dtype=torch.int32)
-    cos, sin = coded._rotary(lens[:, None].long() + torch.arange(6)[None])
-    cache0 = torch.randn(len(coded.layers), 2, 2, a.num_kv_heads, 40, a.head_dim, generator=g)
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, B * n)
+    x = torch.randn(B, n, a.hidden_size, generator=g)
+    lens = torch.tensor([5, 21][:B], dtype=torch.int32)
+    cos, sin = coded._rotary(lens[:, None].long() + torch.arange(n)[None])
+    cache0 = torch.randn(len(coded.layers), 2, B, a.num_kv_heads, 40, a.head_dim, generator=g)
     results = []
-    for t in (1, 2, 3, 4):
+    for t in (1, 2, 3, 4, 7):
         torch.set_num_threads(t)
         cache = cache0.clone()
         out = stacked(
@@ -215,7 +219,7 @@ def test_a_bad_last_layer_fails_before_the_first_writes(coded):
         call(bad)
     bad = list(weights)
     bad[12 * last + 11] = None  # w2 (affine4) without its mins
-    with pytest.raises(ValueError, match="linear 3 needs its weight tensors"):
+    with pytest.raises(ValueError, match="linear 3 needs its weight tensor"):
         call(bad)
     bad = list(weights)
     bad[12 * last + 1] = weights[12 * last + 1].float()  # scales not float16
@@ -251,3 +255,58 @@ def test_a_strided_cache_view_keeps_its_guards(coded, restore_threads):
     outside = torch.ones_like(buffer, dtype=torch.bool)
     outside[:, :, 1:3, :, 2:14] = False
     assert (buffer[outside] == 7.25).all()
+
+
+@pytest.mark.parametrize("how", ["batch expanded", "keys are values", "slots closer than a row"])
+def test_a_cache_whose_entries_share_memory_is_refused(coded, how):
+    """A cache where two (sequence, head, slot) entries share memory would have two writes land
+    in one place, in an order that depends on the threads: both paths refuse it by name."""
+    a = coded.args
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, 2)
+    L, Hkv, D = len(coded.layers), a.num_kv_heads, a.head_dim
+    if how == "batch expanded":  # one prefix cache shared by a batch of 2 (stride 0)
+        cache = torch.zeros(L, 2, 1, Hkv, 7, D).expand(-1, -1, 2, -1, -1, -1)
+    elif how == "keys are values":
+        cache = torch.zeros(L, 1, 2, Hkv, 7, D).expand(-1, 2, -1, -1, -1, -1)
+    else:  # slot stride D / 2: slot s + 1 starts in the middle of slot s
+        base = torch.zeros(L * 2 * 2 * Hkv * 8 * D)
+        cache = base.as_strided(
+            (L, 2, 2, Hkv, 7, D), (2 * 2 * Hkv * 8 * D, 2 * Hkv * 8 * D, Hkv * 8 * D, 8 * D, D // 2, 1)
+        )
+    x = torch.randn(2, 1, a.hidden_size)
+    lens = torch.tensor([3, 3], dtype=torch.int32)
+    cos, sin = coded._rotary(lens[:, None].long())
+    tail = (biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+    with pytest.raises(ValueError, match="memory of its own"):
+        stacked(x, norms, eps, cos, sin, cache, lens, None, *tail)
+    with pytest.raises(ValueError, match="memory of its own"):
+        one_by_one(x, norms, eps, cos, sin, cache, lens, None, *tail)
+
+
+@pytest.mark.parametrize("int8_stack", [True, False], ids=["int8 layers", "a float32 layer"])
+def test_a_bad_kind_or_weight_in_the_last_layer_fails_before_any_write(coded, int8_stack):
+    """The stack checks every layer (kinds, weights against out_features, norms, caches) before
+    the first one runs, whichever path it then takes: a bad last layer writes no cache slot."""
+    a = coded.args
+    norms, biases, weights, kinds, outs, eps = int8_args(coded, 1)
+    last = len(biases) - 1
+    if not int8_stack:  # layer 0's wo as a plain float32 product: the stack runs layer by layer
+        weights[3:6] = [torch.randn(a.hidden_size, a.num_heads * a.head_dim), None, None]
+        kinds[1] = 3
+    x = torch.randn(1, 1, a.hidden_size)
+    lens = torch.tensor([2], dtype=torch.int32)
+    cos, sin = coded._rotary(lens[:, None].long())
+    cache = torch.zeros(len(coded.layers), 2, 1, a.num_kv_heads, 4, a.head_dim)
+    tail = (a.num_heads, a.num_kv_heads)
+    bad_kind = list(kinds)
+    bad_kind[4 * last] = 6
+    with pytest.raises(ValueError, match=r"kinds\[0\] must lie in 0..5"):
+        stacked(x, norms, eps, cos, sin, cache, lens, None, biases, weights, bad_kind, outs, *tail)
+    plain = list(weights), list(kinds)  # the last layer's w2 as float32 of the wrong shape
+    plain[0][12 * last + 9 : 12 * last + 12] = [torch.randn(a.hidden_size, 32), None, None]
+    plain[1][4 * last + 3] = 3
+    with pytest.raises(ValueError, match="linear 3's weight must be float32"):
+        stacked(x, norms, eps, cos, sin, cache, lens, None, biases, plain[0], plain[1], outs, *tail)
+    assert not cache.any()
+    stacked(x, norms, eps, cos, sin, cache, lens, None, biases, weights, kinds, outs, *tail)
+    assert cache.any()
