@@ -347,13 +347,13 @@ void check_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::
   check_linears(weights, kinds, out_features, hidden, H * D);
 }
 
-at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
-                             double eps, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
-                             at::Tensor v_cache, const at::Tensor& cache_seqlens, const OptT& tree_mask,
-                             const OptT& qkv_bias, const std::vector<OptT>& weights, at::IntArrayRef kinds,
-                             at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
-  check_layer(x_in, attn_norm, ffn_norm, cos_in, sin_in, k_cache, v_cache, cache_seqlens, qkv_bias, weights, kinds,
-              out_features, num_heads, num_kv_heads);
+// One layer on arguments check_layer has passed (decoder_layer_cpu checks them; decoder_stack_cpu
+// checks every layer's before the first runs).
+at::Tensor run_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm, double eps,
+                     const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& cache_seqlens, const OptT& tree_mask, const OptT& qkv_bias,
+                     const std::vector<OptT>& weights, at::IntArrayRef kinds, at::IntArrayRef out_features,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
   const int64_t B = x_in.size(0), N = x_in.size(1), hidden = x_in.size(2);
   const int64_t H = num_heads, Hkv = num_kv_heads, D = k_cache.size(3);
   const at::Tensor lens = cache_seqlens.contiguous();
@@ -395,6 +395,17 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
   return out.view({B, N, hidden});
 }
 
+at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                             double eps, const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor k_cache,
+                             at::Tensor v_cache, const at::Tensor& cache_seqlens, const OptT& tree_mask,
+                             const OptT& qkv_bias, const std::vector<OptT>& weights, at::IntArrayRef kinds,
+                             at::IntArrayRef out_features, int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
+  check_layer(x_in, attn_norm, ffn_norm, cos_in, sin_in, k_cache, v_cache, cache_seqlens, qkv_bias, weights, kinds,
+              out_features, num_heads, num_kv_heads);
+  return run_layer(x_in, attn_norm, ffn_norm, eps, cos_in, sin_in, k_cache, v_cache, cache_seqlens, tree_mask, qkv_bias,
+                   weights, kinds, out_features, num_heads, num_kv_heads, isa);
+}
+
 // The int8 layers of a stack in one parallel region (decoder_stack_cpu, below): every product
 // of every layer on the int8 path (kinds 4 and 5), and the whole pass run by one team of
 // threads, with a barrier between its steps instead of a fork and a join of the thread pool
@@ -430,7 +441,7 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
   const int64_t L = static_cast<int64_t>(qkv_biases.size());
   std::vector<at::Tensor> kc(L), vc(L), keep;
   std::vector<Int8Weight> w(4 * L);
-  keep.reserve(2 * L + 12 * L + L);
+  keep.reserve(13 * L);              // up to 12 weights and a bias a layer: references into it stay valid
   for (int64_t l = 0; l < L; ++l) {  // every layer's arguments were checked by decoder_stack_cpu
     const at::Tensor layer = kv_cache.select(0, l);
     kc[l] = layer.select(0, 0);
@@ -443,16 +454,11 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
   for (int64_t l = 0; l < L; ++l) {
     const int64_t in[4] = {hidden, H * D, hidden, out_features[4 * l + 2] / 2};
     for (int64_t i = 0; i < 4; ++i) {
-      const int64_t slot0 = 12 * l + 3 * i;
-      TORCH_CHECK_VALUE(
-          given(weights[slot0]) && given(weights[slot0 + 1]) && (kinds[4 * l + i] == 5 || given(weights[slot0 + 2])),
-          "decoder_layer: linear ", i, " needs its weight tensors");
-      keep.push_back(weights[slot0]->contiguous());
-      keep.push_back(weights[slot0 + 1]->contiguous());
-      OptT mw;
-      if (kinds[4 * l + i] == 4) keep.push_back(weights[slot0 + 2]->contiguous()), mw = keep.back();
-      const at::Tensor& qw = keep[keep.size() - (mw ? 3 : 2)];
-      const at::Tensor& dw = keep[keep.size() - (mw ? 2 : 1)];
+      const int64_t slot0 = 12 * l + 3 * i;  // weights checked by check_linears: kept contiguous here
+      auto kept = [&](const OptT& t) -> const at::Tensor& { return keep.emplace_back(t->contiguous()); };
+      const at::Tensor& qw = kept(weights[slot0]);
+      const at::Tensor& dw = kept(weights[slot0 + 1]);
+      const OptT mw = kinds[4 * l + i] == 4 ? OptT(kept(weights[slot0 + 2])) : c10::nullopt;
       w[4 * l + i] = int8_check(in[i], qw, dw, mw, kinds[4 * l + i] - 4, out_features[4 * l + i]);
     }
     inter = std::max(inter, out_features[4 * l + 2] / 2);
@@ -601,9 +607,9 @@ at::Tensor decoder_stack_cpu(const at::Tensor& x_in, at::TensorList norms, doubl
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor layer = kv_cache.select(0, l);
     const std::vector<OptT> w(weights.begin() + 12 * l, weights.begin() + 12 * (l + 1));
-    x = decoder_layer_cpu(x, norms[2 * l], norms[2 * l + 1], eps, cos, sin, layer.select(0, 0), layer.select(0, 1),
-                          cache_seqlens, tree_mask, qkv_biases[l], w, kinds.slice(4 * l, 4),
-                          out_features.slice(4 * l, 4), num_heads, num_kv_heads, isa);
+    x = run_layer(x, norms[2 * l], norms[2 * l + 1], eps, cos, sin, layer.select(0, 0), layer.select(0, 1),
+                  cache_seqlens, tree_mask, qkv_biases[l], w, kinds.slice(4 * l, 4), out_features.slice(4 * l, 4),
+                  num_heads, num_kv_heads, isa);
   }
   return L ? x : x_in.clone();
 }
