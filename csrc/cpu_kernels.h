@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace specdec {
@@ -55,11 +56,35 @@ void int8_quantize(int64_t path, const float* x, int64_t b0, int64_t b1, QuantX&
 void int8_groups(int64_t path, const Int8Weight& w, const QuantX& q, int64_t R, float* y, int64_t g0, int64_t g1);
 
 // ---------------------------------------------------------------- tree attention (dense cache)
+// The work of one tree attention call cut into items that do not depend on the threads
+// (paged_attention_cpu.cpp): item (b, group, split) walks split `split` (list positions
+// SPLIT split .. SPLIT (split + 1) - 1) of the key lists of sequence b's rows for KV heads
+// group HG .. group HG + HG - 1, into online-softmax states of its own; the rows' outputs
+// then combine the states of their splits in order.
+struct AttentionSplits {
+  // raw_lens: cache_seqlens (clamped into [0, capacity - N] here); capacity: slots a sequence
+  // can hold; heads_per_task: HG (a divisor of Hkv; only the speed depends on it)
+  AttentionSplits(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, const int64_t* raw_lens, int64_t capacity,
+                  int64_t heads_per_task);
+  // items [*i0, *i1) of thread tid of T: contiguous ranges of nearly equal numbers of keys
+  void range(int64_t tid, int64_t T, int64_t* i0, int64_t* i1) const;
+
+  int64_t B, N, H, Hkv, D, G, R, HG, groups, items = 0;
+  // per sequence: clamped length, splits, first item, first state; per item: keys before it
+  std::vector<int64_t> len, splits, item0, state0, weight0;
+  // per state (b, KV head h, split, row r of R = G N): running max, sum, flag of a non-finite
+  // key, output (D floats)
+  std::vector<float> m, l;
+  std::vector<uint8_t> bad;
+  float* acc = nullptr;
+  std::unique_ptr<float[]> acc_buffer;
+};
+
 // tree_attention's inputs after its checks: the int64 lengths, the one-column block table of
-// the dense cache read as a pool, and the mask (undefined: a chain).
+// the dense cache read as a pool, the mask (undefined: a chain) and the call's items and states.
 struct DenseAttention {
   at::Tensor lens, table, mask;
-  int64_t tasks, heads_per_task;
+  std::unique_ptr<AttentionSplits> splits;
 };
 
 // The checks of torch.ops.specdec_native.tree_attention on q [B, N, H, D] float32 and the
@@ -68,9 +93,13 @@ DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_
                                        const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
                                        int64_t threads);
 
-// Tasks t0 .. t1 - 1 (of a.tasks) of tree attention into out [B, N, H, D] float32 contiguous;
-// k_cache and v_cache of the shape and strides the checks saw.
-void dense_attention_tasks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const DenseAttention& a, double sm_scale, at::Tensor& out, int64_t t0, int64_t t1);
+// Items i0 .. i1 - 1 (of a.splits->items) of tree attention into their states; k_cache and
+// v_cache of the shape and strides the checks saw (any layer of a stack of such caches).
+void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, DenseAttention& a,
+                           double sm_scale, int64_t i0, int64_t i1);
+
+// The outputs of units u0 .. u1 - 1 (unit (b N + i) H + h: query head h of node i of sequence
+// b) into out [B, N, H, D] float32 contiguous, from the states every item has written.
+void dense_attention_finish(const DenseAttention& a, at::Tensor& out, int64_t u0, int64_t u1);
 
 }  // namespace specdec

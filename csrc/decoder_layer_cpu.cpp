@@ -413,17 +413,19 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 // layers, each costing microseconds and stalling on any descheduled thread; issue #56).
 //
 // The steps of layer l, each split over the team's threads by a fixed rule (rows, groups of
-// output rows or attention tasks cut in T nearly equal contiguous ranges), with a barrier after
+// output rows, attention items or heads cut in T nearly equal contiguous ranges), with a barrier after
 // each:
 //   1. rows: x = h + y (the previous layer's output; layer 0 reads the input), its RMSNorm,
 //      the norm's activations quantised;
 //   2. groups: qkv = product; 3. rows: the bias, the rotary embedding and the cache writes;
-//   4. attention tasks; 5. rows: the attention output quantised; 6. groups: y = wo's product;
+//   4. attention items (a sequence's 64-key splits, cut by their keys, so that one sequence's
+//      attention runs on every thread); 5. query heads (rows where a head is not whole blocks
+//      of 32): the splits' outputs combined, quantised; 6. groups: y = wo's product;
 //   7. rows: h = x + y, its RMSNorm, quantised; 8. groups: gate and up; 9. rows: SwiGLU,
 //   quantised; 10. groups: y = w2's product;
 // and after the last layer, rows: out = h + y.  Every element is computed by the loops the
 // one-layer op runs (rms_norm_row, int8_quantize and int8_groups, rotary_rows,
-// dense_attention_tasks, silu_mul_rows, the residual adds), each row, block, group and task
+// dense_attention_items and _finish, silu_mul_rows, the residual adds), each row, block, group and item
 // alone, so the region gives the bits of L decoder_layer calls at any thread count (tested).
 // Every argument of every layer is checked before the region starts (decoder_stack_cpu does,
 // on either path): nothing in it throws, and a bad layer fails before any cache is written.
@@ -467,7 +469,7 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
   const int64_t team = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   const auto opts = x_in.options();
   at::Tensor q = at::empty({B, N, H, D}, opts), attn = at::empty({B, N, H, D}, opts);
-  const DenseAttention att = dense_attention_prepare(q, kc[0], vc[0], cache_seqlens, tree_mask, team);
+  DenseAttention att = dense_attention_prepare(q, kc[0], vc[0], cache_seqlens, tree_mask, team);
   const at::Tensor x = x_in.contiguous(), cs = cos_in.contiguous(), sn = sin_in.contiguous();
   const at::Tensor lens = cache_seqlens.contiguous();
   std::vector<at::Tensor> nw(2 * L);
@@ -490,6 +492,7 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
   const float *xp = x.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   const double scale = std::pow(double(D), -0.5);
+  const bool head_units = D % 32 == 0;
 
   // one thread's part of the pass (tid of T)
   auto run = [&](int64_t tid, int64_t T) {
@@ -532,10 +535,19 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
         rotary_rows(qkvp, cp, sp, lp, N, H, Hkv, D, kc[l], vc[l], qp, r0, r1);
       });
       sync();
-      part(att.tasks,
-           [&](int64_t t0, int64_t t1) { dense_attention_tasks(q, kc[l], vc[l], att, scale, attn, t0, t1); });
-      sync();                                                                                        // 4
-      part(rows, [&](int64_t r0, int64_t r1) { quantize(attn.data_ptr<float>(), H * D, r0, r1); });  // 5
+      {  // 4
+        int64_t i0, i1;
+        att.splits->range(tid, T, &i0, &i1);
+        dense_attention_items(q, kc[l], vc[l], att, scale, i0, i1);
+      }
+      sync();
+      // 5: by heads when a head's outputs are whole blocks of 32 (their quantisation then
+      // needs no other head), else by rows
+      part(head_units ? rows * H : rows, [&](int64_t u0, int64_t u1) {
+        const int64_t per = head_units ? 1 : H;  // heads a unit
+        dense_attention_finish(att, attn, u0 * per, u1 * per);
+        int8_quantize(path, attn.data_ptr<float>(), u0 * per * D / 32, u1 * per * D / 32, qx);
+      });
       sync();
       product(l, 1, yp);                        // 6
       part(rows, [&](int64_t r0, int64_t r1) {  // 7

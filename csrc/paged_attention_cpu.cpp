@@ -2,7 +2,7 @@
 // and over a dense one read as a pool (tree_attention).
 //
 // The algorithm of tree_attention's Triton kernel (specdec_kernels.ops.tree_attention), on the CPU: for each
-// (sequence b, KV head h), one task of at::parallel_for, the G * N query rows (node i, query head
+// (sequence b, KV head h), the G * N query rows (node i, query head
 // h * G + g, row r = i * G + g; GQA: the G heads of a KV head share every K/V row read from memory) walk the
 // keys they see in chunks of CHUNK keys with an online softmax (flash attention, Dao et al. 2022;
 // fp32 scores and accumulators).  Row i sees the prefix, slots 0 .. cache_seqlens[b] - 1, then the
@@ -20,6 +20,14 @@
 // a row's output is bit-identical whether it is computed alone, with its ancestors as part of the
 // prefix (N = 1, decoding), or inside a pass of any N, chain or tree, and whatever the other
 // sequences of the batch hold (tests/ops/tree_attention/test_row_independence.py).
+//
+// The list is also cut at positions SPLIT, 2 SPLIT, ... (SPLIT = 64 keys, a constant): each split
+// runs its own online softmax from nothing, and a row's output combines its splits' states in
+// split order (flash-decoding, Dao et al. 2023, with a fixed split size instead of a split count).
+// The unit of work is (sequence, KV heads, split): the splits of one sequence, even of one
+// decoding step, run on all the threads, and a row's bits depend on neither the threads nor the
+// cut of the items among them (tests/ops/tree_attention/test_paged_native.py).  A list of at
+// most SPLIT keys gives exactly the bits of one online softmax.
 //
 // K/V rows are read through the block table in place (logical slot s of sequence b is slot
 // s % block_size of block block_table[b, s / block_size]): nothing is gathered.  fp16 / bf16
@@ -214,22 +222,25 @@ void attend_chunk(const float* q, int64_t R, int64_t D, const float* const* kp, 
   in_row_blocks<PvRows>(R, static_cast<const float*>(scores), D, vp, T, acc);
 }
 
-// The KV heads one task walks (see below): all of a sequence's when there are enough sequences
-// for the threads, else one (more tasks).  Only the speed depends on it, never a row's bits.
+// The KV heads one item walks (see below): all of a sequence's when there are enough sequences
+// for the threads, else one (more items).  Only the speed depends on it, never a row's bits.
 inline int64_t heads_per_task(int64_t B, int64_t Hkv, int64_t threads) { return B >= threads ? Hkv : 1; }
 
-// The kernel over tasks [t0, t1) of its B * Hkv / HG tasks, or over all of them split by
-// at::parallel_for when t1 < 0.
+// The splits of the keys (flash-decoding, Dao et al. 2023, with a fixed split size): a row's list
+// of visible keys is cut at list positions SPLIT, 2 SPLIT, ...; each piece gets an online softmax
+// of its own (its running maximum, sum and output, from nothing), and the pieces are combined in
+// order at the end.  SPLIT is a constant (a multiple of CHUNK), so the pieces, and a row's bits,
+// never depend on the threads, on N or on the other rows, while the pieces of one long sequence
+// can run on different threads.
+constexpr int64_t SPLIT = 2 * CHUNK;
+
+// The kernel over items [i0, i1) of `a` (each writes its own states, nothing else).
 template <typename scalar_t>
-void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& seqlens, const at::Tensor& mask, const at::Tensor& table, bool nhd,
-                            double sm_scale, at::Tensor& out, int64_t HG = 0, int64_t t0 = 0, int64_t t1 = -1) {
-  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
+                     const at::Tensor& table, bool nhd, double sm_scale, AttentionSplits& a, int64_t i0, int64_t i1) {
+  const int64_t B = a.B, N = a.N, D = a.D, G = a.G, R = a.R, HG = a.HG, groups = a.groups;
   const int64_t num_blocks = k_cache.size(0);
   const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
-  const int64_t Hkv = nhd ? k_cache.size(2) : k_cache.size(1);
-  const int64_t G = H / Hkv, R = G * N;
-  const int64_t max_blocks = table.size(1), capacity = max_blocks * block_size;
   // pool strides (block, slot, head, head dim) and q's: every tensor is read in place, whatever
   // its strides (an expanded, stride-0 dimension included)
   const int64_t ksb = k_cache.stride(0), kss = nhd ? k_cache.stride(1) : k_cache.stride(2),
@@ -237,38 +248,35 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t vsb = v_cache.stride(0), vss = nhd ? v_cache.stride(1) : v_cache.stride(2),
                 vsh = nhd ? v_cache.stride(2) : v_cache.stride(1), vsd = v_cache.stride(3);
   const int64_t qsb = q.stride(0), qsn = q.stride(1), qsh = q.stride(2), qsd = q.stride(3);
+  const int64_t max_blocks = table.size(1);
   // fp32 rows of adjacent elements are used in place; others are converted into a buffer
   const bool convert = !std::is_same<scalar_t, float>::value || ksd != 1 || vsd != 1;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kbase = k_cache.data_ptr<scalar_t>();
   const scalar_t* vbase = v_cache.data_ptr<scalar_t>();
-  const int64_t* lens = seqlens.data_ptr<int64_t>();
   const int32_t* tbl = table.data_ptr<int32_t>();
   const bool has_mask = mask.defined();
   const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
   const int64_t mask_bstride = has_mask && mask.dim() == 3 ? N * N : 0;
-  scalar_t* op = out.data_ptr<scalar_t>();
   const float scale = static_cast<float>(sm_scale);
+  if (i0 >= i1) return;
 
-  // A task is one sequence and HG of its KV heads, which walk the slots chunk by chunk
-  // together: in an NHD pool the rows of one slot's heads are adjacent, so one chunk's memory is
-  // read as one stream.  All heads in one task when there are enough sequences for the threads,
-  // else one head per task (more tasks).
-  if (HG <= 0) HG = heads_per_task(B, Hkv, at::get_num_threads());
-  const int64_t groups = Hkv / HG;
-  auto tasks = [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(HG * R * D), acc(HG * R * D), m(HG * R), l(HG * R), scores(R * CHUNK);
-    std::vector<uint8_t> bad(HG * R);
-    // rows of the prefix chunks (kp, vp), of the slots after them (tk, tv: fewer than CHUNK + N),
-    // and one node's list of visible ones among those (nk, nv); fp16/bf16 rows converted into *conv
-    const int64_t tail_max = CHUNK + N;
-    std::vector<float> kconv(convert ? CHUNK * D : 0), vconv(convert ? CHUNK * D : 0);
-    std::vector<float> tkconv(convert ? tail_max * D : 0), tvconv(convert ? tail_max * D : 0);
-    std::vector<const float*> kp(CHUNK), vp(CHUNK), tk(tail_max), tv(tail_max), nk(tail_max), nv(tail_max);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / groups, h0 = (task % groups) * HG;
-      const int64_t len = clamp64(lens[b], 0, capacity - N);
-      const int32_t* row_table = tbl + b * max_blocks;
+  std::vector<float> qbuf(HG * R * D), scores(R * CHUNK);
+  // rows of the prefix chunks (kp, vp), of the slots after them (tk, tv: fewer than CHUNK + N),
+  // and one node's list of visible ones among those (nk, nv); fp16/bf16 rows converted into *conv
+  const int64_t tail_max = CHUNK + N;
+  std::vector<float> kconv(convert ? CHUNK * D : 0), vconv(convert ? CHUNK * D : 0);
+  std::vector<float> tkconv(convert ? tail_max * D : 0), tvconv(convert ? tail_max * D : 0);
+  std::vector<const float*> kp(CHUNK), vp(CHUNK), tk(tail_max), tv(tail_max), nk(tail_max), nv(tail_max);
+  int64_t b = static_cast<int64_t>(std::upper_bound(a.item0.begin(), a.item0.end(), i0) - a.item0.begin()) - 1;
+  int64_t q_for = -1;  // the (b, group) whose rows qbuf holds
+  for (int64_t item = i0; item < i1; ++item) {
+    while (item >= a.item0[b + 1]) ++b;
+    const int64_t ns = a.splits[b], group = (item - a.item0[b]) / ns, s = (item - a.item0[b]) % ns;
+    const int64_t h0 = group * HG, len = a.len[b];
+    const int32_t* row_table = tbl + b * max_blocks;
+    if (q_for != b * groups + group) {
+      q_for = b * groups + group;
       for (int64_t lh = 0; lh < HG; ++lh)
         for (int64_t i = 0; i < N; ++i)
           for (int64_t g = 0; g < G; ++g) {
@@ -276,116 +284,183 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
             float* dst = qbuf.data() + (lh * R + i * G + g) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d * qsd]) * scale;
           }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(m.begin(), m.end(), NEG_INF);
-      std::fill(l.begin(), l.end(), 0.0f);
-      std::fill(bad.begin(), bad.end(), 0);
-      // f(t, blk, off) for the logical slots s0 .. s0 + T - 1 of this sequence: slot s0 + t is
-      // slot off of block blk (table entry col; s0 + t < len + N <= capacity: inside the table
-      // row), stepped along without a division per slot
-      auto for_slots = [&](int64_t s0, int64_t T, auto&& f) {
-        if (T <= 0) return;
-        int64_t col = s0 / block_size, off = s0 % block_size;
-        int64_t blk = clamp64(row_table[col], 0, num_blocks - 1);
-        for (int64_t t = 0; t < T; ++t, ++off) {
-          if (off == block_size) {
-            off = 0;
-            blk = clamp64(row_table[++col], 0, num_blocks - 1);
-          }
-          f(t, blk, off);
-        }
-      };
-      // point kd/vd at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
-      // else converted into kc/vc, T * D floats each)
-      auto load = [&](int64_t h, int64_t s0, int64_t T, const float** kd_out, const float** vd_out, float* kc,
-                      float* vc) {
-        for_slots(s0, T, [&](int64_t t, int64_t blk, int64_t off) {
-          const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
-          const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
-          if (!convert) {
-            kd_out[t] = reinterpret_cast<const float*>(k);
-            vd_out[t] = reinterpret_cast<const float*>(v);
-          } else {
-            float* kd = kc + t * D;
-            float* vd = vc + t * D;
-            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(k[d * ksd]);
-            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(v[d * vsd]);
-            kd_out[t] = kd;
-            vd_out[t] = vd;
-          }
-        });
-      };
-      // software prefetch of the K/V rows (this task's heads) of the next chunk of logical slots
-      // (prefix then tree, s < len + N), issued while this chunk is computed
-      auto prefetch = [&](int64_t s0) {
-        const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
-        for_slots(s0, std::min(s0 + CHUNK, len + N) - s0, [&](int64_t, int64_t blk, int64_t off) {
-          for (int64_t h = h0; h < h0 + HG; ++h) {
-            const char* k = reinterpret_cast<const char*>(kbase + blk * ksb + off * kss + h * ksh);
-            const char* v = reinterpret_cast<const char*>(vbase + blk * vsb + off * vss + h * vsh);
-            for (int64_t b0 = 0; b0 < bytes; b0 += 64) {
-              __builtin_prefetch(k + b0);
-              __builtin_prefetch(v + b0);
-            }
-          }
-        });
-      };
-      // 1. the whole chunks of the prefix, for all rows at once
-      const int64_t P = len / CHUNK * CHUNK;
-      for (int64_t s0 = 0; s0 < P; s0 += CHUNK) {
-        prefetch(s0 + CHUNK);
-        for (int64_t lh = 0; lh < HG; ++lh) {
-          load(h0 + lh, s0, CHUNK, kp.data(), vp.data(), kconv.data(), vconv.data());
-          attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), CHUNK, m.data() + lh * R,
-                       l.data() + lh * R, bad.data() + lh * R, acc.data() + lh * R * D, scores.data());
-        }
-      }
-      // 2. per node i (its G rows): the list of prefix slots P .. len - 1, then its visible tree
-      //    slots in slot order; chunk c of the list holds the node's visible keys number
-      //    P + c * CHUNK .. P + c * CHUNK + CHUNK - 1 (counted from slot 0), as a decode step
-      //    with its ancestors in the prefix would chunk them
-      const bool* mb = has_mask ? mp + b * mask_bstride : nullptr;
-      const int64_t rest = len - P;  // prefix slots after the whole chunks, < CHUNK
-      for (int64_t lh = 0; lh < HG; ++lh) {
-        load(h0 + lh, P, rest + N, tk.data(), tv.data(), tkconv.data(), tvconv.data());
-        for (int64_t i = 0; i < N; ++i) {
-          int64_t n = rest;
-          std::copy(tk.begin(), tk.begin() + rest, nk.begin());
-          std::copy(tv.begin(), tv.begin() + rest, nv.begin());
-          for (int64_t j = 0; j < N; ++j)
-            if (has_mask ? mb[i * N + j] : j <= i) {
-              nk[n] = tk[rest + j];
-              nv[n] = tv[rest + j];
-              ++n;
-            }
-          const int64_t r = lh * R + i * G;
-          for (int64_t c0 = 0; c0 < n; c0 += CHUNK)
-            attend_chunk(qbuf.data() + r * D, G, D, nk.data() + c0, nv.data() + c0, std::min(CHUNK, n - c0),
-                         m.data() + r, l.data() + r, bad.data() + r, acc.data() + r * D, scores.data());
-        }
-      }
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t lh = 0; lh < HG; ++lh)
-        for (int64_t i = 0; i < N; ++i)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = lh * R + i * G + g;
-            const float* ar = acc.data() + r * D;
-            scalar_t* dst = op + ((b * N + i) * H + (h0 + lh) * G + g) * D;
-            float check = 0.0f;  // NaN when some accumulator element is not finite
-            for (int64_t d = 0; d < D; ++d) check += ar[d] * 0.0f;
-            if (bad[r] || check != check) {
-              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(nan);
-            } else {
-              const float inv = 1.0f / l[r];  // l = 0 (no visible key): 0 * inf = NaN, as the reference
-              for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ar[d] * inv);
-            }
-          }
     }
-  };
-  if (t1 < 0)
-    at::parallel_for(0, B * groups, 1, tasks);
-  else if (t0 < t1)
-    tasks(t0, t1);
+    // this split's states of the HG heads' rows, from nothing
+    auto state = [&](int64_t lh, int64_t r) { return a.state0[b] + ((h0 + lh) * ns + s) * R + r; };
+    for (int64_t lh = 0; lh < HG; ++lh) {
+      const int64_t st = state(lh, 0);
+      std::fill(a.acc + st * D, a.acc + (st + R) * D, 0.0f);
+      std::fill(a.m.begin() + st, a.m.begin() + st + R, NEG_INF);
+      std::fill(a.l.begin() + st, a.l.begin() + st + R, 0.0f);
+      std::fill(a.bad.begin() + st, a.bad.begin() + st + R, 0);
+    }
+    // f(t, blk, off) for the logical slots s0 .. s0 + T - 1 of this sequence: slot s0 + t is
+    // slot off of block blk (table entry col; s0 + t < len + N <= capacity: inside the table
+    // row), stepped along without a division per slot
+    auto for_slots = [&](int64_t s0, int64_t T, auto&& f) {
+      if (T <= 0) return;
+      int64_t col = s0 / block_size, off = s0 % block_size;
+      int64_t blk = clamp64(row_table[col], 0, num_blocks - 1);
+      for (int64_t t = 0; t < T; ++t, ++off) {
+        if (off == block_size) {
+          off = 0;
+          blk = clamp64(row_table[++col], 0, num_blocks - 1);
+        }
+        f(t, blk, off);
+      }
+    };
+    // point kd/vd at slots s0 .. s0 + T - 1 of this sequence, KV head h (fp32 data in place,
+    // else converted into kc/vc, T * D floats each)
+    auto load = [&](int64_t h, int64_t s0, int64_t T, const float** kd_out, const float** vd_out, float* kc,
+                    float* vc) {
+      for_slots(s0, T, [&](int64_t t, int64_t blk, int64_t off) {
+        const scalar_t* k = kbase + blk * ksb + off * kss + h * ksh;
+        const scalar_t* v = vbase + blk * vsb + off * vss + h * vsh;
+        if (!convert) {
+          kd_out[t] = reinterpret_cast<const float*>(k);
+          vd_out[t] = reinterpret_cast<const float*>(v);
+        } else {
+          float* kd = kc + t * D;
+          float* vd = vc + t * D;
+          for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(k[d * ksd]);
+          for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(v[d * vsd]);
+          kd_out[t] = kd;
+          vd_out[t] = vd;
+        }
+      });
+    };
+    // software prefetch of the K/V rows (this item's heads) of the next chunk of logical slots
+    // (prefix then tree, s < len + N), issued while this chunk is computed
+    auto prefetch = [&](int64_t s0) {
+      const int64_t bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+      for_slots(s0, std::min(s0 + CHUNK, len + N) - s0, [&](int64_t, int64_t blk, int64_t off) {
+        for (int64_t h = h0; h < h0 + HG; ++h) {
+          const char* k = reinterpret_cast<const char*>(kbase + blk * ksb + off * kss + h * ksh);
+          const char* v = reinterpret_cast<const char*>(vbase + blk * vsb + off * vss + h * vsh);
+          for (int64_t b0 = 0; b0 < bytes; b0 += 64) {
+            __builtin_prefetch(k + b0);
+            __builtin_prefetch(v + b0);
+          }
+        }
+      });
+    };
+    const int64_t lo = s * SPLIT, hi = lo + SPLIT;  // this split's list positions
+    // 1. the whole chunks of the prefix in this split, for all rows at once
+    const int64_t P = len / CHUNK * CHUNK;
+    for (int64_t s0 = lo; s0 < std::min(hi, P); s0 += CHUNK) {
+      prefetch(s0 + CHUNK);
+      for (int64_t lh = 0; lh < HG; ++lh) {
+        const int64_t st = state(lh, 0);
+        load(h0 + lh, s0, CHUNK, kp.data(), vp.data(), kconv.data(), vconv.data());
+        attend_chunk(qbuf.data() + lh * R * D, R, D, kp.data(), vp.data(), CHUNK, a.m.data() + st, a.l.data() + st,
+                     a.bad.data() + st, a.acc + st * D, scores.data());
+      }
+    }
+    // 2. per node i (its G rows): the list of prefix slots P .. len - 1, then its visible tree
+    //    slots in slot order; chunk c of the list holds the node's visible keys number
+    //    P + c * CHUNK .. P + c * CHUNK + CHUNK - 1 (counted from slot 0), as a decode step
+    //    with its ancestors in the prefix would chunk them; this split walks those chunks of
+    //    the lists that start in lo .. hi - 1
+    if (hi <= P) continue;
+    const bool* mb = has_mask ? mp + b * mask_bstride : nullptr;
+    const int64_t rest = len - P;  // prefix slots after the whole chunks, < CHUNK
+    for (int64_t lh = 0; lh < HG; ++lh) {
+      load(h0 + lh, P, rest + N, tk.data(), tv.data(), tkconv.data(), tvconv.data());
+      for (int64_t i = 0; i < N; ++i) {
+        int64_t n = rest;
+        std::copy(tk.begin(), tk.begin() + rest, nk.begin());
+        std::copy(tv.begin(), tv.begin() + rest, nv.begin());
+        for (int64_t j = 0; j < N; ++j)
+          if (has_mask ? mb[i * N + j] : j <= i) {
+            nk[n] = tk[rest + j];
+            nv[n] = tv[rest + j];
+            ++n;
+          }
+        const int64_t st = state(lh, i * G);
+        for (int64_t c0 = std::max<int64_t>(lo - P, 0); c0 < std::min(n, hi - P); c0 += CHUNK)
+          attend_chunk(qbuf.data() + (lh * R + i * G) * D, G, D, nk.data() + c0, nv.data() + c0,
+                       std::min(CHUNK, n - c0), a.m.data() + st, a.l.data() + st, a.bad.data() + st, a.acc + st * D,
+                       scores.data());
+      }
+    }
+  }
+}
+
+// The outputs of units u0 .. u1 - 1, unit u = (b N + i) H + h being query head h of node i of
+// sequence b: the states of the splits that the row's list reaches (its length: the prefix and
+// the visible tree slots), combined in split order (the max of their maxima M; the sum over
+// splits of their outputs and sums, each times exp(its max - M)), then divided by that sum.  One
+// split (a list of at most SPLIT keys): exactly that split's output over its sum.
+template <typename scalar_t>
+void attention_finish(const AttentionSplits& a, const at::Tensor& mask, at::Tensor& out, int64_t u0, int64_t u1) {
+  const int64_t N = a.N, H = a.H, D = a.D, G = a.G, R = a.R;
+  const bool has_mask = mask.defined();
+  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
+  const int64_t mask_bstride = has_mask && mask.dim() == 3 ? N * N : 0;
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> acc(D);
+  int64_t row = -1, used = 0;
+  for (int64_t u = u0; u < u1; ++u) {
+    if (u / H != row) {  // the length of node i's list, in splits
+      row = u / H;
+      const int64_t b = row / N, i = row % N;
+      int64_t seen = a.len[b];
+      for (int64_t j = 0; j < N; ++j) seen += has_mask ? mp[b * mask_bstride + i * N + j] : j <= i;
+      used = (seen + SPLIT - 1) / SPLIT;
+    }
+    const int64_t b = row / N, i = row % N, hq = u % H, h = hq / G;
+    const int64_t s0 = a.state0[b] + h * a.splits[b] * R + i * G + hq % G;  // split s's state: s0 + s R
+    float mx = NEG_INF, l = 0.0f;
+    bool bad = false;
+    for (int64_t s = 0; s < used; ++s) {
+      mx = std::max(mx, a.m[s0 + s * R]);
+      bad = bad || a.bad[s0 + s * R];
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    if (used == 1) {  // exp(m - m) = 1: the split's own output and sum
+      std::copy(a.acc + s0 * D, a.acc + (s0 + 1) * D, acc.begin());
+      l = a.l[s0];
+    } else if (mx != NEG_INF) {
+      for (int64_t s = 0; s < used; ++s) {
+        const int64_t st = s0 + s * R;
+        const float w = std::exp(a.m[st] - mx);  // 0 for a split without a finite score
+        const float* as = a.acc + st * D;
+        if (s == 0) {
+          for (int64_t d = 0; d < D; ++d) acc[d] = as[d] * w;
+          l = a.l[st] * w;
+        } else {
+          for (int64_t d = 0; d < D; ++d) acc[d] += as[d] * w;
+          l += a.l[st] * w;
+        }
+      }
+    }
+    scalar_t* dst = op + u * D;
+    float check = 0.0f;  // NaN when some accumulator element is not finite
+    for (int64_t d = 0; d < D; ++d) check += acc[d] * 0.0f;
+    if (bad || check != check) {
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(nan);
+    } else {
+      const float inv = 1.0f / l;  // l = 0 (no visible key): 0 * inf = NaN, as the reference
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+    }
+  }
+}
+
+// The whole op: the items, then the rows' outputs, each over at::parallel_for.
+template <typename scalar_t>
+void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& seqlens, const at::Tensor& mask, const at::Tensor& table, bool nhd,
+                            double sm_scale, at::Tensor& out) {
+  const int64_t B = q.size(0), N = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
+  const int64_t Hkv = nhd ? k_cache.size(2) : k_cache.size(1);
+  AttentionSplits a(B, N, H, Hkv, D, seqlens.data_ptr<int64_t>(), table.size(1) * block_size,
+                    heads_per_task(B, Hkv, at::get_num_threads()));
+  at::parallel_for(0, a.items, 1, [&](int64_t i0, int64_t i1) {
+    attention_items<scalar_t>(q, k_cache, v_cache, mask, table, nhd, sm_scale, a, i0, i1);
+  });
+  at::parallel_for(0, B * N * H, 1, [&](int64_t u0, int64_t u1) { attention_finish<scalar_t>(a, mask, out, u0, u1); });
 }
 
 // paged_tree_attention's checks; returns the mask as the kernel reads it (undefined: a chain).
@@ -467,6 +542,50 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
 
 }  // namespace
 
+// The work of one call in thread-independent units.  Item (b, group, split) is the split of
+// sequence b's rows for the `group`-th HG KV heads; state (b, h, split, r) that split's
+// online-softmax state of row r = i * G + g (node i, query head h * G + g) of KV head h.
+AttentionSplits::AttentionSplits(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, const int64_t* raw_lens,
+                                 int64_t capacity, int64_t heads_per_task)
+    : B(B), N(N), H(H), Hkv(Hkv), D(D), G(H / Hkv), R(H / Hkv * N), HG(heads_per_task), groups(Hkv / heads_per_task) {
+  len.resize(B);
+  splits.resize(B);
+  item0.assign(B + 1, 0);
+  state0.assign(B + 1, 0);
+  weight0.assign(1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    len[b] = clamp64(raw_lens[b], 0, capacity - N);
+    splits[b] = (len[b] + N + SPLIT - 1) / SPLIT;  // the longest list a row can have: len + N
+    item0[b + 1] = item0[b] + groups * splits[b];
+    state0[b + 1] = state0[b] + Hkv * splits[b] * R;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t s = 0; s < splits[b]; ++s)  // an item's cost: its keys (the last split: the rest and the tree)
+        weight0.push_back(weight0.back() + std::min(SPLIT, len[b] + N - s * SPLIT) * HG);
+  }
+  items = item0[B];
+  const int64_t states = state0[B];
+  acc_buffer.reset(new float[std::max<int64_t>(states * D, 1)]);  // written by the items before it is read
+  acc = acc_buffer.get();
+  m.resize(states);
+  l.resize(states);
+  bad.resize(states);
+}
+
+// Items [i0, i1) for thread tid of T: contiguous ranges of nearly equal keys (only the speed
+// depends on the cut).
+void AttentionSplits::range(int64_t tid, int64_t T, int64_t* i0, int64_t* i1) const {
+  const int64_t W = weight0.back();
+  auto first = [&](int64_t t) {  // the item whose start is nearest to t's share of the keys
+    if (t >= T) return items;
+    const int64_t w = W * t / T;
+    int64_t i = static_cast<int64_t>(std::lower_bound(weight0.begin(), weight0.end(), w) - weight0.begin());
+    if (i > 0 && w - weight0[i - 1] < weight0[i] - w) --i;
+    return i;
+  };
+  *i0 = first(tid);
+  *i1 = first(tid + 1);
+}
+
 DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& tree_mask,
                                        int64_t threads) {
@@ -478,16 +597,19 @@ DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_
   if (q.size(0) > 0) a.mask = check_paged_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, a.table, false);
   a.lens = cache_seqlens.to(at::kLong).contiguous();
   const int64_t Hkv = k_cache.size(1);
-  a.heads_per_task = heads_per_task(q.size(0), Hkv, threads);
-  a.tasks = q.size(1) ? q.size(0) * (Hkv / a.heads_per_task) : 0;
+  a.splits =
+      std::make_unique<AttentionSplits>(q.size(0), q.size(1), q.size(2), Hkv, q.size(3), a.lens.data_ptr<int64_t>(),
+                                        k_cache.size(2), heads_per_task(q.size(0), Hkv, threads));
   return a;
 }
 
-void dense_attention_tasks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const DenseAttention& a, double sm_scale, at::Tensor& out, int64_t t0, int64_t t1) {
-  if (t0 < t1)
-    paged_attention_kernel<float>(q, k_cache, v_cache, a.lens, a.mask, a.table, false, sm_scale, out, a.heads_per_task,
-                                  t0, t1);
+void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, DenseAttention& a,
+                           double sm_scale, int64_t i0, int64_t i1) {
+  attention_items<float>(q, k_cache, v_cache, a.mask, a.table, false, sm_scale, *a.splits, i0, i1);
+}
+
+void dense_attention_finish(const DenseAttention& a, at::Tensor& out, int64_t u0, int64_t u1) {
+  attention_finish<float>(*a.splits, a.mask, out, u0, u1);
 }
 }  // namespace specdec
 

@@ -86,6 +86,8 @@ CASES = [  # (name, cache_seqlens, N, tree parents or None)
     ("chain of 5, ragged", [4, 17], 5, None),
     ("tree of 7", [12, 3], 7, [-1, 0, 0, 1, 1, 2, 4]),
     ("chain of 16", [40], 16, None),
+    ("one token, long cache", [150], 1, None),  # attention over three 64-key splits
+    ("tree of 7 across a split", [60, 130], 7, [-1, 0, 0, 1, 1, 2, 4]),  # the tree slots cross key 64
 ]
 
 
@@ -147,17 +149,19 @@ def test_every_int8_path_this_cpu_runs(coded, isa, threads, name, seqlens, n, pa
     assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
 
 
+@pytest.mark.parametrize("seqlens", [[5, 21], [61, 150]], ids=["short", "over key splits"])
 @pytest.mark.parametrize("B, n", [(1, 1), (2, 1), (2, 6)])
-def test_region_bits_do_not_depend_on_the_thread_count(coded, B, n, restore_threads):
+def test_region_bits_do_not_depend_on_the_thread_count(coded, B, n, seqlens, restore_threads):
     """The region alone at 1 to 7 threads: one result (more threads than the 2 cores included),
-    for passes of fewer rows than threads and of more."""
+    for passes of fewer rows than threads and of more, and caches of one or several 64-key
+    attention splits (the threads share a sequence's splits)."""
     a = coded.args
     g = torch.Generator().manual_seed(3)
     norms, biases, weights, kinds, outs, eps = int8_args(coded, B * n)
     x = torch.randn(B, n, a.hidden_size, generator=g)
-    lens = torch.tensor([5, 21][:B], dtype=torch.int32)
+    lens = torch.tensor(seqlens[:B], dtype=torch.int32)
     cos, sin = coded._rotary(lens[:, None].long() + torch.arange(n)[None])
-    cache0 = torch.randn(len(coded.layers), 2, B, a.num_kv_heads, 40, a.head_dim, generator=g)
+    cache0 = torch.randn(len(coded.layers), 2, B, a.num_kv_heads, max(seqlens) + n, a.head_dim, generator=g)
     results = []
     for t in (1, 2, 3, 4, 7):
         torch.set_num_threads(t)

@@ -101,6 +101,44 @@ def test_zero_queries_average_the_values_of_their_logical_slots(layout):
     assert torch.equal(out[0, :, :, 0], torch.tensor([[16.0, 16.0], [21.0, 21.0]]))
 
 
+@pytest.mark.parametrize("L", [63, 64, 127, 200])
+def test_zero_queries_average_the_values_across_key_splits(L):
+    """Lists longer than the kernel's 64-key splits: each split's softmax is combined with the
+    others' (equal scores: every split weighs exp(0) = 1).  Node i of a chain after a prefix of
+    L slots sees the L + i + 1 values 0, 1, ..., L + i, whose mean is (L + i) / 2."""
+    D, N, H = 16, 3, 2
+    S = L + N
+    v = torch.arange(S, dtype=torch.float32)[None, None, :, None].expand(1, 1, S, D).contiguous()
+    out = sk.tree_attention(torch.zeros(1, N, H, D), torch.zeros(1, 1, S, D), v, torch.tensor([L]), backend="native")
+    for i in range(N):
+        want = (L + i) / 2
+        assert (out[0, i] - want).abs().max() <= 4e-7 * want, f"node {i}"
+
+
+def test_non_finite_keys_and_values_in_any_split_reach_exactly_the_queries_that_see_them():
+    """Prefixes over several 64-key splits: a non-finite key or value in any split (a whole
+    chunk of the prefix, the rest after the last whole chunk, a tree slot) makes exactly the
+    rows that see it NaN, through the combination of the splits."""
+    B, N, H, Hkv, D = 3, 3, 4, 2, 16
+    q, k, v, lens, table, _, _ = paged_case(B, N, H, Hkv, D, [200, 70, 130], 16, "NHD", seed=22)
+    k, v = k.nan_to_num(0.5), v.nan_to_num(0.5)
+    mask = sk.tree.ancestor_mask([-1, 0, 0])  # node 2 does not see node 1
+    k[0, 1, 10, 3] = NAN  # split 0 of sequence 0, kv head 1: heads 2, 3 of every node
+    v[0, 0, 150, 2] = float("inf")  # split 2 of sequence 0, kv head 0: heads 0, 1 of every node
+    v[1, 0, 70 + 1, 0] = -float("inf")  # the tree slot of node 1 in sequence 1 (split 1): node 1's heads 0, 1
+    k[2, 1, 129, 0] = float("inf")  # prefix slot 129 of sequence 2 (split 2, after the whole chunks): heads 2, 3
+    want = expected(q, k, v, lens, mask)
+    nb = int(table.max()) + 3
+    for layout in ("NHD", "HND"):
+        pk, pv = to_pool(k, table, nb, layout), to_pool(v, table, nb, layout)
+        got = native(q, pk, pv, lens, mask, table, layout, validate=False)
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), layout
+        assert nan[0].all() and nan[1, 1, :2].all() and nan[2, :, 2:].all()
+        assert nan.sum() == nan[0].numel() + nan[1, 1, :2].numel() + nan[2, :, 2:].numel()
+        assert_close(got.masked_fill(nan, 0), want.masked_fill(nan, 0), torch.float32)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_visible_non_finite_keys_and_values_reach_exactly_the_queries_that_see_them(layout):
     B, N, H, Hkv, D, bs = 3, 4, 4, 2, 16, 4
@@ -224,20 +262,23 @@ def test_empty_batch_and_no_queries():
     assert out.shape == (2, 0, 2, 16)
 
 
-@pytest.mark.parametrize("lens", [[50, 3, 0, 77], [90]], ids=["B4", "B1"])
-def test_threads_give_the_same_bits(lens):
-    # 1 thread: one task per sequence (all its KV heads); 2 threads and B = 1: one per KV head
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("lens", [[50, 3, 0, 77], [90], [62, 190], [300]], ids=["B4", "B1", "B2 long", "B1 long"])
+def test_threads_give_the_same_bits(lens, threads):
+    # 1 thread: one task per sequence (all its KV heads); more threads than sequences: one task
+    # per KV head; either way each 64-key split of a list is a work item of its own, and the
+    # threads take contiguous runs of them
     B = len(lens)
     q, k, v, lens_t, table, pk, pv = paged_case(B, 3, 6, 3, 32, lens, 7, "NHD", seed=30)
     mask = make_mask("per_seq", B, 3, gen(30))
     one = native(q, pk, pv, lens_t, mask, table, "NHD")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        two = native(q, pk, pv, lens_t, mask, table, "NHD")
+        more = native(q, pk, pv, lens_t, mask, table, "NHD")
     finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+        torch.set_num_threads(saved)
+    assert torch.equal(one, more)
     assert_close(one, expected(q, k, v, lens_t, mask), torch.float32)
 
 
