@@ -94,9 +94,10 @@ DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_
                                        int64_t threads);
 
 // Items i0 .. i1 - 1 (of a.splits->items) of tree attention into their states; k_cache and
-// v_cache of the shape and strides the checks saw (any layer of a stack of such caches).
-void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, DenseAttention& a,
-                           double sm_scale, int64_t i0, int64_t i1);
+// v_cache of the shape and strides the checks saw, their data read `offset` elements further
+// (another layer of a stack of such caches, inside its storage).
+void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t offset,
+                           DenseAttention& a, double sm_scale, int64_t i0, int64_t i1);
 
 // The outputs of units u0 .. u1 - 1 (unit (b N + i) H + h: query head h of node i of sequence
 // b) into out [B, N, H, D] float32 contiguous, from the states every item has written.

@@ -108,11 +108,28 @@ at::Tensor checked_linear(const at::Tensor& x, const std::vector<OptT>& w, int64
 // definition of the engine's CPU float32 RMSNorm: the one-call layer and rms_norm (the
 // Python layer's and the final norm's) both run it, so every path a pass takes rounds alike.
 // Rows are split over threads; a row's arithmetic does not depend on the split.
-void rms_norm_row(const float* xr, const float* w, int64_t n, double eps, float* o) {
+float rms_inverse(const float* xr, int64_t n, double eps) {
   double ss = 0.0;
   for (int64_t i = 0; i < n; ++i) ss += double(xr[i]) * double(xr[i]);
-  const float inv = static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
+  return static_cast<float>(1.0 / std::sqrt(ss / double(n) + eps));
+}
+
+void rms_norm_row(const float* xr, const float* w, int64_t n, double eps, float* o) {
+  const float inv = rms_inverse(xr, n, eps);
   for (int64_t i = 0; i < n; ++i) o[i] = (xr[i] * inv) * w[i];
+}
+
+// The blocks b0 .. b1 - 1 of 32 elements (flat over rows of n, n a multiple of 32) of
+// rms_norm_rows(x, w, rows, n, eps, out): each row's inverse from the whole row, its elements
+// alone, so any cut of the blocks gives rms_norm_row's bits.
+void rms_norm_blocks(const float* x, const float* w, int64_t n, double eps, float* out, int64_t b0, int64_t b1) {
+  const int64_t per = n / 32;
+  for (int64_t r = b0 / per; r * per < b1; ++r) {
+    const float* xr = x + r * n;
+    const float inv = rms_inverse(xr, n, eps);
+    const int64_t e1 = std::min(b1 - r * per, per) * 32;
+    for (int64_t i = std::max<int64_t>(b0 - r * per, 0) * 32; i < e1; ++i) out[r * n + i] = (xr[i] * inv) * w[i];
+  }
 }
 
 void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t n, double eps, float* out) {
@@ -149,6 +166,19 @@ SPECDEC_INLINE v8sf silu_mul8(v8sf g, v8sf u) {
   const v8sf zero = v8sf{0, 0, 0, 0, 0, 0, 0, 0}, one = zero + 1.0f;
   const v8sf e = exp8_nonpos(g < zero ? g : -g);  // exp(-|g|); nan stays nan
   return (g * ((g < zero ? e : one) / (one + e))) * u;
+}
+
+// silu_mul_rows' blocks b0 .. b1 - 1 of 32 outputs (flat over rows of I, I a multiple of 32): the
+// same vectors of 8, so the same bits.
+SPECDEC_TARGET_CLONES("avx2")
+void silu_mul_blocks(const float* gu, int64_t I, float* out, int64_t b0, int64_t b1) {
+  const int64_t per = I / 32;
+  for (int64_t bl = b0; bl < b1; ++bl) {
+    const int64_t r = bl / per, i0 = (bl % per) * 32;
+    const float* g = gu + r * 2 * I + i0;
+    float* o = out + r * I + i0;
+    for (int64_t i = 0; i < 32; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(g + I + i)));
+  }
 }
 
 SPECDEC_TARGET_CLONES("avx2")
@@ -198,28 +228,40 @@ inline void rotate_row(const float* x, const float* cos, const float* sin, int64
   }
 }
 
-// The rows r0 .. r1 - 1 (row = b * N + i) of a pass's qkv [rows, (H + 2 Hkv) D]: q's heads
-// rotated into q [rows, H, D], k's rotated into the cache and v's copied there, at slot
-// cache_seqlens[b] + i (k_cache, v_cache [B, Hkv, S, D] with unit head-dim stride).
-void rotary_rows(const float* qkv, const float* cos, const float* sin, const int32_t* lens, int64_t N, int64_t H,
-                 int64_t Hkv, int64_t D, const at::Tensor& k_cache, const at::Tensor& v_cache, float* q, int64_t r0,
-                 int64_t r1) {
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
+// The heads u0 .. u1 - 1 of a pass's qkv [rows, (H + 2 Hkv) D], unit u = row (H + Hkv) + h
+// (row = b * N + i): for h < H, q's head h (plus its bias where bias is given: qkv's row is
+// updated in place) rotated into q [rows, H, D]; for h = H + j, k's head j (plus bias) rotated
+// into the cache and v's head j (plus bias) copied there, at slot cache_seqlens[b] + i
+// (k_cache, v_cache [B, Hkv, S, D] with unit head-dim stride, their data moved by `offset`
+// elements: another layer of a stacked cache).  Each head alone: any cut of the
+// units gives the same bits.
+void rotary_units(float* qkv, const float* bias, const float* cos, const float* sin, const int32_t* lens, int64_t N,
+                  int64_t H, int64_t Hkv, int64_t D, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  int64_t offset, float* q, int64_t u0, int64_t u1) {
+  float* kp = k_cache.data_ptr<float>() + offset;
+  float* vp = v_cache.data_ptr<float>() + offset;
   const int64_t kb = k_cache.stride(0), kh = k_cache.stride(1), ks = k_cache.stride(2);
   const int64_t vb = v_cache.stride(0), vh = v_cache.stride(1), vs = v_cache.stride(2);
   const int64_t width = (H + 2 * Hkv) * D;
-  for (int64_t row = r0; row < r1; ++row) {
-    const int64_t b = row / N, i = row % N;
-    const float* r = qkv + row * width;
+  auto add_bias = [&](float* x, int64_t c0) {
+    if (bias)
+      for (int64_t d = 0; d < D; ++d) x[d] = x[d] + bias[c0 + d];
+  };
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t row = u / (H + Hkv), h = u % (H + Hkv), b = row / N, i = row % N;
+    float* r = qkv + row * width;
     const float* c = cos + row * D;
     const float* s = sin + row * D;
-    for (int64_t h = 0; h < H; ++h) rotate_row(r + h * D, c, s, D, q + (row * H + h) * D);
-    const int64_t slot = lens[b] + i;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      rotate_row(r + (H + h) * D, c, s, D, kp + b * kb + h * kh + slot * ks);
-      std::memcpy(vp + b * vb + h * vh + slot * vs, r + (H + Hkv + h) * D, D * sizeof(float));
+    if (h < H) {
+      add_bias(r + h * D, h * D);
+      rotate_row(r + h * D, c, s, D, q + (row * H + h) * D);
+      continue;
     }
+    const int64_t j = h - H, slot = lens[b] + i;
+    add_bias(r + (H + j) * D, (H + j) * D);
+    add_bias(r + (H + Hkv + j) * D, (H + Hkv + j) * D);
+    rotate_row(r + (H + j) * D, c, s, D, kp + b * kb + j * kh + slot * ks);
+    std::memcpy(vp + b * vb + j * vh + slot * vs, r + (H + Hkv + j) * D, D * sizeof(float));
   }
 }
 
@@ -371,8 +413,8 @@ at::Tensor run_layer(const at::Tensor& x_in, const at::Tensor& attn_norm, const 
 
   // rotary embedding of q and k; k and v written into the cache at slots cache_seqlens[b] + i
   at::Tensor q = at::empty({B, N, H, D}, opts);
-  rotary_rows(qkv.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), lp, N, H, Hkv, D, k_cache, v_cache,
-              q.data_ptr<float>(), 0, rows);
+  rotary_units(qkv.data_ptr<float>(), nullptr, cs.data_ptr<float>(), sn.data_ptr<float>(), lp, N, H, Hkv, D, k_cache,
+               v_cache, 0, q.data_ptr<float>(), 0, rows * (H + Hkv));
   const at::Tensor attn = tree_attention(q, k_cache, v_cache, lens, tree_mask, std::pow(double(D), -0.5));
   at::Tensor h = checked_linear(attn.reshape({rows, H * D}), weights, 1, kinds[1], out_features[1], isa);
   {  // h = x + attention output (one rounding per element, as x + y)
@@ -412,21 +454,23 @@ at::Tensor decoder_layer_cpu(const at::Tensor& x_in, const at::Tensor& attn_norm
 // per product, per quantisation and per attention (about ten per layer, 300 per pass of 30
 // layers, each costing microseconds and stalling on any descheduled thread; issue #56).
 //
-// The steps of layer l, each split over the team's threads by a fixed rule (rows, groups of
-// output rows, attention items or heads cut in T nearly equal contiguous ranges), with a barrier after
-// each:
-//   1. rows: x = h + y (the previous layer's output; layer 0 reads the input), its RMSNorm,
-//      the norm's activations quantised;
-//   2. groups: qkv = product; 3. rows: the bias, the rotary embedding and the cache writes;
+// The steps of layer l, each split over the team's threads by a fixed rule (T nearly equal
+// contiguous ranges of its units: blocks of 32 elements, groups of 8 output columns, heads or
+// attention items), with a barrier after each, so that a pass of one token keeps every thread
+// busy in every step:
+//   1. blocks: RMSNorm of x (the input for layer 0, else the previous layer's h + y), quantised;
+//   2. groups: qkv = product; 3. heads: the bias, the rotary embedding and the cache writes;
 //   4. attention items (a sequence's 64-key splits, cut by their keys, so that one sequence's
 //      attention runs on every thread); 5. query heads (rows where a head is not whole blocks
-//      of 32): the splits' outputs combined, quantised; 6. groups: y = wo's product;
-//   7. rows: h = x + y, its RMSNorm, quantised; 8. groups: gate and up; 9. rows: SwiGLU,
-//   quantised; 10. groups: y = w2's product;
-// and after the last layer, rows: out = h + y.  Every element is computed by the loops the
-// one-layer op runs (rms_norm_row, int8_quantize and int8_groups, rotary_rows,
-// dense_attention_items and _finish, silu_mul_rows, the residual adds), each row, block, group and item
-// alone, so the region gives the bits of L decoder_layer calls at any thread count (tested).
+//      of 32): the splits' outputs combined, quantised;
+//   6. groups: y = wo's product, and h = x + y over the same columns; 7. blocks: RMSNorm of h,
+//   quantised; 8. groups: gate and up; 9. blocks: SwiGLU, quantised;
+//   10. groups: y = w2's product, and h + y over the same columns (the next layer's x, or the
+//   output).
+// Every element is computed by the loops the one-layer op runs (rms_norm_row's inverse and
+// products, int8_quantize and int8_groups, rotary_units, dense_attention_items and _finish,
+// silu_mul8, the residual adds), each block, group, head and item alone, so the region gives
+// the bits of L decoder_layer calls at any thread count (tested).
 // Every argument of every layer is checked before the region starts (decoder_stack_cpu does,
 // on either path): nothing in it throws, and a bad layer fails before any cache is written.
 bool all_int8(at::IntArrayRef kinds) {
@@ -436,21 +480,19 @@ bool all_int8(at::IntArrayRef kinds) {
 }
 
 at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, double eps, const at::Tensor& cos_in,
-                                const at::Tensor& sin_in, const at::Tensor& kv_cache, const at::Tensor& cache_seqlens,
-                                const OptT& tree_mask, const std::vector<OptT>& qkv_biases,
-                                const std::vector<OptT>& weights, at::IntArrayRef kinds, at::IntArrayRef out_features,
-                                int64_t num_heads, int64_t num_kv_heads, int64_t isa) {
+                                const at::Tensor& sin_in, const at::Tensor& k0, const at::Tensor& v0,
+                                int64_t layer_stride, const at::Tensor& cache_seqlens, const OptT& tree_mask,
+                                const std::vector<OptT>& qkv_biases, const std::vector<OptT>& weights,
+                                at::IntArrayRef kinds, at::IntArrayRef out_features, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t isa) {
   const int64_t L = static_cast<int64_t>(qkv_biases.size());
-  std::vector<at::Tensor> kc(L), vc(L), keep;
+  // every layer's arguments were checked by decoder_stack_cpu; layer l's caches are k0 and v0
+  // moved by l layer_stride elements
+  std::vector<at::Tensor> keep;
   std::vector<Int8Weight> w(4 * L);
-  keep.reserve(13 * L);              // up to 12 weights and a bias a layer: references into it stay valid
-  for (int64_t l = 0; l < L; ++l) {  // every layer's arguments were checked by decoder_stack_cpu
-    const at::Tensor layer = kv_cache.select(0, l);
-    kc[l] = layer.select(0, 0);
-    vc[l] = layer.select(0, 1);
-  }
+  keep.reserve(13 * L);  // up to 12 weights and a bias a layer: references into it stay valid
   const int64_t B = x_in.size(0), N = x_in.size(1), hidden = x_in.size(2);
-  const int64_t H = num_heads, Hkv = num_kv_heads, D = kc[0].size(3), rows = B * N;
+  const int64_t H = num_heads, Hkv = num_kv_heads, D = k0.size(3), rows = B * N;
   if (B == 0 || N == 0) return x_in.clone();
   int64_t inter = 0;
   for (int64_t l = 0; l < L; ++l) {
@@ -469,7 +511,7 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
   const int64_t team = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
   const auto opts = x_in.options();
   at::Tensor q = at::empty({B, N, H, D}, opts), attn = at::empty({B, N, H, D}, opts);
-  DenseAttention att = dense_attention_prepare(q, kc[0], vc[0], cache_seqlens, tree_mask, team);
+  DenseAttention att = dense_attention_prepare(q, k0, v0, cache_seqlens, tree_mask, team);
   const at::Tensor x = x_in.contiguous(), cs = cos_in.contiguous(), sn = sin_in.contiguous();
   const at::Tensor lens = cache_seqlens.contiguous();
   std::vector<at::Tensor> nw(2 * L);
@@ -506,39 +548,37 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
 #pragma omp barrier
       }
     };
-    auto quantize = [&](const float* src, int64_t I, int64_t r0, int64_t r1) {
-      int8_quantize(path, src, r0 * (I / 32), r1 * (I / 32), qx);
-    };
-    auto product = [&](int64_t l, int64_t i, float* dst) {
+    // a product by groups of 8 output columns; then, where `sum` is given, sum[., c] = add[., c] +
+    // dst[., c] over the same columns (the residual adds, each element alone)
+    auto product = [&](int64_t l, int64_t i, float* dst, float* sum = nullptr, const float* add = nullptr) {
       const Int8Weight& wi = w[4 * l + i];
-      part(wi.G, [&](int64_t g0, int64_t g1) { int8_groups(path, wi, qx, rows, dst, g0, g1); });
-      sync();
-    };
-    for (int64_t l = 0; l < L; ++l) {
-      const float* xl = l == 0 ? xp : op;  // this layer's input
-      const float* wa = nw[2 * l].data_ptr<float>();
-      const float* wf = nw[2 * l + 1].data_ptr<float>();
-      part(rows, [&](int64_t r0, int64_t r1) {  // 1
-        for (int64_t r = r0; r < r1; ++r) {
-          if (l > 0)
-            for (int64_t e = r * hidden; e < (r + 1) * hidden; ++e) op[e] = hp[e] + yp[e];
-          rms_norm_row(xl + r * hidden, wa, hidden, eps, xnp + r * hidden);
-        }
-        quantize(xnp, hidden, r0, r1);
+      part(wi.G, [&](int64_t g0, int64_t g1) {
+        int8_groups(path, wi, qx, rows, dst, g0, g1);
+        if (sum)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = r * wi.O + 8 * g0; c < r * wi.O + std::min(8 * g1, wi.O); ++c) sum[c] = add[c] + dst[c];
       });
       sync();
-      product(l, 0, qkvp);                      // 2
-      part(rows, [&](int64_t r0, int64_t r1) {  // 3
-        if (bias[l])
-          for (int64_t r = r0; r < r1; ++r)
-            for (int64_t c = 0; c < width; ++c) qkvp[r * width + c] = qkvp[r * width + c] + bias[l][c];
-        rotary_rows(qkvp, cp, sp, lp, N, H, Hkv, D, kc[l], vc[l], qp, r0, r1);
+    };
+    const int64_t nb = hidden / 32;  // blocks of 32 a row of the hidden size
+    for (int64_t l = 0; l < L; ++l) {
+      const float* xl = l == 0 ? xp : op;  // this layer's input (h + y of the previous layer, step 10)
+      const float* wa = nw[2 * l].data_ptr<float>();
+      const float* wf = nw[2 * l + 1].data_ptr<float>();
+      part(rows * nb, [&](int64_t b0, int64_t b1) {  // 1
+        rms_norm_blocks(xl, wa, hidden, eps, xnp, b0, b1);
+        int8_quantize(path, xnp, b0, b1, qx);
+      });
+      sync();
+      product(l, 0, qkvp);                                  // 2
+      part(rows * (H + Hkv), [&](int64_t u0, int64_t u1) {  // 3
+        rotary_units(qkvp, bias[l], cp, sp, lp, N, H, Hkv, D, k0, v0, l * layer_stride, qp, u0, u1);
       });
       sync();
       {  // 4
         int64_t i0, i1;
         att.splits->range(tid, T, &i0, &i1);
-        dense_attention_items(q, kc[l], vc[l], att, scale, i0, i1);
+        dense_attention_items(q, k0, v0, l * layer_stride, att, scale, i0, i1);
       }
       sync();
       // 5: by heads when a head's outputs are whole blocks of 32 (their quantisation then
@@ -549,27 +589,21 @@ at::Tensor decoder_stack_region(const at::Tensor& x_in, at::TensorList norms, do
         int8_quantize(path, attn.data_ptr<float>(), u0 * per * D / 32, u1 * per * D / 32, qx);
       });
       sync();
-      product(l, 1, yp);                        // 6
-      part(rows, [&](int64_t r0, int64_t r1) {  // 7
-        for (int64_t r = r0; r < r1; ++r) {
-          for (int64_t e = r * hidden; e < (r + 1) * hidden; ++e) hp[e] = xl[e] + yp[e];
-          rms_norm_row(hp + r * hidden, wf, hidden, eps, xnp + r * hidden);
-        }
-        quantize(xnp, hidden, r0, r1);
+      product(l, 1, yp, hp, xl);                     // 6, and h = x + y
+      part(rows * nb, [&](int64_t b0, int64_t b1) {  // 7
+        rms_norm_blocks(hp, wf, hidden, eps, xnp, b0, b1);
+        int8_quantize(path, xnp, b0, b1, qx);
       });
       sync();
       product(l, 2, gup);  // 8
       const int64_t I = out_features[4 * l + 2] / 2;
-      part(rows, [&](int64_t r0, int64_t r1) {  // 9
-        silu_mul_rows(gup + r0 * 2 * I, r1 - r0, I, actp + r0 * I);
-        quantize(actp, I, r0, r1);
+      part(rows * (I / 32), [&](int64_t b0, int64_t b1) {  // 9
+        silu_mul_blocks(gup, I, actp, b0, b1);
+        int8_quantize(path, actp, b0, b1, qx);
       });
       sync();
-      product(l, 3, yp);  // 10
+      product(l, 3, yp, op, hp);  // 10, and the next layer's input (or the output) h + y
     }
-    part(rows, [&](int64_t r0, int64_t r1) {
-      for (int64_t e = r0 * hidden; e < r1 * hidden; ++e) op[e] = hp[e] + yp[e];
-    });
   };
 #ifdef _OPENMP
   if (team > 1) {
@@ -606,15 +640,19 @@ at::Tensor decoder_stack_cpu(const at::Tensor& x_in, at::TensorList norms, doubl
                     "of its own (an expanded batch or key/value dimension would write two entries in one place); "
                     "got strides ",
                     kv_cache.strides());
-  for (int64_t l = 0; l < L; ++l) {  // every layer checked before any runs (and writes its cache)
-    const at::Tensor layer = kv_cache.select(0, l);
+  // every layer checked before any runs (and writes its cache); the layers' caches have layer 0's
+  // sizes and strides, so its views stand for each (what the checks read of a cache, apart from
+  // the overlap of the layers, checked above, does not change when the data moves by a layer)
+  const at::Tensor k0 = L > 0 ? kv_cache.select(0, 0).select(0, 0) : at::Tensor();
+  const at::Tensor v0 = L > 0 ? kv_cache.select(0, 0).select(0, 1) : at::Tensor();
+  for (int64_t l = 0; l < L; ++l) {
     const std::vector<OptT> w(weights.begin() + 12 * l, weights.begin() + 12 * (l + 1));
-    check_layer(x_in, norms[2 * l], norms[2 * l + 1], cos, sin, layer.select(0, 0), layer.select(0, 1), cache_seqlens,
-                qkv_biases[l], w, kinds.slice(4 * l, 4), out_features.slice(4 * l, 4), num_heads, num_kv_heads);
+    check_layer(x_in, norms[2 * l], norms[2 * l + 1], cos, sin, k0, v0, cache_seqlens, qkv_biases[l], w,
+                kinds.slice(4 * l, 4), out_features.slice(4 * l, 4), num_heads, num_kv_heads);
   }
   if (L > 0 && all_int8(kinds))
-    return decoder_stack_region(x_in, norms, eps, cos, sin, kv_cache, cache_seqlens, tree_mask, qkv_biases, weights,
-                                kinds, out_features, num_heads, num_kv_heads, isa);
+    return decoder_stack_region(x_in, norms, eps, cos, sin, k0, v0, kv_cache.stride(0), cache_seqlens, tree_mask,
+                                qkv_biases, weights, kinds, out_features, num_heads, num_kv_heads, isa);
   at::Tensor x = x_in;
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor layer = kv_cache.select(0, l);

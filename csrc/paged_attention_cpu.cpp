@@ -237,7 +237,8 @@ constexpr int64_t SPLIT = 2 * CHUNK;
 // The kernel over items [i0, i1) of `a` (each writes its own states, nothing else).
 template <typename scalar_t>
 void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                     const at::Tensor& table, bool nhd, double sm_scale, AttentionSplits& a, int64_t i0, int64_t i1) {
+                     const at::Tensor& table, bool nhd, double sm_scale, AttentionSplits& a, int64_t i0, int64_t i1,
+                     int64_t offset = 0) {
   const int64_t B = a.B, N = a.N, D = a.D, G = a.G, R = a.R, HG = a.HG, groups = a.groups;
   const int64_t num_blocks = k_cache.size(0);
   const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
@@ -252,8 +253,8 @@ void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   // fp32 rows of adjacent elements are used in place; others are converted into a buffer
   const bool convert = !std::is_same<scalar_t, float>::value || ksd != 1 || vsd != 1;
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kbase = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vbase = v_cache.data_ptr<scalar_t>();
+  const scalar_t* kbase = k_cache.data_ptr<scalar_t>() + offset;  // another layer of a stacked cache
+  const scalar_t* vbase = v_cache.data_ptr<scalar_t>() + offset;
   const int32_t* tbl = table.data_ptr<int32_t>();
   const bool has_mask = mask.defined();
   const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
@@ -603,9 +604,9 @@ DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_
   return a;
 }
 
-void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, DenseAttention& a,
-                           double sm_scale, int64_t i0, int64_t i1) {
-  attention_items<float>(q, k_cache, v_cache, a.mask, a.table, false, sm_scale, *a.splits, i0, i1);
+void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t offset,
+                           DenseAttention& a, double sm_scale, int64_t i0, int64_t i1) {
+  attention_items<float>(q, k_cache, v_cache, a.mask, a.table, false, sm_scale, *a.splits, i0, i1, offset);
 }
 
 void dense_attention_finish(const DenseAttention& a, at::Tensor& out, int64_t u0, int64_t u1) {
