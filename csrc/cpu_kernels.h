@@ -65,13 +65,17 @@ struct AttentionSplits {
   // raw_lens: cache_seqlens (clamped into [0, capacity - N] here); capacity: slots a sequence
   // can hold; heads_per_task: HG (a divisor of Hkv; only the speed depends on it)
   AttentionSplits(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, const int64_t* raw_lens, int64_t capacity,
-                  int64_t heads_per_task);
+                  int64_t heads_per_task, const at::Tensor& mask);
   // items [*i0, *i1) of thread tid of T: contiguous ranges of nearly equal numbers of keys
   void range(int64_t tid, int64_t T, int64_t* i0, int64_t* i1) const;
 
   int64_t B, N, H, Hkv, D, G, R, HG, groups, items = 0;
   // per sequence: clamped length, splits, first item, first state; per item: keys before it
   std::vector<int64_t> len, splits, item0, state0, weight0;
+  // the tree slots node i of sequence b sees, in order: visible[visible0[b N + i] ..
+  // visible0[b N + i + 1])
+  std::vector<int32_t> visible;
+  std::vector<int64_t> visible0;
   // per state (b, KV head h, split, row r of R = G N): running max, sum, flag of a non-finite
   // key, output (D floats)
   std::vector<float> m, l;

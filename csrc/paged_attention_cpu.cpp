@@ -236,10 +236,9 @@ constexpr int64_t SPLIT = 2 * CHUNK;
 
 // The kernel over items [i0, i1) of `a` (each writes its own states, nothing else).
 template <typename scalar_t>
-void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                     const at::Tensor& table, bool nhd, double sm_scale, AttentionSplits& a, int64_t i0, int64_t i1,
-                     int64_t offset = 0) {
-  const int64_t B = a.B, N = a.N, D = a.D, G = a.G, R = a.R, HG = a.HG, groups = a.groups;
+void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& table,
+                     bool nhd, double sm_scale, AttentionSplits& a, int64_t i0, int64_t i1, int64_t offset = 0) {
+  const int64_t N = a.N, D = a.D, G = a.G, R = a.R, HG = a.HG, groups = a.groups;
   const int64_t num_blocks = k_cache.size(0);
   const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
   // pool strides (block, slot, head, head dim) and q's: every tensor is read in place, whatever
@@ -256,9 +255,6 @@ void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const scalar_t* kbase = k_cache.data_ptr<scalar_t>() + offset;  // another layer of a stacked cache
   const scalar_t* vbase = v_cache.data_ptr<scalar_t>() + offset;
   const int32_t* tbl = table.data_ptr<int32_t>();
-  const bool has_mask = mask.defined();
-  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
-  const int64_t mask_bstride = has_mask && mask.dim() == 3 ? N * N : 0;
   const float scale = static_cast<float>(sm_scale);
   if (i0 >= i1) return;
 
@@ -363,23 +359,21 @@ void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     //    with its ancestors in the prefix would chunk them; this split walks those chunks of
     //    the lists that start in lo .. hi - 1
     if (hi <= P) continue;
-    const bool* mb = has_mask ? mp + b * mask_bstride : nullptr;
     const int64_t rest = len - P;  // prefix slots after the whole chunks, < CHUNK
     for (int64_t lh = 0; lh < HG; ++lh) {
       load(h0 + lh, P, rest + N, tk.data(), tv.data(), tkconv.data(), tvconv.data());
       for (int64_t i = 0; i < N; ++i) {
-        int64_t n = rest;
-        std::copy(tk.begin(), tk.begin() + rest, nk.begin());
-        std::copy(tv.begin(), tv.begin() + rest, nv.begin());
-        for (int64_t j = 0; j < N; ++j)
-          if (has_mask ? mb[i * N + j] : j <= i) {
-            nk[n] = tk[rest + j];
-            nv[n] = tv[rest + j];
-            ++n;
-          }
+        // node i's list: rest prefix slots, then its visible tree slots; this split's window of it
+        const int64_t v0 = a.visible0[b * N + i], n = rest + a.visible0[b * N + i + 1] - v0;
+        const int64_t e0 = std::max<int64_t>(lo - P, 0), e1 = std::min(n, hi - P);
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t slot = e < rest ? e : rest + a.visible[v0 + e - rest];
+          nk[e - e0] = tk[slot];
+          nv[e - e0] = tv[slot];
+        }
         const int64_t st = state(lh, i * G);
-        for (int64_t c0 = std::max<int64_t>(lo - P, 0); c0 < std::min(n, hi - P); c0 += CHUNK)
-          attend_chunk(qbuf.data() + (lh * R + i * G) * D, G, D, nk.data() + c0, nv.data() + c0,
+        for (int64_t c0 = e0; c0 < e1; c0 += CHUNK)
+          attend_chunk(qbuf.data() + (lh * R + i * G) * D, G, D, nk.data() + (c0 - e0), nv.data() + (c0 - e0),
                        std::min(CHUNK, n - c0), a.m.data() + st, a.l.data() + st, a.bad.data() + st, a.acc + st * D,
                        scores.data());
       }
@@ -393,11 +387,8 @@ void attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // splits of their outputs and sums, each times exp(its max - M)), then divided by that sum.  One
 // split (a list of at most SPLIT keys): exactly that split's output over its sum.
 template <typename scalar_t>
-void attention_finish(const AttentionSplits& a, const at::Tensor& mask, at::Tensor& out, int64_t u0, int64_t u1) {
+void attention_finish(const AttentionSplits& a, at::Tensor& out, int64_t u0, int64_t u1) {
   const int64_t N = a.N, H = a.H, D = a.D, G = a.G, R = a.R;
-  const bool has_mask = mask.defined();
-  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
-  const int64_t mask_bstride = has_mask && mask.dim() == 3 ? N * N : 0;
   scalar_t* op = out.data_ptr<scalar_t>();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> acc(D);
@@ -405,9 +396,7 @@ void attention_finish(const AttentionSplits& a, const at::Tensor& mask, at::Tens
   for (int64_t u = u0; u < u1; ++u) {
     if (u / H != row) {  // the length of node i's list, in splits
       row = u / H;
-      const int64_t b = row / N, i = row % N;
-      int64_t seen = a.len[b];
-      for (int64_t j = 0; j < N; ++j) seen += has_mask ? mp[b * mask_bstride + i * N + j] : j <= i;
+      const int64_t seen = a.len[row / N] + a.visible0[row + 1] - a.visible0[row];
       used = (seen + SPLIT - 1) / SPLIT;
     }
     const int64_t b = row / N, i = row % N, hq = u % H, h = hq / G;
@@ -457,11 +446,11 @@ void paged_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t block_size = nhd ? k_cache.size(1) : k_cache.size(2);
   const int64_t Hkv = nhd ? k_cache.size(2) : k_cache.size(1);
   AttentionSplits a(B, N, H, Hkv, D, seqlens.data_ptr<int64_t>(), table.size(1) * block_size,
-                    heads_per_task(B, Hkv, at::get_num_threads()));
+                    heads_per_task(B, Hkv, at::get_num_threads()), mask);
   at::parallel_for(0, a.items, 1, [&](int64_t i0, int64_t i1) {
-    attention_items<scalar_t>(q, k_cache, v_cache, mask, table, nhd, sm_scale, a, i0, i1);
+    attention_items<scalar_t>(q, k_cache, v_cache, table, nhd, sm_scale, a, i0, i1);
   });
-  at::parallel_for(0, B * N * H, 1, [&](int64_t u0, int64_t u1) { attention_finish<scalar_t>(a, mask, out, u0, u1); });
+  at::parallel_for(0, B * N * H, 1, [&](int64_t u0, int64_t u1) { attention_finish<scalar_t>(a, out, u0, u1); });
 }
 
 // paged_tree_attention's checks; returns the mask as the kernel reads it (undefined: a chain).
@@ -547,7 +536,7 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
 // sequence b's rows for the `group`-th HG KV heads; state (b, h, split, r) that split's
 // online-softmax state of row r = i * G + g (node i, query head h * G + g) of KV head h.
 AttentionSplits::AttentionSplits(int64_t B, int64_t N, int64_t H, int64_t Hkv, int64_t D, const int64_t* raw_lens,
-                                 int64_t capacity, int64_t heads_per_task)
+                                 int64_t capacity, int64_t heads_per_task, const at::Tensor& mask)
     : B(B), N(N), H(H), Hkv(Hkv), D(D), G(H / Hkv), R(H / Hkv * N), HG(heads_per_task), groups(Hkv / heads_per_task) {
   len.resize(B);
   splits.resize(B);
@@ -564,6 +553,16 @@ AttentionSplits::AttentionSplits(int64_t B, int64_t N, int64_t H, int64_t Hkv, i
         weight0.push_back(weight0.back() + std::min(SPLIT, len[b] + N - s * SPLIT) * HG);
   }
   items = item0[B];
+  // node i of sequence b sees tree slot j where mask[b][i, j] (the chain: j <= i), listed once
+  const bool* mp = mask.defined() ? mask.data_ptr<bool>() : nullptr;
+  const int64_t mask_bstride = mp && mask.dim() == 3 ? N * N : 0;
+  visible0.assign(1, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t j = 0; j < N; ++j)
+        if (mp ? mp[b * mask_bstride + i * N + j] : j <= i) visible.push_back(static_cast<int32_t>(j));
+      visible0.push_back(static_cast<int64_t>(visible.size()));
+    }
   const int64_t states = state0[B];
   acc_buffer.reset(new float[std::max<int64_t>(states * D, 1)]);  // written by the items before it is read
   acc = acc_buffer.get();
@@ -600,17 +599,17 @@ DenseAttention dense_attention_prepare(const at::Tensor& q, const at::Tensor& k_
   const int64_t Hkv = k_cache.size(1);
   a.splits =
       std::make_unique<AttentionSplits>(q.size(0), q.size(1), q.size(2), Hkv, q.size(3), a.lens.data_ptr<int64_t>(),
-                                        k_cache.size(2), heads_per_task(q.size(0), Hkv, threads));
+                                        k_cache.size(2), heads_per_task(q.size(0), Hkv, threads), a.mask);
   return a;
 }
 
 void dense_attention_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t offset,
                            DenseAttention& a, double sm_scale, int64_t i0, int64_t i1) {
-  attention_items<float>(q, k_cache, v_cache, a.mask, a.table, false, sm_scale, *a.splits, i0, i1, offset);
+  attention_items<float>(q, k_cache, v_cache, a.table, false, sm_scale, *a.splits, i0, i1, offset);
 }
 
 void dense_attention_finish(const DenseAttention& a, at::Tensor& out, int64_t u0, int64_t u1) {
-  attention_finish<float>(*a.splits, a.mask, out, u0, u1);
+  attention_finish<float>(*a.splits, out, u0, u1);
 }
 }  // namespace specdec
 
