@@ -314,3 +314,53 @@ def test_a_bad_kind_or_weight_in_the_last_layer_fails_before_any_write(coded, in
     assert not cache.any()
     stacked(x, norms, eps, cos, sin, cache, lens, None, biases, weights, kinds, outs, *tail)
     assert cache.any()
+
+
+@pytest.fixture(scope="module")
+def whole_block_heads():
+    """Tiny Llamas whose head dims (32, 64) are whole blocks of 32: the region's step 5 then
+    combines and quantises the attention output by heads (the tiny Llama's D = 16 takes its
+    per-row branch)."""
+    transformers = pytest.importorskip("transformers")
+    from specdec_kernels.decoding import Transformer
+    from specdec_kernels.decoding.training.data import tiny_llama_config
+    from tests.engine.tiny import snap_to_gguf_codes
+
+    models = {}
+    for name, sizes in (
+        ("D32", dict(hidden_size=128)),
+        ("D64", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)),
+    ):
+        torch.manual_seed(0)
+        cfg = tiny_llama_config(num_hidden_layers=2, rope_theta=10000.0, max_position_embeddings=256, **sizes)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        snap_to_gguf_codes(hf)
+        model = Transformer.from_hf_model(hf)
+        model.pack_weights()
+        models[name] = model
+    return models
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("head_dim", ["D32", "D64"])
+def test_heads_of_whole_blocks_give_the_bits_of_the_layers(whole_block_heads, head_dim, threads, restore_threads):
+    model = whole_block_heads[head_dim]
+    a = model.args
+    assert a.head_dim == int(head_dim[1:])
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(threads)
+    seqlens, n, parents = [70, 3], 5, [-1, 0, 0, 1, 2]  # a tree, one cache over two 64-key splits
+    B = len(seqlens)
+    norms, biases, weights, kinds, outs, eps = int8_args(model, B * n)
+    x = torch.randn(B, n, a.hidden_size, generator=g) * 3
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    cos, sin = model._rotary(lens[:, None].long() + tree_depths(parents)[None])
+    mask = ancestor_mask(parents)
+    cache = torch.randn(len(model.layers), 2, B, a.num_kv_heads, max(seqlens) + n, a.head_dim, generator=g)
+    cache_region, cache_layers = cache.clone(), cache.clone()
+    common = (norms, eps, cos, sin)
+    tail = (biases, weights, kinds, outs, a.num_heads, a.num_kv_heads)
+    got = stacked(x, *common, cache_region, lens, mask, *tail)
+    want = one_by_one(x, *common, cache_layers, lens, mask, *tail)
+    assert torch.equal(got, want) and torch.equal(cache_region, cache_layers)
+    assert torch.isfinite(got).all() and not torch.equal(cache_region, cache)
