@@ -75,12 +75,35 @@ def during_import() -> bool:
     return True
 
 
+_interrupted = False  # a SIGINT reached _interrupt
+
+
+def _interrupt(signum, frame) -> NoReturn:  # noqa: ARG001  (a signal handler's signature)
+    """Python's own SIGINT behaviour (raise ``KeyboardInterrupt``), remembering that it came.
+    CPython only reports, and so loses, an exception raised where it runs a callback it cannot
+    propagate from (a weakref callback of the import machinery, a ``__del__``): ``run_main``
+    then still exits 130 once ``main`` returns."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def _unraisable(info) -> None:
+    """``sys.unraisablehook`` while a tool runs: a lost ``KeyboardInterrupt`` is not reported
+    (``run_main`` reports the interrupt in one line); anything else goes to Python's hook."""
+    if isinstance(info.exc_value, KeyboardInterrupt):
+        return
+    sys.__unraisablehook__(info)
+
+
 def restore() -> None:
-    """Put Python's own SIGINT handler (``KeyboardInterrupt``) back where ``during_import``
-    installed its own; call it inside the ``try`` that catches ``KeyboardInterrupt``."""
+    """Put Python's SIGINT behaviour (``KeyboardInterrupt``, through ``_interrupt``, which
+    also remembers it) back where ``during_import`` installed its own handler; call it inside
+    the ``try`` that catches ``KeyboardInterrupt``."""
     try:
         if signal.getsignal(signal.SIGINT) is _exit_interrupted:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, _interrupt)
+            sys.unraisablehook = _unraisable
     except ValueError:  # not the main thread, where no handler can be set
         pass
 
@@ -104,6 +127,9 @@ def run_main(main: Callable[[], Optional[int]]) -> NoReturn:
         try:
             restore()
             status = main()
+            if _interrupted and status != STATUS:  # an interrupt CPython lost (see _interrupt)
+                print(MESSAGE, file=sys.stderr)
+                status = STATUS
         except KeyboardInterrupt:
             print(MESSAGE, file=sys.stderr)
             status = STATUS

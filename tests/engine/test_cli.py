@@ -551,11 +551,14 @@ def _keep_sigint(test):
 
 def test_the_import_time_handler_is_installed_only_for_our_m_modules(monkeypatch):
     """``cli.during_import`` installs its handler only while Python locates a ``-m``
-    module of this package (argv[0] == "-m"), and ``restore`` removes it; otherwise nothing
+    module of this package (argv[0] == "-m"), and ``restore`` replaces it by Python's own
+    behaviour (``cli._interrupt``: a KeyboardInterrupt, remembered); otherwise nothing
     changes."""
     import signal
 
     from specdec_kernels import cli
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # restore may set it
 
     def check():
         for argv0, orig, installs in [
@@ -571,7 +574,7 @@ def test_the_import_time_handler_is_installed_only_for_our_m_modules(monkeypatch
             assert cli.during_import() is installs, orig
             assert (signal.getsignal(signal.SIGINT) is cli._exit_interrupted) is installs
             cli.restore()
-            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signal.getsignal(signal.SIGINT) is (cli._interrupt if installs else signal.default_int_handler)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a handler someone chose is kept
         monkeypatch.setattr(sys, "argv", ["-m"])
         monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "specdec_kernels.generate"], raising=False)
@@ -594,6 +597,33 @@ def test_ctrl_c_while_the_package_imports_exits_130_with_one_line():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130 and proc.stderr == "(interrupted)\n", (proc.returncode, proc.stderr)
+
+
+def test_an_interrupt_python_loses_still_exits_130_with_one_line():
+    """A SIGINT whose KeyboardInterrupt is raised where CPython can only report it (here a
+    ``__del__``; in a real run a weakref callback of the import machinery, during a lazy
+    import) is lost to ``main``, which returns 0: ``run_main`` still exits 130 with one line,
+    and the lost exception is not reported (no traceback)."""
+    code = (
+        "import os, signal, sys\n"
+        "sys.argv[0] = '-m'\n"
+        "sys.orig_argv = [sys.executable, '-m', 'specdec_kernels.generate']\n"
+        "import specdec_kernels\n"
+        "from specdec_kernels import cli\n"
+        "class Lost:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        for _ in range(10 ** 6):\n"
+        "            pass\n"
+        "def main():\n"
+        "    Lost()  # deleted at once: the KeyboardInterrupt rises inside __del__\n"
+        "    print('main returned')\n"
+        "    return 0\n"
+        "sys.argv[0] = 'tool'\n"
+        "cli.run_main(main)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "main returned\n", "(interrupted)\n"), proc.stderr
 
 
 def test_run_main_exits_130_with_one_line_and_ignores_ctrl_c_after_main(tmp_path):
